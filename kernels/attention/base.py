@@ -1,0 +1,47 @@
+"""The attention-backend interface. Every backend (torch, triton, flashinfer) implements it."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from shared.engine.forward_batch import ForwardBatch, ForwardMode
+
+
+class AttentionBackend(ABC):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling if scaling is not None else head_dim ** -0.5
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        """Called once per forward before layer 0: precompute what every layer shares."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, num_heads*head_dim]; k, v: [T, num_kv_heads*head_dim] for the new tokens.
+
+        Stores k/v into the pool at fb.out_cache_loc, then attends each new token to its request's
+        full causal context. Returns [T, num_heads*head_dim].
+        """
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if fb.mode == ForwardMode.DECODE:
+            o = self.forward_decode(q, layer_id, fb)
+        else:
+            o = self.forward_extend(q, k, v, layer_id, fb)
+        return o.reshape(T, self.num_heads * self.head_dim)
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                       fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, Hq, D]; the new tokens' k/v are already in the pool (also passed, for backends that
+        read them directly). Returns [T, Hq, D]."""
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
+        """q: [B, Hq, D], one token per request. Returns [B, Hq, D]."""

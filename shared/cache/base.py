@@ -1,0 +1,62 @@
+"""The prefix-cache interface the scheduler talks to. RadixCache is one implementation; NoPrefixCache
+(the `--disable-radix-cache` ablation) is the other."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclass
+class MatchResult:
+    slots: torch.Tensor  # [n] int64 pool slots of the matched prefix (n is a multiple of page_size)
+    node: Any  # handle to lock/unlock; pass back to insert/unlock only
+
+    @property
+    def length(self) -> int:
+        return int(self.slots.shape[0])
+
+
+class PrefixCache(ABC):
+    page_size: int
+
+    @abstractmethod
+    def match_prefix(self, key: Sequence[int], namespace: str | None = None) -> MatchResult:
+        """Longest cached prefix of `key`, page-aligned. Touches the path (LRU). Counts query/hit tokens."""
+
+    @abstractmethod
+    def insert(self, key: Sequence[int], slots: torch.Tensor, namespace: str | None = None) -> int:
+        """Insert key -> slots (len(key) == len(slots), a multiple of page_size). Returns how many
+        leading tokens were already cached; the caller still owns slots[:returned] and must free those of
+        them that are not its own locked prefix. The tree owns slots[returned:] from now on."""
+
+    @abstractmethod
+    def lock(self, node: Any) -> None:
+        """Protect the path root..node from eviction (one reference)."""
+
+    @abstractmethod
+    def unlock(self, node: Any) -> None:
+        """Drop one reference taken by lock()."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least num_tokens slots from unlocked leaves, least recently used first, back to the
+        allocator. Returns how many were freed (may be fewer if not enough are evictable)."""
+
+    @abstractmethod
+    def evictable_size(self) -> int:
+        """Tokens held by the tree that no lock protects."""
+
+    @abstractmethod
+    def protected_size(self) -> int:
+        """Tokens held by the tree under at least one lock."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop everything (flush). Only valid when nothing is locked; frees all slots."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """{"hit_tokens", "query_tokens", "cached_tokens", "evicted_tokens", "nodes"} counters."""

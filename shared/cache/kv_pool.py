@@ -1,0 +1,60 @@
+"""Preallocated KV memory: one K and one V buffer per layer, indexed by token slot.
+
+Slot indices are global ints. Page 0 (slots 0..page_size-1) is never handed out: slot 0 is the padding
+target for dummy tokens (CUDA-graph padding), so writes there are harmless.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
+                 page_size: int, dtype: torch.dtype, device: torch.device | str):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.page_size = page_size
+        self.num_pages = num_pages  # usable pages, excluding the reserved page 0
+        self.size = (num_pages + 1) * page_size  # total slots including the reserved page
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (self.size, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V of new tokens. k, v: [T, num_kv_heads, head_dim]; loc: [T] slot ids."""
+        self.k_buffers[layer][loc] = k.to(self.dtype)
+        self.v_buffers[layer][loc] = v.to(self.dtype)
+
+    def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffers[layer], self.v_buffers[layer]
+
+
+class ReqToTokenPool:
+    """Row r holds the slot ids of the tokens of the request that owns row r, in position order."""
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str):
+        self.max_reqs = max_reqs
+        self.max_context_len = max_context_len
+        # Row 0 is reserved for padding (CUDA-graph dummy requests); it stays all zeros.
+        self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int32, device=device)
+        self._free = list(range(max_reqs, 0, -1))
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        assert 0 < row <= self.max_reqs and row not in self._free, f"bad req row free {row}"
+        self._free.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.req_to_token[row, start:start + len(slots)] = slots.to(torch.int32)

@@ -1,0 +1,73 @@
+"""What one forward pass needs to know about its batch, in the layout the attention kernels read.
+
+Tokens of all requests are packed along one axis (T). Request i owns tokens
+[extend_start_loc[i], extend_start_loc[i] + extend_seq_lens[i]); its full context (cached prefix +
+new tokens) is req_to_token[req_pool_indices[i], :seq_lens[i]].
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kernels.attention.base import AttentionBackend
+    from shared.cache.kv_pool import KVPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill of new tokens over a (possibly empty) cached prefix
+    DECODE = "decode"  # exactly one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    req_pool_indices: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int32: context length after this pass
+    extend_prefix_lens: torch.Tensor  # [B] int32: tokens already in the KV pool
+    extend_seq_lens: torch.Tensor  # [B] int32: new tokens in this pass
+    extend_start_loc: torch.Tensor  # [B] int32: offset of request i's tokens in the packed axis
+    out_cache_loc: torch.Tensor  # [T] int64: pool slots the new tokens' K/V are written to
+    req_to_token: torch.Tensor  # [max_reqs + 1, max_context_len] int32
+    kv_pool: "KVPool"
+    attn_backend: "AttentionBackend"
+    # Host copies, for backends and loops that must not sync with the device.
+    seq_lens_cpu: list[int] | None = None
+    extend_prefix_lens_cpu: list[int] | None = None
+    extend_seq_lens_cpu: list[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(cls, mode: ForwardMode, input_ids: list[int], req_pool_indices: list[int],
+              prefix_lens: list[int], extend_lens: list[int], out_cache_loc: torch.Tensor,
+              req_to_token: torch.Tensor, kv_pool: "KVPool", attn_backend: "AttentionBackend",
+              device: torch.device) -> "ForwardBatch":
+        """Assemble a batch from host lists (one transfer per tensor)."""
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        starts, acc = [], 0
+        for e in extend_lens:
+            starts.append(acc)
+            acc += e
+        positions = [p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)]
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            mode=mode, batch_size=len(extend_lens),
+            input_ids=t(input_ids, torch.int64), positions=t(positions, torch.int64),
+            req_pool_indices=t(req_pool_indices, torch.int64), seq_lens=t(seq_lens, torch.int32),
+            extend_prefix_lens=t(prefix_lens, torch.int32), extend_seq_lens=t(extend_lens, torch.int32),
+            extend_start_loc=t(starts, torch.int32), out_cache_loc=out_cache_loc.to(device, torch.int64),
+            req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend,
+            seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=list(extend_lens),
+        )

@@ -1,0 +1,165 @@
+"""Per-request sampling parameters: one dataclass, validated once at the gateway and again on the worker.
+
+Field names follow SGLang's native API (`sampling_params` of `/generate`); the OpenAI translators map
+their own names onto these.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.errors import InvalidRequest
+
+# Temperatures below this are treated as greedy, as SGLang does.
+GREEDY_EPS = 1e-5
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Constrained decoding: at most one of these.
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS or self.top_k == 1
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        for kind in ("regex", "json_schema", "ebnf"):
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return None
+
+    # ---- construction and validation ----
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None, *, strict: bool = False) -> "SamplingParams":
+        """Build from a JSON/msgpack dict. Unknown keys are ignored unless `strict`.
+
+        Raises InvalidRequest naming the field on any wrong type or out-of-range value.
+        """
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise InvalidRequest("sampling_params must be an object", "sampling_params")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            if key == "sampling_seed":
+                key = "seed"
+            if key not in known:
+                if strict:
+                    raise InvalidRequest(f"unknown sampling parameter '{key}'", key)
+                continue
+            if value is None:
+                continue
+            kwargs[key] = value
+        p = cls()
+        for key, value in kwargs.items():
+            setattr(p, key, value)
+        p.validate()
+        return p
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
+        return d
+
+    def validate(self) -> None:
+        _int(self, "max_new_tokens", lo=0)
+        _int(self, "min_new_tokens", lo=0)
+        _int(self, "n", lo=1)
+        _num(self, "temperature", lo=0.0)
+        _num(self, "top_p", lo=0.0, hi=1.0)
+        if self.top_p == 0.0:
+            raise InvalidRequest("top_p must be in (0, 1]", "top_p")
+        _int(self, "top_k", lo=-1)
+        if self.top_k == 0:
+            raise InvalidRequest("top_k must be -1 (disabled) or >= 1", "top_k")
+        _num(self, "min_p", lo=0.0, hi=1.0)
+        _num(self, "frequency_penalty", lo=-2.0, hi=2.0)
+        _num(self, "presence_penalty", lo=-2.0, hi=2.0)
+        _num(self, "repetition_penalty", lo=0.0, hi=10.0)
+        if self.repetition_penalty == 0.0:
+            raise InvalidRequest("repetition_penalty must be > 0", "repetition_penalty")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequest("stop must be a string or a list of strings", "stop")
+        self.stop = [s for s in self.stop if s]
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in self.stop):
+            raise InvalidRequest(
+                f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters", "stop")
+        if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
+            self.stop_token_ids = [self.stop_token_ids]
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"{name} must be a boolean", name)
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise InvalidRequest("seed must be an integer", "seed")
+            self.seed = self.seed & 0x7FFFFFFF
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidRequest("logit_bias must be an object of token id -> bias", "logit_bias")
+        try:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        except (TypeError, ValueError):
+            raise InvalidRequest("logit_bias must map token ids to numbers", "logit_bias") from None
+        if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            raise InvalidRequest("logit_bias values must be in [-100, 100]", "logit_bias")
+        grammars = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
+        if len(grammars) > 1:
+            raise InvalidRequest("only one of regex, json_schema, ebnf may be set", grammars[1])
+        for k in grammars:
+            if not isinstance(getattr(self, k), str):
+                raise InvalidRequest(f"{k} must be a string", k)
+        if self.min_new_tokens > self.max_new_tokens:
+            self.min_new_tokens = self.max_new_tokens
+
+
+def _int(p: SamplingParams, name: str, lo: int | None = None) -> None:
+    v = getattr(p, name)
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+        setattr(p, name, v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidRequest(f"{name} must be an integer", name)
+    if lo is not None and v < lo:
+        raise InvalidRequest(f"{name} must be >= {lo}, got {v}", name)
+
+
+def _num(p: SamplingParams, name: str, lo: float | None = None, hi: float | None = None) -> None:
+    v = getattr(p, name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise InvalidRequest(f"{name} must be a finite number", name)
+    v = float(v)
+    setattr(p, name, v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {v}", name)
