@@ -1,0 +1,129 @@
+"""Hands out KV pool slots a page at a time.
+
+Bookkeeping lives on the host in numpy (a stack of free pages plus a boolean free map) so that alloc and
+free cost a few vectorized ops regardless of pool size; only the returned slot ids go to `device`.
+Page 0 is reserved (the padding target, see kv_pool.py) and is never handed out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AllocatorCounters:
+    allocs: int = 0  # successful alloc() calls
+    failed_allocs: int = 0  # alloc() calls refused for lack of pages
+    frees: int = 0  # free() calls
+    peak_used_pages: int = 0
+
+
+def to_numpy_slots(slots) -> np.ndarray:
+    """Slot ids as a host int64 array, from a torch tensor (any device), numpy array or sequence."""
+    if isinstance(slots, torch.Tensor):
+        return slots.detach().to("cpu", torch.int64).numpy()
+    return np.asarray(slots, dtype=np.int64)
+
+
+class SlotAllocator:
+    def __init__(self, num_pages: int, page_size: int, device: torch.device | str = "cpu"):
+        assert num_pages > 0 and page_size > 0
+        self.num_pages = num_pages  # usable pages: 1..num_pages
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self._offsets = np.arange(page_size, dtype=np.int64)
+        self.counters = AllocatorCounters()
+        self.reset()
+
+    # ---- state -------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Every usable page free again (e.g. after a flush with no running requests)."""
+        # Popped from the end, so a fresh allocator hands out pages in ascending order.
+        self._free_stack = np.arange(self.num_pages, 0, -1, dtype=np.int64)
+        self._num_free = self.num_pages
+        self._is_free = np.ones(self.num_pages + 1, dtype=bool)
+        self._is_free[0] = False  # reserved page: never free, never allocated
+
+    def available_size(self) -> int:
+        return self._num_free * self.page_size
+
+    def total_size(self) -> int:
+        """Usable slots (excluding the reserved page)."""
+        return self.num_pages * self.page_size
+
+    def used_size(self) -> int:
+        return self.total_size() - self.available_size()
+
+    def is_page_free(self, page: int) -> bool:
+        return bool(self._is_free[page])
+
+    def free_pages(self) -> np.ndarray:
+        """Copy of the free page ids (for checks and debugging)."""
+        return self._free_stack[:self._num_free].copy()
+
+    def stats(self) -> dict[str, int]:
+        c = self.counters
+        return {"available_tokens": self.available_size(), "used_tokens": self.used_size(),
+                "total_tokens": self.total_size(), "allocs": c.allocs,
+                "failed_allocs": c.failed_allocs, "frees": c.frees,
+                "peak_used_tokens": c.peak_used_pages * self.page_size}
+
+    # ---- alloc / free ------------------------------------------------------------------------------
+    def alloc(self, n: int, last_slot: int = -1) -> torch.Tensor | None:
+        """n slots, int64 on `device`, or None (nothing taken) if there are not enough free pages.
+
+        last_slot >= 0 is the caller's current last slot: the rest of its page is used first, so a
+        request keeps filling its own partially-filled page before taking fresh ones.
+        """
+        assert n >= 0
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        ps = self.page_size
+        head = np.empty(0, dtype=np.int64)
+        if last_slot >= 0 and (last_slot + 1) % ps != 0:
+            assert ps <= last_slot < (self.num_pages + 1) * ps, f"bad last_slot {last_slot}"
+            assert not self._is_free[last_slot // ps], f"last_slot {last_slot} is in a free page"
+            tail_room = ps - 1 - last_slot % ps
+            head = np.arange(last_slot + 1, last_slot + 1 + min(tail_room, n), dtype=np.int64)
+        rest = n - head.shape[0]
+        need_pages = -(-rest // ps)
+        if need_pages > self._num_free:
+            self.counters.failed_allocs += 1
+            return None
+        top = self._num_free
+        pages = self._free_stack[top - need_pages:top][::-1]
+        self._num_free = top - need_pages
+        self._is_free[pages] = False
+        fresh = (pages[:, None] * ps + self._offsets).ravel()[:rest]  # a new array, not a stack view
+        slots = np.concatenate([head, fresh]) if head.shape[0] else fresh
+        self.counters.allocs += 1
+        self.counters.peak_used_pages = max(self.counters.peak_used_pages,
+                                            self.num_pages - self._num_free)
+        return torch.from_numpy(slots).to(self.device)
+
+    def free(self, slots) -> None:
+        """Free the pages containing `slots` (torch tensor, numpy array or sequence).
+
+        Each page must be in use and named by each of its slots at most once per call; anything else
+        (double free, reserved or out-of-range slot) is a bookkeeping bug and raises AssertionError.
+        """
+        arr = to_numpy_slots(slots).ravel()
+        if arr.shape[0] == 0:
+            return
+        ps = self.page_size
+        lo, hi = int(arr.min()), int(arr.max())
+        assert lo >= ps, f"freeing reserved or negative slot {lo}"
+        assert hi < (self.num_pages + 1) * ps, f"freeing out-of-range slot {hi}"
+        uniq = np.unique(arr)
+        assert uniq.shape[0] == arr.shape[0], "slot freed twice in one call"
+        pages = uniq if ps == 1 else np.unique(uniq // ps)
+        already = self._is_free[pages]
+        assert not already.any(), f"double free of pages {pages[already][:8].tolist()}"
+        self._is_free[pages] = True
+        top = self._num_free
+        # Pushed descending so the next alloc pops them back in ascending (contiguous-friendly) order.
+        self._free_stack[top:top + pages.shape[0]] = pages[::-1]
+        self._num_free = top + pages.shape[0]
+        self.counters.frees += 1

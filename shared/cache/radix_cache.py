@@ -1,0 +1,278 @@
+"""Radix tree over token ids mapping every cached prefix to the pool slots holding its KV.
+
+Edges hold runs of tokens (numpy int32) and their slots (numpy int64, host side: the tree is host
+bookkeeping, and only matched prefixes travel to the device). With page_size > 1 every edge is a whole
+number of pages and a child is found by its first page, so matches are page-aligned by construction.
+
+Lock references count the running requests whose prefix goes through a node; a node with none is
+evictable once it is a leaf. Eviction takes least recently used leaves first through a lazy heap: entries
+are pushed whenever a node becomes an evictable leaf or is touched as one, and stale entries are skipped
+when popped, so no operation walks the whole tree.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from shared.cache.allocator import SlotAllocator, to_numpy_slots
+from shared.cache.base import MatchResult, PrefixCache
+
+
+class TreeNode:
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key: np.ndarray, value: np.ndarray, parent: "TreeNode | None", last_access: int):
+        self.key = key  # int32 token ids of this edge
+        self.value = value  # int64 pool slots, one per token
+        self.children: dict | None = {}  # None once evicted
+        self.parent = parent  # None for a root (and for evicted nodes)
+        self.lock_ref = 0
+        self.last_access = last_access
+
+    @property
+    def evicted(self) -> bool:
+        return self.children is None
+
+    def __repr__(self) -> str:
+        return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children or ())})"
+
+
+def as_tokens(key) -> np.ndarray:
+    if isinstance(key, torch.Tensor):
+        return key.detach().to("cpu", torch.int32).numpy()
+    return np.asarray(key, dtype=np.int32)
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.shape[0], b.shape[0])
+    eq = a[:n] == b[:n]
+    return n if eq.all() else int(eq.argmin())
+
+
+class RadixCache(PrefixCache):
+    def __init__(self, allocator: SlotAllocator, page_size: int):
+        assert page_size == allocator.page_size, "tree and allocator must agree on the page size"
+        self.allocator = allocator
+        self.page_size = page_size
+        self.device = allocator.device
+        self._clock = 0  # logical time: strictly increasing, so heap entries can be checked exactly
+        self._seq = 0  # heap tie-breaker (never compare nodes)
+        self._roots: dict[str | None, TreeNode] = {}
+        self._root_namespace: dict[int, str] = {}  # id(root) -> its namespace, for non-default roots
+        self._heap: list[tuple[int, int, TreeNode]] = []
+        self._evictable = 0
+        self._protected = 0
+        self._num_nodes = 0
+        self._hit_tokens = 0
+        self._query_tokens = 0
+        self._evicted_tokens = 0
+        self._roots[None] = self._new_root()
+
+    # ---- PrefixCache -------------------------------------------------------------------------------
+    def match_prefix(self, key: Sequence[int], namespace: str | None = None) -> MatchResult:
+        tokens = as_tokens(key)
+        self._query_tokens += int(tokens.shape[0])
+        root = self._roots.get(namespace)
+        if root is None:  # an unknown namespace has nothing cached; roots are lock-inert handles
+            return MatchResult(self._empty_slots(), self._roots[None])
+        aligned = tokens.shape[0] - tokens.shape[0] % self.page_size
+        node, matched, values = self._walk(root, tokens[:aligned], self._tick())
+        self._hit_tokens += matched
+        slots = torch.from_numpy(np.concatenate(values)).to(self.device) if values else self._empty_slots()
+        return MatchResult(slots, node)
+
+    def insert(self, key: Sequence[int], slots: torch.Tensor, namespace: str | None = None) -> int:
+        tokens = as_tokens(key)
+        n = tokens.shape[0]
+        assert n == len(slots), f"key has {n} tokens but {len(slots)} slots"
+        assert n % self.page_size == 0, f"insert of {n} tokens is not page-aligned"
+        if n == 0:
+            return 0
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = self._new_root()
+            self._root_namespace[id(root)] = namespace
+        now = self._tick()
+        node, matched, _ = self._walk(root, tokens, now)
+        if matched < n:
+            # Copies: the tree must not alias arrays the caller may reuse or mutate.
+            leaf = TreeNode(tokens[matched:].copy(), to_numpy_slots(slots)[matched:].copy(), node, now)
+            node.children[self._child_key(leaf.key)] = leaf
+            self._num_nodes += 1
+            self._evictable += n - matched
+            self._push(leaf)
+        return matched
+
+    def lock(self, node: TreeNode) -> None:
+        assert not node.evicted, "lock of an evicted node"
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        assert not node.evicted, "unlock of an evicted node"
+        end = node
+        while node.parent is not None:
+            assert node.lock_ref > 0, "unlock without a matching lock"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node.key)
+                self._protected -= len(node.key)
+            node = node.parent
+        self._push(end)  # only the path's end can be a leaf; _push ignores it otherwise
+
+    def evict(self, num_tokens: int) -> int:
+        freed: list[np.ndarray] = []
+        total = 0
+        while total < num_tokens and self._heap:
+            when, _, node = heapq.heappop(self._heap)
+            if when != node.last_access or not self._is_evictable_leaf(node):
+                continue  # stale entry
+            parent = node.parent
+            del parent.children[self._child_key(node.key)]
+            node.parent = None
+            node.children = None
+            freed.append(node.value)
+            total += len(node.key)
+            self._num_nodes -= 1
+            self._evictable -= len(node.key)
+            if parent.parent is None:
+                self._drop_root_if_empty(parent)
+            else:
+                self._push(parent)
+        if freed:
+            self.allocator.free(np.concatenate(freed))
+            self._evicted_tokens += total
+        return total
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def reset(self) -> None:
+        assert self._protected == 0, "reset while requests hold locks"
+        nodes = list(self.nodes())
+        if nodes:
+            self.allocator.free(np.concatenate([n.value for n in nodes]))
+        for node in nodes:  # stale handles held elsewhere now read as evicted
+            node.parent, node.children = None, None
+        self._roots = {None: self._new_root()}
+        self._root_namespace = {}
+        self._heap = []
+        self._evictable = 0
+        self._num_nodes = 0
+
+    def stats(self) -> dict[str, int]:
+        # Hit/query/evicted counters are monotonic (Prometheus counters); reset() does not clear them.
+        return {"hit_tokens": self._hit_tokens, "query_tokens": self._query_tokens,
+                "cached_tokens": self._evictable + self._protected,
+                "evicted_tokens": self._evicted_tokens, "nodes": self._num_nodes}
+
+    # ---- inspection --------------------------------------------------------------------------------
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node (O(tree); for checks, flush and debugging)."""
+        stack = [c for r in self._roots.values() for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
+
+    def roots(self) -> dict[str | None, TreeNode]:
+        return dict(self._roots)
+
+    def pretty_print(self, max_tokens: int = 8) -> str:
+        lines = []
+
+        def show(node: TreeNode, depth: int) -> None:
+            head = node.key[:max_tokens].tolist()
+            more = "..." if len(node.key) > max_tokens else ""
+            lines.append(f"{'  ' * depth}{head}{more} len={len(node.key)} lock={node.lock_ref} "
+                         f"t={node.last_access}")
+            for child in node.children.values():
+                show(child, depth + 1)
+
+        for ns, root in self._roots.items():
+            lines.append(f"[namespace {ns!r}]")
+            for child in root.children.values():
+                show(child, 1)
+        text = "\n".join(lines)
+        print(text)
+        return text
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _walk(self, root: TreeNode, tokens: np.ndarray, now: int):
+        """Follow `tokens` (page-aligned length) from root, splitting the last edge at a partial match.
+        Returns (deepest matched node, matched length, slot arrays along the path). Touches the path."""
+        node, pos, values = root, 0, []
+        ps, n = self.page_size, tokens.shape[0]
+        while pos < n:
+            child = node.children.get(self._child_key(tokens[pos:pos + ps]))
+            if child is None:
+                break
+            m = common_prefix_len(child.key, tokens[pos:])
+            m -= m % ps
+            if m < len(child.key):
+                child = self._split(child, m)
+            child.last_access = now
+            values.append(child.value)
+            node, pos = child, pos + m
+            # After a split the next lookup misses (the edges diverge inside the next page), ending the walk.
+        if node.parent is not None and node.lock_ref == 0 and not node.children:
+            self._push(node)  # touched leaf: its old heap entry is now stale
+        return node, pos, values
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Cut child's edge after m tokens; the new upper node takes child's place and lock count
+        (every lock through child also goes through it). Totals do not change."""
+        parent = child.parent
+        upper = TreeNode(child.key[:m].copy(), child.value[:m].copy(), parent, child.last_access)
+        upper.lock_ref = child.lock_ref
+        parent.children[self._child_key(upper.key)] = upper
+        child.key = child.key[m:].copy()
+        child.value = child.value[m:].copy()
+        child.parent = upper
+        upper.children[self._child_key(child.key)] = child
+        self._num_nodes += 1
+        return upper
+
+    def _child_key(self, tokens: np.ndarray):
+        if self.page_size == 1:
+            return int(tokens[0])
+        return tuple(tokens[:self.page_size].tolist())
+
+    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+        return node.parent is not None and node.lock_ref == 0 and not node.children
+
+    def _push(self, node: TreeNode) -> None:
+        if not self._is_evictable_leaf(node):
+            return
+        self._seq += 1
+        heapq.heappush(self._heap, (node.last_access, self._seq, node))
+        if len(self._heap) > 2 * self._num_nodes + 1024:
+            self._heap = [e for e in self._heap if e[0] == e[2].last_access and self._is_evictable_leaf(e[2])]
+            heapq.heapify(self._heap)
+
+    def _drop_root_if_empty(self, root: TreeNode) -> None:
+        """Per-tenant roots would otherwise pile up forever; the default root always stays."""
+        ns = self._root_namespace.get(id(root))
+        if ns is not None and not root.children:
+            del self._roots[ns]
+            del self._root_namespace[id(root)]
+
+    def _new_root(self) -> TreeNode:
+        return TreeNode(np.empty(0, np.int32), np.empty(0, np.int64), None, 0)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _empty_slots(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
