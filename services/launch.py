@@ -1,0 +1,137 @@
+"""Start a whole stack on this machine: worker processes, then the gateway in this process.
+
+    python -m services.launch --model-path tiny-random [--topology unified] [--workers N] [--port 30000]
+
+Prints `READY http://HOST:PORT` once the gateway answers and every worker is up; stops everything
+cleanly on SIGINT/SIGTERM. A worker that dies takes the stack down with a clear message rather than
+leaving a gateway that routes into nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from shared.engine.cli import add_engine_args, engine_args_to_argv
+
+_WORKER_START_TIMEOUT_S = 600
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--topology", default="unified", choices=["unified", "pd"])
+    p.add_argument("--workers", type=int, default=1, help="unified workers to start")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (pd topology)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (pd topology)")
+    p.add_argument("--redis-url", default=None, help="routing metadata in Redis (default: in memory)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--admin-api-key", default=None)
+    p.add_argument("--log-level", default="warning")
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    if args.topology == "pd":
+        p.error("--topology pd needs the prefill/decode workers and KV transfer, which this build does "
+                "not include yet; use --topology unified")
+    if args.workers < 1:
+        p.error("--workers must be >= 1")
+    return args
+
+
+async def _start_worker(args: argparse.Namespace, index: int) -> tuple[asyncio.subprocess.Process, str]:
+    cmd = [sys.executable, "-m", "services.worker", "--host", "127.0.0.1", "--port", "0",
+           "--worker-id", f"unified-{index}", "--log-level", args.log_level, *engine_args_to_argv(args)]
+    if args.redis_url:
+        cmd += ["--redis-url", args.redis_url]
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=None,
+                                                start_new_session=True)
+
+    async def ready_line() -> str:
+        while True:
+            line = await proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker {index} exited before it was ready (code {await proc.wait()})")
+            text = line.decode(errors="replace").strip()
+            if text.startswith("WORKER READY "):
+                return text.split()[2]
+
+    addr = await asyncio.wait_for(ready_line(), _WORKER_START_TIMEOUT_S)
+    asyncio.create_task(_drain(proc.stdout))
+    return proc, addr
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.readline():
+        pass
+
+
+def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
+    argv = ["--model-path", args.model_path, "--workers", ",".join(addrs), "--host", args.host,
+            "--port", str(args.port)]
+    for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url"):
+        value = getattr(args, flag)
+        if value:
+            argv += ["--" + flag.replace("_", "-"), value]
+    return argv
+
+
+async def run(args: argparse.Namespace) -> int:
+    from services.gateway.__main__ import parse_args as gateway_parse_args
+    from services.gateway.__main__ import start_gateway
+
+    procs: list[asyncio.subprocess.Process] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = None
+    code = 0
+    try:
+        started = await asyncio.gather(*[_start_worker(args, i) for i in range(args.workers)],
+                                       return_exceptions=True)
+        for s in started:
+            if isinstance(s, tuple):
+                procs.append(s[0])
+        errors = [s for s in started if isinstance(s, BaseException)]
+        if errors:
+            print(f"launch failed: {errors[0]}", file=sys.stderr, flush=True)
+            return 1
+        addrs = [s[1] for s in started]
+        runner, _state = await start_gateway(gateway_parse_args(_gateway_argv(args, addrs)))
+        print(f"READY http://{args.host}:{args.port} workers={','.join(addrs)}", flush=True)
+        waits = [asyncio.create_task(p.wait()) for p in procs]
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([stopper, *waits], return_when=asyncio.FIRST_COMPLETED)
+        if stopper not in done:
+            print("a worker exited; shutting the stack down", file=sys.stderr, flush=True)
+            code = 1
+        for t in [stopper, *waits]:
+            t.cancel()
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        for p in procs:
+            if p.returncode is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                await asyncio.wait_for(p.wait(), 15)
+            except asyncio.TimeoutError:
+                p.kill()
+                await p.wait()
+    return code
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(asyncio.run(run(args)))
+
+
+if __name__ == "__main__":
+    main()

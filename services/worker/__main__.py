@@ -1,0 +1,74 @@
+"""A unified worker (prefill + decode in one process).
+
+Request life: the gateway sends token ids over a persistent msgpack connection; the engine thread
+matches the radix cache, schedules, runs the model and streams TokenOutput frames back.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import uuid
+
+from services.worker.server import WorkerServer
+from shared.engine.cli import add_engine_args, engine_config_from_args
+from shared.engine.engine import Engine
+from shared.metadata.store import WORKER_TTL_S, create_store
+from shared.tokenizer import Tokenizer
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.worker", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on the ready line)")
+    p.add_argument("--role", default="unified", choices=["unified"])
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--redis-url", default=None, help="register in this Redis for gateway discovery")
+    p.add_argument("--log-level", default="warning")
+    add_engine_args(p)
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = engine_config_from_args(args)
+    tokenizer = Tokenizer.load(config.model_path)
+    engine = Engine(config, tokenizer, on_output=lambda outs: None)
+    server = WorkerServer(engine)
+    port = await server.start(args.host, args.port)
+    engine.start()
+    worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    store = create_store(args.redis_url) if args.redis_url else None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"WORKER READY {args.host}:{port} id={worker_id} role={args.role}", flush=True)
+    try:
+        while not stop.is_set():
+            if store is not None:
+                info = {"host": args.host, "port": port, "role": args.role, "model_path": config.model_path,
+                        "num_running": engine.scheduler.num_running(), "num_waiting": len(engine.scheduler.waiting)}
+                await store.register_worker(worker_id, info)
+            try:
+                await asyncio.wait_for(stop.wait(), WORKER_TTL_S / 3)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        if store is not None:
+            await store.deregister_worker(worker_id)
+            await store.close()
+        await server.close()
+        engine.stop()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The worker's network side: accepts gateway connections, feeds the engine, streams outputs back.
+
+A connection that drops aborts every request it sent, so a dead gateway never pins KV slots.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from shared.engine.engine import Engine
+from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest,
+                             InfoRequest, InfoResult, ProtocolError, TokenOutput)
+from shared.wire import encode_frame, read_message
+
+log = logging.getLogger(__name__)
+_CALL_TIMEOUT_S = 30.0
+
+
+class _Connection:
+    def __init__(self, writer: asyncio.StreamWriter):
+        self.writer = writer
+        self.rids: set[str] = set()
+
+    def send(self, frame: bytes) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(frame)
+
+
+class WorkerServer:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._owner: dict[str, _Connection] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self._loop = asyncio.get_running_loop()
+        self.engine.on_output = self._on_output_threadsafe
+        self._server = await asyncio.start_server(self._serve, host, port, limit=2 ** 24)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    # Called on the engine thread.
+    def _on_output_threadsafe(self, outputs: list[TokenOutput]) -> None:
+        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[TokenOutput]) -> None:
+        for out in outputs:
+            conn = self._owner.get(out.rid)
+            if conn is None:
+                continue
+            if out.finished:
+                self._owner.pop(out.rid, None)
+                conn.rids.discard(out.rid)
+            conn.send(encode_frame(out))
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Connection(writer)
+        try:
+            while True:
+                try:
+                    msg = await read_message(reader)
+                except ProtocolError as e:
+                    log.warning("dropping connection after a bad frame: %s", e)
+                    break
+                if isinstance(msg, GenerateRequest):
+                    if msg.rid in self._owner:
+                        conn.send(encode_frame(TokenOutput(
+                            rid=msg.rid, token_ids=[], text="", finished=True,
+                            finish_reason={"type": "abort", "message": "duplicate request id"},
+                            error="duplicate request id")))
+                        continue
+                    self._owner[msg.rid] = conn
+                    conn.rids.add(msg.rid)
+                    self.engine.submit(msg)
+                elif isinstance(msg, AbortRequest):
+                    if self._owner.get(msg.rid) is conn:
+                        self.engine.abort(msg.rid)
+                elif isinstance(msg, FlushCacheRequest):
+                    ok, text = await self._call(self.engine.flush_cache)
+                    conn.send(encode_frame(FlushCacheResult(call_id=msg.call_id, ok=ok, message=text)))
+                elif isinstance(msg, InfoRequest):
+                    info = await self._call(self.engine.info)
+                    conn.send(encode_frame(InfoResult(call_id=msg.call_id, info=info)))
+                else:
+                    log.warning("unexpected message %s", type(msg).__name__)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            for rid in list(conn.rids):
+                self._owner.pop(rid, None)
+                self.engine.abort(rid)
+            writer.close()
+
+    async def _call(self, fn):
+        return await asyncio.wait_for(asyncio.wrap_future(self.engine.call(fn)), _CALL_TIMEOUT_S)

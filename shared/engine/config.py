@@ -1,0 +1,32 @@
+"""Engine configuration: one dataclass, filled from the worker's command line."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model_path: str = "tiny-random"
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
+    page_size: int = 1
+    # KV pool size: explicit token count, else a fraction of free device memory after weights.
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.85
+    max_running_requests: int = 256
+    max_context_len: int | None = None  # default: the model's max_position_embeddings
+    chunked_prefill_size: int = 4096  # max new tokens of one request per prefill pass
+    max_prefill_tokens: int = 8192  # max new tokens of all requests in one prefill pass
+    schedule_policy: str = "lpm"  # lpm (longest prefix match) | fcfs
+    lpm_queue_limit: int = 128  # above this queue length, LPM falls back to FCFS (sorting costs)
+    max_skipped_rounds: int = 32  # aging bound: a request passed over this often goes first
+    disable_radix_cache: bool = False
+    init_new_token_ratio: float = 0.7  # share of remaining max_new_tokens reserved for running requests
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.002
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int = 256
+    enable_overlap: bool = True
+    disable_jump_forward: bool = False
+    random_seed: int = 0

@@ -1,0 +1,293 @@
+"""The engine loop: schedule -> run -> postprocess, on its own thread.
+
+The worker's event loop hands requests in through a thread-safe inbox and receives TokenOutput batches
+through a callback; the model never runs on the event loop.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+from shared.cache.allocator import SlotAllocator
+from shared.cache.no_cache import NoPrefixCache
+from shared.cache.radix_cache import RadixCache
+from shared.engine.config import EngineConfig
+from shared.engine.detokenizer import Detokenizer
+from shared.engine.model_runner import ModelRunner, StepOutput
+from shared.engine.request import Req
+from shared.engine.scheduler import ScheduleBatch, Scheduler
+from shared.errors import InvalidRequest
+from shared.protocol import GenerateRequest, TokenOutput
+from shared.sampling_params import SamplingParams
+from shared.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Abort:
+    rid: str
+
+
+@dataclass
+class _Call:
+    fn: Callable
+    future: Future
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer,
+                 on_output: Callable[[list[TokenOutput]], None]):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.on_output = on_output
+        self.runner = ModelRunner(config)
+        model_eos = getattr(self.runner.model_config, "eos_token_ids", None) or []
+        self.eos_token_ids = sorted(set(tokenizer.eos_token_ids) | set(model_eos))
+        self.runner.eos_token_ids = self.eos_token_ids
+        self.allocator = SlotAllocator(self.runner.kv_pool.num_pages, config.page_size, device="cpu")
+        cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
+        self.cache = cache_cls(self.allocator, config.page_size)
+        self.scheduler = Scheduler(config, self.cache, self.allocator, self.runner.req_pool,
+                                   self.runner.max_context_len)
+        self.detok = Detokenizer(tokenizer)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._reqs: dict[str, Req] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._rng = random.Random(config.random_seed)
+        self.steps = 0
+        self.generated_tokens = 0
+
+    # ------------------------------------------------------------------ thread-safe API
+    def submit(self, msg: GenerateRequest) -> None:
+        self.inbox.put(msg)
+
+    def abort(self, rid: str) -> None:
+        self.inbox.put(_Abort(rid))
+
+    def call(self, fn: Callable) -> Future:
+        """Run fn() on the engine thread between steps (flush, info)."""
+        fut: Future = Future()
+        self.inbox.put(_Call(fn, fut))
+        return fut
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run_forever, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ loop
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception:  # a bug must not leave requests hanging: fail them all, keep serving
+                log.exception("engine step failed")
+                self._fail_all("internal error in the engine step")
+
+    def step(self) -> bool:
+        self._drain_inbox(block=self.scheduler.is_idle())
+        batch = self.scheduler.schedule()
+        self._emit_failed()
+        if batch is None:
+            if not self.scheduler.is_idle():
+                self._drain_inbox(block=True, timeout=0.005)
+            return False
+        out = self.runner.forward(batch)
+        self._process(batch, out)
+        self.steps += 1
+        return True
+
+    def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
+        try:
+            item = self.inbox.get(block=block, timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
+            if item is not None:
+                self._handle(item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item) -> None:
+        if isinstance(item, GenerateRequest):
+            self._admit(item)
+        elif isinstance(item, _Abort):
+            self._abort(item.rid)
+        elif isinstance(item, _Call):
+            try:
+                item.future.set_result(item.fn())
+            except Exception as e:
+                item.future.set_exception(e)
+
+    # ------------------------------------------------------------------ admission
+    def validate(self, msg: GenerateRequest) -> SamplingParams:
+        params = SamplingParams.from_dict(msg.sampling)
+        n = len(msg.input_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty", "input_ids")
+        vocab = self.runner.vocab_size
+        if any(t < 0 or t >= vocab for t in msg.input_ids):
+            raise InvalidRequest(f"input_ids must be in [0, {vocab})", "input_ids")
+        if n >= self.runner.max_context_len:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens; this model's context is {self.runner.max_context_len}",
+                "input_ids", code="context_length_exceeded")
+        if n + 1 > self.runner.max_total_tokens:
+            raise InvalidRequest(f"the prompt ({n} tokens) does not fit the KV cache "
+                                 f"({self.runner.max_total_tokens} tokens)", "input_ids")
+        if msg.rid in self._reqs:
+            raise InvalidRequest(f"duplicate request id {msg.rid}", "rid")
+        return params
+
+    def _admit(self, msg: GenerateRequest) -> None:
+        try:
+            params = self.validate(msg)
+        except InvalidRequest as e:
+            self.on_output([TokenOutput(rid=msg.rid, token_ids=[], text="", finished=True,
+                                        finish_reason={"type": "abort", "message": e.message},
+                                        error=e.message)])
+            return
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        req = Req(rid=msg.rid, input_ids=list(msg.input_ids), params=params, seed=seed,
+                  return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+                  top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
+                  cache_salt=msg.cache_salt, stream=msg.stream)
+        req.detok = self.detok.new_state(params.stop, params.skip_special_tokens, params.no_stop_trim,
+                                         prompt_tail=req.input_ids)
+        self._reqs[req.rid] = req
+        self.scheduler.add(req)
+
+    def _abort(self, rid: str) -> None:
+        req = self._reqs.get(rid)
+        if req is None:
+            return
+        self._finish(req, {"type": "abort", "message": "aborted by the client"})
+
+    # ------------------------------------------------------------------ results
+    def _process(self, batch: ScheduleBatch, out: StepOutput) -> None:
+        ready: list[Req] = []
+        for i, req in enumerate(batch.reqs):
+            req.kv_len += batch.extend_lens[i]
+            if out.input_logprobs[i] is not None:
+                req.input_logprobs.extend(out.input_logprobs[i])
+                req.input_top_logprobs.extend(out.input_top_logprobs[i])
+            if not batch.sample[i]:
+                continue
+            if req.params.max_new_tokens == 0:
+                req.finish_reason = {"type": "length", "length": 0}
+                ready.append(req)
+                continue
+            tok = out.next_token_ids[i]
+            req.output_ids.append(tok)
+            self.generated_tokens += 1
+            if req.return_logprob:
+                req.pending_output_logprobs.append([out.logprobs[i], tok])
+                req.pending_output_top_logprobs.append(out.top_logprobs[i] or [])
+            text, stop_hit = self.detok.add_tokens(req.detok, [tok])
+            req.pending_text += text
+            p = req.params
+            n_out = len(req.output_ids)
+            if (tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos)) \
+                    and n_out >= p.min_new_tokens:
+                req.finish_reason = {"type": "stop", "matched": tok}
+            elif stop_hit:
+                req.finish_reason = {"type": "stop", "matched": req.detok.matched_stop}
+            elif n_out >= p.max_new_tokens:
+                req.finish_reason = {"type": "length", "length": p.max_new_tokens}
+            elif req.seq_len >= self.runner.max_context_len:
+                req.finish_reason = {"type": "length", "length": n_out}
+            ready.append(req)
+        outputs = []
+        for req in ready:
+            if req.finished:
+                self.scheduler.release_finished(req)
+                self._reqs.pop(req.rid, None)
+                req.pending_text += self.detok.flush(req.detok)
+                outputs.append(self._make_output(req))
+            elif req.stream:
+                outputs.append(self._make_output(req))
+        if outputs:
+            self.on_output(outputs)
+
+    def _make_output(self, req: Req) -> TokenOutput:
+        new_ids = req.output_ids[req.sent_token_count:]
+        req.sent_token_count = len(req.output_ids)
+        out = TokenOutput(
+            rid=req.rid, token_ids=new_ids, text=req.pending_text, finished=req.finished,
+            finish_reason=req.finish_reason, prompt_tokens=len(req.input_ids),
+            cached_tokens=req.num_cached_tokens or 0, completion_tokens=len(req.output_ids),
+            output_logprobs=req.pending_output_logprobs, output_top_logprobs=req.pending_output_top_logprobs,
+            queue_time=(req.first_scheduled_time or req.arrival_time) - req.arrival_time)
+        req.pending_text = ""
+        req.pending_output_logprobs, req.pending_output_top_logprobs = [], []
+        if req.return_logprob and not req.input_logprobs_sent and (req.finished or req.kv_len >= len(req.input_ids)):
+            out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
+            req.input_logprobs_sent = True
+        return out
+
+    def _finish(self, req: Req, reason: dict, error: str | None = None) -> None:
+        req.finish_reason = reason
+        self.scheduler.remove(req)
+        self._reqs.pop(req.rid, None)
+        out = self._make_output(req)
+        out.error = error
+        self.on_output([out])
+
+    def _emit_failed(self) -> None:
+        while self.scheduler.failed:
+            req = self.scheduler.failed.pop()
+            msg = "the request does not fit in the KV cache"
+            self._finish(req, {"type": "abort", "message": msg}, error=msg)
+
+    def _fail_all(self, message: str) -> None:
+        for req in list(self._reqs.values()):
+            try:
+                self._finish(req, {"type": "abort", "message": message}, error=message)
+            except Exception:
+                log.exception("failed to release %s", req.rid)
+                self._reqs.pop(req.rid, None)
+
+    # ------------------------------------------------------------------ admin (engine thread only)
+    def flush_cache(self) -> tuple[bool, str]:
+        if not self.scheduler.is_idle():
+            return False, "cannot flush the cache while requests are running"
+        self.cache.reset()
+        return True, "cache flushed"
+
+    def info(self) -> dict:
+        total = self.runner.max_total_tokens
+        free = self.allocator.available_size() + self.cache.evictable_size()
+        return {
+            "model_path": self.config.model_path,
+            "max_context_len": self.runner.max_context_len,
+            "max_total_tokens": total,
+            "page_size": self.config.page_size,
+            "vocab_size": self.runner.vocab_size,
+            "device": str(self.runner.device),
+            "dtype": str(self.runner.dtype).replace("torch.", ""),
+            "num_running": self.scheduler.num_running(),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_usage": round(1.0 - free / total, 6) if total else 0.0,
+            "cache": self.cache.stats(),
+            "prompt_tokens": self.scheduler.stats.prompt_tokens,
+            "cached_tokens": self.scheduler.stats.cached_tokens,
+            "retractions": self.scheduler.stats.retractions,
+            "generated_tokens": self.generated_tokens,
+            "disable_radix_cache": self.config.disable_radix_cache,
+            "schedule_policy": self.config.schedule_policy,
+        }

@@ -1,0 +1,180 @@
+"""Owns the model, the KV memory and the attention backend; turns a ScheduleBatch into sampled tokens."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from shared.cache.kv_pool import KVPool, ReqToTokenPool
+from shared.engine.config import EngineConfig
+from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.engine.request import Req
+from shared.engine.sampler import SamplingBatch, sample
+from shared.engine.scheduler import ScheduleBatch
+
+log = logging.getLogger(__name__)
+
+_LOGPROB_CHUNK = 1024  # rows of full-vocab logits materialized at once for input logprobs
+_CPU_DEFAULT_TOKENS = 65536
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@dataclass
+class StepOutput:
+    """Per request of the batch, in order. Entries for non-sampling requests are None."""
+    next_token_ids: list[int | None]
+    logprobs: list[float | None]
+    top_logprobs: list[list[list[float | int]] | None]
+    # Input logprobs computed this pass, per request: list of [logprob, token_id] and top lists.
+    input_logprobs: list[list | None]
+    input_top_logprobs: list[list | None]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        from kernels.attention import create_attention_backend
+        from shared.models.loader import load_model
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.random_seed)
+        self.model, self.model_config = load_model(config.model_path, dtype=self.dtype, device=self.device)
+        mc = self.model_config
+        self.vocab_size = mc.vocab_size
+        self.max_context_len = min(config.max_context_len or mc.max_position_embeddings,
+                                   mc.max_position_embeddings)
+        self.page_size = config.page_size
+        num_tokens = self._pool_tokens()
+        num_pages = max(1, num_tokens // self.page_size)
+        self.kv_pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, num_pages,
+                              self.page_size, self.dtype, self.device)
+        self.max_total_tokens = num_pages * self.page_size
+        self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
+        self.attn_backend = create_attention_backend(
+            config.attention_backend, num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim, device=self.device)
+        log.info("model %s on %s (%s): KV pool %d tokens, context %d", config.model_path, self.device,
+                 self.dtype, self.max_total_tokens, self.max_context_len)
+
+    def _pool_tokens(self) -> int:
+        if self.config.max_total_tokens:
+            return self.config.max_total_tokens
+        mc = self.model_config
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Keep (1 - fraction) of the whole card for activations, graphs and the sampler.
+            budget = free - total * (1 - self.config.mem_fraction_static)
+            return max(self.page_size * 16, int(budget // per_token))
+        return _CPU_DEFAULT_TOKENS
+
+    # ------------------------------------------------------------------ forward
+    def _write_req_to_token(self, batch: ScheduleBatch) -> None:
+        """Record the slots of this pass's tokens in the request rows, in one indexed store. An extend
+        pass writes the whole row up to its end: a newly admitted request's cached prefix is new there."""
+        rows, cols, vals = [], [], []
+        for req, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            first = p if batch.mode == ForwardMode.DECODE else 0
+            rows.extend([req.req_pool_idx] * (p + e - first))
+            cols.extend(range(first, p + e))
+            vals.extend(req.slots[first:p + e])
+        dev = self.device
+        self.req_pool.req_to_token[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = \
+            torch.tensor(vals, dtype=torch.int32, device=dev)
+
+    def forward(self, batch: ScheduleBatch) -> StepOutput:
+        self._write_req_to_token(batch)
+        fb = ForwardBatch.build(
+            batch.mode, batch.input_ids, [r.req_pool_idx for r in batch.reqs], batch.prefix_lens,
+            batch.extend_lens, batch.out_cache_loc, self.req_pool.req_to_token, self.kv_pool,
+            self.attn_backend, self.device)
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model.forward(fb)
+        return self._postprocess(batch, hidden)
+
+    def _postprocess(self, batch: ScheduleBatch, hidden: torch.Tensor) -> StepOutput:
+        n = batch.batch_size
+        ends, acc = [], 0
+        for e in batch.extend_lens:
+            acc += e
+            ends.append(acc - 1)
+        sampled = [i for i in range(n) if batch.sample[i] and batch.reqs[i].params.max_new_tokens > 0]
+        out = StepOutput([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
+        if batch.mode == ForwardMode.EXTEND:
+            self._input_logprobs(batch, hidden, out)
+        if not sampled:
+            return out
+        rows = torch.tensor([ends[i] for i in sampled], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        reqs = [batch.reqs[i] for i in sampled]
+        sb = SamplingBatch.build(
+            params=[r.params for r in reqs], seeds=[r.seed for r in reqs], steps=[len(r.output_ids) for r in reqs],
+            output_ids=[r.output_ids for r in reqs],
+            prompt_ids=[r.input_ids for r in reqs] if any(r.params.repetition_penalty != 1.0 for r in reqs) else None,
+            vocab_size=self.vocab_size, device=self.device,
+            eos_ids=[self._stop_ids(r) for r in reqs],
+            min_new_tokens_active=[len(r.output_ids) < r.params.min_new_tokens for r in reqs])
+        k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+        res = sample(logits, sb, top_logprobs_num=k)
+        ids = res.next_token_ids.tolist()
+        lps = res.logprobs.tolist()
+        top_ids = res.top_logprobs_ids.tolist() if res.top_logprobs_ids is not None else None
+        top_lps = res.top_logprobs.tolist() if res.top_logprobs is not None else None
+        for j, i in enumerate(sampled):
+            out.next_token_ids[i] = ids[j]
+            out.logprobs[i] = lps[j]
+            req = batch.reqs[i]
+            if top_ids is not None and req.return_logprob and req.top_logprobs_num > 0:
+                kk = req.top_logprobs_num
+                out.top_logprobs[i] = [[top_lps[j][t], top_ids[j][t]] for t in range(kk)]
+        return out
+
+    def _stop_ids(self, req: Req) -> list[int]:
+        ids = list(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            ids.extend(getattr(self, "eos_token_ids", []))
+        return ids
+
+    def _input_logprobs(self, batch: ScheduleBatch, hidden: torch.Tensor, out: StepOutput) -> None:
+        """Logprob of each prompt token from logprob_start_len on, computed from the previous position."""
+        start = 0
+        for i, (req, p, e) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
+            if req.wants_input_logprobs and p < len(req.input_ids):
+                s = req.logprob_start_len
+                entries: list = []
+                tops: list = []
+                if p == 0 and s == 0:
+                    entries.append([None, req.input_ids[0]])
+                    tops.append(None)
+                # Row j (absolute position p + j) predicts the token at p + j + 1.
+                rows = [j for j in range(e) if s <= p + j + 1 < len(req.input_ids)]
+                for c in range(0, len(rows), _LOGPROB_CHUNK):
+                    chunk = rows[c:c + _LOGPROB_CHUNK]
+                    idx = torch.tensor([start + j for j in chunk], device=self.device)
+                    lp = torch.log_softmax(self.model.compute_logits(hidden[idx]), dim=-1)
+                    targets = torch.tensor([req.input_ids[p + j + 1] for j in chunk], device=self.device)
+                    chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+                    tgt = targets.tolist()
+                    entries.extend([[chosen[t], tgt[t]] for t in range(len(chunk))])
+                    if req.top_logprobs_num > 0:
+                        tv, ti = lp.topk(req.top_logprobs_num, dim=-1)
+                        tv, ti = tv.tolist(), ti.tolist()
+                        tops.extend([[[tv[t][m], ti[t][m]] for m in range(len(ti[t]))] for t in range(len(chunk))])
+                    else:
+                        tops.extend([None] * len(chunk))
+                out.input_logprobs[i] = entries
+                out.input_top_logprobs[i] = tops
+            start += e

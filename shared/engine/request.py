@@ -1,0 +1,75 @@
+"""One object per request: its tokens, its place in the KV pool, and what it has reported so far."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    cache_salt: str | None = None
+    stream: bool = True
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: ReqStatus = ReqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    # KV state (valid while RUNNING): row in req_to_token, tokens whose KV is in the pool, the prefix that
+    # came from the cache (locked through last_node), and the page-aligned length inserted so far.
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    cached_len: int = 0
+    last_node: Any = None
+    slots: list[int] = field(default_factory=list)  # pool slot of every position with KV (host mirror)
+    # Reported: prefix tokens served from the cache at first admission (counted once).
+    num_cached_tokens: int | None = None
+    first_scheduled_time: float | None = None
+    skipped_rounds: int = 0  # admission rounds this request was passed over (aging)
+    retractions: int = 0
+    finish_reason: dict | None = None
+    # Per-request helpers owned by the engine: detokenizer state, grammar state.
+    detok: Any = None
+    grammar: Any = None
+    # Logprobs not yet sent.
+    pending_output_logprobs: list = field(default_factory=list)
+    pending_output_top_logprobs: list = field(default_factory=list)
+    input_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    input_logprobs_sent: bool = False
+    sent_token_count: int = 0
+    pending_text: str = ""
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and self.logprob_start_len < len(self.input_ids)
+
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.params.max_new_tokens - len(self.output_ids))

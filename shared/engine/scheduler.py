@@ -1,0 +1,319 @@
+"""Continuous batching with a radix prefix cache.
+
+Each call to `schedule()` returns one batch: a prefill (EXTEND) batch when waiting requests can be
+admitted, otherwise a decode batch of every running request. Admission is cache-aware (longest prefix
+match first) with an FCFS fallback for long queues and an aging bound; long prompts are prefilled in
+chunks under a token budget; when the pool runs dry the cache is evicted first, then running requests are
+retracted to the queue (their computed KV kept in the tree, so re-admission mostly hits the cache).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.cache.base import PrefixCache
+from shared.cache.kv_pool import ReqToTokenPool
+from shared.engine.config import EngineConfig
+from shared.engine.forward_batch import ForwardMode
+from shared.engine.request import Req, ReqStatus
+
+# Longest prefix of a prompt used to spot requests in one admission round that share a prefix the tree
+# does not hold yet: all but one are deferred one round so the prefix is computed once, not N times.
+_INBATCH_SHARE_TOKENS = 32
+_RESERVE_CAP = 4096  # per request, future decode tokens counted toward the reservation
+
+
+@dataclass
+class ScheduleBatch:
+    mode: ForwardMode
+    reqs: list[Req]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    sample: list[bool]  # False: a prefill chunk that stops short of the sequence end (no token sampled)
+    input_ids: list[int]
+    out_cache_loc: torch.Tensor  # host int64
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0  # counted at first admission
+    cached_tokens: int = 0  # prefix tokens served from the cache at first admission
+    retractions: int = 0
+    evicted_for_admission: int = 0
+    oom_aborts: int = 0
+    last_round_admitted: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: PrefixCache, allocator, req_pool: ReqToTokenPool,
+                 max_context_len: int):
+        self.config = config
+        self.cache = cache
+        self.allocator = allocator
+        self.req_pool = req_pool
+        self.page_size = cache.page_size
+        self.max_context_len = max_context_len
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []  # prefill done, decoding
+        self.chunked: Req | None = None  # prefill in progress across passes
+        self.new_token_ratio = config.init_new_token_ratio
+        self.stats = SchedulerStats()
+        self._last_was_prefill = False
+        # Requests the engine must finish with an error (e.g. cannot fit the pool at all).
+        self.failed: list[Req] = []
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Req) -> None:
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+
+    def num_running(self) -> int:
+        return len(self.running) + (1 if self.chunked else 0)
+
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running and self.chunked is None
+
+    def find(self, rid: str) -> Req | None:
+        for r in self.waiting + self.running + ([self.chunked] if self.chunked else []):
+            if r.rid == rid:
+                return r
+        return None
+
+    def remove(self, req: Req) -> None:
+        """Take a request out of the scheduler (finish/abort), releasing its KV if it holds any."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        if req.req_pool_idx is not None:
+            self._release_kv(req)
+        req.status = ReqStatus.FINISHED
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> ScheduleBatch | None:
+        # Interleave: after a prefill pass, give running requests a decode step before the next prefill,
+        # so a stream of arrivals cannot stall token generation.
+        if not (self._last_was_prefill and self.running):
+            batch = self._schedule_prefill()
+            if batch is not None:
+                self._last_was_prefill = True
+                return batch
+        self._last_was_prefill = False
+        return self._schedule_decode()
+
+    def _order_waiting(self) -> list[tuple[Req, object]]:
+        """Candidates with their prefix match, in admission order."""
+        aged = [r for r in self.waiting if r.skipped_rounds >= self.config.max_skipped_rounds]
+        rest = [r for r in self.waiting if r.skipped_rounds < self.config.max_skipped_rounds]
+        use_lpm = (self.config.schedule_policy == "lpm" and not self.config.disable_radix_cache
+                   and len(self.waiting) <= self.config.lpm_queue_limit)
+        out = [(r, self._match(r)) for r in aged]
+        matched = [(r, self._match(r)) for r in rest]
+        if use_lpm:
+            matched.sort(key=lambda rm: (-rm[1].length, rm[0].arrival_time))
+        return out + matched
+
+    def _match_key(self, req: Req) -> list[int]:
+        ids = req.all_ids
+        limit = len(ids) - 1  # at least one token must be computed to produce logits
+        if req.wants_input_logprobs and req.num_cached_tokens is None:
+            # Input logprobs need the logits from position logprob_start_len - 1 on.
+            limit = min(limit, max(0, req.logprob_start_len - 1))
+        limit = limit // self.page_size * self.page_size
+        return ids[:max(0, limit)]
+
+    def _match(self, req: Req):
+        return self.cache.match_prefix(self._match_key(req), namespace=req.cache_salt)
+
+    def _reserved_tokens(self) -> float:
+        reqs = self.running + ([self.chunked] if self.chunked else [])
+        return sum(min(r.remaining_new_tokens(), _RESERVE_CAP) for r in reqs) * self.new_token_ratio
+
+    def _free_tokens(self) -> int:
+        return self.allocator.available_size() + self.cache.evictable_size()
+
+    def _schedule_prefill(self) -> ScheduleBatch | None:
+        budget = self.config.max_prefill_tokens
+        reqs, prefix_lens, extend_lens, sample, locs = [], [], [], [], []
+        reserve = self._reserved_tokens()
+
+        def take(req: Req, ext: int) -> bool:
+            if self.allocator.available_size() < ext:
+                self.stats.evicted_for_admission += self.cache.evict(ext - self.allocator.available_size())
+            slots = self.allocator.alloc(ext, req.slots[-1] if req.slots else -1)
+            if slots is None:
+                return False
+            reqs.append(req)
+            prefix_lens.append(req.kv_len)
+            extend_lens.append(ext)
+            sample.append(req.kv_len + ext == req.seq_len)
+            locs.append(slots)
+            req.slots.extend(slots.tolist())
+            return True
+
+        # 1. Continue the chunked request first.
+        if self.chunked is not None:
+            req = self.chunked
+            ext = min(req.seq_len - req.kv_len, self.config.chunked_prefill_size, budget)
+            if take(req, ext):
+                budget -= ext
+                if req.kv_len + ext == req.seq_len:
+                    self.chunked = None
+                    self.running.append(req)  # sampled this pass, decodes from the next
+            else:
+                return self._retract_for(ext) or None
+
+        # 2. Admit waiting requests.
+        admitted = 0
+        shared_keys: set[tuple[int, ...]] = set()
+        if self.chunked is None and self.waiting:
+            for req, match in self._order_waiting():
+                if budget <= 0 or self.num_running() + len(reqs) >= self.config.max_running_requests:
+                    break
+                if self.req_pool.available() == 0:
+                    break
+                aged = req.skipped_rounds >= self.config.max_skipped_rounds
+                if not aged and req.seq_len >= 2 * _INBATCH_SHARE_TOKENS and match.length < _INBATCH_SHARE_TOKENS:
+                    key = tuple(req.all_ids[:_INBATCH_SHARE_TOKENS])
+                    if key in shared_keys:
+                        continue  # another admitted request computes this prefix now; we hit it next round
+                    shared_keys.add(key)
+                # The match may be stale if this round evicted; re-match right before locking.
+                match = self._match(req)
+                self.cache.lock(match.node)
+                ext_total = req.seq_len - match.length
+                ext = min(ext_total, self.config.chunked_prefill_size, budget)
+                own_reserve = min(req.remaining_new_tokens(), _RESERVE_CAP) * self.new_token_ratio
+                if self._free_tokens() < ext + reserve + own_reserve and (reqs or self.running):
+                    self.cache.unlock(match.node)
+                    break
+                if ext < ext_total and ext < self.page_size:
+                    self.cache.unlock(match.node)
+                    break
+                row = self.req_pool.alloc()
+                req.req_pool_idx = row
+                req.last_node = match.node
+                req.cached_len = match.length
+                req.kv_len = match.length
+                req.slots = match.slots.tolist()
+                if not take(req, ext):
+                    # Not even the first chunk fits: undo and stop admitting.
+                    self.cache.unlock(match.node)
+                    self.req_pool.free(row)
+                    req.req_pool_idx, req.last_node, req.cached_len, req.kv_len, req.slots = None, None, 0, 0, []
+                    if not reqs and not self.running and self.chunked is None:
+                        self.waiting.remove(req)
+                        self.failed.append(req)  # larger than the whole pool: cannot ever run
+                    break
+                self.waiting.remove(req)
+                req.status = ReqStatus.RUNNING
+                if req.num_cached_tokens is None:
+                    req.num_cached_tokens = match.length
+                    req.first_scheduled_time = time.monotonic()
+                    self.stats.prompt_tokens += len(req.input_ids)
+                    self.stats.cached_tokens += match.length
+                reserve += own_reserve
+                budget -= ext
+                admitted += 1
+                if ext < ext_total:
+                    self.chunked = req
+                    break
+                self.running.append(req)
+        for r in self.waiting:
+            if admitted or self.running:
+                r.skipped_rounds += 1
+        self.stats.last_round_admitted = admitted
+        if not reqs:
+            return None
+        input_ids = []
+        for req, p, e in zip(reqs, prefix_lens, extend_lens):
+            input_ids.extend(req.all_ids[p:p + e])
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix_lens, extend_lens, sample, input_ids,
+                             torch.cat(locs))
+
+    def _schedule_decode(self) -> ScheduleBatch | None:
+        if not self.running:
+            return None
+        self.new_token_ratio = max(self.config.min_new_token_ratio,
+                                   self.new_token_ratio - self.config.new_token_ratio_decay)
+        while True:
+            need = self._decode_slots_needed()
+            if self.allocator.available_size() < need:
+                self.cache.evict(need - self.allocator.available_size())
+            if self.allocator.available_size() >= need:
+                break
+            if len(self.running) == 1:
+                victim = self.running[0]
+                self.remove(victim)
+                self.stats.oom_aborts += 1
+                self.failed.append(victim)
+                return None
+            self._retract(self._pick_victim())
+        reqs = list(self.running)
+        locs, prefix_lens = [], []
+        for req in reqs:
+            slots = self.allocator.alloc(1, req.slots[-1] if req.slots else -1)
+            assert slots is not None
+            req.slots.extend(slots.tolist())
+            locs.append(slots)
+            prefix_lens.append(req.kv_len)
+        input_ids = [req.output_ids[-1] if req.output_ids else req.input_ids[-1] for req in reqs]
+        n = len(reqs)
+        return ScheduleBatch(ForwardMode.DECODE, reqs, prefix_lens, [1] * n, [True] * n, input_ids,
+                             torch.cat(locs))
+
+    def _decode_slots_needed(self) -> int:
+        if self.page_size == 1:
+            return len(self.running)
+        # Only requests whose last slot ends a page need a fresh page.
+        return sum(self.page_size for r in self.running if (r.slots[-1] + 1) % self.page_size == 0)
+
+    # ------------------------------------------------------------------ retraction
+    def _pick_victim(self) -> Req:
+        # The youngest request loses least work and lets older ones finish.
+        return max(self.running, key=lambda r: r.arrival_time)
+
+    def _retract(self, req: Req) -> None:
+        self.running.remove(req)
+        self._release_kv(req)
+        req.status = ReqStatus.WAITING
+        req.retractions += 1
+        self.stats.retractions += 1
+        self.waiting.insert(0, req)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+
+    def _retract_for(self, tokens: int) -> None:
+        """The chunked request cannot get its next chunk: retract others until it can (or give up)."""
+        while self.running and self._free_tokens() < tokens:
+            self._retract(self._pick_victim())
+        return None
+
+    def release_finished(self, req: Req) -> None:
+        self.remove(req)
+
+    def _release_kv(self, req: Req) -> None:
+        """Hand the request's computed KV to the tree and free what the tree does not keep."""
+        kv = req.kv_len
+        slots = torch.tensor(req.slots, dtype=torch.int64)
+        aligned = kv // self.page_size * self.page_size
+        if aligned > 0:
+            returned = self.cache.insert(req.all_ids[:aligned], slots[:aligned], namespace=req.cache_salt)
+            assert returned >= req.cached_len, (returned, req.cached_len)
+            if returned > req.cached_len:
+                self.allocator.free(slots[req.cached_len:returned])
+        if len(slots) > aligned:
+            # Partial tail page and any slots allocated beyond the computed KV.
+            self.allocator.free(slots[aligned:])
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node, req.cached_len, req.kv_len, req.slots = None, None, 0, 0, []
