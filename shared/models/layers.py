@@ -1,0 +1,87 @@
+"""Building blocks of the Llama family. Each numeric op sits behind one function, so a fused GPU kernel
+can replace it in one place.
+
+Parameters are created with torch.empty: the loader (or tiny_random) fills every one, and skipping the
+init keeps building an 8B model on its target device as cheap as the allocation.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# ------------------------------------------------------------------ ops
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalize in fp32, scale in x's dtype (the HF order, so bf16 results match it bit for bit)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add and the next norm in one op."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2*I] holding gate then up. Returns silu(gate) * up: [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+# ------------------------------------------------------------------ modules
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(hidden_size)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normalized, new residual). Without a residual, x itself becomes the residual stream."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps), x
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several checkpoint projections of the same input stacked along the output dim, run as one GEMM.
+
+    `shard_names[i]` is the checkpoint module name whose rows fill `output_sizes[i]` rows, in order; the
+    loader uses them to place each checkpoint tensor."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], shard_names: list[str], bias: bool = False):
+        super().__init__(in_features, sum(output_sizes), bias)
+        assert len(output_sizes) == len(shard_names)
+        self.output_sizes = list(output_sizes)
+        self.shard_names = list(shard_names)
+
+    def shard_rows(self, shard_name: str) -> tuple[int, int]:
+        """(row offset, rows) of one checkpoint projection inside the fused weight."""
+        i = self.shard_names.index(shard_name)
+        return sum(self.output_sizes[:i]), self.output_sizes[i]
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int):
+        super().__init__()
+        self.weight = _param(num_embeddings, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)

@@ -1,0 +1,118 @@
+"""One decoder-only implementation for Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3; ModelConfig flags
+select the differences (qkv bias, q/k norm, rope scaling, tied embeddings).
+
+Tokens of all requests arrive packed along one axis; the attention backend owns the paged KV pool and
+the per-request causal structure, so every other op here is a plain row-wise op over [T, ...].
+Module names follow the HF checkpoint except the fused qkv_proj and gate_up_proj.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared.engine.forward_batch import ForwardBatch
+from shared.models.config import ModelConfig
+from shared.models.layers import Embedding, Linear, MergedLinear, RMSNorm, rms_norm, silu_and_mul
+from shared.models.rope import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size],
+                                     ["q_proj", "k_proj", "v_proj"], bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.eps = cfg.rms_norm_eps
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, fb: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self._per_head_norm(q, self.q_norm)
+            k = self._per_head_norm(k, self.k_norm)
+        q, k = rotary(fb.positions, q, k)
+        o = fb.attn_backend.forward(q, k, v.contiguous(), self.layer_id, fb)
+        return self.o_proj(o)
+
+    def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        T = x.shape[0]
+        return rms_norm(x.reshape(T, -1, self.head_dim), norm.weight, self.eps).view(T, -1)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                         ["gate_proj", "up_proj"], bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each add fuses into the following norm.
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, fb)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                          cfg.rope_scaling)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(fb.input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, self.rotary_emb, fb)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Build under `torch.device(...)` and a default dtype (see loader.build_empty_model); weights are
+    uninitialized until loaded.
+
+    forward(fb) -> final hidden states [T, hidden_size] for every packed token; the caller picks the rows
+    it needs and passes them to compute_logits. The caller also runs
+    fb.attn_backend.init_forward_metadata(fb) before forward (outside any CUDA graph).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        if cfg.tie_word_embeddings:
+            self.lm_head = Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden_size] -> fp32 logits [N, vocab_size]."""
+        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()

@@ -1,0 +1,106 @@
+"""Rotary position embedding: inverse frequencies per scaling type, a cos/sin table over every position,
+and one function that rotates q and k (the op a fused kernel replaces later).
+
+Layout is the HF "rotate half" convention: dimension i pairs with i + rotary_dim/2.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (fp32, CPU) and the factor cos/sin are multiplied by."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq, 1.0
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
+    raise ValueError(f"unknown rope scaling type '{kind}'")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    # Long wavelengths (beyond the pretraining context / low_freq_factor) are slowed by `factor`, short ones
+    # (below context / high_freq_factor) are kept, and the band between is blended linearly in 1/wavelength.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    factor = s["factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn_factor = s.get("attention_factor")
+    if attn_factor is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attn_factor = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        # The dimension whose wavelength completes `rotations` turns over the pretraining context.
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attn_factor)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq*D], k: [T, Hkv*D]; cos_sin_cache: [max_pos, D] fp32 (cos half then sin half).
+    Returns rotated q, k in their own dtype (rotation computed in fp32)."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return _rotate(q, cos, sin, head_dim), _rotate(k, cos, sin, head_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    T = x.shape[0]
+    xf = x.view(T, -1, head_dim).float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype).view(T, -1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin table for positions [0, max_position) on the model's device."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None):
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq, attn_factor = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, inv_freq)
+        cache = torch.cat((freqs.cos() * attn_factor, freqs.sin() * attn_factor), dim=-1)
+        # Not persistent: derived from the config, never read from a checkpoint. Built on CPU and moved,
+        # so a `torch.device(...)` context at construction puts it on the model's device.
+        self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim)

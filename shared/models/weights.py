@@ -1,0 +1,98 @@
+"""Where each HF checkpoint tensor lands in our model, and filling a model from (name, tensor) pairs.
+
+The layout is derived from the model itself: every parameter maps to its own name, except the rows of
+a MergedLinear, which map to the checkpoint projections it fuses (q/k/v, gate/up). So the set of names a
+checkpoint must provide, and the error naming what it lacks, come for free.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from shared.models.config import ModelConfig
+from shared.models.layers import MergedLinear
+
+log = logging.getLogger(__name__)
+
+# Checkpoint entries that are derived state, not weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@dataclass
+class WeightSlot:
+    param: nn.Parameter
+    row_offset: int
+    rows: int
+
+    def fill(self, name: str, tensor: torch.Tensor) -> None:
+        want = (self.rows, *self.param.shape[1:])
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"weight '{name}' has shape {tuple(tensor.shape)}, the model expects {want}")
+        self.param.data[self.row_offset:self.row_offset + self.rows].copy_(tensor)
+
+
+def checkpoint_layout(model: nn.Module) -> dict[str, WeightSlot]:
+    """HF checkpoint name -> where its values go. A tied parameter appears once, under its first name
+    (named_parameters() drops the duplicates), so a tied lm_head needs no checkpoint entry."""
+    layout: dict[str, WeightSlot] = {}
+    for pname, param in model.named_parameters():
+        mod_name, leaf = pname.rsplit(".", 1)  # leaf: weight | bias
+        module = model.get_submodule(mod_name)
+        if isinstance(module, MergedLinear):
+            parent = mod_name.rsplit(".", 1)[0]
+            for shard in module.shard_names:
+                off, rows = module.shard_rows(shard)
+                layout[f"{parent}.{shard}.{leaf}"] = WeightSlot(param, off, rows)
+        else:
+            layout[pname] = WeightSlot(param, 0, param.shape[0])
+    return layout
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy each checkpoint tensor into place (converting dtype/device on the way); raise if any weight the
+    model needs was not provided. Unknown names are skipped with one warning."""
+    layout = checkpoint_layout(model)
+    # Some tied checkpoints still store lm_head.weight (a copy of the embedding); it is not needed.
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    missing = set(layout)
+    unknown: list[str] = []
+    with torch.no_grad():
+        for name, tensor in weights:
+            slot = layout.get(name)
+            if slot is None:
+                if not name.endswith(_IGNORED_SUFFIXES) and not (tied and name == "lm_head.weight"):
+                    unknown.append(name)
+                continue
+            slot.fill(name, tensor)
+            missing.discard(name)
+    if missing:
+        shown = ", ".join(sorted(missing)[:8])
+        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise ValueError(f"checkpoint is missing {len(missing)} required weight(s): {shown}{more}")
+    if unknown:
+        log.warning("skipped %d checkpoint tensor(s) the model does not use, e.g. %s", len(unknown),
+                    ", ".join(unknown[:4]))
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """The model with its parameters allocated (uninitialized) directly on device in dtype."""
+    from shared.models.llama import LlamaForCausalLM
+
+    with torch.device(device), _default_dtype(dtype):
+        model = LlamaForCausalLM(cfg)
+    return model.eval()
