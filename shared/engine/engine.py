@@ -51,6 +51,7 @@ class Engine:
         model_eos = getattr(self.runner.model_config, "eos_token_ids", None) or []
         self.eos_token_ids = sorted(set(tokenizer.eos_token_ids) | set(model_eos))
         self.runner.eos_token_ids = self.eos_token_ids
+        self.runner.tokenizer_vocab_size = min(tokenizer.vocab_size, self.runner.vocab_size)
         self.allocator = SlotAllocator(self.runner.kv_pool.num_pages, config.page_size, device="cpu")
         cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
         self.cache = cache_cls(self.allocator, config.page_size)

@@ -54,6 +54,7 @@ class ModelRunner:
         self.model, self.model_config = load_model(config.model_path, dtype=self.dtype, device=self.device)
         mc = self.model_config
         self.vocab_size = mc.vocab_size
+        self.tokenizer_vocab_size = mc.vocab_size  # the engine lowers it to the tokenizer's size
         self.max_context_len = min(config.max_context_len or mc.max_position_embeddings,
                                    mc.max_position_embeddings)
         self.page_size = config.page_size
@@ -119,6 +120,9 @@ class ModelRunner:
             return out
         rows = torch.tensor([ends[i] for i in sampled], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
+        if self.tokenizer_vocab_size < logits.shape[-1]:
+            # Padded embedding rows have no text: never sample them.
+            logits[:, self.tokenizer_vocab_size:] = float("-inf")
         reqs = [batch.reqs[i] for i in sampled]
         sb = SamplingBatch.build(
             params=[r.params for r in reqs], seeds=[r.seed for r in reqs], steps=[len(r.output_ids) for r in reqs],

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from shared.sampling_params import SamplingParams
@@ -37,7 +38,8 @@ class TokenIndex:
         # repeat_interleave on host tensors: C speed, and no device sync for the output size.
         row_t = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64),
                                         torch.tensor(lens, dtype=torch.int64))
-        col_t = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.int64)
+        # np.fromiter is ~10x faster than torch.tensor(list) for the long histories penalties see.
+        col_t = torch.from_numpy(np.fromiter(chain.from_iterable(seqs), dtype=np.int64, count=sum(lens)))
         return cls(row_t.to(device, non_blocking=True), col_t.to(device, non_blocking=True))
 
     def dense_counts(self, batch_size: int, vocab_size: int) -> torch.Tensor:
