@@ -1,0 +1,1 @@
+"""Triton kernels (attention, norm, rope, activation, KV store, GEMV) and their torch references."""

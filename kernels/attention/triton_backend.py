@@ -1,0 +1,86 @@
+"""Attention backend on the Triton kernels: paged decode (flash-decoding) and extend over a cached prefix."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention.base import AttentionBackend
+from kernels.attention.torch_backend import TorchAttentionBackend
+from kernels.attention.triton_decode import (MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, decode_attention,
+                                             num_kv_splits_for, plan_max_kv_splits)
+from kernels.attention.triton_extend import extend_attention
+from shared.engine.forward_batch import ForwardBatch, ForwardMode
+
+MAX_HEAD_DIM = 256  # one head row must fit a tile; larger heads go to the torch backend
+
+
+@dataclass
+class _DecodeMetadata:
+    max_kv_splits: int
+    num_kv_splits: torch.Tensor  # [B] int32, on device
+    mid_o: torch.Tensor  # [B, Hq, max_kv_splits, D] fp32 scratch shared by all layers
+    mid_lse: torch.Tensor  # [B, Hq, max_kv_splits] fp32
+
+
+@dataclass
+class _ExtendMetadata:
+    max_extend_len: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Decode metadata is built from device tensors only (no host sync), so init_forward_metadata may run
+    inside a captured CUDA graph. If it runs outside, replays keep the captured split counts, which is
+    still correct: any split count from 1 to max_kv_splits yields the same attention."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None,
+                 max_kv_splits: int = MAX_KV_SPLITS, min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT):
+        super().__init__(num_heads, num_kv_heads, head_dim, scaling)
+        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+        self.max_kv_splits = max_kv_splits
+        self.min_tokens_per_split = min_tokens_per_split
+        self.fallback = (TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scaling)
+                         if head_dim > MAX_HEAD_DIM else None)
+        self._meta: _DecodeMetadata | _ExtendMetadata | None = None
+        self._meta_batch: ForwardBatch | None = None
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        self._meta_batch = fb
+        if self.fallback is not None:
+            return
+        if fb.mode == ForwardMode.DECODE:
+            B = fb.batch_size
+            splits = plan_max_kv_splits(B, self.num_kv_heads, self.max_kv_splits)
+            dev = fb.seq_lens.device
+            self._meta = _DecodeMetadata(
+                max_kv_splits=splits,
+                num_kv_splits=num_kv_splits_for(fb.seq_lens, splits, self.min_tokens_per_split),
+                mid_o=torch.empty((B, self.num_heads, splits, self.head_dim), dtype=torch.float32, device=dev),
+                mid_lse=torch.empty((B, self.num_heads, splits), dtype=torch.float32, device=dev))
+        else:
+            lens = fb.extend_seq_lens_cpu
+            # Without host copies the packed token count bounds every request's length.
+            self._meta = _ExtendMetadata(max(lens) if lens else fb.num_tokens)
+
+    def _metadata(self, fb: ForwardBatch):
+        if self._meta_batch is not fb or self._meta is None:
+            self.init_forward_metadata(fb)
+        return self._meta
+
+    def forward_extend(self, q, k, v, layer_id, fb: ForwardBatch):
+        if self.fallback is not None:
+            return self.fallback.forward_extend(q, k, v, layer_id, fb)
+        meta = self._metadata(fb)
+        k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
+        return extend_attention(q, k, v, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices,
+                                fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc,
+                                meta.max_extend_len, self.scaling)
+
+    def forward_decode(self, q, layer_id, fb: ForwardBatch):
+        if self.fallback is not None:
+            return self.fallback.forward_decode(q, layer_id, fb)
+        meta = self._metadata(fb)
+        k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
+        return decode_attention(q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                                meta.num_kv_splits, meta.max_kv_splits, self.scaling,
+                                mid_o=meta.mid_o, mid_lse=meta.mid_lse)

@@ -1,0 +1,127 @@
+"""Extend (prefill) attention over a paged cached prefix, for variable-length requests in one launch.
+
+One program owns BLOCK_M new tokens of one request and one query head. It first streams the request's
+cached prefix through req_to_token (no mask: every prefix token precedes every new token), then the
+request's own new tokens straight from the packed k/v tensors with a causal mask. Online softmax in
+fp32 throughout.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._utils import dot_precision, next_pow2
+from kernels.attention.triton_decode import LOG2E
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q, k, v, s_mask, sm_scale_log2, DOT_PREC: tl.constexpr):
+    """One online-softmax step over a key block: k [D, N], v [N, D], s_mask [M, N]."""
+    s = tl.dot(q, k, input_precision=DOT_PREC) * sm_scale_log2
+    s = tl.where(s_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows that have seen no key yet keep m = -inf; shift by 0 there to avoid inf - inf.
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEND_LENS, START_LOC,
+                   sm_scale_log2, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_ot, stride_oh, stride_bs, stride_bh, stride_rt, GROUP, D,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
+    # Longest-running (last, most causal work) query blocks launch first to shorten the tail.
+    mblk = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    ext_len = tl.load(EXTEND_LENS + b)
+    m0 = mblk * BLOCK_M
+    if m0 < ext_len:
+        prefix_len = tl.load(PREFIX_LENS + b)
+        tok0 = tl.load(START_LOC + b).to(tl.int64)
+        kvh = h // GROUP
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < ext_len
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        q = tl.load(Q + (tok0 + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        q = q.to(KB.dtype.element_ty)
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+        # Cached prefix, gathered through the request's slot row.
+        row = tl.load(REQ_IDX + b).to(tl.int64) * stride_rt
+        kv_base = kvh * stride_bh
+        for n0 in range(0, prefix_len, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < prefix_len
+            slots = tl.load(REQ_TO_TOKEN + row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k = tl.load(KB + kv_base + slots[None, :] * stride_bs + offs_d[:, None],
+                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            v = tl.load(VB + kv_base + slots[:, None] * stride_bs + offs_d[None, :],
+                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, mask_n[None, :], sm_scale_log2, DOT_PREC)
+
+        # The request's own new tokens, causal; blocks past this query block's last row are skipped.
+        n_end = tl.minimum(ext_len, m0 + BLOCK_M)
+        for n0 in range(0, n_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_end
+            k = tl.load(K + (tok0 + offs_n[None, :]) * stride_kt + kvh * stride_kh + offs_d[:, None],
+                        mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(KB.dtype.element_ty)
+            v = tl.load(V + (tok0 + offs_n[:, None]) * stride_vt + kvh * stride_vh + offs_d[None, :],
+                        mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(VB.dtype.element_ty)
+            causal = (offs_n[None, :] <= offs_m[:, None]) & mask_n[None, :]
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, causal, sm_scale_log2, DOT_PREC)
+
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(O + (tok0 + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def extend_block_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) that fit shared memory for this head size."""
+    if not torch.cuda.is_available():
+        return 32, 32, 4, 1
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return (128, 64, 8, 2) if dtype != torch.float32 else (64, 32, 4, 2)
+    return 64, 32, 4, 2
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
+                     v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor,
+                     extend_start_loc: torch.Tensor, max_extend_len: int, scaling: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] of the new tokens (packed like q); prefixes come from the pool.
+    max_extend_len: a host upper bound on any request's new-token count (sizes the grid)."""
+    T, HQ, D = q.shape
+    HKV = k.shape[1]
+    assert HQ % HKV == 0 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    assert k_buf.is_contiguous() and v_buf.is_contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    B = extend_seq_lens.shape[0]
+    if T == 0 or B == 0:
+        return out
+    BLOCK_D = max(16, next_pow2(D))
+    BLOCK_M, BLOCK_N, num_warps, num_stages = extend_block_sizes(BLOCK_D, q.dtype)
+    grid = (triton.cdiv(max_extend_len, BLOCK_M), HQ, B)
+    _extend_kernel[grid](
+        q, k, v, out, k_buf, v_buf, req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens,
+        extend_start_loc, scaling * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1),
+        req_to_token.stride(0), HQ // HKV, D,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_PREC=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages)
+    return out

@@ -1,0 +1,151 @@
+"""Split-K GEMV for decode-time weight matmuls: y = x @ W^T with x [M <= 4, K], W [N, K].
+
+At batch 1 a linear layer is a pure stream of W through memory, so the kernel is shaped for
+bandwidth: each program streams a [BLOCK_N, BLOCK_K] tile per step with 16-byte loads marked
+evict-first (W is read once), and K is split across programs when N alone gives too few programs
+to keep every SM's memory pipe busy. Split partials go to an fp32 workspace and a second small kernel
+sums them, which keeps the result deterministic.
+
+`python -m kernels.gemv --tune` sweeps the block choices on the current GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._utils import next_pow2, num_sms
+
+MAX_M = 4
+
+
+@triton.jit
+def _gemv_kernel(X, W, Y, P, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
+                 M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = tl.arange(0, M_PAD)
+    mask_m = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    k0 = pid_k * K_PER_SPLIT
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+    x_ptrs = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+    if M_PAD == 1:
+        # One row: keep a full-tile accumulator and reduce once at the end (no shuffles in the loop).
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0, eviction_policy="evict_last")
+        else:
+            mk = (k0 + kk + offs_k) < K
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mk[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mk[None, :], other=0.0, eviction_policy="evict_last")
+        if M_PAD == 1:
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if M_PAD == 1:
+        acc = tl.sum(acc2, axis=1)[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+    else:
+        tl.store(P + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(P, Y, N, stride_ym, M: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    m = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(P + (s * M + m) * N + offs, mask=mask, other=0.0)
+    tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+
+
+def default_config(M: int, N: int, K: int) -> GemvConfig:
+    """Heuristic picked from sweeps on H200 (see module doc): enough programs for ~4 waves of
+    resident programs, 16-byte vectors along K, split K only when N is short."""
+    block_k = min(512, next_pow2(K))
+    block_n = 16 if M == 1 else 8
+    programs_n = triton.cdiv(N, block_n)
+    target = 4 * num_sms()
+    split_k = 1
+    k_steps = triton.cdiv(K, block_k)
+    while programs_n * split_k < target and split_k * 2 <= k_steps and split_k < 16:
+        split_k *= 2
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert M <= MAX_M, "gemv is for decode batches of at most 4 rows; use a GEMM"
+    assert w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1
+    cfg = config or default_config(M, N, K)
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    split_k = triton.cdiv(K, k_per_split)
+    even_k = K % cfg.block_k == 0 and K % k_per_split == 0
+    partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
+        x, w, out, partial, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split,
+        M=M, M_PAD=next_pow2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
+        EVEN_K=even_k, num_warps=cfg.num_warps)
+    if split_k > 1:
+        BLOCK = 1024
+        _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,
+                                                          SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def _tune() -> None:  # pragma: no cover - GPU only
+    import itertools
+
+    from triton.testing import do_bench_cudagraph
+    shapes = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)]
+    for K, N in shapes:
+        w = torch.randn(N, K, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
+        gbytes = w.numel() * 2 / 1e9
+        t_ref = do_bench_cudagraph(lambda: torch.matmul(x, w.t()))
+        best = None
+        for bn, bk, sk, nw in itertools.product([8, 16, 32, 64], [256, 512, 1024], [1, 2, 4, 8], [4, 8]):
+            cfg = GemvConfig(bn, bk, sk, nw)
+            try:
+                t = do_bench_cudagraph(lambda: gemv(x, w, config=cfg))
+            except Exception:
+                continue
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        t_def = do_bench_cudagraph(lambda: gemv(x, w))
+        print(f"K={K} N={N} cublas {gbytes / t_ref * 1e3:.0f} GB/s default {gbytes / t_def * 1e3:.0f} GB/s "
+              f"best {gbytes / best[0] * 1e3:.0f} GB/s {best[1]}", flush=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+    if "--tune" in sys.argv:
+        _tune()

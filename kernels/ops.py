@@ -1,0 +1,63 @@
+"""Device dispatch for the model code: Triton kernels on CUDA, the torch references elsewhere.
+
+In-place contracts hold on both paths (apply_rope writes q and k; store_kv writes the buffers).
+rms_norm with a residual returns (y, new_residual): use the returned residual, since only the Triton
+path also updates its argument in place.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import reference as ref
+
+# Decode-time weight matmuls use the split-K GEMV only at these batch sizes, and only where it beat
+# cuBLAS in bench/kernels.py on H200.
+GEMV_MAX_M = 1
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    if _on_gpu(x):
+        from kernels.norm import rms_norm as k
+        return k(x, weight, eps, residual)
+    return ref.rms_norm_ref(x, weight, eps, residual)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if _on_gpu(q):
+        from kernels.rope import apply_rope as kern
+        return kern(q, k, positions, cos_sin_cache, head_dim)
+    q_new, k_new = ref.rope_ref(q, k, positions, cos_sin_cache, head_dim)
+    q.copy_(q_new)
+    k.copy_(k_new)
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if _on_gpu(x):
+        from kernels.activation import silu_and_mul as kern
+        return kern(x)
+    return ref.silu_and_mul_ref(x)
+
+
+def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    if _on_gpu(k):
+        from kernels.kv_store import store_kv as kern
+        kern(k_buf, v_buf, loc, k, v)
+    else:
+        ref.store_kv_ref(k_buf, v_buf, loc, k, v)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias)."""
+    if _on_gpu(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and weight.dtype == torch.bfloat16 \
+            and x.dtype == torch.bfloat16 and weight.stride(1) == 1 and x.stride(1) == 1:
+        from kernels.gemv import gemv
+        y = gemv(x, weight)
+        return y + bias if bias is not None else y
+    return torch.nn.functional.linear(x, weight, bias)

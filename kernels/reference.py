@@ -1,0 +1,92 @@
+"""Pure-torch versions of every kernel: the CPU path and the oracle the Triton kernels are tested against.
+
+Each function computes in fp32 and returns the dtype its kernel returns; in-place kernels have
+out-of-place references so tests can compare.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.attention.torch_backend import paged_attention_ref
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+    """y = x / rms(x) * weight. With residual: r = x + residual (rounded to x's dtype), y = norm(r);
+    returns (y, r)."""
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+        new_residual = x
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    y = y.to(x.dtype)
+    return (y, new_residual) if residual is not None else y
+
+
+def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+    """[max_positions, rotary_dim] fp32 table: cos in the first half of each row, sin in the second.
+    inv_freq [rotary_dim / 2] already carries any rope scaling (Llama 3.1 etc.)."""
+    t = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+    freqs = torch.outer(t, inv_freq.float())
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+             head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (HF Llama rotate_half) rotary embedding on the first rotary_dim dims of each head.
+    q: [T, Hq*D] or [T, Hq, D]; k likewise. Returns new tensors of the same shapes."""
+    rot = cos_sin_cache.shape[1]
+    cs = cos_sin_cache[positions.long()].float()
+    cos, sin = cs[:, None, : rot // 2], cs[:, None, rot // 2:]
+
+    def apply(x):
+        shape = x.shape
+        x = x.reshape(x.shape[0], -1, head_dim)
+        xf = x.float()
+        x1, x2, rest = xf[..., : rot // 2], xf[..., rot // 2: rot], xf[..., rot:]
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+        return out.to(x.dtype).reshape(shape)
+
+    return apply(q), apply(k)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def store_kv_ref(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+    k_buf[loc.long()] = k.to(k_buf.dtype)
+    v_buf[loc.long()] = v.to(v_buf.dtype)
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y = x @ w^T with fp32 accumulation, in x's dtype."""
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+def decode_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                         req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                         seq_lens: torch.Tensor, scaling: float) -> torch.Tensor:
+    """q: [B, Hq, D], one token per request at the last position of its context."""
+    out = torch.empty_like(q)
+    for i in range(q.shape[0]):
+        n = int(seq_lens[i])
+        slots = req_to_token[req_pool_indices[i], :n].long()
+        out[i:i + 1] = paged_attention_ref(q[i:i + 1], k_buf, v_buf, slots, n - 1, scaling)
+    return out
+
+
+def extend_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                         req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                         prefix_lens: list[int], extend_lens: list[int], scaling: float) -> torch.Tensor:
+    """q: [T, Hq, D] packed new tokens; each request's new K/V must already be in the pool."""
+    out = torch.empty_like(q)
+    start = 0
+    for i, (p, n) in enumerate(zip(prefix_lens, extend_lens)):
+        slots = req_to_token[req_pool_indices[i], :p + n].long()
+        out[start:start + n] = paged_attention_ref(q[start:start + n], k_buf, v_buf, slots, p, scaling)
+        start += n
+    return out

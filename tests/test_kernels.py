@@ -1,0 +1,267 @@
+"""Every Triton kernel against its torch reference, plus the Triton attention backend end to end.
+
+On CPU the kernels run under TRITON_INTERPRET=1 in a subprocess (the flag must be set before the kernel
+modules are imported, which another test module may already have done in this process); that
+subprocess runs this file as a script and reports one result per check. On CUDA the same checks run
+in process in bf16 with wider tolerances.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tol(dtype):
+    return dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+def _head_dims(device):
+    return (16, 32, 24) if device.type == "cpu" else (64, 128, 16)
+
+
+def _rand(*shape, dtype, device):
+    return torch.randn(*shape, dtype=torch.float32, device=device).to(dtype)
+
+
+def check_rms_norm(device, dtype):
+    from kernels.norm import rms_norm
+    from kernels.reference import rms_norm_ref
+    for T, H in [(1, 16), (7, 48), (5, 130)] + ([(3, 4096)] if device.type == "cuda" else []):
+        x, w, r = (_rand(T, H, dtype=dtype, device=device) for _ in range(3))
+        w = w[0]
+        torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), **_tol(dtype))
+        r_in = r.clone()
+        y, r_out = rms_norm(x, w, 1e-5, r_in)
+        y_ref, r_ref = rms_norm_ref(x, w, 1e-5, r)
+        torch.testing.assert_close(y, y_ref, **_tol(dtype))
+        torch.testing.assert_close(r_out, r_ref, **_tol(dtype))
+        assert r_out.data_ptr() == r_in.data_ptr(), "residual must be updated in place"
+
+
+def check_rope(device, dtype):
+    from kernels.reference import rope_cos_sin_cache, rope_ref
+    from kernels.rope import apply_rope
+    for T, hq, hkv, d, rot in [(7, 4, 2, 16, 16), (3, 4, 1, 32, 16), (1, 2, 2, 16, 16)]:
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=device) / rot))
+        cache = rope_cos_sin_cache(inv_freq, 300)
+        qkv = _rand(T, (hq + 2 * hkv) * d, dtype=dtype, device=device)
+        q, k = qkv[:, :hq * d], qkv[:, hq * d:(hq + hkv) * d]  # strided views, as a fused qkv gives
+        pos = torch.randint(0, 300, (T,), device=device)
+        q_ref, k_ref = rope_ref(q.clone(), k.clone(), pos, cache, d)
+        v_before = qkv[:, (hq + hkv) * d:].clone()
+        apply_rope(q, k, pos, cache, d)
+        torch.testing.assert_close(q, q_ref, **_tol(dtype))
+        torch.testing.assert_close(k, k_ref, **_tol(dtype))
+        assert torch.equal(qkv[:, (hq + hkv) * d:], v_before), "rope must not touch v"
+        # [T, H, D] views work too.
+        q3 = _rand(T, hq, d, dtype=dtype, device=device)
+        k3 = _rand(T, hkv, d, dtype=dtype, device=device)
+        q3_ref, k3_ref = rope_ref(q3.clone(), k3.clone(), pos, cache, d)
+        apply_rope(q3, k3, pos, cache, d)
+        torch.testing.assert_close(q3, q3_ref, **_tol(dtype))
+        torch.testing.assert_close(k3, k3_ref, **_tol(dtype))
+
+
+def check_silu_and_mul(device, dtype):
+    from kernels.activation import silu_and_mul
+    from kernels.reference import silu_and_mul_ref
+    for T, I in [(1, 16), (7, 130), (2, 1100)]:
+        x = _rand(T, 2 * I, dtype=dtype, device=device)
+        torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **_tol(dtype))
+
+
+def check_store_kv(device, dtype):
+    from kernels.kv_store import store_kv
+    from kernels.reference import store_kv_ref
+    for T, h, d in [(1, 2, 16), (9, 3, 24), (33, 8, 32)]:
+        kv = _rand(T, 2, h, d, dtype=dtype, device=device)
+        k, v = kv[:, 0], kv[:, 1]  # non-contiguous views
+        loc = torch.randperm(64, device=device)[:T]
+        bufs = [torch.zeros(64, h, d, dtype=dtype, device=device) for _ in range(4)]
+        store_kv(bufs[0], bufs[1], loc, k, v)
+        store_kv_ref(bufs[2], bufs[3], loc, k, v)
+        assert torch.equal(bufs[0], bufs[2]) and torch.equal(bufs[1], bufs[3])
+
+
+def check_gemv(device, dtype):
+    from kernels.gemv import GemvConfig, gemv
+    from kernels.reference import gemv_ref
+    shapes = [(64, 48), (200, 37), (96, 130)]
+    if device.type == "cuda":
+        shapes += [(4096, 6144), (14336, 4096)]
+    configs = [None, GemvConfig(16, 32, 1, 4), GemvConfig(8, 32, 4, 4), GemvConfig(32, 64, 2, 4)]
+    for K, N in shapes:
+        w = _rand(N, K, dtype=dtype, device=device)
+        for M in (1, 2, 3, 4):
+            x = _rand(M, K, dtype=dtype, device=device)
+            for cfg in configs:
+                torch.testing.assert_close(gemv(x, w, config=cfg), gemv_ref(x, w), **_tol(dtype),
+                                           msg=lambda m: f"K={K} N={N} M={M} {cfg}: {m}")
+
+
+def _paged_setup(device, dtype, hkv, d, prefix_lens, extend_lens, num_slots=600):
+    """A pool with shuffled slots and a req_to_token table for requests in rows 1..B (row 0 = padding)."""
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    k_buf = _rand(num_slots, hkv, d, dtype=dtype, device=device)
+    v_buf = _rand(num_slots, hkv, d, dtype=dtype, device=device)
+    perm = torch.randperm(num_slots - 1, device=device) + 1
+    r2t = torch.zeros(len(seq_lens) + 2, max(seq_lens) + 3, dtype=torch.int32, device=device)
+    used = 0
+    for i, n in enumerate(seq_lens):
+        r2t[i + 1, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    req_idx = torch.arange(1, len(seq_lens) + 1, device=device)
+    return k_buf, v_buf, r2t, req_idx, seq_lens
+
+
+def check_decode_attention(device, dtype):
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for
+    from kernels.reference import decode_attention_ref
+    lens = [1, 7, 33, 130]
+    for d in _head_dims(device):
+        for hq, hkv in [(4, 4), (4, 2), (8, 2)]:
+            k_buf, v_buf, r2t, req_idx, seq = _paged_setup(device, dtype, hkv, d, [n - 1 for n in lens],
+                                                           [1] * len(lens))
+            seq_lens = torch.tensor(seq, dtype=torch.int32, device=device)
+            q = _rand(len(lens), hq, d, dtype=dtype, device=device)
+            ref = decode_attention_ref(q, k_buf, v_buf, r2t, req_idx, seq_lens, d ** -0.5)
+            for max_splits, min_tok in [(1, 256), (4, 16), (8, 1)]:
+                splits = num_kv_splits_for(seq_lens, max_splits, min_tok)
+                out = decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, splits, max_splits, d ** -0.5)
+                torch.testing.assert_close(out, ref, **_tol(dtype),
+                                           msg=lambda m: f"d={d} hq={hq} hkv={hkv} splits={max_splits}: {m}")
+
+
+def check_extend_attention(device, dtype):
+    from kernels.attention.triton_extend import extend_attention
+    from kernels.reference import extend_attention_ref
+    cases = [([0, 5, 33, 0], [7, 1, 30, 70]), ([130], [33])]
+    for d in _head_dims(device)[:2]:
+        for hq, hkv in [(4, 4), (4, 2), (8, 2)]:
+            for prefix, ext in cases:
+                k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, dtype, hkv, d, prefix, ext)
+                T = sum(ext)
+                q = _rand(T, hq, d, dtype=dtype, device=device)
+                # New tokens' K/V are in the pool (as the backend guarantees) and passed packed.
+                slots = torch.cat([r2t[i + 1, p:p + e] for i, (p, e) in enumerate(zip(prefix, ext))]).long()
+                k, v = k_buf[slots], v_buf[slots]
+                starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))], dtype=torch.int32, device=device)
+                i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+                out = extend_attention(q, k, v, k_buf, v_buf, r2t, req_idx, i32(prefix), i32(ext), starts,
+                                       max(ext), d ** -0.5)
+                ref = extend_attention_ref(q, k_buf, v_buf, r2t, req_idx, prefix, ext, d ** -0.5)
+                torch.testing.assert_close(out, ref, **_tol(dtype),
+                                           msg=lambda m: f"d={d} hq={hq} hkv={hkv} {prefix} {ext}: {m}")
+
+
+def check_backend_end_to_end(device, dtype):
+    """Extend two requests (one with a cached prefix), then decode two steps, through ForwardBatch,
+    with the Triton and torch backends on identical pools: outputs and pool contents must agree."""
+    from kernels.attention import create_attention_backend
+    from shared.cache.kv_pool import KVPool, ReqToTokenPool
+    from shared.engine.forward_batch import ForwardBatch, ForwardMode
+    hq, hkv, d, layers = 4, 2, 16, 2
+    worlds = []
+    for name in ("torch", "triton"):
+        be = create_attention_backend(name, hq, hkv, d, device=device, max_kv_splits=4, min_tokens_per_split=8)
+        worlds.append((be, KVPool(layers, hkv, d, num_pages=64, page_size=4, dtype=dtype, device=device),
+                       ReqToTokenPool(4, 128, device)))
+    gen = torch.Generator().manual_seed(0)
+    rows = [1, 2]
+    steps = [(ForwardMode.EXTEND, [0, 0], [11, 5]), (ForwardMode.EXTEND, [11, 5], [20, 3]),
+             (ForwardMode.DECODE, [31, 8], [1, 1]), (ForwardMode.DECODE, [32, 9], [1, 1])]
+    next_slot = 4  # page 0 is reserved
+    for mode, prefix, ext in steps:
+        T = sum(ext)
+        locs = torch.arange(next_slot, next_slot + T)
+        next_slot += T
+        q = torch.randn(T, hq * d, generator=gen).to(device, dtype)
+        k = torch.randn(T, hkv * d, generator=gen).to(device, dtype)
+        v = torch.randn(T, hkv * d, generator=gen).to(device, dtype)
+        outs = []
+        for be, pool, r2t in worlds:
+            off = 0
+            for row, p, e in zip(rows, prefix, ext):
+                r2t.write(row, p, locs[off:off + e].to(device))
+                off += e
+            fb = ForwardBatch.build(mode, [0] * T, rows, prefix, ext, locs, r2t.req_to_token, pool, be, device)
+            be.init_forward_metadata(fb)
+            outs.append(torch.stack([be.forward(q, k, v, layer, fb) for layer in range(layers)]))
+        torch.testing.assert_close(outs[1], outs[0], **_tol(dtype), msg=lambda m: f"{mode} {prefix}: {m}")
+    for layer in range(layers):
+        assert torch.equal(worlds[0][1].k_buffers[layer], worlds[1][1].k_buffers[layer])
+
+
+def check_backend_fallback(device, dtype):
+    """Head sizes beyond the kernels' tiles run on the torch path instead of failing."""
+    from kernels.attention import create_attention_backend
+    be = create_attention_backend("triton", 2, 1, 512, device=device)
+    assert be.fallback is not None
+
+
+CHECKS = {name[len("check_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("check_")}
+
+
+def _run_worker(names):
+    """Runs in the TRITON_INTERPRET=1 subprocess: fp32 on CPU, one JSON line of results."""
+    torch.manual_seed(0)
+    results = {}
+    for name in names:
+        try:
+            CHECKS[name](torch.device("cpu"), torch.float32)
+            results[name] = "ok"
+        except Exception:  # report every failure, not just the first
+            results[name] = traceback.format_exc()
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreted_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *CHECKS], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert lines, f"kernel worker crashed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_interpreted_cpu(name, interpreted_results):
+    assert interpreted_results[name] == "ok", interpreted_results[name]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_cuda_bf16(name):
+    torch.manual_seed(0)
+    CHECKS[name](torch.device("cuda"), torch.bfloat16)
+
+
+def test_factory_choices():
+    from kernels.attention import TorchAttentionBackend, create_attention_backend
+    assert isinstance(create_attention_backend("auto", 4, 2, 16, device="cpu"), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        create_attention_backend("nope", 4, 2, 16)
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="flashinfer"):
+            create_attention_backend("flashinfer", 4, 2, 16)
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        with pytest.raises(ValueError, match="CUDA"):
+            create_attention_backend("triton", 4, 2, 16, device="cpu")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    _run_worker(sys.argv[1:] or list(CHECKS))
