@@ -116,9 +116,14 @@ class SlotAllocator:
         lo, hi = int(arr.min()), int(arr.max())
         assert lo >= ps, f"freeing reserved or negative slot {lo}"
         assert hi < (self.num_pages + 1) * ps, f"freeing out-of-range slot {hi}"
-        uniq = np.unique(arr)
-        assert uniq.shape[0] == arr.shape[0], "slot freed twice in one call"
-        pages = uniq if ps == 1 else np.unique(uniq // ps)
+        # Sort + neighbour compare: far cheaper than np.unique, and leaves pages ascending.
+        srt = np.sort(arr)
+        assert not (srt[1:] == srt[:-1]).any(), "slot freed twice in one call"
+        if ps == 1:
+            pages = srt
+        else:
+            pages = srt // ps
+            pages = pages[np.concatenate(([True], pages[1:] != pages[:-1]))]
         already = self._is_free[pages]
         assert not already.any(), f"double free of pages {pages[already][:8].tolist()}"
         self._is_free[pages] = True
