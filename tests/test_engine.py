@@ -1,0 +1,164 @@
+"""The real engine on the tiny random model: sampling options end to end, cache reuse, and that the
+scheduling machinery (chunking, retraction, cache on/off) never changes what greedy decoding produces."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.engine_harness import Harness, tokenizer
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def h():
+    return Harness()
+
+
+def prompts(n, seed=0, lo=5, hi=60):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 400) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def test_greedy_is_deterministic_and_batch_independent(h):
+    ps = prompts(6, seed=1)
+    alone = [h.generate(p, sampling=GREEDY)["ids"] for p in ps]
+    rids = [h.submit(p, sampling=GREEDY) for p in ps]
+    batched = [r["ids"] for r in h.run(rids)]
+    assert alone == batched
+    assert all(len(x) == 24 for x in alone)
+
+
+def test_seed_reproducible_and_distinct(h):
+    p = prompts(1, seed=2)[0]
+    s = {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True}
+    a = h.generate(p, sampling={**s, "seed": 7})["ids"]
+    b = h.generate(p, sampling={**s, "seed": 7})["ids"]
+    c = h.generate(p, sampling={**s, "seed": 8})["ids"]
+    assert a == b and a != c
+
+
+def test_second_identical_request_reports_cached_prefix(h):
+    p = prompts(1, seed=3, lo=40, hi=41)[0]
+    first = h.generate(p, sampling=GREEDY)
+    second = h.generate(p, sampling=GREEDY)
+    assert first["cached"] == 0
+    assert second["cached"] == len(p) - 1  # all but the token that must be recomputed for logits
+    assert first["ids"] == second["ids"]
+
+
+def test_max_new_tokens_zero_is_a_cache_hint(h):
+    shared = prompts(1, seed=4, lo=50, hi=51)[0]
+    hint = h.generate(shared, sampling={"max_new_tokens": 0})
+    assert hint["ids"] == [] and hint["finish"] == {"type": "length", "length": 0}
+    child = h.generate(shared + [17, 18, 19], sampling=GREEDY)
+    assert child["cached"] == len(shared)
+
+
+def test_stop_token_ids_and_stop_strings(h):
+    p = prompts(1, seed=5)[0]
+    ref = h.generate(p, sampling=GREEDY)
+    stop_id = ref["ids"][5]
+    first = ref["ids"].index(stop_id)
+    r = h.generate(p, sampling={**GREEDY, "stop_token_ids": [stop_id]})
+    assert r["ids"] == ref["ids"][:first + 1]
+    assert r["finish"] == {"type": "stop", "matched": stop_id}
+    # A stop string made of text spanning two tokens must be found and trimmed.
+    text = ref["text"]
+    tk = tokenizer()
+    pieces = [tk.decode([t]) for t in ref["ids"]]
+    k = next(i for i in range(3, 20) if pieces[i] and pieces[i + 1] and "\ufffd" not in pieces[i] + pieces[i + 1])
+    stop = pieces[k][-1:] + pieces[k + 1][:1]
+    cut = text.find(stop)
+    r = h.generate(p, sampling={**GREEDY, "stop": [stop]})
+    assert r["finish"] == {"type": "stop", "matched": stop}
+    assert r["text"] == text[:cut]
+    r = h.generate(p, sampling={**GREEDY, "stop": [stop], "no_stop_trim": True})
+    assert r["text"] == text[:cut + len(stop)]
+
+
+def test_streamed_text_never_shows_a_stop_string(h):
+    p = prompts(1, seed=5)[0]
+    ref = h.generate(p, sampling=GREEDY)
+    stop = ref["text"][10:13]
+    rid = h.submit(p, sampling={**GREEDY, "stop": [stop]}, stream=True)
+    h.run([rid])
+    streamed = ""
+    for o in h.outputs[rid]:
+        streamed += o.text
+        assert stop not in streamed
+    assert streamed == ref["text"][:ref["text"].find(stop)]
+
+
+def test_min_new_tokens_blocks_eos(h):
+    p = prompts(1, seed=6)[0]
+    eos = tokenizer().eos_token_ids[0]
+    r = h.generate(p, sampling={"temperature": 0, "max_new_tokens": 12, "min_new_tokens": 12,
+                                "stop_token_ids": [eos], "logit_bias": {str(eos): 100.0}})
+    assert len(r["ids"]) == 12 and eos not in r["ids"][:-1]
+    r = h.generate(p, sampling={"temperature": 0, "max_new_tokens": 12, "logit_bias": {str(eos): 100.0}})
+    assert r["ids"] == [eos] and r["finish"]["type"] == "stop"
+
+
+def test_output_and_input_logprobs(h):
+    p = prompts(1, seed=7, lo=20, hi=21)[0]
+    r = h.generate(p, sampling={**GREEDY, "max_new_tokens": 5}, return_logprob=True, logprob_start_len=0,
+                   top_logprobs_num=3)
+    assert len(r["logprobs"]) == 5
+    for (lp, tid), top, out_id in zip(r["logprobs"], r["top"], r["ids"]):
+        assert tid == out_id and lp <= 0
+        assert len(top) == 3 and top[0][1] == tid  # greedy: the chosen token is the top-1
+        assert abs(top[0][0] - lp) < 1e-5
+    assert len(r["input_logprobs"]) == len(p)
+    assert r["input_logprobs"][0][0] is None and [e[1] for e in r["input_logprobs"]] == p
+    # Input logprobs from a later start, with the prefix cached, give the same numbers.
+    r2 = h.generate(p, sampling={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=10)
+    assert [e[1] for e in r2["input_logprobs"]] == p[10:]
+    for a, b in zip(r2["input_logprobs"], r["input_logprobs"][10:]):
+        assert abs(a[0] - b[0]) < 1e-4
+
+
+def test_abort_frees_everything(h):
+    before = h.free_tokens()
+    p = prompts(1, seed=8)[0]
+    rid = h.submit(p, sampling={"max_new_tokens": 500, "ignore_eos": True})
+    for _ in range(5):
+        h.engine.step()
+    h.engine.abort(rid)
+    h.engine.step()
+    assert h.done(rid)
+    assert h.outputs[rid][-1].finish_reason["type"] == "abort"
+    assert h.engine.scheduler.is_idle()
+    assert h.free_tokens() == before
+
+
+def test_bad_requests_are_refused_not_crashed(h):
+    r = h.generate([], sampling=GREEDY)
+    assert r["error"] and "empty" in r["error"]
+    r = h.generate([1, 2, 10_000], sampling=GREEDY)
+    assert r["error"] and "input_ids" in r["error"]
+    r = h.generate([1, 2], sampling={"max_new_tokens": -3})
+    assert r["error"] and "max_new_tokens" in r["error"]
+    r = h.generate([5] * 5000, sampling=GREEDY)
+    assert r["error"] and "context" in r["error"]
+
+
+@pytest.mark.parametrize("cfg", [
+    {"disable_radix_cache": True},
+    {"chunked_prefill_size": 7, "max_prefill_tokens": 16},
+    {"max_total_tokens": 160, "init_new_token_ratio": 0.0, "min_new_token_ratio": 0.0},  # forces retraction
+    {"page_size": 4},
+    {"schedule_policy": "fcfs"},
+])
+def test_scheduling_machinery_does_not_change_greedy_output(h, cfg):
+    ps = prompts(5, seed=9, lo=10, hi=40)
+    ref = [h.generate(p, sampling=GREEDY)["ids"] for p in ps]
+    other = Harness(**cfg)
+    rids = [other.submit(p, sampling=GREEDY) for p in ps]
+    got = [r["ids"] for r in other.run(rids)]
+    assert got == ref
+    if "max_total_tokens" in cfg:
+        assert other.engine.scheduler.stats.retractions > 0
+    assert other.engine.scheduler.is_idle()
+    assert other.free_tokens() == other.engine.runner.max_total_tokens
