@@ -1,0 +1,79 @@
+"""`python -m services.gateway --model-path P --workers host:port[,...]`: tokenize, validate, route to
+workers, translate their streams into the OpenAI and SGLang-native APIs."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from services.gateway.app import create_app
+from services.gateway.limits import Limits
+from services.gateway.router import Router
+from services.gateway.state import GatewayState
+from services.gateway.worker_client import WorkerClient, parse_worker_list
+from shared.tokenizer import Tokenizer
+
+log = logging.getLogger("services.gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
+    p.add_argument("--workers", required=True, help="host:port[,host:port...]")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--served-model-name", default=None, help="defaults to --model-path")
+    p.add_argument("--context-length", type=int, default=None, help="defaults to what the workers report")
+    p.add_argument("--api-key", default=None, help="Bearer key required on /v1/* and /generate")
+    p.add_argument("--admin-api-key", default=None, help="Bearer key required on /flush_cache")
+    p.add_argument("--max-n", type=int, default=Limits.max_n)
+    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, GatewayState]:
+    """Start the gateway inside the caller's event loop (a launcher runs several services in one)."""
+    tokenizer_path = getattr(args, "tokenizer_path", None) or args.model_path
+    tokenizer = await asyncio.to_thread(Tokenizer.load, tokenizer_path)
+    workers = [WorkerClient(host, port) for host, port in parse_worker_list(args.workers)]
+    limits = Limits(max_n=getattr(args, "max_n", Limits.max_n),
+                    max_body_bytes=getattr(args, "max_body_bytes", Limits.max_body_bytes))
+    state = GatewayState(tokenizer=tokenizer, served_model_name=args.served_model_name or args.model_path,
+                         model_path=args.model_path, router=Router(workers),
+                         context_length=getattr(args, "context_length", None), limits=limits,
+                         api_key=getattr(args, "api_key", None), admin_api_key=getattr(args, "admin_api_key", None),
+                         tokenizer_path=tokenizer_path)
+    # handler_cancellation: a client that hangs up cancels its handler, whose cleanup aborts the
+    # request on the worker (otherwise its KV stays pinned until generation ends).
+    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    return runner, state
+
+
+async def _main(args: argparse.Namespace) -> None:
+    runner, state = await start_gateway(args)
+    workers = ",".join(w.address for w in state.router.workers)
+    print(f"gateway ready on http://{args.host}:{args.port} (model {state.served_model_name}, "
+          f"workers {workers})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_main(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Model/server information, cache flush, health and metrics: the small routes around generation."""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from services.gateway.errors import WorkerUnavailable
+from services.gateway.metrics import CONTENT_TYPE
+
+if TYPE_CHECKING:
+    from services.gateway.state import GatewayState
+
+VERSION = "0.1.0"
+
+
+def model_info(state: "GatewayState") -> dict:
+    return {"model_path": state.model_path, "tokenizer_path": state.tokenizer_path or state.model_path,
+            "served_model_name": state.served_model_name, "is_generation": True,
+            "max_context_length": state.context_length, "vocab_size": state.tokenizer.vocab_size,
+            "eos_token_ids": state.tokenizer.eos_token_ids}
+
+
+async def server_info(state: "GatewayState") -> dict:
+    await state.health.poll_infos()
+    workers = [{"address": w.address, "connected": w.connected, "load": w.load,
+                "info": state.health.last_info.get(w.address)} for w in state.router.workers]
+    limits = state.limits
+    return {**model_info(state), "version": VERSION, "context_length": state.context_length,
+            "max_total_num_tokens": sum((w["info"] or {}).get("max_total_tokens", 0) for w in workers),
+            "limits": {"max_n": limits.max_n, "max_batch": limits.max_batch,
+                       "max_body_bytes": limits.max_body_bytes, "max_top_logprobs": limits.max_top_logprobs},
+            "gateway_inflight": len(state.dispatcher.inflight), "workers": workers}
+
+
+async def flush_cache(state: "GatewayState") -> web.Response:
+    # Flushing under running requests would free KV they still read: refuse, as SGLang does.
+    if state.dispatcher.inflight or state.router.load:
+        return web.Response(status=400, text="Cache not flushed: requests are running. Retry when idle.\n")
+    try:
+        results = await asyncio.gather(*(w.flush_cache() for w in state.router.workers))
+    except WorkerUnavailable as e:
+        return web.Response(status=503, text=f"Cache not flushed: {e}\n")
+    failed = [r.message for r in results if not r.ok]
+    if failed:
+        return web.Response(status=400, text=f"Cache not flushed: {'; '.join(failed)}\n")
+    return web.Response(text="Cache flushed.\n")
+
+
+def health(state: "GatewayState") -> web.Response:
+    if state.health.healthy:
+        return web.Response(text="OK\n")
+    return web.Response(status=503, text="Not ready: waiting for workers.\n")
+
+
+async def health_generate(state: "GatewayState", timeout: float = 20.0) -> web.Response:
+    """Runs a one-token generate now, on the worker the router would pick."""
+    ids = state.tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0]
+    try:
+        worker = state.router.pick(ids)
+        await asyncio.wait_for(state.health.tiny_generate(worker), timeout)
+    except Exception as e:  # any failure is an unhealthy answer, never a 500
+        return web.Response(status=503, text=f"Unhealthy: {e}\n")
+    return web.Response(text="OK\n")
+
+
+async def metrics(state: "GatewayState") -> web.Response:
+    state.metrics.set_worker_stats(await state.health.poll_infos(timeout=1.0))
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

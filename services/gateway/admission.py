@@ -1,0 +1,82 @@
+"""Checks every request passes before it reaches a worker, and the GenerateRequest they produce.
+Shared by the OpenAI and native translators so both refuse the same things the same way."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from services.gateway.errors import APIError, bad_request
+from shared.errors import ContextLengthExceeded, InvalidRequest
+from shared.protocol import GenerateRequest
+from shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.gateway.state import GatewayState
+
+
+def check_model(state: "GatewayState", body: dict) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    if model not in state.model_names():
+        raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                            f"'{state.served_model_name}'", param="model", code="model_not_found")
+
+
+def check_token_ids(state: "GatewayState", ids: list[int], param: str) -> None:
+    if not ids:
+        raise bad_request("the prompt is empty", param)
+    vocab = state.tokenizer.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
+
+
+def resolve_max_new_tokens(state: "GatewayState", prompt_len: int, requested: int | None,
+                           prompt_param: str, max_param: str) -> int:
+    """The output budget, refusing prompts that do not fit: clients match on context_length_exceeded."""
+    ctx = state.context_length
+    if ctx is not None and prompt_len >= ctx:
+        raise api_error(ContextLengthExceeded(
+            f"This model's maximum context length is {ctx} tokens, but the prompt has {prompt_len} tokens "
+            f"(context_length_exceeded)", param=prompt_param))
+    if requested is None:
+        return ctx - prompt_len if ctx is not None else state.limits.default_native_max_new_tokens
+    if ctx is not None and prompt_len + requested > ctx:
+        raise api_error(ContextLengthExceeded(
+            f"This model's maximum context length is {ctx} tokens; the prompt ({prompt_len} tokens) plus "
+            f"the requested {requested} output tokens exceed it (context_length_exceeded)", param=max_param))
+    return requested
+
+
+def sampling_params(state: "GatewayState", d: dict[str, Any]) -> SamplingParams:
+    """Validated sampling parameters; token ids they name must exist (a worker indexes logits by them)."""
+    try:
+        params = SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
+    except InvalidRequest as e:
+        raise api_error(e) from None
+    vocab = state.tokenizer.vocab_size
+    for name, ids in (("logit_bias", params.logit_bias.keys()), ("stop_token_ids", params.stop_token_ids)):
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"{name} names a token id outside the vocabulary [0, {vocab})", name)
+    return params
+
+
+def api_error(e: InvalidRequest) -> APIError:
+    return APIError.from_invalid(e)
+
+
+def child_requests(rid: str, n: int, input_ids: list[int], params: SamplingParams,
+                   **logprob_args: Any) -> list[GenerateRequest]:
+    """The n worker requests of one prompt: rid itself when n == 1, `rid-0..n-1` otherwise. A seeded
+    request gives each child its own seed (seed + j), so choices differ yet stay reproducible."""
+    rids = [rid] if n == 1 else [f"{rid}-{j}" for j in range(n)]
+    reqs = []
+    for j, child in enumerate(rids):
+        sampling = params.to_dict()
+        sampling["n"] = 1
+        if params.seed is not None:
+            sampling["seed"] = (params.seed + j) & 0x7FFFFFFF
+        reqs.append(GenerateRequest(rid=child, input_ids=list(input_ids), sampling=sampling, **logprob_args))
+    return reqs

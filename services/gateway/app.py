@@ -1,0 +1,138 @@
+"""The aiohttp application: route table, error and auth middlewares, start-up and shutdown. Routes only
+read the state and call the translator that owns the endpoint."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from aiohttp import web
+
+from services.gateway import admin_api, native_api, openai_api
+from services.gateway.errors import APIError, error_body
+from services.gateway.state import GatewayState
+from shared.errors import InvalidRequest
+
+__all__ = ["GatewayState", "create_app", "STATE"]
+
+log = logging.getLogger(__name__)
+
+STATE = web.AppKey("gateway_state", GatewayState)
+
+_HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+                     413: "invalid_request_error"}
+
+
+def create_app(state: GatewayState) -> web.Application:
+    app = web.Application(client_max_size=state.limits.max_body_bytes,
+                          middlewares=[_error_middleware, _auth_middleware(state)])
+    app[STATE] = state
+    s = state
+
+    async def completions(request):
+        return await openai_api.completions(s, request)
+
+    async def chat(request):
+        return await openai_api.chat_completions(s, request)
+
+    async def models(request):
+        return web.json_response(openai_api.models(s))
+
+    async def generate(request):
+        return await native_api.generate(s, request)
+
+    async def model_info(request):
+        return web.json_response(admin_api.model_info(s))
+
+    async def server_info(request):
+        return web.json_response(await admin_api.server_info(s))
+
+    async def flush_cache(request):
+        return await admin_api.flush_cache(s)
+
+    async def health(request):
+        return admin_api.health(s)
+
+    async def health_generate(request):
+        return await admin_api.health_generate(s)
+
+    async def metrics(request):
+        return await admin_api.metrics(s)
+
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/generate", generate)
+    for path in ("/get_model_info", "/model_info"):
+        app.router.add_get(path, model_info)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, server_info)
+    app.router.add_route("POST", "/flush_cache", flush_cache)
+    app.router.add_route("GET", "/flush_cache", flush_cache)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/metrics", metrics)
+
+    app.on_startup.append(_on_startup)
+    app.on_cleanup.append(_on_cleanup)
+    return app
+
+
+async def _on_startup(app: web.Application) -> None:
+    state = app[STATE]
+    for w in state.router.workers:
+        w.start()
+    state.health.start()
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    state = app[STATE]
+    await state.health.stop()
+    await asyncio.gather(*(w.close() for w in state.router.workers))
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as e:
+        return e.response()
+    except InvalidRequest as e:
+        return APIError.from_invalid(e).response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        body = error_body(e.reason, _HTTP_ERROR_TYPES.get(e.status, "invalid_request_error"), code=e.status)
+        return web.json_response(body, status=e.status, headers={
+            k: v for k, v in e.headers.items() if k.lower() == "allow"})
+    except Exception:
+        # Bad input never lands here (translators raise APIError); this is a bug, logged but not shown.
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.json_response(error_body("internal server error", "internal_error"), status=500)
+
+
+def _auth_middleware(state: GatewayState):
+    @web.middleware
+    async def check(request: web.Request, handler) -> web.StreamResponse:
+        key = _required_key(state, request.path)
+        if key is not None and not _bearer_matches(request, key):
+            return web.json_response(error_body("invalid or missing API key", "authentication_error",
+                                                code="invalid_api_key"), status=401)
+        return await handler(request)
+
+    return check
+
+
+def _required_key(state: GatewayState, path: str) -> str | None:
+    if path == "/flush_cache":
+        return state.admin_api_key or state.api_key
+    if path.startswith("/v1/") or path == "/generate":
+        return state.api_key
+    return None
+
+
+def _bearer_matches(request: web.Request, key: str) -> bool:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    # Constant-time comparison: a plain == leaks the key's prefix through timing.
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())

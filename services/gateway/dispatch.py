@@ -1,0 +1,148 @@
+"""Sending GenerateRequests to workers and gathering what comes back, shared by every API flavour.
+
+Every stream here is closed deterministically (`aclosing`), so leaving early - a client that hung up, a
+sibling that failed - reaches WorkerClient.generate's cleanup, which aborts the request on its worker.
+Failures surface as APIError: 503 when the worker is unreachable, 400 when it refused the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from services.gateway.errors import APIError, WorkerUnavailable, bad_request, unavailable, worker_refused
+from services.gateway.metrics import GatewayMetrics, RequestTimer
+from services.gateway.router import Router
+from shared.protocol import GenerateRequest, TokenOutput
+
+
+@dataclass
+class GenerationResult:
+    """Everything one request produced so far; `absorb` folds in each increment."""
+    rid: str
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: dict | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    output_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    input_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    e2e_latency: float = 0.0
+
+    def absorb(self, out: TokenOutput) -> None:
+        self.text += out.text
+        self.output_ids.extend(out.token_ids)
+        self.output_logprobs.extend(out.output_logprobs)
+        self.output_top_logprobs.extend(out.output_top_logprobs)
+        if out.input_logprobs:
+            self.input_logprobs = list(out.input_logprobs)
+        if out.input_top_logprobs:
+            self.input_top_logprobs = list(out.input_top_logprobs)
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
+        self.completion_tokens = out.completion_tokens or len(self.output_ids)
+        if out.finished:
+            self.finished = True
+            self.finish_reason = out.finish_reason
+
+
+class Dispatcher:
+    def __init__(self, router: Router, metrics: GatewayMetrics):
+        self.router = router
+        self.metrics = metrics
+        self.inflight: set[str] = set()
+
+    def check_rids(self, rids: Sequence[str]) -> None:
+        if len(set(rids)) != len(rids):
+            raise bad_request("request ids must be unique", "rid")
+        for rid in rids:
+            if rid in self.inflight:
+                raise bad_request(f"request id {rid!r} is already running", "rid")
+
+    async def stream(self, req: GenerateRequest, salt: str | None = None
+                     ) -> AsyncIterator[tuple[TokenOutput, GenerationResult]]:
+        """Yield (increment, accumulated result) until the request finishes."""
+        self.check_rids([req.rid])
+        worker = self.router.pick(req.input_ids, salt)
+        result = GenerationResult(rid=req.rid)
+        timer = RequestTimer(self.metrics)
+        self.inflight.add(req.rid)
+        self.metrics.gateway_inflight.inc()
+        try:
+            async with aclosing(worker.generate(req)) as outputs:
+                async for out in outputs:
+                    timer.observe(out)
+                    if out.error:
+                        raise worker_refused(out.error)
+                    result.absorb(out)
+                    result.e2e_latency = timer.elapsed()
+                    yield out, result
+        except WorkerUnavailable as e:
+            self.metrics.aborted_requests.inc()
+            raise unavailable(str(e)) from None
+        finally:
+            self.inflight.discard(req.rid)
+            self.metrics.gateway_inflight.dec()
+
+    async def stream_many(self, reqs: Sequence[GenerateRequest]
+                          ) -> AsyncIterator[tuple[int, TokenOutput, GenerationResult]]:
+        """Run requests concurrently, yielding (index, increment, result) in arrival order. The first
+        failure cancels (and so aborts) the others and is raised."""
+        self.check_rids([r.rid for r in reqs])
+        if len(reqs) == 1:
+            async with aclosing(self.stream(reqs[0])) as events:
+                async for out, res in events:
+                    yield 0, out, res
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, req: GenerateRequest) -> None:
+            try:
+                async with aclosing(self.stream(req)) as events:
+                    async for out, res in events:
+                        queue.put_nowait((i, out, res))
+                queue.put_nowait((i, done, None))
+            except Exception as e:  # handed to the consumer, which raises it
+                queue.put_nowait((i, e, None))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item, res = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item, res
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect_many(self, reqs: Sequence[GenerateRequest]) -> list[GenerationResult]:
+        results: list[GenerationResult | None] = [None] * len(reqs)
+        async with aclosing(self.stream_many(reqs)) as events:
+            async for i, out, res in events:
+                if out.finished:
+                    results[i] = res
+        if any(r is None for r in results):  # a worker that ended a stream without finishing it
+            raise APIError(502, "a worker ended a request without a result", type="internal_error")
+        return results  # type: ignore[return-value]
+
+
+def new_rid(prefix: str = "") -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def created_timestamp() -> int:
+    return int(time.time())

@@ -1,0 +1,104 @@
+"""Readiness: a worker counts once it answered `info` and ran a one-token generate. The gateway reports
+healthy after every worker known at start-up did, and from then on while at least one probed worker is
+connected. Probing runs in the background, so start-up never blocks on a slow worker."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+from services.gateway.errors import WorkerUnavailable
+from services.gateway.worker_client import WorkerClient
+from shared.protocol import GenerateRequest
+from shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.gateway.state import GatewayState
+
+log = logging.getLogger(__name__)
+
+
+class HealthMonitor:
+    def __init__(self, state: "GatewayState", interval: float = 0.5, probe_timeout: float = 30.0):
+        self.state = state
+        self.interval = interval
+        self.probe_timeout = probe_timeout
+        self.started_ready = False
+        self.probed: set[str] = set()
+        self.last_info: dict[str, dict] = {}
+        self._task: asyncio.Task | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.started_ready and any(w.connected and w.address in self.probed
+                                          for w in self.state.router.workers)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="gateway-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            workers = self.state.router.workers
+            for w in workers:
+                if not w.connected:
+                    self.probed.discard(w.address)  # a restarted worker must pass again
+            pending = [w for w in workers if w.address not in self.probed]
+            if pending:
+                await asyncio.gather(*(self.probe(w) for w in pending))
+            if workers and all(w.address in self.probed for w in workers):
+                if not self.started_ready:
+                    log.info("all %d workers answered; gateway is healthy", len(workers))
+                self.started_ready = True
+            await asyncio.sleep(self.interval)
+
+    async def probe(self, worker: WorkerClient) -> bool:
+        try:
+            info = await worker.info()
+            self.remember_info(worker, info)
+            await asyncio.wait_for(self.tiny_generate(worker), self.probe_timeout)
+        except (WorkerUnavailable, asyncio.TimeoutError, RuntimeError) as e:
+            log.debug("probe of %s failed: %s", worker.address, e)
+            return False
+        self.probed.add(worker.address)
+        return True
+
+    def remember_info(self, worker: WorkerClient, info: dict) -> None:
+        self.last_info[worker.address] = info
+        ctx = info.get("max_context_len")
+        if self.state.context_length is None and isinstance(ctx, int) and ctx > 0:
+            self.state.context_length = ctx
+
+    async def tiny_generate(self, worker: WorkerClient) -> None:
+        """One token from a one-token prompt, bypassing metrics: proves the worker's forward pass runs."""
+        ids = self.state.tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0]
+        req = GenerateRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=ids,
+                              sampling=SamplingParams(max_new_tokens=1, temperature=0.0).to_dict())
+        async with aclosing(worker.generate(req)) as outputs:
+            async for out in outputs:
+                if out.error:
+                    raise RuntimeError(out.error)
+
+    async def poll_infos(self, timeout: float = 2.0) -> list[dict]:
+        """Fresh info from every connected worker (for /metrics and /server_info); silent ones are skipped."""
+        async def one(w: WorkerClient):
+            try:
+                info = await asyncio.wait_for(w.info(), timeout)
+            except (WorkerUnavailable, asyncio.TimeoutError):
+                return None
+            self.remember_info(w, info)
+            return info
+
+        workers = [w for w in self.state.router.workers if w.connected]
+        infos = await asyncio.gather(*(one(w) for w in workers))
+        return [i for i in infos if i is not None]

@@ -1,0 +1,96 @@
+"""Prometheus metrics under SGLang's names (`sglang:*`), in a registry of our own so several gateways
+(tests) can live in one process. Token counters rather than hit-rate gauges: users derive rates."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from shared.protocol import TokenOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+_ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def counter(name, doc):
+            return Counter(f"sglang:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"sglang:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        def gauge(name, doc):
+            return Gauge(f"sglang:{name}", doc, labels, registry=r).labels(model_name)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache")
+        self.queried_prefix_tokens = counter(
+            "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache (hit rate denominator)")
+        self.requests = counter("num_requests", "Finished requests")
+        self.aborted_requests = counter("num_aborted_requests", "Requests aborted or failed")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Gap between output tokens", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
+        self.queue_time = histogram("queue_time_seconds", "Time waiting in a worker queue", _LATENCY_BUCKETS)
+        self.num_running = gauge("num_running_reqs", "Requests running on the workers")
+        self.num_queued = gauge("num_queue_reqs", "Requests waiting on the workers")
+        self.token_usage = gauge("token_usage", "KV cache usage, fraction of the pool (mean over workers)")
+        self.gateway_inflight = gauge("gateway_inflight_reqs", "Requests the gateway is waiting on")
+
+    def set_worker_stats(self, infos: list[dict]) -> None:
+        self.num_running.set(sum(_num(i.get("num_running")) for i in infos))
+        self.num_queued.set(sum(_num(i.get("num_waiting")) for i in infos))
+        if infos:
+            self.token_usage.set(sum(_num(i.get("kv_usage")) for i in infos) / len(infos))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _num(v) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+
+class RequestTimer:
+    """Timing of one request's stream: feeds TTFT, ITL, queue time and the token counters."""
+
+    def __init__(self, metrics: GatewayMetrics):
+        self.m = metrics
+        self.start = time.perf_counter()
+        self.last: float | None = None
+
+    def observe(self, out: TokenOutput) -> None:
+        now = time.perf_counter()
+        n = len(out.token_ids)
+        if self.last is None:
+            if out.queue_time > 0:
+                self.m.queue_time.observe(out.queue_time)
+            if n:
+                self.m.ttft.observe(now - self.start)
+                self.last = now
+        elif n:
+            gap = (now - self.last) / n  # a frame may carry several tokens (jump-forward, batching)
+            for _ in range(n):
+                self.m.itl.observe(gap)
+            self.last = now
+        if out.finished:
+            self.m.requests.inc()
+            self.m.prompt_tokens.inc(out.prompt_tokens)
+            self.m.queried_prefix_tokens.inc(out.prompt_tokens)
+            self.m.cached_tokens.inc(out.cached_tokens)
+            self.m.generation_tokens.inc(out.completion_tokens)
+            self.m.e2e.observe(now - self.start)
+            if (out.finish_reason or {}).get("type") == "abort" or out.error:
+                self.m.aborted_requests.inc()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start

@@ -1,0 +1,146 @@
+"""SGLang-native `/generate`: `text` | `input_ids`, single or batch, `sampling_params` dict or list,
+streaming with cumulative text, logprob entries [logprob, token_id, text-or-null]."""
+from __future__ import annotations
+
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from aiohttp import web
+
+from services.gateway import logprobs as lp
+from services.gateway.admission import check_token_ids, child_requests, resolve_max_new_tokens, sampling_params
+from services.gateway.dispatch import GenerationResult, new_rid
+from services.gateway.errors import bad_request
+from services.gateway.fields import get_bool, get_int, is_int, is_token_ids
+from services.gateway.limits import read_json
+from services.gateway.sse import stream_events
+from shared.protocol import GenerateRequest
+
+if TYPE_CHECKING:
+    from services.gateway.state import GatewayState
+
+
+@dataclass
+class NativeJob:
+    reqs: list[GenerateRequest]
+    batched: bool  # answer a list (batch input or n > 1) rather than one object
+    with_text: bool  # return_text_in_logprobs
+
+
+async def generate(state: "GatewayState", request: web.Request) -> web.StreamResponse:
+    body = await read_json(request, state.limits)
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    job = _build(state, body)
+    state.dispatcher.check_rids([r.rid for r in job.reqs])  # before any header goes out
+    if get_bool(body, "stream"):
+        return await stream_events(request, _events(state, job))
+    results = await state.dispatcher.collect_many(job.reqs)
+    answers = [_answer(state, job, req, res) for req, res in zip(job.reqs, results)]
+    return web.json_response(answers if job.batched else answers[0])
+
+
+def _build(state: "GatewayState", body: dict) -> NativeJob:
+    tok = state.tokenizer
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise bad_request("exactly one of 'text' and 'input_ids' is required", "text")
+    if text is not None:
+        batched = isinstance(text, list)
+        texts = text if batched else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise bad_request("'text' must be a string or a non-empty list of strings", "text")
+        if any(not t for t in texts):
+            raise bad_request("the prompt is empty", "text")
+        prompts = [tok.encode(t) for t in texts]
+    else:
+        batched = bool(input_ids) and all(isinstance(x, list) for x in input_ids)
+        prompts = input_ids if batched else [input_ids]
+        if not isinstance(input_ids, list) or not all(is_token_ids(p) for p in prompts):
+            raise bad_request("'input_ids' must be a list of token ids or a list of such lists", "input_ids")
+        for p in prompts:
+            check_token_ids(state, p, "input_ids")
+    count = len(prompts)
+    if count > state.limits.max_batch:
+        raise bad_request(f"at most {state.limits.max_batch} prompts per request", "text")
+
+    sps = _per_item(body, "sampling_params", count, lambda v: v is None or isinstance(v, dict), "an object")
+    rids = _per_item(body, "rid", count, lambda v: v is None or (
+        isinstance(v, str) and 0 < len(v) <= state.limits.max_rid_len), "a non-empty short string")
+    return_logprob = _per_item(body, "return_logprob", count, lambda v: v is None or isinstance(v, bool),
+                               "a boolean")
+    start_lens = _per_item(body, "logprob_start_len", count, lambda v: v is None or (is_int(v) and v >= -1),
+                           "an integer >= -1")
+    top_nums = _per_item(body, "top_logprobs_num", count, lambda v: v is None or (
+        is_int(v) and 0 <= v <= state.limits.max_top_logprobs), f"an integer in [0, {state.limits.max_top_logprobs}]")
+    with_text = get_bool(body, "return_text_in_logprobs")
+
+    reqs: list[GenerateRequest] = []
+    any_n = False
+    for i, ids in enumerate(prompts):
+        raw = dict(sps[i] or {})
+        n = get_int(raw, "n", 1, lo=1, hi=state.limits.max_n)
+        any_n |= n > 1
+        requested = get_int(raw, "max_new_tokens", None, lo=0)
+        if requested is None:  # SGLang's default, shortened rather than refused near the context end
+            requested = state.limits.default_native_max_new_tokens
+            if state.context_length is not None:
+                requested = max(0, min(requested, state.context_length - len(ids)))
+        raw["max_new_tokens"] = resolve_max_new_tokens(state, len(ids), requested, "input_ids", "max_new_tokens")
+        params = sampling_params(state, raw)
+        start = start_lens[i] if start_lens[i] is not None else -1
+        if start >= len(ids):
+            start = len(ids) - 1  # select() may ask from past a short prompt's end: keep the last position
+        reqs += child_requests(rids[i] or new_rid(), n, ids, params, return_logprob=bool(return_logprob[i]),
+                               logprob_start_len=start, top_logprobs_num=top_nums[i] or 0,
+                               return_text_in_logprobs=with_text)
+    if len(reqs) > state.limits.max_batch:
+        raise bad_request(f"at most {state.limits.max_batch} generations per request (prompts x n)", "n")
+    return NativeJob(reqs, batched or any_n, with_text)
+
+
+def _per_item(body: dict, name: str, count: int, ok, what: str) -> list:
+    """A top-level field given once for all items or as a list with one value per item."""
+    value = body.get(name)
+    values = value if isinstance(value, list) else [value] * count
+    if len(values) != count:
+        raise bad_request(f"'{name}' has {len(values)} entries for {count} inputs", name)
+    if not all(ok(v) for v in values):
+        raise bad_request(f"'{name}' must be {what} (or a list of those, one per input)", name)
+    return values
+
+
+def _answer(state: "GatewayState", job: NativeJob, req: GenerateRequest, res: GenerationResult) -> dict:
+    meta: dict[str, Any] = {
+        "id": req.rid, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens or len(req.input_ids),
+        "completion_tokens": res.completion_tokens, "cached_tokens": res.cached_tokens,
+        "e2e_latency": res.e2e_latency,
+    }
+    if req.return_logprob:
+        tok, text = state.tokenizer, job.with_text
+        input_lps = _with_first_null(req, res.input_logprobs)
+        meta.update(
+            input_token_logprobs=lp.native_entries(input_lps, tok, text),
+            output_token_logprobs=lp.native_entries(res.output_logprobs, tok, text),
+            input_top_logprobs=lp.native_tops(res.input_top_logprobs, tok, text),
+            output_top_logprobs=lp.native_tops(res.output_top_logprobs, tok, text),
+        )
+    return {"text": res.text, "output_ids": list(res.output_ids), "meta_info": meta}
+
+
+def _with_first_null(req: GenerateRequest, entries: list) -> list:
+    """Position 0 has no logprob (nothing precedes it); if the worker left it out, put the null back so
+    entries line up with input positions."""
+    if req.logprob_start_len == 0 and len(entries) == len(req.input_ids) - 1:
+        return [[None, req.input_ids[0]]] + list(entries)
+    return entries
+
+
+async def _events(state: "GatewayState", job: NativeJob) -> AsyncIterator[dict]:
+    async with aclosing(state.dispatcher.stream_many(job.reqs)) as stream:
+        async for i, out, res in stream:
+            event = _answer(state, job, job.reqs[i], res)  # cumulative: the frontend slices what it saw
+            if job.batched:
+                event["index"] = i
+            yield event

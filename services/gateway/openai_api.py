@@ -1,0 +1,353 @@
+"""OpenAI `/v1/completions`, `/v1/chat/completions` and `/v1/models`: translation to GenerateRequests and
+back. A request with n choices over P prompts becomes P*n worker requests; choice index = p*n + j."""
+from __future__ import annotations
+
+import json
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import jinja2
+from aiohttp import web
+
+from services.gateway import logprobs as lp
+from services.gateway.admission import (check_model, check_token_ids, child_requests, resolve_max_new_tokens,
+                                        sampling_params)
+from services.gateway.dispatch import GenerationResult, created_timestamp, new_rid
+from services.gateway.errors import bad_request
+from services.gateway.fields import get_bool, get_dict, get_int, is_int, is_token_ids
+from services.gateway.limits import read_json
+from services.gateway.sse import stream_events
+from shared.protocol import GenerateRequest
+
+if TYPE_CHECKING:
+    from services.gateway.state import GatewayState
+
+# OpenAI body keys passed to SamplingParams under SGLang's names (extensions included: vLLM/SGLang clients
+# send top_k, min_p, ignore_eos... through extra_body).
+_SAMPLING_KEYS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty", "stop": "stop", "stop_token_ids": "stop_token_ids",
+    "seed": "seed", "logit_bias": "logit_bias", "ignore_eos": "ignore_eos", "min_tokens": "min_new_tokens",
+    "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim", "regex": "regex",
+    "json_schema": "json_schema", "ebnf": "ebnf",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+}
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str
+
+
+@dataclass
+class Job:
+    """One OpenAI request, validated and fanned out."""
+    id: str
+    prompts: list[Prompt]
+    n: int
+    reqs: list[GenerateRequest]
+    stream: bool = False
+    include_usage: bool = False
+    created: int = field(default_factory=created_timestamp)
+
+    def prompt_of(self, choice: int) -> int:
+        return choice // self.n
+
+
+# ---------------------------------------------------------------- shared translation
+def _common(state: "GatewayState", body: Any) -> tuple[int, bool, bool]:
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    check_model(state, body)
+    n = get_int(body, "n", 1, lo=1, hi=state.limits.max_n)
+    best_of = get_int(body, "best_of", None, lo=1)
+    if best_of is not None and best_of != n:
+        raise bad_request("best_of different from n is not supported", "best_of")
+    stream = get_bool(body, "stream")
+    options = get_dict(body, "stream_options") or {}
+    include_usage = stream and get_bool(options, "include_usage")
+    return n, stream, include_usage
+
+
+def _fan_out(state: "GatewayState", body: dict, prompts: list[Prompt], n: int, max_tokens: int | None,
+             prompt_param: str, max_param: str, rid_prefix: str, extra_sampling: dict | None = None,
+             **logprob_args: Any) -> tuple[str, list[GenerateRequest]]:
+    if len(prompts) * n > state.limits.max_batch:
+        raise bad_request(f"at most {state.limits.max_batch} choices per request (prompts x n)", "n")
+    job_id = new_rid(rid_prefix)
+    reqs = []
+    for p_idx, prompt in enumerate(prompts):
+        budget = resolve_max_new_tokens(state, len(prompt.ids), max_tokens, prompt_param, max_param)
+        raw = {ours: body.get(theirs) for theirs, ours in _SAMPLING_KEYS.items()}
+        raw.update(extra_sampling or {})
+        raw["max_new_tokens"] = budget
+        params = sampling_params(state, raw)
+        reqs += child_requests(f"{job_id}-{p_idx}", n, prompt.ids, params, **logprob_args)
+    return job_id, reqs
+
+
+def _usage(job: Job, results: dict[int, GenerationResult]) -> dict:
+    prompt = cached = 0
+    for p_idx, prompt_in in enumerate(job.prompts):
+        # The prompt is billed once however many choices share it: take its first choice's counts.
+        first = results.get(p_idx * job.n)
+        prompt += first.prompt_tokens if first and first.prompt_tokens else len(prompt_in.ids)
+        cached += first.cached_tokens if first else 0
+    completion = sum(r.completion_tokens for r in results.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish(res_or_reason) -> str | None:
+    reason = res_or_reason.finish_reason if isinstance(res_or_reason, GenerationResult) else res_or_reason
+    return None if reason is None else _FINISH.get(reason.get("type"), "stop")
+
+
+# ---------------------------------------------------------------- /v1/completions
+async def completions(state: "GatewayState", request: web.Request) -> web.StreamResponse:
+    body = await read_json(request, state.limits)
+    n, stream, include_usage = _common(state, body)
+    prompts = _parse_prompts(state, body.get("prompt"))
+    echo = get_bool(body, "echo")
+    top_k = get_int(body, "logprobs", None, lo=0, hi=state.limits.max_top_logprobs)
+    if body.get("suffix") is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    max_tokens = get_int(body, "max_tokens", state.limits.default_completion_max_tokens, lo=0)
+    want_lp = top_k is not None
+    job_id, reqs = _fan_out(state, body, prompts, n, max_tokens, "prompt", "max_tokens", "cmpl-",
+                            return_logprob=want_lp, logprob_start_len=0 if (want_lp and echo) else -1,
+                            top_logprobs_num=top_k or 0)
+    job = Job(job_id, prompts, n, reqs, stream, include_usage)
+    fmt = _CompletionFormat(state, job, echo, want_lp)
+    if stream:
+        return await stream_events(request, fmt.events())
+    results = await state.dispatcher.collect_many(reqs)
+    return web.json_response(fmt.response(results))
+
+
+def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
+    tok = state.tokenizer
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif is_token_ids(prompt) and prompt:
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_token_ids(p) for p in prompt):
+        items = prompt
+    else:
+        raise bad_request("prompt must be a non-empty string, list of strings, list of token ids or list of "
+                          "token id lists", "prompt")
+    if len(items) > state.limits.max_batch:
+        raise bad_request(f"at most {state.limits.max_batch} prompts per request", "prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("the prompt is empty", "prompt")
+            out.append(Prompt(tok.encode(item), item))
+        else:
+            check_token_ids(state, item, "prompt")
+            out.append(Prompt(list(item), tok.decode(item, skip_special_tokens=False)))
+    return out
+
+
+class _CompletionFormat:
+    def __init__(self, state: "GatewayState", job: Job, echo: bool, want_lp: bool):
+        self.state, self.tok = state, state.tokenizer
+        self.model = state.served_model_name
+        self.job, self.echo, self.want_lp = job, echo, want_lp
+
+    def _envelope(self, choices: list, **extra) -> dict:
+        return {"id": self.job.id, "object": "text_completion", "created": self.job.created,
+                "model": self.model, "choices": choices, **extra}
+
+    def _echo_logprobs(self, prompt: Prompt, res: GenerationResult) -> dict:
+        return lp.completion_logprobs(prompt.ids, res.input_logprobs, res.input_top_logprobs, self.tok, 0)
+
+    def response(self, results: list[GenerationResult]) -> dict:
+        choices = []
+        for i, res in enumerate(results):
+            prompt = self.job.prompts[self.job.prompt_of(i)]
+            prefix = prompt.text if self.echo else ""
+            logprobs = None
+            if self.want_lp:
+                logprobs = lp.completion_logprobs(res.output_ids, res.output_logprobs, res.output_top_logprobs,
+                                                  self.tok, len(prefix))
+                if self.echo:
+                    logprobs = lp.merge_completion_logprobs(self._echo_logprobs(prompt, res), logprobs)
+            choices.append({"index": i, "text": prefix + res.text, "logprobs": logprobs,
+                            "finish_reason": _finish(res)})
+        return self._envelope(choices, usage=_usage(self.job, dict(enumerate(results))))
+
+    async def events(self) -> AsyncIterator[dict]:
+        usage_extra = {"usage": None} if self.job.include_usage else {}
+        results: dict[int, GenerationResult] = {}
+        offsets: dict[int, int] = {}  # characters sent so far per choice (text_offset)
+        # Closed deterministically: leaving early (client gone) aborts every choice's request.
+        async with aclosing(self.state.dispatcher.stream_many(self.job.reqs)) as stream:
+            async for i, out, res in stream:
+                results[i] = res
+                text, logprobs = out.text, None
+                if i not in offsets and self.echo:
+                    prompt = self.job.prompts[self.job.prompt_of(i)]
+                    text = prompt.text + text
+                    if self.want_lp:
+                        logprobs = self._echo_logprobs(prompt, res)
+                if self.want_lp:
+                    start = len(res.output_ids) - len(out.token_ids)
+                    new = lp.completion_logprobs(out.token_ids, res.output_logprobs[start:],
+                                                 res.output_top_logprobs[start:], self.tok,
+                                                 offsets.get(i, 0) + len(text) - len(out.text))
+                    logprobs = new if logprobs is None else lp.merge_completion_logprobs(logprobs, new)
+                offsets[i] = offsets.get(i, 0) + len(text)
+                if not text and not out.finished and not out.token_ids:
+                    continue
+                choice = {"index": i, "text": text, "logprobs": logprobs,
+                          "finish_reason": _finish(out.finish_reason)}
+                yield self._envelope([choice], **usage_extra)
+        if self.job.include_usage:
+            yield self._envelope([], usage=_usage(self.job, results))
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+async def chat_completions(state: "GatewayState", request: web.Request) -> web.StreamResponse:
+    body = await read_json(request, state.limits)
+    n, stream, include_usage = _common(state, body)
+    _refuse_tools(body)
+    prompt = _render_chat(state, body.get("messages"))
+    want_lp = get_bool(body, "logprobs")
+    top_k = get_int(body, "top_logprobs", 0, lo=0, hi=state.limits.max_top_logprobs)
+    if top_k and not want_lp:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = get_int(body, max_param, state.limits.default_chat_max_tokens, lo=0)
+    job_id, reqs = _fan_out(state, body, [prompt], n, max_tokens, "messages", max_param, "chatcmpl-",
+                            extra_sampling=_response_format(body), return_logprob=want_lp,
+                            top_logprobs_num=top_k)
+    job = Job(job_id, [prompt], n, reqs, stream, include_usage)
+    fmt = _ChatFormat(state, job, want_lp)
+    if stream:
+        return await stream_events(request, fmt.events())
+    results = await state.dispatcher.collect_many(reqs)
+    return web.json_response(fmt.response(results))
+
+
+def _refuse_tools(body: dict) -> None:
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise bad_request(f"'{key}' is not supported yet", key)
+    for key in ("tool_choice", "function_call"):
+        if body.get(key) not in (None, "none"):
+            raise bad_request(f"'{key}' is not supported yet", key)
+
+
+def _render_chat(state: "GatewayState", messages: Any) -> Prompt:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{param} must be an object", param)
+        role = m.get("role")
+        if role not in _CHAT_ROLES:
+            raise bad_request(f"{param}.role must be one of {sorted(_CHAT_ROLES)}", f"{param}.role")
+        clean.append({"role": role, "content": _message_text(m.get("content"), role, f"{param}.content")})
+    try:
+        text = state.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
+    except (ValueError, jinja2.TemplateError) as e:  # ChatTemplateError is a ValueError
+        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+    ids = state.tokenizer.encode(text, add_special_tokens=False)
+    check_token_ids(state, ids, "messages")
+    return Prompt(ids, text)
+
+
+def _message_text(content: Any, role: str, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request("only text content parts are supported", param)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"{param} must be a string or a list of text parts", param)
+
+
+def _response_format(body: dict) -> dict:
+    fmt = get_dict(body, "response_format")
+    if fmt is None:
+        return {}
+    kind = fmt.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": json.dumps({"type": "object"})}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise bad_request("response_format.json_schema must be an object with a 'name'",
+                              "response_format.json_schema")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                              "response_format.json_schema.schema")
+        return {"json_schema": json.dumps(schema)}
+    raise bad_request("response_format.type must be 'text', 'json_object' or 'json_schema'",
+                      "response_format.type")
+
+
+class _ChatFormat:
+    def __init__(self, state: "GatewayState", job: Job, want_lp: bool):
+        self.state, self.tok = state, state.tokenizer
+        self.model = state.served_model_name
+        self.job, self.want_lp = job, want_lp
+
+    def _envelope(self, choices: list, object: str, **extra) -> dict:
+        return {"id": self.job.id, "object": object, "created": self.job.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def _logprobs(self, token_ids, logprobs, tops) -> dict | None:
+        return lp.chat_logprobs(token_ids, logprobs, tops, self.tok) if self.want_lp else None
+
+    def response(self, results: list[GenerationResult]) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": res.text},
+                    "logprobs": self._logprobs(res.output_ids, res.output_logprobs, res.output_top_logprobs),
+                    "finish_reason": _finish(res)} for i, res in enumerate(results)]
+        return self._envelope(choices, "chat.completion", usage=_usage(self.job, dict(enumerate(results))))
+
+    def _chunk(self, index: int, delta: dict, logprobs=None, finish=None) -> dict:
+        extra = {"usage": None} if self.job.include_usage else {}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return self._envelope([choice], "chat.completion.chunk", **extra)
+
+    async def events(self) -> AsyncIterator[dict]:
+        for i in range(len(self.job.reqs)):
+            yield self._chunk(i, {"role": "assistant", "content": ""})
+        results: dict[int, GenerationResult] = {}
+        async with aclosing(self.state.dispatcher.stream_many(self.job.reqs)) as stream:
+            async for i, out, res in stream:
+                results[i] = res
+                if out.text or out.token_ids:
+                    start = len(res.output_ids) - len(out.token_ids)
+                    logprobs = self._logprobs(out.token_ids, res.output_logprobs[start:],
+                                              res.output_top_logprobs[start:])
+                    yield self._chunk(i, {"content": out.text}, logprobs)
+                if out.finished:
+                    yield self._chunk(i, {}, finish=_finish(out.finish_reason))
+        if self.job.include_usage:
+            yield self._envelope([], "chat.completion.chunk", usage=_usage(self.job, results))
+
+
+# ---------------------------------------------------------------- /v1/models
+def models(state: "GatewayState") -> dict:
+    return {"object": "list", "data": [{
+        "id": state.served_model_name, "object": "model", "created": 0, "owned_by": "radixserve",
+        "root": state.model_path, "max_model_len": state.context_length}]}

@@ -1,0 +1,76 @@
+"""Which worker serves a request.
+
+The default policy balances in-flight load but keeps requests that share a prompt head on one worker, so
+its radix cache keeps hitting: the head of the token ids picks a worker by rendezvous hashing (stable when
+workers come and go), and that worker wins unless it is busier than the least loaded one by more than a
+slack. A cache-aware policy (matching prefixes against per-worker cache summaries) plugs in as another
+`RoutingPolicy`.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Protocol, Sequence
+
+from services.gateway.errors import unavailable
+from services.gateway.worker_client import WorkerClient
+
+
+class RoutingPolicy(Protocol):
+    def pick(self, workers: Sequence[WorkerClient], input_ids: Sequence[int], salt: str | None) -> WorkerClient:
+        ...
+
+
+class PrefixAffinityPolicy:
+    def __init__(self, prefix_tokens: int = 32, slack: int = 4):
+        self.prefix_tokens = prefix_tokens
+        self.slack = slack
+
+    def pick(self, workers: Sequence[WorkerClient], input_ids: Sequence[int], salt: str | None) -> WorkerClient:
+        least = min(workers, key=lambda w: w.load)
+        if len(workers) == 1:
+            return least
+        key = prefix_key(input_ids, self.prefix_tokens, salt)
+        home = max(workers, key=lambda w: _score(key, w.address))
+        return home if home.load <= least.load + self.slack else least
+
+
+def prefix_key(input_ids: Sequence[int], n: int, salt: str | None) -> bytes:
+    head = ",".join(map(str, input_ids[:n]))
+    # The salt keeps tenants apart here as in the cache: another tenant's prompts must not steer routing.
+    return f"{salt or ''}|{head}".encode()
+
+
+def _score(key: bytes, address: str) -> bytes:
+    return hashlib.blake2b(key + b"@" + address.encode(), digest_size=8).digest()
+
+
+class Router:
+    def __init__(self, workers: Sequence[WorkerClient], policy: RoutingPolicy | None = None):
+        self.policy = policy or PrefixAffinityPolicy()
+        self._workers: list[WorkerClient] = list(workers)
+
+    @property
+    def workers(self) -> list[WorkerClient]:
+        return list(self._workers)
+
+    def set_workers(self, workers: Sequence[WorkerClient]) -> list[WorkerClient]:
+        """Replace the worker set (discovery updates). Returns the clients that left, for the caller to
+        close once their in-flight requests finish."""
+        new = list(workers)
+        kept = {id(w) for w in new}
+        gone = [w for w in self._workers if id(w) not in kept]
+        self._workers = new
+        for w in new:
+            w.start()
+        return gone
+
+    def pick(self, input_ids: Sequence[int], salt: str | None = None) -> WorkerClient:
+        if not self._workers:
+            raise unavailable("no workers are registered")
+        # Prefer connected workers; if none is, pick anyway so the request waits for a reconnection.
+        live = [w for w in self._workers if w.connected] or self._workers
+        return self.policy.pick(live, input_ids, salt)
+
+    @property
+    def load(self) -> int:
+        return sum(w.load for w in self._workers)

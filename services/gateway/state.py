@@ -1,0 +1,36 @@
+"""What every route needs, in one dataclass built once at start-up."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.gateway.dispatch import Dispatcher
+from services.gateway.health import HealthMonitor
+from services.gateway.limits import Limits
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.router import Router
+from shared.tokenizer import Tokenizer
+
+
+@dataclass
+class GatewayState:
+    tokenizer: Tokenizer
+    served_model_name: str
+    model_path: str
+    router: Router
+    # None until a worker reports it (the health probe fills it in); context checks wait for it.
+    context_length: int | None = None
+    limits: Limits = field(default_factory=Limits)
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    tokenizer_path: str | None = None
+    metrics: GatewayMetrics = field(init=False)
+    dispatcher: Dispatcher = field(init=False)
+    health: HealthMonitor = field(init=False)
+
+    def __post_init__(self):
+        self.metrics = GatewayMetrics(self.served_model_name)
+        self.dispatcher = Dispatcher(self.router, self.metrics)
+        self.health = HealthMonitor(self)
+
+    def model_names(self) -> set[str]:
+        return {self.served_model_name, self.model_path}

@@ -1,0 +1,218 @@
+"""One persistent connection to a worker, multiplexing every request by rid.
+
+A background task owns the socket: it connects (retrying with backoff), reads frames and routes each to
+the stream or call waiting for it. When the connection drops, every pending stream and call fails at once
+with WorkerUnavailable, so nothing waits on a dead socket; every other wait has a timeout too.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from typing import AsyncIterator
+
+from services.gateway.errors import WorkerUnavailable
+from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest, InfoRequest,
+                             InfoResult, Message, ProtocolError, TokenOutput)
+from shared.wire import encode_frame, read_message
+
+log = logging.getLogger(__name__)
+
+
+class _Lost:
+    """Queued into a stream when the connection dies under it."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+class WorkerClient:
+    def __init__(self, host: str, port: int, *, connect_timeout: float = 10.0, call_timeout: float = 10.0,
+                 token_timeout: float = 600.0, max_backoff: float = 5.0):
+        self.host, self.port = host, port
+        self.connect_timeout = connect_timeout  # how long a request waits for a (re)connection
+        self.call_timeout = call_timeout  # info / flush_cache answers
+        self.token_timeout = token_timeout  # longest silence tolerated inside a stream (queueing included)
+        self.max_backoff = max_backoff
+        self._writer: asyncio.StreamWriter | None = None
+        self._connected = asyncio.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self.last_error: str | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def load(self) -> int:
+        """Requests in flight on this worker (the router's load signal)."""
+        return len(self._streams)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def __repr__(self) -> str:
+        return f"WorkerClient({self.address}, load={self.load}, connected={self.connected})"
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._task is None and not self._closed:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"worker-{self.address}")
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        self._fail_pending("gateway shutting down")
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while not self._closed:
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.host, self.port), self.connect_timeout)
+            except (OSError, asyncio.TimeoutError) as e:
+                self.last_error = f"cannot connect to worker {self.address}: {e}"
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff)
+                continue
+            backoff = 0.05
+            self._writer = writer
+            self._connected.set()
+            self.last_error = None
+            log.info("connected to worker %s", self.address)
+            try:
+                await self._read_loop(reader)
+                reason = "worker closed the connection"
+            except (OSError, asyncio.IncompleteReadError) as e:
+                reason = f"connection to worker lost: {e!r}"
+            except ProtocolError as e:
+                # A frame we cannot trust leaves the stream misaligned: start over on a fresh connection.
+                reason = f"worker sent an invalid frame: {e}"
+            finally:
+                self._connected.clear()
+                self._writer = None
+                writer.close()
+            self.last_error = reason
+            log.warning("worker %s: %s", self.address, reason)
+            self._fail_pending(f"worker {self.address}: {reason}")
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            msg = await read_message(reader)
+            if isinstance(msg, TokenOutput):
+                queue = self._streams.get(msg.rid)
+                if queue is not None:  # else: output of a request we already gave up on
+                    queue.put_nowait(msg)
+            elif isinstance(msg, (InfoResult, FlushCacheResult)):
+                fut = self._calls.get(msg.call_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            else:
+                raise ProtocolError(f"unexpected message {msg.TYPE!r} from worker")
+
+    def _fail_pending(self, reason: str) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait(_Lost(reason))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(WorkerUnavailable(reason))
+
+    # ---------------------------------------------------------------- sending
+    async def _send(self, msg: Message) -> None:
+        self.start()
+        try:
+            await asyncio.wait_for(self._connected.wait(), self.connect_timeout)
+        except asyncio.TimeoutError:
+            raise WorkerUnavailable(self.last_error or f"worker {self.address} is not connected") from None
+        writer = self._writer
+        if writer is None:
+            raise WorkerUnavailable(f"worker {self.address} is not connected")
+        try:
+            writer.write(encode_frame(msg))
+            await asyncio.wait_for(writer.drain(), self.call_timeout)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise WorkerUnavailable(f"cannot send to worker {self.address}: {e!r}") from None
+
+    def _send_nowait(self, msg: Message) -> None:
+        """Best effort, never blocks: used from cleanup paths that may run inside a cancelled task."""
+        writer = self._writer
+        if writer is not None and not writer.is_closing():
+            writer.write(encode_frame(msg))
+
+    # ---------------------------------------------------------------- API
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenOutput]:
+        """Yield the worker's increments until one has `finished`. Raises WorkerUnavailable when the
+        connection drops or the worker goes silent; leaving early (break, cancel) aborts on the worker."""
+        if req.rid in self._streams:
+            raise ValueError(f"request id {req.rid!r} is already running on {self.address}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[req.rid] = queue
+        finished = False
+        try:
+            await self._send(req)
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), self.token_timeout)
+                except asyncio.TimeoutError:
+                    raise WorkerUnavailable(
+                        f"worker {self.address} sent nothing for {self.token_timeout:.0f} s") from None
+                if isinstance(item, _Lost):
+                    finished = True  # the worker side is gone; nothing to abort there
+                    raise WorkerUnavailable(item.reason)
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(req.rid, None)
+            if not finished:
+                self._send_nowait(AbortRequest(rid=req.rid))
+
+    async def abort(self, rid: str) -> None:
+        await self._send(AbortRequest(rid=rid))
+
+    async def _call(self, msg: Message, call_id: int) -> Message:
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            await self._send(msg)
+            return await asyncio.wait_for(fut, self.call_timeout)
+        except asyncio.TimeoutError:
+            raise WorkerUnavailable(f"worker {self.address} did not answer in {self.call_timeout} s") from None
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def info(self) -> dict:
+        call_id = next(self._call_ids)
+        result = await self._call(InfoRequest(call_id=call_id), call_id)
+        return result.info
+
+    async def flush_cache(self) -> FlushCacheResult:
+        call_id = next(self._call_ids)
+        return await self._call(FlushCacheRequest(call_id=call_id), call_id)
+
+
+def parse_worker_list(spec: str) -> list[tuple[str, int]]:
+    """'host:port,host:port' -> [(host, port), ...]"""
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"worker address {item!r} is not host:port")
+        out.append((host.strip("[]") or "127.0.0.1", int(port)))
+    if not out:
+        raise ValueError("no worker addresses given")
+    return out
