@@ -318,7 +318,10 @@ def test_vocab_mask_respected_for_greedy_and_random():
 
 # ---- devices ----
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_matches_cpu():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_matches_cpu(compiled, monkeypatch):
+    import shared.engine.sampler as sampler_mod
+    monkeypatch.setattr(sampler_mod, "COMPILE_ON_CUDA", compiled)
     x = torch.randn(256, 1000, generator=torch.Generator().manual_seed(10))
     params = [SP(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.1)] * 128 + [SP()] * 128
     kw = dict(seeds=list(range(256)), output_ids=[[1, 2, 3]] * 256, prompt_ids=[[4]] * 256, vocab=1000)
@@ -326,3 +329,4 @@ def test_cuda_matches_cpu():
     gpu = sample(x.cuda(), build(params, device="cuda", **kw), top_logprobs_num=3)
     assert (cpu.next_token_ids == gpu.next_token_ids.cpu()).float().mean() > 0.99
     assert torch.allclose(cpu.logprobs, gpu.logprobs.cpu(), atol=1e-4)
+    assert sampler_mod.COMPILE_ON_CUDA == compiled  # the compiled path really ran

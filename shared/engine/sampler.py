@@ -2,8 +2,8 @@
 sampling, and raw logprobs, for a whole batch in a few tensor ops.
 
 Randomness is a counter-based hash of (seed, step, token id), turned into Gumbel noise, so a
-request's draw depends only on its own seed and step: it is the same alone or in any batch, on any
-device, and needs no generator state. Sampling is then argmax(filtered_logits / T + Gumbel), which
+request's draw depends only on its own seed and step: it is the same alone or in any batch, and on
+any device up to float rounding of the logits, and needs no generator state. Sampling is then argmax(filtered_logits / T + Gumbel), which
 is an exact draw from softmax(filtered_logits / T) (the "exponential race": argmax p_i / E_i).
 
 Host work (building `SamplingBatch` from lists) happens once per step; `sample` itself never syncs
@@ -22,8 +22,9 @@ from shared.sampling_params import SamplingParams
 _NEG_INF = float("-inf")
 logger = logging.getLogger(__name__)
 
-# On CUDA the noise + race runs as one torch.compile'd kernel: eager needs ~20 passes over [B, V]
-# int64 (about 4 ms at B=256, V=128k on an H200). Set False to stay eager.
+# On CUDA the noise + race runs as one torch.compile'd kernel (compiled once, dynamic shapes): eager
+# makes ~18 passes over [B, V] int64, 3.5 ms vs 1.1 ms for a whole sampled step at B=256, V=128k on
+# an H200. Set False to stay eager (draws are the same integers either way).
 COMPILE_ON_CUDA = True
 
 # ---- counter-based hash in int64 torch ops ----
