@@ -72,8 +72,8 @@ async def _drain(stream: asyncio.StreamReader) -> None:
 
 def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
     argv = ["--model-path", args.model_path, "--workers", ",".join(addrs), "--host", args.host,
-            "--port", str(args.port)]
-    for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url"):
+            "--port", str(args.port), "--log-level", args.log_level]
+    for flag in ("served_model_name", "api_key", "admin_api_key"):
         value = getattr(args, flag)
         if value:
             argv += ["--" + flag.replace("_", "-"), value]
@@ -81,7 +81,7 @@ def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
 
 
 async def run(args: argparse.Namespace) -> int:
-    from services.gateway.__main__ import parse_args as gateway_parse_args
+    from services.gateway.__main__ import build_parser as gateway_parser
     from services.gateway.__main__ import start_gateway
 
     procs: list[asyncio.subprocess.Process] = []
@@ -102,7 +102,7 @@ async def run(args: argparse.Namespace) -> int:
             print(f"launch failed: {errors[0]}", file=sys.stderr, flush=True)
             return 1
         addrs = [s[1] for s in started]
-        runner, _state = await start_gateway(gateway_parse_args(_gateway_argv(args, addrs)))
+        runner, _state = await start_gateway(gateway_parser().parse_args(_gateway_argv(args, addrs)))
         print(f"READY http://{args.host}:{args.port} workers={','.join(addrs)}", flush=True)
         waits = [asyncio.create_task(p.wait()) for p in procs]
         stopper = asyncio.create_task(stop.wait())

@@ -1,0 +1,127 @@
+"""The real stack (launcher, gateway, worker process, tiny model) through real HTTP clients."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import requests
+from openai import OpenAI
+
+from tests.conftest import Stack
+
+
+def post(url, path, body, **kw):
+    return requests.post(url + path, json=body, timeout=60, **kw)
+
+
+def test_openai_client_completions_and_streamed_chat(base_url):
+    client = OpenAI(base_url=base_url + "/v1", api_key="none")
+    models = client.models.list()
+    assert models.data[0].id == "tiny-random"
+    c = client.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert c.choices[0].finish_reason in ("length", "stop") and c.usage.completion_tokens <= 8
+    chunks = list(client.chat.completions.create(
+        model="tiny-random", messages=[{"role": "user", "content": "Hi there"}], max_tokens=8, stream=True,
+        stream_options={"include_usage": True}, temperature=0))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    finals = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert len(finals) == 1
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens >= 1
+    full = client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "Hi there"}],
+                                          max_tokens=8, temperature=0)
+    assert full.choices[0].message.content == text
+
+
+def test_second_identical_request_reports_cached_tokens(base_url):
+    prompt = "A shared prefix that is long enough to be worth caching: " + "lorem ipsum " * 10
+    r1 = post(base_url, "/v1/completions", {"model": "tiny-random", "prompt": prompt, "max_tokens": 4}).json()
+    r2 = post(base_url, "/v1/completions", {"model": "tiny-random", "prompt": prompt, "max_tokens": 4}).json()
+    n = r1["usage"]["prompt_tokens"]
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    g = post(base_url, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 2}}).json()
+    assert g["meta_info"]["cached_tokens"] == n - 1
+
+
+def test_native_generate_batch_stream_and_logprobs(base_url):
+    r = post(base_url, "/generate", {"text": ["a b c", "d e f"], "sampling_params": {"max_new_tokens": 3,
+                                                                                      "temperature": 0}})
+    assert r.status_code == 200 and len(r.json()) == 2
+    body = {"text": "Streaming test", "stream": True, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    with requests.post(base_url + "/generate", json=body, stream=True, timeout=60) as resp:
+        assert "charset=utf-8" in resp.headers["content-type"].lower()
+        events = [line[6:].decode() for line in resp.iter_lines() if line.startswith(b"data: ")]
+    assert events[-1] == "[DONE]"
+    texts = [json.loads(e)["text"] for e in events[:-1]]
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))  # cumulative
+    plain = post(base_url, "/generate", {**body, "stream": False}).json()
+    assert texts[-1] == plain["text"]
+    lp = post(base_url, "/generate", {"text": "score me please", "sampling_params": {"max_new_tokens": 0},
+                                      "return_logprob": True, "logprob_start_len": 0,
+                                      "return_text_in_logprobs": True}).json()
+    entries = lp["meta_info"]["input_token_logprobs"]
+    assert entries[0][0] is None and all(isinstance(e[0], float) for e in entries[1:])
+    assert all(isinstance(e[2], str) for e in entries)
+
+
+def test_bad_inputs_get_openai_errors(base_url):
+    cases = [
+        ("/v1/completions", {"model": "nope", "prompt": "x"}),
+        ("/v1/completions", {"model": "tiny-random", "prompt": "x", "max_tokens": -1}),
+        ("/v1/completions", {"model": "tiny-random", "prompt": 5}),
+        ("/v1/chat/completions", {"model": "tiny-random", "messages": []}),
+        ("/v1/completions", {"model": "tiny-random", "prompt": "x", "n": 10_000}),
+        ("/v1/completions", {"model": "tiny-random", "prompt": "hello " * 5000}),
+        ("/generate", {"text": "x", "sampling_params": {"temperature": "hot"}}),
+    ]
+    for path, body in cases:
+        r = post(base_url, path, body)
+        assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
+        err = r.json()["error"]
+        assert {"message", "type", "param", "code"} <= set(err)
+    r = post(base_url, "/v1/completions", {"model": "tiny-random", "prompt": "hello " * 5000})
+    assert "context_length_exceeded" in json.dumps(r.json())
+    r = requests.post(base_url + "/v1/completions", data=b"x" * (64 * 1024 * 1024), timeout=60,
+                      headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_client_disconnect_frees_the_request(base_url):
+    body = {"text": "disconnect me", "stream": True,
+            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    with requests.post(base_url + "/generate", json=body, stream=True, timeout=60) as resp:
+        it = resp.iter_lines()
+        next(it)
+    # The worker must see the abort: nothing running shortly after.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        info = requests.get(base_url + "/server_info", timeout=10).json()
+        if _running(info) == 0:
+            break
+        time.sleep(0.2)
+    assert _running(info) == 0, info
+
+
+def _running(info) -> int:
+    workers = info.get("workers") or [info]
+    return sum(w.get("num_running", 0) + w.get("num_waiting", 0) for w in workers)
+
+
+def test_health_and_metrics(base_url):
+    assert requests.get(base_url + "/health", timeout=10).status_code == 200
+    m = requests.get(base_url + "/metrics", timeout=10).text
+    assert "sglang:prompt_tokens_total" in m and "sglang:time_to_first_token_seconds" in m
+    info = requests.get(base_url + "/get_model_info", timeout=10).json()
+    assert info["model_path"] == "tiny-random"
+
+
+def test_sigterm_stops_the_stack_cleanly():
+    s = Stack("--workers", "2")
+    try:
+        for _ in range(4):
+            r = post(s.url, "/generate", {"text": "two workers", "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 200
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0
