@@ -1,0 +1,81 @@
+"""Batch token masks: one packed int32 bitmask per step, filled on the host, applied on the device.
+
+Rows of unconstrained requests stay all-ones and are skipped when applying; a batch without any
+grammar builds nothing at all (`MaskBuilder.build` returns None).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import xgrammar as xgr
+
+from shared.constrained.matcher import GrammarState
+
+
+@dataclass
+class GrammarMask:
+    bitmask: torch.Tensor  # int32 [B, ceil(V/32)], bit j of row i set = token j allowed
+    rows: list[int]  # rows that carry a grammar; the others are all-ones
+    vocab_size: int  # model vocab V (logits width)
+
+    def to(self, device: torch.device | str) -> "GrammarMask":
+        return GrammarMask(self.bitmask.to(device, non_blocking=True), self.rows, self.vocab_size)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set disallowed logits to -inf in place (rows without a grammar are untouched)."""
+        apply_bitmask(logits, self.bitmask, rows=self.rows, vocab_size=self.vocab_size)
+
+    def to_bool(self) -> torch.Tensor:
+        """bool [B, V] of allowed tokens, on the bitmask's device (the sampler's `vocab_mask`)."""
+        return bitmask_to_bool(self.bitmask, self.vocab_size)
+
+
+class MaskBuilder:
+    """Fills the rows of constrained requests, in parallel across requests (xgrammar threads)."""
+
+    def __init__(self, vocab_size: int, max_threads: int = 2):
+        self.vocab_size = vocab_size
+        self._batch = xgr.BatchGrammarMatcher(max_threads)
+
+    def build(self, states: Sequence[GrammarState | None], device: torch.device | str | None = None
+              ) -> GrammarMask | None:
+        rows = [i for i, s in enumerate(states) if s is not None and not s.failed and not s.is_terminated()]
+        if not rows:
+            return None
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        # Pinned host memory lets the copy overlap; torch's caching host allocator makes a fresh
+        # buffer per step cheap and keeps it alive until the async copy has finished.
+        pin = device.type == "cuda"
+        bitmask = torch.full(xgr.get_bitmask_shape(len(states), self.vocab_size), -1,
+                             dtype=xgr.bitmask_dtype, pin_memory=pin)
+        self._batch.batch_fill_next_token_bitmask([states[i].matcher for i in rows], bitmask, rows)
+        mask = GrammarMask(bitmask, rows, self.vocab_size)
+        return mask.to(device) if device.type != "cpu" else mask
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, rows: list[int] | None = None,
+                  vocab_size: int | None = None) -> None:
+    """logits[B, V] = -inf where the bit is 0, with xgrammar's kernel for the logits' device (CPU,
+    CUDA/Triton). `rows` limits the work to constrained requests."""
+    if logits.shape[-1] > bitmask.shape[-1] * 32:
+        raise ValueError(f"logits have {logits.shape[-1]} columns but the bitmask covers "
+                         f"{bitmask.shape[-1] * 32}; build it with the model's vocab size")
+    if bitmask.device != logits.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    if rows is not None and len(rows) == logits.shape[0]:
+        rows = None  # every row constrained: the kernel's dense path
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size or logits.shape[-1], indices=rows)
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpack int32 [B, W] bits into bool [B, vocab_size] on the bitmask's device (one fused pass)."""
+    shifts = _SHIFTS.get(bitmask.device)
+    if shifts is None:
+        shifts = _SHIFTS[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()

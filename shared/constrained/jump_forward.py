@@ -1,0 +1,97 @@
+"""Jump-forward decoding over a compressed FSM (SGLang paper, section 4).
+
+When the grammar admits exactly one continuation for a while (`{"name": "` after `{`), those
+characters need no sampling: we append them in one extend step instead of one decode step each.
+
+Appending the forced text as its own tokens would show the model a tokenization it never saw in
+training (`"` + `name` where BPE writes `"name`), so the boundary is re-tokenized: the last few
+generated tokens' text plus the forced text is encoded again, and the caller replaces those
+tokens with the result. Only the part that changed is returned (`rollback` tokens out, `new_ids`
+in), so in the common case nothing is rolled back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.constrained.matcher import GrammarState
+from shared.tokenizer import Tokenizer
+
+# How many trailing output tokens may be re-tokenized. Each one beyond the last sampled token
+# already has KV in the cache, which the engine must drop; 2 covers a split UTF-8 character and
+# the usual BPE merge across the boundary.
+DEFAULT_MAX_RETOKENIZE = 2
+
+
+@dataclass
+class JumpForward:
+    forced_text: str  # what the grammar forced (informational; the ids are authoritative)
+    rollback: int  # drop this many trailing output tokens ...
+    new_ids: list[int]  # ... then append these (the matcher has already accepted them)
+
+
+def jump_forward(state: GrammarState, output_ids: list[int], tokenizer: Tokenizer, *,
+                 max_retokenize: int = DEFAULT_MAX_RETOKENIZE, budget: int | None = None) -> JumpForward | None:
+    """Advance `state` over the forced text; None when nothing is forced (or jump-forward is off).
+
+    `output_ids` are the request's generated tokens so far, all accepted by `state`. `budget`
+    caps the net growth of the output (tokens left before max_new_tokens). On success the matcher
+    stands after `output_ids[:len - rollback] + new_ids`; on None it is unchanged.
+    """
+    if not state.jump_forward or (budget is not None and budget <= 0):
+        return None
+    forced = state.find_jump_forward_string()
+    if not forced:
+        return None
+    tb = state.vocab.token_bytes
+    k = _tail_length(state, output_ids, max_retokenize)
+    tail = list(output_ids[len(output_ids) - k:])
+    tail_bytes = b"".join(tb[t] for t in tail)
+    ids = tokenizer.raw.encode(tail_bytes.decode("utf-8") + forced, add_special_tokens=False).ids
+    if any(t >= len(tb) for t in ids) or b"".join(tb[t] for t in ids) != tail_bytes + forced.encode():
+        return None  # the tokenizer normalizes or inserts special tokens: no faithful re-encoding
+    # A final token that a longer token extends would likely have merged with what the model
+    # writes next; leave those characters to the model (the mask still forces them) unless the
+    # token reaches back into text that was already generated.
+    if ids and state.vocab.is_extendable(ids[-1]) and len(b"".join(tb[t] for t in ids[:-1])) >= len(tail_bytes):
+        ids = ids[:-1]
+    common = _common_prefix(ids, tail)
+    rollback, new_ids = k - common, ids[common:]
+    if budget is not None:
+        new_ids = new_ids[:budget + rollback]
+    removed_bytes = b"".join(tb[t] for t in tail[common:])
+    added_bytes = b"".join(tb[t] for t in new_ids)
+    # Never lose generated text, and make progress.
+    if len(added_bytes) <= len(removed_bytes) or not added_bytes.startswith(removed_bytes):
+        return None
+    state.rollback(rollback)
+    if not state.accept_tokens(new_ids):
+        restored = state.accept_tokens(tail[common:])
+        assert restored, "re-accepting previously accepted tokens cannot fail"
+        return None
+    return JumpForward(forced_text=forced, rollback=rollback, new_ids=new_ids)
+
+
+def _tail_length(state: GrammarState, output_ids: list[int], max_retokenize: int) -> int:
+    """Largest k <= max_retokenize whose last-k tokens are ordinary, accepted by this matcher,
+    and start on a UTF-8 character boundary (so their text can be re-encoded exactly)."""
+    tb, special = state.vocab.token_bytes, state.vocab.special_ids
+    k = min(max_retokenize, state.num_accepted, len(output_ids))
+    while k > 0:
+        tail = output_ids[len(output_ids) - k:]
+        if not any(t in special or t >= len(tb) for t in tail):
+            try:
+                b"".join(tb[t] for t in tail).decode("utf-8")
+                return k
+            except UnicodeDecodeError:
+                pass
+        k -= 1
+    return 0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

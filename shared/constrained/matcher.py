@@ -1,0 +1,82 @@
+"""Per-request grammar state: which tokens may come next, and when the output is complete."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+from shared.constrained.vocab import VocabIndex
+
+
+@dataclass
+class GrammarState:
+    """Wraps one xgrammar GrammarMatcher and counts the tokens it has taken.
+
+    The count bounds rollback: jump-forward may only re-tokenize output that this matcher
+    accepted (not, say, a first token the grammar never saw).
+    """
+    matcher: xgr.GrammarMatcher
+    compiled: xgr.CompiledGrammar
+    vocab: VocabIndex
+    jump_forward: bool = True
+    num_accepted: int = 0
+    # Set when a token outside the grammar arrived (a sampler that ignored the mask):
+    # the request cannot be continued validly and must be aborted.
+    failed: bool = False
+
+    @classmethod
+    def create(cls, compiled: xgr.CompiledGrammar, vocab: VocabIndex, *, jump_forward: bool = True
+               ) -> "GrammarState":
+        return cls(matcher=xgr.GrammarMatcher(compiled), compiled=compiled, vocab=vocab, jump_forward=jump_forward)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token. False (and `failed`) if the grammar forbids it."""
+        if self.failed:
+            return False
+        if not self.matcher.accept_token(int(token_id)):
+            self.failed = True
+            return False
+        self.num_accepted += 1
+        return True
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """All or nothing: on a rejection the matcher is left as it was."""
+        taken = 0
+        for t in token_ids:
+            if not self.matcher.accept_token(int(t)):
+                if taken:
+                    self.matcher.rollback(taken)
+                return False
+            taken += 1
+        self.num_accepted += taken
+        return True
+
+    def rollback(self, n: int) -> None:
+        if n < 0 or n > self.num_accepted:
+            raise ValueError(f"cannot roll back {n} tokens; {self.num_accepted} accepted")
+        if n:
+            self.matcher.rollback(n)
+            self.num_accepted -= n
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the allowed-next-token bits into bitmask[row]. True if anything is masked."""
+        return self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        """A stop token was accepted: the request is done (finish reason: stop)."""
+        return self.matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        """The text so far is a full match (eos would be accepted now)."""
+        return self.matcher.is_completed()
+
+    def find_jump_forward_string(self) -> str:
+        if self.failed or self.matcher.is_terminated():
+            return ""
+        return self.matcher.find_jump_forward_string()
+
+    def fork(self) -> "GrammarState":
+        """An independent copy at the same position (for n > 1 sharing a prompt)."""
+        return GrammarState(matcher=self.matcher.fork(), compiled=self.compiled, vocab=self.vocab,
+                            jump_forward=self.jump_forward, num_accepted=self.num_accepted, failed=self.failed)

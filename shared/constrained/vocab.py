@@ -1,0 +1,79 @@
+"""The tokenizer as xgrammar sees it, built once per worker from our own `Tokenizer`.
+
+xgrammar's `TokenizerInfo.from_huggingface` wants a `transformers` tokenizer; we hold a bare
+`tokenizers.Tokenizer`, so we build the info from its vocabulary and serialized JSON ourselves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import xgrammar as xgr
+
+from shared.tokenizer import Tokenizer
+
+
+def build_tokenizer_info(tokenizer: Tokenizer, model_vocab_size: int | None = None) -> xgr.TokenizerInfo:
+    """TokenizerInfo whose mask width is the model's vocab (lm_head rows), not the tokenizer's.
+
+    Ids the tokenizer does not define (lm_head padding) get an empty string, which xgrammar treats
+    as a special token and never allows; ids beyond the model's vocab are dropped. Special added
+    tokens other than eos are blanked the same way: their text is dropped on detokenization, so
+    letting a grammar spell "<|endoftext|>" with one of them would produce output that no longer
+    matches the grammar.
+    """
+    vocab = tokenizer.raw.get_vocab(with_added_tokens=True)
+    size = model_vocab_size or max(max(vocab.values()) + 1, len(vocab))
+    hidden = {i for i, t in tokenizer.raw.get_added_tokens_decoder().items()
+              if t.special and i not in tokenizer.eos_token_ids}
+    encoded = [""] * size
+    for token, idx in vocab.items():
+        if idx < size and idx not in hidden:
+            encoded[idx] = token
+    vocab_type, add_prefix_space = _detect_encoding(tokenizer, vocab)
+    stop_ids = [i for i in tokenizer.eos_token_ids if i < size]
+    if not stop_ids:
+        raise ValueError("constrained decoding needs at least one eos token id inside the model vocab")
+    return xgr.TokenizerInfo(encoded, vocab_type, vocab_size=size, stop_token_ids=stop_ids,
+                             add_prefix_space=add_prefix_space)
+
+
+def _detect_encoding(tokenizer: Tokenizer, vocab: dict[str, int]) -> tuple[xgr.VocabType, bool]:
+    # The serialized pipeline (decoder, pre-tokenizer) says how tokens spell bytes; the vocabulary
+    # itself is the tie-breaker when the two disagree, as xgrammar's own HF path does.
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.raw.to_str())
+    vocab_type, add_prefix_space = meta["vocab_type"], bool(meta["add_prefix_space"])
+    from_vocab = xgr.TokenizerInfo._detect_vocab_type_from_vocab(vocab)
+    if from_vocab is not None and from_vocab != vocab_type:
+        vocab_type = from_vocab
+        first = tokenizer.raw.encode("a", add_special_tokens=False).tokens
+        marker = "\u2581" if vocab_type == xgr.VocabType.BYTE_FALLBACK else "\u0120"
+        add_prefix_space = bool(first) and first[0].startswith(marker)
+    return vocab_type, add_prefix_space
+
+
+@dataclass
+class VocabIndex:
+    """Byte strings of every token plus the set of tokens that a longer token extends.
+
+    Jump-forward needs both: exact bytes to rebuild text at a token boundary without lossy
+    decoding, and the prefix set to avoid ending a forced run on a token the model would
+    normally have merged with what follows.
+    """
+    token_bytes: list[bytes]
+    special_ids: frozenset[int]
+    extendable: frozenset[bytes] = field(repr=False)
+
+    @classmethod
+    def build(cls, info: xgr.TokenizerInfo) -> "VocabIndex":
+        token_bytes = list(info.decoded_vocab)
+        special = frozenset(info.special_token_ids) | frozenset(info.stop_token_ids)
+        prefixes: set[bytes] = set()
+        for i, tb in enumerate(token_bytes):
+            if i in special:
+                continue
+            for end in range(1, len(tb)):
+                prefixes.add(tb[:end])
+        return cls(token_bytes=token_bytes, special_ids=special, extendable=frozenset(prefixes))
+
+    def is_extendable(self, token_id: int) -> bool:
+        return self.token_bytes[token_id] in self.extendable

@@ -1,0 +1,445 @@
+"""Grammar-constrained decoding: simulated decoding with the tiny tokenizer and random logits.
+
+A fake "model" (a scorer) produces logits; the real mask, sampler-side application, matcher and
+jump-forward run as the engine would run them. Outputs must parse and validate.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import time
+from dataclasses import dataclass, field
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+
+from shared.constrained import GrammarCache, GrammarState, MaskBuilder, bitmask_to_bool, jump_forward
+from shared.errors import InvalidRequest
+from shared.tokenizer import Tokenizer
+
+MODEL_VOCAB = 448  # > 415 tokenizer ids: lm_head padding must never be sampled
+EOS = 2
+
+SCHEMAS = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "address": {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["city", "zip"]},
+        },
+        "required": ["name", "address"],
+    },
+    "array_enum": {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]},
+                     "minItems": 1, "maxItems": 4},
+            "status": {"enum": ["active", "inactive", 3]},
+        },
+        "required": ["tags", "status"],
+    },
+    "bounded_numbers": {
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer", "minimum": 18, "maximum": 99},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+            "count": {"type": "integer", "minimum": -5, "maximum": 5},
+        },
+        "required": ["age", "score", "count"],
+    },
+    "optional_fields": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 1000},
+            "nickname": {"type": "string", "maxLength": 8},
+            "active": {"type": "boolean"},
+            "note": {"type": ["string", "null"], "maxLength": 6},
+        },
+        "required": ["id"],
+    },
+    "string_pattern": {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+            "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.(com|org)$"},
+        },
+        "required": ["code", "email"],
+    },
+    "array_of_objects": {
+        "type": "array",
+        "items": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                   "y": {"type": "boolean"}}, "required": ["x", "y"]},
+        "minItems": 1, "maxItems": 3,
+    },
+}
+
+REGEXES = {
+    "date": r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])",
+    "phone": r"\(\d{3}\) \d{3}-\d{4}",
+    "yes_no": r"(yes|no)",
+    "ipv4": r"((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)",
+    "answer": r"The answer is (true|false)\.",
+}
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.load("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def cache(tok) -> GrammarCache:
+    c = GrammarCache(tok, MODEL_VOCAB)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def builder() -> MaskBuilder:
+    return MaskBuilder(MODEL_VOCAB)
+
+
+# ---------------------------------------------------------------- the fake model and decode loop
+def _closer_ids(tok: Tokenizer) -> torch.Tensor:
+    """Tokens that end strings/containers, and eos: pushing them up over time makes random
+    decoding finish instead of writing an endless string."""
+    ids = [i for i in range(tok.vocab_size) if any(ch in tok.token_text(i) for ch in '"}],')]
+    return torch.tensor(ids + [EOS])
+
+
+def random_scorer(tok: Tokenizer, seed: int):
+    """Random logits that depend on (seed, text so far), drifting toward closing tokens."""
+    closers = _closer_ids(tok)
+
+    def score(text: str, step: int) -> torch.Tensor:
+        h = int.from_bytes(hashlib.blake2b(f"{seed}|{text}".encode(), digest_size=8).digest(), "little")
+        logits = torch.randn(MODEL_VOCAB, generator=torch.Generator().manual_seed(h))
+        logits[closers] += 0.15 * step
+        return logits
+    return score
+
+
+def target_scorer(tok: Tokenizer, target: str):
+    """A greedy model that wants to write `target`: a deterministic function of the text so far.
+    Prefers the longest token that keeps the text a prefix of the target, then eos."""
+    target_b = target.encode()
+    token_b = [tok.raw.decode([i], skip_special_tokens=False).encode() for i in range(tok.vocab_size)]
+
+    def score(text: str, step: int) -> torch.Tensor:
+        done = text.encode()
+        logits = torch.full((MODEL_VOCAB,), -1e4)
+        for i, b in enumerate(token_b):
+            if i != EOS and b and target_b.startswith(done + b):
+                logits[i] = float(len(b))
+        if done == target_b:
+            logits[EOS] = 100.0
+        return logits
+    return score
+
+
+@dataclass
+class Req:
+    state: GrammarState | None
+    scorer: object
+    out: list[int] = field(default_factory=list)
+    steps: int = 0  # sampling steps taken (forward passes)
+    jumps: int = 0
+    done: bool = False
+
+
+def run_batch(tok, builder, reqs: list[Req], *, greedy: bool, jf: bool, max_steps: int = 160,
+              seed: int = 0, check_invariants: bool = True) -> None:
+    """The engine's per-step protocol: mask -> sample -> accept -> finish or jump forward."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(max_steps):
+        active = [r for r in reqs if not r.done]
+        if not active:
+            return
+        mask = builder.build([r.state for r in active])
+        logits = torch.stack([r.scorer(tok.decode(r.out), r.steps) for r in active])
+        if mask is not None:
+            allowed = mask.to_bool()
+            mask.apply(logits)
+            # the two mask forms agree, and padding/special ids are never allowed
+            assert torch.equal(allowed, logits > -1e30)
+            rows = allowed[mask.rows]
+            assert not rows[:, tok.vocab_size:].any() and not rows[:, [0, 1]].any()
+        if greedy:
+            next_ids = logits.argmax(-1).tolist()
+        else:
+            next_ids = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).squeeze(-1).tolist()
+        for r, t, row in zip(active, next_ids, range(len(active))):
+            r.steps += 1
+            if r.state is None:
+                r.out.append(t)
+                r.done = t == EOS or len(r.out) >= 20
+                continue
+            if check_invariants:  # eos is allowed exactly when the text so far is a full match
+                assert bool(allowed[row, EOS]) == r.state.is_completed()
+            assert r.state.accept_token(t), (tok.decode(r.out), t)
+            r.out.append(t)
+            if r.state.is_terminated():
+                r.done = True
+                continue
+            if jf:
+                before = tok.decode(r.out)
+                j = jump_forward(r.state, r.out, tok)
+                if j is not None:
+                    r.jumps += 1
+                    del r.out[len(r.out) - j.rollback:]
+                    r.out.extend(j.new_ids)
+                    after = tok.decode(r.out)
+                    assert after.startswith(before) and len(after) > len(before)
+                    if check_invariants:  # the matcher stands exactly after the new output
+                        fresh = GrammarState.create(r.state.compiled, r.state.vocab)
+                        assert fresh.accept_tokens(r.out)
+                        assert fresh.find_jump_forward_string() == r.state.find_jump_forward_string()
+
+
+def text_of(tok, req: Req) -> str:
+    assert req.done and req.out[-1] == EOS, f"did not finish: {tok.decode(req.out)!r}"
+    return tok.decode(req.out[:-1])
+
+
+# ---------------------------------------------------------------- validity
+@pytest.mark.parametrize("jf", [False, True], ids=["jf_off", "jf_on"])
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "random"])
+def test_json_schema_outputs_validate(tok, cache, builder, greedy, jf):
+    reqs, schemas = [], []
+    for i, (name, schema) in enumerate(SCHEMAS.items()):
+        compiled = cache.compile("json_schema", json.dumps(schema))
+        for seed in range(2):
+            reqs.append(Req(cache.new_state(compiled), random_scorer(tok, 100 * i + seed)))
+            schemas.append(schema)
+    reqs.append(Req(None, random_scorer(tok, 7)))  # an unconstrained neighbour in the batch
+    run_batch(tok, builder, reqs, greedy=greedy, jf=jf)
+    for r, schema in zip(reqs, schemas):
+        jsonschema.validate(json.loads(text_of(tok, r)), schema)
+    if jf:
+        assert sum(r.jumps for r in reqs[:-1]) > 0
+
+
+@pytest.mark.parametrize("jf", [False, True], ids=["jf_off", "jf_on"])
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "random"])
+def test_regex_outputs_fullmatch(tok, cache, builder, greedy, jf):
+    reqs, patterns = [], []
+    for i, pattern in enumerate(REGEXES.values()):
+        for seed in range(3):
+            reqs.append(Req(cache.state_for("regex", pattern), random_scorer(tok, 10 * i + seed)))
+            patterns.append(pattern)
+    run_batch(tok, builder, reqs, greedy=greedy, jf=jf)
+    for r, pattern in zip(reqs, patterns):
+        assert re.fullmatch(pattern, text_of(tok, r)), (pattern, text_of(tok, r))
+
+
+def test_ebnf_and_json_object(tok, cache, builder):
+    ebnf = 'root ::= "Answer: " ("yes" | "no") " (" [0-9] [0-9]? "%)"'
+    reqs = [Req(cache.state_for("ebnf", ebnf), random_scorer(tok, s)) for s in range(3)]
+    reqs += [Req(cache.state_for("json_object", None), random_scorer(tok, 50 + s)) for s in range(3)]
+    run_batch(tok, builder, reqs, greedy=False, jf=True, max_steps=300)
+    for r in reqs[:3]:
+        assert re.fullmatch(r"Answer: (yes|no) \(\d\d?%\)", text_of(tok, r))
+    for r in reqs[3:]:
+        assert isinstance(json.loads(text_of(tok, r)), (dict, list))
+
+
+# ---------------------------------------------------------------- jump-forward
+CASES = [("json_schema", json.dumps(s)) for s in SCHEMAS.values()] + [("regex", p) for p in REGEXES.values()]
+
+
+@pytest.mark.parametrize("kind,text", CASES, ids=list(SCHEMAS) + list(REGEXES))
+def test_jump_forward_on_and_off_write_the_same_text(tok, cache, builder, kind, text):
+    # A target the grammar admits, written by an unconstrained-ish random run without jumps ...
+    seed_req = Req(cache.state_for(kind, text), random_scorer(tok, 3))
+    run_batch(tok, builder, [seed_req], greedy=False, jf=False, seed=3)
+    target = text_of(tok, seed_req)
+    # ... then a greedy text-only scorer reproduces it exactly, with and without jumping.
+    runs = {}
+    for jf in (False, True):
+        r = Req(cache.state_for(kind, text), target_scorer(tok, target))
+        run_batch(tok, builder, [r], greedy=True, jf=jf)
+        runs[jf] = r
+        assert text_of(tok, r) == target
+    if kind == "json_schema":  # keys and punctuation are forced: jumping must save forward passes
+        assert runs[True].jumps > 0 and runs[True].steps < runs[False].steps
+
+
+def test_jump_forward_retokenizes_the_boundary(tok, cache):
+    state = cache.state_for("regex", r'\{"name": "[a-z]+"\}')
+    brace = tok.raw.token_to_id("{")
+    assert state.accept_token(brace)
+    j = jump_forward(state, [brace], tok)
+    # '{' + forced '"name": "' is encoded as the tokenizer would: '{"' replaces the lone '{'
+    assert j is not None and j.forced_text == '"name": "'
+    assert j.rollback == 1 and j.new_ids[0] == tok.raw.token_to_id('{"')
+    assert tok.decode(j.new_ids) == '{"name": "'[:len(tok.decode(j.new_ids))]
+    expected = tok.encode('{"name": "', add_special_tokens=False)
+    assert j.new_ids == expected[:len(j.new_ids)]
+    # and the matcher now stands after the new ids
+    fresh = GrammarState.create(state.compiled, state.vocab)
+    assert fresh.accept_tokens(j.new_ids) and state.num_accepted == len(j.new_ids)
+
+
+def test_jump_forward_budget_and_disable(tok, cache):
+    pattern = "The answer is (true|false)\\."
+    state = cache.state_for("regex", pattern)
+    j = jump_forward(state, [], tok, budget=2)
+    assert j is not None and j.rollback == 0 and len(j.new_ids) <= 2
+    assert jump_forward(cache.state_for("regex", pattern), [], tok, budget=0) is None
+
+    off = GrammarCache(tok, MODEL_VOCAB, jump_forward=False)
+    try:
+        assert jump_forward(off.state_for("regex", pattern), [], tok) is None
+    finally:
+        off.close()
+
+
+def test_jump_forward_leaves_matcher_unchanged_when_nothing_is_forced(tok, cache):
+    state = cache.state_for("regex", "(yes|no)")
+    assert jump_forward(state, [], tok) is None and state.num_accepted == 0
+
+
+# ---------------------------------------------------------------- compile: errors, time, cache
+@pytest.mark.parametrize("kind,text,param", [
+    ("regex", "(abc", "regex"),
+    ("regex", "[z-a]", "regex"),
+    ("json_schema", "{not json", "json_schema"),
+    ("json_schema", json.dumps({"type": "no-such-type"}), "json_schema"),
+    ("json_schema", "[1, 2]", "json_schema"),
+    ("ebnf", "root ::= ", "ebnf"),
+    ("ebnf", 'start ::= "a"', "ebnf"),
+])
+async def test_bad_grammar_is_invalid_request_quickly(tok, cache, kind, text, param):
+    t0 = time.perf_counter()
+    with pytest.raises(InvalidRequest) as e:
+        await cache.compile_async(kind, text, timeout_s=5)
+    assert e.value.param == param and kind in e.value.message
+    assert "/project/" not in e.value.message  # no C++ source paths leak to clients
+    with pytest.raises(InvalidRequest):  # the worker's sync path agrees (and hits the negative cache)
+        cache.compile(kind, text)
+    assert time.perf_counter() - t0 < 1.0
+
+
+async def test_param_override_unknown_kind_and_size_limit(tok):
+    small = GrammarCache(tok, MODEL_VOCAB, max_grammar_chars=100)
+    try:
+        with pytest.raises(InvalidRequest) as e:
+            await small.compile_async("json_schema", "{bad", param="response_format")
+        assert e.value.param == "response_format"
+        with pytest.raises(InvalidRequest, match="too large"):
+            small.compile("regex", "a" * 101)
+        with pytest.raises(InvalidRequest, match="unknown grammar kind"):
+            small.compile("lark", "x")
+    finally:
+        small.close()
+
+
+async def test_catastrophic_backtracking_regex_is_fast(cache):
+    t0 = time.perf_counter()
+    for pattern in [r"(a+)+$", r"(a|aa)*c", r"(x+x+)+y", r"(.*a){20}"]:
+        await cache.compile_async("regex", pattern, timeout_s=5)
+    assert time.perf_counter() - t0 < 1.0
+
+
+async def test_slow_compile_times_out_and_stays_refused(tok):
+    props = {f"f{i}": {"type": "object", "properties": {
+        f"s{j}": {"type": ["string", "integer", "null"], "pattern": "^[a-z]{3,9}$"} for j in range(20)}}
+        for i in range(10)}
+    huge = json.dumps({"type": "object", "properties": props})
+    c = GrammarCache(tok, MODEL_VOCAB)
+    try:
+        t0 = time.perf_counter()
+        ticks = 0
+
+        async def ticker():  # the event loop keeps running while the compile is in flight
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+        task = asyncio.create_task(ticker())
+        with pytest.raises(InvalidRequest, match="longer than") as e:
+            await c.compile_async("json_schema", huge, timeout_s=0.02)
+        task.cancel()
+        assert e.value.param == "json_schema" and time.perf_counter() - t0 < 0.5 and ticks > 3
+        t1 = time.perf_counter()
+        with pytest.raises(InvalidRequest, match="longer than"):
+            await c.compile_async("json_schema", huge, timeout_s=5)
+        assert time.perf_counter() - t1 < 0.05
+    finally:
+        c.close()
+
+
+def test_compile_cache_hit_returns_same_object(tok):
+    c = GrammarCache(tok, MODEL_VOCAB, max_entries=2)
+    try:
+        schema = json.dumps(SCHEMAS["nested"])
+        first = c.compile("json_schema", schema)
+        t0 = time.perf_counter()
+        second = c.compile("json_schema", schema)
+        assert second is first and time.perf_counter() - t0 < 0.005 and c.hits == 1
+        # concurrent requests for one new grammar share a single compile
+        f1, f2 = c.submit("regex", "[0-9]{4}"), c.submit("regex", "[0-9]{4}")
+        assert f1.result() is f2.result() and c.misses == 2
+        # LRU: a third grammar evicts the least recently used
+        c.compile("regex", "x+")
+        assert len(c) == 2 and c.compile("json_schema", schema) is not first
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------- masks
+def test_mask_none_without_grammar_and_rows_untouched(tok, cache, builder):
+    assert builder.build([None, None]) is None
+    state = cache.state_for("regex", "(yes|no)")
+    mask = builder.build([None, state, None])
+    logits = torch.zeros(3, MODEL_VOCAB)
+    mask.apply(logits)
+    assert mask.rows == [1]
+    assert torch.isfinite(logits[[0, 2]]).all()
+    allowed = {tok.token_text(i) for i in torch.isfinite(logits[1]).nonzero().flatten().tolist()}
+    assert allowed and all("yes".startswith(a) or "no".startswith(a) for a in allowed)
+    b = mask.to_bool()
+    assert b.shape == (3, MODEL_VOCAB) and b[[0, 2]].all() and torch.equal(b[1], torch.isfinite(logits[1]))
+
+
+def test_bitmask_to_bool_matches_xgrammar_layout():
+    bm = xgr.allocate_token_bitmask(2, 70)
+    bm.zero_()
+    bm[0, 0] = 1 << 5
+    bm[1, 2] = 1 << 3  # token 67
+    b = bitmask_to_bool(bm, 70)
+    assert b.shape == (2, 70)
+    assert b[0].nonzero().flatten().tolist() == [5] and b[1].nonzero().flatten().tolist() == [67]
+
+
+def test_tokenizer_info_is_byte_level(cache):
+    assert cache.info.vocab_type == xgr.VocabType.BYTE_LEVEL
+    assert cache.info.stop_token_ids == [EOS] and cache.vocab_size == MODEL_VOCAB
+    assert cache.vocab.token_bytes[cache.info.vocab_size - 1] == b""
+
+
+def test_mask_cost_at_batch_32(tok, cache, builder):
+    states = [cache.state_for("json_schema", json.dumps(s)) for s in SCHEMAS.values()]
+    states = [states[i % len(states)].fork() for i in range(32)]
+    for s in states:  # move off the first character so masks are not trivial
+        first = builder.build([s]).to_bool()[0].nonzero().flatten()[0].item()
+        assert s.accept_token(first)
+    logits = torch.randn(32, MODEL_VOCAB)
+    n = 50
+    t0 = time.perf_counter()
+    for _ in range(n):
+        mask = builder.build(states)
+        mask.apply(logits)
+    per_step = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        builder.build(states).to_bool()
+    per_step_bool = (time.perf_counter() - t0) / n
+    print(f"\nmask fill+apply at batch 32 (CPU, V={MODEL_VOCAB}): {per_step * 1e3:.3f} ms/step, "
+          f"{per_step / 32 * 1e6:.1f} us/token; fill+to_bool {per_step_bool * 1e3:.3f} ms/step")
