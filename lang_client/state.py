@@ -1,0 +1,151 @@
+"""`s`, the program state a program writes to, and the group `s.fork(n)` returns."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from lang_client.api import _role
+from lang_client.expr import Concat, RoleBegin, RoleEnd, Text, to_expr
+from lang_client.interpreter import Assign
+
+
+class ProgramState:
+    def __init__(self, stream_executor):
+        self.stream_executor = stream_executor
+        self.ret_value: Any = None
+
+    # ---- writing ----
+    def __iadd__(self, other: Any) -> "ProgramState":
+        self.stream_executor.submit(to_expr(other))
+        return self
+
+    def _role(self, role: str, expr: Any):
+        if expr is not None:
+            self.stream_executor.submit(_role(role, expr))
+            return None
+        return self._role_block(role)
+
+    @contextlib.contextmanager
+    def _role_block(self, role: str):
+        self.stream_executor.submit(RoleBegin(role))
+        yield self
+        self.stream_executor.submit(RoleEnd(role))
+
+    def system(self, expr: Any = None):
+        return self._role("system", expr)
+
+    def user(self, expr: Any = None):
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None):
+        return self._role("assistant", expr)
+
+    def set_var(self, name: str, value: Any) -> None:
+        self.stream_executor.submit(Assign(name, value))
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.set_var(name, value)
+
+    # ---- reading (these wait) ----
+    def __getitem__(self, name: str) -> Any:
+        return self.stream_executor.get_var(name)
+
+    def get_var(self, name: str) -> Any:
+        return self.stream_executor.get_var(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.stream_executor.var_events
+
+    def get_meta_info(self, name: str) -> Any:
+        return self.stream_executor.get_meta_info(name)
+
+    def sync(self) -> None:
+        self.stream_executor.sync()
+
+    def text(self) -> str:
+        self.sync()
+        return self.stream_executor.text_
+
+    def messages(self) -> list[dict[str, str]]:
+        self.sync()
+        return list(self.stream_executor.messages_)
+
+    def error(self) -> BaseException | None:
+        return self.stream_executor.error_
+
+    def variables(self) -> dict[str, Any]:
+        self.sync()
+        return dict(self.stream_executor.variables)
+
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """Text as it is produced (run(..., stream=True)); with var_name, only that variable's pieces."""
+        out = self.stream_executor.out_queue
+        if out is None:
+            raise RuntimeError("text_iter needs run(..., stream=True)")
+        while True:
+            item = out.get()
+            if item is None:
+                out.put(None)  # let a second iterator end too
+                if self.stream_executor.error_ is not None:
+                    raise self.stream_executor.error_
+                return
+            name, chunk = item
+            if var_name is None or name == var_name:
+                yield chunk
+
+    # ---- parallelism ----
+    def fork(self, size: int = 1) -> "ProgramStateGroup":
+        children = self.stream_executor.fork(size)
+        return ProgramStateGroup([ProgramState(c) for c in children], self)
+
+    def __repr__(self) -> str:
+        return f"ProgramState({self.text()!r})"
+
+
+class ProgramStateGroup:
+    def __init__(self, states: list[ProgramState], src_state: ProgramState):
+        self.states = states
+        self.src_state = src_state
+
+    def __getitem__(self, i: int) -> ProgramState:
+        return self.states[i]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __iter__(self):
+        return iter(self.states)
+
+    def __setitem__(self, i: int, value: ProgramState) -> None:
+        if value is not self.states[i]:  # `forks[i] += x` reassigns the same state; allow only that
+            raise TypeError("a fork list holds program states; append to them with +=")
+
+    def __iadd__(self, other: Any) -> "ProgramStateGroup":
+        """Append one expression to every fork, or the i-th of a list to the i-th fork."""
+        if isinstance(other, (list, tuple)):
+            if len(other) != len(self.states):
+                raise ValueError(f"{len(other)} expressions for {len(self.states)} forks")
+            for state, expr in zip(self.states, other):
+                state += expr
+        else:
+            for state in self.states:
+                state += other
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        """Wait for every fork. gather_variable: each variable the forks set becomes a list in the parent;
+        concate_and_append: the forks' new text is appended to the parent, in fork order."""
+        executors = [s.stream_executor for s in self.states]
+        for ex in executors:
+            ex.sync()
+            if ex.error_ is not None:
+                raise ex.error_
+        parent = self.src_state.stream_executor
+        if mode == "gather_variable":
+            names = [n for n in executors[0].defined_here if all(n in ex.defined_here for ex in executors)]
+            for name in names:
+                parent.submit(Assign(name, [ex.variables[name] for ex in executors]))
+        elif mode == "concate_and_append":
+            parent.submit(Concat([Text(ex.text_[ex.fork_start:]) for ex in executors]))
+        else:
+            raise ValueError(f"unknown join mode {mode!r}")
