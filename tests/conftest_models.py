@@ -78,6 +78,7 @@ class PagedHarness:
     next_slot: int = 1  # slot 0 is the pool's reserved padding slot
     rows: dict[int, int] = field(default_factory=dict)  # request key -> req_to_token row
     lens: dict[int, int] = field(default_factory=dict)  # request key -> tokens in the pool
+    backend: object = None  # an AttentionBackend; the torch reference when None
 
     def __post_init__(self):
         dtype = next(self.model.parameters()).dtype
@@ -86,7 +87,7 @@ class PagedHarness:
         self.kv = KVPool(self.cfg.num_hidden_layers, self.cfg.num_key_value_heads, self.cfg.head_dim,
                          num_pages=self.max_tokens, page_size=1, dtype=dtype, device=device)
         self.req_pool = ReqToTokenPool(self.max_reqs, self.cfg.context_length, device)
-        self.backend = TorchAttentionBackend(self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
+        self.backend = self.backend or TorchAttentionBackend(self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
                                              self.cfg.head_dim)
 
     def _alloc(self, n: int) -> torch.Tensor:
@@ -119,10 +120,11 @@ class PagedHarness:
         return dict(zip(keys, logits.split(ext)))
 
 
-def paged_greedy(model, cfg: ModelConfig, prompts: list[list[int]], steps: int) -> list[list[int]]:
+def paged_greedy(model, cfg: ModelConfig, prompts: list[list[int]], steps: int,
+                 backend=None) -> list[list[int]]:
     """Batched greedy: one EXTEND over all prompts, then `steps` DECODE passes. Returns 1 + steps
     tokens per prompt."""
-    h = PagedHarness(model, cfg)
+    h = PagedHarness(model, cfg, backend=backend)
     logits = h.step(ForwardMode.EXTEND, dict(enumerate(prompts)))
     out = {k: [int(v[-1].argmax())] for k, v in logits.items()}
     for _ in range(steps):

@@ -11,10 +11,21 @@ from safetensors.torch import load_file, save_file
 from shared.engine.forward_batch import ForwardMode
 from shared.models.config import ModelConfig
 from shared.models.loader import load_model
+from shared.models.weights import build_empty_model
 from shared.models.tiny_random import build_tiny_random_model, save_tiny_random_checkpoint, tiny_random_config
 from shared.tokenizer import Tokenizer
 from tests.conftest_models import PagedHarness, make_hf_model, paged_greedy, write_hf_checkpoint
 
+LLAMA31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+LLAMA31_LEGACY = {  # a Llama-3.1-8B config.json as transformers 4.x wrote it
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072, "hidden_act": "silu",
+    "rope_scaling": LLAMA31_ROPE,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
 PROMPT = [11, 42, 7, 300, 5, 99]
 
 
@@ -113,6 +124,19 @@ def test_dtype_choice(tmp_path):
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("scaling", [
+    None, {"rope_type": "linear", "factor": 2.0}, LLAMA31_ROPE,
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+def test_model_builds_on_the_context_device(scaling):
+    """Construction under a device context (meta here, cuda in serving) must not mix devices."""
+    cfg = ModelConfig.from_hf({**LLAMA31_LEGACY, "num_hidden_layers": 1, "max_position_embeddings": 256,
+                               "rope_scaling": scaling})
+    model = build_empty_model(cfg, torch.bfloat16, "meta")
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
+    cache = model.model.rotary_emb.cos_sin_cache
+    assert cache.is_meta and cache.dtype == torch.float32 and cache.shape == (256, cfg.head_dim)
+
+
 # ------------------------------------------------------------------ tiny-random
 def test_tiny_random_memory_and_disk_agree(tmp_path):
     mem, mem_cfg = load_model("tiny-random")
@@ -153,17 +177,6 @@ def test_tiny_random_is_deterministic_and_not_degenerate():
 
 
 # ------------------------------------------------------------------ config parsing
-LLAMA31_LEGACY = {  # a Llama-3.1-8B config.json as transformers 4.x wrote it
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072, "hidden_act": "silu",
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-
-
 def test_legacy_and_v5_rope_layouts_parse_the_same():
     legacy = ModelConfig.from_hf(LLAMA31_LEGACY)
     v5 = dict(LLAMA31_LEGACY)

@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
 
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         T = x.shape[0]
-        return rms_norm(x.reshape(T, -1, self.head_dim), norm.weight, self.eps).view(T, -1)
+        return rms_norm(x.reshape(-1, self.head_dim), norm.weight, self.eps).view(T, -1)
 
 
 class LlamaMLP(nn.Module):

@@ -56,9 +56,22 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_path: str, dtype: torch.dtype | None = None,
-               device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Model in eval mode (no grads) and its config. dtype defaults to bf16 on CUDA, fp32 elsewhere."""
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights in place (`--load-format dummy`): speed runs of a real shape without a checkpoint.
+    Norm weights are ones, the rest small normals, so activations stay finite through every layer."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+
+def load_model(model_path: str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+               load_format: str = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Model in eval mode (no grads) and its config. dtype defaults to bf16 on CUDA, fp32 elsewhere.
+    load_format "dummy" reads only config.json and fills random weights."""
     dtype = dtype or default_dtype(device)
     if model_path == TINY_RANDOM:
         from shared.models.tiny_random import build_tiny_random_model, tiny_random_config
@@ -67,5 +80,10 @@ def load_model(model_path: str, dtype: torch.dtype | None = None,
     model_dir = resolve_model_dir(model_path)
     cfg = load_config(model_dir)
     model = build_empty_model(cfg, dtype, device)
-    load_weights(model, iter_safetensors(safetensors_files(model_dir)))
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    elif load_format == "auto":
+        load_weights(model, iter_safetensors(safetensors_files(model_dir)))
+    else:
+        raise ValueError(f"unknown load format {load_format!r} (auto | dummy)")
     return model, cfg

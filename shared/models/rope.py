@@ -1,5 +1,5 @@
 """Rotary position embedding: inverse frequencies per scaling type, a cos/sin table over every position,
-and one function that rotates q and k (the op a fused kernel replaces later).
+and one function that rotates q and k (kernels.ops: Triton on CUDA, torch reference elsewhere).
 
 Layout is the HF "rotate half" convention: dimension i pairs with i + rotary_dim/2.
 """
@@ -11,10 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import ops
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] (fp32, CPU) and the factor cos/sin are multiplied by."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    """Inverse frequencies [head_dim/2] (fp32, on the default device) and the factor cos/sin are
+    multiplied by."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq, 1.0
@@ -73,19 +76,9 @@ def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any]) -> tuple[torc
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, Hq*D], k: [T, Hkv*D]; cos_sin_cache: [max_pos, D] fp32 (cos half then sin half).
-    Returns rotated q, k in their own dtype (rotation computed in fp32)."""
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return _rotate(q, cos, sin, head_dim), _rotate(k, cos, sin, head_dim)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
-    T = x.shape[0]
-    xf = x.view(T, -1, head_dim).float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype).view(T, -1)
+    """q: [T, Hq*D], k: [T, Hkv*D] (may be views into a fused qkv output; rotated in place);
+    cos_sin_cache: [max_pos, D] fp32, cos half then sin half. Returns the rotated q, k."""
+    return ops.apply_rope(q, k, positions, cos_sin_cache, head_dim)
 
 
 class RotaryEmbedding(nn.Module):
@@ -94,13 +87,15 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
         self.head_dim = head_dim
-        inv_freq, attn_factor = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(t, inv_freq)
-        cache = torch.cat((freqs.cos() * attn_factor, freqs.sin() * attn_factor), dim=-1)
-        # Not persistent: derived from the config, never read from a checkpoint. Built on CPU and moved,
-        # so a `torch.device(...)` context at construction puts it on the model's device.
-        self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()), persistent=False)
+        target = torch.get_default_device()
+        # Built on CPU whatever `torch.device(...)` context the model is constructed under, so the table
+        # is the same bits on every device, then moved to the model's device.
+        with torch.device("cpu"):
+            inv_freq, attn_factor = rope_inv_freq(head_dim, theta, scaling)
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+            cache = torch.cat((freqs.cos() * attn_factor, freqs.sin() * attn_factor), dim=-1)
+        # Not persistent: derived from the config, never read from a checkpoint.
+        self.register_buffer("cos_sin_cache", cache.to(target), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim)
