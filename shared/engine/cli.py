@@ -11,6 +11,7 @@ _CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
     "attention_backend": ["auto", "torch", "triton", "flashinfer"],
     "schedule_policy": ["lpm", "fcfs"],
+    "load_format": ["auto", "dummy"],
 }
 
 

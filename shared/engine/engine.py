@@ -43,11 +43,13 @@ class _Call:
 
 class Engine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer,
-                 on_output: Callable[[list[TokenOutput]], None]):
+                 on_output: Callable[[list[TokenOutput]], None], runner: ModelRunner | None = None):
+        """`runner` lets a benchmark reuse loaded weights and KV memory for several engine variants
+        (only one may be active at a time: they share the pool)."""
         self.config = config
         self.tokenizer = tokenizer
         self.on_output = on_output
-        self.runner = ModelRunner(config)
+        self.runner = runner or ModelRunner(config)
         model_eos = getattr(self.runner.model_config, "eos_token_ids", None) or []
         self.eos_token_ids = sorted(set(tokenizer.eos_token_ids) | set(model_eos))
         self.runner.eos_token_ids = self.eos_token_ids

@@ -51,12 +51,13 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.random_seed)
-        self.model, self.model_config = load_model(config.model_path, dtype=self.dtype, device=self.device)
+        self.model, self.model_config = load_model(config.model_path, dtype=self.dtype, device=self.device,
+                                                   load_format=config.load_format)
         mc = self.model_config
         self.vocab_size = mc.vocab_size
         self.tokenizer_vocab_size = mc.vocab_size  # the engine lowers it to the tokenizer's size
-        self.max_context_len = min(config.max_context_len or mc.max_position_embeddings,
-                                   mc.max_position_embeddings)
+        # context_length honours a sliding window: our attention is full-causal, exact only inside it.
+        self.max_context_len = min(config.max_context_len or mc.context_length, mc.context_length)
         self.page_size = config.page_size
         num_tokens = self._pool_tokens()
         num_pages = max(1, num_tokens // self.page_size)
@@ -69,6 +70,14 @@ class ModelRunner:
             head_dim=mc.head_dim, device=self.device)
         log.info("model %s on %s (%s): KV pool %d tokens, context %d", config.model_path, self.device,
                  self.dtype, self.max_total_tokens, self.max_context_len)
+        self.graph_runner = None
+        if self.device.type == "cuda" and config.cuda_graph and getattr(self.attn_backend, "graph_safe", False):
+            from shared.engine.cuda_graph import CudaGraphRunner
+
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.kv_pool, self.req_pool.req_to_token, self.attn_backend,
+                max_bs=min(config.cuda_graph_max_bs, config.max_running_requests), device=self.device,
+                progress=lambda line: print(line, flush=True))
 
     def _pool_tokens(self) -> int:
         if self.config.max_total_tokens:
@@ -102,24 +111,27 @@ class ModelRunner:
             batch.mode, batch.input_ids, [r.req_pool_idx for r in batch.reqs], batch.prefix_lens,
             batch.extend_lens, batch.out_cache_loc, self.req_pool.req_to_token, self.kv_pool,
             self.attn_backend, self.device)
+        n = batch.batch_size
+        out = StepOutput([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
+        if batch.mode == ForwardMode.DECODE and self.graph_runner is not None and self.graph_runner.can_run(n):
+            logits = self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
+                                           fb.out_cache_loc)
+            return self._sample(batch, logits, list(range(n)), out)
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model.forward(fb)
-        return self._postprocess(batch, hidden)
-
-    def _postprocess(self, batch: ScheduleBatch, hidden: torch.Tensor) -> StepOutput:
-        n = batch.batch_size
         ends, acc = [], 0
         for e in batch.extend_lens:
             acc += e
             ends.append(acc - 1)
         sampled = [i for i in range(n) if batch.sample[i] and batch.reqs[i].params.max_new_tokens > 0]
-        out = StepOutput([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
         if batch.mode == ForwardMode.EXTEND:
             self._input_logprobs(batch, hidden, out)
         if not sampled:
             return out
         rows = torch.tensor([ends[i] for i in sampled], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        return self._sample(batch, self.model.compute_logits(hidden[rows]), sampled, out)
+
+    def _sample(self, batch: ScheduleBatch, logits: torch.Tensor, sampled: list[int], out: StepOutput) -> StepOutput:
         if self.tokenizer_vocab_size < logits.shape[-1]:
             # Padded embedding rows have no text: never sample them.
             logits[:, self.tokenizer_vocab_size:] = float("-inf")

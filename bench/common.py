@@ -1,0 +1,185 @@
+"""Shared pieces of the benchmarks: device ceilings, model directories of real shapes, an engine driver."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.protocol import GenerateRequest
+from shared.tokenizer import save_tiny_tokenizer
+
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}
+TINY = {**LLAMA31_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+SHAPES = {"llama-3.1-8b": LLAMA31_8B, "tiny": TINY}
+
+
+def model_dir(shape: str, root: str = "/tmp/bench-models") -> str:
+    """config.json of the shape + a small tokenizer: loads with --load-format dummy (random weights)."""
+    path = os.path.join(root, shape)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(SHAPES[shape], f)
+    save_tiny_tokenizer(path)
+    return path
+
+
+def param_bytes(cfg: dict, bytes_per=2) -> int:
+    h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    per_layer = h * (nq + 2 * nkv) * hd + nq * hd * h + 3 * h * i + 2 * h
+    emb = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    return (L * per_layer + emb + h) * bytes_per
+
+
+def matmul_params(cfg: dict) -> int:
+    """Parameters touched by matmuls per token (embedding lookup excluded, lm_head included)."""
+    return param_bytes(cfg, 1) - cfg["vocab_size"] * cfg["hidden_size"]
+
+
+def kv_bytes_per_token(cfg: dict, bytes_per=2) -> int:
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * bytes_per
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(25):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    t = sorted(times[5:])[len(times[5:]) // 2]
+    return 2 * nbytes / t
+
+
+def measure_matmul_tflops(n: int = 8192) -> float:
+    if not torch.cuda.is_available():
+        return float("nan")
+    xs = [torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    w = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    times = []
+    for i in range(30):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        xs[i % 3] @ w
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    t = sorted(times[5:])[len(times[5:]) // 2]
+    return 2 * n ** 3 / t / 1e12
+
+
+@dataclass
+class RunStats:
+    wall_s: float = 0.0
+    steps: int = 0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    extend_step_s: list = field(default_factory=list)
+    extend_step_tokens: list = field(default_factory=list)
+    decode_step_s: list = field(default_factory=list)
+    decode_step_bs: list = field(default_factory=list)
+    gpu_idle_frac: float | None = None
+
+
+def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = False,
+          measure_idle: bool = False) -> RunStats:
+    """Submit all prompts, step the engine on this thread until every request finished."""
+    from shared.engine.forward_batch import ForwardMode
+
+    finished: dict[str, object] = {}
+
+    def on_output(outs):
+        for o in outs:
+            if o.finished:
+                finished[o.rid] = o
+    engine.on_output = on_output
+    base = f"b{time.monotonic_ns()}"
+    for i, p in enumerate(prompts):
+        engine.submit(GenerateRequest(rid=f"{base}-{i}", input_ids=p, sampling=sampling, stream=False))
+    stats = RunStats()
+    events = []
+    sync()
+    t0 = time.perf_counter()
+    sched = engine.scheduler
+    runner_forward = engine.runner.forward
+
+    def timed_forward(batch):
+        if measure_idle and batch.mode == ForwardMode.DECODE:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            out = runner_forward(batch)
+            e.record()
+            events.append((s, e))
+            return out
+        if not time_steps:
+            return runner_forward(batch)
+        sync()
+        ts = time.perf_counter()
+        out = runner_forward(batch)
+        sync()
+        dt = time.perf_counter() - ts
+        if batch.mode == ForwardMode.EXTEND:
+            stats.extend_step_s.append(dt)
+            stats.extend_step_tokens.append(sum(batch.extend_lens))
+        else:
+            stats.decode_step_s.append(dt)
+            stats.decode_step_bs.append(batch.batch_size)
+        return out
+
+    engine.runner.forward = timed_forward
+    try:
+        while len(finished) < len(prompts):
+            engine.step()
+            stats.steps += 1
+    finally:
+        engine.runner.forward = runner_forward
+    sync()
+    stats.wall_s = time.perf_counter() - t0
+    for o in finished.values():
+        if o.error:
+            raise RuntimeError(f"request failed: {o.error}")
+        stats.output_tokens += o.completion_tokens
+        stats.prompt_tokens += o.prompt_tokens
+        stats.cached_tokens += o.cached_tokens
+    if events:
+        busy = sum(s.elapsed_time(e) for s, e in events)
+        span = events[0][0].elapsed_time(events[-1][1])
+        stats.gpu_idle_frac = max(0.0, 1 - busy / span) if span > 0 else None
+    assert sched.is_idle()
+    return stats
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")

@@ -1,0 +1,211 @@
+"""Offline engine benchmark (no HTTP): random-weight Llama-3.1-8B shape, bf16, through the real engine
+(scheduler, radix cache, sampler, CUDA graphs). Finishes inside 10 minutes on one H200.
+
+    python bench/offline.py [--shape llama-3.1-8b|tiny] [--skip-hf] [--out DIR]
+
+Measures the device's copy bandwidth and bf16 matmul rate first, and reports every figure next to its
+roofline from those measured ceilings. Prints a short table last; writes offline.json (+ a PNG) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.common import (SHAPES, drive, kv_bytes_per_token, matmul_params, measure_copy_bandwidth,  # noqa: E402
+                          measure_matmul_tflops, median, model_dir, param_bytes, random_prompts, sync)
+from shared.engine.config import EngineConfig  # noqa: E402
+from shared.engine.engine import Engine  # noqa: E402
+from shared.tokenizer import Tokenizer  # noqa: E402
+
+GREEDY_FIXED = {"temperature": 0, "ignore_eos": True}
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def throughput_roofline(cfg, n, prompt_len, out_len, bw, tflops):
+    flops_prefill = n * prompt_len * (2 * matmul_params(cfg)
+                                      + 2 * cfg["num_hidden_layers"] * cfg["num_attention_heads"]
+                                      * cfg["head_dim"] * prompt_len)  # causal attention, both matmuls
+    t_prefill = flops_prefill / (tflops * 1e12)
+    w = param_bytes(cfg) - cfg["vocab_size"] * cfg["hidden_size"] * 2  # the embedding is not streamed
+    t_decode = sum((w + n * (prompt_len + s) * kv_bytes_per_token(cfg)) / bw for s in range(out_len - 1))
+    return n * out_len / (t_prefill + t_decode), t_prefill, t_decode
+
+
+def run_hf_peer(cfg_dict, prompts, out_len):
+    """HF transformers continuous batching (generate_batch) on the same workload, random weights."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures",)})
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    gen = GenerationConfig(max_new_tokens=out_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+    sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        res = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+    sync()
+    dt = time.perf_counter() - t0
+    out_tokens = sum(len(getattr(r, "generated_tokens", []) or []) for r in res.values())
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out_tokens / dt if dt > 0 else float("nan"), out_tokens, dt
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--num-reqs", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--out-len", type=int, default=128)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    cfg = SHAPES[args.shape]
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "shape": args.shape,
+                 "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+
+    log("measuring ceilings")
+    bw = measure_copy_bandwidth() if cuda else 50e9
+    tflops = measure_matmul_tflops() if cuda else 0.5
+    res["copy_bw_GBps"] = bw / 1e9
+    res["matmul_tflops"] = tflops
+    log(f"copy {bw / 1e12:.2f} TB/s, bf16 matmul {tflops:.0f} TFLOP/s")
+
+    path = model_dir(args.shape)
+    tok = Tokenizer.load(path)
+    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=8192, max_running_requests=256,
+                      chunked_prefill_size=8192, max_prefill_tokens=8192, cuda_graph=cuda)
+    t0 = time.perf_counter()
+    eng = Engine(ec, tok, on_output=lambda o: None)
+    res["engine_init_s"] = time.perf_counter() - t0
+    res["kv_pool_tokens"] = eng.runner.max_total_tokens
+    res["cuda_graphs"] = eng.runner.graph_runner is not None
+    log(f"engine up in {res['engine_init_s']:.1f}s, KV pool {eng.runner.max_total_tokens} tokens, "
+        f"graphs={res['cuda_graphs']}")
+    vocab = 400
+
+    log("warm-up")
+    drive(eng, random_prompts(8, 64, vocab, 0), {**GREEDY_FIXED, "max_new_tokens": 8})
+    drive(eng, random_prompts(1, 64, vocab, 1), {**GREEDY_FIXED, "max_new_tokens": 4, "temperature": 1.0})
+
+    # 1. Batch-1 decode.
+    log("batch-1 decode")
+    st = drive(eng, random_prompts(1, 512, vocab, 2), {**GREEDY_FIXED, "max_new_tokens": 256}, time_steps=True)
+    step_ms = median(st.decode_step_s) * 1e3
+    st2 = drive(eng, random_prompts(1, 512, vocab, 3), {**GREEDY_FIXED, "max_new_tokens": 256})
+    wall_step_ms = st2.wall_s / max(1, st2.steps) * 1e3
+    w_bytes = param_bytes(cfg) - cfg["vocab_size"] * cfg["hidden_size"] * 2
+    floor_ms = (w_bytes + 768 * kv_bytes_per_token(cfg)) / bw * 1e3
+    res["b1_decode_ms_step_synced"] = step_ms
+    res["b1_decode_ms_step_wall"] = wall_step_ms
+    res["b1_decode_floor_ms"] = floor_ms
+    log(f"batch-1 decode {wall_step_ms:.2f} ms/step wall ({step_ms:.2f} synced), floor {floor_ms:.2f} ms")
+
+    # 2. Throughput, zero reuse (distinct prompts), radix cache on.
+    n, pl, ol = args.num_reqs, args.prompt_len, args.out_len
+    log(f"throughput {n} x ({pl} in, {ol} out), radix cache on")
+    prompts = random_prompts(n, pl, vocab, 10)
+    st = drive(eng, prompts, {**GREEDY_FIXED, "max_new_tokens": ol})
+    tput = st.output_tokens / st.wall_s
+    roof, t_pf, t_dec = throughput_roofline(cfg, n, pl, ol, bw, tflops)
+    res.update(tput_tok_s=tput, tput_roofline_tok_s=roof, tput_wall_s=st.wall_s, tput_cached=st.cached_tokens,
+               roof_prefill_s=t_pf, roof_decode_s=t_dec)
+    log(f"  {tput:.0f} output tok/s in {st.wall_s:.2f}s (roofline {roof:.0f})")
+
+    # 3. Same workload, radix cache off (a fresh engine on the same weights and pool).
+    eng.cache.reset()
+    ec_off = EngineConfig(**{**ec.__dict__, "disable_radix_cache": True})
+    eng_off = Engine(ec_off, tok, on_output=lambda o: None, runner=eng.runner)
+    log("throughput, radix cache off")
+    st_off = drive(eng_off, random_prompts(n, pl, vocab, 11), {**GREEDY_FIXED, "max_new_tokens": ol})
+    tput_off = st_off.output_tokens / st_off.wall_s
+    res["tput_cache_off_tok_s"] = tput_off
+    log(f"  {tput_off:.0f} output tok/s")
+    # Repeat cache-on once more so the two are compared warm, in alternating order.
+    st_on2 = drive(eng, random_prompts(n, pl, vocab, 12), {**GREEDY_FIXED, "max_new_tokens": ol})
+    res["tput_tok_s_repeat"] = st_on2.output_tokens / st_on2.wall_s
+    eng.cache.reset()
+
+    # 4. GPU idle between decode steps at batch 64.
+    if cuda:
+        log("GPU idle at batch 64")
+        st = drive(eng, random_prompts(64, 128, vocab, 20), {**GREEDY_FIXED, "max_new_tokens": 256},
+                   measure_idle=True)
+        res["gpu_idle_frac_b64"] = st.gpu_idle_frac
+        res["b64_decode_tok_s"] = st.output_tokens / st.wall_s
+        log(f"  idle {100 * (st.gpu_idle_frac or 0):.1f}%")
+        eng.cache.reset()
+
+    # 5. Prefill at 8k-token batches.
+    log("prefill 8k-token batches")
+    st = drive(eng, random_prompts(16, 4096, vocab, 30), {**GREEDY_FIXED, "max_new_tokens": 1}, time_steps=True)
+    full = [(t, k) for t, k in zip(st.extend_step_s, st.extend_step_tokens) if k >= 8192]
+    pf_tok_s = sum(k for _, k in full) / sum(t for t, _ in full) if full else float("nan")
+    flops_tok = 2 * matmul_params(cfg) + 2 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * 4096
+    res["prefill_tok_s"] = pf_tok_s
+    res["prefill_tflops"] = pf_tok_s * flops_tok / 1e12
+    log(f"  {pf_tok_s:.0f} tok/s = {res['prefill_tflops']:.0f} TFLOP/s")
+    eng.cache.reset()
+
+    del eng, eng_off
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    if cuda and not args.skip_hf:
+        log("HF transformers generate_batch peer")
+        try:
+            hf_tput, hf_tokens, hf_s = run_hf_peer(cfg, prompts, ol)
+            res.update(hf_tput_tok_s=hf_tput, hf_tokens=hf_tokens, hf_s=hf_s)
+            log(f"  {hf_tput:.0f} tok/s ({hf_tokens} tokens in {hf_s:.1f}s)")
+        except Exception as e:  # the peer is a reference, not the subject: report and go on
+            res["hf_error"] = repr(e)[:300]
+            log(f"  HF peer failed: {e!r}"[:300])
+
+    with open(os.path.join(args.out, "offline.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    rows = [
+        ("batch-1 decode ms/step", res["b1_decode_ms_step_wall"], res["b1_decode_floor_ms"],
+         res["b1_decode_floor_ms"] / res["b1_decode_ms_step_wall"]),
+        ("256x(512,128) out tok/s", res["tput_tok_s"], res["tput_roofline_tok_s"], res["tput_tok_s"] / res["tput_roofline_tok_s"]),
+        ("  cache off tok/s", res["tput_cache_off_tok_s"], res["tput_tok_s"], res["tput_cache_off_tok_s"] / res["tput_tok_s"]),
+        ("prefill TFLOP/s (8k batches)", res["prefill_tflops"], tflops, res["prefill_tflops"] / tflops),
+    ]
+    if "hf_tput_tok_s" in res:
+        rows.append(("HF generate_batch tok/s", res["hf_tput_tok_s"], res["tput_tok_s"], res["tput_tok_s"] / res["hf_tput_tok_s"]))
+    if "gpu_idle_frac_b64" in res:
+        rows.append(("GPU idle between steps b64", res["gpu_idle_frac_b64"] * 100, 5.0, float("nan")))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 3))
+        names = [r[0] for r in rows[:4]]
+        ax.barh(names, [r[3] for r in rows[:4]])
+        ax.axvline(1.0, color="k", lw=0.5)
+        ax.set_xlabel("ratio to roofline / reference")
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "offline.png"), dpi=100)
+    except Exception as e:
+        log(f"no plot: {e!r}")
+    print(f"\n{res['gpu']}  copy {bw / 1e12:.2f} TB/s  matmul {tflops:.0f} TFLOP/s  KV pool {res['kv_pool_tokens']} tokens")
+    print(f"{'metric':34s} {'measured':>12s} {'reference':>12s} {'ratio':>7s}")
+    for name, v, ref, ratio in rows:
+        print(f"{name:34s} {v:12.2f} {ref:12.2f} {ratio:7.3f}")
+
+
+if __name__ == "__main__":
+    main()

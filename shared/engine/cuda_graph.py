@@ -1,0 +1,108 @@
+"""CUDA graphs for decode: one graph per batch size bucket, captured at start-up; a batch is padded up
+to the next captured size. Eager decode on a GPU is launch-bound (hundreds of kernels per step at
+~10 µs each), a replay is one launch.
+
+Padding rows point at request row 0 (all zeros in req_to_token -> slot 0, the reserved padding slot)
+with seq_len 1, so they read and write only the padding slot.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from shared.engine.forward_batch import ForwardBatch, ForwardMode
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 8)) + list(range(272, 1025, 16))
+    return [s for s in sizes if s <= max_bs] or [1]
+
+
+class CudaGraphRunner:
+    def __init__(self, model, kv_pool, req_to_token: torch.Tensor, attn_backend, max_bs: int,
+                 device: torch.device, progress=print):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.attn_backend = attn_backend
+        self.device = device
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        n = self.max_bs
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.req_pool_indices = torch.zeros(n, **i64)
+        self.seq_lens = torch.ones(n, **i32)
+        self.prefix_lens = torch.zeros(n, **i32)
+        self.ones = torch.ones(n, **i32)
+        self.start_loc = torch.arange(n, **i32)
+        self.out_cache_loc = torch.zeros(n, **i64)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self._capture_all(progress)
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs], extend_prefix_lens=self.prefix_lens[:bs],
+            extend_seq_lens=self.ones[:bs], extend_start_loc=self.start_loc[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], req_to_token=self.req_to_token, kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend)
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        fb = self._batch(bs)
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model.compute_logits(self.model.forward(fb))
+
+    def _capture_all(self, progress) -> None:
+        t0 = time.monotonic()
+        stream = torch.cuda.Stream(self.device)
+        # Largest first, so smaller graphs reuse the memory pool the largest one reserved.
+        for i, bs in enumerate(reversed(self.sizes)):
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: autotuning and lazy allocations stay out of the graph
+                    self._forward(bs)
+            stream.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                out = self._forward(bs)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[bs] = g
+            self.outputs[bs] = out
+            if progress is not None and (i % 8 == 0 or i == len(self.sizes) - 1):
+                progress(f"capturing CUDA graphs: {i + 1}/{len(self.sizes)} (bs={bs})")
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d decode graphs in %.1fs", len(self.sizes), time.monotonic() - t0)
+
+    def can_run(self, bs: int) -> bool:
+        return bs <= self.max_bs
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, req_pool_indices: torch.Tensor,
+            seq_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> torch.Tensor:
+        """All inputs are device tensors of the real batch size n; returns logits [n, vocab]."""
+        n = input_ids.shape[0]
+        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        if bs != n:
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+            self.req_pool_indices[n:bs].zero_()
+            self.seq_lens[n:bs].fill_(1)
+            self.out_cache_loc[n:bs].zero_()
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.req_pool_indices[:n].copy_(req_pool_indices)
+        self.seq_lens[:n].copy_(seq_lens)
+        self.prefix_lens[:n].copy_(seq_lens - 1)
+        self.out_cache_loc[:n].copy_(out_cache_loc)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
