@@ -300,6 +300,34 @@ def test_jump_forward_budget_and_disable(tok, cache):
         off.close()
 
 
+def test_jump_forward_falls_back_when_the_tokenizer_does_not_round_trip(tok, cache):
+    class PrefixSpaceTokenizer:  # encodes like a SentencePiece tokenizer: a space is prepended
+        class raw:
+            @staticmethod
+            def encode(text, add_special_tokens=False):
+                return tok.raw.encode(" " + text, add_special_tokens=False)
+
+    state = cache.state_for("regex", r'\{"name": "[a-z]+"\}')
+    brace = tok.raw.token_to_id("{")
+    assert state.accept_token(brace)
+    j = jump_forward(state, [brace], PrefixSpaceTokenizer)
+    assert j is not None and j.rollback == 0  # nothing re-tokenized, xgrammar's tokens appended
+    text = tok.decode([brace] + j.new_ids)
+    assert len(text) > 1 and '{"name": "'.startswith(text)
+    fresh = GrammarState.create(state.compiled, state.vocab)
+    assert fresh.accept_tokens([brace] + j.new_ids)
+
+
+def test_extendable_tokens_match_brute_force(cache):
+    tb, special = cache.vocab.token_bytes, cache.vocab.special_ids
+    ordinary = [b for i, b in enumerate(tb) if i not in special and b]
+    for i, b in enumerate(tb):
+        if i in special or not b:
+            continue
+        expected = any(o != b and o.startswith(b) for o in ordinary)
+        assert cache.vocab.is_extendable(i) == expected, (i, b)
+
+
 def test_jump_forward_leaves_matcher_unchanged_when_nothing_is_forced(tok, cache):
     state = cache.state_for("regex", "(yes|no)")
     assert jump_forward(state, [], tok) is None and state.num_accepted == 0
@@ -336,6 +364,7 @@ async def test_param_override_unknown_kind_and_size_limit(tok):
             small.compile("regex", "a" * 101)
         with pytest.raises(InvalidRequest, match="unknown grammar kind"):
             small.compile("lark", "x")
+        assert isinstance(small.submit("regex", "a" * 101).exception(), InvalidRequest)
     finally:
         small.close()
 

@@ -51,7 +51,8 @@ class GrammarCache:
         self._pool = cf.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._compiled: OrderedDict[GrammarKey, xgr.CompiledGrammar] = OrderedDict()
-        self._rejected: OrderedDict[GrammarKey, InvalidRequest] = OrderedDict()
+        # (message, param) rather than exception objects: re-raising one object grows its traceback.
+        self._rejected: OrderedDict[GrammarKey, tuple[str, str | None]] = OrderedDict()
         self._inflight: dict[GrammarKey, cf.Future] = {}
         self.hits = 0
         self.misses = 0
@@ -60,13 +61,17 @@ class GrammarCache:
     def submit(self, kind: str, text: str | None, param: str | None = None) -> cf.Future:
         """A future of the CompiledGrammar; done at once on a cache hit. Never blocks.
 
-        The future raises InvalidRequest for a bad grammar. Callers that must not wait (the
-        engine's scheduler) poll `.done()`.
+        The future raises InvalidRequest for a bad grammar (also for an unknown kind or an
+        oversized text). Callers that must not wait (the engine's scheduler) poll `.done()`.
         """
-        key = self._key(kind, text, param)
+        try:
+            key = self._key(kind, text, param)
+        except InvalidRequest as e:
+            return _done(exc=e)
         with self._lock:
             if key in self._rejected:
-                return _done(exc=self._rejected[key])
+                message, rejected_param = self._rejected[key]
+                return _done(exc=InvalidRequest(message, param or rejected_param))
             compiled = self._compiled.get(key)
             if compiled is not None:
                 self._compiled.move_to_end(key)
@@ -164,7 +169,7 @@ class GrammarCache:
         with self._lock:
             self._inflight.pop(key, None)
             if error is not None:
-                _put_bounded(self._rejected, key, error, self.max_entries)
+                _put_bounded(self._rejected, key, (error.message, error.param), self.max_entries)
             elif key not in self._rejected:  # a timed-out grammar stays refused
                 _put_bounded(self._compiled, key, compiled, self.max_entries)
 
@@ -172,7 +177,7 @@ class GrammarCache:
         err = InvalidRequest(f"{kind} took longer than {timeout:g}s to compile; simplify it",
                              param or DEFAULT_PARAM.get(kind, "response_format"))
         with self._lock:
-            _put_bounded(self._rejected, self._key(kind, text, param), err, self.max_entries)
+            _put_bounded(self._rejected, self._key(kind, text, param), (err.message, err.param), self.max_entries)
         return err
 
 

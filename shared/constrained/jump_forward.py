@@ -43,17 +43,13 @@ def jump_forward(state: GrammarState, output_ids: list[int], tokenizer: Tokenize
     if not forced:
         return None
     tb = state.vocab.token_bytes
-    k = _tail_length(state, output_ids, max_retokenize)
-    tail = list(output_ids[len(output_ids) - k:])
-    tail_bytes = b"".join(tb[t] for t in tail)
-    ids = tokenizer.raw.encode(tail_bytes.decode("utf-8") + forced, add_special_tokens=False).ids
-    if any(t >= len(tb) for t in ids) or b"".join(tb[t] for t in ids) != tail_bytes + forced.encode():
-        return None  # the tokenizer normalizes or inserts special tokens: no faithful re-encoding
-    # A final token that a longer token extends would likely have merged with what the model
-    # writes next; leave those characters to the model (the mask still forces them) unless the
-    # token reaches back into text that was already generated.
-    if ids and state.vocab.is_extendable(ids[-1]) and len(b"".join(tb[t] for t in ids[:-1])) >= len(tail_bytes):
-        ids = ids[:-1]
+    tail, ids = _retokenize(state, output_ids, tokenizer, forced, max_retokenize)
+    if ids is None:
+        # The tokenizer does not round-trip this text on its own (a SentencePiece prefix space,
+        # a normalizer, a special token): append xgrammar's own greedy tokens for the forced
+        # text, which already leave out an extendable last token.
+        tail, ids = [], state.matcher.find_jump_forward_tokens()
+    k = len(tail)
     common = _common_prefix(ids, tail)
     rollback, new_ids = k - common, ids[common:]
     if budget is not None:
@@ -69,6 +65,25 @@ def jump_forward(state: GrammarState, output_ids: list[int], tokenizer: Tokenize
         assert restored, "re-accepting previously accepted tokens cannot fail"
         return None
     return JumpForward(forced_text=forced, rollback=rollback, new_ids=new_ids)
+
+
+def _retokenize(state: GrammarState, output_ids: list[int], tokenizer: Tokenizer, forced: str,
+                max_retokenize: int) -> tuple[list[int], list[int] | None]:
+    """(tail, ids): the trailing output tokens to replace and the tokenizer's own encoding of
+    their text + the forced text; ids is None when that encoding does not reproduce the bytes."""
+    tb = state.vocab.token_bytes
+    k = _tail_length(state, output_ids, max_retokenize)
+    tail = list(output_ids[len(output_ids) - k:])
+    tail_bytes = b"".join(tb[t] for t in tail)
+    ids = tokenizer.raw.encode(tail_bytes.decode("utf-8") + forced, add_special_tokens=False).ids
+    if any(t >= len(tb) for t in ids) or b"".join(tb[t] for t in ids) != tail_bytes + forced.encode():
+        return tail, None
+    # A final token that a longer token extends would likely have merged with what the model
+    # writes next; leave those characters to the model (the mask still forces them) unless the
+    # token reaches back into text that was already generated.
+    if ids and state.vocab.is_extendable(ids[-1]) and len(b"".join(tb[t] for t in ids[:-1])) >= len(tail_bytes):
+        ids = ids[:-1]
+    return tail, ids
 
 
 def _tail_length(state: GrammarState, output_ids: list[int], max_retokenize: int) -> int:

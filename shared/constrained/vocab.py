@@ -53,27 +53,32 @@ def _detect_encoding(tokenizer: Tokenizer, vocab: dict[str, int]) -> tuple[xgr.V
 
 @dataclass
 class VocabIndex:
-    """Byte strings of every token plus the set of tokens that a longer token extends.
+    """Byte strings of every token plus which tokens a longer token extends.
 
     Jump-forward needs both: exact bytes to rebuild text at a token boundary without lossy
-    decoding, and the prefix set to avoid ending a forced run on a token the model would
+    decoding, and the extendable set to avoid ending a forced run on a token the model would
     normally have merged with what follows.
     """
     token_bytes: list[bytes]
     special_ids: frozenset[int]
-    extendable: frozenset[bytes] = field(repr=False)
+    extendable_ids: frozenset[int] = field(repr=False)
 
     @classmethod
     def build(cls, info: xgr.TokenizerInfo) -> "VocabIndex":
         token_bytes = list(info.decoded_vocab)
         special = frozenset(info.special_token_ids) | frozenset(info.stop_token_ids)
-        prefixes: set[bytes] = set()
-        for i, tb in enumerate(token_bytes):
-            if i in special:
-                continue
-            for end in range(1, len(tb)):
-                prefixes.add(tb[:end])
-        return cls(token_bytes=token_bytes, special_ids=special, extendable=frozenset(prefixes))
+        ordinary = sorted((b, i) for i, b in enumerate(token_bytes) if i not in special and b)
+        # In sorted order every string that starts with t sits right after t (past exact
+        # duplicates), so one look at the next distinct token decides; O(V log V), no prefix set.
+        extendable: set[int] = set()
+        j = 0
+        for k, (b, i) in enumerate(ordinary):
+            j = max(j, k + 1)
+            while j < len(ordinary) and ordinary[j][0] == b:
+                j += 1
+            if j < len(ordinary) and ordinary[j][0].startswith(b):
+                extendable.add(i)
+        return cls(token_bytes=token_bytes, special_ids=special, extendable_ids=frozenset(extendable))
 
     def is_extendable(self, token_id: int) -> bool:
-        return self.token_bytes[token_id] in self.extendable
+        return token_id in self.extendable_ids
