@@ -47,7 +47,7 @@ class FakeSGLangServer:
         handler = type("Handler", (_Handler,), {"fake": self})
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._httpd.daemon_threads = True
-        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
