@@ -50,9 +50,10 @@ class FakeWorker:
         return self.port
 
     async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()  # stop accepting first, so clients cannot reconnect in between
         await self.drop_connections()
         if self._server is not None:
-            self._server.close()
             await self._server.wait_closed()
 
     async def drop_connections(self) -> None:
@@ -201,7 +202,7 @@ class Stack:
 
     @property
     def base_url(self) -> str:
-        return str(self.server.make_url(""))
+        return str(self.server.make_url("/"))
 
 
 @contextlib.asynccontextmanager
@@ -235,3 +236,17 @@ async def gateway_stack(num_workers: int = 1, *, context_length: int | None = 25
         await client.close()
         for w in workers:
             await w.stop()
+
+
+def sse_events(raw: str) -> list:
+    """Split an SSE body, asserting the exact framing: only `data: ...` events, each ended by a blank line.
+    Returns decoded JSON payloads, with the literal string "[DONE]" for the terminator."""
+    import json
+
+    assert raw.endswith("\n\n"), f"stream does not end with a blank line: {raw[-50:]!r}"
+    events = []
+    for block in raw[:-2].split("\n\n"):
+        assert block.startswith("data: ") and "\n" not in block, f"bad SSE block {block!r}"
+        payload = block[len("data: "):]
+        events.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
+    return events

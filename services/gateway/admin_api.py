@@ -59,7 +59,8 @@ async def health_generate(state: "GatewayState", timeout: float = 20.0) -> web.R
     ids = state.tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0]
     try:
         worker = state.router.pick(ids)
-        await asyncio.wait_for(state.health.tiny_generate(worker), timeout)
+        async with asyncio.timeout(timeout):
+            await state.health.tiny_generate(worker)
     except Exception as e:  # any failure is an unhealthy answer, never a 500
         return web.Response(status=503, text=f"Unhealthy: {e}\n")
     return web.Response(text="OK\n")

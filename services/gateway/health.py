@@ -66,8 +66,9 @@ class HealthMonitor:
         try:
             info = await worker.info()
             self.remember_info(worker, info)
-            await asyncio.wait_for(self.tiny_generate(worker), self.probe_timeout)
-        except (WorkerUnavailable, asyncio.TimeoutError, RuntimeError) as e:
+            async with asyncio.timeout(self.probe_timeout):
+                await self.tiny_generate(worker)
+        except (WorkerUnavailable, TimeoutError, RuntimeError) as e:
             log.debug("probe of %s failed: %s", worker.address, e)
             return False
         self.probed.add(worker.address)
@@ -93,8 +94,9 @@ class HealthMonitor:
         """Fresh info from every connected worker (for /metrics and /server_info); silent ones are skipped."""
         async def one(w: WorkerClient):
             try:
-                info = await asyncio.wait_for(w.info(), timeout)
-            except (WorkerUnavailable, asyncio.TimeoutError):
+                async with asyncio.timeout(timeout):
+                    info = await w.info()
+            except (WorkerUnavailable, TimeoutError):
                 return None
             self.remember_info(w, info)
             return info

@@ -3,6 +3,9 @@
 A background task owns the socket: it connects (retrying with backoff), reads frames and routes each to
 the stream or call waiting for it. When the connection drops, every pending stream and call fails at once
 with WorkerUnavailable, so nothing waits on a dead socket; every other wait has a timeout too.
+
+Timeouts use `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` swallows a cancellation that
+lands in the same loop turn as a result, and a swallowed cancellation here is a request that never aborts.
 """
 from __future__ import annotations
 
@@ -78,9 +81,9 @@ class WorkerClient:
         backoff = 0.05
         while not self._closed:
             try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(self.host, self.port), self.connect_timeout)
-            except (OSError, asyncio.TimeoutError) as e:
+                async with asyncio.timeout(self.connect_timeout):
+                    reader, writer = await asyncio.open_connection(self.host, self.port)
+            except (OSError, TimeoutError) as e:
                 self.last_error = f"cannot connect to worker {self.address}: {e}"
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
@@ -131,16 +134,18 @@ class WorkerClient:
     async def _send(self, msg: Message) -> None:
         self.start()
         try:
-            await asyncio.wait_for(self._connected.wait(), self.connect_timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.connect_timeout):
+                await self._connected.wait()
+        except TimeoutError:
             raise WorkerUnavailable(self.last_error or f"worker {self.address} is not connected") from None
         writer = self._writer
         if writer is None:
             raise WorkerUnavailable(f"worker {self.address} is not connected")
         try:
             writer.write(encode_frame(msg))
-            await asyncio.wait_for(writer.drain(), self.call_timeout)
-        except (OSError, asyncio.TimeoutError) as e:
+            async with asyncio.timeout(self.call_timeout):
+                await writer.drain()
+        except (OSError, TimeoutError) as e:
             raise WorkerUnavailable(f"cannot send to worker {self.address}: {e!r}") from None
 
     def _send_nowait(self, msg: Message) -> None:
@@ -162,8 +167,9 @@ class WorkerClient:
             await self._send(req)
             while True:
                 try:
-                    item = await asyncio.wait_for(queue.get(), self.token_timeout)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.token_timeout):
+                        item = await queue.get()
+                except TimeoutError:
                     raise WorkerUnavailable(
                         f"worker {self.address} sent nothing for {self.token_timeout:.0f} s") from None
                 if isinstance(item, _Lost):
@@ -186,8 +192,9 @@ class WorkerClient:
         self._calls[call_id] = fut
         try:
             await self._send(msg)
-            return await asyncio.wait_for(fut, self.call_timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.call_timeout):
+                return await fut
+        except TimeoutError:
             raise WorkerUnavailable(f"worker {self.address} did not answer in {self.call_timeout} s") from None
         finally:
             self._calls.pop(call_id, None)

@@ -1,0 +1,327 @@
+"""SGLang-native `/generate` and the service routes (model/server info, flush, health, metrics) over a fake
+worker; client disconnects abort on the worker; `start_gateway` serves on a real port."""
+import argparse
+import asyncio
+
+import aiohttp
+import pytest
+
+from services.gateway.__main__ import start_gateway
+from shared.protocol import AbortRequest, GenerateRequest
+from tests.fake_worker import FakeWorker, fake_logprob, gateway_stack, sse_events
+
+
+@pytest.fixture
+async def stack():
+    async with gateway_stack() as s:
+        yield s
+
+
+def generated(stack):
+    return [m for m in stack.worker.received if isinstance(m, GenerateRequest) and not m.rid.startswith("health-")]
+
+
+async def generate(stack, body, status=200):
+    r = await stack.client.post("/generate", json=body)
+    assert r.status == status, await r.text()
+    return await r.json()
+
+
+# ---------------------------------------------------------------- /generate
+async def test_single_text(stack):
+    tok = stack.state.tokenizer
+    out = await generate(stack, {"text": "Hello", "sampling_params": {"max_new_tokens": 5}, "rid": "r1"})
+    ids = tok.encode("Hello")
+    expect = stack.worker.expected_ids(ids, 5)
+    assert out["output_ids"] == expect and out["text"] == tok.decode(expect)
+    meta = out["meta_info"]
+    assert meta["id"] == "r1" and meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 5 and meta["cached_tokens"] == 0
+    assert meta["e2e_latency"] > 0
+    assert "input_token_logprobs" not in meta
+
+
+async def test_default_budget_is_128_and_cached_tokens_reported(stack):
+    ids = list(range(10, 40))
+    out = await generate(stack, {"input_ids": ids})
+    assert out["meta_info"]["completion_tokens"] == 128
+    out = await generate(stack, {"input_ids": ids[:20] + [7] * 10, "sampling_params": {"max_new_tokens": 1}})
+    assert out["meta_info"]["cached_tokens"] == 20  # the fake worker's prefix "cache"
+    # Near the end of the context the default shrinks instead of refusing.
+    out = await generate(stack, {"input_ids": [5] * 250})
+    assert out["meta_info"]["completion_tokens"] == 6
+
+
+async def test_batch_text_and_input_ids(stack):
+    tok = stack.state.tokenizer
+    out = await generate(stack, {"text": ["Hello", "The quick"],
+                                 "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 3}]})
+    assert isinstance(out, list) and [len(o["output_ids"]) for o in out] == [2, 3]
+    assert out[1]["output_ids"] == stack.worker.expected_ids(tok.encode("The quick"), 3)
+    out = await generate(stack, {"input_ids": [[5, 6], [7]], "sampling_params": {"max_new_tokens": 1}})
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [2, 1]
+
+
+async def test_n_returns_a_list_with_suffixed_ids(stack):
+    out = await generate(stack, {"text": "Hello", "rid": "fork", "sampling_params": {"max_new_tokens": 2, "n": 3}})
+    assert [o["meta_info"]["id"] for o in out] == ["fork-0", "fork-1", "fork-2"]
+
+
+async def test_prefill_only(stack):
+    out = await generate(stack, {"text": "The quick brown", "sampling_params": {"max_new_tokens": 0}})
+    assert out["text"] == "" and out["output_ids"] == []
+    assert out["meta_info"]["prompt_tokens"] == len(stack.state.tokenizer.encode("The quick brown"))
+
+
+async def test_logprob_entries(stack):
+    tok = stack.state.tokenizer
+    ids = tok.encode("The quick brown fox")
+    out = await generate(stack, {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
+                                 "logprob_start_len": 0, "top_logprobs_num": 2, "return_text_in_logprobs": True})
+    meta = out["meta_info"]
+    inp = meta["input_token_logprobs"]
+    assert inp[0] == [None, ids[0], tok.token_text(ids[0])]
+    assert [e[:2] for e in inp[1:]] == [[fake_logprob(p), ids[p]] for p in range(1, len(ids))]
+    assert meta["output_token_logprobs"] == [[fake_logprob(k), t, tok.token_text(t)]
+                                             for k, t in enumerate(out["output_ids"])]
+    assert meta["input_top_logprobs"][0] is None
+    assert all(len(pos) == 2 and len(pos[0]) == 3 for pos in meta["input_top_logprobs"][1:])
+    assert all(len(pos) == 2 for pos in meta["output_top_logprobs"])
+    # Without return_text_in_logprobs the text slot is null.
+    out = await generate(stack, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True})
+    assert all(e[2] is None for e in out["meta_info"]["output_token_logprobs"])
+
+
+async def test_select_style_scoring_request(stack):
+    """What the SGLang frontend's select() sends: a batch, prefill only, logprobs from prompt_tokens - 2."""
+    tok = stack.state.tokenizer
+    base = (await generate(stack, {"text": "Answer:", "sampling_params": {"max_new_tokens": 0}}))
+    start = base["meta_info"]["prompt_tokens"] - 2
+    out = await generate(stack, {"text": ["Answer: yes", "Answer: no"], "sampling_params": {"max_new_tokens": 0},
+                                 "return_logprob": True, "logprob_start_len": start,
+                                 "return_text_in_logprobs": True})
+    for o, choice in zip(out, ["Answer: yes", "Answer: no"]):
+        entries = o["meta_info"]["input_token_logprobs"]
+        assert len(entries) == len(tok.encode(choice)) - start
+        assert all(e[0] is not None for e in entries)
+
+
+async def test_stream_is_cumulative(stack):
+    r = await stack.client.post("/generate", json={"text": "Hello", "stream": True,
+                                                   "sampling_params": {"max_new_tokens": 5}})
+    events = sse_events(await r.text())
+    assert events[-1] == "[DONE]"
+    events = events[:-1]
+    assert len(events) == 5
+    for prev, cur in zip(events, events[1:]):
+        assert cur["text"].startswith(prev["text"]) and cur["output_ids"][:len(prev["output_ids"])] == prev["output_ids"]
+    assert [e["meta_info"]["finish_reason"] for e in events[:-1]] == [None] * 4
+    final = await generate(stack, {"text": "Hello", "sampling_params": {"max_new_tokens": 5}})
+    assert events[-1]["text"] == final["text"] and events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+async def test_batch_stream_carries_index(stack):
+    r = await stack.client.post("/generate", json={"text": ["a", "b"], "stream": True,
+                                                   "sampling_params": {"max_new_tokens": 3}})
+    events = sse_events(await r.text())[:-1]
+    assert {e["index"] for e in events} == {0, 1}
+    assert sum(e["meta_info"]["finish_reason"] is not None for e in events) == 2
+
+
+async def test_stream_error_event(stack):
+    stack.worker.error_after = 1
+    r = await stack.client.post("/generate", json={"text": "a", "stream": True, "sampling_params": {"max_new_tokens": 5}})
+    events = sse_events(await r.text())
+    assert events[-1]["error"]["message"] == "worker exploded" and "[DONE]" not in events
+
+
+async def test_unknown_sampling_keys_are_ignored(stack):
+    out = await generate(stack, {"text": "x", "sampling_params": {"max_new_tokens": 1, "fancy_new_knob": 3}})
+    assert len(out["output_ids"]) == 1
+
+
+@pytest.mark.parametrize("body,param", [
+    ({}, "text"),
+    ({"text": "a", "input_ids": [1]}, "text"),
+    ({"text": ""}, "text"),
+    ({"text": []}, "text"),
+    ({"text": 5}, "text"),
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": [1, "2"]}, "input_ids"),
+    ({"input_ids": [99999]}, "input_ids"),
+    ({"input_ids": [[1], []]}, "input_ids"),
+    ({"text": "a", "sampling_params": 3}, "sampling_params"),
+    ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ({"text": "a", "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"text": "a", "sampling_params": {"regex": "a", "json_schema": "{}"}}, "json_schema"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": [10 ** 6]}}, "stop_token_ids"),
+    ({"text": "a", "sampling_params": {"n": 100}}, "n"),
+    ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
+    ({"text": "a", "logprob_start_len": -2}, "logprob_start_len"),
+    ({"text": "a", "top_logprobs_num": 1000}, "top_logprobs_num"),
+    ({"text": "a", "rid": 7}, "rid"),
+    ({"text": "a", "stream": 1}, "stream"),
+    ({"input_ids": [5] * 256}, "input_ids"),
+    ({"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 250}}, "max_new_tokens"),
+])
+async def test_bad_native_input(stack, body, param):
+    err = (await generate(stack, body, status=400))["error"]
+    assert err["param"] == param and err["message"]
+    assert not generated(stack)
+
+
+async def test_duplicate_running_rid_is_refused(stack):
+    stack.worker.token_delay = 0.05
+    task = asyncio.create_task(generate(stack, {"text": "a", "rid": "same", "sampling_params": {"max_new_tokens": 20}}))
+    await asyncio.sleep(0.2)
+    err = (await generate(stack, {"text": "b", "rid": "same"}, status=400))["error"]
+    assert err["param"] == "rid"
+    await task
+
+
+# ---------------------------------------------------------------- disconnects
+async def wait_for_abort(worker, predicate, timeout=3.0):
+    for _ in range(int(timeout / 0.02)):
+        aborted = worker.aborted()
+        if predicate(aborted):
+            return aborted
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no abort reached the worker; got {worker.aborted()}")
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"text": "a", "stream": True, "rid": "gone", "sampling_params": {"max_new_tokens": 200}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stream": True, "n": 2,
+                              "max_tokens": 200}),
+    ("/v1/completions", {"prompt": "a", "stream": True, "max_tokens": 200}),
+])
+async def test_disconnect_while_streaming_aborts_on_worker(stack, path, body):
+    stack.worker.token_delay = 0.02
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(stack.server.make_url(path), json=body)
+        await resp.content.readuntil(b"\n\n")
+        await resp.content.readuntil(b"\n\n")
+        resp.close()  # hang up mid-stream
+    rids = {r.rid for r in generated(stack)}
+    await wait_for_abort(stack.worker, lambda a: rids <= a)
+    assert not set(stack.worker.finished_rids) & rids
+    await asyncio.sleep(0.1)
+    assert not stack.state.dispatcher.inflight and stack.state.router.load == 0
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 200}}),
+    ("/v1/completions", {"prompt": "a", "n": 3, "max_tokens": 200}),
+])
+async def test_disconnect_without_streaming_aborts_on_worker(stack, path, body):
+    stack.worker.token_delay = 0.02
+
+    async def call():
+        async with aiohttp.ClientSession() as session:
+            await session.post(stack.server.make_url(path), json=body)
+
+    task = asyncio.create_task(call())
+    await asyncio.sleep(0.3)
+    task.cancel()  # the client gives up: its connection closes
+    rids = {r.rid for r in generated(stack)}
+    assert len(rids) in (2, 3)
+    await wait_for_abort(stack.worker, lambda a: rids <= a)
+
+
+# ---------------------------------------------------------------- service routes
+async def test_model_and_server_info(stack):
+    for path in ("/get_model_info", "/model_info"):
+        info = await (await stack.client.get(path)).json()
+        assert info["model_path"] == "tiny-random" and info["is_generation"] is True and info["tokenizer_path"]
+    for path in ("/server_info", "/get_server_info"):
+        info = await (await stack.client.get(path)).json()
+        assert info["context_length"] == 256 and info["workers"][0]["info"]["max_context_len"] == 256
+
+
+async def test_flush_cache(stack):
+    r = await stack.client.post("/flush_cache")
+    assert r.status == 200 and r.content_type == "text/plain"
+    stack.worker.token_delay = 0.05
+    task = asyncio.create_task(generate(stack, {"text": "a", "sampling_params": {"max_new_tokens": 20}}))
+    await asyncio.sleep(0.2)
+    r = await stack.client.post("/flush_cache")
+    assert r.status == 400 and "running" in await r.text()
+    await task
+    stack.worker.flush_ok = False
+    assert (await stack.client.post("/flush_cache")).status == 400
+
+
+async def test_health_waits_for_workers():
+    async with gateway_stack(wait_healthy=False, context_length=None) as s:
+        s.worker.silent = True  # answers nothing: never probed
+        await asyncio.sleep(0.1)
+        assert (await s.client.get("/health")).status == 503
+        s.worker.silent = False
+        await s.worker.drop_connections()  # the pending probe fails over, then a fresh one passes
+        for _ in range(200):
+            if (await s.client.get("/health")).status == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert (await s.client.get("/health")).status == 200
+        assert s.state.context_length == 256  # learnt from the worker's info
+        assert (await s.client.get("/health_generate")).status == 200
+        await s.worker.stop()
+        await asyncio.sleep(0.1)
+        assert (await s.client.get("/health")).status == 503
+
+
+async def test_metrics(stack):
+    await generate(stack, {"input_ids": list(range(10, 30)), "sampling_params": {"max_new_tokens": 4}})
+    await generate(stack, {"input_ids": list(range(10, 30)), "sampling_params": {"max_new_tokens": 4}})
+    r = await stack.client.get("/metrics")
+    text = await r.text()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("sglang:") and "_bucket" not in line and "_created" not in line}
+    assert values["sglang:prompt_tokens_total"] >= 40
+    assert values["sglang:generation_tokens_total"] >= 8
+    assert values["sglang:cached_tokens_total"] >= 19
+    assert values["sglang:prefix_cache_queried_tokens_total"] >= 40
+    assert values["sglang:num_requests_total"] >= 2
+    for h in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+              "queue_time_seconds"):
+        assert values[f"sglang:{h}_count"] >= 2
+    assert values["sglang:token_usage"] == 0.25
+    assert "sglang:num_running_reqs" in values and "sglang:num_queue_reqs" in values
+
+
+async def test_requests_spread_over_workers():
+    async with gateway_stack(num_workers=2) as s:
+        for i in range(12):
+            await generate(s, {"input_ids": [i + 5, i + 6], "sampling_params": {"max_new_tokens": 1}})
+        counts = [sum(isinstance(m, GenerateRequest) and not m.rid.startswith("health-") for m in w.received)
+                  for w in s.workers]
+        assert sum(counts) == 12 and min(counts) > 0
+
+
+# ---------------------------------------------------------------- the service entry point
+async def test_start_gateway_serves_on_a_real_port():
+    from shared.tokenizer import Tokenizer
+
+    worker = FakeWorker(Tokenizer.load("tiny-random"))
+    port = await worker.start()
+    args = argparse.Namespace(model_path="tiny-random", workers=f"127.0.0.1:{port}", host="127.0.0.1", port=0,
+                              served_model_name="tiny", api_key=None)
+    runner, state = await start_gateway(args)
+    try:
+        host, gw_port = runner.addresses[0][:2]
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):
+                async with session.get(f"http://{host}:{gw_port}/health") as r:
+                    if r.status == 200:
+                        break
+                await asyncio.sleep(0.05)
+            assert r.status == 200
+            async with session.post(f"http://{host}:{gw_port}/v1/completions",
+                                    json={"model": "tiny", "prompt": "hi", "max_tokens": 2}) as r:
+                assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 2
+        assert state.context_length == 256
+    finally:
+        await runner.cleanup()
+        await worker.stop()

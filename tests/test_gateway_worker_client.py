@@ -1,0 +1,195 @@
+"""WorkerClient (multiplexing, failure handling, timeouts) and Router (affinity, load) against a real
+protocol-speaking fake worker."""
+import asyncio
+from contextlib import aclosing
+
+import pytest
+
+from services.gateway.errors import APIError, WorkerUnavailable
+from services.gateway.router import PrefixAffinityPolicy, Router
+from services.gateway.worker_client import WorkerClient, parse_worker_list
+from shared.protocol import AbortRequest, GenerateRequest
+from shared.sampling_params import SamplingParams
+from shared.tokenizer import Tokenizer
+from tests.fake_worker import FakeWorker
+
+TOK = Tokenizer.load("tiny-random")
+
+
+def req(rid, ids=(5, 6, 7), max_new_tokens=4, **kw):
+    return GenerateRequest(rid=rid, input_ids=list(ids),
+                           sampling=SamplingParams(max_new_tokens=max_new_tokens, **kw).to_dict())
+
+
+async def collect(client, r):
+    outs = []
+    async with aclosing(client.generate(r)) as stream:
+        async for out in stream:
+            outs.append(out)
+    return outs
+
+
+@pytest.fixture
+async def worker():
+    w = FakeWorker(TOK)
+    await w.start()
+    yield w
+    await w.stop()
+
+
+@pytest.fixture
+async def client(worker):
+    c = WorkerClient("127.0.0.1", worker.port, connect_timeout=1.0, call_timeout=0.5, token_timeout=2.0)
+    yield c
+    await c.close()
+
+
+async def test_concurrent_streams_are_demultiplexed(worker, client):
+    a, b = await asyncio.gather(collect(client, req("a", (5, 6), 6)), collect(client, req("b", (9,), 3)))
+    assert [t for o in a for t in o.token_ids] == worker.expected_ids([5, 6], 6)
+    assert [t for o in b for t in o.token_ids] == worker.expected_ids([9], 3)
+    assert a[-1].finished and a[-1].finish_reason == {"type": "length", "length": 6}
+    assert all(o.rid == "a" for o in a) and all(o.rid == "b" for o in b)
+    assert client.load == 0
+
+
+async def test_info_and_flush(client):
+    info = await client.info()
+    assert info["max_context_len"] == 256
+    assert (await client.flush_cache()).ok
+
+
+async def test_load_counts_in_flight_requests(worker, client):
+    worker.token_delay = 0.05
+    stream = client.generate(req("slow", max_new_tokens=50))
+    await stream.__anext__()
+    assert client.load == 1
+    await stream.aclose()
+    assert client.load == 0
+
+
+async def test_leaving_early_sends_abort(worker, client):
+    worker.token_delay = 0.02
+    async with aclosing(client.generate(req("early", max_new_tokens=100))) as stream:
+        async for _ in stream:
+            break
+    for _ in range(100):
+        if "early" in worker.aborted():
+            break
+        await asyncio.sleep(0.01)
+    assert "early" in worker.aborted()
+    assert "early" not in worker.finished_rids
+
+
+async def test_finished_stream_sends_no_abort(worker, client):
+    await collect(client, req("done"))
+    await asyncio.sleep(0.05)
+    assert not any(isinstance(m, AbortRequest) for m in worker.received)
+
+
+async def test_lost_connection_fails_pending_streams_then_reconnects(worker, client):
+    worker.token_delay = 0.05
+
+    async def consume(rid):
+        return await collect(client, req(rid, max_new_tokens=100))
+
+    tasks = [asyncio.create_task(consume(r)) for r in ("x", "y")]
+    await asyncio.sleep(0.15)
+    await worker.drop_connections()
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 2.0)
+    assert all(isinstance(r, WorkerUnavailable) for r in results), results
+    assert client.load == 0
+    worker.token_delay = 0.0
+    outs = await asyncio.wait_for(collect(client, req("after")), 3.0)  # reconnected with backoff
+    assert outs[-1].finished
+
+
+async def test_silent_worker_times_out(worker, client):
+    await client.info()  # connected
+    worker.silent = True
+    with pytest.raises(WorkerUnavailable):
+        await client.info()
+    client.token_timeout = 0.3
+    with pytest.raises(WorkerUnavailable, match="sent nothing"):
+        await collect(client, req("hang"))
+
+
+async def test_unreachable_worker_fails_fast():
+    w = FakeWorker(TOK)
+    port = await w.start()
+    await w.stop()  # nothing listens there any more
+    c = WorkerClient("127.0.0.1", port, connect_timeout=0.3, call_timeout=0.3)
+    try:
+        with pytest.raises(WorkerUnavailable):
+            await asyncio.wait_for(collect(c, req("nobody")), 2.0)
+        with pytest.raises(WorkerUnavailable):
+            await asyncio.wait_for(c.info(), 2.0)
+    finally:
+        await c.close()
+
+
+async def test_duplicate_rid_on_one_connection_is_refused(worker, client):
+    worker.token_delay = 0.05
+    first = client.generate(req("dup", max_new_tokens=20))
+    await first.__anext__()
+    with pytest.raises(ValueError):
+        await client.generate(req("dup")).__anext__()
+    await first.aclose()
+
+
+# ---------------------------------------------------------------- router
+class StubWorker:
+    def __init__(self, address, load=0, connected=True):
+        self.address, self.load, self.connected = address, load, connected
+
+    def start(self):
+        pass
+
+
+def test_prefix_affinity_is_sticky_and_spreads():
+    workers = [StubWorker(f"w{i}:1") for i in range(4)]
+    router = Router(workers, PrefixAffinityPolicy(prefix_tokens=8, slack=2))
+    head = list(range(8))
+    picks = {router.pick(head + [100 + i]).address for i in range(20)}
+    assert len(picks) == 1  # same first 8 tokens -> same worker
+    spread = {router.pick([i, i + 1, i + 2]).address for i in range(200)}
+    assert len(spread) == 4  # different heads use every worker
+
+
+def test_affinity_yields_to_load_beyond_slack():
+    workers = [StubWorker("a:1"), StubWorker("b:1")]
+    router = Router(workers, PrefixAffinityPolicy(prefix_tokens=4, slack=2))
+    ids = [1, 2, 3, 4]
+    home = router.pick(ids)
+    other = next(w for w in workers if w is not home)
+    home.load = 2
+    assert router.pick(ids) is home  # within slack
+    home.load = 3
+    assert router.pick(ids) is other
+
+
+def test_salt_separates_tenants():
+    workers = [StubWorker(f"w{i}:1") for i in range(8)]
+    router = Router(workers)
+    ids = [1, 2, 3]
+    assert len({router.pick(ids, salt=f"tenant{i}").address for i in range(40)}) > 1
+
+
+def test_router_skips_disconnected_and_updates_workers():
+    a, b = StubWorker("a:1", connected=False), StubWorker("b:1")
+    router = Router([a, b])
+    assert all(router.pick([i]) is b for i in range(20))
+    c = StubWorker("c:1")
+    gone = router.set_workers([b, c])
+    assert gone == [a] and router.workers == [b, c]
+    router.set_workers([])
+    with pytest.raises(APIError) as e:
+        router.pick([1])
+    assert e.value.status == 503
+
+
+def test_parse_worker_list():
+    assert parse_worker_list("127.0.0.1:5000, host:6000") == [("127.0.0.1", 5000), ("host", 6000)]
+    for bad in ("", "nohost", "h:x"):
+        with pytest.raises(ValueError):
+            parse_worker_list(bad)
