@@ -28,6 +28,7 @@ from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+_PENDING = -1  # placeholder for a sampled token still on the device
 
 
 @dataclass
@@ -67,6 +68,8 @@ class Engine:
         self._rng = random.Random(config.random_seed)
         self.steps = 0
         self.generated_tokens = 0
+        self._pending = None  # PendingStep launched but not yet processed
+        self._host_dependent = 0  # live requests whose sampling needs their tokens on the host
 
     # ------------------------------------------------------------------ thread-safe API
     def submit(self, msg: GenerateRequest) -> None:
@@ -101,17 +104,38 @@ class Engine:
                 self._fail_all("internal error in the engine step")
 
     def step(self) -> bool:
-        self._drain_inbox(block=self.scheduler.is_idle())
+        """schedule -> launch -> process the previous step's results while this one runs.
+
+        With overlap on, step N+1 is scheduled and launched before step N's tokens reach the host; the
+        scheduler sees placeholders for them (decode inputs are read on the device). Requests whose
+        next sampling depends on host state (penalties over their output, grammars) turn overlap off
+        for the steps they are in."""
+        if self._pending is not None and (not self.config.enable_overlap or self._host_dependent > 0):
+            self._resolve_pending()
+        self._drain_inbox(block=self.scheduler.is_idle() and self._pending is None)
         batch = self.scheduler.schedule()
         self._emit_failed()
         if batch is None:
+            if self._pending is not None:
+                self._resolve_pending()
+                return True
             if not self.scheduler.is_idle():
                 self._drain_inbox(block=True, timeout=0.005)
             return False
-        out = self.runner.forward(batch)
-        self._process(batch, out)
+        handle = self.runner.launch(batch)
+        self._on_launch(batch)
+        self._resolve_pending()
+        self._pending = handle
         self.steps += 1
+        if not self.config.enable_overlap or self._host_dependent > 0:
+            self._resolve_pending()
         return True
+
+    def _resolve_pending(self) -> None:
+        if self._pending is None:
+            return
+        handle, self._pending = self._pending, None
+        self._process(handle.batch, handle.resolve())
 
     def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
         try:
@@ -173,6 +197,8 @@ class Engine:
         req.detok = self.detok.new_state(params.stop, params.skip_special_tokens, params.no_stop_trim,
                                          prompt_tail=req.input_ids)
         self._reqs[req.rid] = req
+        if self._is_host_dependent(params):
+            self._host_dependent += 1
         self.scheduler.add(req)
 
     def _abort(self, rid: str) -> None:
@@ -182,10 +208,19 @@ class Engine:
         self._finish(req, {"type": "abort", "message": "aborted by the client"})
 
     # ------------------------------------------------------------------ results
+    def _on_launch(self, batch: ScheduleBatch) -> None:
+        """What the host knows as soon as a step is enqueued: KV lengths and one pending token per
+        sampling request (its value arrives with the step's results)."""
+        for i, req in enumerate(batch.reqs):
+            req.kv_len += batch.extend_lens[i]
+            if batch.sample[i] and req.params.max_new_tokens > 0:
+                req.output_ids.append(_PENDING)
+
     def _process(self, batch: ScheduleBatch, out: StepOutput) -> None:
         ready: list[Req] = []
         for i, req in enumerate(batch.reqs):
-            req.kv_len += batch.extend_lens[i]
+            if req.finished:
+                continue  # finished (or aborted) while this step was in flight: its results are moot
             if out.input_logprobs[i] is not None:
                 req.input_logprobs.extend(out.input_logprobs[i])
                 req.input_top_logprobs.extend(out.input_top_logprobs[i])
@@ -196,7 +231,8 @@ class Engine:
                 ready.append(req)
                 continue
             tok = out.next_token_ids[i]
-            req.output_ids.append(tok)
+            req.output_ids[req.num_resolved] = tok
+            req.num_resolved += 1
             self.generated_tokens += 1
             if req.return_logprob:
                 req.pending_output_logprobs.append([out.logprobs[i], tok])
@@ -204,7 +240,7 @@ class Engine:
             text, stop_hit = self.detok.add_tokens(req.detok, [tok])
             req.pending_text += text
             p = req.params
-            n_out = len(req.output_ids)
+            n_out = req.num_resolved
             if (tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos)) \
                     and n_out >= p.min_new_tokens:
                 req.finish_reason = {"type": "stop", "matched": tok}
@@ -212,14 +248,13 @@ class Engine:
                 req.finish_reason = {"type": "stop", "matched": req.detok.matched_stop}
             elif n_out >= p.max_new_tokens:
                 req.finish_reason = {"type": "length", "length": p.max_new_tokens}
-            elif req.seq_len >= self.runner.max_context_len:
+            elif len(req.input_ids) + n_out >= self.runner.max_context_len:
                 req.finish_reason = {"type": "length", "length": n_out}
             ready.append(req)
         outputs = []
         for req in ready:
             if req.finished:
-                self.scheduler.release_finished(req)
-                self._reqs.pop(req.rid, None)
+                self._release(req)
                 req.pending_text += self.detok.flush(req.detok)
                 outputs.append(self._make_output(req))
             elif req.stream:
@@ -227,13 +262,29 @@ class Engine:
         if outputs:
             self.on_output(outputs)
 
+    def _release(self, req: Req) -> None:
+        """Drop tokens still pending on the device (from a step launched after the one that finished
+        the request), then hand the request's KV to the cache. KV being written by a step still in
+        flight is valid to share: later steps run after it on the same stream."""
+        del req.output_ids[req.num_resolved:]
+        req.kv_len = min(req.kv_len, req.seq_len)
+        self.scheduler.remove(req)
+        self._reqs.pop(req.rid, None)
+        if self._is_host_dependent(req.params):
+            self._host_dependent -= 1
+
+    @staticmethod
+    def _is_host_dependent(p: SamplingParams) -> bool:
+        return (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+                or p.grammar is not None)
+
     def _make_output(self, req: Req) -> TokenOutput:
-        new_ids = req.output_ids[req.sent_token_count:]
-        req.sent_token_count = len(req.output_ids)
+        new_ids = req.output_ids[req.sent_token_count:req.num_resolved]
+        req.sent_token_count = req.num_resolved
         out = TokenOutput(
             rid=req.rid, token_ids=new_ids, text=req.pending_text, finished=req.finished,
             finish_reason=req.finish_reason, prompt_tokens=len(req.input_ids),
-            cached_tokens=req.num_cached_tokens or 0, completion_tokens=len(req.output_ids),
+            cached_tokens=req.num_cached_tokens or 0, completion_tokens=req.num_resolved,
             output_logprobs=req.pending_output_logprobs, output_top_logprobs=req.pending_output_top_logprobs,
             queue_time=(req.first_scheduled_time or req.arrival_time) - req.arrival_time)
         req.pending_text = ""
@@ -245,8 +296,7 @@ class Engine:
 
     def _finish(self, req: Req, reason: dict, error: str | None = None) -> None:
         req.finish_reason = reason
-        self.scheduler.remove(req)
-        self._reqs.pop(req.rid, None)
+        self._release(req)
         out = self._make_output(req)
         out.error = error
         self.on_output([out])
@@ -258,6 +308,7 @@ class Engine:
             self._finish(req, {"type": "abort", "message": msg}, error=msg)
 
     def _fail_all(self, message: str) -> None:
+        self._pending = None
         for req in list(self._reqs.values()):
             try:
                 self._finish(req, {"type": "abort", "message": message}, error=message)

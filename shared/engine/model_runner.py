@@ -42,6 +42,34 @@ class StepOutput:
     input_top_logprobs: list[list | None]
 
 
+class PendingStep:
+    """A launched step: device work enqueued, results copied to the host asynchronously. `resolve()`
+    waits for them; until then the CPU is free to schedule and launch the next step."""
+
+    def __init__(self, out: StepOutput, batch: ScheduleBatch, sampled: list[int], tensors: dict,
+                 event: "torch.cuda.Event | None"):
+        self.out, self.batch, self.sampled, self.tensors, self.event = out, batch, sampled, tensors, event
+
+    def resolve(self) -> StepOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        out, t = self.out, self.tensors
+        if not self.sampled:
+            return out
+        ids = t["ids"].tolist()
+        lps = t["lps"].tolist()
+        top_ids = t["top_ids"].tolist() if t.get("top_ids") is not None else None
+        top_lps = t["top_lps"].tolist() if t.get("top_lps") is not None else None
+        for j, i in enumerate(self.sampled):
+            out.next_token_ids[i] = ids[j]
+            out.logprobs[i] = lps[j]
+            req = self.batch.reqs[i]
+            if top_ids is not None and req.return_logprob and req.top_logprobs_num > 0:
+                kk = req.top_logprobs_num
+                out.top_logprobs[i] = [[top_lps[j][m], top_ids[j][m]] for m in range(kk)]
+        return out
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         from kernels.attention import create_attention_backend
@@ -65,6 +93,8 @@ class ModelRunner:
                               self.page_size, self.dtype, self.device)
         self.max_total_tokens = num_pages * self.page_size
         self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
+        # Last sampled token of each request row, on the device: the next decode step's input.
+        self.token_buf = torch.zeros(config.max_running_requests + 1, dtype=torch.int64, device=self.device)
         self.attn_backend = create_attention_backend(
             config.attention_backend, num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads,
             head_dim=mc.head_dim, device=self.device)
@@ -106,17 +136,27 @@ class ModelRunner:
             torch.tensor(vals, dtype=torch.int32, device=dev)
 
     def forward(self, batch: ScheduleBatch) -> StepOutput:
+        return self.launch(batch).resolve()
+
+    def launch(self, batch: ScheduleBatch) -> PendingStep:
+        """Enqueue the forward pass and sampling; return without waiting for the device. Decode input
+        ids are read on the device from the previous step's samples (token_buf), so the host need not
+        know them yet."""
         self._write_req_to_token(batch)
+        decode = batch.mode == ForwardMode.DECODE
         fb = ForwardBatch.build(
-            batch.mode, batch.input_ids, [r.req_pool_idx for r in batch.reqs], batch.prefix_lens,
+            batch.mode, [0] * batch.batch_size if decode else batch.input_ids,
+            [r.req_pool_idx for r in batch.reqs], batch.prefix_lens,
             batch.extend_lens, batch.out_cache_loc, self.req_pool.req_to_token, self.kv_pool,
             self.attn_backend, self.device)
+        if decode:
+            fb.input_ids = self.token_buf[fb.req_pool_indices]
         n = batch.batch_size
         out = StepOutput([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
-        if batch.mode == ForwardMode.DECODE and self.graph_runner is not None and self.graph_runner.can_run(n):
+        if decode and self.graph_runner is not None and self.graph_runner.can_run(n):
             logits = self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
                                            fb.out_cache_loc)
-            return self._sample(batch, logits, list(range(n)), out)
+            return self._sample(batch, logits, list(range(n)), out, fb)
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model.forward(fb)
         ends, acc = [], 0
@@ -127,11 +167,12 @@ class ModelRunner:
         if batch.mode == ForwardMode.EXTEND:
             self._input_logprobs(batch, hidden, out)
         if not sampled:
-            return out
+            return PendingStep(out, batch, [], {}, None)
         rows = torch.tensor([ends[i] for i in sampled], device=self.device)
-        return self._sample(batch, self.model.compute_logits(hidden[rows]), sampled, out)
+        return self._sample(batch, self.model.compute_logits(hidden[rows]), sampled, out, fb)
 
-    def _sample(self, batch: ScheduleBatch, logits: torch.Tensor, sampled: list[int], out: StepOutput) -> StepOutput:
+    def _sample(self, batch: ScheduleBatch, logits: torch.Tensor, sampled: list[int], out: StepOutput,
+                fb: ForwardBatch) -> PendingStep:
         if self.tokenizer_vocab_size < logits.shape[-1]:
             # Padded embedding rows have no text: never sample them.
             logits[:, self.tokenizer_vocab_size:] = float("-inf")
@@ -145,18 +186,19 @@ class ModelRunner:
             min_new_tokens_active=[len(r.output_ids) < r.params.min_new_tokens for r in reqs])
         k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         res = sample(logits, sb, top_logprobs_num=k)
-        ids = res.next_token_ids.tolist()
-        lps = res.logprobs.tolist()
-        top_ids = res.top_logprobs_ids.tolist() if res.top_logprobs_ids is not None else None
-        top_lps = res.top_logprobs.tolist() if res.top_logprobs is not None else None
-        for j, i in enumerate(sampled):
-            out.next_token_ids[i] = ids[j]
-            out.logprobs[i] = lps[j]
-            req = batch.reqs[i]
-            if top_ids is not None and req.return_logprob and req.top_logprobs_num > 0:
-                kk = req.top_logprobs_num
-                out.top_logprobs[i] = [[top_lps[j][t], top_ids[j][t]] for t in range(kk)]
-        return out
+        rows = fb.req_pool_indices if len(sampled) == batch.batch_size else \
+            fb.req_pool_indices[torch.tensor(sampled, device=self.device)]
+        self.token_buf[rows] = res.next_token_ids
+        tensors = {"ids": res.next_token_ids, "lps": res.logprobs, "top_ids": res.top_logprobs_ids,
+                   "top_lps": res.top_logprobs}
+        event = None
+        if self.device.type == "cuda":
+            # Pinned destinations: a pageable D2H copy would block the CPU until the GPU reached it.
+            tensors = {k: (torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+                           if v is not None else None) for k, v in tensors.items()}
+            event = torch.cuda.Event()
+            event.record()
+        return PendingStep(out, batch, sampled, tensors, event)
 
     def _stop_ids(self, req: Req) -> list[int]:
         ids = list(req.params.stop_token_ids)

@@ -30,6 +30,9 @@ class Req:
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
+    # Output tokens whose values are known on the host. With overlap scheduling the last one or two
+    # entries of output_ids may be placeholders for tokens still on the device.
+    num_resolved: int = 0
     # KV state (valid while RUNNING): row in req_to_token, tokens whose KV is in the pool, the prefix that
     # came from the cache (locked through last_node), and the page-aligned length inserted so far.
     req_pool_idx: int | None = None
