@@ -264,7 +264,7 @@ def test_fork_sends_prefix_hint_before_children_and_runs_them_concurrently(serve
     assert all(c["body"]["text"].startswith("shared prefix. branch ") for c in children)
     assert server.max_in_flight >= 2 and elapsed < 4 * 0.3  # the children overlapped
     outs = s["out"]  # gather_variable: a list in fork order
-    assert len(outs) == 4
+    server.delay = 0
     assert outs == [backend.generate(sgl.backends.Prompt(f"shared prefix. branch {i}:"),
                                      {"max_new_tokens": 8})[0] for i in range(4)]
 
