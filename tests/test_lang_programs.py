@@ -385,3 +385,21 @@ def test_remote_batch(backend):
                                                remote=True)
     local = few_shot_qa.few_shot_qa.run_batch([{"question": "a"}, {"question": "b"}], backend=backend)
     assert [s["answer"] for s in states] == [s["answer"] for s in local]
+
+
+def test_closing_the_event_stream_cancels_every_branch():
+    fake = FakeSGLangServer(responder=RESPONDER, delay=0.1)
+    program = validate_program(tree_of_thought.tree_search.trace(question="Q"))
+
+    async def scenario():
+        events = stream_program(program, fake.generate_async)
+        first = await events.__anext__()
+        await events.aclose()  # what the gateway does when the client hangs up
+        await asyncio.sleep(0.05)
+        leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return first, leftover
+
+    first, leftover = run_async(scenario())
+    assert first["type"] == "variable"
+    assert leftover == [] and fake.in_flight == 0
+    assert len(fake.requests) < 1 + 2 + 4 * 3  # the tree was not finished behind the client's back
