@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -194,7 +194,6 @@ class Stack:
     state: object
     server: TestServer
     client: TestClient
-    extra: dict = field(default_factory=dict)
 
     @property
     def worker(self) -> FakeWorker:

@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 
 from services.gateway.__main__ import start_gateway
-from shared.protocol import AbortRequest, GenerateRequest
+from shared.protocol import GenerateRequest
 from tests.fake_worker import FakeWorker, fake_logprob, gateway_stack, sse_events
 
 
@@ -325,3 +325,32 @@ async def test_start_gateway_serves_on_a_real_port():
     finally:
         await runner.cleanup()
         await worker.stop()
+
+
+# ---------------------------------------------------------------- /v1/programs wiring
+PROGRAM = {"version": 1, "name": "qa", "args": [], "nodes": [
+    {"op": "text", "text": "Question: What is the capital of France? Answer:"},
+    {"op": "gen", "name": "answer", "sampling_params": {"max_new_tokens": 4}},
+    {"op": "select", "name": "ok", "choices": ["yes", "no"], "temperature": 0.0,
+     "method": "token_length_normalized"},
+]}
+
+
+async def test_program_runs_through_the_native_path(stack):
+    r = await stack.client.post("/v1/programs", json={"program": PROGRAM})
+    assert r.status == 200, await r.text()
+    out = await r.json()
+    assert set(out["variables"]) == {"answer", "ok"} and out["variables"]["ok"] in ("yes", "no")
+    assert out["text"].startswith("Question:")
+    assert generated(stack)  # the gen and the select's scoring went to the worker
+    r = await stack.client.post("/v1/programs", json={"program": PROGRAM, "stream": True})
+    events = sse_events(await r.text())
+    assert events[-1] == "[DONE]" and events[-2]["type"] == "result"
+
+
+async def test_bad_program_is_400(stack):
+    r = await stack.client.post("/v1/programs", json={"program": {**PROGRAM, "version": 9}})
+    assert r.status == 400 and "version" in (await r.json())["error"]["message"]
+    stack.worker.refuse = "no"
+    r = await stack.client.post("/v1/programs", json={"program": PROGRAM})
+    assert r.status == 400 and (await r.json())["error"]["message"] == "no"

@@ -8,7 +8,7 @@ import logging
 
 from aiohttp import web
 
-from services.gateway import admin_api, native_api, openai_api
+from services.gateway import admin_api, native_api, openai_api, programs_api
 from services.gateway.errors import APIError, error_body
 from services.gateway.state import GatewayState
 from shared.errors import InvalidRequest
@@ -41,6 +41,9 @@ def create_app(state: GatewayState) -> web.Application:
     async def generate(request):
         return await native_api.generate(s, request)
 
+    async def programs(request):
+        return await programs_api.run_program(s, request)
+
     async def model_info(request):
         return web.json_response(admin_api.model_info(s))
 
@@ -63,6 +66,7 @@ def create_app(state: GatewayState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/generate", generate)
+    app.router.add_post("/v1/programs", programs)
     for path in ("/get_model_info", "/model_info"):
         app.router.add_get(path, model_info)
     for path in ("/server_info", "/get_server_info"):

@@ -30,18 +30,26 @@ class NativeJob:
 
 async def generate(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
     job = _build(state, body)
-    state.dispatcher.check_rids([r.rid for r in job.reqs])  # before any header goes out
     if get_bool(body, "stream"):
         return await stream_events(request, _events(state, job))
+    return web.json_response(await _run(state, job))
+
+
+async def generate_json(state: "GatewayState", body: Any) -> dict | list:
+    """`/generate` in process, without streaming: what the server-side program executor calls."""
+    return await _run(state, _build(state, body))
+
+
+async def _run(state: "GatewayState", job: NativeJob) -> dict | list:
     results = await state.dispatcher.collect_many(job.reqs)
     answers = [_answer(state, job, req, res) for req, res in zip(job.reqs, results)]
-    return web.json_response(answers if job.batched else answers[0])
+    return answers if job.batched else answers[0]
 
 
-def _build(state: "GatewayState", body: dict) -> NativeJob:
+def _build(state: "GatewayState", body: Any) -> NativeJob:
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
     tok = state.tokenizer
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
@@ -97,6 +105,7 @@ def _build(state: "GatewayState", body: dict) -> NativeJob:
                                return_text_in_logprobs=with_text)
     if len(reqs) > state.limits.max_batch:
         raise bad_request(f"at most {state.limits.max_batch} generations per request (prompts x n)", "n")
+    state.dispatcher.check_rids([r.rid for r in reqs])  # before any header goes out
     return NativeJob(reqs, batched or any_n, with_text)
 
 

@@ -15,7 +15,7 @@ from services.gateway.admission import (check_model, check_token_ids, child_requ
                                         sampling_params)
 from services.gateway.dispatch import GenerationResult, created_timestamp, new_rid
 from services.gateway.errors import bad_request
-from services.gateway.fields import get_bool, get_dict, get_int, is_int, is_token_ids
+from services.gateway.fields import get_bool, get_dict, get_int, is_token_ids
 from services.gateway.limits import read_json
 from services.gateway.sse import stream_events
 from shared.protocol import GenerateRequest
@@ -204,8 +204,8 @@ class _CompletionFormat:
                                                  offsets.get(i, 0) + len(text) - len(out.text))
                     logprobs = new if logprobs is None else lp.merge_completion_logprobs(logprobs, new)
                 offsets[i] = offsets.get(i, 0) + len(text)
-                if not text and not out.finished and not out.token_ids:
-                    continue
+                if not text and not out.finished and not (logprobs and logprobs["tokens"]):
+                    continue  # tokens whose text is held back (partial UTF-8, possible stop string)
                 choice = {"index": i, "text": text, "logprobs": logprobs,
                           "finish_reason": _finish(out.finish_reason)}
                 yield self._envelope([choice], **usage_extra)
@@ -335,7 +335,7 @@ class _ChatFormat:
         async with aclosing(self.state.dispatcher.stream_many(self.job.reqs)) as stream:
             async for i, out, res in stream:
                 results[i] = res
-                if out.text or out.token_ids:
+                if out.text or (self.want_lp and out.token_ids):
                     start = len(res.output_ids) - len(out.token_ids)
                     logprobs = self._logprobs(out.token_ids, res.output_logprobs[start:],
                                               res.output_top_logprobs[start:])

@@ -1,0 +1,44 @@
+"""`POST /v1/programs`: the HTTP side of the server-side program executor (services/gateway/programs.py).
+Its generate calls run the native /generate path in process, so they are routed, metered and aborted on
+disconnect like any other request."""
+from __future__ import annotations
+
+import functools
+from contextlib import aclosing
+from typing import TYPE_CHECKING, AsyncIterator
+
+from aiohttp import web
+
+from services.gateway import native_api
+from services.gateway.errors import APIError
+from services.gateway.limits import read_json
+from services.gateway.programs import ProgramError, execute_program, parse_program_request, stream_program
+from services.gateway.sse import stream_events
+
+if TYPE_CHECKING:
+    from services.gateway.state import GatewayState
+
+
+async def run_program(state: "GatewayState", request: web.Request) -> web.StreamResponse:
+    body = await read_json(request, state.limits)
+    program, stream = parse_program_request(body)  # InvalidRequest -> 400 in the error middleware
+    generate = functools.partial(native_api.generate_json, state)
+    if stream:
+        return await stream_events(request, _events(stream_program(program, generate)))
+    try:
+        return web.json_response(await execute_program(program, generate))
+    except ProgramError as e:
+        raise _failed(e) from None
+
+
+async def _events(events: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    try:
+        async with aclosing(events) as it:
+            async for event in it:
+                yield event
+    except ProgramError as e:
+        raise _failed(e) from None
+
+
+def _failed(e: ProgramError) -> APIError:
+    return APIError(400, f"program failed: {e}", code="program_failed")
