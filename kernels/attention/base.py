@@ -9,6 +9,8 @@ from shared.engine.forward_batch import ForwardBatch, ForwardMode
 
 
 class AttentionBackend(ABC):
+    # True when forward() can be captured in a CUDA graph (no host syncs, shapes fixed by batch size).
+    graph_safe: bool = False
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

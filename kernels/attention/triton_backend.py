@@ -33,6 +33,8 @@ class TritonAttentionBackend(AttentionBackend):
     inside a captured CUDA graph. If it runs outside, replays keep the captured split counts, which is
     still correct: any split count from 1 to max_kv_splits yields the same attention."""
 
+    graph_safe = True
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None,
                  max_kv_splits: int = MAX_KV_SPLITS, min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT):
         super().__init__(num_heads, num_kv_heads, head_dim, scaling)

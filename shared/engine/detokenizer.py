@@ -23,6 +23,7 @@ class DetokState:
     ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
+    context_len: int = 0  # leading prompt tokens in ids, decoded only for context
     text: str = ""  # all stable output text so far (before stop trimming)
     emitted: int = 0  # characters of `text` already returned to the caller
     matched_stop: str | None = None
@@ -41,7 +42,23 @@ class Detokenizer:
             st.ids = list(prompt_tail[-_CONTEXT_TOKENS:])
             st.prefix_offset = 0
             st.read_offset = len(st.ids)
+            st.context_len = len(st.ids)
         return st
+
+    def reset_output(self, st: DetokState, output_ids: list[int]) -> tuple[str, bool]:
+        """The output tokens were rewritten (jump-forward re-tokenized the tail; its text only grows):
+        decode them afresh, then emit what is new as usual."""
+        st.ids = st.ids[:st.context_len] + list(output_ids)
+        context = self._decode(st, st.ids[:st.context_len])
+        full = self._decode(st, st.ids)
+        text = full[len(context):] if full.startswith(context) else self._decode(st, list(output_ids))
+        while text.endswith("\ufffd"):  # an unfinished character: wait for the rest
+            text = text[:-1]
+        if len(text) >= len(st.text):
+            st.text = text
+        st.read_offset = len(st.ids)
+        st.prefix_offset = max(st.context_len, len(st.ids) - _CONTEXT_TOKENS)
+        return self._emit(st)
 
     def _decode(self, st: DetokState, ids: list[int]) -> str:
         if st.skip_special_tokens:

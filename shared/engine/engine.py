@@ -17,6 +17,7 @@ from typing import Callable
 from shared.cache.allocator import SlotAllocator
 from shared.cache.no_cache import NoPrefixCache
 from shared.cache.radix_cache import RadixCache
+from shared.constrained import jump_forward
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.model_runner import ModelRunner, StepOutput
@@ -61,6 +62,11 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache, self.allocator, self.runner.req_pool,
                                    self.runner.max_context_len)
         self.detok = Detokenizer(tokenizer)
+        from shared.constrained import GrammarCache
+
+        self.grammars = GrammarCache(tokenizer, self.runner.vocab_size,
+                                     jump_forward=not config.disable_jump_forward)
+        self._grammar_wait: list[Req] = []  # admitted, waiting for their grammar to compile
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._reqs: dict[str, Req] = {}
         self._stop = threading.Event()
@@ -69,6 +75,7 @@ class Engine:
         self.steps = 0
         self.generated_tokens = 0
         self._pending = None  # PendingStep launched but not yet processed
+        self.jump_forward_tokens = 0
         self._host_dependent = 0  # live requests whose sampling needs their tokens on the host
 
     # ------------------------------------------------------------------ thread-safe API
@@ -112,14 +119,15 @@ class Engine:
         for the steps they are in."""
         if self._pending is not None and (not self.config.enable_overlap or self._host_dependent > 0):
             self._resolve_pending()
-        self._drain_inbox(block=self.scheduler.is_idle() and self._pending is None)
+        self._drain_inbox(block=self.scheduler.is_idle() and self._pending is None and not self._grammar_wait)
+        self._poll_grammars()
         batch = self.scheduler.schedule()
         self._emit_failed()
         if batch is None:
             if self._pending is not None:
                 self._resolve_pending()
                 return True
-            if not self.scheduler.is_idle():
+            if not self.scheduler.is_idle() or self._grammar_wait:
                 self._drain_inbox(block=True, timeout=0.005)
             return False
         handle = self.runner.launch(batch)
@@ -199,12 +207,32 @@ class Engine:
         self._reqs[req.rid] = req
         if self._is_host_dependent(params):
             self._host_dependent += 1
+        if params.grammar is not None:
+            req.grammar_future = self.grammars.submit(*params.grammar)
+            self._grammar_wait.append(req)
+            return
         self.scheduler.add(req)
+
+    def _poll_grammars(self) -> None:
+        """Requests whose grammar finished compiling join the scheduler; a bad grammar ends its request."""
+        for req in [r for r in self._grammar_wait if r.grammar_future.done()]:
+            self._grammar_wait.remove(req)
+            if req.finished:
+                continue
+            exc = req.grammar_future.exception()
+            if exc is not None:
+                msg = getattr(exc, "message", None) or str(exc)
+                self._finish(req, {"type": "abort", "message": msg}, error=msg)
+                continue
+            req.grammar = self.grammars.new_state(req.grammar_future.result())
+            self.scheduler.add(req)
 
     def _abort(self, rid: str) -> None:
         req = self._reqs.get(rid)
         if req is None:
             return
+        if req in self._grammar_wait:
+            self._grammar_wait.remove(req)
         self._finish(req, {"type": "abort", "message": "aborted by the client"})
 
     # ------------------------------------------------------------------ results
@@ -240,8 +268,20 @@ class Engine:
             text, stop_hit = self.detok.add_tokens(req.detok, [tok])
             req.pending_text += text
             p = req.params
+            grammar_done = False
+            if req.grammar is not None:
+                if not req.grammar.accept_token(tok):
+                    msg = "the sampled token violates the grammar"
+                    req.finish_reason = {"type": "abort", "message": msg}
+                    ready.append(req)
+                    continue
+                grammar_done = req.grammar.is_terminated()
+                if not grammar_done and not stop_hit:
+                    stop_hit = self._jump_forward(req) or stop_hit
             n_out = req.num_resolved
-            if (tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos)) \
+            if grammar_done:
+                req.finish_reason = {"type": "stop", "matched": tok}
+            elif (tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos)) \
                     and n_out >= p.min_new_tokens:
                 req.finish_reason = {"type": "stop", "matched": tok}
             elif stop_hit:
@@ -261,6 +301,28 @@ class Engine:
                 outputs.append(self._make_output(req))
         if outputs:
             self.on_output(outputs)
+
+    def _jump_forward(self, req: Req) -> bool:
+        """Append the run of tokens the grammar forces (compressed FSM), re-tokenized at the boundary.
+        Only the just-sampled token (no KV yet) may be rewritten, so no computed KV is discarded; the
+        next step extends all new tokens in one pass. Returns whether a stop string appeared."""
+        budget = req.params.max_new_tokens - req.num_resolved
+        jf = jump_forward(req.grammar, req.output_ids, self.tokenizer, max_retokenize=1, budget=budget)
+        if jf is None:
+            return False
+        if jf.rollback:
+            del req.output_ids[-jf.rollback:]
+        req.output_ids.extend(jf.new_ids)
+        req.num_resolved = len(req.output_ids)
+        req.sent_token_count = min(req.sent_token_count, req.num_resolved)
+        self.jump_forward_tokens += len(jf.new_ids)
+        text, stop_hit = self.detok.reset_output(req.detok, req.output_ids)
+        req.pending_text += text
+        if req.return_logprob:  # forced tokens have probability one under the grammar
+            for t in jf.new_ids[:]:
+                req.pending_output_logprobs.append([0.0, t])
+                req.pending_output_top_logprobs.append([])
+        return stop_hit
 
     def _release(self, req: Req) -> None:
         """Drop tokens still pending on the device (from a step launched after the one that finished
@@ -342,6 +404,8 @@ class Engine:
             "cached_tokens": self.scheduler.stats.cached_tokens,
             "retractions": self.scheduler.stats.retractions,
             "generated_tokens": self.generated_tokens,
+            "jump_forward_tokens": self.jump_forward_tokens,
+            "grammar_cache": {"hits": self.grammars.hits, "misses": self.grammars.misses, "entries": len(self.grammars)},
             "disable_radix_cache": self.config.disable_radix_cache,
             "schedule_policy": self.config.schedule_policy,
         }

@@ -93,6 +93,9 @@ class ModelRunner:
                               self.page_size, self.dtype, self.device)
         self.max_total_tokens = num_pages * self.page_size
         self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
+        from shared.constrained import MaskBuilder
+
+        self.masker = MaskBuilder(self.vocab_size)
         # Last sampled token of each request row, on the device: the next decode step's input.
         self.token_buf = torch.zeros(config.max_running_requests + 1, dtype=torch.int64, device=self.device)
         self.attn_backend = create_attention_backend(
@@ -185,7 +188,11 @@ class ModelRunner:
             eos_ids=[self._stop_ids(r) for r in reqs],
             min_new_tokens_active=[len(r.output_ids) < r.params.min_new_tokens for r in reqs])
         k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        res = sample(logits, sb, top_logprobs_num=k)
+        vocab_mask = None
+        if any(r.grammar is not None for r in reqs):
+            mask = self.masker.build([r.grammar for r in reqs], device=logits.device)
+            vocab_mask = mask.to_bool() if mask is not None else None
+        res = sample(logits, sb, top_logprobs_num=k, vocab_mask=vocab_mask)
         rows = fb.req_pool_indices if len(sampled) == batch.batch_size else \
             fb.req_pool_indices[torch.tensor(sampled, device=self.device)]
         self.token_buf[rows] = res.next_token_ids

@@ -49,6 +49,7 @@ class Req:
     # Per-request helpers owned by the engine: detokenizer state, grammar state.
     detok: Any = None
     grammar: Any = None
+    grammar_future: Any = None
     # Logprobs not yet sent.
     pending_output_logprobs: list = field(default_factory=list)
     pending_output_top_logprobs: list = field(default_factory=list)

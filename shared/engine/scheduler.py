@@ -102,7 +102,7 @@ class Scheduler:
     def schedule(self) -> ScheduleBatch | None:
         # Interleave: after a prefill pass, give running requests a decode step before the next prefill,
         # so a stream of arrivals cannot stall token generation.
-        if not (self._last_was_prefill and self.running):
+        if not (self._last_was_prefill and self.running) or any(r.seq_len - r.kv_len > 1 for r in self.running):
             batch = self._schedule_prefill()
             if batch is not None:
                 self._last_was_prefill = True
@@ -172,7 +172,16 @@ class Scheduler:
             else:
                 return self._retract_for(ext) or None
 
-        # 2. Admit waiting requests.
+        # 2. Running requests that gained several tokens at once (jump-forward) extend them here.
+        for req in [r for r in self.running if r.seq_len - r.kv_len > 1 and r not in reqs]:
+            ext = req.seq_len - req.kv_len
+            if ext > budget:
+                break
+            if not take(req, ext):
+                break
+            budget -= ext
+
+        # 3. Admit waiting requests.
         admitted = 0
         shared_keys: set[tuple[int, ...]] = set()
         if self.chunked is None and self.waiting:
@@ -241,8 +250,8 @@ class Scheduler:
                              torch.cat(locs))
 
     def _schedule_decode(self) -> ScheduleBatch | None:
-        if not self.running:
-            return None
+        if not self.running or any(r.seq_len - r.kv_len > 1 for r in self.running):
+            return None  # a jump-forward extend goes first (prefill path); decode resumes after it
         self.new_token_ratio = max(self.config.min_new_token_ratio,
                                    self.new_token_ratio - self.config.new_token_ratio_decay)
         while True:
