@@ -95,7 +95,6 @@ class Dispatcher:
                           ) -> AsyncIterator[tuple[int, TokenOutput, GenerationResult]]:
         """Run requests concurrently, yielding (index, increment, result) in arrival order. The first
         failure cancels (and so aborts) the others and is raised."""
-        self.check_rids([r.rid for r in reqs])
         if len(reqs) == 1:
             async with aclosing(self.stream(reqs[0])) as events:
                 async for out, res in events:

@@ -2,7 +2,6 @@
 distinction that Python respects (bool is an int), so these checks are spelled out once here."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from services.gateway.errors import bad_request
@@ -34,30 +33,12 @@ def get_int(body: dict, name: str, default: Any = None, lo: int | None = None,
     return v
 
 
-def get_number(body: dict, name: str, default: Any = None) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad_request(f"'{name}' must be a number", name)
-    return v
-
-
 def get_bool(body: dict, name: str, default: bool = False) -> bool:
     v = body.get(name)
     if v is None:
         return default
     if not isinstance(v, bool):
         raise bad_request(f"'{name}' must be a boolean", name)
-    return v
-
-
-def get_str(body: dict, name: str, default: Any = None) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise bad_request(f"'{name}' must be a string", name)
     return v
 
 

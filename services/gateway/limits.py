@@ -13,7 +13,7 @@ from services.gateway.errors import APIError, bad_request
 @dataclass
 class Limits:
     max_body_bytes: int = 16 * 1024 * 1024
-    max_json_depth: int = 32
+    max_json_depth: int = 64
     max_n: int = 16
     max_batch: int = 256
     max_top_logprobs: int = 20
