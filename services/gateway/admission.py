@@ -38,13 +38,13 @@ def resolve_max_new_tokens(state: "GatewayState", prompt_len: int, requested: in
     """The output budget, refusing prompts that do not fit: clients match on context_length_exceeded."""
     ctx = state.context_length
     if ctx is not None and prompt_len >= ctx:
-        raise api_error(ContextLengthExceeded(
+        raise APIError.from_invalid(ContextLengthExceeded(
             f"This model's maximum context length is {ctx} tokens, but the prompt has {prompt_len} tokens "
             f"(context_length_exceeded)", param=prompt_param))
     if requested is None:
         return ctx - prompt_len if ctx is not None else state.limits.default_native_max_new_tokens
     if ctx is not None and prompt_len + requested > ctx:
-        raise api_error(ContextLengthExceeded(
+        raise APIError.from_invalid(ContextLengthExceeded(
             f"This model's maximum context length is {ctx} tokens; the prompt ({prompt_len} tokens) plus "
             f"the requested {requested} output tokens exceed it (context_length_exceeded)", param=max_param))
     return requested
@@ -55,16 +55,12 @@ def sampling_params(state: "GatewayState", d: dict[str, Any]) -> SamplingParams:
     try:
         params = SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
     except InvalidRequest as e:
-        raise api_error(e) from None
+        raise APIError.from_invalid(e) from None
     vocab = state.tokenizer.vocab_size
     for name, ids in (("logit_bias", params.logit_bias.keys()), ("stop_token_ids", params.stop_token_ids)):
         if any(not 0 <= t < vocab for t in ids):
             raise bad_request(f"{name} names a token id outside the vocabulary [0, {vocab})", name)
     return params
-
-
-def api_error(e: InvalidRequest) -> APIError:
-    return APIError.from_invalid(e)
 
 
 def child_requests(rid: str, n: int, input_ids: list[int], params: SamplingParams,

@@ -51,7 +51,6 @@ class Job:
     prompts: list[Prompt]
     n: int
     reqs: list[GenerateRequest]
-    stream: bool = False
     include_usage: bool = False
     created: int = field(default_factory=created_timestamp)
 
@@ -122,7 +121,7 @@ async def completions(state: "GatewayState", request: web.Request) -> web.Stream
     job_id, reqs = _fan_out(state, body, prompts, n, max_tokens, "prompt", "max_tokens", "cmpl-",
                             return_logprob=want_lp, logprob_start_len=0 if (want_lp and echo) else -1,
                             top_logprobs_num=top_k or 0)
-    job = Job(job_id, prompts, n, reqs, stream, include_usage)
+    job = Job(job_id, prompts, n, reqs, include_usage)
     fmt = _CompletionFormat(state, job, echo, want_lp)
     if stream:
         return await stream_events(request, fmt.events())
@@ -228,7 +227,7 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
     job_id, reqs = _fan_out(state, body, [prompt], n, max_tokens, "messages", max_param, "chatcmpl-",
                             extra_sampling=_response_format(body), return_logprob=want_lp,
                             top_logprobs_num=top_k)
-    job = Job(job_id, [prompt], n, reqs, stream, include_usage)
+    job = Job(job_id, [prompt], n, reqs, include_usage)
     fmt = _ChatFormat(state, job, want_lp)
     if stream:
         return await stream_events(request, fmt.events())
