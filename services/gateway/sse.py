@@ -25,7 +25,7 @@ def encode_event(obj: Any) -> bytes:
 
 
 async def stream_events(request: web.Request, events: AsyncIterator[dict]) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
     try:
