@@ -125,3 +125,28 @@ def test_sigterm_stops_the_stack_cleanly():
     finally:
         s.stop()
     assert s.proc.returncode == 0
+
+
+def test_structured_output_through_the_stack(base_url):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    client = OpenAI(base_url=base_url + "/v1", api_key="none")
+    r = client.chat.completions.create(
+        model="tiny-random", messages=[{"role": "user", "content": "Give me a city as JSON"}], max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    g = post(base_url, "/generate", {"text": "Date: ", "sampling_params": {"regex": r"\d{4}-\d{2}-\d{2}",
+                                                                          "max_new_tokens": 20}}).json()
+    import re
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", g["text"])
+    # Bad grammars are refused at the gateway, quickly, with the field named.
+    t0 = time.monotonic()
+    for body, param in [({"regex": "(unclosed"}, "regex"), ({"json_schema": "{bad"}, "json_schema")]:
+        r = post(base_url, "/generate", {"text": "x", "sampling_params": {**body, "max_new_tokens": 4}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post(base_url, "/generate", {"text": "x", "sampling_params": {"regex": "(a+)+$", "max_new_tokens": 4}})
+    assert r.status_code in (200, 400)
+    assert time.monotonic() - t0 < 10

@@ -63,6 +63,23 @@ def sampling_params(state: "GatewayState", d: dict[str, Any]) -> SamplingParams:
     return params
 
 
+async def check_grammars(state: "GatewayState", reqs: list[GenerateRequest], param: str | None = None) -> None:
+    """Compile every distinct grammar off the event loop, with a timeout: an invalid or pathological
+    regex/schema is a 400 here and never reaches a worker. Compiled grammars are cached, so a repeated
+    schema costs nothing."""
+    seen = set()
+    for req in reqs:
+        grammar = next(((k, req.sampling[k]) for k in ("regex", "json_schema", "ebnf") if req.sampling.get(k)), None)
+        if grammar is None or grammar in seen:
+            continue
+        seen.add(grammar)
+        try:
+            await state.grammars.compile_async(grammar[0], grammar[1], timeout_s=state.limits.grammar_timeout_s,
+                                               param=param or grammar[0])
+        except InvalidRequest as e:
+            raise APIError.from_invalid(e) from None
+
+
 def child_requests(rid: str, n: int, input_ids: list[int], params: SamplingParams,
                    **logprob_args: Any) -> list[GenerateRequest]:
     """The n worker requests of one prompt: rid itself when n == 1, `rid-0..n-1` otherwise. A seeded

@@ -18,6 +18,7 @@ class Limits:
     max_batch: int = 256
     max_top_logprobs: int = 20
     max_rid_len: int = 128
+    grammar_timeout_s: float = 5.0  # regex / JSON schema compile time allowed before a 400
     # None: a request without max_tokens may fill the remaining context (OpenAI chat semantics).
     default_chat_max_tokens: int | None = None
     default_completion_max_tokens: int = 16  # OpenAI's documented default for /v1/completions

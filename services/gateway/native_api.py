@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from aiohttp import web
 
 from services.gateway import logprobs as lp
-from services.gateway.admission import check_token_ids, child_requests, resolve_max_new_tokens, sampling_params
+from services.gateway.admission import (check_grammars, check_token_ids, child_requests, resolve_max_new_tokens,
+                                       sampling_params)
 from services.gateway.dispatch import GenerationResult, new_rid
 from services.gateway.errors import bad_request
 from services.gateway.fields import get_bool, get_int, is_int, is_token_ids
@@ -31,6 +32,7 @@ class NativeJob:
 async def generate(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
     job = _build(state, body)
+    await check_grammars(state, job.reqs)
     if get_bool(body, "stream"):
         return await stream_events(request, _events(state, job))
     return web.json_response(await _run(state, job))
@@ -38,7 +40,9 @@ async def generate(state: "GatewayState", request: web.Request) -> web.StreamRes
 
 async def generate_json(state: "GatewayState", body: Any) -> dict | list:
     """`/generate` in process, without streaming: what the server-side program executor calls."""
-    return await _run(state, _build(state, body))
+    job = _build(state, body)
+    await check_grammars(state, job.reqs)
+    return await _run(state, job)
 
 
 async def _run(state: "GatewayState", job: NativeJob) -> dict | list:

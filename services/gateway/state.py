@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.gateway.dispatch import Dispatcher
 from services.gateway.health import HealthMonitor
@@ -9,6 +10,9 @@ from services.gateway.limits import Limits
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router
 from shared.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from shared.constrained import GrammarCache
 
 
 @dataclass
@@ -26,8 +30,13 @@ class GatewayState:
     metrics: GatewayMetrics = field(init=False)
     dispatcher: Dispatcher = field(init=False)
     health: HealthMonitor = field(init=False)
+    grammars: "GrammarCache" = field(init=False)
 
     def __post_init__(self):
+        from shared.constrained import GrammarCache
+
+        # Validation only (workers compile their own): the tokenizer's vocabulary suffices.
+        self.grammars = GrammarCache(self.tokenizer)
         self.metrics = GatewayMetrics(self.served_model_name)
         self.dispatcher = Dispatcher(self.router, self.metrics)
         self.health = HealthMonitor(self)
