@@ -4,7 +4,7 @@ import json
 from lang_client import function, gen
 
 CITY_REGEX = (r'\{"name": "[\w ]{1,32}", "country": "[\w ]{1,32}", '
-              r'"population": [0-9]{1,10}, "is_capital": (true|false)\}')
+              r'"population": (0|[1-9][0-9]{0,9}), "is_capital": (true|false)\}')
 
 
 @function
