@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
+# Usage (device tool, carry [".whl"]): bash bench/gpu_run.sh [tests|offline|kernels|all]
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+if [[ $what == all || $what == tests ]]; then
+  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+    tests/test_engine_grammar.py tests/test_sampler.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+fi
+if [[ $what == all || $what == offline ]]; then
+  timeout 400 python3 bench/offline.py --out "$OUT" 2>&1 | tee "$OUT/offline.log" | tail -40
+fi
+if [[ $what == all || $what == kernels ]]; then
+  timeout 200 python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -40
+fi
