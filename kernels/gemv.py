@@ -6,7 +6,7 @@ evict-first (W is read once), and K is split across programs when N alone gives 
 to keep every SM's memory pipe busy. Split partials go to an fp32 workspace and a second small kernel
 sums them, which keeps the result deterministic.
 
-`python -m kernels.gemv --tune` sweeps the block choices on the current GPU.
+`python -m bench.kernels --tune` sweeps the block choices on the current GPU.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import next_pow2, num_sms
+from kernels._utils import dot_precision, next_pow2, num_sms
 
 MAX_M = 4
 
@@ -24,7 +24,7 @@ MAX_M = 4
 @triton.jit
 def _gemv_kernel(X, W, Y, P, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
                  M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -39,6 +39,7 @@ def _gemv_kernel(X, W, Y, P, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
         # One row: keep a full-tile accumulator and reduce once at the end (no shuffles in the loop).
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
+        # Several rows: pad them to a 16-row tensor-core tile; the MMA is free next to the W stream.
         acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
@@ -51,7 +52,7 @@ def _gemv_kernel(X, W, Y, P, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
         if M_PAD == 1:
             acc2 += w.to(tl.float32) * x.to(tl.float32)
         else:
-            acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+            acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=DOT_PREC)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if M_PAD == 1:
@@ -83,17 +84,21 @@ class GemvConfig:
 
 
 def default_config(M: int, N: int, K: int) -> GemvConfig:
-    """Heuristic picked from sweeps on H200 (see module doc): enough programs for ~4 waves of
-    resident programs, 16-byte vectors along K, split K only when N is short."""
-    block_k = min(512, next_pow2(K))
-    block_n = 16 if M == 1 else 8
-    programs_n = triton.cdiv(N, block_n)
-    target = 4 * num_sms()
+    """From sweeps on H200 (bench/kernels.py --tune, cold L2). No split-K for the Llama-8B shapes:
+    N >= 4096 already gives enough programs. One row: narrow, long tiles for short N (more programs,
+    more bytes in flight each), wider and shorter ones for long N. Several rows run on tensor cores,
+    which want >= 16 output columns per program."""
+    if M == 1:
+        block_n, block_k, warps = (8, 1024, 2) if N <= 4096 else (8, 512, 4) if N <= 8192 else (16, 256, 4)
+    else:
+        block_n, block_k, warps = (32, 512, 4) if N <= 4096 else (64, 512, 4) if N <= 8192 else (64, 256, 4)
+    block_k = min(block_k, max(16, next_pow2(K)))
     split_k = 1
     k_steps = triton.cdiv(K, block_k)
-    while programs_n * split_k < target and split_k * 2 <= k_steps and split_k < 16:
+    # Split K only when N is too short to put two programs on every SM.
+    while triton.cdiv(N, block_n) * split_k < 2 * num_sms() and split_k * 2 <= k_steps and split_k < 16:
         split_k *= 2
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4)
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -104,6 +109,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert M <= MAX_M, "gemv is for decode batches of at most 4 rows; use a GEMM"
     assert w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1
     cfg = config or default_config(M, N, K)
+    if M > 1 and cfg.block_n < 16:  # tensor-core tile minimum
+        cfg = dataclasses.replace(cfg, block_n=16)
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -112,40 +119,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
         x, w, out, partial, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split,
-        M=M, M_PAD=next_pow2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
-        EVEN_K=even_k, num_warps=cfg.num_warps)
+        M=M, M_PAD=1 if M == 1 else 16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
+        EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), num_warps=cfg.num_warps)
     if split_k > 1:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,
                                                           SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4)
     return out
-
-
-def _tune() -> None:  # pragma: no cover - GPU only
-    import itertools
-
-    from triton.testing import do_bench_cudagraph
-    shapes = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)]
-    for K, N in shapes:
-        w = torch.randn(N, K, dtype=torch.bfloat16, device="cuda")
-        x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
-        gbytes = w.numel() * 2 / 1e9
-        t_ref = do_bench_cudagraph(lambda: torch.matmul(x, w.t()))
-        best = None
-        for bn, bk, sk, nw in itertools.product([8, 16, 32, 64], [256, 512, 1024], [1, 2, 4, 8], [4, 8]):
-            cfg = GemvConfig(bn, bk, sk, nw)
-            try:
-                t = do_bench_cudagraph(lambda: gemv(x, w, config=cfg))
-            except Exception:
-                continue
-            if best is None or t < best[0]:
-                best = (t, cfg)
-        t_def = do_bench_cudagraph(lambda: gemv(x, w))
-        print(f"K={K} N={N} cublas {gbytes / t_ref * 1e3:.0f} GB/s default {gbytes / t_def * 1e3:.0f} GB/s "
-              f"best {gbytes / best[0] * 1e3:.0f} GB/s {best[1]}", flush=True)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-    if "--tune" in sys.argv:
-        _tune()

@@ -247,6 +247,30 @@ def test_cuda_bf16(name):
     CHECKS[name](torch.device("cuda"), torch.bfloat16)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decode_replay_tracks_new_lengths():
+    """Capture decode attention (metadata included) once, then replay with longer contexts."""
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
+    from kernels.reference import decode_attention_ref
+    dev, d, hq, hkv = torch.device("cuda"), 128, 32, 8
+    k_buf, v_buf, r2t, req_idx, _ = _paged_setup(dev, torch.bfloat16, hkv, d, [900, 40, 3], [100, 1, 1],
+                                                 num_slots=2000)
+    seq = torch.tensor([10, 7, 1], dtype=torch.int32, device=dev)
+    q = _rand(3, hq, d, dtype=torch.bfloat16, device=dev)
+    ms = plan_max_kv_splits(3, hkv)
+    out = torch.empty_like(q)
+    decode_attention(q, k_buf, v_buf, r2t, req_idx, seq, num_kv_splits_for(seq, ms), ms, d ** -0.5, out=out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        decode_attention(q, k_buf, v_buf, r2t, req_idx, seq, num_kv_splits_for(seq, ms), ms, d ** -0.5, out=out)
+    for lens in ([10, 7, 1], [1000, 41, 4], [513, 2, 3]):
+        seq.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(_rand(3, hq, d, dtype=torch.bfloat16, device=dev))
+        g.replay()
+        ref = decode_attention_ref(q, k_buf, v_buf, r2t, req_idx, seq, d ** -0.5)
+        torch.testing.assert_close(out, ref, **_tol(torch.bfloat16))
+
+
 def test_factory_choices():
     from kernels.attention import TorchAttentionBackend, create_attention_backend
     assert isinstance(create_attention_backend("auto", 4, 2, 16, device="cpu"), TorchAttentionBackend)

@@ -32,7 +32,11 @@ def create_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_
         except ImportError as e:
             raise ValueError("attention backend 'flashinfer' needs the flashinfer package, which is not "
                              "installed; use 'triton' or 'auto'") from e
-        from kernels.attention.flashinfer_backend import FlashInferAttentionBackend
+        try:
+            from kernels.attention.flashinfer_backend import FlashInferAttentionBackend
+        except ImportError as e:
+            raise ValueError("flashinfer is installed but this project has no FlashInfer backend yet; "
+                             "use 'triton' or 'auto'") from e
         return FlashInferAttentionBackend(num_heads, num_kv_heads, head_dim, scaling, **kwargs)
     raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
 

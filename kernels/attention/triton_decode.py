@@ -55,16 +55,16 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             slots = tl.load(REQ_TO_TOKEN + row + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(KB + kv_base + slots[None, :] * stride_bs + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            s = tl.dot(q, k, input_precision=DOT_PREC) * sm_scale_log2
+            kv_off = kv_base + slots[:, None] * stride_bs + offs_d[None, :]
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(KB + kv_off, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
             s = tl.where(mask_n[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(VB + kv_base + slots[:, None] * stride_bs + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            v = tl.load(VB + kv_off, mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
         # A chunk past the end of a short context is empty: it contributes weight 0 in stage 2.
@@ -97,7 +97,7 @@ def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, O, stride_ob, stride_oh, HQ, MAX_
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
 
 
-MIN_TOKENS_PER_SPLIT = 256
+MIN_TOKENS_PER_SPLIT = 64
 MAX_KV_SPLITS = 64
 
 
