@@ -271,6 +271,23 @@ def test_cuda_graph_decode_replay_tracks_new_lengths():
         torch.testing.assert_close(out, ref, **_tol(torch.bfloat16))
 
 
+def test_ops_dispatch_cpu_keeps_in_place_contracts():
+    """kernels.ops on CPU runs the references but keeps the kernels' in-place behaviour."""
+    from kernels import ops
+    from kernels.reference import rope_cos_sin_cache, rope_ref
+    q, k = torch.randn(3, 2 * 16), torch.randn(3, 16)
+    pos = torch.tensor([0, 5, 9])
+    cache = rope_cos_sin_cache(1.0 / (10000 ** (torch.arange(0, 16, 2) / 16)), 16)
+    q_ref, k_ref = rope_ref(q, k, pos, cache, 16)
+    ops.apply_rope(q, k, pos, cache, 16)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    kb, vb = torch.zeros(8, 1, 16), torch.zeros(8, 1, 16)
+    ops.store_kv(kb, vb, torch.tensor([3, 6, 1]), k.view(3, 1, 16), k.view(3, 1, 16))
+    assert torch.equal(kb[[3, 6, 1]], k.view(3, 1, 16))
+    x, w = torch.randn(2, 32), torch.randn(5, 32)
+    torch.testing.assert_close(ops.linear(x, w), x @ w.t())
+
+
 def test_factory_choices():
     from kernels.attention import TorchAttentionBackend, create_attention_backend
     assert isinstance(create_attention_backend("auto", 4, 2, 16, device="cpu"), TorchAttentionBackend)
