@@ -127,7 +127,7 @@ def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = F
     sync()
     t0 = time.perf_counter()
     sched = engine.scheduler
-    runner_forward = engine.runner.forward
+    runner_forward = engine.runner.launch
 
     def timed_forward(batch):
         if measure_idle and batch.mode == ForwardMode.DECODE:
@@ -152,13 +152,13 @@ def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = F
             stats.decode_step_bs.append(batch.batch_size)
         return out
 
-    engine.runner.forward = timed_forward
+    engine.runner.launch = timed_forward
     try:
         while len(finished) < len(prompts):
             engine.step()
             stats.steps += 1
     finally:
-        engine.runner.forward = runner_forward
+        engine.runner.launch = runner_forward
     sync()
     stats.wall_s = time.perf_counter() - t0
     for o in finished.values():
