@@ -9,12 +9,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $what == all || $what == tests ]]; then
-  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -k "not interpreted" tests/test_kernels.py tests/test_engine.py \
     tests/test_engine_grammar.py tests/test_sampler.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [[ $what == all || $what == offline ]]; then
-  timeout 400 python3 bench/offline.py --out "$OUT" 2>&1 | tee "$OUT/offline.log" | tail -40
+  timeout 400 python3 -m bench.offline --out "$OUT" 2>&1 | tee "$OUT/offline.log" | tail -40
 fi
 if [[ $what == all || $what == kernels ]]; then
-  timeout 200 python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -40
+  timeout 200 python3 -m bench.kernels 2>&1 | tee "$OUT/kernels.log" | tail -40
 fi

@@ -28,9 +28,11 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K/V of new tokens. k, v: [T, num_kv_heads, head_dim]; loc: [T] slot ids."""
-        self.k_buffers[layer][loc] = k.to(self.dtype)
-        self.v_buffers[layer][loc] = v.to(self.dtype)
+        """Write K/V of new tokens. k, v: [T, num_kv_heads, head_dim] (strided views are fine);
+        loc: [T] slot ids. One fused kernel on the GPU (decode is launch-bound)."""
+        from kernels import ops
+
+        ops.store_kv(self.k_buffers[layer], self.v_buffers[layer], loc, k, v)
 
     def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer], self.v_buffers[layer]

@@ -38,7 +38,7 @@ class LlamaAttention(nn.Module):
             q = self._per_head_norm(q, self.q_norm)
             k = self._per_head_norm(k, self.k_norm)
         q, k = rotary(fb.positions, q, k)
-        o = fb.attn_backend.forward(q, k, v.contiguous(), self.layer_id, fb)
+        o = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
         return self.o_proj(o)
 
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
