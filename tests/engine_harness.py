@@ -21,6 +21,10 @@ def tokenizer() -> Tokenizer:
 
 class Harness:
     def __init__(self, **cfg):
+        # Engine logic under test, not bf16 numerics: fp32 everywhere, and a fixed pool so several
+        # engines fit on one GPU.
+        cfg.setdefault("dtype", "float32")
+        cfg.setdefault("max_total_tokens", 65536)
         self.outputs: dict[str, list[TokenOutput]] = {}
         self.engine = Engine(EngineConfig(**cfg), tokenizer(), self._collect)
 

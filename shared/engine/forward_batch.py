@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shared.engine.h2d import to_device
+
 if TYPE_CHECKING:
     from kernels.attention.base import AttentionBackend
     from shared.cache.kv_pool import KVPool
@@ -60,14 +62,14 @@ class ForwardBatch:
         positions = [p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)]
 
         def t(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+            return to_device(x, dtype, device)
 
         return cls(
             mode=mode, batch_size=len(extend_lens),
             input_ids=t(input_ids, torch.int64), positions=t(positions, torch.int64),
             req_pool_indices=t(req_pool_indices, torch.int64), seq_lens=t(seq_lens, torch.int32),
             extend_prefix_lens=t(prefix_lens, torch.int32), extend_seq_lens=t(extend_lens, torch.int32),
-            extend_start_loc=t(starts, torch.int32), out_cache_loc=out_cache_loc.to(device, torch.int64),
+            extend_start_loc=t(starts, torch.int32), out_cache_loc=to_device(out_cache_loc, torch.int64, device),
             req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend,
             seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=list(extend_lens),
         )

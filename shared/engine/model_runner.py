@@ -9,6 +9,7 @@ import torch
 from shared.cache.kv_pool import KVPool, ReqToTokenPool
 from shared.engine.config import EngineConfig
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.engine.h2d import to_device
 from shared.engine.request import Req
 from shared.engine.sampler import SamplingBatch, sample
 from shared.engine.scheduler import ScheduleBatch
@@ -121,7 +122,13 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             # Keep (1 - fraction) of the whole card for activations, graphs and the sampler.
             budget = free - total * (1 - self.config.mem_fraction_static)
-            return max(self.page_size * 16, int(budget // per_token))
+            tokens = int(budget // per_token)
+            if tokens < 1024:
+                raise RuntimeError(
+                    f"only {max(0, budget) / 2**30:.1f} GiB left for the KV cache after the weights "
+                    f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB); raise --mem-fraction-static "
+                    f"or set --max-total-tokens")
+            return tokens
         return _CPU_DEFAULT_TOKENS
 
     # ------------------------------------------------------------------ forward
@@ -135,8 +142,8 @@ class ModelRunner:
             cols.extend(range(first, p + e))
             vals.extend(req.slots[first:p + e])
         dev = self.device
-        self.req_pool.req_to_token[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = \
-            torch.tensor(vals, dtype=torch.int32, device=dev)
+        self.req_pool.req_to_token[to_device(rows, torch.int64, dev), to_device(cols, torch.int64, dev)] = \
+            to_device(vals, torch.int32, dev)
 
     def forward(self, batch: ScheduleBatch) -> StepOutput:
         return self.launch(batch).resolve()
@@ -171,7 +178,7 @@ class ModelRunner:
             self._input_logprobs(batch, hidden, out)
         if not sampled:
             return PendingStep(out, batch, [], {}, None)
-        rows = torch.tensor([ends[i] for i in sampled], device=self.device)
+        rows = to_device([ends[i] for i in sampled], torch.int64, self.device)
         return self._sample(batch, self.model.compute_logits(hidden[rows]), sampled, out, fb)
 
     def _sample(self, batch: ScheduleBatch, logits: torch.Tensor, sampled: list[int], out: StepOutput,
@@ -194,7 +201,7 @@ class ModelRunner:
             vocab_mask = mask.to_bool() if mask is not None else None
         res = sample(logits, sb, top_logprobs_num=k, vocab_mask=vocab_mask)
         rows = fb.req_pool_indices if len(sampled) == batch.batch_size else \
-            fb.req_pool_indices[torch.tensor(sampled, device=self.device)]
+            fb.req_pool_indices[to_device(sampled, torch.int64, self.device)]
         self.token_buf[rows] = res.next_token_ids
         tensors = {"ids": res.next_token_ids, "lps": res.logprobs, "top_ids": res.top_logprobs_ids,
                    "top_lps": res.top_logprobs}

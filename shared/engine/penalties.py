@@ -13,6 +13,8 @@ from itertools import chain
 import numpy as np
 import torch
 
+from shared.engine.h2d import to_device
+
 from shared.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -76,7 +78,7 @@ class PenaltyState:
             st.bias = TokenIndex.build(bias_rows, [[t for t, _ in it] for it in items], None, device)
             if st.bias is not None:
                 vals = [v for it in items for _, v in it]
-                st.bias_values = torch.tensor(vals, dtype=torch.float32).to(device, non_blocking=True)
+                st.bias_values = to_device(vals, torch.float32, device)
 
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         if rep_rows:

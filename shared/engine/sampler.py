@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.h2d import to_device
 from shared.engine.penalties import PenaltyState
 from shared.sampling_params import SamplingParams
 
@@ -107,10 +108,9 @@ class SamplingBatch:
             min_new_tokens_active = [s < p.min_new_tokens for p, s in zip(params, steps)]
 
         # One host->device copy per dtype.
-        floats = torch.tensor([temps, top_ps, min_ps], dtype=torch.float32).to(device, non_blocking=True)
-        ints = torch.tensor([[s & 0x7FFFFFFF for s in seeds], list(steps), top_ks],
-                            dtype=torch.int64).to(device, non_blocking=True)
-        flags = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
+        floats = to_device([temps, top_ps, min_ps], torch.float32, device)
+        ints = to_device([[s & 0x7FFFFFFF for s in seeds], list(steps), top_ks], torch.int64, device)
+        flags = to_device(greedy, torch.bool, device)
         sampled_k = [k for k, g in zip(top_ks, greedy) if not g and k < vocab_size]
         return cls(
             batch_size=b, vocab_size=vocab_size,
