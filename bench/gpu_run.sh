@@ -18,3 +18,6 @@ fi
 if [[ $what == all || $what == kernels ]]; then
   timeout 200 python3 -m bench.kernels 2>&1 | tee "$OUT/kernels.log" | tail -40
 fi
+if [[ $what == structured ]]; then
+  timeout 300 python3 -m bench.structured --out "$OUT" 2>&1 | tee "$OUT/structured.log" | tail -20
+fi
