@@ -73,7 +73,7 @@ async def _drain(stream: asyncio.StreamReader) -> None:
 def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
     argv = ["--model-path", args.model_path, "--workers", ",".join(addrs), "--host", args.host,
             "--port", str(args.port), "--log-level", args.log_level]
-    for flag in ("served_model_name", "api_key", "admin_api_key"):
+    for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url"):
         value = getattr(args, flag)
         if value:
             argv += ["--" + flag.replace("_", "-"), value]

@@ -93,6 +93,7 @@ def test_client_disconnect_frees_the_request(base_url):
     with requests.post(base_url + "/generate", json=body, stream=True, timeout=60) as resp:
         it = resp.iter_lines()
         next(it)
+        assert _running(requests.get(base_url + "/server_info", timeout=10).json()) == 1
     # The worker must see the abort: nothing running shortly after.
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -104,8 +105,9 @@ def test_client_disconnect_frees_the_request(base_url):
 
 
 def _running(info) -> int:
-    workers = info.get("workers") or [info]
-    return sum(w.get("num_running", 0) + w.get("num_waiting", 0) for w in workers)
+    workers = [w["info"] for w in info["workers"]]
+    assert workers and all(w is not None for w in workers), info
+    return sum(w["num_running"] + w["num_waiting"] for w in workers)
 
 
 def test_health_and_metrics(base_url):

@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
     p.add_argument("--model-path", required=True)
     p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
-    p.add_argument("--workers", required=True, help="host:port[,host:port...]")
+    p.add_argument("--workers", default="", help="host:port[,host:port...] (static; may be empty with --redis-url)")
+    p.add_argument("--redis-url", default=None, help="discover workers registered in this Redis")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--served-model-name", default=None, help="defaults to --model-path")
@@ -40,7 +41,10 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
     """Start the gateway inside the caller's event loop (a launcher runs several services in one)."""
     tokenizer_path = getattr(args, "tokenizer_path", None) or args.model_path
     tokenizer = await asyncio.to_thread(Tokenizer.load, tokenizer_path)
-    workers = [WorkerClient(host, port) for host, port in parse_worker_list(args.workers)]
+    workers = [WorkerClient(host, port) for host, port in parse_worker_list(args.workers)] if args.workers else []
+    redis_url = getattr(args, "redis_url", None)
+    if not workers and not redis_url:
+        raise SystemExit("give --workers host:port[,...] or --redis-url to discover workers")
     limits = Limits(max_n=getattr(args, "max_n", Limits.max_n),
                     max_body_bytes=getattr(args, "max_body_bytes", Limits.max_body_bytes))
     state = GatewayState(tokenizer=tokenizer, served_model_name=args.served_model_name or args.model_path,
@@ -50,7 +54,19 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
                          tokenizer_path=tokenizer_path)
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup aborts the
     # request on the worker (otherwise its KV stays pinned until generation ends).
-    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
+    app = create_app(state)
+    if redis_url:
+        from services.gateway.discovery import WorkerDiscovery
+        from shared.metadata.store import RedisStore
+
+        discovery = WorkerDiscovery(RedisStore(redis_url), state.router)
+        await discovery.refresh()
+        discovery.start()
+
+        async def _stop_discovery(_app):
+            await discovery.close()
+        app.on_cleanup.append(_stop_discovery)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     return runner, state

@@ -45,13 +45,17 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    def entry() -> dict:
+        return {"host": args.host, "port": port, "role": args.role, "model_path": config.model_path,
+                "num_running": engine.scheduler.num_running(), "num_waiting": len(engine.scheduler.waiting)}
+
+    if store is not None:
+        await store.register_worker(worker_id, entry())  # discoverable before anyone is told it is ready
     print(f"WORKER READY {args.host}:{port} id={worker_id} role={args.role}", flush=True)
     try:
         while not stop.is_set():
             if store is not None:
-                info = {"host": args.host, "port": port, "role": args.role, "model_path": config.model_path,
-                        "num_running": engine.scheduler.num_running(), "num_waiting": len(engine.scheduler.waiting)}
-                await store.register_worker(worker_id, info)
+                await store.register_worker(worker_id, entry())
             try:
                 await asyncio.wait_for(stop.wait(), WORKER_TTL_S / 3)
             except asyncio.TimeoutError:
