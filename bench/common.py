@@ -138,6 +138,10 @@ def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = F
             events.append((s, e))
             return out
         if not time_steps:
+            if batch.mode == ForwardMode.EXTEND:
+                stats.extend_step_tokens.append(sum(batch.extend_lens))
+            else:
+                stats.decode_step_bs.append(batch.batch_size)
             return runner_forward(batch)
         sync()
         ts = time.perf_counter()

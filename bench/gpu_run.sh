@@ -12,8 +12,9 @@ if [[ $what == all || $what == tests ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -k "not interpreted" tests/test_kernels.py tests/test_engine.py \
     tests/test_engine_grammar.py tests/test_sampler.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
-if [[ $what == all || $what == offline ]]; then
-  timeout 400 python3 -m bench.offline --out "$OUT" 2>&1 | tee "$OUT/offline.log" | tail -40
+if [[ $what == all || $what == offline || $what == offline-nohf ]]; then
+  extra=""; [[ $what == offline-nohf ]] && extra="--skip-hf"
+  timeout 400 python3 -m bench.offline --out "$OUT" $extra 2>&1 | tee "$OUT/offline.log" | tail -40
 fi
 if [[ $what == all || $what == kernels ]]; then
   timeout 200 python3 -m bench.kernels 2>&1 | tee "$OUT/kernels.log" | tail -40

@@ -98,8 +98,12 @@ def main():
         jf0, steps0 = engine.jump_forward_tokens, engine.steps
         st = drive(engine, prompts, sampling)
         res[name] = {"wall_s": st.wall_s, "output_tokens": st.output_tokens, "steps": engine.steps - steps0,
-                     "req_per_s": len(prompts) / st.wall_s, "jump_tokens": engine.jump_forward_tokens - jf0}
-        log(f"{name}: {st.wall_s:.2f}s, {st.output_tokens} tokens, {engine.steps - steps0} steps")
+                     "req_per_s": len(prompts) / st.wall_s, "jump_tokens": engine.jump_forward_tokens - jf0,
+                     "extend_steps": len(st.extend_step_tokens), "extend_tokens": sum(st.extend_step_tokens),
+                     "decode_steps": len(st.decode_step_bs)}
+        log(f"{name}: {st.wall_s:.2f}s, {st.output_tokens} tokens, {engine.steps - steps0} steps "
+            f"({len(st.extend_step_tokens)} extend with {sum(st.extend_step_tokens)} tokens, "
+            f"{len(st.decode_step_bs)} decode)")
     # Unconstrained: the same number of output tokens per request, no grammar.
     per_req = max(1, res["token-by-token"]["output_tokens"] // len(prompts))
     eng.cache.reset()

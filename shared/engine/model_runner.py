@@ -104,6 +104,8 @@ class ModelRunner:
             head_dim=mc.head_dim, device=self.device)
         log.info("model %s on %s (%s): KV pool %d tokens, context %d", config.model_path, self.device,
                  self.dtype, self.max_total_tokens, self.max_context_len)
+        if self.device.type == "cuda":
+            self.warmup()
         self.graph_runner = None
         if self.device.type == "cuda" and config.cuda_graph and getattr(self.attn_backend, "graph_safe", False):
             from shared.engine.cuda_graph import CudaGraphRunner
@@ -112,6 +114,28 @@ class ModelRunner:
                 self.model, self.kv_pool, self.req_pool.req_to_token, self.attn_backend,
                 max_bs=min(config.cuda_graph_max_bs, config.max_running_requests), device=self.device,
                 progress=lambda line: print(line, flush=True))
+
+    @torch.no_grad()
+    def warmup(self) -> None:
+        """Compile before serving what the first requests would otherwise wait for: Triton builds a
+        kernel variant per integer-argument class (== 1, divisible by 16, other) and the sampler's
+        compiled path on first use. Dummy tokens use request row 0 and the padding slot 0."""
+        from shared.sampling_params import SamplingParams
+
+        for T in (1, 15, 16, 17, 64, 255):
+            if T >= self.max_context_len:
+                continue
+            fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * T, [0], [0], [T], torch.zeros(T, dtype=torch.int64),
+                                    self.req_pool.req_to_token, self.kv_pool, self.attn_backend, self.device)
+            self.attn_backend.init_forward_metadata(fb)
+            logits = self.model.compute_logits(self.model.forward(fb)[-1:])
+        for temperature in (0.0, 1.0):
+            sb = SamplingBatch.build(params=[SamplingParams(temperature=temperature)], seeds=[0], steps=[0],
+                                     output_ids=[[]], prompt_ids=None, vocab_size=self.vocab_size,
+                                     device=self.device)
+            sample(logits, sb, top_logprobs_num=1)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _pool_tokens(self) -> int:
         if self.config.max_total_tokens:

@@ -172,14 +172,14 @@ class Scheduler:
             else:
                 return self._retract_for(ext) or None
 
-        # 2. Running requests that gained several tokens at once (jump-forward) extend them here.
-        for req in [r for r in self.running if r.seq_len - r.kv_len > 1 and r not in reqs]:
-            ext = req.seq_len - req.kv_len
-            if ext > budget:
-                break
-            if not take(req, ext):
-                break
-            budget -= ext
+        # 2. Running requests that gained several tokens at once (jump-forward) extend them here, and
+        #    every other running request rides along with its one decode token, so none stalls.
+        if any(r.seq_len - r.kv_len > 1 for r in self.running if r not in reqs):
+            for req in [r for r in self.running if r not in reqs]:
+                ext = req.seq_len - req.kv_len
+                if ext > budget or not take(req, ext):
+                    break
+                budget -= ext
 
         # 3. Admit waiting requests.
         admitted = 0
