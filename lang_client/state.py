@@ -6,6 +6,7 @@ from typing import Any, Iterator
 
 from lang_client.api import _role
 from lang_client.expr import Concat, RoleBegin, RoleEnd, Text, to_expr
+from lang_client.forks import ForkList
 from lang_client.interpreter import Assign
 
 
@@ -102,35 +103,10 @@ class ProgramState:
         return f"ProgramState({self.text()!r})"
 
 
-class ProgramStateGroup:
+class ProgramStateGroup(ForkList):
     def __init__(self, states: list[ProgramState], src_state: ProgramState):
         self.states = states
         self.src_state = src_state
-
-    def __getitem__(self, i: int) -> ProgramState:
-        return self.states[i]
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __iter__(self):
-        return iter(self.states)
-
-    def __setitem__(self, i: int, value: ProgramState) -> None:
-        if value is not self.states[i]:  # `forks[i] += x` reassigns the same state; allow only that
-            raise TypeError("a fork list holds program states; append to them with +=")
-
-    def __iadd__(self, other: Any) -> "ProgramStateGroup":
-        """Append one expression to every fork, or the i-th of a list to the i-th fork."""
-        if isinstance(other, (list, tuple)):
-            if len(other) != len(self.states):
-                raise ValueError(f"{len(other)} expressions for {len(self.states)} forks")
-            for state, expr in zip(self.states, other):
-                state += expr
-        else:
-            for state in self.states:
-                state += other
-        return self
 
     def join(self, mode: str = "gather_variable") -> None:
         """Wait for every fork. gather_variable: each variable the forks set becomes a list in the parent;

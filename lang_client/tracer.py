@@ -28,6 +28,7 @@ from lang_client.api import _role as role_expr
 from lang_client.chat_template import CHATML, ChatTemplate
 from lang_client.choices import resolve_method
 from lang_client.errors import NotSupportedError, TracingError
+from lang_client.forks import ForkList
 from lang_client.expr import (ArgRef, Expr, Gen, Image, RoleBegin, RoleEnd, Select, Text, VarRef,
                               to_expr, walk)
 
@@ -159,31 +160,9 @@ class TracerState:
         return TracerGroup(children, self, fork_id)
 
 
-class TracerGroup:
+class TracerGroup(ForkList):
     def __init__(self, states: list[TracerState], src: TracerState, fork_id: int):
         self.states, self.src, self.fork_id = states, src, fork_id
-
-    def __getitem__(self, i: int) -> TracerState:
-        return self.states[i]
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __iter__(self):
-        return iter(self.states)
-
-    def __setitem__(self, i: int, value: TracerState) -> None:
-        if value is not self.states[i]:
-            raise TypeError("a fork list holds program states; append to them with +=")
-
-    def __iadd__(self, other: Any) -> "TracerGroup":
-        if isinstance(other, (list, tuple)):
-            for state, expr in zip(self.states, other, strict=True):
-                state += expr
-        else:
-            for state in self.states:
-                state += other
-        return self
 
     def join(self, mode: str = "gather_variable") -> None:
         if mode not in ("gather_variable", "concate_and_append"):
