@@ -83,17 +83,22 @@ def main():
     eng = Engine(ec, tok, on_output=lambda o: None)
     eng_nojf = Engine(EngineConfig(**{**ec.__dict__, "disable_jump_forward": True}), tok,
                       on_output=lambda o: None, runner=eng.runner)
+    eng_verify = Engine(EngineConfig(**{**ec.__dict__, "jump_forward_mode": "verify"}), tok,
+                        on_output=lambda o: None, runner=eng.runner)
     prompts = [tok.encode(f"Record {i}: extract the customer fields as JSON.\n") for i in range(args.num_reqs)]
     schema = json.dumps(SCHEMA)
     constrained = {"json_schema": schema, "temperature": 0, "max_new_tokens": 512}
     log("warm-up")
     drive(eng, prompts[:4], constrained)
     drive(eng_nojf, prompts[:4], constrained)
+    drive(eng_verify, prompts[:4], constrained)
     drive(eng, prompts[:4], {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name() if cuda else "cpu",
            "num_reqs": args.num_reqs}
     rows = []
-    for name, engine, sampling in [("jump-forward", eng, constrained), ("token-by-token", eng_nojf, constrained)]:
+    modes = [("jump-forward", eng, constrained), ("jump-fwd verify", eng_verify, constrained),
+             ("token-by-token", eng_nojf, constrained)]
+    for name, engine, sampling in modes:
         engine.cache.reset()
         jf0, steps0 = engine.jump_forward_tokens, engine.steps
         st = drive(engine, prompts, sampling)
@@ -117,7 +122,7 @@ def main():
         json.dump(res, f, indent=2)
     print(f"\n{res['gpu']}  {args.num_reqs} JSON extractions, schema with {len(SCHEMA['properties'])} fields")
     print(f"{'mode':18s} {'wall s':>8s} {'req/s':>8s} {'tokens':>8s} {'ms/token':>9s} {'steps':>6s}")
-    for name in ("jump-forward", "token-by-token", "unconstrained"):
+    for name in ("jump-forward", "jump-fwd verify", "token-by-token", "unconstrained"):
         r = res[name]
         print(f"{name:18s} {r['wall_s']:8.2f} {r['req_per_s']:8.2f} {r['output_tokens']:8d} "
               f"{1e3 * r['wall_s'] / max(1, r['output_tokens']) * args.num_reqs:9.2f} {r.get('steps', 0):6d}")

@@ -84,3 +84,35 @@ def test_bad_grammar_is_refused_and_frees_nothing(h):
     r = h.generate(prompt(), sampling={"regex": "(unclosed", "max_new_tokens": 5})
     assert r["error"]
     assert h.free_tokens() == before and h.engine.scheduler.is_idle()
+
+
+@pytest.mark.parametrize("cfg", [{}, {"page_size": 4}])
+def test_verified_jump_forward_equals_token_by_token(cfg):
+    """Verify mode: forced runs are proposals checked in one pass against the model's own samples, so
+    the output is exactly token-by-token decoding (greedy and seeded sampling), in fewer passes."""
+    on = Harness(jump_forward_mode="verify", **cfg)
+    off = Harness(disable_jump_forward=True, **cfg)
+    cases = [("json_schema", json.dumps(SCHEMA)), ("regex", REGEXES[2]), ("regex", REGEXES[0])]
+    for kind, text in cases:
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+            s = {kind: text, "max_new_tokens": 200, **sampling}
+            a = on.generate(prompt(), sampling=s, return_logprob=True)
+            b = off.generate(prompt(), sampling=s, return_logprob=True)
+            assert a["ids"] == b["ids"] and a["text"] == b["text"], (kind, sampling)
+            assert [e[1] for e in a["logprobs"]] == a["ids"]
+            for x, y in zip(a["logprobs"], b["logprobs"]):
+                assert abs(x[0] - y[0]) < 1e-4
+    assert on.engine.jump_forward_tokens > 0
+    assert on.engine.steps < off.engine.steps
+    for h in (on, off):
+        assert h.engine.scheduler.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
+
+
+def test_verified_jump_forward_in_a_mixed_batch():
+    on = Harness(jump_forward_mode="verify")
+    off = Harness(disable_jump_forward=True)
+    reqs = [({"json_schema": json.dumps(SCHEMA), "temperature": 1.0, "seed": s, "max_new_tokens": 150}) for s in range(3)]
+    reqs += [{"temperature": 1.0, "seed": 9, "max_new_tokens": 20, "ignore_eos": True}]
+    got = [r["ids"] for r in on.run([on.submit(prompt(), sampling=s) for s in reqs])]
+    want = [r["ids"] for r in off.run([off.submit(prompt(), sampling=s) for s in reqs])]
+    assert got == want

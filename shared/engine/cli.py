@@ -12,6 +12,7 @@ _CHOICES = {
     "attention_backend": ["auto", "torch", "triton", "flashinfer"],
     "schedule_policy": ["lpm", "fcfs"],
     "load_format": ["auto", "dummy"],
+    "jump_forward_mode": ["retokenize", "verify"],
 }
 
 

@@ -30,4 +30,8 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     enable_overlap: bool = True
     disable_jump_forward: bool = False
+    # retokenize: forced runs go in as the tokenizer's own tokens (fastest; the model may have chosen
+    # another segmentation, so later text can differ). verify: forced tokens are proposals checked in
+    # the same pass against what the model samples, so output equals token-by-token decoding exactly.
+    jump_forward_mode: str = "retokenize"
     random_seed: int = 0

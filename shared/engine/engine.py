@@ -10,6 +10,8 @@ import queue
 import random
 import threading
 import time
+
+import torch
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
@@ -258,14 +260,18 @@ class Engine:
                 req.finish_reason = {"type": "length", "length": 0}
                 ready.append(req)
                 continue
-            tok = out.next_token_ids[i]
+            accepted: list[int] = []
+            if req.proposed:
+                tok, accepted = self._verify_proposals(req, out, i)
+            else:
+                tok = out.next_token_ids[i]
             req.output_ids[req.num_resolved] = tok
             req.num_resolved += 1
             self.generated_tokens += 1
             if req.return_logprob:
                 req.pending_output_logprobs.append([out.logprobs[i], tok])
                 req.pending_output_top_logprobs.append(out.top_logprobs[i] or [])
-            text, stop_hit = self.detok.add_tokens(req.detok, [tok])
+            text, stop_hit = self.detok.add_tokens(req.detok, accepted + [tok])
             req.pending_text += text
             p = req.params
             grammar_done = False
@@ -306,6 +312,8 @@ class Engine:
         """Append the run of tokens the grammar forces (compressed FSM), re-tokenized at the boundary.
         Only the just-sampled token (no KV yet) may be rewritten, so no computed KV is discarded; the
         next step extends all new tokens in one pass. Returns whether a stop string appeared."""
+        if self.config.jump_forward_mode == "verify":
+            return self._propose_forced(req)
         budget = req.params.max_new_tokens - req.num_resolved
         jf = jump_forward(req.grammar, req.output_ids, self.tokenizer, max_retokenize=1, budget=budget)
         if jf is None:
@@ -323,6 +331,54 @@ class Engine:
                 req.pending_output_logprobs.append([0.0, t])
                 req.pending_output_top_logprobs.append([])
         return stop_hit
+
+    def _propose_forced(self, req: Req) -> bool:
+        """Verify mode: append the forced run as proposals, with the allowed-token mask at each of
+        their positions (recorded by replaying the matcher over them). The next pass extends them and
+        samples at every position; `_verify_proposals` keeps the prefix the model agrees with."""
+        budget = req.params.max_new_tokens - req.num_resolved - 1  # room for the sample after them
+        jf = jump_forward(req.grammar, req.output_ids, self.tokenizer, max_retokenize=0, budget=budget)
+        if jf is None or not jf.new_ids:
+            return False
+        k = len(jf.new_ids)
+        req.grammar.rollback(k)
+        masks = torch.full((k + 1, (self.runner.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        for m, t in enumerate(jf.new_ids):
+            req.grammar.fill_bitmask(masks, m)
+            accepted = req.grammar.accept_token(t)
+            assert accepted, "a forced token the grammar just produced must be accepted"
+        req.grammar.fill_bitmask(masks, k)
+        req.output_ids.extend(jf.new_ids)
+        req.proposed, req.proposal_masks = k, masks
+        return False
+
+    def _verify_proposals(self, req: Req, out: StepOutput, i: int) -> tuple[int, list[int]]:
+        """Keep the proposals the model sampled itself (same seed and step, same mask: exactly what
+        token-by-token decoding would have produced), then the model's own next token. Returns that
+        token and the accepted proposals; rejected ones lose their KV and grammar progress."""
+        k, base = req.proposed, req.num_resolved
+        samples, lps = out.proposal_samples[i], out.proposal_logprobs[i]
+        props = req.output_ids[base:base + k]
+        j = 0
+        while j < k and samples[j] == props[j]:
+            j += 1
+        tok = samples[j]
+        del req.output_ids[base + j:]
+        req.output_ids.append(_PENDING)
+        if j < k:
+            req.grammar.rollback(k - j)
+            self.scheduler.truncate_kv(req, len(req.input_ids) + base + j)
+            self.runner.set_last_token(req.req_pool_idx, tok)
+            out.logprobs[i], out.top_logprobs[i] = lps[j], None
+        if req.return_logprob:
+            for m in range(j):
+                req.pending_output_logprobs.append([lps[m], props[m]])
+                req.pending_output_top_logprobs.append([])
+        req.num_resolved = base + j
+        req.proposed, req.proposal_masks = 0, None
+        self.jump_forward_tokens += j
+        self.generated_tokens += j
+        return tok, props[:j]
 
     def _release(self, req: Req) -> None:
         """Drop tokens still pending on the device (from a step launched after the one that finished

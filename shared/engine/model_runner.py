@@ -41,6 +41,13 @@ class StepOutput:
     # Input logprobs computed this pass, per request: list of [logprob, token_id] and top lists.
     input_logprobs: list[list | None]
     input_top_logprobs: list[list | None]
+    # Requests that carried proposed (jump-forward, verify mode) tokens: the sample at each proposal
+    # position and after the last, with their logprobs. next_token_ids holds the last of them.
+    proposal_samples: dict = None
+    proposal_logprobs: dict = None
+
+    def __post_init__(self):
+        self.proposal_samples, self.proposal_logprobs = {}, {}
 
 
 class PendingStep:
@@ -48,8 +55,9 @@ class PendingStep:
     waits for them; until then the CPU is free to schedule and launch the next step."""
 
     def __init__(self, out: StepOutput, batch: ScheduleBatch, sampled: list[int], tensors: dict,
-                 event: "torch.cuda.Event | None"):
+                 event: "torch.cuda.Event | None", counts: list[int] | None = None):
         self.out, self.batch, self.sampled, self.tensors, self.event = out, batch, sampled, tensors, event
+        self.counts = counts  # sample rows per sampled request (None: one each)
 
     def resolve(self) -> StepOutput:
         if self.event is not None:
@@ -61,7 +69,14 @@ class PendingStep:
         lps = t["lps"].tolist()
         top_ids = t["top_ids"].tolist() if t.get("top_ids") is not None else None
         top_lps = t["top_lps"].tolist() if t.get("top_lps") is not None else None
-        for j, i in enumerate(self.sampled):
+        counts = self.counts or [1] * len(self.sampled)
+        row = 0
+        for i, n in zip(self.sampled, counts):
+            row += n
+            j = row - 1  # the request's last row: its ordinary next-token sample
+            if n > 1:
+                out.proposal_samples[i] = ids[row - n:row]
+                out.proposal_logprobs[i] = lps[row - n:row]
             out.next_token_ids[i] = ids[j]
             out.logprobs[i] = lps[j]
             req = self.batch.reqs[i]
@@ -202,31 +217,50 @@ class ModelRunner:
             self._input_logprobs(batch, hidden, out)
         if not sampled:
             return PendingStep(out, batch, [], {}, None)
-        rows = to_device([ends[i] for i in sampled], torch.int64, self.device)
-        return self._sample(batch, self.model.compute_logits(hidden[rows]), sampled, out, fb)
+        # A request carrying k proposed tokens is sampled at each of them and after the last.
+        counts = [batch.reqs[i].proposed + 1 for i in sampled]
+        rows = to_device([ends[i] - c + 1 + m for i, c in zip(sampled, counts) for m in range(c)],
+                         torch.int64, self.device)
+        return self._sample(batch, self.model.compute_logits(hidden[rows]), sampled, out, fb,
+                            counts if any(c > 1 for c in counts) else None)
 
     def _sample(self, batch: ScheduleBatch, logits: torch.Tensor, sampled: list[int], out: StepOutput,
-                fb: ForwardBatch) -> PendingStep:
+                fb: ForwardBatch, counts: list[int] | None = None) -> PendingStep:
+        """Sample one row per request, or, for a request with proposals, one row per proposal
+        position plus one (`counts`); row m of such a request is its sample after m proposals."""
         if self.tokenizer_vocab_size < logits.shape[-1]:
             # Padded embedding rows have no text: never sample them.
             logits[:, self.tokenizer_vocab_size:] = float("-inf")
         reqs = [batch.reqs[i] for i in sampled]
+        if counts is None:
+            rows_req, rows_step = reqs, [len(r.output_ids) for r in reqs]
+        else:
+            # Output before the proposals is len(output_ids) - k; row m samples step base + m.
+            rows_req = [r for r, c in zip(reqs, counts) for _ in range(c)]
+            rows_step = [len(r.output_ids) - c + 1 + m for r, c in zip(reqs, counts) for m in range(c)]
         sb = SamplingBatch.build(
-            params=[r.params for r in reqs], seeds=[r.seed for r in reqs], steps=[len(r.output_ids) for r in reqs],
-            output_ids=[r.output_ids for r in reqs],
-            prompt_ids=[r.input_ids for r in reqs] if any(r.params.repetition_penalty != 1.0 for r in reqs) else None,
+            params=[r.params for r in rows_req], seeds=[r.seed for r in rows_req], steps=rows_step,
+            output_ids=[r.output_ids for r in reqs] if counts is None else
+            [r.output_ids[:st] for r, st in zip(rows_req, rows_step)],
+            prompt_ids=[r.input_ids for r in rows_req] if any(r.params.repetition_penalty != 1.0 for r in reqs) else None,
             vocab_size=self.vocab_size, device=self.device,
-            eos_ids=[self._stop_ids(r) for r in reqs],
-            min_new_tokens_active=[len(r.output_ids) < r.params.min_new_tokens for r in reqs])
+            eos_ids=[self._stop_ids(r) for r in rows_req],
+            min_new_tokens_active=[st < r.params.min_new_tokens for r, st in zip(rows_req, rows_step)])
         k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         vocab_mask = None
-        if any(r.grammar is not None for r in reqs):
+        if counts is not None:
+            vocab_mask = self._proposal_masks(reqs, counts, logits.device)
+        elif any(r.grammar is not None for r in reqs):
             mask = self.masker.build([r.grammar for r in reqs], device=logits.device)
             vocab_mask = mask.to_bool() if mask is not None else None
         res = sample(logits, sb, top_logprobs_num=k, vocab_mask=vocab_mask)
+        last_rows = res.next_token_ids
+        if counts is not None:
+            ends = torch.tensor(counts).cumsum(0) - 1
+            last_rows = res.next_token_ids[to_device(ends, torch.int64, self.device)]
         rows = fb.req_pool_indices if len(sampled) == batch.batch_size else \
             fb.req_pool_indices[to_device(sampled, torch.int64, self.device)]
-        self.token_buf[rows] = res.next_token_ids
+        self.token_buf[rows] = last_rows
         tensors = {"ids": res.next_token_ids, "lps": res.logprobs, "top_ids": res.top_logprobs_ids,
                    "top_lps": res.top_logprobs}
         event = None
@@ -236,7 +270,27 @@ class ModelRunner:
                            if v is not None else None) for k, v in tensors.items()}
             event = torch.cuda.Event()
             event.record()
-        return PendingStep(out, batch, sampled, tensors, event)
+        return PendingStep(out, batch, sampled, tensors, event, counts)
+
+    def _proposal_masks(self, reqs: list[Req], counts: list[int], device: torch.device) -> torch.Tensor:
+        """Allowed tokens per sample row: stored masks for proposal positions (filled when the
+        proposals were made), the grammar's current mask for other constrained requests."""
+        from shared.constrained import bitmask_to_bool
+
+        width = next(r.proposal_masks.shape[1] for r, c in zip(reqs, counts) if c > 1)
+        bitmask = torch.full((sum(counts), width), -1, dtype=torch.int32)
+        row = 0
+        for r, c in zip(reqs, counts):
+            if c > 1:
+                bitmask[row:row + c] = r.proposal_masks
+            elif r.grammar is not None and not r.grammar.is_terminated():
+                r.grammar.fill_bitmask(bitmask, row)
+            row += c
+        return bitmask_to_bool(to_device(bitmask, torch.int32, device), self.vocab_size)
+
+    def set_last_token(self, req_pool_idx: int, token_id: int) -> None:
+        """Correct a request's next decode input (a verified proposal was rejected)."""
+        self.token_buf[req_pool_idx] = token_id
 
     def _stop_ids(self, req: Req) -> list[int]:
         ids = list(req.params.stop_token_ids)

@@ -50,6 +50,10 @@ class Req:
     detok: Any = None
     grammar: Any = None
     grammar_future: Any = None
+    # Jump-forward in verify mode: trailing output tokens proposed by the grammar, not yet confirmed
+    # by the model, and the allowed-token bitmask at each proposal position and after the last.
+    proposed: int = 0
+    proposal_masks: Any = None
     # Logprobs not yet sent.
     pending_output_logprobs: list = field(default_factory=list)
     pending_output_top_logprobs: list = field(default_factory=list)

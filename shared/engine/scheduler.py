@@ -306,6 +306,20 @@ class Scheduler:
             self._retract(self._pick_victim())
         return None
 
+    def truncate_kv(self, req: Req, kv_len: int) -> None:
+        """Forget KV past kv_len (rejected proposals): free the pages wholly beyond it; slots left in
+        the last kept page stay the request's and are handed out again by the next allocation."""
+        if kv_len >= len(req.slots):
+            req.kv_len = min(req.kv_len, kv_len)
+            return
+        P = self.page_size
+        keep_page = req.slots[kv_len - 1] // P if kv_len > 0 else -1
+        drop = [s for s in req.slots[kv_len:] if s // P != keep_page]
+        if drop:
+            self.allocator.free(torch.tensor(drop, dtype=torch.int64))
+        req.slots = req.slots[:kv_len]
+        req.kv_len = kv_len
+
     def release_finished(self, req: Req) -> None:
         self.remove(req)
 
