@@ -1,0 +1,123 @@
+"""LM programs end to end through the real stack: tree-of-thought and the branch-solve-merge judge, run
+(1) through the program endpoint (/v1/programs: the gateway executes the traced program, forks
+admitted together after one prefix warm-up), (2) in interpreter mode (the SDK sends each call, with
+fork prefix hints), and (3) as the same calls against a server with the radix cache off.
+
+    python -m bench.programs [--shape llama-3.1-8b|tiny] [--instances 32]
+
+Each mode runs `--instances` programs concurrently (run_batch threads); prints a short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import requests  # noqa: E402
+
+from bench.common import SHAPES, model_dir  # noqa: E402
+from lang_client import RuntimeEndpoint, set_default_backend  # noqa: E402
+from lang_client.examples.branch_solve_merge import multi_dimensional_judge  # noqa: E402
+from lang_client.examples.tree_of_thought import tree_search  # noqa: E402
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def start_stack(path: str, port: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "services.launch", "--model-path", path, "--load-format", "dummy",
+           "--max-context-len", "8192", "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("READY"):
+            break
+    else:
+        raise RuntimeError(f"stack exited with {proc.wait()}")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while requests.get(url + "/health", timeout=10).status_code != 200:
+        if time.monotonic() > deadline:
+            raise TimeoutError("stack never became healthy")
+        time.sleep(0.5)
+    return proc
+
+
+def stop_stack(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def cache_stats(url: str) -> dict:
+    info = requests.get(url + "/server_info", timeout=10).json()
+    w = [x["info"] for x in info["workers"] if x["info"]]
+    return {"prompt_tokens": sum(x["prompt_tokens"] for x in w), "cached_tokens": sum(x["cached_tokens"] for x in w)}
+
+
+def run_mode(url: str, program, args_list: list[dict], remote: bool, threads: int) -> dict:
+    set_default_backend(RuntimeEndpoint(url))
+    before = cache_stats(url)
+    t0 = time.perf_counter()
+    states = program.run_batch(args_list, num_threads=threads, progress_bar=False, remote=remote)
+    wall = time.perf_counter() - t0
+    for s in states:
+        s.sync()
+    after = cache_stats(url)
+    prompt = after["prompt_tokens"] - before["prompt_tokens"]
+    cached = after["cached_tokens"] - before["cached_tokens"]
+    return {"wall_s": wall, "programs_per_s": len(args_list) / wall, "prompt_tokens": prompt,
+            "cache_hit_rate": cached / prompt if prompt else 0.0}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--instances", type=int, default=32)
+    ap.add_argument("--port", type=int, default=31990)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    path = model_dir(args.shape)
+    workloads = {
+        "tree-of-thought": (tree_search, [{"question": f"Puzzle {i}: 17 sheep, all but 9 run away. How many left?"}
+                                          for i in range(args.instances)]),
+        "judge": (multi_dimensional_judge, [{"essay": f"Essay {i}: cities should plant more trees for shade."}
+                                            for i in range(args.instances)]),
+    }
+    url = f"http://127.0.0.1:{args.port}"
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "shape": args.shape, "instances": args.instances}
+    for cache_on in (True, False):
+        log(f"starting the stack, radix cache {'on' if cache_on else 'off'}")
+        proc = start_stack(path, args.port, *([] if cache_on else ["--disable-radix-cache"]))
+        try:
+            for name, (program, arglist) in workloads.items():
+                modes = [("program endpoint", True), ("interpreter", False)] if cache_on else [("cache off", False)]
+                for mode, remote in modes:
+                    requests.post(url + "/flush_cache", timeout=30)
+                    r = run_mode(url, program, arglist, remote, threads=args.instances)
+                    res[f"{name} / {mode}"] = r
+                    log(f"{name} / {mode}: {r['wall_s']:.2f}s, hit rate {r['cache_hit_rate']:.2f}")
+        finally:
+            stop_stack(proc)
+    with open(os.path.join(args.out, "programs.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"\n{args.instances} concurrent programs, {args.shape}")
+    print(f"{'workload / mode':36s} {'wall s':>8s} {'prog/s':>8s} {'cache hit':>9s}")
+    for key, r in res.items():
+        if isinstance(r, dict):
+            print(f"{key:36s} {r['wall_s']:8.2f} {r['programs_per_s']:8.2f} {r['cache_hit_rate']:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
