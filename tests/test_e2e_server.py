@@ -152,3 +152,26 @@ def test_structured_output_through_the_stack(base_url):
     r = post(base_url, "/generate", {"text": "x", "sampling_params": {"regex": "(a+)+$", "max_new_tokens": 4}})
     assert r.status_code in (200, 400)
     assert time.monotonic() - t0 < 10
+
+
+def test_api_keys_are_tenants_with_separate_caches():
+    """Each API key gets its own cache namespace: a second tenant sending the same prompt gets no
+    cached tokens (no cross-tenant timing probe), while each tenant still reuses its own prefix."""
+    s = Stack("--api-key", "key-a,key-b")
+    try:
+        prompt = "tenant isolation check " * 8
+        body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 2}
+
+        def cached(key):
+            r = post(s.url, "/v1/completions", body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert post(s.url, "/v1/completions", body).status_code == 401
+        assert post(s.url, "/v1/completions", body, headers={"Authorization": "Bearer key-c"}).status_code == 401
+        assert cached("key-a") == 0
+        assert cached("key-a") > 0
+        assert cached("key-b") == 0
+        assert cached("key-b") > 0
+    finally:
+        s.stop()

@@ -63,6 +63,13 @@ def sampling_params(state: "GatewayState", d: dict[str, Any]) -> SamplingParams:
     return params
 
 
+def stamp_tenant(reqs: list[GenerateRequest], salt: str | None) -> None:
+    """Requests of one tenant share cache entries only with each other (the worker keys its radix tree
+    by the salt; the router hashes it into prefix affinity)."""
+    for r in reqs:
+        r.cache_salt = salt
+
+
 async def check_grammars(state: "GatewayState", reqs: list[GenerateRequest], param: str | None = None) -> None:
     """Compile every distinct grammar off the event loop, with a timeout: an invalid or pathological
     regex/schema is a 400 here and never reaches a worker. Compiled grammars are cached, so a repeated

@@ -3,6 +3,7 @@ read the state and call the translator that owns the endpoint."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 
@@ -118,25 +119,39 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
 def _auth_middleware(state: GatewayState):
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        key = _required_key(state, request.path)
-        if key is not None and not _bearer_matches(request, key):
-            return web.json_response(error_body("invalid or missing API key", "authentication_error",
-                                                code="invalid_api_key"), status=401)
+        keys = _required_keys(state, request.path)
+        if keys:
+            key = _matching_key(request, keys)
+            if key is None:
+                return web.json_response(error_body("invalid or missing API key", "authentication_error",
+                                                    code="invalid_api_key"), status=401)
+            # Each key is a tenant: its own cache namespace, so one tenant's prompts can never be
+            # probed through another's cache hits (prefix-cache timing side channel).
+            request["cache_salt"] = tenant_salt(key)
         return await handler(request)
 
     return check
 
 
-def _required_key(state: GatewayState, path: str) -> str | None:
+def _required_keys(state: GatewayState, path: str) -> list[str]:
     if path == "/flush_cache":
-        return state.admin_api_key or state.api_key
+        return [state.admin_api_key] if state.admin_api_key else state.api_keys
     if path.startswith("/v1/") or path == "/generate":
-        return state.api_key
-    return None
+        return state.api_keys
+    return []
 
 
-def _bearer_matches(request: web.Request, key: str) -> bool:
+def _matching_key(request: web.Request, keys: list[str]) -> str | None:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    # Constant-time comparison: a plain == leaks the key's prefix through timing.
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    token_b = token.strip().encode()
+    found = None
+    # Constant-time comparison against every key (no early exit): timing says nothing about the keys.
+    for key in keys:
+        if hmac.compare_digest(token_b, key.encode()) and scheme.lower() == "bearer":
+            found = key
+    return found
+
+
+def tenant_salt(key: str) -> str:
+    return hashlib.sha256(b"radixserve-tenant:" + key.encode()).hexdigest()[:16]

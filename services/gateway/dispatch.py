@@ -70,7 +70,7 @@ class Dispatcher:
                      ) -> AsyncIterator[tuple[TokenOutput, GenerationResult]]:
         """Yield (increment, accumulated result) until the request finishes."""
         self.check_rids([req.rid])
-        worker = self.router.pick(req.input_ids, salt)
+        worker = self.router.pick(req.input_ids, salt if salt is not None else req.cache_salt)
         result = GenerationResult(rid=req.rid)
         timer = RequestTimer(self.metrics)
         self.inflight.add(req.rid)

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from services.gateway import logprobs as lp
 from services.gateway.admission import (check_grammars, check_token_ids, child_requests, resolve_max_new_tokens,
-                                       sampling_params)
+                                       sampling_params, stamp_tenant)
 from services.gateway.dispatch import GenerationResult, new_rid
 from services.gateway.errors import bad_request
 from services.gateway.fields import get_bool, get_int, is_int, is_token_ids
@@ -32,15 +32,17 @@ class NativeJob:
 async def generate(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
     job = _build(state, body)
+    stamp_tenant(job.reqs, request.get("cache_salt"))
     await check_grammars(state, job.reqs)
     if get_bool(body, "stream"):
         return await stream_events(request, _events(state, job))
     return web.json_response(await _run(state, job))
 
 
-async def generate_json(state: "GatewayState", body: Any) -> dict | list:
+async def generate_json(state: "GatewayState", body: Any, cache_salt: str | None = None) -> dict | list:
     """`/generate` in process, without streaming: what the server-side program executor calls."""
     job = _build(state, body)
+    stamp_tenant(job.reqs, cache_salt)
     await check_grammars(state, job.reqs)
     return await _run(state, job)
 

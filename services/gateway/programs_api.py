@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 async def run_program(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
     program, stream = parse_program_request(body)  # InvalidRequest -> 400 in the error middleware
-    generate = functools.partial(native_api.generate_json, state)
+    generate = functools.partial(native_api.generate_json, state, cache_salt=request.get("cache_salt"))
     if stream:
         return await stream_events(request, _events(stream_program(program, generate)))
     try:

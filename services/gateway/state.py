@@ -41,5 +41,10 @@ class GatewayState:
         self.dispatcher = Dispatcher(self.router, self.metrics)
         self.health = HealthMonitor(self)
 
+    @property
+    def api_keys(self) -> list[str]:
+        """--api-key takes one key or a comma-separated list; each key is its own tenant."""
+        return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
+
     def model_names(self) -> set[str]:
         return {self.served_model_name, self.model_path}
