@@ -79,5 +79,12 @@ class Req:
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0 and self.logprob_start_len < len(self.input_ids)
 
+    def drop_proposals(self) -> None:
+        """Forget unverified jump-forward proposals (their grammar progress too)."""
+        if self.proposed:
+            self.grammar.rollback(self.proposed)
+            del self.output_ids[len(self.output_ids) - self.proposed:]
+            self.proposed, self.proposal_masks = 0, None
+
     def remaining_new_tokens(self) -> int:
         return max(0, self.params.max_new_tokens - len(self.output_ids))

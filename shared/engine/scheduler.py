@@ -177,7 +177,14 @@ class Scheduler:
         if any(r.seq_len - r.kv_len > 1 for r in self.running if r not in reqs):
             for req in [r for r in self.running if r not in reqs]:
                 ext = req.seq_len - req.kv_len
-                if ext > budget or not take(req, ext):
+                if ext > budget:
+                    break
+                if not take(req, ext):
+                    # Out of memory for the catch-up pass: retract the youngest request not in this
+                    # batch (its work stays in the tree), or nothing could ever move again.
+                    victims = [r for r in self.running if r not in reqs]
+                    if victims:
+                        self._retract(max(victims, key=lambda r: r.arrival_time))
                     break
                 budget -= ext
 
@@ -293,6 +300,7 @@ class Scheduler:
 
     def _retract(self, req: Req) -> None:
         self.running.remove(req)
+        req.drop_proposals()  # re-admission re-derives them; a prefill chunk must not split them
         self._release_kv(req)
         req.status = ReqStatus.WAITING
         req.retractions += 1
