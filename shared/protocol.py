@@ -120,6 +120,13 @@ class InfoRequest(Message):
     call_id: int
 
 
+@message
+class PingRequest(Message):
+    """Liveness: answered by the worker's event loop, not the engine, so it also works mid-step."""
+    TYPE: ClassVar[str] = "ping"
+    call_id: int
+
+
 # ---------------------------------------------------------------- worker -> gateway
 @message
 class TokenOutput(Message):
@@ -155,6 +162,14 @@ class InfoResult(Message):
     TYPE: ClassVar[str] = "info_result"
     call_id: int
     info: dict
+
+
+@message
+class PongResult(Message):
+    TYPE: ClassVar[str] = "pong"
+    call_id: int
+    steps: int = 0  # engine steps so far: a stuck engine shows as steps that stop moving
+    num_running: int = 0
 
 
 def all_message_types() -> dict[str, type[Message]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from aiohttp.test_utils import TestClient, TestServer
 
 from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest, InfoRequest,
-                             InfoResult, Message, TokenOutput)
+                             InfoResult, Message, PingRequest, PongResult, TokenOutput)
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from shared.wire import encode_frame, read_message
@@ -74,7 +74,9 @@ class FakeWorker:
                 self.received.append(msg)
                 if self.silent:
                     continue
-                if isinstance(msg, InfoRequest):
+                if isinstance(msg, PingRequest):
+                    writer.write(encode_frame(PongResult(call_id=msg.call_id, num_running=len(self.running))))
+                elif isinstance(msg, InfoRequest):
                     writer.write(encode_frame(InfoResult(call_id=msg.call_id, info=self.info())))
                 elif isinstance(msg, FlushCacheRequest):
                     self.seen_prompts.clear()

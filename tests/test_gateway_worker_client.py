@@ -141,6 +141,7 @@ async def test_duplicate_rid_on_one_connection_is_refused(worker, client):
 class StubWorker:
     def __init__(self, address, load=0, connected=True):
         self.address, self.load, self.connected = address, load, connected
+        self.responsive = True
 
     def start(self):
         pass

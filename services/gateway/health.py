@@ -22,10 +22,14 @@ log = logging.getLogger(__name__)
 
 
 class HealthMonitor:
-    def __init__(self, state: "GatewayState", interval: float = 0.5, probe_timeout: float = 30.0):
+    def __init__(self, state: "GatewayState", interval: float = 0.5, probe_timeout: float = 30.0,
+                 ping_interval: float = 2.0, ping_timeout: float = 5.0):
         self.state = state
         self.interval = interval
         self.probe_timeout = probe_timeout
+        self.ping_interval = ping_interval
+        self.ping_timeout = ping_timeout
+        self._liveness: asyncio.Task | None = None
         self.started_ready = False
         self.probed: set[str] = set()
         self.last_info: dict[str, dict] = {}
@@ -33,14 +37,20 @@ class HealthMonitor:
 
     @property
     def healthy(self) -> bool:
-        return self.started_ready and any(w.connected and w.address in self.probed
+        return self.started_ready and any(w.connected and w.responsive and w.address in self.probed
                                           for w in self.state.router.workers)
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="gateway-health")
+            self._liveness = asyncio.get_running_loop().create_task(self._liveness_loop(), name="gateway-liveness")
 
     async def stop(self) -> None:
+        if self._liveness is not None:
+            self._liveness.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._liveness
+            self._liveness = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -61,6 +71,28 @@ class HealthMonitor:
                     log.info("all %d workers answered; gateway is healthy", len(workers))
                 self.started_ready = True
             await asyncio.sleep(self.interval)
+
+    async def _liveness_loop(self) -> None:
+        """Ping every connected worker. One that stays silent (SIGSTOP, a wedged host) keeps its TCP
+        connection, so without this its requests would wait out the long token timeout: mark it
+        unresponsive (the router avoids it) and drop the connection so its requests fail now."""
+        while True:
+            workers = [w for w in self.state.router.workers if w.connected]
+            await asyncio.gather(*(self._ping(w) for w in workers))
+            await asyncio.sleep(self.ping_interval)
+
+    async def _ping(self, worker: WorkerClient) -> None:
+        try:
+            await worker.ping(self.ping_timeout)
+        except WorkerUnavailable as e:
+            if worker.connected:
+                log.warning("worker %s is unresponsive: %s", worker.address, e)
+                worker.responsive = False
+                worker.drop_connection(f"worker {worker.address} stopped answering pings")
+            return
+        if not worker.responsive:
+            log.info("worker %s answers again", worker.address)
+        worker.responsive = True
 
     async def probe(self, worker: WorkerClient) -> bool:
         try:

@@ -68,7 +68,8 @@ class Router:
         if not self._workers:
             raise unavailable("no workers are registered")
         # Prefer connected workers; if none is, pick anyway so the request waits for a reconnection.
-        live = [w for w in self._workers if w.connected] or self._workers
+        live = ([w for w in self._workers if w.connected and w.responsive]
+                or [w for w in self._workers if w.connected] or self._workers)
         return self.policy.pick(live, input_ids, salt)
 
     @property

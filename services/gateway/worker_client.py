@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 from services.gateway.errors import WorkerUnavailable
 from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest, InfoRequest,
-                             InfoResult, Message, ProtocolError, TokenOutput)
+                             InfoResult, Message, PingRequest, PongResult, ProtocolError, TokenOutput)
 from shared.wire import encode_frame, read_message
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,9 @@ class WorkerClient:
         self._task: asyncio.Task | None = None
         self._closed = False
         self.last_error: str | None = None
+        # Cleared by the health monitor when pings go unanswered (a stopped or wedged process keeps
+        # its TCP connection open); the router avoids such a worker while others are fine.
+        self.responsive = True
 
     @property
     def address(self) -> str:
@@ -116,12 +119,20 @@ class WorkerClient:
                 queue = self._streams.get(msg.rid)
                 if queue is not None:  # else: output of a request we already gave up on
                     queue.put_nowait(msg)
-            elif isinstance(msg, (InfoResult, FlushCacheResult)):
+            elif isinstance(msg, (InfoResult, FlushCacheResult, PongResult)):
                 fut = self._calls.get(msg.call_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             else:
                 raise ProtocolError(f"unexpected message {msg.TYPE!r} from worker")
+
+    def drop_connection(self, reason: str) -> None:
+        """Give up on the current connection: every pending stream and call ends with `reason` now,
+        instead of waiting out its own timeout; the client then reconnects as usual."""
+        writer = self._writer
+        if writer is not None:
+            self.last_error = reason
+            writer.transport.abort()
 
     def _fail_pending(self, reason: str) -> None:
         for queue in self._streams.values():
@@ -187,17 +198,22 @@ class WorkerClient:
     async def abort(self, rid: str) -> None:
         await self._send(AbortRequest(rid=rid))
 
-    async def _call(self, msg: Message, call_id: int) -> Message:
+    async def _call(self, msg: Message, call_id: int, timeout: float | None = None) -> Message:
+        timeout = timeout or self.call_timeout
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
             await self._send(msg)
-            async with asyncio.timeout(self.call_timeout):
+            async with asyncio.timeout(timeout):
                 return await fut
         except TimeoutError:
-            raise WorkerUnavailable(f"worker {self.address} did not answer in {self.call_timeout} s") from None
+            raise WorkerUnavailable(f"worker {self.address} did not answer in {timeout} s") from None
         finally:
             self._calls.pop(call_id, None)
+
+    async def ping(self, timeout: float) -> PongResult:
+        call_id = next(self._call_ids)
+        return await self._call(PingRequest(call_id=call_id), call_id, timeout)
 
     async def info(self) -> dict:
         call_id = next(self._call_ids)

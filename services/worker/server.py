@@ -9,7 +9,7 @@ import logging
 
 from shared.engine.engine import Engine
 from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest,
-                             InfoRequest, InfoResult, ProtocolError, TokenOutput)
+                             InfoRequest, InfoResult, PingRequest, PongResult, ProtocolError, TokenOutput)
 from shared.wire import encode_frame, read_message
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,9 @@ class WorkerServer:
                 elif isinstance(msg, FlushCacheRequest):
                     ok, text = await self._call(self.engine.flush_cache)
                     conn.send(encode_frame(FlushCacheResult(call_id=msg.call_id, ok=ok, message=text)))
+                elif isinstance(msg, PingRequest):
+                    conn.send(encode_frame(PongResult(call_id=msg.call_id, steps=self.engine.steps,
+                                                      num_running=self.engine.scheduler.num_running())))
                 elif isinstance(msg, InfoRequest):
                     info = await self._call(self.engine.info)
                     conn.send(encode_frame(InfoResult(call_id=msg.call_id, info=info)))
