@@ -3,7 +3,6 @@ read the state and call the translator that owns the endpoint."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import logging
 
@@ -12,6 +11,7 @@ from aiohttp import web
 from services.gateway import admin_api, native_api, openai_api, programs_api
 from services.gateway.errors import APIError, error_body
 from services.gateway.state import GatewayState
+from services.gateway.tenancy import CACHE_SALT, tenant_salt
 from shared.errors import InvalidRequest
 
 __all__ = ["GatewayState", "create_app", "STATE"]
@@ -125,9 +125,7 @@ def _auth_middleware(state: GatewayState):
             if key is None:
                 return web.json_response(error_body("invalid or missing API key", "authentication_error",
                                                     code="invalid_api_key"), status=401)
-            # Each key is a tenant: its own cache namespace, so one tenant's prompts can never be
-            # probed through another's cache hits (prefix-cache timing side channel).
-            request["cache_salt"] = tenant_salt(key)
+            request[CACHE_SALT] = tenant_salt(key)
         return await handler(request)
 
     return check
@@ -152,6 +150,3 @@ def _matching_key(request: web.Request, keys: list[str]) -> str | None:
             found = key
     return found
 
-
-def tenant_salt(key: str) -> str:
-    return hashlib.sha256(b"radixserve-tenant:" + key.encode()).hexdigest()[:16]

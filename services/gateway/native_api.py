@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from aiohttp import web
 
+from services.gateway.tenancy import request_salt
 from services.gateway import logprobs as lp
 from services.gateway.admission import (check_grammars, check_token_ids, child_requests, resolve_max_new_tokens,
                                        sampling_params, stamp_tenant)
@@ -32,7 +33,7 @@ class NativeJob:
 async def generate(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
     job = _build(state, body)
-    stamp_tenant(job.reqs, request.get("cache_salt"))
+    stamp_tenant(job.reqs, request_salt(request))
     await check_grammars(state, job.reqs)
     if get_bool(body, "stream"):
         return await stream_events(request, _events(state, job))

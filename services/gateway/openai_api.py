@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import jinja2
 from aiohttp import web
 
+from services.gateway.tenancy import request_salt
 from services.gateway import logprobs as lp
 from services.gateway.admission import (check_grammars, check_model, stamp_tenant, check_token_ids, child_requests, resolve_max_new_tokens,
                                         sampling_params)
@@ -121,7 +122,7 @@ async def completions(state: "GatewayState", request: web.Request) -> web.Stream
     job_id, reqs = _fan_out(state, body, prompts, n, max_tokens, "prompt", "max_tokens", "cmpl-",
                             return_logprob=want_lp, logprob_start_len=0 if (want_lp and echo) else -1,
                             top_logprobs_num=top_k or 0)
-    stamp_tenant(reqs, request.get("cache_salt"))
+    stamp_tenant(reqs, request_salt(request))
     await check_grammars(state, reqs)
     job = Job(job_id, prompts, n, reqs, include_usage)
     fmt = _CompletionFormat(state, job, echo, want_lp)
@@ -229,7 +230,7 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
     job_id, reqs = _fan_out(state, body, [prompt], n, max_tokens, "messages", max_param, "chatcmpl-",
                             extra_sampling=_response_format(body), return_logprob=want_lp,
                             top_logprobs_num=top_k)
-    stamp_tenant(reqs, request.get("cache_salt"))
+    stamp_tenant(reqs, request_salt(request))
     await check_grammars(state, reqs, param="response_format")
     job = Job(job_id, [prompt], n, reqs, include_usage)
     fmt = _ChatFormat(state, job, want_lp)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from aiohttp import web
 
+from services.gateway.tenancy import request_salt
 from services.gateway import native_api
 from services.gateway.errors import APIError
 from services.gateway.limits import read_json
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 async def run_program(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
     program, stream = parse_program_request(body)  # InvalidRequest -> 400 in the error middleware
-    generate = functools.partial(native_api.generate_json, state, cache_salt=request.get("cache_salt"))
+    generate = functools.partial(native_api.generate_json, state, cache_salt=request_salt(request))
     if stream:
         return await stream_events(request, _events(stream_program(program, generate)))
     try:
