@@ -4,6 +4,7 @@ stays light.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ class Tokenizer:
         if self.chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error
+            # Llama 3.x templates stamp today's date through this helper.
+            env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
 
     # ---- loading ----
