@@ -169,12 +169,3 @@ def test_scheduling_machinery_does_not_change_greedy_output(h, cfg):
     assert other.engine.scheduler.is_idle()
     assert other.free_tokens() == other.engine.runner.max_total_tokens
 
-
-def test_chat_templates_may_use_strftime_now():
-    """Llama 3.x chat templates call strftime_now(); the sandbox provides it."""
-    from shared.tokenizer import Tokenizer, build_tiny_hf_tokenizer
-
-    t = Tokenizer(raw=build_tiny_hf_tokenizer(), eos_token="<|im_end|>",
-                  chat_template="{{ strftime_now('%Y') }}|{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    year, text = t.apply_chat_template([{"role": "user", "content": "hi"}]).split("|")
-    assert year.isdigit() and text == "hi"
