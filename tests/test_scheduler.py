@@ -218,3 +218,15 @@ def test_random_workload_never_leaks(page_size, radix):
     if radix:
         s.cache.reset()
         assert s.allocator.available_size() == total
+
+
+def test_max_running_requests_is_reached_not_undershot():
+    s = make_sched(max_running_requests=4)
+    done = []
+    for k in range(10):
+        s.add(make_req(list(range(100 * k + 1, 100 * k + 9)), max_new=50, t=float(k)))
+    b = step(s, done)
+    assert len(b.reqs) == 4 and s.num_running() == 4
+    for _ in range(5):
+        assert step(s, done).mode == ForwardMode.DECODE  # full: nothing more is admitted
+    assert s.num_running() == 4

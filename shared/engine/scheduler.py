@@ -110,17 +110,17 @@ class Scheduler:
         self._last_was_prefill = False
         return self._schedule_decode()
 
-    def _order_waiting(self) -> list[tuple[Req, object]]:
-        """Candidates with their prefix match, in admission order."""
+    def _order_waiting(self) -> list[Req]:
+        """Admission order: aged requests first (FCFS among them), then the longest cached prefix first
+        (LPM), or arrival order under FCFS or when the queue is too long to sort cheaply."""
         aged = [r for r in self.waiting if r.skipped_rounds >= self.config.max_skipped_rounds]
         rest = [r for r in self.waiting if r.skipped_rounds < self.config.max_skipped_rounds]
         use_lpm = (self.config.schedule_policy == "lpm" and not self.config.disable_radix_cache
                    and len(self.waiting) <= self.config.lpm_queue_limit)
-        out = [(r, self._match(r)) for r in aged]
-        matched = [(r, self._match(r)) for r in rest]
         if use_lpm:
-            matched.sort(key=lambda rm: (-rm[1].length, rm[0].arrival_time))
-        return out + matched
+            lengths = {id(r): self._match(r).length for r in rest}
+            rest.sort(key=lambda r: (-lengths[id(r)], r.arrival_time))
+        return aged + rest
 
     def _match_key(self, req: Req) -> list[int]:
         ids = req.all_ids
@@ -170,7 +170,8 @@ class Scheduler:
                     self.chunked = None
                     self.running.append(req)  # sampled this pass, decodes from the next
             else:
-                return self._retract_for(ext) or None
+                self._retract_for(ext)
+                return None
 
         # 2. Running requests that gained several tokens at once (jump-forward) extend them here, and
         #    every other running request rides along with its one decode token, so none stalls.
@@ -192,19 +193,21 @@ class Scheduler:
         admitted = 0
         shared_keys: set[tuple[int, ...]] = set()
         if self.chunked is None and self.waiting:
-            for req, match in self._order_waiting():
-                if budget <= 0 or self.num_running() + len(reqs) >= self.config.max_running_requests:
+            for req in self._order_waiting():
+                # Admitted requests join self.running (or self.chunked) as they are taken.
+                if budget <= 0 or self.num_running() >= self.config.max_running_requests:
                     break
                 if self.req_pool.available() == 0:
                     break
+                # Matched here, right before locking: an eviction earlier in this round may have
+                # shortened what the ordering saw.
+                match = self._match(req)
                 aged = req.skipped_rounds >= self.config.max_skipped_rounds
                 if not aged and req.seq_len >= 2 * _INBATCH_SHARE_TOKENS and match.length < _INBATCH_SHARE_TOKENS:
                     key = tuple(req.all_ids[:_INBATCH_SHARE_TOKENS])
                     if key in shared_keys:
                         continue  # another admitted request computes this prefix now; we hit it next round
                     shared_keys.add(key)
-                # The match may be stale if this round evicted; re-match right before locking.
-                match = self._match(req)
                 self.cache.lock(match.node)
                 ext_total = req.seq_len - match.length
                 ext = min(ext_total, self.config.chunked_prefill_size, budget)
@@ -312,7 +315,6 @@ class Scheduler:
         """The chunked request cannot get its next chunk: retract others until it can (or give up)."""
         while self.running and self._free_tokens() < tokens:
             self._retract(self._pick_victim())
-        return None
 
     def truncate_kv(self, req: Req, kv_len: int) -> None:
         """Forget KV past kv_len (rejected proposals): free the pages wholly beyond it; slots left in
