@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
-# Usage (device tool, carry [".whl"]): bash bench/gpu_run.sh [tests|offline|kernels|all]
+# Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|all
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Fetch the cp312 wheels the GPU image lacks into .whl/ (git-ignored), for the device tool's `carry`.
+# Run here (the registry is reachable from this machine, not from the GPU one), then:
+#   device run: bash bench/gpu_run.sh <what>   with carry [".whl"]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+dl() {
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$1" "${@:2}"
+}
+dl .whl/xgr xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.13.4 pydantic-core==2.46.4 \
+  annotated-types==0.7.0 typing-inspection==0.4.2
+dl .whl/extra jsonschema==4.26.0 jsonschema-specifications referencing rpds-py pytest-asyncio==1.5.0 \
+  pytest-timeout==2.4.0
+du -sh .whl
