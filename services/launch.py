@@ -32,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("--admin-api-key", default=None)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let running requests finish before stopping")
     p.add_argument("--log-level", default="warning")
     add_engine_args(p)
     args = p.parse_args(argv)
@@ -73,6 +75,7 @@ async def _drain(stream: asyncio.StreamReader) -> None:
 def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
     argv = ["--model-path", args.model_path, "--workers", ",".join(addrs), "--host", args.host,
             "--port", str(args.port), "--log-level", args.log_level]
+    argv += ["--drain-timeout", str(args.drain_timeout)]
     for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url"):
         value = getattr(args, flag)
         if value:
@@ -114,6 +117,7 @@ async def run(args: argparse.Namespace) -> int:
             t.cancel()
     finally:
         if runner is not None:
+            # Requests in flight finish first (workers are still up), then the workers stop.
             await runner.cleanup()
         for p in procs:
             if p.returncode is None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import pytest
@@ -173,5 +174,25 @@ def test_api_keys_are_tenants_with_separate_caches():
         assert cached("key-a") > 0
         assert cached("key-b") == 0
         assert cached("key-b") > 0
+    finally:
+        s.stop()
+
+
+def test_sigterm_lets_running_requests_finish():
+    """A rolling restart loses nothing accepted: SIGTERM stops new connections, the stream in flight
+    runs to its end, then the stack exits cleanly."""
+    s = Stack()
+    try:
+        body = {"text": "drain me", "stream": True,
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+        with requests.post(s.url + "/generate", json=body, stream=True, timeout=60) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith(b"data: "))
+            s.proc.send_signal(signal.SIGTERM)
+            events = [line[6:] for line in lines if line.startswith(b"data: ")]
+        assert events[-1] == b"[DONE]"
+        last = json.loads(events[-2])
+        assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 3000}
+        assert s.proc.wait(30) == 0
     finally:
         s.stop()

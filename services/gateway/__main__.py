@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-api-key", default=None, help="Bearer key required on /flush_cache")
     p.add_argument("--max-n", type=int, default=Limits.max_n)
     p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let running requests finish")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -66,7 +68,10 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
         async def _stop_discovery(_app):
             await discovery.close()
         app.on_cleanup.append(_stop_discovery)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # shutdown_timeout: on stop, requests in flight get this long to finish (a rolling restart loses
+    # nothing accepted); only then are their handlers cancelled (and so aborted on the workers).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=getattr(args, "drain_timeout", 30.0))
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     return runner, state
@@ -82,7 +87,7 @@ async def _main(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await runner.cleanup()
+    await runner.cleanup()  # stops listening, lets running requests finish (shutdown_timeout)
 
 
 def main() -> None:

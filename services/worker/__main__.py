@@ -27,6 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--role", default="unified", choices=["unified"])
     p.add_argument("--worker-id", default=None)
     p.add_argument("--redis-url", default=None, help="register in this Redis for gateway discovery")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let running requests finish")
     p.add_argument("--log-level", default="warning")
     add_engine_args(p)
     return p.parse_args(argv)
@@ -62,8 +64,12 @@ async def serve(args: argparse.Namespace) -> None:
                 pass
     finally:
         if store is not None:
-            await store.deregister_worker(worker_id)
+            await store.deregister_worker(worker_id)  # routing stops sending new work first
             await store.close()
+        # Let accepted requests finish (bounded), then stop.
+        deadline = loop.time() + args.drain_timeout
+        while not engine.scheduler.is_idle() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         await server.close()
         engine.stop()
 
