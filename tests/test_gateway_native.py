@@ -150,6 +150,8 @@ async def test_unknown_sampling_keys_are_ignored(stack):
     ({"input_ids": [1, "2"]}, "input_ids"),
     ({"input_ids": [99999]}, "input_ids"),
     ({"input_ids": [[1], []]}, "input_ids"),
+    ({"input_ids": 1}, "input_ids"),
+    ({"input_ids": "1 2"}, "input_ids"),
     ({"text": "a", "sampling_params": 3}, "sampling_params"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
     ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),

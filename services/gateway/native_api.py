@@ -70,9 +70,11 @@ def _build(state: "GatewayState", body: Any) -> NativeJob:
             raise bad_request("the prompt is empty", "text")
         prompts = [tok.encode(t) for t in texts]
     else:
+        if not isinstance(input_ids, list):
+            raise bad_request("'input_ids' must be a list of token ids or a list of such lists", "input_ids")
         batched = bool(input_ids) and all(isinstance(x, list) for x in input_ids)
         prompts = input_ids if batched else [input_ids]
-        if not isinstance(input_ids, list) or not all(is_token_ids(p) for p in prompts):
+        if not all(is_token_ids(p) for p in prompts):
             raise bad_request("'input_ids' must be a list of token ids or a list of such lists", "input_ids")
         for p in prompts:
             check_token_ids(state, p, "input_ids")
