@@ -144,6 +144,9 @@ class SamplingParams:
             self.min_new_tokens = self.max_new_tokens
 
 
+_INT_MAX = 2 ** 31 - 1  # every integer parameter fits int32 (and the wire)
+
+
 def _int(p: SamplingParams, name: str, lo: int | None = None) -> None:
     v = getattr(p, name)
     if isinstance(v, float) and v.is_integer():
@@ -153,6 +156,8 @@ def _int(p: SamplingParams, name: str, lo: int | None = None) -> None:
         raise InvalidRequest(f"{name} must be an integer", name)
     if lo is not None and v < lo:
         raise InvalidRequest(f"{name} must be >= {lo}, got {v}", name)
+    if v > _INT_MAX:
+        raise InvalidRequest(f"{name} must be <= {_INT_MAX}", name)
 
 
 def _num(p: SamplingParams, name: str, lo: float | None = None, hi: float | None = None) -> None:

@@ -157,6 +157,7 @@ async def test_unknown_sampling_keys_are_ignored(stack):
     ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
     ({"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature"),
     ({"text": "a", "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"text": "a", "sampling_params": {"top_k": 1e308}}, "top_k"),
     ({"text": "a", "sampling_params": {"regex": "a", "json_schema": "{}"}}, "json_schema"),
     ({"text": "a", "sampling_params": {"stop_token_ids": [10 ** 6]}}, "stop_token_ids"),
     ({"text": "a", "sampling_params": {"n": 100}}, "n"),
