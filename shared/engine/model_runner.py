@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -111,7 +112,8 @@ class ModelRunner:
         self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
         from shared.constrained import MaskBuilder
 
-        self.masker = MaskBuilder(self.vocab_size)
+        # Mask filling is host work per constrained request; xgrammar spreads it over threads.
+        self.masker = MaskBuilder(self.vocab_size, max_threads=max(2, min(8, (os.cpu_count() or 2) // 2)))
         # Last sampled token of each request row, on the device: the next decode step's input.
         self.token_buf = torch.zeros(config.max_running_requests + 1, dtype=torch.int64, device=self.device)
         self.attn_backend = create_attention_backend(
