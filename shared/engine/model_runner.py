@@ -101,6 +101,7 @@ class ModelRunner:
         mc = self.model_config
         self.vocab_size = mc.vocab_size
         self.tokenizer_vocab_size = mc.vocab_size  # the engine lowers it to the tokenizer's size
+        self.eos_token_ids: list[int] = list(mc.eos_token_ids)  # the engine adds the tokenizer's
         # context_length honours a sliding window: our attention is full-causal, exact only inside it.
         self.max_context_len = min(config.max_context_len or mc.context_length, mc.context_length)
         self.page_size = config.page_size
@@ -297,7 +298,7 @@ class ModelRunner:
     def _stop_ids(self, req: Req) -> list[int]:
         ids = list(req.params.stop_token_ids)
         if not req.params.ignore_eos:
-            ids.extend(getattr(self, "eos_token_ids", []))
+            ids.extend(self.eos_token_ids)
         return ids
 
     def _input_logprobs(self, batch: ScheduleBatch, hidden: torch.Tensor, out: StepOutput) -> None:
