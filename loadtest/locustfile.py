@@ -2,7 +2,7 @@
 as their own locust entries, prompts drawn from a few shared prefixes so the cache-hit rate is set by
 --prefix-share, fixed output lengths via ignore_eos.
 
-    pip install locust==2.43.3
+    pip install -e ".[load]"
     locust -f loadtest/locustfile.py --host http://127.0.0.1:30000 --headless -u 32 -r 8 -t 60s \
         --max-tokens 64 --prefix-share 0.8
 
