@@ -196,3 +196,8 @@ def test_sigterm_lets_running_requests_finish():
         assert s.proc.wait(30) == 0
     finally:
         s.stop()
+
+
+def test_metrics_exposition_has_no_created_series(base_url):
+    m = requests.get(base_url + "/metrics", timeout=10).text
+    assert "_created" not in m and "sglang:num_running_reqs" in m and "sglang:token_usage" in m
