@@ -24,6 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.worker", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on the ready line)")
+    p.add_argument("--advertise-host", default=None,
+                   help="address gateways should dial (default: --host, or this host's name if --host is a wildcard)")
     p.add_argument("--role", default="unified", choices=["unified"])
     p.add_argument("--worker-id", default=None)
     p.add_argument("--redis-url", default=None, help="register in this Redis for gateway discovery")
@@ -47,8 +49,10 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    advertise = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host)
+
     def entry() -> dict:
-        return {"host": args.host, "port": port, "role": args.role, "model_path": config.model_path,
+        return {"host": advertise, "port": port, "role": args.role, "model_path": config.model_path,
                 "num_running": engine.scheduler.num_running(), "num_waiting": len(engine.scheduler.waiting)}
 
     if store is not None:
