@@ -7,10 +7,11 @@ from typing import Any, Iterator
 from lang_client.api import _role
 from lang_client.expr import Concat, RoleBegin, RoleEnd, Text, to_expr
 from lang_client.forks import ForkList
+from lang_client.roles import RoleShortcuts
 from lang_client.interpreter import Assign
 
 
-class ProgramState:
+class ProgramState(RoleShortcuts):
     def __init__(self, stream_executor):
         self.stream_executor = stream_executor
         self.ret_value: Any = None
@@ -31,15 +32,6 @@ class ProgramState:
         self.stream_executor.submit(RoleBegin(role))
         yield self
         self.stream_executor.submit(RoleEnd(role))
-
-    def system(self, expr: Any = None):
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None):
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None):
-        return self._role("assistant", expr)
 
     def set_var(self, name: str, value: Any) -> None:
         self.stream_executor.submit(Assign(name, value))

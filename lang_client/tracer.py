@@ -29,6 +29,7 @@ from lang_client.chat_template import CHATML, ChatTemplate
 from lang_client.choices import resolve_method
 from lang_client.errors import NotSupportedError, TracingError
 from lang_client.forks import ForkList
+from lang_client.roles import RoleShortcuts
 from lang_client.expr import (ArgRef, Expr, Gen, Image, RoleBegin, RoleEnd, Select, Text, VarRef,
                               to_expr, walk)
 
@@ -46,7 +47,7 @@ class _TraceContext:
         self.next_fork_id = 0
 
 
-class TracerState:
+class TracerState(RoleShortcuts):
     """Stands in for ProgramState while tracing: appends become IR nodes, reads become placeholders."""
 
     def __init__(self, ctx: _TraceContext, scope: str = "", nodes: list | None = None,
@@ -102,15 +103,6 @@ class TracerState:
             self.defined[name] = self.scope
             if name not in self.defined_here:
                 self.defined_here.append(name)
-
-    def system(self, expr: Any = None):
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None):
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None):
-        return self._role("assistant", expr)
 
     def _role(self, role: str, expr: Any):
         if expr is None:
