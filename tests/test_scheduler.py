@@ -48,7 +48,7 @@ def step(s: Scheduler, finished: list):
             req.output_ids.append(1000 + req.seq_len)
             if len(req.output_ids) >= req.params.max_new_tokens:
                 req.finish_reason = {"type": "length"}
-                s.release_finished(req)
+                s.remove(req)
                 finished.append(req)
     return batch
 

@@ -327,7 +327,7 @@ class Engine:
         text, stop_hit = self.detok.reset_output(req.detok, req.output_ids)
         req.pending_text += text
         if req.return_logprob:  # forced tokens have probability one under the grammar
-            for t in jf.new_ids[:]:
+            for t in jf.new_ids:
                 req.pending_output_logprobs.append([0.0, t])
                 req.pending_output_top_logprobs.append([])
         return stop_hit

@@ -330,9 +330,6 @@ class Scheduler:
         req.slots = req.slots[:kv_len]
         req.kv_len = kv_len
 
-    def release_finished(self, req: Req) -> None:
-        self.remove(req)
-
     def _release_kv(self, req: Req) -> None:
         """Hand the request's computed KV to the tree and free what the tree does not keep."""
         kv = req.kv_len
