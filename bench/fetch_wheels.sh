@@ -14,4 +14,7 @@ dl .whl/xgr xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.13.4 pydant
   annotated-types==0.7.0 typing-inspection==0.4.2
 dl .whl/extra jsonschema==4.26.0 jsonschema-specifications referencing rpds-py pytest-asyncio==1.5.0 \
   pytest-timeout==2.4.0
+# The services' own imports the image may lack (the program benchmark runs the real gateway + worker).
+dl .whl/svc prometheus-client==0.26.0 redis==8.1.0 requests==2.34.2 urllib3 idna certifi charset-normalizer \
+  jinja2==3.1.6 markupsafe
 du -sh .whl

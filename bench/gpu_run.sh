@@ -24,5 +24,5 @@ if [[ $what == structured ]]; then
   timeout 300 python3 -m bench.structured --out "$OUT" 2>&1 | tee "$OUT/structured.log" | tail -20
 fi
 if [[ $what == programs ]]; then
-  timeout 500 python3 -m bench.programs --out "$OUT" 2>&1 | tee "$OUT/programs.log" | tail -20
+  timeout 570 python3 -m bench.programs --out "$OUT" 2>&1 | tee "$OUT/programs.log" | tail -20
 fi
