@@ -1,6 +1,11 @@
 """Start a whole stack on this machine: worker processes, then the gateway in this process.
 
     python -m services.launch --model-path tiny-random [--topology unified] [--workers N] [--port 30000]
+    python -m services.launch --model-path tiny-random --topology pd [--prefill N] [--decode N]
+
+PD topology: prefill workers compute prompts and push their KV over UCX to decode workers, which decode
+(services/prefill, services/decode); the gateway pairs them per request. `--worker-gpus 0,1` pins worker i
+to GPU i mod 2 (prefill workers first); workers sharing one GPU need a smaller --mem-fraction-static.
 
 Prints `READY http://HOST:PORT` once the gateway answers and every worker is up; stops everything
 cleanly on SIGINT/SIGTERM. A worker that dies takes the stack down with a clear message rather than
@@ -26,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="unified workers to start")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (pd topology)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (pd topology)")
+    p.add_argument("--worker-gpus", default=None,
+                   help="comma-separated GPU ids; worker i gets CUDA_VISIBLE_DEVICES=ids[i %% len(ids)]")
     p.add_argument("--redis-url", default=None, help="routing metadata in Redis (default: in memory)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -37,21 +44,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-level", default="warning")
     add_engine_args(p)
     args = p.parse_args(argv)
-    if args.topology == "pd":
-        p.error("--topology pd needs the prefill/decode workers and KV transfer, which this build does "
-                "not include yet; use --topology unified")
-    if args.workers < 1:
-        p.error("--workers must be >= 1")
+    if args.workers < 1 or args.prefill < 1 or args.decode < 1:
+        p.error("--workers, --prefill and --decode must be >= 1")
+    if args.worker_gpus is not None and not all(x.strip().isdigit() for x in args.worker_gpus.split(",")):
+        p.error("--worker-gpus must be comma-separated GPU ids, e.g. 0,1")
     return args
 
 
-async def _start_worker(args: argparse.Namespace, index: int) -> tuple[asyncio.subprocess.Process, str]:
-    cmd = [sys.executable, "-m", "services.worker", "--host", "127.0.0.1", "--port", "0",
-           "--worker-id", f"unified-{index}", "--log-level", args.log_level, *engine_args_to_argv(args)]
+def worker_roles(args: argparse.Namespace) -> list[str]:
+    if args.topology == "pd":
+        return ["prefill"] * args.prefill + ["decode"] * args.decode
+    return ["unified"] * args.workers
+
+
+async def _start_worker(args: argparse.Namespace, index: int, role: str
+                        ) -> tuple[asyncio.subprocess.Process, str]:
+    cmd = [sys.executable, "-m", "services.worker", "--role", role, "--host", "127.0.0.1", "--port", "0",
+           "--worker-id", f"{role}-{index}", "--log-level", args.log_level, *engine_args_to_argv(args)]
     if args.redis_url:
         cmd += ["--redis-url", args.redis_url]
+    env = dict(os.environ)
+    if args.worker_gpus:
+        gpus = [g.strip() for g in args.worker_gpus.split(",")]
+        env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=None,
-                                                start_new_session=True)
+                                                start_new_session=True, env=env)
 
     async def ready_line() -> str:
         while True:
@@ -95,7 +112,7 @@ async def run(args: argparse.Namespace) -> int:
     runner = None
     code = 0
     try:
-        started = await asyncio.gather(*[_start_worker(args, i) for i in range(args.workers)],
+        started = await asyncio.gather(*[_start_worker(args, i, role) for i, role in enumerate(worker_roles(args))],
                                        return_exceptions=True)
         for s in started:
             if isinstance(s, tuple):
@@ -105,7 +122,13 @@ async def run(args: argparse.Namespace) -> int:
             print(f"launch failed: {errors[0]}", file=sys.stderr, flush=True)
             return 1
         addrs = [s[1] for s in started]
-        runner, _state = await start_gateway(gateway_parser().parse_args(_gateway_argv(args, addrs)))
+        runner, state = await start_gateway(gateway_parser().parse_args(_gateway_argv(args, addrs)))
+        # Ready means routable: every worker connected and its role known (PD pairs need both sides).
+        for w in state.router.workers:
+            w.start()
+        deadline = loop.time() + 30
+        while not all(w.connected for w in state.router.workers) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         print(f"READY http://{args.host}:{args.port} workers={','.join(addrs)}", flush=True)
         waits = [asyncio.create_task(p.wait()) for p in procs]
         stopper = asyncio.create_task(stop.wait())

@@ -98,7 +98,10 @@ class GenerateRequest(Message):
     stream: bool = True
     # Per-tenant salt set by the server: requests with different salts never share cache entries.
     cache_salt: str | None = None
-    # PD mode: where the prefill side must write the KV (filled by the decode worker; None otherwise).
+    # PD mode, set by the gateway (None: the worker computes the whole request itself).
+    #   decode side:  {"role": "decode", "id": transfer id}  - reserve KV slots, wait for the pages
+    #   prefill side: {"role": "prefill", "id": transfer id, "host": h, "port": p}  - compute the prompt's
+    #                 KV and first token, push them over UCX to the decode worker listening at h:p
     transfer: dict | None = None
 
 
@@ -170,6 +173,42 @@ class PongResult(Message):
     call_id: int
     steps: int = 0  # engine steps so far: a stuck engine shows as steps that stop moving
     num_running: int = 0
+    # What this worker is: the gateway learns it in the first ping of every connection.
+    role: str = "unified"  # unified | prefill | decode
+    transfer_host: str | None = None  # decode workers: where their UCX KV receiver listens
+    transfer_port: int | None = None
+
+
+# ---------------------------------------------------------------- prefill worker <-> decode worker (UCX)
+@message
+class KvHeader(Message):
+    """Prefill -> decode, first on a transfer's endpoint: which request, and what comes with its KV."""
+    TYPE: ClassVar[str] = "kv_header"
+    transfer_id: str
+    prompt_len: int
+    layout: list[int]  # [num_layers, 2, num_kv_heads, head_dim] of one token's KV
+    dtype: str
+    first_token: int | None = None  # None when the request asked for no new tokens
+    first_logprob: float | None = None
+    first_top_logprobs: list = field(default_factory=list)
+    cached_tokens: int = 0  # the prefill side's own cache hit (computation saved)
+
+
+@message
+class KvAccept(Message):
+    """Decode -> prefill: send KV of positions [start, prompt_len) (what the decode side's tree lacks),
+    or nothing, with the reason."""
+    TYPE: ClassVar[str] = "kv_accept"
+    transfer_id: str
+    start: int = 0
+    error: str | None = None
+
+
+@message
+class KvAck(Message):
+    """Decode -> prefill, after the pages arrived: the prefill side may release its copy."""
+    TYPE: ClassVar[str] = "kv_ack"
+    transfer_id: str
 
 
 def all_message_types() -> dict[str, type[Message]]:

@@ -19,7 +19,7 @@ _DRAIN_S = 30.0
 
 class WorkerDiscovery:
     def __init__(self, store: MetadataStore, router: Router, interval_s: float = 1.0,
-                 roles: tuple[str, ...] = ("unified",)):
+                 roles: tuple[str, ...] = ("unified", "prefill", "decode")):
         self.store = store
         self.router = router
         self.interval_s = interval_s

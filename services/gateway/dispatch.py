@@ -15,6 +15,7 @@ from typing import AsyncIterator, Sequence
 
 from services.gateway.errors import APIError, WorkerUnavailable, bad_request, unavailable, worker_refused
 from services.gateway.metrics import GatewayMetrics, RequestTimer
+from services.gateway.pd import pd_generate, wants_local_prefill
 from services.gateway.router import Router
 from shared.protocol import GenerateRequest, TokenOutput
 
@@ -70,13 +71,15 @@ class Dispatcher:
                      ) -> AsyncIterator[tuple[TokenOutput, GenerationResult]]:
         """Yield (increment, accumulated result) until the request finishes."""
         self.check_rids([req.rid])
-        worker = self.router.pick(req.input_ids, salt if salt is not None else req.cache_salt)
+        salt = salt if salt is not None else req.cache_salt
+        pair = None if wants_local_prefill(req) else self.router.pick_pair(req.input_ids, salt)
+        source = pd_generate(req, *pair) if pair else self.router.pick(req.input_ids, salt).generate(req)
         result = GenerationResult(rid=req.rid)
         timer = RequestTimer(self.metrics)
         self.inflight.add(req.rid)
         self.metrics.gateway_inflight.inc()
         try:
-            async with aclosing(worker.generate(req)) as outputs:
+            async with aclosing(source) as outputs:
                 async for out in outputs:
                     timer.observe(out)
                     if out.error:

@@ -44,6 +44,13 @@ def _score(key: bytes, address: str) -> bytes:
     return hashlib.blake2b(key + b"@" + address.encode(), digest_size=8).digest()
 
 
+def _live(workers: list[WorkerClient]) -> list[WorkerClient]:
+    """Prefer connected, responsive workers; if none is, pick anyway so the request waits for a
+    reconnection."""
+    return ([w for w in workers if w.connected and w.responsive] or [w for w in workers if w.connected]
+            or workers)
+
+
 class Router:
     def __init__(self, workers: Sequence[WorkerClient], policy: RoutingPolicy | None = None):
         self.policy = policy or PrefixAffinityPolicy()
@@ -65,12 +72,28 @@ class Router:
         return gone
 
     def pick(self, input_ids: Sequence[int], salt: str | None = None) -> WorkerClient:
+        """A worker that serves the whole request: unified, or a decode worker computing it locally.
+        Prefill workers only ever take part through `pick_pair`."""
         if not self._workers:
             raise unavailable("no workers are registered")
-        # Prefer connected workers; if none is, pick anyway so the request waits for a reconnection.
-        live = ([w for w in self._workers if w.connected and w.responsive]
-                or [w for w in self._workers if w.connected] or self._workers)
-        return self.policy.pick(live, input_ids, salt)
+        whole = [w for w in self._workers if w.role != "prefill"]
+        if not whole:
+            raise unavailable("no unified or decode workers are registered")
+        return self.policy.pick(_live(whole), input_ids, salt)
+
+    def pick_pair(self, input_ids: Sequence[int], salt: str | None = None
+                  ) -> tuple[WorkerClient, WorkerClient] | None:
+        """(prefill, decode) for a PD request, or None when the fleet has no such pair up. Each side is
+        picked by the same prefix-affinity policy: both keep radix trees, and a decode worker that holds
+        the prefix also receives fewer pages."""
+        prefill = [w for w in self._workers if w.role == "prefill" and w.connected]
+        decode = [w for w in self._workers if w.role == "decode" and w.connected and w.transfer_addr]
+        if not prefill or not decode:
+            return None
+        return self.policy.pick(_live(prefill), input_ids, salt), self.policy.pick(_live(decode), input_ids, salt)
+
+    def has_role(self, role: str) -> bool:
+        return any(w.role == role for w in self._workers)
 
     @property
     def load(self) -> int:

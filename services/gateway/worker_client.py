@@ -49,6 +49,10 @@ class WorkerClient:
         # Cleared by the health monitor when pings go unanswered (a stopped or wedged process keeps
         # its TCP connection open); the router avoids such a worker while others are fine.
         self.responsive = True
+        # What the worker is (unified | prefill | decode) and, for a decode worker, where its KV receiver
+        # listens: learned from the pong that opens every connection.
+        self.role: str | None = None
+        self.transfer_addr: tuple[str, int] | None = None
 
     @property
     def address(self) -> str:
@@ -91,6 +95,14 @@ class WorkerClient:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
                 continue
+            try:
+                await self._hello(reader, writer)
+            except (OSError, TimeoutError, asyncio.IncompleteReadError, ProtocolError) as e:
+                writer.close()
+                self.last_error = f"worker {self.address} did not answer the opening ping: {e!r}"
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff)
+                continue
             backoff = 0.05
             self._writer = writer
             self._connected.set()
@@ -111,6 +123,17 @@ class WorkerClient:
             self.last_error = reason
             log.warning("worker %s: %s", self.address, reason)
             self._fail_pending(f"worker {self.address}: {reason}")
+
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async with asyncio.timeout(self.connect_timeout):
+            writer.write(encode_frame(PingRequest(call_id=0)))
+            await writer.drain()
+            pong = await read_message(reader)
+        if not isinstance(pong, PongResult):
+            raise ProtocolError(f"expected a pong, got {pong.TYPE!r}")
+        self.role = pong.role
+        self.transfer_addr = ((pong.transfer_host, pong.transfer_port)
+                              if pong.transfer_host and pong.transfer_port else None)
 
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
         while True:

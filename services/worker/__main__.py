@@ -1,7 +1,10 @@
-"""A unified worker (prefill + decode in one process).
+"""A worker process: unified (prefill + decode), or one half of a PD pair (--role prefill | decode).
 
 Request life: the gateway sends token ids over a persistent msgpack connection; the engine thread
-matches the radix cache, schedules, runs the model and streams TokenOutput frames back.
+matches the radix cache, schedules, runs the model and streams TokenOutput frames back. In PD mode a
+prefill worker computes the prompt and pushes its KV over UCX to the decode worker the gateway paired it
+with (services/prefill/kv_push.py), which reserves slots, takes the pages in (services/decode/
+kv_receive.py) and decodes.
 """
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on the ready line)")
     p.add_argument("--advertise-host", default=None,
                    help="address gateways should dial (default: --host, or this host's name if --host is a wildcard)")
-    p.add_argument("--role", default="unified", choices=["unified"])
+    p.add_argument("--role", default="unified", choices=["unified", "prefill", "decode"])
+    p.add_argument("--transfer-port", type=int, default=0,
+                   help="decode role: UCX port of the KV receiver (0 picks a free one)")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--redis-url", default=None, help="register in this Redis for gateway discovery")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -40,20 +45,33 @@ async def serve(args: argparse.Namespace) -> None:
     config = engine_config_from_args(args)
     tokenizer = Tokenizer.load(config.model_path)
     engine = Engine(config, tokenizer, on_output=lambda outs: None)
-    server = WorkerServer(engine)
+    loop = asyncio.get_running_loop()
+    advertise = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host)
+    transfer, transfer_addr = None, None
+    if args.role == "prefill":
+        from services.prefill.kv_push import KvPush
+
+        transfer = KvPush(engine, loop)
+    elif args.role == "decode":
+        from services.decode.kv_receive import KvReceive
+
+        transfer = KvReceive(engine, loop)
+        transfer_addr = (advertise, await transfer.start(args.transfer_port))
+    server = WorkerServer(engine, args.role, transfer, transfer_addr)
     port = await server.start(args.host, args.port)
     engine.start()
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     store = create_store(args.redis_url) if args.redis_url else None
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    advertise = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host)
 
     def entry() -> dict:
-        return {"host": advertise, "port": port, "role": args.role, "model_path": config.model_path,
-                "num_running": engine.scheduler.num_running(), "num_waiting": len(engine.scheduler.waiting)}
+        e = {"host": advertise, "port": port, "role": args.role, "model_path": config.model_path,
+             "num_running": engine.scheduler.num_running(), "num_waiting": len(engine.scheduler.waiting)}
+        if transfer_addr is not None:
+            e["transfer_host"], e["transfer_port"] = transfer_addr
+        return e
 
     if store is not None:
         await store.register_worker(worker_id, entry())  # discoverable before anyone is told it is ready
@@ -72,10 +90,12 @@ async def serve(args: argparse.Namespace) -> None:
             await store.close()
         # Let accepted requests finish (bounded), then stop.
         deadline = loop.time() + args.drain_timeout
-        while not engine.scheduler.is_idle() and loop.time() < deadline:
+        while not engine.is_idle() and loop.time() < deadline:
             await asyncio.sleep(0.05)
         await server.close()
         engine.stop()
+        if args.role == "decode":
+            transfer.close()
 
 
 def main(argv=None) -> None:

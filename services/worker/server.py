@@ -27,8 +27,14 @@ class _Connection:
 
 
 class WorkerServer:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, role: str = "unified", transfer: object | None = None,
+                 transfer_addr: tuple[str, int] | None = None):
+        """`transfer`: the PD glue (services/prefill/kv_push.py or services/decode/kv_receive.py), whose
+        stats join the info answer; `transfer_addr`: where a decode worker's KV receiver listens."""
         self.engine = engine
+        self.role = role
+        self.transfer = transfer
+        self.transfer_addr = transfer_addr
         self._owner: dict[str, _Connection] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -83,10 +89,15 @@ class WorkerServer:
                     ok, text = await self._call(self.engine.flush_cache)
                     conn.send(encode_frame(FlushCacheResult(call_id=msg.call_id, ok=ok, message=text)))
                 elif isinstance(msg, PingRequest):
+                    host, port = self.transfer_addr or (None, None)
                     conn.send(encode_frame(PongResult(call_id=msg.call_id, steps=self.engine.steps,
-                                                      num_running=self.engine.scheduler.num_running())))
+                                                      num_running=self.engine.scheduler.num_running(),
+                                                      role=self.role, transfer_host=host, transfer_port=port)))
                 elif isinstance(msg, InfoRequest):
                     info = await self._call(self.engine.info)
+                    info["role"] = self.role
+                    if self.transfer is not None:
+                        info["kv_transfer"] = self.transfer.stats()
                     conn.send(encode_frame(InfoResult(call_id=msg.call_id, info=info)))
                 else:
                     log.warning("unexpected message %s", type(msg).__name__)

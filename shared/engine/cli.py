@@ -13,6 +13,7 @@ _CHOICES = {
     "schedule_policy": ["lpm", "fcfs"],
     "load_format": ["auto", "dummy"],
     "jump_forward_mode": ["retokenize", "verify"],
+    "kv_transfer_staging": ["device", "host"],
 }
 
 

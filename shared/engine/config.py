@@ -35,3 +35,8 @@ class EngineConfig:
     # the same pass against what the model samples, so output equals token-by-token decoding exactly.
     jump_forward_mode: str = "retokenize"
     random_seed: int = 0
+    # PD mode. Staging of KV pages: device (UCX reads/writes GPU memory: cuda_copy / cuda_ipc) or host
+    # (pinned host buffers, for UCX builds without CUDA support). A decode-side request whose pages do not
+    # arrive within the timeout ends with an error and frees its slots.
+    kv_transfer_staging: str = "device"
+    kv_transfer_timeout: float = 120.0

@@ -26,7 +26,8 @@ from shared.engine.model_runner import ModelRunner, StepOutput
 from shared.engine.request import Req
 from shared.engine.scheduler import ScheduleBatch, Scheduler
 from shared.errors import InvalidRequest
-from shared.protocol import GenerateRequest, TokenOutput
+from shared.protocol import GenerateRequest, KvHeader, TokenOutput
+from shared.transfer import kv_pages
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
@@ -43,6 +44,19 @@ class _Abort:
 class _Call:
     fn: Callable
     future: Future
+
+
+@dataclass
+class _KvArrived:
+    transfer_id: str
+    header: KvHeader
+    buf: torch.Tensor
+
+
+@dataclass
+class _KvFailed:
+    transfer_id: str
+    reason: str
 
 
 class Engine:
@@ -79,6 +93,16 @@ class Engine:
         self._pending = None  # PendingStep launched but not yet processed
         self.jump_forward_tokens = 0
         self._host_dependent = 0  # live requests whose sampling needs their tokens on the host
+        # PD mode (wired by the worker's KV transfer glue; unused in unified mode).
+        #   prefill side: on_kv_ready(transfer_id, target {"host","port"}, header) once a prompt is done;
+        #   the request then sits in _handed_off, KV locked, until end_transfer.
+        #   decode side: on_kv_expect(transfer_id, start, prompt_len) once slots are reserved,
+        #   on_kv_cancel(transfer_id) when such a request ends first; its pages come in via kv_arrived.
+        self.on_kv_ready: Callable[[str, dict, KvHeader], None] | None = None
+        self.on_kv_expect: Callable[[str, int, int], None] | None = None
+        self.on_kv_cancel: Callable[[str], None] | None = None
+        self._handed_off: dict[str, Req] = {}
+        self._awaiting: dict[str, tuple[Req, float]] = {}  # transfer id -> (request, deadline)
 
     # ------------------------------------------------------------------ thread-safe API
     def submit(self, msg: GenerateRequest) -> None:
@@ -87,11 +111,21 @@ class Engine:
     def abort(self, rid: str) -> None:
         self.inbox.put(_Abort(rid))
 
+    def kv_arrived(self, transfer_id: str, header: KvHeader, buf: torch.Tensor) -> None:
+        self.inbox.put(_KvArrived(transfer_id, header, buf))
+
+    def kv_failed(self, transfer_id: str, reason: str) -> None:
+        self.inbox.put(_KvFailed(transfer_id, reason))
+
     def call(self, fn: Callable) -> Future:
         """Run fn() on the engine thread between steps (flush, info)."""
         fut: Future = Future()
         self.inbox.put(_Call(fn, fut))
         return fut
+
+    def is_idle(self) -> bool:
+        """Nothing accepted is still in progress (used to drain before stopping)."""
+        return self.scheduler.is_idle() and not self._handed_off and not self._grammar_wait
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run_forever, name="engine", daemon=True)
@@ -125,6 +159,7 @@ class Engine:
         self._poll_grammars()
         batch = self.scheduler.schedule()
         self._emit_failed()
+        self._announce_reservations()
         if batch is None:
             if self._pending is not None:
                 self._resolve_pending()
@@ -165,6 +200,12 @@ class Engine:
             self._admit(item)
         elif isinstance(item, _Abort):
             self._abort(item.rid)
+        elif isinstance(item, _KvArrived):
+            self._on_kv_arrived(item)
+        elif isinstance(item, _KvFailed):
+            entry = self._awaiting.get(item.transfer_id)
+            if entry is not None:
+                self._finish(entry[0], {"type": "abort", "message": item.reason}, error=item.reason)
         elif isinstance(item, _Call):
             try:
                 item.future.set_result(item.fn())
@@ -189,7 +230,31 @@ class Engine:
                                  f"({self.runner.max_total_tokens} tokens)", "input_ids")
         if msg.rid in self._reqs:
             raise InvalidRequest(f"duplicate request id {msg.rid}", "rid")
+        self._validate_transfer(msg)
         return params
+
+    def _validate_transfer(self, msg: GenerateRequest) -> None:
+        t = msg.transfer
+        if t is None:
+            return
+        role, tid = t.get("role"), t.get("id")
+        if not isinstance(tid, str) or not tid or len(tid) > 128:
+            raise InvalidRequest("transfer.id must be a short string", "transfer")
+        if tid in self._handed_off or tid in self._awaiting:
+            raise InvalidRequest(f"duplicate transfer id {tid}", "transfer")
+        if role == "prefill":
+            if self.on_kv_ready is None:
+                raise InvalidRequest("this worker does not send KV (start it with --role prefill)", "transfer")
+            if not isinstance(t.get("host"), str) or not isinstance(t.get("port"), int):
+                raise InvalidRequest("transfer needs the decode worker's host and port", "transfer")
+        elif role == "decode":
+            if self.on_kv_expect is None:
+                raise InvalidRequest("this worker does not receive KV (start it with --role decode)", "transfer")
+        else:
+            raise InvalidRequest("transfer.role must be prefill or decode", "transfer")
+        if msg.return_logprob and 0 <= msg.logprob_start_len < len(msg.input_ids):
+            raise InvalidRequest("input logprobs are computed where the prompt is: send such requests "
+                                 "without a transfer", "transfer")
 
     def _admit(self, msg: GenerateRequest) -> None:
         try:
@@ -203,7 +268,7 @@ class Engine:
         req = Req(rid=msg.rid, input_ids=list(msg.input_ids), params=params, seed=seed,
                   return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
                   top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
-                  cache_salt=msg.cache_salt, stream=msg.stream)
+                  cache_salt=msg.cache_salt, stream=msg.stream, transfer=msg.transfer)
         req.detok = self.detok.new_state(params.stop, params.skip_special_tokens, params.no_stop_trim,
                                          prompt_tail=req.input_ids)
         self._reqs[req.rid] = req
@@ -256,6 +321,9 @@ class Engine:
                 req.input_top_logprobs.extend(out.input_top_logprobs[i])
             if not batch.sample[i]:
                 continue
+            if req.transfer_role == "prefill":
+                self._hand_off(req, out, i)
+                continue
             if req.params.max_new_tokens == 0:
                 req.finish_reason = {"type": "length", "length": 0}
                 ready.append(req)
@@ -265,38 +333,44 @@ class Engine:
                 tok, accepted = self._verify_proposals(req, out, i)
             else:
                 tok = out.next_token_ids[i]
-            req.output_ids[req.num_resolved] = tok
-            req.num_resolved += 1
-            self.generated_tokens += 1
-            if req.return_logprob:
-                req.pending_output_logprobs.append([out.logprobs[i], tok])
-                req.pending_output_top_logprobs.append(out.top_logprobs[i] or [])
-            text, stop_hit = self.detok.add_tokens(req.detok, accepted + [tok])
-            req.pending_text += text
-            p = req.params
-            grammar_done = False
-            if req.grammar is not None:
-                if not req.grammar.accept_token(tok):
-                    msg = "the sampled token violates the grammar"
-                    req.finish_reason = {"type": "abort", "message": msg}
-                    ready.append(req)
-                    continue
-                grammar_done = req.grammar.is_terminated()
-                if not grammar_done and not stop_hit:
-                    stop_hit = self._jump_forward(req) or stop_hit
-            n_out = req.num_resolved
-            if grammar_done:
-                req.finish_reason = {"type": "stop", "matched": tok}
-            elif (tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos)) \
-                    and n_out >= p.min_new_tokens:
-                req.finish_reason = {"type": "stop", "matched": tok}
-            elif stop_hit:
-                req.finish_reason = {"type": "stop", "matched": req.detok.matched_stop}
-            elif n_out >= p.max_new_tokens:
-                req.finish_reason = {"type": "length", "length": p.max_new_tokens}
-            elif len(req.input_ids) + n_out >= self.runner.max_context_len:
-                req.finish_reason = {"type": "length", "length": n_out}
+            self._take_token(req, tok, accepted, out.logprobs[i], out.top_logprobs[i])
             ready.append(req)
+        self._emit(ready)
+
+    def _take_token(self, req: Req, tok: int, accepted: list[int], logprob, top_logprobs) -> None:
+        """A sampled token reached the host: record it, detokenize, advance the grammar (jump-forward),
+        and decide whether the request is finished."""
+        req.output_ids[req.num_resolved] = tok
+        req.num_resolved += 1
+        self.generated_tokens += 1
+        if req.return_logprob:
+            req.pending_output_logprobs.append([logprob, tok])
+            req.pending_output_top_logprobs.append(top_logprobs or [])
+        text, stop_hit = self.detok.add_tokens(req.detok, accepted + [tok])
+        req.pending_text += text
+        p = req.params
+        grammar_done = False
+        if req.grammar is not None:
+            if not req.grammar.accept_token(tok):
+                req.finish_reason = {"type": "abort", "message": "the sampled token violates the grammar"}
+                return
+            grammar_done = req.grammar.is_terminated()
+            if not grammar_done and not stop_hit:
+                stop_hit = self._jump_forward(req) or stop_hit
+        n_out = req.num_resolved
+        if grammar_done:
+            req.finish_reason = {"type": "stop", "matched": tok}
+        elif (tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos)) \
+                and n_out >= p.min_new_tokens:
+            req.finish_reason = {"type": "stop", "matched": tok}
+        elif stop_hit:
+            req.finish_reason = {"type": "stop", "matched": req.detok.matched_stop}
+        elif n_out >= p.max_new_tokens:
+            req.finish_reason = {"type": "length", "length": p.max_new_tokens}
+        elif len(req.input_ids) + n_out >= self.runner.max_context_len:
+            req.finish_reason = {"type": "length", "length": n_out}
+
+    def _emit(self, ready: list[Req]) -> None:
         outputs = []
         for req in ready:
             if req.finished:
@@ -307,6 +381,81 @@ class Engine:
                 outputs.append(self._make_output(req))
         if outputs:
             self.on_output(outputs)
+
+    # ------------------------------------------------------------------ PD: prefill side
+    def _hand_off(self, req: Req, out: StepOutput, i: int) -> None:
+        """The prompt's KV is computed and the first token sampled: park the request (KV locked) and
+        let the transfer glue push both to the decode worker."""
+        tok = None
+        if req.params.max_new_tokens > 0:
+            tok = out.next_token_ids[i]
+            req.output_ids[req.num_resolved] = tok
+            req.num_resolved += 1
+        if req in self.scheduler.prefilled:
+            self.scheduler.prefilled.remove(req)
+        self._handed_off[req.transfer_id] = req
+        pool = self.runner.kv_pool
+        header = KvHeader(transfer_id=req.transfer_id, prompt_len=len(req.input_ids),
+                          layout=kv_pages.token_layout(pool), dtype=kv_pages.dtype_name(pool.dtype),
+                          first_token=tok, first_logprob=out.logprobs[i] if tok is not None else None,
+                          first_top_logprobs=(out.top_logprobs[i] or []) if tok is not None else [],
+                          cached_tokens=req.num_cached_tokens or 0)
+        self.on_kv_ready(req.transfer_id, {"host": req.transfer["host"], "port": req.transfer["port"]}, header)
+
+    def gather_kv(self, transfer_id: str, start: int):
+        """(engine thread) KV of positions [start, prompt_len) of a handed-off request, as one buffer,
+        and a CUDA event to wait on before reading it (None on the CPU)."""
+        req = self._handed_off.get(transfer_id)
+        if req is None or req.finished:
+            raise RuntimeError(f"the request of KV transfer {transfer_id} has ended")
+        slots = torch.tensor(req.slots[start:len(req.input_ids)], dtype=torch.int64)
+        buf = kv_pages.gather(self.runner.kv_pool, slots, self.config.kv_transfer_staging)
+        event = None
+        if buf.is_cuda or self.runner.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return buf, event
+
+    def end_transfer(self, transfer_id: str, error: str | None) -> None:
+        """(engine thread) The decode side has the pages (or the push failed): release the request; its
+        KV stays in this worker's tree."""
+        req = self._handed_off.pop(transfer_id, None)
+        if req is None or req.finished:
+            return
+        if error:
+            self._finish(req, {"type": "abort", "message": error}, error=error)
+        else:
+            self._finish(req, {"type": "transferred"})
+
+    # ------------------------------------------------------------------ PD: decode side
+    def _announce_reservations(self) -> None:
+        now = time.monotonic()
+        for req in self.scheduler.new_awaiting:
+            self._awaiting[req.transfer_id] = (req, now + self.config.kv_transfer_timeout)
+            self.on_kv_expect(req.transfer_id, req.kv_len, len(req.input_ids))
+        self.scheduler.new_awaiting.clear()
+        for req, deadline in [e for e in self._awaiting.values() if e[1] < now]:
+            msg = f"the prompt's KV did not arrive within {self.config.kv_transfer_timeout:g} s"
+            self._finish(req, {"type": "abort", "message": msg}, error=msg)
+
+    def _on_kv_arrived(self, item: _KvArrived) -> None:
+        entry = self._awaiting.pop(item.transfer_id, None)
+        if entry is None or entry[0].finished:
+            return  # ended (abort, timeout) while its pages were on the way
+        req, header = entry[0], item.header
+        n = len(req.input_ids)
+        kv_pages.scatter(self.runner.kv_pool, torch.tensor(req.slots[req.kv_len:n], dtype=torch.int64), item.buf)
+        self.runner.req_pool.write(req.req_pool_idx, 0, torch.tensor(req.slots[:n], dtype=torch.int64))
+        self.scheduler.kv_arrived(req)
+        req.transfer = None  # from here on a local request: a retraction recomputes from the tree
+        req.num_cached_tokens = header.cached_tokens  # computation saved is the prefill side's hit
+        if header.first_token is None:  # max_new_tokens == 0: a cache warm-up
+            req.finish_reason = {"type": "length", "length": 0}
+        else:
+            req.output_ids.append(_PENDING)
+            self.runner.set_last_token(req.req_pool_idx, header.first_token)
+            self._take_token(req, header.first_token, [], header.first_logprob, header.first_top_logprobs)
+        self._emit([req])
 
     def _jump_forward(self, req: Req) -> bool:
         """Append the run of tokens the grammar forces (compressed FSM), re-tokenized at the boundary.
@@ -386,6 +535,10 @@ class Engine:
         flight is valid to share: later steps run after it on the same stream."""
         del req.output_ids[req.num_resolved:]
         req.kv_len = min(req.kv_len, req.seq_len)
+        if req.transfer_role == "decode" and self._awaiting.pop(req.transfer_id, None) is not None:
+            self.on_kv_cancel(req.transfer_id)
+        if req.transfer_role == "prefill":
+            self._handed_off.pop(req.transfer_id, None)
         self.scheduler.remove(req)
         self._reqs.pop(req.rid, None)
         if self._is_host_dependent(req.params):
@@ -436,7 +589,7 @@ class Engine:
 
     # ------------------------------------------------------------------ admin (engine thread only)
     def flush_cache(self) -> tuple[bool, str]:
-        if not self.scheduler.is_idle():
+        if not self.scheduler.is_idle() or self._handed_off:
             return False, "cannot flush the cache while requests are running"
         self.cache.reset()
         return True, "cache flushed"

@@ -26,6 +26,8 @@ class Req:
     top_logprobs_num: int = 0
     cache_salt: str | None = None
     stream: bool = True
+    # PD mode: GenerateRequest.transfer ({"role": "prefill"|"decode", "id": ...}); None for local work.
+    transfer: dict | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: ReqStatus = ReqStatus.WAITING
@@ -74,6 +76,14 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def transfer_role(self) -> str | None:
+        return self.transfer["role"] if self.transfer else None
+
+    @property
+    def transfer_id(self) -> str | None:
+        return self.transfer["id"] if self.transfer else None
 
     @property
     def wants_input_logprobs(self) -> bool:

@@ -63,6 +63,12 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # prefill done, decoding
         self.chunked: Req | None = None  # prefill in progress across passes
+        # PD mode. Decode side: slots reserved for the prompt's uncached part, its pages on the way from a
+        # prefill worker (`new_awaiting`: reserved in the last round, for the engine to announce).
+        # Prefill side: prompt computed in the pass just launched; the engine hands them off, never decodes.
+        self.awaiting_kv: list[Req] = []
+        self.new_awaiting: list[Req] = []
+        self.prefilled: list[Req] = []
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
         self._last_was_prefill = False
@@ -75,13 +81,14 @@ class Scheduler:
         self.waiting.append(req)
 
     def num_running(self) -> int:
-        return len(self.running) + (1 if self.chunked else 0)
+        return len(self.running) + (1 if self.chunked else 0) + len(self.awaiting_kv)
 
     def is_idle(self) -> bool:
-        return not self.waiting and not self.running and self.chunked is None
+        return (not self.waiting and not self.running and self.chunked is None and not self.awaiting_kv
+                and not self.prefilled)
 
     def find(self, rid: str) -> Req | None:
-        for r in self.waiting + self.running + ([self.chunked] if self.chunked else []):
+        for r in self.waiting + self.running + ([self.chunked] if self.chunked else []) + self.awaiting_kv:
             if r.rid == rid:
                 return r
         return None
@@ -92,6 +99,9 @@ class Scheduler:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
+        for pd_list in (self.awaiting_kv, self.new_awaiting, self.prefilled):
+            if req in pd_list:
+                pd_list.remove(req)
         if self.chunked is req:
             self.chunked = None
         if req.req_pool_idx is not None:
@@ -168,7 +178,7 @@ class Scheduler:
                 budget -= ext
                 if req.kv_len + ext == req.seq_len:
                     self.chunked = None
-                    self.running.append(req)  # sampled this pass, decodes from the next
+                    self._prefill_done(req)  # sampled this pass, decodes from the next
             else:
                 self._retract_for(ext)
                 return None
@@ -209,6 +219,13 @@ class Scheduler:
                         continue  # another admitted request computes this prefix now; we hit it next round
                     shared_keys.add(key)
                 self.cache.lock(match.node)
+                if req.transfer_role == "decode":
+                    if not self._reserve_for_transfer(req, match, reserve, bool(reqs)):
+                        self.cache.unlock(match.node)
+                        break
+                    reserve += min(req.remaining_new_tokens(), _RESERVE_CAP) * self.new_token_ratio
+                    admitted += 1
+                    continue
                 ext_total = req.seq_len - match.length
                 ext = min(ext_total, self.config.chunked_prefill_size, budget)
                 own_reserve = min(req.remaining_new_tokens(), _RESERVE_CAP) * self.new_token_ratio
@@ -246,7 +263,7 @@ class Scheduler:
                 if ext < ext_total:
                     self.chunked = req
                     break
-                self.running.append(req)
+                self._prefill_done(req)
         for r in self.waiting:
             if admitted or self.running:
                 r.skipped_rounds += 1
@@ -258,6 +275,46 @@ class Scheduler:
             input_ids.extend(req.all_ids[p:p + e])
         return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix_lens, extend_lens, sample, input_ids,
                              torch.cat(locs))
+
+    def _prefill_done(self, req: Req) -> None:
+        (self.prefilled if req.transfer_role == "prefill" else self.running).append(req)
+
+    def _reserve_for_transfer(self, req: Req, match, reserve: float, batch_nonempty: bool) -> bool:
+        """Decode side of PD: hold slots for every prompt position the tree lacks (the prefill worker
+        sends exactly those) and park the request until they arrive. Nothing is computed here."""
+        need = req.seq_len - match.length
+        own_reserve = min(req.remaining_new_tokens(), _RESERVE_CAP) * self.new_token_ratio
+        busy = batch_nonempty or self.running or self.awaiting_kv
+        if self._free_tokens() < need + reserve + own_reserve and busy:
+            return False
+        if self.allocator.available_size() < need:
+            self.stats.evicted_for_admission += self.cache.evict(need - self.allocator.available_size())
+        slots = self.allocator.alloc(need, int(match.slots[-1]) if len(match.slots) else -1)
+        if slots is None:
+            if not busy:
+                self.waiting.remove(req)
+                self.failed.append(req)  # larger than the whole pool: cannot ever run
+            return False
+        req.req_pool_idx = self.req_pool.alloc()
+        req.last_node = match.node
+        req.cached_len = req.kv_len = match.length
+        req.slots = match.slots.tolist() + slots.tolist()
+        self.waiting.remove(req)
+        req.status = ReqStatus.RUNNING
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = match.length
+            req.first_scheduled_time = time.monotonic()
+            self.stats.prompt_tokens += len(req.input_ids)
+            self.stats.cached_tokens += match.length
+        self.awaiting_kv.append(req)
+        self.new_awaiting.append(req)
+        return True
+
+    def kv_arrived(self, req: Req) -> None:
+        """Decode side: the request's prompt KV is complete; it decodes from the next step."""
+        self.awaiting_kv.remove(req)
+        req.kv_len = len(req.input_ids)
+        self.running.append(req)
 
     def _schedule_decode(self) -> ScheduleBatch | None:
         if not self.running or any(r.seq_len - r.kv_len > 1 for r in self.running):

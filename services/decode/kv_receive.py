@@ -1,0 +1,38 @@
+"""Decode worker's half of PD: a UCX listener that takes KV pages for requests the engine has reserved
+slots for, and hands them to the engine thread.
+
+Request life here: the gateway's request arrives with transfer {"role": "decode"} -> the engine matches
+its tree, reserves slots for the rest and announces (transfer id, start) -> the prefill worker's push is
+accepted from `start` -> pages land in a buffer -> the engine scatters them into its pool and decodes.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from shared.engine.engine import Engine
+from shared.transfer import kv_pages
+from shared.transfer.ucx import KvReceiver
+
+
+class KvReceive:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop):
+        self.engine, self.loop = engine, loop
+        pool = engine.runner.kv_pool
+        staging = engine.config.kv_transfer_staging
+        self.receiver = KvReceiver(
+            kv_pages.token_layout(pool), kv_pages.dtype_name(pool.dtype),
+            alloc=lambda n: kv_pages.empty_buffer(pool, n, staging),
+            on_arrival=engine.kv_arrived, on_failure=engine.kv_failed,
+            expect_timeout=engine.config.kv_transfer_timeout)
+        engine.on_kv_expect = lambda tid, start, n: loop.call_soon_threadsafe(self.receiver.expect, tid, start, n)
+        engine.on_kv_cancel = lambda tid: loop.call_soon_threadsafe(self.receiver.cancel, tid)
+
+    async def start(self, port: int = 0) -> int:
+        return await self.receiver.start(port)
+
+    def close(self) -> None:
+        self.receiver.close()
+
+    def stats(self) -> dict:
+        r = self.receiver
+        return {"received_tokens": r.received_tokens, "skipped_tokens": r.skipped_tokens, "failures": r.failures}

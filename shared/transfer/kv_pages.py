@@ -1,0 +1,64 @@
+"""KV of a run of token positions as one contiguous buffer, token-major: [tokens, layers, 2, heads, dim].
+
+Token-major so that any suffix of a gathered run is itself contiguous (the decode side asks for the
+positions its tree lacks), and one transfer is one message. Both sides run these on their engine thread,
+so pool reads and writes are ordered with the forward passes on the same stream.
+"""
+from __future__ import annotations
+
+import torch
+
+from shared.cache.kv_pool import KVPool
+
+
+def token_layout(pool: KVPool) -> list[int]:
+    return [pool.num_layers, 2, pool.num_kv_heads, pool.head_dim]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def gather(pool: KVPool, slots: torch.Tensor, staging: str = "device") -> torch.Tensor:
+    """KV at `slots` (one slot per position) -> a new contiguous buffer. `staging="host"` returns it in
+    pinned host memory, for transports that cannot read device memory."""
+    loc = slots.to(pool.device, torch.int64)
+    out = torch.empty((len(slots), pool.num_layers, 2, pool.num_kv_heads, pool.head_dim),
+                      dtype=pool.dtype, device=pool.device)
+    for layer in range(pool.num_layers):
+        k, v = pool.get_kv(layer)
+        out[:, layer, 0].copy_(k[loc])
+        out[:, layer, 1].copy_(v[loc])
+    if staging == "host" and out.device.type == "cuda":
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)  # the caller waits on an event before reading it
+        return host
+    return out
+
+
+def scatter(pool: KVPool, slots: torch.Tensor, buf: torch.Tensor) -> None:
+    """Write a gathered buffer into the pool at `slots` (the receiving side's own slots)."""
+    if buf.shape != (len(slots), pool.num_layers, 2, pool.num_kv_heads, pool.head_dim):
+        raise ValueError(f"KV buffer of shape {tuple(buf.shape)} does not fit {len(slots)} slots of this pool")
+    buf = buf.to(pool.device, non_blocking=True)
+    loc = slots.to(pool.device, torch.int64)
+    for layer in range(pool.num_layers):
+        k, v = pool.get_kv(layer)
+        k[loc] = buf[:, layer, 0]
+        v[loc] = buf[:, layer, 1]
+
+
+def empty_buffer(pool: KVPool, tokens: int, staging: str = "device") -> torch.Tensor:
+    """Where a receiver puts `tokens` positions of KV."""
+    shape = (tokens, pool.num_layers, 2, pool.num_kv_heads, pool.head_dim)
+    if staging == "host" and pool.device.type == "cuda":
+        return torch.empty(shape, dtype=pool.dtype, pin_memory=True)
+    return torch.empty(shape, dtype=pool.dtype, device=pool.device)
+
+
+def as_transport_buffer(t: torch.Tensor):
+    """What UCX can read/write: the tensor itself on the GPU (__cuda_array_interface__), a byte view of
+    its storage on the host (the buffer protocol; torch tensors do not export it themselves)."""
+    if t.device.type == "cuda":
+        return t
+    return t.view(-1).view(torch.uint8).numpy()

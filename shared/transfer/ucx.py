@@ -1,0 +1,227 @@
+"""KV pages between workers over UCX (ucxx, asyncio API): the prefill side pushes, the decode side listens.
+
+One transfer, on an endpoint of its own (no head-of-line blocking between requests):
+
+    prefill                                   decode
+    KvHeader(id, prompt_len, layout, first token) ->
+                                              waits until its engine has reserved slots for `id`
+                                           <- KvAccept(start)   (positions its tree already holds are skipped)
+    KV of [start, prompt_len), one message ->
+                                           <- KvAck             (pages are in the decode side's hands)
+
+Control messages are msgpack frames of shared.protocol types, length-checked before any allocation; the
+KV goes device to device where UCX can (cuda_copy / cuda_ipc), through host memory otherwise. Every wait
+has a timeout: a SIGSTOPped peer otherwise hangs a UCX receive forever.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import msgpack
+import numpy as np
+import torch
+
+from shared.protocol import KvAccept, KvAck, KvHeader, Message, ProtocolError, decode_message
+from shared.transfer.kv_pages import as_transport_buffer
+
+log = logging.getLogger(__name__)
+_MAX_CONTROL_BYTES = 1 << 20
+_LEN = struct.Struct("!Q")
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+def _ucxx():
+    import ucxx  # imported on first use: only PD workers need UCX
+
+    return ucxx
+
+
+async def _send_msg(ep, msg: Message) -> None:
+    body = msgpack.packb(msg.to_wire(), use_bin_type=True)
+    await ep.send(np.frombuffer(_LEN.pack(len(body)), dtype=np.uint8))
+    await ep.send(np.frombuffer(body, dtype=np.uint8))
+
+
+async def _recv_msg(ep, expect: type[Message]) -> Message:
+    head = np.empty(_LEN.size, dtype=np.uint8)
+    await ep.recv(head)
+    (size,) = _LEN.unpack(head.tobytes())
+    if size > _MAX_CONTROL_BYTES:
+        raise ProtocolError(f"control message of {size} bytes exceeds the limit")
+    body = np.empty(size, dtype=np.uint8)
+    await ep.recv(body)
+    try:
+        msg = decode_message(msgpack.unpackb(body.tobytes(), raw=False, strict_map_key=False))
+    except ProtocolError:
+        raise
+    except Exception as e:
+        raise ProtocolError(f"undecodable control message: {e}") from None
+    if not isinstance(msg, expect):
+        raise ProtocolError(f"expected {expect.TYPE}, got {msg.TYPE}")
+    return msg
+
+
+def _abort(ep) -> None:
+    """Drop an endpoint now: cancels its outstanding operations, so no late write lands in a buffer we
+    have let go of."""
+    try:
+        ep.abort()
+    except Exception:  # already closed by the peer
+        pass
+
+
+@dataclass
+class Expectation:
+    """A decode-side reservation: slots are ready for KV of positions [start, prompt_len)."""
+    start: int
+    prompt_len: int
+
+
+class KvReceiver:
+    """Decode side. `expect`/`cancel` come from the engine (through the event loop); a finished receive
+    goes to `on_arrival(transfer_id, header, buffer)`, a failed one to `on_failure(transfer_id, reason)`."""
+
+    def __init__(self, layout: list[int], dtype: str, alloc: Callable[[int], torch.Tensor],
+                 on_arrival: Callable[[str, KvHeader, torch.Tensor], None],
+                 on_failure: Callable[[str, str], None], *, expect_timeout: float = 120.0,
+                 io_timeout: float = 60.0):
+        self.layout, self.dtype = list(layout), dtype
+        self.alloc = alloc
+        self.on_arrival, self.on_failure = on_arrival, on_failure
+        self.expect_timeout, self.io_timeout = expect_timeout, io_timeout
+        self._expected: dict[str, Expectation] = {}
+        self._waiters: dict[str, asyncio.Future] = {}
+        self._listener = None
+        self.received_tokens = 0
+        self.skipped_tokens = 0  # positions the decode side's own cache already held
+        self.failures = 0
+
+    async def start(self, port: int = 0) -> int:
+        self._listener = _ucxx().create_listener(self._serve, port)
+        return self._listener.port
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    # engine-driven (call on the event loop)
+    def expect(self, transfer_id: str, start: int, prompt_len: int) -> None:
+        self._expected[transfer_id] = Expectation(start, prompt_len)
+        waiter = self._waiters.pop(transfer_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def cancel(self, transfer_id: str) -> None:
+        self._expected.pop(transfer_id, None)
+
+    async def _wait_expected(self, transfer_id: str) -> Expectation:
+        if transfer_id not in self._expected:
+            fut = self._waiters.setdefault(transfer_id, asyncio.get_running_loop().create_future())
+            try:
+                async with asyncio.timeout(self.expect_timeout):
+                    await fut
+            except TimeoutError:
+                raise TransferError(f"no request is waiting for KV transfer {transfer_id}") from None
+            finally:
+                self._waiters.pop(transfer_id, None)
+        exp = self._expected.get(transfer_id)
+        if exp is None:
+            raise TransferError(f"the request of KV transfer {transfer_id} has ended")
+        return exp
+
+    async def _serve(self, ep) -> None:
+        transfer_id = None
+        try:
+            async with asyncio.timeout(self.io_timeout):
+                header = await _recv_msg(ep, KvHeader)
+            transfer_id = header.transfer_id
+            if header.layout != self.layout or header.dtype != self.dtype:
+                raise TransferError(f"KV layout {header.layout} {header.dtype} does not match this worker's "
+                                    f"{self.layout} {self.dtype} (a different model?)")
+            exp = await self._wait_expected(transfer_id)
+            if header.prompt_len != exp.prompt_len:
+                raise TransferError(f"KV transfer {transfer_id}: {header.prompt_len} positions offered, "
+                                    f"the request has {exp.prompt_len}")
+            async with asyncio.timeout(self.io_timeout):
+                await _send_msg(ep, KvAccept(transfer_id=transfer_id, start=exp.start))
+                buf = self.alloc(exp.prompt_len - exp.start)
+                if buf.numel():
+                    await ep.recv(as_transport_buffer(buf))
+                await _send_msg(ep, KvAck(transfer_id=transfer_id))
+            if self._expected.pop(transfer_id, None) is None:
+                return  # the request ended while its pages were on the way
+            self.received_tokens += exp.prompt_len - exp.start
+            self.skipped_tokens += exp.start
+            self.on_arrival(transfer_id, header, buf)
+        except Exception as e:  # ProtocolError, TransferError, UCX errors, timeouts
+            self.failures += 1
+            reason = str(e) or type(e).__name__
+            log.warning("KV receive %s failed: %s", transfer_id, reason)
+            if transfer_id is not None and isinstance(e, TransferError):
+                try:
+                    async with asyncio.timeout(5):
+                        await _send_msg(ep, KvAccept(transfer_id=transfer_id, error=reason))
+                except Exception:
+                    pass
+            _abort(ep)
+            if transfer_id is not None and self._expected.pop(transfer_id, None) is not None:
+                self.on_failure(transfer_id, f"KV transfer failed: {reason}")
+            return
+        try:
+            await ep.close()
+        except Exception:
+            _abort(ep)
+
+
+class KvSender:
+    """Prefill side: push one request's KV to the decode worker listening at host:port."""
+
+    def __init__(self, *, connect_timeout: float = 10.0, io_timeout: float = 60.0,
+                 accept_timeout: float = 130.0):
+        self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
+        self.accept_timeout = accept_timeout  # the decode side waits up to its expect_timeout for slots
+        self.sent_tokens = 0
+        self.transfers = 0
+
+    async def push(self, host: str, port: int, header: KvHeader,
+                   gather: Callable[[int], Awaitable[torch.Tensor]]) -> None:
+        """`gather(start)` returns the KV of positions [start, prompt_len) (run on the engine thread)."""
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                ep = await _ucxx().create_endpoint(host, port)
+        except Exception as e:
+            raise TransferError(f"cannot reach the decode worker's KV receiver at {host}:{port}: {e}") from None
+        try:
+            async with asyncio.timeout(self.io_timeout):
+                await _send_msg(ep, header)
+            async with asyncio.timeout(self.accept_timeout):
+                accept = await _recv_msg(ep, KvAccept)
+            if accept.error:
+                raise TransferError(f"the decode worker refused the KV: {accept.error}")
+            if not 0 <= accept.start <= header.prompt_len:
+                raise ProtocolError(f"KV accept start {accept.start} is outside the prompt")
+            buf = await gather(accept.start)
+            async with asyncio.timeout(self.io_timeout):
+                if buf.numel():
+                    await ep.send(as_transport_buffer(buf))
+                await _recv_msg(ep, KvAck)
+            self.sent_tokens += header.prompt_len - accept.start
+            self.transfers += 1
+        except TransferError:
+            _abort(ep)
+            raise
+        except Exception as e:
+            _abort(ep)
+            raise TransferError(f"KV transfer to {host}:{port} failed: {str(e) or type(e).__name__}") from None
+        try:
+            await ep.close()
+        except Exception:
+            _abort(ep)

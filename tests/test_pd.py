@@ -1,0 +1,164 @@
+"""PD disaggregation for real: `launch --topology pd` starts a prefill and a decode worker process; every
+prompt's KV crosses between them over UCX (ucxx). What must hold: the output is exactly the unified
+stack's (same model, greedy and seeded), both radix trees are used (the prefill side's hit is reported
+as cached tokens, the decode side's hit shrinks the transfer), and failures end requests with clear
+errors without leaking KV slots on either side."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import time
+
+import pytest
+import requests
+
+from tests.conftest import Stack, free_port
+from tests.test_redis_discovery import spawn, wait_for, wait_line
+from tests.test_worker_failures import stop
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def pd():
+    s = Stack("--topology", "pd")
+    yield s
+    s.stop()
+
+
+def generate(url: str, **body) -> dict:
+    r = requests.post(url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def worker_infos(url: str) -> dict[str, dict]:
+    return {w["info"]["role"]: w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]}
+
+
+def assert_no_kv_held(url: str) -> None:
+    """Every slot is free or evictable on every worker: nothing leaked."""
+    def settled():
+        infos = worker_infos(url)
+        return all(i["num_running"] == 0 and i["kv_usage"] == 0.0 for i in infos.values()) and infos
+    wait_for(settled, 20, "all KV released")
+
+
+def test_pd_output_equals_unified(pd, stack):
+    texts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(6)]
+    for t in texts:
+        for sampling in (GREEDY, {"temperature": 0.8, "top_p": 0.9, "seed": 5, "max_new_tokens": 10}):
+            a = generate(pd.url, text=t, sampling_params=sampling)
+            b = generate(stack.url, text=t, sampling_params=sampling)
+            assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"]
+    infos = worker_infos(pd.url)
+    assert set(infos) == {"prefill", "decode"}
+    assert infos["prefill"]["kv_transfer"]["sent_tokens"] > 0
+    assert infos["decode"]["kv_transfer"]["received_tokens"] > 0
+    assert infos["decode"]["kv_transfer"]["failures"] == 0
+
+
+def test_pd_first_token_edge_cases(pd, stack):
+    t = "Edge cases of the first token, which the prefill worker samples."
+    one = generate(pd.url, text=t, sampling_params={**GREEDY, "max_new_tokens": 1})
+    assert one["meta_info"]["completion_tokens"] == 1
+    assert one["output_ids"] == generate(stack.url, text=t, sampling_params={**GREEDY, "max_new_tokens": 1})["output_ids"]
+    hint = generate(pd.url, text=t + " hint", sampling_params={"max_new_tokens": 0})
+    assert hint["output_ids"] == [] and hint["meta_info"]["finish_reason"]["type"] == "length"
+    ref = generate(stack.url, text=t, sampling_params=GREEDY)
+    stop_id = ref["output_ids"][0]
+    r = generate(pd.url, text=t, sampling_params={**GREEDY, "stop_token_ids": [stop_id]})
+    assert r["output_ids"] == [stop_id] and r["meta_info"]["finish_reason"]["type"] == "stop"
+    # Constrained: the prefill side samples the first token under the grammar, the decode side goes on.
+    rx = {"temperature": 0, "max_new_tokens": 16, "regex": "(yes|no), [0-9]{2,3}"}
+    a = generate(pd.url, text=t, sampling_params=rx)
+    assert a == {**a, "text": generate(stack.url, text=t, sampling_params=rx)["text"]}
+    # Input logprobs need the prompt's forward pass where the answer is made: served whole by decode.
+    lp = generate(pd.url, text=t, sampling_params={**GREEDY, "max_new_tokens": 2}, return_logprob=True,
+                  logprob_start_len=0)
+    assert len(lp["meta_info"]["input_token_logprobs"]) == lp["meta_info"]["prompt_tokens"]
+    assert_no_kv_held(pd.url)
+
+
+def test_pd_streaming_and_openai_usage(pd, stack):
+    body = {"model": "tiny-random", "prompt": "Stream me some tokens", "max_tokens": 10, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with requests.post(pd.url + "/v1/completions", json=body, stream=True, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    ref = requests.post(stack.url + "/v1/completions", json={**body, "stream": False}, timeout=60).json()
+    assert text == ref["choices"][0]["text"]
+    assert events[-1]["usage"]["completion_tokens"] == 10
+
+
+def test_pd_reuses_both_trees(pd):
+    base = "A long shared system prompt that many requests start with. " * 4
+    first = generate(pd.url, text=base + "Question one?", sampling_params=GREEDY)
+    before = worker_infos(pd.url)["decode"]["kv_transfer"]
+    second = generate(pd.url, text=base + "Question two?", sampling_params=GREEDY)
+    after = worker_infos(pd.url)["decode"]["kv_transfer"]
+    assert first["meta_info"]["cached_tokens"] < 50
+    assert second["meta_info"]["cached_tokens"] >= 50, second["meta_info"]  # the prefill worker's tree held the shared head
+    # The decode worker's tree held it too: only the new tail crossed the wire.
+    sent = after["received_tokens"] - before["received_tokens"]
+    assert after["skipped_tokens"] - before["skipped_tokens"] >= 50
+    assert sent < second["meta_info"]["prompt_tokens"] - 50
+
+
+def test_pd_concurrent_requests_match_unified_and_release_everything(pd, stack):
+    texts = [f"Concurrent {i} " + "lorem ipsum " * (i % 5 + 1) for i in range(16)]
+
+    def both(t):
+        return (generate(pd.url, text=t, sampling_params=GREEDY)["output_ids"],
+                generate(stack.url, text=t, sampling_params=GREEDY)["output_ids"])
+    with cf.ThreadPoolExecutor(16) as ex:
+        for a, b in ex.map(both, texts):
+            assert a == b
+    assert_no_kv_held(pd.url)
+
+
+def test_pd_client_disconnect_aborts_both_sides(pd):
+    body = {"text": "disconnect me", "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    with requests.post(pd.url + "/generate", json=body, stream=True, timeout=60) as r:
+        next(line for line in r.iter_lines() if line.startswith(b"data: "))
+    assert_no_kv_held(pd.url)
+
+
+def start_pd_processes():
+    prefill = spawn("services.prefill", "--model-path", "tiny-random")
+    decode = spawn("services.decode", "--model-path", "tiny-random", "--kv-transfer-timeout", "8")
+    addrs = [wait_line(p, "WORKER READY").split()[2] for p in (prefill, decode)]
+    port = free_port()
+    gateway = spawn("services.gateway", "--model-path", "tiny-random", "--workers", ",".join(addrs),
+                    "--port", str(port))
+    wait_line(gateway, "gateway ready")
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
+    return prefill, decode, gateway, url
+
+
+def test_prefill_worker_killed_ends_requests_with_an_error_and_decode_frees_its_slots():
+    prefill, decode, gateway, url = start_pd_processes()
+    try:
+        assert generate(url, text="warm", sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 12
+        os.killpg(prefill.pid, signal.SIGSTOP)  # accepted requests now wait on a prefill that never comes
+        with cf.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(requests.post, url + "/generate",
+                            json={"text": "stuck " * 40, "sampling_params": GREEDY}, timeout=60)
+            time.sleep(1.0)
+            os.killpg(prefill.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            r = fut.result()
+        assert r.status_code == 503 and "prefill" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t0 < 15
+        info = {w["info"]["role"]: w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]
+                if w["info"]}
+        assert info["decode"]["num_running"] == 0 and info["decode"]["kv_usage"] == 0.0
+        # With no prefill worker left, the decode worker serves requests whole.
+        r = requests.post(url + "/generate", json={"text": "still served", "sampling_params": GREEDY}, timeout=60)
+        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 12
+    finally:
+        stop(prefill, decode, gateway)
