@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|pd|all
+# (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false UCX_WARN_UNUSED_ENV_VARS=n
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $what == all || $what == tests ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -k "not interpreted" tests/test_kernels.py tests/test_engine.py \
@@ -25,4 +26,12 @@ if [[ $what == structured ]]; then
 fi
 if [[ $what == programs ]]; then
   timeout 570 python3 -m bench.programs --out "$OUT" 2>&1 | tee "$OUT/programs.log" | tail -20
+fi
+if [[ $what == pd ]]; then
+  timeout 330 python3 -m bench.pd --out "$OUT" --duration 30 2>&1 | tee "$OUT/pd.log" | tail -12
+  # If device-to-device pages failed, measure host staging too (UCX builds without CUDA transports).
+  if grep -q '"failures": [1-9]\|errors.*[1-9]$' "$OUT/pd.log"; then
+    timeout 200 python3 -m bench.pd --out "$OUT/host" --duration 30 --configs pd -- --kv-transfer-staging host \
+      2>&1 | tee "$OUT/pd_host.log" | tail -12
+  fi
 fi

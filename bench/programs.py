@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
 
@@ -27,6 +25,7 @@ sys.path.insert(0, ROOT)
 import requests  # noqa: E402
 
 from bench.common import SHAPES, model_dir  # noqa: E402
+from bench.stack import start_stack, stop_stack  # noqa: E402
 from lang_client import RuntimeEndpoint, set_default_backend  # noqa: E402
 from lang_client.examples.branch_solve_merge import multi_dimensional_judge  # noqa: E402
 from lang_client.examples.tree_of_thought import tree_search  # noqa: E402
@@ -34,33 +33,6 @@ from lang_client.examples.tree_of_thought import tree_search  # noqa: E402
 
 def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def start_stack(path: str, port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "services.launch", "--model-path", path, "--load-format", "dummy",
-           "--max-context-len", "8192", "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    for line in proc.stdout:
-        if line.startswith("READY"):
-            break
-    else:
-        raise RuntimeError(f"stack exited with {proc.wait()}")
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while requests.get(url + "/health", timeout=10).status_code != 200:
-        if time.monotonic() > deadline:
-            raise TimeoutError("stack never became healthy")
-        time.sleep(0.5)
-    return proc
-
-
-def stop_stack(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def cache_stats(url: str) -> dict:

@@ -139,12 +139,32 @@ async def test_duplicate_rid_on_one_connection_is_refused(worker, client):
 
 # ---------------------------------------------------------------- router
 class StubWorker:
-    def __init__(self, address, load=0, connected=True):
+    def __init__(self, address, load=0, connected=True, role="unified"):
         self.address, self.load, self.connected = address, load, connected
         self.responsive = True
+        self.role = role
+        self.transfer_addr = ("127.0.0.1", 1) if role == "decode" else None
 
     def start(self):
         pass
+
+
+def test_router_pairs_prefill_with_decode_and_never_sends_whole_requests_to_prefill():
+    p0, p1 = StubWorker("p0:1", role="prefill"), StubWorker("p1:1", role="prefill")
+    d0 = StubWorker("d0:1", role="decode")
+    router = Router([p0, p1, d0])
+    for i in range(20):
+        pair = router.pick_pair([i, i + 1])
+        assert pair[0].role == "prefill" and pair[1] is d0
+        assert router.pick([i]) is d0  # requests served whole (input logprobs) go to decode
+    assert {router.pick_pair([i, 7])[0].address for i in range(50)} == {"p0:1", "p1:1"}
+    d0.connected = False
+    assert router.pick_pair([1, 2]) is None  # no decode side: no PD
+    only_prefill = Router([p0])
+    assert only_prefill.pick_pair([1]) is None
+    with pytest.raises(APIError) as e:
+        only_prefill.pick([1])
+    assert e.value.status == 503
 
 
 def test_prefix_affinity_is_sticky_and_spreads():

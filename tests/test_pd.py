@@ -5,6 +5,7 @@ as cached tokens, the decode side's hit shrinks the transfer), and failures end 
 errors without leaking KV slots on either side."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import json
 import os
@@ -162,3 +163,43 @@ def test_prefill_worker_killed_ends_requests_with_an_error_and_decode_frees_its_
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 12
     finally:
         stop(prefill, decode, gateway)
+
+
+async def _decode_worker_scenario(host: str, port: int) -> None:
+    from shared.protocol import GenerateRequest, InfoRequest
+    from shared.wire import encode_frame, read_message
+
+    reader, writer = await asyncio.open_connection(host, port)
+
+    async def ask(req) -> list:
+        writer.write(encode_frame(req))
+        outs = []
+        while not outs or not outs[-1].finished:
+            outs.append(await asyncio.wait_for(read_message(reader), 30))
+        return outs
+
+    bad = [({"role": "prefill", "id": "t1", "host": "127.0.0.1", "port": 1}, "does not send KV"),
+           ({"role": "decode", "id": 5}, "transfer.id"), ({"role": "elsewhere", "id": "t2"}, "transfer.role")]
+    for i, (transfer, message) in enumerate(bad):
+        outs = await ask(GenerateRequest(rid=f"bad{i}", input_ids=[5, 6, 7], sampling={"max_new_tokens": 2},
+                                         transfer=transfer))
+        assert message in (outs[-1].error or ""), outs[-1]
+    # Slots reserved for pages that never come are given back after --kv-transfer-timeout.
+    t0 = time.monotonic()
+    outs = await ask(GenerateRequest(rid="orphan", input_ids=list(range(5, 60)), sampling={"max_new_tokens": 2},
+                                     transfer={"role": "decode", "id": "never"}))
+    assert "did not arrive" in (outs[-1].error or ""), outs[-1]
+    assert 1.5 < time.monotonic() - t0 < 15
+    writer.write(encode_frame(InfoRequest(call_id=9)))
+    info = (await asyncio.wait_for(read_message(reader), 10)).info
+    assert info["num_running"] == 0 and info["kv_usage"] == 0.0
+    writer.close()
+
+
+def test_decode_worker_refuses_bad_transfers_and_times_out_missing_pages():
+    proc = spawn("services.decode", "--model-path", "tiny-random", "--kv-transfer-timeout", "2")
+    try:
+        host, port = wait_line(proc, "WORKER READY").split()[2].rsplit(":", 1)
+        asyncio.run(_decode_worker_scenario(host, int(port)))
+    finally:
+        stop(proc)

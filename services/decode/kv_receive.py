@@ -35,4 +35,5 @@ class KvReceive:
 
     def stats(self) -> dict:
         r = self.receiver
-        return {"received_tokens": r.received_tokens, "skipped_tokens": r.skipped_tokens, "failures": r.failures}
+        return {"received_tokens": r.received_tokens, "skipped_tokens": r.skipped_tokens, "failures": r.failures,
+                "received_bytes": r.received_bytes, "receive_seconds": round(r.receive_seconds, 6)}

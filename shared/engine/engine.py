@@ -103,6 +103,10 @@ class Engine:
         self.on_kv_cancel: Callable[[str], None] | None = None
         self._handed_off: dict[str, Req] = {}
         self._awaiting: dict[str, tuple[Req, float]] = {}  # transfer id -> (request, deadline)
+        # Received page buffers kept alive until the scatter that reads them has run on the device: the
+        # allocator could otherwise hand their memory to the next receive while UCX (not ordered with
+        # our stream) writes into it.
+        self._kv_in_use: list[tuple[torch.cuda.Event, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ thread-safe API
     def submit(self, msg: GenerateRequest) -> None:
@@ -445,6 +449,11 @@ class Engine:
         req, header = entry[0], item.header
         n = len(req.input_ids)
         kv_pages.scatter(self.runner.kv_pool, torch.tensor(req.slots[req.kv_len:n], dtype=torch.int64), item.buf)
+        if item.buf.is_cuda:
+            self._kv_in_use = [(e, b) for e, b in self._kv_in_use if not e.query()]
+            event = torch.cuda.Event()
+            event.record()
+            self._kv_in_use.append((event, item.buf))
         self.runner.req_pool.write(req.req_pool_idx, 0, torch.tensor(req.slots[:n], dtype=torch.int64))
         self.scheduler.kv_arrived(req)
         req.transfer = None  # from here on a local request: a retraction recomputes from the tree

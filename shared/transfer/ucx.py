@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -101,6 +102,8 @@ class KvReceiver:
         self._listener = None
         self.received_tokens = 0
         self.skipped_tokens = 0  # positions the decode side's own cache already held
+        self.received_bytes = 0
+        self.receive_seconds = 0.0  # accept sent -> pages in: what the transport costs per request
         self.failures = 0
 
     async def start(self, port: int = 0) -> int:
@@ -151,10 +154,13 @@ class KvReceiver:
                 raise TransferError(f"KV transfer {transfer_id}: {header.prompt_len} positions offered, "
                                     f"the request has {exp.prompt_len}")
             async with asyncio.timeout(self.io_timeout):
-                await _send_msg(ep, KvAccept(transfer_id=transfer_id, start=exp.start))
                 buf = self.alloc(exp.prompt_len - exp.start)
+                t0 = time.perf_counter()
+                await _send_msg(ep, KvAccept(transfer_id=transfer_id, start=exp.start))
                 if buf.numel():
                     await ep.recv(as_transport_buffer(buf))
+                self.receive_seconds += time.perf_counter() - t0
+                self.received_bytes += buf.numel() * buf.element_size()
                 await _send_msg(ep, KvAck(transfer_id=transfer_id))
             if self._expected.pop(transfer_id, None) is None:
                 return  # the request ended while its pages were on the way

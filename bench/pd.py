@@ -1,0 +1,180 @@
+"""Prefill/decode disaggregation vs unified workers on the same GPUs, through the real stack.
+
+    python -m bench.pd [--shape llama-3.1-8b|tiny] [--rate 6] [--duration 45] [--gpus 0,1]
+
+Both configurations get the same GPUs: `unified` runs one unified worker per GPU, `pd` one prefill and
+one decode worker (KV pages over UCX between them). The workload is open-loop: Poisson arrivals of
+distinct long prompts (no cache reuse), streamed outputs of fixed length. Reported per configuration:
+TTFT and inter-token latency (p50 / p99), output throughput, and for PD what the KV transfer cost
+(bytes, seconds, GB/s as seen by the decode side). Greedy outputs of a few prompts are compared across
+the two configurations (same dummy weights). Prints a short table last; writes pd.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import aiohttp  # noqa: E402
+import requests  # noqa: E402
+
+from bench.common import SHAPES, model_dir  # noqa: E402
+from bench.stack import start_stack, stop_stack  # noqa: E402
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, ids: list[int], out_len: int) -> dict:
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": out_len, "ignore_eos": True, "temperature": 0}}
+    t0 = time.perf_counter()
+    ttft, gaps, last_t, last_n, n = None, [], None, 0, 0
+    async with session.post(url + "/generate", json=body) as resp:
+        if resp.status != 200:
+            return {"error": f"{resp.status}: {await resp.text()}"}
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                return {"error": str(ev["error"])}
+            n = ev["meta_info"]["completion_tokens"]
+            now = time.perf_counter()
+            if n and ttft is None:
+                ttft = now - t0
+            elif n > last_n and last_t is not None:
+                gaps.extend([(now - last_t) / (n - last_n)] * (n - last_n))
+            if n > last_n:
+                last_t, last_n = now, n
+    return {"ttft": ttft, "gaps": gaps, "tokens": n, "e2e": time.perf_counter() - t0}
+
+
+async def workload(url: str, prompts: list[list[int]], rate: float, out_len: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = []
+        t0 = time.perf_counter()
+        for ids in prompts:
+            tasks.append(asyncio.create_task(one_request(session, url, ids, out_len)))
+            await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    gaps = [g for r in ok for g in r["gaps"]]
+    ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
+    return {"requests": len(results), "errors": len(errors), "first_error": errors[0] if errors else None,
+            "wall_s": wall, "output_tok_per_s": sum(r["tokens"] for r in ok) / wall,
+            "ttft_p50_ms": pct(ttfts, 0.5) * 1e3, "ttft_p99_ms": pct(ttfts, 0.99) * 1e3,
+            "itl_p50_ms": pct(gaps, 0.5) * 1e3, "itl_p99_ms": pct(gaps, 0.99) * 1e3,
+            "itl_max_ms": max(gaps, default=float("nan")) * 1e3}
+
+
+def greedy_outputs(url: str, prompts: list[list[int]]) -> list[list[int]]:
+    return [requests.post(url + "/generate", json={"input_ids": p, "sampling_params": {
+        "max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}, timeout=120).json().get("output_ids")
+        for p in prompts]
+
+
+def worker_stats(url: str) -> list[dict]:
+    return [w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"] if w["info"]]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--rate", type=float, default=6.0, help="arrivals per second (Poisson)")
+    ap.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per configuration")
+    ap.add_argument("--min-prompt", type=int, default=1024)
+    ap.add_argument("--max-prompt", type=int, default=4096)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--gpus", default="0,1", help="GPU ids both configurations share ('' on the CPU)")
+    ap.add_argument("--configs", default="unified,pd")
+    ap.add_argument("--port", type=int, default=31991)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
+    ap.add_argument("extra", nargs="*", help="engine flags for every worker (after --)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    path = model_dir(args.shape)
+    vocab = 400  # within the tiny tokenizer (415 ids) that every bench model shape uses
+    rng = random.Random(0)
+    n = max(1, int(args.rate * args.duration))
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+               for _ in range(n)]
+    warm = [[rng.randrange(3, vocab) for _ in range(args.min_prompt)] for _ in range(8)]
+    check = [[rng.randrange(3, vocab) for _ in range(300 + 100 * i)] for i in range(4)]
+    ngpu = len([g for g in args.gpus.split(",") if g.strip()])
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "shape": args.shape, "rate": args.rate,
+                 "requests": n, "prompt_len": [args.min_prompt, args.max_prompt], "output_len": args.output_len,
+                 "gpus": args.gpus}
+    url = f"http://127.0.0.1:{args.port}"
+    outputs = {}
+    for config in args.configs.split(","):
+        topo = (["--topology", "pd", "--prefill", "1", "--decode", "1"] if config == "pd"
+                else ["--workers", str(max(1, ngpu))])
+        gpu_flags = ["--worker-gpus", args.gpus] if ngpu else []
+        log(f"starting {config}: {' '.join(topo + gpu_flags + args.extra)}")
+        proc = start_stack(path, args.port, *topo, *gpu_flags, *args.extra)
+        try:
+            outputs[config] = greedy_outputs(url, check)
+            asyncio.run(workload(url, warm, rate=50.0, out_len=8, seed=1))
+            before = worker_stats(url)
+            r = asyncio.run(workload(url, prompts, args.rate, args.output_len, seed=2))
+            after = worker_stats(url)
+            kv_before = next((w.get("kv_transfer", {}) for w in before if w.get("role") == "decode"), {})
+            kv_after = next((w.get("kv_transfer", {}) for w in after if w.get("role") == "decode"), {})
+            if kv_after:
+                b = kv_after["received_bytes"] - kv_before.get("received_bytes", 0)
+                s = kv_after["receive_seconds"] - kv_before.get("receive_seconds", 0.0)
+                r["kv_transfer"] = {"bytes": b, "seconds_summed": s, "gb_per_s": b / s / 1e9 if s else None,
+                                    "tokens": kv_after["received_tokens"] - kv_before.get("received_tokens", 0),
+                                    "failures": kv_after["failures"]}
+            res[config] = r
+            log(f"{config}: {json.dumps(r)}")
+        except Exception:
+            print("".join(getattr(proc, "log_tail", [])[-40:]), flush=True)
+            raise
+        finally:
+            stop_stack(proc)
+    if len(outputs) == 2:
+        a, b = outputs.values()
+        res["greedy_outputs_equal"] = a == b
+    with open(os.path.join(args.out, "pd.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"\n{n} requests, Poisson {args.rate}/s, prompts {args.min_prompt}-{args.max_prompt}, "
+          f"output {args.output_len}, {args.shape}, GPUs {args.gpus or 'none'}")
+    print(f"{'config':10s} {'tok/s':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>8s} {'ITL p99':>8s} "
+          f"{'ITL max':>8s} {'errors':>6s}")
+    for config in args.configs.split(","):
+        r = res.get(config)
+        if r:
+            print(f"{config:10s} {r['output_tok_per_s']:8.0f} {r['ttft_p50_ms']:9.1f} {r['ttft_p99_ms']:9.1f} "
+                  f"{r['itl_p50_ms']:8.2f} {r['itl_p99_ms']:8.2f} {r['itl_max_ms']:8.1f} {r['errors']:6d}")
+    if "pd" in res and "kv_transfer" in res["pd"]:
+        kv = res["pd"]["kv_transfer"]
+        print(f"KV transfer: {kv['tokens']} tokens, {kv['bytes'] / 1e9:.2f} GB, {kv['gb_per_s'] or 0:.1f} GB/s "
+              f"per transfer (summed), failures {kv['failures']}")
+    if "greedy_outputs_equal" in res:
+        print(f"greedy outputs equal across configurations: {res['greedy_outputs_equal']}")
+
+
+if __name__ == "__main__":
+    main()
