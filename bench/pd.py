@@ -139,14 +139,18 @@ def main():
             before = worker_stats(url)
             r = asyncio.run(workload(url, prompts, args.rate, args.output_len, seed=2))
             after = worker_stats(url)
-            kv_before = next((w.get("kv_transfer", {}) for w in before if w.get("role") == "decode"), {})
-            kv_after = next((w.get("kv_transfer", {}) for w in after if w.get("role") == "decode"), {})
+            kv_before = next((w.get("kv_transfer", {}) for w in before if w.get("role") == "prefill"), {})
+            kv_after = next((w.get("kv_transfer", {}) for w in after if w.get("role") == "prefill"), {})
+            dec_after = next((w.get("kv_transfer", {}) for w in after if w.get("role") == "decode"), {})
             if kv_after:
-                b = kv_after["received_bytes"] - kv_before.get("received_bytes", 0)
-                s = kv_after["receive_seconds"] - kv_before.get("receive_seconds", 0.0)
-                r["kv_transfer"] = {"bytes": b, "seconds_summed": s, "gb_per_s": b / s / 1e9 if s else None,
-                                    "tokens": kv_after["received_tokens"] - kv_before.get("received_tokens", 0),
-                                    "failures": kv_after["failures"]}
+                b = kv_after["sent_bytes"] - kv_before.get("sent_bytes", 0)
+                s = kv_after["send_seconds"] - kv_before.get("send_seconds", 0.0)
+                k = kv_after["transfers"] - kv_before.get("transfers", 0)
+                r["kv_transfer"] = {"bytes": b, "transfers": k, "send_seconds_summed": s,
+                                    "ms_per_transfer": s / k * 1e3 if k else None,
+                                    "gb_per_s": b / s / 1e9 if s else None,
+                                    "tokens": kv_after["sent_tokens"] - kv_before.get("sent_tokens", 0),
+                                    "decode_failures": dec_after.get("failures")}
             res[config] = r
             log(f"{config}: {json.dumps(r)}")
         except Exception:
@@ -170,8 +174,9 @@ def main():
                   f"{r['itl_p50_ms']:8.2f} {r['itl_p99_ms']:8.2f} {r['itl_max_ms']:8.1f} {r['errors']:6d}")
     if "pd" in res and "kv_transfer" in res["pd"]:
         kv = res["pd"]["kv_transfer"]
-        print(f"KV transfer: {kv['tokens']} tokens, {kv['bytes'] / 1e9:.2f} GB, {kv['gb_per_s'] or 0:.1f} GB/s "
-              f"per transfer (summed), failures {kv['failures']}")
+        print(f"KV transfer: {kv['transfers']} transfers, {kv['tokens']} tokens, {kv['bytes'] / 1e9:.2f} GB; "
+              f"wire {kv['ms_per_transfer'] or 0:.2f} ms per transfer, {kv['gb_per_s'] or 0:.1f} GB/s; "
+              f"decode-side failures {kv['decode_failures']}")
     if "greedy_outputs_equal" in res:
         print(f"greedy outputs equal across configurations: {res['greedy_outputs_equal']}")
 

@@ -5,7 +5,8 @@
 
 PD topology: prefill workers compute prompts and push their KV over UCX to decode workers, which decode
 (services/prefill, services/decode); the gateway pairs them per request. `--worker-gpus 0,1` pins worker i
-to GPU i mod 2 (prefill workers first); workers sharing one GPU need a smaller --mem-fraction-static.
+to GPU i mod 2 (prefill workers first; every worker still sees every GPU, so UCX can move KV pages
+between them with cuda_ipc); workers sharing one GPU need a smaller --mem-fraction-static.
 
 Prints `READY http://HOST:PORT` once the gateway answers and every worker is up; stops everything
 cleanly on SIGINT/SIGTERM. A worker that dies takes the stack down with a clear message rather than
@@ -32,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (pd topology)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (pd topology)")
     p.add_argument("--worker-gpus", default=None,
-                   help="comma-separated GPU ids; worker i gets CUDA_VISIBLE_DEVICES=ids[i %% len(ids)]")
+                   help="comma-separated GPU ids; worker i runs on --device cuda:ids[i %% len(ids)]")
     p.add_argument("--redis-url", default=None, help="routing metadata in Redis (default: in memory)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -63,12 +64,11 @@ async def _start_worker(args: argparse.Namespace, index: int, role: str
            "--worker-id", f"{role}-{index}", "--log-level", args.log_level, *engine_args_to_argv(args)]
     if args.redis_url:
         cmd += ["--redis-url", args.redis_url]
-    env = dict(os.environ)
     if args.worker_gpus:
         gpus = [g.strip() for g in args.worker_gpus.split(",")]
-        env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
+        cmd += ["--device", f"cuda:{gpus[index % len(gpus)]}"]
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=None,
-                                                start_new_session=True, env=env)
+                                                start_new_session=True)
 
     async def ready_line() -> str:
         while True:

@@ -182,16 +182,13 @@ class PongResult(Message):
 # ---------------------------------------------------------------- prefill worker <-> decode worker (UCX)
 @message
 class KvHeader(Message):
-    """Prefill -> decode, first on a transfer's endpoint: which request, and what comes with its KV."""
+    """Prefill -> decode, first on a transfer's endpoint, sent when the prefill worker takes the request
+    (so the handshake overlaps the prefill): which request, and the KV layout that will follow."""
     TYPE: ClassVar[str] = "kv_header"
     transfer_id: str
     prompt_len: int
     layout: list[int]  # [num_layers, 2, num_kv_heads, head_dim] of one token's KV
     dtype: str
-    first_token: int | None = None  # None when the request asked for no new tokens
-    first_logprob: float | None = None
-    first_top_logprobs: list = field(default_factory=list)
-    cached_tokens: int = 0  # the prefill side's own cache hit (computation saved)
 
 
 @message
@@ -202,6 +199,17 @@ class KvAccept(Message):
     transfer_id: str
     start: int = 0
     error: str | None = None
+
+
+@message
+class KvDone(Message):
+    """Prefill -> decode, right after the KV: what the prefill produced besides it."""
+    TYPE: ClassVar[str] = "kv_done"
+    transfer_id: str
+    first_token: int | None = None  # None when the request asked for no new tokens
+    first_logprob: float | None = None
+    first_top_logprobs: list = field(default_factory=list)
+    cached_tokens: int = 0  # the prefill side's own cache hit (computation saved)
 
 
 @message

@@ -3,7 +3,7 @@ slots for, and hands them to the engine thread.
 
 Request life here: the gateway's request arrives with transfer {"role": "decode"} -> the engine matches
 its tree, reserves slots for the rest and announces (transfer id, start) -> the prefill worker's push is
-accepted from `start` -> pages land in a buffer -> the engine scatters them into its pool and decodes.
+accepted from `start` -> pages and first token land -> the engine scatters them into its pool and decodes.
 """
 from __future__ import annotations
 
@@ -36,4 +36,4 @@ class KvReceive:
     def stats(self) -> dict:
         r = self.receiver
         return {"received_tokens": r.received_tokens, "skipped_tokens": r.skipped_tokens, "failures": r.failures,
-                "received_bytes": r.received_bytes, "receive_seconds": round(r.receive_seconds, 6)}
+                "received_bytes": r.received_bytes}

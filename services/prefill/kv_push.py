@@ -1,18 +1,19 @@
-"""Prefill worker's half of PD: when the engine has a prompt's KV and first token, push them over UCX to
-the decode worker named in the request, then release the request (its KV stays in this worker's tree).
+"""Prefill worker's half of PD: push each prompt's KV and first token over UCX to the decode worker named
+in the request, then release the request (its KV stays in this worker's tree).
 
-Request life here: engine hand-off (engine thread) -> push on the event loop: header, the decode side's
-accept(start), gather [start, prompt_len) on the engine thread, one UCX send, ack -> end_transfer.
-A failed push ends the request with the error, which the gateway turns into the client's error.
+Request life here: taken by the engine -> open: header to the decode worker, its accept(start) (while
+the prompt is still being computed) -> the engine computes the prompt and, knowing `start`, gathers
+[start, prompt_len) at once -> one UCX send, the first token, the ack -> end_transfer. A failed push ends
+the request with the error, which the gateway turns into the client's error.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from shared.engine.engine import Engine
+from shared.engine.engine import Engine, HandOff
 from shared.protocol import KvHeader
-from shared.transfer.ucx import KvSender
+from shared.transfer.ucx import KvSender, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -21,35 +22,57 @@ class KvPush:
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, sender: KvSender | None = None):
         self.engine, self.loop = engine, loop
         self.sender = sender or KvSender()
-        self._tasks: set[asyncio.Task] = set()
-        engine.on_kv_ready = self._ready_threadsafe
+        self._ready: dict[str, asyncio.Future] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        engine.on_transfer_open = lambda *a: loop.call_soon_threadsafe(self._open, *a)
+        engine.on_kv_ready = lambda *a: loop.call_soon_threadsafe(self._ready_set, *a)
 
-    def _ready_threadsafe(self, transfer_id: str, target: dict, header: KvHeader) -> None:
-        self.loop.call_soon_threadsafe(self._start, transfer_id, target, header)
+    # Both hooks run on the event loop in the order the engine called them: open before ready.
+    def _open(self, transfer_id: str, target: dict, header: KvHeader) -> None:
+        self._ready[transfer_id] = self.loop.create_future()
+        self._tasks[transfer_id] = self.loop.create_task(self._transfer(transfer_id, target, header))
 
-    def _start(self, transfer_id: str, target: dict, header: KvHeader) -> None:
-        task = self.loop.create_task(self._push(transfer_id, target, header))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _ready_set(self, transfer_id: str, hand_off: HandOff | None) -> None:
+        if hand_off is None:  # the request ended before its prompt was computed: drop the transfer
+            task = self._tasks.get(transfer_id)
+            if task is not None:
+                task.cancel()
+            return
+        fut = self._ready.get(transfer_id)
+        if fut is not None and not fut.done():
+            fut.set_result(hand_off)
 
     async def _engine(self, fn):
         return await asyncio.wrap_future(self.engine.call(fn))
 
-    async def _push(self, transfer_id: str, target: dict, header: KvHeader) -> None:
-        async def gather(start: int):
-            buf, event = await self._engine(lambda: self.engine.gather_kv(transfer_id, start))
+    async def _transfer(self, transfer_id: str, target: dict, header: KvHeader) -> None:
+        opened, error = None, None
+        try:
+            opened = await self.sender.open(target["host"], target["port"], header)
+            self.engine.transfer_starts[transfer_id] = opened.start
+            hand_off: HandOff = await self._ready[transfer_id]
+            buf, event = hand_off.buf, hand_off.event
+            if buf is None or hand_off.start != opened.start:  # handed off before the handshake ended
+                buf, event = await self._engine(lambda: self.engine.gather_kv(transfer_id, opened.start))
             if event is not None:
                 await asyncio.to_thread(event.synchronize)
-            return buf
-
-        error = None
-        try:
-            await self.sender.push(target["host"], target["port"], header, gather)
+            await self.sender.finish(opened, buf, hand_off.done)
+        except asyncio.CancelledError:
+            if opened is not None:
+                self.sender.abort(opened)
+            return  # the engine already ended the request
         except Exception as e:
-            error = str(e) or type(e).__name__
+            if opened is not None:
+                self.sender.abort(opened)
+            error = str(e) if isinstance(e, TransferError) else f"KV transfer failed: {e!r}"
             log.warning("KV push %s failed: %s", transfer_id, error)
+        finally:
+            self._ready.pop(transfer_id, None)
+            self._tasks.pop(transfer_id, None)
+            self.engine.transfer_starts.pop(transfer_id, None)
         await self._engine(lambda: self.engine.end_transfer(transfer_id, error))
 
     def stats(self) -> dict:
-        return {"sent_tokens": self.sender.sent_tokens, "transfers": self.sender.transfers,
-                "in_flight": len(self._tasks)}
+        s = self.sender
+        return {"sent_tokens": s.sent_tokens, "sent_bytes": s.sent_bytes, "send_seconds": round(s.send_seconds, 6),
+                "transfers": s.transfers, "in_flight": len(self._tasks)}

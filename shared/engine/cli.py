@@ -7,7 +7,6 @@ import dataclasses
 from shared.engine.config import EngineConfig
 
 _CHOICES = {
-    "device": ["auto", "cpu", "cuda"],
     "dtype": ["auto", "float32", "bfloat16", "float16"],
     "attention_backend": ["auto", "torch", "triton", "flashinfer"],
     "schedule_policy": ["lpm", "fcfs"],

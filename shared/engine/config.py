@@ -8,7 +8,7 @@ from dataclasses import dataclass
 class EngineConfig:
     model_path: str = "tiny-random"
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights of the config's shape)
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
     page_size: int = 1

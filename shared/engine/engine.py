@@ -26,7 +26,7 @@ from shared.engine.model_runner import ModelRunner, StepOutput
 from shared.engine.request import Req
 from shared.engine.scheduler import ScheduleBatch, Scheduler
 from shared.errors import InvalidRequest
-from shared.protocol import GenerateRequest, KvHeader, TokenOutput
+from shared.protocol import GenerateRequest, KvDone, KvHeader, TokenOutput
 from shared.transfer import kv_pages
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
@@ -47,9 +47,19 @@ class _Call:
 
 
 @dataclass
+class HandOff:
+    """Prefill side: a computed prompt, for the transfer glue. `buf` holds KV of [start, prompt_len)
+    (ready once `event` completes) when the decode side's start was known at hand-off, else None."""
+    done: KvDone
+    start: int | None
+    buf: torch.Tensor | None
+    event: object | None
+
+
+@dataclass
 class _KvArrived:
     transfer_id: str
-    header: KvHeader
+    done: KvDone
     buf: torch.Tensor
 
 
@@ -94,11 +104,16 @@ class Engine:
         self.jump_forward_tokens = 0
         self._host_dependent = 0  # live requests whose sampling needs their tokens on the host
         # PD mode (wired by the worker's KV transfer glue; unused in unified mode).
-        #   prefill side: on_kv_ready(transfer_id, target {"host","port"}, header) once a prompt is done;
-        #   the request then sits in _handed_off, KV locked, until end_transfer.
+        #   prefill side: on_transfer_open(transfer_id, target {"host","port"}, header) when a request is
+        #   taken (the glue starts the handshake and records the decode side's start in transfer_starts);
+        #   on_kv_ready(transfer_id, HandOff | None) once its prompt is computed (None: it ended first).
+        #   A handed-off request sits in _handed_off, KV locked, until end_transfer.
         #   decode side: on_kv_expect(transfer_id, start, prompt_len) once slots are reserved,
         #   on_kv_cancel(transfer_id) when such a request ends first; its pages come in via kv_arrived.
-        self.on_kv_ready: Callable[[str, dict, KvHeader], None] | None = None
+        self.on_transfer_open: Callable[[str, dict, KvHeader], None] | None = None
+        self.on_kv_ready: Callable[[str, "HandOff | None"], None] | None = None
+        self.transfer_starts: dict[str, int] = {}  # written by the glue's thread, read here
+        self._transfer_open: set[str] = set()  # prefill side: taken, prompt not yet computed
         self.on_kv_expect: Callable[[str, int, int], None] | None = None
         self.on_kv_cancel: Callable[[str], None] | None = None
         self._handed_off: dict[str, Req] = {}
@@ -115,8 +130,8 @@ class Engine:
     def abort(self, rid: str) -> None:
         self.inbox.put(_Abort(rid))
 
-    def kv_arrived(self, transfer_id: str, header: KvHeader, buf: torch.Tensor) -> None:
-        self.inbox.put(_KvArrived(transfer_id, header, buf))
+    def kv_arrived(self, transfer_id: str, done: KvDone, buf: torch.Tensor) -> None:
+        self.inbox.put(_KvArrived(transfer_id, done, buf))
 
     def kv_failed(self, transfer_id: str, reason: str) -> None:
         self.inbox.put(_KvFailed(transfer_id, reason))
@@ -143,6 +158,8 @@ class Engine:
 
     # ------------------------------------------------------------------ loop
     def run_forever(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)  # per thread: kernels launch on the current device
         while not self._stop.is_set():
             try:
                 self.step()
@@ -244,10 +261,10 @@ class Engine:
         role, tid = t.get("role"), t.get("id")
         if not isinstance(tid, str) or not tid or len(tid) > 128:
             raise InvalidRequest("transfer.id must be a short string", "transfer")
-        if tid in self._handed_off or tid in self._awaiting:
+        if tid in self._handed_off or tid in self._awaiting or tid in self._transfer_open:
             raise InvalidRequest(f"duplicate transfer id {tid}", "transfer")
         if role == "prefill":
-            if self.on_kv_ready is None:
+            if self.on_transfer_open is None:
                 raise InvalidRequest("this worker does not send KV (start it with --role prefill)", "transfer")
             if not isinstance(t.get("host"), str) or not isinstance(t.get("port"), int):
                 raise InvalidRequest("transfer needs the decode worker's host and port", "transfer")
@@ -278,6 +295,12 @@ class Engine:
         self._reqs[req.rid] = req
         if self._is_host_dependent(params):
             self._host_dependent += 1
+        if req.transfer_role == "prefill":
+            self._transfer_open.add(req.transfer_id)
+            pool = self.runner.kv_pool
+            self.on_transfer_open(req.transfer_id, {"host": req.transfer["host"], "port": req.transfer["port"]},
+                                  KvHeader(transfer_id=req.transfer_id, prompt_len=len(req.input_ids),
+                                           layout=kv_pages.token_layout(pool), dtype=kv_pages.dtype_name(pool.dtype)))
         if params.grammar is not None:
             req.grammar_future = self.grammars.submit(*params.grammar)
             self._grammar_wait.append(req)
@@ -388,8 +411,9 @@ class Engine:
 
     # ------------------------------------------------------------------ PD: prefill side
     def _hand_off(self, req: Req, out: StepOutput, i: int) -> None:
-        """The prompt's KV is computed and the first token sampled: park the request (KV locked) and
-        let the transfer glue push both to the decode worker."""
+        """The prompt's KV is computed and the first token sampled: park the request (KV locked) and hand
+        both to the transfer glue. When the handshake already told us where the decode side's tree ends,
+        the pages are gathered now, in this thread, so they can leave without another engine round trip."""
         tok = None
         if req.params.max_new_tokens > 0:
             tok = out.next_token_ids[i]
@@ -397,14 +421,15 @@ class Engine:
             req.num_resolved += 1
         if req in self.scheduler.prefilled:
             self.scheduler.prefilled.remove(req)
-        self._handed_off[req.transfer_id] = req
-        pool = self.runner.kv_pool
-        header = KvHeader(transfer_id=req.transfer_id, prompt_len=len(req.input_ids),
-                          layout=kv_pages.token_layout(pool), dtype=kv_pages.dtype_name(pool.dtype),
-                          first_token=tok, first_logprob=out.logprobs[i] if tok is not None else None,
-                          first_top_logprobs=(out.top_logprobs[i] or []) if tok is not None else [],
-                          cached_tokens=req.num_cached_tokens or 0)
-        self.on_kv_ready(req.transfer_id, {"host": req.transfer["host"], "port": req.transfer["port"]}, header)
+        tid = req.transfer_id
+        self._transfer_open.discard(tid)
+        self._handed_off[tid] = req
+        done = KvDone(transfer_id=tid, first_token=tok, first_logprob=out.logprobs[i] if tok is not None else None,
+                      first_top_logprobs=(out.top_logprobs[i] or []) if tok is not None else [],
+                      cached_tokens=req.num_cached_tokens or 0)
+        start = self.transfer_starts.get(tid)
+        buf, event = self.gather_kv(tid, start) if start is not None else (None, None)
+        self.on_kv_ready(tid, HandOff(done, start, buf, event))
 
     def gather_kv(self, transfer_id: str, start: int):
         """(engine thread) KV of positions [start, prompt_len) of a handed-off request, as one buffer,
@@ -415,7 +440,7 @@ class Engine:
         slots = torch.tensor(req.slots[start:len(req.input_ids)], dtype=torch.int64)
         buf = kv_pages.gather(self.runner.kv_pool, slots, self.config.kv_transfer_staging)
         event = None
-        if buf.is_cuda or self.runner.device.type == "cuda":
+        if self.runner.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
         return buf, event
@@ -446,7 +471,7 @@ class Engine:
         entry = self._awaiting.pop(item.transfer_id, None)
         if entry is None or entry[0].finished:
             return  # ended (abort, timeout) while its pages were on the way
-        req, header = entry[0], item.header
+        req, done = entry[0], item.done
         n = len(req.input_ids)
         kv_pages.scatter(self.runner.kv_pool, torch.tensor(req.slots[req.kv_len:n], dtype=torch.int64), item.buf)
         if item.buf.is_cuda:
@@ -457,13 +482,13 @@ class Engine:
         self.runner.req_pool.write(req.req_pool_idx, 0, torch.tensor(req.slots[:n], dtype=torch.int64))
         self.scheduler.kv_arrived(req)
         req.transfer = None  # from here on a local request: a retraction recomputes from the tree
-        req.num_cached_tokens = header.cached_tokens  # computation saved is the prefill side's hit
-        if header.first_token is None:  # max_new_tokens == 0: a cache warm-up
+        req.num_cached_tokens = done.cached_tokens  # computation saved is the prefill side's hit
+        if done.first_token is None:  # max_new_tokens == 0: a cache warm-up
             req.finish_reason = {"type": "length", "length": 0}
         else:
             req.output_ids.append(_PENDING)
-            self.runner.set_last_token(req.req_pool_idx, header.first_token)
-            self._take_token(req, header.first_token, [], header.first_logprob, header.first_top_logprobs)
+            self.runner.set_last_token(req.req_pool_idx, done.first_token)
+            self._take_token(req, done.first_token, [], done.first_logprob, done.first_top_logprobs)
         self._emit([req])
 
     def _jump_forward(self, req: Req) -> bool:
@@ -548,6 +573,10 @@ class Engine:
             self.on_kv_cancel(req.transfer_id)
         if req.transfer_role == "prefill":
             self._handed_off.pop(req.transfer_id, None)
+            self.transfer_starts.pop(req.transfer_id, None)
+            if req.transfer_id in self._transfer_open:  # ended before its prompt was computed
+                self._transfer_open.discard(req.transfer_id)
+                self.on_kv_ready(req.transfer_id, None)
         self.scheduler.remove(req)
         self._reqs.pop(req.rid, None)
         if self._is_host_dependent(req.params):

@@ -22,9 +22,15 @@ _CPU_DEFAULT_TOKENS = 65536
 
 
 def resolve_device(name: str) -> torch.device:
+    """auto | cpu | cuda | cuda:N. A CUDA device is made current for the calling thread (Triton and
+    events use the current device); the engine thread does the same when it starts."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -2,16 +2,19 @@
 
 One transfer, on an endpoint of its own (no head-of-line blocking between requests):
 
-    prefill                                   decode
-    KvHeader(id, prompt_len, layout, first token) ->
+    prefill (when it takes the request)       decode
+    KvHeader(id, prompt_len, layout)        ->
                                               waits until its engine has reserved slots for `id`
                                            <- KvAccept(start)   (positions its tree already holds are skipped)
-    KV of [start, prompt_len), one message ->
+    ... the prefill runs; its engine gathers [start, prompt_len) as soon as the pass is done ...
+    KV of [start, prompt_len), one message  ->
+    KvDone(first token, its logprobs)       ->
                                            <- KvAck             (pages are in the decode side's hands)
 
-Control messages are msgpack frames of shared.protocol types, length-checked before any allocation; the
-KV goes device to device where UCX can (cuda_copy / cuda_ipc), through host memory otherwise. Every wait
-has a timeout: a SIGSTOPped peer otherwise hangs a UCX receive forever.
+The handshake happens while the prompt is computed, so the pages leave the moment they exist. Control
+messages are msgpack frames of shared.protocol types, length-checked before any allocation; the KV goes
+device to device where UCX can (cuda_ipc / cuda_copy), through host memory otherwise. Every wait has a
+timeout: a SIGSTOPped peer otherwise hangs a UCX receive forever.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import msgpack
 import numpy as np
 import torch
 
-from shared.protocol import KvAccept, KvAck, KvHeader, Message, ProtocolError, decode_message
+from shared.protocol import KvAccept, KvAck, KvDone, KvHeader, Message, ProtocolError, decode_message
 from shared.transfer.kv_pages import as_transport_buffer
 
 log = logging.getLogger(__name__)
@@ -87,10 +90,12 @@ class Expectation:
 
 class KvReceiver:
     """Decode side. `expect`/`cancel` come from the engine (through the event loop); a finished receive
-    goes to `on_arrival(transfer_id, header, buffer)`, a failed one to `on_failure(transfer_id, reason)`."""
+    goes to `on_arrival(transfer_id, done, buffer)`, a failed one to `on_failure(transfer_id, reason)`.
+    `expect_timeout` bounds both the wait for the engine's reservation and the wait for the pages (the
+    prefill side may queue the request before computing it)."""
 
     def __init__(self, layout: list[int], dtype: str, alloc: Callable[[int], torch.Tensor],
-                 on_arrival: Callable[[str, KvHeader, torch.Tensor], None],
+                 on_arrival: Callable[[str, KvDone, torch.Tensor], None],
                  on_failure: Callable[[str, str], None], *, expect_timeout: float = 120.0,
                  io_timeout: float = 60.0):
         self.layout, self.dtype = list(layout), dtype
@@ -103,7 +108,6 @@ class KvReceiver:
         self.received_tokens = 0
         self.skipped_tokens = 0  # positions the decode side's own cache already held
         self.received_bytes = 0
-        self.receive_seconds = 0.0  # accept sent -> pages in: what the transport costs per request
         self.failures = 0
 
     async def start(self, port: int = 0) -> int:
@@ -154,19 +158,22 @@ class KvReceiver:
                 raise TransferError(f"KV transfer {transfer_id}: {header.prompt_len} positions offered, "
                                     f"the request has {exp.prompt_len}")
             async with asyncio.timeout(self.io_timeout):
-                buf = self.alloc(exp.prompt_len - exp.start)
-                t0 = time.perf_counter()
                 await _send_msg(ep, KvAccept(transfer_id=transfer_id, start=exp.start))
+            buf = self.alloc(exp.prompt_len - exp.start)
+            async with asyncio.timeout(self.expect_timeout):
                 if buf.numel():
                     await ep.recv(as_transport_buffer(buf))
-                self.receive_seconds += time.perf_counter() - t0
-                self.received_bytes += buf.numel() * buf.element_size()
+            async with asyncio.timeout(self.io_timeout):
+                done = await _recv_msg(ep, KvDone)
+                if done.transfer_id != transfer_id:
+                    raise ProtocolError("KV done names another transfer")
                 await _send_msg(ep, KvAck(transfer_id=transfer_id))
+            self.received_bytes += buf.numel() * buf.element_size()
             if self._expected.pop(transfer_id, None) is None:
                 return  # the request ended while its pages were on the way
             self.received_tokens += exp.prompt_len - exp.start
             self.skipped_tokens += exp.start
-            self.on_arrival(transfer_id, header, buf)
+            self.on_arrival(transfer_id, done, buf)
         except Exception as e:  # ProtocolError, TransferError, UCX errors, timeouts
             self.failures += 1
             reason = str(e) or type(e).__name__
@@ -187,19 +194,28 @@ class KvReceiver:
             _abort(ep)
 
 
+@dataclass
+class OpenTransfer:
+    """A prefill-side transfer past its handshake: the decode side wants [start, prompt_len)."""
+    ep: object
+    header: KvHeader
+    start: int
+
+
 class KvSender:
-    """Prefill side: push one request's KV to the decode worker listening at host:port."""
+    """Prefill side: `open` when the request is taken (handshake overlaps the prefill), `finish` with the
+    pages and the first token once the prompt is computed, `abort` otherwise."""
 
     def __init__(self, *, connect_timeout: float = 10.0, io_timeout: float = 60.0,
                  accept_timeout: float = 130.0):
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.accept_timeout = accept_timeout  # the decode side waits up to its expect_timeout for slots
         self.sent_tokens = 0
+        self.sent_bytes = 0
+        self.send_seconds = 0.0  # the wire part alone: data out until the decode side's ack
         self.transfers = 0
 
-    async def push(self, host: str, port: int, header: KvHeader,
-                   gather: Callable[[int], Awaitable[torch.Tensor]]) -> None:
-        """`gather(start)` returns the KV of positions [start, prompt_len) (run on the engine thread)."""
+    async def open(self, host: str, port: int, header: KvHeader) -> OpenTransfer:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 ep = await _ucxx().create_endpoint(host, port)
@@ -212,22 +228,36 @@ class KvSender:
                 accept = await _recv_msg(ep, KvAccept)
             if accept.error:
                 raise TransferError(f"the decode worker refused the KV: {accept.error}")
-            if not 0 <= accept.start <= header.prompt_len:
-                raise ProtocolError(f"KV accept start {accept.start} is outside the prompt")
-            buf = await gather(accept.start)
-            async with asyncio.timeout(self.io_timeout):
-                if buf.numel():
-                    await ep.send(as_transport_buffer(buf))
-                await _recv_msg(ep, KvAck)
-            self.sent_tokens += header.prompt_len - accept.start
-            self.transfers += 1
-        except TransferError:
+            if accept.transfer_id != header.transfer_id or not 0 <= accept.start < header.prompt_len:
+                raise ProtocolError(f"KV accept (start {accept.start}) does not fit the transfer")
+        except BaseException as e:
             _abort(ep)
-            raise
-        except Exception as e:
-            _abort(ep)
-            raise TransferError(f"KV transfer to {host}:{port} failed: {str(e) or type(e).__name__}") from None
+            if isinstance(e, (TransferError, asyncio.CancelledError)):
+                raise
+            raise TransferError(f"KV handshake with {host}:{port} failed: {str(e) or type(e).__name__}") from None
+        return OpenTransfer(ep, header, accept.start)
+
+    async def finish(self, t: OpenTransfer, buf: torch.Tensor, done: KvDone) -> None:
         try:
-            await ep.close()
+            t0 = time.perf_counter()
+            async with asyncio.timeout(self.io_timeout):
+                await t.ep.send(as_transport_buffer(buf))
+                await _send_msg(t.ep, done)
+                await _recv_msg(t.ep, KvAck)
+            self.send_seconds += time.perf_counter() - t0
+        except BaseException as e:
+            _abort(t.ep)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise TransferError(f"KV transfer failed: {str(e) or type(e).__name__}") from None
+        self.sent_tokens += t.header.prompt_len - t.start
+        self.sent_bytes += buf.numel() * buf.element_size()
+        self.transfers += 1
+        try:
+            await t.ep.close()
         except Exception:
-            _abort(ep)
+            _abort(t.ep)
+
+    @staticmethod
+    def abort(t: OpenTransfer) -> None:
+        _abort(t.ep)
