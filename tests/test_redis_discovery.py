@@ -2,6 +2,7 @@
 (SIGKILL: no deregistration) leaves routing once its entry expires, while requests keep succeeding."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -46,6 +47,24 @@ def wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def redis_gateway(procs: list) -> str:
+    """A gateway that finds its workers in REDIS_URL, healthy; appended to `procs`. Returns its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    gw = spawn("services.gateway", "--model-path", "tiny-random", "--redis-url", REDIS_URL, "--port", str(port))
+    procs.append(gw)
+    wait_line(gw, "gateway ready")
+    wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
+    return url
+
+
+def kill_all(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def test_gateway_discovers_workers_and_drops_a_killed_one():
     r = redis.Redis.from_url(REDIS_URL)
     r.flushdb()
@@ -59,13 +78,7 @@ def test_gateway_discovers_workers_and_drops_a_killed_one():
             addrs[wid] = wait_line(p, "WORKER READY").split()[2]
         assert sorted(k.decode() for k in r.keys("radixserve:worker:*")) == \
             ["radixserve:worker:w1", "radixserve:worker:w2"]
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        gw = spawn("services.gateway", "--model-path", "tiny-random", "--redis-url", REDIS_URL,
-                   "--port", str(port))
-        procs.append(gw)
-        wait_line(gw, "gateway ready")
-        wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
+        url = redis_gateway(procs)
         assert workers_seen(url) == set(addrs.values())
         prompts = [f"prompt number {i} " * (i + 1) for i in range(8)]
         for p in prompts:
@@ -88,8 +101,30 @@ def test_gateway_discovers_workers_and_drops_a_killed_one():
                              timeout=30)
         assert resp.status_code == 503 and "error" in resp.json()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        kill_all(procs)
+        r.flushdb()
+
+
+def test_pd_workers_found_through_redis_serve_requests_as_pairs():
+    """The compose PD profile's shape: prefill and decode workers register their roles (and the decode
+    worker its UCX address) in Redis; the gateway finds them there and pairs them."""
+    r = redis.Redis.from_url(REDIS_URL)
+    r.flushdb()
+    procs = []
+    try:
+        for module, wid in (("services.prefill", "p1"), ("services.decode", "d1")):
+            p = spawn(module, "--model-path", "tiny-random", "--redis-url", REDIS_URL, "--worker-id", wid)
+            procs.append(p)
+            wait_line(p, "WORKER READY")
+        entries = {k.decode(): json.loads(r.get(k)) for k in r.keys("radixserve:worker:*")}
+        assert entries["radixserve:worker:d1"]["role"] == "decode" and entries["radixserve:worker:d1"]["transfer_port"]
+        url = redis_gateway(procs)
+        for i in range(4):
+            resp = requests.post(url + "/generate", json={"text": f"pair me {i}", "sampling_params": {"max_new_tokens": 4}},
+                                 timeout=30)
+            assert resp.status_code == 200 and resp.json()["meta_info"]["completion_tokens"] == 4, resp.text
+        infos = {w["info"]["role"]: w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]}
+        assert infos["prefill"]["kv_transfer"]["transfers"] >= 4
+    finally:
+        kill_all(procs)
         r.flushdb()

@@ -250,13 +250,7 @@ class Scheduler:
                         self.waiting.remove(req)
                         self.failed.append(req)  # larger than the whole pool: cannot ever run
                     break
-                self.waiting.remove(req)
-                req.status = ReqStatus.RUNNING
-                if req.num_cached_tokens is None:
-                    req.num_cached_tokens = match.length
-                    req.first_scheduled_time = time.monotonic()
-                    self.stats.prompt_tokens += len(req.input_ids)
-                    self.stats.cached_tokens += match.length
+                self._mark_admitted(req, match.length)
                 reserve += own_reserve
                 budget -= ext
                 admitted += 1
@@ -275,6 +269,17 @@ class Scheduler:
             input_ids.extend(req.all_ids[p:p + e])
         return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix_lens, extend_lens, sample, input_ids,
                              torch.cat(locs))
+
+    def _mark_admitted(self, req: Req, cached: int) -> None:
+        """Out of the queue; the first admission counts its prompt and cache hit (re-admissions after a
+        retraction do not)."""
+        self.waiting.remove(req)
+        req.status = ReqStatus.RUNNING
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = cached
+            req.first_scheduled_time = time.monotonic()
+            self.stats.prompt_tokens += len(req.input_ids)
+            self.stats.cached_tokens += cached
 
     def _prefill_done(self, req: Req) -> None:
         (self.prefilled if req.transfer_role == "prefill" else self.running).append(req)
@@ -299,13 +304,7 @@ class Scheduler:
         req.last_node = match.node
         req.cached_len = req.kv_len = match.length
         req.slots = match.slots.tolist() + slots.tolist()
-        self.waiting.remove(req)
-        req.status = ReqStatus.RUNNING
-        if req.num_cached_tokens is None:
-            req.num_cached_tokens = match.length
-            req.first_scheduled_time = time.monotonic()
-            self.stats.prompt_tokens += len(req.input_ids)
-            self.stats.cached_tokens += match.length
+        self._mark_admitted(req, match.length)
         self.awaiting_kv.append(req)
         self.new_awaiting.append(req)
         return True
