@@ -203,3 +203,40 @@ def test_decode_worker_refuses_bad_transfers_and_times_out_missing_pages():
         asyncio.run(_decode_worker_scenario(host, int(port)))
     finally:
         stop(proc)
+
+
+def test_decode_worker_killed_mid_stream_ends_the_stream_and_prefill_keeps_serving():
+    prefill, decode, gateway, url = start_pd_processes()
+    try:
+        body = {"text": "long stream", "stream": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+        with requests.post(url + "/generate", json=body, stream=True, timeout=60) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith(b"data: "))
+            os.killpg(decode.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            rest = [json.loads(line[6:]) for line in lines if line.startswith(b"data: ") and line != b"data: [DONE]"]
+        assert time.monotonic() - t0 < 15
+        assert "error" in rest[-1], rest[-1]
+        # No decode worker: nothing can serve a whole request (prefill workers never decode) -> 503.
+        r = requests.post(url + "/generate", json={"text": "x", "sampling_params": GREEDY}, timeout=30)
+        assert r.status_code == 503 and "error" in r.json()
+        info = next(w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]
+                    if w["info"] and w["info"]["role"] == "prefill")
+        assert info["num_running"] == 0 and info["kv_usage"] == 0.0 and info["kv_transfer"]["in_flight"] == 0
+    finally:
+        stop(prefill, decode, gateway)
+
+
+def test_pd_under_memory_pressure_queues_instead_of_failing_and_leaks_nothing():
+    """A decode pool that holds only a few prompts at a time: reservations wait for room (and evict the
+    tree), requests queue on both sides, all finish with the unified stack's output."""
+    s = Stack("--topology", "pd", "--max-total-tokens", "1200")
+    try:
+        texts = [f"Pressure {i}: " + "tokens to fill the pool " * 12 for i in range(12)]
+        with cf.ThreadPoolExecutor(12) as ex:
+            outs = list(ex.map(lambda t: generate(s.url, text=t, sampling_params=GREEDY)["output_ids"], texts))
+        assert all(len(o) == 12 for o in outs)
+        assert outs[3] == generate(s.url, text=texts[3], sampling_params=GREEDY)["output_ids"]
+        assert_no_kv_held(s.url)
+    finally:
+        s.stop()

@@ -22,7 +22,7 @@ class KvReceive:
         self.receiver = KvReceiver(
             kv_pages.token_layout(pool), kv_pages.dtype_name(pool.dtype),
             alloc=lambda n: kv_pages.empty_buffer(pool, n, staging),
-            on_arrival=engine.kv_arrived, on_failure=engine.kv_failed,
+            on_arrival=engine.kv_arrived, on_failure=engine.kv_failed, on_offer=engine.kv_offered,
             expect_timeout=engine.config.kv_transfer_timeout)
         engine.on_kv_expect = lambda tid, start, n: loop.call_soon_threadsafe(self.receiver.expect, tid, start, n)
         engine.on_kv_cancel = lambda tid: loop.call_soon_threadsafe(self.receiver.cancel, tid)

@@ -64,6 +64,11 @@ class _KvArrived:
 
 
 @dataclass
+class _KvOffered:
+    transfer_id: str
+
+
+@dataclass
 class _KvFailed:
     transfer_id: str
     reason: str
@@ -118,6 +123,8 @@ class Engine:
         self.on_kv_cancel: Callable[[str], None] | None = None
         self._handed_off: dict[str, Req] = {}
         self._awaiting: dict[str, tuple[Req, float]] = {}  # transfer id -> (request, deadline)
+        self._decode_waiting: dict[str, Req] = {}  # decode side, queued: transfer id -> request
+        self._offers: dict[str, float] = {}  # decode side: headers that came before their request
         # Received page buffers kept alive until the scatter that reads them has run on the device: the
         # allocator could otherwise hand their memory to the next receive while UCX (not ordered with
         # our stream) writes into it.
@@ -132,6 +139,10 @@ class Engine:
 
     def kv_arrived(self, transfer_id: str, done: KvDone, buf: torch.Tensor) -> None:
         self.inbox.put(_KvArrived(transfer_id, done, buf))
+
+    def kv_offered(self, transfer_id: str) -> None:
+        """Decode side: the prefill worker has taken this request (its KV is committed there)."""
+        self.inbox.put(_KvOffered(transfer_id))
 
     def kv_failed(self, transfer_id: str, reason: str) -> None:
         self.inbox.put(_KvFailed(transfer_id, reason))
@@ -223,6 +234,12 @@ class Engine:
             self._abort(item.rid)
         elif isinstance(item, _KvArrived):
             self._on_kv_arrived(item)
+        elif isinstance(item, _KvOffered):
+            req = self._decode_waiting.get(item.transfer_id)
+            if req is not None:
+                req.kv_offered = True
+            elif len(self._offers) < 100_000:
+                self._offers[item.transfer_id] = time.monotonic()
         elif isinstance(item, _KvFailed):
             entry = self._awaiting.get(item.transfer_id)
             if entry is not None:
@@ -295,12 +312,9 @@ class Engine:
         self._reqs[req.rid] = req
         if self._is_host_dependent(params):
             self._host_dependent += 1
-        if req.transfer_role == "prefill":
-            self._transfer_open.add(req.transfer_id)
-            pool = self.runner.kv_pool
-            self.on_transfer_open(req.transfer_id, {"host": req.transfer["host"], "port": req.transfer["port"]},
-                                  KvHeader(transfer_id=req.transfer_id, prompt_len=len(req.input_ids),
-                                           layout=kv_pages.token_layout(pool), dtype=kv_pages.dtype_name(pool.dtype)))
+        if req.transfer_role == "decode":
+            self._decode_waiting[req.transfer_id] = req
+            req.kv_offered = self._offers.pop(req.transfer_id, None) is not None
         if params.grammar is not None:
             req.grammar_future = self.grammars.submit(*params.grammar)
             self._grammar_wait.append(req)
@@ -419,9 +433,7 @@ class Engine:
             tok = out.next_token_ids[i]
             req.output_ids[req.num_resolved] = tok
             req.num_resolved += 1
-        if req in self.scheduler.prefilled:
-            self.scheduler.prefilled.remove(req)
-        tid = req.transfer_id
+        tid = req.transfer_id  # stays in scheduler.prefilled (holding KV) until released
         self._transfer_open.discard(tid)
         self._handed_off[tid] = req
         done = KvDone(transfer_id=tid, first_token=tok, first_logprob=out.logprobs[i] if tok is not None else None,
@@ -458,13 +470,29 @@ class Engine:
 
     # ------------------------------------------------------------------ PD: decode side
     def _announce_reservations(self) -> None:
+        """After each scheduling round: prefill side, open the transfers of newly admitted requests (their
+        KV is now committed); decode side, tell the receiver which slots are ready, and time out
+        reservations whose pages never came."""
+        pool = self.runner.kv_pool
+        for req in self.scheduler.new_transfers:
+            self._transfer_open.add(req.transfer_id)
+            self.on_transfer_open(req.transfer_id, {"host": req.transfer["host"], "port": req.transfer["port"]},
+                                  KvHeader(transfer_id=req.transfer_id, prompt_len=len(req.input_ids),
+                                           layout=kv_pages.token_layout(pool), dtype=kv_pages.dtype_name(pool.dtype)))
+        self.scheduler.new_transfers.clear()
         now = time.monotonic()
         for req in self.scheduler.new_awaiting:
+            self._decode_waiting.pop(req.transfer_id, None)
             self._awaiting[req.transfer_id] = (req, now + self.config.kv_transfer_timeout)
             self.on_kv_expect(req.transfer_id, req.kv_len, len(req.input_ids))
         self.scheduler.new_awaiting.clear()
-        for req, deadline in [e for e in self._awaiting.values() if e[1] < now]:
-            msg = f"the prompt's KV did not arrive within {self.config.kv_transfer_timeout:g} s"
+        for tid in [t for t, at in self._offers.items() if at < now - self.config.kv_transfer_timeout]:
+            del self._offers[tid]  # offers for requests that never came (ended at the gateway first)
+        timeout = self.config.kv_transfer_timeout
+        late = [e[0] for e in self._awaiting.values() if e[1] < now]
+        late += [r for r in self._decode_waiting.values() if not r.kv_offered and r.arrival_time + timeout < now]
+        for req in late:
+            msg = f"the prompt's KV did not arrive within {timeout:g} s"
             self._finish(req, {"type": "abort", "message": msg}, error=msg)
 
     def _on_kv_arrived(self, item: _KvArrived) -> None:
@@ -569,8 +597,10 @@ class Engine:
         flight is valid to share: later steps run after it on the same stream."""
         del req.output_ids[req.num_resolved:]
         req.kv_len = min(req.kv_len, req.seq_len)
-        if req.transfer_role == "decode" and self._awaiting.pop(req.transfer_id, None) is not None:
-            self.on_kv_cancel(req.transfer_id)
+        if req.transfer_role == "decode":
+            self._decode_waiting.pop(req.transfer_id, None)
+            if self._awaiting.pop(req.transfer_id, None) is not None:
+                self.on_kv_cancel(req.transfer_id)
         if req.transfer_role == "prefill":
             self._handed_off.pop(req.transfer_id, None)
             self.transfer_starts.pop(req.transfer_id, None)

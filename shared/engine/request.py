@@ -28,6 +28,7 @@ class Req:
     stream: bool = True
     # PD mode: GenerateRequest.transfer ({"role": "prefill"|"decode", "id": ...}); None for local work.
     transfer: dict | None = None
+    kv_offered: bool = False  # decode side: the prefill worker has committed to this prompt (its header came)
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: ReqStatus = ReqStatus.WAITING

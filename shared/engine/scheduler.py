@@ -65,10 +65,12 @@ class Scheduler:
         self.chunked: Req | None = None  # prefill in progress across passes
         # PD mode. Decode side: slots reserved for the prompt's uncached part, its pages on the way from a
         # prefill worker (`new_awaiting`: reserved in the last round, for the engine to announce).
-        # Prefill side: prompt computed in the pass just launched; the engine hands them off, never decodes.
+        # Prefill side: prompt computed (or being computed in the pass just launched); never decoded here,
+        # parked with their KV until the transfer ends (`new_transfers`: admitted in the last round).
         self.awaiting_kv: list[Req] = []
         self.new_awaiting: list[Req] = []
         self.prefilled: list[Req] = []
+        self.new_transfers: list[Req] = []
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
         self._last_was_prefill = False
@@ -99,7 +101,7 @@ class Scheduler:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-        for pd_list in (self.awaiting_kv, self.new_awaiting, self.prefilled):
+        for pd_list in (self.awaiting_kv, self.new_awaiting, self.prefilled, self.new_transfers):
             if req in pd_list:
                 pd_list.remove(req)
         if self.chunked is req:
@@ -123,8 +125,12 @@ class Scheduler:
     def _order_waiting(self) -> list[Req]:
         """Admission order: aged requests first (FCFS among them), then the longest cached prefix first
         (LPM), or arrival order under FCFS or when the queue is too long to sort cheaply."""
-        aged = [r for r in self.waiting if r.skipped_rounds >= self.config.max_skipped_rounds]
-        rest = [r for r in self.waiting if r.skipped_rounds < self.config.max_skipped_rounds]
+        # Decode side of PD: a request is eligible only once its prefill worker has committed KV to it,
+        # so slots are never held for prompts the prefill side cannot start (the two pools would wait
+        # on each other).
+        ready = [r for r in self.waiting if r.transfer_role != "decode" or r.kv_offered]
+        aged = [r for r in ready if r.skipped_rounds >= self.config.max_skipped_rounds]
+        rest = [r for r in ready if r.skipped_rounds < self.config.max_skipped_rounds]
         use_lpm = (self.config.schedule_policy == "lpm" and not self.config.disable_radix_cache
                    and len(self.waiting) <= self.config.lpm_queue_limit)
         if use_lpm:
@@ -246,7 +252,7 @@ class Scheduler:
                     self.cache.unlock(match.node)
                     self.req_pool.free(row)
                     req.req_pool_idx, req.last_node, req.cached_len, req.kv_len, req.slots = None, None, 0, 0, []
-                    if not reqs and not self.running and self.chunked is None:
+                    if not reqs and not self._holds_kv():
                         self.waiting.remove(req)
                         self.failed.append(req)  # larger than the whole pool: cannot ever run
                     break
@@ -280,6 +286,12 @@ class Scheduler:
             req.first_scheduled_time = time.monotonic()
             self.stats.prompt_tokens += len(req.input_ids)
             self.stats.cached_tokens += cached
+            if req.transfer_role == "prefill":
+                self.new_transfers.append(req)
+
+    def _holds_kv(self) -> bool:
+        """Some other request holds KV that will be freed without this one's help (so waiting is safe)."""
+        return bool(self.running or self.chunked is not None or self.awaiting_kv or self.prefilled)
 
     def _prefill_done(self, req: Req) -> None:
         (self.prefilled if req.transfer_role == "prefill" else self.running).append(req)
@@ -289,7 +301,7 @@ class Scheduler:
         sends exactly those) and park the request until they arrive. Nothing is computed here."""
         need = req.seq_len - match.length
         own_reserve = min(req.remaining_new_tokens(), _RESERVE_CAP) * self.new_token_ratio
-        busy = batch_nonempty or self.running or self.awaiting_kv
+        busy = batch_nonempty or self._holds_kv()
         if self._free_tokens() < need + reserve + own_reserve and busy:
             return False
         if self.allocator.available_size() < need:

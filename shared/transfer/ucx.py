@@ -47,20 +47,35 @@ def _ucxx():
     return ucxx
 
 
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # an orphaned operation's error (the endpoint was aborted) is expected
+
+
+async def _io(op) -> None:
+    """Await one UCX send/recv without ever cancelling it. Cancelling the await (a timeout, a request
+    that ended) would free the buffer while UCX still owns it - a late write into freed memory. The
+    operation's own task keeps its buffer alive until UCX completes it, which aborting the endpoint
+    does promptly (with an error nobody waits for)."""
+    task = asyncio.ensure_future(op)
+    task.add_done_callback(_retrieve)
+    await asyncio.shield(task)
+
+
 async def _send_msg(ep, msg: Message) -> None:
     body = msgpack.packb(msg.to_wire(), use_bin_type=True)
-    await ep.send(np.frombuffer(_LEN.pack(len(body)), dtype=np.uint8))
-    await ep.send(np.frombuffer(body, dtype=np.uint8))
+    await _io(ep.send(np.frombuffer(_LEN.pack(len(body)), dtype=np.uint8)))
+    await _io(ep.send(np.frombuffer(body, dtype=np.uint8)))
 
 
 async def _recv_msg(ep, expect: type[Message]) -> Message:
     head = np.empty(_LEN.size, dtype=np.uint8)
-    await ep.recv(head)
+    await _io(ep.recv(head))
     (size,) = _LEN.unpack(head.tobytes())
     if size > _MAX_CONTROL_BYTES:
         raise ProtocolError(f"control message of {size} bytes exceeds the limit")
     body = np.empty(size, dtype=np.uint8)
-    await ep.recv(body)
+    await _io(ep.recv(body))
     try:
         msg = decode_message(msgpack.unpackb(body.tobytes(), raw=False, strict_map_key=False))
     except ProtocolError:
@@ -96,11 +111,12 @@ class KvReceiver:
 
     def __init__(self, layout: list[int], dtype: str, alloc: Callable[[int], torch.Tensor],
                  on_arrival: Callable[[str, KvDone, torch.Tensor], None],
-                 on_failure: Callable[[str, str], None], *, expect_timeout: float = 120.0,
+                 on_failure: Callable[[str, str], None], on_offer: Callable[[str], None] = lambda tid: None,
+                 *, expect_timeout: float = 120.0,
                  io_timeout: float = 60.0):
         self.layout, self.dtype = list(layout), dtype
         self.alloc = alloc
-        self.on_arrival, self.on_failure = on_arrival, on_failure
+        self.on_arrival, self.on_failure, self.on_offer = on_arrival, on_failure, on_offer
         self.expect_timeout, self.io_timeout = expect_timeout, io_timeout
         self._expected: dict[str, Expectation] = {}
         self._waiters: dict[str, asyncio.Future] = {}
@@ -153,6 +169,7 @@ class KvReceiver:
             if header.layout != self.layout or header.dtype != self.dtype:
                 raise TransferError(f"KV layout {header.layout} {header.dtype} does not match this worker's "
                                     f"{self.layout} {self.dtype} (a different model?)")
+            self.on_offer(transfer_id)  # the engine may now reserve slots for it
             exp = await self._wait_expected(transfer_id)
             if header.prompt_len != exp.prompt_len:
                 raise TransferError(f"KV transfer {transfer_id}: {header.prompt_len} positions offered, "
@@ -162,7 +179,7 @@ class KvReceiver:
             buf = self.alloc(exp.prompt_len - exp.start)
             async with asyncio.timeout(self.expect_timeout):
                 if buf.numel():
-                    await ep.recv(as_transport_buffer(buf))
+                    await _io(ep.recv(as_transport_buffer(buf)))
             async with asyncio.timeout(self.io_timeout):
                 done = await _recv_msg(ep, KvDone)
                 if done.transfer_id != transfer_id:
@@ -241,7 +258,7 @@ class KvSender:
         try:
             t0 = time.perf_counter()
             async with asyncio.timeout(self.io_timeout):
-                await t.ep.send(as_transport_buffer(buf))
+                await _io(t.ep.send(as_transport_buffer(buf)))
                 await _send_msg(t.ep, done)
                 await _recv_msg(t.ep, KvAck)
             self.send_seconds += time.perf_counter() - t0
