@@ -230,3 +230,45 @@ def test_max_running_requests_is_reached_not_undershot():
     for _ in range(5):
         assert step(s, done).mode == ForwardMode.DECODE  # full: nothing more is admitted
     assert s.num_running() == 4
+
+
+# ---------------------------------------------------------------- PD roles
+def test_decode_side_reserves_only_offered_requests_and_only_what_its_tree_lacks():
+    s = make_sched(pool_tokens=512)
+    shared = list(range(10, 110))
+    done = []
+    local = make_req(shared + [1, 2], max_new=1)
+    s.add(local)
+    while step(s, done) is not None:
+        pass  # the shared head is now in the tree
+    a = make_req(shared + [7, 8, 9])
+    a.transfer = {"role": "decode", "id": "ta"}
+    b = make_req(list(range(300, 340)))
+    b.transfer = {"role": "decode", "id": "tb"}
+    s.add(a)
+    s.add(b)
+    assert s.schedule() is None  # neither prefill side has committed yet: nothing reserved
+    assert s.awaiting_kv == [] and len(s.waiting) == 2
+    a.kv_offered = True
+    assert s.schedule() is None  # a reservation computes nothing
+    assert s.awaiting_kv == [a] and s.new_awaiting == [a] and s.waiting == [b]
+    assert a.kv_len == len(shared) and len(a.slots) == len(a.input_ids)  # cached head + reserved rest
+    s.kv_arrived(a)
+    assert a.kv_len == len(a.input_ids) and a in s.running and not s.awaiting_kv
+
+
+def test_prefill_side_parks_computed_prompts_and_a_full_pool_waits_instead_of_failing():
+    s = make_sched(pool_tokens=128)
+    first = make_req(list(range(10, 110)))  # 100 tokens of a 128-token pool
+    first.transfer = {"role": "prefill", "id": "t1"}
+    second = make_req(list(range(200, 260)))  # fits only once `first` is released
+    s.add(first)
+    s.add(second)
+    batch = s.schedule()
+    assert batch.reqs == [first] and s.new_transfers == [first]
+    first.kv_len += batch.extend_lens[0]
+    assert s.prefilled == [first] and first not in s.running  # never decoded here
+    assert s.schedule() is None and s.failed == []  # waits: the parked KV will come back
+    s.remove(first)  # the transfer ended
+    batch = s.schedule()
+    assert batch is not None and batch.reqs == [second]
