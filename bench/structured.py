@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import SHAPES, drive, median, model_dir, random_prompts, sync  # noqa: E402
+from bench.common import SHAPES, drive, median, model_dir, sync  # noqa: E402
 from shared.engine.config import EngineConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
@@ -95,7 +95,6 @@ def main():
     drive(eng, prompts[:4], {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name() if cuda else "cpu",
            "num_reqs": args.num_reqs}
-    rows = []
     modes = [("jump-forward", eng, constrained), ("jump-fwd verify", eng_verify, constrained),
              ("token-by-token", eng_nojf, constrained)]
     for name, engine, sampling in modes:

@@ -10,7 +10,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers

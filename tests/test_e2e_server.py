@@ -5,7 +5,6 @@ import json
 import signal
 import time
 
-import pytest
 import requests
 from openai import OpenAI
 

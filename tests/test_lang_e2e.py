@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from lang_client import RuntimeEndpoint, set_default_backend
-from lang_client.examples.branch_solve_merge import DIMENSIONS, GRADE_REGEX, multi_dimensional_judge
+from lang_client.examples.branch_solve_merge import GRADE_REGEX, multi_dimensional_judge
 from lang_client.examples.few_shot_qa import few_shot_qa
 from lang_client.examples.json_extraction import CITY_REGEX, extract_city
 from lang_client.examples.multi_turn_chat import multi_turn_chat

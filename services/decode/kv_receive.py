@@ -24,8 +24,9 @@ class KvReceive:
             alloc=lambda n: kv_pages.empty_buffer(pool, n, staging),
             on_arrival=engine.kv_arrived, on_failure=engine.kv_failed, on_offer=engine.kv_offered,
             expect_timeout=engine.config.kv_transfer_timeout)
-        engine.on_kv_expect = lambda tid, start, n: loop.call_soon_threadsafe(self.receiver.expect, tid, start, n)
-        engine.on_kv_cancel = lambda tid: loop.call_soon_threadsafe(self.receiver.cancel, tid)
+        side = engine.decode_side
+        side.on_kv_expect = lambda tid, start, n: loop.call_soon_threadsafe(self.receiver.expect, tid, start, n)
+        side.on_kv_cancel = lambda tid: loop.call_soon_threadsafe(self.receiver.cancel, tid)
 
     async def start(self, port: int = 0) -> int:
         return await self.receiver.start(port)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from shared.engine.engine import Engine, HandOff
+from shared.engine.disagg import HandOff
+from shared.engine.engine import Engine
 from shared.protocol import KvHeader
 from shared.transfer.ucx import KvSender, TransferError
 
@@ -24,8 +25,9 @@ class KvPush:
         self.sender = sender or KvSender()
         self._ready: dict[str, asyncio.Future] = {}
         self._tasks: dict[str, asyncio.Task] = {}
-        engine.on_transfer_open = lambda *a: loop.call_soon_threadsafe(self._open, *a)
-        engine.on_kv_ready = lambda *a: loop.call_soon_threadsafe(self._ready_set, *a)
+        self.side = engine.prefill_side
+        self.side.on_transfer_open = lambda *a: loop.call_soon_threadsafe(self._open, *a)
+        self.side.on_kv_ready = lambda *a: loop.call_soon_threadsafe(self._ready_set, *a)
 
     # Both hooks run on the event loop in the order the engine called them: open before ready.
     def _open(self, transfer_id: str, target: dict, header: KvHeader) -> None:
@@ -49,11 +51,11 @@ class KvPush:
         opened, error = None, None
         try:
             opened = await self.sender.open(target["host"], target["port"], header)
-            self.engine.transfer_starts[transfer_id] = opened.start
+            self.side.starts[transfer_id] = opened.start
             hand_off: HandOff = await self._ready[transfer_id]
             buf, event = hand_off.buf, hand_off.event
             if buf is None or hand_off.start != opened.start:  # handed off before the handshake ended
-                buf, event = await self._engine(lambda: self.engine.gather_kv(transfer_id, opened.start))
+                buf, event = await self._engine(lambda: self.side.gather_kv(transfer_id, opened.start))
             if event is not None:
                 await asyncio.to_thread(event.synchronize)
             await self.sender.finish(opened, buf, hand_off.done)
@@ -69,8 +71,8 @@ class KvPush:
         finally:
             self._ready.pop(transfer_id, None)
             self._tasks.pop(transfer_id, None)
-            self.engine.transfer_starts.pop(transfer_id, None)
-        await self._engine(lambda: self.engine.end_transfer(transfer_id, error))
+            self.side.starts.pop(transfer_id, None)
+        await self._engine(lambda: self.side.end_transfer(transfer_id, error))
 
     def stats(self) -> dict:
         s = self.sender

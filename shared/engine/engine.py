@@ -9,7 +9,6 @@ import logging
 import queue
 import random
 import threading
-import time
 
 import torch
 from concurrent.futures import Future
@@ -23,16 +22,15 @@ from shared.constrained import jump_forward
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.model_runner import ModelRunner, StepOutput
-from shared.engine.request import Req
+from shared.engine.request import PENDING_TOKEN, Req
 from shared.engine.scheduler import ScheduleBatch, Scheduler
 from shared.errors import InvalidRequest
-from shared.protocol import GenerateRequest, KvDone, KvHeader, TokenOutput
-from shared.transfer import kv_pages
+from shared.engine.disagg import DecodeSide, PrefillSide, validate_transfer
+from shared.protocol import GenerateRequest, KvDone, TokenOutput
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-_PENDING = -1  # placeholder for a sampled token still on the device
 
 
 @dataclass
@@ -44,16 +42,6 @@ class _Abort:
 class _Call:
     fn: Callable
     future: Future
-
-
-@dataclass
-class HandOff:
-    """Prefill side: a computed prompt, for the transfer glue. `buf` holds KV of [start, prompt_len)
-    (ready once `event` completes) when the decode side's start was known at hand-off, else None."""
-    done: KvDone
-    start: int | None
-    buf: torch.Tensor | None
-    event: object | None
 
 
 @dataclass
@@ -108,27 +96,10 @@ class Engine:
         self._pending = None  # PendingStep launched but not yet processed
         self.jump_forward_tokens = 0
         self._host_dependent = 0  # live requests whose sampling needs their tokens on the host
-        # PD mode (wired by the worker's KV transfer glue; unused in unified mode).
-        #   prefill side: on_transfer_open(transfer_id, target {"host","port"}, header) when a request is
-        #   taken (the glue starts the handshake and records the decode side's start in transfer_starts);
-        #   on_kv_ready(transfer_id, HandOff | None) once its prompt is computed (None: it ended first).
-        #   A handed-off request sits in _handed_off, KV locked, until end_transfer.
-        #   decode side: on_kv_expect(transfer_id, start, prompt_len) once slots are reserved,
-        #   on_kv_cancel(transfer_id) when such a request ends first; its pages come in via kv_arrived.
-        self.on_transfer_open: Callable[[str, dict, KvHeader], None] | None = None
-        self.on_kv_ready: Callable[[str, "HandOff | None"], None] | None = None
-        self.transfer_starts: dict[str, int] = {}  # written by the glue's thread, read here
-        self._transfer_open: set[str] = set()  # prefill side: taken, prompt not yet computed
-        self.on_kv_expect: Callable[[str, int, int], None] | None = None
-        self.on_kv_cancel: Callable[[str], None] | None = None
-        self._handed_off: dict[str, Req] = {}
-        self._awaiting: dict[str, tuple[Req, float]] = {}  # transfer id -> (request, deadline)
-        self._decode_waiting: dict[str, Req] = {}  # decode side, queued: transfer id -> request
-        self._offers: dict[str, float] = {}  # decode side: headers that came before their request
-        # Received page buffers kept alive until the scatter that reads them has run on the device: the
-        # allocator could otherwise hand their memory to the next receive while UCX (not ordered with
-        # our stream) writes into it.
-        self._kv_in_use: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        # PD mode: the prefill/decode halves (shared/engine/disagg.py), wired by the worker's transfer
+        # glue; idle in unified mode.
+        self.prefill_side = PrefillSide(self)
+        self.decode_side = DecodeSide(self)
 
     # ------------------------------------------------------------------ thread-safe API
     def submit(self, msg: GenerateRequest) -> None:
@@ -155,7 +126,7 @@ class Engine:
 
     def is_idle(self) -> bool:
         """Nothing accepted is still in progress (used to drain before stopping)."""
-        return self.scheduler.is_idle() and not self._handed_off and not self._grammar_wait
+        return self.scheduler.is_idle() and not self.prefill_side.busy and not self._grammar_wait
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run_forever, name="engine", daemon=True)
@@ -191,7 +162,8 @@ class Engine:
         self._poll_grammars()
         batch = self.scheduler.schedule()
         self._emit_failed()
-        self._announce_reservations()
+        self.prefill_side.open_new()
+        self.decode_side.announce()
         if batch is None:
             if self._pending is not None:
                 self._resolve_pending()
@@ -233,17 +205,11 @@ class Engine:
         elif isinstance(item, _Abort):
             self._abort(item.rid)
         elif isinstance(item, _KvArrived):
-            self._on_kv_arrived(item)
+            self.decode_side.arrived(item.transfer_id, item.done, item.buf)
         elif isinstance(item, _KvOffered):
-            req = self._decode_waiting.get(item.transfer_id)
-            if req is not None:
-                req.kv_offered = True
-            elif len(self._offers) < 100_000:
-                self._offers[item.transfer_id] = time.monotonic()
+            self.decode_side.offered(item.transfer_id)
         elif isinstance(item, _KvFailed):
-            entry = self._awaiting.get(item.transfer_id)
-            if entry is not None:
-                self._finish(entry[0], {"type": "abort", "message": item.reason}, error=item.reason)
+            self.decode_side.failed(item.transfer_id, item.reason)
         elif isinstance(item, _Call):
             try:
                 item.future.set_result(item.fn())
@@ -268,31 +234,8 @@ class Engine:
                                  f"({self.runner.max_total_tokens} tokens)", "input_ids")
         if msg.rid in self._reqs:
             raise InvalidRequest(f"duplicate request id {msg.rid}", "rid")
-        self._validate_transfer(msg)
+        validate_transfer(msg, self)
         return params
-
-    def _validate_transfer(self, msg: GenerateRequest) -> None:
-        t = msg.transfer
-        if t is None:
-            return
-        role, tid = t.get("role"), t.get("id")
-        if not isinstance(tid, str) or not tid or len(tid) > 128:
-            raise InvalidRequest("transfer.id must be a short string", "transfer")
-        if tid in self._handed_off or tid in self._awaiting or tid in self._transfer_open:
-            raise InvalidRequest(f"duplicate transfer id {tid}", "transfer")
-        if role == "prefill":
-            if self.on_transfer_open is None:
-                raise InvalidRequest("this worker does not send KV (start it with --role prefill)", "transfer")
-            if not isinstance(t.get("host"), str) or not isinstance(t.get("port"), int):
-                raise InvalidRequest("transfer needs the decode worker's host and port", "transfer")
-        elif role == "decode":
-            if self.on_kv_expect is None:
-                raise InvalidRequest("this worker does not receive KV (start it with --role decode)", "transfer")
-        else:
-            raise InvalidRequest("transfer.role must be prefill or decode", "transfer")
-        if msg.return_logprob and 0 <= msg.logprob_start_len < len(msg.input_ids):
-            raise InvalidRequest("input logprobs are computed where the prompt is: send such requests "
-                                 "without a transfer", "transfer")
 
     def _admit(self, msg: GenerateRequest) -> None:
         try:
@@ -313,8 +256,7 @@ class Engine:
         if self._is_host_dependent(params):
             self._host_dependent += 1
         if req.transfer_role == "decode":
-            self._decode_waiting[req.transfer_id] = req
-            req.kv_offered = self._offers.pop(req.transfer_id, None) is not None
+            self.decode_side.on_admit(req)
         if params.grammar is not None:
             req.grammar_future = self.grammars.submit(*params.grammar)
             self._grammar_wait.append(req)
@@ -350,7 +292,7 @@ class Engine:
         for i, req in enumerate(batch.reqs):
             req.kv_len += batch.extend_lens[i]
             if batch.sample[i] and req.params.max_new_tokens > 0:
-                req.output_ids.append(_PENDING)
+                req.output_ids.append(PENDING_TOKEN)
 
     def _process(self, batch: ScheduleBatch, out: StepOutput) -> None:
         ready: list[Req] = []
@@ -363,7 +305,7 @@ class Engine:
             if not batch.sample[i]:
                 continue
             if req.transfer_role == "prefill":
-                self._hand_off(req, out, i)
+                self.prefill_side.hand_off(req, out, i)
                 continue
             if req.params.max_new_tokens == 0:
                 req.finish_reason = {"type": "length", "length": 0}
@@ -423,102 +365,6 @@ class Engine:
         if outputs:
             self.on_output(outputs)
 
-    # ------------------------------------------------------------------ PD: prefill side
-    def _hand_off(self, req: Req, out: StepOutput, i: int) -> None:
-        """The prompt's KV is computed and the first token sampled: park the request (KV locked) and hand
-        both to the transfer glue. When the handshake already told us where the decode side's tree ends,
-        the pages are gathered now, in this thread, so they can leave without another engine round trip."""
-        tok = None
-        if req.params.max_new_tokens > 0:
-            tok = out.next_token_ids[i]
-            req.output_ids[req.num_resolved] = tok
-            req.num_resolved += 1
-        tid = req.transfer_id  # stays in scheduler.prefilled (holding KV) until released
-        self._transfer_open.discard(tid)
-        self._handed_off[tid] = req
-        done = KvDone(transfer_id=tid, first_token=tok, first_logprob=out.logprobs[i] if tok is not None else None,
-                      first_top_logprobs=(out.top_logprobs[i] or []) if tok is not None else [],
-                      cached_tokens=req.num_cached_tokens or 0)
-        start = self.transfer_starts.get(tid)
-        buf, event = self.gather_kv(tid, start) if start is not None else (None, None)
-        self.on_kv_ready(tid, HandOff(done, start, buf, event))
-
-    def gather_kv(self, transfer_id: str, start: int):
-        """(engine thread) KV of positions [start, prompt_len) of a handed-off request, as one buffer,
-        and a CUDA event to wait on before reading it (None on the CPU)."""
-        req = self._handed_off.get(transfer_id)
-        if req is None or req.finished:
-            raise RuntimeError(f"the request of KV transfer {transfer_id} has ended")
-        slots = torch.tensor(req.slots[start:len(req.input_ids)], dtype=torch.int64)
-        buf = kv_pages.gather(self.runner.kv_pool, slots, self.config.kv_transfer_staging)
-        event = None
-        if self.runner.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return buf, event
-
-    def end_transfer(self, transfer_id: str, error: str | None) -> None:
-        """(engine thread) The decode side has the pages (or the push failed): release the request; its
-        KV stays in this worker's tree."""
-        req = self._handed_off.pop(transfer_id, None)
-        if req is None or req.finished:
-            return
-        if error:
-            self._finish(req, {"type": "abort", "message": error}, error=error)
-        else:
-            self._finish(req, {"type": "transferred"})
-
-    # ------------------------------------------------------------------ PD: decode side
-    def _announce_reservations(self) -> None:
-        """After each scheduling round: prefill side, open the transfers of newly admitted requests (their
-        KV is now committed); decode side, tell the receiver which slots are ready, and time out
-        reservations whose pages never came."""
-        pool = self.runner.kv_pool
-        for req in self.scheduler.new_transfers:
-            self._transfer_open.add(req.transfer_id)
-            self.on_transfer_open(req.transfer_id, {"host": req.transfer["host"], "port": req.transfer["port"]},
-                                  KvHeader(transfer_id=req.transfer_id, prompt_len=len(req.input_ids),
-                                           layout=kv_pages.token_layout(pool), dtype=kv_pages.dtype_name(pool.dtype)))
-        self.scheduler.new_transfers.clear()
-        now = time.monotonic()
-        for req in self.scheduler.new_awaiting:
-            self._decode_waiting.pop(req.transfer_id, None)
-            self._awaiting[req.transfer_id] = (req, now + self.config.kv_transfer_timeout)
-            self.on_kv_expect(req.transfer_id, req.kv_len, len(req.input_ids))
-        self.scheduler.new_awaiting.clear()
-        for tid in [t for t, at in self._offers.items() if at < now - self.config.kv_transfer_timeout]:
-            del self._offers[tid]  # offers for requests that never came (ended at the gateway first)
-        timeout = self.config.kv_transfer_timeout
-        late = [e[0] for e in self._awaiting.values() if e[1] < now]
-        late += [r for r in self._decode_waiting.values() if not r.kv_offered and r.arrival_time + timeout < now]
-        for req in late:
-            msg = f"the prompt's KV did not arrive within {timeout:g} s"
-            self._finish(req, {"type": "abort", "message": msg}, error=msg)
-
-    def _on_kv_arrived(self, item: _KvArrived) -> None:
-        entry = self._awaiting.pop(item.transfer_id, None)
-        if entry is None or entry[0].finished:
-            return  # ended (abort, timeout) while its pages were on the way
-        req, done = entry[0], item.done
-        n = len(req.input_ids)
-        kv_pages.scatter(self.runner.kv_pool, torch.tensor(req.slots[req.kv_len:n], dtype=torch.int64), item.buf)
-        if item.buf.is_cuda:
-            self._kv_in_use = [(e, b) for e, b in self._kv_in_use if not e.query()]
-            event = torch.cuda.Event()
-            event.record()
-            self._kv_in_use.append((event, item.buf))
-        self.runner.req_pool.write(req.req_pool_idx, 0, torch.tensor(req.slots[:n], dtype=torch.int64))
-        self.scheduler.kv_arrived(req)
-        req.transfer = None  # from here on a local request: a retraction recomputes from the tree
-        req.num_cached_tokens = done.cached_tokens  # computation saved is the prefill side's hit
-        if done.first_token is None:  # max_new_tokens == 0: a cache warm-up
-            req.finish_reason = {"type": "length", "length": 0}
-        else:
-            req.output_ids.append(_PENDING)
-            self.runner.set_last_token(req.req_pool_idx, done.first_token)
-            self._take_token(req, done.first_token, [], done.first_logprob, done.first_top_logprobs)
-        self._emit([req])
-
     def _jump_forward(self, req: Req) -> bool:
         """Append the run of tokens the grammar forces (compressed FSM), re-tokenized at the boundary.
         Only the just-sampled token (no KV yet) may be rewritten, so no computed KV is discarded; the
@@ -575,7 +421,7 @@ class Engine:
             j += 1
         tok = samples[j]
         del req.output_ids[base + j:]
-        req.output_ids.append(_PENDING)
+        req.output_ids.append(PENDING_TOKEN)
         if j < k:
             req.grammar.rollback(k - j)
             self.scheduler.truncate_kv(req, len(req.input_ids) + base + j)
@@ -598,15 +444,9 @@ class Engine:
         del req.output_ids[req.num_resolved:]
         req.kv_len = min(req.kv_len, req.seq_len)
         if req.transfer_role == "decode":
-            self._decode_waiting.pop(req.transfer_id, None)
-            if self._awaiting.pop(req.transfer_id, None) is not None:
-                self.on_kv_cancel(req.transfer_id)
-        if req.transfer_role == "prefill":
-            self._handed_off.pop(req.transfer_id, None)
-            self.transfer_starts.pop(req.transfer_id, None)
-            if req.transfer_id in self._transfer_open:  # ended before its prompt was computed
-                self._transfer_open.discard(req.transfer_id)
-                self.on_kv_ready(req.transfer_id, None)
+            self.decode_side.on_release(req)
+        elif req.transfer_role == "prefill":
+            self.prefill_side.on_release(req)
         self.scheduler.remove(req)
         self._reqs.pop(req.rid, None)
         if self._is_host_dependent(req.params):
@@ -657,7 +497,7 @@ class Engine:
 
     # ------------------------------------------------------------------ admin (engine thread only)
     def flush_cache(self) -> tuple[bool, str]:
-        if not self.scheduler.is_idle() or self._handed_off:
+        if not self.scheduler.is_idle() or self.prefill_side.busy:
             return False, "cannot flush the cache while requests are running"
         self.cache.reset()
         return True, "cache flushed"

@@ -9,6 +9,11 @@ from typing import Any
 from shared.sampling_params import SamplingParams
 
 
+# An output slot whose token was sampled on the device but has not reached the host yet (overlap
+# scheduling, or a first token announced before its value is recorded).
+PENDING_TOKEN = -1
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -23,7 +23,7 @@ import logging
 import struct
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Callable
 
 import msgpack
 import numpy as np
