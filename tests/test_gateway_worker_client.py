@@ -189,6 +189,28 @@ def test_affinity_yields_to_load_beyond_slack():
     assert router.pick(ids) is other
 
 
+def test_cache_aware_keeps_conversations_home_despite_a_shared_system_prompt():
+    from services.gateway.cache_aware import CacheAwarePolicy
+
+    workers = [StubWorker(f"w{i}:1") for i in range(4)]
+    router = Router(workers, CacheAwarePolicy(block_tokens=4, slack=2))
+    system = list(range(100, 140))  # every conversation starts with these 40 tokens
+    convs = []
+    for c in range(12):
+        turn1 = system + [1000 + c] * 8
+        w = router.pick(turn1)
+        w.load += 1  # still running: later conversations spread by load
+        convs.append((w, turn1))
+    assert len({w.address for w, _ in convs}) >= 3
+    for w in workers:
+        w.load = 0
+    for w, turn1 in convs:  # idle fleet: each next turn goes where its history is
+        assert router.pick(turn1 + [7] * 8) is w
+    # A flush (or a worker leaving) forgets what was where.
+    router.forget_cache()
+    assert len({router.pick(turn1 + [9] * 8).address for _, turn1 in convs}) == 1  # head hash: one home
+
+
 def test_salt_separates_tenants():
     workers = [StubWorker(f"w{i}:1") for i in range(8)]
     router = Router(workers)

@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--served-model-name", default=None, help="defaults to --model-path")
+    p.add_argument("--routing-policy", default="cache-aware", choices=["cache-aware", "prefix-affinity"],
+                   help="cache-aware: prefer the worker that was sent the longest part of the prompt before; "
+                        "prefix-affinity: hash the prompt's head")
     p.add_argument("--context-length", type=int, default=None, help="defaults to what the workers report")
     p.add_argument("--api-key", default=None, help="Bearer key required on /v1/* and /generate")
     p.add_argument("--admin-api-key", default=None, help="Bearer key required on /flush_cache")
@@ -37,6 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds to let running requests finish")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def _policy(args: argparse.Namespace):
+    from services.gateway.cache_aware import CacheAwarePolicy
+    from services.gateway.router import PrefixAffinityPolicy
+
+    name = getattr(args, "routing_policy", "cache-aware")
+    return PrefixAffinityPolicy() if name == "prefix-affinity" else CacheAwarePolicy()
 
 
 async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, GatewayState]:
@@ -50,7 +61,7 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
     limits = Limits(max_n=getattr(args, "max_n", Limits.max_n),
                     max_body_bytes=getattr(args, "max_body_bytes", Limits.max_body_bytes))
     state = GatewayState(tokenizer=tokenizer, served_model_name=args.served_model_name or args.model_path,
-                         model_path=args.model_path, router=Router(workers),
+                         model_path=args.model_path, router=Router(workers, _policy(args)),
                          context_length=getattr(args, "context_length", None), limits=limits,
                          api_key=getattr(args, "api_key", None), admin_api_key=getattr(args, "admin_api_key", None),
                          tokenizer_path=tokenizer_path)

@@ -45,6 +45,7 @@ async def flush_cache(state: "GatewayState") -> web.Response:
     failed = [r.message for r in results if not r.ok]
     if failed:
         return web.Response(status=400, text=f"Cache not flushed: {'; '.join(failed)}\n")
+    state.router.forget_cache()
     return web.Response(text="Cache flushed.\n")
 
 

@@ -1,10 +1,10 @@
 """Which worker serves a request.
 
-The default policy balances in-flight load but keeps requests that share a prompt head on one worker, so
-its radix cache keeps hitting: the head of the token ids picks a worker by rendezvous hashing (stable when
-workers come and go), and that worker wins unless it is busier than the least loaded one by more than a
-slack. A cache-aware policy (matching prefixes against per-worker cache summaries) plugs in as another
-`RoutingPolicy`.
+Two policies. Prefix affinity balances in-flight load but keeps requests that share a prompt head on one
+worker, so its radix cache keeps hitting: the head of the token ids picks a worker by rendezvous hashing
+(stable when workers come and go), and that worker wins unless it is busier than the least loaded one by
+more than a slack. Cache-aware (services/gateway/cache_aware.py, the default) remembers which prompt
+prefixes went where and prefers the worker holding the longest one, falling back to prefix affinity.
 """
 from __future__ import annotations
 
@@ -53,7 +53,11 @@ def _live(workers: list[WorkerClient]) -> list[WorkerClient]:
 
 class Router:
     def __init__(self, workers: Sequence[WorkerClient], policy: RoutingPolicy | None = None):
-        self.policy = policy or PrefixAffinityPolicy()
+        if policy is None:
+            from services.gateway.cache_aware import CacheAwarePolicy
+
+            policy = CacheAwarePolicy()
+        self.policy = policy
         self._workers: list[WorkerClient] = list(workers)
 
     @property
@@ -67,6 +71,8 @@ class Router:
         kept = {id(w) for w in new}
         gone = [w for w in self._workers if id(w) not in kept]
         self._workers = new
+        for w in gone:
+            self.forget_cache(w.address)
         for w in new:
             w.start()
         return gone
@@ -91,6 +97,12 @@ class Router:
         if not prefill or not decode:
             return None
         return self.policy.pick(_live(prefill), input_ids, salt), self.policy.pick(_live(decode), input_ids, salt)
+
+    def forget_cache(self, address: str | None = None) -> None:
+        """Workers' caches were flushed (or one left): the policy's picture of them is stale."""
+        forget = getattr(self.policy, "forget", None)
+        if forget is not None:
+            forget(address)
 
     def has_role(self, role: str) -> bool:
         return any(w.role == role for w in self._workers)

@@ -1,0 +1,96 @@
+"""Cache-aware routing: send a request where the longest part of its prompt is probably cached already.
+
+The gateway cannot see the workers' radix trees, but it knows what it sent where. Per worker it keeps an
+approximate prefix index: the prompt cut into fixed blocks of tokens, each block named by a hash chained
+over every block before it (so a name stands for the whole prefix up to it), with a last-used time.
+A request walks its own chain and finds, per worker, how many leading blocks that worker has seen. The
+worker with the longest match wins unless it is overloaded (more in flight than the least loaded worker
+plus a slack); without a worthwhile match the prompt's head picks a home worker by rendezvous hashing
+(the prefix-affinity policy), so new prefixes spread evenly and repeat where they landed. Each index is
+bounded (least recently used blocks go first), mirroring the eviction on the worker itself.
+
+Unlike hashing a fixed-length head, this keeps a conversation's turns on the worker holding its history
+even when every conversation starts with the same system prompt, and spreads the conversations
+themselves by load. The salt (tenant) is part of the chain, as it is part of the cache key on workers.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from typing import Sequence
+
+from services.gateway.router import PrefixAffinityPolicy
+from services.gateway.worker_client import WorkerClient
+
+
+def block_chain(input_ids: Sequence[int], block: int, salt: str | None) -> list[bytes]:
+    """Chained names of the prompt's full blocks."""
+    names, h = [], (salt or "").encode()
+    for i in range(0, len(input_ids) - block + 1, block):
+        h = hashlib.blake2b(h + b"|" + ",".join(map(str, input_ids[i:i + block])).encode(), digest_size=12).digest()
+        names.append(h)
+    return names
+
+
+class _Index:
+    """Block names one worker has been sent, least recently used first."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.blocks: OrderedDict[bytes, float] = OrderedDict()
+
+    def match(self, chain: list[bytes]) -> int:
+        n = 0
+        for name in chain:
+            if name not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, chain: list[bytes]) -> None:
+        now = time.monotonic()
+        for name in chain:
+            self.blocks[name] = now
+            self.blocks.move_to_end(name)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+
+
+class CacheAwarePolicy:
+    def __init__(self, block_tokens: int = 16, slack: int = 4, min_match_blocks: int = 1,
+                 blocks_per_worker: int = 1 << 18):
+        self.block_tokens = block_tokens
+        self.slack = slack
+        self.min_match_blocks = min_match_blocks
+        self.blocks_per_worker = blocks_per_worker
+        self._index: dict[str, _Index] = {}
+        self._fallback = PrefixAffinityPolicy(prefix_tokens=2 * block_tokens, slack=slack)
+
+    def pick(self, workers: Sequence[WorkerClient], input_ids: Sequence[int], salt: str | None) -> WorkerClient:
+        least = min(workers, key=lambda w: w.load)
+        chain = block_chain(input_ids, self.block_tokens, salt)
+        best, best_len = least, 0
+        for w in workers:
+            n = self._index_of(w).match(chain)
+            if n > best_len or (n == best_len and n > 0 and w.load < best.load):
+                best, best_len = w, n
+        if best_len >= self.min_match_blocks and best.load <= least.load + self.slack:
+            chosen = best
+        else:
+            chosen = self._fallback.pick(workers, input_ids, salt)
+        self._index_of(chosen).insert(chain)
+        return chosen
+
+    def forget(self, address: str | None = None) -> None:
+        """A worker left or flushed its cache (None: every worker): drop our picture of it."""
+        if address is None:
+            self._index.clear()
+        else:
+            self._index.pop(address, None)
+
+    def _index_of(self, w: WorkerClient) -> _Index:
+        idx = self._index.get(w.address)
+        if idx is None:
+            idx = self._index[w.address] = _Index(self.blocks_per_worker)
+        return idx
