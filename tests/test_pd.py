@@ -128,6 +128,21 @@ def test_pd_client_disconnect_aborts_both_sides(pd):
     assert_no_kv_held(pd.url)
 
 
+@pytest.mark.parametrize("remote", [False, True])
+def test_lm_programs_run_on_pd(pd, stack, remote):
+    """The judge program (select = input logprobs, run whole on decode; fork hints = max_new_tokens 0
+    through PD; a regex gen) gives the unified stack's answers, in interpreter mode and server-side."""
+    from lang_client import RuntimeEndpoint
+    from lang_client.examples.branch_solve_merge import multi_dimensional_judge
+
+    essay = "Trees cool cities and cut energy use in summer."
+    a = multi_dimensional_judge.run(essay=essay, remote=remote, backend=RuntimeEndpoint(pd.url), temperature=0)
+    b = multi_dimensional_judge.run(essay=essay, remote=remote, backend=RuntimeEndpoint(stack.url), temperature=0)
+    for name in ("on_topic", "summary", "grade"):
+        assert a[name] == b[name], name
+    assert_no_kv_held(pd.url)
+
+
 def start_pd_processes():
     prefill = spawn("services.prefill", "--model-path", "tiny-random")
     decode = spawn("services.decode", "--model-path", "tiny-random", "--kv-transfer-timeout", "8")
