@@ -65,7 +65,8 @@ def test_pd_first_token_edge_cases(pd, stack):
     t = "Edge cases of the first token, which the prefill worker samples."
     one = generate(pd.url, text=t, sampling_params={**GREEDY, "max_new_tokens": 1})
     assert one["meta_info"]["completion_tokens"] == 1
-    assert one["output_ids"] == generate(stack.url, text=t, sampling_params={**GREEDY, "max_new_tokens": 1})["output_ids"]
+    ref_one = generate(stack.url, text=t, sampling_params={**GREEDY, "max_new_tokens": 1})
+    assert one["output_ids"] == ref_one["output_ids"]
     hint = generate(pd.url, text=t + " hint", sampling_params={"max_new_tokens": 0})
     assert hint["output_ids"] == [] and hint["meta_info"]["finish_reason"]["type"] == "length"
     ref = generate(stack.url, text=t, sampling_params=GREEDY)
@@ -102,7 +103,8 @@ def test_pd_reuses_both_trees(pd):
     second = generate(pd.url, text=base + "Question two?", sampling_params=GREEDY)
     after = worker_infos(pd.url)["decode"]["kv_transfer"]
     assert first["meta_info"]["cached_tokens"] < 50
-    assert second["meta_info"]["cached_tokens"] >= 50, second["meta_info"]  # the prefill worker's tree held the shared head
+    # The prefill worker's tree held the shared head.
+    assert second["meta_info"]["cached_tokens"] >= 50, second["meta_info"]
     # The decode worker's tree held it too: only the new tail crossed the wire.
     sent = after["received_tokens"] - before["received_tokens"]
     assert after["skipped_tokens"] - before["skipped_tokens"] >= 50

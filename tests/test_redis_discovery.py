@@ -120,8 +120,8 @@ def test_pd_workers_found_through_redis_serve_requests_as_pairs():
         assert entries["radixserve:worker:d1"]["role"] == "decode" and entries["radixserve:worker:d1"]["transfer_port"]
         url = redis_gateway(procs)
         for i in range(4):
-            resp = requests.post(url + "/generate", json={"text": f"pair me {i}", "sampling_params": {"max_new_tokens": 4}},
-                                 timeout=30)
+            body = {"text": f"pair me {i}", "sampling_params": {"max_new_tokens": 4}}
+            resp = requests.post(url + "/generate", json=body, timeout=30)
             assert resp.status_code == 200 and resp.json()["meta_info"]["completion_tokens"] == 4, resp.text
         infos = {w["info"]["role"]: w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]}
         assert infos["prefill"]["kv_transfer"]["transfers"] >= 4

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 from shared.engine.config import EngineConfig
 
@@ -16,6 +17,15 @@ _CHOICES = {
 }
 
 
+def _device(value: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a device: use auto, cpu, cuda or cuda:N")
+    return value
+
+
+_TYPES = {"device": _device}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -27,7 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             else:
                 parser.add_argument(flag, dest=f.name, action="store_true")
             continue
-        typ = next((t for t in (int, float) if f.type is t or str(f.type).startswith(t.__name__)), str)
+        typ = _TYPES.get(f.name) or next(
+            (t for t in (int, float) if f.type is t or str(f.type).startswith(t.__name__)), str)
         parser.add_argument(flag, dest=f.name, type=typ, default=f.default, choices=_CHOICES.get(f.name))
 
 
