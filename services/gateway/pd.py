@@ -42,27 +42,31 @@ async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: Worke
             async with aclosing(prefill.generate(p_req)) as outs:
                 async for out in outs:
                     if out.error:
-                        events.put_nowait(unavailable(f"prefill worker {prefill.address}: {out.error}"))
+                        events.put_nowait(("prefill", unavailable(f"prefill worker {prefill.address}: {out.error}")))
         except WorkerUnavailable as e:
-            events.put_nowait(unavailable(f"prefill worker: {e}"))
+            events.put_nowait(("prefill", unavailable(f"prefill worker: {e}")))
 
     async def decode_side() -> None:
         try:
             async with aclosing(decode.generate(d_req)) as outs:
                 async for out in outs:
-                    events.put_nowait(out)
-            events.put_nowait(_DONE)
+                    events.put_nowait(("decode", out))
+            events.put_nowait(("decode", _DONE))
         except Exception as e:  # WorkerUnavailable: re-raised to the caller as is
-            events.put_nowait(e)
+            events.put_nowait(("decode", e))
 
     tasks = [asyncio.create_task(prefill_side()), asyncio.create_task(decode_side())]
+    decoding = False  # the decode side has the pages: what happens on the prefill side no longer matters
     try:
         while True:
-            item = await events.get()
+            side, item = await events.get()
             if item is _DONE:
                 return
             if isinstance(item, BaseException):
+                if side == "prefill" and decoding:
+                    continue  # after the hand-over (e.g. the decode side's ack was lost): moot
                 raise item
+            decoding = True
             yield item
             if item.finished:
                 return
