@@ -90,8 +90,8 @@ class Router:
     def pick_pair(self, input_ids: Sequence[int], salt: str | None = None
                   ) -> tuple[WorkerClient, WorkerClient] | None:
         """(prefill, decode) for a PD request, or None when the fleet has no such pair up. Each side is
-        picked by the same prefix-affinity policy: both keep radix trees, and a decode worker that holds
-        the prefix also receives fewer pages."""
+        picked by the routing policy among its own kind: both keep radix trees, and a decode worker that
+        holds the prefix also receives fewer pages."""
         prefill = [w for w in self._workers if w.role == "prefill" and w.connected]
         decode = [w for w in self._workers if w.role == "decode" and w.connected and w.transfer_addr]
         if not prefill or not decode:
@@ -103,9 +103,6 @@ class Router:
         forget = getattr(self.policy, "forget", None)
         if forget is not None:
             forget(address)
-
-    def has_role(self, role: str) -> bool:
-        return any(w.role == role for w in self._workers)
 
     @property
     def load(self) -> int:

@@ -225,7 +225,9 @@ class DecodeSide:
             self.engine._finish(entry[0], {"type": "abort", "message": reason}, error=reason)
 
     def on_release(self, req: "Req") -> None:
+        """Ended before its pages came (abort, timeout, failure): the receiver drops the transfer,
+        whether slots were reserved yet or not."""
         tid = req.transfer_id
-        self._waiting.pop(tid, None)
-        if self._awaiting.pop(tid, None) is not None:
+        queued = self._waiting.pop(tid, None) is not None
+        if self._awaiting.pop(tid, None) is not None or queued:
             self.on_kv_cancel(tid)

@@ -143,7 +143,11 @@ class KvReceiver:
             waiter.set_result(None)
 
     def cancel(self, transfer_id: str) -> None:
+        """The request ended: a push waiting for its reservation gives up now instead of timing out."""
         self._expected.pop(transfer_id, None)
+        waiter = self._waiters.pop(transfer_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def _wait_expected(self, transfer_id: str) -> Expectation:
         if transfer_id not in self._expected:
