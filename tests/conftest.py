@@ -60,3 +60,11 @@ def stack():
 @pytest.fixture(scope="session")
 def base_url(stack) -> str:
     return stack.url
+
+
+@pytest.fixture(scope="session")
+def pd_stack():
+    """Gateway + one prefill and one decode worker process, KV pages over UCX."""
+    s = Stack("--topology", "pd")
+    yield s
+    s.stop()

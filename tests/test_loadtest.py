@@ -1,5 +1,5 @@
-"""The locust load test runs against the real stack: no failures, and TTFT / ITL recorded as their own
-entries (what the load-test reports are read for)."""
+"""The locust load test runs against the real stack (unified, and PD with KV over UCX): no failures, and
+TTFT / ITL recorded as their own entries (what the load-test reports are read for)."""
 from __future__ import annotations
 
 import csv
@@ -7,10 +7,18 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
-def test_locustfile_runs_clean(base_url, tmp_path):
+@pytest.fixture(params=["unified", "pd"])
+def target(request):
+    return request.getfixturevalue("base_url" if request.param == "unified" else "pd_stack")
+
+
+def test_locustfile_runs_clean(target, tmp_path):
+    base_url = target if isinstance(target, str) else target.url
     prefix = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "locust", "-f", os.path.join(ROOT, "loadtest", "locustfile.py"),
            "--host", base_url, "--headless", "-u", "3", "-r", "3", "-t", "5s", "--max-tokens", "8",

@@ -23,10 +23,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def pd():
-    s = Stack("--topology", "pd")
-    yield s
-    s.stop()
+def pd(pd_stack):
+    return pd_stack
 
 
 def generate(url: str, **body) -> dict:
