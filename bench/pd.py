@@ -150,6 +150,8 @@ def main():
                                     "ms_per_transfer": s / k * 1e3 if k else None,
                                     "gb_per_s": b / s / 1e9 if s else None,
                                     "tokens": kv_after["sent_tokens"] - kv_before.get("sent_tokens", 0),
+                                    "late_handshakes": kv_after.get("late_handshakes", 0)
+                                    - kv_before.get("late_handshakes", 0),
                                     "decode_failures": dec_after.get("failures")}
             res[config] = r
             log(f"{config}: {json.dumps(r)}")
@@ -176,6 +178,7 @@ def main():
         kv = res["pd"]["kv_transfer"]
         print(f"KV transfer: {kv['transfers']} transfers, {kv['tokens']} tokens, {kv['bytes'] / 1e9:.2f} GB; "
               f"wire {kv['ms_per_transfer'] or 0:.2f} ms per transfer, {kv['gb_per_s'] or 0:.1f} GB/s; "
+              f"prompts done before the handshake {kv['late_handshakes']}; "
               f"decode-side failures {kv['decode_failures']}")
     if "greedy_outputs_equal" in res:
         print(f"greedy outputs equal across configurations: {res['greedy_outputs_equal']}")

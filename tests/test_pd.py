@@ -54,7 +54,8 @@ def test_pd_output_equals_unified(pd, stack):
             assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"]
     infos = worker_infos(pd.url)
     assert set(infos) == {"prefill", "decode"}
-    assert infos["prefill"]["kv_transfer"]["sent_tokens"] > 0
+    sent = infos["prefill"]["kv_transfer"]
+    assert sent["sent_tokens"] > 0 and 0 <= sent["late_handshakes"] <= sent["transfers"]
     assert infos["decode"]["kv_transfer"]["received_tokens"] > 0
     assert infos["decode"]["kv_transfer"]["failures"] == 0
 

@@ -25,6 +25,9 @@ class KvPush:
         self.sender = sender or KvSender()
         self._ready: dict[str, asyncio.Future] = {}
         self._tasks: dict[str, asyncio.Task] = {}
+        # Prompts computed before the decode side had answered the handshake: their pages wait for a
+        # gather through the engine thread (an extra step boundary on the way to the first token).
+        self.late_handshakes = 0
         self.side = engine.prefill_side
         self.side.on_transfer_open = lambda *a: loop.call_soon_threadsafe(self._open, *a)
         self.side.on_kv_ready = lambda *a: loop.call_soon_threadsafe(self._ready_set, *a)
@@ -55,6 +58,7 @@ class KvPush:
             hand_off: HandOff = await self._ready[transfer_id]
             buf, event = hand_off.buf, hand_off.event
             if buf is None or hand_off.start != opened.start:  # handed off before the handshake ended
+                self.late_handshakes += 1
                 buf, event = await self._engine(lambda: self.side.gather_kv(transfer_id, opened.start))
             if event is not None:
                 await asyncio.to_thread(event.synchronize)
@@ -77,4 +81,4 @@ class KvPush:
     def stats(self) -> dict:
         s = self.sender
         return {"sent_tokens": s.sent_tokens, "sent_bytes": s.sent_bytes, "send_seconds": round(s.send_seconds, 6),
-                "transfers": s.transfers, "in_flight": len(self._tasks)}
+                "transfers": s.transfers, "in_flight": len(self._tasks), "late_handshakes": self.late_handshakes}
