@@ -39,7 +39,8 @@ class KvPush:
 
     def _ready_set(self, transfer_id: str, hand_off: HandOff | None) -> None:
         if hand_off is None:  # the request ended before its prompt was computed: drop the transfer
-            task = self._tasks.get(transfer_id)
+            self._ready.pop(transfer_id, None)
+            task = self._tasks.pop(transfer_id, None)  # (a task cancelled before it ran never cleans up)
             if task is not None:
                 task.cancel()
             return
