@@ -56,6 +56,7 @@ def test_pd_output_equals_unified(pd, stack):
     assert set(infos) == {"prefill", "decode"}
     sent = infos["prefill"]["kv_transfer"]
     assert sent["sent_tokens"] > 0 and 0 <= sent["late_handshakes"] <= sent["transfers"]
+    assert sent["endpoint_reuses"] > 0 and sent["connects"] < sent["transfers"]  # endpoints are kept
     assert infos["decode"]["kv_transfer"]["received_tokens"] > 0
     assert infos["decode"]["kv_transfer"]["failures"] == 0
 
@@ -256,3 +257,39 @@ def test_pd_under_memory_pressure_queues_instead_of_failing_and_leaks_nothing():
         assert_no_kv_held(s.url)
     finally:
         s.stop()
+
+
+def test_restarted_decode_worker_gets_a_fresh_endpoint_and_requests_keep_working():
+    """The prefill side keeps UCX endpoints for reuse; after the decode worker restarts on the same
+    address, the kept one is stale: the handshake is retried on a new connection, no request fails."""
+    dport, tport = free_port(), free_port()
+    decode_args = ("services.decode", "--model-path", "tiny-random", "--port", str(dport),
+                   "--transfer-port", str(tport))
+    prefill = spawn("services.prefill", "--model-path", "tiny-random")
+    decode = spawn(*decode_args)
+    procs = [prefill, decode]
+    try:
+        paddr = wait_line(prefill, "WORKER READY").split()[2]
+        wait_line(decode, "WORKER READY")
+        port = free_port()
+        gateway = spawn("services.gateway", "--model-path", "tiny-random", "--workers", f"{paddr},127.0.0.1:{dport}",
+                        "--port", str(port))
+        procs.append(gateway)
+        wait_line(gateway, "gateway ready")
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
+        assert generate(url, text="before the restart", sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 12
+        os.killpg(decode.pid, signal.SIGKILL)
+        decode.wait()
+        decode = spawn(*decode_args)
+        procs.append(decode)
+        wait_line(decode, "WORKER READY")
+        wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health again")
+        for i in range(3):
+            r = requests.post(url + "/generate", json={"text": f"after {i}", "sampling_params": GREEDY}, timeout=60)
+            assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 12, r.text
+        info = next(w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]
+                    if w["info"] and w["info"]["role"] == "prefill")
+        assert info["kv_transfer"]["connects"] >= 2  # the stale endpoint was replaced
+    finally:
+        stop(*procs)

@@ -1,6 +1,7 @@
 """KV pages between workers over UCX (ucxx, asyncio API): the prefill side pushes, the decode side listens.
 
-One transfer, on an endpoint of its own (no head-of-line blocking between requests):
+One transfer at a time per endpoint (no head-of-line blocking between requests); endpoints are kept and
+reused for later transfers to the same decode worker (a UCX connect costs ~13 ms over tcp):
 
     prefill (when it takes the request)       decode
     KvHeader(id, prompt_len, layout)        ->
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import struct
 import time
 from dataclasses import dataclass
@@ -42,6 +44,9 @@ class TransferError(RuntimeError):
 
 
 def _ucxx():
+    # A decode worker restarted on its fixed --transfer-port must be able to listen again while the old
+    # connections linger in TIME_WAIT (UCX reads this when its context is created, on first use).
+    os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
     import ucxx  # imported on first use: only PD workers need UCX
 
     return ucxx
@@ -112,12 +117,11 @@ class KvReceiver:
     def __init__(self, layout: list[int], dtype: str, alloc: Callable[[int], torch.Tensor],
                  on_arrival: Callable[[str, KvDone, torch.Tensor], None],
                  on_failure: Callable[[str, str], None], on_offer: Callable[[str], None] = lambda tid: None,
-                 *, expect_timeout: float = 120.0,
-                 io_timeout: float = 60.0):
+                 *, expect_timeout: float = 120.0, io_timeout: float = 60.0, idle_timeout: float = 600.0):
         self.layout, self.dtype = list(layout), dtype
         self.alloc = alloc
         self.on_arrival, self.on_failure, self.on_offer = on_arrival, on_failure, on_offer
-        self.expect_timeout, self.io_timeout = expect_timeout, io_timeout
+        self.expect_timeout, self.io_timeout, self.idle_timeout = expect_timeout, io_timeout, idle_timeout
         self._expected: dict[str, Expectation] = {}
         self._waiters: dict[str, asyncio.Future] = {}
         self._listener = None
@@ -165,11 +169,20 @@ class KvReceiver:
         return exp
 
     async def _serve(self, ep) -> None:
-        transfer_id = None
+        """Transfers one after another on this endpoint, until the prefill side closes it (or one fails)."""
+        while await self._serve_one(ep):
+            pass
+
+    async def _serve_one(self, ep) -> bool:
+        """One transfer; True when the endpoint is quiescent and may carry the next one."""
         try:
-            async with asyncio.timeout(self.io_timeout):
+            async with asyncio.timeout(self.idle_timeout):
                 header = await _recv_msg(ep, KvHeader)
-            transfer_id = header.transfer_id
+        except Exception:  # the prefill side closed or dropped the endpoint, or it sat idle too long
+            _abort(ep)
+            return False
+        transfer_id = header.transfer_id
+        try:
             if header.layout != self.layout or header.dtype != self.dtype:
                 raise TransferError(f"KV layout {header.layout} {header.dtype} does not match this worker's "
                                     f"{self.layout} {self.dtype} (a different model?)")
@@ -191,28 +204,25 @@ class KvReceiver:
                 await _send_msg(ep, KvAck(transfer_id=transfer_id))
             self.received_bytes += buf.numel() * buf.element_size()
             if self._expected.pop(transfer_id, None) is None:
-                return  # the request ended while its pages were on the way
+                return True  # the request ended while its pages were on the way
             self.received_tokens += exp.prompt_len - exp.start
             self.skipped_tokens += exp.start
             self.on_arrival(transfer_id, done, buf)
+            return True
         except Exception as e:  # ProtocolError, TransferError, UCX errors, timeouts
             self.failures += 1
             reason = str(e) or type(e).__name__
             log.warning("KV receive %s failed: %s", transfer_id, reason)
-            if transfer_id is not None and isinstance(e, TransferError):
+            if isinstance(e, TransferError):
                 try:
                     async with asyncio.timeout(5):
                         await _send_msg(ep, KvAccept(transfer_id=transfer_id, error=reason))
                 except Exception:
                     pass
             _abort(ep)
-            if transfer_id is not None and self._expected.pop(transfer_id, None) is not None:
+            if self._expected.pop(transfer_id, None) is not None:
                 self.on_failure(transfer_id, f"KV transfer failed: {reason}")
-            return
-        try:
-            await ep.close()
-        except Exception:
-            _abort(ep)
+            return False
 
 
 @dataclass
@@ -221,6 +231,7 @@ class OpenTransfer:
     ep: object
     header: KvHeader
     start: int
+    peer: tuple[str, int]
 
 
 class KvSender:
@@ -228,35 +239,75 @@ class KvSender:
     pages and the first token once the prompt is computed, `abort` otherwise."""
 
     def __init__(self, *, connect_timeout: float = 10.0, io_timeout: float = 60.0,
-                 accept_timeout: float = 130.0):
+                 accept_timeout: float = 130.0, max_idle_per_peer: int = 16):
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
+        self.max_idle_per_peer = max_idle_per_peer
+        self._idle: dict[tuple[str, int], list] = {}  # quiescent endpoints, by decode worker
+        self.connects = 0
+        self.reuses = 0
         self.accept_timeout = accept_timeout  # the decode side waits up to its expect_timeout for slots
         self.sent_tokens = 0
         self.sent_bytes = 0
         self.send_seconds = 0.0  # the wire part alone: data out until the decode side's ack
         self.transfers = 0
 
-    async def open(self, host: str, port: int, header: KvHeader) -> OpenTransfer:
+    async def _connect(self, host: str, port: int):
         try:
             async with asyncio.timeout(self.connect_timeout):
                 ep = await _ucxx().create_endpoint(host, port)
         except Exception as e:
             raise TransferError(f"cannot reach the decode worker's KV receiver at {host}:{port}: {e}") from None
+        self.connects += 1
+        return ep
+
+    async def _send_header(self, ep, header: KvHeader) -> None:
         try:
             async with asyncio.timeout(self.io_timeout):
                 await _send_msg(ep, header)
+        except BaseException:
+            _abort(ep)
+            raise
+
+    async def _handshake(self, ep, header: KvHeader) -> KvAccept:
+        try:
+            await self._send_header(ep, header)
             async with asyncio.timeout(self.accept_timeout):
                 accept = await _recv_msg(ep, KvAccept)
+        except BaseException:
+            _abort(ep)
+            raise
+        return accept
+
+    async def open(self, host: str, port: int, header: KvHeader) -> OpenTransfer:
+        """Header out, accept back: on a kept endpoint when one is idle, else on a new one. A kept
+        endpoint that fails before the decode side answered (it restarted, the link broke) is dropped
+        and the handshake retried once on a fresh connection."""
+        idle = self._idle.get((host, port), [])
+        accept, ep = None, None
+        while idle and accept is None:
+            ep = idle.pop()
+            try:
+                accept = await self._handshake(ep, header)
+                self.reuses += 1
+            except (TimeoutError, asyncio.CancelledError):
+                raise  # the decode side is slow, not gone: a second header would not help
+            except Exception:
+                accept = None
+        try:
+            if accept is None:
+                ep = await self._connect(host, port)
+                accept = await self._handshake(ep, header)
             if accept.error:
                 raise TransferError(f"the decode worker refused the KV: {accept.error}")
             if accept.transfer_id != header.transfer_id or not 0 <= accept.start < header.prompt_len:
                 raise ProtocolError(f"KV accept (start {accept.start}) does not fit the transfer")
         except BaseException as e:
-            _abort(ep)
+            if ep is not None:
+                _abort(ep)
             if isinstance(e, (TransferError, asyncio.CancelledError)):
                 raise
             raise TransferError(f"KV handshake with {host}:{port} failed: {str(e) or type(e).__name__}") from None
-        return OpenTransfer(ep, header, accept.start)
+        return OpenTransfer(ep, header, accept.start, (host, port))
 
     async def finish(self, t: OpenTransfer, buf: torch.Tensor, done: KvDone) -> None:
         try:
@@ -274,6 +325,10 @@ class KvSender:
         self.sent_tokens += t.header.prompt_len - t.start
         self.sent_bytes += buf.numel() * buf.element_size()
         self.transfers += 1
+        idle = self._idle.setdefault(t.peer, [])
+        if len(idle) < self.max_idle_per_peer:
+            idle.append(t.ep)  # quiescent: every message of this transfer is acknowledged
+            return
         try:
             await t.ep.close()
         except Exception:
