@@ -236,3 +236,18 @@ def test_parse_worker_list():
     for bad in ("", "nohost", "h:x"):
         with pytest.raises(ValueError):
             parse_worker_list(bad)
+
+
+def test_cache_aware_pair_routing_hashes_the_prompt_once(monkeypatch):
+    from services.gateway import cache_aware
+
+    calls = []
+    real = cache_aware.block_chain
+    monkeypatch.setattr(cache_aware, "block_chain", lambda *a: calls.append(1) or real(*a))
+    router = Router([StubWorker("p:1", role="prefill"), StubWorker("d:1", role="decode")],
+                    cache_aware.CacheAwarePolicy(block_tokens=4))
+    ids = list(range(64))
+    router.pick_pair(ids)
+    assert len(calls) == 1
+    router.pick_pair(list(ids))  # another request with the same tokens is hashed afresh
+    assert len(calls) == 2

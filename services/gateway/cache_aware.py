@@ -68,10 +68,12 @@ class CacheAwarePolicy:
         self.blocks_per_worker = blocks_per_worker
         self._index: dict[str, _Index] = {}
         self._fallback = PrefixAffinityPolicy(prefix_tokens=2 * block_tokens, slack=slack)
+        # A PD request is routed twice (prefill side, decode side) with the same prompt: hash it once.
+        self._last: tuple[Sequence[int], str | None, list[bytes]] | None = None
 
     def pick(self, workers: Sequence[WorkerClient], input_ids: Sequence[int], salt: str | None) -> WorkerClient:
         least = min(workers, key=lambda w: w.load)
-        chain = block_chain(input_ids, self.block_tokens, salt)
+        chain = self._chain(input_ids, salt)
         best, best_len = least, 0
         for w in workers:
             n = self._index_of(w).match(chain)
@@ -83,6 +85,14 @@ class CacheAwarePolicy:
             chosen = self._fallback.pick(workers, input_ids, salt)
         self._index_of(chosen).insert(chain)
         return chosen
+
+    def _chain(self, input_ids: Sequence[int], salt: str | None) -> list[bytes]:
+        last = self._last
+        if last is not None and last[0] is input_ids and last[1] == salt:
+            return last[2]
+        chain = block_chain(input_ids, self.block_tokens, salt)
+        self._last = (input_ids, salt, chain)
+        return chain
 
     def forget(self, address: str | None = None) -> None:
         """A worker left or flushed its cache (None: every worker): drop our picture of it."""
