@@ -46,6 +46,8 @@ def assert_no_kv_held(url: str) -> None:
 
 
 def test_pd_output_equals_unified(pd, stack):
+    # Counters are per stack (shared with other tests, e.g. the load test): look at this test's share.
+    failures_before = worker_infos(pd.url)["decode"]["kv_transfer"]["failures"]
     texts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(6)]
     for t in texts:
         for sampling in (GREEDY, {"temperature": 0.8, "top_p": 0.9, "seed": 5, "max_new_tokens": 10}):
@@ -58,7 +60,7 @@ def test_pd_output_equals_unified(pd, stack):
     assert sent["sent_tokens"] > 0 and 0 <= sent["late_handshakes"] <= sent["transfers"]
     assert sent["endpoint_reuses"] > 0 and sent["connects"] < sent["transfers"]  # endpoints are kept
     assert infos["decode"]["kv_transfer"]["received_tokens"] > 0
-    assert infos["decode"]["kv_transfer"]["failures"] == 0
+    assert infos["decode"]["kv_transfer"]["failures"] == failures_before
 
 
 def test_pd_first_token_edge_cases(pd, stack):

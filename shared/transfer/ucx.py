@@ -43,6 +43,10 @@ class TransferError(RuntimeError):
     pass
 
 
+class TransferCancelled(TransferError):
+    """The request ended (client gone, aborted) before its pages could go: not a transport failure."""
+
+
 def _ucxx():
     # A decode worker restarted on its fixed --transfer-port must be able to listen again while the old
     # connections linger in TIME_WAIT (UCX reads this when its context is created, on first use).
@@ -129,6 +133,7 @@ class KvReceiver:
         self.skipped_tokens = 0  # positions the decode side's own cache already held
         self.received_bytes = 0
         self.failures = 0
+        self.cancelled = 0
 
     async def start(self, port: int = 0) -> int:
         self._listener = _ucxx().create_listener(self._serve, port)
@@ -165,7 +170,7 @@ class KvReceiver:
                 self._waiters.pop(transfer_id, None)
         exp = self._expected.get(transfer_id)
         if exp is None:
-            raise TransferError(f"the request of KV transfer {transfer_id} has ended")
+            raise TransferCancelled(f"the request of KV transfer {transfer_id} has ended")
         return exp
 
     async def _serve(self, ep) -> None:
@@ -210,9 +215,12 @@ class KvReceiver:
             self.on_arrival(transfer_id, done, buf)
             return True
         except Exception as e:  # ProtocolError, TransferError, UCX errors, timeouts
-            self.failures += 1
             reason = str(e) or type(e).__name__
-            log.warning("KV receive %s failed: %s", transfer_id, reason)
+            if isinstance(e, TransferCancelled) or transfer_id not in self._expected:
+                self.cancelled += 1  # the request had ended: its prefill side dropped the transfer
+            else:
+                self.failures += 1
+                log.warning("KV receive %s failed: %s", transfer_id, reason)
             if isinstance(e, TransferError):
                 try:
                     async with asyncio.timeout(5):
