@@ -14,7 +14,7 @@ import requests
 
 from tests.conftest import ROOT, free_port
 
-REDIS_URL = "redis://127.0.0.1:6379/7"  # a database of its own: the test flushes it
+import pytest
 
 
 def spawn(*args: str) -> subprocess.Popen:
@@ -47,7 +47,14 @@ def wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def redis_gateway(procs: list) -> str:
+@pytest.fixture
+def REDIS_URL(redis_server) -> str:
+    """The test's own redis-server (never the machine's), emptied before each test."""
+    redis.Redis.from_url(redis_server.url).flushdb()
+    return redis_server.url
+
+
+def redis_gateway(procs: list, REDIS_URL: str) -> str:
     """A gateway that finds its workers in REDIS_URL, healthy; appended to `procs`. Returns its URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -65,9 +72,8 @@ def kill_all(procs: list) -> None:
             p.wait()
 
 
-def test_gateway_discovers_workers_and_drops_a_killed_one():
+def test_gateway_discovers_workers_and_drops_a_killed_one(REDIS_URL):
     r = redis.Redis.from_url(REDIS_URL)
-    r.flushdb()
     procs = []
     try:
         addrs = {}
@@ -78,7 +84,7 @@ def test_gateway_discovers_workers_and_drops_a_killed_one():
             addrs[wid] = wait_line(p, "WORKER READY").split()[2]
         assert sorted(k.decode() for k in r.keys("radixserve:worker:*")) == \
             ["radixserve:worker:w1", "radixserve:worker:w2"]
-        url = redis_gateway(procs)
+        url = redis_gateway(procs, REDIS_URL)
         assert workers_seen(url) == set(addrs.values())
         prompts = [f"prompt number {i} " * (i + 1) for i in range(8)]
         for p in prompts:
@@ -102,14 +108,12 @@ def test_gateway_discovers_workers_and_drops_a_killed_one():
         assert resp.status_code == 503 and "error" in resp.json()
     finally:
         kill_all(procs)
-        r.flushdb()
 
 
-def test_pd_workers_found_through_redis_serve_requests_as_pairs():
+def test_pd_workers_found_through_redis_serve_requests_as_pairs(REDIS_URL):
     """The compose PD profile's shape: prefill and decode workers register their roles (and the decode
     worker its UCX address) in Redis; the gateway finds them there and pairs them."""
     r = redis.Redis.from_url(REDIS_URL)
-    r.flushdb()
     procs = []
     try:
         for module, wid in (("services.prefill", "p1"), ("services.decode", "d1")):
@@ -118,7 +122,7 @@ def test_pd_workers_found_through_redis_serve_requests_as_pairs():
             wait_line(p, "WORKER READY")
         entries = {k.decode(): json.loads(r.get(k)) for k in r.keys("radixserve:worker:*")}
         assert entries["radixserve:worker:d1"]["role"] == "decode" and entries["radixserve:worker:d1"]["transfer_port"]
-        url = redis_gateway(procs)
+        url = redis_gateway(procs, REDIS_URL)
         for i in range(4):
             body = {"text": f"pair me {i}", "sampling_params": {"max_new_tokens": 4}}
             resp = requests.post(url + "/generate", json=body, timeout=30)
@@ -127,4 +131,3 @@ def test_pd_workers_found_through_redis_serve_requests_as_pairs():
         assert infos["prefill"]["kv_transfer"]["transfers"] >= 4
     finally:
         kill_all(procs)
-        r.flushdb()
