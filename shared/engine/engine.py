@@ -9,6 +9,7 @@ import logging
 import queue
 import random
 import threading
+import time
 
 import torch
 from concurrent.futures import Future
@@ -49,6 +50,7 @@ class _KvArrived:
     transfer_id: str
     done: KvDone
     buf: torch.Tensor
+    at: float
 
 
 @dataclass
@@ -109,7 +111,7 @@ class Engine:
         self.inbox.put(_Abort(rid))
 
     def kv_arrived(self, transfer_id: str, done: KvDone, buf: torch.Tensor) -> None:
-        self.inbox.put(_KvArrived(transfer_id, done, buf))
+        self.inbox.put(_KvArrived(transfer_id, done, buf, time.monotonic()))
 
     def kv_offered(self, transfer_id: str) -> None:
         """Decode side: the prefill worker has taken this request (its KV is committed there)."""
@@ -205,7 +207,7 @@ class Engine:
         elif isinstance(item, _Abort):
             self._abort(item.rid)
         elif isinstance(item, _KvArrived):
-            self.decode_side.arrived(item.transfer_id, item.done, item.buf)
+            self.decode_side.arrived(item.transfer_id, item.done, item.buf, item.at)
         elif isinstance(item, _KvOffered):
             self.decode_side.offered(item.transfer_id)
         elif isinstance(item, _KvFailed):
@@ -293,6 +295,8 @@ class Engine:
             req.kv_len += batch.extend_lens[i]
             if batch.sample[i] and req.params.max_new_tokens > 0:
                 req.output_ids.append(PENDING_TOKEN)
+        if self.prefill_side.on_kv_gathered is not None:
+            self.prefill_side.on_launch(batch.reqs, batch.sample)
 
     def _process(self, batch: ScheduleBatch, out: StepOutput) -> None:
         ready: list[Req] = []
@@ -317,6 +321,8 @@ class Engine:
             else:
                 tok = out.next_token_ids[i]
             self._take_token(req, tok, accepted, out.logprobs[i], out.top_logprobs[i])
+            if self.decode_side._first_step:
+                self.decode_side.first_step_done(req)
             ready.append(req)
         self._emit(ready)
 

@@ -7,8 +7,8 @@ reused for later transfers to the same decode worker (a UCX connect costs ~13 ms
     KvHeader(id, prompt_len, layout)        ->
                                               waits until its engine has reserved slots for `id`
                                            <- KvAccept(start)   (positions its tree already holds are skipped)
-    ... the prefill runs; its engine gathers [start, prompt_len) as soon as the pass is done ...
-    KV of [start, prompt_len), one message  ->
+    ... the prefill runs; its engine enqueues the gather of the pages right behind the pass ...
+    KV of [start, prompt_len), one message  ->   (as soon as the pass is done)
     KvDone(first token, its logprobs)       ->
                                            <- KvAck             (pages are in the decode side's hands)
 
@@ -251,6 +251,9 @@ class OpenTransfer:
     header: KvHeader
     start: int
     peer: tuple[str, int]
+    wire_start: float = 0.0
+    wire_seconds: float = 0.0  # the pages' send, until UCX reports it done
+    sent_bytes: int = 0
 
 
 class KvSender:
@@ -267,7 +270,7 @@ class KvSender:
         self.accept_timeout = accept_timeout  # the decode side waits up to its expect_timeout for slots
         self.sent_tokens = 0
         self.sent_bytes = 0
-        self.send_seconds = 0.0  # the wire part alone: data out until the decode side's ack
+        self.send_seconds = 0.0  # the wire part alone: the pages' sends
         self.transfers = 0
 
     async def _connect(self, host: str, port: int):
@@ -328,21 +331,34 @@ class KvSender:
             raise TransferError(f"KV handshake with {host}:{port} failed: {str(e) or type(e).__name__}") from None
         return OpenTransfer(ep, header, accept.start, (host, port))
 
-    async def finish(self, t: OpenTransfer, buf: torch.Tensor, done: KvDone) -> None:
+    async def send_pages(self, t: OpenTransfer, buf: torch.Tensor) -> None:
+        """The KV of [t.start, prompt_len), one message (it may go before the first token is known)."""
+        t.wire_start = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             async with asyncio.timeout(self.io_timeout):
                 await _io(t.ep.send(as_transport_buffer(buf)))
+        except BaseException as e:
+            _abort(t.ep)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise TransferError(f"KV transfer failed: {str(e) or type(e).__name__}") from None
+        t.sent_bytes = buf.numel() * buf.element_size()
+        t.wire_seconds = time.perf_counter() - t.wire_start
+        self.send_seconds += t.wire_seconds
+
+    async def complete(self, t: OpenTransfer, done: KvDone) -> None:
+        """The first token after the pages, then the decode side's ack; the endpoint is kept for reuse."""
+        try:
+            async with asyncio.timeout(self.io_timeout):
                 await _send_msg(t.ep, done)
                 await _recv_msg(t.ep, KvAck)
-            self.send_seconds += time.perf_counter() - t0
         except BaseException as e:
             _abort(t.ep)
             if isinstance(e, asyncio.CancelledError):
                 raise
             raise TransferError(f"KV transfer failed: {str(e) or type(e).__name__}") from None
         self.sent_tokens += t.header.prompt_len - t.start
-        self.sent_bytes += buf.numel() * buf.element_size()
+        self.sent_bytes += t.sent_bytes
         self.transfers += 1
         idle = self._idle.setdefault(t.peer, [])
         if len(idle) < self.max_idle_per_peer:
@@ -352,6 +368,10 @@ class KvSender:
             await t.ep.close()
         except Exception:
             _abort(t.ep)
+
+    async def finish(self, t: OpenTransfer, buf: torch.Tensor, done: KvDone) -> None:
+        await self.send_pages(t, buf)
+        await self.complete(t, done)
 
     @staticmethod
     def abort(t: OpenTransfer) -> None:
