@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from shared.errors import InvalidRequest
+from shared.engine.h2d import to_device
 from shared.engine.request import PENDING_TOKEN
 from shared.protocol import GenerateRequest, KvDone, KvHeader
 from shared.transfer import kv_pages
@@ -256,7 +257,7 @@ class DecodeSide:
             event = torch.cuda.Event()
             event.record()
             self._in_use.append((event, buf))
-        runner.req_pool.write(req.req_pool_idx, 0, torch.tensor(req.slots[:n], dtype=torch.int64))
+        runner.req_pool.write(req.req_pool_idx, 0, to_device(req.slots[:n], torch.int32, runner.device))
         engine.scheduler.kv_arrived(req)
         req.transfer = None  # from here on a local request: a retraction recomputes from the tree
         req.num_cached_tokens = done.cached_tokens  # computation saved is the prefill side's hit

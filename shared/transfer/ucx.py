@@ -217,13 +217,14 @@ class KvReceiver:
                 done = await _recv_msg(ep, KvDone)
                 if done.transfer_id != transfer_id:
                     raise ProtocolError("KV done names another transfer")
-                await _send_msg(ep, KvAck(transfer_id=transfer_id))
             self.received_bytes += buf.numel() * buf.element_size()
-            if self._expected.pop(transfer_id, None) is None:
-                return True  # the request ended while its pages were on the way
-            self.received_tokens += exp.prompt_len - exp.start
-            self.skipped_tokens += exp.start
-            self.on_arrival(transfer_id, done, buf)
+            if self._expected.pop(transfer_id, None) is not None:
+                self.received_tokens += exp.prompt_len - exp.start
+                self.skipped_tokens += exp.start
+                self.on_arrival(transfer_id, done, buf)  # to the engine first, the ack after: off the path
+            # (else the request ended while its pages were on the way)
+            async with asyncio.timeout(self.io_timeout):
+                await _send_msg(ep, KvAck(transfer_id=transfer_id))
             return True
         except Exception as e:  # ProtocolError, TransferError, UCX errors, timeouts
             reason = str(e) or type(e).__name__
