@@ -34,7 +34,8 @@ def generate(url: str, **body) -> dict:
 
 
 def worker_infos(url: str) -> dict[str, dict]:
-    return {w["info"]["role"]: w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]}
+    return {w["info"]["role"]: w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]
+            if w["info"]}
 
 
 def assert_no_kv_held(url: str) -> None:
@@ -224,6 +225,41 @@ def test_decode_worker_dying_before_the_first_token_the_request_moves_to_another
         infos = {w["info"]["role"]: w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]
                  if w["info"]}
         assert infos["prefill"]["kv_usage"] == 0.0 and infos["prefill"]["kv_transfer"]["in_flight"] == 0
+    finally:
+        stop(*procs)
+
+
+def test_prefill_worker_dying_its_requests_move_to_another_prefill_worker(stack):
+    """2 prefill : 1 decode. Requests waiting on a prefill worker that dies are computed by the other
+    prefill worker (not the decode worker, which has one to pair with): all succeed, unified's output."""
+    prefills = [spawn("services.prefill", "--model-path", "tiny-random") for _ in range(2)]
+    decode = spawn("services.decode", "--model-path", "tiny-random", "--kv-transfer-timeout", "8")
+    procs = [*prefills, decode]
+    try:
+        addrs = [wait_line(p, "WORKER READY").split()[2] for p in procs]
+        port = free_port()
+        gateway = spawn("services.gateway", "--model-path", "tiny-random", "--workers", ",".join(addrs),
+                        "--port", str(port))
+        procs.append(gateway)
+        wait_line(gateway, "gateway ready")
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
+        texts = [f"Prefill dies {i}: " + "words to prefill " * (2 + i % 3) for i in range(8)]
+        os.killpg(prefills[0].pid, signal.SIGSTOP)
+        with cf.ThreadPoolExecutor(8) as ex:
+            futs = [ex.submit(requests.post, url + "/generate", json={"text": t, "sampling_params": GREEDY},
+                              timeout=60) for t in texts]
+            time.sleep(1.5)
+            os.killpg(prefills[0].pid, signal.SIGKILL)
+            results = [f.result() for f in futs]
+        for t, r in zip(texts, results):
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == generate(stack.url, text=t, sampling_params=GREEDY)["output_ids"]
+        retried = gateway_counter(url, "num_pd_retried_requests")
+        assert retried >= 1  # some had gone to the stopped one
+        infos = worker_infos(url)
+        assert infos["prefill"]["kv_transfer"]["transfers"] >= len(texts)  # the survivor computed them all
+        assert_no_kv_held(url)
     finally:
         stop(*procs)
 
