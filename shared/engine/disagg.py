@@ -10,7 +10,9 @@ pages (services/decode/kv_receive.py); on arrival they are scattered into the po
 the running batch with the first token the prefill side sampled.
 
 Both sides talk to their glue through hooks set by it, called on this thread (the glue moves them to its
-event loop); the glue talks back through Engine.call or the thread-safe Engine.kv_* entry points.
+event loop); the glue talks back through Engine.call or the thread-safe Engine.kv_* entry points. They
+end and start requests through the engine's public end_request / start_decoding, and record each
+request's hand-over parts (PartTimes) for the workers' stats.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import torch
 
 from shared.errors import InvalidRequest
 from shared.engine.h2d import to_device
-from shared.engine.request import PENDING_TOKEN
 from shared.protocol import GenerateRequest, KvDone, KvHeader
 from shared.transfer import kv_pages
 
@@ -170,10 +171,7 @@ class PrefillSide:
         req = self._handed_off.pop(tid, None)
         if req is None or req.finished:
             return
-        if error:
-            self.engine._finish(req, {"type": "abort", "message": error}, error=error)
-        else:
-            self.engine._finish(req, {"type": "transferred"})
+        self.engine.end_request(req, error, None if error else {"type": "transferred"})
 
     def on_release(self, req: "Req") -> None:
         tid = req.transfer_id
@@ -239,7 +237,7 @@ class DecodeSide:
         late += [r for r in self._waiting.values() if not r.kv_offered and r.arrival_time + timeout < now]
         for req in late:
             msg = f"the prompt's KV did not arrive within {timeout:g} s"
-            engine._finish(req, {"type": "abort", "message": msg}, error=msg)
+            engine.end_request(req, msg)
 
     def arrived(self, tid: str, done: KvDone, buf: torch.Tensor, received_at: float = 0.0) -> None:
         """Pages and first token are here (`received_at`: when the receiver had them): scatter, emit the
@@ -261,15 +259,14 @@ class DecodeSide:
         engine.scheduler.kv_arrived(req)
         req.transfer = None  # from here on a local request: a retraction recomputes from the tree
         req.num_cached_tokens = done.cached_tokens  # computation saved is the prefill side's hit
-        if done.first_token is None:  # max_new_tokens == 0: a cache warm-up
-            req.finish_reason = {"type": "length", "length": 0}
-        else:
-            req.output_ids.append(PENDING_TOKEN)
-            runner.set_last_token(req.req_pool_idx, done.first_token)
-            engine._take_token(req, done.first_token, [], done.first_logprob, done.first_top_logprobs)
-        engine._emit([req])
+        engine.start_decoding(req, done.first_token, done.first_logprob, done.first_top_logprobs)
         if stamps is not None and not req.finished:
             self._first_step[req.rid] = (*stamps, received_at or picked_at, picked_at, time.monotonic())
+
+    @property
+    def timing(self) -> bool:
+        """Requests wait for their first decode step's token (the engine then calls first_step_done)."""
+        return bool(self._first_step)
 
     def first_step_done(self, req: "Req") -> None:
         """Engine: a token of `req` reached the host. The first after its pages: record the breakdown."""
@@ -283,7 +280,7 @@ class DecodeSide:
     def failed(self, tid: str, reason: str) -> None:
         entry = self._awaiting.get(tid)
         if entry is not None:
-            self.engine._finish(entry[0], {"type": "abort", "message": reason}, error=reason)
+            self.engine.end_request(entry[0], reason)
 
     def on_release(self, req: "Req") -> None:
         """Ended before its pages came (abort, timeout, failure): the receiver drops the transfer,

@@ -300,6 +300,7 @@ class Engine:
 
     def _process(self, batch: ScheduleBatch, out: StepOutput) -> None:
         ready: list[Req] = []
+        first_steps = self.decode_side.timing  # PD: requests whose first decode step is being timed
         for i, req in enumerate(batch.reqs):
             if req.finished:
                 continue  # finished (or aborted) while this step was in flight: its results are moot
@@ -321,7 +322,7 @@ class Engine:
             else:
                 tok = out.next_token_ids[i]
             self._take_token(req, tok, accepted, out.logprobs[i], out.top_logprobs[i])
-            if self.decode_side._first_step:
+            if first_steps:
                 self.decode_side.first_step_done(req)
             ready.append(req)
         self._emit(ready)
@@ -478,6 +479,23 @@ class Engine:
             out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
             req.input_logprobs_sent = True
         return out
+
+    # ------------------------------------------------------------------ for the PD halves (disagg.py)
+    def end_request(self, req: Req, error: str | None = None, reason: dict | None = None) -> None:
+        """End `req` now: an abort with `error`, or `reason` (e.g. {"type": "transferred"}); its KV goes
+        to the tree, its stream gets the final output."""
+        self._finish(req, reason or {"type": "abort", "message": error}, error=error)
+
+    def start_decoding(self, req: Req, first_token: int | None, logprob, top_logprobs) -> None:
+        """A request whose prompt KV came from elsewhere (PD): take the first token sampled there (None:
+        max_new_tokens 0, a cache warm-up) and stream it; it decodes from the next step on."""
+        if first_token is None:
+            req.finish_reason = {"type": "length", "length": 0}
+        else:
+            req.output_ids.append(PENDING_TOKEN)
+            self.runner.set_last_token(req.req_pool_idx, first_token)
+            self._take_token(req, first_token, [], logprob, top_logprobs)
+        self._emit([req])
 
     def _finish(self, req: Req, reason: dict, error: str | None = None) -> None:
         req.finish_reason = reason
