@@ -152,8 +152,8 @@ def _thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def _decode_worker_pid(stack_pid: int) -> int | None:
-    """The decode worker among the stack's child processes (never another stack's on this host)."""
+def _worker_pid(stack_pid: int, role: str = "decode") -> int | None:
+    """The `role` worker among the stack's child processes (never another stack's on this host)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -164,7 +164,7 @@ def _decode_worker_pid(stack_pid: int) -> int | None:
                 cmd = f.read().split(b"\0")
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == stack_pid and b"--role" in cmd and cmd[cmd.index(b"--role") + 1] == b"decode":
+        if ppid == stack_pid and b"--role" in cmd and cmd[cmd.index(b"--role") + 1] == role.encode():
             return int(entry)
     return None
 
@@ -173,7 +173,7 @@ def profile_decode_worker(stack_pid: int, out_dir: str, delay: float = 8.0, seco
     """In the background, `delay` s into the load: py-spy of the decode worker, thread CPU over `seconds`."""
     def run():
         time.sleep(delay)
-        pid = _decode_worker_pid(stack_pid)
+        pid = _worker_pid(stack_pid)
         if pid is None:
             log("profile: no decode worker found")
             return

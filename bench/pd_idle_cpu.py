@@ -17,15 +17,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import psutil  # noqa: E402
 import requests  # noqa: E402
 
 from bench.common import model_dir  # noqa: E402
+from bench.pd import _thread_cpu as thread_cpu, _worker_pid  # noqa: E402
 from bench.stack import start_stack, stop_stack  # noqa: E402
-
-
-def thread_cpu(pid: int) -> dict[int, float]:
-    return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
 
 
 def main():
@@ -47,12 +43,7 @@ def main():
                         range(args.requests)))
         time.sleep(1.0)
         workers = [w for w in requests.get(url + "/server_info", timeout=10).json()["workers"] if w["info"]]
-        pids = {}
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            cmd = " ".join(child.cmdline())
-            for role in ("prefill", "decode"):
-                if f"services.{role}" in cmd or f"--role {role}" in cmd:
-                    pids[role] = child.pid
+        pids = {role: _worker_pid(proc.pid, role) for role in ("prefill", "decode")}
         a = {r: thread_cpu(p) for r, p in pids.items()}
         time.sleep(args.seconds)
         b = {r: thread_cpu(p) for r, p in pids.items()}
