@@ -118,7 +118,9 @@ def write_chat_model(path: str, template: str, family: str = "qwen3") -> str:
     """A tiny random checkpoint (see conftest_models) whose tokenizer_config carries `template`."""
     from tests.conftest_models import make_hf_model, write_hf_checkpoint
 
-    write_hf_checkpoint(make_hf_model(family), path)
+    model = make_hf_model(family)
+    model.config.max_position_embeddings = 2048  # tool schemas in the prompt outgrow the default 256
+    write_hf_checkpoint(model, path)
     cfg_file = os.path.join(path, "tokenizer_config.json")
     with open(cfg_file) as f:
         cfg = json.load(f)
