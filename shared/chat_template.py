@@ -50,6 +50,6 @@ def render_chat(template: str, messages: list[dict], *, tools: list[dict] | None
             **variables)
     except jinja2.TemplateError as e:  # raise_exception in the template lands here too
         raise ChatTemplateError(str(e)) from None
-    except (TypeError, ValueError) as e:  # transformers' own checks (continue_final_message, documents)
-        raise ChatTemplateError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - transformers' own checks, or a template's arithmetic on odd input
+        raise ChatTemplateError(f"{type(e).__name__}: {e}") from None
     return rendered[0]

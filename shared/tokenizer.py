@@ -95,6 +95,11 @@ class Tokenizer:
         return self.raw.decode([token_id], skip_special_tokens=False)
 
     # ---- chat ----
+    def set_chat_template(self, template: str) -> None:
+        """Serve with another template (--chat-template); it must parse."""
+        compile_template(template)
+        self.chat_template = template
+
     @property
     def special_tokens_map(self) -> dict[str, str]:
         """The special tokens a template sees as variables (transformers passes its special_tokens_map)."""

@@ -1,5 +1,6 @@
 """Tool calling and reasoning through the real stack (launcher, gateway, worker process) on a tiny random
-Qwen3-shaped model whose tokenizer carries a Qwen-style template with tool and thinking markup. The model
+Qwen3-shaped model served with a Qwen-style template (tool and thinking markup) given by --chat-template
+(its tokenizer's own is plain ChatML, so the tool parser is detected from the flag's template). The model
 writes random tokens, so what is checked is what must hold whatever it writes: constrained tool choices
 always come back as calls whose arguments parse and validate against the function's schema."""
 from __future__ import annotations
@@ -10,6 +11,7 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
+from shared.tokenizer import CHATML_TEMPLATE
 from tests.chat_templates import QWEN_STYLE, write_chat_model
 from tests.conftest import Stack
 
@@ -23,8 +25,11 @@ ASK = [{"role": "user", "content": "How warm is it?"}]
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    path = write_chat_model(str(tmp_path_factory.mktemp("qwen_chat")), QWEN_STYLE)
-    stack = Stack("--model-path", path, "--served-model-name", "chat", "--reasoning-parser", "qwen3")
+    root = tmp_path_factory.mktemp("qwen_chat")
+    path = write_chat_model(str(root / "model"), CHATML_TEMPLATE)
+    (root / "qwen.jinja").write_text(QWEN_STYLE)
+    stack = Stack("--model-path", path, "--served-model-name", "chat", "--reasoning-parser", "qwen3",
+                  "--chat-template", str(root / "qwen.jinja"))
     yield OpenAI(base_url=stack.url + "/v1", api_key="none")
     stack.stop()
 
@@ -82,3 +87,9 @@ def test_thinking_switch_and_reasoning_field(client):
     resp = client.chat.completions.create(model="chat", messages=ASK, max_tokens=8, temperature=0)
     msg = resp.choices[0].message
     assert msg.reasoning_content is None and msg.content is not None
+
+
+def test_chat_template_flag_serves_the_given_template(client):
+    plain = client.chat.completions.create(model="chat", messages=ASK, max_tokens=1)
+    with_tools = client.chat.completions.create(model="chat", messages=ASK, tools=TOOLS, max_tokens=1)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tools went into the prompt

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (.jinja) used instead of the tokenizer's own")
     p.add_argument("--tool-call-parser", default=None,
                    help="format of tool calls in the model's output: hermes (Qwen, Hermes: <tool_call>) or "
                         "llama3 (Llama 3.x JSON); default: detected from the chat template")
@@ -61,6 +63,12 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
     """Start the gateway inside the caller's event loop (a launcher runs several services in one)."""
     tokenizer_path = getattr(args, "tokenizer_path", None) or args.model_path
     tokenizer = await asyncio.to_thread(Tokenizer.load, tokenizer_path)
+    if getattr(args, "chat_template", None):
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                tokenizer.set_chat_template(f.read())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--chat-template {args.chat_template}: {e}") from None
     workers = [WorkerClient(host, port) for host, port in parse_worker_list(args.workers)] if args.workers else []
     redis_url = getattr(args, "redis_url", None)
     if not workers and not redis_url:
