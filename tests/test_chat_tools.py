@@ -42,32 +42,46 @@ def pieces(text: str, seed: int) -> list[str]:
 # ---------------------------------------------------------------- parsers as units
 @pytest.mark.parametrize("kind,text,names,content,calls", [
     ("hermes", HERMES_ANSWER, {"get_weather", "get_time"}, "Let me check.\n",
-     [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})]),
+     [("get_weather", '{"city": "Paris", "unit": "c"}'), ("get_time", "{}")]),
     ("hermes", HERMES_ANSWER, {"get_time"}, HERMES_ANSWER.split("<tool_call>\n{\"name\": \"get_time")[0],
-     [("get_time", {})]),  # an unknown function stays content
+     [("get_time", "{}")]),  # an unknown function stays content
     ("hermes", "<tool_call>\n{not json}\n</tool_call>", {"f"}, "<tool_call>\n{not json}\n</tool_call>", []),
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}}', {"f"}, "", [("f", {"a": 1})]),  # EOS, no close
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": {"b": 1}}}', {"f"}, "",
+     [("f", '{"a": {"b": 1}}')]),  # EOS right after the JSON, no closing tag
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', {"f"}, "", [("f", '{"a": [1, 2')]),  # cut off
+    ("hermes", '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>', {"f"}, "", [("f", '{"x": 1}')]),
     ("hermes", "No tools needed < > </tool", {"f"}, "No tools needed < > </tool", []),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "a;b", "unit": "f"}}; {"name": "get_time", '
                '"parameters": {}}', {"get_weather", "get_time"}, "",
-     [("get_weather", {"city": "a;b", "unit": "f"}), ("get_time", {})]),
-    ("llama3", '<|python_tag|>{"name": "f", "arguments": {"x": "é"}}', {"f"}, "", [("f", {"x": "é"})]),
+     [("get_weather", '{"city": "a;b", "unit": "f"}'), ("get_time", "{}")]),
+    ("llama3", '<|python_tag|>{"name": "f", "arguments": {"x": "é"}}', {"f"}, "", [("f", '{"x": "é"}')]),
     ("llama3", "The answer is {42}.", {"f"}, "The answer is {42}.", []),
     ("llama3", '{"name": "f", "parameters": {"x": 1}', {"f"}, '{"name": "f", "parameters": {"x": 1}', []),
 ])
 def test_tool_parsers_stream_equals_whole(kind, text, names, content, calls):
     got_content, got_calls = new_parser(kind, names).parse(text)
-    assert got_content == content
-    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    assert (got_content, [(c.name, c.arguments) for c in got_calls]) == (content, calls)
     for seed in range(10):
         p = new_parser(kind, names)
-        c, k = "", []
-        for piece in pieces(text, seed):
-            dc, dk = p.feed(piece)
-            c, k = c + dc, k + dk
-        dc, dk = p.finish()
-        assert (c + dc, [(x.name, x.arguments) for x in k + dk]) == (content, [(x.name, x.arguments)
-                                                                               for x in got_calls])
+        events = [e for piece in pieces(text, seed) for e in p.feed(piece)] + p.finish()
+        assert "".join(e[1] for e in events if e[0] == "content") == content
+        # A call starts (name known) before any of its argument fragments; fragments add up to the whole.
+        started: dict[int, str] = {}
+        for e in events:
+            if e[0] == "call":
+                started[len(started)] = ""
+            elif e[0] == "args":
+                started[e[1]] += e[2]
+        assert [(c.name, started[i]) for i, c in enumerate(p.calls)] == calls
+
+
+def test_hermes_arguments_stream_as_they_are_written():
+    p = new_parser("hermes", {"get_weather"})
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    events = [e for ch in text for e in p.feed(ch)] + p.finish()
+    fragments = [e[2] for e in events if e[0] == "args"]
+    assert events[0][0] == "call" and len(fragments) > 10
+    assert "".join(fragments) == '{"city": "Paris", "unit": "c"}'
 
 
 @pytest.mark.parametrize("kind,prompt,text,expect", [

@@ -29,7 +29,7 @@ class ChoiceOutput:
 
     def message(self, text: str) -> dict:
         """The non-streaming `message` of a choice."""
-        reasoning, content, calls = [], [], []
+        reasoning, content = [], []
         for d in self.feed(text) + self.finish():
             reasoning.append(d.get("reasoning_content", ""))
             content.append(d.get("content", ""))
@@ -49,18 +49,32 @@ class ChoiceOutput:
         out: list[dict] = []
         if reasoning:
             out.append({"reasoning_content": reasoning})
-        calls: list[ToolCall] = []
-        if self.tools is not None:
-            content, calls = self.tools.feed(content)
-            if final:
-                rest, more = self.tools.finish()
-                content, calls = content + rest, calls + more
-        if content:
-            out.append({"content": content})
-        for call in calls:
-            index = len(self.calls)
-            self.calls.append(call)
-            out.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                                        "function": {"name": call.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
-        return out
+        if self.tools is None:
+            return out + ([{"content": content}] if content else [])
+        events = self.tools.feed(content) + (self.tools.finish() if final else [])
+        for event in events:
+            if event[0] == "content":
+                out.append({"content": event[1]})
+            elif event[0] == "call":
+                call = event[1]
+                out.append({"tool_calls": [{"index": len(self.calls), "id": call.id, "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]})
+                self.calls.append(call)
+            else:
+                out.append({"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]})
+        # Consecutive content (or argument) pieces of one step go out as one delta.
+        return _merge(out)
+
+
+def _merge(deltas: list[dict]) -> list[dict]:
+    out: list[dict] = []
+    for d in deltas:
+        prev = out[-1] if out else None
+        if prev is not None and set(prev) == set(d) == {"content"}:
+            prev["content"] += d["content"]
+        elif (prev is not None and set(prev) == set(d) == {"tool_calls"} and set(prev["tool_calls"][0]) == {"index", "function"}
+              and set(d["tool_calls"][0]) == {"index", "function"} and prev["tool_calls"][0]["index"] == d["tool_calls"][0]["index"]):
+            prev["tool_calls"][0]["function"]["arguments"] += d["tool_calls"][0]["function"]["arguments"]
+        else:
+            out.append(d)
+    return out

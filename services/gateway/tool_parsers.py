@@ -5,14 +5,17 @@
 - `llama3` (Llama 3.1/3.2/3.3 JSON tool calling): the whole answer is `{"name": ..., "parameters": {...}}`,
   several calls separated by `;`, optionally after `<|python_tag|>`.
 
-One incremental parser per choice: `feed(delta)` returns the content that is certainly not part of a call
-and the calls completed so far; `finish()` flushes the rest. A whole response is parsed by feeding it at
-once, so streamed and non-streamed answers agree. A block that does not parse, or names a function the
-request did not offer, stays content: nothing the model wrote is dropped.
+One incremental parser per choice: `feed(delta)` returns events in output order: ("content", text),
+("call", ToolCall) when a call starts (its name known), ("args", index, fragment) as its arguments
+arrive. Hermes arguments stream as the model writes them (the text held back is only what could be the
+block's closing); llama3 calls come out whole at the end. A whole response is parsed by feeding it at
+once, so streamed and non-streamed answers agree. A block that is not a call of an offered function
+stays content: nothing the model wrote is dropped. Arguments are the model's own JSON text.
 """
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 
@@ -52,41 +55,53 @@ def new_parser(kind: str, tool_names: set[str]) -> "ToolCallParser":
     return {"hermes": HermesParser, "llama3": Llama3JsonParser}[kind](tool_names)
 
 
+Event = tuple  # ("content", str) | ("call", ToolCall) | ("args", int, str)
+
+
 class ToolCallParser:
     def __init__(self, tool_names: set[str]):
         self.tool_names = tool_names
         self.calls: list[ToolCall] = []
 
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, delta: str) -> list[Event]:
         raise NotImplementedError
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> list[Event]:
         raise NotImplementedError
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """A whole response: (content, calls)."""
-        content, calls = self.feed(text)
-        rest, more = self.finish()
-        return content + rest, calls + more
+        events = self.feed(text) + self.finish()
+        return "".join(e[1] for e in events if e[0] == "content"), list(self.calls)
 
-    def _call_from_json(self, text: str, args_keys: tuple[str, ...]) -> ToolCall | None:
+    def _start(self, name: str, events: list[Event]) -> int:
+        self.calls.append(ToolCall(name, ""))
+        events.append(("call", self.calls[-1]))
+        return len(self.calls) - 1
+
+    def _args(self, index: int, fragment: str, events: list[Event]) -> None:
+        if fragment:
+            self.calls[index].arguments += fragment
+            events.append(("args", index, fragment))
+
+    def _whole_call(self, text: str, args_keys: tuple[str, ...], events: list[Event]) -> bool:
+        """A complete call's JSON, as events; False when it is not a call of an offered function."""
         try:
             obj = json.loads(text)
         except ValueError:
-            return None
+            return False
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in self.tool_names:
-            return None
+            return False
         args = next((obj[k] for k in args_keys if k in obj), {})
         if isinstance(args, str):  # some models double-encode
             try:
                 args = json.loads(args)
             except ValueError:
-                return None
+                return False
         if not isinstance(args, dict):
-            return None
-        call = ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
-        self.calls.append(call)
-        return call
+            return False
+        self._args(self._start(obj["name"], events), json.dumps(args, ensure_ascii=False), events)
+        return True
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -97,6 +112,10 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+# `{"name": "f", "arguments": ` up to the `{` that opens the arguments: from there they can stream.
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
 class HermesParser(ToolCallParser):
     START, END = "<tool_call>", "</tool_call>"
 
@@ -105,48 +124,83 @@ class HermesParser(ToolCallParser):
         self._buf = ""
         self._in_call = False
         self._after_call = False  # whitespace between and after blocks is markup, not content
+        self._streaming: tuple[int, int] | None = None  # (call index, where its arguments start in the body)
+        self._sent = 0  # argument characters sent
 
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, delta: str) -> list[Event]:
         self._buf += delta
-        content, calls = "", []
+        events: list[Event] = []
         while True:
             if not self._in_call:
                 if self._after_call:
                     self._buf = self._buf.lstrip()
                     if not self._buf:
-                        return content, calls
+                        return events
                     self._after_call = False
                 at = self._buf.find(self.START)
                 if at < 0:
                     keep = _partial_suffix(self._buf, self.START)
-                    content += self._buf[:len(self._buf) - keep]
+                    self._content(self._buf[:len(self._buf) - keep], events)
                     self._buf = self._buf[len(self._buf) - keep:]
-                    return content, calls
-                content += self._buf[:at]
-                self._buf = self._buf[at:]
-                self._in_call = True
+                    return events
+                self._content(self._buf[:at], events)
+                self._buf = self._buf[at + len(self.START):]  # the buffer now holds the block's body
+                self._in_call, self._streaming, self._sent = True, None, 0
             end = self._buf.find(self.END)
             if end < 0:
-                return content, calls
-            block = self._buf[:end + len(self.END)]
-            self._buf = self._buf[end + len(self.END):]
+                self._stream_args(events)
+                return events
+            body, self._buf = self._buf[:end], self._buf[end + len(self.END):]
             self._in_call = False
-            call = self._call_from_json(block[len(self.START):-len(self.END)], ("arguments", "parameters"))
-            if call is None:
-                content += block
-            else:
-                calls.append(call)
-                self._after_call = True
+            self._close(body, events, complete=True)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
         rest, self._buf = self._buf, ""
         if self._in_call:  # stopped before the closing tag (EOS right after the JSON, or max_tokens)
             self._in_call = False
-            call = self._call_from_json(rest[len(self.START):].strip(), ("arguments", "parameters"))
-            if call is not None:
-                return "", [call]
-        return rest, []
+            self._close(rest, events, complete=False)
+        elif not self._after_call:
+            self._content(rest, events)
+        return events
 
+    def _content(self, text: str, events: list[Event]) -> None:
+        if text:
+            events.append(("content", text))
+
+    def _stream_args(self, events: list[Event]) -> None:
+        body = self._buf
+        if self._streaming is None:
+            m = _HERMES_HEAD.match(body)
+            if m is None or json.loads(f'"{m.group(1)}"') not in self.tool_names:
+                return  # not (yet) a recognisable call: decided when the block closes
+            self._streaming = (self._start(json.loads(f'"{m.group(1)}"'), events), m.end())
+        index, begin = self._streaming
+        upto = len(body) - _partial_suffix(body, self.END)
+        # Hold back a trailing run of `}` and whitespace: part of it closes the call object, not the arguments.
+        args = body[begin:upto].rstrip(" \t\r\n}")
+        if len(args) > self._sent:
+            self._args(index, args[self._sent:], events)
+            self._sent = len(args)
+
+    def _close(self, body: str, events: list[Event], complete: bool) -> None:
+        if self._streaming is None:
+            m = _HERMES_HEAD.match(body)
+            if m is not None and not complete and json.loads(f'"{m.group(1)}"') in self.tool_names:
+                self._stream_args(events)  # cut off mid-arguments: still a call, with what was written
+            elif self._whole_call(body.strip(), ("arguments", "parameters"), events):
+                self._after_call = True
+                return
+            else:
+                self._content(self.START + body + (self.END if complete else ""), events)
+                return
+        index, begin = self._streaming
+        args = body[begin:].rstrip()
+        if args.endswith("}") and (complete or _parses(body)):
+            args = args[:-1].rstrip()  # the call object's closing brace
+        self._args(index, args[self._sent:], events)
+        self._streaming = None
+        self._after_call = True
 
 class Llama3JsonParser(ToolCallParser):
     """A response that starts with `{` (or `<|python_tag|>`) is held until the end and parsed as calls;
@@ -158,34 +212,40 @@ class Llama3JsonParser(ToolCallParser):
         self._buf = ""
         self._mode: str | None = None  # None: undecided, "content", "calls"
 
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, delta: str) -> list[Event]:
         if self._mode == "content":
-            return delta, []
+            return [("content", delta)] if delta else []
         self._buf += delta
         head = self._buf.lstrip()
         if self._mode is None:
             if not head or (self.TAG.startswith(head) and head != self.TAG):
-                return "", []
+                return []
             self._mode = "calls" if head.startswith(("{", self.TAG)) else "content"
             if self._mode == "content":
                 out, self._buf = self._buf, ""
-                return out, []
-        return "", []
+                return [("content", out)]
+        return []
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> list[Event]:
         text, self._buf = self._buf, ""
         if self._mode != "calls":
-            return text, []
+            return [("content", text)] if text else []
         body = text.strip()
         body = body[len(self.TAG):] if body.startswith(self.TAG) else body
-        calls = []
-        for piece in _split_json_objects(body):
-            call = self._call_from_json(piece, ("parameters", "arguments"))
-            if call is None:
-                self.calls.clear()
-                return text, []
-            calls.append(call)
-        return ("", calls) if calls else (text, [])
+        pieces = _split_json_objects(body)
+        events: list[Event] = []
+        if pieces and all(self._whole_call(p, ("parameters", "arguments"), events) for p in pieces):
+            return events
+        self.calls.clear()
+        return [("content", text)]
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
 
 
 def _split_json_objects(text: str) -> list[str]:
