@@ -51,6 +51,9 @@ def pieces(text: str, seed: int) -> list[str]:
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', {"f"}, "", [("f", '{"a": [1, 2')]),  # cut off
     ("hermes", '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>', {"f"}, "", [("f", '{"x": 1}')]),
     ("hermes", "No tools needed < > </tool", {"f"}, "No tools needed < > </tool", []),
+    ("hermes", '<tool_call>{"name":"f","arguments":{"a":1}}</tool_call>', {"f"}, "", [("f", '{"a":1}')]),
+    ("hermes", '<tool_call>{"name": "\\x", "arguments": {}}</tool_call>', {"f"},
+     '<tool_call>{"name": "\\x", "arguments": {}}</tool_call>', []),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "a;b", "unit": "f"}}; {"name": "get_time", '
                '"parameters": {}}', {"get_weather", "get_time"}, "",
      [("get_weather", '{"city": "a;b", "unit": "f"}'), ("get_time", "{}")]),

@@ -148,7 +148,7 @@ class HermesParser(ToolCallParser):
                 self._in_call, self._streaming, self._sent = True, None, 0
             end = self._buf.find(self.END)
             if end < 0:
-                self._stream_args(events)
+                self._stream_args(self._buf, events)
                 return events
             body, self._buf = self._buf[:end], self._buf[end + len(self.END):]
             self._in_call = False
@@ -168,13 +168,23 @@ class HermesParser(ToolCallParser):
         if text:
             events.append(("content", text))
 
-    def _stream_args(self, events: list[Event]) -> None:
-        body = self._buf
+    def _head(self, body: str) -> tuple[str, int] | None:
+        """(function name, where the arguments start) once the body reads `{"name": "f", "arguments": {`."""
+        m = _HERMES_HEAD.match(body)
+        if m is None:
+            return None
+        try:
+            name = json.loads(f'"{m.group(1)}"')
+        except ValueError:
+            return None
+        return (name, m.end()) if name in self.tool_names else None
+
+    def _stream_args(self, body: str, events: list[Event]) -> None:
         if self._streaming is None:
-            m = _HERMES_HEAD.match(body)
-            if m is None or json.loads(f'"{m.group(1)}"') not in self.tool_names:
+            head = self._head(body)
+            if head is None:
                 return  # not (yet) a recognisable call: decided when the block closes
-            self._streaming = (self._start(json.loads(f'"{m.group(1)}"'), events), m.end())
+            self._streaming = (self._start(head[0], events), head[1])
         index, begin = self._streaming
         upto = len(body) - _partial_suffix(body, self.END)
         # Hold back a trailing run of `}` and whitespace: part of it closes the call object, not the arguments.
@@ -184,23 +194,24 @@ class HermesParser(ToolCallParser):
             self._sent = len(args)
 
     def _close(self, body: str, events: list[Event], complete: bool) -> None:
-        if self._streaming is None:
-            m = _HERMES_HEAD.match(body)
-            if m is not None and not complete and json.loads(f'"{m.group(1)}"') in self.tool_names:
-                self._stream_args(events)  # cut off mid-arguments: still a call, with what was written
-            elif self._whole_call(body.strip(), ("arguments", "parameters"), events):
+        # A call cut off mid-arguments (max_tokens) stays a call with what was written, as OpenAI's do.
+        # Whether the block arrived in pieces or at once, a call whose head reads right streams the same
+        # way (so its arguments are the model's own text either way); any other block is judged whole.
+        if self._streaming is None and self._head(body) is None:
+            if self._whole_call(body.strip(), ("arguments", "parameters"), events):
                 self._after_call = True
-                return
             else:
                 self._content(self.START + body + (self.END if complete else ""), events)
-                return
+            return
+        self._stream_args(body, events)
         index, begin = self._streaming
         args = body[begin:].rstrip()
-        if args.endswith("}") and (complete or _parses(body)):
+        if args.endswith("}") and _parses(body):
             args = args[:-1].rstrip()  # the call object's closing brace
         self._args(index, args[self._sent:], events)
         self._streaming = None
         self._after_call = True
+
 
 class Llama3JsonParser(ToolCallParser):
     """A response that starts with `{` (or `<|python_tag|>`) is held until the end and parsed as calls;
