@@ -337,4 +337,13 @@ async def test_official_openai_client_reads_tool_calls_and_reasoning(qwen):
     assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed.tool_calls] == [
         ("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})]
     assert final.choices[0].finish_reason == "tool_calls"
+    # The README's next turn: the client's own message object goes back with the tool's result.
+    qwen.worker.script = "21 degrees and sunny."
+    call = msg.tool_calls[0]
+    history = ASK + [msg.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21})}]
+    again = await client.chat.completions.create(model="tiny", messages=history, tools=TOOLS)
+    assert again.choices[0].message.content == "21 degrees and sunny."
+    prompt = prompt_text(qwen)
+    assert '"arguments": {"city": "Paris", "unit": "c"}' in prompt and '{"temp_c": 21}' in prompt
     await client.close()
