@@ -2,6 +2,7 @@
 back. A request with n choices over P prompts becomes P*n worker requests; choice index = p*n + j."""
 from __future__ import annotations
 
+import asyncio
 import json
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -220,7 +221,8 @@ class _CompletionFormat:
 async def chat_completions(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
     n, stream, include_usage = _common(state, body)
-    spec = parse_chat(body, state.tool_parser, state.reasoning_parser)
+    # Off the event loop: tool_choice required / named converts every function's schema to a grammar.
+    spec = await asyncio.to_thread(parse_chat, body, state.tool_parser, state.reasoning_parser)
     prompt = _render_chat(state, spec)
     want_lp = get_bool(body, "logprobs")
     top_k = get_int(body, "top_logprobs", 0, lo=0, hi=state.limits.max_top_logprobs)
