@@ -44,7 +44,7 @@ from lang_client.roles import RoleShortcuts
 
 IR_VERSION = 1
 MAX_PATHS = 64           # runs of the Python function for one trace (outcomes of all branches)
-MAX_REPEATS = 16         # the same comparison line on one path: past this it is a data-dependent loop
+MAX_DECISIONS = 64       # branches on one path: past this it is a loop that only a generated value ends
 
 
 def scoped_name(scope: str, name: str) -> str:
@@ -134,10 +134,11 @@ class _Run:
             return can_eq if test == "eq" else not can_eq
         line = _user_line()
         self.line_counts[line] = self.line_counts.get(line, 0) + 1
-        if self.line_counts[line] > MAX_REPEATS:
-            raise TracingError(f"{line}: this comparison of variable {ref.name!r} ran {MAX_REPEATS} times on one "
-                               "path: a loop that runs until a generated value says so cannot be compiled "
-                               "into a remote program; run it without remote=True (interpreter mode)")
+        if len(self.decisions) >= MAX_DECISIONS:
+            worst = max(self.line_counts, key=self.line_counts.get)
+            raise TracingError(f"{worst}: this comparison ran {self.line_counts[worst]} times on one path: a loop "
+                               "that runs until a generated value says so cannot be compiled into a remote "
+                               "program; run it without remote=True (interpreter mode)")
         if line not in self.trace.lines:
             self.trace.lines.append(line)
         k = len(self.decisions)

@@ -204,6 +204,7 @@ def test_bounded_loops_over_constants_keep_working(backend):
 
     ir = chat.trace(questions=["hi", "bye", "more"])
     validate_program(ir)
+    validate_program(chat.trace(questions=[f"q{i}" for i in range(30)]))  # 30 turns, 31 paths: still bounded
     local, _ = both(chat, backend, questions=["hi", "bye", "more"])
     assert "a2" not in local.variables()
 
@@ -288,6 +289,17 @@ def test_if_must_end_its_list_and_arms_are_checked():
     undefined = {"version": 1, "nodes": [{"op": "if", "cond": cond, "then": [], "else": []}]}
     with pytest.raises(InvalidRequest, match="before it is defined"):
         validate_program(undefined)
+
+
+def test_deeply_nested_ifs_are_refused_not_a_crash():
+    from services.gateway.programs import ProgramLimits
+    inner = []
+    for _ in range(200):
+        inner = [{"op": "if", "cond": {"var": "x", "scope": "", "test": "eq", "value": "a"}, "then": inner,
+                  "else": []}]
+    ir = {"version": 1, "nodes": [{"op": "gen", "name": "x", "sampling_params": {"max_new_tokens": 1}}] + inner}
+    with pytest.raises(InvalidRequest, match="nest deeper than 128"):
+        validate_program(ir, ProgramLimits())
 
 
 def test_a_read_of_a_variable_defined_differently_per_arm_in_another_stream_is_refused():

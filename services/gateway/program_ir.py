@@ -25,6 +25,7 @@ class ProgramLimits:
     max_fork_width: int = 64           # n of one fork
     max_total_tokens: int = 131072     # sum of max_new_tokens over all gens (default 128 each)
     max_depth: int = 8                 # fork nesting
+    max_if_depth: int = 128            # if nesting (the tracer makes at most 64 branches on one path)
     max_text_chars: int = 1_000_000    # literal text, role markers, choices, grammars and bound args
     max_choices: int = 256             # choices of one select
     max_name_chars: int = 128

@@ -61,6 +61,7 @@ class _Validator:
         self.limits = limits
         self.args = args
         self.node_count = 0
+        self.if_depth = 0
         self.total_tokens = 0
         self.text_chars = 0
         self.fork_ids: dict[int, tuple[str, list[str]]] = {}  # id -> (parent scope, branch scopes)
@@ -271,12 +272,16 @@ class _Validator:
         if not isinstance(value, str):
             raise InvalidRequest(f"{p}.cond.value must be a string", f"{p}.cond.value")
         self.add_text(value, f"{p}.cond.value")
+        self.if_depth += 1
+        if self.if_depth > self.limits.max_if_depth:
+            raise InvalidRequest(f"if nodes nest deeper than {self.limits.max_if_depth}", p)
         before = self.snapshot()
         then, role_then = self.nodes(n.get("then"), f"{p}.then", scope, depth, role)
         after_then = self.snapshot()
         self.restore(before)
         orelse, _ = self.nodes(n.get("else"), f"{p}.else", scope, depth, role)
         self.merge(after_then)
+        self.if_depth -= 1
         return IfNode(name, vscope, index, test, value, then, orelse), role_then
 
     # Definitions made in an if's arms: each arm is walked from the same state; afterwards a definition
