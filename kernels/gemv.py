@@ -22,8 +22,8 @@ MAX_M = 4
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, P, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
-                 M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
+                 HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -57,6 +57,8 @@ def _gemv_kernel(X, W, Y, P, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
         x_ptrs += BLOCK_K
     if M_PAD == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
+    if HAS_SCALE:  # FP8 weights: one dequantization scale per output row (linear, so per split too)
+        acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
@@ -102,13 +104,17 @@ def default_config(M: int, N: int, K: int) -> GemvConfig:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype."""
+         config: GemvConfig | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype.
+    `scale` (float32 [N]) dequantizes FP8 weights row by row (one row of x only: x is not quantized)."""
     M, K = x.shape
     N = w.shape[0]
     assert M <= MAX_M, "gemv is for decode batches of at most 4 rows; use a GEMM"
     assert w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1
+    assert scale is None or (M == 1 and scale.shape == (N,) and scale.dtype == torch.float32)
     cfg = config or default_config(M, N, K)
+    if config is None and w.element_size() == 1:  # same bytes per tile as bf16: twice the elements
+        cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k * 2, max(16, next_pow2(K))))
     if M > 1 and cfg.block_n < 16:  # tensor-core tile minimum
         cfg = dataclasses.replace(cfg, block_n=16)
     if out is None:
@@ -118,8 +124,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, w, out, partial, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split,
-        M=M, M_PAD=1 if M == 1 else 16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
+        x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
+        k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=1 if M == 1 else 16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
         EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), num_warps=cfg.num_warps)
     if split_k > 1:
         BLOCK = 1024
