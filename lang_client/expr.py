@@ -141,6 +141,12 @@ class Placeholder(str):
     def __bool__(self):
         raise _data_dependent(f"truth value of {self.what}")
 
+    def __int__(self):
+        raise _data_dependent(f"int() of {self.what}")
+
+    def __float__(self):
+        raise _data_dependent(f"float() of {self.what}")
+
 
 def _refuse_method(method: str):
     def refuse(self, *args, **kwargs):

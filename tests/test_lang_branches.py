@@ -241,6 +241,7 @@ def test_too_many_paths_are_refused():
 
 @pytest.mark.parametrize("body, needle", [
     (lambda v: len(v), "len()"),
+    (lambda v: str(int(v)), "int()"),
     (lambda v: v[:3], "slicing"),
     (lambda v: v.upper(), "upper"),
     (lambda v: {v: 1}, "hashing"),
