@@ -99,18 +99,31 @@ MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"
 MARKER_RE = re.compile(MARK_OPEN + r"(\d+)" + MARK_CLOSE)
 
 
-class Placeholder(str):
-    """Base of VarRef and ArgRef: a str standing for a value known only when the program runs."""
-    what = "value"
-
-    def __new__(cls, marker_id: int, **fields):
-        obj = super().__new__(cls, f"{MARK_OPEN}{marker_id}{MARK_CLOSE}")
-        obj.marker_id = marker_id
-        obj.__dict__.update(fields)
-        return obj
+class TracedStr(str):
+    """A str holding markers: `+` and `%` keep the result a TracedStr (so a comparison or len() of
+    `s["x"] + "!"` is refused too); f-strings and str.join give plain strs, which only carry the markers."""
+    what = "a string built from generated values"
 
     def __repr__(self) -> str:
         return f"<{self.what}>"
+
+    def __add__(self, other):
+        if isinstance(other, str):
+            return TracedStr(str.__add__(str(self), str(other)))
+        return NotImplemented
+
+    def __radd__(self, other):
+        if isinstance(other, str):
+            return TracedStr(str.__add__(str(other), str(self)))
+        return NotImplemented
+
+    def __mod__(self, args):
+        return TracedStr(str.__mod__(str(self), args))
+
+    def __rmod__(self, fmt):
+        if isinstance(fmt, str):
+            return TracedStr(str.__mod__(str(fmt), self))
+        return NotImplemented
 
     def __hash__(self):
         raise _data_dependent(f"hashing {self.what} (a set or dict lookup)")
@@ -148,9 +161,20 @@ class Placeholder(str):
         raise _data_dependent(f"float() of {self.what}")
 
 
+class Placeholder(TracedStr):
+    """Base of VarRef and ArgRef: a str standing for a value known only when the program runs."""
+    what = "value"
+
+    def __new__(cls, marker_id: int, **fields):
+        obj = super().__new__(cls, f"{MARK_OPEN}{marker_id}{MARK_CLOSE}")
+        obj.marker_id = marker_id
+        obj.__dict__.update(fields)
+        return obj
+
+
 def _refuse_method(method: str):
     def refuse(self, *args, **kwargs):
-        raise _data_dependent(f"{self.what}.{method}()")
+        raise _data_dependent(f"{method}() on {self.what}")
     refuse.__name__ = method
     return refuse
 
@@ -163,7 +187,7 @@ for _m in ("capitalize", "casefold", "center", "count", "encode", "endswith", "e
            "partition", "removeprefix", "removesuffix", "replace", "rfind", "rindex", "rjust", "rpartition",
            "rsplit", "rstrip", "split", "splitlines", "startswith", "strip", "swapcase", "title", "translate",
            "upper", "zfill", "__mul__", "__rmul__"):
-    setattr(Placeholder, _m, _refuse_method(_m))
+    setattr(TracedStr, _m, _refuse_method(_m))
 
 
 class VarRef(Placeholder):

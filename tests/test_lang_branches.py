@@ -247,7 +247,10 @@ def test_too_many_paths_are_refused():
     (lambda v: {v: 1}, "hashing"),
     (lambda v: v < "m", "ordering"),
     (lambda v: v == v, "another generated value"),
-    (lambda v: ("x" + v + "y")[:3], "cut apart"),
+    (lambda v: ("x" + v + "y")[:3], "indexing or slicing a string built"),
+    (lambda v: "".join(["x", v, "y"])[:3], "cut apart"),
+    (lambda v: str((v + "!") == "x!"), "comparing a string built from generated values"),
+    (lambda v: str(len("Q: %s" % v)), "len() of a string built"),
     (lambda v: sgl.gen("z", stop=v), "sampling parameters"),
 ])
 def test_value_dependent_python_is_refused_clearly(body, needle):
@@ -333,3 +336,10 @@ def test_a_read_the_taken_path_never_defines_fails_instead_of_hanging():
     result = asyncio.run(asyncio.wait_for(execute_program(program, generate), 5))
     assert result["variables"]["f0.0.z"] == "q" and "f0.0.y" not in result["variables"]
     assert ProgramError  # the class a never-defined read would fail with
+
+
+def test_streamed_remote_run_with_branches(backend):
+    s = triage.run(word="red", backend=backend, remote=True, stream=True)
+    assert list(s.text_iter("note")) == ["colour"]
+    local = triage.run(word="red", backend=backend)
+    assert s.text() == local.text() and s["end"] == local["end"]
