@@ -45,6 +45,6 @@ if [[ $what == pd-decode-heavy ]]; then
 fi
 if [[ $what == workloads ]]; then
   # The paper's workloads and ablations (bench/workloads): 4 stacks of the 8B shape, random weights.
-  timeout 580 python3 -m bench.workloads --ablations --out "$OUT" --parallel 16 --instances 48 --duration 5 \
+  timeout 580 python3 -m bench.workloads --ablations --out "$OUT" --parallel 16 --instances 48 --duration 5 --budget 540 \
     2>&1 | tee "$OUT/workloads.log" | tail -60
 fi

@@ -59,3 +59,24 @@ def test_driver_runs_every_workload_in_both_modes_on_the_tiny_stack(base_url, tm
     # Few-shot prompts are mostly shared: both the runtime and the optimum see it.
     assert by[("hellaswag", "interpreter")]["optimal_hit_rate"] > 0.5
     assert by[("hellaswag", "endpoint")]["hit_rate"] > 0.3
+
+
+def test_ablation_ratios_from_runs(tmp_path):
+    import argparse
+
+    from bench.workloads.ablations import _finish, plot
+
+    def row(w, mode, pps, hit=0.5, opt=0.6):
+        return {"workload": w, "mode": mode, "programs_per_s": pps, "hit_rate": hit, "optimal_hit_rate": opt,
+                "hit_rate_vs_optimal": round(hit / opt, 4)}
+
+    runs = {"baseline": [row("mmlu", "interpreter", 6.0), row("mmlu", "endpoint", 9.0),
+                         row("no_reuse", "interpreter", 10.0)],
+            "radix off": [row("mmlu", "interpreter", 2.0), row("no_reuse", "interpreter", 10.5)]}
+    args = argparse.Namespace(out=str(tmp_path), shape="tiny", instances=2, parallel=2, scale=0.1)
+    out = _finish(args, runs)  # fcfs, jump-forward and the client variants did not run (budget): no ratio
+    assert out["ratios"]["radix_on_vs_off"] == {"mmlu": 3.0, "no_reuse": 0.952}
+    assert out["ratios"]["endpoint_vs_interpreter_rtt0"] == {"mmlu": 1.5}
+    assert out["ratios"]["lpm_vs_fcfs"] == {} and out["summary"]["zero_reuse_overhead"] == 1.05
+    assert json.loads((tmp_path / "ablations.json").read_text())["paper_ratios"]["hellaswag"] == 33.0
+    plot(out, str(tmp_path / "ablations.png"))  # writes the PNG when matplotlib (the bench extra) is there

@@ -31,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-optimal", action="store_true", help="skip the offline-optimal hit rate")
     ap.add_argument("--shape", default="llama-3.1-8b", help="--ablations: model shape (bench/common.py)")
     ap.add_argument("--port", type=int, default=31970, help="--ablations: port of the stacks it starts")
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="--ablations: seconds in all; what would not fit is skipped (results are written as they come)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
     args = ap.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]

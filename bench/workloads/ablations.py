@@ -20,6 +20,7 @@ PAPER_RATIOS = {"mmlu": 6.5, "hellaswag": 33.0, "react": 5.4, "tree_of_thought":
                 "chat_short": 1.8, "chat_long": 1.06}
 MAIN = ["mmlu", "hellaswag", "react", "generative_agents", "tree_of_thought", "skeleton_of_thought", "judge",
         "json", "chat_short", "chat_long", "rag", "no_reuse"]
+STACK_START_S = 90  # a stack of the 8B shape with dummy weights, generously
 REUSE = ["mmlu", "hellaswag", "react", "tree_of_thought", "judge", "chat_short", "no_reuse"]
 
 
@@ -63,7 +64,13 @@ def run_ablations(args) -> dict:
         ("jump-forward off", ["--disable-jump-forward"], [
             ("jump-forward off", dict(workloads=["json"], modes=["interpreter", "endpoint"], optimal=False))]),
     ]
+    t_start = time.monotonic()
+    deadline = t_start + args.budget if args.budget else None
+    out: dict = {}
     for stack_name, flags, variants in plan:
+        if deadline is not None and time.monotonic() + STACK_START_S > deadline:
+            _log(f"budget spent: stack {stack_name} skipped")
+            continue
         _log(f"stack: {stack_name} {' '.join(flags)}")
         proc = start_stack(path, args.port, *flags)
         try:
@@ -72,15 +79,29 @@ def run_ablations(args) -> dict:
                           duration_s=args.duration, scale=args.scale, seed=args.seed + 1, optimal=False,
                           log=lambda m: None)
             for name, kw in variants:
+                if deadline is not None and time.monotonic() + args.duration > deadline:
+                    _log(f"budget spent: variant {name} skipped")
+                    continue
                 _log(f"variant: {name}")
-                runs[name] = run_workloads(url, **{**common, **kw})
+                runs[name] = run_workloads(url, **{**common, **kw}, deadline=deadline)
+                out = _finish(args, runs)  # written after every variant: a run cut short still leaves results
         finally:
             stop_stack(proc)
-    base = _index(runs["baseline"])
+    for name, results in runs.items():
+        print(f"\n== {name}")
+        print_table(results)
+    print("\nratios:", json.dumps(out.get("ratios"), indent=1))
+    print("summary:", out.get("summary"))
+    plot(out, os.path.join(args.out, "ablations.png"))
+    return out
+
+
+def _finish(args, runs: dict) -> dict:
+    base = _index(runs.get("baseline", []))
     ratios: dict[str, dict] = {"radix_on_vs_off": {}, "lpm_vs_fcfs": {}, "fork_hint_on_vs_off": {},
                                "endpoint_vs_interpreter_rtt0": {}, "endpoint_vs_interpreter_rtt20": {},
                                "jump_forward_on_vs_off": {}, "hit_rate_vs_optimal": {}}
-    off, fcfs, hint, rtt, jf = (_index(runs[k]) for k in ("radix off", "fcfs", "fork hint off", "rtt 20ms",
+    off, fcfs, hint, rtt, jf = (_index(runs.get(k, [])) for k in ("radix off", "fcfs", "fork hint off", "rtt 20ms",
                                                            "jump-forward off"))
     for w in MAIN:
         ratios["radix_on_vs_off"][w] = _ratio(base, off, "programs_per_s", w, "interpreter")
@@ -104,16 +125,12 @@ def run_ablations(args) -> dict:
            "summary": summary, "runs": runs}
     with open(os.path.join(args.out, "ablations.json"), "w") as f:
         json.dump(out, f, indent=1)
-    for name, results in runs.items():
-        print(f"\n== {name}")
-        print_table(results)
-    print("\nratios:", json.dumps(ratios, indent=1))
-    print("summary:", summary)
-    plot(out, os.path.join(args.out, "ablations.png"))
     return out
 
 
 def plot(out: dict, path: str) -> None:
+    if not out.get("ratios"):
+        return
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -74,13 +74,17 @@ def run_one(url: str, workload: str, mode: str, instances: list[dict], parallel:
 
 def run_workloads(url: str, workloads: list[str], modes: list[str], parallel: int, instances: int,
                   duration_s: float, scale: float, seed: int, rtt_s: float = 0.0, fork_hint: bool = True,
-                  optimal: bool = True, log=print) -> list[dict]:
+                  optimal: bool = True, log=print, deadline: float | None = None) -> list[dict]:
+    """`deadline` (time.monotonic()): workloads not yet started by then are skipped."""
     tokenizer = None
     if optimal:
         from shared.tokenizer import Tokenizer
         tokenizer = Tokenizer.load(requests.get(url + "/get_model_info", timeout=30).json()["model_path"])
     results = []
     for name in workloads:
+        if deadline is not None and time.monotonic() > deadline:
+            log(f"{name}: skipped (time budget spent)")
+            continue
         data = WORKLOADS[name].make(instances, scale, seed)
         trace = None
         for mode in modes:
