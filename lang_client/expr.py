@@ -213,6 +213,24 @@ class VarRef(Placeholder):
     __hash__ = Placeholder.__hash__
 
 
+# What a comparison may apply to a variable first (`s["x"].strip().lower() == "yes"`); the server applies the
+# same Python str methods before it compares (services/gateway/program_ir.py IF_TRANSFORMS).
+IF_TRANSFORMS = ("strip", "lstrip", "rstrip", "lower", "upper", "casefold")
+
+
+def _transform(method: str):
+    def apply(self, *args):
+        if args:
+            raise _data_dependent(f"{method}() with arguments on {self.what}")
+        return self.derive(self, method)
+    apply.__name__ = method
+    return apply
+
+
+for _m in IF_TRANSFORMS:
+    setattr(VarRef, _m, _transform(_m))
+
+
 class ArgRef(Placeholder):
     """A program argument left unbound while tracing; the server fills it from the request's args."""
     what = "an unbound argument"

@@ -79,13 +79,29 @@ class _Run:
         self.forks_since_decision = 0
 
     # ---- placeholders ----
-    def var(self, name: str, scope: str, choices: list[str] | None) -> VarRef:
-        key = (scope, name, self.def_counts.get((scope, name), 0))
-        ref = VarRef(len(self.markers), name=name, scope=scope, key=key, tracer_hook=self.branch)
+    def var(self, name: str, scope: str, choices: list[str] | None, transforms: tuple[str, ...] = ()) -> VarRef:
+        key = (scope, name, self.def_counts.get((scope, name), 0), transforms)
+        ref = VarRef(len(self.markers), name=name, scope=scope, key=key, choices=choices, transforms=transforms,
+                     tracer_hook=self.branch, derive=self.derive)
         self.markers.append(ref)
         if key not in self.facts:
-            self.facts[key] = ("in", frozenset(choices)) if choices is not None else ("not", frozenset())
+            if choices is not None:
+                self.facts[key] = ("in", frozenset(_apply(c, transforms) for c in choices))
+            else:
+                self.facts[key] = ("not", frozenset())
         return ref
+
+    def derive(self, ref: VarRef, method: str) -> VarRef:
+        """`ref.strip()` and the like: the same variable, to be transformed before a comparison."""
+        ref_key = ref.key
+        key = (*ref_key[:3], ref.transforms + (method,))
+        derived = VarRef(len(self.markers), name=ref.name, scope=ref.scope, key=key, choices=ref.choices,
+                         transforms=ref.transforms + (method,), tracer_hook=self.branch, derive=self.derive)
+        self.markers.append(derived)
+        if key not in self.facts:
+            self.facts[key] = (("in", frozenset(_apply(c, derived.transforms) for c in ref.choices))
+                               if ref.choices is not None else ("not", frozenset()))
+        return derived
 
     def arg(self, name: str) -> ArgRef:
         ref = ArgRef(len(self.markers), name=name)
@@ -109,6 +125,9 @@ class _Run:
                     out.append({"op": "text", "text": part})
                 continue
             ref = self.markers[int(part)] if int(part) < len(self.markers) else None
+            if isinstance(ref, VarRef) and ref.transforms:
+                raise TracingError(f"variable {ref.name!r} with .{'().'.join(ref.transforms)}() can be compared "
+                                   "with constants in a remote program, not appended; append the variable itself")
             if isinstance(ref, VarRef):
                 out.append({"op": "var", "name": ref.name, "scope": ref.scope})
             elif isinstance(ref, ArgRef):
@@ -145,7 +164,10 @@ class _Run:
         outcome = self.forced[k] if k < len(self.forced) else True
         self.decisions.append(outcome)
         self.snapshots.append({scope: len(nodes) for scope, nodes in self.lists.items()})
-        self.conds.append({"var": ref.name, "scope": ref.scope, "test": test, "value": value})
+        cond = {"var": ref.name, "scope": ref.scope, "test": test, "value": value}
+        if ref.transforms:
+            cond["transforms"] = list(ref.transforms)
+        self.conds.append(cond)
         self.forks_since_decision = 0
         equal = outcome if test == "eq" else not outcome
         self.facts[ref.key] = ("is", value) if equal else (
@@ -158,6 +180,12 @@ class _Run:
         key = (tuple(self.decisions), self.forks_since_decision)
         self.forks_since_decision += 1
         return self.trace.fork_ids.setdefault(key, len(self.trace.fork_ids))
+
+
+def _apply(value: str, transforms: tuple[str, ...]) -> str:
+    for method in transforms:
+        value = getattr(str, method)(value)
+    return value
 
 
 def _user_line() -> str:

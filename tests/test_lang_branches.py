@@ -343,3 +343,34 @@ def test_streamed_remote_run_with_branches(backend):
     assert list(s.text_iter("note")) == ["colour"]
     local = triage.run(word="red", backend=backend)
     assert s.text() == local.text() and s["end"] == local["end"]
+
+
+def test_comparisons_after_strip_and_lower(backend):
+    @function
+    def polite(s, word):
+        s += "say " + word + "\n" + gen("w", stop="<", max_tokens=12)
+        if s["w"].strip().lower() == "yes":
+            s += "\nsay agreed\n" + gen("r", stop="\n")
+        s += select("c", choices=[" Yes", "no "])
+        if s["c"].strip().lower() in ("yes", "maybe"):  # "maybe" is no choice: no path for it
+            s += "!"
+
+    ir = polite.trace(word="x")
+    assert ir["nodes"][-1]["cond"]["transforms"] == ["strip", "lower"]
+    assert "maybe" not in str(ir)
+    for word in ("YES", "no"):
+        local, remote = both(polite, backend, word=word)
+        assert ("r" in local.variables()) == (word == "YES")
+
+    @function
+    def appends_transformed(s):
+        s += gen("w", max_tokens=2)
+        s += s["w"].strip()
+
+    with pytest.raises(sgl.TracingError, match="not appended"):
+        appends_transformed.trace()
+    bad = {"version": 1, "nodes": [{"op": "gen", "name": "x", "sampling_params": {"max_new_tokens": 1}},
+                                   {"op": "if", "cond": {"var": "x", "test": "eq", "value": "a",
+                                                         "transforms": ["__class__"]}, "then": [], "else": []}]}
+    with pytest.raises(InvalidRequest, match="transforms"):
+        validate_program(bad)

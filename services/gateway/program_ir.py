@@ -17,6 +17,9 @@ JOIN_MODES = ("gather_variable", "concate_and_append")
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 SCOPE_RE = re.compile(r"^(|f\d+\.\d+)$")
 IF_TESTS = ("eq", "ne")
+# What an if may apply to the value before comparing (the tracer's `s["x"].strip().lower() == "yes"`).
+IF_TRANSFORMS = {"strip": str.strip, "lstrip": str.lstrip, "rstrip": str.rstrip, "lower": str.lower,
+                 "upper": str.upper, "casefold": str.casefold}
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,11 @@ class IfNode:
     value: str
     then: list[Any]
     orelse: list[Any]
+    transforms: list[str] = field(default_factory=list)  # IF_TRANSFORMS keys, applied in order
 
     def holds(self, actual: Any) -> bool:
+        for name in self.transforms:
+            actual = IF_TRANSFORMS[name](actual)
         return (actual == self.value) == (self.test == "eq")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from services.gateway.program_ir import (CHATML_ROLES, IF_TESTS, IR_VERSION, JOIN_MODES, NAME_RE, ROLES, SCOPE_RE,
+from services.gateway.program_ir import (CHATML_ROLES, IF_TESTS, IF_TRANSFORMS, IR_VERSION, JOIN_MODES, NAME_RE, ROLES, SCOPE_RE,
                                          SELECT_METHODS, ForkNode, GenNode, IfNode, JoinNode, Program,
                                          ProgramLimits, RoleNode, SelectNode, TextNode, VarNode)
 from shared.errors import InvalidRequest
@@ -264,7 +264,12 @@ class _Validator:
         cond = n.get("cond")
         if not isinstance(cond, dict):
             raise InvalidRequest(f"{p}.cond must be an object", f"{p}.cond")
-        _no_extra_keys(cond, {"var", "scope", "test", "value"}, f"{p}.cond")
+        _no_extra_keys(cond, {"var", "scope", "test", "value", "transforms"}, f"{p}.cond")
+        transforms = cond.get("transforms", [])
+        if (not isinstance(transforms, list) or len(transforms) > 8
+                or not all(isinstance(t, str) and t in IF_TRANSFORMS for t in transforms)):
+            raise InvalidRequest(f"{p}.cond.transforms must be a list of at most 8 of {sorted(IF_TRANSFORMS)}",
+                                 f"{p}.cond.transforms")
         name, vscope, index = self.read(cond.get("var"), cond.get("scope", ""), f"{p}.cond", "compared")
         test, value = cond.get("test"), cond.get("value")
         if test not in IF_TESTS:
@@ -282,7 +287,7 @@ class _Validator:
         orelse, _ = self.nodes(n.get("else"), f"{p}.else", scope, depth, role)
         self.merge(after_then)
         self.if_depth -= 1
-        return IfNode(name, vscope, index, test, value, then, orelse), role_then
+        return IfNode(name, vscope, index, test, value, then, orelse, list(transforms)), role_then
 
     # Definitions made in an if's arms: each arm is walked from the same state; afterwards a definition
     # both arms made alike stays, one they made differently is AMBIGUOUS to readers in other streams.
