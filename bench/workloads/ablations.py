@@ -58,11 +58,11 @@ def run_ablations(args) -> dict:
         ]),
         ("radix off", ["--disable-radix-cache"], [
             ("radix off", dict(workloads=REUSE + ["json", "chat_long"], modes=["interpreter"], optimal=False))]),
+        ("jump-forward off", ["--disable-jump-forward"], [
+            ("jump-forward off", dict(workloads=["json"], modes=["interpreter", "endpoint"], optimal=False))]),
         ("fcfs", ["--schedule-policy", "fcfs"], [
             ("fcfs", dict(workloads=["mmlu", "hellaswag", "tree_of_thought", "judge"], modes=["interpreter"],
                           optimal=False))]),
-        ("jump-forward off", ["--disable-jump-forward"], [
-            ("jump-forward off", dict(workloads=["json"], modes=["interpreter", "endpoint"], optimal=False))]),
     ]
     t_start = time.monotonic()
     deadline = t_start + args.budget if args.budget else None
