@@ -374,3 +374,21 @@ def test_comparisons_after_strip_and_lower(backend):
                                                          "transforms": ["__class__"]}, "then": [], "else": []}]}
     with pytest.raises(InvalidRequest, match="transforms"):
         validate_program(bad)
+
+
+@pytest.mark.parametrize("words", [("go", "go"), ("go", "stay")])
+def test_join_gathers_a_branch_variable_only_when_every_branch_defined_it(backend, words):
+    """Like the interpreter: a variable defined under a condition in the branches is gathered into the
+    parent only when every branch's path defined it."""
+    @function
+    def react_or_not(s, words):
+        forks = s.fork(2)
+        for f, w in zip(forks, words):
+            f += "say " + w + "\n" + gen("w", stop="\n")
+            if f["w"] == "go":
+                f += "\nsay went\n" + gen("reaction", stop="\n")
+        forks.join()
+
+    local, remote = both(react_or_not, backend, words=list(words))
+    assert ("reaction" in local.variables()) == (words == ("go", "go"))
+    assert ("reaction" in remote.variables()) == (words == ("go", "go"))

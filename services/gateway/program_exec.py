@@ -162,7 +162,8 @@ class _Run:
         tasks, states, scopes = self.forks[node.fork]
         await asyncio.gather(*tasks)
         if node.mode == "gather_variable":
-            for name in node.names:
+            maybe = [m for m in node.maybe if all(m in self.defined_in.get(s, []) for s in scopes)]
+            for name in node.names + maybe:
                 values = [self.values[_scoped(s, name)] for s in scopes]
                 await self._define(scope, name, values, [self.meta.get(_scoped(s, name)) for s in scopes])
         else:

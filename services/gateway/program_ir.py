@@ -73,6 +73,7 @@ class JoinNode:
     fork: int
     mode: str
     names: list[str] = field(default_factory=list)  # gather_variable: the names every branch defines
+    maybe: list[str] = field(default_factory=list)  # ...and those only some paths define: gathered when all did
 
 
 @dataclass

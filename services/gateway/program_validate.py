@@ -68,7 +68,8 @@ class _Validator:
         self.scopes = {""}
         # (scope, name) -> kind of each definition in walk order ("str" or "list" for gathered values)
         self.defs: dict[tuple[str, str], list[str]] = {}
-        self.defined_in: dict[str, list[str]] = {"": []}   # scope -> names it defined itself
+        self.defined_in: dict[str, list[str]] = {"": []}   # scope -> names it defined itself (on every path)
+        self.maybe_in: dict[str, list[str]] = {}            # scope -> names it defines on some paths only
 
     def check_text_budget(self, path: str) -> None:
         if self.text_chars > self.limits.max_text_chars:
@@ -91,8 +92,9 @@ class _Validator:
         if name is None:
             return
         self.defs.setdefault((scope, name), []).append(kind)
-        if name not in self.defined_in[scope]:
-            self.defined_in[scope].append(name)
+        target = self.maybe_in.setdefault(scope, []) if kind == AMBIGUOUS else self.defined_in[scope]
+        if name not in target:
+            target.append(name)
 
     def nodes(self, raw: Any, path: str, scope: str, depth: int, role: str | None) -> tuple[list, str | None]:
         if not isinstance(raw, list):
@@ -230,12 +232,17 @@ class _Validator:
             raise InvalidRequest(f"{p}.fork must name an earlier fork of this stream", f"{p}.fork")
         if mode not in JOIN_MODES:
             raise InvalidRequest(f"{p}.mode must be one of {list(JOIN_MODES)}", f"{p}.mode")
-        names = []
+        names, maybe = [], []
         if mode == "gather_variable":
-            names = gathered(self.defined_in, self.fork_ids[fid][1])
+            branches = self.fork_ids[fid][1]
+            names = gathered(self.defined_in, branches)
+            possible = {b: self.defined_in[b] + self.maybe_in.get(b, []) for b in branches}
+            maybe = [name for name in gathered(possible, branches) if name not in names]
             for name in names:
                 self.define(scope, name, kind="list")
-        return JoinNode(fid, mode, names), role
+            for name in maybe:  # gathered only when every branch's path defined it, as the interpreter does
+                self.define(scope, name, kind=AMBIGUOUS)
+        return JoinNode(fid, mode, names, maybe), role
 
     def read(self, name_raw: Any, scope_raw: Any, p: str, what: str) -> tuple[str, str, int]:
         """A read of (scope, name) sees its latest definition so far in walk order: (name, scope, index)."""
@@ -246,7 +253,7 @@ class _Validator:
         kinds = self.defs.get((vscope, name))
         if not kinds:
             raise InvalidRequest(f"{p}: variable {name!r} is read before it is defined", f"{p}.name")
-        if kinds[-1] == AMBIGUOUS:
+        if AMBIGUOUS in kinds:
             raise InvalidRequest(f"{p}: variable {name!r} is defined under a condition in another stream, so "
                                  "which value a read sees depends on the path; read it in its own stream", f"{p}.name")
         if kinds[-1] != "str":
@@ -291,15 +298,17 @@ class _Validator:
 
     # Definitions made in an if's arms: each arm is walked from the same state; afterwards a definition
     # both arms made alike stays, one they made differently is AMBIGUOUS to readers in other streams.
-    def snapshot(self) -> tuple[dict, dict]:
-        return ({k: list(v) for k, v in self.defs.items()}, {k: list(v) for k, v in self.defined_in.items()})
+    def snapshot(self) -> tuple[dict, dict, dict]:
+        return tuple({k: list(v) for k, v in d.items()} for d in (self.defs, self.defined_in, self.maybe_in))
 
-    def restore(self, snap: tuple[dict, dict]) -> None:
-        self.defs, self.defined_in = ({k: list(v) for k, v in snap[0].items()},
-                                      {k: list(v) for k, v in snap[1].items()})
+    def restore(self, snap: tuple[dict, dict, dict]) -> None:
+        self.defs, self.defined_in, self.maybe_in = ({k: list(v) for k, v in d.items()} for d in snap)
 
-    def merge(self, other: tuple[dict, dict]) -> None:
-        defs, defined_in = other
+    def merge(self, other: tuple[dict, dict, dict]) -> None:
+        defs, defined_in, maybe_in = other
+        for scope in set(maybe_in) | set(self.maybe_in):
+            mine = self.maybe_in.setdefault(scope, [])
+            mine.extend(name for name in maybe_in.get(scope, []) if name not in mine)
         for key in set(defs) | set(self.defs):
             mine, theirs = self.defs.get(key), defs.get(key)
             if mine != theirs:
@@ -310,6 +319,8 @@ class _Validator:
                 self.defined_in[scope] = mine if mine is not None else theirs
             else:
                 self.defined_in[scope] = [name for name in mine if name in theirs]
+                maybe = self.maybe_in.setdefault(scope, [])
+                maybe.extend(n for n in mine + theirs if n not in self.defined_in[scope] and n not in maybe)
 
     ops = {"text": op_text, "arg": op_arg, "role_begin": op_role_begin, "role_end": op_role_end,
            "gen": op_gen, "select": op_select, "fork": op_fork, "join": op_join, "var": op_var, "if": op_if}
