@@ -80,3 +80,21 @@ def test_ablation_ratios_from_runs(tmp_path):
     assert out["ratios"]["lpm_vs_fcfs"] == {} and out["summary"]["zero_reuse_overhead"] == 1.05
     assert json.loads((tmp_path / "ablations.json").read_text())["paper_ratios"]["hellaswag"] == 33.0
     plot(out, str(tmp_path / "ablations.png"))  # writes the PNG when matplotlib (the bench extra) is there
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_every_workload_gives_the_same_answer_remotely(name):
+    """Through the program endpoint (the fake server runs services.gateway.programs) each workload's
+    program writes the same text and variables as in interpreter mode."""
+    import lang_client as sgl
+    from tests.fake_sglang_server import FakeSGLangServer
+
+    w = WORKLOADS[name]
+    with FakeSGLangServer() as srv:
+        backend = sgl.RuntimeEndpoint(srv.url)
+        for kwargs in w.make(2, 0.05, 1):
+            local = w.program.run(backend=backend, temperature=0, **kwargs)
+            remote = w.program.run(backend=backend, remote=True, temperature=0, **kwargs)
+            assert remote.text() == local.text()
+            for var, value in local.variables().items():
+                assert remote[var] == value, var
