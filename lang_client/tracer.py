@@ -93,8 +93,7 @@ class _Run:
 
     def derive(self, ref: VarRef, method: str) -> VarRef:
         """`ref.strip()` and the like: the same variable, to be transformed before a comparison."""
-        ref_key = ref.key
-        key = (*ref_key[:3], ref.transforms + (method,))
+        key = (*ref.key[:3], ref.transforms + (method,))
         derived = VarRef(len(self.markers), name=ref.name, scope=ref.scope, key=key, choices=ref.choices,
                          transforms=ref.transforms + (method,), tracer_hook=self.branch, derive=self.derive)
         self.markers.append(derived)
@@ -269,8 +268,7 @@ class TracerState(RoleShortcuts):
         if how[0] == "list":
             return list(how[1])
         scope, choices = how
-        key = (scope, name)
-        # A read sees the latest definition: count it as of now (the reader may be another stream).
+        # A read sees the latest definition: counted as of now (the reader may be another stream).
         return self._run.var(name, scope, choices)
 
     get_var = __getitem__

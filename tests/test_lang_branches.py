@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 import lang_client as sgl
-from lang_client import assistant, function, gen, select, system, user
+from lang_client import assistant, function, gen, select, user
 from lang_client.tracer import MAX_PATHS
 from services.gateway.programs import ProgramError, execute_program, validate_program
 from shared.errors import InvalidRequest
