@@ -184,7 +184,8 @@ def profile_decode_worker(stack_pid: int, out_dir: str, delay: float = 8.0, seco
                 time.sleep(0.5)
             a = _thread_cpu(pid)
             rec = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--gil", "--threads", "-r", "200",
-                                    "-d", str(int(seconds)), "-f", "raw", "-o", os.path.join(out_dir, "decode_gil.txt")],
+                                    "-d", str(int(seconds)), "-f", "raw",
+                                    "-o", os.path.join(out_dir, "decode_gil.txt")],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
             time.sleep(seconds)
             b = _thread_cpu(pid)

@@ -84,7 +84,8 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
     limits = Limits(max_n=getattr(args, "max_n", Limits.max_n),
                     max_body_bytes=getattr(args, "max_body_bytes", Limits.max_body_bytes))
     state = GatewayState(tokenizer=tokenizer, served_model_name=args.served_model_name or args.model_path,
-                         model_path=args.model_path, router=Router(workers, _policy(args), getattr(args, "pd_bypass_tokens", 128)),
+                         model_path=args.model_path, router=Router(workers, _policy(args),
+                                                                      getattr(args, "pd_bypass_tokens", 128)),
                          context_length=getattr(args, "context_length", None), limits=limits,
                          api_key=getattr(args, "api_key", None), admin_api_key=getattr(args, "admin_api_key", None),
                          tokenizer_path=tokenizer_path, tool_parser=tool_parser,

@@ -68,7 +68,8 @@ class PartTimes:
         out: dict = {"requests": len(rows)}
         for name in (rows[0] if rows else {}):
             xs = sorted(r[name] for r in rows if name in r)
-            out[name] = {"p50": round(xs[len(xs) // 2] * 1e3, 3), "p99": round(xs[min(len(xs) - 1, int(0.99 * len(xs)))] * 1e3, 3)}
+            out[name] = {"p50": round(xs[len(xs) // 2] * 1e3, 3),
+                         "p99": round(xs[min(len(xs) - 1, int(0.99 * len(xs)))] * 1e3, 3)}
         return out
 
 
