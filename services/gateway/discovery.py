@@ -45,14 +45,15 @@ class WorkerDiscovery:
 
     async def refresh_once(self) -> bool:
         """One refresh that never raises; False when the store was unreachable."""
+        if self.outage.down:  # first answer after an outage: entries may not be back yet
+            self._adds_only_until = asyncio.get_running_loop().time() + WORKER_TTL_S
         try:
             async with asyncio.timeout(5.0):
                 await self.refresh()
         except Exception as e:
             self._delay = self.outage.failed(e)
             return False
-        if self.outage.ok():
-            self._adds_only_until = asyncio.get_running_loop().time() + WORKER_TTL_S
+        self.outage.ok()
         self._delay = self.interval_s
         return True
 

@@ -238,8 +238,12 @@ def one_request(url: str, text: str, max_new_tokens: int, stream: bool) -> Outco
         if "refused" in str(e).lower():
             return Outcome("refused", str(e)[:200], time.monotonic())
         return Outcome("dropped", str(e)[:200], time.monotonic())  # the connection died mid-request
+    except requests.exceptions.ChunkedEncodingError as e:
+        return Outcome("dropped", str(e)[:200], time.monotonic())
     except requests.exceptions.Timeout as e:
         return Outcome("bad", f"hang: {e}", time.monotonic())
+    except requests.RequestException as e:
+        return Outcome("bad", f"{type(e).__name__}: {e}"[:200], time.monotonic())
 
 
 def assert_no_bad(outcomes: list[Outcome], allow: tuple[str, ...] = ("ok", "error")) -> dict[str, int]:

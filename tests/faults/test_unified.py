@@ -38,6 +38,8 @@ def test_worker_sigkill_under_load(stack, baseline):
     load = Load(stack.url, clients=4).start()
     time.sleep(1.5)
     t_kill = stack.kill_worker("unified-0")
+    wait_for(lambda: not all_up(stack.url), 10, "the gateway to see the worker gone")
+    noticed = time.monotonic() - t_kill
     wait_for(lambda: load.ok_after(t_kill) >= 4, 20, "requests served by the surviving worker")
     serving = load.first_ok_after(t_kill)
     code, text = health(stack.url)
@@ -48,7 +50,7 @@ def test_worker_sigkill_under_load(stack, baseline):
     # Only the requests running on the killed worker may fail; everything after goes elsewhere.
     assert counts.get("error", 0) <= load.clients, counts
     kv = wait_kv_baseline(stack.url, baseline)
-    report("unified-x2 worker SIGKILL", first_ok_after_kill_s=serving, full_recovery_s=recovered,
+    report("unified-x2 worker SIGKILL", noticed_s=noticed, first_ok_after_kill_s=serving, full_recovery_s=recovered,
            kv_settle_s=kv, **counts)
     assert recovered < 60
 
