@@ -23,7 +23,7 @@ POOL_TOKENS = 2048
 def stack(redis_server):
     redis.Redis.from_url(redis_server.url).flushdb()
     s = FaultStack("--workers", "2", "--redis-url", redis_server.url, "--max-total-tokens", str(POOL_TOKENS),
-                   "--restart-backoff", "0.2")
+                   "--restart-backoff", "0.2", "--log-level", "info")
     yield s
     s.stop(signal.SIGKILL)
 
@@ -32,6 +32,22 @@ def stack(redis_server):
 def baseline(stack):
     one_request(stack.url, "warm up", 4, stream=False)
     return worker_kv(stack.url)
+
+
+def test_request_id_reaches_every_log_line(stack, baseline):
+    """--log-level reaches the in-process gateway; its access line and the worker's line about the
+    request carry the client's X-Request-Id, which comes back as a response header."""
+    r = requests.post(stack.url + "/v1/completions", headers={"X-Request-Id": "fault-rid-42"},
+                      json={"model": "tiny-random", "prompt": "who am I", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200 and r.headers["X-Request-Id"] == "fault-rid-42"
+    made = requests.post(stack.url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}},
+                         timeout=30).headers["X-Request-Id"]
+    assert len(made) == 32  # none given: the gateway makes one
+    wait_for(lambda: "request_id=fault-rid-42 POST /v1/completions 200 prompt_tokens=" in stack.text(), 10,
+             "the access-log line")
+    wait_for(lambda: "[request_id=fault-rid-42] finished" in stack.text(), 10, "the worker's line")
+    line = next(l for l in stack.lines if "request_id=fault-rid-42 POST" in l)
+    assert "output_tokens=3" in line and "ttft=" in line and "e2e=" in line
 
 
 def test_worker_sigkill_under_load(stack, baseline):
