@@ -6,7 +6,8 @@ client per address and closes a departed worker's client after its in-flight req
 
 Redis is metadata, not a dependency: while it is unreachable the gateway routes on the last known set
 (one log line per outage), and for one TTL after it returns it only adds workers, never removes them (a
-restarted Redis is empty until every worker's next beat re-registers it).
+restarted Redis is empty until every worker's next beat re-registers it). Workers given with
+--workers are always kept; the registry adds to them.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ class WorkerDiscovery:
         self.interval_s = interval_s
         self.roles = roles
         self._clients: dict[str, WorkerClient] = {w.address: w for w in router.workers}
+        # Workers given on the command line (--workers) stay whatever the registry says: a supervised
+        # worker that is restarting has no live entry, and must not be forgotten for it.
+        self._static = dict(self._clients)
         self._task: asyncio.Task | None = None
         self._delay = interval_s
         self.outage = Outage("worker discovery", log)
@@ -59,7 +63,7 @@ class WorkerDiscovery:
 
     async def refresh(self) -> None:
         entries = await self.store.list_workers()
-        wanted: dict[str, WorkerClient] = {}
+        wanted: dict[str, WorkerClient] = dict(self._static)
         if asyncio.get_running_loop().time() < self._adds_only_until:
             wanted.update(self._clients)  # just after an outage: entries may not be back yet
         for info in entries.values():

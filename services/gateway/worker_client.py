@@ -256,6 +256,8 @@ class WorkerClient:
             raise WorkerUnavailable(f"worker {self.address} did not answer in {timeout} s") from None
         finally:
             self._calls.pop(call_id, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # failed by a lost connection while we still waited to send: retrieved
 
     async def ping(self, timeout: float) -> PongResult:
         call_id = next(self._call_ids)

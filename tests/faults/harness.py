@@ -103,6 +103,14 @@ class FaultStack(Proc):
                 return int(entry)
         raise RuntimeError(f"no worker {name} under the launcher")
 
+    def busiest(self, role: str) -> tuple[str, str]:
+        """(slot name, address) of the `role` worker with the most requests in flight now: the victim
+        whose death costs something."""
+        loads = {w["address"]: w["load"] for w in requests.get(self.url + "/server_info", timeout=10).json()["workers"]
+                 if w["role"] == role}
+        address = max(loads, key=lambda a: loads[a])
+        return f"{role}-{self.workers.index(address)}", address
+
     def kill_worker(self, name: str, sig: int = signal.SIGKILL) -> float:
         os.kill(self.worker_pid(name), sig)
         return time.monotonic()
@@ -149,7 +157,10 @@ def wait_kv_baseline(url: str, baseline: dict[str, dict], addresses=None, timeou
     addresses = list(addresses or baseline)
 
     def settled():
+        t = time.monotonic()
         now = worker_kv(url)
+        if os.environ.get("FAULTS_DEBUG"):
+            print(f"{time.monotonic() - t0:.2f} poll {time.monotonic() - t:.2f}s {now}", flush=True)
         return all(a in now and now[a]["num_running"] == 0 and now[a]["num_waiting"] == 0
                    and now[a]["kv_usage"] <= baseline[a]["kv_usage"] + 1e-9 for a in addresses)
     try:

@@ -53,13 +53,13 @@ def test_request_id_reaches_every_log_line(stack, baseline):
 def test_worker_sigkill_under_load(stack, baseline):
     load = Load(stack.url, clients=4).start()
     time.sleep(1.5)
-    t_kill = stack.kill_worker("unified-0")
+    t_kill = stack.kill_worker(stack.busiest("unified")[0])
     wait_for(lambda: not all_up(stack.url), 10, "the gateway to see the worker gone")
     noticed = time.monotonic() - t_kill
     wait_for(lambda: load.ok_after(t_kill) >= 4, 20, "requests served by the surviving worker")
     serving = load.first_ok_after(t_kill)
     code, text = health(stack.url)
-    wait_for(lambda: all_up(stack.url), 60, "the killed worker restarted and taken back")
+    wait_for(lambda: all_up(stack.url), 90, "the killed worker restarted and taken back")
     recovered = time.monotonic() - t_kill
     time.sleep(1.0)
     counts = assert_no_bad(load.stop())
@@ -68,7 +68,7 @@ def test_worker_sigkill_under_load(stack, baseline):
     kv = wait_kv_baseline(stack.url, baseline)
     report("unified-x2 worker SIGKILL", noticed_s=noticed, first_ok_after_kill_s=serving, full_recovery_s=recovered,
            kv_settle_s=kv, **counts)
-    assert recovered < 60
+    assert recovered < 90  # a restart loads the model again: seconds on a quiet machine, more on a busy one
 
 
 def test_redis_stop_and_start_under_load(stack, baseline, redis_server):
