@@ -47,7 +47,9 @@ class AccessRecord:
 
 
 CURRENT: contextvars.ContextVar[AccessRecord | None] = contextvars.ContextVar("access_record", default=None)
-_KEY = "access_record"
+
+
+_KEY = web.RequestKey("access_record", AccessRecord)
 
 
 def current_request_id() -> str | None:
