@@ -106,15 +106,11 @@ class WorkerSlot:
                         self.name, self.address, code, delay)
             await self._notify("restarting")
             await asyncio.sleep(delay)
-            while not self._stopping:
-                try:
-                    await self.start()
-                    break
-                except Exception as e:  # e.g. the port is not free yet: try again after the backoff
-                    log.warning("worker %s failed to restart: %s", self.name, e)
-                    await asyncio.sleep(min(delay * 2, self.policy.max_backoff_s))
-            if self._stopping:
-                return
+            try:
+                await self.start()
+            except Exception as e:  # exited before its ready line: counts as one more exit
+                log.warning("worker %s failed to restart: %s", self.name, e)
+                continue
             self.restarts += 1
             log.warning("worker %s is back on %s (restart %d)", self.name, self.address, self.restarts)
             await self._notify("up")

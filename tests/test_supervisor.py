@@ -46,3 +46,22 @@ def test_stop_ends_supervision():
 
     slot = asyncio.run(main())
     assert slot.proc.returncode is not None and slot._task.done()
+
+
+def test_a_worker_that_cannot_start_again_ends_down():
+    """Failed restarts (exit before the ready line, e.g. its port taken) count against the budget."""
+    fails = "import sys; port = int(sys.argv[1]); print(f'WORKER READY 127.0.0.1:40124 id=x', flush=True) " \
+            "if port == 0 else None; sys.exit(1)"
+
+    async def main():
+        slot = WorkerSlot("unified-0", lambda port: [sys.executable, "-c", fails, str(port)],
+                          RestartPolicy(max_restarts=3, window_s=60, backoff_s=0.01))
+        states: list[str] = []
+        slot.on_change = lambda s, state: states.append(state)
+        await slot.start()
+        slot.watch()
+        await asyncio.wait_for(slot._task, 20)
+        return states, slot
+
+    states, slot = asyncio.run(main())
+    assert states == ["up", "restarting", "restarting", "restarting", "down"] and slot.restarts == 0
