@@ -9,6 +9,7 @@ COPY pyproject.toml README.md ./
 COPY services ./services
 COPY shared ./shared
 COPY kernels ./kernels
+COPY lang_client ./lang_client
 # The CUDA 13 build of torch and Triton on GPU hosts (the CPU pin in pyproject is for CPU machines), then
 # the rest of pyproject's dependencies, ucxx-cu13 included (KV pages between PD workers; CUDA 13 to match).
 RUN pip install --no-cache-dir torch==2.11.0 triton==3.6.0 --index-url https://download.pytorch.org/whl/cu130 \
