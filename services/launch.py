@@ -142,6 +142,7 @@ async def run(args: argparse.Namespace) -> int:
             # The gateway says not ready, then lets requests in flight finish (workers are still up).
             await stop_gateway(runner, state)
         await asyncio.gather(*(s.stop(args.drain_timeout + args.drain_grace + 15) for s in slots))
+        log.warning("stopped")
     return 0
 
 

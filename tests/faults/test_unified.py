@@ -53,12 +53,16 @@ def test_request_id_reaches_every_log_line(stack, baseline):
 def test_worker_sigkill_under_load(stack, baseline):
     load = Load(stack.url, clients=4).start()
     time.sleep(1.5)
-    t_kill = stack.kill_worker(stack.busiest("unified")[0])
+    name, victim = stack.busiest("unified")
+    t_kill = stack.kill_worker(name)
     wait_for(lambda: not all_up(stack.url), 10, "the gateway to see the worker gone")
     noticed = time.monotonic() - t_kill
     wait_for(lambda: load.ok_after(t_kill) >= 4, 20, "requests served by the surviving worker")
     serving = load.first_ok_after(t_kill)
     code, text = health(stack.url)
+    assert code == 200 and f"worker {victim}: restarting" in text, text  # degraded, and says which
+    states = {w["address"]: w["state"] for w in requests.get(stack.url + "/server_info", timeout=10).json()["workers"]}
+    assert states[victim] == "restarting", states
     wait_for(lambda: all_up(stack.url), 90, "the killed worker restarted and taken back")
     recovered = time.monotonic() - t_kill
     time.sleep(1.0)
