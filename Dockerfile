@@ -15,7 +15,7 @@ COPY lang_client ./lang_client
 RUN pip install --no-cache-dir torch==2.11.0 triton==3.6.0 --index-url https://download.pytorch.org/whl/cu130 \
     && pip install --no-cache-dir --no-deps -e . \
     && pip install --no-cache-dir aiohttp==3.14.5 msgpack==1.2.4 safetensors==0.8.0 tokenizers==0.23.3 \
-       jinja2==3.1.6 prometheus-client==0.26.0 redis==8.1.0 huggingface-hub==2.4.0 xgrammar==0.2.9 \
+       jinja2==3.1.6 prometheus-client==0.26.0 redis==8.1.0 huggingface-hub==2.4.0 xgrammar==0.2.9 transformers==5.24.0 \
        numpy==2.4.6 ucxx-cu13==0.52.0
 EXPOSE 30000
 CMD ["python", "-m", "services.launch", "--model-path", "tiny-random", "--host", "0.0.0.0", "--port", "30000"]
