@@ -45,10 +45,10 @@ def _score(key: bytes, address: str) -> bytes:
 
 
 def _live(workers: list[WorkerClient]) -> list[WorkerClient]:
-    """Prefer connected, responsive workers; if none is, pick anyway so the request waits for a
-    reconnection."""
-    return ([w for w in workers if w.connected and w.responsive] or [w for w in workers if w.connected]
-            or workers)
+    """Prefer routable workers (connected, responsive, not draining); if none is, pick anyway so the
+    request waits for a reconnection (a supervised worker restarts in seconds)."""
+    return ([w for w in workers if w.routable] or [w for w in workers if w.connected and not w.draining]
+            or [w for w in workers if w.connected] or workers)
 
 
 class Router:
@@ -98,8 +98,9 @@ class Router:
         holds the prefix also receives fewer pages. (None, decode) is the short-suffix bypass: the
         routing index says the decode worker already holds all but at most `pd_bypass_tokens` of the
         prompt (a conversation's next turn), so it computes that suffix itself."""
-        prefill = [w for w in self._workers if w.role == "prefill" and w.connected]
-        decode = [w for w in self._workers if w.role == "decode" and w.connected and w.transfer_addr]
+        prefill = [w for w in self._workers if w.role == "prefill" and w.connected and not w.draining]
+        decode = [w for w in self._workers if w.role == "decode" and w.connected and not w.draining
+                  and w.transfer_addr]
         if not prefill or not decode:
             return None
         d = self.policy.pick(_live(decode), input_ids, salt)
@@ -111,8 +112,8 @@ class Router:
     def pick_side(self, role: str, input_ids: Sequence[int], salt: str | None = None,
                   exclude: set[str] = frozenset()) -> WorkerClient | None:
         """A replacement PD worker of `role` (prefill|decode) not in `exclude`, or None."""
-        ok = [w for w in self._workers if w.role == role and w.connected and w.address not in exclude
-              and (role != "decode" or w.transfer_addr)]
+        ok = [w for w in self._workers if w.role == role and w.connected and not w.draining
+              and w.address not in exclude and (role != "decode" or w.transfer_addr)]
         return self.policy.pick(_live(ok), input_ids, salt) if ok else None
 
     def remember(self, worker: WorkerClient, token_ids: Sequence[int], salt: str | None = None) -> None:
