@@ -32,6 +32,7 @@ def _alive(pid: int) -> bool:
 
 def test_sigkilled_launcher_leaves_no_worker_running():
     s = Stack("--workers", "2")
+    workers: list[int] = []
     try:
         workers = _children(s.proc.pid)
         assert len(workers) >= 2, workers
@@ -43,6 +44,7 @@ def test_sigkilled_launcher_leaves_no_worker_running():
         left = [p for p in workers if _alive(p)]
         assert not left, f"workers outlived their launcher: {left}"
     finally:
-        for p in _children(s.proc.pid):
-            os.kill(p, signal.SIGKILL)
+        for p in workers:  # never leave a worker behind, even when the test fails
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
         s.stop()
