@@ -476,3 +476,44 @@ def test_decode_side_inserts_received_prompt_so_a_sibling_reserves_only_its_tail
     s.add(b)
     s.schedule()
     assert b in s.awaiting_kv and b.kv_len == 64  # the prefill side sends only positions 64..
+
+
+# ---------------------------------------------------------------- LPM on long queues
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_lpm_order_with_kept_match_lengths_equals_a_full_rematch(page_size):
+    rng = random.Random(5 + page_size)
+    s = make_sched(pool_tokens=512, page_size=page_size, max_prefill_tokens=48, chunked_prefill_size=48,
+                   max_running_requests=6)
+    assert s.config.lpm_queue_limit == 0  # no FCFS fallback by default
+    systems = [[rng.randrange(1, 30) for _ in range(rng.randrange(8, 40))] for _ in range(4)]
+    done, compared = [], 0
+    for it in range(300):
+        for _ in range(rng.randrange(0, 3)):
+            r = make_req(rng.choice(systems) + [rng.randrange(1, 30) for _ in range(rng.randrange(1, 12))],
+                         max_new=rng.randrange(1, 8), t=float(it))
+            r.cache_salt = rng.choice([None, None, "x"])
+            s.add(r)
+        ready = list(s.waiting)
+        aged = [r for r in ready if r.skipped_rounds >= s.config.max_skipped_rounds]
+        rest = [r for r in ready if r not in aged]
+        full = {id(r): s.cache.match_prefix(s._match_key(r), r.cache_salt, record=False).length for r in rest}
+        want = aged + sorted(rest, key=lambda r: (-full[id(r)], r.arrival_time))
+        got = s._order_waiting()
+        assert [id(r) for r in got] == [id(r) for r in want]
+        compared += len(got)
+        step(s, done)
+    assert compared > 300
+
+
+def test_lpm_stays_on_for_a_long_queue():
+    s = make_sched(max_prefill_tokens=64, chunked_prefill_size=64, max_running_requests=1024)
+    done = []
+    shared = list(range(1, 61))
+    s.add(make_req(shared + [500], max_new=1))
+    while not done:
+        step(s, done)
+    for k in range(300):
+        s.add(make_req(list(range(2000 + 100 * k, 2060 + 100 * k)), t=float(k)))
+    hot = make_req(shared + [600, 601], t=1e9)  # arrived last, 300 requests ahead of it
+    s.add(hot)
+    assert step(s, done).reqs[0] is hot
