@@ -213,3 +213,30 @@ def test_overlap_scheduling_changes_nothing(seed):
             continue
         assert on[rid]["ids"] == off[rid]["ids"], rid
         assert on[rid]["finish"] == off[rid]["finish"]
+
+
+def test_siblings_arriving_while_the_first_decodes_hit_its_prefix():
+    """The first request's prompt enters the tree when its prefill ends: siblings submitted while it
+    decodes get the prefix from the cache (hit counters), and greedy outputs are those of no cache."""
+    rng = random.Random(21)
+    system = [rng.randrange(3, 400) for _ in range(48)]
+    qs = [[100 + k] + [rng.randrange(3, 400) for _ in range(6)] for k in range(4)]
+    cfg = {"attention_backend": "torch"} if torch.cuda.is_available() else {}
+    h = Harness(max_total_tokens=4096, **cfg)  # overlap on: the first token is still pending at insert
+    first = h.submit(system + qs[0], sampling=GREEDY)
+    while len([t for o in h.outputs.get(first, []) for t in o.token_ids]) < 3:
+        h.engine.step()
+    assert h.engine.cache.protected_size() >= len(system)  # in the tree, locked by the running request
+    rids = [h.submit(system + q, sampling=GREEDY) for q in qs[1:]]
+    hits_before = h.engine.cache.stats()["hit_tokens"]
+    for _ in range(3):
+        h.engine.step()
+    assert h.engine.scheduler.stats.cached_tokens == 3 * len(system) and not h.done(first)
+    res = h.run([first] + rids)
+    assert [r["cached"] for r in res] == [0] + [len(system)] * 3
+    assert h.engine.cache.stats()["hit_tokens"] - hits_before >= 3 * len(system)
+    assert h.engine.scheduler.stats.cached_tokens == 3 * len(system)
+    ref = Harness(disable_radix_cache=True, max_total_tokens=4096, **cfg)
+    want = [ref.generate(system + q, sampling=GREEDY)["ids"] for q in qs]
+    assert [r["ids"] for r in res] == want
+    assert h.engine.scheduler.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
