@@ -141,6 +141,54 @@ def check_decode_attention(device, dtype):
                                            msg=lambda m: f"d={d} hq={hq} hkv={hkv} splits={max_splits}: {m}")
 
 
+def check_cascade_decode_attention(device, dtype):
+    """Shared-prefix decode: groups whose rows begin with the same slots; the torch cascade reference
+    equals plain decode attention, and the Triton kernel equals both (big groups are cut in blocks)."""
+    from kernels.attention.triton_cascade import cascade_decode_attention, plan_cascade
+    from kernels.attention.triton_decode import num_kv_splits_for
+    from kernels.reference import cascade_decode_attention_ref, decode_attention_ref
+    gen = torch.Generator().manual_seed(3)
+    layouts = [([(70, [0, 2, 5]), (33, [1, 3])], [5, 1, 40, 9, 17, 2, 64]),
+               ([(40, list(range(0, 20)))], [1 + (i * 7) % 23 for i in range(21)])]
+    for d in _head_dims(device)[:1 if device.type == "cpu" else 2]:  # the interpreter is slow
+        for hq, hkv in [(4, 4), (8, 2), (8, 1)]:
+            for groups, suffix in layouts:
+                B = len(suffix)
+                start = [0] * B
+                for plen, mem in groups:
+                    for b in mem:
+                        start[b] = plen
+                seq = [p + n for p, n in zip(start, suffix)]
+                n_slots = 8 + sum(p for p, _ in groups) + sum(suffix)
+                k_buf = torch.randn(n_slots, hkv, d, generator=gen).to(device, dtype)
+                v_buf = torch.randn(n_slots, hkv, d, generator=gen).to(device, dtype)
+                r2t = torch.zeros(B + 1, max(seq) + 1, dtype=torch.int32)
+                perm = (torch.randperm(n_slots - 8, generator=gen) + 8).to(torch.int32)
+                used = 0
+                for plen, mem in groups:
+                    shared = perm[used:used + plen]
+                    used += plen
+                    for b in mem:
+                        r2t[b + 1, :plen] = shared
+                for b in range(B):
+                    r2t[b + 1, start[b]:seq[b]] = perm[used:used + suffix[b]]
+                    used += suffix[b]
+                r2t = r2t.to(device)
+                req_idx = torch.arange(1, B + 1, device=device)
+                seq_lens = torch.tensor(seq, dtype=torch.int32, device=device)
+                q = _rand(B, hq, d, dtype=dtype, device=device)
+                ref = decode_attention_ref(q, k_buf, v_buf, r2t, req_idx, seq_lens, d ** -0.5)
+                cref = cascade_decode_attention_ref(q, k_buf, v_buf, r2t, req_idx, seq_lens, groups, d ** -0.5)
+                torch.testing.assert_close(cref, ref, **_tol(dtype))
+                plan = plan_cascade(groups, list(range(1, B + 1)), B, hkv, hq // hkv, device)
+                for max_splits, min_tok in [(1, 256), (4, 8)]:
+                    splits = num_kv_splits_for(seq_lens - plan.kv_start, max_splits, min_tok)
+                    out = cascade_decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, plan, splits,
+                                                   max_splits, d ** -0.5)
+                    torch.testing.assert_close(out, ref, **_tol(dtype),
+                                               msg=lambda m: f"d={d} hq={hq} hkv={hkv} B={B} splits={max_splits}: {m}")
+
+
 def check_extend_attention(device, dtype):
     from kernels.attention.triton_extend import extend_attention
     from kernels.reference import extend_attention_ref
