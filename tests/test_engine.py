@@ -240,3 +240,28 @@ def test_siblings_arriving_while_the_first_decodes_hit_its_prefix():
     want = [ref.generate(system + q, sampling=GREEDY)["ids"] for q in qs]
     assert [r["ids"] for r in res] == want
     assert h.engine.scheduler.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
+
+
+def test_shared_prefix_attention_groups_from_the_tree_keep_greedy_output():
+    """Decode batches of requests sharing a cached prefix go through shared-prefix attention (groups
+    found from the tree's shared locked node); greedy output is that of plain attention."""
+    rng = random.Random(23)
+    systems = [[rng.randrange(3, 400) for _ in range(40)] for _ in range(2)]
+    ps = [systems[k % 2] + [200 + k] + [rng.randrange(3, 400) for _ in range(5)] for k in range(6)]
+    cfg = {"attention_backend": "torch", "max_total_tokens": 4096}
+    h = Harness(**cfg)
+    be = h.engine.runner.attn_backend
+    be.cascade_min_group, be.cascade_min_prefix, be.cascade_min_saved_tokens = 2, 16, 0
+    seen = []
+    select = be.select_prefix_groups
+    be.select_prefix_groups = lambda g: seen.append(select(g)) or seen[-1]
+    warm = [h.submit(s + [1], sampling={"max_new_tokens": 0}) for s in systems]
+    h.run(warm)
+    got = [r["ids"] for r in h.run([h.submit(p, sampling=GREEDY) for p in ps])]
+    used = [g for g in seen if g]
+    assert used and any(sorted(len(m) for _, m in g) == [3, 3] for g in used)
+    assert all(p >= 40 for g in used for p, _ in g)
+    ref = Harness(disable_shared_prefix_attention=True, **cfg)
+    assert ref.engine.runner.attn_backend.cascade_enabled is False
+    want = [r["ids"] for r in ref.run([ref.submit(p, sampling=GREEDY) for p in ps])]
+    assert got == want

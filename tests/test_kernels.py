@@ -249,6 +249,42 @@ def check_backend_end_to_end(device, dtype):
         assert torch.equal(worlds[0][1].k_buffers[layer], worlds[1][1].k_buffers[layer])
 
 
+def check_backend_cascade_decode(device, dtype):
+    """A decode batch with prefix groups through the Triton backend equals the torch backend's plain
+    decode on the same pool."""
+    from kernels.attention import create_attention_backend
+    from shared.cache.kv_pool import KVPool, ReqToTokenPool
+    from shared.engine.forward_batch import ForwardBatch, ForwardMode
+    hq, hkv, d = 8, 2, 16
+    gen = torch.Generator().manual_seed(5)
+    pool = KVPool(1, hkv, d, num_pages=256, page_size=1, dtype=dtype, device=device)
+    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=gen))
+    pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=gen))
+    r2t = ReqToTokenPool(6, 128, device)
+    prefix = torch.arange(1, 41)
+    lens = [45, 41, 60, 50, 7]
+    nxt = 41
+    for row, n in zip(range(1, 6), lens):
+        own = torch.arange(nxt, nxt + n)
+        nxt += n
+        r2t.write(row, 0, torch.cat([prefix, own[40:]]) if row <= 4 else own)
+    q = torch.randn(5, hq * d, generator=gen).to(device, dtype)
+    outs = []
+    for name, groups in (("torch", None), ("triton", [(40, [0, 1, 2, 3])])):
+        be = create_attention_backend(name, hq, hkv, d, device=device, **({"max_kv_splits": 4} if name == "triton" else {}))
+        locs = torch.tensor([r2t.req_to_token[i + 1, n - 1].item() for i, n in enumerate(lens)])
+        fb = ForwardBatch.build(ForwardMode.DECODE, [0] * 5, [1, 2, 3, 4, 5], [n - 1 for n in lens], [1] * 5, locs,
+                                r2t.req_to_token, pool, be, device)
+        fb.prefix_groups = groups
+        be.init_forward_metadata(fb)
+        if groups:
+            assert be._meta.cascade is not None
+        k = pool.k_buffers[0][locs.to(device)].reshape(5, hkv * d).clone()
+        v = pool.v_buffers[0][locs.to(device)].reshape(5, hkv * d).clone()
+        outs.append(be.forward(q, k, v, 0, fb))
+    torch.testing.assert_close(outs[1], outs[0], **_tol(dtype))
+
+
 def check_backend_fallback(device, dtype):
     """Head sizes beyond the kernels' tiles run on the torch path instead of failing."""
     from kernels.attention import create_attention_backend

@@ -533,3 +533,17 @@ def test_match_length_touches_nothing_and_counts_nothing():
     assert cache.match_length([1, 2, 3, 9], None, memo) == (3, memo)
     put(alloc, cache, [1, 2, 3, 9, 9])  # a child under the matched path's end: re-walked
     assert cache.match_length([1, 2, 3, 9], None, memo)[0] == 4
+
+
+def test_shared_prefix_groups_pick_the_deepest_node_shared_in_the_batch():
+    alloc, cache = make(num_pages=256)
+    system = list(range(1, 41))
+    nodes = []
+    for q in ([100, 1, 2], [100, 1, 3], [200, 5], [200, 6], [300]):
+        put(alloc, cache, system + q)
+        nodes.append(cache.match_prefix(system + q).node)
+    other = put(alloc, cache, [7, 7, 7]) is not None and cache.match_prefix([7, 7, 7]).node
+    groups = cache.shared_prefix_groups(nodes + [other, None, cache.roots()[None]])
+    assert sorted(groups) == [(41, [2, 3]), (42, [0, 1])]
+    assert cache.shared_prefix_groups(nodes[4:] + nodes[2:3]) == [(40, [0, 1])]
+    assert NoPrefixCache(alloc, 1).shared_prefix_groups(nodes) == []

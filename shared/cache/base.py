@@ -37,6 +37,13 @@ class PrefixCache(ABC):
         Returns (length, memo for the next call)."""
         return self.match_prefix(key, namespace, record=False).length, None
 
+    def shared_prefix_groups(self, nodes: Sequence[Any]) -> list[tuple[int, list[int]]]:
+        """For requests holding locks on `nodes` (as returned by match/insert): groups of at least two
+        whose cached prefixes share a node, as (shared prefix length, their indices). Each index is in
+        at most one group, the one of the deepest node it shares. Their first prefix-length slots are
+        the same pool slots."""
+        return []
+
     @abstractmethod
     def insert(self, key: Sequence[int], slots: torch.Tensor, namespace: str | None = None) -> int:
         """Insert key -> slots (len(key) == len(slots), a multiple of page_size). Returns how many

@@ -183,6 +183,34 @@ class RadixCache(PrefixCache):
             self._evicted_tokens += total
         return total
 
+    def shared_prefix_groups(self, nodes) -> list[tuple[int, list[int]]]:
+        paths = []
+        count: dict[int, int] = {}
+        for node in nodes:
+            path = []  # (node, depth of its end), deepest first
+            if node is not None and not node.evicted:
+                depth = 0
+                n = node
+                while n.parent is not None:
+                    path.append(n)
+                    depth += len(n.key)
+                    n = n.parent
+                ends, d = [], depth
+                for n in path:
+                    ends.append((n, d))
+                    d -= len(n.key)
+                path = ends
+            paths.append(path)
+            for n, _ in path:
+                count[id(n)] = count.get(id(n), 0) + 1
+        groups: dict[int, tuple[int, list[int]]] = {}
+        for i, path in enumerate(paths):
+            for n, depth in path:
+                if count[id(n)] >= 2:
+                    groups.setdefault(id(n), (depth, []))[1].append(i)
+                    break
+        return [g for g in groups.values() if len(g[1]) >= 2]
+
     def evictable_size(self) -> int:
         return self._evictable
 

@@ -28,6 +28,9 @@ class EngineConfig:
     init_new_token_ratio: float = 0.7  # share of remaining max_new_tokens reserved for running requests
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.002
+    # Decode batches holding groups of requests with one cached prefix attend it once per group
+    # (cascade attention) when the backend judges it pays; such batches run outside CUDA graphs.
+    disable_shared_prefix_attention: bool = False
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
     enable_overlap: bool = True

@@ -127,6 +127,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             config.attention_backend, num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads,
             head_dim=mc.head_dim, device=self.device)
+        self.attn_backend.cascade_enabled &= not config.disable_shared_prefix_attention
         log.info("model %s on %s (%s): KV pool %d tokens, context %d", config.model_path, self.device,
                  self.dtype, self.max_total_tokens, self.max_context_len)
         if self.device.type == "cuda":
@@ -210,9 +211,11 @@ class ModelRunner:
             self.attn_backend, self.device)
         if decode:
             fb.input_ids = self.token_buf[fb.req_pool_indices]
+            # Shared-prefix attention when the backend judges it pays; such batches are not graph-captured.
+            fb.prefix_groups = self.attn_backend.select_prefix_groups(batch.prefix_groups)
         n = batch.batch_size
         out = StepOutput([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
-        if decode and self.graph_runner is not None and self.graph_runner.can_run(n):
+        if decode and self.graph_runner is not None and self.graph_runner.can_run(n) and not fb.prefix_groups:
             logits = self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
                                            fb.out_cache_loc)
             return self._sample(batch, logits, list(range(n)), out, fb)

@@ -36,6 +36,9 @@ class ScheduleBatch:
     sample: list[bool]  # False: a prefill chunk that stops short of the sequence end (no token sampled)
     input_ids: list[int]
     out_cache_loc: torch.Tensor  # host int64
+    # Decode: groups of requests whose KV begins with one cached prefix (prefix length, batch indices),
+    # for shared-prefix attention; None when not looked for.
+    prefix_groups: list[tuple[int, list[int]]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -312,8 +315,11 @@ class Scheduler:
             prefix_lens.append(req.kv_len)
         input_ids = [req.output_ids[-1] if req.output_ids else req.input_ids[-1] for req in reqs]
         n = len(reqs)
+        groups = None
+        if not self.config.disable_shared_prefix_attention and n >= 2:
+            groups = self.cache.shared_prefix_groups([r.last_node for r in reqs])
         return ScheduleBatch(ForwardMode.DECODE, reqs, prefix_lens, [1] * n, [True] * n, input_ids,
-                             torch.cat(locs))
+                             torch.cat(locs), prefix_groups=groups)
 
     def _decode_slots_needed(self) -> int:
         if self.page_size == 1:
