@@ -67,7 +67,7 @@ def variant(base: Engine, tok: Tokenizer, **overrides) -> Engine:
 def set_shared_prefix_attention(eng: Engine, on: bool) -> bool:
     """Turn the backend's shared-prefix (cascade) decode path on or off; False when it has none."""
     backend = eng.runner.attn_backend
-    if not hasattr(backend, "cascade_enabled"):
+    if not getattr(backend, "supports_cascade", False):
         return False
     backend.cascade_enabled = on
     return True

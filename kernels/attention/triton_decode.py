@@ -97,7 +97,9 @@ def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, O, stride_ob, stride_oh, HQ, MAX_
     m = tl.max(lse, axis=0)
     # All chunks empty only for a zero-length (padding) request: output zeros, not NaN.
     w = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(m > float("-inf"), m, 0.0)), 0.0)
-    o = tl.load(MID_O + idx[:, None] * D + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    # Columns without weight are never read: a prefix column no group wrote holds whatever was there.
+    live = mask_s & (lse > float("-inf"))
+    o = tl.load(MID_O + idx[:, None] * D + offs_d[None, :], mask=live[:, None] & mask_d[None, :], other=0.0)
     denom = tl.sum(w, axis=0)
     out = tl.sum(w[:, None] * o, axis=0) / tl.where(denom > 0, denom, 1.0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
