@@ -19,4 +19,6 @@ def test_smoke_mode_runs_and_hits_the_ideal(tmp_path, capsys):
     assert res["runs"]["off"]["hit_rate"] == 0
     assert res["runs"]["lpm"]["hit_rate"] >= 0.95 * res["ideal_hit_rate"]
     assert "PASS  hit rate radix+LPM" in out and "decode step" in out
+    assert res["shared_prefix_attention"] and res["decode_cascade_steps"]["shared_cascade"] > 0
+    assert res["decode_cascade_steps"]["shared_plain"] == 0
     assert (tmp_path / "shared_prefix.json").exists()

@@ -161,8 +161,31 @@ class ModelRunner:
                                      output_ids=[[]], prompt_ids=None, vocab_size=self.vocab_size,
                                      device=self.device)
             sample(logits, sb, top_logprobs_num=1)
+        self._warmup_shared_prefix()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _warmup_shared_prefix(self) -> None:
+        """Compile the shared-prefix decode path for the group-size blocks it uses (eager batches, so
+        a first-use compile would stall serving). If it cannot run here, it is turned off: plain
+        decode attention serves every batch."""
+        be = self.attn_backend
+        if not be.cascade_enabled or self.max_context_len <= 40:
+            return
+        try:
+            for size in (2, 4, 8, 16, 32):
+                if size > self.config.max_running_requests:
+                    break
+                fb = ForwardBatch.build(ForwardMode.DECODE, [0] * size, [0] * size, [32] * size, [1] * size,
+                                        torch.zeros(size, dtype=torch.int64), self.req_pool.req_to_token,
+                                        self.kv_pool, be, self.device)
+                fb.prefix_groups = [(16, list(range(size)))]
+                be.init_forward_metadata(fb)
+                out = self.model.forward(fb)
+                assert bool(torch.isfinite(out).all()), "non-finite output"
+        except Exception:
+            log.exception("shared-prefix attention failed its warm-up; it stays off")
+            be.cascade_enabled = False
 
     def _pool_tokens(self) -> int:
         if self.config.max_total_tokens:
