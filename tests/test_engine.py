@@ -265,3 +265,14 @@ def test_shared_prefix_attention_groups_from_the_tree_keep_greedy_output():
     assert ref.engine.runner.attn_backend.cascade_enabled is False
     want = [r["ids"] for r in ref.run([ref.submit(p, sampling=GREEDY) for p in ps])]
     assert got == want
+    # The runner's warm-up of the path (CUDA only) runs, and a failure there turns it off cleanly.
+    runner = h.engine.runner
+    runner._warmup_shared_prefix()
+    assert be.cascade_enabled
+    forward = runner.model.forward
+    runner.model.forward = lambda fb: (_ for _ in ()).throw(RuntimeError("no kernel"))
+    try:
+        runner._warmup_shared_prefix()
+    finally:
+        runner.model.forward = forward
+    assert not be.cascade_enabled and be.select_prefix_groups([(64, [0, 1, 2, 3])]) is None
