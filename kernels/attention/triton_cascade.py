@@ -29,7 +29,7 @@ MIN_TOKENS_PER_PREFIX_SPLIT = 128
 def _prefix_stage1(Q, KB, VB, REQ_TO_TOKEN, G_ROW, G_LEN, G_START, G_SIZE, MEMBERS, MID_O, MID_LSE,
                    sm_scale_log2, stride_qb, stride_qh, stride_bs, stride_bh, stride_rt,
                    HQ, TOTAL_SPLITS, FIRST_COL, N_SPLITS, GROUP, D,
-                   BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
     gi = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -42,7 +42,6 @@ def _prefix_stage1(Q, KB, VB, REQ_TO_TOKEN, G_ROW, G_LEN, G_START, G_SIZE, MEMBE
     start = split * split_len
     end = tl.minimum(start + split_len, plen)
 
-    BLOCK_M: tl.constexpr = BLOCK_R * BLOCK_G
     offs_m = tl.arange(0, BLOCK_M)
     r = offs_m // BLOCK_G
     g = offs_m % BLOCK_G
@@ -154,7 +153,8 @@ def cascade_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.
         q, k_buf, v_buf, req_to_token, plan.g_row, plan.g_len, plan.g_start, plan.g_size, plan.members,
         mid_o, mid_lse, scaling * LOG2E, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         req_to_token.stride(0), HQ, total, max_kv_splits, plan.prefix_splits, group, D,
-        BLOCK_R=plan.block_r, BLOCK_G=next_pow2(group), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        BLOCK_R=plan.block_r, BLOCK_G=next_pow2(group), BLOCK_M=plan.block_r * next_pow2(group),
+        BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2)
     return decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
                             max_kv_splits, scaling, mid_o=mid_o, mid_lse=mid_lse, kv_start=plan.kv_start)
