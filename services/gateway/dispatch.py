@@ -13,6 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
+from services.gateway.access_log import CURRENT as ACCESS_RECORD
 from services.gateway.errors import APIError, WorkerUnavailable, bad_request, unavailable, worker_refused
 from services.gateway.metrics import GatewayMetrics, RequestTimer
 from services.gateway.pd import pd_generate, wants_local_prefill
@@ -71,6 +72,9 @@ class Dispatcher:
                      ) -> AsyncIterator[tuple[TokenOutput, GenerationResult]]:
         """Yield (increment, accumulated result) until the request finishes."""
         self.check_rids([req.rid])
+        record = ACCESS_RECORD.get()
+        if record is not None and req.request_id is None:
+            req.request_id = record.request_id
         salt = salt if salt is not None else req.cache_salt
         pair = None if wants_local_prefill(req) else self.router.pick_pair(req.input_ids, salt)
         source = pd_generate(req, *pair) if pair else self.router.pick(req.input_ids, salt).generate(req)
@@ -86,6 +90,11 @@ class Dispatcher:
                         raise worker_refused(out.error)
                     result.absorb(out)
                     result.e2e_latency = timer.elapsed()
+                    if record is not None:
+                        if out.token_ids:
+                            record.first_token()
+                        if out.finished:
+                            record.finished(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
                     yield out, result
         except WorkerUnavailable as e:
             self.metrics.aborted_requests.inc()
