@@ -483,8 +483,7 @@ def test_decode_side_inserts_received_prompt_so_a_sibling_reserves_only_its_tail
 def test_lpm_order_with_kept_match_lengths_equals_a_full_rematch(page_size):
     rng = random.Random(5 + page_size)
     s = make_sched(pool_tokens=512, page_size=page_size, max_prefill_tokens=48, chunked_prefill_size=48,
-                   max_running_requests=6)
-    assert s.config.lpm_queue_limit == 0  # no FCFS fallback by default
+                   max_running_requests=6, lpm_queue_limit=0)  # LPM over the whole queue
     systems = [[rng.randrange(1, 30) for _ in range(rng.randrange(8, 40))] for _ in range(4)]
     done, compared = [], 0
     for it in range(300):
@@ -506,7 +505,9 @@ def test_lpm_order_with_kept_match_lengths_equals_a_full_rematch(page_size):
 
 
 def test_lpm_stays_on_for_a_long_queue():
-    s = make_sched(max_prefill_tokens=64, chunked_prefill_size=64, max_running_requests=1024)
+    """With the queue limit off (lpm_queue_limit=0), LPM orders a 300-request queue; with the default
+    limit (128) such a queue is served first come, first served."""
+    s = make_sched(max_prefill_tokens=64, chunked_prefill_size=64, max_running_requests=1024, lpm_queue_limit=0)
     done = []
     shared = list(range(1, 61))
     s.add(make_req(shared + [500], max_new=1))
@@ -517,3 +518,19 @@ def test_lpm_stays_on_for_a_long_queue():
     hot = make_req(shared + [600, 601], t=1e9)  # arrived last, 300 requests ahead of it
     s.add(hot)
     assert step(s, done).reqs[0] is hot
+
+
+def test_default_queue_limit_serves_long_queues_in_arrival_order():
+    s = make_sched(max_prefill_tokens=64, chunked_prefill_size=64, max_running_requests=1024)
+    assert s.config.lpm_queue_limit == 128
+    done = []
+    shared = list(range(1, 61))
+    s.add(make_req(shared + [500], max_new=1))
+    while not done:
+        step(s, done)
+    first = make_req(list(range(2000, 2060)), t=0.0)
+    s.add(first)
+    for k in range(1, 300):
+        s.add(make_req(list(range(2000 + 100 * k, 2060 + 100 * k)), t=float(k)))
+    s.add(make_req(shared + [600, 601], t=1e9))
+    assert step(s, done).reqs[0] is first
