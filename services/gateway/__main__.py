@@ -59,7 +59,8 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
     if not workers and not redis_url:
         raise SystemExit("give --workers host:port[,...] or --redis-url to discover workers")
     limits = Limits(max_n=getattr(args, "max_n", Limits.max_n),
-                    max_body_bytes=getattr(args, "max_body_bytes", Limits.max_body_bytes))
+                    max_body_bytes=getattr(args, "max_body_bytes", Limits.max_body_bytes),
+                    strict_sampling_params=getattr(args, "strict", False))
     state = GatewayState(tokenizer=tokenizer, served_model_name=args.served_model_name or args.model_path,
                          model_path=args.model_path, router=Router(workers, _policy(args)),
                          context_length=getattr(args, "context_length", None), limits=limits,

@@ -107,7 +107,7 @@ class PrefillSide:
         self._open.discard(tid)
         self._handed_off[tid] = req
         done = KvDone(transfer_id=tid, first_token=tok, first_logprob=out.logprobs[i] if tok is not None else None,
-                      first_top_logprobs=(out.top_logprobs[i] or []) if tok is not None else [],
+                      first_top_logprobs=out.top_logprobs[i] or [],
                       cached_tokens=req.num_cached_tokens or 0)
         start = self.starts.get(tid)
         buf, event = self.gather_kv(tid, start) if start is not None else (None, None)
@@ -211,8 +211,10 @@ class DecodeSide:
         engine.scheduler.kv_arrived(req)
         req.transfer = None  # from here on a local request: a retraction recomputes from the tree
         req.num_cached_tokens = done.cached_tokens  # computation saved is the prefill side's hit
-        if done.first_token is None:  # max_new_tokens == 0: a cache warm-up
+        if done.first_token is None:  # max_new_tokens == 0: a cache warm-up (or a top-k probe)
             req.finish_reason = {"type": "length", "length": 0}
+            if req.top_logprobs_num > 0:
+                req.pending_output_top_logprobs.append(done.first_top_logprobs)
         else:
             req.output_ids.append(PENDING_TOKEN)
             runner.set_last_token(req.req_pool_idx, done.first_token)

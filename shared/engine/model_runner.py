@@ -222,7 +222,9 @@ class ModelRunner:
         for e in batch.extend_lens:
             acc += e
             ends.append(acc - 1)
-        sampled = [i for i in range(n) if batch.sample[i] and batch.reqs[i].params.max_new_tokens > 0]
+        # A prefill-only request (max_new_tokens 0) is sampled only to report the next position's top-k.
+        sampled = [i for i in range(n) if batch.sample[i] and (batch.reqs[i].params.max_new_tokens > 0 or (
+            batch.reqs[i].return_logprob and batch.reqs[i].top_logprobs_num > 0))]
         if batch.mode == ForwardMode.EXTEND:
             self._input_logprobs(batch, hidden, out)
         if not sampled:
