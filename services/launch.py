@@ -50,6 +50,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--workers, --prefill and --decode must be >= 1")
     if args.worker_gpus is not None and not all(x.strip().isdigit() for x in args.worker_gpus.split(",")):
         p.error("--worker-gpus must be comma-separated GPU ids, e.g. 0,1")
+    if args.topology == "pd":
+        from shared.transfer import require_ucx
+
+        try:
+            require_ucx("--topology pd")
+        except RuntimeError as e:
+            p.error(str(e))
     return args
 
 

@@ -42,6 +42,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    if args.role in ("prefill", "decode"):
+        from shared.transfer import require_ucx
+
+        try:
+            require_ucx(f"a {args.role} worker")
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from None
     config = engine_config_from_args(args)
     tokenizer = Tokenizer.load(config.model_path)
     engine = Engine(config, tokenizer, on_output=lambda outs: None)

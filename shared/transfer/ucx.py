@@ -51,7 +51,10 @@ def _ucxx():
     # A decode worker restarted on its fixed --transfer-port must be able to listen again while the old
     # connections linger in TIME_WAIT (UCX reads this when its context is created, on first use).
     os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
-    import ucxx  # imported on first use: only PD workers need UCX
+    from shared.transfer import require_ucx
+
+    require_ucx()
+    import ucxx  # imported on first use: only PD workers need UCX (an optional install)
 
     return ucxx
 
