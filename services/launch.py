@@ -20,32 +20,39 @@ import os
 import signal
 import sys
 
+from services.output_relay import PrefixedRelay
+from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.engine.cli import add_engine_args, engine_args_to_argv
 
 _WORKER_START_TIMEOUT_S = 600
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m services.launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--topology", default="unified", choices=["unified", "pd"])
+    p = argparse.ArgumentParser(prog="python -m services.launch", description=__doc__, formatter_class=HelpFormatter)
+    add_config_arg(p)
+    p.add_argument("--topology", default="unified", choices=["unified", "pd"],
+                   help="unified: workers compute whole requests; pd: prefill and decode workers (UCX)")
     p.add_argument("--workers", type=int, default=1, help="unified workers to start")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (pd topology)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (pd topology)")
     p.add_argument("--worker-gpus", default=None,
                    help="comma-separated GPU ids; worker i runs on --device cuda:ids[i %% len(ids)]")
     p.add_argument("--redis-url", default=None, help="routing metadata in Redis (default: in memory)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--routing-policy", default="cache-aware", choices=["cache-aware", "prefix-affinity"])
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--admin-api-key", default=None)
+    p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    p.add_argument("--port", type=int, default=30000, help="the gateway's HTTP port")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model-path)")
+    p.add_argument("--routing-policy", default="cache-aware", choices=["cache-aware", "prefix-affinity"],
+                   help="cache-aware: the worker sent the longest part of the prompt before; prefix-affinity: "
+                        "hash of the prompt's head")
+    p.add_argument("--api-key", default=None, help="Bearer key(s), comma-separated, required on /v1/* and /generate")
+    p.add_argument("--admin-api-key", default=None, help="Bearer key required on /flush_cache")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse unknown sampling parameters with 400 (default: accept, with a Warning header)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before stopping")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", help="debug | info | warning | error")
     add_engine_args(p)
-    args = p.parse_args(argv)
+    args = parse_with_config(p, argv)
     if args.workers < 1 or args.prefill < 1 or args.decode < 1:
         p.error("--workers, --prefill and --decode must be >= 1")
     if args.worker_gpus is not None and not all(x.strip().isdigit() for x in args.worker_gpus.split(",")):
@@ -75,8 +82,11 @@ async def _start_worker(args: argparse.Namespace, index: int, role: str
     if args.worker_gpus:
         gpus = [g.strip() for g in args.worker_gpus.split(",")]
         cmd += ["--device", f"cuda:{gpus[index % len(gpus)]}"]
-    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=None,
+    # Its progress bars and logs reach our stderr, each line prefixed with the worker's name.
+    relay = PrefixedRelay(f"{role}-{index}")
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=relay.write_fd,
                                                 start_new_session=True)
+    relay.child_started()
 
     async def ready_line() -> str:
         while True:
@@ -101,6 +111,8 @@ def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
     argv = ["--model-path", args.model_path, "--workers", ",".join(addrs), "--host", args.host,
             "--port", str(args.port), "--log-level", args.log_level]
     argv += ["--drain-timeout", str(args.drain_timeout)]
+    if args.strict:
+        argv.append("--strict")
     for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url", "routing_policy"):
         value = getattr(args, flag)
         if value:

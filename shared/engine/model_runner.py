@@ -137,8 +137,7 @@ class ModelRunner:
 
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_pool, self.req_pool.req_to_token, self.attn_backend,
-                max_bs=min(config.cuda_graph_max_bs, config.max_running_requests), device=self.device,
-                progress=lambda line: print(line, flush=True))
+                max_bs=min(config.cuda_graph_max_bs, config.max_running_requests), device=self.device)
 
     @torch.no_grad()
     def warmup(self) -> None:
