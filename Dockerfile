@@ -24,6 +24,7 @@ COPY pyproject.toml README.md ./
 COPY services ./services
 COPY shared ./shared
 COPY kernels ./kernels
+COPY lang_client ./lang_client
 RUN pip install --no-deps -e .
 
 EXPOSE 30000

@@ -173,3 +173,10 @@ def test_compose_profiles_start_what_launch_starts(compose, profile, launch_argv
     for name, _ in workers:
         assert gateway["depends_on"][name]["condition"] == "service_healthy"
 
+
+
+def test_the_image_and_the_package_carry_lang_client():
+    """services/gateway/program_exec.py imports lang_client.wire and lang_client.choices."""
+    assert "COPY lang_client ./lang_client" in _read("Dockerfile")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        assert "lang_client*" in tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]

@@ -12,6 +12,7 @@ _CHOICES = {
     "attention_backend": ["auto", "torch", "triton", "flashinfer"],
     "schedule_policy": ["lpm", "fcfs"],
     "load_format": ["auto", "dummy"],
+    "quantization": ["none", "fp8"],
     "jump_forward_mode": ["retokenize", "verify"],
     "kv_transfer_staging": ["device", "host"],
 }
@@ -38,6 +39,8 @@ _HELP = {
     "model_path": "hub id, local Hugging Face directory, or tiny-random (a small random Llama for smoke runs)",
     "load_format": "auto: the checkpoint's safetensors; dummy: random weights of the config's shape",
     "device": "auto (cuda if present, else cpu) | cpu | cuda | cuda:N",
+    "quantization": "none: as the checkpoint says (its quantization_config is honoured or refused); fp8: "
+                    "also quantize a float checkpoint's linear weights to FP8 at load",
     "dtype": "auto: bfloat16 on GPU, float32 on CPU",
     "attention_backend": "auto picks per device (triton on GPU, torch on CPU)",
     "page_size": "tokens per KV page (radix matches are page-aligned)",
