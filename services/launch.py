@@ -50,6 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="refuse unknown sampling parameters with 400 (default: accept, with a Warning header)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before stopping")
+    p.add_argument("--chat-template", default=None, help="a .jinja chat template file instead of the tokenizer's")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="hermes or llama3 (default: detected from the chat template)")
+    p.add_argument("--reasoning-parser", default=None, help="qwen3, qwen3-thinking or deepseek-r1")
     p.add_argument("--log-level", default="warning", help="debug | info | warning | error")
     add_engine_args(p)
     args = parse_with_config(p, argv)
@@ -113,7 +117,8 @@ def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
     argv += ["--drain-timeout", str(args.drain_timeout)]
     if args.strict:
         argv.append("--strict")
-    for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url", "routing_policy"):
+    for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url", "routing_policy",
+                 "chat_template", "tool_call_parser", "reasoning_parser"):
         value = getattr(args, flag)
         if value:
             argv += ["--" + flag.replace("_", "-"), value]
