@@ -8,8 +8,10 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import requests
@@ -120,14 +122,25 @@ def test_weight_loading_progress_reaches_the_launchers_stderr(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "services.launch", "--model-path", model_dir,
                              "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
+    err_chunks: list[str] = []
+    reader = threading.Thread(target=lambda: err_chunks.extend(iter(lambda: proc.stderr.read(4096), "")), daemon=True)
+    reader.start()  # never let the launcher block on a full stderr pipe
     try:
+        ready = None
         for line in proc.stdout:
             if line.startswith("READY "):
+                ready = line
                 break
-        assert requests.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+        assert ready, "".join(err_chunks)[-3000:]  # READY: every worker has loaded its weights
     finally:
         proc.terminate()
-        _, err = proc.communicate(timeout=60)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(30)
+    err = "".join(err_chunks)
     bars = [seg for seg in re.split(r"[\r\n]", err) if "Loading weights" in seg]
     assert bars and all(seg.startswith("[unified-0] ") for seg in bars), err[-2000:]
     assert any("100%" in seg for seg in bars), bars
