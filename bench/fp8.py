@@ -16,18 +16,14 @@ import time
 
 import torch
 
-from bench.common import (SHAPES, drive, kv_bytes_per_token, measure_copy_bandwidth, median, model_dir,
-                          param_bytes, random_prompts)
+from bench.common import (SHAPES, drive, graph_replay_ms, kv_bytes_per_token, log, measure_copy_bandwidth,
+                          model_dir, param_bytes, random_prompts)
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.tokenizer import Tokenizer
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 GOAL_RATIO = 0.6
-
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def measure(path: str, tok, quantization: str, cuda: bool, vocab: int, reqs: int, steps: int) -> dict:
@@ -41,15 +37,7 @@ def measure(path: str, tok, quantization: str, cuda: bool, vocab: int, reqs: int
     out["b1_step_ms"] = st.wall_s / max(1, st.steps) * 1e3
     gr = eng.runner.graph_runner
     if gr is not None:
-        times = []
-        for _ in range(50):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            gr.graphs[1].replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        out["b1_graph_ms"] = median(times[10:])
+        out["b1_graph_ms"] = graph_replay_ms(gr, reps=50)
     st = drive(eng, random_prompts(reqs, 512, vocab, 5), {**GREEDY, "max_new_tokens": 128})
     out["tput_tok_s"] = st.output_tokens / st.wall_s
     del eng

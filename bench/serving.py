@@ -32,20 +32,9 @@ sys.path.insert(0, ROOT)
 
 import aiohttp  # noqa: E402
 
-from bench.common import SHAPES, model_dir  # noqa: E402
+from bench.common import SHAPES, log, model_dir, pct  # noqa: E402
 
 VOCAB = 400  # ids the random-weight tokenizers all have
-
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 # ------------------------------------------------------------------ datasets: (prompt ids, output len)

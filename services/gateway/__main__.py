@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing-policy", default="cache-aware", choices=["cache-aware", "prefix-affinity"],
                    help="cache-aware: prefer the worker that was sent the longest part of the prompt before; "
                         "prefix-affinity: hash the prompt's head")
+    p.add_argument("--pd-bypass-tokens", type=int, default=128,
+                   help="PD: a decode worker known to hold all of a prompt but at most this many trailing tokens "
+                        "computes them itself, no prefill worker or KV transfer (0: off)")
     p.add_argument("--context-length", type=int, default=None, help="defaults to what the workers report")
     p.add_argument("--api-key", default=None, help="Bearer key required on /v1/* and /generate")
     p.add_argument("--admin-api-key", default=None, help="Bearer key required on /flush_cache")
@@ -45,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse unknown sampling parameters with 400 (default: accept, with a Warning header)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
+    p.add_argument("--drain-grace", type=float, default=1.0,
+                   help="on SIGTERM, seconds /health says 503 before the listener closes (routers notice)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (.jinja) used instead of the tokenizer's own")
     p.add_argument("--tool-call-parser", default=None,
@@ -87,7 +92,8 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
                     max_body_bytes=getattr(args, "max_body_bytes", Limits.max_body_bytes),
                     strict_sampling_params=getattr(args, "strict", False))
     state = GatewayState(tokenizer=tokenizer, served_model_name=args.served_model_name or args.model_path,
-                         model_path=args.model_path, router=Router(workers, _policy(args)),
+                         model_path=args.model_path, router=Router(workers, _policy(args),
+                                                                      getattr(args, "pd_bypass_tokens", 128)),
                          context_length=getattr(args, "context_length", None), limits=limits,
                          api_key=getattr(args, "api_key", None), admin_api_key=getattr(args, "admin_api_key", None),
                          tokenizer_path=tokenizer_path, tool_parser=tool_parser,
@@ -100,7 +106,7 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
         from shared.metadata.store import RedisStore
 
         discovery = WorkerDiscovery(RedisStore(redis_url), state.router)
-        await discovery.refresh()
+        await discovery.refresh_once()  # Redis down: serve the --workers list, pick up the registry later
         discovery.start()
 
         async def _stop_discovery(_app):
@@ -112,7 +118,18 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
                            shutdown_timeout=getattr(args, "drain_timeout", 30.0))
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
+    state.drain_grace = getattr(args, "drain_grace", 1.0)
     return runner, state
+
+
+async def stop_gateway(runner: web.AppRunner, state: GatewayState) -> None:
+    """Drain: /health says 503 at once, new requests are still served for the grace period (a load
+    balancer needs a moment to notice), then the listener closes and requests in flight finish
+    (up to --drain-timeout) before their handlers are cancelled."""
+    state.draining = True
+    log.warning("draining: not ready; %d requests in flight", len(state.dispatcher.inflight))
+    await asyncio.sleep(state.drain_grace)
+    await runner.cleanup()
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -125,7 +142,7 @@ async def _main(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await runner.cleanup()  # stops listening, lets running requests finish (shutdown_timeout)
+    await stop_gateway(runner, state)
 
 
 def main() -> None:

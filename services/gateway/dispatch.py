@@ -13,10 +13,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
+from services.gateway.access_log import CURRENT as ACCESS_RECORD
 from services.gateway.errors import APIError, WorkerUnavailable, bad_request, unavailable, worker_refused
 from services.gateway.metrics import GatewayMetrics, RequestTimer
-from services.gateway.pd import pd_generate, wants_local_prefill
+from services.gateway.pd import pd_serve, wants_local_prefill
 from services.gateway.router import Router
+from services.gateway.worker_client import WorkerClient
 from shared.protocol import GenerateRequest, TokenOutput
 
 
@@ -71,9 +73,20 @@ class Dispatcher:
                      ) -> AsyncIterator[tuple[TokenOutput, GenerationResult]]:
         """Yield (increment, accumulated result) until the request finishes."""
         self.check_rids([req.rid])
+        record = ACCESS_RECORD.get()
+        if record is not None and req.request_id is None:
+            req.request_id = record.request_id
         salt = salt if salt is not None else req.cache_salt
         pair = None if wants_local_prefill(req) else self.router.pick_pair(req.input_ids, salt)
-        source = pd_generate(req, *pair) if pair else self.router.pick(req.input_ids, salt).generate(req)
+        served_by: list[WorkerClient] = []
+        if pair is None:
+            served_by.append(self.router.pick(req.input_ids, salt))
+            source = served_by[0].generate(req)
+        else:
+            if pair[0] is None:
+                self.metrics.pd_bypassed.inc()
+            source = pd_serve(req, self.router, salt, *pair, served_by=served_by,
+                              on_retry=self.metrics.pd_retried.inc)
         result = GenerationResult(rid=req.rid)
         timer = RequestTimer(self.metrics)
         self.inflight.add(req.rid)
@@ -86,6 +99,15 @@ class Dispatcher:
                         raise worker_refused(out.error)
                     result.absorb(out)
                     result.e2e_latency = timer.elapsed()
+                    if out.finished and result.output_ids:
+                        # Its tree now holds prompt + output (but the last token's KV): a next turn
+                        # that extends them is routed back there, and may bypass prefill in PD.
+                        self.router.remember(served_by[-1], list(req.input_ids) + result.output_ids[:-1], salt)
+                    if record is not None:
+                        if out.token_ids:
+                            record.first_token()
+                        if out.finished:
+                            record.finished(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
                     yield out, result
         except WorkerUnavailable as e:
             self.metrics.aborted_requests.inc()
