@@ -30,6 +30,17 @@ class RestartPolicy:
     max_backoff_s: float = 10.0
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, however it dies (a SIGKILLed
+    launcher must not leave workers running; they sit in their own session, out of its group's reach)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the launcher's own shutdown still stops them
+        pass
+
+
 @dataclass
 class WorkerSlot:
     """One supervised worker: `cmd(port)` is its command line (port 0 the first time: a free one)."""
@@ -56,7 +67,8 @@ class WorkerSlot:
         # Its progress bars and logs reach our stderr, each line prefixed with the worker's name.
         relay = PrefixedRelay(self.name)
         proc = await asyncio.create_subprocess_exec(*self.cmd(self.port), stdout=asyncio.subprocess.PIPE,
-                                                    stderr=relay.write_fd, start_new_session=True)
+                                                    stderr=relay.write_fd, start_new_session=True,
+                                                    preexec_fn=_die_with_parent)
         relay.child_started()
         self.proc = proc
         try:

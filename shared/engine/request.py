@@ -52,6 +52,7 @@ class Req:
     num_cached_tokens: int | None = None
     first_scheduled_time: float | None = None
     skipped_rounds: int = 0  # admission rounds this request was passed over (aging)
+    lpm_memo: Any = None  # (match key length, the cache's memo) from the last LPM ordering
     retractions: int = 0
     finish_reason: dict | None = None
     # Per-request helpers owned by the engine: detokenizer state, grammar state.
