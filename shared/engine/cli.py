@@ -57,6 +57,8 @@ _HELP = {
     "init_new_token_ratio": "share of running requests' remaining max_new_tokens reserved at admission",
     "min_new_token_ratio": "lower bound the reservation ratio decays to",
     "new_token_ratio_decay": "per-step decay of the reservation ratio",
+    "disable_shared_prefix_attention": "decode groups sharing a cached prefix attend it per request, not "
+                                       "once per group (the cascade-attention ablation)",
     "cuda_graph": "run decode without CUDA graphs",
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
     "enable_overlap": "do not overlap the host's scheduling with the device's step",
