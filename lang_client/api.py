@@ -31,6 +31,7 @@ def gen(
     max_tokens: int | None = None,
     min_tokens: int | None = None,
     stop: str | list[str] | None = None,
+    stop_regex: str | list[str] | None = None,
     stop_token_ids: list[int] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
@@ -62,8 +63,10 @@ def gen(
         json_schema = json.dumps(json_schema)
     if isinstance(stop, str):
         stop = [stop]
+    if isinstance(stop_regex, str):
+        stop_regex = [stop_regex]
     given = {
-        "max_new_tokens": max_tokens, "min_new_tokens": min_tokens, "stop": stop,
+        "max_new_tokens": max_tokens, "min_new_tokens": min_tokens, "stop": stop, "stop_regex": stop_regex,
         "stop_token_ids": stop_token_ids, "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "min_p": min_p, "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
         "ignore_eos": ignore_eos, "regex": regex, "json_schema": json_schema,

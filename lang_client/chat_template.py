@@ -5,6 +5,7 @@ and after each role's content.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 
@@ -56,25 +57,34 @@ PLAIN = ChatTemplate("plain", {
     "assistant": ("ASSISTANT: ", "\n"),
 })
 
-# Order matters: the first match wins (llama-3 before llama-2, mistral before plain names).
-_BY_NAME: list[tuple[tuple[str, ...], ChatTemplate]] = [
-    (("llama-3", "llama3", "llama_3"), LLAMA3),
-    (("llama-2", "llama2", "llama_2", "codellama"), LLAMA2),
-    (("mistral", "mixtral"), MISTRAL),
-    (("gemma",), GEMMA),
-    (("qwen", "yi-", "chatml", "hermes", "tiny-random"), CHATML),
+# What SGLang's frontend uses for a model none of its rules name (its "default" template): a program
+# sends the same text through either client.
+DEFAULT = ChatTemplate("default", {
+    "system": ("SYSTEM:", "\n"),
+    "user": ("USER:", "\n"),
+    "assistant": ("ASSISTANT:", "\n"),
+})
+
+# SGLang's frontend rules, in its order (the first match wins), for the templates we carry: a chat or
+# instruct model's name picks its family; anything else (base models, unknown names) gets DEFAULT.
+_RULES: list[tuple[str, ChatTemplate]] = [
+    (r"llama-2.*chat|codellama.*instruct", LLAMA2),
+    (r"pixtral|(mistral|mixtral).*instruct", MISTRAL),
+    (r"llama-3.*instruct", LLAMA3),
+    (r"tinyllama|qwen.*(chat|instruct)|yi-1\.5.*chat", CHATML),
+    (r"(gemma.*it)|(gemma-3)", GEMMA),
 ]
 
-TEMPLATES = {t.name: t for t in (CHATML, LLAMA3, LLAMA2, MISTRAL, GEMMA, PLAIN)}
+TEMPLATES = {t.name: t for t in (CHATML, LLAMA3, LLAMA2, MISTRAL, GEMMA, PLAIN, DEFAULT)}
 
 
 def template_for_model(model_path: str | None) -> ChatTemplate:
-    """ChatML unless the model's name says otherwise."""
-    name = (model_path or "").lower()
-    for keys, template in _BY_NAME:
-        if any(k in name for k in keys):
+    """The template SGLang's frontend would pick for this model path (DEFAULT when no rule names it)."""
+    name = model_path or ""
+    for pattern, template in _RULES:
+        if re.search(pattern, name, re.IGNORECASE):
             return template
-    return CHATML
+    return DEFAULT
 
 
 def get_chat_template(name: str) -> ChatTemplate:

@@ -177,7 +177,8 @@ class StreamExecutor:
     def _role_end(self, role: str) -> None:
         if self.cur_role != role:
             raise LangError(f"cannot end role {role!r}: the open role is {self.cur_role!r}")
-        self.messages_.append({"role": role, "content": self.text_[self.cur_role_start:]})
+        # Leading whitespace is not part of a message (SGLang strips it too; the text keeps it).
+        self.messages_.append({"role": role, "content": self.text_[self.cur_role_start:].lstrip()})
         self._append(self.chat_template.suffix(role))
         self.cur_role = None
         if self.spec is not None:

@@ -18,8 +18,8 @@ from lang_client.tracer import TracerState, constant_prefix, trace_program
 # run_batch warms the cache with the program's constant prefix only when it is worth a request.
 MIN_BATCH_PREFIX_CHARS = 64
 
-_SAMPLING_DEFAULTS = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p",
-                      "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos")
+_SAMPLING_DEFAULTS = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature",
+                      "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos")
 
 
 def function(func: Callable | None = None, *, num_api_spec_tokens: int | None = None):
@@ -35,7 +35,7 @@ def _split_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     for key in _SAMPLING_DEFAULTS:
         value = kwargs.pop(key, None)
         if value is not None:
-            defaults[key] = [value] if key == "stop" and isinstance(value, str) else value
+            defaults[key] = [value] if key in ("stop", "stop_regex") and isinstance(value, str) else value
     return defaults
 
 

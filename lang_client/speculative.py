@@ -27,7 +27,7 @@ class SpecBuffer:
 
     def applies(self, sampling: dict) -> bool:
         """Only plain stop-terminated gens can be speculated (a regex needs the server's grammar)."""
-        return bool(sampling.get("stop")) and not any(k in sampling for k in ("regex", "json_schema"))
+        return bool(sampling.get("stop")) and not any(k in sampling for k in ("regex", "json_schema", "stop_regex"))
 
     def take(self, stops: list[str]) -> str | None:
         """Serve a gen from the guess when it holds the gen's whole answer (a stop follows it)."""

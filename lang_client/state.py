@@ -1,8 +1,9 @@
 """`s`, the program state a program writes to, and the group `s.fork(n)` returns."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 from lang_client.api import _role
 from lang_client.expr import Concat, RoleBegin, RoleEnd, Text, to_expr
@@ -73,8 +74,9 @@ class ProgramState(RoleShortcuts):
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         """Text as it is produced (run(..., stream=True)); with var_name, only that variable's pieces."""
         out = self.stream_executor.out_queue
-        if out is None:
-            raise RuntimeError("text_iter needs run(..., stream=True)")
+        if out is None:  # not streamed: the whole text (or variable) at once, as SGLang's frontend does
+            yield self.text() if var_name is None else self.get_var(var_name)
+            return
         while True:
             item = out.get()
             if item is None:
@@ -85,6 +87,21 @@ class ProgramState(RoleShortcuts):
             name, chunk = item
             if var_name is None or name == var_name:
                 yield chunk
+
+    async def text_async_iter(self, var_name: str | None = None,
+                              return_meta_data: bool = False) -> AsyncIterator[Any]:
+        """text_iter for asyncio code: the waits run in a thread, so the event loop keeps serving. With
+        return_meta_data (needs var_name), yields (chunk, meta_info of the variable so far)."""
+        if return_meta_data and var_name is None:
+            raise ValueError("text_async_iter(return_meta_data=True) needs a var_name")
+        it = self.text_iter(var_name)
+        loop = asyncio.get_running_loop()
+        done = object()
+        while True:
+            chunk = await loop.run_in_executor(None, next, it, done)
+            if chunk is done:
+                return
+            yield (chunk, self.stream_executor.meta_info.get(var_name)) if return_meta_data else chunk
 
     # ---- parallelism ----
     def fork(self, size: int = 1) -> "ProgramStateGroup":

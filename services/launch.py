@@ -23,29 +23,35 @@ import signal
 import sys
 
 from services.supervisor import RestartPolicy, WorkerSlot
+from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.engine.cli import add_engine_args, engine_args_to_argv
 
 log = logging.getLogger("services.launch")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m services.launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--topology", default="unified", choices=["unified", "pd"])
+    p = argparse.ArgumentParser(prog="python -m services.launch", description=__doc__, formatter_class=HelpFormatter)
+    add_config_arg(p)
+    p.add_argument("--topology", default="unified", choices=["unified", "pd"],
+                   help="unified: workers compute whole requests; pd: prefill and decode workers (UCX)")
     p.add_argument("--workers", type=int, default=1, help="unified workers to start")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (pd topology)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (pd topology)")
     p.add_argument("--worker-gpus", default=None,
                    help="comma-separated GPU ids; worker i runs on --device cuda:ids[i %% len(ids)]")
     p.add_argument("--redis-url", default=None, help="routing metadata in Redis (default: in memory)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--routing-policy", default="cache-aware", choices=["cache-aware", "prefix-affinity"])
+    p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    p.add_argument("--port", type=int, default=30000, help="the gateway's HTTP port")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model-path)")
+    p.add_argument("--routing-policy", default="cache-aware", choices=["cache-aware", "prefix-affinity"],
+                   help="cache-aware: the worker sent the longest part of the prompt before; prefix-affinity: "
+                        "hash of the prompt's head")
     p.add_argument("--pd-bypass-tokens", type=int, default=None,
                    help="PD: longest uncached prompt suffix a decode worker extends itself (gateway flag)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--admin-api-key", default=None)
+    p.add_argument("--api-key", default=None, help="Bearer key(s), comma-separated, required on /v1/* and /generate")
+    p.add_argument("--admin-api-key", default=None, help="Bearer key required on /flush_cache")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse unknown sampling parameters with 400 (default: accept, with a Warning header)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before stopping")
     p.add_argument("--drain-grace", type=float, default=1.0,
@@ -58,13 +64,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tool-call-parser", default=None,
                    help="hermes or llama3 (default: detected from the chat template)")
     p.add_argument("--reasoning-parser", default=None, help="qwen3, qwen3-thinking or deepseek-r1")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", help="debug | info | warning | error")
     add_engine_args(p)
-    args = p.parse_args(argv)
+    args = parse_with_config(p, argv)
     if args.workers < 1 or args.prefill < 1 or args.decode < 1:
         p.error("--workers, --prefill and --decode must be >= 1")
     if args.worker_gpus is not None and not all(x.strip().isdigit() for x in args.worker_gpus.split(",")):
         p.error("--worker-gpus must be comma-separated GPU ids, e.g. 0,1")
+    if args.topology == "pd":
+        from shared.transfer import require_ucx
+
+        try:
+            require_ucx("--topology pd")
+        except RuntimeError as e:
+            p.error(str(e))
     return args
 
 
@@ -95,6 +108,8 @@ def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
     argv += ["--drain-timeout", str(args.drain_timeout), "--drain-grace", str(args.drain_grace)]
     if args.pd_bypass_tokens is not None:
         argv += ["--pd-bypass-tokens", str(args.pd_bypass_tokens)]
+    if args.strict:
+        argv.append("--strict")
     for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url", "routing_policy",
                  "chat_template", "tool_call_parser", "reasoning_parser"):
         value = getattr(args, flag)

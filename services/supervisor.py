@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
+from services.output_relay import PrefixedRelay
 
 log = logging.getLogger("services.supervisor")
 
@@ -63,9 +64,12 @@ class WorkerSlot:
 
     async def start(self) -> str:
         """Start the process and wait for its ready line; returns host:port."""
+        # Its progress bars and logs reach our stderr, each line prefixed with the worker's name.
+        relay = PrefixedRelay(self.name)
         proc = await asyncio.create_subprocess_exec(*self.cmd(self.port), stdout=asyncio.subprocess.PIPE,
-                                                    stderr=None, start_new_session=True,
+                                                    stderr=relay.write_fd, start_new_session=True,
                                                     preexec_fn=_die_with_parent)
+        relay.child_started()
         self.proc = proc
         try:
             addr = await asyncio.wait_for(self._ready_line(proc), _START_TIMEOUT_S)

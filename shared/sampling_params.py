@@ -6,9 +6,12 @@ their own names onto these.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import regex
 
 from shared.errors import InvalidRequest
 
@@ -16,6 +19,8 @@ from shared.errors import InvalidRequest
 GREEDY_EPS = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
+MAX_STOP_REGEX = 16
+MAX_STOP_REGEX_LEN = 256
 
 
 @dataclass
@@ -31,6 +36,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
+    # Stop when the output text matches one of these (SGLang's `stop_regex`); the match stays in the text.
+    stop_regex: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -114,6 +121,15 @@ class SamplingParams:
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in self.stop):
             raise InvalidRequest(
                 f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters", "stop")
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        if not isinstance(self.stop_regex, list) or not all(isinstance(s, str) and s for s in self.stop_regex):
+            raise InvalidRequest("stop_regex must be a non-empty string or a list of them", "stop_regex")
+        if len(self.stop_regex) > MAX_STOP_REGEX or any(len(s) > MAX_STOP_REGEX_LEN for s in self.stop_regex):
+            raise InvalidRequest(f"at most {MAX_STOP_REGEX} stop_regex patterns of at most "
+                                 f"{MAX_STOP_REGEX_LEN} characters", "stop_regex")
+        for pattern in self.stop_regex:
+            compile_stop_regex(pattern)
         if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
             self.stop_token_ids = [self.stop_token_ids]
         if not isinstance(self.stop_token_ids, list) or not all(
@@ -142,6 +158,16 @@ class SamplingParams:
                 raise InvalidRequest(f"{k} must be a string", k)
         if self.min_new_tokens > self.max_new_tokens:
             self.min_new_tokens = self.max_new_tokens
+
+
+@functools.lru_cache(maxsize=256)
+def compile_stop_regex(pattern: str) -> "regex.Pattern":
+    """The `regex` module (not `re`): its matcher resists catastrophic backtracking and takes a timeout,
+    and stop patterns run on the engine thread at every step."""
+    try:
+        return regex.compile(pattern)
+    except (regex.error, RecursionError, OverflowError) as e:
+        raise InvalidRequest(f"stop_regex {pattern!r} does not compile: {e}", "stop_regex") from None
 
 
 _INT_MAX = 2 ** 31 - 1  # every integer parameter fits int32 (and the wire)

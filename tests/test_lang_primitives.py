@@ -6,7 +6,7 @@ import pytest
 
 import lang_client as sgl
 from lang_client.api import DTYPE_REGEX
-from lang_client.chat_template import CHATML, LLAMA3
+from lang_client.chat_template import CHATML, DEFAULT, LLAMA3
 from tests.fake_sglang_server import FakeSGLangServer, default_scorer
 
 
@@ -106,7 +106,8 @@ def test_roles_render_chatml_and_messages(backend):
                         + CHATML.prefix("user") + "again" + CHATML.suffix("user")
                         + CHATML.prefix("assistant") + "fine" + CHATML.suffix("assistant"))
     assert s.messages() == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"},
-                            {"role": "assistant", "content": reply}, {"role": "user", "content": "again"},
+                            {"role": "assistant", "content": reply.lstrip()},  # stripped, as SGLang does
+                            {"role": "user", "content": "again"},
                             {"role": "assistant", "content": "fine"}]
 
 
@@ -121,8 +122,11 @@ def test_chat_template_follows_model_path():
 
         assert prog.run(backend=backend).text() == "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
     assert sgl.template_for_model("Qwen/Qwen2.5-7B-Instruct") is CHATML
-    assert sgl.template_for_model("some/unknown-model") is CHATML
     assert sgl.template_for_model("meta-llama/Llama-2-7b-chat-hf").name == "llama-2"
+    # No rule names it (unknown, base models, our tiny-random): SGLang's frontend's "default" template.
+    for path in ("some/unknown-model", "tiny-random", "meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B"):
+        assert sgl.template_for_model(path) is DEFAULT, path
+    assert DEFAULT.prefix("user") == "USER:" and DEFAULT.suffix("assistant") == "\n"
 
 
 def test_nested_roles_are_an_error(backend):

@@ -16,20 +16,22 @@ from services.gateway.reasoning import resolve_reasoning_parser
 from services.gateway.state import GatewayState
 from services.gateway.tool_parsers import resolve_parser
 from services.gateway.worker_client import WorkerClient, parse_worker_list
+from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger("services.gateway")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
-    p.add_argument("--model-path", required=True)
+    p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__, formatter_class=HelpFormatter)
+    add_config_arg(p)
+    p.add_argument("--model-path", required=True, help="the workers' model: hub id or directory (tokenizer, name)")
     p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
     p.add_argument("--workers", default="", help="host:port[,host:port...] (static; may be empty with --redis-url)")
     p.add_argument("--redis-url", default=None, help="discover workers registered in this Redis")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--served-model-name", default=None, help="defaults to --model-path")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=30000, help="HTTP port")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model-path)")
     p.add_argument("--routing-policy", default="cache-aware", choices=["cache-aware", "prefix-affinity"],
                    help="cache-aware: prefer the worker that was sent the longest part of the prompt before; "
                         "prefix-affinity: hash the prompt's head")
@@ -39,8 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None, help="defaults to what the workers report")
     p.add_argument("--api-key", default=None, help="Bearer key required on /v1/* and /generate")
     p.add_argument("--admin-api-key", default=None, help="Bearer key required on /flush_cache")
-    p.add_argument("--max-n", type=int, default=Limits.max_n)
-    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
+    p.add_argument("--max-n", type=int, default=Limits.max_n, help="most choices (n) one request may ask for")
+    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
+                   help="larger request bodies are refused with 413")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse unknown sampling parameters with 400 (default: accept, with a Warning header)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
     p.add_argument("--drain-grace", type=float, default=1.0,
@@ -52,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "llama3 (Llama 3.x JSON); default: detected from the chat template")
     p.add_argument("--reasoning-parser", default=None,
                    help="split <think>...</think> into reasoning_content: qwen3, qwen3-thinking or deepseek-r1")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="debug | info | warning | error")
     return p
 
 
@@ -84,7 +89,8 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
     except ValueError as e:
         raise SystemExit(str(e)) from None
     limits = Limits(max_n=getattr(args, "max_n", Limits.max_n),
-                    max_body_bytes=getattr(args, "max_body_bytes", Limits.max_body_bytes))
+                    max_body_bytes=getattr(args, "max_body_bytes", Limits.max_body_bytes),
+                    strict_sampling_params=getattr(args, "strict", False))
     state = GatewayState(tokenizer=tokenizer, served_model_name=args.served_model_name or args.model_path,
                          model_path=args.model_path, router=Router(workers, _policy(args),
                                                                       getattr(args, "pd_bypass_tokens", 128)),
@@ -140,7 +146,7 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    args = parse_with_config(build_parser())
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(_main(args))
 

@@ -2,6 +2,7 @@
 Shared by the OpenAI and native translators so both refuse the same things the same way."""
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from services.gateway.errors import APIError, bad_request
@@ -61,6 +62,20 @@ def sampling_params(state: "GatewayState", d: dict[str, Any]) -> SamplingParams:
         if any(not 0 <= t < vocab for t in ids):
             raise bad_request(f"{name} names a token id outside the vocabulary [0, {vocab})", name)
     return params
+
+
+_KNOWN_SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} | {"sampling_seed"}
+
+
+def unknown_sampling_keys(state: "GatewayState", d: dict[str, Any]) -> set[str]:
+    """Keys of a native `sampling_params` we do not implement: ignored (the caller says so in a Warning
+    header), or a 400 naming the first under the gateway's --strict."""
+    unknown = {k for k in d if k not in _KNOWN_SAMPLING_KEYS}
+    if unknown and state.limits.strict_sampling_params:
+        first = sorted(unknown)[0]
+        raise bad_request(f"unknown sampling parameter '{first}' (the gateway runs with --strict)", first,
+                          code="unknown_parameter")
+    return unknown
 
 
 def stamp_tenant(reqs: list[GenerateRequest], salt: str | None) -> None:

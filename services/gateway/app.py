@@ -23,6 +23,8 @@ STATE = web.AppKey("gateway_state", GatewayState)
 
 _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
                      413: "invalid_request_error"}
+# OpenAI's `code` is a string or null, never the HTTP status.
+_HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 def create_app(state: GatewayState) -> web.Application:
@@ -39,6 +41,9 @@ def create_app(state: GatewayState) -> web.Application:
 
     async def models(request):
         return web.json_response(openai_api.models(s))
+
+    async def model(request):
+        return web.json_response(openai_api.model(s, request.match_info["model_id"]))
 
     async def generate(request):
         return await native_api.generate(s, request)
@@ -67,6 +72,8 @@ def create_app(state: GatewayState) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
+    # {model_id:.+}: hub ids contain a slash (meta-llama/Llama-3.1-8B).
+    app.router.add_get("/v1/models/{model_id:.+}", model)
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/programs", programs)
     for path in ("/get_model_info", "/model_info"):
@@ -109,7 +116,8 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        body = error_body(e.reason, _HTTP_ERROR_TYPES.get(e.status, "invalid_request_error"), code=e.status)
+        body = error_body(e.reason, _HTTP_ERROR_TYPES.get(e.status, "invalid_request_error"),
+                          code=_HTTP_ERROR_CODES.get(e.status))
         return web.json_response(body, status=e.status, headers={
             k: v for k, v in e.headers.items() if k.lower() == "allow"})
     except Exception:

@@ -35,7 +35,7 @@ class WorkerUnavailable(Exception):
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict:
+               code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 

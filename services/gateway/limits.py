@@ -23,6 +23,8 @@ class Limits:
     default_chat_max_tokens: int | None = None
     default_completion_max_tokens: int = 16  # OpenAI's documented default for /v1/completions
     default_native_max_new_tokens: int = 128  # SGLang's default for /generate
+    # --strict: unknown sampling parameters are a 400 instead of a Warning header.
+    strict_sampling_params: bool = False
 
 
 async def read_json(request: web.Request, limits: Limits) -> Any:

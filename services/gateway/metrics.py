@@ -2,6 +2,7 @@
 (tests) can live in one process. Token counters rather than hit-rate gauges: users derive rates."""
 from __future__ import annotations
 
+import collections
 import time
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
@@ -17,6 +18,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20,
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# cache_hit_rate and gen_throughput are rates over about this many recent seconds (SGLang's are over its
+# logging interval); the counters stay the exact source.
+RATE_WINDOW_S = 10.0
 
 
 class GatewayMetrics:
@@ -53,14 +57,38 @@ class GatewayMetrics:
         self.num_queued = gauge("num_queue_reqs", "Requests waiting on the workers")
         self.token_usage = gauge("token_usage", "KV cache usage, fraction of the pool (mean over workers)")
         self.gateway_inflight = gauge("gateway_inflight_reqs", "Requests the gateway is waiting on")
+        self.num_used_tokens = gauge("num_used_tokens", "KV cache slots in use, summed over workers")
+        self.cache_hit_rate = gauge("cache_hit_rate", "Prompt tokens served from the prefix cache / prompt "
+                                    f"tokens, over the last ~{RATE_WINDOW_S:.0f} s of finished requests")
+        self.gen_throughput = gauge("gen_throughput", "Generated tokens per second, over the last "
+                                    f"~{RATE_WINDOW_S:.0f} s")
+        # Totals the rates are computed from: streamed tokens count when they arrive, not at the end.
+        self.streamed_tokens = self.cached_total = self.queried_total = 0
+        self._samples: collections.deque = collections.deque([(time.monotonic(), 0, 0, 0)])
 
     def set_worker_stats(self, infos: list[dict]) -> None:
         self.num_running.set(sum(_num(i.get("num_running")) for i in infos))
         self.num_queued.set(sum(_num(i.get("num_waiting")) for i in infos))
+        self.num_used_tokens.set(sum(_num(i.get("kv_usage")) * _num(i.get("max_total_tokens")) for i in infos))
         if infos:
             self.token_usage.set(sum(_num(i.get("kv_usage")) for i in infos) / len(infos))
 
+    def update_rates(self, now: float | None = None) -> None:
+        """Set the two rate gauges from the totals' change since the oldest sample in the window."""
+        now = time.monotonic() if now is None else now
+        current = (now, self.streamed_tokens, self.cached_total, self.queried_total)
+        samples = self._samples
+        while len(samples) > 1 and now - samples[1][0] >= RATE_WINDOW_S:
+            samples.popleft()  # keep exactly one sample at least a window old (or the start)
+        t0, gen0, cached0, queried0 = samples[0]
+        if now > t0:
+            self.gen_throughput.set((current[1] - gen0) / (now - t0))
+        queried = current[3] - queried0
+        self.cache_hit_rate.set((current[2] - cached0) / queried if queried > 0 else 0.0)
+        samples.append(current)
+
     def render(self) -> bytes:
+        self.update_rates()
         return generate_latest(self.registry)
 
 
@@ -79,6 +107,7 @@ class RequestTimer:
     def observe(self, out: TokenOutput) -> None:
         now = time.perf_counter()
         n = len(out.token_ids)
+        self.m.streamed_tokens += n
         if self.last is None:
             if out.queue_time > 0:
                 self.m.queue_time.observe(out.queue_time)
@@ -95,6 +124,8 @@ class RequestTimer:
             self.m.prompt_tokens.inc(out.prompt_tokens)
             self.m.queried_prefix_tokens.inc(out.prompt_tokens)
             self.m.cached_tokens.inc(out.cached_tokens)
+            self.m.cached_total += out.cached_tokens
+            self.m.queried_total += out.prompt_tokens
             self.m.generation_tokens.inc(out.completion_tokens)
             self.m.e2e.observe(now - self.start)
             if (out.finish_reason or {}).get("type") == "abort" or out.error:

@@ -3,7 +3,7 @@ streaming with cumulative text, logprob entries [logprob, token_id, text-or-null
 from __future__ import annotations
 
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from aiohttp import web
@@ -11,7 +11,7 @@ from aiohttp import web
 from services.gateway.tenancy import request_salt
 from services.gateway import logprobs as lp
 from services.gateway.admission import (check_grammars, check_token_ids, child_requests, resolve_max_new_tokens,
-                                       sampling_params, stamp_tenant)
+                                       sampling_params, stamp_tenant, unknown_sampling_keys)
 from services.gateway.dispatch import GenerationResult, new_rid
 from services.gateway.errors import bad_request
 from services.gateway.fields import get_bool, get_int, is_int, is_token_ids
@@ -28,6 +28,13 @@ class NativeJob:
     reqs: list[GenerateRequest]
     batched: bool  # answer a list (batch input or n > 1) rather than one object
     with_text: bool  # return_text_in_logprobs
+    unknown: list[str] = field(default_factory=list)  # sampling_params keys we do not know (ignored)
+
+    def headers(self) -> dict[str, str]:
+        """Ignored keys are said out loud (an HTTP Warning) rather than silently dropped."""
+        if not self.unknown:
+            return {}
+        return {"Warning": f'299 radixserve "unknown sampling parameters ignored: {", ".join(self.unknown)}"'}
 
 
 async def generate(state: "GatewayState", request: web.Request) -> web.StreamResponse:
@@ -36,8 +43,8 @@ async def generate(state: "GatewayState", request: web.Request) -> web.StreamRes
     stamp_tenant(job.reqs, request_salt(request))
     await check_grammars(state, job.reqs)
     if get_bool(body, "stream"):
-        return await stream_events(request, _events(state, job))
-    return web.json_response(await _run(state, job))
+        return await stream_events(request, _events(state, job), headers=job.headers())
+    return web.json_response(await _run(state, job), headers=job.headers())
 
 
 async def generate_json(state: "GatewayState", body: Any, cache_salt: str | None = None) -> dict | list:
@@ -94,9 +101,11 @@ def _build(state: "GatewayState", body: Any) -> NativeJob:
     with_text = get_bool(body, "return_text_in_logprobs")
 
     reqs: list[GenerateRequest] = []
+    unknown: set[str] = set()
     any_n = False
     for i, ids in enumerate(prompts):
         raw = dict(sps[i] or {})
+        unknown |= unknown_sampling_keys(state, raw)
         n = get_int(raw, "n", 1, lo=1, hi=state.limits.max_n)
         any_n |= n > 1
         requested = get_int(raw, "max_new_tokens", None, lo=0)
@@ -115,7 +124,7 @@ def _build(state: "GatewayState", body: Any) -> NativeJob:
     if len(reqs) > state.limits.max_batch:
         raise bad_request(f"at most {state.limits.max_batch} generations per request (prompts x n)", "n")
     state.dispatcher.check_rids([r.rid for r in reqs])  # before any header goes out
-    return NativeJob(reqs, batched or any_n, with_text)
+    return NativeJob(reqs, batched or any_n, with_text, sorted(unknown))
 
 
 def _per_item(body: dict, name: str, count: int, ok, what: str) -> list:

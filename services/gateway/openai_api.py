@@ -18,7 +18,7 @@ from services.gateway.chat_request import ChatSpec, parse_chat
 from services.gateway.admission import (check_grammars, check_model, stamp_tenant, check_token_ids, child_requests, resolve_max_new_tokens,
                                         sampling_params)
 from services.gateway.dispatch import GenerationResult, created_timestamp, new_rid
-from services.gateway.errors import bad_request
+from services.gateway.errors import APIError, bad_request
 from services.gateway.fields import get_bool, get_dict, get_int, is_token_ids
 from services.gateway.limits import read_json
 from services.gateway.sse import stream_events
@@ -338,6 +338,16 @@ class _ChatFormat:
 
 # ---------------------------------------------------------------- /v1/models
 def models(state: "GatewayState") -> dict:
-    return {"object": "list", "data": [{
-        "id": state.served_model_name, "object": "model", "created": 0, "owned_by": "radixserve",
-        "root": state.model_path, "max_model_len": state.context_length}]}
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+def model(state: "GatewayState", model_id: str) -> dict:
+    """`GET /v1/models/{id}` (the openai client's `models.retrieve`): the served name or the model path."""
+    if model_id not in state.model_names():
+        raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+    return _model_card(state)
+
+
+def _model_card(state: "GatewayState") -> dict:
+    return {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "radixserve",
+            "root": state.model_path, "max_model_len": state.context_length}

@@ -106,7 +106,8 @@ class _Run:
                     st.text += node.text
                     st.role_start = len(st.text)
                 else:
-                    st.messages.append({"role": node.role, "content": st.text[st.role_start:]})
+                    # As the client's interpreter (and SGLang's): leading whitespace is not content.
+                    st.messages.append({"role": node.role, "content": st.text[st.role_start:].lstrip()})
                     st.text += node.text
             elif isinstance(node, GenNode):
                 answer = await self._call({"text": st.text, "sampling_params": dict(node.sampling_params),

@@ -24,9 +24,10 @@ def encode_event(obj: Any) -> bytes:
     return b"data: " + dumps(obj).encode() + b"\n\n"
 
 
-async def stream_events(request: web.Request, events: AsyncIterator[dict]) -> web.StreamResponse:
+async def stream_events(request: web.Request, events: AsyncIterator[dict],
+                        headers: dict[str, str] | None = None) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
+                                       "X-Accel-Buffering": "no", **(headers or {})})
     await resp.prepare(request)
     try:
         async with aclosing(events) as it:

@@ -17,6 +17,7 @@ import socket
 import uuid
 
 from services.worker.server import WorkerServer
+from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.engine.cli import add_engine_args, engine_config_from_args
 from shared.engine.engine import Engine
 from shared.metadata.registration import Registration
@@ -27,26 +28,35 @@ log = logging.getLogger("services.worker")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m services.worker", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1")
+    p = argparse.ArgumentParser(prog="python -m services.worker", description=__doc__, formatter_class=HelpFormatter)
+    add_config_arg(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on for the gateway")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on the ready line)")
     p.add_argument("--advertise-host", default=None,
                    help="address gateways should dial (default: --host, or this host's name if --host is a wildcard)")
-    p.add_argument("--role", default="unified", choices=["unified", "prefill", "decode"])
+    p.add_argument("--role", default="unified", choices=["unified", "prefill", "decode"],
+                   help="unified computes whole requests; prefill/decode are the halves of a PD pair")
     p.add_argument("--transfer-port", type=int, default=0,
                    help="decode role: UCX port of the KV receiver (0 picks a free one)")
-    p.add_argument("--worker-id", default=None)
+    p.add_argument("--worker-id", default=None, help="name in the registry and logs (default: host-pid-random)")
     p.add_argument("--redis-url", default=None, help="register in this Redis for gateway discovery")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
     p.add_argument("--drain-grace", type=float, default=1.0,
                    help="on SIGTERM, seconds between saying not ready and waiting for running requests")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", help="debug | info | warning | error")
     add_engine_args(p)
-    return p.parse_args(argv)
+    return parse_with_config(p, argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
+    if args.role in ("prefill", "decode"):
+        from shared.transfer import require_ucx
+
+        try:
+            require_ucx(f"a {args.role} worker")
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from None
     config = engine_config_from_args(args)
     tokenizer = Tokenizer.load(config.model_path)
     engine = Engine(config, tokenizer, on_output=lambda outs: None)

@@ -26,21 +26,76 @@ def _device(value: str) -> str:
 
 _TYPES = {"device": _device}
 
+# Flag names where SGLang's launcher names the same setting differently: its name first (what --help and
+# child processes use), ours kept as an alias. Boolean fields that default to true also take SGLang's
+# `--disable-*` spelling.
+_NAMES = {
+    "max_context_len": ["--context-length", "--max-context-len"],
+    "cuda_graph": ["--no-cuda-graph", "--disable-cuda-graph"],
+    "enable_overlap": ["--no-enable-overlap", "--disable-overlap-schedule"],
+}
+
+_HELP = {
+    "model_path": "hub id, local Hugging Face directory, or tiny-random (a small random Llama for smoke runs)",
+    "load_format": "auto: the checkpoint's safetensors; dummy: random weights of the config's shape",
+    "device": "auto (cuda if present, else cpu) | cpu | cuda | cuda:N",
+    "quantization": "none: as the checkpoint says (its quantization_config is honoured or refused); fp8: "
+                    "also quantize a float checkpoint's linear weights to FP8 at load",
+    "dtype": "auto: bfloat16 on GPU, float32 on CPU",
+    "attention_backend": "auto picks per device (triton on GPU, torch on CPU)",
+    "page_size": "tokens per KV page (radix matches are page-aligned)",
+    "max_total_tokens": "KV pool size in tokens (default: --mem-fraction-static of free memory after weights)",
+    "mem_fraction_static": "fraction of free device memory for the KV pool when --max-total-tokens is unset",
+    "max_running_requests": "requests decoded together at most",
+    "max_context_len": "longest prompt + output (default: the model's max_position_embeddings)",
+    "chunked_prefill_size": "new tokens of one request per prefill pass (longer prompts take several)",
+    "max_prefill_tokens": "new tokens of all requests in one prefill pass",
+    "schedule_policy": "lpm: longest cached prefix first; fcfs: arrival order",
+    "lpm_queue_limit": "above this queue length LPM falls back to FCFS (sorting costs)",
+    "max_skipped_rounds": "a request passed over this many times goes first (no starvation)",
+    "disable_radix_cache": "no prefix reuse (the ablation)",
+    "init_new_token_ratio": "share of running requests' remaining max_new_tokens reserved at admission",
+    "min_new_token_ratio": "lower bound the reservation ratio decays to",
+    "new_token_ratio_decay": "per-step decay of the reservation ratio",
+    "disable_shared_prefix_attention": "decode groups sharing a cached prefix attend it per request, not "
+                                       "once per group (the cascade-attention ablation)",
+    "cuda_graph": "run decode without CUDA graphs",
+    "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
+    "enable_overlap": "do not overlap the host's scheduling with the device's step",
+    "disable_jump_forward": "decode grammar-forced tokens one by one (the ablation)",
+    "jump_forward_mode": "retokenize: forced runs as the tokenizer's tokens (fastest); verify: forced "
+                         "tokens checked against the model (output equals token-by-token decoding)",
+    "random_seed": "seed of requests without their own",
+    "kv_transfer_staging": "PD: device (UCX moves GPU memory) or host (pinned buffers, UCX without CUDA)",
+    "kv_transfer_timeout": "PD: seconds a decode worker waits for a request's KV pages",
+}
+
+
+def _tp_size(value: str) -> int:
+    if value != "1":
+        raise argparse.ArgumentTypeError("tensor parallelism is not implemented yet: only --tp-size 1")
+    return 1
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
+        names = _NAMES.get(f.name, ["--" + f.name.replace("_", "-")])
         if f.type in ("bool", bool):
             if f.default:
-                parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
-                                    help=f"disable {f.name}")
+                names = _NAMES.get(f.name, ["--no-" + f.name.replace("_", "-")])
+                group.add_argument(*names, dest=f.name, action="store_false", help=_HELP.get(f.name))
                 parser.set_defaults(**{f.name: True})
             else:
-                parser.add_argument(flag, dest=f.name, action="store_true")
+                group.add_argument(*names, dest=f.name, action="store_true", help=_HELP.get(f.name))
             continue
         typ = _TYPES.get(f.name) or next(
             (t for t in (int, float) if f.type is t or str(f.type).startswith(t.__name__)), str)
-        parser.add_argument(flag, dest=f.name, type=typ, default=f.default, choices=_CHOICES.get(f.name))
+        group.add_argument(*names, dest=f.name, type=typ, default=f.default, choices=_CHOICES.get(f.name),
+                           help=_HELP.get(f.name))
+    # Reserved under SGLang's names so its command lines parse; only the single-device value runs.
+    group.add_argument("--tp-size", "--tp", dest="tp_size", type=_tp_size, default=1,
+                       help="tensor-parallel degree (reserved: only 1 for now)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -54,9 +109,9 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, f.name)
         if value == f.default:
             continue
-        name = f.name.replace("_", "-")
         if isinstance(value, bool):
-            argv.append(f"--{name}" if value else f"--no-{name}")
+            # A bool that differs from its default is exactly its flag.
+            argv.append(_NAMES.get(f.name, [("--no-" if f.default else "--") + f.name.replace("_", "-")])[0])
         else:
-            argv += [f"--{name}", str(value)]
+            argv += [_NAMES.get(f.name, ["--" + f.name.replace("_", "-")])[0], str(value)]
     return argv

@@ -12,6 +12,7 @@ import logging
 import time
 
 import torch
+from tqdm import tqdm
 
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -25,7 +26,7 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model, kv_pool, req_to_token: torch.Tensor, attn_backend, max_bs: int,
-                 device: torch.device, progress=print):
+                 device: torch.device, progress: bool = True):
         self.model = model
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
@@ -63,11 +64,14 @@ class CudaGraphRunner:
         self.attn_backend.init_forward_metadata(fb)
         return self.model.compute_logits(self.model.forward(fb))
 
-    def _capture_all(self, progress) -> None:
+    def _capture_all(self, progress: bool) -> None:
         t0 = time.monotonic()
         stream = torch.cuda.Stream(self.device)
-        # Largest first, so smaller graphs reuse the memory pool the largest one reserved.
-        for i, bs in enumerate(reversed(self.sizes)):
+        # Largest first, so smaller graphs reuse the memory pool the largest one reserved. The bar goes to
+        # stderr (the launcher relays it, prefixed with the worker's name).
+        sizes = list(reversed(self.sizes))
+        for bs in tqdm(sizes, desc="Capturing CUDA graphs", unit="graph", disable=not progress,
+                       dynamic_ncols=True):
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: autotuning and lazy allocations stay out of the graph
                     self._forward(bs)
@@ -79,8 +83,6 @@ class CudaGraphRunner:
                 self.pool = g.pool()
             self.graphs[bs] = g
             self.outputs[bs] = out
-            if progress is not None and (i % 8 == 0 or i == len(self.sizes) - 1):
-                progress(f"capturing CUDA graphs: {i + 1}/{len(self.sizes)} (bs={bs})")
         torch.cuda.synchronize(self.device)
         log.info("captured %d decode graphs in %.1fs", len(self.sizes), time.monotonic() - t0)
 

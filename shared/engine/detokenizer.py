@@ -9,10 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import regex
+
+from shared.sampling_params import compile_stop_regex
 from shared.tokenizer import Tokenizer
 
 # How many tokens before the unread ones are decoded for context (merges and multi-byte characters).
 _CONTEXT_TOKENS = 5
+# A stop_regex match may start this many characters before the newly decoded text (it must end in the new
+# text: anything earlier was searched already). Bounds the per-step work on long outputs.
+_REGEX_LOOKBACK = 1024
+# A pattern that takes longer than this on one step ends its request (it runs on the engine thread).
+_REGEX_TIMEOUT_S = 0.05
 
 
 @dataclass
@@ -27,6 +35,10 @@ class DetokState:
     text: str = ""  # all stable output text so far (before stop trimming)
     emitted: int = 0  # characters of `text` already returned to the caller
     matched_stop: str | None = None
+    stop_regex: list = field(default_factory=list)  # compiled patterns
+    regex_scanned: int = 0  # characters of `text` already searched for stop_regex
+    regex_end: int | None = None  # end of the stop_regex match in `text`: the output ends there
+    regex_error: str | None = None
 
 
 class Detokenizer:
@@ -35,8 +47,9 @@ class Detokenizer:
         self._special = tokenizer.special_ids
 
     def new_state(self, stop: list[str], skip_special_tokens: bool = True, no_stop_trim: bool = False,
-                  prompt_tail: list[int] | None = None) -> DetokState:
-        st = DetokState(stop=list(stop), skip_special_tokens=skip_special_tokens, no_stop_trim=no_stop_trim)
+                  prompt_tail: list[int] | None = None, stop_regex: list[str] | None = None) -> DetokState:
+        st = DetokState(stop=list(stop), skip_special_tokens=skip_special_tokens, no_stop_trim=no_stop_trim,
+                        stop_regex=[compile_stop_regex(p) for p in stop_regex or []])
         # Seed with a few prompt tokens so the first output token decodes in context (leading spaces).
         if prompt_tail:
             st.ids = list(prompt_tail[-_CONTEXT_TOKENS:])
@@ -111,12 +124,41 @@ class Detokenizer:
             end = len(st.text) - hold
         else:
             end = len(st.text)
+        if st.stop_regex and self._search_regex(st):
+            end = st.regex_end
+            out = st.text[st.emitted:end] if end > st.emitted else ""
+            st.emitted = max(st.emitted, end)
+            return out, True
         out = st.text[st.emitted:end] if end > st.emitted else ""
         st.emitted = max(st.emitted, end)
         return out, False
 
+    def _search_regex(self, st: DetokState) -> bool:
+        """Earliest stop_regex match ending in the text decoded since the last search. SGLang keeps the
+        matched text in the output (no trimming), and so do we."""
+        if len(st.text) <= st.regex_scanned:
+            return False
+        start = max(0, st.regex_scanned - _REGEX_LOOKBACK)
+        st.regex_scanned = len(st.text)
+        best = None
+        for pattern in st.stop_regex:
+            try:
+                m = pattern.search(st.text, start, timeout=_REGEX_TIMEOUT_S)
+            except TimeoutError:
+                st.regex_error = f"stop_regex {pattern.pattern!r} took too long to match"
+                st.matched_stop, st.regex_end = "", len(st.text)
+                return True
+            if m is not None and (best is None or m.end() < best.end()):
+                best = m
+        if best is None:
+            return False
+        st.matched_stop, st.regex_end = best.group(0), best.end()
+        return True
+
     def final_text(self, st: DetokState) -> str:
         """The whole output text as reported at the end (stop string trimmed unless no_stop_trim)."""
+        if st.regex_end is not None:
+            return st.text[:st.regex_end]
         if st.matched_stop is None:
             return st.text
         pos = st.text.find(st.matched_stop)

@@ -152,7 +152,7 @@ class PrefillSide:
         self._open.discard(tid)
         self._handed_off[tid] = req
         done = KvDone(transfer_id=tid, first_token=tok, first_logprob=out.logprobs[i] if tok is not None else None,
-                      first_top_logprobs=(out.top_logprobs[i] or []) if tok is not None else [],
+                      first_top_logprobs=out.top_logprobs[i] or [],
                       cached_tokens=req.num_cached_tokens or 0)
         self.on_kv_ready(tid, HandOff(done, req.arrival_time, req.first_scheduled_time or req.arrival_time,
                                       time.monotonic()))

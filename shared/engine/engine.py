@@ -253,7 +253,7 @@ class Engine:
                   top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
                   cache_salt=msg.cache_salt, stream=msg.stream, transfer=msg.transfer)
         req.detok = self.detok.new_state(params.stop, params.skip_special_tokens, params.no_stop_trim,
-                                         prompt_tail=req.input_ids)
+                                         prompt_tail=req.input_ids, stop_regex=params.stop_regex)
         self._reqs[req.rid] = req
         if self._is_host_dependent(params):
             self._host_dependent += 1
@@ -314,6 +314,10 @@ class Engine:
                 continue
             if req.params.max_new_tokens == 0:
                 req.finish_reason = {"type": "length", "length": 0}
+                if req.top_logprobs_num > 0:
+                    # No token is sampled, but the next position's top-k is known (SGLang answers it:
+                    # chain-of-thought decoding branches on it).
+                    req.pending_output_top_logprobs.append(out.top_logprobs[i] or [])
                 ready.append(req)
                 continue
             accepted: list[int] = []
@@ -353,6 +357,8 @@ class Engine:
         elif (tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos)) \
                 and n_out >= p.min_new_tokens:
             req.finish_reason = {"type": "stop", "matched": tok}
+        elif stop_hit and req.detok.regex_error:
+            req.finish_reason = {"type": "abort", "message": req.detok.regex_error}
         elif stop_hit:
             req.finish_reason = {"type": "stop", "matched": req.detok.matched_stop}
         elif n_out >= p.max_new_tokens:
@@ -491,6 +497,8 @@ class Engine:
         max_new_tokens 0, a cache warm-up) and stream it; it decodes from the next step on."""
         if first_token is None:
             req.finish_reason = {"type": "length", "length": 0}
+            if req.top_logprobs_num > 0:  # a top-k probe: the next position's top-k, computed there
+                req.pending_output_top_logprobs.append(top_logprobs or [])
         else:
             req.output_ids.append(PENDING_TOKEN)
             self.runner.set_last_token(req.req_pool_idx, first_token)

@@ -139,8 +139,7 @@ class ModelRunner:
 
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_pool, self.req_pool.req_to_token, self.attn_backend,
-                max_bs=min(config.cuda_graph_max_bs, config.max_running_requests), device=self.device,
-                progress=lambda line: print(line, flush=True))
+                max_bs=min(config.cuda_graph_max_bs, config.max_running_requests), device=self.device)
 
     @torch.no_grad()
     def warmup(self) -> None:
@@ -249,7 +248,9 @@ class ModelRunner:
         for e in batch.extend_lens:
             acc += e
             ends.append(acc - 1)
-        sampled = [i for i in range(n) if batch.sample[i] and batch.reqs[i].params.max_new_tokens > 0]
+        # A prefill-only request (max_new_tokens 0) is sampled only to report the next position's top-k.
+        sampled = [i for i in range(n) if batch.sample[i] and (batch.reqs[i].params.max_new_tokens > 0 or (
+            batch.reqs[i].return_logprob and batch.reqs[i].top_logprobs_num > 0))]
         if batch.mode == ForwardMode.EXTEND:
             self._input_logprobs(batch, hidden, out)
         if not sampled:

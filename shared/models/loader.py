@@ -12,6 +12,7 @@ from typing import Iterator
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from shared.models.config import ModelConfig
 from shared.models.llama import LlamaForCausalLM
@@ -55,11 +56,20 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[str], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, with a progress bar on stderr (tensors; the headers give the
+    count up front, so the bar has an end)."""
+    total = 0
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            total += len(f.keys())
+    with tqdm(total=total, desc=f"Loading weights ({len(files)} shard{'s' * (len(files) != 1)})",
+              unit="tensor", disable=not progress, dynamic_ncols=True) as bar:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    bar.update(1)
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:

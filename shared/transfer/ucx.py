@@ -55,6 +55,9 @@ def _ucxx():
     loop, so each pending operation keeps the event loop spinning: the decode worker, which keeps a
     header receive pending on every kept endpoint, burned a whole core in its event-loop thread even
     when idle and took the GIL from its engine thread on every step (decode ITL +30-70% on the H200)."""
+    from shared.transfer import require_ucx
+
+    require_ucx()  # ucxx is an optional install (.[pd]): say which command adds it
     import ucxx
 
     from ucxx import core

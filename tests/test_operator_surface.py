@@ -1,0 +1,198 @@
+"""What an operator meets: every flag explained with its default, SGLang's flag names, `--config FILE`,
+progress bars that survive the launcher (prefixed per worker), SGLang-named rate gauges, and a dashboard
+that queries only metrics the gateway exports."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import requests
+
+from services.gateway.__main__ import build_parser as gateway_parser
+from services.gateway.metrics import GatewayMetrics, RequestTimer
+from services.launch import parse_args as launch_args
+from services.output_relay import PrefixedRelay, _split
+from services.worker.__main__ import parse_args as worker_args
+from shared.protocol import TokenOutput
+from tests.conftest import ROOT, free_port
+
+
+def _parser_of(parse) -> argparse.ArgumentParser:
+    """The parser a service's parse function builds (captured at its parse call)."""
+    captured = {}
+    original = argparse.ArgumentParser.parse_args
+
+    def capture(self, *a, **kw):
+        captured.setdefault("parser", self)
+        return original(self, *a, **kw)
+
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        parse(["--model-path", "m"])
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    return captured["parser"]
+
+
+PARSERS = {"launch": lambda: _parser_of(launch_args), "worker": lambda: _parser_of(worker_args),
+           "gateway": gateway_parser}
+
+
+@pytest.mark.parametrize("service", list(PARSERS))
+def test_every_flag_has_help_and_shows_its_default(service):
+    parser = PARSERS[service]()
+    missing = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
+    assert not missing, f"{service}: flags without help: {missing}"
+    text = parser.format_help()
+    assert "(default: 30000)" in text or service == "worker"
+    if service != "gateway":
+        assert "(default: 0.85)" in text and "(default: lpm)" in text  # engine flags too
+
+
+def test_sglang_flag_names_and_old_aliases():
+    for flag in ("--context-length", "--max-context-len"):
+        assert launch_args(["--model-path", "m", flag, "512"]).max_context_len == 512
+    args = launch_args(["--model-path", "m", "--disable-cuda-graph", "--disable-overlap-schedule",
+                        "--mem-fraction-static", "0.7", "--tp-size", "1"])
+    assert not args.cuda_graph and not args.enable_overlap and args.mem_fraction_static == 0.7
+    assert not launch_args(["--model-path", "m", "--no-cuda-graph"]).cuda_graph
+    with pytest.raises(SystemExit):
+        launch_args(["--model-path", "m", "--tp-size", "2"])
+    # What the launcher passes its workers uses the primary names, and the worker parses it back.
+    from shared.engine.cli import engine_args_to_argv
+
+    argv = engine_args_to_argv(launch_args(["--model-path", "m", "--max-context-len", "300", "--disable-cuda-graph"]))
+    assert "--context-length" in argv and "--max-context-len" not in argv
+    back = worker_args(argv)
+    assert back.max_context_len == 300 and not back.cuda_graph
+
+
+def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("model-path: some/model\ncontext_length: 2048\nmem-fraction-static: 0.6\n"
+                   "disable-radix-cache: true\ncuda_graph: false\nworkers: 2\nstrict: true\n")
+    args = launch_args(["--config", str(cfg), "--workers", "3"])
+    assert args.model_path == "some/model" and args.max_context_len == 2048 and args.mem_fraction_static == 0.6
+    assert args.disable_radix_cache and not args.cuda_graph and args.strict
+    assert args.workers == 3  # the command line wins
+    gw = gateway_parser()
+    from shared.cli_config import parse_with_config
+
+    (tmp_path / "gw.yaml").write_text("model-path: x\nworkers: h:1\nport: 31001\n")
+    assert parse_with_config(gw, ["--config", str(tmp_path / "gw.yaml")]).port == 31001
+    for bad in ("contxt-length: 5\n", "- a\n- b\n", "disable-radix-cache: maybe\n", "key: [unclosed\n"):
+        cfg.write_text(bad)
+        with pytest.raises(SystemExit):
+            launch_args(["--config", str(cfg)])
+
+
+def test_launch_help_runs():
+    out = subprocess.run([sys.executable, "-m", "services.launch", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "--context-length" in out.stdout and "--config FILE" in out.stdout
+
+
+# ---------------------------------------------------------------- output relay
+def test_relay_prefixes_lines_and_progress_redraws():
+    assert _split(b"a\nbar 10%\rbar 20%\rpart", b"[w] ") == (b"[w] a\n[w] bar 10%\r[w] bar 20%\r", b"part")
+    assert _split(b"line\r", b"[w] ") == (b"", b"line\r")  # maybe the start of \r\n: wait
+    sink = io.BytesIO()
+    relay = PrefixedRelay("decode-1", sink)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stderr.write('x 1/2\\rx 2/2\\ndone')"],
+                            stderr=relay.write_fd)
+    relay.child_started()
+    proc.wait(30)
+    relay.join(30)
+    assert sink.getvalue() == b"[decode-1] x 1/2\r[decode-1] x 2/2\n[decode-1] done\n"
+
+
+def test_weight_loading_progress_reaches_the_launchers_stderr(tmp_path):
+    from tests.conftest_models import make_hf_model, write_hf_checkpoint
+
+    model_dir = write_hf_checkpoint(make_hf_model("qwen2"), str(tmp_path / "ckpt"))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "services.launch", "--model-path", model_dir,
+                             "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    err_chunks: list[str] = []
+    reader = threading.Thread(target=lambda: err_chunks.extend(iter(lambda: proc.stderr.read(4096), "")), daemon=True)
+    reader.start()  # never let the launcher block on a full stderr pipe
+    try:
+        ready = None
+        for line in proc.stdout:
+            if line.startswith("READY "):
+                ready = line
+                break
+        assert ready, "".join(err_chunks)[-3000:]  # READY: every worker has loaded its weights
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(30)
+    err = "".join(err_chunks)
+    bars = [seg for seg in re.split(r"[\r\n]", err) if "Loading weights" in seg]
+    assert bars and all(seg.startswith("[unified-0] ") for seg in bars), err[-2000:]
+    assert any("100%" in seg for seg in bars), bars
+
+
+# ---------------------------------------------------------------- metrics and dashboard
+def test_rate_gauges_follow_recent_traffic():
+    m = GatewayMetrics("x")
+    t = RequestTimer(m)
+    t.observe(TokenOutput(rid="a", token_ids=[1, 2, 3], text=""))
+    t.observe(TokenOutput(rid="a", token_ids=[4], text="", finished=True, prompt_tokens=40, cached_tokens=30,
+                          completion_tokens=4))
+    start = m._samples[0][0]
+    m.update_rates(start + 2.0)
+    assert m.gen_throughput._value.get() == pytest.approx(2.0)  # 4 tokens over 2 s
+    assert m.cache_hit_rate._value.get() == pytest.approx(0.75)
+    m.update_rates(start + 30.0)  # nothing new in the window
+    assert m.gen_throughput._value.get() == 0.0 and m.cache_hit_rate._value.get() == 0.0
+    m.set_worker_stats([{"kv_usage": 0.5, "max_total_tokens": 1000, "num_running": 2, "num_waiting": 1},
+                        {"kv_usage": 0.25, "max_total_tokens": 400}])
+    assert m.num_used_tokens._value.get() == 600 and m.token_usage._value.get() == 0.375
+
+
+def _exported(base_url) -> set[str]:
+    text = requests.get(base_url + "/metrics", timeout=10).text
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            name, kind = line.split()[2:4]
+            names.add(name)
+            if kind == "histogram":
+                names |= {name + s for s in ("_bucket", "_sum", "_count")}
+            if kind == "counter":
+                names.add(name + "_total")
+    return names
+
+
+def test_gateway_exports_sglangs_gauges(base_url):
+    requests.post(base_url + "/generate", json={"text": "warm", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    text = requests.get(base_url + "/metrics", timeout=10).text
+    for name in ("cache_hit_rate", "gen_throughput", "num_running_reqs", "num_queue_reqs", "token_usage",
+                 "num_used_tokens"):
+        assert re.search(rf"^sglang:{name}\{{model_name=\"tiny-random\"\}} [0-9.e+-]+$", text, re.M), name
+
+
+def test_dashboard_queries_only_exported_metrics(base_url):
+    with open(os.path.join(ROOT, "deploy", "grafana", "radixserve.json")) as f:
+        dash = json.load(f)
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"sglang:[a-z0-9_]+", e)}
+    assert {"sglang:cache_hit_rate", "sglang:gen_throughput", "sglang:time_to_first_token_seconds_bucket"} <= used
+    missing = used - _exported(base_url)
+    assert not missing, f"the dashboard queries metrics nobody exports: {missing}"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)) and dash["uid"] and dash["title"]
