@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import signal
 import sys
 
 from shared.engine.cli import add_engine_args, engine_args_to_argv
+from shared.wire import INTERNAL_KEY_ENV
 
 _WORKER_START_TIMEOUT_S = 600
 
@@ -158,6 +160,10 @@ async def run(args: argparse.Namespace) -> int:
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Worker ports are private to this stack: one random key, handed to every process through the
+    # environment (never argv, which `ps` shows); an operator's own $RADIXSERVE_INTERNAL_KEY wins.
+    if not os.environ.get(INTERNAL_KEY_ENV):
+        os.environ[INTERNAL_KEY_ENV] = secrets.token_urlsafe(32)
     sys.exit(asyncio.run(run(args)))
 
 

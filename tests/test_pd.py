@@ -185,10 +185,11 @@ def test_prefill_worker_killed_ends_requests_with_an_error_and_decode_frees_its_
 
 
 async def _decode_worker_scenario(host: str, port: int) -> None:
-    from shared.protocol import GenerateRequest, InfoRequest
+    from shared.protocol import GenerateRequest, Hello, InfoRequest
     from shared.wire import encode_frame, read_message
 
     reader, writer = await asyncio.open_connection(host, port)
+    writer.write(encode_frame(Hello()))
 
     async def ask(req) -> list:
         writer.write(encode_frame(req))

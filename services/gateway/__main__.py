@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None, help="defaults to what the workers report")
     p.add_argument("--api-key", default=None, help="Bearer key required on /v1/* and /generate")
     p.add_argument("--admin-api-key", default=None, help="Bearer key required on /flush_cache")
+    p.add_argument("--internal-key", default=None,
+                   help="the workers' shared secret, sent when connecting to them (default $RADIXSERVE_INTERNAL_KEY)")
     p.add_argument("--max-n", type=int, default=Limits.max_n)
     p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -54,7 +56,8 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
     """Start the gateway inside the caller's event loop (a launcher runs several services in one)."""
     tokenizer_path = getattr(args, "tokenizer_path", None) or args.model_path
     tokenizer = await asyncio.to_thread(Tokenizer.load, tokenizer_path)
-    workers = [WorkerClient(host, port) for host, port in parse_worker_list(args.workers)] if args.workers else []
+    key = getattr(args, "internal_key", None)
+    workers = [WorkerClient(host, port, internal_key=key) for host, port in parse_worker_list(args.workers)] if args.workers else []
     redis_url = getattr(args, "redis_url", None)
     if not workers and not redis_url:
         raise SystemExit("give --workers host:port[,...] or --redis-url to discover workers")
@@ -72,7 +75,7 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
         from services.gateway.discovery import WorkerDiscovery
         from shared.metadata.store import RedisStore
 
-        discovery = WorkerDiscovery(RedisStore(redis_url), state.router)
+        discovery = WorkerDiscovery(RedisStore(redis_url), state.router, internal_key=key)
         await discovery.refresh()
         discovery.start()
 

@@ -94,6 +94,11 @@ class Engine:
         self.steps = 0
         self.generated_tokens = 0
         self._pending = None  # PendingStep launched but not yet processed
+        # Fault isolation: batches launched and not yet processed, and the one being launched or
+        # processed right now (the one a step's exception belongs to).
+        self._inflight: list[ScheduleBatch] = []
+        self._failing: ScheduleBatch | None = None
+        self.failed_steps = 0
         self.jump_forward_tokens = 0
         self._host_dependent = 0  # live requests whose sampling needs their tokens on the host
         # PD mode: the prefill/decode halves (shared/engine/disagg.py), wired by the worker's transfer
@@ -143,11 +148,16 @@ class Engine:
         if self.runner.device.type == "cuda":
             torch.cuda.set_device(self.runner.device)  # per thread: kernels launch on the current device
         while not self._stop.is_set():
-            try:
-                self.step()
-            except Exception:  # a bug must not leave requests hanging: fail them all, keep serving
-                log.exception("engine step failed")
-                self._fail_all("internal error in the engine step")
+            self.safe_step()
+
+    def safe_step(self) -> bool:
+        """One step; an exception in it ends the request at fault only (see `_recover`)."""
+        try:
+            return self.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            self._recover(e)
+            return True
 
     def step(self) -> bool:
         """schedule -> launch -> process the previous step's results while this one runs.
@@ -171,8 +181,11 @@ class Engine:
             if not self.scheduler.is_idle() or self._grammar_wait:
                 self._drain_inbox(block=True, timeout=0.005)
             return False
+        self._failing = batch
         handle = self.runner.launch(batch)
+        self._inflight.append(batch)
         self._on_launch(batch)
+        self._failing = None
         self._resolve_pending()
         self._pending = handle
         self.steps += 1
@@ -184,7 +197,10 @@ class Engine:
         if self._pending is None:
             return
         handle, self._pending = self._pending, None
+        self._failing = handle.batch
         self._process(handle.batch, handle.resolve())
+        self._inflight.remove(handle.batch)
+        self._failing = None
 
     def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
         try:
@@ -201,7 +217,17 @@ class Engine:
 
     def _handle(self, item) -> None:
         if isinstance(item, GenerateRequest):
-            self._admit(item)
+            try:
+                self._admit(item)
+            except Exception as e:  # a request nothing validated against: it alone ends
+                log.exception("admitting %s failed", item.rid)
+                req = self._reqs.get(item.rid)
+                if req is not None:
+                    self._fail_one(req, e)
+                else:
+                    self.on_output([TokenOutput(rid=item.rid, token_ids=[], text="", finished=True,
+                                                finish_reason={"type": "abort", "message": "internal error"},
+                                                error=f"internal error admitting the request ({type(e).__name__})")])
         elif isinstance(item, _Abort):
             self._abort(item.rid)
         elif isinstance(item, _KvArrived):
@@ -486,8 +512,64 @@ class Engine:
             msg = "the request does not fit in the KV cache"
             self._finish(req, {"type": "abort", "message": msg}, error=msg)
 
+    # ------------------------------------------------------------------ fault isolation
+    _MAX_STEP_FAILURES = 3
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised. Everything launched and not processed is dropped; requests of the batch that
+        raised are suspects: one that was alone in it is at fault and ends with an error; the others
+        (and every request of other dropped batches) go back to the queue with their trusted KV, a
+        suspect to be re-run alone next. A suspect of three failed steps ends too, so an error that
+        only shows in company cannot loop. Bystanders lose a little work, never their request."""
+        self.failed_steps += 1
+        failing, self._failing = self._failing, None
+        dropped = list(self._inflight) + ([failing] if failing is not None and failing not in self._inflight else [])
+        self._inflight.clear()
+        self._pending = None
+        if failing is None:  # not in a batch (scheduling, the inbox): nothing to pin it on
+            self._fail_all(f"internal error in the engine step ({type(exc).__name__})")
+            return
+        kv_len: dict[int, int] = {}
+        reqs: dict[int, Req] = {}
+        for b in dropped:
+            for i, req in enumerate(b.reqs):
+                kv_len[id(req)] = min(kv_len.get(id(req), b.prefix_lens[i]), b.prefix_lens[i])
+                reqs[id(req)] = req
+        suspects = {id(r) for r in failing.reqs}
+        for key, req in reqs.items():
+            if self._reqs.get(req.rid) is not req:
+                continue  # already ended and released
+            if req.finished:  # finished earlier in the processing loop that raised: deliver it
+                req.kv_len = min(req.kv_len, kv_len[key])
+                self._emit([req])
+                continue
+            req.kv_len = min(req.kv_len, kv_len[key])
+            del req.output_ids[req.num_resolved:]  # values that never reached the host
+            req.drop_proposals()
+            if key in suspects:
+                req.step_failures += 1
+                if len(failing.reqs) == 1 or req.step_failures >= self._MAX_STEP_FAILURES or req.transfer_role:
+                    self._fail_one(req, exc)
+                    continue
+                req.solo = True
+            elif req.transfer_role:
+                self._fail_one(req, exc)
+                continue
+            self.scheduler.requeue(req, req.kv_len)
+
+    def _fail_one(self, req: Req, exc: Exception) -> None:
+        msg = f"internal error while running this request ({type(exc).__name__}: {str(exc)[:200]})"
+        if req in self._grammar_wait:
+            self._grammar_wait.remove(req)
+        try:
+            self._finish(req, {"type": "abort", "message": msg}, error=msg)
+        except Exception:
+            log.exception("failed to release %s", req.rid)
+            self._reqs.pop(req.rid, None)
+
     def _fail_all(self, message: str) -> None:
         self._pending = None
+        self._inflight.clear()
         for req in list(self._reqs.values()):
             try:
                 self._finish(req, {"type": "abort", "message": message}, error=message)
@@ -520,6 +602,7 @@ class Engine:
             "prompt_tokens": self.scheduler.stats.prompt_tokens,
             "cached_tokens": self.scheduler.stats.cached_tokens,
             "retractions": self.scheduler.stats.retractions,
+            "failed_steps": self.failed_steps,
             "generated_tokens": self.generated_tokens,
             "jump_forward_tokens": self.jump_forward_tokens,
             "grammar_cache": {"hits": self.grammars.hits, "misses": self.grammars.misses, "entries": len(self.grammars)},

@@ -211,6 +211,8 @@ class Scheduler:
         if self.chunked is None and self.waiting:
             for req in self._order_waiting():
                 # Admitted requests join self.running (or self.chunked) as they are taken.
+                if req.solo and reqs:
+                    continue  # suspected of failing a step: it runs alone, in a later round
                 if budget <= 0 or self.num_running() >= self.config.max_running_requests:
                     break
                 if self.req_pool.available() == 0:
@@ -260,10 +262,13 @@ class Scheduler:
                 reserve += own_reserve
                 budget -= ext
                 admitted += 1
+                solo, req.solo = req.solo, False
                 if ext < ext_total:
                     self.chunked = req
                     break
                 self._prefill_done(req)
+                if solo:
+                    break
         for r in self.waiting:
             if admitted or self.running:
                 r.skipped_rounds += 1
@@ -378,6 +383,21 @@ class Scheduler:
         self.stats.retractions += 1
         self.waiting.insert(0, req)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+
+    def requeue(self, req: Req, kv_len: int) -> None:
+        """Back to the front of the queue after a failed step: KV past `kv_len` (what the failed pass
+        wrote) is not trusted and is freed; the rest goes to the tree, so re-admission mostly hits it."""
+        for lst in (self.running, self.prefilled, self.new_transfers):
+            if req in lst:
+                lst.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        req.kv_len = min(req.kv_len, kv_len)
+        if req.req_pool_idx is not None:
+            self._release_kv(req)
+        if req not in self.waiting:
+            req.status = ReqStatus.WAITING
+            self.waiting.insert(0, req)
 
     def _retract_for(self, tokens: int) -> None:
         """The chunked request cannot get its next chunk: retract others until it can (or give up)."""
