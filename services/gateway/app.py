@@ -94,6 +94,7 @@ async def _on_cleanup(app: web.Application) -> None:
     state = app[STATE]
     await state.health.stop()
     await asyncio.gather(*(w.close() for w in state.router.workers))
+    state.cpu.close()
 
 
 @web.middleware

@@ -12,10 +12,11 @@ from aiohttp import web
 
 from services.gateway.tenancy import request_salt
 from services.gateway import logprobs as lp
-from services.gateway.admission import (check_grammars, check_model, stamp_tenant, check_token_ids, child_requests, resolve_max_new_tokens,
-                                        sampling_params)
+from services.gateway.admission import (check_grammars, check_model, stamp_tenant, check_token_ids, child_requests,
+                                        encode_prompt, resolve_max_new_tokens, sampling_params)
 from services.gateway.dispatch import GenerationResult, created_timestamp, new_rid
-from services.gateway.errors import bad_request
+from services.gateway.errors import APIError, bad_request
+from shared.errors import ContextLengthExceeded
 from services.gateway.fields import get_bool, get_dict, get_int, is_token_ids
 from services.gateway.limits import read_json
 from services.gateway.sse import stream_events
@@ -112,7 +113,7 @@ def _finish(res_or_reason) -> str | None:
 async def completions(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
     n, stream, include_usage = _common(state, body)
-    prompts = _parse_prompts(state, body.get("prompt"))
+    prompts = await _parse_prompts(state, body.get("prompt"))
     echo = get_bool(body, "echo")
     top_k = get_int(body, "logprobs", None, lo=0, hi=state.limits.max_top_logprobs)
     if body.get("suffix") is not None:
@@ -132,7 +133,7 @@ async def completions(state: "GatewayState", request: web.Request) -> web.Stream
     return web.json_response(fmt.response(results))
 
 
-def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
+async def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
     tok = state.tokenizer
     if isinstance(prompt, str):
         items: list = [prompt]
@@ -150,7 +151,7 @@ def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
         if isinstance(item, str):
             if not item:
                 raise bad_request("the prompt is empty", "prompt")
-            out.append(Prompt(tok.encode(item), item))
+            out.append(Prompt(await encode_prompt(state, item, "prompt"), item))
         else:
             check_token_ids(state, item, "prompt")
             out.append(Prompt(list(item), tok.decode(item, skip_special_tokens=False)))
@@ -220,7 +221,7 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
     body = await read_json(request, state.limits)
     n, stream, include_usage = _common(state, body)
     _refuse_tools(body)
-    prompt = _render_chat(state, body.get("messages"))
+    prompt = await _render_chat(state, body.get("messages"))
     want_lp = get_bool(body, "logprobs")
     top_k = get_int(body, "top_logprobs", 0, lo=0, hi=state.limits.max_top_logprobs)
     if top_k and not want_lp:
@@ -249,7 +250,7 @@ def _refuse_tools(body: dict) -> None:
             raise bad_request(f"'{key}' is not supported yet", key)
 
 
-def _render_chat(state: "GatewayState", messages: Any) -> Prompt:
+async def _render_chat(state: "GatewayState", messages: Any) -> Prompt:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
     clean = []
@@ -261,11 +262,15 @@ def _render_chat(state: "GatewayState", messages: Any) -> Prompt:
         if role not in _CHAT_ROLES:
             raise bad_request(f"{param}.role must be one of {sorted(_CHAT_ROLES)}", f"{param}.role")
         clean.append({"role": role, "content": _message_text(m.get("content"), role, f"{param}.content")})
+    chars = sum(len(m["content"]) for m in clean)
+    if state.cpu.chars_cannot_fit(chars, state.context_length):
+        raise APIError.from_invalid(ContextLengthExceeded(
+            f"This model's maximum context length is {state.context_length} tokens; messages of {chars} "
+            f"characters are longer than that (context_length_exceeded)", param="messages"))
     try:
-        text = state.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
+        text, ids = await state.cpu.render_chat(clean)
     except (ValueError, jinja2.TemplateError) as e:  # ChatTemplateError is a ValueError
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-    ids = state.tokenizer.encode(text, add_special_tokens=False)
     check_token_ids(state, ids, "messages")
     return Prompt(ids, text)
 

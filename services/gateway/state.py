@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from services.gateway.cpu_work import CpuWork
 from services.gateway.dispatch import Dispatcher
 from services.gateway.health import HealthMonitor
 from services.gateway.limits import Limits
@@ -31,12 +32,14 @@ class GatewayState:
     dispatcher: Dispatcher = field(init=False)
     health: HealthMonitor = field(init=False)
     grammars: "GrammarCache" = field(init=False)
+    cpu: CpuWork = field(init=False)
 
     def __post_init__(self):
         from shared.constrained import GrammarCache
 
         # Validation only (workers compile their own): the tokenizer's vocabulary suffices.
         self.grammars = GrammarCache(self.tokenizer)
+        self.cpu = CpuWork(self.tokenizer, self.tokenizer_path or self.model_path)
         self.metrics = GatewayMetrics(self.served_model_name)
         self.dispatcher = Dispatcher(self.router, self.metrics)
         self.health = HealthMonitor(self)
