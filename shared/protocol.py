@@ -158,6 +158,7 @@ class TokenOutput(Message):
     input_top_logprobs: list = field(default_factory=list)
     queue_time: float = 0.0
     error: str | None = None  # set when the worker refused or failed this request
+    refused: bool = False  # with error: the request itself cannot run here (invalid, larger than the pool)
 
 
 @message

@@ -7,6 +7,7 @@ Failures surface as APIError: 503 when the worker is unreachable, 400 when it re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from contextlib import aclosing
@@ -60,21 +61,25 @@ class Dispatcher:
         self.metrics = metrics
         self.inflight: set[str] = set()
 
-    def check_rids(self, rids: Sequence[str]) -> None:
+    def check_rids(self, rids: Sequence[str], salt: str | None = None) -> None:
+        """Request ids are unique per tenant: one tenant learns nothing about another's ids."""
         if len(set(rids)) != len(rids):
             raise bad_request("request ids must be unique", "rid")
         for rid in rids:
-            if rid in self.inflight:
+            if tenant_rid(rid, salt) in self.inflight:
                 raise bad_request(f"request id {rid!r} is already running", "rid")
 
     async def stream(self, req: GenerateRequest, salt: str | None = None
                      ) -> AsyncIterator[tuple[TokenOutput, GenerationResult]]:
         """Yield (increment, accumulated result) until the request finishes."""
-        self.check_rids([req.rid])
         salt = salt if salt is not None else req.cache_salt
+        self.check_rids([req.rid], salt)
+        result = GenerationResult(rid=req.rid)
+        # Workers see the tenant's namespace in the id, so two tenants' equal ids never collide there.
+        wire_rid = tenant_rid(req.rid, salt)
+        req = dataclasses.replace(req, rid=wire_rid) if wire_rid != req.rid else req
         pair = None if wants_local_prefill(req) else self.router.pick_pair(req.input_ids, salt)
         source = pd_generate(req, *pair) if pair else self.router.pick(req.input_ids, salt).generate(req)
-        result = GenerationResult(rid=req.rid)
         timer = RequestTimer(self.metrics)
         self.inflight.add(req.rid)
         self.metrics.gateway_inflight.inc()
@@ -140,6 +145,10 @@ class Dispatcher:
         if any(r is None for r in results):  # a worker that ended a stream without finishing it
             raise APIError(502, "a worker ended a request without a result", type="internal_error")
         return results  # type: ignore[return-value]
+
+
+def tenant_rid(rid: str, salt: str | None) -> str:
+    return f"{salt}.{rid}" if salt else rid
 
 
 def new_rid(prefix: str = "") -> str:

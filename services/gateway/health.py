@@ -37,8 +37,10 @@ class HealthMonitor:
 
     @property
     def healthy(self) -> bool:
+        """Some probed worker that can finish a request is up: a prefill worker alone cannot (in PD,
+        with every decode worker gone, nothing can be served, and /health says so)."""
         return self.started_ready and any(w.connected and w.responsive and w.address in self.probed
-                                          for w in self.state.router.workers)
+                                          and w.role != "prefill" for w in self.state.router.workers)
 
     def start(self) -> None:
         if self._task is None:

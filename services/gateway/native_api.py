@@ -34,6 +34,7 @@ async def generate(state: "GatewayState", request: web.Request) -> web.StreamRes
     body = await read_json(request, state.limits)
     job = await _build(state, body)
     stamp_tenant(job.reqs, request_salt(request))
+    state.dispatcher.check_rids([r.rid for r in job.reqs], request_salt(request))  # before any header goes out
     await check_grammars(state, job.reqs)
     if get_bool(body, "stream"):
         return await stream_events(request, _events(state, job))
@@ -44,6 +45,7 @@ async def generate_json(state: "GatewayState", body: Any, cache_salt: str | None
     """`/generate` in process, without streaming: what the server-side program executor calls."""
     job = await _build(state, body)
     stamp_tenant(job.reqs, cache_salt)
+    state.dispatcher.check_rids([r.rid for r in job.reqs], cache_salt)
     await check_grammars(state, job.reqs)
     return await _run(state, job)
 
@@ -115,7 +117,6 @@ async def _build(state: "GatewayState", body: Any) -> NativeJob:
                                return_text_in_logprobs=with_text)
     if len(reqs) > state.limits.max_batch:
         raise bad_request(f"at most {state.limits.max_batch} generations per request (prompts x n)", "n")
-    state.dispatcher.check_rids([r.rid for r in reqs])  # before any header goes out
     return NativeJob(reqs, batched or any_n, with_text)
 
 

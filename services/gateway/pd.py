@@ -14,7 +14,7 @@ import uuid
 from contextlib import aclosing
 from typing import AsyncIterator
 
-from services.gateway.errors import WorkerUnavailable, unavailable
+from services.gateway.errors import WorkerUnavailable, unavailable, worker_refused
 from services.gateway.worker_client import WorkerClient
 from shared.protocol import GenerateRequest, TokenOutput
 
@@ -41,8 +41,9 @@ async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: Worke
         try:
             async with aclosing(prefill.generate(p_req)) as outs:
                 async for out in outs:
-                    if out.error:
-                        events.put_nowait(("prefill", unavailable(f"prefill worker {prefill.address}: {out.error}")))
+                    if out.error:  # the request's own fault (e.g. larger than the pool) is a 400, as unified
+                        error = worker_refused if out.refused else unavailable
+                        events.put_nowait(("prefill", error(f"prefill worker {prefill.address}: {out.error}")))
         except WorkerUnavailable as e:
             events.put_nowait(("prefill", unavailable(f"prefill worker: {e}")))
 

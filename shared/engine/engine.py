@@ -269,7 +269,7 @@ class Engine:
         except InvalidRequest as e:
             self.on_output([TokenOutput(rid=msg.rid, token_ids=[], text="", finished=True,
                                         finish_reason={"type": "abort", "message": e.message},
-                                        error=e.message)])
+                                        error=e.message, refused=True)])
             return
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         req = Req(rid=msg.rid, input_ids=list(msg.input_ids), params=params, seed=seed,
@@ -298,7 +298,7 @@ class Engine:
             exc = req.grammar_future.exception()
             if exc is not None:
                 msg = getattr(exc, "message", None) or str(exc)
-                self._finish(req, {"type": "abort", "message": msg}, error=msg)
+                self._finish(req, {"type": "abort", "message": msg}, error=msg, refused=True)
                 continue
             req.grammar = self.grammars.new_state(req.grammar_future.result())
             self.scheduler.add(req)
@@ -499,18 +499,18 @@ class Engine:
             req.input_logprobs_sent = True
         return out
 
-    def _finish(self, req: Req, reason: dict, error: str | None = None) -> None:
+    def _finish(self, req: Req, reason: dict, error: str | None = None, refused: bool = False) -> None:
         req.finish_reason = reason
         self._release(req)
         out = self._make_output(req)
-        out.error = error
+        out.error, out.refused = error, refused
         self.on_output([out])
 
     def _emit_failed(self) -> None:
         while self.scheduler.failed:
             req = self.scheduler.failed.pop()
             msg = "the request does not fit in the KV cache"
-            self._finish(req, {"type": "abort", "message": msg}, error=msg)
+            self._finish(req, {"type": "abort", "message": msg}, error=msg, refused=True)
 
     # ------------------------------------------------------------------ fault isolation
     _MAX_STEP_FAILURES = 3
