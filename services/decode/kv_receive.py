@@ -37,4 +37,5 @@ class KvReceive:
     def stats(self) -> dict:
         r = self.receiver
         return {"received_tokens": r.received_tokens, "skipped_tokens": r.skipped_tokens, "failures": r.failures, "cancelled": r.cancelled,
+                "refused": r.refused,
                 "received_bytes": r.received_bytes}

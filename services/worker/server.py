@@ -108,6 +108,8 @@ class WorkerServer:
                     info["role"] = self.role
                     if self.transfer is not None:
                         info["kv_transfer"] = self.transfer.stats()
+                    if self.transfer_addr is not None:
+                        info["transfer_addr"] = list(self.transfer_addr)
                     conn.send(encode_frame(InfoResult(call_id=msg.call_id, info=info)))
                 else:
                     log.warning("unexpected message %s", type(msg).__name__)
