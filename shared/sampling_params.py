@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.errors import InvalidRequest
+from shared.limits import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 # Temperatures below this are treated as greedy, as SGLang does.
 GREEDY_EPS = 1e-5
-MAX_STOP_STRINGS = 16
-MAX_STOP_LEN = 256
 
 
 @dataclass
@@ -119,6 +118,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(f"{name} must be a boolean", name)
@@ -128,6 +129,8 @@ class SamplingParams:
             self.seed = self.seed & 0x7FFFFFFF
         if not isinstance(self.logit_bias, dict):
             raise InvalidRequest("logit_bias must be an object of token id -> bias", "logit_bias")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
         try:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         except (TypeError, ValueError):
@@ -140,6 +143,8 @@ class SamplingParams:
         for k in grammars:
             if not isinstance(getattr(self, k), str):
                 raise InvalidRequest(f"{k} must be a string", k)
+            if len(getattr(self, k)) > MAX_GRAMMAR_CHARS:
+                raise InvalidRequest(f"{k} is longer than {MAX_GRAMMAR_CHARS} characters", k)
         if self.min_new_tokens > self.max_new_tokens:
             self.min_new_tokens = self.max_new_tokens
 

@@ -9,16 +9,17 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.errors import APIError, bad_request
+from shared import limits as shared_limits
 
 
 @dataclass
 class Limits:
     max_body_bytes: int = 16 * 1024 * 1024
     max_json_depth: int = 64
-    max_n: int = 16
+    max_n: int = shared_limits.MAX_N
     max_batch: int = 256
-    max_top_logprobs: int = 20
-    max_rid_len: int = 128
+    max_top_logprobs: int = shared_limits.MAX_TOP_LOGPROBS  # the worker enforces the same numbers
+    max_rid_len: int = shared_limits.MAX_RID_LEN
     grammar_timeout_s: float = 5.0  # regex / JSON schema compile time allowed before a 400
     # None: a request without max_tokens may fill the remaining context (OpenAI chat semantics).
     default_chat_max_tokens: int | None = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.gateway.limits import Limits
-from shared.sampling_params import MAX_STOP_LEN, MAX_STOP_STRINGS
+from shared.limits import MAX_GRAMMAR_CHARS, MAX_STOP_LEN, MAX_STOP_STRINGS
 
 # Routes that answer without an API key even when --api-key is set (as SGLang: liveness and metrics
 # scrapers carry no key). Everything else needs one; /flush_cache needs the admin key when one is set.
@@ -49,7 +49,9 @@ def build_spec(limits: Limits) -> dict[str, Any]:
         "stop": stop, "stop_token_ids": token_ids, "seed": {"type": "integer"},
         "ignore_eos": {"type": "boolean"}, "skip_special_tokens": {"type": "boolean"},
         "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
-        "regex": {"type": "string"}, "json_schema": {"type": "string"}, "ebnf": {"type": "string"},
+        "regex": {"type": "string", "maxLength": MAX_GRAMMAR_CHARS},
+        "json_schema": {"type": "string", "maxLength": MAX_GRAMMAR_CHARS},
+        "ebnf": {"type": "string", "maxLength": MAX_GRAMMAR_CHARS},
     }
     n = {"type": "integer", "minimum": 1, "maximum": limits.max_n}
     common = {"model": {"type": "string"}, "n": n, "stream": {"type": "boolean"},

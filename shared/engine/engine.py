@@ -24,6 +24,7 @@ from shared.engine.detokenizer import Detokenizer
 from shared.engine.model_runner import ModelRunner, StepOutput
 from shared.engine.request import PENDING_TOKEN, Req
 from shared.engine.scheduler import ScheduleBatch, Scheduler
+from shared import limits
 from shared.errors import InvalidRequest
 from shared.engine.disagg import DecodeSide, PrefillSide, validate_transfer
 from shared.protocol import GenerateRequest, KvDone, TokenOutput
@@ -244,7 +245,15 @@ class Engine:
 
     # ------------------------------------------------------------------ admission
     def validate(self, msg: GenerateRequest) -> SamplingParams:
-        params = SamplingParams.from_dict(msg.sampling)
+        params = SamplingParams.from_dict(msg.sampling)  # stop strings, grammar size... (shared/limits.py)
+        if not 0 < len(msg.rid) <= limits.MAX_RID_LEN:
+            raise InvalidRequest(f"rid must have 1 to {limits.MAX_RID_LEN} characters", "rid")
+        if not 0 <= msg.top_logprobs_num <= limits.MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs_num must be in [0, {limits.MAX_TOP_LOGPROBS}]", "top_logprobs_num")
+        if msg.logprob_start_len < -1:
+            raise InvalidRequest("logprob_start_len must be >= -1", "logprob_start_len")
+        if params.n > limits.MAX_N:
+            raise InvalidRequest(f"n must be <= {limits.MAX_N}", "n")
         n = len(msg.input_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty", "input_ids")
