@@ -9,6 +9,7 @@ import logging
 import queue
 import random
 import threading
+import time
 
 import torch
 from concurrent.futures import Future
@@ -299,7 +300,14 @@ class Engine:
         self.scheduler.add(req)
 
     def _poll_grammars(self) -> None:
-        """Requests whose grammar finished compiling join the scheduler; a bad grammar ends its request."""
+        """Requests whose grammar finished compiling join the scheduler; a bad grammar ends its request,
+        and so does one still compiling past the deadline (the compile is abandoned, see GrammarCache)."""
+        if self._grammar_wait:
+            deadline = self.grammars.default_timeout_s
+            now = time.monotonic()
+            for req in self._grammar_wait:
+                if not req.grammar_future.done() and now - req.arrival_time > deadline:
+                    self.grammars.abandon(*req.params.grammar, deadline)
         for req in [r for r in self._grammar_wait if r.grammar_future.done()]:
             self._grammar_wait.remove(req)
             if req.finished:
