@@ -11,3 +11,4 @@ MAX_STOP_LEN = 256  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 4096  # entries
 MAX_GRAMMAR_CHARS = 256 * 1024  # one regex / JSON schema / EBNF grammar
+MAX_REPEAT = 100_000  # a count in a grammar ({n} / {n,m}, minLength, maxItems...): bounds forced runs

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared.errors import InvalidRequest
-from shared.limits import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from shared.limits import (MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_REPEAT, MAX_STOP_LEN, MAX_STOP_STRINGS,
+                           MAX_STOP_TOKEN_IDS)
 
 # Temperatures below this are treated as greedy, as SGLang does.
 GREEDY_EPS = 1e-5
@@ -145,8 +147,20 @@ class SamplingParams:
                 raise InvalidRequest(f"{k} must be a string", k)
             if len(getattr(self, k)) > MAX_GRAMMAR_CHARS:
                 raise InvalidRequest(f"{k} is longer than {MAX_GRAMMAR_CHARS} characters", k)
+            count = _largest_count(getattr(self, k))
+            if count > MAX_REPEAT:
+                raise InvalidRequest(f"{k} asks for {count} repetitions; at most {MAX_REPEAT}", k)
         if self.min_new_tokens > self.max_new_tokens:
             self.min_new_tokens = self.max_new_tokens
+
+
+# Repetition counts in a grammar: {n} / {n,m} (regex, EBNF, a schema's pattern) and a JSON schema's
+# size keywords. A huge one makes a forced run (jump-forward) or an automaton that size.
+_COUNTS = re.compile(r'\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}|"(?:min|max)(?:Length|Items|Properties|Contains)"\s*:\s*(\d+)')
+
+
+def _largest_count(text: str) -> int:
+    return max((int(n) for m in _COUNTS.finditer(text) for n in m.groups() if n), default=0)
 
 
 _INT_MAX = 2 ** 31 - 1  # every integer parameter fits int32 (and the wire)
