@@ -9,6 +9,7 @@ from services.gateway.dispatch import Dispatcher
 from services.gateway.health import HealthMonitor
 from services.gateway.limits import Limits
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.program_limits import ProgramBudget, ProgramSlots
 from services.gateway.router import Router
 from shared.tokenizer import Tokenizer
 
@@ -33,12 +34,15 @@ class GatewayState:
     health: HealthMonitor = field(init=False)
     grammars: "GrammarCache" = field(init=False)
     cpu: CpuWork = field(init=False)
+    program_budget: ProgramBudget = field(default_factory=ProgramBudget)
+    program_slots: ProgramSlots = field(init=False)
 
     def __post_init__(self):
         from shared.constrained import GrammarCache
 
         # Validation only (workers compile their own): the tokenizer's vocabulary suffices.
         self.grammars = GrammarCache(self.tokenizer)
+        self.program_slots = ProgramSlots(self.program_budget)
         self.cpu = CpuWork(self.tokenizer, self.tokenizer_path or self.model_path)
         self.metrics = GatewayMetrics(self.served_model_name)
         self.dispatcher = Dispatcher(self.router, self.metrics)
