@@ -187,3 +187,30 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else float("nan")
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile (0..1) of xs by rank; nan when empty."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def log(msg: str) -> None:
+    import time
+
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def graph_replay_ms(graph_runner, bs: int = 1, reps: int = 60, skip: int = 10) -> float:
+    """Median time of one captured decode graph's replay: the model alone, no sampling or host work."""
+    times = []
+    for _ in range(reps):
+        s_ev, e_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s_ev.record()
+        graph_runner.graphs[bs].replay()
+        e_ev.record()
+        e_ev.synchronize()
+        times.append(s_ev.elapsed_time(e_ev))
+    return median(times[skip:])

@@ -20,4 +20,6 @@ dl .whl/svc prometheus-client==0.26.0 redis==8.1.0 requests==2.34.2 urllib3 idna
 # UCX for the PD benchmark (bench/pd.py); the image already has cuda-bindings / cuda-core.
 dl .whl/ucx ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 rmm-cu13==26.10.0 librmm-cu13==26.10.0 \
   rapids-logger==0.3.0 nvidia-ml-py
+# matplotlib for bench/workloads' ablation plot (the `bench` extra), in case the image lacks it.
+dl .whl/bench matplotlib==3.10.8 contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil six
 du -sh .whl

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|pd|pd-decode-heavy|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|all
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
 what=${1:-all}
@@ -35,7 +35,20 @@ if [[ $what == pd ]]; then
       2>&1 | tee "$OUT/pd_host.log" | tail -12
   fi
 fi
+if [[ $what == fp8 ]]; then
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -5
+  timeout 400 python3 -m bench.fp8 --out "$OUT" 2>&1 | tee "$OUT/fp8.log" | tail -10
+fi
+if [[ $what == serving ]]; then
+  timeout 500 python3 -m bench.serving --launch --num-prompts 256 --routes generate,completions --no-stream \
+    --offline --out "$OUT" 2>&1 | tee "$OUT/serving.log" | tail -14
+fi
 if [[ $what == pd-decode-heavy ]]; then
   timeout 330 python3 -m bench.pd --out "$OUT" --duration 30 --rate 8 --min-prompt 256 --max-prompt 768 \
     --output-len 256 2>&1 | tee "$OUT/pd_decode_heavy.log" | tail -12
+fi
+if [[ $what == workloads ]]; then
+  # The paper's workloads and ablations (bench/workloads): 4 stacks of the 8B shape, random weights.
+  timeout 580 python3 -m bench.workloads --ablations --out "$OUT" --parallel 16 --instances 48 --duration 5 --budget 540 \
+    2>&1 | tee "$OUT/workloads.log" | tail -60
 fi

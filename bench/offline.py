@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import (SHAPES, drive, kv_bytes_per_token, matmul_params, measure_copy_bandwidth,  # noqa: E402
+from bench.common import (SHAPES, drive, graph_replay_ms, kv_bytes_per_token, matmul_params, measure_copy_bandwidth,  # noqa: E402
                           measure_matmul_tflops, median, model_dir, param_bytes, random_prompts, sync)
 from shared.engine.config import EngineConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
@@ -130,15 +130,7 @@ def main():
     gr = eng.runner.graph_runner
     if gr is not None:
         # The model alone (graph replay at bs=1, no sampling, no host work): what bounds the step.
-        times = []
-        for _ in range(60):
-            s_ev, e_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s_ev.record()
-            gr.graphs[1].replay()
-            e_ev.record()
-            e_ev.synchronize()
-            times.append(s_ev.elapsed_time(e_ev))
-        res["b1_graph_replay_ms"] = median(times[10:])
+        res["b1_graph_replay_ms"] = graph_replay_ms(gr)
         log(f"batch-1 graph replay alone {res['b1_graph_replay_ms']:.2f} ms")
     res["b1_decode_ms_step_synced"] = step_ms
     res["b1_decode_ms_step_wall"] = wall_step_ms

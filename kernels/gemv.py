@@ -22,8 +22,8 @@ MAX_M = 4
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, P, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
-                 M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
+                 HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -57,6 +57,8 @@ def _gemv_kernel(X, W, Y, P, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
         x_ptrs += BLOCK_K
     if M_PAD == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
+    if HAS_SCALE:  # FP8 weights: one dequantization scale per output row (linear, so per split too)
+        acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
@@ -83,12 +85,14 @@ class GemvConfig:
     num_warps: int
 
 
-def default_config(M: int, N: int, K: int) -> GemvConfig:
+def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     """From sweeps on H200 (bench/kernels.py --tune, cold L2). No split-K for the Llama-8B shapes:
     N >= 4096 already gives enough programs. One row: narrow, long tiles for short N (more programs,
     more bytes in flight each), wider and shorter ones for long N. Several rows run on tensor cores,
     which want >= 16 output columns per program."""
-    if M == 1:
+    if M == 1 and weight_bytes == 1:  # FP8 rows (bench/fp8_gemv_sweep.py, H200, 2026-11-30)
+        block_n, block_k, warps = (8, 1024, 4) if N <= 4096 else (8, 512, 4) if N <= 8192 else (8, 256, 2)
+    elif M == 1:
         block_n, block_k, warps = (8, 1024, 2) if N <= 4096 else (8, 512, 4) if N <= 8192 else (16, 256, 4)
     else:
         block_n, block_k, warps = (32, 512, 4) if N <= 4096 else (64, 512, 4) if N <= 8192 else (64, 256, 4)
@@ -102,14 +106,18 @@ def default_config(M: int, N: int, K: int) -> GemvConfig:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype."""
+         config: GemvConfig | None = None, scale: torch.Tensor | None = None,
+         tensor_cores: bool = False) -> torch.Tensor:
+    """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype.
+    `scale` (float32 [N]) dequantizes FP8 weights row by row (one row of x only: x is not quantized)."""
     M, K = x.shape
     N = w.shape[0]
     assert M <= MAX_M, "gemv is for decode batches of at most 4 rows; use a GEMM"
     assert w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1
-    cfg = config or default_config(M, N, K)
-    if M > 1 and cfg.block_n < 16:  # tensor-core tile minimum
+    assert scale is None or (scale.shape == (N,) and scale.dtype == torch.float32)
+    cfg = config or default_config(M, N, K, w.element_size())
+    dot = M > 1 or tensor_cores
+    if dot and cfg.block_n < 16:  # tensor-core tile minimum
         cfg = dataclasses.replace(cfg, block_n=16)
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -118,8 +126,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, w, out, partial, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split,
-        M=M, M_PAD=1 if M == 1 else 16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
+        x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
+        k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
         EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), num_warps=cfg.num_warps)
     if split_k > 1:
         BLOCK = 1024

@@ -53,11 +53,35 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
         ref.store_kv_ref(k_buf, v_buf, loc, k, v)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias). With `weight_scale` (float32 [N]) the weight is FP8 e4m3 and
+    each row dequantizes by its scale."""
+    if weight_scale is not None:
+        return fp8_linear(x, weight, weight_scale, bias)
     if _on_gpu(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and weight.dtype == torch.bfloat16 \
             and x.dtype == torch.bfloat16 and weight.stride(1) == 1 and x.stride(1) == 1:
         from kernels.gemv import gemv
         y = gemv(x, weight)
         return y + bias if bias is not None else y
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 weights [N, K] with per-row scales. On CUDA: one decode row -> the GEMV reading FP8 weights
+    (x stays in its dtype); more rows -> an FP8 GEMM with dynamic per-token activation scales. Elsewhere
+    (and for shapes the FP8 GEMM does not take) the weight is dequantized on the fly: the reference."""
+    if _on_gpu(x) and x.dim() == 2:
+        M, K = x.shape
+        N = weight.shape[0]
+        if M <= GEMV_MAX_M and x.stride(1) == 1 and weight.stride(1) == 1:
+            from kernels.gemv import gemv
+            y = gemv(x, weight, scale=weight_scale)
+            return y + bias if bias is not None else y
+        if K % 16 == 0 and N % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16):
+            xq, x_scale = ref.quantize_fp8_per_token(x)
+            y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, N),
+                                 out_dtype=x.dtype, bias=bias)
+            return y
+    return ref.fp8_linear_ref(x, weight, weight_scale, bias)

@@ -90,3 +90,20 @@ def extend_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tens
         out[start:start + n] = paged_attention_ref(q[start:start + n], k_buf, v_buf, slots, p, scaling)
         start += n
     return out
+
+
+FP8_MAX = 448.0
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 e4m3 [M, K], float32 scale [M, 1]) with each row's max mapped to the FP8 range."""
+    scale = x.abs().amax(dim=-1, keepdim=True).to(torch.float32).clamp(min=1e-12) / FP8_MAX
+    q = (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (weight * scale[:, None])^T in x's dtype, the weight dequantized first (weight-only FP8)."""
+    w = (weight.to(torch.float32) * weight_scale.to(torch.float32)[:, None]).to(x.dtype)
+    return torch.nn.functional.linear(x, w, bias)

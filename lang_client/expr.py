@@ -4,6 +4,7 @@ Adding two expressions (or an expression and a str) makes a Concat, so `"Q: " + 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -89,46 +90,160 @@ class Image(Expr):
     path: str
 
 
-@dataclass(eq=False)
-class VarRef(Expr):
-    """A variable read while tracing: its value is only known at run time."""
-    name: str
-    scope: str
+# ---- placeholders while tracing ----
+# A variable read (or an unbound argument) while tracing is a str whose text is a marker: two private-use
+# characters around a number. Python's own string work (+, str.join, f-strings, %, str()) then carries the
+# marker along like any text, and the tracer turns each marker back into a `var` (or `arg`) node when the
+# string is appended. Whatever would need the value itself (its length, slicing it, hashing it) is refused.
+MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"
+MARKER_RE = re.compile(MARK_OPEN + r"(\d+)" + MARK_CLOSE)
 
-    def __str__(self):
-        raise _data_dependent(f"str() of variable {self.name!r}")
 
-    def __format__(self, spec):
-        raise _data_dependent(f"formatting variable {self.name!r}")
+class TracedStr(str):
+    """A str holding markers: `+` and `%` keep the result a TracedStr (so a comparison or len() of
+    `s["x"] + "!"` is refused too); f-strings and str.join give plain strs, which only carry the markers."""
+    what = "a string built from generated values"
 
-    def __bool__(self):
-        raise _data_dependent(f"truth value of variable {self.name!r}")
+    def __repr__(self) -> str:
+        return f"<{self.what}>"
+
+    def __add__(self, other):
+        if isinstance(other, str):
+            return TracedStr(str.__add__(str(self), str(other)))
+        return NotImplemented
+
+    def __radd__(self, other):
+        if isinstance(other, str):
+            return TracedStr(str.__add__(str(other), str(self)))
+        return NotImplemented
+
+    def __mod__(self, args):
+        return TracedStr(str.__mod__(str(self), args))
+
+    def __rmod__(self, fmt):
+        if isinstance(fmt, str):
+            return TracedStr(str.__mod__(str(fmt), self))
+        return NotImplemented
+
+    def __hash__(self):
+        raise _data_dependent(f"hashing {self.what} (a set or dict lookup)")
+
+    def __len__(self):
+        raise _data_dependent(f"len() of {self.what}")
+
+    def __iter__(self):
+        raise _data_dependent(f"iterating over {self.what}")
+
+    def __getitem__(self, key):
+        raise _data_dependent(f"indexing or slicing {self.what}")
+
+    def __contains__(self, item):
+        raise _data_dependent(f"`in` on {self.what}")
+
+    def __lt__(self, other):
+        raise _data_dependent(f"ordering {self.what}")
+
+    __le__ = __gt__ = __ge__ = __lt__
 
     def __eq__(self, other):
-        raise _data_dependent(f"comparing variable {self.name!r}")
+        raise _data_dependent(f"comparing {self.what}")
 
-    __hash__ = object.__hash__
-
-
-@dataclass(eq=False)
-class ArgRef(Expr):
-    """A program argument left unbound while tracing; the server fills it from the request's args."""
-    name: str
-
-    def __str__(self):
-        raise _data_dependent(f"str() of unbound argument {self.name!r}")
-
-    def __format__(self, spec):
-        raise _data_dependent(f"formatting unbound argument {self.name!r}")
+    def __ne__(self, other):
+        raise _data_dependent(f"comparing {self.what}")
 
     def __bool__(self):
-        raise _data_dependent(f"truth value of unbound argument {self.name!r}")
+        raise _data_dependent(f"truth value of {self.what}")
+
+    def __int__(self):
+        raise _data_dependent(f"int() of {self.what}")
+
+    def __float__(self):
+        raise _data_dependent(f"float() of {self.what}")
+
+
+class Placeholder(TracedStr):
+    """Base of VarRef and ArgRef: a str standing for a value known only when the program runs."""
+    what = "value"
+
+    def __new__(cls, marker_id: int, **fields):
+        obj = super().__new__(cls, f"{MARK_OPEN}{marker_id}{MARK_CLOSE}")
+        obj.marker_id = marker_id
+        obj.__dict__.update(fields)
+        return obj
+
+
+def _refuse_method(method: str):
+    def refuse(self, *args, **kwargs):
+        raise _data_dependent(f"{method}() on {self.what}")
+    refuse.__name__ = method
+    return refuse
+
+
+# Every str method that would look at the value; the concatenating ones (__add__, __mod__, __format__,
+# __str__, join on a literal separator) stay, since they only move the marker around.
+for _m in ("capitalize", "casefold", "center", "count", "encode", "endswith", "expandtabs", "find", "format",
+           "index", "isalnum", "isalpha", "isascii", "isdecimal", "isdigit", "isidentifier", "islower",
+           "isnumeric", "isprintable", "isspace", "istitle", "isupper", "join", "ljust", "lower", "lstrip",
+           "partition", "removeprefix", "removesuffix", "replace", "rfind", "rindex", "rjust", "rpartition",
+           "rsplit", "rstrip", "split", "splitlines", "startswith", "strip", "swapcase", "title", "translate",
+           "upper", "zfill", "__mul__", "__rmul__"):
+    setattr(TracedStr, _m, _refuse_method(_m))
+
+
+class VarRef(Placeholder):
+    """A variable read while tracing. `name`, `scope`; `choices` when a select defined it. Comparing it
+    with a constant (==, !=, `in` a tuple, truth value) asks the tracer for a branch."""
+    what = "a generated variable"
+
+    def __repr__(self) -> str:
+        return f"<variable {self.name!r}>"
+
+    def _branch(self, test: str, other):
+        return self.tracer_hook(self, test, other)
+
+    def __eq__(self, other):
+        return self._branch("eq", other)
+
+    def __ne__(self, other):
+        return self._branch("ne", other)
+
+    def __bool__(self):
+        return self._branch("ne", "")
+
+    __hash__ = Placeholder.__hash__
+
+
+# What a comparison may apply to a variable first (`s["x"].strip().lower() == "yes"`); the server applies the
+# same Python str methods before it compares (services/gateway/program_ir.py IF_TRANSFORMS).
+IF_TRANSFORMS = ("strip", "lstrip", "rstrip", "lower", "upper", "casefold")
+
+
+def _transform(method: str):
+    def apply(self, *args):
+        if args:
+            raise _data_dependent(f"{method}() with arguments on {self.what}")
+        return self.derive(self, method)
+    apply.__name__ = method
+    return apply
+
+
+for _m in IF_TRANSFORMS:
+    setattr(VarRef, _m, _transform(_m))
+
+
+class ArgRef(Placeholder):
+    """A program argument left unbound while tracing; the server fills it from the request's args."""
+    what = "an unbound argument"
+
+    def __repr__(self) -> str:
+        return f"<argument {self.name!r}>"
 
 
 def _data_dependent(what: str) -> Exception:
     from lang_client.errors import TracingError
-    return TracingError(f"{what} while tracing: remote programs cannot branch or format on values known only "
-                        "at run time; use `+` to concatenate, or run the program locally")
+    return TracingError(f"{what} while tracing: a remote program can only concatenate, join and format "
+                        "generated values, or compare them with constants (==, !=, in a tuple); "
+                        "run the program without remote=True to do more")
 
 
 def walk(expr: Expr, visit: Callable[[Expr], None]) -> None:

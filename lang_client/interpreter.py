@@ -10,11 +10,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from lang_client import wire
 from lang_client.backends.base import BaseBackend, LogprobOptions, Prompt
 from lang_client.chat_template import ChatTemplate
 from lang_client.choices import resolve_method
 from lang_client.errors import LangError
-from lang_client.expr import (ArgRef, Concat, Expr, Gen, Image, RoleBegin, RoleEnd, Select, Text, VarRef)
+from lang_client.expr import Concat, Expr, Gen, Image, RoleBegin, RoleEnd, Select, Text
 from lang_client.speculative import SpecBuffer, cut_at_stop
 
 _END = object()
@@ -91,7 +92,7 @@ class StreamExecutor:
         self.sync()
         if self.error_ is not None:
             raise self.error_
-        if size > 1 and self.text_:
+        if wire.should_warm_fork(size, self.text_):
             # Synchronous on purpose: the prefix must be cached before any child's request arrives.
             self.backend.cache_prefix(self.text_)
         children = [StreamExecutor(self.backend, self.default_sampling, self.chat_template,
@@ -148,8 +149,6 @@ class StreamExecutor:
             self._define(expr.name, expr.value, None)
         elif isinstance(expr, Image):
             self.backend.image(expr.path)
-        elif isinstance(expr, (VarRef, ArgRef)):
-            raise LangError("traced placeholders cannot run in interpreter mode")
         else:
             raise TypeError(f"unknown expression {type(expr).__name__}")
 

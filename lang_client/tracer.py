@@ -14,48 +14,201 @@ booleans and null, so JSON and msgpack carry it, and the server never runs user 
          | {"op": "fork", "id": int, "n": int, "branches": [[node, ...] * n]}
          | {"op": "join", "fork": int, "mode": "gather_variable" | "concate_and_append"}
          | {"op": "var", "name": str, "scope": str}             # append a variable's value
+         | {"op": "if", "cond": {"var": str, "scope": str, "test": "eq" | "ne", "value": str},
+            "then": [node, ...], "else": [node, ...]}           # always the last node of its list
 
 A scope is "" for the main stream and "f<fork id>.<branch>" inside a fork; fork ids are unique in a
 program, so nested branches are named by their own fork. Results come back under "<scope>.<name>"
 ("name" alone in the main stream).
+
+String work on generated values (`+` either way, `str.join`, f-strings, `%`, `str()`) works because a
+variable read while tracing is a str holding a marker (lang_client.expr.VarRef); appended text is split at
+the markers into `text` and `var` nodes. A comparison of a variable with a constant is a branch: the
+program is run once per outcome (a select's choices bound the outcomes) and the runs are merged into `if`
+nodes placed where the streams' node lists first differ.
 """
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 from lang_client.api import _role as role_expr
 from lang_client.chat_template import CHATML, ChatTemplate
 from lang_client.choices import resolve_method
 from lang_client.errors import NotSupportedError, TracingError
+from lang_client.expr import (MARK_CLOSE, MARK_OPEN, MARKER_RE, ArgRef, Expr, Gen, Image, Placeholder, RoleBegin,
+                              RoleEnd, Select, Text, VarRef, to_expr, walk)
 from lang_client.forks import ForkList
 from lang_client.roles import RoleShortcuts
-from lang_client.expr import (ArgRef, Expr, Gen, Image, RoleBegin, RoleEnd, Select, Text, VarRef,
-                              to_expr, walk)
 
 IR_VERSION = 1
+MAX_PATHS = 64           # runs of the Python function for one trace (outcomes of all branches)
+MAX_DECISIONS = 64       # branches on one path: past this it is a loop that only a generated value ends
 
 
 def scoped_name(scope: str, name: str) -> str:
     return f"{scope}.{name}" if scope else name
 
 
-class _TraceContext:
+class _Trace:
+    """Shared by every run of one trace."""
+
     def __init__(self, chat_template: ChatTemplate, default_sampling: dict[str, Any]):
         self.chat_template = chat_template
         self.default_sampling = default_sampling
-        self.next_fork_id = 0
+        self.fork_ids: dict[tuple, int] = {}  # (decisions so far, nth fork since) -> program-wide id
+        self.runs = 0
+        self.lines: list[str] = []            # where branches were taken (for error messages)
+
+
+class _Run:
+    """One run of the function along a forced prefix of branch outcomes (later branches take True)."""
+
+    def __init__(self, trace: _Trace, forced: list[bool]):
+        self.trace = trace
+        self.forced = forced
+        self.decisions: list[bool] = []
+        self.snapshots: list[dict[str, int]] = []   # per decision: every node list's length, by scope
+        self.conds: list[dict] = []
+        self.lists: dict[str, list] = {}
+        self.markers: list[Placeholder] = []
+        self.def_counts: dict[tuple[str, str], int] = {}
+        self.facts: dict[tuple, tuple[str, Any]] = {}  # variable definition -> what the branches taken imply
+        self.line_counts: dict[str, int] = {}
+        self.forks_since_decision = 0
+
+    # ---- placeholders ----
+    def var(self, name: str, scope: str, choices: list[str] | None, transforms: tuple[str, ...] = ()) -> VarRef:
+        key = (scope, name, self.def_counts.get((scope, name), 0), transforms)
+        ref = VarRef(len(self.markers), name=name, scope=scope, key=key, choices=choices, transforms=transforms,
+                     tracer_hook=self.branch, derive=self.derive)
+        self.markers.append(ref)
+        if key not in self.facts:
+            if choices is not None:
+                self.facts[key] = ("in", frozenset(_apply(c, transforms) for c in choices))
+            else:
+                self.facts[key] = ("not", frozenset())
+        return ref
+
+    def derive(self, ref: VarRef, method: str) -> VarRef:
+        """`ref.strip()` and the like: the same variable, to be transformed before a comparison."""
+        key = (*ref.key[:3], ref.transforms + (method,))
+        derived = VarRef(len(self.markers), name=ref.name, scope=ref.scope, key=key, choices=ref.choices,
+                         transforms=ref.transforms + (method,), tracer_hook=self.branch, derive=self.derive)
+        self.markers.append(derived)
+        if key not in self.facts:
+            self.facts[key] = (("in", frozenset(_apply(c, derived.transforms) for c in ref.choices))
+                               if ref.choices is not None else ("not", frozenset()))
+        return derived
+
+    def arg(self, name: str) -> ArgRef:
+        ref = ArgRef(len(self.markers), name=name)
+        self.markers.append(ref)
+        return ref
+
+    def decode(self, text: str) -> list[dict]:
+        """Split appended text at the markers into text / var / arg nodes."""
+        text = str(text)
+        if MARK_OPEN not in text and MARK_CLOSE not in text:
+            return [{"op": "text", "text": text}] if text else []
+        out = []
+        parts = MARKER_RE.split(text)
+        for i, part in enumerate(parts):
+            if i % 2 == 0:
+                if MARK_OPEN in part or MARK_CLOSE in part:
+                    raise TracingError("a generated value or unbound argument was cut apart (sliced, split or "
+                                       "stripped) while tracing; a remote program can only concatenate, join "
+                                       "and format them whole")
+                if part:
+                    out.append({"op": "text", "text": part})
+                continue
+            ref = self.markers[int(part)] if int(part) < len(self.markers) else None
+            if isinstance(ref, VarRef) and ref.transforms:
+                raise TracingError(f"variable {ref.name!r} with .{'().'.join(ref.transforms)}() can be compared "
+                                   "with constants in a remote program, not appended; append the variable itself")
+            if isinstance(ref, VarRef):
+                out.append({"op": "var", "name": ref.name, "scope": ref.scope})
+            elif isinstance(ref, ArgRef):
+                out.append({"op": "arg", "name": ref.name})
+            else:
+                raise TracingError("a placeholder from another run of the program was appended")
+        return out
+
+    # ---- branches ----
+    def branch(self, ref: VarRef, test: str, value: Any) -> bool:
+        if isinstance(value, Placeholder):
+            raise TracingError(f"comparing variable {ref.name!r} with another generated value while tracing: "
+                               "a remote program can only compare a variable with a constant")
+        if not isinstance(value, str):
+            return test == "ne"  # a generated value is a str: it never equals a number or None
+        kind, values = self.facts[ref.key]
+        if kind == "is":
+            eq = values == value
+            return eq if test == "eq" else not eq
+        can_eq = value in values if kind == "in" else value not in values
+        can_ne = (bool(values - {value}) if kind == "in" else True)
+        if not (can_eq and can_ne):
+            return can_eq if test == "eq" else not can_eq
+        line = _user_line()
+        self.line_counts[line] = self.line_counts.get(line, 0) + 1
+        if len(self.decisions) >= MAX_DECISIONS:
+            worst = max(self.line_counts, key=self.line_counts.get)
+            raise TracingError(f"{worst}: this comparison ran {self.line_counts[worst]} times on one path: a loop "
+                               "that runs until a generated value says so cannot be compiled into a remote "
+                               "program; run it without remote=True (interpreter mode)")
+        if line not in self.trace.lines:
+            self.trace.lines.append(line)
+        k = len(self.decisions)
+        outcome = self.forced[k] if k < len(self.forced) else True
+        self.decisions.append(outcome)
+        self.snapshots.append({scope: len(nodes) for scope, nodes in self.lists.items()})
+        cond = {"var": ref.name, "scope": ref.scope, "test": test, "value": value}
+        if ref.transforms:
+            cond["transforms"] = list(ref.transforms)
+        self.conds.append(cond)
+        self.forks_since_decision = 0
+        equal = outcome if test == "eq" else not outcome
+        self.facts[ref.key] = ("is", value) if equal else (
+            (kind, values - {value}) if kind == "in" else (kind, values | {value}))
+        if self.facts[ref.key][0] == "in" and len(self.facts[ref.key][1]) == 1:
+            self.facts[ref.key] = ("is", next(iter(self.facts[ref.key][1])))
+        return outcome
+
+    def fork_id(self) -> int:
+        key = (tuple(self.decisions), self.forks_since_decision)
+        self.forks_since_decision += 1
+        return self.trace.fork_ids.setdefault(key, len(self.trace.fork_ids))
+
+
+def _apply(value: str, transforms: tuple[str, ...]) -> str:
+    for method in transforms:
+        value = getattr(str, method)(value)
+    return value
+
+
+def _user_line() -> str:
+    """file:line of the program code that made the comparison (the first frame outside the DSL)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module.startswith("lang_client.") and not module.startswith("lang_client.examples")):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
 
 
 class TracerState(RoleShortcuts):
     """Stands in for ProgramState while tracing: appends become IR nodes, reads become placeholders."""
 
-    def __init__(self, ctx: _TraceContext, scope: str = "", nodes: list | None = None,
-                 defined: dict[str, str] | None = None):
-        self._ctx = ctx
+    def __init__(self, run: _Run, scope: str = "", nodes: list | None = None,
+                 defined: dict[str, Any] | None = None):
+        self._run = run
         self.scope = scope
         self.nodes: list[dict] = nodes if nodes is not None else []
-        self.defined: dict[str, str] = dict(defined or {})  # variable name -> scope that defined it
+        run.lists[scope] = self.nodes
+        # variable name -> (scope that defined it, select choices or None) | ("list", gathered values)
+        self.defined: dict[str, Any] = dict(defined or {})
         self.defined_here: list[str] = []
 
     # ---- writing ----
@@ -65,42 +218,40 @@ class TracerState(RoleShortcuts):
 
     def _emit(self, e: Expr) -> None:
         if isinstance(e, Text):
-            if e.value:
-                if self.nodes and self.nodes[-1]["op"] == "text":
-                    self.nodes[-1]["text"] += e.value
-                else:
-                    self.nodes.append({"op": "text", "text": e.value})
+            self.nodes.extend(self._run.decode(e.value))
         elif isinstance(e, (RoleBegin, RoleEnd)):
             begin = isinstance(e, RoleBegin)
-            tmpl = self._ctx.chat_template
+            tmpl = self._run.trace.chat_template
             self.nodes.append({"op": "role_begin" if begin else "role_end", "role": e.role,
                                "text": tmpl.prefix(e.role) if begin else tmpl.suffix(e.role)})
         elif isinstance(e, Gen):
-            node = {"op": "gen", "name": e.name, "sampling_params": {**self._ctx.default_sampling, **e.sampling}}
+            sampling = {**self._run.trace.default_sampling, **e.sampling}
+            _no_markers(sampling, "gen's sampling parameters")
+            node = {"op": "gen", "name": e.name, "sampling_params": sampling}
             for key in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
                 if getattr(e, key) is not None:
                     node[key] = getattr(e, key)
             self.nodes.append(node)
-            self._defines(e.name)
+            self._defines(e.name, (self.scope, None))
         elif isinstance(e, Select):
             method = resolve_method(e.choices_method)
             if getattr(method, "name", None) is None:
                 raise TracingError("a custom choices_method cannot run remotely")
-            self.nodes.append({"op": "select", "name": e.name, "choices": list(e.choices),
+            _no_markers(e.choices, "select's choices")
+            self.nodes.append({"op": "select", "name": e.name, "choices": [str(c) for c in e.choices],
                                "temperature": float(e.temperature), "method": method.name})
-            self._defines(e.name)
-        elif isinstance(e, VarRef):
-            self.nodes.append({"op": "var", "name": e.name, "scope": e.scope})
-        elif isinstance(e, ArgRef):
-            self.nodes.append({"op": "arg", "name": e.name})
+            self._defines(e.name, (self.scope, list(e.choices)))
         elif isinstance(e, Image):
-            raise NotSupportedError("image input is not supported by this model")
+            raise NotSupportedError("image input is not supported by this model (text-only); "
+                                    "remove image() from the program")
         else:
             raise TracingError(f"cannot trace {type(e).__name__}")
 
-    def _defines(self, name: str | None) -> None:
+    def _defines(self, name: str | None, how: Any) -> None:
         if name:
-            self.defined[name] = self.scope
+            self.defined[name] = how
+            key = (self.scope, name)
+            self._run.def_counts[key] = self._run.def_counts.get(key, 0) + 1
             if name not in self.defined_here:
                 self.defined_here.append(name)
 
@@ -110,10 +261,15 @@ class TracerState(RoleShortcuts):
         self += role_expr(role, expr)
 
     # ---- reading ----
-    def __getitem__(self, name: str) -> VarRef:
+    def __getitem__(self, name: str):
         if name not in self.defined:
             raise TracingError(f"variable {name!r} is read before any gen or select defines it")
-        return VarRef(name, self.defined[name])
+        how = self.defined[name]
+        if how[0] == "list":
+            return list(how[1])
+        scope, choices = how
+        # A read sees the latest definition: counted as of now (the reader may be another stream).
+        return self._run.var(name, scope, choices)
 
     get_var = __getitem__
 
@@ -121,7 +277,8 @@ class TracerState(RoleShortcuts):
         return name in self.defined
 
     def _not_traceable(self, what: str):
-        raise TracingError(f"{what} needs generated values; it cannot be part of a remote program")
+        raise TracingError(f"{what} needs generated values; it cannot be part of a remote program "
+                           "(run it without remote=True)")
 
     def text(self):
         self._not_traceable("s.text()")
@@ -142,13 +299,12 @@ class TracerState(RoleShortcuts):
 
     # ---- parallelism ----
     def fork(self, size: int = 1) -> "TracerGroup":
-        if not isinstance(size, int) or size < 1:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise TracingError("fork size must be a positive integer known when tracing")
-        fork_id = self._ctx.next_fork_id
-        self._ctx.next_fork_id += 1
+        fork_id = self._run.fork_id()
         branches: list[list[dict]] = [[] for _ in range(size)]
         self.nodes.append({"op": "fork", "id": fork_id, "n": size, "branches": branches})
-        children = [TracerState(self._ctx, f"f{fork_id}.{i}", branches[i], self.defined) for i in range(size)]
+        children = [TracerState(self._run, f"f{fork_id}.{i}", branches[i], self.defined) for i in range(size)]
         return TracerGroup(children, self, fork_id)
 
 
@@ -164,14 +320,86 @@ class TracerGroup(ForkList):
             first = self.states[0].defined_here
             for name in first:
                 if all(name in s.defined_here for s in self.states):
-                    self.src._defines(name)
+                    self.src._defines(name, ("list", [s[name] for s in self.states]))
+
+
+def _no_markers(value: Any, what: str) -> None:
+    if isinstance(value, str):
+        value = str(value)
+        if MARK_OPEN in value or MARK_CLOSE in value:
+            raise TracingError(f"{what} cannot depend on generated values or unbound arguments in a remote program")
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _no_markers(v, what)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _no_markers(v, what)
+
+
+# ---- path exploration ----
+def _run_once(trace: _Trace, func, call_kwargs: dict[str, Any], forced: list[bool]) -> _Run:
+    trace.runs += 1
+    if trace.runs > MAX_PATHS:
+        raise TracingError(f"the program has more than {MAX_PATHS} paths through its branches (at "
+                           f"{', '.join(trace.lines)}); a remote program must have fewer: run it without "
+                           "remote=True, or branch less")
+    run = _Run(trace, forced)
+    state = TracerState(run)
+    kwargs = {k: (run.arg(k) if isinstance(v, ArgRef) else v) for k, v in call_kwargs.items()}
+    func(state, **kwargs)
+    return run
+
+
+def _explore(trace: _Trace, func, call_kwargs, forced: list[bool], run: _Run | None = None) -> list[dict]:
+    """The root node list of every path that starts with `forced`, merged into `if` nodes."""
+    run = run or _run_once(trace, func, call_kwargs, forced)
+    k = len(forced)
+    if len(run.decisions) <= k:
+        return run.lists[""]
+    taken = run.decisions[k]
+    mine = _explore(trace, func, call_kwargs, forced + [taken], run)
+    other = _explore(trace, func, call_kwargs, forced + [not taken])
+    then, orelse = (mine, other) if taken else (other, mine)
+    return _merge_list(then, orelse, "", run.snapshots[k], run.conds[k])
+
+
+def _merge_list(a: list, b: list, scope: str, snapshot: dict[str, int], cond: dict) -> list:
+    n = snapshot[scope]
+    out = [_merge_node(x, y, snapshot, cond) for x, y in zip(a[:n], b[:n])]
+    if a[n:] == b[n:]:
+        out.extend(a[n:])
+    else:
+        out.append({"op": "if", "cond": dict(cond), "then": a[n:], "else": b[n:]})
+    return out
+
+
+def _merge_node(x: dict, y: dict, snapshot: dict[str, int], cond: dict) -> dict:
+    if x["op"] == "fork":  # it existed before the branch: its branches may have grown differently since
+        branches = [_merge_list(bx, by, f"f{x['id']}.{i}", snapshot, cond)
+                    for i, (bx, by) in enumerate(zip(x["branches"], y["branches"]))]
+        return {**x, "branches": branches}
+    return x
+
+
+def _coalesce(nodes: list[dict]) -> list[dict]:
+    """Adjacent text nodes become one; recursively through forks and branches."""
+    out: list[dict] = []
+    for node in nodes:
+        if node["op"] == "text" and out and out[-1]["op"] == "text":
+            out[-1] = {"op": "text", "text": out[-1]["text"] + node["text"]}
+            continue
+        if node["op"] == "fork":
+            node = {**node, "branches": [_coalesce(b) for b in node["branches"]]}
+        elif node["op"] == "if":
+            node = {**node, "then": _coalesce(node["then"]), "else": _coalesce(node["else"])}
+        out.append(node)
+    return out
 
 
 def trace_program(func, args: tuple, kwargs: dict, chat_template: ChatTemplate | None = None,
                   default_sampling: dict[str, Any] | None = None) -> dict:
     """Trace `func(s, *args, **kwargs)`. Parameters not given become `arg` placeholders."""
-    ctx = _TraceContext(chat_template or CHATML, dict(default_sampling or {}))
-    state = TracerState(ctx)
+    trace = _Trace(chat_template or CHATML, dict(default_sampling or {}))
     params = list(inspect.signature(func).parameters.values())[1:]
     bound = inspect.signature(func).bind_partial(None, *args, **kwargs).arguments
     unbound: list[str] = []
@@ -184,11 +412,11 @@ def trace_program(func, args: tuple, kwargs: dict, chat_template: ChatTemplate |
         elif p.default is not inspect.Parameter.empty:
             call_kwargs[p.name] = p.default
         else:
-            call_kwargs[p.name] = ArgRef(p.name)
+            call_kwargs[p.name] = ArgRef(-1, name=p.name)  # replaced by a per-run placeholder
             unbound.append(p.name)
-    func(state, **call_kwargs)
+    nodes = _coalesce(_explore(trace, func, call_kwargs, []))
     return {"version": IR_VERSION, "name": getattr(func, "__name__", "program"), "args": unbound,
-            "nodes": state.nodes}
+            "nodes": nodes}
 
 
 def constant_prefix(ir: dict) -> str:

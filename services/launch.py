@@ -45,6 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--admin-api-key", default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before stopping")
+    p.add_argument("--chat-template", default=None, help="a .jinja chat template file instead of the tokenizer's")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="hermes or llama3 (default: detected from the chat template)")
+    p.add_argument("--reasoning-parser", default=None, help="qwen3, qwen3-thinking or deepseek-r1")
     p.add_argument("--log-level", default="warning")
     add_engine_args(p)
     args = p.parse_args(argv)
@@ -96,7 +100,8 @@ def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
     argv = ["--model-path", args.model_path, "--workers", ",".join(addrs), "--host", args.host,
             "--port", str(args.port), "--log-level", args.log_level]
     argv += ["--drain-timeout", str(args.drain_timeout)]
-    for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url", "routing_policy"):
+    for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url", "routing_policy",
+                 "chat_template", "tool_call_parser", "reasoning_parser"):
         value = getattr(args, flag)
         if value:
             argv += ["--" + flag.replace("_", "-"), value]

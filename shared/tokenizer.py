@@ -1,16 +1,15 @@
 """Tokenizer and chat template, from an HF directory (tokenizer.json + tokenizer_config.json) or built
-in memory for `tiny-random`. Uses `tokenizers` and a sandboxed jinja2, not transformers, so the gateway
-stays light.
+in memory for `tiny-random`. Tokenizes with `tokenizers`; renders chat templates with transformers' own
+renderer (shared/chat_template.py).
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from shared.chat_template import ChatTemplateError, compile_template, render_chat
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
@@ -34,6 +33,8 @@ class Tokenizer:
     chat_template: str | None = None
     extra_eos_ids: list[int] = field(default_factory=list)
     name: str = ""
+    # Other special tokens templates may read (unk_token, pad_token...), as tokenizer_config names them.
+    other_special_tokens: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         self.bos_token_id = self.raw.token_to_id(self.bos_token) if self.bos_token else None
@@ -41,13 +42,8 @@ class Tokenizer:
         self.eos_token_ids: list[int] = sorted({*(x for x in [eos] if x is not None), *self.extra_eos_ids})
         self.special_ids = set(self.raw.get_added_tokens_decoder().keys())
         self.vocab_size = self.raw.get_vocab_size(with_added_tokens=True)
-        self._template = None
         if self.chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            # Llama 3.x templates stamp today's date through this helper.
-            env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
+            compile_template(self.chat_template)
 
     # ---- loading ----
     @classmethod
@@ -74,9 +70,11 @@ class Tokenizer:
             with open(gen_cfg) as f:
                 eid = json.load(f).get("eos_token_id")
             extra_eos = [eid] if isinstance(eid, int) else list(eid or [])
+        others = {k: _token_str(cfg[k]) for k in ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+                  if _token_str(cfg.get(k))}
         return cls(raw=raw, bos_token=_token_str(cfg.get("bos_token")), eos_token=_token_str(cfg.get("eos_token")),
                    add_bos_token=bool(cfg.get("add_bos_token", False)), chat_template=template,
-                   extra_eos_ids=extra_eos, name=model_path)
+                   extra_eos_ids=extra_eos, name=model_path, other_special_tokens=others)
 
     # ---- text <-> ids ----
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -97,21 +95,27 @@ class Tokenizer:
         return self.raw.decode([token_id], skip_special_tokens=False)
 
     # ---- chat ----
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        template = self._template
-        if template is None:
-            raise ValueError("this model has no chat template; use /v1/completions")
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+    def set_chat_template(self, template: str) -> None:
+        """Serve with another template (--chat-template); it must parse."""
+        compile_template(template)
+        self.chat_template = template
 
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The special tokens a template sees as variables (transformers passes its special_tokens_map)."""
+        named = {"bos_token": self.bos_token, "eos_token": self.eos_token, **self.other_special_tokens}
+        return {k: v for k, v in named.items() if v}
 
-class ChatTemplateError(ValueError):
-    pass
-
-
-def _raise_template_error(message: str):
-    raise ChatTemplateError(message)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tools: list[dict] | None = None, documents: list[dict] | None = None,
+                            continue_final_message: bool = False, **template_kwargs: Any) -> str:
+        """The prompt text; raises ChatTemplateError (a ValueError) when the template refuses it."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        return render_chat(self.chat_template, messages, tools=tools, documents=documents,
+                           add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message,
+                           special_tokens=self.special_tokens_map, template_kwargs=template_kwargs)
 
 
 def _token_str(tok: Any) -> str | None:

@@ -2,7 +2,8 @@
 
 Output tokens cycle through a fixed phrase, starting at an offset derived from the prompt and the seed, so
 tests can predict text. Knobs: `token_delay` (slow streams), `refuse` (every generate answers an error),
-`error_after` (error mid-stream after k tokens), `silent` (reads but never answers).
+`error_after` (error mid-stream after k tokens), `silent` (reads but never answers), `script` (answer this
+text instead, ending with eos when it fits in max_new_tokens: forced outputs for output parsers).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class FakeWorker:
         self.refuse: str | None = None
         self.error_after: int | None = None
         self.silent = False
+        self.script: str | None = None
         self.flush_ok = True
         self.cycle = tokenizer.encode(PHRASE, add_special_tokens=False)
         self.received: list[Message] = []
@@ -143,10 +145,15 @@ class FakeWorker:
             first["input_top_logprobs"] = [None if p == 0 else self._tops(ids[p], req.top_logprobs_num, p)
                                            for p in positions]
         planned = self.expected_ids(ids, sp.max_new_tokens, sp.seed)
+        finish = {"type": "length", "length": sp.max_new_tokens}
+        if self.script is not None:
+            scripted = self.tok.encode(self.script, add_special_tokens=False)
+            planned = scripted[:sp.max_new_tokens]
+            if len(scripted) <= sp.max_new_tokens:
+                finish = {"type": "stop", "matched": self.tok.eos_token_ids[0]}
         hold = max((len(s) for s in sp.stop), default=1) - 1
         out_ids: list[int] = []
         sent = 0
-        finish = {"type": "length", "length": sp.max_new_tokens}
         if not planned:
             send(token_ids=[], text="", finished=True, finish_reason=finish, completion_tokens=0, **usage, **first)
             self.finished_rids.append(req.rid)
@@ -208,13 +215,13 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def gateway_stack(num_workers: int = 1, *, context_length: int | None = 256, wait_healthy: bool = True,
-                        token_delay: float = 0.0, **state_kwargs):
+                        token_delay: float = 0.0, tokenizer: Tokenizer | None = None, **state_kwargs):
     from services.gateway.app import create_app
     from services.gateway.router import Router
     from services.gateway.state import GatewayState
     from services.gateway.worker_client import WorkerClient
 
-    tok = Tokenizer.load("tiny-random")
+    tok = tokenizer or Tokenizer.load("tiny-random")
     workers = [FakeWorker(tok, token_delay=token_delay) for _ in range(num_workers)]
     ports = [await w.start() for w in workers]
     clients = [WorkerClient("127.0.0.1", p, connect_timeout=2.0, call_timeout=2.0, token_timeout=5.0)

@@ -132,8 +132,9 @@ def test_sigterm_stops_the_stack_cleanly():
 def test_structured_output_through_the_stack(base_url):
     import jsonschema
 
+    # Bounded fields: a random model would otherwise write digits until max_tokens cuts the JSON off.
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                               "population": {"type": "integer", "minimum": 0}},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
               "required": ["city", "population"], "additionalProperties": False}
     client = OpenAI(base_url=base_url + "/v1", api_key="none")
     r = client.chat.completions.create(

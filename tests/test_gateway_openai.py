@@ -251,7 +251,7 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content", None),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", None),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools[0]", None),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice", None),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -5}, 400, "max_completion_tokens", None),

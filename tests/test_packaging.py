@@ -18,3 +18,11 @@ def test_dockerfile_installs_every_runtime_dependency_at_its_pinned_version():
     missing = [f"{name}=={version}" for name, version in pinned.items()
                if name != "torch" and f"{name}=={version}" not in docker]
     assert not missing, f"Dockerfile lacks {missing}"
+
+
+def test_the_image_and_the_package_carry_lang_client():
+    """services/gateway/program_exec.py imports lang_client.wire and lang_client.choices."""
+    with open(os.path.join(ROOT, "Dockerfile")) as f:
+        assert "COPY lang_client ./lang_client" in f.read()
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        assert "lang_client*" in tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+from lang_client import wire
 from lang_client._http import HttpClient
 from lang_client.backends.base import BaseBackend, LogprobOptions, Prompt
 from lang_client.chat_template import ChatTemplate, get_chat_template, template_for_model
@@ -34,7 +35,7 @@ class RuntimeEndpoint(BaseBackend):
 
     def cache_prefix(self, text: str) -> None:
         # max_new_tokens 0: prefill only, so the prefix lands in the radix tree before the children ask.
-        self.http.post_json("/generate", {"text": text, "sampling_params": {"max_new_tokens": 0}})
+        self.http.post_json("/generate", wire.prefill_body(text))
 
     def _body(self, prompt: Prompt, sampling: dict[str, Any], logprobs: LogprobOptions | None,
               stream: bool) -> dict[str, Any]:
@@ -60,21 +61,13 @@ class RuntimeEndpoint(BaseBackend):
             seen = len(text)
 
     def select(self, prompt, choices, temperature, method) -> ChoicesDecision:
-        # 1. How many tokens the prompt alone is (the choice's logprobs start after it).
-        first = self.http.post_json("/generate", {"text": prompt.text, "sampling_params": {"max_new_tokens": 0}})
-        prompt_tokens = first["meta_info"]["prompt_tokens"]
-        # 2. Score every continuation in one batch; start two tokens early because the prompt's last
-        #    tokens may merge with the choice's first ones (token healing).
-        answers = self.http.post_json("/generate", {
-            "text": [prompt.text + c for c in choices],
-            "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
-            "return_logprob": True,
-            "return_text_in_logprobs": True,
-            "logprob_start_len": max(prompt_tokens - 2, 0),
-        })
-        if not isinstance(answers, list) or len(answers) != len(choices):
-            raise BackendError("select: the server did not answer the batch with one result per choice")
-        return method(choices, [a["meta_info"]["input_token_logprobs"] for a in answers])
+        first = self.http.post_json("/generate", wire.prefill_body(prompt.text))
+        answers = self.http.post_json("/generate", wire.choice_scoring_body(
+            prompt.text, choices, temperature, first["meta_info"]["prompt_tokens"]))
+        try:
+            return method(choices, wire.choice_logprobs(answers, len(choices)))
+        except ValueError as e:
+            raise BackendError(str(e)) from None
 
     def run_program(self, ir: dict, args: dict, stream: bool):
         body = {"program": ir, "args": args, "stream": stream}

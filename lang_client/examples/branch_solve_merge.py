@@ -19,10 +19,8 @@ def multi_dimensional_judge(s, essay, dimensions=DIMENSIONS):
         f += user("Evaluate the essay on this dimension only: " + dim + ". End with END.")
         f += assistant("Judgment:" + gen("judgment", max_tokens=96, stop="END"))
 
-    # `+` rather than str.join, so the same program also traces into an IR (f["judgment"] may be lazy).
-    judgments = ""
-    for f, dim in zip(forks, dimensions):
-        judgments = judgments + dim + ":" + f["judgment"] + "\n"
+    # Plain Python string work: traced, each judgment becomes a read of that branch's variable.
+    judgments = "".join(f"{dim}:{f['judgment']}\n" for f, dim in zip(forks, dimensions))
     s += user("Merge the judgments below into a summary and a letter grade.\n" + judgments)
     s += assistant("In summary," + gen("summary", max_tokens=96, stop=".") +
                    ". The grade of it is " + gen("grade", max_tokens=4, regex=GRADE_REGEX))

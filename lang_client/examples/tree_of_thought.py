@@ -6,17 +6,17 @@ plan[i], answer[i][j] and score[i][j], locally and remotely alike.
 from lang_client import assistant, function, gen, user
 
 
-def propose_plans(s, question, n):
+def propose_plans(s, question, n, temperature):
     s += user(question + "\nWrite a short high-level plan to solve this. Do not solve it yet.")
     forks = s.fork(n)
-    forks += assistant(gen("plan", max_tokens=64, temperature=0.7))
+    forks += assistant(gen("plan", max_tokens=64, temperature=temperature))
     return forks
 
 
-def execute_plan(s, n):
+def execute_plan(s, n, temperature):
     s += user("The plan looks good. Follow it and give the final answer.")
     forks = s.fork(n)
-    forks += assistant(gen("answer", max_tokens=64, temperature=0.7))
+    forks += assistant(gen("answer", max_tokens=64, temperature=temperature))
     return forks
 
 
@@ -26,10 +26,10 @@ def score_solution(s):
 
 
 @function
-def tree_search(s, question, num_branches=2):
-    plans = propose_plans(s, question, num_branches)
+def tree_search(s, question, num_branches=2, branch_temperature=0.7):
+    plans = propose_plans(s, question, num_branches, branch_temperature)
     for plan in plans:
-        solutions = execute_plan(plan, num_branches)
+        solutions = execute_plan(plan, num_branches, branch_temperature)
         for solution in solutions:
             score_solution(solution)
         solutions.join()  # plan gains answer[j], score[j]

@@ -12,7 +12,9 @@ from aiohttp import web
 from services.gateway.app import create_app
 from services.gateway.limits import Limits
 from services.gateway.router import Router
+from services.gateway.reasoning import resolve_reasoning_parser
 from services.gateway.state import GatewayState
+from services.gateway.tool_parsers import resolve_parser
 from services.gateway.worker_client import WorkerClient, parse_worker_list
 from shared.tokenizer import Tokenizer
 
@@ -40,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (.jinja) used instead of the tokenizer's own")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="format of tool calls in the model's output: hermes (Qwen, Hermes: <tool_call>) or "
+                        "llama3 (Llama 3.x JSON); default: detected from the chat template")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="split <think>...</think> into reasoning_content: qwen3, qwen3-thinking or deepseek-r1")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -56,18 +65,30 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
     """Start the gateway inside the caller's event loop (a launcher runs several services in one)."""
     tokenizer_path = getattr(args, "tokenizer_path", None) or args.model_path
     tokenizer = await asyncio.to_thread(Tokenizer.load, tokenizer_path)
+    if getattr(args, "chat_template", None):
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                tokenizer.set_chat_template(f.read())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--chat-template {args.chat_template}: {e}") from None
     key = getattr(args, "internal_key", None)
     workers = [WorkerClient(host, port, internal_key=key) for host, port in parse_worker_list(args.workers)] if args.workers else []
     redis_url = getattr(args, "redis_url", None)
     if not workers and not redis_url:
         raise SystemExit("give --workers host:port[,...] or --redis-url to discover workers")
+    try:
+        tool_parser = resolve_parser(getattr(args, "tool_call_parser", None), tokenizer.chat_template)
+        reasoning_parser = resolve_reasoning_parser(getattr(args, "reasoning_parser", None))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     limits = Limits(max_n=getattr(args, "max_n", Limits.max_n),
                     max_body_bytes=getattr(args, "max_body_bytes", Limits.max_body_bytes))
     state = GatewayState(tokenizer=tokenizer, served_model_name=args.served_model_name or args.model_path,
                          model_path=args.model_path, router=Router(workers, _policy(args)),
                          context_length=getattr(args, "context_length", None), limits=limits,
                          api_key=getattr(args, "api_key", None), admin_api_key=getattr(args, "admin_api_key", None),
-                         tokenizer_path=tokenizer_path)
+                         tokenizer_path=tokenizer_path, tool_parser=tool_parser,
+                         reasoning_parser=reasoning_parser)
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup aborts the
     # request on the worker (otherwise its KV stays pinned until generation ends).
     app = create_app(state)

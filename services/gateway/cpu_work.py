@@ -24,9 +24,18 @@ INLINE_CHARS = 16 * 1024  # inputs up to this size are prepared on the loop (wel
 _TOKENIZER: Tokenizer | None = None  # in a pool process
 
 
-def _init(path: str) -> None:
+def _init(path: str, chat_template: str | None) -> None:
     global _TOKENIZER
     _TOKENIZER = Tokenizer.load(path)
+    if chat_template and chat_template != _TOKENIZER.chat_template:  # the gateway's --chat-template
+        _TOKENIZER.set_chat_template(chat_template)
+
+
+def _render(tokenizer: Tokenizer, messages: list[dict], args: dict) -> str:
+    args = dict(args)
+    # A client's chat_template_kwargs never override the named arguments (nor collide with them).
+    kwargs = {k: v for k, v in (args.pop("template_kwargs", None) or {}).items() if k not in args and k != "messages"}
+    return tokenizer.apply_chat_template(messages, **args, **kwargs)
 
 
 # Ids travel back as packed int32 bytes: unpickling a long list of ints would hold the gateway's GIL.
@@ -34,8 +43,8 @@ def _encode(text: str, add_special_tokens: bool) -> bytes:
     return array.array("i", _TOKENIZER.encode(text, add_special_tokens=add_special_tokens)).tobytes()
 
 
-def _render_and_encode(messages: list[dict]) -> tuple[str, bytes]:
-    text = _TOKENIZER.apply_chat_template(messages, add_generation_prompt=True)
+def _render_and_encode(messages: list[dict], args: dict) -> tuple[str, bytes]:
+    text = _render(_TOKENIZER, messages, args)
     return text, array.array("i", _TOKENIZER.encode(text, add_special_tokens=False)).tobytes()
 
 
@@ -72,7 +81,8 @@ class CpuWork:
             # spawn, not fork: the gateway has threads (a forked lock may be held forever in the child).
             ctx = multiprocessing.get_context("spawn")
             self._pool = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=ctx,
-                                                                initializer=_init, initargs=(self.path,))
+                                                                initializer=_init,
+                                                                initargs=(self.path, self.tokenizer.chat_template))
         return self._pool
 
     async def _run(self, local, fn, *args) -> Any:
@@ -94,15 +104,16 @@ class CpuWork:
         return _ids(await self._run(lambda: _encode_local(self.tokenizer, text, add_special_tokens),
                                     _encode, text, add_special_tokens))
 
-    async def render_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
-        """The chat template applied (generation prompt added) and its token ids."""
+    async def render_chat(self, messages: list[dict], chars: int, args: dict) -> tuple[str, list[int]]:
+        """The chat template applied (`args`: add_generation_prompt, tools, documents, ...,
+        template_kwargs) and its token ids; `chars` is the messages' size, which decides where."""
         def local() -> tuple[str, list[int]]:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = _render(self.tokenizer, messages, args)
             return text, self.tokenizer.encode(text, add_special_tokens=False)
 
-        if sum(len(m["content"]) for m in messages) <= self.inline_chars:
+        if chars <= self.inline_chars:
             return local()
-        text, packed = await self._run(lambda: _pack(local()), _render_and_encode, messages)
+        text, packed = await self._run(lambda: _pack(local()), _render_and_encode, messages, args)
         return text, _ids(packed)
 
     def close(self) -> None:

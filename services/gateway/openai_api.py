@@ -2,6 +2,7 @@
 back. A request with n choices over P prompts becomes P*n worker requests; choice index = p*n + j."""
 from __future__ import annotations
 
+import asyncio
 import json
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ from aiohttp import web
 
 from services.gateway.tenancy import request_salt
 from services.gateway import logprobs as lp
+from services.gateway.chat_output import ChoiceOutput
+from services.gateway.chat_request import ChatSpec, parse_chat
 from services.gateway.admission import (check_grammars, check_model, stamp_tenant, check_token_ids, child_requests,
                                         encode_prompt, resolve_max_new_tokens, sampling_params)
 from services.gateway.dispatch import GenerationResult, created_timestamp, new_rid
@@ -37,7 +40,6 @@ _SAMPLING_KEYS = {
     "spaces_between_special_tokens": "spaces_between_special_tokens",
 }
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-_CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 @dataclass
@@ -220,74 +222,44 @@ class _CompletionFormat:
 async def chat_completions(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
     n, stream, include_usage = _common(state, body)
-    _refuse_tools(body)
-    prompt = await _render_chat(state, body.get("messages"))
+    # Off the event loop: tool_choice required / named converts every function's schema to a grammar.
+    spec = await asyncio.to_thread(parse_chat, body, state.tool_parser, state.reasoning_parser)
+    prompt = await _render_chat(state, spec)
     want_lp = get_bool(body, "logprobs")
     top_k = get_int(body, "top_logprobs", 0, lo=0, hi=state.limits.max_top_logprobs)
     if top_k and not want_lp:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = get_int(body, max_param, state.limits.default_chat_max_tokens, lo=0)
+    extra = {"ebnf": spec.tool_ebnf} if spec.tool_ebnf else _response_format(body)
     job_id, reqs = _fan_out(state, body, [prompt], n, max_tokens, "messages", max_param, "chatcmpl-",
-                            extra_sampling=_response_format(body), return_logprob=want_lp,
-                            top_logprobs_num=top_k)
+                            extra_sampling=extra, return_logprob=want_lp, top_logprobs_num=top_k)
     stamp_tenant(reqs, request_salt(request))
-    await check_grammars(state, reqs, param="response_format")
+    await check_grammars(state, reqs, param="tools" if spec.tool_ebnf else "response_format")
     job = Job(job_id, [prompt], n, reqs, include_usage)
-    fmt = _ChatFormat(state, job, want_lp)
+    fmt = _ChatFormat(state, job, want_lp, spec)
     if stream:
         return await stream_events(request, fmt.events())
     results = await state.dispatcher.collect_many(reqs)
     return web.json_response(fmt.response(results))
 
 
-def _refuse_tools(body: dict) -> None:
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise bad_request(f"'{key}' is not supported yet", key)
-    for key in ("tool_choice", "function_call"):
-        if body.get(key) not in (None, "none"):
-            raise bad_request(f"'{key}' is not supported yet", key)
-
-
-async def _render_chat(state: "GatewayState", messages: Any) -> Prompt:
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list", "messages")
-    clean = []
-    for i, m in enumerate(messages):
-        param = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"{param} must be an object", param)
-        role = m.get("role")
-        if role not in _CHAT_ROLES:
-            raise bad_request(f"{param}.role must be one of {sorted(_CHAT_ROLES)}", f"{param}.role")
-        clean.append({"role": role, "content": _message_text(m.get("content"), role, f"{param}.content")})
-    chars = sum(len(m["content"]) for m in clean)
+async def _render_chat(state: "GatewayState", spec: ChatSpec) -> Prompt:
+    """The chat template applied and tokenized: in a pool process when the messages are large."""
+    chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else len(str(m.get("content") or ""))
+                for m in spec.messages)
     if state.cpu.chars_cannot_fit(chars, state.context_length):
         raise APIError.from_invalid(ContextLengthExceeded(
             f"This model's maximum context length is {state.context_length} tokens; messages of {chars} "
             f"characters are longer than that (context_length_exceeded)", param="messages"))
     try:
-        text, ids = await state.cpu.render_chat(clean)
+        text, ids = await state.cpu.render_chat(spec.messages, chars, dict(
+            add_generation_prompt=spec.add_generation_prompt, tools=spec.tools, documents=spec.documents,
+            continue_final_message=spec.continue_final_message, template_kwargs=spec.template_kwargs))
     except (ValueError, jinja2.TemplateError) as e:  # ChatTemplateError is a ValueError
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
     check_token_ids(state, ids, "messages")
     return Prompt(ids, text)
-
-
-def _message_text(content: Any, role: str, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None and role == "assistant":
-        return ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request("only text content parts are supported", param)
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad_request(f"{param} must be a string or a list of text parts", param)
 
 
 def _response_format(body: dict) -> dict:
@@ -314,10 +286,10 @@ def _response_format(body: dict) -> dict:
 
 
 class _ChatFormat:
-    def __init__(self, state: "GatewayState", job: Job, want_lp: bool):
+    def __init__(self, state: "GatewayState", job: Job, want_lp: bool, spec: ChatSpec):
         self.state, self.tok = state, state.tokenizer
         self.model = state.served_model_name
-        self.job, self.want_lp = job, want_lp
+        self.job, self.want_lp, self.spec = job, want_lp, spec
 
     def _envelope(self, choices: list, object: str, **extra) -> dict:
         return {"id": self.job.id, "object": object, "created": self.job.created, "model": self.model,
@@ -326,10 +298,16 @@ class _ChatFormat:
     def _logprobs(self, token_ids, logprobs, tops) -> dict | None:
         return lp.chat_logprobs(token_ids, logprobs, tops, self.tok) if self.want_lp else None
 
+    def _output(self) -> ChoiceOutput:
+        return ChoiceOutput(self.spec, self.job.prompts[0].text)
+
     def response(self, results: list[GenerationResult]) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": res.text},
-                    "logprobs": self._logprobs(res.output_ids, res.output_logprobs, res.output_top_logprobs),
-                    "finish_reason": _finish(res)} for i, res in enumerate(results)]
+        choices = []
+        for i, res in enumerate(results):
+            out = self._output()
+            choices.append({"index": i, "message": out.message(res.text),
+                            "logprobs": self._logprobs(res.output_ids, res.output_logprobs, res.output_top_logprobs),
+                            "finish_reason": out.finish_reason(_finish(res))})
         return self._envelope(choices, "chat.completion", usage=_usage(self.job, dict(enumerate(results))))
 
     def _chunk(self, index: int, delta: dict, logprobs=None, finish=None) -> dict:
@@ -341,16 +319,26 @@ class _ChatFormat:
         for i in range(len(self.job.reqs)):
             yield self._chunk(i, {"role": "assistant", "content": ""})
         results: dict[int, GenerationResult] = {}
+        outputs = [self._output() for _ in self.job.reqs]
         async with aclosing(self.state.dispatcher.stream_many(self.job.reqs)) as stream:
             async for i, out, res in stream:
                 results[i] = res
-                if out.text or (self.want_lp and out.token_ids):
+                parser = outputs[i]
+                logprobs = None
+                if self.want_lp and out.token_ids:
                     start = len(res.output_ids) - len(out.token_ids)
                     logprobs = self._logprobs(out.token_ids, res.output_logprobs[start:],
                                               res.output_top_logprobs[start:])
-                    yield self._chunk(i, {"content": out.text}, logprobs)
+                deltas = (parser.feed(out.text) if parser.active else
+                          [{"content": out.text}] if out.text else [])
+                if out.finished and parser.active:
+                    deltas += parser.finish()
+                if not deltas and logprobs is not None:
+                    deltas = [{}]  # the tokens' text is held back by a parser; their logprobs are not
+                for k, delta in enumerate(deltas):
+                    yield self._chunk(i, delta, logprobs if k == 0 else None)
                 if out.finished:
-                    yield self._chunk(i, {}, finish=_finish(out.finish_reason))
+                    yield self._chunk(i, {}, finish=parser.finish_reason(_finish(out.finish_reason)))
         if self.job.include_usage:
             yield self._envelope([], "chat.completion.chunk", usage=_usage(self.job, results))
 

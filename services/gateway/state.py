@@ -29,6 +29,9 @@ class GatewayState:
     api_key: str | None = None
     admin_api_key: str | None = None
     tokenizer_path: str | None = None
+    # Output parsers of /v1/chat/completions (services/gateway/tool_parsers.py, reasoning.py); None: off.
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
     metrics: GatewayMetrics = field(init=False)
     dispatcher: Dispatcher = field(init=False)
     health: HealthMonitor = field(init=False)

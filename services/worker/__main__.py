@@ -115,7 +115,12 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(args))
+    from shared.models.quantization import UnsupportedQuantization
+
+    try:
+        asyncio.run(serve(args))
+    except UnsupportedQuantization as e:  # a checkpoint we cannot run correctly: say so, no traceback
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ _CHOICES = {
     "attention_backend": ["auto", "torch", "triton", "flashinfer"],
     "schedule_policy": ["lpm", "fcfs"],
     "load_format": ["auto", "dummy"],
+    "quantization": ["none", "fp8"],
     "jump_forward_mode": ["retokenize", "verify"],
     "kv_transfer_staging": ["device", "host"],
 }

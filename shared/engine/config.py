@@ -9,6 +9,9 @@ class EngineConfig:
     model_path: str = "tiny-random"
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights of the config's shape)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # none: as the checkpoint says (its quantization_config is honoured or refused at load); fp8: also
+    # quantize a float checkpoint's linear weights to FP8 (per channel) at load.
+    quantization: str = "none"
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
     page_size: int = 1

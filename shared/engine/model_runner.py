@@ -104,7 +104,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.random_seed)
         self.model, self.model_config = load_model(config.model_path, dtype=self.dtype, device=self.device,
-                                                   load_format=config.load_format)
+                                                   load_format=config.load_format,
+                                                   quantization=config.quantization)
         mc = self.model_config
         self.vocab_size = mc.vocab_size
         self.tokenizer_vocab_size = mc.vocab_size  # the engine lowers it to the tokenizer's size

@@ -56,9 +56,20 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
+        self.weight_scale: nn.Parameter | None = None  # set by to_fp8()
+
+    def to_fp8(self) -> None:
+        """Hold the weight as FP8 e4m3 with one float32 dequantization scale per output row; the loader
+        fills both (`<name>.weight`, `<name>.weight_scale`)."""
+        out_features, in_features = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn,
+                                               device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32, device=device),
+                                         requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, self.weight_scale)
 
 
 class MergedLinear(Linear):

@@ -15,7 +15,9 @@ from safetensors import safe_open
 
 from shared.models.config import ModelConfig
 from shared.models.llama import LlamaForCausalLM
-from shared.models.weights import build_empty_model, load_weights
+from shared.models.quantization import (CheckpointReader, QuantSpec, fp8_weight_names, online_quantized,
+                                        parse_quantization, quantize_per_channel, quantized_tensors)
+from shared.models.weights import build_empty_model, convert_linears_to_fp8, load_weights
 from shared.tokenizer import TINY_RANDOM, resolve_model_dir
 
 
@@ -23,12 +25,16 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def load_config(model_dir: str) -> ModelConfig:
+def read_hf_config(model_dir: str) -> dict:
     path = os.path.join(model_dir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{model_dir} has no config.json")
     with open(path) as f:
-        return ModelConfig.from_hf(json.load(f))
+        return json.load(f)
+
+
+def load_config(model_dir: str) -> ModelConfig:
+    return ModelConfig.from_hf(read_hf_config(model_dir))
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -62,28 +68,76 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
+            if name.endswith("norm.weight") or name.endswith("weight_scale"):
+                continue
+            if param.dtype == torch.float8_e4m3fn:  # quantize a float draw, scales alongside
+                draw = torch.empty(param.shape, dtype=torch.float32, device=param.device).normal_(
+                    0.0, 0.02, generator=gen)
+                q, scale = quantize_per_channel(draw)
+                param.copy_(q)
+                model.get_parameter(name[: -len("weight")] + "weight_scale").copy_(scale)
             else:
                 param.normal_(0.0, 0.02, generator=gen)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
 
 
 def load_model(model_path: str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-               load_format: str = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
+               load_format: str = "auto", quantization: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Model in eval mode (no grads) and its config. dtype defaults to bf16 on CUDA, fp32 elsewhere.
-    load_format "dummy" reads only config.json and fills random weights."""
+    load_format "dummy" reads only config.json and fills random weights. A checkpoint's
+    quantization_config is honoured or refused (shared/models/quantization.py); `quantization="fp8"`
+    quantizes a float checkpoint's linear weights at load."""
     dtype = dtype or default_dtype(device)
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"unknown load format {load_format!r} (auto | dummy)")
     if model_path == TINY_RANDOM:
         from shared.models.tiny_random import build_tiny_random_model, tiny_random_config
 
-        return build_tiny_random_model(dtype, device), tiny_random_config()
+        parse_quantization({}, quantization)  # refuses unknown values
+        model = build_tiny_random_model(dtype, device)
+        if quantization == "fp8":
+            _quantize_in_place(model)
+        return model, tiny_random_config()
     model_dir = resolve_model_dir(model_path)
-    cfg = load_config(model_dir)
+    hf_config = read_hf_config(model_dir)
+    cfg = ModelConfig.from_hf(hf_config)
+    spec = parse_quantization(hf_config, quantization)  # before any allocation: refusals are cheap
     model = build_empty_model(cfg, dtype, device)
     if load_format == "dummy":
+        if spec is not None and spec.block_size is None:
+            convert_linears_to_fp8(model, None)
         init_dummy_weights(model)
-    elif load_format == "auto":
-        load_weights(model, iter_safetensors(safetensors_files(model_dir)))
     else:
-        raise ValueError(f"unknown load format {load_format!r} (auto | dummy)")
+        _load_checkpoint(model, safetensors_files(model_dir), spec)
     return model, cfg
+
+
+def _load_checkpoint(model: LlamaForCausalLM, files: list[str], spec: QuantSpec | None) -> None:
+    if spec is None:
+        load_weights(model, iter_safetensors(files))
+    elif spec.online:
+        kept = convert_linears_to_fp8(model, None)
+        load_weights(model, online_quantized(iter_safetensors(files), kept))
+    else:
+        reader = CheckpointReader(files)
+        fp8_names = fp8_weight_names(reader)
+        if not fp8_names:
+            raise ValueError(f"quantization_config says {spec.method} but no weight is stored as fp8")
+        kept = convert_linears_to_fp8(model, fp8_names) if spec.block_size is None else set()
+        load_weights(model, quantized_tensors(reader, spec, kept))
+
+
+def _quantize_in_place(model: LlamaForCausalLM) -> None:
+    """--quantization fp8 on weights already in memory (the tiny-random model): per output row, which for
+    a fused layer is the same as per projection."""
+    from shared.models.layers import Linear
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, Linear) and name != "lm_head":
+                q, scale = quantize_per_channel(module.weight.detach())
+                module.to_fp8()
+                module.weight.copy_(q)
+                module.weight_scale.copy_(scale)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from shared.models.config import ModelConfig
-from shared.models.layers import MergedLinear
+from shared.models.layers import Linear, MergedLinear
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,30 @@ def checkpoint_layout(model: nn.Module) -> dict[str, WeightSlot]:
         else:
             layout[pname] = WeightSlot(param, 0, param.shape[0])
     return layout
+
+
+def convert_linears_to_fp8(model: nn.Module, fp8_names: set[str] | None) -> set[str]:
+    """Turn the decoder's linear layers whose checkpoint weights are in `fp8_names` (None: every one, for
+    --quantization fp8) into FP8 layers. Returns the checkpoint weight names now held in FP8. The lm_head
+    stays in the model dtype (logits want the precision; a quantized one is dequantized at load)."""
+    kept: set[str] = set()
+    for mod_name, module in model.named_modules():
+        if not isinstance(module, Linear) or mod_name == "lm_head":
+            continue
+        if isinstance(module, MergedLinear):
+            parent = mod_name.rsplit(".", 1)[0]
+            names = [f"{parent}.{shard}.weight" for shard in module.shard_names]
+        else:
+            names = [f"{mod_name}.weight"]
+        quantized = [n for n in names if fp8_names is None or n in fp8_names]
+        if not quantized:
+            continue
+        if len(quantized) != len(names):
+            raise ValueError(f"checkpoint stores {quantized} in fp8 but not {sorted(set(names) - set(quantized))}: "
+                             "projections fused into one layer must share a precision")
+        module.to_fp8()
+        kept.update(names)
+    return kept
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

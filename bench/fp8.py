@@ -1,0 +1,89 @@
+"""FP8 weights vs bf16 on the same GPU in one run: batch-1 decode step (wall and graph replay), and a small
+throughput run. Random Llama-3.1-8B-shape weights; the FP8 engine
+quantizes the same shape per channel at load (`--quantization fp8`, what an FP8 checkpoint holds).
+
+    python -m bench.fp8 [--shape llama-3.1-8b|tiny] [--out DIR]
+
+Goal (issue "GPU path, round two"): FP8 batch-1 step <= 0.6 x the bf16 step. Prints PASS/FAIL.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+
+import torch
+
+from bench.common import (SHAPES, drive, graph_replay_ms, kv_bytes_per_token, log, measure_copy_bandwidth,
+                          model_dir, param_bytes, random_prompts)
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.tokenizer import Tokenizer
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+GOAL_RATIO = 0.6
+
+
+def measure(path: str, tok, quantization: str, cuda: bool, vocab: int, reqs: int, steps: int) -> dict:
+    ec = EngineConfig(model_path=path, load_format="dummy", quantization=quantization, max_context_len=4096,
+                      max_total_tokens=200_000, max_running_requests=128, cuda_graph=cuda,
+                      cuda_graph_max_bs=128)
+    eng = Engine(ec, tok, on_output=lambda o: None)
+    out: dict = {}
+    drive(eng, random_prompts(4, 64, vocab, 0), {**GREEDY, "max_new_tokens": 8})
+    st = drive(eng, random_prompts(1, 512, vocab, 2), {**GREEDY, "max_new_tokens": steps})
+    out["b1_step_ms"] = st.wall_s / max(1, st.steps) * 1e3
+    gr = eng.runner.graph_runner
+    if gr is not None:
+        out["b1_graph_ms"] = graph_replay_ms(gr, reps=50)
+    st = drive(eng, random_prompts(reqs, 512, vocab, 5), {**GREEDY, "max_new_tokens": 128})
+    out["tput_tok_s"] = st.output_tokens / st.wall_s
+    del eng
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--reqs", type=int, default=128, help="requests of the throughput run (512 in, 128 out)")
+    ap.add_argument("--steps", type=int, default=200, help="batch-1 decode steps")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    cfg = SHAPES[args.shape]
+    path = model_dir(args.shape)
+    tok = Tokenizer.load(path)
+    bw = measure_copy_bandwidth() if cuda else 50e9
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "shape": args.shape, "copy_bw_GBps": bw / 1e9,
+                 "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
+    w = param_bytes(cfg) - cfg["vocab_size"] * cfg["hidden_size"] * 2
+    lm_head = cfg["vocab_size"] * cfg["hidden_size"] * 2
+    kv = 600 * kv_bytes_per_token(cfg)
+    res["floor_bf16_ms"] = (w + kv) / bw * 1e3
+    res["floor_fp8_ms"] = ((w - lm_head) / 2 + lm_head + kv) / bw * 1e3  # lm_head stays bf16
+    for q in ("none", "fp8"):
+        log(f"engine quantization={q}")
+        res[q] = measure(path, tok, q, cuda, 400, args.reqs, args.steps)
+        log(f"  {res[q]}"[:300])
+    ratio = res["fp8"]["b1_step_ms"] / res["none"]["b1_step_ms"]
+    res["b1_ratio"] = ratio
+    with open(os.path.join(args.out, "fp8.json"), "w") as f:
+        json.dump({k: v for k, v in res.items()}, f, indent=2, default=str)
+    print(f"\n{res['gpu']}  copy {bw / 1e12:.2f} TB/s")
+    print(f"{'metric':28s} {'bf16':>10s} {'fp8':>10s} {'ratio':>7s}")
+    for key in ("b1_step_ms", "b1_graph_ms", "tput_tok_s"):
+        a, b = res["none"].get(key), res["fp8"].get(key)
+        if a and b:
+            print(f"{key:28s} {a:10.2f} {b:10.2f} {b / a:7.3f}")
+    print(f"{'weight-stream floor ms':28s} {res['floor_bf16_ms']:10.2f} {res['floor_fp8_ms']:10.2f}")
+    print(f"{'PASS' if ratio <= GOAL_RATIO else 'FAIL'}: fp8 batch-1 step {ratio:.3f} x bf16 (goal <= {GOAL_RATIO})")
+
+
+if __name__ == "__main__":
+    main()

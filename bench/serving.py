@@ -1,0 +1,365 @@
+"""The project's bench_serving: a workload through the real gateway, and the same workload through the
+offline engine in the same call, so serving overhead is a ratio from one run.
+
+    python -m bench.serving --launch [--shape llama-3.1-8b|tiny] [--dataset random|sharegpt|gsp]
+        [--num-prompts 256] [--random-input-len 512 --random-output-len 128 --random-range-ratio 1.0]
+        [--request-rate inf | --max-concurrency N] [--route generate|completions|chat] [--no-stream]
+        [--offline] [--out DIR] [-- extra launch flags]
+    python -m bench.serving --url http://HOST:PORT ...     (a running stack; no offline ratio)
+
+Datasets (all generated locally, fixed seeds, as token ids so lengths are exact):
+- random: input/output lengths uniform in [len * range_ratio, len];
+- sharegpt: synthetic multi-turn conversations with ShareGPT-like length distributions (lognormal turns,
+  median ~ 120 tokens in / 180 out, long tails capped at 2k), each later turn carrying the earlier ones;
+- gsp (generated shared prefix): groups of prompts sharing a system prompt (--gsp-* flags).
+Reported: TTFT, TPOT, ITL, E2E percentiles (ms), request, output and total throughput, and the CPU time
+per output token of the gateway process and of the workers (from /proc), then PASS/FAIL lines against
+the goals of the "Serving at engine speed" issue when --offline gives the reference.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import aiohttp  # noqa: E402
+
+from bench.common import SHAPES, log, model_dir, pct  # noqa: E402
+
+VOCAB = 400  # ids the random-weight tokenizers all have
+
+
+# ------------------------------------------------------------------ datasets: (prompt ids, output len)
+def random_dataset(n, in_len, out_len, ratio, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        il = rng.randint(max(1, int(in_len * ratio)), in_len)
+        ol = rng.randint(max(1, int(out_len * ratio)), out_len)
+        out.append(([rng.randrange(10, VOCAB) for _ in range(il)], ol))
+    return out
+
+
+def sharegpt_dataset(n, seed=0, cap=2048):
+    """Conversations of 1-6 turns; request i of a conversation is the whole history + the new user turn."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        history: list[int] = []
+        for _ in range(rng.randint(1, 6)):
+            user = min(cap, max(4, int(rng.lognormvariate(math.log(120), 0.9))))
+            reply = min(cap, max(4, int(rng.lognormvariate(math.log(180), 0.8))))
+            history = history + [rng.randrange(10, VOCAB) for _ in range(user)]
+            if len(history) + reply > 3 * cap:
+                break
+            out.append((list(history), reply))
+            history += [rng.randrange(10, VOCAB) for _ in range(reply)]
+            if len(out) >= n:
+                break
+    return out
+
+
+def gsp_dataset(groups, per_group, system_len, question_len, out_len, seed=0):
+    """Interleaved across groups (a group's prompts do not arrive together), as in the radix issue."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(10, VOCAB) for _ in range(system_len)] for _ in range(groups)]
+    out = []
+    for j in range(per_group):
+        for g in range(groups):
+            out.append((systems[g] + [rng.randrange(10, VOCAB) for _ in range(question_len)], out_len))
+    return out
+
+
+def ideal_hit_rate(dataset) -> float:
+    """Tokens an infinite prefix cache would serve over the trace (block-free, token-granular)."""
+    seen: dict = {}
+    hit = total = 0
+    for ids, _ in dataset:
+        node, matched = seen, 0
+        for i, t in enumerate(ids):
+            if t in node:
+                node, matched = node[t], i + 1
+            else:
+                break
+        hit += matched
+        total += len(ids)
+        node = seen
+        for t in ids:
+            node = node.setdefault(t, {})
+    return hit / total if total else 0.0
+
+
+# ------------------------------------------------------------------ one request
+MODEL = {"id": "default"}  # the served model's id, read from /v1/models before the runs
+
+
+def request_body(route: str, ids: list[int], out_len: int, stream: bool) -> tuple[str, dict]:
+    if route == "generate":
+        return "/generate", {"input_ids": ids, "stream": stream, "sampling_params": {
+            "max_new_tokens": out_len, "ignore_eos": True, "temperature": 0}}
+    if route == "completions":
+        return "/v1/completions", {"model": MODEL["id"], "prompt": ids, "max_tokens": out_len, "stream": stream,
+                                   "temperature": 0, "ignore_eos": True}
+    text = " ".join(str(i) for i in ids)  # chat takes text; lengths are approximate here
+    return "/v1/chat/completions", {"model": MODEL["id"], "messages": [{"role": "user", "content": text}],
+                                    "max_tokens": out_len, "stream": stream, "temperature": 0, "ignore_eos": True}
+
+
+def _count(route: str, ev: dict, n: int) -> int:
+    """Output tokens so far from one streamed event."""
+    if route == "generate":
+        return ev.get("meta_info", {}).get("completion_tokens", n)
+    choices = ev.get("choices") or []
+    if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
+        return n + 1
+    return n
+
+
+async def one(session, url: str, route: str, ids: list[int], out_len: int, stream: bool) -> dict:
+    path, body = request_body(route, ids, out_len, stream)
+    t0 = time.perf_counter()
+    ttft, itl, last, n = None, [], None, 0
+    try:
+        async with session.post(url + path, json=body) as resp:
+            if resp.status != 200:
+                return {"error": f"{resp.status}: {(await resp.text())[:200]}"}
+            if not stream:
+                data = await resp.json()
+                e2e = time.perf_counter() - t0
+                if route == "generate":
+                    n = data["meta_info"]["completion_tokens"]
+                else:
+                    n = data["usage"]["completion_tokens"]
+                return {"ttft": e2e, "e2e": e2e, "itl": [], "out": n, "in": len(ids)}
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    return {"error": str(ev["error"])[:200]}
+                new_n = _count(route, ev, n)
+                if new_n > n:
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = now - t0
+                    else:
+                        itl.append(now - last)
+                    last, n = now, new_n
+    except aiohttp.ClientError as e:
+        return {"error": repr(e)[:200]}
+    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "itl": itl, "out": n, "in": len(ids)}
+
+
+async def run_load(url, route, dataset, stream, rate, max_concurrency, seed=0) -> tuple[list[dict], float]:
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        async def task(ids, ol):
+            if sem is None:
+                return await one(session, url, route, ids, ol, stream)
+            async with sem:
+                return await one(session, url, route, ids, ol, stream)
+
+        tasks = []
+        t0 = time.perf_counter()
+        for ids, ol in dataset:
+            tasks.append(asyncio.create_task(task(ids, ol)))
+            if rate != math.inf:
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - t0
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    out_tok = sum(r["out"] for r in ok)
+    in_tok = sum(r["in"] for r in ok)
+    ttft = [r["ttft"] * 1e3 for r in ok if r["ttft"] is not None]
+    e2e = [r["e2e"] * 1e3 for r in ok]
+    itl = [x * 1e3 for r in ok for x in r["itl"]]
+    tpot = [(r["e2e"] - r["ttft"]) * 1e3 / (r["out"] - 1) for r in ok if r["out"] > 1 and r["ttft"] is not None]
+    s = {"completed": len(ok), "errors": len(errors), "error_examples": errors[:3], "wall_s": wall,
+         "req_s": len(ok) / wall, "out_tok_s": out_tok / wall, "total_tok_s": (in_tok + out_tok) / wall,
+         "out_tokens": out_tok, "in_tokens": in_tok}
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
+        for q in (0.5, 0.9, 0.99):
+            s[f"{name}_p{int(q * 100)}_ms"] = pct(xs, q)
+        s[f"{name}_mean_ms"] = sum(xs) / len(xs) if xs else float("nan")
+    return s
+
+
+# ------------------------------------------------------------------ CPU accounting from /proc
+def _cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def stack_pids(root_pid: int) -> dict[str, list[int]]:
+    """The launcher (which runs the gateway) and its worker children, by role."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                kids.setdefault(ppid, []).append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    out = {"gateway": [root_pid], "workers": []}
+    stack = list(kids.get(root_pid, []))
+    while stack:
+        pid = stack.pop()
+        out["workers"].append(pid)
+        stack += kids.get(pid, [])
+    return out
+
+
+def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
+    return {role: sum(_cpu_seconds(p) for p in ps) for role, ps in pids.items()}
+
+
+# ------------------------------------------------------------------ offline reference
+def offline_reference(path: str, dataset, extra_engine: dict) -> dict:
+    import torch
+
+    from bench.common import drive
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.tokenizer import Tokenizer
+
+    cuda = torch.cuda.is_available()
+    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=8192, cuda_graph=cuda, **extra_engine)
+    eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
+    # Same prompts, same per-request output lengths: drive() takes one sampling dict, so group by length.
+    by_len: dict[int, list] = {}
+    for ids, ol in dataset:
+        by_len.setdefault(ol, []).append(ids)
+    if len(by_len) > 1:
+        raise SystemExit("--offline needs one output length (random dataset with --random-range-ratio 1)")
+    (ol, prompts), = by_len.items()
+    drive(eng, prompts[:8], {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8})  # warm-up
+    eng.cache.reset()
+    st = drive(eng, prompts, {"temperature": 0, "ignore_eos": True, "max_new_tokens": ol})
+    return {"out_tok_s": st.output_tokens / st.wall_s, "wall_s": st.wall_s, "out_tokens": st.output_tokens}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="a running stack; else --launch starts one")
+    ap.add_argument("--launch", action="store_true")
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--dataset", default="random", choices=["random", "sharegpt", "gsp"])
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--random-input-len", type=int, default=512)
+    ap.add_argument("--random-output-len", type=int, default=128)
+    ap.add_argument("--random-range-ratio", type=float, default=1.0)
+    ap.add_argument("--gsp-groups", type=int, default=16)
+    ap.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    ap.add_argument("--gsp-system-len", type=int, default=2048)
+    ap.add_argument("--gsp-question-len", type=int, default=128)
+    ap.add_argument("--gsp-output-len", type=int, default=256)
+    ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    ap.add_argument("--max-concurrency", type=int, default=0)
+    ap.add_argument("--routes", default="generate", help="comma list of generate, completions, chat")
+    ap.add_argument("--no-stream", action="store_true", help="also run each route without streaming")
+    ap.add_argument("--offline", action="store_true", help="the same workload through the offline engine")
+    ap.add_argument("--port", type=int, default=31000)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
+    ap.add_argument("launch_args", nargs="*", help="after --: extra services.launch flags")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    if args.dataset == "random":
+        dataset = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
+                                 args.random_range_ratio)
+    elif args.dataset == "sharegpt":
+        dataset = sharegpt_dataset(args.num_prompts)
+    else:
+        dataset = gsp_dataset(args.gsp_groups, args.gsp_prompts_per_group, args.gsp_system_len,
+                              args.gsp_question_len, args.gsp_output_len)
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "dataset": args.dataset, "num_prompts": len(dataset),
+                 "rate": args.request_rate, "max_concurrency": args.max_concurrency,
+                 "ideal_hit_rate": ideal_hit_rate(dataset), "runs": {}}
+    path = model_dir(args.shape)
+    proc = None
+    url = args.url
+    if not url:
+        from bench.stack import start_stack
+        log("starting the stack")
+        proc = start_stack(path, args.port, *args.launch_args)
+        url = f"http://127.0.0.1:{args.port}"
+    try:
+        routes = args.routes.split(",")
+        modes = [(r, True) for r in routes] + ([(r, False) for r in routes] if args.no_stream else [])
+        import requests
+
+        MODEL["id"] = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        # Warm-up: graphs, allocator, connections.
+        asyncio.run(run_load(url, "generate", dataset[:8], True, math.inf, 0))
+        for route, stream in modes:
+            pids = stack_pids(proc.pid) if proc else None
+            before = cpu_snapshot(pids) if pids else None
+            results, wall = asyncio.run(run_load(url, route, dataset, stream, args.request_rate,
+                                                 args.max_concurrency))
+            s = summarize(results, wall)
+            if pids:
+                after = cpu_snapshot(pids)
+                for role in after:
+                    s[f"{role}_cpu_us_per_token"] = (after[role] - before[role]) * 1e6 / max(1, s["out_tokens"])
+            key = f"{route}{'' if stream else '-nostream'}"
+            res["runs"][key] = s
+            log(f"{key}: {s['out_tok_s']:.0f} out tok/s, TTFT p50 {s['ttft_p50_ms']:.1f} ms, ITL p50 "
+                f"{s['itl_p50_ms']:.2f} ms, errors {s['errors']}, gateway "
+                f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token")
+    finally:
+        if proc is not None:
+            from bench.stack import stop_stack
+            stop_stack(proc)
+    if args.offline:
+        log("offline engine, same workload")
+        res["offline"] = offline_reference(path, dataset, {})
+        log(f"  {res['offline']['out_tok_s']:.0f} out tok/s")
+    with open(os.path.join(args.out, f"serving_{args.dataset}.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"\ndataset {args.dataset}, {len(dataset)} prompts, rate {args.request_rate}, ideal hit rate "
+          f"{res['ideal_hit_rate']:.3f}")
+    print(f"{'run':22s} {'out tok/s':>10s} {'TTFT p50':>9s} {'p99':>8s} {'ITL p50':>8s} {'p99':>8s} "
+          f"{'TPOT p50':>8s} {'E2E p50':>8s} {'gw us/tok':>9s} {'err':>4s}")
+    for key, s in res["runs"].items():
+        print(f"{key:22s} {s['out_tok_s']:10.0f} {s['ttft_p50_ms']:9.1f} {s['ttft_p99_ms']:8.1f} "
+              f"{s['itl_p50_ms']:8.2f} {s['itl_p99_ms']:8.2f} {s['tpot_p50_ms']:8.2f} {s['e2e_p50_ms']:8.0f} "
+              f"{s.get('gateway_cpu_us_per_token', float('nan')):9.1f} {s['errors']:4d}")
+    if "offline" in res:
+        off = res["offline"]["out_tok_s"]
+        print(f"{'offline engine':22s} {off:10.0f}")
+        for key, s in res["runs"].items():
+            goal = 0.97 if key.endswith("nostream") else 0.95
+            ratio = s["out_tok_s"] / off
+            print(f"{'PASS' if ratio >= goal else 'FAIL'}: {key} at {ratio:.3f} of the offline engine (goal >= {goal})")
+    for key, s in res["runs"].items():
+        gw = s.get("gateway_cpu_us_per_token")
+        if gw is not None and s["out_tokens"] and key.endswith(("generate", "completions", "chat")):
+            print(f"{'PASS' if gw <= 5 else 'FAIL'}: {key} gateway CPU {gw:.1f} us/token (goal <= 5)")
+    bad = sum(s["errors"] for s in res["runs"].values())
+    if bad:
+        print(f"FAIL: {bad} requests failed")
+
+
+if __name__ == "__main__":
+    main()

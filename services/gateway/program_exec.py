@@ -1,0 +1,229 @@
+"""Execution of a validated program (services/gateway/program_ir.py): a small async interpreter.
+
+Generation goes through an injected `generate(body) -> answer` with the shape of the native /generate
+endpoint (a list for a batch), so this module knows nothing of the gateway's insides; every generate call
+of a program goes through `_Run._call`. The select and fork warm-up requests and the select scoring are
+lang_client's own (lang_client.wire, lang_client.choices), so a remote run asks the same as a local one.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from lang_client import wire
+from lang_client.choices import resolve_method
+from services.gateway.program_ir import (ForkNode, GenNode, IfNode, JoinNode, Program, RoleNode, SelectNode,
+                                         TextNode, VarNode)
+
+Generate = Callable[[dict], Awaitable[Any]]
+
+
+class ProgramError(RuntimeError):
+    """A generate call inside the program failed."""
+
+
+@dataclass
+class _Stream:
+    text: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    role_start: int = 0
+    fork_start: int = 0
+
+    def copy(self) -> "_Stream":
+        return _Stream(self.text, list(self.messages), self.role_start, len(self.text))
+
+
+def _scoped(scope: str, name: str) -> str:
+    return f"{scope}.{name}" if scope else name
+
+
+class _Run:
+    def __init__(self, generate: Generate, on_variable):
+        self.generate = generate
+        self.on_variable = on_variable
+        self.futures: dict[tuple[str, str], list[asyncio.Future]] = {}
+        self.def_counts: dict[tuple[str, str], int] = {}
+        self.defined_in: dict[str, list[str]] = {"": []}
+        self.values: dict[str, Any] = {}
+        self.meta: dict[str, Any] = {}
+        self.forks: dict[int, tuple[list[asyncio.Task], list[_Stream], list[str]]] = {}
+        self.tasks: list[asyncio.Task] = []
+        self.error: BaseException | None = None
+
+    def _future(self, scope: str, name: str, index: int) -> asyncio.Future:
+        futs = self.futures.setdefault((scope, name), [])
+        while len(futs) <= index:
+            fut = asyncio.get_running_loop().create_future()
+            if self.error is not None:
+                fut.set_exception(self.error)
+            futs.append(fut)
+        return futs[index]
+
+    async def _define(self, scope: str, name: str | None, value: Any, meta: Any) -> None:
+        if name is None:
+            return
+        key = (scope, name)
+        index = self.def_counts.get(key, 0)
+        self.def_counts[key] = index + 1
+        fut = self._future(scope, name, index)
+        if not fut.done():
+            fut.set_result(value)
+        self.values[_scoped(scope, name)] = value
+        self.meta[_scoped(scope, name)] = meta
+        self.defined_in.setdefault(scope, [])
+        if name not in self.defined_in[scope]:
+            self.defined_in[scope].append(name)
+        if self.on_variable is not None:
+            await self.on_variable(_scoped(scope, name), value, meta)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        for futs in self.futures.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(exc)
+                    fut.exception()  # mark retrieved: the error is reported once, by execute_program
+        current = asyncio.current_task()
+        for task in self.tasks:
+            if task is not current:
+                task.cancel()
+
+    async def _call(self, body: dict) -> Any:
+        answer = await self.generate(body)
+        if isinstance(answer, dict) and "error" in answer:
+            err = answer["error"]
+            raise ProgramError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+        return answer
+
+    async def stream(self, nodes: list, scope: str, st: _Stream) -> None:
+        for node in nodes:
+            if isinstance(node, TextNode):
+                st.text += node.text
+            elif isinstance(node, RoleNode):
+                if node.begin:
+                    st.text += node.text
+                    st.role_start = len(st.text)
+                else:
+                    st.messages.append({"role": node.role, "content": st.text[st.role_start:]})
+                    st.text += node.text
+            elif isinstance(node, GenNode):
+                answer = await self._call({"text": st.text, "sampling_params": dict(node.sampling_params),
+                                           **node.logprob})
+                st.text += answer["text"]
+                await self._define(scope, node.name, answer["text"], answer.get("meta_info"))
+            elif isinstance(node, SelectNode):
+                decision, meta = await self._select(st.text, node)
+                st.text += decision
+                await self._define(scope, node.name, decision, meta)
+            elif isinstance(node, VarNode):
+                st.text += await self._future(node.scope, node.name, node.def_index)
+            elif isinstance(node, ForkNode):
+                await self._fork(node, st)
+            elif isinstance(node, JoinNode):
+                await self._join(node, scope, st)
+            elif isinstance(node, IfNode):
+                actual = await self._future(node.scope, node.name, node.def_index)
+                await self.stream(node.then if node.holds(actual) else node.orelse, scope, st)
+
+    def close_scope(self, scope: str) -> None:
+        """The stream of `scope` ended: a read still waiting on one of its variables never gets a value
+        (the path taken did not define it), so it fails instead of hanging."""
+        for (s, name), futs in self.futures.items():
+            for fut in futs:
+                if s == scope and not fut.done():
+                    fut.set_exception(ProgramError(f"variable {name!r} was never defined on the path the "
+                                                   "program took"))
+                    fut.exception()
+
+    async def _fork(self, node: ForkNode, st: _Stream) -> None:
+        if wire.should_warm_fork(len(node.branches), st.text):
+            # One prefill of the shared prefix, so every branch finds it in the radix cache.
+            await self._call(wire.prefill_body(st.text))
+        states = [st.copy() for _ in node.branches]
+        scopes = [f"f{node.id}.{i}" for i in range(len(node.branches))]
+        tasks = [asyncio.ensure_future(self._branch(b, s, bst)) for b, s, bst in zip(node.branches, scopes, states)]
+        self.tasks.extend(tasks)
+        self.forks[node.id] = (tasks, states, scopes)
+
+    async def _branch(self, nodes: list, scope: str, st: _Stream) -> None:
+        self.defined_in.setdefault(scope, [])
+        try:
+            await self.stream(nodes, scope, st)
+            self.close_scope(scope)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.fail(e)
+            raise
+
+    async def _join(self, node: JoinNode, scope: str, st: _Stream) -> None:
+        tasks, states, scopes = self.forks[node.fork]
+        await asyncio.gather(*tasks)
+        if node.mode == "gather_variable":
+            maybe = [m for m in node.maybe if all(m in self.defined_in.get(s, []) for s in scopes)]
+            for name in node.names + maybe:
+                values = [self.values[_scoped(s, name)] for s in scopes]
+                await self._define(scope, name, values, [self.meta.get(_scoped(s, name)) for s in scopes])
+        else:
+            st.text += "".join(b.text[b.fork_start:] for b in states)
+
+    async def _select(self, text: str, node: SelectNode) -> tuple[str, dict]:
+        first = await self._call(wire.prefill_body(text))
+        answers = await self._call(wire.choice_scoring_body(text, node.choices, node.temperature,
+                                                            first["meta_info"]["prompt_tokens"]))
+        try:
+            per_choice = wire.choice_logprobs(answers, len(node.choices))
+        except ValueError as e:
+            raise ProgramError(str(e)) from None
+        decision = resolve_method(node.method)(node.choices, per_choice)
+        return decision.decision, decision.meta_info
+
+    async def wait_all(self) -> None:
+        while True:  # branches may start nested forks, so the task list grows while we wait
+            pending = [t for t in self.tasks if not t.done()]
+            if not pending:
+                for t in self.tasks:
+                    if not t.cancelled() and t.exception() is not None:
+                        raise t.exception()
+                return
+            await asyncio.gather(*pending)
+
+
+async def execute_program(program: Program, generate: Generate,
+                          on_variable: Callable[[str, Any, Any], Awaitable[None]] | None = None) -> dict:
+    """Run a validated program. `generate(body)` takes and returns /generate JSON (a list for a batch).
+
+    Every fork's branches start together, right after one max_new_tokens=0 warm-up of their shared prefix.
+    """
+    run = _Run(generate, on_variable)
+    root = _Stream()
+    try:
+        await run.stream(program.nodes, "", root)
+        run.close_scope("")
+        await run.wait_all()
+    except BaseException as e:
+        run.fail(e)
+        await asyncio.gather(*run.tasks, return_exceptions=True)
+        raise (run.error if not isinstance(e, asyncio.CancelledError) else e)
+    return {"text": root.text, "messages": root.messages, "variables": run.values, "meta_info": run.meta}
+
+
+async def stream_program(program: Program, generate: Generate) -> AsyncIterator[dict]:
+    """Events for SSE: each variable as it completes, then the whole result."""
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def on_variable(name, value, meta):
+        await events.put({"type": "variable", "name": name, "value": value, "meta_info": meta})
+
+    task = asyncio.ensure_future(execute_program(program, generate, on_variable))
+    task.add_done_callback(lambda _: events.put_nowait(None))
+    try:
+        while (event := await events.get()) is not None:
+            yield event
+        result = task.result()  # raises the program's error, if any
+        yield {"type": "result", **result}
+    finally:
+        if not task.done():
+            task.cancel()

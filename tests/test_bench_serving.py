@@ -1,0 +1,38 @@
+"""bench/serving.py's datasets and summary (the GPU run is where its numbers come from; these keep the
+parts that decide what it measures honest)."""
+from __future__ import annotations
+
+from bench.serving import gsp_dataset, ideal_hit_rate, random_dataset, sharegpt_dataset, summarize
+
+
+def test_random_dataset_lengths_within_range():
+    data = random_dataset(50, 100, 20, 0.5, seed=1)
+    assert len(data) == 50
+    assert all(50 <= len(ids) <= 100 and 10 <= ol <= 20 for ids, ol in data)
+    assert random_dataset(50, 100, 20, 0.5, seed=1) == data  # fixed seed
+
+
+def test_gsp_ideal_hit_rate_is_the_shared_system_prompts():
+    groups, per, sys_len, q_len = 4, 5, 100, 10
+    data = gsp_dataset(groups, per, sys_len, q_len, 8)
+    assert len(data) == groups * per
+    assert [d[0][:sys_len] for d in data[:groups]] != [data[0][0][:sys_len]] * groups  # interleaved groups
+    want = groups * (per - 1) * sys_len / (groups * per * (sys_len + q_len))
+    assert abs(ideal_hit_rate(data) - want) < 0.01
+
+
+def test_sharegpt_turns_extend_their_history():
+    data = sharegpt_dataset(40, seed=3)
+    assert len(data) == 40
+    later = [(a, b) for a, b in zip(data, data[1:]) if len(b[0]) > len(a[0]) and b[0][:len(a[0])] == a[0]]
+    assert later, "some requests must be a conversation's next turn"
+    assert ideal_hit_rate(data) > 0.2
+
+
+def test_summary_percentiles_and_errors():
+    results = [{"ttft": 0.1 * i, "e2e": 0.1 * i + 1.0, "itl": [0.01] * 9, "out": 10, "in": 5} for i in range(1, 11)]
+    results.append({"error": "503: busy"})
+    s = summarize(results, wall=2.0)
+    assert s["completed"] == 10 and s["errors"] == 1 and s["out_tok_s"] == 50.0
+    assert abs(s["ttft_p50_ms"] - 600) < 1e-6 and abs(s["itl_p99_ms"] - 10) < 1e-6
+    assert abs(s["tpot_p50_ms"] - 1000 / 9) < 1e-6

@@ -1,0 +1,202 @@
+"""FP8 checkpoints load with their scales honoured (greedy output equals transformers on the dequantized
+weights), unsupported quantization is refused at load with a clear message, and --quantization fp8
+quantizes a float model at load."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kernels.reference import fp8_linear_ref, quantize_fp8_per_token
+from shared.engine.forward_batch import ForwardMode
+from shared.models.loader import load_model
+from shared.models.quantization import UnsupportedQuantization, parse_quantization, quantize_per_channel
+from tests.conftest_models import PagedHarness, make_hf_model, paged_greedy, write_hf_checkpoint
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8 = torch.float8_e4m3fn
+
+
+def _quantize(w: torch.Tensor, granularity: str, block=(16, 16)):
+    """(fp8 weight, stored scale) in one checkpoint family's layout."""
+    if granularity == "tensor":
+        scale = w.abs().max().float() / 448.0
+        return (w / scale).clamp(-448, 448).to(FP8), scale.reshape(())
+    if granularity == "channel":
+        q, s = quantize_per_channel(w)
+        return q, s[:, None]
+    bn, bk = block
+    n, k = w.shape
+    s = torch.zeros(-(-n // bn), -(-k // bk))
+    q = torch.empty(n, k, dtype=FP8)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            tile = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            s[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (tile / s[i, j]).clamp(-448, 448).to(FP8)
+    return q, s
+
+
+def _dequantize(q: torch.Tensor, s: torch.Tensor, granularity: str, block=(16, 16)) -> torch.Tensor:
+    if granularity in ("tensor", "channel"):
+        return q.float() * s.float().reshape(-1, 1) if s.numel() > 1 else q.float() * s.float()
+    bn, bk = block
+    full = s.repeat_interleave(bn, 0)[: q.shape[0]].repeat_interleave(bk, 1)[:, : q.shape[1]]
+    return q.float() * full
+
+
+FORMATS = {
+    # name: (quantization_config, granularity, scale suffix, extra tensors per layer)
+    "fp8-per-tensor-static": ({"quant_method": "fp8", "activation_scheme": "static"}, "tensor", "weight_scale",
+                              True),
+    "fbgemm-per-channel": ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, "channel",
+                           "weight_scale", False),
+    "compressed-tensors-channel": ({
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True},
+            "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}}},
+        "ignore": ["lm_head"]}, "channel", "weight_scale", False),
+    "fp8-block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}, "block",
+                  "weight_scale_inv", False),
+}
+
+
+def write_fp8_checkpoint(hf, path: str, fmt: str):
+    """Write `hf` quantized in format `fmt`; set `hf`'s own weights to the dequantized values (the
+    reference transformers then runs)."""
+    qconfig, granularity, suffix, input_scales = FORMATS[fmt]
+    write_hf_checkpoint(hf, path)
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            os.remove(os.path.join(path, f))
+    tensors = {}
+    with torch.no_grad():
+        for name, p in hf.state_dict().items():
+            mod = name.rsplit(".", 2)
+            if name.endswith(".weight") and len(mod) == 3 and mod[1] in LINEARS:
+                q, s = _quantize(p.float(), granularity)
+                tensors[name] = q
+                tensors[name[: -len("weight")] + suffix] = s
+                if input_scales:
+                    tensors[name[: -len("weight")] + "input_scale"] = torch.tensor(0.05)
+                hf.get_parameter(name).copy_(_dequantize(q, s, granularity))
+            else:
+                tensors[name] = p.contiguous()
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = qconfig
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fmt, tmp_path):
+    hf = make_hf_model("qwen2")  # qkv bias: scales and biases together
+    path = write_fp8_checkpoint(hf, str(tmp_path / fmt), fmt)
+    ours, cfg = load_model(path)
+    layer = ours.model.layers[0]
+    if FORMATS[fmt][1] == "block":  # no block-scaled GEMM: dequantized at load, runs in the model dtype
+        assert layer.mlp.down_proj.weight.dtype == torch.float32 and layer.mlp.down_proj.weight_scale is None
+    else:
+        assert layer.self_attn.qkv_proj.weight.dtype == FP8
+        assert layer.self_attn.qkv_proj.weight_scale.shape == (cfg.q_size + 2 * cfg.kv_size,)
+    prompt = torch.randint(3, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(3)).tolist()
+    logits = PagedHarness(ours, cfg).step(ForwardMode.EXTEND, {0: prompt})[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    assert float((logits - ref).abs().max() / ref.abs().max()) < 1e-4
+    ours_greedy = paged_greedy(ours, cfg, [prompt], steps=6)[0]
+    with torch.no_grad():
+        hf_out = hf.generate(torch.tensor([prompt]), max_new_tokens=7, do_sample=False)[0, len(prompt):].tolist()
+    assert ours_greedy == hf_out
+
+
+@pytest.mark.parametrize("qconfig,needle", [
+    ({"quant_method": "awq", "bits": 4}, "awq"),
+    ({"quant_method": "gptq", "bits": 4}, "gptq"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "pack-quantized"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {}}, "int-quantized"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "weights": {"type": "int", "num_bits": 8, "strategy": "channel"}}}}, "int8"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "weights": {"type": "float", "num_bits": 8, "strategy": "group"}}}}, "group"),
+    ({"quant_method": "mxfp4"}, "mxfp4"),
+])
+def test_unsupported_quantization_is_refused_before_loading(qconfig, needle, tmp_path):
+    hf = make_hf_model("llama2")
+    path = write_hf_checkpoint(hf, str(tmp_path / "m"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = qconfig
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(UnsupportedQuantization, match=needle):
+        load_model(path)
+
+
+def test_unknown_quantization_flag_is_refused():
+    with pytest.raises(UnsupportedQuantization, match="int4"):
+        parse_quantization({}, "int4")
+    assert parse_quantization({}, "none") is None and parse_quantization({}, None) is None
+
+
+def test_fp8_block_config_is_validated():
+    with pytest.raises(UnsupportedQuantization, match="weight_block_size"):
+        parse_quantization({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}})
+
+
+def test_online_fp8_quantization_of_a_float_checkpoint(tmp_path):
+    """--quantization fp8: every decoder linear held in FP8 with per-row scales; logits stay close to the
+    float model's (per-channel e4m3 keeps ~3 significant bits, so close, not equal)."""
+    hf = make_hf_model("llama31")
+    path = write_hf_checkpoint(hf, str(tmp_path / "m"))
+    ref_model, cfg = load_model(path)
+    fp8_model, _ = load_model(path, quantization="fp8")
+    linears = [m for n, m in fp8_model.named_modules() if hasattr(m, "weight_scale") and n != "lm_head"]
+    assert len(linears) == 4 * cfg.num_hidden_layers and all(m.weight.dtype == FP8 for m in linears)
+    assert fp8_model.lm_head.weight.dtype == torch.float32
+    prompt = list(range(3, 40))
+    a = PagedHarness(ref_model, cfg).step(ForwardMode.EXTEND, {0: prompt})[0]
+    b = PagedHarness(fp8_model, cfg).step(ForwardMode.EXTEND, {0: prompt})[0]
+    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+    assert cos > 0.99, float(cos)
+
+
+def test_online_fp8_dummy_weights_and_tiny_random():
+    model, _ = load_model("tiny-random", quantization="fp8")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == FP8 and torch.all(qkv.weight_scale > 0)
+
+
+def test_fp8_linear_reference_and_activation_quantization():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=gen)
+    q, s = quantize_per_channel(w)
+    x = torch.randn(5, 32, generator=gen)
+    y = fp8_linear_ref(x, q, s)
+    assert torch.allclose(y, x @ (q.float() * s[:, None]).t(), atol=1e-5)
+    assert float((y - x @ w.t()).abs().max() / (x @ w.t()).abs().max()) < 0.1
+    xq, xs = quantize_fp8_per_token(x)
+    assert xq.dtype == FP8 and xs.shape == (5, 1)
+    assert float((xq.float() * xs - x).abs().max() / x.abs().max()) < 0.07
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 GEMM and GEMV need a GPU")
+def test_fp8_kernels_on_gpu():
+    from kernels.ops import fp8_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m, n, k in [(1, 4096, 4096), (1, 1024, 4096), (7, 512, 256), (64, 4096, 1024)]:
+        w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+        q, s = quantize_per_channel(w)
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        ref = fp8_linear_ref(x.float(), q, s)
+        y = fp8_linear(x, q, s).float()
+        assert float((y - ref).abs().max() / ref.abs().max()) < 0.05, (m, n, k)
