@@ -8,23 +8,26 @@ PD topology: prefill workers compute prompts and push their KV over UCX to decod
 to GPU i mod 2 (prefill workers first; every worker still sees every GPU, so UCX can move KV pages
 between them with cuda_ipc); workers sharing one GPU need a smaller --mem-fraction-static.
 
-Prints `READY http://HOST:PORT` once the gateway answers and every worker is up; stops everything
-cleanly on SIGINT/SIGTERM. A worker that dies takes the stack down with a clear message rather than
-leaving a gateway that routes into nothing.
+Prints `READY http://HOST:PORT workers=...` once the gateway answers and every worker is up. A worker
+that exits is restarted on its port with backoff (services/supervisor.py); after --max-restarts in a
+minute it stays down and the gateway's /health names it. Only SIGINT/SIGTERM stop the stack: the gateway
+drains first (not ready, grace, in-flight requests finish), then the workers do the same.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import secrets
 import signal
 import sys
 
+from services.supervisor import RestartPolicy, WorkerSlot
 from shared.engine.cli import add_engine_args, engine_args_to_argv
 from shared.wire import INTERNAL_KEY_ENV
 
-_WORKER_START_TIMEOUT_S = 600
+log = logging.getLogger("services.launch")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,6 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--admin-api-key", default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before stopping")
+    p.add_argument("--drain-grace", type=float, default=1.0,
+                   help="on SIGTERM, seconds a service keeps serving while saying not ready, so routers notice")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of one worker per minute; one more exit and it stays down")
+    p.add_argument("--restart-backoff", type=float, default=0.5,
+                   help="seconds before the first restart of a worker; doubles per restart in the minute")
     p.add_argument("--chat-template", default=None, help="a .jinja chat template file instead of the tokenizer's")
     p.add_argument("--tool-call-parser", default=None,
                    help="hermes or llama3 (default: detected from the chat template)")
@@ -65,41 +74,25 @@ def worker_roles(args: argparse.Namespace) -> list[str]:
     return ["unified"] * args.workers
 
 
-async def _start_worker(args: argparse.Namespace, index: int, role: str
-                        ) -> tuple[asyncio.subprocess.Process, str]:
-    cmd = [sys.executable, "-m", "services.worker", "--role", role, "--host", "127.0.0.1", "--port", "0",
-           "--worker-id", f"{role}-{index}", "--log-level", args.log_level, *engine_args_to_argv(args)]
-    if args.redis_url:
-        cmd += ["--redis-url", args.redis_url]
-    if args.worker_gpus:
-        gpus = [g.strip() for g in args.worker_gpus.split(",")]
-        cmd += ["--device", f"cuda:{gpus[index % len(gpus)]}"]
-    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=None,
-                                                start_new_session=True)
-
-    async def ready_line() -> str:
-        while True:
-            line = await proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"worker {index} exited before it was ready (code {await proc.wait()})")
-            text = line.decode(errors="replace").strip()
-            if text.startswith("WORKER READY "):
-                return text.split()[2]
-
-    addr = await asyncio.wait_for(ready_line(), _WORKER_START_TIMEOUT_S)
-    asyncio.create_task(_drain(proc.stdout))
-    return proc, addr
-
-
-async def _drain(stream: asyncio.StreamReader) -> None:
-    while await stream.readline():
-        pass
+def _worker_cmd(args: argparse.Namespace, index: int, role: str):
+    def cmd(port: int) -> list[str]:
+        argv = [sys.executable, "-m", "services.worker", "--role", role, "--host", "127.0.0.1",
+                "--port", str(port), "--worker-id", f"{role}-{index}", "--log-level", args.log_level,
+                "--drain-timeout", str(args.drain_timeout), "--drain-grace", str(args.drain_grace),
+                *engine_args_to_argv(args)]
+        if args.redis_url:
+            argv += ["--redis-url", args.redis_url]
+        if args.worker_gpus:
+            gpus = [g.strip() for g in args.worker_gpus.split(",")]
+            argv += ["--device", f"cuda:{gpus[index % len(gpus)]}"]
+        return argv
+    return cmd
 
 
 def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
     argv = ["--model-path", args.model_path, "--workers", ",".join(addrs), "--host", args.host,
             "--port", str(args.port), "--log-level", args.log_level]
-    argv += ["--drain-timeout", str(args.drain_timeout)]
+    argv += ["--drain-timeout", str(args.drain_timeout), "--drain-grace", str(args.drain_grace)]
     for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url", "routing_policy",
                  "chat_template", "tool_call_parser", "reasoning_parser"):
         value = getattr(args, flag)
@@ -110,60 +103,59 @@ def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
 
 async def run(args: argparse.Namespace) -> int:
     from services.gateway.__main__ import build_parser as gateway_parser
-    from services.gateway.__main__ import start_gateway
+    from services.gateway.__main__ import start_gateway, stop_gateway
 
-    procs: list[asyncio.subprocess.Process] = []
+    policy = RestartPolicy(max_restarts=args.max_restarts, window_s=60.0, backoff_s=args.restart_backoff)
+    slots = [WorkerSlot(f"{role}-{i}", _worker_cmd(args, i, role), policy)
+             for i, role in enumerate(worker_roles(args))]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner = None
-    code = 0
+    runner, state = None, None
     try:
-        started = await asyncio.gather(*[_start_worker(args, i, role) for i, role in enumerate(worker_roles(args))],
-                                       return_exceptions=True)
-        for s in started:
-            if isinstance(s, tuple):
-                procs.append(s[0])
+        started = await asyncio.gather(*[s.start() for s in slots], return_exceptions=True)
         errors = [s for s in started if isinstance(s, BaseException)]
         if errors:
             print(f"launch failed: {errors[0]}", file=sys.stderr, flush=True)
             return 1
-        addrs = [s[1] for s in started]
+        addrs = list(started)
         runner, state = await start_gateway(gateway_parser().parse_args(_gateway_argv(args, addrs)))
+
+        async def on_change(slot: WorkerSlot, what: str) -> None:
+            # The gateway hears from the supervisor at once: /health names a worker that is down, and
+            # a restarted one is dialled now rather than after the client's reconnect backoff.
+            state.set_worker_status(slot.address, what if what != "up" else None,
+                                    restarts=slot.restarts, last_exit=slot.last_exit)
+            if what == "up":
+                for w in state.router.workers:
+                    if w.address == slot.address:
+                        w.kick()
+
         # Ready means routable: every worker connected and its role known (PD pairs need both sides).
         for w in state.router.workers:
             w.start()
         deadline = loop.time() + 30
         while not all(w.connected for w in state.router.workers) and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        for slot in slots:
+            slot.on_change = on_change
+            slot.watch()
         print(f"READY http://{args.host}:{args.port} workers={','.join(addrs)}", flush=True)
-        waits = [asyncio.create_task(p.wait()) for p in procs]
-        stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([stopper, *waits], return_when=asyncio.FIRST_COMPLETED)
-        if stopper not in done:
-            print("a worker exited; shutting the stack down", file=sys.stderr, flush=True)
-            code = 1
-        for t in [stopper, *waits]:
-            t.cancel()
+        await stop.wait()
+        log.warning("stopping: draining the gateway, then the workers")
     finally:
         if runner is not None:
-            # Requests in flight finish first (workers are still up), then the workers stop.
-            await runner.cleanup()
-        for p in procs:
-            if p.returncode is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                await asyncio.wait_for(p.wait(), 15)
-            except asyncio.TimeoutError:
-                p.kill()
-                await p.wait()
-    return code
+            # The gateway says not ready, then lets requests in flight finish (workers are still up).
+            await stop_gateway(runner, state)
+        await asyncio.gather(*(s.stop(args.drain_timeout + args.drain_grace + 15) for s in slots))
+        log.warning("stopped")
+    return 0
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Worker ports are private to this stack: one random key, handed to every process through the
     # environment (never argv, which `ps` shows); an operator's own $RADIXSERVE_INTERNAL_KEY wins.

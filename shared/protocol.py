@@ -111,6 +111,8 @@ class GenerateRequest(Message):
     #   prefill side: {"role": "prefill", "id": transfer id, "host": h, "port": p}  - compute the prompt's
     #                 KV and first token, push them over UCX to the decode worker listening at h:p
     transfer: dict | None = None
+    # The client's X-Request-Id (the gateway makes one if absent): workers put it on their log lines.
+    request_id: str | None = None
 
 
 @message
@@ -186,6 +188,9 @@ class PongResult(Message):
     role: str = "unified"  # unified | prefill | decode
     transfer_host: str | None = None  # decode workers: where their UCX KV receiver listens
     transfer_port: int | None = None
+    # True once the worker is stopping (SIGTERM): it finishes what it has but takes no new requests. It
+    # also sends a pong with call_id 0 unasked at that moment, so gateways stop routing to it at once.
+    draining: bool = False
 
 
 # ---------------------------------------------------------------- prefill worker <-> decode worker (UCX)

@@ -142,11 +142,26 @@ class StubWorker:
     def __init__(self, address, load=0, connected=True, role="unified"):
         self.address, self.load, self.connected = address, load, connected
         self.responsive = True
+        self.draining = False
         self.role = role
         self.transfer_addr = ("127.0.0.1", 1) if role == "decode" else None
 
+    @property
+    def routable(self):
+        return self.connected and self.responsive and not self.draining
+
     def start(self):
         pass
+
+
+def test_router_sends_nothing_new_to_a_draining_worker():
+    a, b = StubWorker("a:1"), StubWorker("b:1")
+    d0, d1 = StubWorker("d0:1", role="decode"), StubWorker("d1:1", role="decode")
+    p = StubWorker("p:1", role="prefill")
+    router, pd = Router([a, b]), Router([p, d0, d1])
+    a.draining = d0.draining = True
+    assert all(router.pick([i]) is b for i in range(20))
+    assert all(pd.pick_pair([i])[1] is d1 for i in range(20))
 
 
 def test_router_pairs_prefill_with_decode_and_never_sends_whole_requests_to_prefill():

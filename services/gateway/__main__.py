@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
+    p.add_argument("--drain-grace", type=float, default=1.0,
+                   help="on SIGTERM, seconds /health says 503 before the listener closes (routers notice)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (.jinja) used instead of the tokenizer's own")
     p.add_argument("--tool-call-parser", default=None,
@@ -97,7 +99,7 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
         from shared.metadata.store import RedisStore
 
         discovery = WorkerDiscovery(RedisStore(redis_url), state.router, internal_key=key)
-        await discovery.refresh()
+        await discovery.refresh_once()  # Redis down: serve the --workers list, pick up the registry later
         discovery.start()
 
         async def _stop_discovery(_app):
@@ -109,7 +111,18 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
                            shutdown_timeout=getattr(args, "drain_timeout", 30.0))
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
+    state.drain_grace = getattr(args, "drain_grace", 1.0)
     return runner, state
+
+
+async def stop_gateway(runner: web.AppRunner, state: GatewayState) -> None:
+    """Drain: /health says 503 at once, new requests are still served for the grace period (a load
+    balancer needs a moment to notice), then the listener closes and requests in flight finish
+    (up to --drain-timeout) before their handlers are cancelled."""
+    state.draining = True
+    log.warning("draining: not ready; %d requests in flight", len(state.dispatcher.inflight))
+    await asyncio.sleep(state.drain_grace)
+    await runner.cleanup()
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -122,7 +135,7 @@ async def _main(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await runner.cleanup()  # stops listening, lets running requests finish (shutdown_timeout)
+    await stop_gateway(runner, state)
 
 
 def main() -> None:

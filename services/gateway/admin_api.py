@@ -24,8 +24,10 @@ def model_info(state: "GatewayState") -> dict:
 
 async def server_info(state: "GatewayState") -> dict:
     await state.health.poll_infos()
-    workers = [{"address": w.address, "connected": w.connected, "load": w.load,
-                "info": state.health.last_info.get(w.address)} for w in state.router.workers]
+    workers = [{"address": w.address, "connected": w.connected, "load": w.load, "state": state.worker_state(w),
+                "role": w.role, "supervisor": state.worker_status.get(w.address),
+                "info": state.health.last_info.get(w.address)}
+               for w in state.router.workers]
     limits = state.limits
     return {**model_info(state), "version": VERSION, "context_length": state.context_length,
             "max_total_num_tokens": sum((w["info"] or {}).get("max_total_tokens", 0) for w in workers),
@@ -50,9 +52,15 @@ async def flush_cache(state: "GatewayState") -> web.Response:
 
 
 def health(state: "GatewayState") -> web.Response:
+    """200 while requests can be served; the body names every worker that is not up (restarting, down,
+    draining...), so a degraded stack says so. 503 while draining or while nothing can serve."""
+    down = state.health.not_up()
+    detail = "".join(f"worker {a}: {s}\n" for a, s in sorted(down.items()))
+    if state.draining:
+        return web.Response(status=503, text="Not ready: draining.\n" + detail)
     if state.health.healthy:
-        return web.Response(text="OK\n")
-    return web.Response(status=503, text="Not ready: waiting for workers.\n")
+        return web.Response(text=("OK (degraded)\n" if down else "OK\n") + detail)
+    return web.Response(status=503, text="Not ready: waiting for workers.\n" + detail)
 
 
 async def health_generate(state: "GatewayState", timeout: float = 20.0) -> web.Response:

@@ -9,6 +9,7 @@ import logging
 from aiohttp import web
 
 from services.gateway import admin_api, native_api, openai_api, programs_api
+from services.gateway.access_log import access_middleware, add_request_id_header
 from services.gateway.errors import APIError, error_body
 from services.gateway.openapi import OPEN_PATHS, build_spec
 from services.gateway.state import GatewayState
@@ -27,7 +28,7 @@ _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "
 
 def create_app(state: GatewayState) -> web.Application:
     app = web.Application(client_max_size=state.limits.max_body_bytes,
-                          middlewares=[_error_middleware, _auth_middleware(state)])
+                          middlewares=[access_middleware, _error_middleware, _auth_middleware(state)])
     app[STATE] = state
     s = state
 
@@ -85,6 +86,7 @@ def create_app(state: GatewayState) -> web.Application:
 
     app.router.add_get("/openapi.json", openapi)
 
+    app.on_response_prepare.append(add_request_id_header)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app

@@ -3,6 +3,11 @@
 Workers refresh their entry every few seconds and the entry expires otherwise, so a crashed worker
 leaves routing within the TTL; one that stops cleanly deregisters at once. The gateway keeps one
 client per address and closes a departed worker's client after its in-flight requests drain.
+
+Redis is metadata, not a dependency: while it is unreachable the gateway routes on the last known set
+(one log line per outage), and for one TTL after it returns it only adds workers, never removes them (a
+restarted Redis is empty until every worker's next beat re-registers it). Workers given with
+--workers are always kept; the registry adds to them.
 """
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ import logging
 
 from services.gateway.router import Router
 from services.gateway.worker_client import WorkerClient
-from shared.metadata.store import MetadataStore
+from shared.metadata.outage import Outage
+from shared.metadata.store import WORKER_TTL_S, MetadataStore
 
 log = logging.getLogger(__name__)
 _DRAIN_S = 30.0
@@ -26,7 +32,13 @@ class WorkerDiscovery:
         self.interval_s = interval_s
         self.roles = roles
         self._clients: dict[str, WorkerClient] = {w.address: w for w in router.workers}
+        # Workers given on the command line (--workers) stay whatever the registry says: a supervised
+        # worker that is restarting has no live entry, and must not be forgotten for it.
+        self._static = dict(self._clients)
         self._task: asyncio.Task | None = None
+        self._delay = interval_s
+        self.outage = Outage("worker discovery", log)
+        self._adds_only_until = 0.0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="worker-discovery")
@@ -36,9 +48,25 @@ class WorkerDiscovery:
             self._task.cancel()
         await self.store.close()
 
+    async def refresh_once(self) -> bool:
+        """One refresh that never raises; False when the store was unreachable."""
+        if self.outage.down:  # first answer after an outage: entries may not be back yet
+            self._adds_only_until = asyncio.get_running_loop().time() + WORKER_TTL_S
+        try:
+            async with asyncio.timeout(5.0):
+                await self.refresh()
+        except Exception as e:
+            self._delay = self.outage.failed(e)
+            return False
+        self.outage.ok()
+        self._delay = self.interval_s
+        return True
+
     async def refresh(self) -> None:
         entries = await self.store.list_workers()
-        wanted: dict[str, WorkerClient] = {}
+        wanted: dict[str, WorkerClient] = dict(self._static)
+        if asyncio.get_running_loop().time() < self._adds_only_until:
+            wanted.update(self._clients)  # just after an outage: entries may not be back yet
         for info in entries.values():
             if info.get("role") not in self.roles:
                 continue
@@ -62,8 +90,5 @@ class WorkerDiscovery:
 
     async def _loop(self) -> None:
         while True:
-            try:
-                await self.refresh()
-            except Exception as e:  # Redis briefly unreachable: keep the last known set
-                log.warning("worker discovery failed: %s", e)
-            await asyncio.sleep(self.interval_s)
+            await self.refresh_once()  # on failure the last known set stays in place
+            await asyncio.sleep(min(self._delay, self.interval_s * 2))

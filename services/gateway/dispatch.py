@@ -14,6 +14,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
+from services.gateway.access_log import CURRENT as ACCESS_RECORD
 from services.gateway.errors import APIError, WorkerUnavailable, bad_request, unavailable, worker_refused
 from services.gateway.metrics import GatewayMetrics, RequestTimer
 from services.gateway.pd import pd_generate, wants_local_prefill
@@ -72,6 +73,9 @@ class Dispatcher:
     async def stream(self, req: GenerateRequest, salt: str | None = None
                      ) -> AsyncIterator[tuple[TokenOutput, GenerationResult]]:
         """Yield (increment, accumulated result) until the request finishes."""
+        record = ACCESS_RECORD.get()
+        if record is not None and req.request_id is None:
+            req.request_id = record.request_id
         salt = salt if salt is not None else req.cache_salt
         self.check_rids([req.rid], salt)
         result = GenerationResult(rid=req.rid)
@@ -91,6 +95,11 @@ class Dispatcher:
                         raise worker_refused(out.error)
                     result.absorb(out)
                     result.e2e_latency = timer.elapsed()
+                    if record is not None:
+                        if out.token_ids:
+                            record.first_token()
+                        if out.finished:
+                            record.finished(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
                     yield out, result
         except WorkerUnavailable as e:
             self.metrics.aborted_requests.inc()

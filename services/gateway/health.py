@@ -37,10 +37,16 @@ class HealthMonitor:
 
     @property
     def healthy(self) -> bool:
-        """Some probed worker that can finish a request is up: a prefill worker alone cannot (in PD,
-        with every decode worker gone, nothing can be served, and /health says so)."""
-        return self.started_ready and any(w.connected and w.responsive and w.address in self.probed
-                                          and w.role != "prefill" for w in self.state.router.workers)
+        """Able to serve a request now: a routable worker that runs whole requests (unified, or a
+        decode worker; prefill workers alone serve nothing), and not draining."""
+        return (self.started_ready and not self.state.draining
+                and any(w.routable and w.role != "prefill" and w.address in self.probed
+                        for w in self.state.router.workers))
+
+    def not_up(self) -> dict[str, str]:
+        """address -> state, for every worker that is not up."""
+        states = {w.address: self.state.worker_state(w) for w in self.state.router.workers}
+        return {a: s for a, s in states.items() if s != "up"}
 
     def start(self) -> None:
         if self._task is None:

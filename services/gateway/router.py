@@ -45,10 +45,10 @@ def _score(key: bytes, address: str) -> bytes:
 
 
 def _live(workers: list[WorkerClient]) -> list[WorkerClient]:
-    """Prefer connected, responsive workers; if none is, pick anyway so the request waits for a
-    reconnection."""
-    return ([w for w in workers if w.connected and w.responsive] or [w for w in workers if w.connected]
-            or workers)
+    """Prefer routable workers (connected, responsive, not draining); if none is, pick anyway so the
+    request waits for a reconnection (a supervised worker restarts in seconds)."""
+    return ([w for w in workers if w.routable] or [w for w in workers if w.connected and not w.draining]
+            or [w for w in workers if w.connected] or workers)
 
 
 class Router:
@@ -96,8 +96,9 @@ class Router:
         """(prefill, decode) for a PD request, or None when the fleet has no such pair up. Each side is
         picked by the routing policy among its own kind: both keep radix trees, and a decode worker that
         holds the prefix also receives fewer pages."""
-        prefill = [w for w in self._workers if w.role == "prefill" and w.connected]
-        decode = [w for w in self._workers if w.role == "decode" and w.connected and w.transfer_addr]
+        prefill = [w for w in self._workers if w.role == "prefill" and w.connected and not w.draining]
+        decode = [w for w in self._workers if w.role == "decode" and w.connected and not w.draining
+                  and w.transfer_addr]
         if not prefill or not decode:
             return None
         return self.policy.pick(_live(prefill), input_ids, salt), self.policy.pick(_live(decode), input_ids, salt)

@@ -39,6 +39,11 @@ class GatewayState:
     cpu: CpuWork = field(init=False)
     program_budget: ProgramBudget = field(default_factory=ProgramBudget)
     program_slots: ProgramSlots = field(init=False)
+    # Set on SIGTERM: /health answers 503 so load balancers stop sending, while requests still finish.
+    draining: bool = False
+    drain_grace: float = 1.0
+    # address -> what a supervisor said about a worker that is not up: {"state": "restarting" | "down", ...}
+    worker_status: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         from shared.constrained import GrammarCache
@@ -50,6 +55,24 @@ class GatewayState:
         self.metrics = GatewayMetrics(self.served_model_name)
         self.dispatcher = Dispatcher(self.router, self.metrics)
         self.health = HealthMonitor(self)
+
+    def set_worker_status(self, address: str | None, status: str | None, **detail) -> None:
+        if not address:
+            return
+        if status is None:
+            self.worker_status.pop(address, None)
+        else:
+            self.worker_status[address] = {"state": status, **detail}
+
+    def worker_state(self, worker) -> str:
+        """up | draining | unresponsive | restarting | down | disconnected: what /health and /server_info say."""
+        if worker.address in self.worker_status:
+            return self.worker_status[worker.address]["state"]
+        if not worker.connected:
+            return "disconnected"
+        if worker.draining:
+            return "draining"
+        return "up" if worker.responsive else "unresponsive"
 
     @property
     def api_keys(self) -> list[str]:

@@ -57,6 +57,9 @@ class WorkerClient:
         # listens: learned from the pong that opens every connection.
         self.role: str | None = None
         self.transfer_addr: tuple[str, int] | None = None
+        # Set by the worker's pongs (it sends one unasked when it starts to drain): take no new work.
+        self.draining = False
+        self._kick = asyncio.Event()
 
     @property
     def address(self) -> str:
@@ -70,6 +73,21 @@ class WorkerClient:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def routable(self) -> bool:
+        """Connected, answering pings and not draining: may take new requests."""
+        return self.connected and self.responsive and not self.draining
+
+    def kick(self) -> None:
+        """The worker is (back) up, says its supervisor: dial now instead of waiting out the backoff."""
+        self._kick.set()
+
+    async def _backoff(self, delay: float) -> None:
+        self._kick.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await self._kick.wait()
 
     def __repr__(self) -> str:
         return f"WorkerClient({self.address}, load={self.load}, connected={self.connected})"
@@ -96,7 +114,7 @@ class WorkerClient:
                     reader, writer = await asyncio.open_connection(self.host, self.port)
             except (OSError, TimeoutError) as e:
                 self.last_error = f"cannot connect to worker {self.address}: {e}"
-                await asyncio.sleep(backoff)
+                await self._backoff(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
                 continue
             try:
@@ -104,7 +122,7 @@ class WorkerClient:
             except (OSError, TimeoutError, asyncio.IncompleteReadError, ProtocolError) as e:
                 writer.close()
                 self.last_error = f"worker {self.address} did not answer the opening ping: {e!r}"
-                await asyncio.sleep(backoff)
+                await self._backoff(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
                 continue
             backoff = 0.05
@@ -136,6 +154,7 @@ class WorkerClient:
         if not isinstance(pong, PongResult):
             raise ProtocolError(f"expected a pong, got {pong.TYPE!r}")
         self.role = pong.role
+        self.draining = pong.draining
         self.transfer_addr = ((pong.transfer_host, pong.transfer_port)
                               if pong.transfer_host and pong.transfer_port else None)
 
@@ -146,7 +165,11 @@ class WorkerClient:
                 queue = self._streams.get(msg.rid)
                 if queue is not None:  # else: output of a request we already gave up on
                     queue.put_nowait(msg)
+            elif isinstance(msg, PongResult) and msg.call_id == 0:
+                self.draining = msg.draining  # unasked: the worker's readiness changed
             elif isinstance(msg, (InfoResult, FlushCacheResult, PongResult)):
+                if isinstance(msg, PongResult):
+                    self.draining = msg.draining
                 fut = self._calls.get(msg.call_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -237,6 +260,8 @@ class WorkerClient:
             raise WorkerUnavailable(f"worker {self.address} did not answer in {timeout} s") from None
         finally:
             self._calls.pop(call_id, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # failed by a lost connection while we still waited to send: retrieved
 
     async def ping(self, timeout: float) -> PongResult:
         call_id = next(self._call_ids)

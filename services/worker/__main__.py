@@ -19,9 +19,12 @@ import uuid
 from services.worker.server import WorkerServer
 from shared.engine.cli import add_engine_args, engine_config_from_args
 from shared.engine.engine import Engine
+from shared.metadata.registration import Registration
 from shared.metadata.store import WORKER_TTL_S, create_store
 from shared.tokenizer import Tokenizer
 from shared.wire import INTERNAL_KEY_ENV, WORKER_MAX_FRAME, internal_key
+
+log = logging.getLogger("services.worker")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"${INTERNAL_KEY_ENV} (unset: no key, loopback-only use)")
     p.add_argument("--max-frame-bytes", type=int, default=WORKER_MAX_FRAME,
                    help="largest frame accepted from the gateway")
+    p.add_argument("--drain-grace", type=float, default=1.0,
+                   help="on SIGTERM, seconds between saying not ready and waiting for running requests")
     p.add_argument("--log-level", default="warning")
     add_engine_args(p)
     return p.parse_args(argv)
@@ -87,25 +92,30 @@ async def serve(args: argparse.Namespace) -> None:
             e["transfer_host"], e["transfer_port"] = transfer_addr
         return e
 
-    if store is not None:
-        await store.register_worker(worker_id, entry())  # discoverable before anyone is told it is ready
+    registry = Registration(store, worker_id, entry) if store is not None else None
+    if registry is not None:
+        await registry.beat()  # discoverable before anyone is told it is ready (if Redis is up)
     print(f"WORKER READY {args.host}:{port} id={worker_id} role={args.role}", flush=True)
     try:
         while not stop.is_set():
-            if store is not None:
-                await store.register_worker(worker_id, entry())
+            delay = await registry.beat() if registry is not None else WORKER_TTL_S / 3
             try:
-                await asyncio.wait_for(stop.wait(), WORKER_TTL_S / 3)
+                await asyncio.wait_for(stop.wait(), delay)
             except asyncio.TimeoutError:
                 pass
     finally:
-        if store is not None:
-            await store.deregister_worker(worker_id)  # routing stops sending new work first
-            await store.close()
-        # Let accepted requests finish (bounded), then stop.
+        # Drain: not ready first (gateways stop routing here, the registry entry goes), a short grace
+        # for routers to notice, then accepted requests finish (bounded), then stop.
+        log.warning("draining: %d requests running", engine.scheduler.num_running())
+        server.start_draining()
+        if registry is not None:
+            await registry.leave()
+        await asyncio.sleep(args.drain_grace)
         deadline = loop.time() + args.drain_timeout
         while not engine.is_idle() and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        if not engine.is_idle():
+            log.warning("drain timeout: stopping with requests still running")
         await server.close()
         engine.stop()
         if args.role == "decode":

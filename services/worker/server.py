@@ -43,6 +43,21 @@ class WorkerServer:
         self._owner: dict[str, _Connection] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
+        self._conns: set[_Connection] = set()
+        self._request_ids: dict[str, str] = {}  # rid -> the client's X-Request-Id, for log lines
+        self.draining = False
+
+    def start_draining(self) -> None:
+        """Not ready from now on: every gateway hears it at once (a pong it did not ask for) and stops
+        routing here; requests already accepted run to the end."""
+        self.draining = True
+        for conn in list(self._conns):
+            conn.send(encode_frame(self._pong(0)))
+
+    def _pong(self, call_id: int) -> PongResult:
+        host, port = self.transfer_addr or (None, None)
+        return PongResult(call_id=call_id, steps=self.engine.steps, num_running=self.engine.scheduler.num_running(),
+                          role=self.role, transfer_host=host, transfer_port=port, draining=self.draining)
 
     async def start(self, host: str, port: int) -> int:
         self._loop = asyncio.get_running_loop()
@@ -66,10 +81,18 @@ class WorkerServer:
             if out.finished:
                 self._owner.pop(out.rid, None)
                 conn.rids.discard(out.rid)
+                request_id = self._request_ids.pop(out.rid, None)
+                if out.error:
+                    log.warning("request %s [request_id=%s] failed: %s", out.rid, request_id, out.error)
+                else:
+                    log.info("request %s [request_id=%s] finished: %s, %d prompt (%d cached), %d output tokens",
+                             out.rid, request_id, (out.finish_reason or {}).get("type"), out.prompt_tokens,
+                             out.cached_tokens, out.completion_tokens)
             conn.send(encode_frame(out))
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Connection(writer)
+        self._conns.add(conn)
         try:
             try:
                 await accept_hello(reader, self.internal_key)
@@ -91,6 +114,10 @@ class WorkerServer:
                         continue
                     self._owner[msg.rid] = conn
                     conn.rids.add(msg.rid)
+                    if msg.request_id:
+                        self._request_ids[msg.rid] = msg.request_id
+                    log.debug("request %s [request_id=%s]: %d prompt tokens%s", msg.rid, msg.request_id,
+                              len(msg.input_ids), f", transfer {msg.transfer.get('role')}" if msg.transfer else "")
                     self.engine.submit(msg)
                 elif isinstance(msg, AbortRequest):
                     if self._owner.get(msg.rid) is conn:
@@ -99,10 +126,7 @@ class WorkerServer:
                     ok, text = await self._call(self.engine.flush_cache)
                     conn.send(encode_frame(FlushCacheResult(call_id=msg.call_id, ok=ok, message=text)))
                 elif isinstance(msg, PingRequest):
-                    host, port = self.transfer_addr or (None, None)
-                    conn.send(encode_frame(PongResult(call_id=msg.call_id, steps=self.engine.steps,
-                                                      num_running=self.engine.scheduler.num_running(),
-                                                      role=self.role, transfer_host=host, transfer_port=port)))
+                    conn.send(encode_frame(self._pong(msg.call_id)))
                 elif isinstance(msg, InfoRequest):
                     info = await self._call(self.engine.info)
                     info["role"] = self.role
@@ -116,8 +140,12 @@ class WorkerServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self._conns.discard(conn)
+            if conn.rids:
+                log.info("gateway connection closed: aborting %d requests", len(conn.rids))
             for rid in list(conn.rids):
                 self._owner.pop(rid, None)
+                self._request_ids.pop(rid, None)
                 self.engine.abort(rid)
             writer.close()
 

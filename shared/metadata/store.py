@@ -48,7 +48,10 @@ class RedisStore(MetadataStore):
     def __init__(self, url: str, prefix: str = "radixserve"):
         import redis.asyncio as aioredis
 
-        self._redis = aioredis.from_url(url, decode_responses=True)
+        # Short socket timeouts: a Redis that is down or stopped must fail a call in a second or two,
+        # never hold a registry loop (callers retry with backoff, see shared/metadata/outage.py).
+        self._redis = aioredis.from_url(url, decode_responses=True, socket_connect_timeout=1.0,
+                                        socket_timeout=2.0)
         self._prefix = prefix
 
     def _key(self, worker_id: str) -> str:

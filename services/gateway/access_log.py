@@ -1,0 +1,95 @@
+"""Request identity and the access log.
+
+Every request gets an id: the client's `X-Request-Id` when it is a sane token, else a new one. It is
+returned in the response's `X-Request-Id` header, travels to the workers in each GenerateRequest (their
+log lines about the request carry it) and ends one access-log line per request:
+
+    request_id=... POST /v1/completions 200 prompt_tokens=12 cached_tokens=0 output_tokens=8 ttft=0.012 e2e=0.080
+
+The dispatcher adds each generation's numbers to the current request's record through a context
+variable, so no route has to pass anything along.
+"""
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+log = logging.getLogger("services.gateway.access")
+
+HEADER = "X-Request-Id"
+_PROBES = {"/health", "/metrics"}  # polled every few seconds: access-logged at debug only
+_SANE = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+
+
+@dataclass
+class AccessRecord:
+    request_id: str
+    start: float = field(default_factory=time.perf_counter)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+
+    def first_token(self) -> None:
+        if self.ttft is None:
+            self.ttft = time.perf_counter() - self.start
+
+    def finished(self, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+        self.output_tokens += output_tokens
+
+
+CURRENT: contextvars.ContextVar[AccessRecord | None] = contextvars.ContextVar("access_record", default=None)
+
+
+_KEY = web.RequestKey("access_record", AccessRecord)
+
+
+def current_request_id() -> str | None:
+    record = CURRENT.get()
+    return record.request_id if record is not None else None
+
+
+def request_id_from(request: web.Request) -> str:
+    given = request.headers.get(HEADER, "")
+    return given if _SANE.fullmatch(given) else uuid.uuid4().hex
+
+
+@web.middleware
+async def access_middleware(request: web.Request, handler) -> web.StreamResponse:
+    record = AccessRecord(request_id_from(request))
+    request[_KEY] = record
+    token = CURRENT.set(record)
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as e:
+        status = e.status
+        raise
+    except BaseException:
+        status = 499  # the client went away (handler cancelled) or an error escaped
+        raise
+    finally:
+        CURRENT.reset(token)
+        ttft = f"{record.ttft:.3f}" if record.ttft is not None else "-"
+        level = logging.DEBUG if request.path in _PROBES else logging.INFO
+        log.log(level, "request_id=%s %s %s %d prompt_tokens=%d cached_tokens=%d output_tokens=%d ttft=%s e2e=%.3f",
+                 record.request_id, request.method, request.path, status, record.prompt_tokens,
+                 record.cached_tokens, record.output_tokens, ttft, time.perf_counter() - record.start)
+
+
+async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: the header goes out with streamed responses too (their headers are sent
+    before the handler returns)."""
+    record = request.get(_KEY)
+    if record is not None:
+        response.headers[HEADER] = record.request_id

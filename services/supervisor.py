@@ -1,0 +1,137 @@
+"""Worker supervision for `services.launch`: each worker process lives in a slot that restarts it when it
+exits, with backoff, on the same port (so the gateway's connection to that address simply comes back).
+
+A slot that restarts more than `max_restarts` times within `window_s` gives up: the worker stays down and
+the gateway is told so (its /health and /server_info name it). Nothing a worker does stops the stack;
+only `stop()` (the launcher's SIGTERM/SIGINT) does.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+log = logging.getLogger("services.supervisor")
+
+_START_TIMEOUT_S = 600.0
+
+
+@dataclass
+class RestartPolicy:
+    max_restarts: int = 5  # within window_s; one more exit and the worker stays down
+    window_s: float = 60.0
+    backoff_s: float = 0.5  # first delay; doubles per restart inside the window
+    max_backoff_s: float = 10.0
+
+
+@dataclass
+class WorkerSlot:
+    """One supervised worker: `cmd(port)` is its command line (port 0 the first time: a free one)."""
+    name: str
+    cmd: Callable[[int], list[str]]
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    # Called with (slot, state) on every change: "up", "restarting", "down".
+    on_change: Callable[["WorkerSlot", str], Awaitable[None] | None] | None = None
+    proc: asyncio.subprocess.Process | None = None
+    address: str | None = None
+    state: str = "starting"
+    restarts: int = 0
+    last_exit: int | None = None
+    _recent: collections.deque = field(default_factory=collections.deque)
+    _task: asyncio.Task | None = None
+    _stopping: bool = False
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1]) if self.address else 0
+
+    async def start(self) -> str:
+        """Start the process and wait for its ready line; returns host:port."""
+        proc = await asyncio.create_subprocess_exec(*self.cmd(self.port), stdout=asyncio.subprocess.PIPE,
+                                                    stderr=None, start_new_session=True)
+        self.proc = proc
+        try:
+            addr = await asyncio.wait_for(self._ready_line(proc), _START_TIMEOUT_S)
+        except BaseException:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            raise
+        asyncio.get_running_loop().create_task(_discard(proc.stdout))
+        self.address = addr
+        return addr
+
+    async def _ready_line(self, proc: asyncio.subprocess.Process) -> str:
+        while True:
+            line = await proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker {self.name} exited before it was ready (code {await proc.wait()})")
+            text = line.decode(errors="replace").strip()
+            if text.startswith("WORKER READY "):
+                return text.split()[2]
+
+    def watch(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._watch(), name=f"supervise-{self.name}")
+
+    async def _notify(self, state: str) -> None:
+        self.state = state
+        if self.on_change is not None:
+            res = self.on_change(self, state)
+            if res is not None:
+                await res
+
+    async def _watch(self) -> None:
+        await self._notify("up")
+        while not self._stopping:
+            code = await self.proc.wait()
+            if self._stopping:
+                return
+            self.last_exit = code
+            now = time.monotonic()
+            while self._recent and now - self._recent[0] > self.policy.window_s:
+                self._recent.popleft()
+            if len(self._recent) >= self.policy.max_restarts:
+                log.error("worker %s (%s) exited with code %s; %d restarts in %.0f s: leaving it down",
+                          self.name, self.address, code, len(self._recent), self.policy.window_s)
+                await self._notify("down")
+                return
+            delay = min(self.policy.backoff_s * 2 ** len(self._recent), self.policy.max_backoff_s)
+            self._recent.append(now)
+            log.warning("worker %s (%s) exited with code %s; restarting in %.1f s",
+                        self.name, self.address, code, delay)
+            await self._notify("restarting")
+            await asyncio.sleep(delay)
+            try:
+                await self.start()
+            except Exception as e:  # exited before its ready line: counts as one more exit
+                log.warning("worker %s failed to restart: %s", self.name, e)
+                continue
+            self.restarts += 1
+            log.warning("worker %s is back on %s (restart %d)", self.name, self.address, self.restarts)
+            await self._notify("up")
+
+    async def stop(self, timeout: float) -> None:
+        """SIGTERM (the worker drains), then SIGKILL after `timeout`."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            print(f"worker {self.name} did not stop in {timeout:.0f} s; killing it", file=sys.stderr, flush=True)
+            proc.kill()
+            await proc.wait()
+
+
+async def _discard(stream: asyncio.StreamReader) -> None:
+    while await stream.readline():
+        pass
