@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|shared-prefix|all
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
 what=${1:-all}
@@ -26,6 +26,9 @@ if [[ $what == structured ]]; then
 fi
 if [[ $what == programs ]]; then
   timeout 570 python3 -m bench.programs --out "$OUT" 2>&1 | tee "$OUT/programs.log" | tail -20
+fi
+if [[ $what == shared-prefix ]]; then
+  timeout 480 python3 -m bench.shared_prefix --out "$OUT" 2>&1 | tee "$OUT/shared_prefix.log" | tail -20
 fi
 if [[ $what == pd ]]; then
   timeout 330 python3 -m bench.pd --out "$OUT" --duration 30 2>&1 | tee "$OUT/pd.log" | tail -12

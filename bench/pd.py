@@ -8,6 +8,14 @@ distinct long prompts (no cache reuse), streamed outputs of fixed length. Report
 TTFT and inter-token latency (p50 / p99), output throughput, and for PD what the KV transfer cost
 (bytes, seconds, GB/s as seen by the decode side). Greedy outputs of a few prompts are compared across
 the two configurations (same dummy weights). Prints a short table last; writes pd.json to --out.
+
+Guard (prints PASS/FAIL lines; exit status 1 on a FAIL with --check): PD's ITL p99 at most half the
+unified stack's (what PD is for: decode never waits behind a prefill), and the PD decode worker's ITL
+p50 within 5% of the unified workers' (a decode worker that runs no prefill must not step slower; the
+2026-11-30 regression, an event loop spinning on UCX polls, made it 30-70% slower).
+
+--profile: while PD runs under load, py-spy dumps of every decode-worker thread (GIL holder marked), a
+py-spy GIL-only record, and per-thread CPU of the decode worker, written to --out.
 """
 from __future__ import annotations
 
@@ -16,7 +24,9 @@ import asyncio
 import json
 import os
 import random
+import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,6 +108,97 @@ def worker_stats(url: str) -> list[dict]:
     return [w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"] if w["info"]]
 
 
+ITL_P99_RATIO = 0.5  # PD ITL p99 <= this x unified's
+ITL_P50_SLACK = 1.05  # PD decode worker ITL p50 <= this x unified's
+
+
+HANDOVER_PARTS = [
+    ("queue", "queue (prefill worker)"), ("handshake", "handshake (header -> accept)"),
+    ("prefill", "prefill (admitted -> token)"), ("wire", "wire (pages' send)"),
+    ("first_token_to_ack", "token -> decode side's ack"), ("reserve", "decode slot reservation"),
+    ("inbox", "pages -> decode engine"), ("scatter", "scatter (host side)"),
+    ("first_step", "first decode step"),
+]
+
+
+def guard(res: dict) -> list[tuple[str, bool, str]]:
+    u, p = res.get("unified"), res.get("pd")
+    if not u or not p:
+        return []
+    return [
+        ("PD ITL p99 <= 0.5x unified", p["itl_p99_ms"] <= ITL_P99_RATIO * u["itl_p99_ms"],
+         f"{p['itl_p99_ms']:.2f} ms vs {u['itl_p99_ms']:.2f} ms (bound {ITL_P99_RATIO * u['itl_p99_ms']:.2f})"),
+        ("PD decode ITL p50 within 5% of unified", p["itl_p50_ms"] <= ITL_P50_SLACK * u["itl_p50_ms"],
+         f"{p['itl_p50_ms']:.2f} ms vs {u['itl_p50_ms']:.2f} ms (bound {ITL_P50_SLACK * u['itl_p50_ms']:.2f})"),
+        ("PD TTFT p50 <= 1.10x unified (issue 10 goal)", p["ttft_p50_ms"] <= 1.10 * u["ttft_p50_ms"],
+         f"{p['ttft_p50_ms']:.1f} ms vs {u['ttft_p50_ms']:.1f} ms"),
+        ("PD TTFT p99 <= 1.25x unified (issue 10 goal)", p["ttft_p99_ms"] <= 1.25 * u["ttft_p99_ms"],
+         f"{p['ttft_p99_ms']:.1f} ms vs {u['ttft_p99_ms']:.1f} ms"),
+    ]
+
+
+def _thread_cpu(pid: int) -> dict[str, float]:
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[f"{tid} {name}"] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def _worker_pid(stack_pid: int, role: str = "decode") -> int | None:
+    """The `role` worker among the stack's child processes (never another stack's on this host)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == stack_pid and b"--role" in cmd and cmd[cmd.index(b"--role") + 1] == role.encode():
+            return int(entry)
+    return None
+
+
+def profile_decode_worker(stack_pid: int, out_dir: str, delay: float = 8.0, seconds: float = 6.0) -> threading.Thread:
+    """In the background, `delay` s into the load: py-spy of the decode worker, thread CPU over `seconds`."""
+    def run():
+        time.sleep(delay)
+        pid = _worker_pid(stack_pid)
+        if pid is None:
+            log("profile: no decode worker found")
+            return
+        with open(os.path.join(out_dir, "decode_profile.txt"), "w") as f:
+            for i in range(3):
+                r = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True)
+                f.write(f"=== py-spy dump {i} ===\n{r.stdout}{r.stderr}\n")
+                time.sleep(0.5)
+            a = _thread_cpu(pid)
+            rec = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--gil", "--threads", "-r", "200",
+                                    "-d", str(int(seconds)), "-f", "raw",
+                                    "-o", os.path.join(out_dir, "decode_gil.txt")],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            time.sleep(seconds)
+            b = _thread_cpu(pid)
+            rec.wait(30)
+            f.write(f"=== thread CPU over {seconds:g} s (cores) ===\n")
+            for k in sorted(b, key=lambda k: a.get(k, 0.0) - b[k]):
+                f.write(f"{(b[k] - a.get(k, 0.0)) / seconds:6.2f}  {k}\n")
+        log("profile written")
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
@@ -110,6 +211,8 @@ def main():
     ap.add_argument("--configs", default="unified,pd")
     ap.add_argument("--port", type=int, default=31991)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
+    ap.add_argument("--profile", action="store_true", help="py-spy + thread CPU of the PD decode worker")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a guard line FAILs")
     ap.add_argument("extra", nargs="*", help="engine flags for every worker (after --)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -137,8 +240,11 @@ def main():
             outputs[config] = greedy_outputs(url, check)
             asyncio.run(workload(url, warm, rate=50.0, out_len=8, seed=1))
             before = worker_stats(url)
+            prof = profile_decode_worker(proc.pid, args.out) if args.profile and config == "pd" else None
             r = asyncio.run(workload(url, prompts, args.rate, args.output_len, seed=2))
             after = worker_stats(url)
+            if prof is not None:
+                prof.join(60)
             kv_before = next((w.get("kv_transfer", {}) for w in before if w.get("role") == "prefill"), {})
             kv_after = next((w.get("kv_transfer", {}) for w in after if w.get("role") == "prefill"), {})
             dec_after = next((w.get("kv_transfer", {}) for w in after if w.get("role") == "decode"), {})
@@ -153,6 +259,10 @@ def main():
                                     "late_handshakes": kv_after.get("late_handshakes", 0)
                                     - kv_before.get("late_handshakes", 0),
                                     "decode_failures": dec_after.get("failures")}
+                # Hand-over parts per request (p50/p99 ms over each worker's recent requests, the few
+                # warm-up ones included): prefill side then decode side, in the order a request meets them.
+                r["handover_ms"] = {**kv_after.get("handover_ms", {}),
+                                    **{k: v for k, v in dec_after.get("handover_ms", {}).items() if k != "requests"}}
             res[config] = r
             log(f"{config}: {json.dumps(r)}")
         except Exception:
@@ -182,6 +292,20 @@ def main():
               f"decode-side failures {kv['decode_failures']}")
     if "greedy_outputs_equal" in res:
         print(f"greedy outputs equal across configurations: {res['greedy_outputs_equal']}")
+    if "pd" in res and res["pd"].get("handover_ms"):
+        h = res["pd"]["handover_ms"]
+        print("hand-over per request (ms)      p50      p99")
+        for part, what in HANDOVER_PARTS:
+            if part in h:
+                print(f"  {what:28s} {h[part]['p50']:7.2f}  {h[part]['p99']:7.2f}")
+    lines = guard(res)
+    for name, ok, detail in lines:
+        print(f"{'PASS' if ok else 'FAIL'}: {name}: {detail}")
+    res["guard"] = [{"check": n, "pass": ok, "detail": d} for n, ok, d in lines]
+    with open(os.path.join(args.out, "pd.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    if args.check and not all(ok for name, ok, _ in lines if "goal" not in name):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

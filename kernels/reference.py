@@ -79,6 +79,47 @@ def decode_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tens
     return out
 
 
+def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
+    """q [n, Hq, D] against k/v [L, Hkv, D] (no mask): normalised output [n, Hq, D] and natural-log
+    log-sum-exp [n, Hq], in fp32."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("nhd,lhd->nhl", q.float(), k) * scaling
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.einsum("nhl,lhd->nhd", torch.exp(s - lse[..., None]), v), lse
+
+
+def cascade_decode_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                                 req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                                 seq_lens: torch.Tensor, groups: list[tuple[int, list[int]]],
+                                 scaling: float) -> torch.Tensor:
+    """Decode attention computed the cascade way: each group's shared prefix (prefix_len, member batch
+    indices; the members' first prefix_len slots are the same) attended once for all its members' query
+    rows, each request's suffix on its own, the two merged through the log-sum-exp. Equals
+    decode_attention_ref."""
+    B = q.shape[0]
+    rows = req_pool_indices.tolist()
+    start = [0] * B
+    o_pre = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse_pre = torch.full(q.shape[:2], float("-inf"), device=q.device)
+    for plen, members in groups:
+        slots = req_to_token[rows[members[0]], :plen].long()
+        o, lse = _attend_with_lse(q[members], k_buf[slots], v_buf[slots], scaling)
+        o_pre[members], lse_pre[members] = o, lse
+        for b in members:
+            start[b] = plen
+    out = torch.empty_like(q)
+    for b in range(B):
+        slots = req_to_token[rows[b], start[b]:int(seq_lens[b])].long()
+        o_suf, lse_suf = _attend_with_lse(q[b:b + 1], k_buf[slots], v_buf[slots], scaling)
+        m = torch.maximum(lse_pre[b], lse_suf[0])
+        w_pre, w_suf = torch.exp(lse_pre[b] - m), torch.exp(lse_suf[0] - m)
+        merged = (w_pre[:, None] * o_pre[b] + w_suf[:, None] * o_suf[0]) / (w_pre + w_suf)[:, None]
+        out[b] = merged.to(q.dtype)
+    return out
+
+
 def extend_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                          req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                          prefix_lens: list[int], extend_lens: list[int], scaling: float) -> torch.Tensor:

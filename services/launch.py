@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--routing-policy", default="cache-aware", choices=["cache-aware", "prefix-affinity"])
+    p.add_argument("--pd-bypass-tokens", type=int, default=None,
+                   help="PD: longest uncached prompt suffix a decode worker extends itself (gateway flag)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--admin-api-key", default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -93,6 +95,8 @@ def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
     argv = ["--model-path", args.model_path, "--workers", ",".join(addrs), "--host", args.host,
             "--port", str(args.port), "--log-level", args.log_level]
     argv += ["--drain-timeout", str(args.drain_timeout), "--drain-grace", str(args.drain_grace)]
+    if args.pd_bypass_tokens is not None:
+        argv += ["--pd-bypass-tokens", str(args.pd_bypass_tokens)]
     for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url", "routing_policy",
                  "chat_template", "tool_call_parser", "reasoning_parser"):
         value = getattr(args, flag)

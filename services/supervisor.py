@@ -29,6 +29,17 @@ class RestartPolicy:
     max_backoff_s: float = 10.0
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, however it dies (a SIGKILLed
+    launcher must not leave workers running; they sit in their own session, out of its group's reach)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the launcher's own shutdown still stops them
+        pass
+
+
 @dataclass
 class WorkerSlot:
     """One supervised worker: `cmd(port)` is its command line (port 0 the first time: a free one)."""
@@ -53,7 +64,8 @@ class WorkerSlot:
     async def start(self) -> str:
         """Start the process and wait for its ready line; returns host:port."""
         proc = await asyncio.create_subprocess_exec(*self.cmd(self.port), stdout=asyncio.subprocess.PIPE,
-                                                    stderr=None, start_new_session=True)
+                                                    stderr=None, start_new_session=True,
+                                                    preexec_fn=_die_with_parent)
         self.proc = proc
         try:
             addr = await asyncio.wait_for(self._ready_line(proc), _START_TIMEOUT_S)

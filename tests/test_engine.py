@@ -213,3 +213,66 @@ def test_overlap_scheduling_changes_nothing(seed):
             continue
         assert on[rid]["ids"] == off[rid]["ids"], rid
         assert on[rid]["finish"] == off[rid]["finish"]
+
+
+def test_siblings_arriving_while_the_first_decodes_hit_its_prefix():
+    """The first request's prompt enters the tree when its prefill ends: siblings submitted while it
+    decodes get the prefix from the cache (hit counters), and greedy outputs are those of no cache."""
+    rng = random.Random(21)
+    system = [rng.randrange(3, 400) for _ in range(48)]
+    qs = [[100 + k] + [rng.randrange(3, 400) for _ in range(6)] for k in range(4)]
+    cfg = {"attention_backend": "torch"} if torch.cuda.is_available() else {}
+    h = Harness(max_total_tokens=4096, **cfg)  # overlap on: the first token is still pending at insert
+    first = h.submit(system + qs[0], sampling=GREEDY)
+    while len([t for o in h.outputs.get(first, []) for t in o.token_ids]) < 3:
+        h.engine.step()
+    assert h.engine.cache.protected_size() >= len(system)  # in the tree, locked by the running request
+    rids = [h.submit(system + q, sampling=GREEDY) for q in qs[1:]]
+    hits_before = h.engine.cache.stats()["hit_tokens"]
+    for _ in range(3):
+        h.engine.step()
+    assert h.engine.scheduler.stats.cached_tokens == 3 * len(system) and not h.done(first)
+    res = h.run([first] + rids)
+    assert [r["cached"] for r in res] == [0] + [len(system)] * 3
+    assert h.engine.cache.stats()["hit_tokens"] - hits_before >= 3 * len(system)
+    assert h.engine.scheduler.stats.cached_tokens == 3 * len(system)
+    ref = Harness(disable_radix_cache=True, max_total_tokens=4096, **cfg)
+    want = [ref.generate(system + q, sampling=GREEDY)["ids"] for q in qs]
+    assert [r["ids"] for r in res] == want
+    assert h.engine.scheduler.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
+
+
+def test_shared_prefix_attention_groups_from_the_tree_keep_greedy_output():
+    """Decode batches of requests sharing a cached prefix go through shared-prefix attention (groups
+    found from the tree's shared locked node); greedy output is that of plain attention."""
+    rng = random.Random(23)
+    systems = [[rng.randrange(3, 400) for _ in range(40)] for _ in range(2)]
+    ps = [systems[k % 2] + [200 + k] + [rng.randrange(3, 400) for _ in range(5)] for k in range(6)]
+    cfg = {"attention_backend": "torch", "max_total_tokens": 4096}
+    h = Harness(**cfg)
+    be = h.engine.runner.attn_backend
+    be.cascade_min_group, be.cascade_min_prefix, be.cascade_min_saved_tokens = 2, 16, 0
+    seen = []
+    select = be.select_prefix_groups
+    be.select_prefix_groups = lambda g: seen.append(select(g)) or seen[-1]
+    warm = [h.submit(s + [1], sampling={"max_new_tokens": 0}) for s in systems]
+    h.run(warm)
+    got = [r["ids"] for r in h.run([h.submit(p, sampling=GREEDY) for p in ps])]
+    used = [g for g in seen if g]
+    assert used and any(sorted(len(m) for _, m in g) == [3, 3] for g in used)
+    assert all(p >= 40 for g in used for p, _ in g)
+    ref = Harness(disable_shared_prefix_attention=True, **cfg)
+    assert ref.engine.runner.attn_backend.cascade_enabled is False
+    want = [r["ids"] for r in ref.run([ref.submit(p, sampling=GREEDY) for p in ps])]
+    assert got == want
+    # The runner's warm-up of the path (CUDA only) runs, and a failure there turns it off cleanly.
+    runner = h.engine.runner
+    runner._warmup_shared_prefix()
+    assert be.cascade_enabled
+    forward = runner.model.forward
+    runner.model.forward = lambda fb: (_ for _ in ()).throw(RuntimeError("no kernel"))
+    try:
+        runner._warmup_shared_prefix()
+    finally:
+        runner.model.forward = forward
+    assert not be.cascade_enabled and be.select_prefix_groups([(64, [0, 1, 2, 3])]) is None

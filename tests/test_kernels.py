@@ -141,6 +141,55 @@ def check_decode_attention(device, dtype):
                                            msg=lambda m: f"d={d} hq={hq} hkv={hkv} splits={max_splits}: {m}")
 
 
+def check_cascade_decode_attention(device, dtype):
+    """Shared-prefix decode: groups whose rows begin with the same slots; the torch cascade reference
+    equals plain decode attention, and the Triton kernel equals both (big groups are cut in blocks)."""
+    from kernels.attention.triton_cascade import cascade_decode_attention, plan_cascade
+    from kernels.attention.triton_decode import num_kv_splits_for
+    from kernels.reference import cascade_decode_attention_ref, decode_attention_ref
+    gen = torch.Generator().manual_seed(3)
+    layouts = [([(70, [0, 2, 5]), (33, [1, 3])], [5, 1, 40, 9, 17, 2, 64]),
+               ([(40, list(range(0, 18)))], [1 + (i * 7) % 13 for i in range(19)])]  # cut into blocks at gqa 8
+    cpu = device.type == "cpu"  # the interpreter is slow: fewer shapes
+    for d in _head_dims(device)[:1 if cpu else 2]:
+        for hq, hkv in [(8, 2), (8, 1)] if cpu else [(4, 4), (8, 2), (8, 1)]:
+            for li, (groups, suffix) in enumerate(layouts):
+                B = len(suffix)
+                start = [0] * B
+                for plen, mem in groups:
+                    for b in mem:
+                        start[b] = plen
+                seq = [p + n for p, n in zip(start, suffix)]
+                n_slots = 8 + sum(p for p, _ in groups) + sum(suffix)
+                k_buf = torch.randn(n_slots, hkv, d, generator=gen).to(device, dtype)
+                v_buf = torch.randn(n_slots, hkv, d, generator=gen).to(device, dtype)
+                r2t = torch.zeros(B + 1, max(seq) + 1, dtype=torch.int32)
+                perm = (torch.randperm(n_slots - 8, generator=gen) + 8).to(torch.int32)
+                used = 0
+                for plen, mem in groups:
+                    shared = perm[used:used + plen]
+                    used += plen
+                    for b in mem:
+                        r2t[b + 1, :plen] = shared
+                for b in range(B):
+                    r2t[b + 1, start[b]:seq[b]] = perm[used:used + suffix[b]]
+                    used += suffix[b]
+                r2t = r2t.to(device)
+                req_idx = torch.arange(1, B + 1, device=device)
+                seq_lens = torch.tensor(seq, dtype=torch.int32, device=device)
+                q = _rand(B, hq, d, dtype=dtype, device=device)
+                ref = decode_attention_ref(q, k_buf, v_buf, r2t, req_idx, seq_lens, d ** -0.5)
+                cref = cascade_decode_attention_ref(q, k_buf, v_buf, r2t, req_idx, seq_lens, groups, d ** -0.5)
+                torch.testing.assert_close(cref, ref, **_tol(dtype))
+                plan = plan_cascade(groups, list(range(1, B + 1)), B, hkv, hq // hkv, device)
+                for max_splits, min_tok in [(4, 8)] if cpu and li else [(1, 256), (4, 8)]:
+                    splits = num_kv_splits_for(seq_lens - plan.kv_start, max_splits, min_tok)
+                    out = cascade_decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, plan, splits,
+                                                   max_splits, d ** -0.5)
+                    torch.testing.assert_close(out, ref, **_tol(dtype),
+                                               msg=lambda m: f"d={d} hq={hq} hkv={hkv} B={B} splits={max_splits}: {m}")
+
+
 def check_extend_attention(device, dtype):
     from kernels.attention.triton_extend import extend_attention
     from kernels.reference import extend_attention_ref
@@ -199,6 +248,42 @@ def check_backend_end_to_end(device, dtype):
         torch.testing.assert_close(outs[1], outs[0], **_tol(dtype), msg=lambda m: f"{mode} {prefix}: {m}")
     for layer in range(layers):
         assert torch.equal(worlds[0][1].k_buffers[layer], worlds[1][1].k_buffers[layer])
+
+
+def check_backend_cascade_decode(device, dtype):
+    """A decode batch with prefix groups through the Triton backend equals the torch backend's plain
+    decode on the same pool."""
+    from kernels.attention import create_attention_backend
+    from shared.cache.kv_pool import KVPool, ReqToTokenPool
+    from shared.engine.forward_batch import ForwardBatch, ForwardMode
+    hq, hkv, d = 8, 2, 16
+    gen = torch.Generator().manual_seed(5)
+    pool = KVPool(1, hkv, d, num_pages=256, page_size=1, dtype=dtype, device=device)
+    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=gen))
+    pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=gen))
+    r2t = ReqToTokenPool(6, 128, device)
+    prefix = torch.arange(1, 41)
+    lens = [45, 41, 60, 50, 7]
+    nxt = 41
+    for row, n in zip(range(1, 6), lens):
+        own = torch.arange(nxt, nxt + n)
+        nxt += n
+        r2t.write(row, 0, torch.cat([prefix, own[40:]]) if row <= 4 else own)
+    q = torch.randn(5, hq * d, generator=gen).to(device, dtype)
+    outs = []
+    for name, groups in (("torch", None), ("triton", [(40, [0, 1, 2, 3])])):
+        be = create_attention_backend(name, hq, hkv, d, device=device, **({"max_kv_splits": 4} if name == "triton" else {}))
+        locs = torch.tensor([r2t.req_to_token[i + 1, n - 1].item() for i, n in enumerate(lens)])
+        fb = ForwardBatch.build(ForwardMode.DECODE, [0] * 5, [1, 2, 3, 4, 5], [n - 1 for n in lens], [1] * 5, locs,
+                                r2t.req_to_token, pool, be, device)
+        fb.prefix_groups = groups
+        be.init_forward_metadata(fb)
+        if groups:
+            assert be._meta.cascade is not None
+        k = pool.k_buffers[0][locs.to(device)].reshape(5, hkv * d).clone()
+        v = pool.v_buffers[0][locs.to(device)].reshape(5, hkv * d).clone()
+        outs.append(be.forward(q, k, v, 0, fb))
+    torch.testing.assert_close(outs[1], outs[0], **_tol(dtype))
 
 
 def check_backend_fallback(device, dtype):

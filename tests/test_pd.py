@@ -34,7 +34,8 @@ def generate(url: str, **body) -> dict:
 
 
 def worker_infos(url: str) -> dict[str, dict]:
-    return {w["info"]["role"]: w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]}
+    return {w["info"]["role"]: w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]
+            if w["info"]}
 
 
 def assert_no_kv_held(url: str) -> None:
@@ -102,7 +103,8 @@ def test_pd_reuses_both_trees(pd):
     base = "A long shared system prompt that many requests start with. " * 4
     first = generate(pd.url, text=base + "Question one?", sampling_params=GREEDY)
     before = worker_infos(pd.url)["decode"]["kv_transfer"]
-    second = generate(pd.url, text=base + "Question two?", sampling_params=GREEDY)
+    # A long new tail (more than the gateway's --pd-bypass-tokens): it goes through the prefill worker.
+    second = generate(pd.url, text=base + "Question two? " * 40, sampling_params=GREEDY)
     after = worker_infos(pd.url)["decode"]["kv_transfer"]
     assert first["meta_info"]["cached_tokens"] < 50
     # The prefill worker's tree held the shared head.
@@ -160,28 +162,135 @@ def start_pd_processes():
     return prefill, decode, gateway, url
 
 
-def test_prefill_worker_killed_ends_requests_with_an_error_and_decode_frees_its_slots():
+def test_prefill_worker_killed_before_the_hand_over_the_decode_worker_computes_the_prompt(stack):
     prefill, decode, gateway, url = start_pd_processes()
     try:
         assert generate(url, text="warm", sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 12
         os.killpg(prefill.pid, signal.SIGSTOP)  # accepted requests now wait on a prefill that never comes
+        text = "stuck " * 40
         with cf.ThreadPoolExecutor(1) as ex:
-            fut = ex.submit(requests.post, url + "/generate",
-                            json={"text": "stuck " * 40, "sampling_params": GREEDY}, timeout=60)
+            fut = ex.submit(requests.post, url + "/generate", json={"text": text, "sampling_params": GREEDY},
+                            timeout=60)
             time.sleep(1.0)
             os.killpg(prefill.pid, signal.SIGKILL)
             t0 = time.monotonic()
             r = fut.result()
-        assert r.status_code == 503 and "prefill" in r.json()["error"]["message"], r.text
+        # Nothing lost: the decode worker computed the prompt itself, with the unified stack's answer.
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == generate(stack.url, text=text, sampling_params=GREEDY)["output_ids"]
         assert time.monotonic() - t0 < 15
-        info = {w["info"]["role"]: w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]
-                if w["info"]}
-        assert info["decode"]["num_running"] == 0 and info["decode"]["kv_usage"] == 0.0
+        assert gateway_counter(url, "num_pd_retried_requests") >= 1
+        assert_no_kv_held(url)
         # With no prefill worker left, the decode worker serves requests whole.
         r = requests.post(url + "/generate", json={"text": "still served", "sampling_params": GREEDY}, timeout=60)
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 12
     finally:
         stop(prefill, decode, gateway)
+
+
+def gateway_counter(url: str, name: str) -> float:
+    text = requests.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f"sglang:{name}_total"))
+
+
+def test_decode_worker_dying_before_the_first_token_the_request_moves_to_another(stack):
+    """1 prefill : 2 decode. Requests routed to a decode worker that dies before their first token are
+    retried on the other one (the prefill worker's tree still holds their prompts): all succeed."""
+    prefill = spawn("services.prefill", "--model-path", "tiny-random")
+    decodes = [spawn("services.decode", "--model-path", "tiny-random", "--kv-transfer-timeout", "8")
+               for _ in range(2)]
+    procs = [prefill, *decodes]
+    try:
+        addrs = [wait_line(p, "WORKER READY").split()[2] for p in procs]
+        port = free_port()
+        gateway = spawn("services.gateway", "--model-path", "tiny-random", "--workers", ",".join(addrs),
+                        "--port", str(port))
+        procs.append(gateway)
+        wait_line(gateway, "gateway ready")
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
+        texts = [f"Retry me {i}: " + "words to prefill " * (2 + i % 3) for i in range(8)]
+        os.killpg(decodes[0].pid, signal.SIGSTOP)  # requests routed to it wait for their handshake
+        with cf.ThreadPoolExecutor(8) as ex:
+            futs = [ex.submit(requests.post, url + "/generate", json={"text": t, "sampling_params": GREEDY},
+                              timeout=60) for t in texts]
+            time.sleep(1.5)
+            os.killpg(decodes[0].pid, signal.SIGKILL)
+            results = [f.result() for f in futs]
+        for t, r in zip(texts, results):
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == generate(stack.url, text=t, sampling_params=GREEDY)["output_ids"]
+        assert gateway_counter(url, "num_pd_retried_requests") >= 1  # some had gone to the dead one
+        infos = {w["info"]["role"]: w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]
+                 if w["info"]}
+        assert infos["prefill"]["kv_usage"] == 0.0 and infos["prefill"]["kv_transfer"]["in_flight"] == 0
+    finally:
+        stop(*procs)
+
+
+def test_prefill_worker_dying_its_requests_move_to_another_prefill_worker(stack):
+    """2 prefill : 1 decode. Requests waiting on a prefill worker that dies are computed by the other
+    prefill worker (not the decode worker, which has one to pair with): all succeed, unified's output."""
+    prefills = [spawn("services.prefill", "--model-path", "tiny-random") for _ in range(2)]
+    decode = spawn("services.decode", "--model-path", "tiny-random", "--kv-transfer-timeout", "8")
+    procs = [*prefills, decode]
+    try:
+        addrs = [wait_line(p, "WORKER READY").split()[2] for p in procs]
+        port = free_port()
+        gateway = spawn("services.gateway", "--model-path", "tiny-random", "--workers", ",".join(addrs),
+                        "--port", str(port))
+        procs.append(gateway)
+        wait_line(gateway, "gateway ready")
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
+        texts = [f"Prefill dies {i}: " + "words to prefill " * (2 + i % 3) for i in range(8)]
+        os.killpg(prefills[0].pid, signal.SIGSTOP)
+        with cf.ThreadPoolExecutor(8) as ex:
+            futs = [ex.submit(requests.post, url + "/generate", json={"text": t, "sampling_params": GREEDY},
+                              timeout=60) for t in texts]
+            time.sleep(1.5)
+            os.killpg(prefills[0].pid, signal.SIGKILL)
+            results = [f.result() for f in futs]
+        for t, r in zip(texts, results):
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == generate(stack.url, text=t, sampling_params=GREEDY)["output_ids"]
+        retried = gateway_counter(url, "num_pd_retried_requests")
+        assert retried >= 1  # some had gone to the stopped one
+        infos = worker_infos(url)
+        assert infos["prefill"]["kv_transfer"]["transfers"] >= len(texts)  # the survivor computed them all
+        assert_no_kv_held(url)
+    finally:
+        stop(*procs)
+
+
+def test_next_chat_turn_bypasses_the_prefill_worker(pd, stack):
+    """A conversation's next turn extends what the decode worker's tree holds (the last prompt and its
+    answer) by a short suffix: the gateway sends it to that decode worker alone. No KV transfer, the
+    unified stack's output, the history reported as cached."""
+    from shared.tokenizer import Tokenizer
+
+    tok = Tokenizer.load("tiny-random")
+    ids = tok.encode("System: you are a helpful assistant who answers briefly. " * 3 + "User: hello there")
+    sampling = {**GREEDY, "max_new_tokens": 20}
+    first = generate(pd.url, input_ids=ids, sampling_params=sampling)
+    for turn in range(2):
+        ids = ids + first["output_ids"] + tok.encode(f" User: and turn {turn}?")
+        before = worker_infos(pd.url)["prefill"]["kv_transfer"]["transfers"]
+        bypassed = gateway_counter(pd.url, "num_pd_bypassed_requests")
+        out = generate(pd.url, input_ids=ids, sampling_params=sampling)
+        assert worker_infos(pd.url)["prefill"]["kv_transfer"]["transfers"] == before  # no transfer
+        assert gateway_counter(pd.url, "num_pd_bypassed_requests") == bypassed + 1
+        assert out["output_ids"] == generate(stack.url, input_ids=ids, sampling_params=sampling)["output_ids"]
+        assert out["meta_info"]["cached_tokens"] >= len(ids) - 32  # the decode worker's tree held the history
+        first = out
+    # A turn with a long new suffix goes through the prefill worker again.
+    ids = ids + first["output_ids"] + tok.encode(" User: " + "a much longer question " * 40)
+    before = worker_infos(pd.url)["prefill"]["kv_transfer"]["transfers"]
+    out = generate(pd.url, input_ids=ids, sampling_params=sampling)
+    assert out["output_ids"] == generate(stack.url, input_ids=ids, sampling_params=sampling)["output_ids"]
+    assert worker_infos(pd.url)["prefill"]["kv_transfer"]["transfers"] == before + 1
+    assert_no_kv_held(pd.url)
 
 
 async def _decode_worker_scenario(host: str, port: int) -> None:

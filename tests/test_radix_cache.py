@@ -480,3 +480,70 @@ def test_seeded_long_workload(page_size, num_pages):
     w.drain()
     st_ = w.cache.stats()  # the workload really exercised sharing and eviction
     assert st_["hit_tokens"] > 0.1 * st_["query_tokens"] and st_["evicted_tokens"] > 1000
+
+
+# ---- incremental match lengths (LPM on long queues) ------------------------------------------------
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_memoized_match_length_equals_a_full_rematch_under_random_tree_changes(page_size):
+    rng = random.Random(11 + page_size)
+    alloc, cache = make(num_pages=400, page_size=page_size)
+    heads = [[rng.randrange(1, 6) for _ in range(rng.randrange(4, 24))] for _ in range(6)]
+
+    def prompt():
+        return rng.choice(heads)[:rng.randrange(0, 24)] + [rng.randrange(1, 6) for _ in range(rng.randrange(1, 16))]
+
+    queue = [(prompt(), rng.choice([None, None, "s"])) for _ in range(40)]
+    memos = [None] * len(queue)
+    locked = []
+    walks = 0
+    for it in range(250):
+        op = rng.random()
+        if op < 0.35:
+            key, ns = prompt(), rng.choice([None, "s", "t"])
+            n = len(key) - len(key) % page_size
+            if n and alloc.available_size() >= n:
+                put(alloc, cache, key[:n], ns)
+        elif op < 0.5:
+            cache.evict(rng.randrange(1, 30))
+        elif op < 0.6:
+            key, ns = rng.choice(queue)
+            m = cache.match_prefix(key, ns)  # splits edges, may lock
+            if m.length and rng.random() < 0.5:
+                cache.lock(m.node)
+                locked.append(m.node)
+        elif op < 0.65 and locked:
+            cache.unlock(locked.pop(rng.randrange(len(locked))))
+        elif op < 0.67 and not locked:
+            cache.reset()
+        for i, (key, ns) in enumerate(queue):
+            before = memos[i]
+            got, memos[i] = cache.match_length(key, ns, memos[i])
+            walks += memos[i] is not before
+            want = cache.match_prefix(key, ns, record=False).length
+            assert got == want, (it, i, got, want)
+    assert walks < 0.6 * 250 * len(queue)  # most answers came from the memo
+
+
+def test_match_length_touches_nothing_and_counts_nothing():
+    alloc, cache = make()
+    put(alloc, cache, [1, 2, 3, 4, 5])
+    before = (cache.stats(), edges(cache))
+    length, memo = cache.match_length([1, 2, 3, 9], None, None)
+    assert length == 3 and (cache.stats(), edges(cache)) == before
+    assert cache.match_length([1, 2, 3, 9], None, memo) == (3, memo)
+    put(alloc, cache, [1, 2, 3, 9, 9])  # a child under the matched path's end: re-walked
+    assert cache.match_length([1, 2, 3, 9], None, memo)[0] == 4
+
+
+def test_shared_prefix_groups_pick_the_deepest_node_shared_in_the_batch():
+    alloc, cache = make(num_pages=256)
+    system = list(range(1, 41))
+    nodes = []
+    for q in ([100, 1, 2], [100, 1, 3], [200, 5], [200, 6], [300]):
+        put(alloc, cache, system + q)
+        nodes.append(cache.match_prefix(system + q).node)
+    other = put(alloc, cache, [7, 7, 7]) is not None and cache.match_prefix([7, 7, 7]).node
+    groups = cache.shared_prefix_groups(nodes + [other, None, cache.roots()[None]])
+    assert sorted(groups) == [(41, [2, 3]), (42, [0, 1])]
+    assert cache.shared_prefix_groups(nodes[4:] + nodes[2:3]) == [(40, [0, 1])]
+    assert NoPrefixCache(alloc, 1).shared_prefix_groups(nodes) == []

@@ -272,3 +272,248 @@ def test_prefill_side_parks_computed_prompts_and_a_full_pool_waits_instead_of_fa
     s.remove(first)  # the transfer ended
     batch = s.schedule()
     assert batch is not None and batch.reqs == [second]
+
+
+# ---------------------------------------------------------------- insert at prefill end
+def run_until(s, done, cond, limit=500):
+    for _ in range(limit):
+        if cond():
+            return
+        step(s, done)
+    raise AssertionError("condition never held")
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prefix_enters_tree_at_prefill_end_and_siblings_hit_while_it_decodes(page_size):
+    s = make_sched(page_size=page_size)
+    total = s.allocator.available_size()
+    system = list(range(1, 65))
+    done = []
+    a = make_req(system + [900, 901, 902], max_new=40)
+    s.add(a)
+    assert step(s, done).reqs == [a]
+    step(s, done)  # a decodes; its prompt KV is in the tree, locked by it
+    aligned = (len(a.input_ids)) // page_size * page_size
+    assert a.cached_len == aligned and s.cache.protected_size() == aligned
+    assert s.cache.evictable_size() == 0
+    assert accounted(s) == total
+    b = make_req(system + [800, 801], max_new=3)
+    s.add(b)
+    run_until(s, done, lambda: b.num_cached_tokens is not None)
+    assert b.num_cached_tokens == len(system) // page_size * page_size
+    assert not a.finished  # the hit came while a was still decoding
+    run_until(s, done, lambda: a.finished and b.finished)
+    assert b.output_ids == [1000 + len(b.input_ids) + i for i in range(3)]
+    assert accounted(s) == total and s.cache.protected_size() == 0
+
+
+def test_in_batch_dedupe_first_computes_siblings_wait_a_round_and_hit():
+    s = make_sched()
+    system = list(range(1, 101))
+    done = []
+    group = [make_req(system + [500 + k, 600 + k], max_new=5, t=float(k)) for k in range(4)]
+    for r in group:
+        s.add(r)
+    first = step(s, done)
+    assert first.reqs == [group[0]] and first.extend_lens == [102]
+    run_until(s, done, lambda: all(r.num_cached_tokens is not None for r in group))
+    assert [r.num_cached_tokens for r in group] == [0, 100, 100, 100]
+    assert s.stats.cached_tokens == 300 and s.stats.prompt_tokens == 4 * 102
+    run_until(s, done, lambda: all(r.finished for r in group))
+
+
+def test_chunked_prefill_inserts_each_chunk():
+    s = make_sched(chunked_prefill_size=16, max_prefill_tokens=16)
+    done = []
+    r = make_req(list(range(1, 61)), max_new=2)
+    s.add(r)
+    step(s, done)
+    step(s, done)  # second chunk scheduled: the first is in the tree now
+    assert r.cached_len == 16 and s.cache.protected_size() == 16
+    step(s, done)
+    assert r.cached_len == 32
+    run_until(s, done, lambda: r.finished)
+    assert s.cache.protected_size() == 0 and s.cache.evictable_size() >= 60
+
+
+def test_duplicate_computation_switches_to_the_tree_slots():
+    """Two requests computing the same prefix in one pass (aged: no dedupe): the second one's copy is
+    freed and its rows point at the tree's slots."""
+    s = make_sched(max_skipped_rounds=0)
+    total = s.allocator.available_size()
+    system = list(range(1, 41))
+    done = []
+    a, b = make_req(system + [1], max_new=6), make_req(system + [2], max_new=6)
+    s.add(a)
+    s.add(b)
+    batch = step(s, done)
+    assert batch.reqs == [a, b]
+    own_b = list(b.slots[:40])
+    step(s, done)
+    assert a.slots[:40] == b.slots[:40] != own_b
+    row = s.req_pool.req_to_token[b.req_pool_idx, :40].tolist()
+    assert row == b.slots[:40]
+    assert sum(s.allocator.is_page_free(x) for x in own_b) >= 38  # freed (the decode step took 2)
+    assert accounted(s) == total
+    run_until(s, done, lambda: a.finished and b.finished)
+    assert accounted(s) == total
+
+
+def test_retraction_keeps_a_sharing_request_s_lock_and_readmission_hits():
+    s = make_sched(pool_tokens=128, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    total = s.allocator.available_size()
+    system = list(range(1, 61))
+    done = []
+    a = make_req(system + [1, 2], max_new=40, t=0.0)
+    b = make_req(system + [3, 4], max_new=40, t=1.0)
+    s.add(a)
+    run_until(s, done, lambda: a.cached_len > 0)
+    s.add(b)
+    run_until(s, done, lambda: b.kv_len > 0 and b.status.value == "running")
+    assert b.num_cached_tokens == 60
+    for _ in range(400):
+        if a.finished and b.finished:
+            break
+        step(s, done)
+        assert accounted(s) == total
+    assert s.stats.retractions > 0
+    for r in (a, b):
+        assert r.output_ids == [1000 + len(r.input_ids) + i for i in range(40)]
+    assert accounted(s) == total and s.cache.protected_size() == 0
+
+
+def test_jump_forward_proposals_stay_out_of_the_tree_and_rollback_frees_only_own_slots():
+    s = make_sched()
+    total = s.allocator.available_size()
+    done = []
+    r = make_req(list(range(1, 21)), max_new=50)
+    s.add(r)
+    step(s, done)
+    step(s, done)
+    # The grammar proposed 5 forced tokens: the next pass extends them all.
+    r.output_ids.extend([7, 7, 7, 7, 7])
+    r.proposed = 5
+    b = step(s, done)
+    assert b.mode == ForwardMode.EXTEND and b.extend_lens == [6]
+    s._cache_extended()
+    assert r.cached_len == r.seq_len - 5  # confirmed tokens only
+    # Two proposals accepted, the rest rejected: their KV goes, the tree's part stays.
+    r.proposed = 0
+    del r.output_ids[-3:]
+    s.truncate_kv(r, r.seq_len)
+    assert r.kv_len == r.seq_len and accounted(s) == total
+    run_until(s, done, lambda: r.finished)
+    assert accounted(s) == total
+
+
+def test_cache_salts_isolate_inserted_prefixes_and_dedupe():
+    s = make_sched()
+    system = list(range(1, 65))
+    done = []
+    a = make_req(system + [1], max_new=30)
+    a.cache_salt = "tenant-a"
+    s.add(a)
+    step(s, done)
+    step(s, done)
+    other = make_req(system + [2], max_new=2)
+    other.cache_salt = "tenant-b"
+    same = make_req(system + [3], max_new=2)
+    same.cache_salt = "tenant-a"
+    s.add(other)
+    s.add(same)
+    b = step(s, done)
+    assert set(b.reqs) == {other, same}  # a different salt is not a sibling: not deferred
+    assert other.num_cached_tokens == 0 and same.num_cached_tokens == 64
+    run_until(s, done, lambda: a.finished and other.finished and same.finished)
+
+
+def test_no_prefix_cache_is_never_handed_running_kv():
+    s = make_sched(radix=False)
+    total = s.allocator.available_size()
+    done = []
+    r = make_req(list(range(1, 41)), max_new=5)
+    s.add(r)
+    step(s, done)
+    step(s, done)
+    assert r.cached_len == 0 and not any(s.allocator.is_page_free(x) for x in r.slots)
+    run_until(s, done, lambda: r.finished)
+    assert s.allocator.available_size() == total
+
+
+def test_prefill_side_parks_with_its_prompt_in_the_tree():
+    s = make_sched(pool_tokens=512)
+    system = list(range(10, 74))
+    done = []
+    p = make_req(system + [1, 2])
+    p.transfer = {"role": "prefill", "id": "t1"}
+    s.add(p)
+    batch = s.schedule()
+    p.kv_len += batch.extend_lens[0]
+    assert s.prefilled == [p]
+    assert s.schedule() is None  # parked: nothing to decode; its prompt entered the tree
+    assert p.cached_len == 66 and s.cache.protected_size() == 66
+    local = make_req(system + [3, 4], max_new=2)
+    s.add(local)
+    run_until(s, done, lambda: local.finished)
+    assert local.num_cached_tokens == 64
+    slots_before = list(p.slots[:66])
+    s.remove(p)  # the transfer ended: the prompt stays cached, unlocked
+    assert s.cache.protected_size() == 0
+    assert s.cache.match_prefix(system + [1, 2]).slots.tolist() == slots_before
+
+
+def test_decode_side_inserts_received_prompt_so_a_sibling_reserves_only_its_tail():
+    s = make_sched(pool_tokens=512)
+    system = list(range(10, 74))
+    a = make_req(system + [7, 8])
+    a.transfer, a.kv_offered = {"role": "decode", "id": "ta"}, True
+    s.add(a)
+    assert s.schedule() is None and s.awaiting_kv == [a]
+    s.kv_arrived(a)
+    assert a.cached_len == 66 and s.cache.protected_size() == 66
+    b = make_req(system + [9, 9, 9])
+    b.transfer, b.kv_offered = {"role": "decode", "id": "tb"}, True
+    s.add(b)
+    s.schedule()
+    assert b in s.awaiting_kv and b.kv_len == 64  # the prefill side sends only positions 64..
+
+
+# ---------------------------------------------------------------- LPM on long queues
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_lpm_order_with_kept_match_lengths_equals_a_full_rematch(page_size):
+    rng = random.Random(5 + page_size)
+    s = make_sched(pool_tokens=512, page_size=page_size, max_prefill_tokens=48, chunked_prefill_size=48,
+                   max_running_requests=6)
+    assert s.config.lpm_queue_limit == 0  # no FCFS fallback by default
+    systems = [[rng.randrange(1, 30) for _ in range(rng.randrange(8, 40))] for _ in range(4)]
+    done, compared = [], 0
+    for it in range(300):
+        for _ in range(rng.randrange(0, 3)):
+            r = make_req(rng.choice(systems) + [rng.randrange(1, 30) for _ in range(rng.randrange(1, 12))],
+                         max_new=rng.randrange(1, 8), t=float(it))
+            r.cache_salt = rng.choice([None, None, "x"])
+            s.add(r)
+        ready = list(s.waiting)
+        aged = [r for r in ready if r.skipped_rounds >= s.config.max_skipped_rounds]
+        rest = [r for r in ready if r not in aged]
+        full = {id(r): s.cache.match_prefix(s._match_key(r), r.cache_salt, record=False).length for r in rest}
+        want = aged + sorted(rest, key=lambda r: (-full[id(r)], r.arrival_time))
+        got = s._order_waiting()
+        assert [id(r) for r in got] == [id(r) for r in want]
+        compared += len(got)
+        step(s, done)
+    assert compared > 300
+
+
+def test_lpm_stays_on_for_a_long_queue():
+    s = make_sched(max_prefill_tokens=64, chunked_prefill_size=64, max_running_requests=1024)
+    done = []
+    shared = list(range(1, 61))
+    s.add(make_req(shared + [500], max_new=1))
+    while not done:
+        step(s, done)
+    for k in range(300):
+        s.add(make_req(list(range(2000 + 100 * k, 2060 + 100 * k)), t=float(k)))
+    hot = make_req(shared + [600, 601], t=1e9)  # arrived last, 300 requests ahead of it
+    s.add(hot)
+    assert step(s, done).reqs[0] is hot

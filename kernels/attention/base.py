@@ -11,11 +11,27 @@ from shared.engine.forward_batch import ForwardBatch, ForwardMode
 class AttentionBackend(ABC):
     # True when forward() can be captured in a CUDA graph (no host syncs, shapes fixed by batch size).
     graph_safe: bool = False
+    # Shared-prefix (cascade) decode: whether the backend has it, and when it pays. A batch with such
+    # groups runs outside CUDA graphs, so the prefix reads it saves must outweigh eager launches.
+    supports_cascade: bool = False
+    cascade_min_group = 4  # requests sharing the prefix
+    cascade_min_prefix = 256  # tokens of shared prefix
+    cascade_min_saved_tokens = 65536  # prefix tokens not re-read in the whole batch (sum over groups)
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling if scaling is not None else head_dim ** -0.5
+        self.cascade_enabled = self.supports_cascade
+
+    def select_prefix_groups(self, groups: list[tuple[int, list[int]]] | None) -> list[tuple[int, list[int]]] | None:
+        """The groups worth attending once per group in this decode batch, or None: plain decode."""
+        if not (self.cascade_enabled and groups):
+            return None
+        keep = [(p, m) for p, m in groups if len(m) >= self.cascade_min_group and p >= self.cascade_min_prefix]
+        saved = sum(p * (len(m) - 1) for p, m in keep)
+        return keep if keep and saved >= self.cascade_min_saved_tokens else None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Called once per forward before layer 0: precompute what every layer shares."""

@@ -28,6 +28,8 @@ def paged_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
 
 
 class TorchAttentionBackend(AttentionBackend):
+    supports_cascade = True
+
     def forward_extend(self, q, k, v, layer_id, fb: ForwardBatch):
         k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
         out = torch.empty_like(q)
@@ -42,4 +44,10 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def forward_decode(self, q, layer_id, fb: ForwardBatch):
+        if fb.prefix_groups:
+            from kernels.reference import cascade_decode_attention_ref
+
+            k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
+            return cascade_decode_attention_ref(q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices,
+                                                fb.seq_lens, fb.prefix_groups, self.scaling)
         return self.forward_extend(q, None, None, layer_id, fb)

@@ -7,6 +7,7 @@ import torch
 
 from kernels.attention.base import AttentionBackend
 from kernels.attention.torch_backend import TorchAttentionBackend
+from kernels.attention.triton_cascade import CascadePlan, cascade_decode_attention, plan_cascade
 from kernels.attention.triton_decode import (MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, decode_attention,
                                              num_kv_splits_for, plan_max_kv_splits)
 from kernels.attention.triton_extend import extend_attention
@@ -21,6 +22,7 @@ class _DecodeMetadata:
     num_kv_splits: torch.Tensor  # [B] int32, on device
     mid_o: torch.Tensor  # [B, Hq, max_kv_splits, D] fp32 scratch shared by all layers
     mid_lse: torch.Tensor  # [B, Hq, max_kv_splits] fp32
+    cascade: CascadePlan | None = None  # shared-prefix groups (scratch then has its prefix columns too)
 
 
 @dataclass
@@ -33,7 +35,8 @@ class TritonAttentionBackend(AttentionBackend):
     inside a captured CUDA graph. If it runs outside, replays keep the captured split counts, which is
     still correct: any split count from 1 to max_kv_splits yields the same attention."""
 
-    graph_safe = True
+    graph_safe = True  # plain decode; cascade batches (ForwardBatch.prefix_groups) run eagerly
+    supports_cascade = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None,
                  max_kv_splits: int = MAX_KV_SPLITS, min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT):
@@ -54,11 +57,18 @@ class TritonAttentionBackend(AttentionBackend):
             B = fb.batch_size
             splits = plan_max_kv_splits(B, self.num_kv_heads, self.max_kv_splits)
             dev = fb.seq_lens.device
+            plan = None
+            if fb.prefix_groups:
+                plan = plan_cascade(fb.prefix_groups, fb.req_pool_indices_cpu, B, self.num_kv_heads,
+                                    self.num_heads // self.num_kv_heads, dev)
+            kv_lens = fb.seq_lens if plan is None else fb.seq_lens - plan.kv_start
+            cols = splits + (plan.prefix_splits if plan is not None else 0)
             self._meta = _DecodeMetadata(
                 max_kv_splits=splits,
-                num_kv_splits=num_kv_splits_for(fb.seq_lens, splits, self.min_tokens_per_split),
-                mid_o=torch.empty((B, self.num_heads, splits, self.head_dim), dtype=torch.float32, device=dev),
-                mid_lse=torch.empty((B, self.num_heads, splits), dtype=torch.float32, device=dev))
+                num_kv_splits=num_kv_splits_for(kv_lens, splits, self.min_tokens_per_split),
+                mid_o=torch.empty((B, self.num_heads, cols, self.head_dim), dtype=torch.float32, device=dev),
+                mid_lse=torch.empty((B, self.num_heads, cols), dtype=torch.float32, device=dev),
+                cascade=plan)
         else:
             lens = fb.extend_seq_lens_cpu
             # Without host copies the packed token count bounds every request's length.
@@ -83,6 +93,10 @@ class TritonAttentionBackend(AttentionBackend):
             return self.fallback.forward_decode(q, layer_id, fb)
         meta = self._metadata(fb)
         k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
+        if meta.cascade is not None:
+            return cascade_decode_attention(q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                                            meta.cascade, meta.num_kv_splits, meta.max_kv_splits, self.scaling,
+                                            mid_o=meta.mid_o, mid_lse=meta.mid_lse)
         return decode_attention(q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                 meta.num_kv_splits, meta.max_kv_splits, self.scaling,
                                 mid_o=meta.mid_o, mid_lse=meta.mid_lse)

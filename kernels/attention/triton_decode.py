@@ -22,20 +22,24 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O, MID_LSE,
+def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O, MID_LSE, KV_START,
                    sm_scale_log2, stride_qb, stride_qh, stride_bs, stride_bh, stride_rt,
                    HQ, MAX_SPLITS, GROUP, D,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+                   DOT_PREC: tl.constexpr, HAS_START: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b)
     n_splits = tl.load(NUM_SPLITS + b)
     if split < n_splits:
+        # Positions [kv_start, seq_len) (kv_start > 0: a shared prefix attended by the cascade kernel).
+        kv_start = 0
+        if HAS_START:
+            kv_start = tl.load(KV_START + b)
         # Chunks are whole BLOCK_N tiles so only the context's last tile needs masking.
-        split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
-        start = split * split_len
+        split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, n_splits), BLOCK_N) * BLOCK_N
+        start = kv_start + split * split_len
         end = tl.minimum(start + split_len, seq_len)
 
         offs_g = tl.arange(0, BLOCK_H)
@@ -77,21 +81,25 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
 
 
 @triton.jit
-def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, O, stride_ob, stride_oh, HQ, MAX_SPLITS, D,
+def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, O, stride_ob, stride_oh, HQ, MAX_SPLITS, EXTRA_FROM, D,
                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Columns [0, n_splits) and [EXTRA_FROM, MAX_SPLITS) of a row are merged (the extra ones hold a
+    shared prefix's partials, -inf where a request has none)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_splits = tl.load(NUM_SPLITS + b)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < n_splits
+    mask_s = (offs_s < n_splits) | ((offs_s >= EXTRA_FROM) & (offs_s < MAX_SPLITS))
     mask_d = offs_d < D
     idx = (b * HQ + h) * MAX_SPLITS + offs_s
     lse = tl.load(MID_LSE + idx, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, axis=0)
     # All chunks empty only for a zero-length (padding) request: output zeros, not NaN.
     w = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(m > float("-inf"), m, 0.0)), 0.0)
-    o = tl.load(MID_O + idx[:, None] * D + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    # Columns without weight are never read: a prefix column no group wrote holds whatever was there.
+    live = mask_s & (lse > float("-inf"))
+    o = tl.load(MID_O + idx[:, None] * D + offs_d[None, :], mask=live[:, None] & mask_d[None, :], other=0.0)
     denom = tl.sum(w, axis=0)
     out = tl.sum(w[:, None] * o, axis=0) / tl.where(denom > 0, denom, 1.0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
@@ -118,10 +126,13 @@ def num_kv_splits_for(seq_lens: torch.Tensor, max_kv_splits: int,
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, num_kv_splits: torch.Tensor,
                      max_kv_splits: int, scaling: float, out: torch.Tensor | None = None,
-                     mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None) -> torch.Tensor:
+                     mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
+                     kv_start: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; pool buffers [slots, Hkv, D]; returns [B, Hq, D] in q's dtype.
-    mid_o [B, Hq, max_kv_splits, D] / mid_lse [B, Hq, max_kv_splits] fp32 scratch may be passed in so
-    all layers reuse one allocation."""
+    mid_o [B, Hq, S, D] / mid_lse [B, Hq, S] fp32 scratch (S >= max_kv_splits) may be passed in so all
+    layers reuse one allocation. With kv_start [B] int32, only positions [kv_start, seq_len) are read
+    here, and columns [max_kv_splits, S) of the scratch, filled beforehand (triton_cascade.py), are
+    merged in as well."""
     B, HQ, D = q.shape
     HKV = k_buf.shape[1]
     assert HQ % HKV == 0 and q.stride(-1) == 1 and k_buf.is_contiguous() and v_buf.is_contiguous()
@@ -133,15 +144,18 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         mid_lse = torch.empty((B, HQ, max_kv_splits), dtype=torch.float32, device=q.device)
     if B == 0:
         return out
+    total_splits = mid_lse.shape[2]
+    assert total_splits == max_kv_splits or kv_start is not None
     BLOCK_D = max(16, next_pow2(D))
     BLOCK_N = 64 if BLOCK_D <= 128 else 32
     _decode_stage1[(B, HKV, max_kv_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
+        kv_start if kv_start is not None else seq_lens,
         scaling * LOG2E, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), req_to_token.stride(0),
-        HQ, max_kv_splits, group, D,
+        HQ, total_splits, group, D,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2)
+        DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2, HAS_START=kv_start is not None)
     _decode_stage2[(B, HQ)](
-        mid_o, mid_lse, num_kv_splits, out, out.stride(0), out.stride(1), HQ, max_kv_splits, D,
-        BLOCK_S=next_pow2(max_kv_splits), BLOCK_D=BLOCK_D, num_warps=4 if BLOCK_D >= 128 else 2)
+        mid_o, mid_lse, num_kv_splits, out, out.stride(0), out.stride(1), HQ, total_splits, max_kv_splits, D,
+        BLOCK_S=next_pow2(total_splits), BLOCK_D=BLOCK_D, num_warps=4 if BLOCK_D >= 128 else 2)
     return out

@@ -36,6 +36,6 @@ class KvReceive:
 
     def stats(self) -> dict:
         r = self.receiver
-        return {"received_tokens": r.received_tokens, "skipped_tokens": r.skipped_tokens, "failures": r.failures, "cancelled": r.cancelled,
-                "refused": r.refused,
-                "received_bytes": r.received_bytes}
+        return {"received_tokens": r.received_tokens, "skipped_tokens": r.skipped_tokens, "failures": r.failures,
+                "cancelled": r.cancelled, "refused": r.refused,
+                "received_bytes": r.received_bytes, "handover_ms": self.engine.decode_side.times.summary()}

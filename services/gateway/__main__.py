@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing-policy", default="cache-aware", choices=["cache-aware", "prefix-affinity"],
                    help="cache-aware: prefer the worker that was sent the longest part of the prompt before; "
                         "prefix-affinity: hash the prompt's head")
+    p.add_argument("--pd-bypass-tokens", type=int, default=128,
+                   help="PD: a decode worker known to hold all of a prompt but at most this many trailing tokens "
+                        "computes them itself, no prefill worker or KV transfer (0: off)")
     p.add_argument("--context-length", type=int, default=None, help="defaults to what the workers report")
     p.add_argument("--api-key", default=None, help="Bearer key required on /v1/* and /generate")
     p.add_argument("--admin-api-key", default=None, help="Bearer key required on /flush_cache")
@@ -86,7 +89,8 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
     limits = Limits(max_n=getattr(args, "max_n", Limits.max_n),
                     max_body_bytes=getattr(args, "max_body_bytes", Limits.max_body_bytes))
     state = GatewayState(tokenizer=tokenizer, served_model_name=args.served_model_name or args.model_path,
-                         model_path=args.model_path, router=Router(workers, _policy(args)),
+                         model_path=args.model_path, router=Router(workers, _policy(args),
+                                                                      getattr(args, "pd_bypass_tokens", 128)),
                          context_length=getattr(args, "context_length", None), limits=limits,
                          api_key=getattr(args, "api_key", None), admin_api_key=getattr(args, "admin_api_key", None),
                          tokenizer_path=tokenizer_path, tool_parser=tool_parser,

@@ -70,6 +70,8 @@ class CacheAwarePolicy:
         self._fallback = PrefixAffinityPolicy(prefix_tokens=2 * block_tokens, slack=slack)
         # A PD request is routed twice (prefill side, decode side) with the same prompt: hash it once.
         self._last: tuple[Sequence[int], str | None, list[bytes]] | None = None
+        # Leading prompt tokens the last pick's worker was already known to hold (before this request).
+        self.last_match_tokens = 0
 
     def pick(self, workers: Sequence[WorkerClient], input_ids: Sequence[int], salt: str | None) -> WorkerClient:
         least = min(workers, key=lambda w: w.load)
@@ -83,8 +85,15 @@ class CacheAwarePolicy:
             chosen = best
         else:
             chosen = self._fallback.pick(workers, input_ids, salt)
+        self.last_match_tokens = (best_len if chosen is best else self._index_of(chosen).match(chain)) \
+            * self.block_tokens
         self._index_of(chosen).insert(chain)
         return chosen
+
+    def remember(self, worker: WorkerClient, token_ids: Sequence[int], salt: str | None) -> None:
+        """A request ended on `worker`, whose tree now holds these tokens (prompt and output): a
+        conversation's next turn, which extends them, is then known to match there in full."""
+        self._index_of(worker).insert(block_chain(token_ids, self.block_tokens, salt))
 
     def _chain(self, input_ids: Sequence[int], salt: str | None) -> list[bytes]:
         last = self._last

@@ -17,8 +17,9 @@ from typing import AsyncIterator, Sequence
 from services.gateway.access_log import CURRENT as ACCESS_RECORD
 from services.gateway.errors import APIError, WorkerUnavailable, bad_request, unavailable, worker_refused
 from services.gateway.metrics import GatewayMetrics, RequestTimer
-from services.gateway.pd import pd_generate, wants_local_prefill
+from services.gateway.pd import pd_serve, wants_local_prefill
 from services.gateway.router import Router
+from services.gateway.worker_client import WorkerClient
 from shared.protocol import GenerateRequest, TokenOutput
 
 
@@ -83,7 +84,15 @@ class Dispatcher:
         wire_rid = tenant_rid(req.rid, salt)
         req = dataclasses.replace(req, rid=wire_rid) if wire_rid != req.rid else req
         pair = None if wants_local_prefill(req) else self.router.pick_pair(req.input_ids, salt)
-        source = pd_generate(req, *pair) if pair else self.router.pick(req.input_ids, salt).generate(req)
+        served_by: list[WorkerClient] = []
+        if pair is None:
+            served_by.append(self.router.pick(req.input_ids, salt))
+            source = served_by[0].generate(req)
+        else:
+            if pair[0] is None:
+                self.metrics.pd_bypassed.inc()
+            source = pd_serve(req, self.router, salt, *pair, served_by=served_by,
+                              on_retry=self.metrics.pd_retried.inc)
         timer = RequestTimer(self.metrics)
         self.inflight.add(req.rid)
         self.metrics.gateway_inflight.inc()
@@ -95,6 +104,10 @@ class Dispatcher:
                         raise worker_refused(out.error)
                     result.absorb(out)
                     result.e2e_latency = timer.elapsed()
+                    if out.finished and result.output_ids:
+                        # Its tree now holds prompt + output (but the last token's KV): a next turn
+                        # that extends them is routed back there, and may bypass prefill in PD.
+                        self.router.remember(served_by[-1], list(req.input_ids) + result.output_ids[:-1], salt)
                     if record is not None:
                         if out.token_ids:
                             record.first_token()

@@ -41,6 +41,10 @@ class GatewayMetrics:
             "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache (hit rate denominator)")
         self.requests = counter("num_requests", "Finished requests")
         self.aborted_requests = counter("num_aborted_requests", "Requests aborted or failed")
+        self.pd_bypassed = counter("num_pd_bypassed_requests",
+                                   "PD requests a decode worker extended itself (short uncached suffix)")
+        self.pd_retried = counter("num_pd_retried_requests",
+                                  "PD requests restarted elsewhere after a worker failed before the first token")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Gap between output tokens", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)

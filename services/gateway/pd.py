@@ -3,8 +3,13 @@
 Both workers get the request at once: the decode worker reserves KV slots for what its tree lacks and
 waits; the prefill worker computes the prompt, samples the first token and pushes both over UCX
 straight to the decode worker (the gateway never touches KV). The client's stream is the decode
-worker's. Either side failing ends the request at once with a clear error, and leaving (client gone,
-error) aborts it on both workers, so neither holds KV slots for a request nobody waits for.
+worker's. Leaving (client gone, error) aborts the request on both workers, so neither holds KV slots
+for a request nobody waits for.
+
+Failures before the first token lose nothing (`pd_serve`): a prefill side that fails is replaced by
+another prefill worker, or by the decode worker computing the prompt itself; a decode worker that dies
+is replaced by another one (the prefill worker's tree keeps the prompt's KV, so the retry is a cache
+hit there). After the first token the client's stream ends with a clear error.
 """
 from __future__ import annotations
 
@@ -19,6 +24,15 @@ from services.gateway.worker_client import WorkerClient
 from shared.protocol import GenerateRequest, TokenOutput
 
 _DONE = object()
+MAX_ATTEMPTS = 4
+
+
+class PrefillFailed(Exception):
+    """The prefill side failed before the decode side produced anything: the request can start over."""
+
+
+class DecodeFailed(WorkerUnavailable):
+    """The decode worker went away before the request's first token: the request can start over."""
 
 
 def wants_local_prefill(req: GenerateRequest) -> bool:
@@ -66,6 +80,10 @@ async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: Worke
             if isinstance(item, BaseException):
                 if side == "prefill" and decoding:
                     continue  # after the hand-over (e.g. the decode side's ack was lost): moot
+                if side == "prefill":
+                    raise PrefillFailed(str(item))
+                if not decoding and isinstance(item, WorkerUnavailable):
+                    raise DecodeFailed(str(item))
                 raise item
             decoding = True
             yield item
@@ -76,3 +94,45 @@ async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: Worke
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def pd_serve(req: GenerateRequest, router, salt: str | None, prefill: WorkerClient | None,
+                   decode: WorkerClient, served_by: list | None = None, on_retry=lambda: None
+                   ) -> AsyncIterator[TokenOutput]:
+    """A PD request with failover before its first token (see the module docstring). `prefill` None: the
+    decode worker computes the prompt itself (short-suffix bypass, or no prefill worker left). The
+    decode worker that serves it is appended to `served_by`."""
+    failed: set[str] = set()
+    for attempt in range(MAX_ATTEMPTS):
+        started = False
+        if served_by is not None:
+            served_by.append(decode)
+        # A retry is a new request on the workers (the failed attempt's abort may still be on its way).
+        r = req if attempt == 0 else dataclasses.replace(req, rid=f"{req.rid}-retry{attempt}")
+        try:
+            source = pd_generate(r, prefill, decode) if prefill is not None else decode.generate(r)
+            async with aclosing(source) as outs:
+                async for out in outs:
+                    started = True
+                    yield out
+            return
+        except PrefillFailed as e:
+            if attempt == MAX_ATTEMPTS - 1:
+                raise unavailable(f"prefill worker {prefill.address}: {e}") from None
+            if not (prefill.connected and prefill.responsive):
+                failed.add(prefill.address)  # gone: another prefill worker, or the decode worker itself
+            prefill = router.pick_side("prefill", req.input_ids, salt, exclude=failed)
+            if not decode.connected:  # the push failed because the decode worker died
+                failed.add(decode.address)
+                decode = router.pick_side("decode", req.input_ids, salt, exclude=failed)
+                if decode is None:
+                    raise unavailable(f"no decode worker left: {e}") from None
+        except WorkerUnavailable:
+            if started or attempt == MAX_ATTEMPTS - 1:
+                raise  # tokens went out already: the client's stream ends with the error
+            failed.add(decode.address)
+            nxt = router.pick_side("decode", req.input_ids, salt, exclude=failed)
+            if nxt is None:
+                raise
+            decode = nxt
+        on_retry()

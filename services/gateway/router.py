@@ -52,12 +52,16 @@ def _live(workers: list[WorkerClient]) -> list[WorkerClient]:
 
 
 class Router:
-    def __init__(self, workers: Sequence[WorkerClient], policy: RoutingPolicy | None = None):
+    def __init__(self, workers: Sequence[WorkerClient], policy: RoutingPolicy | None = None,
+                 pd_bypass_tokens: int = 0):
         if policy is None:
             from services.gateway.cache_aware import CacheAwarePolicy
 
             policy = CacheAwarePolicy()
         self.policy = policy
+        # PD short-suffix bypass: a decode worker known to hold all of a prompt but at most this many
+        # trailing tokens extends it itself (no prefill worker, no transfer). 0 turns it off.
+        self.pd_bypass_tokens = pd_bypass_tokens
         self._workers: list[WorkerClient] = list(workers)
 
     @property
@@ -92,16 +96,35 @@ class Router:
         return self.policy.pick(_live(whole), input_ids, salt)
 
     def pick_pair(self, input_ids: Sequence[int], salt: str | None = None
-                  ) -> tuple[WorkerClient, WorkerClient] | None:
+                  ) -> tuple[WorkerClient | None, WorkerClient] | None:
         """(prefill, decode) for a PD request, or None when the fleet has no such pair up. Each side is
         picked by the routing policy among its own kind: both keep radix trees, and a decode worker that
-        holds the prefix also receives fewer pages."""
+        holds the prefix also receives fewer pages. (None, decode) is the short-suffix bypass: the
+        routing index says the decode worker already holds all but at most `pd_bypass_tokens` of the
+        prompt (a conversation's next turn), so it computes that suffix itself."""
         prefill = [w for w in self._workers if w.role == "prefill" and w.connected and not w.draining]
         decode = [w for w in self._workers if w.role == "decode" and w.connected and not w.draining
                   and w.transfer_addr]
         if not prefill or not decode:
             return None
-        return self.policy.pick(_live(prefill), input_ids, salt), self.policy.pick(_live(decode), input_ids, salt)
+        d = self.policy.pick(_live(decode), input_ids, salt)
+        held = getattr(self.policy, "last_match_tokens", 0)
+        if self.pd_bypass_tokens > 0 and held > 0 and len(input_ids) - held <= self.pd_bypass_tokens:
+            return None, d
+        return self.policy.pick(_live(prefill), input_ids, salt), d
+
+    def pick_side(self, role: str, input_ids: Sequence[int], salt: str | None = None,
+                  exclude: set[str] = frozenset()) -> WorkerClient | None:
+        """A replacement PD worker of `role` (prefill|decode) not in `exclude`, or None."""
+        ok = [w for w in self._workers if w.role == role and w.connected and not w.draining
+              and w.address not in exclude and (role != "decode" or w.transfer_addr)]
+        return self.policy.pick(_live(ok), input_ids, salt) if ok else None
+
+    def remember(self, worker: WorkerClient, token_ids: Sequence[int], salt: str | None = None) -> None:
+        """`worker` finished a request over these tokens: the policy may note that its tree holds them."""
+        remember = getattr(self.policy, "remember", None)
+        if remember is not None and worker in self._workers:
+            remember(worker, token_ids, salt)
 
     def forget_cache(self, address: str | None = None) -> None:
         """Workers' caches were flushed (or one left): the policy's picture of them is stale."""

@@ -21,10 +21,28 @@ class MatchResult:
 
 class PrefixCache(ABC):
     page_size: int
+    # Whether insert() keeps what it is given. The ablation cache frees it at once, so callers must not
+    # hand it KV a running request still reads (insert at prefill end is skipped for it).
+    retains: bool = True
 
     @abstractmethod
-    def match_prefix(self, key: Sequence[int], namespace: str | None = None) -> MatchResult:
-        """Longest cached prefix of `key`, page-aligned. Touches the path (LRU). Counts query/hit tokens."""
+    def match_prefix(self, key: Sequence[int], namespace: str | None = None, record: bool = True) -> MatchResult:
+        """Longest cached prefix of `key`, page-aligned. Touches the path (LRU). Counts query/hit tokens
+        unless record is False (bookkeeping re-matches that are not admissions)."""
+
+    def match_length(self, key: Sequence[int], namespace: str | None = None, memo=None) -> tuple[int, object]:
+        """Length of the longest cached prefix of `key`, for ordering only (no counters, no LRU touch
+        promised). `memo` is what the previous call for the same key returned; an implementation may
+        answer from it without walking the tree when nothing the answer depends on changed.
+        Returns (length, memo for the next call)."""
+        return self.match_prefix(key, namespace, record=False).length, None
+
+    def shared_prefix_groups(self, nodes: Sequence[Any]) -> list[tuple[int, list[int]]]:
+        """For requests holding locks on `nodes` (as returned by match/insert): groups of at least two
+        whose cached prefixes share a node, as (shared prefix length, their indices). Each index is in
+        at most one group, the one of the deepest node it shares. Their first prefix-length slots are
+        the same pool slots."""
+        return []
 
     @abstractmethod
     def insert(self, key: Sequence[int], slots: torch.Tensor, namespace: str | None = None) -> int:

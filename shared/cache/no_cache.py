@@ -23,15 +23,21 @@ _NO_NODE = _NoNode()
 
 
 class NoPrefixCache(PrefixCache):
+    retains = False
+
     def __init__(self, allocator: SlotAllocator, page_size: int):
         assert page_size == allocator.page_size
         self.allocator = allocator
         self.page_size = page_size
         self._query_tokens = 0
 
-    def match_prefix(self, key: Sequence[int], namespace: str | None = None) -> MatchResult:
-        self._query_tokens += len(key)
+    def match_prefix(self, key: Sequence[int], namespace: str | None = None, record: bool = True) -> MatchResult:
+        if record:
+            self._query_tokens += len(key)
         return MatchResult(torch.empty(0, dtype=torch.int64, device=self.allocator.device), _NO_NODE)
+
+    def match_length(self, key, namespace=None, memo=None):
+        return 0, None
 
     def insert(self, key: Sequence[int], slots: torch.Tensor, namespace: str | None = None) -> int:
         assert len(key) == len(slots) and len(key) % self.page_size == 0

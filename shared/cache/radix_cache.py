@@ -8,6 +8,13 @@ Lock references count the running requests whose prefix goes through a node; a n
 evictable once it is a leaf. Eviction takes least recently used leaves first through a lazy heap: entries
 are pushed whenever a node becomes an evictable leaf or is touched as one, and stale entries are skipped
 when popped, so no operation walks the whole tree.
+
+Ordering a long queue by match length (LPM) must not re-walk every queued prompt each round, so every
+node carries a version bumped whenever its set of children changes (a leaf added under it, a child
+evicted, a child split), and the cache an epoch bumped when a namespace root comes or goes or on reset.
+A match stops at its deepest fully matched node N (maybe part way into one child of N); it can only
+grow or shrink through a change of N's children or N's eviction, so (N, N.version, epoch) is enough to
+know an earlier answer still holds (`match_length`).
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from shared.cache.base import MatchResult, PrefixCache
 
 
 class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "version")
 
     def __init__(self, key: np.ndarray, value: np.ndarray, parent: "TreeNode | None", last_access: int):
         self.key = key  # int32 token ids of this edge
@@ -31,6 +38,7 @@ class TreeNode:
         self.parent = parent  # None for a root (and for evicted nodes)
         self.lock_ref = 0
         self.last_access = last_access
+        self.version = 0  # bumped when `children` changes (see match_length)
 
     @property
     def evicted(self) -> bool:
@@ -69,20 +77,41 @@ class RadixCache(PrefixCache):
         self._hit_tokens = 0
         self._query_tokens = 0
         self._evicted_tokens = 0
+        self._epoch = 0  # bumped when a namespace root is created or dropped, and on reset
         self._roots[None] = self._new_root()
 
     # ---- PrefixCache -------------------------------------------------------------------------------
-    def match_prefix(self, key: Sequence[int], namespace: str | None = None) -> MatchResult:
+    def match_prefix(self, key: Sequence[int], namespace: str | None = None, record: bool = True) -> MatchResult:
         tokens = as_tokens(key)
-        self._query_tokens += int(tokens.shape[0])
+        if record:
+            self._query_tokens += int(tokens.shape[0])
         root = self._roots.get(namespace)
         if root is None:  # an unknown namespace has nothing cached; roots are lock-inert handles
             return MatchResult(self._empty_slots(), self._roots[None])
         aligned = tokens.shape[0] - tokens.shape[0] % self.page_size
         node, matched, values = self._walk(root, tokens[:aligned], self._tick())
-        self._hit_tokens += matched
+        if record:
+            self._hit_tokens += matched
         slots = torch.from_numpy(np.concatenate(values)).to(self.device) if values else self._empty_slots()
         return MatchResult(slots, node)
+
+    def match_length(self, key: Sequence[int], namespace: str | None = None, memo=None) -> tuple[int, tuple]:
+        """Cached prefix length of key without touching or splitting anything. memo: the previous
+        answer's memo for the same key (or None); answered in O(1) while it is still valid."""
+        n = len(key)
+        aligned = n - n % self.page_size
+        if memo is not None:
+            node, version, epoch, klen, length = memo
+            if epoch == self._epoch and klen == aligned and (
+                    node is None or (not node.evicted and node.version == version)):
+                return length, memo
+        root = self._roots.get(namespace)
+        if root is None:  # nothing cached under this namespace; valid until a root comes (epoch)
+            memo = (None, 0, self._epoch, aligned, 0)
+            return 0, memo
+        node, length = self._peek(root, as_tokens(key[:aligned]))
+        memo = (node, node.version, self._epoch, aligned, length)
+        return length, memo
 
     def insert(self, key: Sequence[int], slots: torch.Tensor, namespace: str | None = None) -> int:
         tokens = as_tokens(key)
@@ -95,12 +124,14 @@ class RadixCache(PrefixCache):
         if root is None:
             root = self._roots[namespace] = self._new_root()
             self._root_namespace[id(root)] = namespace
+            self._epoch += 1
         now = self._tick()
         node, matched, _ = self._walk(root, tokens, now)
         if matched < n:
             # Copies: the tree must not alias arrays the caller may reuse or mutate.
             leaf = TreeNode(tokens[matched:].copy(), to_numpy_slots(slots)[matched:].copy(), node, now)
             node.children[self._child_key(leaf.key)] = leaf
+            node.version += 1
             self._num_nodes += 1
             self._evictable += n - matched
             self._push(leaf)
@@ -136,6 +167,7 @@ class RadixCache(PrefixCache):
                 continue  # stale entry
             parent = node.parent
             del parent.children[self._child_key(node.key)]
+            parent.version += 1
             node.parent = None
             node.children = None
             freed.append(node.value)
@@ -150,6 +182,34 @@ class RadixCache(PrefixCache):
             self.allocator.free(np.concatenate(freed))
             self._evicted_tokens += total
         return total
+
+    def shared_prefix_groups(self, nodes) -> list[tuple[int, list[int]]]:
+        paths = []
+        count: dict[int, int] = {}
+        for node in nodes:
+            path = []  # (node, depth of its end), deepest first
+            if node is not None and not node.evicted:
+                depth = 0
+                n = node
+                while n.parent is not None:
+                    path.append(n)
+                    depth += len(n.key)
+                    n = n.parent
+                ends, d = [], depth
+                for n in path:
+                    ends.append((n, d))
+                    d -= len(n.key)
+                path = ends
+            paths.append(path)
+            for n, _ in path:
+                count[id(n)] = count.get(id(n), 0) + 1
+        groups: dict[int, tuple[int, list[int]]] = {}
+        for i, path in enumerate(paths):
+            for n, depth in path:
+                if count[id(n)] >= 2:
+                    groups.setdefault(id(n), (depth, []))[1].append(i)
+                    break
+        return [g for g in groups.values() if len(g[1]) >= 2]
 
     def evictable_size(self) -> int:
         return self._evictable
@@ -166,6 +226,7 @@ class RadixCache(PrefixCache):
             node.parent, node.children = None, None
         self._roots = {None: self._new_root()}
         self._root_namespace = {}
+        self._epoch += 1
         self._heap = []
         self._evictable = 0
         self._num_nodes = 0
@@ -236,12 +297,29 @@ class RadixCache(PrefixCache):
         upper = TreeNode(child.key[:m].copy(), child.value[:m].copy(), parent, child.last_access)
         upper.lock_ref = child.lock_ref
         parent.children[self._child_key(upper.key)] = upper
+        parent.version += 1
         child.key = child.key[m:].copy()
         child.value = child.value[m:].copy()
         child.parent = upper
         upper.children[self._child_key(child.key)] = child
         self._num_nodes += 1
         return upper
+
+    def _peek(self, root: TreeNode, tokens: np.ndarray) -> tuple[TreeNode, int]:
+        """Read-only walk: (deepest fully matched node, matched length including a page-aligned part of
+        the next edge)."""
+        node, pos = root, 0
+        ps, n = self.page_size, tokens.shape[0]
+        while pos < n:
+            child = node.children.get(self._child_key(tokens[pos:pos + ps]))
+            if child is None:
+                break
+            m = common_prefix_len(child.key, tokens[pos:])
+            m -= m % ps
+            if m < len(child.key):
+                return node, pos + m
+            node, pos = child, pos + m
+        return node, pos
 
     def _child_key(self, tokens: np.ndarray):
         if self.page_size == 1:
@@ -266,6 +344,7 @@ class RadixCache(PrefixCache):
         if ns is not None and not root.children:
             del self._roots[ns]
             del self._root_namespace[id(root)]
+            self._epoch += 1
 
     def _new_root(self) -> TreeNode:
         return TreeNode(np.empty(0, np.int32), np.empty(0, np.int64), None, 0)

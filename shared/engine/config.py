@@ -23,12 +23,17 @@ class EngineConfig:
     chunked_prefill_size: int = 4096  # max new tokens of one request per prefill pass
     max_prefill_tokens: int = 8192  # max new tokens of all requests in one prefill pass
     schedule_policy: str = "lpm"  # lpm (longest prefix match) | fcfs
-    lpm_queue_limit: int = 128  # above this queue length, LPM falls back to FCFS (sorting costs)
+    # Above this queue length LPM falls back to FCFS; 0: never (match lengths are kept incrementally,
+    # so ordering a long queue costs a sort, not a re-walk of every prompt).
+    lpm_queue_limit: int = 0
     max_skipped_rounds: int = 32  # aging bound: a request passed over this often goes first
     disable_radix_cache: bool = False
     init_new_token_ratio: float = 0.7  # share of remaining max_new_tokens reserved for running requests
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.002
+    # Decode batches holding groups of requests with one cached prefix attend it once per group
+    # (cascade attention) when the backend judges it pays; such batches run outside CUDA graphs.
+    disable_shared_prefix_attention: bool = False
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
     enable_overlap: bool = True

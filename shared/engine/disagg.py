@@ -10,18 +10,21 @@ pages (services/decode/kv_receive.py); on arrival they are scattered into the po
 the running batch with the first token the prefill side sampled.
 
 Both sides talk to their glue through hooks set by it, called on this thread (the glue moves them to its
-event loop); the glue talks back through Engine.call or the thread-safe Engine.kv_* entry points.
+event loop); the glue talks back through Engine.call or the thread-safe Engine.kv_* entry points. They
+end and start requests through the engine's public end_request / start_decoding, and record each
+request's hand-over parts (PartTimes) for the workers' stats.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from shared.errors import InvalidRequest
-from shared.engine.request import PENDING_TOKEN
+from shared.engine.h2d import to_device
 from shared.protocol import GenerateRequest, KvDone, KvHeader
 from shared.transfer import kv_pages
 
@@ -31,13 +34,43 @@ if TYPE_CHECKING:
     from shared.engine.request import Req
 
 @dataclass
-class HandOff:
-    """A computed prompt, for the prefill glue. `buf` holds KV of [start, prompt_len) (ready once `event`
-    completes) when the decode side's start was known at hand-off, else None (the glue gathers later)."""
-    done: KvDone
-    start: int | None
-    buf: torch.Tensor | None
+class Pages:
+    """KV of positions [start, prompt_len) of a prompt, gathered right after the launch of the pass that
+    computes its last chunk (same stream: the copy runs when the pass has written the KV), readable
+    once `event` completes (None on the CPU). `start` is the decode side's start when the handshake had
+    answered by then, else 0 (the glue sends the suffix the decode side asked for)."""
+    start: int
+    buf: torch.Tensor
     event: object | None
+
+
+@dataclass
+class HandOff:
+    """A computed prompt: the first token (and what else the decode side needs), with the times of its
+    life on this worker (time.monotonic) for the hand-over breakdown."""
+    done: KvDone
+    arrival: float
+    admitted: float
+    computed: float
+
+
+class PartTimes:
+    """Recent requests' hand-over parts (seconds in, milliseconds out): p50/p99 per part, for stats."""
+
+    def __init__(self, keep: int = 4096):
+        self._rows: deque[dict[str, float]] = deque(maxlen=keep)
+
+    def add(self, **parts: float) -> None:
+        self._rows.append(parts)
+
+    def summary(self) -> dict:
+        rows = tuple(self._rows)  # one C-level copy: safe against appends from the engine thread
+        out: dict = {"requests": len(rows)}
+        for name in (rows[0] if rows else {}):
+            xs = sorted(r[name] for r in rows if name in r)
+            out[name] = {"p50": round(xs[len(xs) // 2] * 1e3, 3),
+                         "p99": round(xs[min(len(xs) - 1, int(0.99 * len(xs)))] * 1e3, 3)}
+        return out
 
 
 def validate_transfer(msg: GenerateRequest, engine: "Engine") -> None:
@@ -68,9 +101,11 @@ class PrefillSide:
     def __init__(self, engine: "Engine"):
         self.engine = engine
         # Hooks (set by the glue): on_transfer_open(id, {"host","port"}, header) once the scheduler has
-        # committed KV to a request; on_kv_ready(id, HandOff | None) once its prompt is computed (None:
-        # the request ended first).
+        # committed KV to a request; on_kv_gathered(id, Pages) when the pass computing its last chunk is
+        # launched; on_kv_ready(id, HandOff | None) once its first token is sampled (None: the request
+        # ended first).
         self.on_transfer_open: Callable[[str, dict, KvHeader], None] | None = None
+        self.on_kv_gathered: Callable[[str, Pages], None] | None = None
         self.on_kv_ready: Callable[[str, HandOff | None], None] | None = None
         self.starts: dict[str, int] = {}  # the decode side's first missing position, written by the glue
         self._open: set[str] = set()  # transfer opened, prompt not computed yet
@@ -84,7 +119,8 @@ class PrefillSide:
         return bool(self._handed_off)
 
     def open_new(self) -> None:
-        """After a scheduling round: open the transfers of newly admitted requests."""
+        """After a scheduling round: open the transfers of newly admitted requests (the handshake runs
+        while their prefill does)."""
         sched, pool = self.engine.scheduler, self.engine.runner.kv_pool
         for req in sched.new_transfers:
             self._open.add(req.transfer_id)
@@ -93,11 +129,20 @@ class PrefillSide:
                                            layout=kv_pages.token_layout(pool), dtype=kv_pages.dtype_name(pool.dtype)))
         sched.new_transfers.clear()
 
+    def on_launch(self, reqs: list["Req"], sample: list[bool]) -> None:
+        """A pass was just enqueued: for each prompt it completes, enqueue the gather of its pages
+        behind it, so they can leave as soon as the pass is done - not a step later, when the host
+        learns the first token (with overlap that is after the next pass is launched, and a gather
+        then would wait for that pass too)."""
+        for req, last_chunk in zip(reqs, sample):
+            if last_chunk and req.transfer_role == "prefill" and not req.finished:
+                start = self.starts.get(req.transfer_id, 0)
+                buf, event = self._gather(req, start)
+                self.on_kv_gathered(req.transfer_id, Pages(start, buf, event))
+
     def hand_off(self, req: "Req", out: "StepOutput", i: int) -> None:
-        """The prompt's KV is computed and the first token sampled: park the request (it stays in
-        scheduler.prefilled, holding its KV) and hand both to the glue. When the handshake already told
-        us where the decode side's tree ends, the pages are gathered now, so they can leave without
-        another engine round trip."""
+        """The first token is sampled: park the request (it stays in scheduler.prefilled, holding its
+        KV) and hand the token to the glue, which sends it after the pages."""
         tok = None
         if req.params.max_new_tokens > 0:
             tok = out.next_token_ids[i]
@@ -109,16 +154,10 @@ class PrefillSide:
         done = KvDone(transfer_id=tid, first_token=tok, first_logprob=out.logprobs[i] if tok is not None else None,
                       first_top_logprobs=(out.top_logprobs[i] or []) if tok is not None else [],
                       cached_tokens=req.num_cached_tokens or 0)
-        start = self.starts.get(tid)
-        buf, event = self.gather_kv(tid, start) if start is not None else (None, None)
-        self.on_kv_ready(tid, HandOff(done, start, buf, event))
+        self.on_kv_ready(tid, HandOff(done, req.arrival_time, req.first_scheduled_time or req.arrival_time,
+                                      time.monotonic()))
 
-    def gather_kv(self, tid: str, start: int):
-        """KV of positions [start, prompt_len) of a handed-off request as one buffer, and a CUDA event to
-        wait on before reading it (None on the CPU)."""
-        req = self._handed_off.get(tid)
-        if req is None or req.finished:
-            raise RuntimeError(f"the request of KV transfer {tid} has ended")
+    def _gather(self, req: "Req", start: int):
         runner = self.engine.runner
         slots = torch.tensor(req.slots[start:len(req.input_ids)], dtype=torch.int64)
         buf = kv_pages.gather(runner.kv_pool, slots, self.engine.config.kv_transfer_staging)
@@ -133,10 +172,7 @@ class PrefillSide:
         req = self._handed_off.pop(tid, None)
         if req is None or req.finished:
             return
-        if error:
-            self.engine._finish(req, {"type": "abort", "message": error}, error=error)
-        else:
-            self.engine._finish(req, {"type": "transferred"})
+        self.engine.end_request(req, error, None if error else {"type": "transferred"})
 
     def on_release(self, req: "Req") -> None:
         tid = req.transfer_id
@@ -161,18 +197,26 @@ class DecodeSide:
         # allocator could otherwise hand their memory to the next receive while UCX (not ordered with
         # our stream) writes into it.
         self._in_use: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        # Hand-over breakdown: per transfer the times it was offered and got its slots; per request
+        # whose pages were scattered, the times up to its first decode step's token.
+        self.times = PartTimes()
+        self._stamps: dict[str, list[float]] = {}
+        self._first_step: dict[str, tuple[float, ...]] = {}
 
     def knows(self, tid: str) -> bool:
         return tid in self._waiting or tid in self._awaiting
 
     def on_admit(self, req: "Req") -> None:
         self._waiting[req.transfer_id] = req
-        req.kv_offered = self._offers.pop(req.transfer_id, None) is not None
+        offered_at = self._offers.pop(req.transfer_id, None)
+        req.kv_offered = offered_at is not None
+        self._stamps[req.transfer_id] = [req.arrival_time, offered_at or 0.0, 0.0]
 
     def offered(self, tid: str) -> None:
         req = self._waiting.get(tid)
         if req is not None:
             req.kv_offered = True
+            self._stamps[tid][1] = time.monotonic()
         elif len(self._offers) < 100_000:
             self._offers[tid] = time.monotonic()
 
@@ -185,6 +229,7 @@ class DecodeSide:
         for req in sched.new_awaiting:
             self._waiting.pop(req.transfer_id, None)
             self._awaiting[req.transfer_id] = (req, now + timeout)
+            self._stamps[req.transfer_id][2] = now
             self.on_kv_expect(req.transfer_id, req.kv_len, len(req.input_ids))
         sched.new_awaiting.clear()
         for tid in [t for t, at in self._offers.items() if at < now - timeout]:
@@ -193,10 +238,14 @@ class DecodeSide:
         late += [r for r in self._waiting.values() if not r.kv_offered and r.arrival_time + timeout < now]
         for req in late:
             msg = f"the prompt's KV did not arrive within {timeout:g} s"
-            engine._finish(req, {"type": "abort", "message": msg}, error=msg)
+            engine.end_request(req, msg)
 
-    def arrived(self, tid: str, done: KvDone, buf: torch.Tensor) -> None:
+    def arrived(self, tid: str, done: KvDone, buf: torch.Tensor, received_at: float = 0.0) -> None:
+        """Pages and first token are here (`received_at`: when the receiver had them): scatter, emit the
+        first token, and the request decodes from this very step on."""
+        picked_at = time.monotonic()
         entry = self._awaiting.pop(tid, None)
+        stamps = self._stamps.pop(tid, None)
         if entry is None or entry[0].finished:
             return  # ended (abort, timeout) while its pages were on the way
         engine, req = self.engine, entry[0]
@@ -207,27 +256,39 @@ class DecodeSide:
             event = torch.cuda.Event()
             event.record()
             self._in_use.append((event, buf))
-        runner.req_pool.write(req.req_pool_idx, 0, torch.tensor(req.slots[:n], dtype=torch.int64))
+        runner.req_pool.write(req.req_pool_idx, 0, to_device(req.slots[:n], torch.int32, runner.device))
         engine.scheduler.kv_arrived(req)
         req.transfer = None  # from here on a local request: a retraction recomputes from the tree
         req.num_cached_tokens = done.cached_tokens  # computation saved is the prefill side's hit
-        if done.first_token is None:  # max_new_tokens == 0: a cache warm-up
-            req.finish_reason = {"type": "length", "length": 0}
-        else:
-            req.output_ids.append(PENDING_TOKEN)
-            runner.set_last_token(req.req_pool_idx, done.first_token)
-            engine._take_token(req, done.first_token, [], done.first_logprob, done.first_top_logprobs)
-        engine._emit([req])
+        engine.start_decoding(req, done.first_token, done.first_logprob, done.first_top_logprobs)
+        if stamps is not None and not req.finished:
+            self._first_step[req.rid] = (*stamps, received_at or picked_at, picked_at, time.monotonic())
+
+    @property
+    def timing(self) -> bool:
+        """Requests wait for their first decode step's token (the engine then calls first_step_done)."""
+        return bool(self._first_step)
+
+    def first_step_done(self, req: "Req") -> None:
+        """Engine: a token of `req` reached the host. The first after its pages: record the breakdown."""
+        st = self._first_step.pop(req.rid, None)
+        if st is None:
+            return
+        arrival, offered, reserved, received, picked, scattered = st
+        self.times.add(reserve=max(0.0, reserved - max(arrival, offered)), inbox=max(0.0, picked - received),
+                       scatter=scattered - picked, first_step=time.monotonic() - scattered)
 
     def failed(self, tid: str, reason: str) -> None:
         entry = self._awaiting.get(tid)
         if entry is not None:
-            self.engine._finish(entry[0], {"type": "abort", "message": reason}, error=reason)
+            self.engine.end_request(entry[0], reason)
 
     def on_release(self, req: "Req") -> None:
         """Ended before its pages came (abort, timeout, failure): the receiver drops the transfer,
         whether slots were reserved yet or not."""
         tid = req.transfer_id
+        self._stamps.pop(tid, None)
+        self._first_step.pop(req.rid, None)
         queued = self._waiting.pop(tid, None) is not None
         if self._awaiting.pop(tid, None) is not None or queued:
             self.on_kv_cancel(tid)

@@ -51,6 +51,7 @@ class _KvArrived:
     transfer_id: str
     done: KvDone
     buf: torch.Tensor
+    at: float
 
 
 @dataclass
@@ -116,7 +117,7 @@ class Engine:
         self.inbox.put(_Abort(rid))
 
     def kv_arrived(self, transfer_id: str, done: KvDone, buf: torch.Tensor) -> None:
-        self.inbox.put(_KvArrived(transfer_id, done, buf))
+        self.inbox.put(_KvArrived(transfer_id, done, buf, time.monotonic()))
 
     def kv_offered(self, transfer_id: str) -> None:
         """Decode side: the prefill worker has taken this request (its KV is committed there)."""
@@ -233,7 +234,7 @@ class Engine:
         elif isinstance(item, _Abort):
             self._abort(item.rid)
         elif isinstance(item, _KvArrived):
-            self.decode_side.arrived(item.transfer_id, item.done, item.buf)
+            self.decode_side.arrived(item.transfer_id, item.done, item.buf, item.at)
         elif isinstance(item, _KvOffered):
             self.decode_side.offered(item.transfer_id)
         elif isinstance(item, _KvFailed):
@@ -336,9 +337,12 @@ class Engine:
             req.kv_len += batch.extend_lens[i]
             if batch.sample[i] and req.params.max_new_tokens > 0:
                 req.output_ids.append(PENDING_TOKEN)
+        if self.prefill_side.on_kv_gathered is not None:
+            self.prefill_side.on_launch(batch.reqs, batch.sample)
 
     def _process(self, batch: ScheduleBatch, out: StepOutput) -> None:
         ready: list[Req] = []
+        first_steps = self.decode_side.timing  # PD: requests whose first decode step is being timed
         for i, req in enumerate(batch.reqs):
             if req.finished:
                 continue  # finished (or aborted) while this step was in flight: its results are moot
@@ -360,6 +364,8 @@ class Engine:
             else:
                 tok = out.next_token_ids[i]
             self._take_token(req, tok, accepted, out.logprobs[i], out.top_logprobs[i])
+            if first_steps:
+                self.decode_side.first_step_done(req)
             ready.append(req)
         self._emit(ready)
 
@@ -515,6 +521,23 @@ class Engine:
             out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
             req.input_logprobs_sent = True
         return out
+
+    # ------------------------------------------------------------------ for the PD halves (disagg.py)
+    def end_request(self, req: Req, error: str | None = None, reason: dict | None = None) -> None:
+        """End `req` now: an abort with `error`, or `reason` (e.g. {"type": "transferred"}); its KV goes
+        to the tree, its stream gets the final output."""
+        self._finish(req, reason or {"type": "abort", "message": error}, error=error)
+
+    def start_decoding(self, req: Req, first_token: int | None, logprob, top_logprobs) -> None:
+        """A request whose prompt KV came from elsewhere (PD): take the first token sampled there (None:
+        max_new_tokens 0, a cache warm-up) and stream it; it decodes from the next step on."""
+        if first_token is None:
+            req.finish_reason = {"type": "length", "length": 0}
+        else:
+            req.output_ids.append(PENDING_TOKEN)
+            self.runner.set_last_token(req.req_pool_idx, first_token)
+            self._take_token(req, first_token, [], logprob, top_logprobs)
+        self._emit([req])
 
     def _finish(self, req: Req, reason: dict, error: str | None = None, refused: bool = False) -> None:
         req.finish_reason = reason

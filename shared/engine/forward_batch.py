@@ -43,6 +43,10 @@ class ForwardBatch:
     seq_lens_cpu: list[int] | None = None
     extend_prefix_lens_cpu: list[int] | None = None
     extend_seq_lens_cpu: list[int] | None = None
+    req_pool_indices_cpu: list[int] | None = None
+    # Decode: (shared prefix length, batch indices) of requests whose KV begins with the same slots; the
+    # backend may attend each such prefix once per group (shared-prefix attention).
+    prefix_groups: list[tuple[int, list[int]]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,4 +76,5 @@ class ForwardBatch:
             extend_start_loc=t(starts, torch.int32), out_cache_loc=to_device(out_cache_loc, torch.int64, device),
             req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend,
             seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=list(extend_lens),
+            req_pool_indices_cpu=list(req_pool_indices),
         )

@@ -128,6 +128,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             config.attention_backend, num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads,
             head_dim=mc.head_dim, device=self.device)
+        self.attn_backend.cascade_enabled &= not config.disable_shared_prefix_attention
         log.info("model %s on %s (%s): KV pool %d tokens, context %d", config.model_path, self.device,
                  self.dtype, self.max_total_tokens, self.max_context_len)
         if self.device.type == "cuda":
@@ -160,8 +161,31 @@ class ModelRunner:
                                      output_ids=[[]], prompt_ids=None, vocab_size=self.vocab_size,
                                      device=self.device)
             sample(logits, sb, top_logprobs_num=1)
+        self._warmup_shared_prefix()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _warmup_shared_prefix(self) -> None:
+        """Compile the shared-prefix decode path for the group-size blocks it uses (eager batches, so
+        a first-use compile would stall serving). If it cannot run here, it is turned off: plain
+        decode attention serves every batch."""
+        be = self.attn_backend
+        if not be.cascade_enabled or self.max_context_len <= 40:
+            return
+        try:
+            for size in (2, 4, 8, 16, 32):
+                if size > self.config.max_running_requests:
+                    break
+                fb = ForwardBatch.build(ForwardMode.DECODE, [0] * size, [0] * size, [32] * size, [1] * size,
+                                        torch.zeros(size, dtype=torch.int64), self.req_pool.req_to_token,
+                                        self.kv_pool, be, self.device)
+                fb.prefix_groups = [(16, list(range(size)))]
+                be.init_forward_metadata(fb)
+                out = self.model.forward(fb)
+                assert bool(torch.isfinite(out).all()), "non-finite output"
+        except Exception:
+            log.exception("shared-prefix attention failed its warm-up; it stays off")
+            be.cascade_enabled = False
 
     def _pool_tokens(self) -> int:
         if self.config.max_total_tokens:
@@ -211,9 +235,11 @@ class ModelRunner:
             self.attn_backend, self.device)
         if decode:
             fb.input_ids = self.token_buf[fb.req_pool_indices]
+            # Shared-prefix attention when the backend judges it pays; such batches are not graph-captured.
+            fb.prefix_groups = self.attn_backend.select_prefix_groups(batch.prefix_groups)
         n = batch.batch_size
         out = StepOutput([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
-        if decode and self.graph_runner is not None and self.graph_runner.can_run(n):
+        if decode and self.graph_runner is not None and self.graph_runner.can_run(n) and not fb.prefix_groups:
             logits = self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
                                            fb.out_cache_loc)
             return self._sample(batch, logits, list(range(n)), out, fb)

@@ -1,10 +1,14 @@
 """Continuous batching with a radix prefix cache.
 
 Each call to `schedule()` returns one batch: a prefill (EXTEND) batch when waiting requests can be
-admitted, otherwise a decode batch of every running request. Admission is cache-aware (longest prefix
-match first) with an FCFS fallback for long queues and an aging bound; long prompts are prefilled in
-chunks under a token budget; when the pool runs dry the cache is evicted first, then running requests are
-retracted to the queue (their computed KV kept in the tree, so re-admission mostly hits the cache).
+admitted (shared/engine/prefill_adder.py decides which), otherwise a decode batch of every running
+request. Admission is cache-aware (longest prefix match first, match lengths kept incrementally so it
+stays on for any queue length) with an aging bound; long prompts are prefilled in chunks under a token
+budget. A request's computed prompt KV enters the tree as soon as the pass computing it is launched
+(each chunk too), locked by the request, so requests sharing its prefix hit it while it still decodes;
+its decode tokens join the tree when it ends. When the pool runs dry the cache is evicted first, then
+running requests are retracted to the queue (their computed KV kept in the tree, so re-admission mostly
+hits the cache).
 """
 from __future__ import annotations
 
@@ -17,11 +21,9 @@ from shared.cache.base import PrefixCache
 from shared.cache.kv_pool import ReqToTokenPool
 from shared.engine.config import EngineConfig
 from shared.engine.forward_batch import ForwardMode
-from shared.engine.request import Req, ReqStatus
+from shared.engine.prefill_adder import PrefillAdder
+from shared.engine.request import PENDING_TOKEN, Req, ReqStatus
 
-# Longest prefix of a prompt used to spot requests in one admission round that share a prefix the tree
-# does not hold yet: all but one are deferred one round so the prefix is computed once, not N times.
-_INBATCH_SHARE_TOKENS = 32
 _RESERVE_CAP = 4096  # per request, future decode tokens counted toward the reservation
 
 
@@ -34,6 +36,9 @@ class ScheduleBatch:
     sample: list[bool]  # False: a prefill chunk that stops short of the sequence end (no token sampled)
     input_ids: list[int]
     out_cache_loc: torch.Tensor  # host int64
+    # Decode: groups of requests whose KV begins with one cached prefix (prefix length, batch indices),
+    # for shared-prefix attention; None when not looked for.
+    prefix_groups: list[tuple[int, list[int]]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -76,6 +81,7 @@ class Scheduler:
         self._last_was_prefill = False
         # Requests the engine must finish with an error (e.g. cannot fit the pool at all).
         self.failed: list[Req] = []
+        self._extended: list[Req] = []  # the last EXTEND batch: its computed KV enters the tree next round
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -112,12 +118,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduleBatch | None:
+        """The next batch. Callers advance each request's kv_len by its extend length once the batch is
+        launched (before the next call)."""
+        self._cache_extended()
         # Interleave: after a prefill pass, give running requests a decode step before the next prefill,
         # so a stream of arrivals cannot stall token generation.
         if not (self._last_was_prefill and self.running) or any(r.seq_len - r.kv_len > 1 for r in self.running):
             batch = self._schedule_prefill()
             if batch is not None:
                 self._last_was_prefill = True
+                self._extended = list(batch.reqs)
                 return batch
         self._last_was_prefill = False
         return self._schedule_decode()
@@ -131,155 +141,130 @@ class Scheduler:
         ready = [r for r in self.waiting if r.transfer_role != "decode" or r.kv_offered]
         aged = [r for r in ready if r.skipped_rounds >= self.config.max_skipped_rounds]
         rest = [r for r in ready if r.skipped_rounds < self.config.max_skipped_rounds]
+        limit = self.config.lpm_queue_limit
         use_lpm = (self.config.schedule_policy == "lpm" and not self.config.disable_radix_cache
-                   and len(self.waiting) <= self.config.lpm_queue_limit)
+                   and (limit <= 0 or len(self.waiting) <= limit))
         if use_lpm:
-            lengths = {id(r): self._match(r).length for r in rest}
+            lengths = {id(r): self.lpm_length(r) for r in rest}
             rest.sort(key=lambda r: (-lengths[id(r)], r.arrival_time))
         return aged + rest
 
-    def _match_key(self, req: Req) -> list[int]:
-        ids = req.all_ids
-        limit = len(ids) - 1  # at least one token must be computed to produce logits
+    def lpm_length(self, req: Req) -> int:
+        """The request's cached prefix length for ordering, re-walked only when the part of the tree
+        its last answer depended on changed (RadixCache.match_length)."""
+        n = self._match_key_len(req)
+        if req.lpm_memo is not None and req.lpm_memo[0] == n:
+            length, memo = self.cache.match_length(_LazyKey(req, n), req.cache_salt, req.lpm_memo[1])
+        else:
+            length, memo = self.cache.match_length(req.all_ids[:n], req.cache_salt, None)
+        req.lpm_memo = (n, memo)
+        return length
+
+    def _match_key_len(self, req: Req) -> int:
+        limit = req.seq_len - 1  # at least one token must be computed to produce logits
         if req.wants_input_logprobs and req.num_cached_tokens is None:
             # Input logprobs need the logits from position logprob_start_len - 1 on.
             limit = min(limit, max(0, req.logprob_start_len - 1))
-        limit = limit // self.page_size * self.page_size
-        return ids[:max(0, limit)]
+        return max(0, limit // self.page_size * self.page_size)
+
+    def _match_key(self, req: Req) -> list[int]:
+        return req.all_ids[:self._match_key_len(req)]
 
     def _match(self, req: Req):
         return self.cache.match_prefix(self._match_key(req), namespace=req.cache_salt)
 
+    def _bind(self, req: Req, match) -> None:
+        """Give an admitted request its row and its cached prefix (locked by the caller)."""
+        req.req_pool_idx = self.req_pool.alloc()
+        req.last_node = match.node
+        req.cached_len = req.kv_len = match.length
+        req.slots = match.slots.tolist()
+
+    def _unbind(self, req: Req) -> None:
+        self.cache.unlock(req.last_node)
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node, req.cached_len, req.kv_len, req.slots = None, None, 0, 0, []
+
+    # ------------------------------------------------------------------ insert at prefill end
+    def _cache_extended(self) -> None:
+        """Requests of the last EXTEND batch (launched since): their computed KV goes into the tree."""
+        extended, self._extended = self._extended, []
+        for req in extended:
+            if req.req_pool_idx is not None and not req.finished:
+                self.cache_computed(req)
+
+    def cache_computed(self, req: Req) -> None:
+        """Insert the request's computed KV (page-aligned, confirmed tokens only) into the tree while it
+        keeps running: the lock moves to the new deepest node, and positions another request put into
+        the tree first are switched to the tree's slots (ours freed; same tokens, same KV). Later work
+        reading those positions runs after the pass that wrote them (one stream), so this is safe to do
+        as soon as that pass is launched."""
+        if not self.cache.retains:
+            return
+        P = self.page_size
+        ids = req.all_ids
+        n = min(req.kv_len, len(ids) - req.proposed)  # unverified jump-forward proposals stay out
+        n -= n % P
+        if n <= req.cached_len:
+            return
+        key = ids[:n]
+        if PENDING_TOKEN in key:  # a sampled token not on the host yet (overlap): stop before it
+            n = key.index(PENDING_TOKEN)
+            n -= n % P
+            if n <= req.cached_len:
+                return
+            key = key[:n]
+        old = req.cached_len
+        slots = torch.tensor(req.slots[:n], dtype=torch.int64)
+        returned = self.cache.insert(key, slots, namespace=req.cache_salt)
+        assert returned >= old, (returned, old)
+        match = self.cache.match_prefix(key, namespace=req.cache_salt, record=False)
+        assert match.length == n, (match.length, n)
+        self.cache.lock(match.node)
+        self.cache.unlock(req.last_node)
+        req.last_node, req.cached_len = match.node, n
+        if returned > old:
+            self.allocator.free(slots[old:returned])
+            tree = match.slots[old:returned]
+            req.slots[old:returned] = tree.tolist()
+            self.req_pool.write(req.req_pool_idx, old, tree)
+
+    def _reserve_of(self, req: Req) -> float:
+        """Slots set aside for a request's future decode tokens (the one reservation formula)."""
+        return min(req.remaining_new_tokens(), _RESERVE_CAP) * self.new_token_ratio
+
     def _reserved_tokens(self) -> float:
         reqs = self.running + ([self.chunked] if self.chunked else [])
-        return sum(min(r.remaining_new_tokens(), _RESERVE_CAP) for r in reqs) * self.new_token_ratio
+        return sum(self._reserve_of(r) for r in reqs)
 
     def _free_tokens(self) -> int:
         return self.allocator.available_size() + self.cache.evictable_size()
 
     def _schedule_prefill(self) -> ScheduleBatch | None:
-        budget = self.config.max_prefill_tokens
-        reqs, prefix_lens, extend_lens, sample, locs = [], [], [], [], []
-        reserve = self._reserved_tokens()
-
-        def take(req: Req, ext: int) -> bool:
-            if self.allocator.available_size() < ext:
-                self.stats.evicted_for_admission += self.cache.evict(ext - self.allocator.available_size())
-            slots = self.allocator.alloc(ext, req.slots[-1] if req.slots else -1)
-            if slots is None:
-                return False
-            reqs.append(req)
-            prefix_lens.append(req.kv_len)
-            extend_lens.append(ext)
-            sample.append(req.kv_len + ext == req.seq_len)
-            locs.append(slots)
-            req.slots.extend(slots.tolist())
-            return True
-
+        adder = PrefillAdder(self)
         # 1. Continue the chunked request first.
-        if self.chunked is not None:
-            req = self.chunked
-            ext = min(req.seq_len - req.kv_len, self.config.chunked_prefill_size, budget)
-            if take(req, ext):
-                budget -= ext
-                if req.kv_len + ext == req.seq_len:
-                    self.chunked = None
-                    self._prefill_done(req)  # sampled this pass, decodes from the next
-            else:
-                self._retract_for(ext)
-                return None
-
+        if self.chunked is not None and not adder.add_chunk(self.chunked):
+            self._retract_for(adder.last_need)
+            return None
         # 2. Running requests that gained several tokens at once (jump-forward) extend them here, and
         #    every other running request rides along with its one decode token, so none stalls.
-        if any(r.seq_len - r.kv_len > 1 for r in self.running if r not in reqs):
-            for req in [r for r in self.running if r not in reqs]:
-                ext = req.seq_len - req.kv_len
-                if ext > budget:
-                    break
-                if not take(req, ext):
-                    # Out of memory for the catch-up pass: retract the youngest request not in this
-                    # batch (its work stays in the tree), or nothing could ever move again.
-                    victims = [r for r in self.running if r not in reqs]
-                    if victims:
-                        self._retract(max(victims, key=lambda r: r.arrival_time))
-                    break
-                budget -= ext
-
-        # 3. Admit waiting requests.
-        admitted = 0
-        shared_keys: set[tuple[int, ...]] = set()
+        adder.add_catch_up()
+        # 3. Admit waiting requests (they join self.running, self.chunked or a PD list as taken).
         if self.chunked is None and self.waiting:
             for req in self._order_waiting():
-                # Admitted requests join self.running (or self.chunked) as they are taken.
-                if req.solo and reqs:
+                if req.solo and adder.reqs:
                     continue  # suspected of failing a step: it runs alone, in a later round
-                if budget <= 0 or self.num_running() >= self.config.max_running_requests:
+                solo = req.solo
+                if not adder.add_waiting(req):
                     break
-                if self.req_pool.available() == 0:
-                    break
-                # Matched here, right before locking: an eviction earlier in this round may have
-                # shortened what the ordering saw.
-                match = self._match(req)
-                aged = req.skipped_rounds >= self.config.max_skipped_rounds
-                if not aged and req.seq_len >= 2 * _INBATCH_SHARE_TOKENS and match.length < _INBATCH_SHARE_TOKENS:
-                    key = tuple(req.all_ids[:_INBATCH_SHARE_TOKENS])
-                    if key in shared_keys:
-                        continue  # another admitted request computes this prefix now; we hit it next round
-                    shared_keys.add(key)
-                self.cache.lock(match.node)
-                if req.transfer_role == "decode":
-                    if not self._reserve_for_transfer(req, match, reserve, bool(reqs)):
-                        self.cache.unlock(match.node)
-                        break
-                    reserve += min(req.remaining_new_tokens(), _RESERVE_CAP) * self.new_token_ratio
-                    admitted += 1
-                    continue
-                ext_total = req.seq_len - match.length
-                ext = min(ext_total, self.config.chunked_prefill_size, budget)
-                own_reserve = min(req.remaining_new_tokens(), _RESERVE_CAP) * self.new_token_ratio
-                if self._free_tokens() < ext + reserve + own_reserve and (reqs or self.running):
-                    self.cache.unlock(match.node)
-                    break
-                if ext < ext_total and ext < self.page_size:
-                    self.cache.unlock(match.node)
-                    break
-                row = self.req_pool.alloc()
-                req.req_pool_idx = row
-                req.last_node = match.node
-                req.cached_len = match.length
-                req.kv_len = match.length
-                req.slots = match.slots.tolist()
-                if not take(req, ext):
-                    # Not even the first chunk fits: undo and stop admitting.
-                    self.cache.unlock(match.node)
-                    self.req_pool.free(row)
-                    req.req_pool_idx, req.last_node, req.cached_len, req.kv_len, req.slots = None, None, 0, 0, []
-                    if not reqs and not self._holds_kv():
-                        self.waiting.remove(req)
-                        self.failed.append(req)  # larger than the whole pool: cannot ever run
-                    break
-                self._mark_admitted(req, match.length)
-                reserve += own_reserve
-                budget -= ext
-                admitted += 1
-                solo, req.solo = req.solo, False
-                if ext < ext_total:
-                    self.chunked = req
-                    break
-                self._prefill_done(req)
-                if solo:
-                    break
+                if solo and req in adder.reqs:
+                    req.solo = False
+                    break  # nothing joins its pass
         for r in self.waiting:
-            if admitted or self.running:
+            if adder.admitted or self.running:
                 r.skipped_rounds += 1
-        self.stats.last_round_admitted = admitted
-        if not reqs:
-            return None
-        input_ids = []
-        for req, p, e in zip(reqs, prefix_lens, extend_lens):
-            input_ids.extend(req.all_ids[p:p + e])
-        return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix_lens, extend_lens, sample, input_ids,
-                             torch.cat(locs))
+        self.stats.last_round_admitted = adder.admitted
+        return adder.batch()
 
     def _mark_admitted(self, req: Req, cached: int) -> None:
         """Out of the queue; the first admission counts its prompt and cache hit (re-admissions after a
@@ -301,36 +286,12 @@ class Scheduler:
     def _prefill_done(self, req: Req) -> None:
         (self.prefilled if req.transfer_role == "prefill" else self.running).append(req)
 
-    def _reserve_for_transfer(self, req: Req, match, reserve: float, batch_nonempty: bool) -> bool:
-        """Decode side of PD: hold slots for every prompt position the tree lacks (the prefill worker
-        sends exactly those) and park the request until they arrive. Nothing is computed here."""
-        need = req.seq_len - match.length
-        own_reserve = min(req.remaining_new_tokens(), _RESERVE_CAP) * self.new_token_ratio
-        busy = batch_nonempty or self._holds_kv()
-        if self._free_tokens() < need + reserve + own_reserve and busy:
-            return False
-        if self.allocator.available_size() < need:
-            self.stats.evicted_for_admission += self.cache.evict(need - self.allocator.available_size())
-        slots = self.allocator.alloc(need, int(match.slots[-1]) if len(match.slots) else -1)
-        if slots is None:
-            if not busy:
-                self.waiting.remove(req)
-                self.failed.append(req)  # larger than the whole pool: cannot ever run
-            return False
-        req.req_pool_idx = self.req_pool.alloc()
-        req.last_node = match.node
-        req.cached_len = req.kv_len = match.length
-        req.slots = match.slots.tolist() + slots.tolist()
-        self._mark_admitted(req, match.length)
-        self.awaiting_kv.append(req)
-        self.new_awaiting.append(req)
-        return True
-
     def kv_arrived(self, req: Req) -> None:
         """Decode side: the request's prompt KV is complete; it decodes from the next step."""
         self.awaiting_kv.remove(req)
         req.kv_len = len(req.input_ids)
         self.running.append(req)
+        self.cache_computed(req)  # the received prompt serves later requests on this worker too
 
     def _schedule_decode(self) -> ScheduleBatch | None:
         if not self.running or any(r.seq_len - r.kv_len > 1 for r in self.running):
@@ -360,8 +321,11 @@ class Scheduler:
             prefix_lens.append(req.kv_len)
         input_ids = [req.output_ids[-1] if req.output_ids else req.input_ids[-1] for req in reqs]
         n = len(reqs)
+        groups = None
+        if not self.config.disable_shared_prefix_attention and n >= 2:
+            groups = self.cache.shared_prefix_groups([r.last_node for r in reqs])
         return ScheduleBatch(ForwardMode.DECODE, reqs, prefix_lens, [1] * n, [True] * n, input_ids,
-                             torch.cat(locs))
+                             torch.cat(locs), prefix_groups=groups)
 
     def _decode_slots_needed(self) -> int:
         if self.page_size == 1:
@@ -407,6 +371,7 @@ class Scheduler:
     def truncate_kv(self, req: Req, kv_len: int) -> None:
         """Forget KV past kv_len (rejected proposals): free the pages wholly beyond it; slots left in
         the last kept page stay the request's and are handed out again by the next allocation."""
+        assert kv_len >= req.cached_len, "rollback into KV the tree owns"
         if kv_len >= len(req.slots):
             req.kv_len = min(req.kv_len, kv_len)
             return
@@ -435,3 +400,18 @@ class Scheduler:
             self.cache.unlock(req.last_node)
         self.req_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.cached_len, req.kv_len, req.slots = None, None, 0, 0, []
+
+
+class _LazyKey:
+    """A request's match key of known length whose tokens are only built if the cache must walk."""
+
+    __slots__ = ("req", "n")
+
+    def __init__(self, req: Req, n: int):
+        self.req, self.n = req, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, sl):
+        return self.req.all_ids[:self.n][sl]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from shared.cache.kv_pool import KVPool
+from shared.engine.h2d import to_device
 
 
 def token_layout(pool: KVPool) -> list[int]:
@@ -21,8 +22,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def gather(pool: KVPool, slots: torch.Tensor, staging: str = "device") -> torch.Tensor:
     """KV at `slots` (one slot per position) -> a new contiguous buffer. `staging="host"` returns it in
-    pinned host memory, for transports that cannot read device memory."""
-    loc = slots.to(pool.device, torch.int64)
+    pinned host memory, for transports that cannot read device memory. Never waits for the GPU: the
+    slot indices go up through pinned memory (a pageable copy would queue behind the running pass and
+    stall the engine thread until it ends)."""
+    loc = to_device(slots, torch.int64, pool.device)
     out = torch.empty((len(slots), pool.num_layers, 2, pool.num_kv_heads, pool.head_dim),
                       dtype=pool.dtype, device=pool.device)
     for layer in range(pool.num_layers):
@@ -41,7 +44,7 @@ def scatter(pool: KVPool, slots: torch.Tensor, buf: torch.Tensor) -> None:
     if buf.shape != (len(slots), pool.num_layers, 2, pool.num_kv_heads, pool.head_dim):
         raise ValueError(f"KV buffer of shape {tuple(buf.shape)} does not fit {len(slots)} slots of this pool")
     buf = buf.to(pool.device, non_blocking=True)
-    loc = slots.to(pool.device, torch.int64)
+    loc = to_device(slots, torch.int64, pool.device)  # (pinned: no wait for the step in flight)
     for layer in range(pool.num_layers):
         k, v = pool.get_kv(layer)
         k[loc] = buf[:, layer, 0]

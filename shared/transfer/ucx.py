@@ -7,8 +7,8 @@ reused for later transfers to the same decode worker (a UCX connect costs ~13 ms
     KvHeader(id, prompt_len, layout)        ->
                                               waits until its engine has reserved slots for `id`
                                            <- KvAccept(start)   (positions its tree already holds are skipped)
-    ... the prefill runs; its engine gathers [start, prompt_len) as soon as the pass is done ...
-    KV of [start, prompt_len), one message  ->
+    ... the prefill runs; its engine enqueues the gather of the pages right behind the pass ...
+    KV of [start, prompt_len), one message  ->   (as soon as the pass is done)
     KvDone(first token, its logprobs)       ->
                                            <- KvAck             (pages are in the decode side's hands)
 
@@ -50,11 +50,22 @@ class TransferCancelled(TransferError):
 
 
 def _ucxx():
-    # A decode worker restarted on its fixed --transfer-port must be able to listen again while the old
-    # connections linger in TIME_WAIT (UCX reads this when its context is created, on first use).
-    os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
-    import ucxx  # imported on first use: only PD workers need UCX
+    """ucxx, its context created on first use (only PD workers need UCX; call on the event loop).
 
+    Python futures on: every UCX operation we await completes an asyncio future set by ucxx's notifier
+    thread. Without them (ucxx's default) an await polls `request.completed` with `asyncio.sleep(0)` in a
+    loop, so each pending operation keeps the event loop spinning: the decode worker, which keeps a
+    header receive pending on every kept endpoint, burned a whole core in its event-loop thread even
+    when idle and took the GIL from its engine thread on every step (decode ITL +30-70% on the H200)."""
+    import ucxx
+
+    from ucxx import core
+
+    if core._ctx is None:
+        # A decode worker restarted on its fixed --transfer-port must be able to listen again while the
+        # old connections linger in TIME_WAIT (UCX reads this when its context is created).
+        os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
+        ucxx.init(progress_mode="thread", enable_python_future=True)
     return ucxx
 
 
@@ -216,13 +227,14 @@ class KvReceiver:
                 done = await _recv_msg(ep, KvDone)
                 if done.transfer_id != transfer_id:
                     raise ProtocolError("KV done names another transfer")
-                await _send_msg(ep, KvAck(transfer_id=transfer_id))
             self.received_bytes += buf.numel() * buf.element_size()
-            if self._expected.pop(transfer_id, None) is None:
-                return True  # the request ended while its pages were on the way
-            self.received_tokens += exp.prompt_len - exp.start
-            self.skipped_tokens += exp.start
-            self.on_arrival(transfer_id, done, buf)
+            if self._expected.pop(transfer_id, None) is not None:
+                self.received_tokens += exp.prompt_len - exp.start
+                self.skipped_tokens += exp.start
+                self.on_arrival(transfer_id, done, buf)  # to the engine first, the ack after: off the path
+            # (else the request ended while its pages were on the way)
+            async with asyncio.timeout(self.io_timeout):
+                await _send_msg(ep, KvAck(transfer_id=transfer_id))
             return True
         except Exception as e:  # ProtocolError, TransferError, UCX errors, timeouts
             reason = str(e) or type(e).__name__
@@ -250,6 +262,9 @@ class OpenTransfer:
     header: KvHeader
     start: int
     peer: tuple[str, int]
+    wire_start: float = 0.0
+    wire_seconds: float = 0.0  # the pages' send, until UCX reports it done
+    sent_bytes: int = 0
 
 
 class KvSender:
@@ -267,7 +282,7 @@ class KvSender:
         self.accept_timeout = accept_timeout  # the decode side waits up to its expect_timeout for slots
         self.sent_tokens = 0
         self.sent_bytes = 0
-        self.send_seconds = 0.0  # the wire part alone: data out until the decode side's ack
+        self.send_seconds = 0.0  # the wire part alone: the pages' sends
         self.transfers = 0
 
     async def _connect(self, host: str, port: int):
@@ -328,21 +343,34 @@ class KvSender:
             raise TransferError(f"KV handshake with {host}:{port} failed: {str(e) or type(e).__name__}") from None
         return OpenTransfer(ep, header, accept.start, (host, port))
 
-    async def finish(self, t: OpenTransfer, buf: torch.Tensor, done: KvDone) -> None:
+    async def send_pages(self, t: OpenTransfer, buf: torch.Tensor) -> None:
+        """The KV of [t.start, prompt_len), one message (it may go before the first token is known)."""
+        t.wire_start = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             async with asyncio.timeout(self.io_timeout):
                 await _io(t.ep.send(as_transport_buffer(buf)))
+        except BaseException as e:
+            _abort(t.ep)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise TransferError(f"KV transfer failed: {str(e) or type(e).__name__}") from None
+        t.sent_bytes = buf.numel() * buf.element_size()
+        t.wire_seconds = time.perf_counter() - t.wire_start
+        self.send_seconds += t.wire_seconds
+
+    async def complete(self, t: OpenTransfer, done: KvDone) -> None:
+        """The first token after the pages, then the decode side's ack; the endpoint is kept for reuse."""
+        try:
+            async with asyncio.timeout(self.io_timeout):
                 await _send_msg(t.ep, done)
                 await _recv_msg(t.ep, KvAck)
-            self.send_seconds += time.perf_counter() - t0
         except BaseException as e:
             _abort(t.ep)
             if isinstance(e, asyncio.CancelledError):
                 raise
             raise TransferError(f"KV transfer failed: {str(e) or type(e).__name__}") from None
         self.sent_tokens += t.header.prompt_len - t.start
-        self.sent_bytes += buf.numel() * buf.element_size()
+        self.sent_bytes += t.sent_bytes
         self.transfers += 1
         idle = self._idle.setdefault(t.peer, [])
         if len(idle) < self.max_idle_per_peer:
@@ -352,6 +380,10 @@ class KvSender:
             await t.ep.close()
         except Exception:
             _abort(t.ep)
+
+    async def finish(self, t: OpenTransfer, buf: torch.Tensor, done: KvDone) -> None:
+        await self.send_pages(t, buf)
+        await self.complete(t, done)
 
     @staticmethod
     def abort(t: OpenTransfer) -> None:

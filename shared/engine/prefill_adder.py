@@ -1,0 +1,184 @@
+"""One admission round of the scheduler: what goes into the next EXTEND batch.
+
+The adder owns the round's token budget (max_prefill_tokens), the memory reservation (slots held back
+for the future decode tokens of everything running or admitted, `Scheduler._reserve_of`), and the
+in-batch dedupe of shared prefixes. Each `add_*` either takes a request whole (slots allocated, KV
+bookkeeping set) or leaves everything as it was.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from shared.engine.forward_batch import ForwardMode
+from shared.engine.request import Req
+
+if TYPE_CHECKING:
+    from shared.engine.scheduler import ScheduleBatch, Scheduler
+
+# Longest prefix of a prompt used to spot requests in one admission round that share a prefix the tree
+# does not hold yet: all but one are deferred one round so the prefix is computed once, not N times
+# (the one computing it inserts it into the tree when its prefill pass ends; the others then hit it).
+INBATCH_SHARE_TOKENS = 32
+
+
+class PrefillAdder:
+    def __init__(self, sched: "Scheduler"):
+        self.s = sched
+        self.budget = sched.config.max_prefill_tokens
+        self.reserve = sched._reserved_tokens()
+        self.reqs: list[Req] = []
+        self.prefix_lens: list[int] = []
+        self.extend_lens: list[int] = []
+        self.sample: list[bool] = []
+        self.locs: list[torch.Tensor] = []
+        self.admitted = 0
+        self.last_need = 0  # tokens the last refused chunk needed (for retraction)
+        self._shared_keys: set[tuple] = set()
+
+    # ------------------------------------------------------------------ reservation
+    def _busy(self) -> bool:
+        """Something else holds KV that will come back without this round's help, so a request that
+        does not fit may wait (otherwise it is tried anyway, and fails only if the pool is too small)."""
+        return bool(self.reqs) or self.s._holds_kv()
+
+    def fits(self, req: Req, need: int) -> bool:
+        """need new slots now plus the request's own decode reservation fit beside everyone else's."""
+        s = self.s
+        return s._free_tokens() >= need + self.reserve + s._reserve_of(req) or not self._busy()
+
+    # ------------------------------------------------------------------ taking
+    def _take(self, req: Req, ext: int) -> bool:
+        """Allocate ext slots after the request's KV and put its next ext tokens into the batch."""
+        s = self.s
+        if s.allocator.available_size() < ext:
+            s.stats.evicted_for_admission += s.cache.evict(ext - s.allocator.available_size())
+        slots = s.allocator.alloc(ext, req.slots[-1] if req.slots else -1)
+        if slots is None:
+            return False
+        self.reqs.append(req)
+        self.prefix_lens.append(req.kv_len)
+        self.extend_lens.append(ext)
+        self.sample.append(req.kv_len + ext == req.seq_len)
+        self.locs.append(slots)
+        req.slots.extend(slots.tolist())
+        self.budget -= ext
+        return True
+
+    def add_chunk(self, req: Req) -> bool:
+        """The next chunk of the request being prefilled in pieces."""
+        s = self.s
+        ext = min(req.seq_len - req.kv_len, s.config.chunked_prefill_size, self.budget)
+        if not self._take(req, ext):
+            self.last_need = ext
+            return False
+        if req.kv_len + ext == req.seq_len:
+            s.chunked = None
+            s._prefill_done(req)  # sampled this pass, decodes from the next
+        return True
+
+    def add_catch_up(self) -> None:
+        """Running requests several tokens behind (jump-forward) extend them; the others ride along
+        with their one decode token."""
+        s = self.s
+        rest = [r for r in s.running if r not in self.reqs]
+        if not any(r.seq_len - r.kv_len > 1 for r in rest):
+            return
+        for req in rest:
+            ext = req.seq_len - req.kv_len
+            if ext > self.budget:
+                break
+            if not self._take(req, ext):
+                # Out of memory for the catch-up pass: retract the youngest request not in this
+                # batch (its work stays in the tree), or nothing could ever move again.
+                victims = [r for r in s.running if r not in self.reqs]
+                if victims:
+                    s._retract(max(victims, key=lambda r: r.arrival_time))
+                break
+
+    def _defer_sibling(self, req: Req, match_len: int) -> bool:
+        """True when another request admitted this round computes the same uncached prefix."""
+        if req.skipped_rounds >= self.s.config.max_skipped_rounds:
+            return False  # aged: goes now, even if it recomputes
+        if req.seq_len < 2 * INBATCH_SHARE_TOKENS or match_len >= INBATCH_SHARE_TOKENS:
+            return False
+        key = (req.cache_salt, tuple(req.input_ids[:INBATCH_SHARE_TOKENS]))
+        if key in self._shared_keys:
+            return True
+        self._shared_keys.add(key)
+        return False
+
+    def add_waiting(self, req: Req) -> bool:
+        """Try to admit a queued request. False: stop admitting this round."""
+        s = self.s
+        if self.budget <= 0 or s.num_running() >= s.config.max_running_requests or s.req_pool.available() == 0:
+            return False
+        # Matched here, right before locking: an eviction earlier in this round may have shortened what
+        # the ordering saw.
+        match = s._match(req)
+        if self._defer_sibling(req, match.length):
+            return True
+        s.cache.lock(match.node)  # first: neither the checks nor an eviction may count it as free
+        if req.transfer_role == "decode":
+            return self._reserve_for_transfer(req, match)
+        ext_total = req.seq_len - match.length
+        ext = min(ext_total, s.config.chunked_prefill_size, self.budget)
+        if not self.fits(req, ext) or (ext < ext_total and ext < s.page_size):
+            s.cache.unlock(match.node)
+            return False
+        s._bind(req, match)
+        if not self._take(req, ext):
+            # Not even the first chunk fits: undo and stop admitting.
+            s._unbind(req)
+            if not self._busy():
+                s.waiting.remove(req)
+                s.failed.append(req)  # larger than the whole pool: cannot ever run
+            return False
+        s._mark_admitted(req, match.length)
+        self.reserve += s._reserve_of(req)
+        self.admitted += 1
+        if ext < ext_total:
+            s.chunked = req
+            return False
+        s._prefill_done(req)
+        return True
+
+    def _reserve_for_transfer(self, req: Req, match) -> bool:
+        """Decode side of PD: hold slots for every prompt position the tree lacks (the prefill worker
+        sends exactly those) and park the request until they arrive. Nothing is computed here.
+        The matched prefix is locked by the caller."""
+        s = self.s
+        need = req.seq_len - match.length
+        if not self.fits(req, need):
+            s.cache.unlock(match.node)
+            return False
+        if s.allocator.available_size() < need:
+            s.stats.evicted_for_admission += s.cache.evict(need - s.allocator.available_size())
+        slots = s.allocator.alloc(need, int(match.slots[-1]) if len(match.slots) else -1)
+        if slots is None:
+            s.cache.unlock(match.node)
+            if not self._busy():
+                s.waiting.remove(req)
+                s.failed.append(req)  # larger than the whole pool: cannot ever run
+            return False
+        s._bind(req, match)
+        req.slots.extend(slots.tolist())
+        s._mark_admitted(req, match.length)
+        s.awaiting_kv.append(req)
+        s.new_awaiting.append(req)
+        self.reserve += s._reserve_of(req)
+        self.admitted += 1
+        return True
+
+    # ------------------------------------------------------------------ result
+    def batch(self) -> "ScheduleBatch | None":
+        from shared.engine.scheduler import ScheduleBatch
+
+        if not self.reqs:
+            return None
+        input_ids: list[int] = []
+        for req, p, e in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            input_ids.extend(req.all_ids[p:p + e])
+        return ScheduleBatch(ForwardMode.EXTEND, self.reqs, self.prefix_lens, self.extend_lens, self.sample,
+                             input_ids, torch.cat(self.locs))
