@@ -579,11 +579,13 @@ class Engine:
         for key, req in reqs.items():
             if self._reqs.get(req.rid) is not req:
                 continue  # already ended and released
+            # KV the tree already holds (cached right after a launch that went through) stays.
+            trusted = max(kv_len[key], req.cached_len)
             if req.finished:  # finished earlier in the processing loop that raised: deliver it
-                req.kv_len = min(req.kv_len, kv_len[key])
+                req.kv_len = min(req.kv_len, trusted)
                 self._emit([req])
                 continue
-            req.kv_len = min(req.kv_len, kv_len[key])
+            req.kv_len = min(req.kv_len, trusted)
             del req.output_ids[req.num_resolved:]  # values that never reached the host
             req.drop_proposals()
             if key in suspects:

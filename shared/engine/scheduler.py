@@ -356,7 +356,7 @@ class Scheduler:
                 lst.remove(req)
         if self.chunked is req:
             self.chunked = None
-        req.kv_len = min(req.kv_len, kv_len)
+        req.kv_len = min(req.kv_len, max(kv_len, req.cached_len))  # what the tree holds is kept
         if req.req_pool_idx is not None:
             self._release_kv(req)
         if req not in self.waiting:
