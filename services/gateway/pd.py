@@ -80,6 +80,8 @@ async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: Worke
             if isinstance(item, BaseException):
                 if side == "prefill" and decoding:
                     continue  # after the hand-over (e.g. the decode side's ack was lost): moot
+                if side == "prefill" and getattr(item, "code", None) == "worker_refused":
+                    raise item  # the request itself cannot run (e.g. larger than the pool): no retry, a 400
                 if side == "prefill":
                     raise PrefillFailed(str(item))
                 if not decoding and isinstance(item, WorkerUnavailable):
