@@ -19,12 +19,14 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import sys
 
 from services.supervisor import RestartPolicy, WorkerSlot
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.engine.cli import add_engine_args, engine_args_to_argv
+from shared.wire import INTERNAL_KEY_ENV
 
 log = logging.getLogger("services.launch")
 
@@ -174,6 +176,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Worker ports are private to this stack: one random key, handed to every process through the
+    # environment (never argv, which `ps` shows); an operator's own $RADIXSERVE_INTERNAL_KEY wins.
+    if not os.environ.get(INTERNAL_KEY_ENV):
+        os.environ[INTERNAL_KEY_ENV] = secrets.token_urlsafe(32)
     sys.exit(asyncio.run(run(args)))
 
 

@@ -86,6 +86,14 @@ def _check(value: Any, tp: Any) -> bool:
 
 # ---------------------------------------------------------------- gateway -> worker
 @message
+class Hello(Message):
+    """The first frame of every worker connection: the shared internal key (`--internal-key`). A worker
+    reads nothing else from a connection until this one matched (shared/wire.py)."""
+    TYPE: ClassVar[str] = "hello"
+    key: str = ""
+
+
+@message
 class GenerateRequest(Message):
     TYPE: ClassVar[str] = "generate"
     rid: str
@@ -152,6 +160,7 @@ class TokenOutput(Message):
     input_top_logprobs: list = field(default_factory=list)
     queue_time: float = 0.0
     error: str | None = None  # set when the worker refused or failed this request
+    refused: bool = False  # with error: the request itself cannot run here (invalid, larger than the pool)
 
 
 @message
@@ -194,6 +203,7 @@ class KvHeader(Message):
     prompt_len: int
     layout: list[int]  # [num_layers, 2, num_kv_heads, head_dim] of one token's KV
     dtype: str
+    key: str = ""  # the internal key: a receiver ignores a header without the right one
 
 
 @message

@@ -8,12 +8,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import regex
 
 from shared.errors import InvalidRequest
+from shared.limits import (MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_REPEAT, MAX_STOP_LEN, MAX_STOP_STRINGS,
+                           MAX_STOP_TOKEN_IDS)
 
 # Temperatures below this are treated as greedy, as SGLang does.
 GREEDY_EPS = 1e-5
@@ -135,6 +138,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(f"{name} must be a boolean", name)
@@ -144,6 +149,8 @@ class SamplingParams:
             self.seed = self.seed & 0x7FFFFFFF
         if not isinstance(self.logit_bias, dict):
             raise InvalidRequest("logit_bias must be an object of token id -> bias", "logit_bias")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
         try:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         except (TypeError, ValueError):
@@ -156,6 +163,11 @@ class SamplingParams:
         for k in grammars:
             if not isinstance(getattr(self, k), str):
                 raise InvalidRequest(f"{k} must be a string", k)
+            if len(getattr(self, k)) > MAX_GRAMMAR_CHARS:
+                raise InvalidRequest(f"{k} is longer than {MAX_GRAMMAR_CHARS} characters", k)
+            count = _largest_count(getattr(self, k))
+            if count > MAX_REPEAT:
+                raise InvalidRequest(f"{k} asks for {count} repetitions; at most {MAX_REPEAT}", k)
         if self.min_new_tokens > self.max_new_tokens:
             self.min_new_tokens = self.max_new_tokens
 
@@ -168,6 +180,13 @@ def compile_stop_regex(pattern: str) -> "regex.Pattern":
         return regex.compile(pattern)
     except (regex.error, RecursionError, OverflowError) as e:
         raise InvalidRequest(f"stop_regex {pattern!r} does not compile: {e}", "stop_regex") from None
+# Repetition counts in a grammar: {n} / {n,m} (regex, EBNF, a schema's pattern) and a JSON schema's
+# size keywords. A huge one makes a forced run (jump-forward) or an automaton that size.
+_COUNTS = re.compile(r'\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}|"(?:min|max)(?:Length|Items|Properties|Contains)"\s*:\s*(\d+)')
+
+
+def _largest_count(text: str) -> int:
+    return max((int(n) for m in _COUNTS.finditer(text) for n in m.groups() if n), default=0)
 
 
 _INT_MAX = 2 ** 31 - 1  # every integer parameter fits int32 (and the wire)

@@ -1,15 +1,46 @@
-"""Length-prefixed msgpack frames over asyncio streams."""
+"""Length-prefixed msgpack frames over asyncio streams, and the opening handshake of worker connections.
+
+Every connection to a worker opens with a Hello frame carrying the shared internal key; the worker reads
+that frame with a tiny size cap and drops the connection unless the key matches, so an unauthenticated
+peer can make it allocate nothing and run nothing (admin frames such as flush_cache included).
+"""
 from __future__ import annotations
 
 import asyncio
+import hmac
+import os
 import struct
 
 import msgpack
 
-from shared.protocol import Message, ProtocolError, decode_message
+from shared.protocol import Hello, Message, ProtocolError, decode_message
 
-MAX_FRAME = 256 * 1024 * 1024
+MAX_FRAME = 256 * 1024 * 1024  # what a gateway accepts from its workers (long logprob answers)
+WORKER_MAX_FRAME = 32 * 1024 * 1024  # what a worker accepts from an authenticated gateway
+HELLO_MAX_FRAME = 4096  # before authentication
+HELLO_TIMEOUT_S = 10.0
+INTERNAL_KEY_ENV = "RADIXSERVE_INTERNAL_KEY"
 _HEADER = struct.Struct("!I")
+
+
+def internal_key(flag: str | None = None) -> str:
+    """The internal key: the flag when given, else $RADIXSERVE_INTERNAL_KEY, else "" (no key: open)."""
+    return flag if flag is not None else os.environ.get(INTERNAL_KEY_ENV, "")
+
+
+def key_matches(expected: str, offered: str) -> bool:
+    return hmac.compare_digest(expected.encode("utf-8", "surrogatepass"), offered.encode("utf-8", "surrogatepass"))
+
+
+async def accept_hello(reader: asyncio.StreamReader, key: str) -> None:
+    """Server side of the handshake: the first frame must be a Hello with the right key (ProtocolError
+    otherwise; a peer that says nothing times out)."""
+    async with asyncio.timeout(HELLO_TIMEOUT_S):
+        msg = await read_message(reader, HELLO_MAX_FRAME)
+    if not isinstance(msg, Hello):
+        raise ProtocolError(f"expected a hello frame first, got {msg.TYPE!r}")
+    if not key_matches(key, msg.key):
+        raise ProtocolError("wrong internal key")
 
 
 def encode_frame(msg: Message) -> bytes:
@@ -19,15 +50,16 @@ def encode_frame(msg: Message) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-async def read_message(reader: asyncio.StreamReader) -> Message:
-    """Read and validate one frame. Raises asyncio.IncompleteReadError at EOF, ProtocolError on garbage."""
+async def read_message(reader: asyncio.StreamReader, max_size: int = MAX_FRAME) -> Message:
+    """Read and validate one frame. Raises asyncio.IncompleteReadError at EOF, ProtocolError on garbage
+    or on a length prefix above `max_size` (checked before anything is allocated)."""
     header = await reader.readexactly(_HEADER.size)
     (size,) = _HEADER.unpack(header)
-    if size > MAX_FRAME:
-        raise ProtocolError(f"frame of {size} bytes exceeds the limit")
+    if size > max_size:
+        raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_size}")
     body = await reader.readexactly(size)
     try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=False, max_bin_len=MAX_FRAME)
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=False, max_bin_len=max_size)
     except Exception as e:  # msgpack raises several types for malformed input
         raise ProtocolError(f"undecodable frame: {e}") from None
     return decode_message(obj)

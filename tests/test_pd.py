@@ -294,10 +294,11 @@ def test_next_chat_turn_bypasses_the_prefill_worker(pd, stack):
 
 
 async def _decode_worker_scenario(host: str, port: int) -> None:
-    from shared.protocol import GenerateRequest, InfoRequest
+    from shared.protocol import GenerateRequest, Hello, InfoRequest
     from shared.wire import encode_frame, read_message
 
     reader, writer = await asyncio.open_connection(host, port)
+    writer.write(encode_frame(Hello()))
 
     async def ask(req) -> list:
         writer.write(encode_frame(req))

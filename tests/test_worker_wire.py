@@ -9,14 +9,14 @@ import struct
 
 import msgpack
 
-from shared.protocol import GenerateRequest, InfoRequest, TokenOutput
+from shared.protocol import GenerateRequest, Hello, InfoRequest, TokenOutput
 from shared.wire import encode_frame, read_message
 from tests.test_redis_discovery import spawn, wait_line
 
 
 async def _info(host: str, port: int) -> dict:
     reader, writer = await asyncio.open_connection(host, port)
-    writer.write(encode_frame(InfoRequest(call_id=1)))
+    writer.write(encode_frame(Hello()) + encode_frame(InfoRequest(call_id=1)))
     msg = await asyncio.wait_for(read_message(reader), 10)
     writer.close()
     return msg.info
@@ -32,7 +32,7 @@ async def _scenario(host: str, port: int) -> None:
     ]
     for frame in bad_frames:
         reader, writer = await asyncio.open_connection(host, port)
-        writer.write(frame)
+        writer.write(encode_frame(Hello()) + frame)
         await writer.drain()
         # The worker drops this connection (EOF), and only this one.
         assert await asyncio.wait_for(reader.read(), 10) == b""
@@ -41,7 +41,7 @@ async def _scenario(host: str, port: int) -> None:
     assert info["num_running"] == 0
     # A connection that disappears mid-request gets its request aborted.
     reader, writer = await asyncio.open_connection(host, port)
-    writer.write(encode_frame(GenerateRequest(rid="orphan", input_ids=[5, 6, 7],
+    writer.write(encode_frame(Hello()) + encode_frame(GenerateRequest(rid="orphan", input_ids=[5, 6, 7],
                                               sampling={"max_new_tokens": 3000, "ignore_eos": True})))
     msg = await asyncio.wait_for(read_message(reader), 20)
     assert isinstance(msg, TokenOutput) and msg.rid == "orphan"

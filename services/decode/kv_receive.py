@@ -15,7 +15,7 @@ from shared.transfer.ucx import KvReceiver
 
 
 class KvReceive:
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, key: str = ""):
         self.engine, self.loop = engine, loop
         pool = engine.runner.kv_pool
         staging = engine.config.kv_transfer_staging
@@ -23,7 +23,7 @@ class KvReceive:
             kv_pages.token_layout(pool), kv_pages.dtype_name(pool.dtype),
             alloc=lambda n: kv_pages.empty_buffer(pool, n, staging),
             on_arrival=engine.kv_arrived, on_failure=engine.kv_failed, on_offer=engine.kv_offered,
-            expect_timeout=engine.config.kv_transfer_timeout)
+            expect_timeout=engine.config.kv_transfer_timeout, key=key)
         side = engine.decode_side
         side.on_kv_expect = lambda tid, start, n: loop.call_soon_threadsafe(self.receiver.expect, tid, start, n)
         side.on_kv_cancel = lambda tid: loop.call_soon_threadsafe(self.receiver.cancel, tid)
@@ -37,5 +37,5 @@ class KvReceive:
     def stats(self) -> dict:
         r = self.receiver
         return {"received_tokens": r.received_tokens, "skipped_tokens": r.skipped_tokens, "failures": r.failures,
-                "cancelled": r.cancelled,
+                "cancelled": r.cancelled, "refused": r.refused,
                 "received_bytes": r.received_bytes, "handover_ms": self.engine.decode_side.times.summary()}

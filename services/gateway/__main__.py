@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None, help="defaults to what the workers report")
     p.add_argument("--api-key", default=None, help="Bearer key required on /v1/* and /generate")
     p.add_argument("--admin-api-key", default=None, help="Bearer key required on /flush_cache")
+    p.add_argument("--internal-key", default=None,
+                   help="the workers' shared secret, sent when connecting to them (default $RADIXSERVE_INTERNAL_KEY)")
     p.add_argument("--max-n", type=int, default=Limits.max_n, help="most choices (n) one request may ask for")
     p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
                    help="larger request bodies are refused with 413")
@@ -79,7 +81,8 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
                 tokenizer.set_chat_template(f.read())
         except (OSError, ValueError) as e:
             raise SystemExit(f"--chat-template {args.chat_template}: {e}") from None
-    workers = [WorkerClient(host, port) for host, port in parse_worker_list(args.workers)] if args.workers else []
+    key = getattr(args, "internal_key", None)
+    workers = [WorkerClient(host, port, internal_key=key) for host, port in parse_worker_list(args.workers)] if args.workers else []
     redis_url = getattr(args, "redis_url", None)
     if not workers and not redis_url:
         raise SystemExit("give --workers host:port[,...] or --redis-url to discover workers")
@@ -105,7 +108,7 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
         from services.gateway.discovery import WorkerDiscovery
         from shared.metadata.store import RedisStore
 
-        discovery = WorkerDiscovery(RedisStore(redis_url), state.router)
+        discovery = WorkerDiscovery(RedisStore(redis_url), state.router, internal_key=key)
         await discovery.refresh_once()  # Redis down: serve the --workers list, pick up the registry later
         discovery.start()
 

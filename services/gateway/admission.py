@@ -34,6 +34,16 @@ def check_token_ids(state: "GatewayState", ids: list[int], param: str) -> None:
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
 
 
+async def encode_prompt(state: "GatewayState", text: str, param: str) -> list[int]:
+    """A text prompt's token ids, computed off the event loop when large; a text too long to fit the
+    context whatever it tokenizes to is refused before any tokenizing."""
+    if state.cpu.chars_cannot_fit(len(text), state.context_length):
+        raise APIError.from_invalid(ContextLengthExceeded(
+            f"This model's maximum context length is {state.context_length} tokens; a prompt of {len(text)} "
+            f"characters is longer than that (context_length_exceeded)", param=param))
+    return await state.cpu.encode(text)
+
+
 def resolve_max_new_tokens(state: "GatewayState", prompt_len: int, requested: int | None,
                            prompt_param: str, max_param: str) -> int:
     """The output budget, refusing prompts that do not fit: clients match on context_length_exceeded."""

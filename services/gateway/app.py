@@ -11,6 +11,7 @@ from aiohttp import web
 from services.gateway import admin_api, native_api, openai_api, programs_api
 from services.gateway.access_log import access_middleware, add_request_id_header
 from services.gateway.errors import APIError, error_body
+from services.gateway.openapi import OPEN_PATHS, build_spec
 from services.gateway.state import GatewayState
 from services.gateway.tenancy import CACHE_SALT, tenant_salt
 from shared.errors import InvalidRequest
@@ -85,6 +86,12 @@ def create_app(state: GatewayState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/metrics", metrics)
+    spec = build_spec(state.limits)
+
+    async def openapi(request):
+        return web.json_response(spec)
+
+    app.router.add_get("/openapi.json", openapi)
 
     app.on_response_prepare.append(add_request_id_header)
     app.on_startup.append(_on_startup)
@@ -103,6 +110,7 @@ async def _on_cleanup(app: web.Application) -> None:
     state = app[STATE]
     await state.health.stop()
     await asyncio.gather(*(w.close() for w in state.router.workers))
+    state.cpu.close()
 
 
 @web.middleware
@@ -142,11 +150,13 @@ def _auth_middleware(state: GatewayState):
 
 
 def _required_keys(state: GatewayState, path: str) -> list[str]:
+    """With --api-key every route needs a key except liveness, metrics and the API description (as
+    SGLang); /flush_cache takes the admin key when one is set."""
     if path == "/flush_cache":
         return [state.admin_api_key] if state.admin_api_key else state.api_keys
-    if path.startswith("/v1/") or path == "/generate":
-        return state.api_keys
-    return []
+    if path in OPEN_PATHS:
+        return []
+    return state.api_keys
 
 
 def _matching_key(request: web.Request, keys: list[str]) -> str | None:

@@ -25,8 +25,9 @@ _DRAIN_S = 30.0
 
 class WorkerDiscovery:
     def __init__(self, store: MetadataStore, router: Router, interval_s: float = 1.0,
-                 roles: tuple[str, ...] = ("unified", "prefill", "decode")):
+                 roles: tuple[str, ...] = ("unified", "prefill", "decode"), internal_key: str | None = None):
         self.store = store
+        self.internal_key = internal_key
         self.router = router
         self.interval_s = interval_s
         self.roles = roles
@@ -73,7 +74,7 @@ class WorkerDiscovery:
             if not isinstance(host, str) or not isinstance(port, int):
                 continue
             addr = f"{host}:{port}"
-            wanted[addr] = self._clients.get(addr) or WorkerClient(host, port)
+            wanted[addr] = self._clients.get(addr) or WorkerClient(host, port, internal_key=self.internal_key)
         if set(wanted) == set(self._clients):
             return
         log.info("workers now: %s", ", ".join(sorted(wanted)) or "none")

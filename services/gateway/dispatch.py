@@ -7,6 +7,7 @@ Failures surface as APIError: 503 when the worker is unreachable, 400 when it re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from contextlib import aclosing
@@ -62,21 +63,26 @@ class Dispatcher:
         self.metrics = metrics
         self.inflight: set[str] = set()
 
-    def check_rids(self, rids: Sequence[str]) -> None:
+    def check_rids(self, rids: Sequence[str], salt: str | None = None) -> None:
+        """Request ids are unique per tenant: one tenant learns nothing about another's ids."""
         if len(set(rids)) != len(rids):
             raise bad_request("request ids must be unique", "rid")
         for rid in rids:
-            if rid in self.inflight:
+            if tenant_rid(rid, salt) in self.inflight:
                 raise bad_request(f"request id {rid!r} is already running", "rid")
 
     async def stream(self, req: GenerateRequest, salt: str | None = None
                      ) -> AsyncIterator[tuple[TokenOutput, GenerationResult]]:
         """Yield (increment, accumulated result) until the request finishes."""
-        self.check_rids([req.rid])
         record = ACCESS_RECORD.get()
         if record is not None and req.request_id is None:
             req.request_id = record.request_id
         salt = salt if salt is not None else req.cache_salt
+        self.check_rids([req.rid], salt)
+        result = GenerationResult(rid=req.rid)
+        # Workers see the tenant's namespace in the id, so two tenants' equal ids never collide there.
+        wire_rid = tenant_rid(req.rid, salt)
+        req = dataclasses.replace(req, rid=wire_rid) if wire_rid != req.rid else req
         pair = None if wants_local_prefill(req) else self.router.pick_pair(req.input_ids, salt)
         served_by: list[WorkerClient] = []
         if pair is None:
@@ -87,7 +93,6 @@ class Dispatcher:
                 self.metrics.pd_bypassed.inc()
             source = pd_serve(req, self.router, salt, *pair, served_by=served_by,
                               on_retry=self.metrics.pd_retried.inc)
-        result = GenerationResult(rid=req.rid)
         timer = RequestTimer(self.metrics)
         self.inflight.add(req.rid)
         self.metrics.gateway_inflight.inc()
@@ -162,6 +167,10 @@ class Dispatcher:
         if any(r is None for r in results):  # a worker that ended a stream without finishing it
             raise APIError(502, "a worker ended a request without a result", type="internal_error")
         return results  # type: ignore[return-value]
+
+
+def tenant_rid(rid: str, salt: str | None) -> str:
+    return f"{salt}.{rid}" if salt else rid
 
 
 def new_rid(prefix: str = "") -> str:

@@ -2,22 +2,24 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from services.gateway.errors import APIError, bad_request
+from shared import limits as shared_limits
 
 
 @dataclass
 class Limits:
     max_body_bytes: int = 16 * 1024 * 1024
     max_json_depth: int = 64
-    max_n: int = 16
+    max_n: int = shared_limits.MAX_N
     max_batch: int = 256
-    max_top_logprobs: int = 20
-    max_rid_len: int = 128
+    max_top_logprobs: int = shared_limits.MAX_TOP_LOGPROBS  # the worker enforces the same numbers
+    max_rid_len: int = shared_limits.MAX_RID_LEN
     grammar_timeout_s: float = 5.0  # regex / JSON schema compile time allowed before a 400
     # None: a request without max_tokens may fill the remaining context (OpenAI chat semantics).
     default_chat_max_tokens: int | None = None
@@ -45,7 +47,45 @@ async def read_json(request: web.Request, limits: Limits) -> Any:
     # Counting brackets runs at C speed; only bodies that could be too deep are walked.
     if raw.count(b"[") + raw.count(b"{") > limits.max_json_depth and _depth(body) > limits.max_json_depth:
         raise _too_deep(limits)
+    # JSON may escape half a UTF-16 pair ("\ud800"); such a string has no UTF-8 form, so it would fail
+    # deep inside (tokenizer, msgpack). Only bodies with a surrogate escape are walked.
+    if _SURROGATE_ESCAPE.search(raw):
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise bad_request(f"{where or 'the body'} contains a lone UTF-16 surrogate (not valid Unicode text)",
+                              where or None, code="invalid_unicode")
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """The path ("messages[0].content") of the first string (key or value) that is not valid Unicode
+    text, or None."""
+    stack = [(obj, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            if not _is_text(node):
+                return path
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                sub = f"{path}.{k}" if path else str(k)
+                if not _is_text(k):
+                    return path or "a key"
+                stack.append((v, sub))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+    return None
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _too_deep(limits: Limits) -> APIError:

@@ -10,8 +10,9 @@ from aiohttp import web
 
 from services.gateway.tenancy import request_salt
 from services.gateway import logprobs as lp
-from services.gateway.admission import (check_grammars, check_token_ids, child_requests, resolve_max_new_tokens,
-                                       sampling_params, stamp_tenant, unknown_sampling_keys)
+from services.gateway.admission import (check_grammars, check_token_ids, child_requests, encode_prompt,
+                                       resolve_max_new_tokens, sampling_params, stamp_tenant,
+                                       unknown_sampling_keys)
 from services.gateway.dispatch import GenerationResult, new_rid
 from services.gateway.errors import bad_request
 from services.gateway.fields import get_bool, get_int, is_int, is_token_ids
@@ -39,8 +40,9 @@ class NativeJob:
 
 async def generate(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
-    job = _build(state, body)
+    job = await _build(state, body)
     stamp_tenant(job.reqs, request_salt(request))
+    state.dispatcher.check_rids([r.rid for r in job.reqs], request_salt(request))  # before any header goes out
     await check_grammars(state, job.reqs)
     if get_bool(body, "stream"):
         return await stream_events(request, _events(state, job), headers=job.headers())
@@ -49,8 +51,9 @@ async def generate(state: "GatewayState", request: web.Request) -> web.StreamRes
 
 async def generate_json(state: "GatewayState", body: Any, cache_salt: str | None = None) -> dict | list:
     """`/generate` in process, without streaming: what the server-side program executor calls."""
-    job = _build(state, body)
+    job = await _build(state, body)
     stamp_tenant(job.reqs, cache_salt)
+    state.dispatcher.check_rids([r.rid for r in job.reqs], cache_salt)
     await check_grammars(state, job.reqs)
     return await _run(state, job)
 
@@ -61,10 +64,9 @@ async def _run(state: "GatewayState", job: NativeJob) -> dict | list:
     return answers if job.batched else answers[0]
 
 
-def _build(state: "GatewayState", body: Any) -> NativeJob:
+async def _build(state: "GatewayState", body: Any) -> NativeJob:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
-    tok = state.tokenizer
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise bad_request("exactly one of 'text' and 'input_ids' is required", "text")
@@ -75,7 +77,9 @@ def _build(state: "GatewayState", body: Any) -> NativeJob:
             raise bad_request("'text' must be a string or a non-empty list of strings", "text")
         if any(not t for t in texts):
             raise bad_request("the prompt is empty", "text")
-        prompts = [tok.encode(t) for t in texts]
+        if len(texts) > state.limits.max_batch:
+            raise bad_request(f"at most {state.limits.max_batch} prompts per request", "text")
+        prompts = [await encode_prompt(state, t, "text") for t in texts]
     else:
         if not isinstance(input_ids, list):
             raise bad_request("'input_ids' must be a list of token ids or a list of such lists", "input_ids")
@@ -123,7 +127,6 @@ def _build(state: "GatewayState", body: Any) -> NativeJob:
                                return_text_in_logprobs=with_text)
     if len(reqs) > state.limits.max_batch:
         raise bad_request(f"at most {state.limits.max_batch} generations per request (prompts x n)", "n")
-    state.dispatcher.check_rids([r.rid for r in reqs])  # before any header goes out
     return NativeJob(reqs, batched or any_n, with_text, sorted(unknown))
 
 

@@ -15,10 +15,11 @@ from services.gateway.tenancy import request_salt
 from services.gateway import logprobs as lp
 from services.gateway.chat_output import ChoiceOutput
 from services.gateway.chat_request import ChatSpec, parse_chat
-from services.gateway.admission import (check_grammars, check_model, stamp_tenant, check_token_ids, child_requests, resolve_max_new_tokens,
-                                        sampling_params)
+from services.gateway.admission import (check_grammars, check_model, stamp_tenant, check_token_ids, child_requests,
+                                        encode_prompt, resolve_max_new_tokens, sampling_params)
 from services.gateway.dispatch import GenerationResult, created_timestamp, new_rid
 from services.gateway.errors import APIError, bad_request
+from shared.errors import ContextLengthExceeded
 from services.gateway.fields import get_bool, get_dict, get_int, is_token_ids
 from services.gateway.limits import read_json
 from services.gateway.sse import stream_events
@@ -114,7 +115,7 @@ def _finish(res_or_reason) -> str | None:
 async def completions(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
     n, stream, include_usage = _common(state, body)
-    prompts = _parse_prompts(state, body.get("prompt"))
+    prompts = await _parse_prompts(state, body.get("prompt"))
     echo = get_bool(body, "echo")
     top_k = get_int(body, "logprobs", None, lo=0, hi=state.limits.max_top_logprobs)
     if body.get("suffix") is not None:
@@ -134,7 +135,7 @@ async def completions(state: "GatewayState", request: web.Request) -> web.Stream
     return web.json_response(fmt.response(results))
 
 
-def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
+async def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
     tok = state.tokenizer
     if isinstance(prompt, str):
         items: list = [prompt]
@@ -152,7 +153,7 @@ def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
         if isinstance(item, str):
             if not item:
                 raise bad_request("the prompt is empty", "prompt")
-            out.append(Prompt(tok.encode(item), item))
+            out.append(Prompt(await encode_prompt(state, item, "prompt"), item))
         else:
             check_token_ids(state, item, "prompt")
             out.append(Prompt(list(item), tok.decode(item, skip_special_tokens=False)))
@@ -223,7 +224,7 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
     n, stream, include_usage = _common(state, body)
     # Off the event loop: tool_choice required / named converts every function's schema to a grammar.
     spec = await asyncio.to_thread(parse_chat, body, state.tool_parser, state.reasoning_parser)
-    prompt = _render_chat(state, spec)
+    prompt = await _render_chat(state, spec)
     want_lp = get_bool(body, "logprobs")
     top_k = get_int(body, "top_logprobs", 0, lo=0, hi=state.limits.max_top_logprobs)
     if top_k and not want_lp:
@@ -243,14 +244,20 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
     return web.json_response(fmt.response(results))
 
 
-def _render_chat(state: "GatewayState", spec: ChatSpec) -> Prompt:
+async def _render_chat(state: "GatewayState", spec: ChatSpec) -> Prompt:
+    """The chat template applied and tokenized: in a pool process when the messages are large."""
+    chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else len(str(m.get("content") or ""))
+                for m in spec.messages)
+    if state.cpu.chars_cannot_fit(chars, state.context_length):
+        raise APIError.from_invalid(ContextLengthExceeded(
+            f"This model's maximum context length is {state.context_length} tokens; messages of {chars} "
+            f"characters are longer than that (context_length_exceeded)", param="messages"))
     try:
-        text = state.tokenizer.apply_chat_template(
-            spec.messages, add_generation_prompt=spec.add_generation_prompt, tools=spec.tools,
-            documents=spec.documents, continue_final_message=spec.continue_final_message, **spec.template_kwargs)
+        text, ids = await state.cpu.render_chat(spec.messages, chars, dict(
+            add_generation_prompt=spec.add_generation_prompt, tools=spec.tools, documents=spec.documents,
+            continue_final_message=spec.continue_final_message, template_kwargs=spec.template_kwargs))
     except (ValueError, jinja2.TemplateError) as e:  # ChatTemplateError is a ValueError
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-    ids = state.tokenizer.encode(text, add_special_tokens=False)
     check_token_ids(state, ids, "messages")
     return Prompt(ids, text)
 

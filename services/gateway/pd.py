@@ -19,7 +19,7 @@ import uuid
 from contextlib import aclosing
 from typing import AsyncIterator
 
-from services.gateway.errors import WorkerUnavailable, unavailable
+from services.gateway.errors import WorkerUnavailable, unavailable, worker_refused
 from services.gateway.worker_client import WorkerClient
 from shared.protocol import GenerateRequest, TokenOutput
 
@@ -55,8 +55,9 @@ async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: Worke
         try:
             async with aclosing(prefill.generate(p_req)) as outs:
                 async for out in outs:
-                    if out.error:
-                        events.put_nowait(("prefill", unavailable(f"prefill worker {prefill.address}: {out.error}")))
+                    if out.error:  # the request's own fault (e.g. larger than the pool) is a 400, as unified
+                        error = worker_refused if out.refused else unavailable
+                        events.put_nowait(("prefill", error(f"prefill worker {prefill.address}: {out.error}")))
         except WorkerUnavailable as e:
             events.put_nowait(("prefill", unavailable(f"prefill worker: {e}")))
 
@@ -79,6 +80,8 @@ async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: Worke
             if isinstance(item, BaseException):
                 if side == "prefill" and decoding:
                     continue  # after the hand-over (e.g. the decode side's ack was lost): moot
+                if side == "prefill" and getattr(item, "code", None) == "worker_refused":
+                    raise item  # the request itself cannot run (e.g. larger than the pool): no retry, a 400
                 if side == "prefill":
                     raise PrefillFailed(str(item))
                 if not decoding and isinstance(item, WorkerUnavailable):

@@ -13,6 +13,7 @@ from services.gateway.tenancy import request_salt
 from services.gateway import native_api
 from services.gateway.errors import APIError
 from services.gateway.limits import read_json
+from services.gateway.program_limits import ProgramMeter
 from services.gateway.programs import ProgramError, execute_program, parse_program_request, stream_program
 from services.gateway.sse import stream_events
 
@@ -23,13 +24,17 @@ if TYPE_CHECKING:
 async def run_program(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
     program, stream = parse_program_request(body)  # InvalidRequest -> 400 in the error middleware
-    generate = functools.partial(native_api.generate_json, state, cache_salt=request_salt(request))
-    if stream:
-        return await stream_events(request, _events(stream_program(program, generate)))
-    try:
-        return web.json_response(await execute_program(program, generate))
-    except ProgramError as e:
-        raise _failed(e) from None
+    salt = request_salt(request)
+    meter = ProgramMeter(state.program_budget)  # work, time and answer bounds (program_limits.py)
+    generate = meter.wrap(functools.partial(native_api.generate_json, state, cache_salt=salt))
+    with state.program_slots.hold(salt):  # 429 when this key already runs its share
+        if stream:
+            return await stream_events(request, _events(stream_program(program, generate)))
+        try:
+            result = await execute_program(program, generate)
+        except ProgramError as e:
+            raise _failed(e) from None
+        return web.Response(body=await meter.serialize(result), content_type="application/json")
 
 
 async def _events(events: AsyncIterator[dict]) -> AsyncIterator[dict]:

@@ -89,6 +89,10 @@ class Router:
         whole = [w for w in self._workers if w.role != "prefill"]
         if not whole:
             raise unavailable("no unified or decode workers are registered")
+        if not any(w.connected for w in whole) and any(w.connected for w in self._workers):
+            # The fleet is up but every worker that could finish the request is gone (all decode
+            # workers of a PD fleet dead): fail now rather than wait out a reconnection.
+            raise unavailable("no unified or decode worker is reachable")
         return self.policy.pick(_live(whole), input_ids, salt)
 
     def pick_pair(self, input_ids: Sequence[int], salt: str | None = None

@@ -4,10 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from services.gateway.cpu_work import CpuWork
 from services.gateway.dispatch import Dispatcher
 from services.gateway.health import HealthMonitor
 from services.gateway.limits import Limits
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.program_limits import ProgramBudget, ProgramSlots
 from services.gateway.router import Router
 from shared.tokenizer import Tokenizer
 
@@ -34,6 +36,9 @@ class GatewayState:
     dispatcher: Dispatcher = field(init=False)
     health: HealthMonitor = field(init=False)
     grammars: "GrammarCache" = field(init=False)
+    cpu: CpuWork = field(init=False)
+    program_budget: ProgramBudget = field(default_factory=ProgramBudget)
+    program_slots: ProgramSlots = field(init=False)
     # Set on SIGTERM: /health answers 503 so load balancers stop sending, while requests still finish.
     draining: bool = False
     drain_grace: float = 1.0
@@ -45,6 +50,8 @@ class GatewayState:
 
         # Validation only (workers compile their own): the tokenizer's vocabulary suffices.
         self.grammars = GrammarCache(self.tokenizer)
+        self.program_slots = ProgramSlots(self.program_budget)
+        self.cpu = CpuWork(self.tokenizer, self.tokenizer_path or self.model_path)
         self.metrics = GatewayMetrics(self.served_model_name)
         self.dispatcher = Dispatcher(self.router, self.metrics)
         self.health = HealthMonitor(self)

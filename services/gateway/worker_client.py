@@ -16,8 +16,9 @@ import logging
 from typing import AsyncIterator
 
 from services.gateway.errors import WorkerUnavailable
-from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest, InfoRequest,
+from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest, Hello, InfoRequest,
                              InfoResult, Message, PingRequest, PongResult, ProtocolError, TokenOutput)
+from shared import wire
 from shared.wire import encode_frame, read_message
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,11 @@ class _Lost:
 
 class WorkerClient:
     def __init__(self, host: str, port: int, *, connect_timeout: float = 10.0, call_timeout: float = 10.0,
-                 token_timeout: float = 600.0, max_backoff: float = 5.0):
+                 token_timeout: float = 600.0, max_backoff: float = 5.0, internal_key: str | None = None):
+        """`internal_key`: the workers' shared secret, sent in every connection's opening Hello (None:
+        $RADIXSERVE_INTERNAL_KEY)."""
         self.host, self.port = host, port
+        self._key = wire.internal_key(internal_key)
         self.connect_timeout = connect_timeout  # how long a request waits for a (re)connection
         self.call_timeout = call_timeout  # info / flush_cache answers
         self.token_timeout = token_timeout  # longest silence tolerated inside a stream (queueing included)
@@ -144,7 +148,7 @@ class WorkerClient:
 
     async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         async with asyncio.timeout(self.connect_timeout):
-            writer.write(encode_frame(PingRequest(call_id=0)))
+            writer.write(encode_frame(Hello(key=self._key)) + encode_frame(PingRequest(call_id=0)))
             await writer.drain()
             pong = await read_message(reader)
         if not isinstance(pong, PongResult):

@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 
 
 class KvPush:
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, sender: KvSender | None = None):
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, sender: KvSender | None = None,
+                 key: str = ""):
         self.engine, self.loop = engine, loop
-        self.sender = sender or KvSender()
+        self.sender = sender or KvSender(key=key)
         self._pages: dict[str, asyncio.Future] = {}
         self._ready: dict[str, asyncio.Future] = {}
         self._tasks: dict[str, asyncio.Task] = {}

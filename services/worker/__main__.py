@@ -23,6 +23,7 @@ from shared.engine.engine import Engine
 from shared.metadata.registration import Registration
 from shared.metadata.store import WORKER_TTL_S, create_store
 from shared.tokenizer import Tokenizer
+from shared.wire import INTERNAL_KEY_ENV, WORKER_MAX_FRAME, internal_key
 
 log = logging.getLogger("services.worker")
 
@@ -30,7 +31,9 @@ log = logging.getLogger("services.worker")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.worker", description=__doc__, formatter_class=HelpFormatter)
     add_config_arg(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on for the gateway")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface to listen on: loopback by default (worker ports are private; widen with "
+                        "e.g. 0.0.0.0 only on a private network, with --internal-key)")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on the ready line)")
     p.add_argument("--advertise-host", default=None,
                    help="address gateways should dial (default: --host, or this host's name if --host is a wildcard)")
@@ -42,6 +45,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=None, help="register in this Redis for gateway discovery")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
+    p.add_argument("--internal-key", default=None,
+                   help=f"shared secret every connection (gateway, KV transfer) must present; default "
+                        f"${INTERNAL_KEY_ENV} (unset: no key, loopback-only use)")
+    p.add_argument("--max-frame-bytes", type=int, default=WORKER_MAX_FRAME,
+                   help="largest frame accepted from the gateway")
     p.add_argument("--drain-grace", type=float, default=1.0,
                    help="on SIGTERM, seconds between saying not ready and waiting for running requests")
     p.add_argument("--log-level", default="warning", help="debug | info | warning | error")
@@ -61,18 +69,24 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.load(config.model_path)
     engine = Engine(config, tokenizer, on_output=lambda outs: None)
     loop = asyncio.get_running_loop()
+    key = internal_key(args.internal_key)
+    if not key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger(__name__).warning(
+            "listening on %s without --internal-key: anyone who can reach this port can use the worker",
+            args.host)
     advertise = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host)
     transfer, transfer_addr = None, None
     if args.role == "prefill":
         from services.prefill.kv_push import KvPush
 
-        transfer = KvPush(engine, loop)
+        transfer = KvPush(engine, loop, key=key)
     elif args.role == "decode":
         from services.decode.kv_receive import KvReceive
 
-        transfer = KvReceive(engine, loop)
+        transfer = KvReceive(engine, loop, key=key)
         transfer_addr = (advertise, await transfer.start(args.transfer_port))
-    server = WorkerServer(engine, args.role, transfer, transfer_addr)
+    server = WorkerServer(engine, args.role, transfer, transfer_addr, internal_key=key,
+                          max_frame=args.max_frame_bytes)
     port = await server.start(args.host, args.port)
     engine.start()
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

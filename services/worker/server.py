@@ -10,7 +10,7 @@ import logging
 from shared.engine.engine import Engine
 from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest,
                              InfoRequest, InfoResult, PingRequest, PongResult, ProtocolError, TokenOutput)
-from shared.wire import encode_frame, read_message
+from shared.wire import WORKER_MAX_FRAME, accept_hello, encode_frame, read_message
 
 log = logging.getLogger(__name__)
 _CALL_TIMEOUT_S = 30.0
@@ -28,10 +28,15 @@ class _Connection:
 
 class WorkerServer:
     def __init__(self, engine: Engine, role: str = "unified", transfer: object | None = None,
-                 transfer_addr: tuple[str, int] | None = None):
+                 transfer_addr: tuple[str, int] | None = None, internal_key: str = "",
+                 max_frame: int = WORKER_MAX_FRAME):
         """`transfer`: the PD glue (services/prefill/kv_push.py or services/decode/kv_receive.py), whose
-        stats join the info answer; `transfer_addr`: where a decode worker's KV receiver listens."""
+        stats join the info answer; `transfer_addr`: where a decode worker's KV receiver listens;
+        `internal_key`: what every connection's opening Hello must carry; `max_frame`: the largest frame
+        taken from an authenticated peer."""
         self.engine = engine
+        self.internal_key = internal_key
+        self.max_frame = max_frame
         self.role = role
         self.transfer = transfer
         self.transfer_addr = transfer_addr
@@ -89,9 +94,14 @@ class WorkerServer:
         conn = _Connection(writer)
         self._conns.add(conn)
         try:
+            try:
+                await accept_hello(reader, self.internal_key)
+            except (ProtocolError, TimeoutError) as e:
+                log.warning("refusing a connection from %s: %s", writer.get_extra_info("peername"), e)
+                return
             while True:
                 try:
-                    msg = await read_message(reader)
+                    msg = await read_message(reader, self.max_frame)
                 except ProtocolError as e:
                     log.warning("dropping connection after a bad frame: %s", e)
                     break
@@ -122,6 +132,8 @@ class WorkerServer:
                     info["role"] = self.role
                     if self.transfer is not None:
                         info["kv_transfer"] = self.transfer.stats()
+                    if self.transfer_addr is not None:
+                        info["transfer_addr"] = list(self.transfer_addr)
                     conn.send(encode_frame(InfoResult(call_id=msg.call_id, info=info)))
                 else:
                     log.warning("unexpected message %s", type(msg).__name__)

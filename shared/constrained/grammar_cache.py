@@ -4,7 +4,10 @@ One `GrammarCache` per process (gateway for validation, worker for decoding). xg
 the GIL while compiling, so a thread pool keeps the event loop and the engine loop responsive.
 A compile cannot be interrupted once started: a timeout refuses the request, remembers the
 grammar as rejected (so a client repeating it is refused at once instead of queueing more work),
-and lets the thread finish in the background.
+and gives up on the thread: the compiler and its pool are replaced by fresh ones (compiles queued
+behind the slow one move over), so a slow grammar never holds later, valid ones hostage. The old
+thread finishes in the background; while too many such threads still run, new grammars are refused
+rather than let them pile up.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import asyncio
 import concurrent.futures as cf
 import json
 import re
+import logging
 import threading
 from collections import OrderedDict
 from typing import Callable
@@ -22,7 +26,10 @@ from shared.constrained.matcher import GrammarState
 from shared.constrained.schema_fixes import harden_json_schema
 from shared.constrained.vocab import VocabIndex, build_tokenizer_info
 from shared.errors import InvalidRequest
+from shared.limits import MAX_GRAMMAR_CHARS
 from shared.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 KINDS = ("regex", "json_schema", "ebnf", "json_object")
 # The request field a problem is reported against, when the caller does not say.
@@ -33,8 +40,8 @@ GrammarKey = tuple[str, str]
 
 class GrammarCache:
     def __init__(self, tokenizer: Tokenizer, model_vocab_size: int | None = None, *, max_threads: int = 2,
-                 max_entries: int = 256, max_grammar_chars: int = 100_000, default_timeout_s: float = 10.0,
-                 any_whitespace: bool = False, jump_forward: bool = True):
+                 max_entries: int = 256, max_grammar_chars: int = MAX_GRAMMAR_CHARS, default_timeout_s: float = 10.0,
+                 any_whitespace: bool = False, jump_forward: bool = True, max_abandoned: int = 4):
         self.tokenizer = tokenizer
         self.info = build_tokenizer_info(tokenizer, model_vocab_size)
         self.vocab_size = self.info.vocab_size
@@ -46,14 +53,18 @@ class GrammarCache:
         # weak model from looping on whitespace; `json_object` keeps the builtin lenient grammar.
         self.any_whitespace = any_whitespace
         self.jump_forward = jump_forward
-        # Our LRU is the only cache, so memory stays bounded by max_entries.
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
-        self._pool = cf.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="grammar")
+        self.max_threads = max_threads
+        self.max_abandoned = max_abandoned
         self._lock = threading.Lock()
+        self._new_compiler()
+        # Compiles given up on (timed out) and still running in an old pool's thread.
+        self._abandoned: set[GrammarKey] = set()
+        self.pool_replacements = 0
         self._compiled: OrderedDict[GrammarKey, xgr.CompiledGrammar] = OrderedDict()
         # (message, param) rather than exception objects: re-raising one object grows its traceback.
         self._rejected: OrderedDict[GrammarKey, tuple[str, str | None]] = OrderedDict()
-        self._inflight: dict[GrammarKey, cf.Future] = {}
+        # key -> (the future callers hold, the pool's own future for it)
+        self._inflight: dict[GrammarKey, tuple[cf.Future, cf.Future]] = {}
         self.hits = 0
         self.misses = 0
 
@@ -77,11 +88,16 @@ class GrammarCache:
                 self._compiled.move_to_end(key)
                 self.hits += 1
                 return _done(result=compiled)
-            fut = self._inflight.get(key)
-            if fut is None:
-                self.misses += 1
-                fut = self._pool.submit(self._compile_now, key, param or DEFAULT_PARAM[kind])
-                self._inflight[key] = fut
+            entry = self._inflight.get(key)
+            if entry is not None:
+                return entry[0]
+            if len(self._abandoned) >= self.max_abandoned:
+                return _done(exc=InvalidRequest(
+                    "the grammar compiler is busy with grammars that took too long; retry later",
+                    param or DEFAULT_PARAM[kind]))
+            self.misses += 1
+            fut: cf.Future = cf.Future()
+            self._inflight[key] = (fut, self._start(key, param or DEFAULT_PARAM[kind], fut))
             return fut
 
     def compile(self, kind: str, text: str | None, timeout_s: float | None = None,
@@ -101,7 +117,10 @@ class GrammarCache:
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         try:
             # shield: the compile is shared with other waiters; our timeout must not cancel it.
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout)
+            waited = asyncio.wrap_future(fut)
+            # A refusal that lands after our timeout is nobody's to read: mark it read.
+            waited.add_done_callback(lambda f: f.cancelled() or f.exception())
+            return await asyncio.wait_for(asyncio.shield(waited), timeout)
         except asyncio.TimeoutError:
             raise self._timed_out(kind, text, timeout, param) from None
 
@@ -114,10 +133,50 @@ class GrammarCache:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def abandon(self, kind: str, text: str | None, timeout: float, param: str | None = None) -> InvalidRequest:
+        """Give up on a compile that took too long (the worker's deadline); returns the refusal."""
+        return self._timed_out(kind, text, timeout, param)
+
     def __len__(self) -> int:
         return len(self._compiled)
 
     # ---- internals ----
+    def _new_compiler(self) -> None:
+        # Our LRU is the only cache, so memory stays bounded by max_entries.
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=self.max_threads, cache_enabled=False)
+        self._pool = cf.ThreadPoolExecutor(max_workers=self.max_threads, thread_name_prefix="grammar")
+
+    def _start(self, key: GrammarKey, param: str, fut: cf.Future) -> cf.Future:
+        """Run the compile on the current pool; its outcome lands in `fut` (the callers' future)."""
+        compiler = self._compiler
+        job = self._pool.submit(self._compile_now, key, param, compiler)
+
+        def relay(job: cf.Future) -> None:
+            if job.cancelled() or fut.done():
+                return  # moved to a new pool, or refused already
+            exc = job.exception()
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(job.result())
+        job.add_done_callback(relay)
+        return job
+
+    def _replace_pool_locked(self, stuck: GrammarKey) -> None:
+        """The compile of `stuck` is running too long: start a fresh compiler and pool; compiles
+        still queued on the old pool move to the new one; running ones finish where they are."""
+        old = self._pool
+        self._abandoned.add(stuck)
+        self._new_compiler()
+        self.pool_replacements += 1
+        for key, (fut, job) in list(self._inflight.items()):
+            if key != stuck and job.cancel():
+                param = DEFAULT_PARAM[key[0]]
+                self._inflight[key] = (fut, self._start(key, param, fut))
+        old.shutdown(wait=False)
+        log.warning("a %s compile ran past its deadline; compiler pool replaced (%d still running)",
+                    stuck[0], len(self._abandoned))
+
     def _key(self, kind: str, text: str | None, param: str | None) -> GrammarKey:
         if kind not in KINDS:
             raise InvalidRequest(f"unknown grammar kind '{kind}'", param or "response_format")
@@ -130,10 +189,10 @@ class GrammarCache:
                                  f"{self.max_grammar_chars})", param or DEFAULT_PARAM[kind])
         return kind, text
 
-    def _compile_now(self, key: GrammarKey, param: str) -> xgr.CompiledGrammar:
+    def _compile_now(self, key: GrammarKey, param: str, compiler: xgr.GrammarCompiler) -> xgr.CompiledGrammar:
         kind, text = key
         try:
-            compiled = self._builders()[kind](text)
+            compiled = self._builders(compiler)[kind](text)
         except InvalidRequest as e:
             err = InvalidRequest(e.message, param)
             self._finish(key, error=err)
@@ -145,28 +204,28 @@ class GrammarCache:
         self._finish(key, compiled=compiled)
         return compiled
 
-    def _builders(self) -> dict[str, Callable[[str], xgr.CompiledGrammar]]:
-        c = self._compiler
+    def _builders(self, c: xgr.GrammarCompiler) -> dict[str, Callable[[str], xgr.CompiledGrammar]]:
         return {
             "regex": c.compile_regex,
-            "json_schema": self._compile_json_schema,
+            "json_schema": lambda text: self._compile_json_schema(c, text),
             "ebnf": c.compile_grammar,
             "json_object": lambda _: c.compile_builtin_json_grammar(),
         }
 
-    def _compile_json_schema(self, text: str) -> xgr.CompiledGrammar:
+    def _compile_json_schema(self, compiler: xgr.GrammarCompiler, text: str) -> xgr.CompiledGrammar:
         try:
             schema = json.loads(text)
         except json.JSONDecodeError as e:
             raise InvalidRequest(f"json_schema is not valid JSON: {e}", "json_schema") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest("json_schema must be a JSON object", "json_schema")
-        return self._compiler.compile_json_schema(json.dumps(harden_json_schema(schema)),
-                                                  any_whitespace=self.any_whitespace)
+        return compiler.compile_json_schema(json.dumps(harden_json_schema(schema)),
+                                            any_whitespace=self.any_whitespace)
 
     def _finish(self, key: GrammarKey, compiled: xgr.CompiledGrammar | None = None,
                 error: InvalidRequest | None = None) -> None:
         with self._lock:
+            self._abandoned.discard(key)
             self._inflight.pop(key, None)
             if error is not None:
                 _put_bounded(self._rejected, key, (error.message, error.param), self.max_entries)
@@ -176,8 +235,16 @@ class GrammarCache:
     def _timed_out(self, kind: str, text: str | None, timeout: float, param: str | None) -> InvalidRequest:
         err = InvalidRequest(f"{kind} took longer than {timeout:g}s to compile; simplify it",
                              param or DEFAULT_PARAM.get(kind, "response_format"))
+        key = self._key(kind, text, param)
         with self._lock:
-            _put_bounded(self._rejected, self._key(kind, text, param), (err.message, err.param), self.max_entries)
+            _put_bounded(self._rejected, key, (err.message, err.param), self.max_entries)
+            entry = self._inflight.pop(key, None)
+            if entry is not None:
+                fut, job = entry
+                if not fut.done():
+                    fut.set_exception(InvalidRequest(err.message, err.param))
+                if not job.cancel():  # running: it holds a thread of the pool
+                    self._replace_pool_locked(key)
         return err
 
 

@@ -42,6 +42,10 @@ def jump_forward(state: GrammarState, output_ids: list[int], tokenizer: Tokenize
     forced = state.find_jump_forward_string()
     if not forced:
         return None
+    if budget is not None:
+        # No token stands for more than max_token_bytes characters, so this many characters give at
+        # least budget + 1 tokens: never tokenize (or hold) a forced run longer than the output may grow.
+        forced = forced[:(budget + max_retokenize + 1) * state.vocab.max_token_bytes]
     tb = state.vocab.token_bytes
     tail, ids = _retokenize(state, output_ids, tokenizer, forced, max_retokenize)
     if ids is None:

@@ -62,6 +62,7 @@ class VocabIndex:
     token_bytes: list[bytes]
     special_ids: frozenset[int]
     extendable_ids: frozenset[int] = field(repr=False)
+    max_token_bytes: int = 1  # the longest token's byte length (bounds the text a token stands for)
 
     @classmethod
     def build(cls, info: xgr.TokenizerInfo) -> "VocabIndex":
@@ -78,7 +79,9 @@ class VocabIndex:
                 j += 1
             if j < len(ordinary) and ordinary[j][0].startswith(b):
                 extendable.add(i)
-        return cls(token_bytes=token_bytes, special_ids=special, extendable_ids=frozenset(extendable))
+        longest = max((len(b) for i, b in enumerate(token_bytes) if i not in special), default=1)
+        return cls(token_bytes=token_bytes, special_ids=special, extendable_ids=frozenset(extendable),
+                   max_token_bytes=max(1, longest))
 
     def is_extendable(self, token_id: int) -> bool:
         return token_id in self.extendable_ids

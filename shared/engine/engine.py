@@ -25,6 +25,7 @@ from shared.engine.detokenizer import Detokenizer
 from shared.engine.model_runner import ModelRunner, StepOutput
 from shared.engine.request import PENDING_TOKEN, Req
 from shared.engine.scheduler import ScheduleBatch, Scheduler
+from shared import limits
 from shared.errors import InvalidRequest
 from shared.engine.disagg import DecodeSide, PrefillSide, validate_transfer
 from shared.protocol import GenerateRequest, KvDone, TokenOutput
@@ -96,6 +97,11 @@ class Engine:
         self.steps = 0
         self.generated_tokens = 0
         self._pending = None  # PendingStep launched but not yet processed
+        # Fault isolation: batches launched and not yet processed, and the one being launched or
+        # processed right now (the one a step's exception belongs to).
+        self._inflight: list[ScheduleBatch] = []
+        self._failing: ScheduleBatch | None = None
+        self.failed_steps = 0
         self.jump_forward_tokens = 0
         self._host_dependent = 0  # live requests whose sampling needs their tokens on the host
         # PD mode: the prefill/decode halves (shared/engine/disagg.py), wired by the worker's transfer
@@ -145,11 +151,16 @@ class Engine:
         if self.runner.device.type == "cuda":
             torch.cuda.set_device(self.runner.device)  # per thread: kernels launch on the current device
         while not self._stop.is_set():
-            try:
-                self.step()
-            except Exception:  # a bug must not leave requests hanging: fail them all, keep serving
-                log.exception("engine step failed")
-                self._fail_all("internal error in the engine step")
+            self.safe_step()
+
+    def safe_step(self) -> bool:
+        """One step; an exception in it ends the request at fault only (see `_recover`)."""
+        try:
+            return self.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            self._recover(e)
+            return True
 
     def step(self) -> bool:
         """schedule -> launch -> process the previous step's results while this one runs.
@@ -173,8 +184,11 @@ class Engine:
             if not self.scheduler.is_idle() or self._grammar_wait:
                 self._drain_inbox(block=True, timeout=0.005)
             return False
+        self._failing = batch
         handle = self.runner.launch(batch)
+        self._inflight.append(batch)
         self._on_launch(batch)
+        self._failing = None
         self._resolve_pending()
         self._pending = handle
         self.steps += 1
@@ -186,7 +200,10 @@ class Engine:
         if self._pending is None:
             return
         handle, self._pending = self._pending, None
+        self._failing = handle.batch
         self._process(handle.batch, handle.resolve())
+        self._inflight.remove(handle.batch)
+        self._failing = None
 
     def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
         try:
@@ -203,7 +220,17 @@ class Engine:
 
     def _handle(self, item) -> None:
         if isinstance(item, GenerateRequest):
-            self._admit(item)
+            try:
+                self._admit(item)
+            except Exception as e:  # a request nothing validated against: it alone ends
+                log.exception("admitting %s failed", item.rid)
+                req = self._reqs.get(item.rid)
+                if req is not None:
+                    self._fail_one(req, e)
+                else:
+                    self.on_output([TokenOutput(rid=item.rid, token_ids=[], text="", finished=True,
+                                                finish_reason={"type": "abort", "message": "internal error"},
+                                                error=f"internal error admitting the request ({type(e).__name__})")])
         elif isinstance(item, _Abort):
             self._abort(item.rid)
         elif isinstance(item, _KvArrived):
@@ -220,7 +247,15 @@ class Engine:
 
     # ------------------------------------------------------------------ admission
     def validate(self, msg: GenerateRequest) -> SamplingParams:
-        params = SamplingParams.from_dict(msg.sampling)
+        params = SamplingParams.from_dict(msg.sampling)  # stop strings, grammar size... (shared/limits.py)
+        if not 0 < len(msg.rid) <= limits.MAX_RID_LEN:
+            raise InvalidRequest(f"rid must have 1 to {limits.MAX_RID_LEN} characters", "rid")
+        if not 0 <= msg.top_logprobs_num <= limits.MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs_num must be in [0, {limits.MAX_TOP_LOGPROBS}]", "top_logprobs_num")
+        if msg.logprob_start_len < -1:
+            raise InvalidRequest("logprob_start_len must be >= -1", "logprob_start_len")
+        if params.n > limits.MAX_N:
+            raise InvalidRequest(f"n must be <= {limits.MAX_N}", "n")
         n = len(msg.input_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty", "input_ids")
@@ -245,7 +280,7 @@ class Engine:
         except InvalidRequest as e:
             self.on_output([TokenOutput(rid=msg.rid, token_ids=[], text="", finished=True,
                                         finish_reason={"type": "abort", "message": e.message},
-                                        error=e.message)])
+                                        error=e.message, refused=True)])
             return
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         req = Req(rid=msg.rid, input_ids=list(msg.input_ids), params=params, seed=seed,
@@ -266,7 +301,14 @@ class Engine:
         self.scheduler.add(req)
 
     def _poll_grammars(self) -> None:
-        """Requests whose grammar finished compiling join the scheduler; a bad grammar ends its request."""
+        """Requests whose grammar finished compiling join the scheduler; a bad grammar ends its request,
+        and so does one still compiling past the deadline (the compile is abandoned, see GrammarCache)."""
+        if self._grammar_wait:
+            deadline = self.grammars.default_timeout_s
+            now = time.monotonic()
+            for req in self._grammar_wait:
+                if not req.grammar_future.done() and now - req.arrival_time > deadline:
+                    self.grammars.abandon(*req.params.grammar, deadline)
         for req in [r for r in self._grammar_wait if r.grammar_future.done()]:
             self._grammar_wait.remove(req)
             if req.finished:
@@ -274,7 +316,7 @@ class Engine:
             exc = req.grammar_future.exception()
             if exc is not None:
                 msg = getattr(exc, "message", None) or str(exc)
-                self._finish(req, {"type": "abort", "message": msg}, error=msg)
+                self._finish(req, {"type": "abort", "message": msg}, error=msg, refused=True)
                 continue
             req.grammar = self.grammars.new_state(req.grammar_future.result())
             self.scheduler.add(req)
@@ -505,21 +547,79 @@ class Engine:
             self._take_token(req, first_token, [], logprob, top_logprobs)
         self._emit([req])
 
-    def _finish(self, req: Req, reason: dict, error: str | None = None) -> None:
+    def _finish(self, req: Req, reason: dict, error: str | None = None, refused: bool = False) -> None:
         req.finish_reason = reason
         self._release(req)
         out = self._make_output(req)
-        out.error = error
+        out.error, out.refused = error, refused
         self.on_output([out])
 
     def _emit_failed(self) -> None:
         while self.scheduler.failed:
             req = self.scheduler.failed.pop()
             msg = "the request does not fit in the KV cache"
+            self._finish(req, {"type": "abort", "message": msg}, error=msg, refused=True)
+
+    # ------------------------------------------------------------------ fault isolation
+    _MAX_STEP_FAILURES = 3
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised. Everything launched and not processed is dropped; requests of the batch that
+        raised are suspects: one that was alone in it is at fault and ends with an error; the others
+        (and every request of other dropped batches) go back to the queue with their trusted KV, a
+        suspect to be re-run alone next. A suspect of three failed steps ends too, so an error that
+        only shows in company cannot loop. Bystanders lose a little work, never their request."""
+        self.failed_steps += 1
+        failing, self._failing = self._failing, None
+        dropped = list(self._inflight) + ([failing] if failing is not None and failing not in self._inflight else [])
+        self._inflight.clear()
+        self._pending = None
+        if failing is None:  # not in a batch (scheduling, the inbox): nothing to pin it on
+            self._fail_all(f"internal error in the engine step ({type(exc).__name__})")
+            return
+        kv_len: dict[int, int] = {}
+        reqs: dict[int, Req] = {}
+        for b in dropped:
+            for i, req in enumerate(b.reqs):
+                kv_len[id(req)] = min(kv_len.get(id(req), b.prefix_lens[i]), b.prefix_lens[i])
+                reqs[id(req)] = req
+        suspects = {id(r) for r in failing.reqs}
+        for key, req in reqs.items():
+            if self._reqs.get(req.rid) is not req:
+                continue  # already ended and released
+            # KV the tree already holds (cached right after a launch that went through) stays.
+            trusted = max(kv_len[key], req.cached_len)
+            if req.finished:  # finished earlier in the processing loop that raised: deliver it
+                req.kv_len = min(req.kv_len, trusted)
+                self._emit([req])
+                continue
+            req.kv_len = min(req.kv_len, trusted)
+            del req.output_ids[req.num_resolved:]  # values that never reached the host
+            req.drop_proposals()
+            if key in suspects:
+                req.step_failures += 1
+                if len(failing.reqs) == 1 or req.step_failures >= self._MAX_STEP_FAILURES or req.transfer_role:
+                    self._fail_one(req, exc)
+                    continue
+                req.solo = True
+            elif req.transfer_role:
+                self._fail_one(req, exc)
+                continue
+            self.scheduler.requeue(req, req.kv_len)
+
+    def _fail_one(self, req: Req, exc: Exception) -> None:
+        msg = f"internal error while running this request ({type(exc).__name__}: {str(exc)[:200]})"
+        if req in self._grammar_wait:
+            self._grammar_wait.remove(req)
+        try:
             self._finish(req, {"type": "abort", "message": msg}, error=msg)
+        except Exception:
+            log.exception("failed to release %s", req.rid)
+            self._reqs.pop(req.rid, None)
 
     def _fail_all(self, message: str) -> None:
         self._pending = None
+        self._inflight.clear()
         for req in list(self._reqs.values()):
             try:
                 self._finish(req, {"type": "abort", "message": message}, error=message)
@@ -552,6 +652,7 @@ class Engine:
             "prompt_tokens": self.scheduler.stats.prompt_tokens,
             "cached_tokens": self.scheduler.stats.cached_tokens,
             "retractions": self.scheduler.stats.retractions,
+            "failed_steps": self.failed_steps,
             "generated_tokens": self.generated_tokens,
             "jump_forward_tokens": self.jump_forward_tokens,
             "grammar_cache": {"hits": self.grammars.hits, "misses": self.grammars.misses, "entries": len(self.grammars)},

@@ -54,6 +54,10 @@ class Req:
     skipped_rounds: int = 0  # admission rounds this request was passed over (aging)
     lpm_memo: Any = None  # (match key length, the cache's memo) from the last LPM ordering
     retractions: int = 0
+    # Fault isolation: engine steps that failed with this request in the batch, and whether its next
+    # pass must run alone (after a failed step, each request is re-run solo to find the one at fault).
+    step_failures: int = 0
+    solo: bool = False
     finish_reason: dict | None = None
     # Per-request helpers owned by the engine: detokenizer state, grammar state.
     detok: Any = None

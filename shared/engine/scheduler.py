@@ -252,8 +252,14 @@ class Scheduler:
         # 3. Admit waiting requests (they join self.running, self.chunked or a PD list as taken).
         if self.chunked is None and self.waiting:
             for req in self._order_waiting():
+                if req.solo and adder.reqs:
+                    continue  # suspected of failing a step: it runs alone, in a later round
+                solo = req.solo
                 if not adder.add_waiting(req):
                     break
+                if solo and req in adder.reqs:
+                    req.solo = False
+                    break  # nothing joins its pass
         for r in self.waiting:
             if adder.admitted or self.running:
                 r.skipped_rounds += 1
@@ -341,6 +347,21 @@ class Scheduler:
         self.stats.retractions += 1
         self.waiting.insert(0, req)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+
+    def requeue(self, req: Req, kv_len: int) -> None:
+        """Back to the front of the queue after a failed step: KV past `kv_len` (what the failed pass
+        wrote) is not trusted and is freed; the rest goes to the tree, so re-admission mostly hits it."""
+        for lst in (self.running, self.prefilled, self.new_transfers):
+            if req in lst:
+                lst.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        req.kv_len = min(req.kv_len, max(kv_len, req.cached_len))  # what the tree holds is kept
+        if req.req_pool_idx is not None:
+            self._release_kv(req)
+        if req not in self.waiting:
+            req.status = ReqStatus.WAITING
+            self.waiting.insert(0, req)
 
     def _retract_for(self, tokens: int) -> None:
         """The chunked request cannot get its next chunk: retract others until it can (or give up)."""

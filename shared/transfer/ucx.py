@@ -20,6 +20,7 @@ timeout: a SIGSTOPped peer otherwise hangs a UCX receive forever.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import struct
@@ -33,6 +34,7 @@ import torch
 
 from shared.protocol import KvAccept, KvAck, KvDone, KvHeader, Message, ProtocolError, decode_message
 from shared.transfer.kv_pages import as_transport_buffer
+from shared.wire import key_matches
 
 log = logging.getLogger(__name__)
 _MAX_CONTROL_BYTES = 1 << 20
@@ -135,8 +137,11 @@ class KvReceiver:
     def __init__(self, layout: list[int], dtype: str, alloc: Callable[[int], torch.Tensor],
                  on_arrival: Callable[[str, KvDone, torch.Tensor], None],
                  on_failure: Callable[[str, str], None], on_offer: Callable[[str], None] = lambda tid: None,
-                 *, expect_timeout: float = 120.0, io_timeout: float = 60.0, idle_timeout: float = 600.0):
+                 *, expect_timeout: float = 120.0, io_timeout: float = 60.0, idle_timeout: float = 600.0,
+                 key: str = ""):
         self.layout, self.dtype = list(layout), dtype
+        self.key = key  # the internal key every header must carry
+        self.refused = 0  # headers without it
         self.alloc = alloc
         self.on_arrival, self.on_failure, self.on_offer = on_arrival, on_failure, on_offer
         self.expect_timeout, self.io_timeout, self.idle_timeout = expect_timeout, io_timeout, idle_timeout
@@ -198,6 +203,11 @@ class KvReceiver:
             async with asyncio.timeout(self.idle_timeout):
                 header = await _recv_msg(ep, KvHeader)
         except Exception:  # the prefill side closed or dropped the endpoint, or it sat idle too long
+            _abort(ep)
+            return False
+        if not key_matches(self.key, header.key):
+            self.refused += 1  # not a worker of this stack: say nothing, touch nothing
+            log.warning("KV header with a wrong internal key refused")
             _abort(ep)
             return False
         transfer_id = header.transfer_id
@@ -265,8 +275,9 @@ class KvSender:
     pages and the first token once the prompt is computed, `abort` otherwise."""
 
     def __init__(self, *, connect_timeout: float = 10.0, io_timeout: float = 60.0,
-                 accept_timeout: float = 130.0, max_idle_per_peer: int = 16):
+                 accept_timeout: float = 130.0, max_idle_per_peer: int = 16, key: str = ""):
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
+        self.key = key
         self.max_idle_per_peer = max_idle_per_peer
         self._idle: dict[tuple[str, int], list] = {}  # quiescent endpoints, by decode worker
         self.connects = 0
@@ -289,7 +300,7 @@ class KvSender:
     async def _send_header(self, ep, header: KvHeader) -> None:
         try:
             async with asyncio.timeout(self.io_timeout):
-                await _send_msg(ep, header)
+                await _send_msg(ep, dataclasses.replace(header, key=self.key))
         except BaseException:
             _abort(ep)
             raise

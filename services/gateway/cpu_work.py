@@ -1,0 +1,130 @@
+"""CPU-heavy request preparation (tokenization, chat template rendering) kept off the event loop.
+
+Small inputs are handled inline (a process hop would cost more than the work). Large ones go to a small
+pool of worker processes that load the same tokenizer: a thread would not do, because the tokenizer
+holds the GIL while it builds the Python list of ids (a 1 MB prompt: 0.5 s of a frozen loop). Before any
+of that, a prompt with more characters than the context could hold at the tokenizer's longest token is
+refused outright: its length alone proves it cannot fit.
+"""
+from __future__ import annotations
+
+import array
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+from typing import Any
+
+from shared.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+INLINE_CHARS = 16 * 1024  # inputs up to this size are prepared on the loop (well under a millisecond each)
+
+_TOKENIZER: Tokenizer | None = None  # in a pool process
+
+
+def _init(path: str, chat_template: str | None) -> None:
+    global _TOKENIZER
+    _TOKENIZER = Tokenizer.load(path)
+    if chat_template and chat_template != _TOKENIZER.chat_template:  # the gateway's --chat-template
+        _TOKENIZER.set_chat_template(chat_template)
+
+
+def _render(tokenizer: Tokenizer, messages: list[dict], args: dict) -> str:
+    args = dict(args)
+    # A client's chat_template_kwargs never override the named arguments (nor collide with them).
+    kwargs = {k: v for k, v in (args.pop("template_kwargs", None) or {}).items() if k not in args and k != "messages"}
+    return tokenizer.apply_chat_template(messages, **args, **kwargs)
+
+
+# Ids travel back as packed int32 bytes: unpickling a long list of ints would hold the gateway's GIL.
+def _encode(text: str, add_special_tokens: bool) -> bytes:
+    return array.array("i", _TOKENIZER.encode(text, add_special_tokens=add_special_tokens)).tobytes()
+
+
+def _render_and_encode(messages: list[dict], args: dict) -> tuple[str, bytes]:
+    text = _render(_TOKENIZER, messages, args)
+    return text, array.array("i", _TOKENIZER.encode(text, add_special_tokens=False)).tobytes()
+
+
+def _ids(packed: bytes) -> list[int]:
+    a = array.array("i")
+    a.frombytes(packed)
+    return a.tolist()
+
+
+def max_token_chars(tokenizer: Tokenizer) -> int:
+    """An upper bound on the characters one token stands for (its vocabulary string is at least as
+    long as the text it decodes to, for byte-level and sentencepiece vocabularies alike)."""
+    vocab = tokenizer.raw.get_vocab(with_added_tokens=True)
+    return max((len(k) for k in vocab), default=1) or 1
+
+
+class CpuWork:
+    def __init__(self, tokenizer: Tokenizer, tokenizer_path: str | None, processes: int = 1,
+                 inline_chars: int = INLINE_CHARS):
+        self.tokenizer = tokenizer
+        self.path = tokenizer_path
+        self.processes = processes
+        self.inline_chars = inline_chars
+        self.token_chars = max_token_chars(tokenizer)
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self.offloaded = 0  # inputs prepared in a pool process (for tests and metrics)
+
+    def chars_cannot_fit(self, chars: int, context_length: int | None) -> bool:
+        # Twice the strict bound: a normalizer may drop characters before tokenization.
+        return context_length is not None and chars > 2 * context_length * self.token_chars + 1024
+
+    def _executor(self) -> concurrent.futures.Executor | None:
+        if self._pool is None and self.path:
+            # spawn, not fork: the gateway has threads (a forked lock may be held forever in the child).
+            ctx = multiprocessing.get_context("spawn")
+            self._pool = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=ctx,
+                                                                initializer=_init,
+                                                                initargs=(self.path, self.tokenizer.chat_template))
+        return self._pool
+
+    async def _run(self, local, fn, *args) -> Any:
+        """fn(*args) in a pool process; local() in a thread when no pool can run (no loadable
+        tokenizer path, or the pool keeps breaking)."""
+        self.offloaded += 1
+        pool = self._executor()
+        if pool is not None:
+            try:
+                return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+            except concurrent.futures.process.BrokenProcessPool:
+                log.warning("the tokenizer pool broke (cannot load %s?); using a thread from now on", self.path)
+                self.path, self._pool = None, None
+        return await asyncio.to_thread(local)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) <= self.inline_chars:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return _ids(await self._run(lambda: _encode_local(self.tokenizer, text, add_special_tokens),
+                                    _encode, text, add_special_tokens))
+
+    async def render_chat(self, messages: list[dict], chars: int, args: dict) -> tuple[str, list[int]]:
+        """The chat template applied (`args`: add_generation_prompt, tools, documents, ...,
+        template_kwargs) and its token ids; `chars` is the messages' size, which decides where."""
+        def local() -> tuple[str, list[int]]:
+            text = _render(self.tokenizer, messages, args)
+            return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+        if chars <= self.inline_chars:
+            return local()
+        text, packed = await self._run(lambda: _pack(local()), _render_and_encode, messages, args)
+        return text, _ids(packed)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def _encode_local(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> bytes:
+    return array.array("i", tokenizer.encode(text, add_special_tokens=add_special_tokens)).tobytes()
+
+
+def _pack(rendered: tuple[str, list[int]]) -> tuple[str, bytes]:
+    return rendered[0], array.array("i", rendered[1]).tobytes()

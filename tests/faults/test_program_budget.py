@@ -1,0 +1,66 @@
+"""/v1/programs is bounded by the work it causes, not only by its size: prompt tokens processed over all
+its generate calls, text generated, answer size, wall time, and programs running at once per API key.
+Each bound ends the program with a clear 4xx naming it; the gateway stays healthy."""
+from __future__ import annotations
+
+import asyncio
+
+from services.gateway.program_limits import ProgramBudget
+from tests.fake_worker import gateway_stack
+
+GEN = {"op": "gen", "name": "g", "sampling_params": {"max_new_tokens": 20}}
+
+
+def _fanout(width: int, text: str) -> dict:
+    branches = [[{"op": "text", "text": text}, {**GEN}] for _ in range(width)]
+    return {"program": {"version": 1, "nodes": [{"op": "text", "text": "root "},
+                                                {"op": "fork", "id": 0, "n": width, "branches": branches}]}}
+
+
+async def _post(s, body, key=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = await s.client.post("/v1/programs", json=body, headers=headers)
+    return r.status, await r.json()
+
+
+async def test_prompt_tokens_bound():
+    async with gateway_stack(program_budget=ProgramBudget(max_prompt_tokens=300)) as s:
+        status, body = await _post(s, _fanout(2, "short "))
+        assert status == 200, body
+        status, body = await _post(s, _fanout(16, "a fairly long shared prefix for every branch " * 4))
+        assert status == 400 and body["error"]["code"] == "program_limit_exceeded", body
+        assert "prompt tokens" in body["error"]["message"]
+        assert s.state.health.healthy
+
+
+async def test_generated_text_and_answer_bounds():
+    async with gateway_stack(program_budget=ProgramBudget(max_generated_chars=30)) as s:
+        status, body = await _post(s, _fanout(8, "x "))
+        assert status == 400 and "generated more than" in body["error"]["message"], body
+    async with gateway_stack(program_budget=ProgramBudget(max_answer_bytes=400)) as s:
+        status, body = await _post(s, _fanout(8, "x "))
+        assert status == 400 and "answer is larger" in body["error"]["message"], body
+
+
+async def test_wall_time_bound():
+    async with gateway_stack(token_delay=0.05, program_budget=ProgramBudget(max_seconds=0.5)) as s:
+        status, body = await _post(s, _fanout(1, "slow "))
+        assert status == 400 and "longer than" in body["error"]["message"], body
+        await asyncio.sleep(0.3)
+        assert not s.state.dispatcher.inflight  # its generation was aborted
+
+
+async def test_programs_per_key_bound():
+    async with gateway_stack(api_key="ka,kb", token_delay=0.03,
+                             program_budget=ProgramBudget(max_running_per_key=1)) as s:
+        first = asyncio.create_task(_post(s, _fanout(1, "busy "), key="ka"))
+        for _ in range(100):
+            if s.state.program_slots.running:
+                break
+            await asyncio.sleep(0.01)
+        status, body = await _post(s, _fanout(1, "again "), key="ka")
+        assert status == 429 and body["error"]["code"] == "too_many_programs", body
+        status, body = await _post(s, _fanout(1, "other tenant "), key="kb")
+        assert status == 200, body
+        assert (await first)[0] == 200
+        assert not s.state.program_slots.running
