@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def start_stack(path: str, port: int, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "services.launch", "--model-path", path, "--load-format", "dummy",
-           "--max-context-len", "8192", "--port", str(port), *extra]
+           "--context-length", "16384", "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     tail: deque = deque(maxlen=200)

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from services.gateway.app import create_app
 from services.gateway.limits import Limits
+from services.gateway.program_limits import ProgramBudget
 from services.gateway.router import Router
 from services.gateway.reasoning import resolve_reasoning_parser
 from services.gateway.state import GatewayState
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-api-key", default=None, help="Bearer key required on /flush_cache")
     p.add_argument("--internal-key", default=None,
                    help="the workers' shared secret, sent when connecting to them (default $RADIXSERVE_INTERNAL_KEY)")
+    p.add_argument("--max-programs-per-key", type=int, default=ProgramBudget.max_running_per_key,
+                   help="/v1/programs requests one API key (or the anonymous tenant) may run at once; more get 429")
     p.add_argument("--max-n", type=int, default=Limits.max_n, help="most choices (n) one request may ask for")
     p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
                    help="larger request bodies are refused with 413")
@@ -100,7 +103,9 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
                          context_length=getattr(args, "context_length", None), limits=limits,
                          api_key=getattr(args, "api_key", None), admin_api_key=getattr(args, "admin_api_key", None),
                          tokenizer_path=tokenizer_path, tool_parser=tool_parser,
-                         reasoning_parser=reasoning_parser)
+                         reasoning_parser=reasoning_parser,
+                         program_budget=ProgramBudget(max_running_per_key=getattr(
+                             args, "max_programs_per_key", ProgramBudget.max_running_per_key)))
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup aborts the
     # request on the worker (otherwise its KV stays pinned until generation ends).
     app = create_app(state)

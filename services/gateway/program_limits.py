@@ -22,7 +22,9 @@ class ProgramBudget:
     max_generated_chars: int = 2_000_000
     max_answer_bytes: int = 16 * 1024 * 1024
     max_seconds: float = 300.0
-    max_running_per_key: int = 4
+    # A bound against one tenant flooding the executor, not a batch size: SGLang's run_batch and our
+    # bench/workloads send 16-64 programs at once (4 made them fail with 429 on the H200, 2026-11-30).
+    max_running_per_key: int = 256
 
 
 def _limit(message: str) -> APIError:
