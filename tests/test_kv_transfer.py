@@ -8,6 +8,9 @@ thread at every step). Counting event-loop iterations is independent of how load
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -15,6 +18,7 @@ from shared.protocol import KvDone, KvHeader
 from shared.transfer.ucx import KvReceiver, KvSender
 
 LAYOUT = [2, 2, 1, 4]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def count_loop_iterations(loop: asyncio.AbstractEventLoop) -> list[int]:
@@ -62,10 +66,24 @@ async def _scenario() -> None:
         ucxx.stop_notifier_thread()  # before asyncio.run closes the loop it posts to
 
 
-def test_kept_endpoint_carries_transfers_and_idles_without_spinning():
+def _run_scenario() -> None:
     import ucxx
 
     try:
         asyncio.run(asyncio.wait_for(_scenario(), 60))
     finally:
-        ucxx.reset()  # the next user in this process gets a fresh context
+        ucxx.reset()
+
+
+def test_kept_endpoint_carries_transfers_and_idles_without_spinning():
+    """In a child process: UCX's threads and context must not share the test runner's process (in the
+    full suite the runner died with SIGSEGV after this test had run in it)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.test_kv_transfer"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "scenario passed" in proc.stdout
+
+
+if __name__ == "__main__":
+    _run_scenario()
+    print("scenario passed", flush=True)
