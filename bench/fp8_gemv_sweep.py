@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gemv import GemvConfig, default_config, gemv
+from kernels.gemv import GemvConfig, gemv
 from kernels.reference import quantize_fp8_per_token
 from shared.models.quantization import quantize_per_channel
 

@@ -20,8 +20,6 @@ from shared.limits import (MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_REPEAT, MAX_ST
 
 # Temperatures below this are treated as greedy, as SGLang does.
 GREEDY_EPS = 1e-5
-MAX_STOP_STRINGS = 16
-MAX_STOP_LEN = 256
 MAX_STOP_REGEX = 16
 MAX_STOP_REGEX_LEN = 256
 

@@ -20,6 +20,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM to the process's group (it was started in a session of its own), SIGKILL after `grace`."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_for(pred, timeout: float, what: str, interval: float = 0.1):
+    """pred()'s first truthy value within `timeout` seconds, else an AssertionError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 class RedisServer:
     """A private redis-server on a free port (tests never touch the machine's own Redis). It can be
     stopped and started again on the same port, which is how outage tests take Redis away."""
@@ -82,13 +104,7 @@ class Stack:
         raise RuntimeError("stack did not start:\n" + "".join(self.lines))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import time
 import redis
 import requests
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, wait_for
 
 import pytest
 
@@ -35,16 +35,6 @@ def wait_line(proc: subprocess.Popen, prefix: str, timeout: float = 120) -> str:
 
 def workers_seen(url: str) -> set[str]:
     return {w["address"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]}
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -35,7 +35,6 @@ def _text_ok(description: str) -> dict:
 
 
 def build_spec(limits: Limits) -> dict[str, Any]:
-    string_or_strings = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
     token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
     stop = {"oneOf": [{"type": "string", "maxLength": MAX_STOP_LEN},
                       {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": {"type": "string", "maxLength": MAX_STOP_LEN}},

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import regex
 
 from shared.sampling_params import compile_stop_regex
 from shared.tokenizer import Tokenizer

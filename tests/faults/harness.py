@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import requests
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, wait_for  # noqa: F401 (the fault tests import it from here)
 
 REQUEST_TIMEOUT_S = 40.0  # a request that takes longer counts as a hang
 
@@ -127,16 +127,6 @@ def health(url: str) -> tuple[int, str]:
 def all_up(url: str) -> bool:
     """Healthy and no worker restarting, down, unresponsive or draining."""
     return health(url) == (200, "OK\n")
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def worker_kv(url: str) -> dict[str, dict]:

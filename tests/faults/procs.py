@@ -3,7 +3,6 @@ never blocks on a full pipe), stopped by process group."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -11,7 +10,7 @@ import time
 
 import requests
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, stop_process_group
 
 
 class Proc:
@@ -43,13 +42,7 @@ class Proc:
         return self.proc.poll() is None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc)
 
 
 def worker(*extra: str, env: dict | None = None) -> tuple[Proc, str, int]:

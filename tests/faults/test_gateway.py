@@ -93,7 +93,7 @@ def streams_in_flight(url: str, n: int, tokens: int) -> tuple[list, list[threadi
 
 
 def test_worker_sigterm_drains(fleet, redis_server):
-    url, (w1, w2) = fleet["url"], fleet["procs"]
+    url, (w1, _w2) = fleet["url"], fleet["procs"]
     out, threads = streams_in_flight(url, 4, 60)
     t0 = time.monotonic()
     w1.send(signal.SIGTERM)
