@@ -106,6 +106,10 @@ def build_spec(limits: Limits) -> dict[str, Any]:
         "/generate": post("SGLang-native generation", generate, 400, 401, 413, 503),
         "/v1/programs": post("Run a traced program server-side", program, 400, 401, 413, 429, 503),
         "/v1/models": get("Served models", {**_json_ok(), **_errors(401)}),
+        "/v1/models/{model_id}": {"get": {
+            "summary": "One served model (404 model_not_found for another id)",
+            "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {**_json_ok(), **_errors(401, 404)}}},
         "/get_model_info": get("Model information", {**info, **_errors(401)}),
         "/model_info": get("Model information", {**info, **_errors(401)}),
         "/server_info": get("Server, limits and worker information", {**info, **_errors(401)}),
