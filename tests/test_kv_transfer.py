@@ -87,3 +87,12 @@ def test_kept_endpoint_carries_transfers_and_idles_without_spinning():
 if __name__ == "__main__":
     _run_scenario()
     print("scenario passed", flush=True)
+
+
+def test_a_process_that_used_ucx_exits():
+    """ucxx's notifier thread (Python futures) is not a daemon: without stopping it before the interpreter
+    joins its threads, every PD worker hung on exit after SIGTERM (and so did pytest itself)."""
+    code = ("import asyncio\nfrom shared.transfer.ucx import _ucxx\n"
+            "async def main():\n    _ucxx()\nasyncio.run(main())\nprint('done', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-2000:]

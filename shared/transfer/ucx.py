@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -69,7 +70,20 @@ def _ucxx():
         # old connections linger in TIME_WAIT (UCX reads this when its context is created).
         os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
         ucxx.init(progress_mode="thread", enable_python_future=True)
+        # The notifier thread is not a daemon: interpreter shutdown joins it before atexit handlers run,
+        # so a worker (or any process) that used UCX hung forever on exit after SIGTERM. Stop it in the
+        # hook that runs before that join.
+        threading._register_atexit(_stop_notifier)
     return ucxx
+
+
+def _stop_notifier() -> None:
+    try:
+        import ucxx
+
+        ucxx.stop_notifier_thread()
+    except Exception:  # noqa: BLE001 - shutting down: nothing left to report to
+        pass
 
 
 def _retrieve(task: asyncio.Task) -> None:
