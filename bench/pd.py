@@ -37,6 +37,7 @@ import requests  # noqa: E402
 
 from bench.common import SHAPES, model_dir  # noqa: E402
 from bench.stack import start_stack, stop_stack  # noqa: E402
+from shared import procfs  # noqa: E402
 
 
 def log(msg):
@@ -154,19 +155,7 @@ def _thread_cpu(pid: int) -> dict[str, float]:
 
 def _worker_pid(stack_pid: int, role: str = "decode") -> int | None:
     """The `role` worker among the stack's child processes (never another stack's on this host)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == stack_pid and b"--role" in cmd and cmd[cmd.index(b"--role") + 1] == role.encode():
-            return int(entry)
-    return None
+    return next((p for p in procfs.children(stack_pid) if procfs.flag_value(p, "--role") == role), None)
 
 
 def profile_decode_worker(stack_pid: int, out_dir: str, delay: float = 8.0, seconds: float = 6.0) -> threading.Thread:

@@ -33,6 +33,7 @@ sys.path.insert(0, ROOT)
 import aiohttp  # noqa: E402
 
 from bench.common import SHAPES, log, model_dir, pct  # noqa: E402
+from shared import procfs  # noqa: E402
 
 VOCAB = 400  # ids the random-weight tokenizers all have
 
@@ -201,37 +202,13 @@ def summarize(results: list[dict], wall: float) -> dict:
 
 
 # ------------------------------------------------------------------ CPU accounting from /proc
-def _cpu_seconds(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
 def stack_pids(root_pid: int) -> dict[str, list[int]]:
-    """The launcher (which runs the gateway) and its worker children, by role."""
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                kids.setdefault(ppid, []).append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    out = {"gateway": [root_pid], "workers": []}
-    stack = list(kids.get(root_pid, []))
-    while stack:
-        pid = stack.pop()
-        out["workers"].append(pid)
-        stack += kids.get(pid, [])
-    return out
+    """The launcher (which runs the gateway) and its worker processes."""
+    return {"gateway": [root_pid], "workers": procfs.descendants(root_pid)}
 
 
 def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
-    return {role: sum(_cpu_seconds(p) for p in ps) for role, ps in pids.items()}
+    return {role: sum(procfs.cpu_seconds(p) for p in ps) for role, ps in pids.items()}
 
 
 # ------------------------------------------------------------------ offline reference

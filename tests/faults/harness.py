@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import requests
 
+from shared import procfs
+
 from tests.conftest import ROOT, free_port, wait_for  # noqa: F401 (the fault tests import it from here)
 
 REQUEST_TIMEOUT_S = 40.0  # a request that takes longer counts as a hang
@@ -87,20 +89,9 @@ class FaultStack(Proc):
 
     def worker_pid(self, name: str) -> int:
         """The pid of this stack's worker `name` (role-index, e.g. decode-1); it changes on a restart."""
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                if ppid != self.proc.pid:
-                    continue
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except (OSError, ValueError, IndexError):
-                continue
-            if b"--worker-id" in argv and argv[argv.index(b"--worker-id") + 1] == name.encode():
-                return int(entry)
+        for pid in procfs.children(self.proc.pid):
+            if procfs.flag_value(pid, "--worker-id") == name:
+                return pid
         raise RuntimeError(f"no worker {name} under the launcher")
 
     def busiest(self, role: str) -> tuple[str, str]:

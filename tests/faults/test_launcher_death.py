@@ -6,28 +6,9 @@ import os
 import signal
 import time
 
+from shared.procfs import alive as _alive
+from shared.procfs import children as _children
 from tests.conftest import Stack
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_sigkilled_launcher_leaves_no_worker_running():

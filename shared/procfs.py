@@ -1,0 +1,62 @@
+"""Reading processes from Linux's /proc: children of a pid, a process's argv, state and CPU seconds.
+Used by the benchmarks (CPU per token, finding a stack's workers) and the fault tests (which worker to
+kill, whether workers outlived their launcher)."""
+from __future__ import annotations
+
+import os
+
+
+def _stat_fields(path: str) -> list[str] | None:
+    """The fields after the command name of a /proc stat file (field 0 is the state), None if gone."""
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes of pid."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(f"/proc/{entry}/stat")
+            if fields is not None and int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], children(pid)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children(p)
+    return out
+
+
+def argv(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def flag_value(pid: int, flag: str) -> str | None:
+    """The value after `flag` on pid's command line (e.g. --role), None when absent."""
+    args = argv(pid)
+    return args[args.index(flag) + 1] if flag in args[:-1] else None
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie)."""
+    fields = _stat_fields(f"/proc/{pid}/stat")
+    return fields is not None and fields[0] != "Z"
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU time of a process (or one of its threads); 0 when it is gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = _stat_fields(path)
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
