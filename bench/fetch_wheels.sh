@@ -8,7 +8,8 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
 dl() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$1" "${@:2}"
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
+    --platform manylinux1_x86_64 -d "$1" "${@:2}"
 }
 dl .whl/xgr xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.13.4 pydantic-core==2.46.4 \
   annotated-types==0.7.0 typing-inspection==0.4.2
@@ -22,4 +23,6 @@ dl .whl/ucx ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 rmm-cu13=
   rapids-logger==0.3.0 nvidia-ml-py
 # matplotlib for bench/workloads' ablation plot (the `bench` extra), in case the image lacks it.
 dl .whl/bench matplotlib==3.10.8 contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil six
+# py-spy for the benchmarks' --profile (bench/profile.py).
+dl .whl/prof py-spy==0.4.3
 du -sh .whl

@@ -7,7 +7,7 @@ set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+  && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false UCX_WARN_UNUSED_ENV_VARS=n
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $what == all || $what == tests ]]; then
@@ -43,7 +43,7 @@ if [[ $what == fp8 ]]; then
   timeout 400 python3 -m bench.fp8 --out "$OUT" 2>&1 | tee "$OUT/fp8.log" | tail -10
 fi
 if [[ $what == serving ]]; then
-  timeout 500 python3 -m bench.serving --launch --num-prompts 256 --routes generate,completions --no-stream \
+  timeout 500 python3 -m bench.serving --launch --num-prompts 256 --routes generate,completions --no-stream --profile \
     --offline --out "$OUT" 2>&1 | tee "$OUT/serving.log" | tail -14
 fi
 if [[ $what == pd-decode-heavy ]]; then

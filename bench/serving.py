@@ -12,6 +12,8 @@ Datasets (all generated locally, fixed seeds, as token ids so lengths are exact)
 - sharegpt: synthetic multi-turn conversations with ShareGPT-like length distributions (lognormal turns,
   median ~ 120 tokens in / 180 out, long tails capped at 2k), each later turn carrying the earlier ones;
 - gsp (generated shared prefix): groups of prompts sharing a system prompt (--gsp-* flags).
+--profile: py-spy (every thread) and per-thread CPU of the gateway and of each worker during the first run,
+summarised per thread in --out/profile_*.txt.
 Reported: TTFT, TPOT, ITL, E2E percentiles (ms), request, output and total throughput, and the CPU time
 per output token of the gateway process and of the workers (from /proc), then PASS/FAIL lines against
 the goals of the "Serving at engine speed" issue when --offline gives the reference.
@@ -256,6 +258,8 @@ def main():
     ap.add_argument("--routes", default="generate", help="comma list of generate, completions, chat")
     ap.add_argument("--no-stream", action="store_true", help="also run each route without streaming")
     ap.add_argument("--offline", action="store_true", help="the same workload through the offline engine")
+    ap.add_argument("--profile", action="store_true",
+                    help="during the first run: py-spy of the gateway and each worker, thread CPU (to --out)")
     ap.add_argument("--port", type=int, default=31000)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
     ap.add_argument("launch_args", nargs="*", help="after --: extra services.launch flags")
@@ -289,8 +293,13 @@ def main():
         MODEL["id"] = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         # Warm-up: graphs, allocator, connections.
         asyncio.run(run_load(url, "generate", dataset[:8], True, math.inf, 0))
-        for route, stream in modes:
+        for i, (route, stream) in enumerate(modes):
             pids = stack_pids(proc.pid) if proc else None
+            if args.profile and i == 0 and pids:
+                from bench.profile import profile_process
+                for j, pid in enumerate(pids["gateway"] + pids["workers"]):
+                    profile_process(pid, os.path.join(args.out, "profile_gateway" if j == 0 else f"profile_worker{j}"),
+                                    delay=2.0, seconds=4.0)
             before = cpu_snapshot(pids) if pids else None
             results, wall = asyncio.run(run_load(url, route, dataset, stream, args.request_rate,
                                                  args.max_concurrency))
