@@ -205,8 +205,22 @@ def summarize(results: list[dict], wall: float) -> dict:
 
 # ------------------------------------------------------------------ CPU accounting from /proc
 def stack_pids(root_pid: int) -> dict[str, list[int]]:
-    """The launcher (which runs the gateway) and its worker processes."""
-    return {"gateway": [root_pid], "workers": procfs.descendants(root_pid)}
+    """The launcher (which runs the gateway, and a process pool for large tokenizations) and its workers."""
+    return {"gateway": [root_pid], "workers": [p for p in procfs.descendants(root_pid)
+                                               if procfs.flag_value(p, "--role") is not None]}
+
+
+def flush_cache(url: str) -> None:
+    """Every run starts from an empty cache, as the offline reference does (the same prompts are sent by
+    each run: without this, later runs skip their prefills)."""
+    import requests
+
+    for _ in range(50):
+        r = requests.post(url + "/flush_cache", timeout=30)
+        if r.status_code == 200:
+            return
+        time.sleep(0.2)  # requests of the previous run still finishing
+    raise SystemExit(f"could not flush the cache: {r.status_code} {r.text}")
 
 
 def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
@@ -294,6 +308,7 @@ def main():
         # Warm-up: graphs, allocator, connections.
         asyncio.run(run_load(url, "generate", dataset[:8], True, math.inf, 0))
         for i, (route, stream) in enumerate(modes):
+            flush_cache(url)
             pids = stack_pids(proc.pid) if proc else None
             if args.profile and i == 0 and pids:
                 from bench.profile import profile_process
@@ -301,9 +316,12 @@ def main():
                     profile_process(pid, os.path.join(args.out, "profile_gateway" if j == 0 else f"profile_worker{j}"),
                                     delay=2.0, seconds=4.0)
             before = cpu_snapshot(pids) if pids else None
+            client0 = time.process_time()
             results, wall = asyncio.run(run_load(url, route, dataset, stream, args.request_rate,
                                                  args.max_concurrency))
             s = summarize(results, wall)
+            # The client is one Python process too: a saturated client would understate the stack.
+            s["client_cpu_share"] = (time.process_time() - client0) / wall
             if pids:
                 after = cpu_snapshot(pids)
                 for role in after:
@@ -312,7 +330,8 @@ def main():
             res["runs"][key] = s
             log(f"{key}: {s['out_tok_s']:.0f} out tok/s, TTFT p50 {s['ttft_p50_ms']:.1f} ms, ITL p50 "
                 f"{s['itl_p50_ms']:.2f} ms, errors {s['errors']}, gateway "
-                f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token")
+                f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token, worker "
+                f"{s.get('workers_cpu_us_per_token', float('nan')):.1f} us/token, client CPU {s['client_cpu_share']:.0%}")
     finally:
         if proc is not None:
             from bench.stack import stop_stack
