@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from shared import event_loop
 from shared.engine.engine import Engine
 from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest,
                              InfoRequest, InfoResult, PingRequest, PongResult, ProtocolError, TokenOutput)
@@ -130,6 +131,7 @@ class WorkerServer:
                 elif isinstance(msg, InfoRequest):
                     info = await self._call(self.engine.info)
                     info["role"] = self.role
+                    info["event_loop"] = event_loop.current_loop_name()
                     if self.transfer is not None:
                         info["kv_transfer"] = self.transfer.stats()
                     if self.transfer_addr is not None:
