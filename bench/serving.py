@@ -252,52 +252,15 @@ def offline_reference(path: str, dataset, extra_engine: dict) -> dict:
     return {"out_tok_s": st.output_tokens / st.wall_s, "wall_s": st.wall_s, "out_tokens": st.output_tokens}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", help="a running stack; else --launch starts one")
-    ap.add_argument("--launch", action="store_true")
-    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
-    ap.add_argument("--dataset", default="random", choices=["random", "sharegpt", "gsp"])
-    ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--random-input-len", type=int, default=512)
-    ap.add_argument("--random-output-len", type=int, default=128)
-    ap.add_argument("--random-range-ratio", type=float, default=1.0)
-    ap.add_argument("--gsp-groups", type=int, default=16)
-    ap.add_argument("--gsp-prompts-per-group", type=int, default=16)
-    ap.add_argument("--gsp-system-len", type=int, default=2048)
-    ap.add_argument("--gsp-question-len", type=int, default=128)
-    ap.add_argument("--gsp-output-len", type=int, default=256)
-    ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
-    ap.add_argument("--max-concurrency", type=int, default=0)
-    ap.add_argument("--routes", default="generate", help="comma list of generate, completions, chat")
-    ap.add_argument("--no-stream", action="store_true", help="also run each route without streaming")
-    ap.add_argument("--offline", action="store_true", help="the same workload through the offline engine")
-    ap.add_argument("--profile", action="store_true",
-                    help="during the first run: py-spy of the gateway and each worker, thread CPU (to --out)")
-    ap.add_argument("--port", type=int, default=31000)
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
-    ap.add_argument("launch_args", nargs="*", help="after --: extra services.launch flags")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-
-    if args.dataset == "random":
-        dataset = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
-                                 args.random_range_ratio)
-    elif args.dataset == "sharegpt":
-        dataset = sharegpt_dataset(args.num_prompts)
-    else:
-        dataset = gsp_dataset(args.gsp_groups, args.gsp_prompts_per_group, args.gsp_system_len,
-                              args.gsp_question_len, args.gsp_output_len)
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "dataset": args.dataset, "num_prompts": len(dataset),
-                 "rate": args.request_rate, "max_concurrency": args.max_concurrency,
-                 "ideal_hit_rate": ideal_hit_rate(dataset), "runs": {}}
-    path = model_dir(args.shape)
+def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
+    """Start a stack (or use --url), run every route/stream mode on it from an empty cache, stop it."""
     proc = None
     url = args.url
+    out: dict = {}
     if not url:
         from bench.stack import start_stack
-        log("starting the stack")
-        proc = start_stack(path, args.port, *args.launch_args)
+        log(f"starting the stack {' '.join(extra)}")
+        proc = start_stack(path, args.port, *extra)
         url = f"http://127.0.0.1:{args.port}"
     try:
         routes = args.routes.split(",")
@@ -327,7 +290,7 @@ def main():
                 for role in after:
                     s[f"{role}_cpu_us_per_token"] = (after[role] - before[role]) * 1e6 / max(1, s["out_tokens"])
             key = f"{route}{'' if stream else '-nostream'}"
-            res["runs"][key] = s
+            out[key] = s
             log(f"{key}: {s['out_tok_s']:.0f} out tok/s, TTFT p50 {s['ttft_p50_ms']:.1f} ms, ITL p50 "
                 f"{s['itl_p50_ms']:.2f} ms, errors {s['errors']}, gateway "
                 f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token, worker "
@@ -336,6 +299,62 @@ def main():
         if proc is not None:
             from bench.stack import stop_stack
             stop_stack(proc)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="a running stack; else --launch starts one")
+    ap.add_argument("--launch", action="store_true")
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--dataset", default="random", choices=["random", "sharegpt", "gsp"])
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--random-input-len", type=int, default=512)
+    ap.add_argument("--random-output-len", type=int, default=128)
+    ap.add_argument("--random-range-ratio", type=float, default=1.0)
+    ap.add_argument("--gsp-groups", type=int, default=16)
+    ap.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    ap.add_argument("--gsp-system-len", type=int, default=2048)
+    ap.add_argument("--gsp-question-len", type=int, default=128)
+    ap.add_argument("--gsp-output-len", type=int, default=256)
+    ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    ap.add_argument("--max-concurrency", type=int, default=0)
+    ap.add_argument("--routes", default="generate", help="comma list of generate, completions, chat")
+    ap.add_argument("--no-stream", action="store_true", help="also run each route without streaming")
+    ap.add_argument("--offline", action="store_true", help="the same workload through the offline engine")
+    ap.add_argument("--profile", action="store_true",
+                    help="during the first run: py-spy of the gateway and each worker, thread CPU (to --out)")
+    ap.add_argument("--workers-sweep", default="",
+                    help="e.g. 1,2: one stack per count (unified workers on GPUs 0..n-1), data-parallel scaling")
+    ap.add_argument("--port", type=int, default=31000)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
+    ap.add_argument("launch_args", nargs="*", help="after --: extra services.launch flags")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    if args.dataset == "random":
+        dataset = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
+                                 args.random_range_ratio)
+    elif args.dataset == "sharegpt":
+        dataset = sharegpt_dataset(args.num_prompts)
+    else:
+        dataset = gsp_dataset(args.gsp_groups, args.gsp_prompts_per_group, args.gsp_system_len,
+                              args.gsp_question_len, args.gsp_output_len)
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "dataset": args.dataset, "num_prompts": len(dataset),
+                 "rate": args.request_rate, "max_concurrency": args.max_concurrency,
+                 "ideal_hit_rate": ideal_hit_rate(dataset), "runs": {}}
+    path = model_dir(args.shape)
+    sweep = [int(n) for n in args.workers_sweep.split(",")] if args.workers_sweep else [None]
+    for n in sweep:
+        extra = list(args.launch_args)
+        if n is not None:
+            import torch
+
+            extra += ["--workers", str(n)]
+            if torch.cuda.is_available():
+                extra += ["--worker-gpus", ",".join(str(g) for g in range(n))]
+        runs = serve_runs(args, path, dataset, extra)
+        res["runs"].update({(k if n is None else f"{k} x{n}"): v for k, v in runs.items()})
     if args.offline:
         log("offline engine, same workload")
         res["offline"] = offline_reference(path, dataset, {})
@@ -354,12 +373,23 @@ def main():
         off = res["offline"]["out_tok_s"]
         print(f"{'offline engine':22s} {off:10.0f}")
         for key, s in res["runs"].items():
-            goal = 0.97 if key.endswith("nostream") else 0.95
+            if " x" in key and not key.endswith(f" x{sweep[0]}"):
+                continue  # several GPUs: compared with one worker above, not with one engine
+            goal = 0.97 if key.split(" x")[0].endswith("nostream") else 0.95
             ratio = s["out_tok_s"] / off
             print(f"{'PASS' if ratio >= goal else 'FAIL'}: {key} at {ratio:.3f} of the offline engine (goal >= {goal})")
+    if len(sweep) > 1:
+        base = sweep[0]
+        for key, s in res["runs"].items():
+            name, _, n = key.rpartition(" x")
+            if n and int(n) != base and f"{name} x{base}" in res["runs"]:
+                ratio = s["out_tok_s"] / res["runs"][f"{name} x{base}"]["out_tok_s"]
+                goal = {2: 1.9, 4: 3.7}.get(int(n) // base)
+                verdict = "INFO" if goal is None else ("PASS" if ratio >= goal else "FAIL")
+                print(f"{verdict}: {name} with {n} workers at {ratio:.2f}x {base} (goal >= {goal})")
     for key, s in res["runs"].items():
         gw = s.get("gateway_cpu_us_per_token")
-        if gw is not None and s["out_tokens"] and key.endswith(("generate", "completions", "chat")):
+        if gw is not None and s["out_tokens"] and key.split(" x")[0].endswith(("generate", "completions", "chat")):
             print(f"{'PASS' if gw <= 5 else 'FAIL'}: {key} gateway CPU {gw:.1f} us/token (goal <= 5)")
     bad = sum(s["errors"] for s in res["runs"].values())
     if bad:
