@@ -47,6 +47,8 @@ class ReqToTokenPool:
         # Row 0 is reserved for padding (CUDA-graph dummy requests); it stays all zeros.
         self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int32, device=device)
         self._free = list(range(max_reqs, 0, -1))
+        # Called after every write (row, start, slots): tensor parallelism mirrors the table on every rank.
+        self.on_write = None
 
     def available(self) -> int:
         return len(self._free)
@@ -59,4 +61,6 @@ class ReqToTokenPool:
         self._free.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.req_to_token[row, start:start + len(slots)] = slots.to(torch.int32)
+        self.req_to_token[row, start:start + len(slots)] = slots.to(self.req_to_token.device, torch.int32)
+        if self.on_write is not None:
+            self.on_write(row, start, slots)

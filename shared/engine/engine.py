@@ -145,6 +145,7 @@ class Engine:
         self.inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.runner.close()  # the other tensor-parallel ranks, if any
 
     # ------------------------------------------------------------------ loop
     def run_forever(self) -> None:

@@ -38,6 +38,15 @@ def load_config(model_dir: str) -> ModelConfig:
     return ModelConfig.from_hf(read_hf_config(model_dir))
 
 
+def load_config_of(model_path: str) -> ModelConfig:
+    """The config of what load_model(model_path) would load, without its weights."""
+    if model_path == TINY_RANDOM:
+        from shared.models.tiny_random import tiny_random_config
+
+        return tiny_random_config()
+    return load_config(resolve_model_dir(model_path))
+
+
 def safetensors_files(model_dir: str) -> list[str]:
     """The weight files of a checkpoint: those the shard index names, else model.safetensors, else every
     *.safetensors (Mistral's consolidated.* use other tensor names and are left out)."""
@@ -56,9 +65,11 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_safetensors(files: list[str], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[str], progress: bool = True,
+                     lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, with a progress bar on stderr (tensors; the headers give the
-    count up front, so the bar has an end)."""
+    count up front, so the bar has an end). lazy: yield safetensors slices instead, from which the
+    loader reads only this rank's shard (tensor parallelism)."""
     total = 0
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -68,7 +79,7 @@ def iter_safetensors(files: list[str], progress: bool = True) -> Iterator[tuple[
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name) if lazy else f.get_tensor(name)
                     bar.update(1)
 
 
@@ -126,7 +137,7 @@ def load_model(model_path: str, dtype: torch.dtype | None = None, device: torch.
 
 def _load_checkpoint(model: LlamaForCausalLM, files: list[str], spec: QuantSpec | None) -> None:
     if spec is None:
-        load_weights(model, iter_safetensors(files))
+        load_weights(model, iter_safetensors(files, lazy=True))
     elif spec.online:
         kept = convert_linears_to_fp8(model, None)
         load_weights(model, online_quantized(iter_safetensors(files), kept))
