@@ -72,6 +72,26 @@ def test_tp_engine_matches_single_rank(tp1, tp):
     assert parallel.tp_size() == 1  # the process's rank state is reset with its group
 
 
+def test_tp_constrained_and_penalized_sampling_match_single_rank():
+    """Grammar masks and penalties live on rank 0 only; verified jump-forward rewinds a request's next
+    input on the device when a proposal is rejected. The other ranks must follow all of it."""
+    from tests.test_engine_grammar import SCHEMA, prompt
+
+    cases = [{"json_schema": json.dumps(SCHEMA), "temperature": 1.0, "seed": s, "max_new_tokens": 80} for s in (1, 2)]
+    cases += [{"regex": r"call me at \d{3}-\d{4}, thanks!", "temperature": 0, "max_new_tokens": 40},
+              {"temperature": 1.0, "seed": 5, "frequency_penalty": 0.8, "max_new_tokens": 12, "ignore_eos": True}]
+    results = []
+    for tp in (1, 2):
+        h = Harness(tp_size=tp, jump_forward_mode="verify")
+        try:
+            results.append([r["ids"] for r in h.run([h.submit(prompt(), sampling=s) for s in cases])])
+            if tp == 2:
+                assert h.engine.jump_forward_tokens > 0
+        finally:
+            h.engine.stop()
+    assert results[0] == results[1]
+
+
 # ------------------------------------------------------------------ sharded loading
 class _RecordingOpen:
     """safe_open that records what is read: whole tensors (get_tensor) and slices with their shapes."""
