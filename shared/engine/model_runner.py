@@ -102,7 +102,7 @@ class ForwardPlan:
     req_pool_indices: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
-    out_cache_loc: list[int]
+    out_cache_loc: torch.Tensor  # host int64
     table_writes: tuple[list[int], list[int], list[int]]  # req_to_token rows, columns, slots
     prefix_groups: list | None = None
     use_graph: bool = False
@@ -189,7 +189,8 @@ class ModelRunner:
 
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_pool, self.req_pool.req_to_token, self.attn_backend,
-                max_bs=min(config.cuda_graph_max_bs, config.max_running_requests), device=self.device)
+                max_bs=min(config.cuda_graph_max_bs, config.max_running_requests), device=self.device,
+                progress=tp_rank == 0)
 
     @torch.no_grad()
     def warmup(self) -> None:
@@ -278,9 +279,8 @@ class ModelRunner:
         # Shared-prefix attention when the backend judges it pays; such batches are not graph-captured.
         groups = self.attn_backend.select_prefix_groups(batch.prefix_groups) if decode else None
         return ForwardPlan(
-            batch.mode, [] if decode else list(batch.input_ids), [r.req_pool_idx for r in batch.reqs],
-            list(batch.prefix_lens), list(batch.extend_lens), batch.out_cache_loc.tolist(),
-            self._table_writes(batch), groups,
+            batch.mode, [] if decode else batch.input_ids, [r.req_pool_idx for r in batch.reqs],
+            batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, self._table_writes(batch), groups,
             use_graph=decode and self.graph_runner is not None and self.graph_runner.can_run(n) and not groups)
 
     def _run_plan(self, plan: ForwardPlan) -> tuple[ForwardBatch, torch.Tensor]:

@@ -185,6 +185,8 @@ def _destroy_process_group() -> None:
 
 
 def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this rank when rank 0 dies. The kernel ties it to the *thread* that started us: build the
+    ModelRunner on a thread that lives as long as the engine (the worker's main thread does)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from shared.models.config import ModelConfig
 from shared.models.llama import LlamaForCausalLM
+from shared.models.parallel import tp_rank
 from shared.models.quantization import (CheckpointReader, QuantSpec, fp8_weight_names, online_quantized,
                                         parse_quantization, quantize_per_channel, quantized_tensors)
 from shared.models.weights import build_empty_model, convert_linears_to_fp8, load_weights
@@ -137,10 +138,10 @@ def load_model(model_path: str, dtype: torch.dtype | None = None, device: torch.
 
 def _load_checkpoint(model: LlamaForCausalLM, files: list[str], spec: QuantSpec | None) -> None:
     if spec is None:
-        load_weights(model, iter_safetensors(files, lazy=True))
+        load_weights(model, iter_safetensors(files, progress=tp_rank() == 0, lazy=True))
     elif spec.online:
         kept = convert_linears_to_fp8(model, None)
-        load_weights(model, online_quantized(iter_safetensors(files), kept))
+        load_weights(model, online_quantized(iter_safetensors(files, progress=tp_rank() == 0), kept))
     else:
         reader = CheckpointReader(files)
         fp8_names = fp8_weight_names(reader)
