@@ -22,12 +22,14 @@ SEEDED = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 8, "ignore_eos": T
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 60)), [300, 200, 100], list(range(100, 140))]
 
 
-def _run_all(h: Harness) -> dict:
-    """Greedy alone and batched, a cache hit (the scheduler rewrites a deduplicated prefix's slots),
+def _run_all(h: Harness, full: bool = True) -> dict:
+    """Greedy alone and batched, cache hits (the scheduler rewrites a deduplicated prefix's slots),
     seeded sampling, and input/output logprobs (the logits of many rows, computed in chunks)."""
-    out = {"alone": [h.generate(p, sampling=GREEDY)["ids"] for p in PROMPTS]}
+    out = {"alone": [h.generate(p, sampling=GREEDY)["ids"] for p in PROMPTS]} if full else {}
     out["batched"] = [r["ids"] for r in h.run([h.submit(p, sampling=GREEDY) for p in PROMPTS])]
     out["seeded"] = [r["ids"] for r in h.run([h.submit(p, sampling=SEEDED) for p in PROMPTS])]
+    if not full:
+        return out
     lp = h.generate(PROMPTS[1], sampling=GREEDY, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
     out["lp_ids"], out["logprobs"], out["input_logprobs"] = lp["ids"], lp["logprobs"], lp["input_logprobs"]
     return out
@@ -58,16 +60,18 @@ def test_tp_engine_matches_single_rank(tp1, tp):
     pids = _follower_pids(h)
     assert len(pids) == tp - 1 and all(procfs.alive(p) for p in pids)
     try:
-        got = _run_all(h)
+        got = _run_all(h, full=tp == 2)  # 4 ranks on a CI machine's few cores: the short run
         # Each rank holds its share of the kv heads (tiny-random: 2; with 4 ranks each is replicated twice).
         assert h.engine.runner.kv_pool.num_kv_heads == max(1, 2 // tp)
     finally:
         h.engine.stop()
-    for key in ("alone", "batched", "seeded", "lp_ids"):
-        assert got[key] == tp1[key], key
-    assert got["alone"] == got["batched"]
-    assert _close(got["logprobs"], tp1["logprobs"])
-    assert _close(got["input_logprobs"], tp1["input_logprobs"]) and len(got["input_logprobs"]) == len(PROMPTS[1])
+    for key in got:
+        if key in ("logprobs", "input_logprobs"):
+            assert _close(got[key], tp1[key]), key
+        else:
+            assert got[key] == tp1[key], key
+    if tp == 2:
+        assert got["alone"] == got["batched"] and len(got["input_logprobs"]) == len(PROMPTS[1])
     wait_for(lambda: not any(procfs.alive(p) for p in pids), 10, "tensor-parallel ranks to exit")
     assert parallel.tp_size() == 1  # the process's rank state is reset with its group
 
@@ -195,15 +199,32 @@ def test_kv_heads_replicate_and_vocab_pads_when_ranks_do_not_divide():
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("argv, message", [
     (["--tp-size", "9"], "between 1 and 8"),
-    (["--tp-size", "0"], "between 1 and 8"),
-    (["--tp-size", "3"], "does not divide the model's 4 attention heads"),
-    (["--tp-size", "2", "--role", "decode"], "unified workers only"),
+    (["--tp", "0"], "between 1 and 8"),
+    (["--tp-size", "two"], "not an integer"),
 ])
-def test_worker_refuses_bad_tp_size(argv, message):
+def test_cli_refuses_tp_size_out_of_range(argv, message, capsys):
+    from services.worker.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "tiny-random", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_worker_refuses_tp_with_a_pd_role():
+    from services.worker.__main__ import main
+
+    with pytest.raises(SystemExit, match="unified workers only"):
+        main(["--model-path", "tiny-random", "--device", "cpu", "--tp-size", "2", "--role", "decode"])
+
+
+def test_worker_refuses_tp_size_not_dividing_the_heads():
+    """Refused before any rank starts, as one `error:` line (no traceback)."""
     proc = subprocess.run([sys.executable, "-m", "services.worker", "--model-path", "tiny-random",
-                           "--device", "cpu", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "--device", "cpu", "--tp-size", "3"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode != 0
-    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "error: --tp-size 3 does not divide the model's 4 attention heads" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_launcher_refuses_tp_with_pd():

@@ -171,8 +171,10 @@ class ModelRunner:
             self.req_pool.on_write = lambda row, start, slots: self.tp.send(("table", row, start, slots.tolist()))
         from shared.constrained import MaskBuilder
 
-        # Mask filling is host work per constrained request; xgrammar spreads it over threads.
-        self.masker = MaskBuilder(self.vocab_size, max_threads=max(2, min(8, (os.cpu_count() or 2) // 2)))
+        # Mask filling is host work per constrained request; xgrammar spreads it over threads. Rank 0
+        # alone samples.
+        self.masker = MaskBuilder(self.vocab_size, max_threads=max(2, min(8, (os.cpu_count() or 2) // 2))) \
+            if tp_rank == 0 else None
         # Last sampled token of each request row, on the device: the next decode step's input.
         self.token_buf = torch.zeros(config.max_running_requests + 1, dtype=torch.int64, device=self.device)
         self.attn_backend = create_attention_backend(

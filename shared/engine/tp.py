@@ -206,6 +206,8 @@ def _follower_main(rank: int, port: int, conn: Connection, parent_pid: int) -> N
     try:
         config: EngineConfig = conn.recv()
         device = rank_device(resolve_device(config.device), rank)
+        if device.type == "cpu":  # the ranks share the cores: N ranks x all-core thread pools thrash
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
         _init_process_group(rank, config.tp_size, port, device)
         runner = ModelRunner(config, tp=link, tp_rank=rank)
     except BaseException:
@@ -220,7 +222,7 @@ def _follower_main(rank: int, port: int, conn: Connection, parent_pid: int) -> N
     except BaseException:
         log.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)
-    _destroy_process_group()
+    os._exit(0)  # nothing to flush; skips a slow interpreter teardown
 
 
 if __name__ == "__main__":
