@@ -4,6 +4,8 @@ degrees are refused with a clear error, and no rank process outlives its worker.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -263,19 +265,37 @@ def test_tp2_stack_serves_what_tp1_decodes(tp1):
     wait_for(lambda: not any(procfs.alive(p) for p in ranks), 15, "the worker's rank to exit")
 
 
-def test_rank_dies_with_its_worker():
-    """SIGKILL on the worker (no chance to stop its ranks): the kernel ends them (PR_SET_PDEATHSIG)."""
+def _tp2_worker() -> tuple[subprocess.Popen, int]:
+    """A ready --tp-size 2 worker process and the pid of its second rank."""
     proc = subprocess.Popen([sys.executable, "-m", "services.worker", "--model-path", "tiny-random",
                              "--device", "cpu", "--tp-size", "2", "--max-total-tokens", "4096"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "WORKER READY" not in (proc.stdout.readline() or "WORKER READY"):
+        pass
+    ranks = [p for p in procfs.descendants(proc.pid) if "shared.engine.tp" in procfs.argv(p)]
+    assert len(ranks) == 1 and proc.poll() is None
+    return proc, ranks[0]
+
+
+def test_rank_dies_with_its_worker():
+    """SIGKILL on the worker (no chance to stop its ranks): the kernel ends them (PR_SET_PDEATHSIG)."""
+    proc, rank = _tp2_worker()
+    proc.kill()
+    proc.wait()
+    wait_for(lambda: not procfs.alive(rank), 15, "the orphaned rank to exit")
+
+
+def test_worker_exits_when_a_rank_dies():
+    """A dead rank would leave the worker's next collective waiting forever: the worker exits instead
+    (its supervisor restarts the whole group)."""
+    proc, rank = _tp2_worker()
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and "WORKER READY" not in (proc.stdout.readline() or "WORKER READY"):
-            pass
-        ranks = [p for p in procfs.descendants(proc.pid) if "shared.engine.tp" in procfs.argv(p)]
-        assert len(ranks) == 1
+        os.kill(rank, signal.SIGKILL)
+        assert proc.wait(timeout=15) == 70
+        assert "tensor-parallel rank 1 died" in proc.stderr.read()
     finally:
-        proc.kill()
-        proc.wait()
-    wait_for(lambda: not any(procfs.alive(p) for p in ranks), 15, "the orphaned rank to exit")
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
