@@ -78,6 +78,24 @@ def test_tp_engine_matches_single_rank(tp1, tp):
     assert parallel.tp_size() == 1  # the process's rank state is reset with its group
 
 
+@pytest.mark.parametrize("family", ["llama_bias", "qwen2", "tied"])
+def test_tp_families_match_single_rank(family, tmp_path):
+    """Row-parallel biases added once, one kv head replicated on both ranks (qwen2), a vocab-parallel
+    lm_head tied to the embedding, each loaded from a transformers checkpoint."""
+    from tests.conftest_models import make_hf_model, write_hf_checkpoint
+
+    path = write_hf_checkpoint(make_hf_model(family), str(tmp_path))
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    results = []
+    for tp in (1, 2):
+        h = Harness(model_path=path, tp_size=tp)
+        try:
+            results.append([r["ids"] for r in h.run([h.submit(p, sampling=GREEDY) for p in prompts])])
+        finally:
+            h.engine.stop()
+    assert results[0] == results[1]
+
+
 def test_tp_constrained_and_penalized_sampling_match_single_rank():
     """Grammar masks and penalties live on rank 0 only; verified jump-forward rewinds a request's next
     input on the device when a proposal is rejected. The other ranks must follow all of it."""
