@@ -278,6 +278,8 @@ def test_tp2_stack_serves_what_tp1_decodes(tp1):
         assert len(ranks) == 1  # one worker, one rank beside it
         got = _generate(stack.url, prompt)
         assert got["output_ids"] == want["ids"] and got["text"] == want["text"]
+        with urllib.request.urlopen(stack.url + "/server_info", timeout=30) as r:
+            assert [w["info"]["tp_size"] for w in json.loads(r.read())["workers"]] == [2]
     finally:
         stack.stop()
     wait_for(lambda: not any(procfs.alive(p) for p in ranks), 15, "the worker's rank to exit")

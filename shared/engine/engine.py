@@ -659,4 +659,5 @@ class Engine:
             "grammar_cache": {"hits": self.grammars.hits, "misses": self.grammars.misses, "entries": len(self.grammars)},
             "disable_radix_cache": self.config.disable_radix_cache,
             "schedule_policy": self.config.schedule_policy,
+            "tp_size": self.config.tp_size,
         }
