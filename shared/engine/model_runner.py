@@ -119,11 +119,15 @@ class ModelRunner:
         if config.tp_size > 1 and tp is None:
             from shared.engine.tp import TPLeader
             from shared.models.loader import load_config_of
-            from shared.models.parallel import validate_tp
+            from shared.models.parallel import TPConfigError, validate_tp
 
             mc = load_config_of(config.model_path)  # refuse a degree the model cannot split before spawning
             validate_tp(config.tp_size, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size)
-            self.tp = TPLeader(config, resolve_device(config.device))
+            device = resolve_device(config.device)
+            if device.type == "cuda" and device.index + config.tp_size > torch.cuda.device_count():
+                raise TPConfigError(f"--tp-size {config.tp_size} from {device} needs GPUs {device.index}.."
+                                    f"{device.index + config.tp_size - 1}; this host has {torch.cuda.device_count()}")
+            self.tp = TPLeader(config, device)
         elif config.tp_size == 1:
             set_tp(0, 1)
         try:

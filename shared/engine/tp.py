@@ -92,23 +92,30 @@ class TPLeader:
         self._closed = False
         self._watchdog: threading.Thread | None = None
         try:
+            # A rank that fails before the rendezvous would leave this one waiting: hear from each first.
+            self._await("started")
             _init_process_group(0, self.size, port, device)
-        except Exception:
+        except BaseException:
             self.close()
             raise
 
-    def ready(self) -> None:
-        """Wait for every follower to have loaded its shard (they report a failure with its traceback)."""
+    def _await(self, status: str) -> None:
+        """Wait for every follower to report `status` (a failure comes with its traceback)."""
         deadline = time.monotonic() + _READY_TIMEOUT_S
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
             while not conn.poll(0.2):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.returncode}) while loading")
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.returncode}) before "
+                                       f"it was {status}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel rank {rank} did not load within {_READY_TIMEOUT_S:.0f} s")
-            status, detail = conn.recv()
-            if status != "ready":
+                    raise RuntimeError(f"tensor-parallel rank {rank} was not {status} within {_READY_TIMEOUT_S:.0f} s")
+            got, detail = conn.recv()
+            if got != status:
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{detail}")
+
+    def ready(self) -> None:
+        """Wait for every follower to have loaded its shard; from here on a dead follower ends the worker."""
+        self._await("ready")
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -206,8 +213,11 @@ def _follower_main(rank: int, port: int, conn: Connection, parent_pid: int) -> N
     try:
         config: EngineConfig = conn.recv()
         device = rank_device(resolve_device(config.device), rank)
-        if device.type == "cpu":  # the ranks share the cores: N ranks x all-core thread pools thrash
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:  # the ranks share the cores: N ranks x all-core thread pools thrash
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+        conn.send(("started", None))
         _init_process_group(rank, config.tp_size, port, device)
         runner = ModelRunner(config, tp=link, tp_rank=rank)
     except BaseException:
