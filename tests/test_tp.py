@@ -96,6 +96,23 @@ def test_tp_families_match_single_rank(family, tmp_path):
     assert results[0] == results[1]
 
 
+def test_tp_fp8_checkpoint_matches_single_rank(tmp_path):
+    """FP8 weights with per-row scales: a column-parallel layer takes its rows' scales, a row-parallel
+    one keeps every row's scale."""
+    from tests.conftest_models import make_hf_model
+    from tests.test_quantization import write_fp8_checkpoint
+
+    path = write_fp8_checkpoint(make_hf_model("qwen2"), str(tmp_path), "fbgemm-per-channel")
+    results = []
+    for tp in (1, 2):
+        h = Harness(model_path=path, tp_size=tp)
+        try:
+            results.append([r["ids"] for r in h.run([h.submit(p, sampling=GREEDY) for p in PROMPTS[:2]])])
+        finally:
+            h.engine.stop()
+    assert results[0] == results[1]
+
+
 def test_tp_constrained_and_penalized_sampling_match_single_rank():
     """Grammar masks and penalties live on rank 0 only; verified jump-forward rewinds a request's next
     input on the device when a proposal is rejected. The other ranks must follow all of it."""
