@@ -24,9 +24,19 @@ SEEDED = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 8, "ignore_eos": T
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 60)), [300, 200, 100], list(range(100, 140))]
 
 
+def _constrained_cases() -> list[dict]:
+    from tests.test_engine_grammar import SCHEMA
+
+    cases = [{"json_schema": json.dumps(SCHEMA), "temperature": 1.0, "seed": s, "max_new_tokens": 80} for s in (1, 2)]
+    return cases + [{"regex": r"call me at \d{3}-\d{4}, thanks!", "temperature": 0, "max_new_tokens": 40},
+                    {"temperature": 1.0, "seed": 5, "frequency_penalty": 0.8, "max_new_tokens": 12, "ignore_eos": True}]
+
+
 def _run_all(h: Harness, full: bool = True) -> dict:
     """Greedy alone and batched, cache hits (the scheduler rewrites a deduplicated prefix's slots),
-    seeded sampling, and input/output logprobs (the logits of many rows, computed in chunks)."""
+    seeded sampling, input/output logprobs (the logits of many rows, computed in chunks), and grammar
+    masks, penalties and verified jump-forward (rank 0 alone holds their state; a rejected proposal
+    rewinds a request's next input on every rank)."""
     out = {"alone": [h.generate(p, sampling=GREEDY)["ids"] for p in PROMPTS]} if full else {}
     out["batched"] = [r["ids"] for r in h.run([h.submit(p, sampling=GREEDY) for p in PROMPTS])]
     out["seeded"] = [r["ids"] for r in h.run([h.submit(p, sampling=SEEDED) for p in PROMPTS])]
@@ -34,6 +44,11 @@ def _run_all(h: Harness, full: bool = True) -> dict:
         return out
     lp = h.generate(PROMPTS[1], sampling=GREEDY, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
     out["lp_ids"], out["logprobs"], out["input_logprobs"] = lp["ids"], lp["logprobs"], lp["input_logprobs"]
+    from tests.test_engine_grammar import prompt
+
+    jumped = h.engine.jump_forward_tokens
+    out["constrained"] = [r["ids"] for r in h.run([h.submit(prompt(), sampling=s) for s in _constrained_cases()])]
+    assert h.engine.jump_forward_tokens > jumped
     return out
 
 
@@ -47,7 +62,7 @@ def _close(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def tp1():
-    h = Harness()
+    h = Harness(jump_forward_mode="verify")
     yield _run_all(h)
     h.engine.stop()
 
@@ -58,7 +73,7 @@ def _follower_pids(h: Harness) -> list[int]:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_engine_matches_single_rank(tp1, tp):
-    h = Harness(tp_size=tp)
+    h = Harness(tp_size=tp, jump_forward_mode="verify")
     pids = _follower_pids(h)
     try:
         assert len(pids) == tp - 1 and all(procfs.alive(p) for p in pids)
@@ -108,26 +123,6 @@ def test_tp_fp8_checkpoint_matches_single_rank(tmp_path):
         h = Harness(model_path=path, tp_size=tp)
         try:
             results.append([r["ids"] for r in h.run([h.submit(p, sampling=GREEDY) for p in PROMPTS[:2]])])
-        finally:
-            h.engine.stop()
-    assert results[0] == results[1]
-
-
-def test_tp_constrained_and_penalized_sampling_match_single_rank():
-    """Grammar masks and penalties live on rank 0 only; verified jump-forward rewinds a request's next
-    input on the device when a proposal is rejected. The other ranks must follow all of it."""
-    from tests.test_engine_grammar import SCHEMA, prompt
-
-    cases = [{"json_schema": json.dumps(SCHEMA), "temperature": 1.0, "seed": s, "max_new_tokens": 80} for s in (1, 2)]
-    cases += [{"regex": r"call me at \d{3}-\d{4}, thanks!", "temperature": 0, "max_new_tokens": 40},
-              {"temperature": 1.0, "seed": 5, "frequency_penalty": 0.8, "max_new_tokens": 12, "ignore_eos": True}]
-    results = []
-    for tp in (1, 2):
-        h = Harness(tp_size=tp, jump_forward_mode="verify")
-        try:
-            results.append([r["ids"] for r in h.run([h.submit(prompt(), sampling=s) for s in cases])])
-            if tp == 2:
-                assert h.engine.jump_forward_tokens > 0
         finally:
             h.engine.stop()
     assert results[0] == results[1]

@@ -142,6 +142,8 @@ class TPLeader:
         if self._closed:
             return
         self._closed = True
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the last pass's collectives complete before the ranks go
         for conn in self.conns:
             try:
                 conn.send_bytes(pickle.dumps(("stop",)))
@@ -232,6 +234,8 @@ def _follower_main(rank: int, port: int, conn: Connection, parent_pid: int) -> N
     except BaseException:
         log.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # our part of rank 0's last collectives
     os._exit(0)  # nothing to flush; skips a slow interpreter teardown
 
 
