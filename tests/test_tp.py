@@ -77,6 +77,8 @@ def test_tp_engine_matches_single_rank(tp1, tp):
     pids = _follower_pids(h)
     try:
         assert len(pids) == tp - 1 and all(procfs.alive(p) for p in pids)
+        with pytest.raises(RuntimeError, match="alive in this process"):
+            Harness()  # would reset the process's rank state under the live TP model
         got = _run_all(h, full=tp == 2)  # 4 ranks on a CI machine's few cores: the short run
         # Each rank holds its share of the kv heads (tiny-random: 2; with 4 ranks each is replicated twice).
         assert h.engine.runner.kv_pool.num_kv_heads == max(1, 2 // tp)

@@ -136,6 +136,10 @@ class ModelRunner:
                                     f"{device.index + config.tp_size - 1}; this host has {torch.cuda.device_count()}")
             self.tp = TPLeader(config, device)
         elif config.tp_size == 1:
+            from shared.models.parallel import tp_size
+
+            if tp_size() > 1:  # the rank state is per process: a second model would corrupt the first
+                raise RuntimeError("a tensor-parallel model runner is alive in this process; close it first")
             set_tp(0, 1)
         try:
             self._init(config, tp_rank)
