@@ -41,7 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (pd topology)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (pd topology)")
     p.add_argument("--worker-gpus", default=None,
-                   help="comma-separated GPU ids; worker i runs on --device cuda:ids[i %% len(ids)]")
+                   help="comma-separated GPU ids; worker i runs on --device cuda:ids[i %% len(ids)] (with "
+                        "--tp-size N: cuda:ids[i*N %% len(ids)] and the N-1 GPUs after it)")
     p.add_argument("--redis-url", default=None, help="routing metadata in Redis (default: in memory)")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     p.add_argument("--port", type=int, default=30000, help="the gateway's HTTP port")
@@ -74,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--workers, --prefill and --decode must be >= 1")
     if args.worker_gpus is not None and not all(x.strip().isdigit() for x in args.worker_gpus.split(",")):
         p.error("--worker-gpus must be comma-separated GPU ids, e.g. 0,1")
+    if args.topology == "pd" and args.tp_size > 1:
+        p.error("--tp-size > 1 runs on unified workers only for now (PD would move KV pages rank to rank)")
     if args.topology == "pd":
         from shared.transfer import require_ucx
 
@@ -100,7 +103,8 @@ def _worker_cmd(args: argparse.Namespace, index: int, role: str):
             argv += ["--redis-url", args.redis_url]
         if args.worker_gpus:
             gpus = [g.strip() for g in args.worker_gpus.split(",")]
-            argv += ["--device", f"cuda:{gpus[index % len(gpus)]}"]
+            # A tensor-parallel worker's ranks take the GPUs after its first (cuda:N .. N+tp-1).
+            argv += ["--device", f"cuda:{gpus[index * args.tp_size % len(gpus)]}"]
         return argv
     return cmd
 

@@ -65,7 +65,7 @@ def test_sglang_flag_names_and_old_aliases():
     assert not args.cuda_graph and not args.enable_overlap and args.mem_fraction_static == 0.7
     assert not launch_args(["--model-path", "m", "--no-cuda-graph"]).cuda_graph
     with pytest.raises(SystemExit):
-        launch_args(["--model-path", "m", "--tp-size", "2"])
+        launch_args(["--model-path", "m", "--tp-size", "9"])  # one host has at most 8 GPUs
     # What the launcher passes its workers uses the primary names, and the worker parses it back.
     from shared.engine.cli import engine_args_to_argv
 

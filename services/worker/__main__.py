@@ -59,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    if args.role != "unified" and args.tp_size > 1:
+        # KV pages would have to move rank to rank (prefill rank i -> decode rank i): not built yet.
+        raise SystemExit(f"error: --tp-size {args.tp_size} with --role {args.role}: tensor parallelism "
+                         "runs on unified workers only for now")
     if args.role in ("prefill", "decode"):
         from shared.transfer import require_ucx
 
@@ -136,11 +140,12 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from shared.models.parallel import TPConfigError
     from shared.models.quantization import UnsupportedQuantization
 
     try:
         event_loop.run(serve(args))
-    except UnsupportedQuantization as e:  # a checkpoint we cannot run correctly: say so, no traceback
+    except (UnsupportedQuantization, TPConfigError) as e:  # a model we cannot run this way: say so, no traceback
         raise SystemExit(f"error: {e}") from None
 
 

@@ -47,6 +47,8 @@ class ReqToTokenPool:
         # Row 0 is reserved for padding (CUDA-graph dummy requests); it stays all zeros.
         self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int32, device=device)
         self._free = list(range(max_reqs, 0, -1))
+        # Called after every write (row, start, slots): tensor parallelism mirrors the table on every rank.
+        self.on_write = None
 
     def available(self) -> int:
         return len(self._free)
@@ -59,6 +61,13 @@ class ReqToTokenPool:
         self._free.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """`slots` should already be on the pool's device (shared/engine/h2d.to_device): a host tensor is
-        copied from pageable memory, which waits for all the work queued on the stream."""
-        self.req_to_token[row, start:start + len(slots)] = slots.to(torch.int32)
+        """`slots` on the host (staged through pinned memory and copied without blocking: a pageable copy
+        would wait for all the work queued on the stream, the pass in flight included) or on the device."""
+        dev = self.req_to_token.device
+        if slots.device != dev and dev.type == "cuda":
+            values = slots.to(torch.int32).pin_memory().to(dev, non_blocking=True)
+        else:
+            values = slots.to(dev, torch.int32)
+        self.req_to_token[row, start:start + len(slots)] = values
+        if self.on_write is not None:
+            self.on_write(row, start, slots)

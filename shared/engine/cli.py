@@ -31,7 +31,19 @@ def _attention_backend(value: str) -> str:
     return value
 
 
-_TYPES = {"device": _device, "attention_backend": _attention_backend}
+def _tp_size(value: str) -> int:
+    from shared.models.parallel import MAX_TP_SIZE
+
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if not 1 <= size <= MAX_TP_SIZE:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_TP_SIZE} (the GPUs of one host), got {size}")
+    return size
+
+
+_TYPES = {"device": _device, "attention_backend": _attention_backend, "tp_size": _tp_size}
 
 # Flag names where SGLang's launcher names the same setting differently: its name first (what --help and
 # child processes use), ours kept as an alias. Boolean fields that default to true also take SGLang's
@@ -40,6 +52,7 @@ _NAMES = {
     "max_context_len": ["--context-length", "--max-context-len"],
     "cuda_graph": ["--no-cuda-graph", "--disable-cuda-graph"],
     "enable_overlap": ["--no-enable-overlap", "--disable-overlap-schedule"],
+    "tp_size": ["--tp-size", "--tp"],
 }
 
 _HELP = {
@@ -75,13 +88,9 @@ _HELP = {
     "random_seed": "seed of requests without their own",
     "kv_transfer_staging": "PD: device (UCX moves GPU memory) or host (pinned buffers, UCX without CUDA)",
     "kv_transfer_timeout": "PD: seconds a decode worker waits for a request's KV pages",
+    "tp_size": "tensor-parallel ranks: the worker spawns one process per rank (GPUs cuda:N..N+tp-1 from "
+               "--device cuda:N; gloo on CPU); must divide the attention heads",
 }
-
-
-def _tp_size(value: str) -> int:
-    if value != "1":
-        raise argparse.ArgumentTypeError("tensor parallelism is not implemented yet: only --tp-size 1")
-    return 1
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -100,9 +109,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             (t for t in (int, float) if f.type is t or str(f.type).startswith(t.__name__)), str)
         group.add_argument(*names, dest=f.name, type=typ, default=f.default, choices=_CHOICES.get(f.name),
                            help=_HELP.get(f.name))
-    # Reserved under SGLang's names so its command lines parse; only the single-device value runs.
-    group.add_argument("--tp-size", "--tp", dest="tp_size", type=_tp_size, default=1,
-                       help="tensor-parallel degree (reserved: only 1 for now)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

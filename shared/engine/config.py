@@ -60,6 +60,8 @@ class EngineConfig:
     # the same pass against what the model samples, so output equals token-by-token decoding exactly.
     jump_forward_mode: str = "retokenize"
     random_seed: int = 0
+    # Tensor parallelism: ranks (one process and one GPU each, NCCL; gloo on CPU) the model is split over.
+    tp_size: int = 1
     # PD mode. Staging of KV pages: device (UCX reads/writes GPU memory: cuda_copy / cuda_ipc) or host
     # (pinned host buffers, for UCX builds without CUDA support). A decode-side request whose pages do not
     # arrive within the timeout ends with an error and frees its slots.

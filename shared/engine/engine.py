@@ -73,6 +73,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.on_output = on_output
+        self._owns_runner = runner is None
         self.runner = runner or ModelRunner(config)
         model_eos = getattr(self.runner.model_config, "eos_token_ids", None) or []
         self.eos_token_ids = sorted(set(tokenizer.eos_token_ids) | set(model_eos))
@@ -145,6 +146,8 @@ class Engine:
         self.inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._owns_runner:
+            self.runner.close()  # the other tensor-parallel ranks, if any
 
     # ------------------------------------------------------------------ loop
     def run_forever(self) -> None:
@@ -658,4 +661,5 @@ class Engine:
             "grammar_cache": {"hits": self.grammars.hits, "misses": self.grammars.misses, "entries": len(self.grammars)},
             "disable_radix_cache": self.config.disable_radix_cache,
             "schedule_policy": self.config.schedule_policy,
+            "tp_size": self.config.tp_size,
         }

@@ -94,19 +94,78 @@ class PendingStep:
         return out
 
 
+@dataclass
+class ForwardPlan:
+    """One forward pass as host data: what rank 0 runs and sends to the other tensor-parallel ranks."""
+    mode: ForwardMode
+    input_ids: list[int]  # empty for decode: those inputs are the last samples, on the device
+    req_pool_indices: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    out_cache_loc: torch.Tensor  # host int64
+    table_writes: tuple[list[int], list[int], list[int]]  # req_to_token rows, columns, slots
+    prefix_groups: list | None = None
+    use_graph: bool = False
+
+    # The slot ids cross the pipe as a numpy array: pickling a torch tensor costs ~10x more (~250 us).
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "out_cache_loc": self.out_cache_loc.numpy()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, out_cache_loc=torch.from_numpy(state["out_cache_loc"]))
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
-        from shared.models.attention import create_attention_backend
-        from shared.models.loader import load_model
+    def __init__(self, config: EngineConfig, tp=None, tp_rank: int = 0):
+        """With config.tp_size > 1, rank 0 (tp None) spawns the other ranks (shared/engine/tp.py); each
+        of them builds its own ModelRunner with its link to rank 0 and replays rank 0's passes."""
+        from shared.models.parallel import set_tp
 
         self.config = config
-        self.device = resolve_device(config.device)
+        self.tp = tp
+        if config.tp_size > 1 and tp is None:
+            from shared.engine.tp import TPLeader
+            from shared.models.loader import load_config_of
+            from shared.models.parallel import TPConfigError, validate_tp
+
+            mc = load_config_of(config.model_path)  # refuse a degree the model cannot split before spawning
+            validate_tp(config.tp_size, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size)
+            device = resolve_device(config.device)
+            if device.type == "cuda" and device.index + config.tp_size > torch.cuda.device_count():
+                raise TPConfigError(f"--tp-size {config.tp_size} from {device} needs GPUs {device.index}.."
+                                    f"{device.index + config.tp_size - 1}; this host has {torch.cuda.device_count()}")
+            self.tp = TPLeader(config, device)
+        elif config.tp_size == 1:
+            from shared.models.parallel import tp_size
+
+            if tp_size() > 1:  # the rank state is per process: a second model would corrupt the first
+                raise RuntimeError("a tensor-parallel model runner is alive in this process; close it first")
+            set_tp(0, 1)
+        try:
+            self._init(config, tp_rank)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init(self, config: EngineConfig, tp_rank: int) -> None:
+        from shared.engine.tp import rank_device
+        from shared.models.attention import create_attention_backend
+        from shared.models.loader import load_model
+        from shared.models.parallel import local_heads, local_kv_heads
+
+        self.device = rank_device(resolve_device(config.device), tp_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.random_seed)
         self.model, self.model_config = load_model(config.model_path, dtype=self.dtype, device=self.device,
                                                    load_format=config.load_format,
                                                    quantization=config.quantization)
+        if self.tp is not None:
+            self.tp.ready()  # every rank has its shard: collectives may start
         mc = self.model_config
+        # This rank's attention heads (tensor parallelism splits them; kv heads may be replicated).
+        self.num_heads, self.num_kv_heads = local_heads(mc.num_attention_heads), local_kv_heads(mc.num_key_value_heads)
         self.vocab_size = mc.vocab_size
         self.tokenizer_vocab_size = mc.vocab_size  # the engine lowers it to the tokenizer's size
         self.eos_token_ids: list[int] = list(mc.eos_token_ids)  # the engine adds the tokenizer's
@@ -114,19 +173,27 @@ class ModelRunner:
         self.max_context_len = min(config.max_context_len or mc.context_length, mc.context_length)
         self.page_size = config.page_size
         num_tokens = self._pool_tokens()
+        if self.tp is not None:  # every rank must hold every slot id rank 0 hands out
+            from shared.models.parallel import all_reduce_min
+
+            num_tokens = all_reduce_min(num_tokens, self.device)
         num_pages = max(1, num_tokens // self.page_size)
-        self.kv_pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, num_pages,
+        self.kv_pool = KVPool(mc.num_hidden_layers, self.num_kv_heads, mc.head_dim, num_pages,
                               self.page_size, self.dtype, self.device)
         self.max_total_tokens = num_pages * self.page_size
         self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
+        if self.tp is not None and self.tp.is_leader:  # the scheduler's own writes (a prefix deduplicated)
+            self.req_pool.on_write = lambda row, start, slots: self.tp.send(("table", row, start, slots.tolist()))
         from shared.constrained import MaskBuilder
 
-        # Mask filling is host work per constrained request; xgrammar spreads it over threads.
-        self.masker = MaskBuilder(self.vocab_size, max_threads=max(2, min(8, (os.cpu_count() or 2) // 2)))
+        # Mask filling is host work per constrained request; xgrammar spreads it over threads. Rank 0
+        # alone samples.
+        self.masker = MaskBuilder(self.vocab_size, max_threads=max(2, min(8, (os.cpu_count() or 2) // 2))) \
+            if tp_rank == 0 else None
         # Last sampled token of each request row, on the device: the next decode step's input.
         self.token_buf = torch.zeros(config.max_running_requests + 1, dtype=torch.int64, device=self.device)
         self.attn_backend = create_attention_backend(
-            config.attention_backend, num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads,
+            config.attention_backend, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=mc.head_dim, device=self.device)
         self.attn_backend.cascade_enabled &= not config.disable_shared_prefix_attention
         log.info("model %s on %s (%s): KV pool %d tokens, context %d", config.model_path, self.device,
@@ -139,7 +206,8 @@ class ModelRunner:
 
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_pool, self.req_pool.req_to_token, self.attn_backend,
-                max_bs=min(config.cuda_graph_max_bs, config.max_running_requests), device=self.device)
+                max_bs=min(config.cuda_graph_max_bs, config.max_running_requests), device=self.device,
+                progress=tp_rank == 0)
 
     @torch.no_grad()
     def warmup(self) -> None:
@@ -190,7 +258,7 @@ class ModelRunner:
         if self.config.max_total_tokens:
             return self.config.max_total_tokens
         mc = self.model_config
-        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, self.num_kv_heads, mc.head_dim, self.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Keep (1 - fraction) of the whole card for activations, graphs and the sampler.
@@ -205,18 +273,78 @@ class ModelRunner:
         return _CPU_DEFAULT_TOKENS
 
     # ------------------------------------------------------------------ forward
-    def _write_req_to_token(self, batch: ScheduleBatch) -> None:
-        """Record the slots of this pass's tokens in the request rows, in one indexed store. An extend
-        pass writes the whole row up to its end: a newly admitted request's cached prefix is new there."""
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0; nothing to do otherwise)."""
+        if self.tp is not None and self.tp.is_leader:
+            self.tp.close()
+
+    @staticmethod
+    def _table_writes(batch: ScheduleBatch) -> tuple[list[int], list[int], list[int]]:
+        """The slots of this pass's tokens in the request rows. An extend pass writes the whole row up to
+        its end: a newly admitted request's cached prefix is new there."""
         rows, cols, vals = [], [], []
         for req, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             first = p if batch.mode == ForwardMode.DECODE else 0
             rows.extend([req.req_pool_idx] * (p + e - first))
             cols.extend(range(first, p + e))
             vals.extend(req.slots[first:p + e])
+        return rows, cols, vals
+
+    def _plan(self, batch: ScheduleBatch) -> ForwardPlan:
+        decode = batch.mode == ForwardMode.DECODE
+        n = batch.batch_size
+        # Shared-prefix attention when the backend judges it pays; such batches are not graph-captured.
+        groups = self.attn_backend.select_prefix_groups(batch.prefix_groups) if decode else None
+        return ForwardPlan(
+            batch.mode, [] if decode else batch.input_ids, [r.req_pool_idx for r in batch.reqs],
+            batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, self._table_writes(batch), groups,
+            use_graph=decode and self.graph_runner is not None and self.graph_runner.can_run(n) and not groups)
+
+    def _run_plan(self, plan: ForwardPlan) -> tuple[ForwardBatch, torch.Tensor]:
+        """Write the slot table, run the model: (batch, logits of every row) from a CUDA graph, else
+        (batch, final hidden states)."""
         dev = self.device
+        rows, cols, vals = plan.table_writes
         self.req_pool.req_to_token[to_device(rows, torch.int64, dev), to_device(cols, torch.int64, dev)] = \
             to_device(vals, torch.int32, dev)
+        decode = plan.mode == ForwardMode.DECODE
+        fb = ForwardBatch.build(
+            plan.mode, [0] * len(plan.extend_lens) if decode else plan.input_ids, plan.req_pool_indices,
+            plan.prefix_lens, plan.extend_lens, plan.out_cache_loc, self.req_pool.req_to_token, self.kv_pool,
+            self.attn_backend, dev)
+        if decode:
+            fb.input_ids = self.token_buf[fb.req_pool_indices]
+            fb.prefix_groups = plan.prefix_groups
+        if plan.use_graph:
+            return fb, self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
+                                             fb.out_cache_loc)
+        self.attn_backend.init_forward_metadata(fb)
+        return fb, self.model.forward(fb)
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Logits of some rows of hidden; the other ranks compute their vocabulary part alongside."""
+        if self.tp is not None:
+            self.tp.send(("logits", rows))
+        return self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
+
+    def follow(self, cmd: tuple) -> None:
+        """A tensor-parallel rank > 0: replay one of rank 0's commands (same kernels, same collectives)."""
+        from shared.models.parallel import broadcast
+
+        op = cmd[0]
+        if op == "forward":
+            self._follow_hidden = self._run_plan(cmd[1])[1]
+        elif op == "logits":
+            self.model.compute_logits(self._follow_hidden[to_device(cmd[1], torch.int64, self.device)])
+        elif op == "tokens":
+            ids = broadcast(torch.empty(len(cmd[1]), dtype=torch.int64, device=self.device))
+            self.token_buf[to_device(cmd[1], torch.int64, self.device)] = ids
+        elif op == "table":
+            self.req_pool.write(cmd[1], cmd[2], torch.tensor(cmd[3], dtype=torch.int64))
+        elif op == "set_token":
+            self.token_buf[cmd[1]] = cmd[2]
+        else:
+            raise ValueError(f"unknown tensor-parallel command {op!r}")
 
     def forward(self, batch: ScheduleBatch) -> StepOutput:
         return self.launch(batch).resolve()
@@ -225,25 +353,15 @@ class ModelRunner:
         """Enqueue the forward pass and sampling; return without waiting for the device. Decode input
         ids are read on the device from the previous step's samples (token_buf), so the host need not
         know them yet."""
-        self._write_req_to_token(batch)
-        decode = batch.mode == ForwardMode.DECODE
-        fb = ForwardBatch.build(
-            batch.mode, [0] * batch.batch_size if decode else batch.input_ids,
-            [r.req_pool_idx for r in batch.reqs], batch.prefix_lens,
-            batch.extend_lens, batch.out_cache_loc, self.req_pool.req_to_token, self.kv_pool,
-            self.attn_backend, self.device)
-        if decode:
-            fb.input_ids = self.token_buf[fb.req_pool_indices]
-            # Shared-prefix attention when the backend judges it pays; such batches are not graph-captured.
-            fb.prefix_groups = self.attn_backend.select_prefix_groups(batch.prefix_groups)
+        plan = self._plan(batch)
+        if self.tp is not None:
+            self.tp.send(("forward", plan))
+        fb, result = self._run_plan(plan)
         n = batch.batch_size
         out = StepOutput([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
-        if decode and self.graph_runner is not None and self.graph_runner.can_run(n) and not fb.prefix_groups:
-            logits = self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
-                                           fb.out_cache_loc)
-            return self._sample(batch, logits, list(range(n)), out, fb)
-        self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model.forward(fb)
+        if plan.use_graph:
+            return self._sample(batch, result, list(range(n)), out, fb)
+        hidden = result
         ends, acc = [], 0
         for e in batch.extend_lens:
             acc += e
@@ -257,9 +375,8 @@ class ModelRunner:
             return PendingStep(out, batch, [], {}, None)
         # A request carrying k proposed tokens is sampled at each of them and after the last.
         counts = [batch.reqs[i].proposed + 1 for i in sampled]
-        rows = to_device([ends[i] - c + 1 + m for i, c in zip(sampled, counts) for m in range(c)],
-                         torch.int64, self.device)
-        return self._sample(batch, self.model.compute_logits(hidden[rows]), sampled, out, fb,
+        rows = [ends[i] - c + 1 + m for i, c in zip(sampled, counts) for m in range(c)]
+        return self._sample(batch, self._logits(hidden, rows), sampled, out, fb,
                             counts if any(c > 1 for c in counts) else None)
 
     def _sample(self, batch: ScheduleBatch, logits: torch.Tensor, sampled: list[int], out: StepOutput,
@@ -298,6 +415,11 @@ class ModelRunner:
             last_rows = res.next_token_ids[to_device(ends, torch.int64, self.device)]
         rows = fb.req_pool_indices if len(sampled) == batch.batch_size else \
             fb.req_pool_indices[to_device(sampled, torch.int64, self.device)]
+        if self.tp is not None:  # every rank feeds rank 0's samples into the next step
+            from shared.models.parallel import broadcast
+
+            self.tp.send(("tokens", [batch.reqs[i].req_pool_idx for i in sampled]))
+            last_rows = broadcast(last_rows.to(torch.int64).contiguous())
         self.token_buf[rows] = last_rows
         tensors = {"ids": res.next_token_ids, "lps": res.logprobs, "top_ids": res.top_logprobs_ids,
                    "top_lps": res.top_logprobs}
@@ -328,6 +450,8 @@ class ModelRunner:
 
     def set_last_token(self, req_pool_idx: int, token_id: int) -> None:
         """Correct a request's next decode input (a verified proposal was rejected)."""
+        if self.tp is not None:
+            self.tp.send(("set_token", req_pool_idx, token_id))
         self.token_buf[req_pool_idx] = token_id
 
     def _stop_ids(self, req: Req) -> list[int]:
@@ -351,8 +475,7 @@ class ModelRunner:
                 rows = [j for j in range(e) if s <= p + j + 1 < len(req.input_ids)]
                 for c in range(0, len(rows), _LOGPROB_CHUNK):
                     chunk = rows[c:c + _LOGPROB_CHUNK]
-                    idx = torch.tensor([start + j for j in chunk], device=self.device)
-                    lp = torch.log_softmax(self.model.compute_logits(hidden[idx]), dim=-1)
+                    lp = torch.log_softmax(self._logits(hidden, [start + j for j in chunk]), dim=-1)
                     targets = torch.tensor([req.input_ids[p + j + 1] for j in chunk], device=self.device)
                     chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
                     tgt = targets.tolist()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from shared.models.parallel import Shard, all_reduce, even_shard, vocab_shard
 
 
 # ------------------------------------------------------------------ ops
@@ -52,11 +53,35 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    """y = x W^T (+ b). Under tensor parallelism (shared/models/parallel.py) `parallel` says how W splits:
+    "column": this rank owns some output rows; "row": some input columns, the partial outputs summed by
+    an all-reduce (the bias added once, after it); "vocab": output rows padded to a multiple of the rank
+    count (the untied lm_head, whose logits the model gathers)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, parallel: str | None = None):
         super().__init__()
-        self.weight = _param(out_features, in_features)
-        self.bias = _param(out_features) if bias else None
+        self.parallel = parallel
+        shard: Shard | None = None
+        rows, cols = out_features, in_features
+        if parallel == "column":
+            shard = even_shard(out_features)
+        elif parallel == "row":
+            shard = even_shard(in_features, dim=1)
+        elif parallel == "vocab":
+            shard, rows = vocab_shard(out_features)
+        if shard is not None and parallel != "vocab":
+            rows, cols = (shard.length, cols) if shard.dim == 0 else (rows, shard.length)
+        self.shard = shard
+        self.weight = _param(rows, cols)
+        self.bias = _param(rows) if bias else None
         self.weight_scale: nn.Parameter | None = None  # set by to_fp8()
+
+    def leaf_shard(self, leaf: str) -> Shard | None:
+        """How the checkpoint tensor `<name>.<leaf>` splits on this rank (None: this rank holds it whole).
+        A row-parallel layer's bias and per-output-row scales are whole on every rank."""
+        if self.shard is None or (self.shard.dim == 1 and leaf != "weight"):
+            return None
+        return self.shard
 
     def to_fp8(self) -> None:
         """Hold the weight as FP8 e4m3 with one float32 dequantization scale per output row; the loader
@@ -69,6 +94,9 @@ class Linear(nn.Module):
                                          requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel == "row" and self.shard is not None:
+            y = all_reduce(ops.linear(x, self.weight, None, self.weight_scale))
+            return y if self.bias is None else y + self.bias
         return ops.linear(x, self.weight, self.bias, self.weight_scale)
 
 
@@ -76,24 +104,46 @@ class MergedLinear(Linear):
     """Several checkpoint projections of the same input stacked along the output dim, run as one GEMM.
 
     `shard_names[i]` is the checkpoint module name whose rows fill `output_sizes[i]` rows, in order; the
-    loader uses them to place each checkpoint tensor."""
+    loader uses them to place each checkpoint tensor. Under tensor parallelism `shards[i]` is this rank's
+    part of projection i (column-parallel; k/v may be replicated, so the parts need not be even)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], shard_names: list[str], bias: bool = False):
-        super().__init__(in_features, sum(output_sizes), bias)
-        assert len(output_sizes) == len(shard_names)
-        self.output_sizes = list(output_sizes)
+    def __init__(self, in_features: int, output_sizes: list[int], shard_names: list[str], bias: bool = False,
+                 shards: list[Shard | None] | None = None):
+        shards = shards or [None] * len(output_sizes)
+        assert len(output_sizes) == len(shard_names) == len(shards)
+        local = [s.length if s is not None else n for s, n in zip(shards, output_sizes)]
+        super().__init__(in_features, sum(local), bias)
+        self.output_sizes = local
         self.shard_names = list(shard_names)
+        self.shards = list(shards)
 
     def shard_rows(self, shard_name: str) -> tuple[int, int]:
         """(row offset, rows) of one checkpoint projection inside the fused weight."""
         i = self.shard_names.index(shard_name)
         return sum(self.output_sizes[:i]), self.output_sizes[i]
 
+    def projection_shard(self, shard_name: str) -> Shard | None:
+        """This rank's rows of the checkpoint projection (every leaf: weight, bias, scales)."""
+        return self.shards[self.shard_names.index(shard_name)]
+
 
 class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, dim: int):
+    """With `parallel`, each rank holds a contiguous block of the (padded) vocabulary; a token outside
+    the block embeds to zeros there and the all-reduce fills in the owner's row."""
+
+    def __init__(self, num_embeddings: int, dim: int, parallel: bool = False):
         super().__init__()
-        self.weight = _param(num_embeddings, dim)
+        self.shard, rows = vocab_shard(num_embeddings) if parallel else (None, num_embeddings)
+        self.weight = _param(rows, dim)
+
+    def leaf_shard(self, leaf: str) -> Shard | None:
+        return self.shard
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.shard is None:
+            return F.embedding(ids, self.weight)
+        rows = self.weight.shape[0]
+        local = ids - self.shard.start
+        outside = (local < 0) | (local >= rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))

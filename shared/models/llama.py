@@ -13,6 +13,7 @@ from torch import nn
 from shared.engine.forward_batch import ForwardBatch
 from shared.models.config import ModelConfig
 from shared.models.layers import Embedding, Linear, MergedLinear, RMSNorm, rms_norm, silu_and_mul
+from shared.models.parallel import all_gather_last, even_shard, head_shard, kv_shard, local_heads, local_kv_heads
 from shared.models.rope import RotaryEmbedding
 
 
@@ -21,10 +22,14 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        # This rank's heads (all of them without tensor parallelism; kv heads may be replicated).
+        self.q_size = local_heads(cfg.num_attention_heads) * cfg.head_dim
+        self.kv_size = local_kv_heads(cfg.num_key_value_heads) * cfg.head_dim
+        q, kv = head_shard(cfg.num_attention_heads, cfg.head_dim), kv_shard(cfg.num_key_value_heads, cfg.head_dim)
         self.qkv_proj = MergedLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size],
-                                     ["q_proj", "k_proj", "v_proj"], bias=cfg.attention_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+                                     ["q_proj", "k_proj", "v_proj"], bias=cfg.attention_bias,
+                                     shards=[q, kv, kv])
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, parallel="row")
         self.eps = cfg.rms_norm_eps
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -50,8 +55,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                         ["gate_proj", "up_proj"], bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+                                         ["gate_proj", "up_proj"], bias=cfg.mlp_bias,
+                                         shards=[even_shard(cfg.intermediate_size)] * 2)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -77,7 +83,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, parallel=True)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
@@ -105,14 +111,19 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         if cfg.tie_word_embeddings:
-            self.lm_head = Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.lm_head = Embedding(cfg.vocab_size, cfg.hidden_size, parallel=True)
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, parallel="vocab")
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden_size] -> fp32 logits [N, vocab_size]."""
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        """hidden: [N, hidden_size] -> fp32 logits [N, vocab_size], the same on every rank."""
+        logits = torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        if self.lm_head.shard is None:
+            return logits
+        logits = all_gather_last(logits)
+        vocab = self.config.vocab_size
+        return logits if logits.shape[-1] == vocab else logits[:, :vocab].contiguous()

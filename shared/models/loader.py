@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from shared.models.config import ModelConfig
 from shared.models.llama import LlamaForCausalLM
+from shared.models.parallel import tp_rank
 from shared.models.quantization import (CheckpointReader, QuantSpec, fp8_weight_names, online_quantized,
                                         parse_quantization, quantize_per_channel, quantized_tensors)
 from shared.models.weights import build_empty_model, convert_linears_to_fp8, load_weights
@@ -38,6 +39,15 @@ def load_config(model_dir: str) -> ModelConfig:
     return ModelConfig.from_hf(read_hf_config(model_dir))
 
 
+def load_config_of(model_path: str) -> ModelConfig:
+    """The config of what load_model(model_path) would load, without its weights."""
+    if model_path == TINY_RANDOM:
+        from shared.models.tiny_random import tiny_random_config
+
+        return tiny_random_config()
+    return load_config(resolve_model_dir(model_path))
+
+
 def safetensors_files(model_dir: str) -> list[str]:
     """The weight files of a checkpoint: those the shard index names, else model.safetensors, else every
     *.safetensors (Mistral's consolidated.* use other tensor names and are left out)."""
@@ -56,9 +66,11 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_safetensors(files: list[str], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[str], progress: bool = True,
+                     lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, with a progress bar on stderr (tensors; the headers give the
-    count up front, so the bar has an end)."""
+    count up front, so the bar has an end). lazy: yield safetensors slices instead, from which the
+    loader reads only this rank's shard (tensor parallelism)."""
     total = 0
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -68,7 +80,7 @@ def iter_safetensors(files: list[str], progress: bool = True) -> Iterator[tuple[
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name) if lazy else f.get_tensor(name)
                     bar.update(1)
 
 
@@ -126,10 +138,10 @@ def load_model(model_path: str, dtype: torch.dtype | None = None, device: torch.
 
 def _load_checkpoint(model: LlamaForCausalLM, files: list[str], spec: QuantSpec | None) -> None:
     if spec is None:
-        load_weights(model, iter_safetensors(files))
+        load_weights(model, iter_safetensors(files, progress=tp_rank() == 0, lazy=True))
     elif spec.online:
         kept = convert_linears_to_fp8(model, None)
-        load_weights(model, online_quantized(iter_safetensors(files), kept))
+        load_weights(model, online_quantized(iter_safetensors(files, progress=tp_rank() == 0), kept))
     else:
         reader = CheckpointReader(files)
         fp8_names = fp8_weight_names(reader)

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from shared.models.config import ModelConfig
 from shared.models.llama import LlamaForCausalLM
+from shared.models.parallel import unsharded
 from shared.models.weights import build_empty_model, checkpoint_layout, load_weights
 from shared.tokenizer import save_tiny_tokenizer
 
@@ -33,7 +34,7 @@ def tiny_random_state_dict(cfg: ModelConfig | None = None) -> dict[str, torch.Te
     """HF-named fp32 weights. Projections use std 1/sqrt(fan_in) rather than HF's 0.02: at 0.02 a
     64-wide model's attention is uniform and its logits nearly flat, so greedy output would say little."""
     cfg = cfg or tiny_random_config()
-    with torch.device("meta"):
+    with torch.device("meta"), unsharded():  # the checkpoint's full shapes, whatever this rank holds
         shapes = {name: (slot.rows, *slot.param.shape[1:])
                   for name, slot in checkpoint_layout(LlamaForCausalLM(cfg)).items()}
     gen = torch.Generator().manual_seed(SEED)

@@ -16,6 +16,7 @@ from torch import nn
 
 from shared.models.config import ModelConfig
 from shared.models.layers import Linear, MergedLinear
+from shared.models.parallel import Shard
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +26,41 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 @dataclass
 class WeightSlot:
+    """Where one checkpoint tensor goes: rows [row_offset, row_offset + rows) of param, filled from the
+    tensor's `shard` (this rank's part under tensor parallelism; None: the whole tensor)."""
     param: nn.Parameter
     row_offset: int
     rows: int
+    shard: Shard | None = None
 
-    def fill(self, name: str, tensor: torch.Tensor) -> None:
-        want = (self.rows, *self.param.shape[1:])
-        if tuple(tensor.shape) != want:
-            raise ValueError(f"weight '{name}' has shape {tuple(tensor.shape)}, the model expects {want}")
-        self.param.data[self.row_offset:self.row_offset + self.rows].copy_(tensor)
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        shape = [self.rows, *self.param.shape[1:]]
+        if self.shard is not None:
+            shape[self.shard.dim] = self.shard.full
+        return tuple(shape)
+
+    def fill(self, name: str, source) -> None:
+        """source: a tensor, or a safetensors slice (`safe_open(...).get_slice(name)`), of which only this
+        rank's shard is read from the file."""
+        shape = tuple(source.shape) if torch.is_tensor(source) else tuple(source.get_shape())
+        want = self.checkpoint_shape()
+        if shape != want:
+            raise ValueError(f"weight '{name}' has shape {shape}, the model expects {want}")
+        tensor = read_shard(source, self.shard)
+        dst = self.param.data[self.row_offset:self.row_offset + self.rows]
+        if tensor.shape[0] < self.rows:  # vocabulary padding rows of the last ranks
+            dst[tensor.shape[0]:].zero_()
+            dst = dst[:tensor.shape[0]]
+        dst.copy_(tensor)
+
+
+def read_shard(source, shard: Shard | None) -> torch.Tensor:
+    """This rank's part of a tensor or of a safetensors slice (which reads only those bytes)."""
+    if shard is None:
+        return source if torch.is_tensor(source) else source[:]
+    if torch.is_tensor(source):
+        return source.narrow(shard.dim, shard.start, shard.length)
+    return source[(slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.length),)]
 
 
 def checkpoint_layout(model: nn.Module) -> dict[str, WeightSlot]:
@@ -47,9 +74,10 @@ def checkpoint_layout(model: nn.Module) -> dict[str, WeightSlot]:
             parent = mod_name.rsplit(".", 1)[0]
             for shard in module.shard_names:
                 off, rows = module.shard_rows(shard)
-                layout[f"{parent}.{shard}.{leaf}"] = WeightSlot(param, off, rows)
+                layout[f"{parent}.{shard}.{leaf}"] = WeightSlot(param, off, rows, module.projection_shard(shard))
         else:
-            layout[pname] = WeightSlot(param, 0, param.shape[0])
+            leaf_shard = getattr(module, "leaf_shard", None)
+            layout[pname] = WeightSlot(param, 0, param.shape[0], leaf_shard(leaf) if leaf_shard else None)
     return layout
 
 
@@ -77,9 +105,10 @@ def convert_linears_to_fp8(model: nn.Module, fp8_names: set[str] | None) -> set[
     return kept
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy each checkpoint tensor into place (converting dtype/device on the way); raise if any weight the
-    model needs was not provided. Unknown names are skipped with one warning."""
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> None:
+    """Copy each checkpoint tensor (or this rank's shard of a safetensors slice) into place, converting
+    dtype/device on the way; raise if any weight the model needs was not provided. Unknown names are
+    skipped with one warning."""
     layout = checkpoint_layout(model)
     # Some tied checkpoints still store lm_head.weight (a copy of the embedding); it is not needed.
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))

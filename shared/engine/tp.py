@@ -1,0 +1,247 @@
+"""Tensor parallelism across processes: one process per rank, rank 0 in charge.
+
+Rank 0 is the worker process itself: it owns the network side, the scheduler, the radix cache and
+sampling, exactly as with one device. Ranks 1..N-1 are followers it spawns: each holds its shard of the
+weights and of the KV heads, and repeats rank 0's device work. For every forward pass rank 0 sends them
+one small command over a pipe (the batch's inputs and slot writes), then one per logits computation and
+one before the sampled tokens are broadcast; so every rank launches the same kernels and collectives in
+the same order, and every rank feeds the same token into the next step whatever the sampling needed
+(grammar masks, penalties, per-request seeds live on rank 0 only).
+
+Why not run the same scheduler on every rank: what it decides depends on host state that differs
+between processes (grammars finishing their compile on threads, timeouts, admin calls), and one
+divergent decision would deadlock the collectives. One scheduler cannot diverge from itself.
+
+Followers die with rank 0: their pipe reads end at EOF, the kernel sends them SIGKILL when the worker
+dies (PR_SET_PDEATHSIG), and rank 0 exits if a follower dies (its ranks' collectives would hang).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.models.parallel import set_tp
+
+log = logging.getLogger(__name__)
+
+_READY_TIMEOUT_S = 1800.0  # a 70B shard loading from a slow disk
+_COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r uses the r-th GPU after the worker's own (cuda:N -> cuda:N+r); CPU ranks share the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def _init_process_group(rank: int, size: int, port: int, device: torch.device) -> None:
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=_COLLECTIVE_TIMEOUT, **kwargs)
+    set_tp(rank, size)
+
+
+class TPLeader:
+    """Rank 0's handle on its followers: spawn, wait until loaded, send commands, stop."""
+
+    is_leader = True
+
+    def __init__(self, config: EngineConfig, device: torch.device):
+        self.size = config.tp_size
+        port = _free_port()
+        # Plain subprocesses rather than multiprocessing's spawn: that would re-import the caller's main
+        # module in every rank (a script without a __main__ guard would recurse).
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        for rank in range(1, self.size):
+            ours, theirs = socket.socketpair()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "shared.engine.tp", "--rank", str(rank), "--port", str(port),
+                 "--fd", str(theirs.fileno()), "--parent", str(os.getpid())],
+                pass_fds=(theirs.fileno(),))
+            theirs.close()
+            conn = Connection(ours.detach())
+            conn.send(config)
+            self.procs.append(proc)
+            self.conns.append(conn)
+        self._closed = False
+        self._watchdog: threading.Thread | None = None
+        try:
+            # A rank that fails before the rendezvous would leave this one waiting: hear from each first.
+            self._await("started")
+            _init_process_group(0, self.size, port, device)
+        except BaseException:
+            self.close()
+            raise
+
+    def _await(self, status: str) -> None:
+        """Wait for every follower to report `status` (a failure comes with its traceback)."""
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while not conn.poll(0.2):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.returncode}) before "
+                                       f"it was {status}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel rank {rank} was not {status} within {_READY_TIMEOUT_S:.0f} s")
+            got, detail = conn.recv()
+            if got != status:
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{detail}")
+
+    def ready(self) -> None:
+        """Wait for every follower to have loaded its shard; from here on a dead follower ends the worker."""
+        self._await("ready")
+        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def send(self, cmd: tuple) -> None:
+        data = pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.conns:
+            conn.send_bytes(data)
+
+    def _watch(self) -> None:
+        """A dead follower leaves rank 0's next collective waiting forever: end the worker instead, so
+        its supervisor restarts the whole group."""
+        while not self._closed:
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.poll() is not None and not self._closed:
+                    log.critical("tensor-parallel rank %d died (exit code %s); stopping the worker", rank,
+                                 proc.returncode)
+                    for other in self.procs:
+                        if other.poll() is None:
+                            other.kill()
+                    os._exit(70)
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the last pass's collectives complete before the ranks go
+        for conn in self.conns:
+            try:
+                conn.send_bytes(pickle.dumps(("stop",)))
+            except (OSError, ValueError):
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        _destroy_process_group()
+
+
+class TPFollowerLink:
+    """A follower's side of the pipe: reports its load, then receives rank 0's commands."""
+
+    is_leader = False
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def ready(self) -> None:
+        self.conn.send(("ready", None))
+
+    def commands(self):
+        while True:
+            try:
+                cmd = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return  # rank 0 is gone
+            if cmd[0] == "stop":
+                return
+            yield cmd
+
+    def close(self) -> None:
+        pass
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    set_tp(0, 1)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this rank when rank 0 dies. The kernel ties it to the *thread* that started us: build the
+    ModelRunner on a thread that lives as long as the engine (the worker's main thread does)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the pipe's EOF still ends the follower between steps
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _follower_main(rank: int, port: int, conn: Connection, parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker's Ctrl-C is rank 0's to handle
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{rank} %(name)s %(levelname)s %(message)s")
+    from shared.engine.model_runner import ModelRunner, resolve_device
+
+    link = TPFollowerLink(conn)
+    try:
+        config: EngineConfig = conn.recv()
+        device = rank_device(resolve_device(config.device), rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:  # the ranks share the cores: N ranks x all-core thread pools thrash
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+        conn.send(("started", None))
+        _init_process_group(rank, config.tp_size, port, device)
+        runner = ModelRunner(config, tp=link, tp_rank=rank)
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            os._exit(1)
+    try:
+        with torch.no_grad():
+            for cmd in link.commands():
+                runner.follow(cmd)
+    except BaseException:
+        log.exception("tensor-parallel rank %d failed", rank)
+        os._exit(1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # our part of rank 0's last collectives
+    os._exit(0)  # nothing to flush; skips a slow interpreter teardown
+
+
+if __name__ == "__main__":
+    _p = argparse.ArgumentParser(description="one tensor-parallel rank > 0 (started by rank 0, never by hand)")
+    for _flag in ("--rank", "--port", "--fd", "--parent"):
+        _p.add_argument(_flag, type=int, required=True)
+    _a = _p.parse_args()
+    _follower_main(_a.rank, _a.port, Connection(_a.fd), _a.parent)
