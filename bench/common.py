@@ -214,3 +214,34 @@ def graph_replay_ms(graph_runner, bs: int = 1, reps: int = 60, skip: int = 10) -
         e_ev.synchronize()
         times.append(s_ev.elapsed_time(e_ev))
     return median(times[skip:])
+
+
+def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int, **config) -> dict:
+    """An engine of `config` (dummy weights): batch-1 decode ms/step over `steps` steps, its CUDA graph's
+    replay, and the output tok/s of `reqs` × (512 in, 128 out) all at once. The engine is freed after."""
+    import gc
+
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+
+    greedy = {"temperature": 0, "ignore_eos": True}
+    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=200_000,
+                      max_running_requests=128, cuda_graph=cuda, cuda_graph_max_bs=128, **config)
+    eng = Engine(ec, tok, on_output=lambda o: None)
+    out: dict = {}
+    try:
+        drive(eng, random_prompts(4, 64, vocab, 0), {**greedy, "max_new_tokens": 8})
+        st = drive(eng, random_prompts(1, 512, vocab, 2), {**greedy, "max_new_tokens": steps})
+        out["b1_step_ms"] = st.wall_s / max(1, st.steps) * 1e3
+        gr = eng.runner.graph_runner
+        if gr is not None:
+            out["b1_graph_ms"] = graph_replay_ms(gr, reps=50)
+        st = drive(eng, random_prompts(reqs, 512, vocab, 5), {**greedy, "max_new_tokens": 128})
+        out["tput_tok_s"] = st.output_tokens / st.wall_s
+    finally:
+        eng.stop()
+    del eng
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out

@@ -9,42 +9,17 @@ Goal (issue "GPU path, round two"): FP8 batch-1 step <= 0.6 x the bf16 step. Pri
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import time
 
 import torch
 
-from bench.common import (SHAPES, drive, graph_replay_ms, kv_bytes_per_token, log, measure_copy_bandwidth,
-                          model_dir, param_bytes, random_prompts)
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from bench.common import (SHAPES, engine_figures, kv_bytes_per_token, log, measure_copy_bandwidth,
+                          model_dir, param_bytes)
 from shared.tokenizer import Tokenizer
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
 GOAL_RATIO = 0.6
-
-
-def measure(path: str, tok, quantization: str, cuda: bool, vocab: int, reqs: int, steps: int) -> dict:
-    ec = EngineConfig(model_path=path, load_format="dummy", quantization=quantization, max_context_len=4096,
-                      max_total_tokens=200_000, max_running_requests=128, cuda_graph=cuda,
-                      cuda_graph_max_bs=128)
-    eng = Engine(ec, tok, on_output=lambda o: None)
-    out: dict = {}
-    drive(eng, random_prompts(4, 64, vocab, 0), {**GREEDY, "max_new_tokens": 8})
-    st = drive(eng, random_prompts(1, 512, vocab, 2), {**GREEDY, "max_new_tokens": steps})
-    out["b1_step_ms"] = st.wall_s / max(1, st.steps) * 1e3
-    gr = eng.runner.graph_runner
-    if gr is not None:
-        out["b1_graph_ms"] = graph_replay_ms(gr, reps=50)
-    st = drive(eng, random_prompts(reqs, 512, vocab, 5), {**GREEDY, "max_new_tokens": 128})
-    out["tput_tok_s"] = st.output_tokens / st.wall_s
-    del eng
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return out
 
 
 def main():
@@ -69,7 +44,7 @@ def main():
     res["floor_fp8_ms"] = ((w - lm_head) / 2 + lm_head + kv) / bw * 1e3  # lm_head stays bf16
     for q in ("none", "fp8"):
         log(f"engine quantization={q}")
-        res[q] = measure(path, tok, q, cuda, 400, args.reqs, args.steps)
+        res[q] = engine_figures(path, tok, cuda, 400, args.reqs, args.steps, quantization=q)
         log(f"  {res[q]}"[:300])
     ratio = res["fp8"]["b1_step_ms"] / res["none"]["b1_step_ms"]
     res["b1_ratio"] = ratio

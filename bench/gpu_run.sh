@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-dp|sync-audit|shared-prefix|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-dp|sync-audit|tp|shared-prefix|all
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
 what=${1:-all}
@@ -50,6 +50,12 @@ if [[ $what == serving-dp ]]; then
   # Data-parallel scaling (nvidia-h200-x2): one unified worker vs two behind one gateway, 512 streams.
   timeout 400 python3 -m bench.serving --launch --num-prompts 512 --routes completions --workers-sweep 1,2 \
     --out "$OUT/dp" 2>&1 | tee "$OUT/serving_dp.log" | tail -8
+fi
+if [[ $what == tp ]]; then
+  # Tensor parallelism (nvidia-h200-x2): parity with TP=1 on the GPUs (NCCL, CUDA graphs), then speed.
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py -k "engine_matches or families" 2>&1 \
+    | tee "$OUT/tp_tests.log" | tail -5
+  timeout 300 python3 -m bench.tp --out "$OUT" 2>&1 | tee "$OUT/tp.log" | tail -8
 fi
 if [[ $what == sync-audit ]]; then
   timeout 240 python3 -m bench.sync_audit 2>&1 | tee "$OUT/sync_audit.log" | tail -40
