@@ -1,6 +1,8 @@
 """The worker's network side: accepts gateway connections, feeds the engine, streams outputs back.
 
-A connection that drops aborts every request it sent, so a dead gateway never pins KV slots.
+Outputs leave as one TokenOutputs frame per engine step per connection, however many of its requests
+the step advanced. A connection that drops aborts every request it sent, so a dead gateway never pins
+KV slots.
 """
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import asyncio
 import logging
 
 from shared.engine.engine import Engine
-from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest,
-                             InfoRequest, InfoResult, PingRequest, PongResult, ProtocolError, TokenOutput)
+from shared.protocol import (AbortRequest, FinishAbort, FlushCacheRequest, FlushCacheResult, GenerateRequest,
+                             InfoRequest, InfoResult, PingRequest, PongResult, ProtocolError, TokenOutput,
+                             TokenOutputs)
 from shared.wire import WORKER_MAX_FRAME, accept_hello, encode_frame, read_message
 
 log = logging.getLogger(__name__)
@@ -74,21 +77,34 @@ class WorkerServer:
         self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _dispatch(self, outputs: list[TokenOutput]) -> None:
+        """One engine step's outputs: grouped by the connection that owns each request, one frame each."""
+        owner = self._owner
+        by_conn: dict[_Connection, list[TokenOutput]] = {}
         for out in outputs:
-            conn = self._owner.get(out.rid)
+            conn = owner.get(out.rid)
             if conn is None:
-                continue
+                continue  # aborted, or its connection dropped
             if out.finished:
-                self._owner.pop(out.rid, None)
-                conn.rids.discard(out.rid)
-                request_id = self._request_ids.pop(out.rid, None)
-                if out.error:
-                    log.warning("request %s [request_id=%s] failed: %s", out.rid, request_id, out.error)
-                else:
-                    log.info("request %s [request_id=%s] finished: %s, %d prompt (%d cached), %d output tokens",
-                             out.rid, request_id, (out.finish_reason or {}).get("type"), out.prompt_tokens,
-                             out.cached_tokens, out.completion_tokens)
-            conn.send(encode_frame(out))
+                self._finished(out, conn)
+            batch = by_conn.get(conn)
+            if batch is None:
+                by_conn[conn] = [out]
+            else:
+                batch.append(out)
+        for conn, batch in by_conn.items():
+            conn.send(encode_frame(TokenOutputs(outputs=batch)))
+
+    def _finished(self, out: TokenOutput, conn: _Connection) -> None:
+        """The request is over: it leaves its connection, and the log gets one line for it."""
+        self._owner.pop(out.rid, None)
+        conn.rids.discard(out.rid)
+        request_id = self._request_ids.pop(out.rid, None)
+        if out.error:
+            log.warning("request %s [request_id=%s] failed: %s", out.rid, request_id, out.error)
+        else:
+            log.info("request %s [request_id=%s] finished: %s, %d prompt (%d cached), %d output tokens",
+                     out.rid, request_id, out.finish_reason.TYPE if out.finish_reason else None,
+                     out.prompt_tokens, out.cached_tokens, out.completion_tokens)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Connection(writer)
@@ -109,7 +125,7 @@ class WorkerServer:
                     if msg.rid in self._owner:
                         conn.send(encode_frame(TokenOutput(
                             rid=msg.rid, token_ids=[], text="", finished=True,
-                            finish_reason={"type": "abort", "message": "duplicate request id"},
+                            finish_reason=FinishAbort(message="duplicate request id"),
                             error="duplicate request id")))
                         continue
                     self._owner[msg.rid] = conn

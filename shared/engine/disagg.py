@@ -25,7 +25,7 @@ import torch
 
 from shared.errors import InvalidRequest
 from shared.engine.h2d import to_device
-from shared.protocol import GenerateRequest, KvDone, KvHeader
+from shared.protocol import FinishTransferred, GenerateRequest, KvDone, KvHeader
 from shared.transfer import kv_pages
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ def validate_transfer(msg: GenerateRequest, engine: "Engine") -> None:
             raise InvalidRequest("this worker does not receive KV (start it with --role decode)", "transfer")
     else:
         raise InvalidRequest("transfer.role must be prefill or decode", "transfer")
-    if msg.return_logprob and 0 <= msg.logprob_start_len < len(msg.input_ids):
+    if msg.wants_input_logprobs:
         raise InvalidRequest("input logprobs are computed where the prompt is: send such requests "
                              "without a transfer", "transfer")
 
@@ -172,7 +172,7 @@ class PrefillSide:
         req = self._handed_off.pop(tid, None)
         if req is None or req.finished:
             return
-        self.engine.end_request(req, error, None if error else {"type": "transferred"})
+        self.engine.end_request(req, error, None if error else FinishTransferred())
 
     def on_release(self, req: "Req") -> None:
         tid = req.transfer_id

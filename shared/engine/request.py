@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.protocol import FinishReason, wants_input_logprobs
 from shared.sampling_params import SamplingParams
 
 
@@ -58,7 +59,7 @@ class Req:
     # pass must run alone (after a failed step, each request is re-run solo to find the one at fault).
     step_failures: int = 0
     solo: bool = False
-    finish_reason: dict | None = None
+    finish_reason: FinishReason | None = None
     # Per-request helpers owned by the engine: detokenizer state, grammar state.
     detok: Any = None
     grammar: Any = None
@@ -98,7 +99,7 @@ class Req:
 
     @property
     def wants_input_logprobs(self) -> bool:
-        return self.return_logprob and self.logprob_start_len >= 0 and self.logprob_start_len < len(self.input_ids)
+        return wants_input_logprobs(self.return_logprob, self.logprob_start_len, len(self.input_ids))
 
     def drop_proposals(self) -> None:
         """Forget unverified jump-forward proposals (their grammar progress too)."""
