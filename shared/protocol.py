@@ -78,6 +78,18 @@ class FinishTransferred(FinishReason, tag="transferred"):
 AnyFinishReason = Union[FinishStop, FinishLength, FinishAbort, FinishTransferred]
 
 
+class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """PD mode, set by the gateway on a GenerateRequest (the worker checks role and id: a wrong one is a
+    refusal naming `transfer`, not a dropped connection).
+      decode side:  role "decode", id  - reserve KV slots, wait for the pages
+      prefill side: role "prefill", id, host, port  - compute the prompt's KV and first token, push them
+                    over UCX to the decode worker's receiver listening at host:port"""
+    role: str
+    id: str
+    host: str | None = None
+    port: int | None = None
+
+
 def wants_input_logprobs(return_logprob: bool, logprob_start_len: int, prompt_len: int) -> bool:
     """The request asks for logprobs of its own prompt tokens (from logprob_start_len on). They come from
     the prompt's forward pass: such a request skips cached prefill of those positions and, in PD, runs
@@ -105,11 +117,8 @@ class GenerateRequest(Message, tag="generate"):
     stream: bool = True
     # Per-tenant salt set by the server: requests with different salts never share cache entries.
     cache_salt: str | None = None
-    # PD mode, set by the gateway (None: the worker computes the whole request itself).
-    #   decode side:  {"role": "decode", "id": transfer id}  - reserve KV slots, wait for the pages
-    #   prefill side: {"role": "prefill", "id": transfer id, "host": h, "port": p}  - compute the prompt's
-    #                 KV and first token, push them over UCX to the decode worker listening at h:p
-    transfer: dict[str, Any] | None = None
+    # PD mode (None: the worker computes the whole request itself).
+    transfer: Transfer | None = None
     # The client's X-Request-Id (the gateway makes one if absent): workers put it on their log lines.
     request_id: str | None = None
 

@@ -18,7 +18,7 @@ from shared.engine.request import Req
 from shared.protocol import (AbortRequest, FinishAbort, FinishLength, FinishStop, FinishTransferred,
                              FlushCacheRequest, FlushCacheResult, GenerateRequest, Hello, InfoRequest, InfoResult,
                              KvAccept, KvAck, KvDone, KvHeader, PingRequest, PongResult, ProtocolError, TokenOutput,
-                             TokenOutputs)
+                             TokenOutputs, Transfer)
 from shared.sampling_params import SamplingParams
 from shared.wire import HELLO_MAX_FRAME, accept_hello, encode_frame, read_message
 
@@ -40,7 +40,7 @@ EXAMPLES = {
     "hello": Hello(key="secret"),
     "generate": GenerateRequest(rid="r-1", input_ids=[1, 2, 3], sampling=FULL_SAMPLING, return_logprob=True,
                                 logprob_start_len=1, top_logprobs_num=3, return_text_in_logprobs=True, stream=False,
-                                cache_salt="tenant", transfer={"role": "prefill", "id": "t", "host": "h", "port": 9},
+                                cache_salt="tenant", transfer=Transfer(role="prefill", id="t", host="h", port=9),
                                 request_id="req-abc"),
     "abort": AbortRequest(rid="r-1"),
     "flush_cache": FlushCacheRequest(call_id=3),
@@ -126,7 +126,7 @@ def test_finish_reasons_keep_sglang_json_shapes():
     assert FinishStop(matched=2).to_json() == {"type": "stop", "matched": 2}
     assert FinishStop(matched="\n\n").to_json() == {"type": "stop", "matched": "\n\n"}
     assert FinishLength(length=16).to_json() == {"type": "length", "length": 16}
-    assert FinishAbort(message="aborted by the client").to_json() == {"type": "abort", "message": "aborted by the client"}
+    assert FinishAbort(message="aborted").to_json() == {"type": "abort", "message": "aborted"}
     assert FinishTransferred().to_json() == {"type": "transferred"}
     assert [c.TYPE for c in (FinishStop, FinishLength, FinishAbort, FinishTransferred)] == \
         ["stop", "length", "abort", "transferred"]
@@ -171,6 +171,8 @@ BAD_FRAMES = {
                                          "finish_reason": {"type": "length", "length": 3, "x": 1}}),
     "finish reason a dict of strings": _frame({"type": "out", "rid": "r", "token_ids": [], "text": "",
                                                "finish_reason": {"type": "length", "length": "3"}}),
+    "transfer id not a string": _frame({**GOOD_GENERATE, "transfer": {"role": "decode", "id": 5}}),
+    "transfer unknown field": _frame({**GOOD_GENERATE, "transfer": {"role": "decode", "id": "t", "slots": [1]}}),
     "batch of non-outputs": _frame({"type": "outs", "outputs": [{"type": "ping", "call_id": 1}]}),
     # {"type": "info_result", "call_id": 1, "info": {"a": [[[...200k deep...]]]}}: the untyped `info` map
     "deep nesting": (lambda b: struct.pack("!I", len(b)) + b)(
@@ -214,9 +216,10 @@ def test_random_bytes_never_crash_the_decoder(data):
     assert type(msg).TYPE in protocol.all_message_types()
 
 
-_json_values = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 63, 2 ** 64 - 1) | st.floats() | st.text(max_size=8),
-                            lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids, max_size=3),
-                            max_leaves=12)
+_scalars = st.none() | st.booleans() | st.integers(-2 ** 63, 2 ** 64 - 1) | st.floats() | st.text(max_size=8)
+_json_values = st.recursive(
+    _scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids, max_size=3),
+    max_leaves=12)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

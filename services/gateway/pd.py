@@ -22,7 +22,7 @@ import msgspec
 
 from services.gateway.errors import WorkerUnavailable, unavailable, worker_refused
 from services.gateway.worker_client import WorkerClient
-from shared.protocol import GenerateRequest, TokenOutput
+from shared.protocol import GenerateRequest, TokenOutput, Transfer
 
 _DONE = object()
 MAX_ATTEMPTS = 4
@@ -47,9 +47,9 @@ async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: Worke
     side fails and WorkerUnavailable when the decode side does."""
     transfer_id = uuid.uuid4().hex
     host, port = decode.transfer_addr
-    d_req = msgspec.structs.replace(req, transfer={"role": "decode", "id": transfer_id})
+    d_req = msgspec.structs.replace(req, transfer=Transfer(role="decode", id=transfer_id))
     p_req = msgspec.structs.replace(req, rid=f"{req.rid}-prefill", stream=False,
-                                transfer={"role": "prefill", "id": transfer_id, "host": host, "port": port})
+                                transfer=Transfer(role="prefill", id=transfer_id, host=host, port=port))
     events: asyncio.Queue = asyncio.Queue()
 
     async def prefill_side() -> None:

@@ -133,7 +133,7 @@ class WorkerServer:
                     if msg.request_id:
                         self._request_ids[msg.rid] = msg.request_id
                     log.debug("request %s [request_id=%s]: %d prompt tokens%s", msg.rid, msg.request_id,
-                              len(msg.input_ids), f", transfer {msg.transfer.get('role')}" if msg.transfer else "")
+                              len(msg.input_ids), f", transfer {msg.transfer.role}" if msg.transfer else "")
                     self.engine.submit(msg)
                 elif isinstance(msg, AbortRequest):
                     if self._owner.get(msg.rid) is conn:

@@ -77,15 +77,15 @@ def validate_transfer(msg: GenerateRequest, engine: "Engine") -> None:
     t = msg.transfer
     if t is None:
         return
-    role, tid = t.get("role"), t.get("id")
-    if not isinstance(tid, str) or not tid or len(tid) > 128:
+    role, tid = t.role, t.id  # types checked on the wire; values here
+    if not tid or len(tid) > 128:
         raise InvalidRequest("transfer.id must be a short string", "transfer")
     if engine.prefill_side.knows(tid) or engine.decode_side.knows(tid):
         raise InvalidRequest(f"duplicate transfer id {tid}", "transfer")
     if role == "prefill":
         if engine.prefill_side.on_transfer_open is None:
             raise InvalidRequest("this worker does not send KV (start it with --role prefill)", "transfer")
-        if not isinstance(t.get("host"), str) or not isinstance(t.get("port"), int):
+        if not t.host or t.port is None:
             raise InvalidRequest("transfer needs the decode worker's host and port", "transfer")
     elif role == "decode":
         if engine.decode_side.on_kv_expect is None:
@@ -124,7 +124,7 @@ class PrefillSide:
         sched, pool = self.engine.scheduler, self.engine.runner.kv_pool
         for req in sched.new_transfers:
             self._open.add(req.transfer_id)
-            self.on_transfer_open(req.transfer_id, {"host": req.transfer["host"], "port": req.transfer["port"]},
+            self.on_transfer_open(req.transfer_id, {"host": req.transfer.host, "port": req.transfer.port},
                                   KvHeader(transfer_id=req.transfer_id, prompt_len=len(req.input_ids),
                                            layout=kv_pages.token_layout(pool), dtype=kv_pages.dtype_name(pool.dtype)))
         sched.new_transfers.clear()

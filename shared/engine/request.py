@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.protocol import FinishReason, wants_input_logprobs
+from shared.protocol import FinishReason, Transfer, wants_input_logprobs
 from shared.sampling_params import SamplingParams
 
 
@@ -32,8 +32,8 @@ class Req:
     top_logprobs_num: int = 0
     cache_salt: str | None = None
     stream: bool = True
-    # PD mode: GenerateRequest.transfer ({"role": "prefill"|"decode", "id": ...}); None for local work.
-    transfer: dict | None = None
+    # PD mode: GenerateRequest.transfer (role prefill|decode, id...); None for local work.
+    transfer: Transfer | None = None
     kv_offered: bool = False  # decode side: the prefill worker has committed to this prompt (its header came)
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -91,11 +91,11 @@ class Req:
 
     @property
     def transfer_role(self) -> str | None:
-        return self.transfer["role"] if self.transfer else None
+        return self.transfer.role if self.transfer else None
 
     @property
     def transfer_id(self) -> str | None:
-        return self.transfer["id"] if self.transfer else None
+        return self.transfer.id if self.transfer else None
 
     @property
     def wants_input_logprobs(self) -> bool:
