@@ -49,7 +49,7 @@ async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: Worke
     host, port = decode.transfer_addr
     d_req = msgspec.structs.replace(req, transfer=Transfer(role="decode", id=transfer_id))
     p_req = msgspec.structs.replace(req, rid=f"{req.rid}-prefill", stream=False,
-                                transfer=Transfer(role="prefill", id=transfer_id, host=host, port=port))
+                                    transfer=Transfer(role="prefill", id=transfer_id, host=host, port=port))
     events: asyncio.Queue = asyncio.Queue()
 
     async def prefill_side() -> None:
