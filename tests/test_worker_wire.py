@@ -44,6 +44,7 @@ async def _scenario(host: str, port: int) -> None:
         writer.close()
     info = await _info(host, port)
     assert info["num_running"] == 0
+    assert info["gc_frozen_objects"] > 10_000  # torch & co. out of every full collection (shared/gc_freeze.py)
     # A connection that disappears mid-request gets its request aborted.
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(encode_frame(Hello()) + encode_frame(GenerateRequest(rid="orphan", input_ids=[5, 6, 7],
@@ -98,8 +99,8 @@ async def _batching_scenario() -> None:
     conns = {}
     for name in ("x", "y"):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(encode_frame(Hello()) + b"".join(
-            encode_frame(GenerateRequest(rid=f"{name}{i}", input_ids=[1], sampling=SamplingParams())) for i in range(3)))
+        requests = [GenerateRequest(rid=f"{name}{i}", input_ids=[1], sampling=SamplingParams()) for i in range(3)]
+        writer.write(encode_frame(Hello()) + b"".join(encode_frame(r) for r in requests))
         conns[name] = (reader, writer)
     for _ in range(200):
         if len(engine.submitted) == 6:

@@ -7,6 +7,7 @@ KV slots.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 from shared.engine.engine import Engine
@@ -146,6 +147,7 @@ class WorkerServer:
                 elif isinstance(msg, InfoRequest):
                     info = await self._call(self.engine.info)
                     info["role"] = self.role
+                    info["gc_frozen_objects"] = gc.get_freeze_count()  # start-up heap (shared/gc_freeze.py)
                     if self.transfer is not None:
                         info["kv_transfer"] = self.transfer.stats()
                     if self.transfer_addr is not None:
