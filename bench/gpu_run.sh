@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|shared-prefix|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-dp|sync-audit|shared-prefix|all
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+  && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || exit 1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false UCX_WARN_UNUSED_ENV_VARS=n
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $what == all || $what == tests ]]; then
@@ -43,8 +43,16 @@ if [[ $what == fp8 ]]; then
   timeout 400 python3 -m bench.fp8 --out "$OUT" 2>&1 | tee "$OUT/fp8.log" | tail -10
 fi
 if [[ $what == serving ]]; then
-  timeout 500 python3 -m bench.serving --launch --num-prompts 256 --routes generate,completions --no-stream \
+  timeout 500 python3 -m bench.serving --launch --num-prompts 256 --routes generate,completions --no-stream --profile \
     --offline --out "$OUT" 2>&1 | tee "$OUT/serving.log" | tail -14
+fi
+if [[ $what == serving-dp ]]; then
+  # Data-parallel scaling (nvidia-h200-x2): one unified worker vs two behind one gateway, 512 streams.
+  timeout 400 python3 -m bench.serving --launch --num-prompts 512 --routes completions --workers-sweep 1,2 \
+    --out "$OUT/dp" 2>&1 | tee "$OUT/serving_dp.log" | tail -8
+fi
+if [[ $what == sync-audit ]]; then
+  timeout 240 python3 -m bench.sync_audit 2>&1 | tee "$OUT/sync_audit.log" | tail -40
 fi
 if [[ $what == pd-decode-heavy ]]; then
   timeout 330 python3 -m bench.pd --out "$OUT" --duration 30 --rate 8 --min-prompt 256 --max-prompt 768 \

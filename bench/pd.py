@@ -24,9 +24,7 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +34,7 @@ import aiohttp  # noqa: E402
 import requests  # noqa: E402
 
 from bench.common import SHAPES, model_dir  # noqa: E402
+from bench.profile import profile_process  # noqa: E402
 from bench.stack import start_stack, stop_stack  # noqa: E402
 from shared import procfs  # noqa: E402
 
@@ -138,54 +137,18 @@ def guard(res: dict) -> list[tuple[str, bool, str]]:
     ]
 
 
-def _thread_cpu(pid: int) -> dict[str, float]:
-    ticks = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[f"{tid} {name}"] = (int(fields[11]) + int(fields[12])) / ticks
-    return out
-
-
 def _worker_pid(stack_pid: int, role: str = "decode") -> int | None:
     """The `role` worker among the stack's child processes (never another stack's on this host)."""
     return next((p for p in procfs.children(stack_pid) if procfs.flag_value(p, "--role") == role), None)
 
 
-def profile_decode_worker(stack_pid: int, out_dir: str, delay: float = 8.0, seconds: float = 6.0) -> threading.Thread:
-    """In the background, `delay` s into the load: py-spy of the decode worker, thread CPU over `seconds`."""
-    def run():
-        time.sleep(delay)
-        pid = _worker_pid(stack_pid)
-        if pid is None:
-            log("profile: no decode worker found")
-            return
-        with open(os.path.join(out_dir, "decode_profile.txt"), "w") as f:
-            for i in range(3):
-                r = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True)
-                f.write(f"=== py-spy dump {i} ===\n{r.stdout}{r.stderr}\n")
-                time.sleep(0.5)
-            a = _thread_cpu(pid)
-            rec = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--gil", "--threads", "-r", "200",
-                                    "-d", str(int(seconds)), "-f", "raw",
-                                    "-o", os.path.join(out_dir, "decode_gil.txt")],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-            time.sleep(seconds)
-            b = _thread_cpu(pid)
-            rec.wait(30)
-            f.write(f"=== thread CPU over {seconds:g} s (cores) ===\n")
-            for k in sorted(b, key=lambda k: a.get(k, 0.0) - b[k]):
-                f.write(f"{(b[k] - a.get(k, 0.0)) / seconds:6.2f}  {k}\n")
-        log("profile written")
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+def profile_decode_worker(stack_pid: int, out_dir: str, delay: float = 8.0, seconds: float = 6.0):
+    """py-spy (GIL holder only) and thread CPU of the decode worker, `delay` s into the load."""
+    pid = _worker_pid(stack_pid)
+    if pid is None:
+        log("profile: no decode worker found")
+        return None
+    return profile_process(pid, os.path.join(out_dir, "decode_profile"), delay, seconds, gil=True)
 
 
 def main():

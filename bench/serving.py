@@ -12,6 +12,8 @@ Datasets (all generated locally, fixed seeds, as token ids so lengths are exact)
 - sharegpt: synthetic multi-turn conversations with ShareGPT-like length distributions (lognormal turns,
   median ~ 120 tokens in / 180 out, long tails capped at 2k), each later turn carrying the earlier ones;
 - gsp (generated shared prefix): groups of prompts sharing a system prompt (--gsp-* flags).
+--profile: py-spy (every thread) and per-thread CPU of the gateway and of each worker during the first run,
+summarised per thread in --out/profile_*.txt.
 Reported: TTFT, TPOT, ITL, E2E percentiles (ms), request, output and total throughput, and the CPU time
 per output token of the gateway process and of the workers (from /proc), then PASS/FAIL lines against
 the goals of the "Serving at engine speed" issue when --offline gives the reference.
@@ -203,8 +205,22 @@ def summarize(results: list[dict], wall: float) -> dict:
 
 # ------------------------------------------------------------------ CPU accounting from /proc
 def stack_pids(root_pid: int) -> dict[str, list[int]]:
-    """The launcher (which runs the gateway) and its worker processes."""
-    return {"gateway": [root_pid], "workers": procfs.descendants(root_pid)}
+    """The launcher (which runs the gateway, and a process pool for large tokenizations) and its workers."""
+    return {"gateway": [root_pid], "workers": [p for p in procfs.descendants(root_pid)
+                                               if procfs.flag_value(p, "--role") is not None]}
+
+
+def flush_cache(url: str) -> None:
+    """Every run starts from an empty cache, as the offline reference does (the same prompts are sent by
+    each run: without this, later runs skip their prefills)."""
+    import requests
+
+    for _ in range(50):
+        r = requests.post(url + "/flush_cache", timeout=30)
+        if r.status_code == 200:
+            return
+        time.sleep(0.2)  # requests of the previous run still finishing
+    raise SystemExit(f"could not flush the cache: {r.status_code} {r.text}")
 
 
 def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
@@ -236,6 +252,56 @@ def offline_reference(path: str, dataset, extra_engine: dict) -> dict:
     return {"out_tok_s": st.output_tokens / st.wall_s, "wall_s": st.wall_s, "out_tokens": st.output_tokens}
 
 
+def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
+    """Start a stack (or use --url), run every route/stream mode on it from an empty cache, stop it."""
+    proc = None
+    url = args.url
+    out: dict = {}
+    if not url:
+        from bench.stack import start_stack
+        log(f"starting the stack {' '.join(extra)}")
+        proc = start_stack(path, args.port, *extra)
+        url = f"http://127.0.0.1:{args.port}"
+    try:
+        routes = args.routes.split(",")
+        modes = [(r, True) for r in routes] + ([(r, False) for r in routes] if args.no_stream else [])
+        import requests
+
+        MODEL["id"] = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        # Warm-up: graphs, allocator, connections.
+        asyncio.run(run_load(url, "generate", dataset[:8], True, math.inf, 0))
+        for i, (route, stream) in enumerate(modes):
+            flush_cache(url)
+            pids = stack_pids(proc.pid) if proc else None
+            if args.profile and i == 0 and pids:
+                from bench.profile import profile_process
+                for j, pid in enumerate(pids["gateway"] + pids["workers"]):
+                    profile_process(pid, os.path.join(args.out, "profile_gateway" if j == 0 else f"profile_worker{j}"),
+                                    delay=2.0, seconds=4.0)
+            before = cpu_snapshot(pids) if pids else None
+            client0 = time.process_time()
+            results, wall = asyncio.run(run_load(url, route, dataset, stream, args.request_rate,
+                                                 args.max_concurrency))
+            s = summarize(results, wall)
+            # The client is one Python process too: a saturated client would understate the stack.
+            s["client_cpu_share"] = (time.process_time() - client0) / wall
+            if pids:
+                after = cpu_snapshot(pids)
+                for role in after:
+                    s[f"{role}_cpu_us_per_token"] = (after[role] - before[role]) * 1e6 / max(1, s["out_tokens"])
+            key = f"{route}{'' if stream else '-nostream'}"
+            out[key] = s
+            log(f"{key}: {s['out_tok_s']:.0f} out tok/s, TTFT p50 {s['ttft_p50_ms']:.1f} ms, ITL p50 "
+                f"{s['itl_p50_ms']:.2f} ms, errors {s['errors']}, gateway "
+                f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token, worker "
+                f"{s.get('workers_cpu_us_per_token', float('nan')):.1f} us/token, client CPU {s['client_cpu_share']:.0%}")
+    finally:
+        if proc is not None:
+            from bench.stack import stop_stack
+            stop_stack(proc)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running stack; else --launch starts one")
@@ -256,6 +322,10 @@ def main():
     ap.add_argument("--routes", default="generate", help="comma list of generate, completions, chat")
     ap.add_argument("--no-stream", action="store_true", help="also run each route without streaming")
     ap.add_argument("--offline", action="store_true", help="the same workload through the offline engine")
+    ap.add_argument("--profile", action="store_true",
+                    help="during the first run: py-spy of the gateway and each worker, thread CPU (to --out)")
+    ap.add_argument("--workers-sweep", default="",
+                    help="e.g. 1,2: one stack per count (unified workers on GPUs 0..n-1), data-parallel scaling")
     ap.add_argument("--port", type=int, default=31000)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
     ap.add_argument("launch_args", nargs="*", help="after --: extra services.launch flags")
@@ -274,40 +344,17 @@ def main():
                  "rate": args.request_rate, "max_concurrency": args.max_concurrency,
                  "ideal_hit_rate": ideal_hit_rate(dataset), "runs": {}}
     path = model_dir(args.shape)
-    proc = None
-    url = args.url
-    if not url:
-        from bench.stack import start_stack
-        log("starting the stack")
-        proc = start_stack(path, args.port, *args.launch_args)
-        url = f"http://127.0.0.1:{args.port}"
-    try:
-        routes = args.routes.split(",")
-        modes = [(r, True) for r in routes] + ([(r, False) for r in routes] if args.no_stream else [])
-        import requests
+    sweep = [int(n) for n in args.workers_sweep.split(",")] if args.workers_sweep else [None]
+    for n in sweep:
+        extra = list(args.launch_args)
+        if n is not None:
+            import torch
 
-        MODEL["id"] = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        # Warm-up: graphs, allocator, connections.
-        asyncio.run(run_load(url, "generate", dataset[:8], True, math.inf, 0))
-        for route, stream in modes:
-            pids = stack_pids(proc.pid) if proc else None
-            before = cpu_snapshot(pids) if pids else None
-            results, wall = asyncio.run(run_load(url, route, dataset, stream, args.request_rate,
-                                                 args.max_concurrency))
-            s = summarize(results, wall)
-            if pids:
-                after = cpu_snapshot(pids)
-                for role in after:
-                    s[f"{role}_cpu_us_per_token"] = (after[role] - before[role]) * 1e6 / max(1, s["out_tokens"])
-            key = f"{route}{'' if stream else '-nostream'}"
-            res["runs"][key] = s
-            log(f"{key}: {s['out_tok_s']:.0f} out tok/s, TTFT p50 {s['ttft_p50_ms']:.1f} ms, ITL p50 "
-                f"{s['itl_p50_ms']:.2f} ms, errors {s['errors']}, gateway "
-                f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token")
-    finally:
-        if proc is not None:
-            from bench.stack import stop_stack
-            stop_stack(proc)
+            extra += ["--workers", str(n)]
+            if torch.cuda.is_available():
+                extra += ["--worker-gpus", ",".join(str(g) for g in range(n))]
+        runs = serve_runs(args, path, dataset, extra)
+        res["runs"].update({(k if n is None else f"{k} x{n}"): v for k, v in runs.items()})
     if args.offline:
         log("offline engine, same workload")
         res["offline"] = offline_reference(path, dataset, {})
@@ -326,12 +373,23 @@ def main():
         off = res["offline"]["out_tok_s"]
         print(f"{'offline engine':22s} {off:10.0f}")
         for key, s in res["runs"].items():
-            goal = 0.97 if key.endswith("nostream") else 0.95
+            if " x" in key and not key.endswith(f" x{sweep[0]}"):
+                continue  # several GPUs: compared with one worker above, not with one engine
+            goal = 0.97 if key.split(" x")[0].endswith("nostream") else 0.95
             ratio = s["out_tok_s"] / off
             print(f"{'PASS' if ratio >= goal else 'FAIL'}: {key} at {ratio:.3f} of the offline engine (goal >= {goal})")
+    if len(sweep) > 1:
+        base = sweep[0]
+        for key, s in res["runs"].items():
+            name, _, n = key.rpartition(" x")
+            if n and int(n) != base and f"{name} x{base}" in res["runs"]:
+                ratio = s["out_tok_s"] / res["runs"][f"{name} x{base}"]["out_tok_s"]
+                goal = {2: 1.9, 4: 3.7}.get(int(n) // base)
+                verdict = "INFO" if goal is None else ("PASS" if ratio >= goal else "FAIL")
+                print(f"{verdict}: {name} with {n} workers at {ratio:.2f}x {base} (goal >= {goal})")
     for key, s in res["runs"].items():
         gw = s.get("gateway_cpu_us_per_token")
-        if gw is not None and s["out_tokens"] and key.endswith(("generate", "completions", "chat")):
+        if gw is not None and s["out_tokens"] and key.split(" x")[0].endswith(("generate", "completions", "chat")):
             print(f"{'PASS' if gw <= 5 else 'FAIL'}: {key} gateway CPU {gw:.1f} us/token (goal <= 5)")
     bad = sum(s["errors"] for s in res["runs"].values())
     if bad:

@@ -7,7 +7,25 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention.torch_backend import paged_attention_ref
+
+def paged_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+                        prefix_len: int, scaling: float) -> torch.Tensor:
+    """q: [n, Hq, D] new tokens at positions prefix_len..prefix_len+n-1; slots: [prefix_len + n] pool
+    slots of the whole context. Causal. Returns [n, Hq, D] in q's dtype (computed in fp32)."""
+    n, hq, d = q.shape
+    k = k_buf[slots].float()  # [L, Hkv, D]
+    v = v_buf[slots].float()
+    group = hq // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * scaling
+    L = k.shape[0]
+    qpos = torch.arange(prefix_len, prefix_len + n, device=q.device).unsqueeze(1)
+    kpos = torch.arange(L, device=q.device).unsqueeze(0)
+    scores = scores.masked_fill((kpos > qpos).unsqueeze(0), float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    return torch.einsum("hnl,lhd->nhd", p, v).to(q.dtype)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -24,6 +24,7 @@ import signal
 import sys
 
 from services.supervisor import RestartPolicy, WorkerSlot
+from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.engine.cli import add_engine_args, engine_args_to_argv
 from shared.wire import INTERNAL_KEY_ENV
@@ -182,7 +183,7 @@ def main(argv=None) -> None:
     # environment (never argv, which `ps` shows); an operator's own $RADIXSERVE_INTERNAL_KEY wins.
     if not os.environ.get(INTERNAL_KEY_ENV):
         os.environ[INTERNAL_KEY_ENV] = secrets.token_urlsafe(32)
-    sys.exit(asyncio.run(run(args)))
+    sys.exit(event_loop.run(run(args)))
 
 
 if __name__ == "__main__":

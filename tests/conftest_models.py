@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.attention.torch_backend import TorchAttentionBackend
+from shared.models.attention.torch_backend import TorchAttentionBackend
 from shared.cache.kv_pool import KVPool, ReqToTokenPool
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
 from shared.models.config import ModelConfig

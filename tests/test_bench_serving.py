@@ -36,3 +36,17 @@ def test_summary_percentiles_and_errors():
     assert s["completed"] == 10 and s["errors"] == 1 and s["out_tok_s"] == 50.0
     assert abs(s["ttft_p50_ms"] - 600) < 1e-6 and abs(s["itl_p99_ms"] - 10) < 1e-6
     assert abs(s["tpot_p50_ms"] - 1000 / 9) < 1e-6
+
+
+def test_gateway_overhead_bench_runs_end_to_end():
+    """bench/gateway_overhead.py: the real gateway and worker server around a token-emitting engine; every
+    stream completes with all its tokens, and the per-token CPU figures are printed."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "bench.gateway_overhead", "--streams", "8", "--tokens", "6",
+                        "--step-ms", "2"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tokens 48, errors 0" in r.stdout and "gateway" in r.stdout and "us/token" in r.stdout, r.stdout

@@ -201,3 +201,10 @@ def test_sigterm_lets_running_requests_finish():
 def test_metrics_exposition_has_no_created_series(base_url):
     m = requests.get(base_url + "/metrics", timeout=10).text
     assert "_created" not in m and "sglang:num_running_reqs" in m and "sglang:token_usage" in m
+
+
+def test_services_run_on_uvloop(base_url):
+    """The gateway and every worker run their IO on uvloop (shared/event_loop.py), not asyncio's loop."""
+    info = requests.get(base_url + "/server_info", timeout=10).json()
+    assert info["event_loop"].startswith("uvloop"), info["event_loop"]
+    assert all(w["info"]["event_loop"].startswith("uvloop") for w in info["workers"]), info["workers"]

@@ -75,6 +75,18 @@ def test_sglang_flag_names_and_old_aliases():
     assert back.max_context_len == 300 and not back.cuda_graph
 
 
+def test_attention_backend_choices_and_the_unsupported_flashinfer(capsys):
+    assert launch_args(["--model-path", "m", "--attention-backend", "triton"]).attention_backend == "triton"
+    for parse in (launch_args, worker_args):
+        with pytest.raises(SystemExit):
+            parse(["--model-path", "m", "--attention-backend", "flashinfer"])
+        err = capsys.readouterr().err
+        assert "'flashinfer' is not supported" in err and "triton" in err and "torch" in err
+    with pytest.raises(SystemExit):
+        launch_args(["--model-path", "m", "--attention-backend", "nope"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
 def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("model-path: some/model\ncontext_length: 2048\nmem-fraction-static: 0.6\n"

@@ -38,6 +38,12 @@ def worker_infos(url: str) -> dict[str, dict]:
             if w["info"]}
 
 
+def test_pd_workers_run_on_uvloop(pd):
+    """UCX's asyncio integration (ucxx) runs under uvloop on both PD roles: every PD test here exercises it."""
+    assert {role: info["event_loop"].split(".")[0] for role, info in worker_infos(pd.url).items()} == \
+        {"prefill": "uvloop", "decode": "uvloop"}
+
+
 def assert_no_kv_held(url: str) -> None:
     """Every slot is free or evictable on every worker: nothing leaked."""
     def settled():

@@ -17,6 +17,7 @@ from services.gateway.reasoning import resolve_reasoning_parser
 from services.gateway.state import GatewayState
 from services.gateway.tool_parsers import resolve_parser
 from services.gateway.worker_client import WorkerClient, parse_worker_list
+from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.gc_freeze import freeze_startup_heap
 from shared.tokenizer import Tokenizer
@@ -158,7 +159,7 @@ async def _main(args: argparse.Namespace) -> None:
 def main() -> None:
     args = parse_with_config(build_parser())
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_main(args))
+    event_loop.run(_main(args))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from aiohttp import web
 
 from services.gateway.errors import WorkerUnavailable
 from services.gateway.metrics import CONTENT_TYPE
+from shared import event_loop
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
@@ -33,7 +34,8 @@ async def server_info(state: "GatewayState") -> dict:
             "max_total_num_tokens": sum((w["info"] or {}).get("max_total_tokens", 0) for w in workers),
             "limits": {"max_n": limits.max_n, "max_batch": limits.max_batch,
                        "max_body_bytes": limits.max_body_bytes, "max_top_logprobs": limits.max_top_logprobs},
-            "gateway_inflight": len(state.dispatcher.inflight), "workers": workers}
+            "gateway_inflight": len(state.dispatcher.inflight), "event_loop": event_loop.current_loop_name(),
+            "workers": workers}
 
 
 async def flush_cache(state: "GatewayState") -> web.Response:

@@ -11,6 +11,7 @@ from aiohttp import web
 from services.gateway import admin_api, native_api, openai_api, programs_api
 from services.gateway.access_log import access_middleware, add_request_id_header
 from services.gateway.errors import APIError, error_body
+from services.gateway.json_out import json_response
 from services.gateway.openapi import OPEN_PATHS, build_spec
 from services.gateway.state import GatewayState
 from services.gateway.tenancy import CACHE_SALT, tenant_salt
@@ -41,10 +42,10 @@ def create_app(state: GatewayState) -> web.Application:
         return await openai_api.chat_completions(s, request)
 
     async def models(request):
-        return web.json_response(openai_api.models(s))
+        return json_response(openai_api.models(s))
 
     async def model(request):
-        return web.json_response(openai_api.model(s, request.match_info["model_id"]))
+        return json_response(openai_api.model(s, request.match_info["model_id"]))
 
     async def generate(request):
         return await native_api.generate(s, request)
@@ -53,10 +54,10 @@ def create_app(state: GatewayState) -> web.Application:
         return await programs_api.run_program(s, request)
 
     async def model_info(request):
-        return web.json_response(admin_api.model_info(s))
+        return json_response(admin_api.model_info(s))
 
     async def server_info(request):
-        return web.json_response(await admin_api.server_info(s))
+        return json_response(await admin_api.server_info(s))
 
     async def flush_cache(request):
         return await admin_api.flush_cache(s)
@@ -89,7 +90,7 @@ def create_app(state: GatewayState) -> web.Application:
     spec = build_spec(state.limits)
 
     async def openapi(request):
-        return web.json_response(spec)
+        return json_response(spec)
 
     app.router.add_get("/openapi.json", openapi)
 
@@ -126,12 +127,12 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
             raise
         body = error_body(e.reason, _HTTP_ERROR_TYPES.get(e.status, "invalid_request_error"),
                           code=_HTTP_ERROR_CODES.get(e.status))
-        return web.json_response(body, status=e.status, headers={
+        return json_response(body, status=e.status, headers={
             k: v for k, v in e.headers.items() if k.lower() == "allow"})
     except Exception:
         # Bad input never lands here (translators raise APIError); this is a bug, logged but not shown.
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return web.json_response(error_body("internal server error", "internal_error"), status=500)
+        return json_response(error_body("internal server error", "internal_error"), status=500)
 
 
 def _auth_middleware(state: GatewayState):
@@ -141,7 +142,7 @@ def _auth_middleware(state: GatewayState):
         if keys:
             key = _matching_key(request, keys)
             if key is None:
-                return web.json_response(error_body("invalid or missing API key", "authentication_error",
+                return json_response(error_body("invalid or missing API key", "authentication_error",
                                                     code="invalid_api_key"), status=401)
             request[CACHE_SALT] = tenant_salt(key)
         return await handler(request)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from services.gateway.json_out import json_response
 from shared.errors import InvalidRequest
 
 
@@ -27,7 +28,7 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        return json_response(self.body(), status=self.status)
 
 
 class WorkerUnavailable(Exception):

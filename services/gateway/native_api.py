@@ -16,6 +16,7 @@ from services.gateway.admission import (check_grammars, check_token_ids, child_r
 from services.gateway.dispatch import GenerationResult, new_rid
 from services.gateway.errors import bad_request
 from services.gateway.fields import get_bool, get_int, is_int, is_token_ids
+from services.gateway.json_out import json_response
 from services.gateway.limits import read_json
 from services.gateway.sse import stream_events
 from shared.protocol import GenerateRequest
@@ -46,7 +47,7 @@ async def generate(state: "GatewayState", request: web.Request) -> web.StreamRes
     await check_grammars(state, job.reqs)
     if get_bool(body, "stream"):
         return await stream_events(request, _events(state, job), headers=job.headers())
-    return web.json_response(await _run(state, job), headers=job.headers())
+    return json_response(await _run(state, job), headers=job.headers())
 
 
 async def generate_json(state: "GatewayState", body: Any, cache_salt: str | None = None) -> dict | list:

@@ -21,6 +21,7 @@ from services.gateway.dispatch import GenerationResult, created_timestamp, new_r
 from services.gateway.errors import APIError, bad_request
 from shared.errors import ContextLengthExceeded
 from services.gateway.fields import get_bool, get_dict, get_int, is_token_ids
+from services.gateway.json_out import json_response
 from services.gateway.limits import read_json
 from services.gateway.sse import stream_events
 from shared.protocol import GenerateRequest
@@ -132,7 +133,7 @@ async def completions(state: "GatewayState", request: web.Request) -> web.Stream
     if stream:
         return await stream_events(request, fmt.events())
     results = await state.dispatcher.collect_many(reqs)
-    return web.json_response(fmt.response(results))
+    return json_response(fmt.response(results))
 
 
 async def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
@@ -241,7 +242,7 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
     if stream:
         return await stream_events(request, fmt.events())
     results = await state.dispatcher.collect_many(reqs)
-    return web.json_response(fmt.response(results))
+    return json_response(fmt.response(results))
 
 
 async def _render_chat(state: "GatewayState", spec: ChatSpec) -> Prompt:

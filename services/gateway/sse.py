@@ -2,7 +2,6 @@
 of the rest when something fails after the headers went out."""
 from __future__ import annotations
 
-import json
 import logging
 from contextlib import aclosing
 from typing import Any, AsyncIterator
@@ -10,18 +9,15 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from services.gateway.errors import APIError, error_body
+from services.gateway.json_out import dumps
 
 log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 
 
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
 def encode_event(obj: Any) -> bytes:
-    return b"data: " + dumps(obj).encode() + b"\n\n"
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 async def stream_events(request: web.Request, events: AsyncIterator[dict],

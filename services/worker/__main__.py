@@ -17,6 +17,7 @@ import socket
 import uuid
 
 from services.worker.server import WorkerServer
+from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.engine.cli import add_engine_args, engine_config_from_args
 from shared.engine.engine import Engine
@@ -140,7 +141,7 @@ def main(argv=None) -> None:
     from shared.models.quantization import UnsupportedQuantization
 
     try:
-        asyncio.run(serve(args))
+        event_loop.run(serve(args))
     except UnsupportedQuantization as e:  # a checkpoint we cannot run correctly: say so, no traceback
         raise SystemExit(f"error: {e}") from None
 

@@ -10,6 +10,7 @@ import asyncio
 import gc
 import logging
 
+from shared import event_loop
 from shared.engine.engine import Engine
 from shared.protocol import (AbortRequest, FinishAbort, FlushCacheRequest, FlushCacheResult, GenerateRequest,
                              InfoRequest, InfoResult, PingRequest, PongResult, ProtocolError, TokenOutput,
@@ -147,6 +148,7 @@ class WorkerServer:
                 elif isinstance(msg, InfoRequest):
                     info = await self._call(self.engine.info)
                     info["role"] = self.role
+                    info["event_loop"] = event_loop.current_loop_name()
                     info["gc_frozen_objects"] = gc.get_freeze_count()  # start-up heap (shared/gc_freeze.py)
                     if self.transfer is not None:
                         info["kv_transfer"] = self.transfer.stats()

@@ -59,4 +59,6 @@ class ReqToTokenPool:
         self._free.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """`slots` should already be on the pool's device (shared/engine/h2d.to_device): a host tensor is
+        copied from pageable memory, which waits for all the work queued on the stream."""
         self.req_to_token[row, start:start + len(slots)] = slots.to(torch.int32)

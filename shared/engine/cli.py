@@ -5,11 +5,11 @@ import argparse
 import dataclasses
 import re
 
-from shared.engine.config import EngineConfig
+from shared.engine.config import ATTENTION_BACKENDS, EngineConfig, unsupported_attention_backend
 
 _CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
-    "attention_backend": ["auto", "torch", "triton", "flashinfer"],
+    "attention_backend": list(ATTENTION_BACKENDS),
     "schedule_policy": ["lpm", "fcfs"],
     "load_format": ["auto", "dummy"],
     "quantization": ["none", "fp8"],
@@ -24,7 +24,14 @@ def _device(value: str) -> str:
     return value
 
 
-_TYPES = {"device": _device}
+def _attention_backend(value: str) -> str:
+    error = unsupported_attention_backend(value)
+    if error:
+        raise argparse.ArgumentTypeError(error)
+    return value
+
+
+_TYPES = {"device": _device, "attention_backend": _attention_backend}
 
 # Flag names where SGLang's launcher names the same setting differently: its name first (what --help and
 # child processes use), ours kept as an alias. Boolean fields that default to true also take SGLang's

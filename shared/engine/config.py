@@ -3,6 +3,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# Backends SGLang offers that this engine does not, with the reason (README, Design notes).
+_UNSUPPORTED_ATTENTION = {
+    "flashinfer": "the GPU machines cannot install flashinfer (its wheels exceed what bench/fetch_wheels.sh "
+                  "may carry there), so a backend on it could never be tested",
+}
+
+
+def unsupported_attention_backend(name: str) -> str | None:
+    """The error for a backend name this engine knowingly lacks, or None for any other name."""
+    why = _UNSUPPORTED_ATTENTION.get(name)
+    return (f"attention backend {name!r} is not supported: {why}; use triton (GPU), torch, or auto"
+            if why else None)
+
 
 @dataclass
 class EngineConfig:
@@ -13,7 +27,7 @@ class EngineConfig:
     # quantize a float checkpoint's linear weights to FP8 (per channel) at load.
     quantization: str = "none"
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
-    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
+    attention_backend: str = "auto"  # auto | torch | triton (ATTENTION_BACKENDS)
     page_size: int = 1
     # KV pool size: explicit token count, else a fraction of free device memory after weights.
     max_total_tokens: int | None = None

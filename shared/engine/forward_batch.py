@@ -15,7 +15,7 @@ import torch
 from shared.engine.h2d import to_device
 
 if TYPE_CHECKING:
-    from kernels.attention.base import AttentionBackend
+    from shared.models.attention.base import AttentionBackend
     from shared.cache.kv_pool import KVPool
 
 

@@ -96,7 +96,7 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig):
-        from kernels.attention import create_attention_backend
+        from shared.models.attention import create_attention_backend
         from shared.models.loader import load_model
 
         self.config = config

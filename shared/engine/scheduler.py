@@ -21,6 +21,7 @@ from shared.cache.base import PrefixCache
 from shared.cache.kv_pool import ReqToTokenPool
 from shared.engine.config import EngineConfig
 from shared.engine.forward_batch import ForwardMode
+from shared.engine.h2d import to_device
 from shared.engine.prefill_adder import PrefillAdder
 from shared.engine.request import PENDING_TOKEN, Req, ReqStatus
 
@@ -227,7 +228,8 @@ class Scheduler:
             self.allocator.free(slots[old:returned])
             tree = match.slots[old:returned]
             req.slots[old:returned] = tree.tolist()
-            self.req_pool.write(req.req_pool_idx, old, tree)
+            # Pinned and non-blocking: a pageable copy would wait for the pass in flight (overlap lost).
+            self.req_pool.write(req.req_pool_idx, old, to_device(tree, torch.int32, self.req_pool.req_to_token.device))
 
     def _reserve_of(self, req: Req) -> float:
         """Slots set aside for a request's future decode tokens (the one reservation formula)."""

@@ -1,4 +1,4 @@
-"""The attention-backend interface. Every backend (torch, triton, flashinfer) implements it."""
+"""The attention-backend interface. Every backend (torch, triton) implements it."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

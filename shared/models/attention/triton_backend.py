@@ -5,13 +5,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention.base import AttentionBackend
-from kernels.attention.torch_backend import TorchAttentionBackend
 from kernels.attention.triton_cascade import CascadePlan, cascade_decode_attention, plan_cascade
 from kernels.attention.triton_decode import (MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, decode_attention,
                                              num_kv_splits_for, plan_max_kv_splits)
 from kernels.attention.triton_extend import extend_attention
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.models.attention.base import AttentionBackend
+from shared.models.attention.torch_backend import TorchAttentionBackend
 
 MAX_HEAD_DIM = 256  # one head row must fit a tile; larger heads go to the torch backend
 
