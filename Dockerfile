@@ -14,7 +14,7 @@ WORKDIR /app
 # pyproject's runtime dependencies plus the `pd` extra (tests/test_deploy.py keeps them equal). torch from
 # PyPI is the CUDA 13 build and brings its triton (3.7.1).
 RUN pip install \
-        torch==2.13.0 numpy==2.4.6 aiohttp==3.14.5 msgpack==1.2.4 safetensors==0.8.0 tokenizers==0.23.3 \
+        torch==2.13.0 numpy==2.4.6 aiohttp==3.14.5 msgspec==0.23.0 safetensors==0.8.0 tokenizers==0.23.3 \
         jinja2==3.1.6 prometheus-client==0.26.0 redis==8.1.0 huggingface-hub==2.4.0 xgrammar==0.2.9 \
         regex==2026.5.9 tqdm==4.70.1 transformers==5.24.0 pyyaml==6.0.3 uvloop==0.23.0 orjson==3.13.0 \
     && pip install ucxx-cu13==0.52.0

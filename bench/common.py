@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.protocol import GenerateRequest
+from shared.sampling_params import SamplingParams
 from shared.tokenizer import save_tiny_tokenizer
 
 LLAMA31_8B = {
@@ -121,7 +122,8 @@ def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = F
     engine.on_output = on_output
     base = f"b{time.monotonic_ns()}"
     for i, p in enumerate(prompts):
-        engine.submit(GenerateRequest(rid=f"{base}-{i}", input_ids=p, sampling=sampling, stream=False))
+        engine.submit(GenerateRequest(rid=f"{base}-{i}", input_ids=p, sampling=SamplingParams(**sampling),
+                                      stream=False))
     stats = RunStats()
     events = []
     sync()

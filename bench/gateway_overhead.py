@@ -46,9 +46,8 @@ class FakeEngine:
         return len(self._running)
 
     def submit(self, msg) -> None:
-        params = msg.sampling if isinstance(msg.sampling, dict) else msg.sampling.to_dict()
         with self._lock:
-            self._running[msg.rid] = [0, int(params.get("max_new_tokens", 16)), len(msg.input_ids)]
+            self._running[msg.rid] = [0, msg.sampling.max_new_tokens, len(msg.input_ids)]
         self._wake.set()
 
     def abort(self, rid: str) -> None:
@@ -71,7 +70,7 @@ class FakeEngine:
                 "num_running": len(self._running), "num_waiting": 0, "kv_usage": 0.0, "vocab_size": 400}
 
     def _loop(self) -> None:
-        from shared.protocol import TokenOutput
+        from shared.protocol import FinishLength, TokenOutput
 
         tokens = itertools.cycle(range(10, 400))
         while True:
@@ -86,7 +85,7 @@ class FakeEngine:
                     st[0] += 1
                     done = st[0] >= st[1]
                     outs.append(TokenOutput(rid=rid, token_ids=[next(tokens)], text=" x", finished=done,
-                                            finish_reason={"type": "length", "length": st[1]} if done else None,
+                                            finish_reason=FinishLength(length=st[1]) if done else None,
                                             prompt_tokens=st[2], completion_tokens=st[0]))
                     if done:
                         del self._running[rid]

@@ -128,6 +128,7 @@ def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
 async def run(args: argparse.Namespace) -> int:
     from services.gateway.__main__ import build_parser as gateway_parser
     from services.gateway.__main__ import start_gateway, stop_gateway
+    from shared.gc_freeze import freeze_startup_heap
 
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=60.0, backoff_s=args.restart_backoff)
     slots = [WorkerSlot(f"{role}-{i}", _worker_cmd(args, i, role), policy)
@@ -145,6 +146,7 @@ async def run(args: argparse.Namespace) -> int:
             return 1
         addrs = list(started)
         runner, state = await start_gateway(gateway_parser().parse_args(_gateway_argv(args, addrs)))
+        freeze_startup_heap()
 
         async def on_change(slot: WorkerSlot, what: str) -> None:
             # The gateway hears from the supervisor at once: /health names a worker that is down, and

@@ -1,16 +1,21 @@
 """Every message that crosses a process boundary, defined once.
 
-Frames are msgpack maps with a "type" key, length-prefixed on the stream (see shared/wire.py). Each
-message type is a dataclass; `decode_message` validates field names and types on receipt, so a malformed
-frame becomes a ProtocolError, never a crash deeper in. No pickle anywhere.
+Each message is a msgspec Struct; the wire is a tagged union of them on the "type" key, msgpack-encoded and
+length-prefixed on the stream (shared/wire.py). One Decoder for the whole union checks field names and
+types while it parses, so a malformed frame (not msgpack, an unknown type, an unknown field, a wrong type,
+a missing field, absurd nesting) becomes a ProtocolError, never a crash deeper in. No pickle anywhere.
+
+Values inside messages are typed too: sampling parameters travel as the SamplingParams struct the gateway
+validated, finish reasons as one of the FinishReason structs below (SGLang's meta_info dicts, encoded
+once, at the HTTP edge, by `FinishReason.to_json`).
 """
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Union
+
+import msgspec
+
+from shared.sampling_params import SamplingParams
 
 
 class ProtocolError(ValueError):
@@ -20,85 +25,91 @@ class ProtocolError(ValueError):
 _REGISTRY: dict[str, type["Message"]] = {}
 
 
+class Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Base of every message. A subclass names its wire type with `tag=` and registers with @message."""
+    TYPE: ClassVar[str] = ""
+
+
 def message(cls):
-    """Class decorator: make a dataclass and register it under its TYPE."""
-    cls = dataclass(cls)
-    if cls.TYPE in _REGISTRY:
-        raise RuntimeError(f"duplicate message type {cls.TYPE}")
-    _REGISTRY[cls.TYPE] = cls
-    cls._hints = typing.get_type_hints(cls)
+    """Class decorator: register a Message subclass under its tag (also its TYPE)."""
+    tag = cls.__struct_config__.tag
+    if not isinstance(tag, str) or tag in _REGISTRY:
+        raise RuntimeError(f"message {cls.__name__} needs a unique tag, got {tag!r}")
+    cls.TYPE = tag
+    _REGISTRY[tag] = cls
     return cls
 
 
-class Message:
+# ---------------------------------------------------------------- finish reasons (inside TokenOutput)
+class FinishReason(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
+    """Why a request ended. `to_json()` is SGLang's meta_info finish_reason ({"type": "stop", "matched":
+    ...} and so on), the one shape HTTP clients see; TYPE names the kind."""
     TYPE: ClassVar[str] = ""
 
-    def to_wire(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["type"] = self.TYPE
-        return d
+    def to_json(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
 
 
-def decode_message(d: Any) -> Message:
-    if not isinstance(d, dict):
-        raise ProtocolError("frame is not a map")
-    kind = d.get("type")
-    cls = _REGISTRY.get(kind)
-    if cls is None:
-        raise ProtocolError(f"unknown message type {kind!r}")
-    kwargs = {}
-    hints = cls._hints
-    for f in dataclasses.fields(cls):
-        if f.name in d:
-            value = d[f.name]
-            if not _check(value, hints[f.name]):
-                raise ProtocolError(f"{kind}.{f.name}: unexpected value of type {type(value).__name__}")
-            kwargs[f.name] = value
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{kind}: missing field {f.name}")
-    extra = set(d) - {f.name for f in dataclasses.fields(cls)} - {"type"}
-    if extra:
-        raise ProtocolError(f"{kind}: unknown fields {sorted(extra)}")
-    return cls(**kwargs)
+def _finish_reason(cls):
+    cls.TYPE = cls.__struct_config__.tag
+    return cls
 
 
-def _check(value: Any, tp: Any) -> bool:
-    if tp is Any:
-        return True
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_check(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp in (str, bool, bytes):
-        return isinstance(value, tp)
-    if origin is list:
-        (arg,) = typing.get_args(tp) or (Any,)
-        return isinstance(value, (list, tuple)) and all(_check(v, arg) for v in value)
-    if origin is dict or tp is dict:
-        return isinstance(value, dict)
-    return isinstance(value, tp)
+@_finish_reason
+class FinishStop(FinishReason, tag="stop"):
+    matched: int | str | None = None  # the stop token id or the stop string / regex match
+
+
+@_finish_reason
+class FinishLength(FinishReason, tag="length"):
+    length: int
+
+
+@_finish_reason
+class FinishAbort(FinishReason, tag="abort"):
+    message: str | None = None
+
+
+@_finish_reason
+class FinishTransferred(FinishReason, tag="transferred"):
+    """A prefill worker's request whose KV went to its decode worker (PD)."""
+
+
+AnyFinishReason = Union[FinishStop, FinishLength, FinishAbort, FinishTransferred]
+
+
+class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """PD mode, set by the gateway on a GenerateRequest (the worker checks role and id: a wrong one is a
+    refusal naming `transfer`, not a dropped connection).
+      decode side:  role "decode", id  - reserve KV slots, wait for the pages
+      prefill side: role "prefill", id, host, port  - compute the prompt's KV and first token, push them
+                    over UCX to the decode worker's receiver listening at host:port"""
+    role: str
+    id: str
+    host: str | None = None
+    port: int | None = None
+
+
+def wants_input_logprobs(return_logprob: bool, logprob_start_len: int, prompt_len: int) -> bool:
+    """The request asks for logprobs of its own prompt tokens (from logprob_start_len on). They come from
+    the prompt's forward pass: such a request skips cached prefill of those positions and, in PD, runs
+    whole on one worker."""
+    return return_logprob and 0 <= logprob_start_len < prompt_len
 
 
 # ---------------------------------------------------------------- gateway -> worker
 @message
-class Hello(Message):
+class Hello(Message, tag="hello"):
     """The first frame of every worker connection: the shared internal key (`--internal-key`). A worker
     reads nothing else from a connection until this one matched (shared/wire.py)."""
-    TYPE: ClassVar[str] = "hello"
     key: str = ""
 
 
 @message
-class GenerateRequest(Message):
-    TYPE: ClassVar[str] = "generate"
+class GenerateRequest(Message, tag="generate"):
     rid: str
     input_ids: list[int]
-    sampling: dict  # SamplingParams.to_dict()
+    sampling: SamplingParams  # validated at the gateway; the worker checks the limits again
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: output tokens only
     top_logprobs_num: int = 0
@@ -106,81 +117,81 @@ class GenerateRequest(Message):
     stream: bool = True
     # Per-tenant salt set by the server: requests with different salts never share cache entries.
     cache_salt: str | None = None
-    # PD mode, set by the gateway (None: the worker computes the whole request itself).
-    #   decode side:  {"role": "decode", "id": transfer id}  - reserve KV slots, wait for the pages
-    #   prefill side: {"role": "prefill", "id": transfer id, "host": h, "port": p}  - compute the prompt's
-    #                 KV and first token, push them over UCX to the decode worker listening at h:p
-    transfer: dict | None = None
+    # PD mode (None: the worker computes the whole request itself).
+    transfer: Transfer | None = None
     # The client's X-Request-Id (the gateway makes one if absent): workers put it on their log lines.
     request_id: str | None = None
 
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return wants_input_logprobs(self.return_logprob, self.logprob_start_len, len(self.input_ids))
+
 
 @message
-class AbortRequest(Message):
-    TYPE: ClassVar[str] = "abort"
+class AbortRequest(Message, tag="abort"):
     rid: str
 
 
 @message
-class FlushCacheRequest(Message):
-    TYPE: ClassVar[str] = "flush_cache"
+class FlushCacheRequest(Message, tag="flush_cache"):
     call_id: int
 
 
 @message
-class InfoRequest(Message):
-    TYPE: ClassVar[str] = "info"
+class InfoRequest(Message, tag="info"):
     call_id: int
 
 
 @message
-class PingRequest(Message):
+class PingRequest(Message, tag="ping"):
     """Liveness: answered by the worker's event loop, not the engine, so it also works mid-step."""
-    TYPE: ClassVar[str] = "ping"
     call_id: int
 
 
 # ---------------------------------------------------------------- worker -> gateway
 @message
-class TokenOutput(Message):
+class TokenOutput(Message, tag="out"):
     """Incremental output of one request. The last one has `finished` set and `finish_reason`."""
-    TYPE: ClassVar[str] = "out"
     rid: str
     token_ids: list[int]  # new tokens since the previous TokenOutput
     text: str  # new text since the previous TokenOutput (stop strings trimmed, partial matches held)
     finished: bool = False
-    finish_reason: dict | None = None  # {"type": "stop"|"length"|"abort", "matched"|"length"|"message": ...}
+    finish_reason: AnyFinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
     # Each entry [logprob, token_id]; top entries: per position a list of [logprob, token_id].
-    output_logprobs: list = field(default_factory=list)
-    output_top_logprobs: list = field(default_factory=list)
-    input_logprobs: list = field(default_factory=list)  # sent once, with the first output
-    input_top_logprobs: list = field(default_factory=list)
+    output_logprobs: list = []
+    output_top_logprobs: list = []
+    input_logprobs: list = []  # sent once, with the first output
+    input_top_logprobs: list = []
     queue_time: float = 0.0
     error: str | None = None  # set when the worker refused or failed this request
     refused: bool = False  # with error: the request itself cannot run here (invalid, larger than the pool)
 
 
 @message
-class FlushCacheResult(Message):
-    TYPE: ClassVar[str] = "flush_cache_result"
+class TokenOutputs(Message, tag="outs"):
+    """Every output of one engine step for the requests of one connection: one frame per step, however
+    many streams the connection carries."""
+    outputs: list[TokenOutput]
+
+
+@message
+class FlushCacheResult(Message, tag="flush_cache_result"):
     call_id: int
     ok: bool
     message: str = ""
 
 
 @message
-class InfoResult(Message):
-    TYPE: ClassVar[str] = "info_result"
+class InfoResult(Message, tag="info_result"):
     call_id: int
-    info: dict
+    info: dict[str, Any]
 
 
 @message
-class PongResult(Message):
-    TYPE: ClassVar[str] = "pong"
+class PongResult(Message, tag="pong"):
     call_id: int
     steps: int = 0  # engine steps so far: a stuck engine shows as steps that stop moving
     num_running: int = 0
@@ -195,10 +206,9 @@ class PongResult(Message):
 
 # ---------------------------------------------------------------- prefill worker <-> decode worker (UCX)
 @message
-class KvHeader(Message):
+class KvHeader(Message, tag="kv_header"):
     """Prefill -> decode, first on a transfer's endpoint, sent when the prefill worker takes the request
     (so the handshake overlaps the prefill): which request, and the KV layout that will follow."""
-    TYPE: ClassVar[str] = "kv_header"
     transfer_id: str
     prompt_len: int
     layout: list[int]  # [num_layers, 2, num_kv_heads, head_dim] of one token's KV
@@ -207,32 +217,53 @@ class KvHeader(Message):
 
 
 @message
-class KvAccept(Message):
+class KvAccept(Message, tag="kv_accept"):
     """Decode -> prefill: send KV of positions [start, prompt_len) (what the decode side's tree lacks),
     or nothing, with the reason."""
-    TYPE: ClassVar[str] = "kv_accept"
     transfer_id: str
     start: int = 0
     error: str | None = None
 
 
 @message
-class KvDone(Message):
+class KvDone(Message, tag="kv_done"):
     """Prefill -> decode, right after the KV: what the prefill produced besides it."""
-    TYPE: ClassVar[str] = "kv_done"
     transfer_id: str
     first_token: int | None = None  # None when the request asked for no new tokens
     first_logprob: float | None = None
-    first_top_logprobs: list = field(default_factory=list)
+    first_top_logprobs: list = []
     cached_tokens: int = 0  # the prefill side's own cache hit (computation saved)
 
 
 @message
-class KvAck(Message):
+class KvAck(Message, tag="kv_ack"):
     """Decode -> prefill, after the pages arrived: the prefill side may release its copy."""
-    TYPE: ClassVar[str] = "kv_ack"
     transfer_id: str
 
 
 def all_message_types() -> dict[str, type[Message]]:
     return dict(_REGISTRY)
+
+
+# ---------------------------------------------------------------- the codec: one encoder, one decoder
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Union[tuple(_REGISTRY.values())])
+
+
+def encode(msg: Message) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def encode_into(msg: Message, buf: bytearray, offset: int) -> None:
+    """Encode `msg` into `buf` from `offset` on (room for a length prefix before it, no extra copy)."""
+    _ENCODER.encode_into(msg, buf, offset)
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """One frame's body -> its message; ProtocolError for anything that is not exactly one valid message."""
+    try:
+        return _DECODER.decode(data)
+    except msgspec.DecodeError as e:  # ValidationError included: unknown type or field, wrong type, missing
+        raise ProtocolError(f"invalid frame: {e}") from None
+    except RecursionError:
+        raise ProtocolError("invalid frame: nested too deeply") from None

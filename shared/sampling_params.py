@@ -1,17 +1,17 @@
-"""Per-request sampling parameters: one dataclass, validated once at the gateway and again on the worker.
+"""Per-request sampling parameters: one msgspec Struct, validated once at the gateway and again on the
+worker (the limits of shared/limits.py), and carried typed inside GenerateRequest (shared/protocol.py).
 
 Field names follow SGLang's native API (`sampling_params` of `/generate`); the OpenAI translators map
 their own names onto these.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import regex
 
 from shared.errors import InvalidRequest
@@ -24,8 +24,9 @@ MAX_STOP_REGEX = 16
 MAX_STOP_REGEX_LEN = 256
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """On the wire, msgspec checks each field's type; `validate` checks ranges and limits (and, for a
+    dict from an HTTP body, the types and the coercions SGLang accepts: one stop string, float ints)."""
     max_new_tokens: int = 128
     min_new_tokens: int = 0
     n: int = 1
@@ -36,16 +37,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] = []
     # Stop when the output text matches one of these (SGLang's `stop_regex`); the match stays in the text.
-    stop_regex: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_regex: list[str] = []
+    stop_token_ids: list[int] = []
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: dict[int, float] = {}
     # Constrained decoding: at most one of these.
     regex: str | None = None
     json_schema: str | None = None
@@ -66,7 +67,7 @@ class SamplingParams:
     # ---- construction and validation ----
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, *, strict: bool = False) -> "SamplingParams":
-        """Build from a JSON/msgpack dict. Unknown keys are ignored unless `strict`.
+        """Build from a JSON dict (an HTTP body). Unknown keys are ignored unless `strict`.
 
         Raises InvalidRequest naming the field on any wrong type or out-of-range value.
         """
@@ -74,7 +75,7 @@ class SamplingParams:
             d = {}
         if not isinstance(d, dict):
             raise InvalidRequest("sampling_params must be an object", "sampling_params")
-        known = {f.name: f for f in dataclasses.fields(cls)}
+        known = cls.__struct_fields__
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
             if key == "sampling_seed":
@@ -91,11 +92,6 @@ class SamplingParams:
             setattr(p, key, value)
         p.validate()
         return p
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
-        return d
 
     def validate(self) -> None:
         _int(self, "max_new_tokens", lo=0)

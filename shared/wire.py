@@ -1,4 +1,5 @@
-"""Length-prefixed msgpack frames over asyncio streams, and the opening handshake of worker connections.
+"""Length-prefixed msgpack frames (shared/protocol.py's codec) over asyncio streams, and the opening
+handshake of worker connections.
 
 Every connection to a worker opens with a Hello frame carrying the shared internal key; the worker reads
 that frame with a tiny size cap and drops the connection unless the key matches, so an unauthenticated
@@ -11,9 +12,8 @@ import hmac
 import os
 import struct
 
-import msgpack
-
-from shared.protocol import Hello, Message, ProtocolError, decode_message
+from shared import protocol
+from shared.protocol import Hello, Message, ProtocolError
 
 MAX_FRAME = 256 * 1024 * 1024  # what a gateway accepts from its workers (long logprob answers)
 WORKER_MAX_FRAME = 32 * 1024 * 1024  # what a worker accepts from an authenticated gateway
@@ -43,11 +43,15 @@ async def accept_hello(reader: asyncio.StreamReader, key: str) -> None:
         raise ProtocolError("wrong internal key")
 
 
-def encode_frame(msg: Message) -> bytes:
-    body = msgpack.packb(msg.to_wire(), use_bin_type=True)
-    if len(body) > MAX_FRAME:
+def encode_frame(msg: Message) -> bytearray:
+    """The length prefix and the message, encoded in place behind it (one buffer, no concatenation)."""
+    frame = bytearray(_HEADER.size)
+    protocol.encode_into(msg, frame, _HEADER.size)
+    size = len(frame) - _HEADER.size
+    if size > MAX_FRAME:
         raise ProtocolError("frame too large")
-    return _HEADER.pack(len(body)) + body
+    _HEADER.pack_into(frame, 0, size)
+    return frame
 
 
 async def read_message(reader: asyncio.StreamReader, max_size: int = MAX_FRAME) -> Message:
@@ -57,12 +61,7 @@ async def read_message(reader: asyncio.StreamReader, max_size: int = MAX_FRAME) 
     (size,) = _HEADER.unpack(header)
     if size > max_size:
         raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_size}")
-    body = await reader.readexactly(size)
-    try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=False, max_bin_len=max_size)
-    except Exception as e:  # msgpack raises several types for malformed input
-        raise ProtocolError(f"undecodable frame: {e}") from None
-    return decode_message(obj)
+    return protocol.decode(await reader.readexactly(size))
 
 
 async def write_message(writer: asyncio.StreamWriter, msg: Message) -> None:

@@ -6,6 +6,7 @@ import itertools
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.protocol import GenerateRequest, TokenOutput
+from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
 _rid = itertools.count()
@@ -34,7 +35,8 @@ class Harness:
 
     def submit(self, input_ids, rid=None, **kw) -> str:
         rid = rid or f"t{next(_rid)}"
-        sampling = kw.pop("sampling", {})
+        # Not validated here: the engine's own check (what a worker runs on every frame) is under test too.
+        sampling = SamplingParams(**kw.pop("sampling", {}))
         self.engine.submit(GenerateRequest(rid=rid, input_ids=list(input_ids), sampling=sampling, **kw))
         return rid
 
@@ -54,7 +56,7 @@ class Harness:
         return {
             "ids": [t for o in outs for t in o.token_ids],
             "text": "".join(o.text for o in outs),
-            "finish": last.finish_reason,
+            "finish": None if last.finish_reason is None else last.finish_reason.to_json(),  # meta_info's shape
             "cached": last.cached_tokens,
             "prompt_tokens": last.prompt_tokens,
             "logprobs": [e for o in outs for e in o.output_logprobs],

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest, InfoRequest,
-                             InfoResult, Message, PingRequest, PongResult, TokenOutput)
-from shared.sampling_params import SamplingParams
+from shared.protocol import (AbortRequest, FinishAbort, FinishLength, FinishStop, FlushCacheRequest,
+                             FlushCacheResult, GenerateRequest, InfoRequest, InfoResult, Message, PingRequest,
+                             PongResult, TokenOutput)
 from shared.tokenizer import Tokenizer
 from shared.wire import encode_frame, read_message
 
@@ -91,8 +91,7 @@ class FakeWorker:
                     if task is not None:
                         task.cancel()
                         writer.write(encode_frame(TokenOutput(rid=msg.rid, token_ids=[], text="", finished=True,
-                                                              finish_reason={"type": "abort",
-                                                                             "message": "aborted"})))
+                                                              finish_reason=FinishAbort(message="aborted"))))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -133,24 +132,25 @@ class FakeWorker:
 
         if self.refuse:
             send(token_ids=[], text="", finished=True, error=self.refuse,
-                 finish_reason={"type": "abort", "message": self.refuse})
+                 finish_reason=FinishAbort(message=self.refuse))
             return
-        sp = SamplingParams.from_dict(req.sampling)
+        sp = req.sampling
+        sp.validate()
         ids = req.input_ids
         usage = {"prompt_tokens": len(ids), "cached_tokens": self._cached(ids)}
         first: dict = {"queue_time": 0.001}
-        if req.return_logprob and req.logprob_start_len >= 0:
+        if req.wants_input_logprobs:
             positions = range(req.logprob_start_len, len(ids))
             first["input_logprobs"] = [[None if p == 0 else fake_logprob(p), ids[p]] for p in positions]
             first["input_top_logprobs"] = [None if p == 0 else self._tops(ids[p], req.top_logprobs_num, p)
                                            for p in positions]
         planned = self.expected_ids(ids, sp.max_new_tokens, sp.seed)
-        finish = {"type": "length", "length": sp.max_new_tokens}
+        finish = FinishLength(length=sp.max_new_tokens)
         if self.script is not None:
             scripted = self.tok.encode(self.script, add_special_tokens=False)
             planned = scripted[:sp.max_new_tokens]
             if len(scripted) <= sp.max_new_tokens:
-                finish = {"type": "stop", "matched": self.tok.eos_token_ids[0]}
+                finish = FinishStop(matched=self.tok.eos_token_ids[0])
         hold = max((len(s) for s in sp.stop), default=1) - 1
         out_ids: list[int] = []
         sent = 0
@@ -163,10 +163,10 @@ class FakeWorker:
                 await asyncio.sleep(self.token_delay)
             if self.error_after is not None and k == self.error_after:
                 send(token_ids=[], text="", finished=True, error="worker exploded",
-                     finish_reason={"type": "abort", "message": "worker exploded"}, **usage)
+                     finish_reason=FinishAbort(message="worker exploded"), **usage)
                 return
             if tid in sp.stop_token_ids:
-                finish = {"type": "stop", "matched": tid}
+                finish = FinishStop(matched=tid)
                 full, last = self.tok.decode(out_ids), True
             else:
                 out_ids.append(tid)
@@ -175,13 +175,13 @@ class FakeWorker:
                 last = hit is not None or k == len(planned) - 1
                 if hit is not None:
                     full = full[:hit[0]]
-                    finish = {"type": "stop", "matched": hit[1]}
+                    finish = FinishStop(matched=hit[1])
             upto = len(full) if last else max(sent, len(full) - hold)
             extra = {}
             if req.return_logprob:
                 extra = {"output_logprobs": [[fake_logprob(k), tid]],
                          "output_top_logprobs": [self._tops(tid, req.top_logprobs_num, k)]}
-            new_ids = [tid] if not finish.get("matched") == tid else []
+            new_ids = [] if isinstance(finish, FinishStop) and finish.matched == tid else [tid]
             send(token_ids=new_ids, text=full[sent:upto], finished=last,
                  finish_reason=finish if last else None, completion_tokens=len(out_ids),
                  **usage, **(first if k == 0 else {}), **(extra if new_ids else {}))

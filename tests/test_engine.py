@@ -129,7 +129,7 @@ def test_abort_frees_everything(h):
     h.engine.abort(rid)
     h.engine.step()
     assert h.done(rid)
-    assert h.outputs[rid][-1].finish_reason["type"] == "abort"
+    assert h.outputs[rid][-1].finish_reason.TYPE == "abort"
     assert h.engine.scheduler.is_idle()
     assert h.free_tokens() == before
 

@@ -71,7 +71,7 @@ async def test_n_fans_out_with_suffixed_rids_and_distinct_seeds(stack):
     reqs = generated(stack, "cmpl-")
     assert len(reqs) == 6
     assert sorted(r.rid.rsplit("-", 2)[-2:][1] for r in reqs) == ["0", "0", "1", "1", "2", "2"]
-    assert sorted(r.sampling["seed"] for r in reqs) == [7, 7, 8, 8, 9, 9]
+    assert sorted(r.sampling.seed for r in reqs) == [7, 7, 8, 8, 9, 9]
     texts = [c["text"] for c in body["choices"][:3]]
     assert len(set(texts)) == 3  # the fake worker's output depends on the seed
     assert body["usage"]["completion_tokens"] == 24
@@ -215,7 +215,7 @@ async def test_response_format_maps_to_json_schema(stack):
                                {"messages": CHAT, "max_tokens": 1, "response_format": fmt})
         assert status == 200
         [req] = generated(stack, "chatcmpl-")
-        got = req.sampling["json_schema"]
+        got = req.sampling.json_schema
         assert (json.loads(got) if got else None) == expect
 
 

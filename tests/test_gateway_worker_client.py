@@ -8,9 +8,11 @@ import pytest
 from services.gateway.errors import APIError, WorkerUnavailable
 from services.gateway.router import PrefixAffinityPolicy, Router
 from services.gateway.worker_client import WorkerClient, parse_worker_list
-from shared.protocol import AbortRequest, GenerateRequest
+from shared.protocol import (AbortRequest, FinishLength, FinishStop, GenerateRequest, PongResult, TokenOutput,
+                             TokenOutputs)
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
+from shared.wire import encode_frame, read_message
 from tests.fake_worker import FakeWorker
 
 TOK = Tokenizer.load("tiny-random")
@@ -18,7 +20,7 @@ TOK = Tokenizer.load("tiny-random")
 
 def req(rid, ids=(5, 6, 7), max_new_tokens=4, **kw):
     return GenerateRequest(rid=rid, input_ids=list(ids),
-                           sampling=SamplingParams(max_new_tokens=max_new_tokens, **kw).to_dict())
+                           sampling=SamplingParams(max_new_tokens=max_new_tokens, **kw))
 
 
 async def collect(client, r):
@@ -48,7 +50,7 @@ async def test_concurrent_streams_are_demultiplexed(worker, client):
     a, b = await asyncio.gather(collect(client, req("a", (5, 6), 6)), collect(client, req("b", (9,), 3)))
     assert [t for o in a for t in o.token_ids] == worker.expected_ids([5, 6], 6)
     assert [t for o in b for t in o.token_ids] == worker.expected_ids([9], 3)
-    assert a[-1].finished and a[-1].finish_reason == {"type": "length", "length": 6}
+    assert a[-1].finished and a[-1].finish_reason == FinishLength(length=6)
     assert all(o.rid == "a" for o in a) and all(o.rid == "b" for o in b)
     assert client.load == 0
 
@@ -135,6 +137,42 @@ async def test_duplicate_rid_on_one_connection_is_refused(worker, client):
     with pytest.raises(ValueError):
         await client.generate(req("dup")).__anext__()
     await first.aclose()
+
+
+async def test_a_batched_frame_reaches_each_requests_stream():
+    """A worker sends one TokenOutputs frame per engine step for all of a connection's requests: each
+    output lands in its own stream, in order; an output for a request nobody waits for is dropped."""
+    got_requests: asyncio.Queue = asyncio.Queue()
+
+    async def serve(reader, writer):
+        await read_message(reader)  # hello
+        ping = await read_message(reader)
+        writer.write(encode_frame(PongResult(call_id=ping.call_id)))
+        rids = sorted([(await read_message(reader)).rid for _ in range(2)])
+        await got_requests.put(rids)
+        a, b = rids
+        writer.write(encode_frame(TokenOutputs(outputs=[
+            TokenOutput(rid=a, token_ids=[1], text="a1"), TokenOutput(rid="ghost", token_ids=[9], text="?"),
+            TokenOutput(rid=b, token_ids=[2], text="b1"),
+            TokenOutput(rid=a, token_ids=[3], text="a2", finished=True, finish_reason=FinishLength(length=2))])))
+        writer.write(encode_frame(TokenOutputs(outputs=[
+            TokenOutput(rid=b, token_ids=[4], text="b2", finished=True, finish_reason=FinishStop(matched=4))])))
+        await writer.drain()
+        await reader.read()  # until the client goes
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    c = WorkerClient("127.0.0.1", server.sockets[0].getsockname()[1], connect_timeout=2.0, token_timeout=5.0)
+    try:
+        a, b = await asyncio.wait_for(asyncio.gather(collect(c, req("a")), collect(c, req("b"))), 10)
+        assert await got_requests.get() == ["a", "b"]
+        assert [(o.text, o.finished) for o in a] == [("a1", False), ("a2", True)]
+        assert [(o.text, o.finished) for o in b] == [("b1", False), ("b2", True)]
+        assert a[-1].finish_reason == FinishLength(length=2) and b[-1].finish_reason == FinishStop(matched=4)
+        assert c.load == 0
+    finally:
+        await c.close()
+        server.close()
+        await server.wait_closed()
 
 
 # ---------------------------------------------------------------- router

@@ -300,7 +300,8 @@ def test_next_chat_turn_bypasses_the_prefill_worker(pd, stack):
 
 
 async def _decode_worker_scenario(host: str, port: int) -> None:
-    from shared.protocol import GenerateRequest, Hello, InfoRequest
+    from shared.protocol import GenerateRequest, Hello, InfoRequest, Transfer
+    from shared.sampling_params import SamplingParams
     from shared.wire import encode_frame, read_message
 
     reader, writer = await asyncio.open_connection(host, port)
@@ -310,19 +311,20 @@ async def _decode_worker_scenario(host: str, port: int) -> None:
         writer.write(encode_frame(req))
         outs = []
         while not outs or not outs[-1].finished:
-            outs.append(await asyncio.wait_for(read_message(reader), 30))
+            outs.extend((await asyncio.wait_for(read_message(reader), 30)).outputs)
         return outs
 
-    bad = [({"role": "prefill", "id": "t1", "host": "127.0.0.1", "port": 1}, "does not send KV"),
-           ({"role": "decode", "id": 5}, "transfer.id"), ({"role": "elsewhere", "id": "t2"}, "transfer.role")]
+    bad = [(Transfer(role="prefill", id="t1", host="127.0.0.1", port=1), "does not send KV"),
+           (Transfer(role="decode", id=""), "transfer.id"), (Transfer(role="elsewhere", id="t2"), "transfer.role")]
     for i, (transfer, message) in enumerate(bad):
-        outs = await ask(GenerateRequest(rid=f"bad{i}", input_ids=[5, 6, 7], sampling={"max_new_tokens": 2},
-                                         transfer=transfer))
+        outs = await ask(GenerateRequest(rid=f"bad{i}", input_ids=[5, 6, 7],
+                                         sampling=SamplingParams(max_new_tokens=2), transfer=transfer))
         assert message in (outs[-1].error or ""), outs[-1]
     # Slots reserved for pages that never come are given back after --kv-transfer-timeout.
     t0 = time.monotonic()
-    outs = await ask(GenerateRequest(rid="orphan", input_ids=list(range(5, 60)), sampling={"max_new_tokens": 2},
-                                     transfer={"role": "decode", "id": "never"}))
+    outs = await ask(GenerateRequest(rid="orphan", input_ids=list(range(5, 60)),
+                                     sampling=SamplingParams(max_new_tokens=2),
+                                     transfer=Transfer(role="decode", id="never")))
     assert "did not arrive" in (outs[-1].error or ""), outs[-1]
     assert 1.5 < time.monotonic() - t0 < 15
     writer.write(encode_frame(InfoRequest(call_id=9)))

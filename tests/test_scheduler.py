@@ -14,6 +14,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.forward_batch import ForwardMode
 from shared.engine.request import Req
 from shared.engine.scheduler import Scheduler
+from shared.protocol import Transfer
 from shared.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -242,9 +243,9 @@ def test_decode_side_reserves_only_offered_requests_and_only_what_its_tree_lacks
     while step(s, done) is not None:
         pass  # the shared head is now in the tree
     a = make_req(shared + [7, 8, 9])
-    a.transfer = {"role": "decode", "id": "ta"}
+    a.transfer = Transfer(role="decode", id="ta")
     b = make_req(list(range(300, 340)))
-    b.transfer = {"role": "decode", "id": "tb"}
+    b.transfer = Transfer(role="decode", id="tb")
     s.add(a)
     s.add(b)
     assert s.schedule() is None  # neither prefill side has committed yet: nothing reserved
@@ -260,7 +261,7 @@ def test_decode_side_reserves_only_offered_requests_and_only_what_its_tree_lacks
 def test_prefill_side_parks_computed_prompts_and_a_full_pool_waits_instead_of_failing():
     s = make_sched(pool_tokens=128)
     first = make_req(list(range(10, 110)))  # 100 tokens of a 128-token pool
-    first.transfer = {"role": "prefill", "id": "t1"}
+    first.transfer = Transfer(role="prefill", id="t1")
     second = make_req(list(range(200, 260)))  # fits only once `first` is released
     s.add(first)
     s.add(second)
@@ -445,7 +446,7 @@ def test_prefill_side_parks_with_its_prompt_in_the_tree():
     system = list(range(10, 74))
     done = []
     p = make_req(system + [1, 2])
-    p.transfer = {"role": "prefill", "id": "t1"}
+    p.transfer = Transfer(role="prefill", id="t1")
     s.add(p)
     batch = s.schedule()
     p.kv_len += batch.extend_lens[0]
@@ -466,13 +467,13 @@ def test_decode_side_inserts_received_prompt_so_a_sibling_reserves_only_its_tail
     s = make_sched(pool_tokens=512)
     system = list(range(10, 74))
     a = make_req(system + [7, 8])
-    a.transfer, a.kv_offered = {"role": "decode", "id": "ta"}, True
+    a.transfer, a.kv_offered = Transfer(role="decode", id="ta"), True
     s.add(a)
     assert s.schedule() is None and s.awaiting_kv == [a]
     s.kv_arrived(a)
     assert a.cached_len == 66 and s.cache.protected_size() == 66
     b = make_req(system + [9, 9, 9])
-    b.transfer, b.kv_offered = {"role": "decode", "id": "tb"}, True
+    b.transfer, b.kv_offered = Transfer(role="decode", id="tb"), True
     s.add(b)
     s.schedule()
     assert b in s.awaiting_kv and b.kv_len == 64  # the prefill side sends only positions 64..

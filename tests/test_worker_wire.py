@@ -1,15 +1,20 @@
 """The worker's wire: garbage and malformed frames drop that connection only; the worker keeps serving,
-and requests of a dropped connection are aborted (their KV freed)."""
+and requests of a dropped connection are aborted (their KV freed). Outputs leave as one frame per engine
+step per connection."""
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
 import struct
+from types import SimpleNamespace
 
 import msgpack
+import pytest
 
-from shared.protocol import GenerateRequest, Hello, InfoRequest, TokenOutput
+from services.worker.server import WorkerServer
+from shared.protocol import FinishLength, GenerateRequest, Hello, InfoRequest, TokenOutput, TokenOutputs
+from shared.sampling_params import SamplingParams
 from shared.wire import encode_frame, read_message
 from tests.test_redis_discovery import spawn, wait_line
 
@@ -39,12 +44,13 @@ async def _scenario(host: str, port: int) -> None:
         writer.close()
     info = await _info(host, port)
     assert info["num_running"] == 0
+    assert info["gc_frozen_objects"] > 10_000  # torch & co. out of every full collection (shared/gc_freeze.py)
     # A connection that disappears mid-request gets its request aborted.
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(encode_frame(Hello()) + encode_frame(GenerateRequest(rid="orphan", input_ids=[5, 6, 7],
-                                              sampling={"max_new_tokens": 3000, "ignore_eos": True})))
-    msg = await asyncio.wait_for(read_message(reader), 20)
-    assert isinstance(msg, TokenOutput) and msg.rid == "orphan"
+                                              sampling=SamplingParams(max_new_tokens=3000, ignore_eos=True))))
+    msg = await asyncio.wait_for(read_message(reader), 20)  # one frame per engine step
+    assert isinstance(msg, TokenOutputs) and [o.rid for o in msg.outputs] == ["orphan"]
     writer.transport.abort()
     for _ in range(100):
         info = await _info(host, port)
@@ -63,3 +69,68 @@ def test_worker_survives_bad_frames_and_aborts_orphans():
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+class _StubEngine:
+    """What WorkerServer needs of an engine: requests in, aborts in, outputs out (through on_output)."""
+
+    def __init__(self):
+        self.submitted, self.aborted = [], []
+        self.steps = 0
+        self.scheduler = SimpleNamespace(num_running=lambda: 0)
+        self.on_output = None
+
+    def submit(self, msg):
+        self.submitted.append(msg.rid)
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+
+def _out(rid: str, finished: bool = False) -> TokenOutput:
+    return TokenOutput(rid=rid, token_ids=[7], text=rid, finished=finished,
+                       finish_reason=FinishLength(length=1) if finished else None)
+
+
+async def _batching_scenario() -> None:
+    engine = _StubEngine()
+    server = WorkerServer(engine)
+    port = await server.start("127.0.0.1", 0)
+    conns = {}
+    for name in ("x", "y"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        requests = [GenerateRequest(rid=f"{name}{i}", input_ids=[1], sampling=SamplingParams()) for i in range(3)]
+        writer.write(encode_frame(Hello()) + b"".join(encode_frame(r) for r in requests))
+        conns[name] = (reader, writer)
+    for _ in range(200):
+        if len(engine.submitted) == 6:
+            break
+        await asyncio.sleep(0.01)
+
+    async def frames(name: str) -> list:
+        return [o.text for o in (await asyncio.wait_for(read_message(conns[name][0]), 5)).outputs]
+
+    # One engine step (from the engine thread): one frame per connection with its requests' outputs, in order.
+    await asyncio.to_thread(engine.on_output, [_out("x0", finished=True), _out("y0"), _out("x1"), _out("y1"),
+                                               _out("x2"), _out("zzz"), _out("y2")])
+    assert await frames("x") == ["x0", "x1", "x2"]
+    assert await frames("y") == ["y0", "y1", "y2"]
+    # x0 finished: it left its connection, so a late output for it goes nowhere.
+    await asyncio.to_thread(engine.on_output, [_out("x0"), _out("y0")])
+    assert await frames("y") == ["y0"]
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(read_message(conns["x"][0]), 0.3)
+    # A connection that drops aborts the requests it still owns, and only those.
+    conns["x"][1].close()
+    for _ in range(200):
+        if engine.aborted:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert sorted(engine.aborted) == ["x1", "x2"]
+    conns["y"][1].close()
+    await server.close()
+
+
+def test_worker_sends_one_frame_per_step_per_connection():
+    asyncio.run(_batching_scenario())

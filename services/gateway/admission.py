@@ -2,8 +2,9 @@
 Shared by the OpenAI and native translators so both refuse the same things the same way."""
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from services.gateway.errors import APIError, bad_request
 from shared.errors import ContextLengthExceeded, InvalidRequest
@@ -74,7 +75,7 @@ def sampling_params(state: "GatewayState", d: dict[str, Any]) -> SamplingParams:
     return params
 
 
-_KNOWN_SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} | {"sampling_seed"}
+_KNOWN_SAMPLING_KEYS = set(SamplingParams.__struct_fields__) | {"sampling_seed"}
 
 
 def unknown_sampling_keys(state: "GatewayState", d: dict[str, Any]) -> set[str]:
@@ -101,7 +102,7 @@ async def check_grammars(state: "GatewayState", reqs: list[GenerateRequest], par
     schema costs nothing."""
     seen = set()
     for req in reqs:
-        grammar = next(((k, req.sampling[k]) for k in ("regex", "json_schema", "ebnf") if req.sampling.get(k)), None)
+        grammar = req.sampling.grammar
         if grammar is None or grammar in seen:
             continue
         seen.add(grammar)
@@ -119,9 +120,7 @@ def child_requests(rid: str, n: int, input_ids: list[int], params: SamplingParam
     rids = [rid] if n == 1 else [f"{rid}-{j}" for j in range(n)]
     reqs = []
     for j, child in enumerate(rids):
-        sampling = params.to_dict()
-        sampling["n"] = 1
-        if params.seed is not None:
-            sampling["seed"] = (params.seed + j) & 0x7FFFFFFF
+        seed = None if params.seed is None else (params.seed + j) & 0x7FFFFFFF
+        sampling = msgspec.structs.replace(params, n=1, seed=seed)
         reqs.append(GenerateRequest(rid=child, input_ids=list(input_ids), sampling=sampling, **logprob_args))
     return reqs

@@ -7,12 +7,13 @@ Failures surface as APIError: 503 when the worker is unreachable, 400 when it re
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
+
+import msgspec
 
 from services.gateway.access_log import CURRENT as ACCESS_RECORD
 from services.gateway.errors import APIError, WorkerUnavailable, bad_request, unavailable, worker_refused
@@ -20,7 +21,7 @@ from services.gateway.metrics import GatewayMetrics, RequestTimer
 from services.gateway.pd import pd_serve, wants_local_prefill
 from services.gateway.router import Router
 from services.gateway.worker_client import WorkerClient
-from shared.protocol import GenerateRequest, TokenOutput
+from shared.protocol import FinishReason, GenerateRequest, TokenOutput
 
 
 @dataclass
@@ -30,7 +31,7 @@ class GenerationResult:
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: dict | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -82,7 +83,7 @@ class Dispatcher:
         result = GenerationResult(rid=req.rid)
         # Workers see the tenant's namespace in the id, so two tenants' equal ids never collide there.
         wire_rid = tenant_rid(req.rid, salt)
-        req = dataclasses.replace(req, rid=wire_rid) if wire_rid != req.rid else req
+        req = msgspec.structs.replace(req, rid=wire_rid) if wire_rid != req.rid else req
         pair = None if wants_local_prefill(req) else self.router.pick_pair(req.input_ids, salt)
         served_by: list[WorkerClient] = []
         if pair is None:

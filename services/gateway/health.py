@@ -124,7 +124,7 @@ class HealthMonitor:
         """One token from a one-token prompt, bypassing metrics: proves the worker's forward pass runs."""
         ids = self.state.tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0]
         req = GenerateRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=ids,
-                              sampling=SamplingParams(max_new_tokens=1, temperature=0.0).to_dict())
+                              sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
         async with aclosing(worker.generate(req)) as outputs:
             async for out in outputs:
                 if out.error:

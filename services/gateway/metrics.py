@@ -9,7 +9,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
                                generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from shared.protocol import TokenOutput
+from shared.protocol import FinishAbort, TokenOutput
 
 # `*_created` timestamp series double the exposition and no dashboard reads them.
 disable_created_metrics()
@@ -128,7 +128,7 @@ class RequestTimer:
             self.m.queried_total += out.prompt_tokens
             self.m.generation_tokens.inc(out.completion_tokens)
             self.m.e2e.observe(now - self.start)
-            if (out.finish_reason or {}).get("type") == "abort" or out.error:
+            if isinstance(out.finish_reason, FinishAbort) or out.error:
                 self.m.aborted_requests.inc()
 
     def elapsed(self) -> float:

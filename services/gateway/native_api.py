@@ -144,7 +144,8 @@ def _per_item(body: dict, name: str, count: int, ok, what: str) -> list:
 
 def _answer(state: "GatewayState", job: NativeJob, req: GenerateRequest, res: GenerationResult) -> dict:
     meta: dict[str, Any] = {
-        "id": req.rid, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens or len(req.input_ids),
+        "id": req.rid, "finish_reason": None if res.finish_reason is None else res.finish_reason.to_json(),
+        "prompt_tokens": res.prompt_tokens or len(req.input_ids),
         "completion_tokens": res.completion_tokens, "cached_tokens": res.cached_tokens,
         "e2e_latency": res.e2e_latency,
     }

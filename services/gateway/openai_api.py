@@ -109,7 +109,7 @@ def _usage(job: Job, results: dict[int, GenerationResult]) -> dict:
 
 def _finish(res_or_reason) -> str | None:
     reason = res_or_reason.finish_reason if isinstance(res_or_reason, GenerationResult) else res_or_reason
-    return None if reason is None else _FINISH.get(reason.get("type"), "stop")
+    return None if reason is None else _FINISH.get(reason.TYPE, "stop")
 
 
 # ---------------------------------------------------------------- /v1/completions

@@ -14,14 +14,15 @@ hit there). After the first token the client's stream ends with a clear error.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 from contextlib import aclosing
 from typing import AsyncIterator
 
+import msgspec
+
 from services.gateway.errors import WorkerUnavailable, unavailable, worker_refused
 from services.gateway.worker_client import WorkerClient
-from shared.protocol import GenerateRequest, TokenOutput
+from shared.protocol import GenerateRequest, TokenOutput, Transfer
 
 _DONE = object()
 MAX_ATTEMPTS = 4
@@ -37,7 +38,7 @@ class DecodeFailed(WorkerUnavailable):
 
 def wants_local_prefill(req: GenerateRequest) -> bool:
     """Input logprobs come from the prompt's forward pass: such requests run whole on one worker."""
-    return req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids)
+    return req.wants_input_logprobs
 
 
 async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: WorkerClient
@@ -46,9 +47,9 @@ async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: Worke
     side fails and WorkerUnavailable when the decode side does."""
     transfer_id = uuid.uuid4().hex
     host, port = decode.transfer_addr
-    d_req = dataclasses.replace(req, transfer={"role": "decode", "id": transfer_id})
-    p_req = dataclasses.replace(req, rid=f"{req.rid}-prefill", stream=False,
-                                transfer={"role": "prefill", "id": transfer_id, "host": host, "port": port})
+    d_req = msgspec.structs.replace(req, transfer=Transfer(role="decode", id=transfer_id))
+    p_req = msgspec.structs.replace(req, rid=f"{req.rid}-prefill", stream=False,
+                                    transfer=Transfer(role="prefill", id=transfer_id, host=host, port=port))
     events: asyncio.Queue = asyncio.Queue()
 
     async def prefill_side() -> None:
@@ -110,7 +111,7 @@ async def pd_serve(req: GenerateRequest, router, salt: str | None, prefill: Work
         if served_by is not None:
             served_by.append(decode)
         # A retry is a new request on the workers (the failed attempt's abort may still be on its way).
-        r = req if attempt == 0 else dataclasses.replace(req, rid=f"{req.rid}-retry{attempt}")
+        r = req if attempt == 0 else msgspec.structs.replace(req, rid=f"{req.rid}-retry{attempt}")
         try:
             source = pd_generate(r, prefill, decode) if prefill is not None else decode.generate(r)
             async with aclosing(source) as outs:

@@ -1,8 +1,9 @@
 """One persistent connection to a worker, multiplexing every request by rid.
 
 A background task owns the socket: it connects (retrying with backoff), reads frames and routes each to
-the stream or call waiting for it. When the connection drops, every pending stream and call fails at once
-with WorkerUnavailable, so nothing waits on a dead socket; every other wait has a timeout too.
+the stream or call waiting for it (a TokenOutputs frame, one engine step's outputs, fans out to every
+stream it names). When the connection drops, every pending stream and call fails at once with
+WorkerUnavailable, so nothing waits on a dead socket; every other wait has a timeout too.
 
 Timeouts use `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` swallows a cancellation that
 lands in the same loop turn as a result, and a swallowed cancellation here is a request that never aborts.
@@ -17,7 +18,8 @@ from typing import AsyncIterator
 
 from services.gateway.errors import WorkerUnavailable
 from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest, Hello, InfoRequest,
-                             InfoResult, Message, PingRequest, PongResult, ProtocolError, TokenOutput)
+                             InfoResult, Message, PingRequest, PongResult, ProtocolError, TokenOutput,
+                             TokenOutputs)
 from shared import wire
 from shared.wire import encode_frame, read_message
 
@@ -159,11 +161,17 @@ class WorkerClient:
                               if pong.transfer_host and pong.transfer_port else None)
 
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        streams = self._streams
         while True:
             msg = await read_message(reader)
-            if isinstance(msg, TokenOutput):
-                queue = self._streams.get(msg.rid)
-                if queue is not None:  # else: output of a request we already gave up on
+            if isinstance(msg, TokenOutputs):
+                for out in msg.outputs:
+                    queue = streams.get(out.rid)
+                    if queue is not None:  # else: output of a request we already gave up on
+                        queue.put_nowait(out)
+            elif isinstance(msg, TokenOutput):
+                queue = streams.get(msg.rid)
+                if queue is not None:
                     queue.put_nowait(msg)
             elif isinstance(msg, PongResult) and msg.call_id == 0:
                 self.draining = msg.draining  # unasked: the worker's readiness changed

@@ -21,6 +21,7 @@ from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.engine.cli import add_engine_args, engine_config_from_args
 from shared.engine.engine import Engine
+from shared.gc_freeze import freeze_startup_heap
 from shared.metadata.registration import Registration
 from shared.metadata.store import WORKER_TTL_S, create_store
 from shared.tokenizer import Tokenizer
@@ -110,6 +111,7 @@ async def serve(args: argparse.Namespace) -> None:
     registry = Registration(store, worker_id, entry) if store is not None else None
     if registry is not None:
         await registry.beat()  # discoverable before anyone is told it is ready (if Redis is up)
+    freeze_startup_heap()
     print(f"WORKER READY {args.host}:{port} id={worker_id} role={args.role}", flush=True)
     try:
         while not stop.is_set():

@@ -1,16 +1,20 @@
 """The worker's network side: accepts gateway connections, feeds the engine, streams outputs back.
 
-A connection that drops aborts every request it sent, so a dead gateway never pins KV slots.
+Outputs leave as one TokenOutputs frame per engine step per connection, however many of its requests
+the step advanced. A connection that drops aborts every request it sent, so a dead gateway never pins
+KV slots.
 """
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 from shared import event_loop
 from shared.engine.engine import Engine
-from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest,
-                             InfoRequest, InfoResult, PingRequest, PongResult, ProtocolError, TokenOutput)
+from shared.protocol import (AbortRequest, FinishAbort, FlushCacheRequest, FlushCacheResult, GenerateRequest,
+                             InfoRequest, InfoResult, PingRequest, PongResult, ProtocolError, TokenOutput,
+                             TokenOutputs)
 from shared.wire import WORKER_MAX_FRAME, accept_hello, encode_frame, read_message
 
 log = logging.getLogger(__name__)
@@ -75,21 +79,34 @@ class WorkerServer:
         self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _dispatch(self, outputs: list[TokenOutput]) -> None:
+        """One engine step's outputs: grouped by the connection that owns each request, one frame each."""
+        owner = self._owner
+        by_conn: dict[_Connection, list[TokenOutput]] = {}
         for out in outputs:
-            conn = self._owner.get(out.rid)
+            conn = owner.get(out.rid)
             if conn is None:
-                continue
+                continue  # aborted, or its connection dropped
             if out.finished:
-                self._owner.pop(out.rid, None)
-                conn.rids.discard(out.rid)
-                request_id = self._request_ids.pop(out.rid, None)
-                if out.error:
-                    log.warning("request %s [request_id=%s] failed: %s", out.rid, request_id, out.error)
-                else:
-                    log.info("request %s [request_id=%s] finished: %s, %d prompt (%d cached), %d output tokens",
-                             out.rid, request_id, (out.finish_reason or {}).get("type"), out.prompt_tokens,
-                             out.cached_tokens, out.completion_tokens)
-            conn.send(encode_frame(out))
+                self._finished(out, conn)
+            batch = by_conn.get(conn)
+            if batch is None:
+                by_conn[conn] = [out]
+            else:
+                batch.append(out)
+        for conn, batch in by_conn.items():
+            conn.send(encode_frame(TokenOutputs(outputs=batch)))
+
+    def _finished(self, out: TokenOutput, conn: _Connection) -> None:
+        """The request is over: it leaves its connection, and the log gets one line for it."""
+        self._owner.pop(out.rid, None)
+        conn.rids.discard(out.rid)
+        request_id = self._request_ids.pop(out.rid, None)
+        if out.error:
+            log.warning("request %s [request_id=%s] failed: %s", out.rid, request_id, out.error)
+        else:
+            log.info("request %s [request_id=%s] finished: %s, %d prompt (%d cached), %d output tokens",
+                     out.rid, request_id, out.finish_reason.TYPE if out.finish_reason else None,
+                     out.prompt_tokens, out.cached_tokens, out.completion_tokens)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Connection(writer)
@@ -110,7 +127,7 @@ class WorkerServer:
                     if msg.rid in self._owner:
                         conn.send(encode_frame(TokenOutput(
                             rid=msg.rid, token_ids=[], text="", finished=True,
-                            finish_reason={"type": "abort", "message": "duplicate request id"},
+                            finish_reason=FinishAbort(message="duplicate request id"),
                             error="duplicate request id")))
                         continue
                     self._owner[msg.rid] = conn
@@ -118,7 +135,7 @@ class WorkerServer:
                     if msg.request_id:
                         self._request_ids[msg.rid] = msg.request_id
                     log.debug("request %s [request_id=%s]: %d prompt tokens%s", msg.rid, msg.request_id,
-                              len(msg.input_ids), f", transfer {msg.transfer.get('role')}" if msg.transfer else "")
+                              len(msg.input_ids), f", transfer {msg.transfer.role}" if msg.transfer else "")
                     self.engine.submit(msg)
                 elif isinstance(msg, AbortRequest):
                     if self._owner.get(msg.rid) is conn:
@@ -132,6 +149,7 @@ class WorkerServer:
                     info = await self._call(self.engine.info)
                     info["role"] = self.role
                     info["event_loop"] = event_loop.current_loop_name()
+                    info["gc_frozen_objects"] = gc.get_freeze_count()  # start-up heap (shared/gc_freeze.py)
                     if self.transfer is not None:
                         info["kv_transfer"] = self.transfer.stats()
                     if self.transfer_addr is not None:

@@ -25,7 +25,7 @@ import torch
 
 from shared.errors import InvalidRequest
 from shared.engine.h2d import to_device
-from shared.protocol import GenerateRequest, KvDone, KvHeader
+from shared.protocol import FinishTransferred, GenerateRequest, KvDone, KvHeader
 from shared.transfer import kv_pages
 
 if TYPE_CHECKING:
@@ -77,22 +77,22 @@ def validate_transfer(msg: GenerateRequest, engine: "Engine") -> None:
     t = msg.transfer
     if t is None:
         return
-    role, tid = t.get("role"), t.get("id")
-    if not isinstance(tid, str) or not tid or len(tid) > 128:
+    role, tid = t.role, t.id  # types checked on the wire; values here
+    if not tid or len(tid) > 128:
         raise InvalidRequest("transfer.id must be a short string", "transfer")
     if engine.prefill_side.knows(tid) or engine.decode_side.knows(tid):
         raise InvalidRequest(f"duplicate transfer id {tid}", "transfer")
     if role == "prefill":
         if engine.prefill_side.on_transfer_open is None:
             raise InvalidRequest("this worker does not send KV (start it with --role prefill)", "transfer")
-        if not isinstance(t.get("host"), str) or not isinstance(t.get("port"), int):
+        if not t.host or t.port is None:
             raise InvalidRequest("transfer needs the decode worker's host and port", "transfer")
     elif role == "decode":
         if engine.decode_side.on_kv_expect is None:
             raise InvalidRequest("this worker does not receive KV (start it with --role decode)", "transfer")
     else:
         raise InvalidRequest("transfer.role must be prefill or decode", "transfer")
-    if msg.return_logprob and 0 <= msg.logprob_start_len < len(msg.input_ids):
+    if msg.wants_input_logprobs:
         raise InvalidRequest("input logprobs are computed where the prompt is: send such requests "
                              "without a transfer", "transfer")
 
@@ -124,7 +124,7 @@ class PrefillSide:
         sched, pool = self.engine.scheduler, self.engine.runner.kv_pool
         for req in sched.new_transfers:
             self._open.add(req.transfer_id)
-            self.on_transfer_open(req.transfer_id, {"host": req.transfer["host"], "port": req.transfer["port"]},
+            self.on_transfer_open(req.transfer_id, {"host": req.transfer.host, "port": req.transfer.port},
                                   KvHeader(transfer_id=req.transfer_id, prompt_len=len(req.input_ids),
                                            layout=kv_pages.token_layout(pool), dtype=kv_pages.dtype_name(pool.dtype)))
         sched.new_transfers.clear()
@@ -172,7 +172,7 @@ class PrefillSide:
         req = self._handed_off.pop(tid, None)
         if req is None or req.finished:
             return
-        self.engine.end_request(req, error, None if error else {"type": "transferred"})
+        self.engine.end_request(req, error, None if error else FinishTransferred())
 
     def on_release(self, req: "Req") -> None:
         tid = req.transfer_id

@@ -28,7 +28,8 @@ from shared.engine.scheduler import ScheduleBatch, Scheduler
 from shared import limits
 from shared.errors import InvalidRequest
 from shared.engine.disagg import DecodeSide, PrefillSide, validate_transfer
-from shared.protocol import GenerateRequest, KvDone, TokenOutput
+from shared.protocol import (FinishAbort, FinishLength, FinishReason, FinishStop, GenerateRequest, KvDone,
+                             TokenOutput)
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
@@ -232,7 +233,7 @@ class Engine:
                     self._fail_one(req, e)
                 else:
                     self.on_output([TokenOutput(rid=item.rid, token_ids=[], text="", finished=True,
-                                                finish_reason={"type": "abort", "message": "internal error"},
+                                                finish_reason=FinishAbort(message="internal error"),
                                                 error=f"internal error admitting the request ({type(e).__name__})")])
         elif isinstance(item, _Abort):
             self._abort(item.rid)
@@ -250,7 +251,8 @@ class Engine:
 
     # ------------------------------------------------------------------ admission
     def validate(self, msg: GenerateRequest) -> SamplingParams:
-        params = SamplingParams.from_dict(msg.sampling)  # stop strings, grammar size... (shared/limits.py)
+        params = msg.sampling
+        params.validate()  # the limits again (shared/limits.py): a frame may not have come through a gateway
         if not 0 < len(msg.rid) <= limits.MAX_RID_LEN:
             raise InvalidRequest(f"rid must have 1 to {limits.MAX_RID_LEN} characters", "rid")
         if not 0 <= msg.top_logprobs_num <= limits.MAX_TOP_LOGPROBS:
@@ -282,7 +284,7 @@ class Engine:
             params = self.validate(msg)
         except InvalidRequest as e:
             self.on_output([TokenOutput(rid=msg.rid, token_ids=[], text="", finished=True,
-                                        finish_reason={"type": "abort", "message": e.message},
+                                        finish_reason=FinishAbort(message=e.message),
                                         error=e.message, refused=True)])
             return
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
@@ -319,7 +321,7 @@ class Engine:
             exc = req.grammar_future.exception()
             if exc is not None:
                 msg = getattr(exc, "message", None) or str(exc)
-                self._finish(req, {"type": "abort", "message": msg}, error=msg, refused=True)
+                self._finish(req, FinishAbort(message=msg), error=msg, refused=True)
                 continue
             req.grammar = self.grammars.new_state(req.grammar_future.result())
             self.scheduler.add(req)
@@ -330,7 +332,7 @@ class Engine:
             return
         if req in self._grammar_wait:
             self._grammar_wait.remove(req)
-        self._finish(req, {"type": "abort", "message": "aborted by the client"})
+        self._finish(req, FinishAbort(message="aborted by the client"))
 
     # ------------------------------------------------------------------ results
     def _on_launch(self, batch: ScheduleBatch) -> None:
@@ -358,7 +360,7 @@ class Engine:
                 self.prefill_side.hand_off(req, out, i)
                 continue
             if req.params.max_new_tokens == 0:
-                req.finish_reason = {"type": "length", "length": 0}
+                req.finish_reason = FinishLength(length=0)
                 if req.top_logprobs_num > 0:
                     # No token is sampled, but the next position's top-k is known (SGLang answers it:
                     # chain-of-thought decoding branches on it).
@@ -391,25 +393,25 @@ class Engine:
         grammar_done = False
         if req.grammar is not None:
             if not req.grammar.accept_token(tok):
-                req.finish_reason = {"type": "abort", "message": "the sampled token violates the grammar"}
+                req.finish_reason = FinishAbort(message="the sampled token violates the grammar")
                 return
             grammar_done = req.grammar.is_terminated()
             if not grammar_done and not stop_hit:
                 stop_hit = self._jump_forward(req) or stop_hit
         n_out = req.num_resolved
         if grammar_done:
-            req.finish_reason = {"type": "stop", "matched": tok}
+            req.finish_reason = FinishStop(matched=tok)
         elif (tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos)) \
                 and n_out >= p.min_new_tokens:
-            req.finish_reason = {"type": "stop", "matched": tok}
+            req.finish_reason = FinishStop(matched=tok)
         elif stop_hit and req.detok.regex_error:
-            req.finish_reason = {"type": "abort", "message": req.detok.regex_error}
+            req.finish_reason = FinishAbort(message=req.detok.regex_error)
         elif stop_hit:
-            req.finish_reason = {"type": "stop", "matched": req.detok.matched_stop}
+            req.finish_reason = FinishStop(matched=req.detok.matched_stop)
         elif n_out >= p.max_new_tokens:
-            req.finish_reason = {"type": "length", "length": p.max_new_tokens}
+            req.finish_reason = FinishLength(length=p.max_new_tokens)
         elif len(req.input_ids) + n_out >= self.runner.max_context_len:
-            req.finish_reason = {"type": "length", "length": n_out}
+            req.finish_reason = FinishLength(length=n_out)
 
     def _emit(self, ready: list[Req]) -> None:
         outputs = []
@@ -532,16 +534,16 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ for the PD halves (disagg.py)
-    def end_request(self, req: Req, error: str | None = None, reason: dict | None = None) -> None:
-        """End `req` now: an abort with `error`, or `reason` (e.g. {"type": "transferred"}); its KV goes
-        to the tree, its stream gets the final output."""
-        self._finish(req, reason or {"type": "abort", "message": error}, error=error)
+    def end_request(self, req: Req, error: str | None = None, reason: FinishReason | None = None) -> None:
+        """End `req` now: an abort with `error`, or `reason` (e.g. FinishTransferred()); its KV goes to the
+        tree, its stream gets the final output."""
+        self._finish(req, reason if reason is not None else FinishAbort(message=error), error=error)
 
     def start_decoding(self, req: Req, first_token: int | None, logprob, top_logprobs) -> None:
         """A request whose prompt KV came from elsewhere (PD): take the first token sampled there (None:
         max_new_tokens 0, a cache warm-up) and stream it; it decodes from the next step on."""
         if first_token is None:
-            req.finish_reason = {"type": "length", "length": 0}
+            req.finish_reason = FinishLength(length=0)
             if req.top_logprobs_num > 0:  # a top-k probe: the next position's top-k, computed there
                 req.pending_output_top_logprobs.append(top_logprobs or [])
         else:
@@ -550,7 +552,7 @@ class Engine:
             self._take_token(req, first_token, [], logprob, top_logprobs)
         self._emit([req])
 
-    def _finish(self, req: Req, reason: dict, error: str | None = None, refused: bool = False) -> None:
+    def _finish(self, req: Req, reason: FinishReason, error: str | None = None, refused: bool = False) -> None:
         req.finish_reason = reason
         self._release(req)
         out = self._make_output(req)
@@ -561,7 +563,7 @@ class Engine:
         while self.scheduler.failed:
             req = self.scheduler.failed.pop()
             msg = "the request does not fit in the KV cache"
-            self._finish(req, {"type": "abort", "message": msg}, error=msg, refused=True)
+            self._finish(req, FinishAbort(message=msg), error=msg, refused=True)
 
     # ------------------------------------------------------------------ fault isolation
     _MAX_STEP_FAILURES = 3
@@ -615,7 +617,7 @@ class Engine:
         if req in self._grammar_wait:
             self._grammar_wait.remove(req)
         try:
-            self._finish(req, {"type": "abort", "message": msg}, error=msg)
+            self._finish(req, FinishAbort(message=msg), error=msg)
         except Exception:
             log.exception("failed to release %s", req.rid)
             self._reqs.pop(req.rid, None)
@@ -625,7 +627,7 @@ class Engine:
         self._inflight.clear()
         for req in list(self._reqs.values()):
             try:
-                self._finish(req, {"type": "abort", "message": message}, error=message)
+                self._finish(req, FinishAbort(message=message), error=message)
             except Exception:
                 log.exception("failed to release %s", req.rid)
                 self._reqs.pop(req.rid, None)

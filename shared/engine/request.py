@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.protocol import FinishReason, Transfer, wants_input_logprobs
 from shared.sampling_params import SamplingParams
 
 
@@ -31,8 +32,8 @@ class Req:
     top_logprobs_num: int = 0
     cache_salt: str | None = None
     stream: bool = True
-    # PD mode: GenerateRequest.transfer ({"role": "prefill"|"decode", "id": ...}); None for local work.
-    transfer: dict | None = None
+    # PD mode: GenerateRequest.transfer (role prefill|decode, id...); None for local work.
+    transfer: Transfer | None = None
     kv_offered: bool = False  # decode side: the prefill worker has committed to this prompt (its header came)
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -58,7 +59,7 @@ class Req:
     # pass must run alone (after a failed step, each request is re-run solo to find the one at fault).
     step_failures: int = 0
     solo: bool = False
-    finish_reason: dict | None = None
+    finish_reason: FinishReason | None = None
     # Per-request helpers owned by the engine: detokenizer state, grammar state.
     detok: Any = None
     grammar: Any = None
@@ -90,15 +91,15 @@ class Req:
 
     @property
     def transfer_role(self) -> str | None:
-        return self.transfer["role"] if self.transfer else None
+        return self.transfer.role if self.transfer else None
 
     @property
     def transfer_id(self) -> str | None:
-        return self.transfer["id"] if self.transfer else None
+        return self.transfer.id if self.transfer else None
 
     @property
     def wants_input_logprobs(self) -> bool:
-        return self.return_logprob and self.logprob_start_len >= 0 and self.logprob_start_len < len(self.input_ids)
+        return wants_input_logprobs(self.return_logprob, self.logprob_start_len, len(self.input_ids))
 
     def drop_proposals(self) -> None:
         """Forget unverified jump-forward proposals (their grammar progress too)."""

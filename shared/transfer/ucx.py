@@ -20,7 +20,6 @@ timeout: a SIGSTOPped peer otherwise hangs a UCX receive forever.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import struct
@@ -29,11 +28,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import msgpack
+import msgspec
 import numpy as np
 import torch
 
-from shared.protocol import KvAccept, KvAck, KvDone, KvHeader, Message, ProtocolError, decode_message
+from shared import protocol
+from shared.protocol import KvAccept, KvAck, KvDone, KvHeader, Message, ProtocolError
 from shared.transfer.kv_pages import as_transport_buffer
 from shared.wire import key_matches
 
@@ -102,7 +102,7 @@ async def _io(op) -> None:
 
 
 async def _send_msg(ep, msg: Message) -> None:
-    body = msgpack.packb(msg.to_wire(), use_bin_type=True)
+    body = protocol.encode(msg)
     await _io(ep.send(np.frombuffer(_LEN.pack(len(body)), dtype=np.uint8)))
     await _io(ep.send(np.frombuffer(body, dtype=np.uint8)))
 
@@ -115,12 +115,7 @@ async def _recv_msg(ep, expect: type[Message]) -> Message:
         raise ProtocolError(f"control message of {size} bytes exceeds the limit")
     body = np.empty(size, dtype=np.uint8)
     await _io(ep.recv(body))
-    try:
-        msg = decode_message(msgpack.unpackb(body.tobytes(), raw=False, strict_map_key=False))
-    except ProtocolError:
-        raise
-    except Exception as e:
-        raise ProtocolError(f"undecodable control message: {e}") from None
+    msg = protocol.decode(body.data)
     if not isinstance(msg, expect):
         raise ProtocolError(f"expected {expect.TYPE}, got {msg.TYPE}")
     return msg
@@ -314,7 +309,7 @@ class KvSender:
     async def _send_header(self, ep, header: KvHeader) -> None:
         try:
             async with asyncio.timeout(self.io_timeout):
-                await _send_msg(ep, dataclasses.replace(header, key=self.key))
+                await _send_msg(ep, msgspec.structs.replace(header, key=self.key))
         except BaseException:
             _abort(ep)
             raise

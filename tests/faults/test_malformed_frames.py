@@ -12,7 +12,8 @@ import msgpack
 import pytest
 import requests
 
-from shared.protocol import FlushCacheRequest, GenerateRequest, Hello, InfoRequest, KvHeader, TokenOutput
+from shared.protocol import FlushCacheRequest, GenerateRequest, Hello, InfoRequest, KvHeader, TokenOutputs
+from shared.sampling_params import SamplingParams
 from shared.wire import encode_frame, read_message
 from tests.conftest import free_port
 from tests.faults.procs import Proc, gateway, worker
@@ -91,11 +92,12 @@ async def _scenario(host: str, port: int, pid: int) -> None:
     assert info["num_running"] == 0 and info["kv_usage"] == 0.0
     # A request that is well-formed on the wire but nonsense for the engine is refused, not crashed on.
     reader, writer = await asyncio.open_connection(host, port)
-    writer.write(HELLO + encode_frame(GenerateRequest(rid="huge-top", input_ids=[5, 6, 7], sampling={"max_new_tokens": 2},
+    writer.write(HELLO + encode_frame(GenerateRequest(rid="huge-top", input_ids=[5, 6, 7],
+                                                      sampling=SamplingParams(max_new_tokens=2),
                                                       return_logprob=True, top_logprobs_num=1_000_000)))
     out = await asyncio.wait_for(read_message(reader), 30)
     writer.close()
-    assert isinstance(out, TokenOutput) and out.finished
+    assert isinstance(out, TokenOutputs) and out.outputs[-1].finished and out.outputs[-1].refused
 
 
 @pytest.fixture(scope="module")
