@@ -73,6 +73,8 @@ def _follower_pids(h: Harness) -> list[int]:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_engine_matches_single_rank(tp1, tp):
+    if torch.cuda.is_available() and torch.cuda.device_count() < tp:
+        pytest.skip(f"TP={tp} on the GPU needs {tp} GPUs")
     h = Harness(tp_size=tp, jump_forward_mode="verify")
     pids = _follower_pids(h)
     try:

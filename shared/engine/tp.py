@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import logging
 import os
 import pickle
@@ -86,7 +87,9 @@ class TPLeader:
                 pass_fds=(theirs.fileno(),))
             theirs.close()
             conn = Connection(ours.detach())
-            conn.send(config)
+            # The base device, resolved here: "auto"/"cuda" resolved in a rank would name the GPU that
+            # rank already made current, and the rank offset would be added twice.
+            conn.send(dataclasses.replace(config, device=str(device)))
             self.procs.append(proc)
             self.conns.append(conn)
         self._closed = False
