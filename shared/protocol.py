@@ -170,6 +170,22 @@ class TokenOutput(Message, tag="out"):
     refused: bool = False  # with error: the request itself cannot run here (invalid, larger than the pool)
 
 
+def merge_outputs(first: "TokenOutput", later: "TokenOutput") -> "TokenOutput":
+    """One increment equal to `first` followed by `later` (same request): what a consumer that fell behind
+    sends as one event instead of two. Tokens, text and per-token logprobs concatenate; counts, the finish
+    and any error are the later one's; input logprobs come once, from whichever carried them."""
+    return TokenOutput(
+        rid=later.rid, token_ids=first.token_ids + later.token_ids, text=first.text + later.text,
+        finished=later.finished, finish_reason=later.finish_reason,
+        prompt_tokens=later.prompt_tokens or first.prompt_tokens, cached_tokens=later.cached_tokens or first.cached_tokens,
+        completion_tokens=later.completion_tokens or first.completion_tokens,
+        output_logprobs=first.output_logprobs + later.output_logprobs,
+        output_top_logprobs=first.output_top_logprobs + later.output_top_logprobs,
+        input_logprobs=first.input_logprobs or later.input_logprobs,
+        input_top_logprobs=first.input_top_logprobs or later.input_top_logprobs,
+        queue_time=first.queue_time, error=later.error, refused=later.refused)
+
+
 @message
 class TokenOutputs(Message, tag="outs"):
     """Every output of one engine step for the requests of one connection: one frame per step, however

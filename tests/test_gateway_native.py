@@ -112,10 +112,11 @@ async def test_stream_is_cumulative(stack):
     events = sse_events(await r.text())
     assert events[-1] == "[DONE]"
     events = events[:-1]
-    assert len(events) == 5
+    # One event per token, or fewer when tokens queued up behind a busy consumer (one increment).
+    assert 1 <= len(events) <= 5 and len(events[-1]["output_ids"]) == 5
     for prev, cur in zip(events, events[1:]):
         assert cur["text"].startswith(prev["text"]) and cur["output_ids"][:len(prev["output_ids"])] == prev["output_ids"]
-    assert [e["meta_info"]["finish_reason"] for e in events[:-1]] == [None] * 4
+    assert [e["meta_info"]["finish_reason"] for e in events[:-1]] == [None] * (len(events) - 1)
     final = await generate(stack, {"text": "Hello", "sampling_params": {"max_new_tokens": 5}})
     assert events[-1]["text"] == final["text"] and events[-1]["meta_info"]["finish_reason"]["type"] == "length"
 

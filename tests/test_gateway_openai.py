@@ -317,7 +317,9 @@ async def test_worker_error_mid_stream_is_one_error_event(stack):
     assert "[DONE]" not in events
     assert "error" in events[-1] and events[-1]["error"]["message"] == "worker exploded"
     assert sum("error" in e for e in events) == 1
-    assert len([e for e in events if "choices" in e and e["choices"][0]["delta"].get("content")]) == 2
+    contents = [e["choices"][0]["delta"]["content"] for e in events if "choices" in e and e["choices"][0]["delta"].get("content")]
+    # The two tokens before the error, as one or two events (queued tokens may arrive as one increment).
+    assert 1 <= len(contents) <= 2 and len("".join(contents).split()) == 2, contents
 
 
 async def test_worker_refusal_and_lost_worker_non_stream(stack):

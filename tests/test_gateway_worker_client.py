@@ -165,10 +165,50 @@ async def test_a_batched_frame_reaches_each_requests_stream():
     try:
         a, b = await asyncio.wait_for(asyncio.gather(collect(c, req("a")), collect(c, req("b"))), 10)
         assert await got_requests.get() == ["a", "b"]
-        assert [(o.text, o.finished) for o in a] == [("a1", False), ("a2", True)]
-        assert [(o.text, o.finished) for o in b] == [("b1", False), ("b2", True)]
+        # a1 and a2 arrive in one frame: queued together, they reach the consumer as one increment.
+        assert [(o.text, o.token_ids, o.finished) for o in a] == [("a1a2", [1, 3], True)]
+        assert "".join(o.text for o in b) == "b1b2" and [o.finished for o in b][-1] and b[-1].token_ids[-1] == 4
         assert a[-1].finish_reason == FinishLength(length=2) and b[-1].finish_reason == FinishStop(matched=4)
         assert c.load == 0
+    finally:
+        await c.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_consumer_that_falls_behind_gets_the_queued_tokens_as_one_increment():
+    """Outputs queued while the consumer was busy are folded into one increment (one SSE event for many
+    tokens), nothing lost or reordered; a consumer that keeps up sees every increment on its own."""
+    steps = 12
+
+    async def serve(reader, writer):
+        await read_message(reader)  # hello
+        ping = await read_message(reader)
+        writer.write(encode_frame(PongResult(call_id=ping.call_id)))
+        for _ in range(2):
+            rid = (await read_message(reader)).rid
+            for i in range(steps):
+                last = i == steps - 1
+                writer.write(encode_frame(TokenOutputs(outputs=[TokenOutput(
+                    rid=rid, token_ids=[i], text=f"{i},", finished=last, completion_tokens=i + 1,
+                    finish_reason=FinishLength(length=steps) if last else None)])))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+        await reader.read()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    c = WorkerClient("127.0.0.1", server.sockets[0].getsockname()[1], connect_timeout=2.0, token_timeout=5.0)
+    try:
+        slow = []
+        async for out in c.generate(req("slow")):
+            slow.append(out)
+            await asyncio.sleep(0.05)  # a slow client: ~5 steps arrive per event it takes
+        assert [t for o in slow for t in o.token_ids] == list(range(steps))
+        assert "".join(o.text for o in slow) == "".join(f"{i}," for i in range(steps))
+        assert 2 <= len(slow) < steps and slow[-1].finished and slow[-1].completion_tokens == steps
+        fast = [o async for o in c.generate(req("fast"))]
+        assert [t for o in fast for t in o.token_ids] == list(range(steps))
+        assert len(fast) > len(slow)  # kept up (mostly): about one increment per step
     finally:
         await c.close()
         server.close()

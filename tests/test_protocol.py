@@ -236,3 +236,24 @@ def test_mutated_messages_decode_or_fail_cleanly(tag, data):
         return
     assert type(msg).TYPE == d["type"]
     msgspec.msgpack.decode(protocol.encode(msg), type=type(msg))  # still well-typed after a round trip
+
+
+def test_merge_outputs_is_the_two_increments_in_order():
+    from shared.protocol import FinishLength, TokenOutput, merge_outputs
+
+    a = TokenOutput(rid="r", token_ids=[1, 2], text="ab", prompt_tokens=5, cached_tokens=2, completion_tokens=2,
+                    output_logprobs=[[-0.1, 1], [-0.2, 2]], output_top_logprobs=[[], []],
+                    input_logprobs=[[None, 7]], queue_time=0.5)
+    b = TokenOutput(rid="r", token_ids=[3], text="c", finished=True, finish_reason=FinishLength(length=3),
+                    prompt_tokens=5, cached_tokens=2, completion_tokens=3, output_logprobs=[[-0.3, 3]],
+                    output_top_logprobs=[[]], queue_time=0.9)
+    m = merge_outputs(a, b)
+    assert (m.token_ids, m.text, m.finished, m.finish_reason, m.completion_tokens) == ([1, 2, 3], "abc", True,
+                                                                                     FinishLength(length=3), 3)
+    assert m.output_logprobs == [[-0.1, 1], [-0.2, 2], [-0.3, 3]] and len(m.output_top_logprobs) == 3
+    assert m.input_logprobs == [[None, 7]] and m.queue_time == 0.5 and m.error is None
+    # Every field of the message is accounted for (a new one must be merged on purpose).
+    assert set(TokenOutput.__struct_fields__) == {
+        "rid", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "cached_tokens",
+        "completion_tokens", "output_logprobs", "output_top_logprobs", "input_logprobs", "input_top_logprobs",
+        "queue_time", "error", "refused"}

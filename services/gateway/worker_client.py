@@ -19,7 +19,7 @@ from typing import AsyncIterator
 from services.gateway.errors import WorkerUnavailable
 from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest, Hello, InfoRequest,
                              InfoResult, Message, PingRequest, PongResult, ProtocolError, TokenOutput,
-                             TokenOutputs)
+                             TokenOutputs, merge_outputs)
 from shared import wire
 from shared.wire import encode_frame, read_message
 
@@ -232,18 +232,34 @@ class WorkerClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.rid] = queue
         finished = False
+        lost: _Lost | None = None
         try:
             await self._send(req)
             while True:
-                try:
-                    async with asyncio.timeout(self.token_timeout):
-                        item = await queue.get()
-                except TimeoutError:
-                    raise WorkerUnavailable(
-                        f"worker {self.address} sent nothing for {self.token_timeout:.0f} s") from None
-                if isinstance(item, _Lost):
+                if lost is not None:
                     finished = True  # the worker side is gone; nothing to abort there
-                    raise WorkerUnavailable(item.reason)
+                    raise WorkerUnavailable(lost.reason)
+                if queue.empty():  # the silence timer only while waiting: no timer per token
+                    try:
+                        async with asyncio.timeout(self.token_timeout):
+                            item = await queue.get()
+                    except TimeoutError:
+                        raise WorkerUnavailable(
+                            f"worker {self.address} sent nothing for {self.token_timeout:.0f} s") from None
+                else:
+                    item = queue.get_nowait()
+                if isinstance(item, _Lost):
+                    lost = item
+                    continue
+                # A consumer that fell behind (a slow client, a busy gateway) gets what queued up as one
+                # increment: one event per batch of tokens instead of per token, so falling behind does
+                # not make the gateway fall further behind.
+                while not item.finished and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if isinstance(nxt, _Lost):
+                        lost = nxt
+                        break
+                    item = merge_outputs(item, nxt)
                 finished = item.finished
                 yield item
                 if finished:
