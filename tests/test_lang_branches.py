@@ -92,6 +92,103 @@ def test_unbound_arguments_join_and_format_too():
     assert ops(ir["nodes"]) == ["arg", "text", "arg", "text", "arg", "text", "arg", "gen"]
 
 
+# ---- set_var: constants and strings built from generated values become `set` nodes ----
+@function
+def with_vars(s, word):
+    s += "say " + word + "\n" + gen("a", stop="\n") + "\n"
+    s["label"] = "fixed"                       # a constant string
+    s.set_var("n", 3)                          # JSON data
+    s.set_var("info", {"k": [1, 2.5, None, True]})
+    s["both"] = s["a"] + "/" + word            # built from a variable and an argument
+    s["fmt"] = f"<{s['a']}>"                   # an f-string of a variable
+    forks = s.fork(2)
+    for i, f in enumerate(forks):
+        f["tag"] = f"{i}:{s['a']}"             # set inside a fork branch, gathered by join
+        f += "say " + f["tag"] + "\n" + gen("b", stop="\n")
+    forks.join()
+    if s["both"] == "kiwi/kiwi":               # a branch on a set variable
+        s += "same "
+    s["both"] = s["both"] + "!"                # redefined from its previous value
+    s += "n=" + str(s["n"] + 1) + " " + s["label"] + " " + s["fmt"] + " " + s["both"] + "\n"
+    s += "say " + s["both"] + "\n" + gen("c", stop="\n")
+
+
+def test_set_var_traces_into_set_nodes():
+    ir = with_vars.trace(word="kiwi")
+    sets = [n for n in ir["nodes"] if n["op"] == "set"]
+    assert sets[:3] == [{"op": "set", "name": "label", "value": "fixed"}, {"op": "set", "name": "n", "value": 3},
+                        {"op": "set", "name": "info", "value": {"k": [1, 2.5, None, True]}}]
+    assert sets[3] == {"op": "set", "name": "both", "parts": [{"op": "var", "name": "a", "scope": ""},
+                                                              {"op": "text", "text": "/kiwi"}]}
+    assert sets[4]["parts"][1] == {"op": "var", "name": "a", "scope": ""}
+    fork = next(n for n in ir["nodes"] if n["op"] == "fork")
+    assert fork["branches"][1][0]["op"] == "set" and fork["branches"][1][0]["name"] == "tag"
+    assert "n=4 fixed" in str(ir)  # constants are known while tracing: Python computes with them
+    validate_program(ir)
+    unbound = with_vars.trace()  # the argument unbound: an arg node inside the parts
+    assert {"op": "arg", "name": "word"} in next(n for n in unbound["nodes"] if n.get("name") == "both")["parts"]
+
+
+@pytest.mark.parametrize("word", ["kiwi", "plum"])
+def test_set_var_runs_remotely_like_locally(backend, word):
+    local, remote = both(with_vars, backend, word=word)
+    assert local["both"] == f"{word}/{word}!" and local["tag"] == [f"0:{word}", f"1:{word}"]
+    assert ("same " in local.text()) == (word == "kiwi")
+    assert remote["info"] == {"k": [1, 2.5, None, True]} and remote["f0.1.tag"] == f"1:{word}"
+    assert local["c"] == f"{word}/{word}!"
+
+
+def test_set_var_of_a_select_keeps_its_choices_for_branches():
+    @function
+    def pick(s):
+        s += select("c", choices=["a", "b"])
+        s["d"] = s["c"]
+        if s["d"] == "a":
+            s += "A"
+        elif s["d"] == "b":
+            s += "B"
+        else:
+            s += "never"
+
+    assert "never" not in str(pick.trace())
+
+
+@pytest.mark.parametrize("value, needle", [
+    (lambda s: s.fork(2), "ForkList|TracerGroup|cannot be part of a remote program"),
+    (lambda s: ("a", "b"), "tuple"),
+    (lambda s: float("nan"), "finite"),
+    (lambda s: [s["v"]], "cannot depend on generated values"),
+    (lambda s: {1: "x"}, "keys must be strings"),
+    (lambda s: s["v"].strip(), "strip"),
+])
+def test_set_var_of_what_cannot_be_data_is_refused_before_anything_is_sent(value, needle, backend, server):
+    @function
+    def prog(s):
+        s += "say x\n" + sgl.gen("v", max_tokens=4)
+        s["w"] = value(s)
+
+    before = len(server.requests)
+    with pytest.raises(sgl.TracingError, match=needle):
+        prog.run(backend=backend, remote=True)
+    assert len(server.requests) == before
+
+
+def test_set_node_validation():
+    gen_x = {"op": "gen", "name": "x", "sampling_params": {"max_new_tokens": 2}}
+    for bad, match in [({"op": "set", "name": "y"}, "either a value or parts"),
+                       ({"op": "set", "name": "y", "value": "a", "parts": []}, "either a value or parts"),
+                       ({"op": "set", "name": "y", "parts": [{"op": "gen", "name": "z"}]}, "text, var or arg"),
+                       ({"op": "set", "name": "y", "parts": "x"}, "list"),
+                       ({"op": "set", "name": "y", "parts": [{"op": "var", "name": "q", "scope": ""}]},
+                        "before it is defined"),
+                       ({"op": "set", "name": "1y", "value": 1}, "must be a name")]:
+        with pytest.raises(InvalidRequest, match=match):
+            validate_program({"version": 1, "nodes": [gen_x, bad]})
+    data = {"op": "set", "name": "y", "value": [1, 2]}
+    with pytest.raises(InvalidRequest, match="not a string"):  # data is answered, not appended
+        validate_program({"version": 1, "nodes": [data, {"op": "var", "name": "y", "scope": ""}]})
+
+
 # ---- 2. branches ----
 @function
 def triage(s, word):

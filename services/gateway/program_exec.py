@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from lang_client import wire
 from lang_client.choices import resolve_method
 from services.gateway.program_ir import (ForkNode, GenNode, IfNode, JoinNode, Program, RoleNode, SelectNode,
-                                         TextNode, VarNode)
+                                         SetNode, TextNode, VarNode)
 
 Generate = Callable[[dict], Awaitable[Any]]
 
@@ -121,6 +121,12 @@ class _Run:
                 await self._define(scope, node.name, decision, meta)
             elif isinstance(node, VarNode):
                 st.text += await self._future(node.scope, node.name, node.def_index)
+            elif isinstance(node, SetNode):
+                value = node.value
+                if node.parts is not None:
+                    value = "".join([p.text if isinstance(p, TextNode)
+                                     else await self._future(p.scope, p.name, p.def_index) for p in node.parts])
+                await self._define(scope, node.name, value, None)
             elif isinstance(node, ForkNode):
                 await self._fork(node, st)
             elif isinstance(node, JoinNode):
