@@ -33,7 +33,6 @@ nodes placed where the streams' node lists first differ.
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Any
 
 from lang_client.api import _role as role_expr
@@ -41,9 +40,10 @@ from lang_client.chat_template import CHATML, ChatTemplate
 from lang_client.choices import resolve_method
 from lang_client.errors import NotSupportedError, TracingError
 from lang_client.expr import (MARK_CLOSE, MARK_OPEN, MARKER_RE, ArgRef, Expr, Gen, Image, Placeholder, RoleBegin,
-                              RoleEnd, Select, Text, VarRef, to_expr, walk)
+                              RoleEnd, Select, Text, VarRef, to_expr, user_line, walk)
 from lang_client.forks import ForkList
 from lang_client.roles import RoleShortcuts
+from lang_client.trace_rewrite import instrument
 
 IR_VERSION = 1
 MAX_PATHS = 64           # runs of the Python function for one trace (outcomes of all branches)
@@ -153,7 +153,7 @@ class _Run:
         can_ne = (bool(values - {value}) if kind == "in" else True)
         if not (can_eq and can_ne):
             return can_eq if test == "eq" else not can_eq
-        line = _user_line()
+        line = user_line()
         self.line_counts[line] = self.line_counts.get(line, 0) + 1
         if len(self.decisions) >= MAX_DECISIONS:
             worst = max(self.line_counts, key=self.line_counts.get)
@@ -188,17 +188,6 @@ def _apply(value: str, transforms: tuple[str, ...]) -> str:
     for method in transforms:
         value = getattr(str, method)(value)
     return value
-
-
-def _user_line() -> str:
-    """file:line of the program code that made the comparison (the first frame outside the DSL)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if not (module.startswith("lang_client.") and not module.startswith("lang_client.examples")):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
 
 
 class TracerState(RoleShortcuts):
@@ -473,7 +462,8 @@ def trace_program(func, args: tuple, kwargs: dict, chat_template: ChatTemplate |
         else:
             call_kwargs[p.name] = ArgRef(-1, name=p.name)  # replaced by a per-run placeholder
             unbound.append(p.name)
-    nodes = _coalesce(_explore(trace, func, call_kwargs, []))
+    # Strings the program builds from generated values stay TracedStr (lang_client/trace_rewrite.py).
+    nodes = _coalesce(_explore(trace, instrument(func), call_kwargs, []))
     return {"version": IR_VERSION, "name": getattr(func, "__name__", "program"), "args": unbound,
             "nodes": nodes}
 

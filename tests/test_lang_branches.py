@@ -5,6 +5,7 @@ services.gateway.programs); both must give the same text and variables, or traci
 before any request is sent.
 """
 import asyncio
+import re
 
 import pytest
 
@@ -359,6 +360,92 @@ def test_value_dependent_python_is_refused_clearly(body, needle):
     with pytest.raises(sgl.TracingError) as err:
         prog.trace()
     assert needle in str(err.value)
+
+
+@function
+def derived(s, case):
+    """Strings built from a generated value by f-strings, join, %, format and str(): any use of their value
+    is refused where it happens (this file, that line); each case's line says `# <case>`."""
+    s += "say x\n" + gen("v", max_tokens=4) + "\n"
+    v = s["v"]
+    if case == "len":
+        s += str(len(f"<{v}>"))  # len
+    elif case == "int":
+        s += str(int(f"{v}0"))  # int
+    elif case == "compare":
+        s += "yes" if ", ".join([v, "x"]) == "a, x" else "no"  # compare
+    elif case == "percent-tuple":
+        s += str(len("%s-%s" % (v, v)))  # percent-tuple
+    elif case == "str":
+        s += str(len(str(v)))  # str
+    elif case == "format":
+        s += str("{}!".format(v) < "m")  # format
+    elif case == "in":
+        s += str("a" in f"{v}")  # in
+    elif case == "slice":
+        s += f"{v}!"[:2]  # slice
+    elif case == "truth":
+        s += "yes" if f"{v}" else "no"  # truth
+    elif case == "lambda":
+        s += str((lambda x: len(f"[{x}]"))(v))  # lambda
+    elif case == "nested":
+        def shout(x):
+            return f"{x}!".upper()  # nested
+        s += shout(v)
+    elif case == "spec":
+        s += f"{v:>8}"  # spec
+    elif case == "repr":
+        s += f"{v!r}"  # repr
+    elif case == "repr-call":
+        s += repr(v + "!")  # repr-call
+    elif case == "hash":
+        s += {f"{v}": "x"}[f"{v}"]  # hash
+    elif case == "join-then-split":
+        s += " ".join([v, v]).split()[0]  # join-then-split
+
+
+DERIVED_CASES = ["len", "int", "compare", "percent-tuple", "str", "format", "in", "slice", "truth", "lambda",
+                 "nested", "spec", "repr", "repr-call", "hash", "join-then-split"]
+
+
+@pytest.mark.parametrize("case", DERIVED_CASES)
+def test_value_of_a_derived_string_is_refused_at_its_line(case, backend, server):
+    before = len(server.requests)
+    with pytest.raises(sgl.TracingError) as err:
+        derived.run(backend=backend, remote=True, case=case)
+    assert len(server.requests) == before  # nothing was sent
+    where = re.match(r"(.+):(\d+): ", str(err.value))
+    assert where and where.group(1) == __file__, str(err.value)
+    with open(__file__) as f:
+        assert f.read().splitlines()[int(where.group(2)) - 1].endswith(f"# {case}"), str(err.value)
+    assert "without remote=True" in str(err.value)
+
+
+def test_derived_strings_still_concatenate_join_and_format(backend):
+    """What moves a generated value around without looking at it keeps working and runs like locally."""
+    @function
+    def fine(s, word):
+        s += "say " + word + "\n" + gen("v", stop="\n") + "\n"
+        v = s["v"]
+        line = f"<{v}>" + " and " + ", ".join([v, f"{v}!"]) + " %s|%s" % (v, "{}".format(v)) + str(v)
+        sep = f" {v} "
+        s += sep.join(["a", "b"]) + "\n" + line + "\n"
+        s += f"{'-'.join(['x', f'{v}'])}" + "\n"
+        if v in ("kiwi", "plum"):
+            s += "fruit\n"
+        s += "say " + f"{v}" + "\n" + gen("w", stop="\n")
+
+    for word in ("kiwi", "rock"):
+        local, _ = both(fine, backend, word=word)
+        assert f"<{word}> and {word}, {word}! {word}|{word}{word}" in local.text()
+
+
+def test_programs_without_source_still_trace():
+    """No source to rewrite (exec'd code): traced as before, with the built-in checks only."""
+    namespace = {"gen": gen}
+    exec("def p(s):\n    s += 'say a\\n' + gen('v', max_tokens=2)\n    s += f\"<{s['v']}>\"\n", namespace)
+    ir = sgl.function(namespace["p"]).trace()
+    assert {"op": "var", "name": "v", "scope": ""} in ir["nodes"]
 
 
 def test_image_is_refused_before_anything_is_sent(backend, server):
