@@ -434,6 +434,8 @@ class Engine:
         over a decode step, in decode steps), or when the next pass extends anyway (waiting or chunked
         prompts). Declined runs are decoded one by one, the mask forcing each token."""
         candidates, self._jump_candidates = self._jump_candidates, []
+        # Only requests still running (a step that failed half-way may leave ended ones behind).
+        candidates = [(req, tok) for req, tok in candidates if not req.finished]
         if not candidates or self.config.disable_jump_forward:
             return
         if self.config.jump_forward_mode == "verify":
