@@ -97,7 +97,9 @@ class _Validator:
         if name not in target:
             target.append(name)
 
-    def nodes(self, raw: Any, path: str, scope: str, depth: int, role: str | None) -> tuple[list, str | None]:
+    def nodes(self, raw: Any, path: str, scope: str, depth: int, role: str | None,
+              only: tuple[str, ...] | None = None) -> tuple[list, str | None]:
+        """Validate a node list; `only`: the ops allowed in it (a set node's parts), else every op."""
         if not isinstance(raw, list):
             raise InvalidRequest(f"{path} must be a list of nodes", path)
         out = []
@@ -108,6 +110,8 @@ class _Validator:
                 raise InvalidRequest(f"program has more than {self.limits.max_nodes} nodes", p)
             if not isinstance(node, dict) or not isinstance(node.get("op"), str):
                 raise InvalidRequest(f"{p} must be an object with an 'op'", p)
+            if only is not None and node["op"] not in only:
+                raise InvalidRequest(f"{p} must be a {', '.join(only[:-1])} or {only[-1]} node", f"{p}.op")
             handler = self.ops.get(node["op"])
             if handler is None:
                 raise InvalidRequest(f"{p}: unknown op {node['op']!r}", f"{p}.op")
@@ -273,19 +277,7 @@ class _Validator:
         if ("value" in n) == ("parts" in n):
             raise InvalidRequest(f"{p} must have either a value or parts", p)
         if "parts" in n:
-            raw = n["parts"]
-            if not isinstance(raw, list):
-                raise InvalidRequest(f"{p}.parts must be a list of text, var and arg nodes", f"{p}.parts")
-            parts = []
-            for i, part in enumerate(raw):
-                pp = f"{p}.parts[{i}]"
-                self.node_count += 1
-                if self.node_count > self.limits.max_nodes:
-                    raise InvalidRequest(f"program has more than {self.limits.max_nodes} nodes", pp)
-                op = part.get("op") if isinstance(part, dict) else None
-                if op not in ("text", "var", "arg"):
-                    raise InvalidRequest(f"{pp} must be a text, var or arg node", pp)
-                parts.append(self.ops[op](self, part, pp, scope, depth, role)[0])
+            parts, _ = self.nodes(n["parts"], f"{p}.parts", scope, depth, role, only=("text", "var", "arg"))
             self.define(scope, name)  # after its parts: `x = x + "!"` reads the previous x
             return SetNode(name, parts), role
         value = n["value"]
