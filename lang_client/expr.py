@@ -5,6 +5,7 @@ Adding two expressions (or an expression and a str) makes a Concat, so `"Q: " + 
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -100,8 +101,10 @@ MARKER_RE = re.compile(MARK_OPEN + r"(\d+)" + MARK_CLOSE)
 
 
 class TracedStr(str):
-    """A str holding markers: `+` and `%` keep the result a TracedStr (so a comparison or len() of
-    `s["x"] + "!"` is refused too); f-strings and str.join give plain strs, which only carry the markers."""
+    """A str holding markers: `+`, `%` and join keep the result a TracedStr (so a comparison or len() of
+    `s["x"] + "!"` is refused too). f-strings, str.join on a literal and str() give plain strs, which only
+    carry the markers; the tracer's rewrite of the program's code (lang_client/trace_rewrite.py) turns
+    those back into TracedStrs."""
     what = "a string built from generated values"
 
     def __repr__(self) -> str:
@@ -124,6 +127,14 @@ class TracedStr(str):
         if isinstance(fmt, str):
             return TracedStr(str.__mod__(str(fmt), self))
         return NotImplemented
+
+    def __format__(self, spec):
+        if spec:
+            raise _data_dependent(f"a format spec ({spec!r}) on {self.what}")
+        return str(self)
+
+    def join(self, iterable):  # a separator built from generated values only moves markers around
+        return TracedStr(str.join(str(self), iterable))
 
     def __hash__(self):
         raise _data_dependent(f"hashing {self.what} (a set or dict lookup)")
@@ -180,10 +191,10 @@ def _refuse_method(method: str):
 
 
 # Every str method that would look at the value; the concatenating ones (__add__, __mod__, __format__,
-# __str__, join on a literal separator) stay, since they only move the marker around.
+# __str__, join) stay, since they only move the marker around.
 for _m in ("capitalize", "casefold", "center", "count", "encode", "endswith", "expandtabs", "find", "format",
            "index", "isalnum", "isalpha", "isascii", "isdecimal", "isdigit", "isidentifier", "islower",
-           "isnumeric", "isprintable", "isspace", "istitle", "isupper", "join", "ljust", "lower", "lstrip",
+           "isnumeric", "isprintable", "isspace", "istitle", "isupper", "ljust", "lower", "lstrip",
            "partition", "removeprefix", "removesuffix", "replace", "rfind", "rindex", "rjust", "rpartition",
            "rsplit", "rstrip", "split", "splitlines", "startswith", "strip", "swapcase", "title", "translate",
            "upper", "zfill", "__mul__", "__rmul__"):
@@ -241,9 +252,20 @@ class ArgRef(Placeholder):
 
 def _data_dependent(what: str) -> Exception:
     from lang_client.errors import TracingError
-    return TracingError(f"{what} while tracing: a remote program can only concatenate, join and format "
-                        "generated values, or compare them with constants (==, !=, in a tuple); "
+    return TracingError(f"{user_line()}: {what} while tracing: a remote program can only concatenate, join "
+                        "and format generated values, or compare them with constants (==, !=, in a tuple); "
                         "run the program without remote=True to do more")
+
+
+def user_line() -> str:
+    """file:line of the program code running now (the first frame outside the DSL; examples count)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module.startswith("lang_client.") and not module.startswith("lang_client.examples")):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
 
 
 def walk(expr: Expr, visit: Callable[[Expr], None]) -> None:

@@ -13,6 +13,7 @@ from lang_client.chat_template import CHATML
 from lang_client.interpreter import StreamExecutor
 from lang_client.remote import RemoteExecutor
 from lang_client.state import ProgramState
+from lang_client.trace_rewrite import instrument
 from lang_client.tracer import TracerState, constant_prefix, trace_program
 
 # run_batch warms the cache with the program's constant prefix only when it is worth a request.
@@ -58,7 +59,9 @@ class SglFunction:
 
     def __call__(self, *args, **kwargs):
         # Called with a state first: a sub-program inlined into the caller's stream.
-        if args and isinstance(args[0], (ProgramState, TracerState)):
+        if args and isinstance(args[0], TracerState):  # strings it builds are tracked as in the caller
+            return instrument(self.func)(*args, **{**self.bind_arguments, **kwargs})
+        if args and isinstance(args[0], ProgramState):
             return self.func(*args, **{**self.bind_arguments, **kwargs})
         return self.run(*args, **kwargs)
 

@@ -14,6 +14,9 @@ booleans and null, so JSON and msgpack carry it, and the server never runs user 
          | {"op": "fork", "id": int, "n": int, "branches": [[node, ...] * n]}
          | {"op": "join", "fork": int, "mode": "gather_variable" | "concate_and_append"}
          | {"op": "var", "name": str, "scope": str}             # append a variable's value
+         | {"op": "set", "name": str, "value": JSON data}       # s.set_var(name, constant)
+         | {"op": "set", "name": str, "parts": [text | var | arg node, ...]}   # ... a string built from
+                                                               # generated values: the parts joined
          | {"op": "if", "cond": {"var": str, "scope": str, "test": "eq" | "ne", "value": str},
             "then": [node, ...], "else": [node, ...]}           # always the last node of its list
 
@@ -30,7 +33,6 @@ nodes placed where the streams' node lists first differ.
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Any
 
 from lang_client.api import _role as role_expr
@@ -38,9 +40,10 @@ from lang_client.chat_template import CHATML, ChatTemplate
 from lang_client.choices import resolve_method
 from lang_client.errors import NotSupportedError, TracingError
 from lang_client.expr import (MARK_CLOSE, MARK_OPEN, MARKER_RE, ArgRef, Expr, Gen, Image, Placeholder, RoleBegin,
-                              RoleEnd, Select, Text, VarRef, to_expr, walk)
+                              RoleEnd, Select, Text, VarRef, to_expr, user_line, walk)
 from lang_client.forks import ForkList
 from lang_client.roles import RoleShortcuts
+from lang_client.trace_rewrite import instrument
 
 IR_VERSION = 1
 MAX_PATHS = 64           # runs of the Python function for one trace (outcomes of all branches)
@@ -150,7 +153,7 @@ class _Run:
         can_ne = (bool(values - {value}) if kind == "in" else True)
         if not (can_eq and can_ne):
             return can_eq if test == "eq" else not can_eq
-        line = _user_line()
+        line = user_line()
         self.line_counts[line] = self.line_counts.get(line, 0) + 1
         if len(self.decisions) >= MAX_DECISIONS:
             worst = max(self.line_counts, key=self.line_counts.get)
@@ -185,17 +188,6 @@ def _apply(value: str, transforms: tuple[str, ...]) -> str:
     for method in transforms:
         value = getattr(str, method)(value)
     return value
-
-
-def _user_line() -> str:
-    """file:line of the program code that made the comparison (the first frame outside the DSL)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if not (module.startswith("lang_client.") and not module.startswith("lang_client.examples")):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
 
 
 class TracerState(RoleShortcuts):
@@ -267,6 +259,8 @@ class TracerState(RoleShortcuts):
         how = self.defined[name]
         if how[0] == "list":
             return list(how[1])
+        if how[0] == "const":  # set_var with a constant: Python may use it like the interpreter does
+            return how[1]
         scope, choices = how
         # A read sees the latest definition: counted as of now (the reader may be another stream).
         return self._run.var(name, scope, choices)
@@ -289,8 +283,30 @@ class TracerState(RoleShortcuts):
     def get_meta_info(self, name: str):
         self._not_traceable("s.get_meta_info()")
 
-    def set_var(self, name: str, value: Any):
-        self._not_traceable("s.set_var()")
+    def set_var(self, name: str, value: Any) -> None:
+        """`s.set_var(name, value)` / `s[name] = value` as IR data: a `set` node with a constant, or with
+        the text / var / arg nodes of a string built from generated values (the server joins them)."""
+        if not isinstance(name, str) or type(name) is not str or not name:
+            raise TracingError(f"s.set_var(): the variable name must be a non-empty constant string, "
+                               f"not {type(name).__name__}")
+        if isinstance(value, str):
+            if isinstance(value, VarRef) and value.transforms:
+                raise TracingError(f"s.set_var({name!r}, ...): variable {value.name!r} with "
+                                   f".{'().'.join(value.transforms)}() cannot be stored in a remote program; "
+                                   "store the variable itself")
+            parts = self._run.decode(value)
+            if all(p["op"] == "text" for p in parts):
+                text = "".join(p["text"] for p in parts)
+                self.nodes.append({"op": "set", "name": name, "value": text})
+                self._defines(name, ("const", text))
+            else:
+                self.nodes.append({"op": "set", "name": name, "parts": parts})
+                # `s["y"] = s["x"]` keeps what the tracer knows of x's values (a select's choices).
+                choices = value.choices if isinstance(value, VarRef) else None
+                self._defines(name, (self.scope, choices))
+            return
+        self.nodes.append({"op": "set", "name": name, "value": _json_constant(value, name)})
+        self._defines(name, ("const", value))
 
     __setitem__ = set_var
 
@@ -321,6 +337,38 @@ class TracerGroup(ForkList):
             for name in first:
                 if all(name in s.defined_here for s in self.states):
                     self.src._defines(name, ("list", [s[name] for s in self.states]))
+
+
+def _json_constant(value: Any, name: str) -> Any:
+    """A set_var value that is not a string: JSON data (None, bool, finite numbers, lists and str-keyed
+    dicts of them), which the server stores and answers as it is; anything else is refused."""
+    def check(v: Any) -> None:
+        if v is None or isinstance(v, (bool, int)):
+            return
+        if isinstance(v, float):
+            if v != v or v in (float("inf"), float("-inf")):
+                raise TracingError(f"s.set_var({name!r}, ...): {v} is not a finite number")
+            return
+        if isinstance(v, str):
+            _no_markers(v, f"s.set_var({name!r}, ...) inside a list or dict")
+            return
+        if type(v) is list:
+            for item in v:
+                check(item)
+            return
+        if type(v) is dict:
+            for k, item in v.items():
+                if not isinstance(k, str):
+                    raise TracingError(f"s.set_var({name!r}, ...): dict keys must be strings in a remote program")
+                _no_markers(k, f"s.set_var({name!r}, ...) dict keys")
+                check(item)
+            return
+        raise TracingError(f"s.set_var({name!r}, ...): a {type(v).__name__} cannot be part of a remote program; "
+                           "a variable may hold a string (constant or built from generated values) or JSON data "
+                           "(numbers, booleans, None, lists and dicts of them); run the program without "
+                           "remote=True to store other objects")
+    check(value)
+    return value
 
 
 def _no_markers(value: Any, what: str) -> None:
@@ -414,7 +462,8 @@ def trace_program(func, args: tuple, kwargs: dict, chat_template: ChatTemplate |
         else:
             call_kwargs[p.name] = ArgRef(-1, name=p.name)  # replaced by a per-run placeholder
             unbound.append(p.name)
-    nodes = _coalesce(_explore(trace, func, call_kwargs, []))
+    # Strings the program builds from generated values stay TracedStr (lang_client/trace_rewrite.py).
+    nodes = _coalesce(_explore(trace, instrument(func), call_kwargs, []))
     return {"version": IR_VERSION, "name": getattr(func, "__name__", "program"), "args": unbound,
             "nodes": nodes}
 

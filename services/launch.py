@@ -64,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="restarts of one worker per minute; one more exit and it stays down")
     p.add_argument("--restart-backoff", type=float, default=0.5,
                    help="seconds before the first restart of a worker; doubles per restart in the minute")
+    p.add_argument("--disable-fork-hint", action="store_true",
+                   help="/v1/programs starts a fork's branches without prefilling their shared prefix first "
+                        "(gateway flag; for ablations)")
     p.add_argument("--chat-template", default=None, help="a .jinja chat template file instead of the tokenizer's")
     p.add_argument("--tool-call-parser", default=None,
                    help="hermes or llama3 (default: detected from the chat template)")
@@ -117,6 +120,8 @@ def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
         argv += ["--pd-bypass-tokens", str(args.pd_bypass_tokens)]
     if args.strict:
         argv.append("--strict")
+    if args.disable_fork_hint:
+        argv.append("--disable-fork-hint")
     for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url", "routing_policy",
                  "chat_template", "tool_call_parser", "reasoning_parser"):
         value = getattr(args, flag)

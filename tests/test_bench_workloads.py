@@ -71,15 +71,35 @@ def test_ablation_ratios_from_runs(tmp_path):
                 "hit_rate_vs_optimal": round(hit / opt, 4)}
 
     runs = {"baseline": [row("mmlu", "interpreter", 6.0), row("mmlu", "endpoint", 9.0),
-                         row("no_reuse", "interpreter", 10.0)],
-            "radix off": [row("mmlu", "interpreter", 2.0), row("no_reuse", "interpreter", 10.5)]}
+                         row("no_reuse", "interpreter", 10.0), row("judge", "interpreter", 2.0),
+                         row("judge", "endpoint", 3.0)],
+            "radix off": [row("mmlu", "interpreter", 2.0), row("no_reuse", "interpreter", 10.5)],
+            "fork hint off": [row("judge", "interpreter", 1.0), row("judge", "endpoint", 4.0)]}
     args = argparse.Namespace(out=str(tmp_path), shape="tiny", instances=2, parallel=2, scale=0.1)
     out = _finish(args, runs)  # fcfs, jump-forward and the client variants did not run (budget): no ratio
     assert out["ratios"]["radix_on_vs_off"] == {"mmlu": 3.0, "no_reuse": 0.952}
-    assert out["ratios"]["endpoint_vs_interpreter_rtt0"] == {"mmlu": 1.5}
+    assert out["ratios"]["endpoint_vs_interpreter_rtt0"] == {"mmlu": 1.5, "judge": 1.5}
+    assert out["ratios"]["fork_hint_on_vs_off"] == {"judge": 2.0}
+    assert out["ratios"]["fork_hint_on_vs_off_endpoint"] == {"judge": 0.75}
     assert out["ratios"]["lpm_vs_fcfs"] == {} and out["summary"]["zero_reuse_overhead"] == 1.05
     assert json.loads((tmp_path / "ablations.json").read_text())["paper_ratios"]["hellaswag"] == 33.0
     plot(out, str(tmp_path / "ablations.png"))  # writes the PNG when matplotlib (the bench extra) is there
+
+
+def test_every_ablation_stack_starts_with_flags_the_launcher_takes():
+    """The plan's stacks differ only in services.launch flags (the fork hint through the gateway's
+    --disable-fork-hint); each must parse, and the variant that turns the hint off covers both modes."""
+    from bench.workloads.ablations import PLAN
+    from services.launch import parse_args as launch_args
+
+    for stack, flags, variants in PLAN:
+        args = launch_args(["--model-path", "x", *flags])
+        if stack == "fork hint off":
+            assert args.disable_fork_hint
+            (_, kw), = variants
+            assert kw["fork_hint"] is False and set(kw["modes"]) == {"interpreter", "endpoint"}
+        else:
+            assert not args.disable_fork_hint
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -98,3 +118,17 @@ def test_every_workload_gives_the_same_answer_remotely(name):
             assert remote.text() == local.text()
             for var, value in local.variables().items():
                 assert remote[var] == value, var
+
+
+def test_jump_forward_probe_counts_catch_up_passes(tmp_path):
+    """bench.workloads.jump_forward_probe on the tiny shape: jump-forward off runs no catch-up pass; jumping
+    every forced run (threshold 0) adds catch-up passes and takes fewer steps."""
+    from bench.workloads.jump_forward_probe import main as probe
+
+    out = tmp_path / "probe.json"
+    results = probe(["--programs", "3", "--parallel", "3", "--stagger", "2", "--scale", "0.02", "--thresholds", "0",
+                     "--out", str(out)])
+    off, on = results["jump-forward off"], results["jump-forward on, threshold 0"]
+    assert off["extend_catchup_passes"] == 0 and off["forced_runs"] == 0
+    assert on["extend_catchup_passes"] > 0 and on["forced_tokens"] > 0 and on["steps"] < off["steps"]
+    assert json.loads(out.read_text())["results"].keys() == results.keys()

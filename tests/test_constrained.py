@@ -286,6 +286,24 @@ def test_jump_forward_retokenizes_the_boundary(tok, cache):
     assert fresh.accept_tokens(j.new_ids) and state.num_accepted == len(j.new_ids)
 
 
+def test_a_planned_jump_leaves_the_matcher_until_applied(tok, cache):
+    """plan_jump (what the engine weighs for a whole step) moves nothing; apply_jump then gives exactly
+    what jump_forward gives in one go."""
+    from shared.constrained import apply_jump, forced_text, plan_jump
+
+    pattern = r'\{"name": "[a-z]+"\}'
+    state, ref = cache.state_for("regex", pattern), cache.state_for("regex", pattern)
+    brace = tok.raw.token_to_id("{")
+    assert state.accept_token(brace) and ref.accept_token(brace)
+    forced = forced_text(state)
+    plan = plan_jump(state, [brace], tok, forced=forced)
+    assert plan is not None and state.num_accepted == 1 and forced_text(state) == forced  # untouched
+    direct = jump_forward(ref, [brace], tok)
+    assert (plan.rollback, plan.new_ids) == (direct.rollback, direct.new_ids)
+    assert apply_jump(state, plan, [brace]) and state.num_accepted == ref.num_accepted
+    assert forced_text(state) == forced_text(ref)
+
+
 def test_jump_forward_budget_and_disable(tok, cache):
     pattern = "The answer is (true|false)\\."
     state = cache.state_for("regex", pattern)

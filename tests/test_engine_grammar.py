@@ -77,6 +77,64 @@ def test_jump_forward_extends_forced_runs_in_one_pass():
     assert on.engine.steps < off.engine.steps
 
 
+def _extend_passes(h: Harness) -> list[int]:
+    """Record, per EXTEND pass the engine launches, how many of its requests were already decoding."""
+    from shared.engine.forward_batch import ForwardMode
+
+    seen, launch = [], h.engine.runner.launch
+
+    def counted(batch):
+        if batch.mode == ForwardMode.EXTEND:
+            seen.append(sum(1 for r in batch.reqs if r.num_resolved > 0))
+        return launch(batch)
+    h.engine.runner.launch = counted
+    return seen
+
+
+def _lone_grammar_request_in_a_busy_batch(**cfg):
+    """8 unconstrained requests decoding, then one regex request whose forced runs are a few tokens."""
+    h = Harness(**cfg)
+    extends = _extend_passes(h)
+    busy = [h.submit(prompt(), sampling={"max_new_tokens": 48, "ignore_eos": True, "temperature": 0})
+            for _ in range(8)]
+    for _ in range(3):
+        h.engine.step()  # admitted and decoding: the queue is empty when the grammar request starts
+    rid = h.submit(prompt()[:-1], sampling={"regex": REGEXES[2], "max_new_tokens": 60, "temperature": 0})
+    results = h.run(busy + [rid])
+    return h, results[-1], extends
+
+
+def test_a_lone_short_jump_in_a_busy_batch_is_declined():
+    """--jump-forward-threshold (default 3): one request's forced run of a few tokens does not pay for the
+    catch-up extend pass it would impose on 9 running requests, so it is decoded token by token (the mask
+    forces each token): the same output as with jump-forward off, and no catch-up pass. With the threshold
+    at 0 every forced run is jumped, as before."""
+    h, r, extends = _lone_grammar_request_in_a_busy_batch()
+    off, r_off, _ = _lone_grammar_request_in_a_busy_batch(disable_jump_forward=True)
+    always, r_always, extends_always = _lone_grammar_request_in_a_busy_batch(jump_forward_threshold=0)
+    for out in (r, r_off, r_always):
+        assert re.fullmatch(REGEXES[2], out["text"]), out["text"]
+    assert h.engine.jump_forward_declined > 0 and h.engine.jump_forward_tokens == 0
+    assert r["ids"] == r_off["ids"]
+    assert not any(extends[1:]), extends  # only admissions: no pass extended a request already decoding
+    assert always.engine.jump_forward_tokens > 0 and always.engine.jump_forward_declined == 0
+    assert any(extends_always[1:]), extends_always  # each jump cost a catch-up pass of the whole batch
+
+
+def test_jumps_of_a_step_are_taken_together_when_they_pay():
+    """Four grammar requests reaching their forced runs in the same step: "call me at " (several tokens
+    each) clears the threshold per running request, so all four jump in one catch-up pass; the lone "-"
+    between the digit groups (one token each) does not, and is decoded."""
+    h = Harness()
+    extends = _extend_passes(h)
+    rids = [h.submit(prompt(), sampling={"regex": REGEXES[2], "max_new_tokens": 60, "temperature": 0})
+            for _ in range(4)]
+    for r in h.run(rids):
+        assert re.fullmatch(REGEXES[2], r["text"]), r["text"]
+    assert h.engine.jump_forward_tokens >= 4 * 5
+    assert 4 in extends[1:]  # one catch-up pass carried all four
+
+
 def test_bad_grammar_is_refused_and_frees_nothing(h):
     before = h.free_tokens()
     r = h.generate(prompt(), sampling={"json_schema": "{not json", "max_new_tokens": 5})

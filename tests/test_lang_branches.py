@@ -5,6 +5,7 @@ services.gateway.programs); both must give the same text and variables, or traci
 before any request is sent.
 """
 import asyncio
+import re
 
 import pytest
 
@@ -90,6 +91,103 @@ def test_unbound_arguments_join_and_format_too():
     ir = greet.trace()
     assert ir["args"] == ["name", "place"]
     assert ops(ir["nodes"]) == ["arg", "text", "arg", "text", "arg", "text", "arg", "gen"]
+
+
+# ---- set_var: constants and strings built from generated values become `set` nodes ----
+@function
+def with_vars(s, word):
+    s += "say " + word + "\n" + gen("a", stop="\n") + "\n"
+    s["label"] = "fixed"                       # a constant string
+    s.set_var("n", 3)                          # JSON data
+    s.set_var("info", {"k": [1, 2.5, None, True]})
+    s["both"] = s["a"] + "/" + word            # built from a variable and an argument
+    s["fmt"] = f"<{s['a']}>"                   # an f-string of a variable
+    forks = s.fork(2)
+    for i, f in enumerate(forks):
+        f["tag"] = f"{i}:{s['a']}"             # set inside a fork branch, gathered by join
+        f += "say " + f["tag"] + "\n" + gen("b", stop="\n")
+    forks.join()
+    if s["both"] == "kiwi/kiwi":               # a branch on a set variable
+        s += "same "
+    s["both"] = s["both"] + "!"                # redefined from its previous value
+    s += "n=" + str(s["n"] + 1) + " " + s["label"] + " " + s["fmt"] + " " + s["both"] + "\n"
+    s += "say " + s["both"] + "\n" + gen("c", stop="\n")
+
+
+def test_set_var_traces_into_set_nodes():
+    ir = with_vars.trace(word="kiwi")
+    sets = [n for n in ir["nodes"] if n["op"] == "set"]
+    assert sets[:3] == [{"op": "set", "name": "label", "value": "fixed"}, {"op": "set", "name": "n", "value": 3},
+                        {"op": "set", "name": "info", "value": {"k": [1, 2.5, None, True]}}]
+    assert sets[3] == {"op": "set", "name": "both", "parts": [{"op": "var", "name": "a", "scope": ""},
+                                                              {"op": "text", "text": "/kiwi"}]}
+    assert sets[4]["parts"][1] == {"op": "var", "name": "a", "scope": ""}
+    fork = next(n for n in ir["nodes"] if n["op"] == "fork")
+    assert fork["branches"][1][0]["op"] == "set" and fork["branches"][1][0]["name"] == "tag"
+    assert "n=4 fixed" in str(ir)  # constants are known while tracing: Python computes with them
+    validate_program(ir)
+    unbound = with_vars.trace()  # the argument unbound: an arg node inside the parts
+    assert {"op": "arg", "name": "word"} in next(n for n in unbound["nodes"] if n.get("name") == "both")["parts"]
+
+
+@pytest.mark.parametrize("word", ["kiwi", "plum"])
+def test_set_var_runs_remotely_like_locally(backend, word):
+    local, remote = both(with_vars, backend, word=word)
+    assert local["both"] == f"{word}/{word}!" and local["tag"] == [f"0:{word}", f"1:{word}"]
+    assert ("same " in local.text()) == (word == "kiwi")
+    assert remote["info"] == {"k": [1, 2.5, None, True]} and remote["f0.1.tag"] == f"1:{word}"
+    assert local["c"] == f"{word}/{word}!"
+
+
+def test_set_var_of_a_select_keeps_its_choices_for_branches():
+    @function
+    def pick(s):
+        s += select("c", choices=["a", "b"])
+        s["d"] = s["c"]
+        if s["d"] == "a":
+            s += "A"
+        elif s["d"] == "b":
+            s += "B"
+        else:
+            s += "never"
+
+    assert "never" not in str(pick.trace())
+
+
+@pytest.mark.parametrize("value, needle", [
+    (lambda s: s.fork(2), "ForkList|TracerGroup|cannot be part of a remote program"),
+    (lambda s: ("a", "b"), "tuple"),
+    (lambda s: float("nan"), "finite"),
+    (lambda s: [s["v"]], "cannot depend on generated values"),
+    (lambda s: {1: "x"}, "keys must be strings"),
+    (lambda s: s["v"].strip(), "strip"),
+])
+def test_set_var_of_what_cannot_be_data_is_refused_before_anything_is_sent(value, needle, backend, server):
+    @function
+    def prog(s):
+        s += "say x\n" + sgl.gen("v", max_tokens=4)
+        s["w"] = value(s)
+
+    before = len(server.requests)
+    with pytest.raises(sgl.TracingError, match=needle):
+        prog.run(backend=backend, remote=True)
+    assert len(server.requests) == before
+
+
+def test_set_node_validation():
+    gen_x = {"op": "gen", "name": "x", "sampling_params": {"max_new_tokens": 2}}
+    for bad, match in [({"op": "set", "name": "y"}, "either a value or parts"),
+                       ({"op": "set", "name": "y", "value": "a", "parts": []}, "either a value or parts"),
+                       ({"op": "set", "name": "y", "parts": [{"op": "gen", "name": "z"}]}, "text, var or arg"),
+                       ({"op": "set", "name": "y", "parts": "x"}, "list"),
+                       ({"op": "set", "name": "y", "parts": [{"op": "var", "name": "q", "scope": ""}]},
+                        "before it is defined"),
+                       ({"op": "set", "name": "1y", "value": 1}, "must be a name")]:
+        with pytest.raises(InvalidRequest, match=match):
+            validate_program({"version": 1, "nodes": [gen_x, bad]})
+    data = {"op": "set", "name": "y", "value": [1, 2]}
+    with pytest.raises(InvalidRequest, match="not a string"):  # data is answered, not appended
+        validate_program({"version": 1, "nodes": [data, {"op": "var", "name": "y", "scope": ""}]})
 
 
 # ---- 2. branches ----
@@ -262,6 +360,92 @@ def test_value_dependent_python_is_refused_clearly(body, needle):
     with pytest.raises(sgl.TracingError) as err:
         prog.trace()
     assert needle in str(err.value)
+
+
+@function
+def derived(s, case):
+    """Strings built from a generated value by f-strings, join, %, format and str(): any use of their value
+    is refused where it happens (this file, that line); each case's line says `# <case>`."""
+    s += "say x\n" + gen("v", max_tokens=4) + "\n"
+    v = s["v"]
+    if case == "len":
+        s += str(len(f"<{v}>"))  # len
+    elif case == "int":
+        s += str(int(f"{v}0"))  # int
+    elif case == "compare":
+        s += "yes" if ", ".join([v, "x"]) == "a, x" else "no"  # compare
+    elif case == "percent-tuple":
+        s += str(len("%s-%s" % (v, v)))  # percent-tuple
+    elif case == "str":
+        s += str(len(str(v)))  # str
+    elif case == "format":
+        s += str("{}!".format(v) < "m")  # format
+    elif case == "in":
+        s += str("a" in f"{v}")  # in
+    elif case == "slice":
+        s += f"{v}!"[:2]  # slice
+    elif case == "truth":
+        s += "yes" if f"{v}" else "no"  # truth
+    elif case == "lambda":
+        s += str((lambda x: len(f"[{x}]"))(v))  # lambda
+    elif case == "nested":
+        def shout(x):
+            return f"{x}!".upper()  # nested
+        s += shout(v)
+    elif case == "spec":
+        s += f"{v:>8}"  # spec
+    elif case == "repr":
+        s += f"{v!r}"  # repr
+    elif case == "repr-call":
+        s += repr(v + "!")  # repr-call
+    elif case == "hash":
+        s += {f"{v}": "x"}[f"{v}"]  # hash
+    elif case == "join-then-split":
+        s += " ".join([v, v]).split()[0]  # join-then-split
+
+
+DERIVED_CASES = ["len", "int", "compare", "percent-tuple", "str", "format", "in", "slice", "truth", "lambda",
+                 "nested", "spec", "repr", "repr-call", "hash", "join-then-split"]
+
+
+@pytest.mark.parametrize("case", DERIVED_CASES)
+def test_value_of_a_derived_string_is_refused_at_its_line(case, backend, server):
+    before = len(server.requests)
+    with pytest.raises(sgl.TracingError) as err:
+        derived.run(backend=backend, remote=True, case=case)
+    assert len(server.requests) == before  # nothing was sent
+    where = re.match(r"(.+):(\d+): ", str(err.value))
+    assert where and where.group(1) == __file__, str(err.value)
+    with open(__file__) as f:
+        assert f.read().splitlines()[int(where.group(2)) - 1].endswith(f"# {case}"), str(err.value)
+    assert "without remote=True" in str(err.value)
+
+
+def test_derived_strings_still_concatenate_join_and_format(backend):
+    """What moves a generated value around without looking at it keeps working and runs like locally."""
+    @function
+    def fine(s, word):
+        s += "say " + word + "\n" + gen("v", stop="\n") + "\n"
+        v = s["v"]
+        line = f"<{v}>" + " and " + ", ".join([v, f"{v}!"]) + " %s|%s" % (v, "{}".format(v)) + str(v)
+        sep = f" {v} "
+        s += sep.join(["a", "b"]) + "\n" + line + "\n"
+        s += f"{'-'.join(['x', f'{v}'])}" + "\n"
+        if v in ("kiwi", "plum"):
+            s += "fruit\n"
+        s += "say " + f"{v}" + "\n" + gen("w", stop="\n")
+
+    for word in ("kiwi", "rock"):
+        local, _ = both(fine, backend, word=word)
+        assert f"<{word}> and {word}, {word}! {word}|{word}{word}" in local.text()
+
+
+def test_programs_without_source_still_trace():
+    """No source to rewrite (exec'd code): traced as before, with the built-in checks only."""
+    namespace = {"gen": gen}
+    exec("def p(s):\n    s += 'say a\\n' + gen('v', max_tokens=2)\n    s += f\"<{s['v']}>\"\n", namespace)
+    ir = sgl.function(namespace["p"]).trace()
+    assert {"op": "var", "name": "v", "scope": ""} in ir["nodes"]
 
 
 def test_image_is_refused_before_anything_is_sent(backend, server):

@@ -93,3 +93,39 @@ def test_program_limits_are_enforced(base_url):
     r = requests.post(base_url + "/v1/programs", json={"program": {"nodes": [{"op": "exec", "code": "1"}]}},
                       timeout=30)
     assert r.status_code == 400 and "error" in r.json()
+
+
+def _finished_requests(url: str) -> float:
+    text = requests.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sglang:num_requests_total"))
+
+
+@pytest.fixture(scope="module")
+def no_hint_url():
+    from tests.conftest import Stack
+
+    s = Stack("--disable-fork-hint")
+    yield s.url
+    s.stop()
+
+
+def test_disable_fork_hint_leaves_the_program_endpoints_warm_up_out(base_url, no_hint_url):
+    """services.launch --disable-fork-hint (a gateway flag): the program endpoint sends a fork's branches
+    without the max_new_tokens=0 prefill of their shared prefix; the default sends it once per fork."""
+    from lang_client import function, gen
+
+    @function
+    def fan_out(s):
+        s += "A shared prefix about rivers and their deltas. " * 4
+        forks = s.fork(3)
+        for i, f in enumerate(forks):
+            f += "Point " + str(i) + ":" + gen("point", max_tokens=2)
+
+    sent = {}
+    for name, url in (("hint", base_url), ("no hint", no_hint_url)):
+        before = _finished_requests(url)
+        state = fan_out.run(backend=RuntimeEndpoint(url), remote=True)
+        assert state.error() is None
+        sent[name] = _finished_requests(url) - before
+    assert sent == {"hint": 4, "no hint": 3}  # 3 branches, + the warm-up with the hint

@@ -12,6 +12,25 @@ from tests import seed_judge
 
 ESSAY = "The photo shows a crowded market; the essay argues that markets build trust between neighbours."
 
+@sgl.function
+def notes_with_vars(s, topic):
+    """set_var as IR data: a constant, JSON data, strings built from generated values (an f-string, a
+    concatenation with an argument), set in fork branches and gathered, then branched on."""
+    s += sgl.user("Write one word about " + topic + ".")
+    s += sgl.assistant(sgl.gen("word", stop="\n"))
+    s["kind"] = "note"
+    s.set_var("weights", {"style": 0.5, "facts": [1, 2]})
+    s["headline"] = f"[{s['word']}] on " + topic
+    forks = s.fork(2)
+    for i, f in enumerate(forks):
+        f["angle"] = ("pro: " if i == 0 else "con: ") + s["word"]
+        f += sgl.user("Argue " + f["angle"]) + sgl.assistant(sgl.gen("arg", stop="\n"))
+    forks.join()
+    if s["headline"] == "[x] on " + topic:
+        s += sgl.user("Too short.")
+    s += sgl.user(s["kind"] + ": " + s["headline"] + " / " + forks[0]["angle"]) + sgl.assistant(sgl.gen("summary"))
+
+
 CASES = {
     "few_shot_qa": (few_shot_qa.few_shot_qa, {"question": "Who wrote Hamlet?"}),
     "branch_solve_merge": (branch_solve_merge.multi_dimensional_judge, {"essay": ESSAY}),
@@ -19,6 +38,7 @@ CASES = {
     "json_extraction": (json_extraction.extract_city, {"document": "Lyon, in France, has 520000 inhabitants."}),
     "multi_turn_chat": (multi_turn_chat.multi_turn_chat, {"questions": ["Name a prime.", "Is it odd?"]}),
     "seed_judge": (seed_judge.multi_dimensional_judge, {"path": "market.jpg", "essay": ESSAY}),
+    "set_var": (notes_with_vars, {"topic": "rivers"}),
 }
 
 

@@ -296,6 +296,20 @@ def test_fork_warms_the_prefix_once_then_admits_branches_together():
     assert result["meta_info"]["f0.1.judgment"]["prompt_tokens"] > 0
 
 
+def test_fork_hint_off_sends_no_warm_up():
+    """execute_program(fork_hint=False), what the gateway's --disable-fork-hint passes: the same answer,
+    one request fewer per fork (no max_new_tokens=0 prefill of the shared prefix)."""
+    program = validate_program(branch_solve_merge.multi_dimensional_judge.trace(essay="E"))
+    on, off = RecordingGenerate(), RecordingGenerate()
+    with_hint = run_async(execute_program(program, on))
+    without = run_async(execute_program(program, off, fork_hint=False))
+    assert without == with_hint
+    warm_ups = [c for c in on.calls if c["body"]["sampling_params"] == {"max_new_tokens": 0}
+                and isinstance(c["body"]["text"], str)]
+    assert len(off.calls) == len(on.calls) - 1 and on.calls[2] in warm_ups
+    assert not any(c["body"] == on.calls[2]["body"] for c in off.calls)
+
+
 def test_select_in_executor_sends_the_documented_requests():
     ir = {"version": 1, "nodes": [{"op": "text", "text": "Pick: "},
                                   {"op": "select", "name": "c", "choices": ["ab", "c"], "temperature": 0}]}

@@ -1,8 +1,9 @@
 """`python -m bench.workloads --ablations`: the paper's ablations on one GPU, sized for one 10-minute call.
 
 Stacks (random weights of --shape, dummy load): baseline (radix cache, LPM, jump-forward), radix cache
-off, FCFS, jump-forward off (JSON only). Client-side variants run on the baseline stack: fork prefix hint
-off (interpreter mode) and an emulated client round trip of 20 ms (both modes). Each ratio is from one run.
+off, jump-forward off (JSON only), fork prefix hint off (the gateway's --disable-fork-hint for the program
+endpoint, the client's own warm-up left out in interpreter mode), FCFS. A client-side variant runs on the
+baseline stack: an emulated client round trip of 20 ms (both modes). Each ratio is from one run.
 
 Writes OUT/ablations.json and OUT/ablations.png (matplotlib, the `bench` extra) beside the paper's ratios
 (Fig. 5/8, Llama-7B on A10G, SGLang vs vLLM).
@@ -21,7 +22,30 @@ PAPER_RATIOS = {"mmlu": 6.5, "hellaswag": 33.0, "react": 5.4, "tree_of_thought":
 MAIN = ["mmlu", "hellaswag", "react", "generative_agents", "tree_of_thought", "skeleton_of_thought", "judge",
         "json", "chat_short", "chat_long", "rag", "no_reuse"]
 STACK_START_S = 90  # a stack of the 8B shape with dummy weights, generously
+FORKING = ["tree_of_thought", "judge", "skeleton_of_thought"]
 REUSE = ["mmlu", "hellaswag", "react", "tree_of_thought", "judge", "chat_short", "no_reuse"]
+
+
+# (stack, its services.launch flags, [(variant, run_workloads arguments)]), in order of priority.
+PLAN = [
+    ("baseline", [], [
+        ("baseline", dict(workloads=MAIN, modes=["interpreter", "endpoint"])),
+        ("rtt 20ms", dict(workloads=["react", "judge", "chat_short", "tree_of_thought"],
+                          modes=["interpreter", "endpoint"], rtt_s=0.020, optimal=False)),
+    ]),
+    ("radix off", ["--disable-radix-cache"], [
+        ("radix off", dict(workloads=REUSE + ["json", "chat_long"], modes=["interpreter"], optimal=False))]),
+    ("jump-forward off", ["--disable-jump-forward"], [
+        ("jump-forward off", dict(workloads=["json"], modes=["interpreter", "endpoint"], optimal=False))]),
+    # The fork prefix hint off in both modes: the endpoint's through the gateway flag, the interpreter's
+    # (the SDK's own warm-up request) through the client.
+    ("fork hint off", ["--disable-fork-hint"], [
+        ("fork hint off", dict(workloads=FORKING, modes=["interpreter", "endpoint"], fork_hint=False,
+                               optimal=False))]),
+    ("fcfs", ["--schedule-policy", "fcfs"], [
+        ("fcfs", dict(workloads=["mmlu", "hellaswag", "tree_of_thought", "judge"], modes=["interpreter"],
+                      optimal=False))]),
+]
 
 
 def _log(msg: str) -> None:
@@ -48,26 +72,10 @@ def run_ablations(args) -> dict:
     common = dict(parallel=args.parallel, instances=args.instances, duration_s=args.duration, scale=args.scale,
                   seed=args.seed, log=_log)
     runs: dict[str, list[dict]] = {}
-    plan = [
-        ("baseline", [], [
-            ("baseline", dict(workloads=MAIN, modes=["interpreter", "endpoint"])),
-            ("fork hint off", dict(workloads=["tree_of_thought", "judge", "skeleton_of_thought"],
-                                   modes=["interpreter"], fork_hint=False, optimal=False)),
-            ("rtt 20ms", dict(workloads=["react", "judge", "chat_short", "tree_of_thought"],
-                              modes=["interpreter", "endpoint"], rtt_s=0.020, optimal=False)),
-        ]),
-        ("radix off", ["--disable-radix-cache"], [
-            ("radix off", dict(workloads=REUSE + ["json", "chat_long"], modes=["interpreter"], optimal=False))]),
-        ("jump-forward off", ["--disable-jump-forward"], [
-            ("jump-forward off", dict(workloads=["json"], modes=["interpreter", "endpoint"], optimal=False))]),
-        ("fcfs", ["--schedule-policy", "fcfs"], [
-            ("fcfs", dict(workloads=["mmlu", "hellaswag", "tree_of_thought", "judge"], modes=["interpreter"],
-                          optimal=False))]),
-    ]
     t_start = time.monotonic()
     deadline = t_start + args.budget if args.budget else None
     out: dict = {}
-    for stack_name, flags, variants in plan:
+    for stack_name, flags, variants in PLAN:
         if deadline is not None and time.monotonic() + STACK_START_S > deadline:
             _log(f"budget spent: stack {stack_name} skipped")
             continue
@@ -99,6 +107,7 @@ def run_ablations(args) -> dict:
 def _finish(args, runs: dict) -> dict:
     base = _index(runs.get("baseline", []))
     ratios: dict[str, dict] = {"radix_on_vs_off": {}, "lpm_vs_fcfs": {}, "fork_hint_on_vs_off": {},
+                               "fork_hint_on_vs_off_endpoint": {},
                                "endpoint_vs_interpreter_rtt0": {}, "endpoint_vs_interpreter_rtt20": {},
                                "jump_forward_on_vs_off": {}, "hit_rate_vs_optimal": {}}
     off, fcfs, hint, rtt, jf = (_index(runs.get(k, [])) for k in ("radix off", "fcfs", "fork hint off", "rtt 20ms",
@@ -106,7 +115,9 @@ def _finish(args, runs: dict) -> dict:
     for w in MAIN:
         ratios["radix_on_vs_off"][w] = _ratio(base, off, "programs_per_s", w, "interpreter")
         ratios["lpm_vs_fcfs"][w] = _ratio(base, fcfs, "programs_per_s", w, "interpreter")
-        ratios["fork_hint_on_vs_off"][w] = _ratio(base, hint, "programs_per_s", w, "interpreter")
+        for mode in ("interpreter", "endpoint"):
+            key = "fork_hint_on_vs_off" + ("" if mode == "interpreter" else "_endpoint")
+            ratios[key][w] = _ratio(base, hint, "programs_per_s", w, mode)
         for key, runs_of in (("endpoint_vs_interpreter_rtt0", base), ("endpoint_vs_interpreter_rtt20", rtt)):
             ep, it = runs_of.get((w, "endpoint")), runs_of.get((w, "interpreter"))
             if ep and it and it["programs_per_s"]:
@@ -150,8 +161,8 @@ def plot(out: dict, path: str) -> None:
     ax.set_title("throughput ratio (programs/s)")
     ax.legend()
     ax = axes[1]
-    keys = ["lpm_vs_fcfs", "fork_hint_on_vs_off", "endpoint_vs_interpreter_rtt0", "endpoint_vs_interpreter_rtt20",
-            "jump_forward_on_vs_off"]
+    keys = ["lpm_vs_fcfs", "fork_hint_on_vs_off", "fork_hint_on_vs_off_endpoint", "endpoint_vs_interpreter_rtt0",
+            "endpoint_vs_interpreter_rtt20", "jump_forward_on_vs_off"]
     ws2 = sorted({w for k in keys for w in ratios[k]})
     width = 0.8 / len(keys)
     for j, k in enumerate(keys):

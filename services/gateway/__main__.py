@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the workers' shared secret, sent when connecting to them (default $RADIXSERVE_INTERNAL_KEY)")
     p.add_argument("--max-programs-per-key", type=int, default=ProgramBudget.max_running_per_key,
                    help="/v1/programs requests one API key (or the anonymous tenant) may run at once; more get 429")
+    p.add_argument("--disable-fork-hint", action="store_true",
+                   help="/v1/programs: start a fork's branches without first prefilling their shared prefix once "
+                        "(the fork prefix hint that lets every branch hit the radix cache); for ablations")
     p.add_argument("--max-n", type=int, default=Limits.max_n, help="most choices (n) one request may ask for")
     p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
                    help="larger request bodies are refused with 413")
@@ -107,7 +110,8 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
                          tokenizer_path=tokenizer_path, tool_parser=tool_parser,
                          reasoning_parser=reasoning_parser,
                          program_budget=ProgramBudget(max_running_per_key=getattr(
-                             args, "max_programs_per_key", ProgramBudget.max_running_per_key)))
+                             args, "max_programs_per_key", ProgramBudget.max_running_per_key)),
+                         fork_hint=not getattr(args, "disable_fork_hint", False))
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup aborts the
     # request on the worker (otherwise its KV stays pinned until generation ends).
     app = create_app(state)

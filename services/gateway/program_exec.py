@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from lang_client import wire
 from lang_client.choices import resolve_method
 from services.gateway.program_ir import (ForkNode, GenNode, IfNode, JoinNode, Program, RoleNode, SelectNode,
-                                         TextNode, VarNode)
+                                         SetNode, TextNode, VarNode)
 
 Generate = Callable[[dict], Awaitable[Any]]
 
@@ -39,9 +39,10 @@ def _scoped(scope: str, name: str) -> str:
 
 
 class _Run:
-    def __init__(self, generate: Generate, on_variable):
+    def __init__(self, generate: Generate, on_variable, fork_hint: bool = True):
         self.generate = generate
         self.on_variable = on_variable
+        self.fork_hint = fork_hint
         self.futures: dict[tuple[str, str], list[asyncio.Future]] = {}
         self.def_counts: dict[tuple[str, str], int] = {}
         self.defined_in: dict[str, list[str]] = {"": []}
@@ -120,6 +121,12 @@ class _Run:
                 await self._define(scope, node.name, decision, meta)
             elif isinstance(node, VarNode):
                 st.text += await self._future(node.scope, node.name, node.def_index)
+            elif isinstance(node, SetNode):
+                value = node.value
+                if node.parts is not None:
+                    value = "".join([p.text if isinstance(p, TextNode)
+                                     else await self._future(p.scope, p.name, p.def_index) for p in node.parts])
+                await self._define(scope, node.name, value, None)
             elif isinstance(node, ForkNode):
                 await self._fork(node, st)
             elif isinstance(node, JoinNode):
@@ -139,7 +146,7 @@ class _Run:
                     fut.exception()
 
     async def _fork(self, node: ForkNode, st: _Stream) -> None:
-        if wire.should_warm_fork(len(node.branches), st.text):
+        if self.fork_hint and wire.should_warm_fork(len(node.branches), st.text):
             # One prefill of the shared prefix, so every branch finds it in the radix cache.
             await self._call(wire.prefill_body(st.text))
         states = [st.copy() for _ in node.branches]
@@ -193,12 +200,14 @@ class _Run:
 
 
 async def execute_program(program: Program, generate: Generate,
-                          on_variable: Callable[[str, Any, Any], Awaitable[None]] | None = None) -> dict:
+                          on_variable: Callable[[str, Any, Any], Awaitable[None]] | None = None,
+                          fork_hint: bool = True) -> dict:
     """Run a validated program. `generate(body)` takes and returns /generate JSON (a list for a batch).
 
-    Every fork's branches start together, right after one max_new_tokens=0 warm-up of their shared prefix.
+    Every fork's branches start together, right after one max_new_tokens=0 warm-up of their shared prefix
+    (the fork prefix hint; `fork_hint=False`, the gateway's --disable-fork-hint, leaves it out).
     """
-    run = _Run(generate, on_variable)
+    run = _Run(generate, on_variable, fork_hint)
     root = _Stream()
     try:
         await run.stream(program.nodes, "", root)
@@ -211,14 +220,14 @@ async def execute_program(program: Program, generate: Generate,
     return {"text": root.text, "messages": root.messages, "variables": run.values, "meta_info": run.meta}
 
 
-async def stream_program(program: Program, generate: Generate) -> AsyncIterator[dict]:
+async def stream_program(program: Program, generate: Generate, fork_hint: bool = True) -> AsyncIterator[dict]:
     """Events for SSE: each variable as it completes, then the whole result."""
     events: asyncio.Queue = asyncio.Queue()
 
     async def on_variable(name, value, meta):
         await events.put({"type": "variable", "name": name, "value": value, "meta_info": meta})
 
-    task = asyncio.ensure_future(execute_program(program, generate, on_variable))
+    task = asyncio.ensure_future(execute_program(program, generate, on_variable, fork_hint))
     task.add_done_callback(lambda _: events.put_nowait(None))
     try:
         while (event := await events.get()) is not None:

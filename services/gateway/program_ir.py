@@ -84,6 +84,14 @@ class VarNode:
 
 
 @dataclass
+class SetNode:
+    """set_var: define `name` as `value` (JSON data), or as the text of `parts` (TextNode / VarNode) joined."""
+    name: str
+    parts: list[Any] | None
+    value: Any = None
+
+
+@dataclass
 class IfNode:
     """Run `then` when the variable's value (a definition fixed at validation) passes the test, else
     `orelse`. It ends its node list: the rest of the stream is inside both arms."""

@@ -4,12 +4,13 @@ the definition it sees. The result (services/gateway/program_ir.py) is what prog
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 from services.gateway.program_ir import (CHATML_ROLES, IF_TESTS, IF_TRANSFORMS, IR_VERSION, JOIN_MODES, NAME_RE, ROLES, SCOPE_RE,
                                          SELECT_METHODS, ForkNode, GenNode, IfNode, JoinNode, Program,
-                                         ProgramLimits, RoleNode, SelectNode, TextNode, VarNode)
+                                         ProgramLimits, RoleNode, SelectNode, SetNode, TextNode, VarNode)
 from shared.errors import InvalidRequest
 from shared.sampling_params import SamplingParams
 
@@ -96,7 +97,9 @@ class _Validator:
         if name not in target:
             target.append(name)
 
-    def nodes(self, raw: Any, path: str, scope: str, depth: int, role: str | None) -> tuple[list, str | None]:
+    def nodes(self, raw: Any, path: str, scope: str, depth: int, role: str | None,
+              only: tuple[str, ...] | None = None) -> tuple[list, str | None]:
+        """Validate a node list; `only`: the ops allowed in it (a set node's parts), else every op."""
         if not isinstance(raw, list):
             raise InvalidRequest(f"{path} must be a list of nodes", path)
         out = []
@@ -107,6 +110,8 @@ class _Validator:
                 raise InvalidRequest(f"program has more than {self.limits.max_nodes} nodes", p)
             if not isinstance(node, dict) or not isinstance(node.get("op"), str):
                 raise InvalidRequest(f"{p} must be an object with an 'op'", p)
+            if only is not None and node["op"] not in only:
+                raise InvalidRequest(f"{p} must be a {', '.join(only[:-1])} or {only[-1]} node", f"{p}.op")
             handler = self.ops.get(node["op"])
             if handler is None:
                 raise InvalidRequest(f"{p}: unknown op {node['op']!r}", f"{p}.op")
@@ -257,14 +262,32 @@ class _Validator:
             raise InvalidRequest(f"{p}: variable {name!r} is defined under a condition in another stream, so "
                                  "which value a read sees depends on the path; read it in its own stream", f"{p}.name")
         if kinds[-1] != "str":
-            raise InvalidRequest(f"{p}: variable {name!r} holds a gathered list and cannot be {what}",
-                                 f"{p}.name")
+            holds = "a gathered list" if kinds[-1] == "list" else "a value that is not a string"
+            raise InvalidRequest(f"{p}: variable {name!r} holds {holds} and cannot be {what}", f"{p}.name")
         return name, vscope, len(kinds) - 1
 
     def op_var(self, n, p, scope, depth, role):
         _no_extra_keys(n, {"op", "name", "scope"}, p)
         name, vscope, index = self.read(n.get("name"), n.get("scope", ""), p, "appended as text")
         return VarNode(name, vscope, index), role
+
+    def op_set(self, n, p, scope, depth, role):
+        _no_extra_keys(n, {"op", "name", "value", "parts"}, p)
+        name = self.name(n.get("name"), f"{p}.name", optional=False)
+        if ("value" in n) == ("parts" in n):
+            raise InvalidRequest(f"{p} must have either a value or parts", p)
+        if "parts" in n:
+            parts, _ = self.nodes(n["parts"], f"{p}.parts", scope, depth, role, only=("text", "var", "arg"))
+            self.define(scope, name)  # after its parts: `x = x + "!"` reads the previous x
+            return SetNode(name, parts), role
+        value = n["value"]
+        try:
+            encoded = json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"{p}.value must be JSON data", f"{p}.value") from None
+        self.add_text(encoded, f"{p}.value")
+        self.define(scope, name, "str" if isinstance(value, str) else "data")
+        return SetNode(name, None, value), role
 
     def op_if(self, n, p, scope, depth, role):
         _no_extra_keys(n, {"op", "cond", "then", "else"}, p)
@@ -323,7 +346,8 @@ class _Validator:
                 maybe.extend(n for n in mine + theirs if n not in self.defined_in[scope] and n not in maybe)
 
     ops = {"text": op_text, "arg": op_arg, "role_begin": op_role_begin, "role_end": op_role_end,
-           "gen": op_gen, "select": op_select, "fork": op_fork, "join": op_join, "var": op_var, "if": op_if}
+           "gen": op_gen, "select": op_select, "fork": op_fork, "join": op_join, "var": op_var, "if": op_if,
+           "set": op_set}
 
 
 def gathered(defined_in: dict[str, list[str]], branch_scopes: list[str]) -> list[str]:

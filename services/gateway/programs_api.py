@@ -29,9 +29,9 @@ async def run_program(state: "GatewayState", request: web.Request) -> web.Stream
     generate = meter.wrap(functools.partial(native_api.generate_json, state, cache_salt=salt))
     with state.program_slots.hold(salt):  # 429 when this key already runs its share
         if stream:
-            return await stream_events(request, _events(stream_program(program, generate)))
+            return await stream_events(request, _events(stream_program(program, generate, state.fork_hint)))
         try:
-            result = await execute_program(program, generate)
+            result = await execute_program(program, generate, fork_hint=state.fork_hint)
         except ProgramError as e:
             raise _failed(e) from None
         return web.Response(body=await meter.serialize(result), content_type="application/json")

@@ -39,6 +39,8 @@ class GatewayState:
     cpu: CpuWork = field(init=False)
     program_budget: ProgramBudget = field(default_factory=ProgramBudget)
     program_slots: ProgramSlots = field(init=False)
+    # The program endpoint's fork prefix hint: one prefill of a fork's shared prefix before its branches.
+    fork_hint: bool = True
     # Set on SIGTERM: /health answers 503 so load balancers stop sending, while requests still finish.
     draining: bool = False
     drain_grace: float = 1.0

@@ -37,9 +37,23 @@ def jump_forward(state: GrammarState, output_ids: list[int], tokenizer: Tokenize
     caps the net growth of the output (tokens left before max_new_tokens). On success the matcher
     stands after `output_ids[:len - rollback] + new_ids`; on None it is unchanged.
     """
+    jf = plan_jump(state, output_ids, tokenizer, max_retokenize=max_retokenize, budget=budget)
+    return jf if jf is not None and apply_jump(state, jf, output_ids) else None
+
+
+def forced_text(state: GrammarState) -> str:
+    """The text the grammar forces next ("" when jump-forward is off or nothing is forced)."""
+    return state.find_jump_forward_string() if state.jump_forward else ""
+
+
+def plan_jump(state: GrammarState, output_ids: list[int], tokenizer: Tokenizer, *,
+              max_retokenize: int = DEFAULT_MAX_RETOKENIZE, budget: int | None = None,
+              forced: str | None = None) -> JumpForward | None:
+    """The jump `jump_forward` would make, without touching the matcher (so a caller can weigh several
+    before taking any: `apply_jump`). `forced`: the forced text when the caller already has it."""
     if not state.jump_forward or (budget is not None and budget <= 0):
         return None
-    forced = state.find_jump_forward_string()
+    forced = state.find_jump_forward_string() if forced is None else forced
     if not forced:
         return None
     if budget is not None:
@@ -63,12 +77,18 @@ def jump_forward(state: GrammarState, output_ids: list[int], tokenizer: Tokenize
     # Never lose generated text, and make progress.
     if len(added_bytes) <= len(removed_bytes) or not added_bytes.startswith(removed_bytes):
         return None
-    state.rollback(rollback)
-    if not state.accept_tokens(new_ids):
-        restored = state.accept_tokens(tail[common:])
-        assert restored, "re-accepting previously accepted tokens cannot fail"
-        return None
     return JumpForward(forced_text=forced, rollback=rollback, new_ids=new_ids)
+
+
+def apply_jump(state: GrammarState, jf: JumpForward, output_ids: list[int]) -> bool:
+    """Advance the matcher over a planned jump (`output_ids` as when it was planned); False, with the
+    matcher unchanged, when the grammar refuses the new tokens."""
+    state.rollback(jf.rollback)
+    if not state.accept_tokens(jf.new_ids):
+        restored = state.accept_tokens(output_ids[len(output_ids) - jf.rollback:] if jf.rollback else [])
+        assert restored, "re-accepting previously accepted tokens cannot fail"
+        return False
+    return True
 
 
 def _retokenize(state: GrammarState, output_ids: list[int], tokenizer: Tokenizer, forced: str,

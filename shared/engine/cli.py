@@ -85,6 +85,9 @@ _HELP = {
     "disable_jump_forward": "decode grammar-forced tokens one by one (the ablation)",
     "jump_forward_mode": "retokenize: forced runs as the tokenizer's tokens (fastest); verify: forced "
                          "tokens checked against the model (output equals token-by-token decoding)",
+    "jump_forward_threshold": "retokenize mode: jump over forced text only when a step's forced tokens reach "
+                              "this many per running request (a catch-up extend pass costs the whole batch "
+                              "about that many decode steps) or a prompt is being admitted anyway; 0: always",
     "random_seed": "seed of requests without their own",
     "kv_transfer_staging": "PD: device (UCX moves GPU memory) or host (pinned buffers, UCX without CUDA)",
     "kv_transfer_timeout": "PD: seconds a decode worker waits for a request's KV pages",

@@ -59,6 +59,12 @@ class EngineConfig:
     # another segmentation, so later text can differ). verify: forced tokens are proposals checked in
     # the same pass against what the model samples, so output equals token-by-token decoding exactly.
     jump_forward_mode: str = "retokenize"
+    # Retokenize mode: a step's jumps are taken only when their forced tokens reach this many per running
+    # request, or the next pass extends anyway. A jump makes the next pass a catch-up extend of the whole
+    # batch (outside CUDA graphs) instead of a decode step; on the H200 (8B, batch 16) that costs a few
+    # decode steps, and one request's short forced run saves only its own steps (bench/RESULTS.md, JSON
+    # workload). 0: always jump.
+    jump_forward_threshold: float = 3.0
     random_seed: int = 0
     # Tensor parallelism: ranks (one process and one GPU each, NCCL; gloo on CPU) the model is split over.
     tp_size: int = 1

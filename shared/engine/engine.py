@@ -19,7 +19,7 @@ from typing import Callable
 from shared.cache.allocator import SlotAllocator
 from shared.cache.no_cache import NoPrefixCache
 from shared.cache.radix_cache import RadixCache
-from shared.constrained import jump_forward
+from shared.constrained import apply_jump, forced_text, jump_forward, plan_jump
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.model_runner import ModelRunner, StepOutput
@@ -105,6 +105,8 @@ class Engine:
         self._failing: ScheduleBatch | None = None
         self.failed_steps = 0
         self.jump_forward_tokens = 0
+        self.jump_forward_declined = 0  # jumps not taken: too few forced tokens to pay for a catch-up pass
+        self._jump_candidates: list[tuple[Req, int]] = []  # this step's grammar requests, for _settle_jumps
         self._host_dependent = 0  # live requests whose sampling needs their tokens on the host
         # PD mode: the prefill/decode halves (shared/engine/disagg.py), wired by the worker's transfer
         # glue; idle in unified mode.
@@ -376,11 +378,12 @@ class Engine:
             if first_steps:
                 self.decode_side.first_step_done(req)
             ready.append(req)
+        self._settle_jumps()
         self._emit(ready)
 
     def _take_token(self, req: Req, tok: int, accepted: list[int], logprob, top_logprobs) -> None:
-        """A sampled token reached the host: record it, detokenize, advance the grammar (jump-forward),
-        and decide whether the request is finished."""
+        """A sampled token reached the host: record it, detokenize, advance the grammar, and decide whether
+        the request is finished (a jump over forced text comes after the step's tokens: _settle_jumps)."""
         req.output_ids[req.num_resolved] = tok
         req.num_resolved += 1
         self.generated_tokens += 1
@@ -389,15 +392,18 @@ class Engine:
             req.pending_output_top_logprobs.append(top_logprobs or [])
         text, stop_hit = self.detok.add_tokens(req.detok, accepted + [tok])
         req.pending_text += text
-        p = req.params
         grammar_done = False
         if req.grammar is not None:
             if not req.grammar.accept_token(tok):
                 req.finish_reason = FinishAbort(message="the sampled token violates the grammar")
                 return
             grammar_done = req.grammar.is_terminated()
-            if not grammar_done and not stop_hit:
-                stop_hit = self._jump_forward(req) or stop_hit
+        self._check_finish(req, tok, stop_hit, grammar_done)
+        if req.grammar is not None and req.finish_reason is None:
+            self._jump_candidates.append((req, tok))  # jumped (or not) with the step's others: _settle_jumps
+
+    def _check_finish(self, req: Req, tok: int, stop_hit: bool, grammar_done: bool) -> None:
+        p = req.params
         n_out = req.num_resolved
         if grammar_done:
             req.finish_reason = FinishStop(matched=tok)
@@ -425,16 +431,43 @@ class Engine:
         if outputs:
             self.on_output(outputs)
 
-    def _jump_forward(self, req: Req) -> bool:
-        """Append the run of tokens the grammar forces (compressed FSM), re-tokenized at the boundary.
-        Only the just-sampled token (no KV yet) may be rewritten, so no computed KV is discarded; the
-        next step extends all new tokens in one pass. Returns whether a stop string appeared."""
+    def _settle_jumps(self) -> None:
+        """Jump the step's grammar requests over the text their grammars force (compressed FSM), all
+        together or none: the next pass then extends the forced tokens (a catch-up pass, outside CUDA
+        graphs, for the whole batch) instead of decoding one token per request. It pays when the forced
+        tokens per running request reach `jump_forward_threshold` (about what a catch-up pass costs
+        over a decode step, in decode steps), or when the next pass extends anyway (waiting or chunked
+        prompts). Declined runs are decoded one by one, the mask forcing each token."""
+        candidates, self._jump_candidates = self._jump_candidates, []
+        # Only requests still running (a step that failed half-way may leave ended ones behind).
+        candidates = [(req, tok) for req, tok in candidates if not req.finished]
+        if not candidates or self.config.disable_jump_forward:
+            return
         if self.config.jump_forward_mode == "verify":
-            return self._propose_forced(req)
-        budget = req.params.max_new_tokens - req.num_resolved
-        jf = jump_forward(req.grammar, req.output_ids, self.tokenizer, max_retokenize=1, budget=budget)
-        if jf is None:
-            return False
+            for req, _ in candidates:
+                self._propose_forced(req)
+            return
+        jumps = []
+        for req, tok in candidates:  # planned only: the matchers move for the jumps taken
+            forced = forced_text(req.grammar)
+            budget = req.params.max_new_tokens - req.num_resolved
+            jf = plan_jump(req.grammar, req.output_ids, self.tokenizer, max_retokenize=1, budget=budget,
+                           forced=forced) if forced else None
+            if jf is not None:
+                jumps.append((req, tok, jf))
+        extend_due = bool(self.scheduler.waiting) or self.scheduler.chunked is not None
+        need = self.config.jump_forward_threshold * len(self.scheduler.running)
+        if not extend_due and sum(len(jf.new_ids) - jf.rollback for _, _, jf in jumps) < need:
+            self.jump_forward_declined += len(jumps)
+            return
+        jumps = [(req, tok, jf) for req, tok, jf in jumps if apply_jump(req.grammar, jf, req.output_ids)]
+        for req, tok, jf in jumps:
+            self._check_finish(req, tok, self._jump_forward(req, jf), False)
+
+    def _jump_forward(self, req: Req, jf) -> bool:
+        """Append the run of tokens the grammar forced, re-tokenized at the boundary. Only the just-sampled
+        token (no KV yet) may be rewritten, so no computed KV is discarded; the next step extends all new
+        tokens in one pass. Returns whether a stop string appeared."""
         if jf.rollback:
             del req.output_ids[-jf.rollback:]
         req.output_ids.extend(jf.new_ids)
@@ -550,6 +583,7 @@ class Engine:
             req.output_ids.append(PENDING_TOKEN)
             self.runner.set_last_token(req.req_pool_idx, first_token)
             self._take_token(req, first_token, [], logprob, top_logprobs)
+            self._settle_jumps()
         self._emit([req])
 
     def _finish(self, req: Req, reason: FinishReason, error: str | None = None, refused: bool = False) -> None:
@@ -660,6 +694,7 @@ class Engine:
             "failed_steps": self.failed_steps,
             "generated_tokens": self.generated_tokens,
             "jump_forward_tokens": self.jump_forward_tokens,
+            "jump_forward_declined": self.jump_forward_declined,
             "grammar_cache": {"hits": self.grammars.hits, "misses": self.grammars.misses, "entries": len(self.grammars)},
             "disable_radix_cache": self.config.disable_radix_cache,
             "schedule_policy": self.config.schedule_policy,
