@@ -17,7 +17,7 @@ dl .whl/extra jsonschema==4.26.0 jsonschema-specifications referencing rpds-py p
   pytest-timeout==2.4.0
 # The services' own imports the image may lack (the program benchmark runs the real gateway + worker).
 dl .whl/svc prometheus-client==0.26.0 redis==8.1.0 requests==2.34.2 urllib3 idna certifi charset-normalizer \
-  jinja2==3.1.6 markupsafe uvloop==0.23.0 orjson==3.13.0
+  jinja2==3.1.6 markupsafe uvloop==0.23.0 orjson==3.13.0 msgspec==0.23.0
 # UCX for the PD benchmark (bench/pd.py); the image already has cuda-bindings / cuda-core.
 dl .whl/ucx ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 rmm-cu13==26.10.0 librmm-cu13==26.10.0 \
   rapids-logger==0.3.0 nvidia-ml-py
