@@ -110,16 +110,23 @@ def request_body(route: str, ids: list[int], out_len: int, stream: bool) -> tupl
             "max_new_tokens": out_len, "ignore_eos": True, "temperature": 0}}
     if route == "completions":
         return "/v1/completions", {"model": MODEL["id"], "prompt": ids, "max_tokens": out_len, "stream": stream,
-                                   "temperature": 0, "ignore_eos": True}
+                                   "temperature": 0, "ignore_eos": True,
+                                   **({"stream_options": {"include_usage": True}} if stream else {})}
     text = " ".join(str(i) for i in ids)  # chat takes text; lengths are approximate here
     return "/v1/chat/completions", {"model": MODEL["id"], "messages": [{"role": "user", "content": text}],
-                                    "max_tokens": out_len, "stream": stream, "temperature": 0, "ignore_eos": True}
+                                    "max_tokens": out_len, "stream": stream, "temperature": 0, "ignore_eos": True,
+                                    **({"stream_options": {"include_usage": True}} if stream else {})}
 
 
 def _count(route: str, ev: dict, n: int) -> int:
-    """Output tokens so far from one streamed event."""
+    """Output tokens so far from one streamed event. An OpenAI event may carry several tokens (a stream
+    that fell behind gets its queued tokens as one increment): the final usage chunk gives the exact
+    count; until then each event with text counts as one."""
     if route == "generate":
         return ev.get("meta_info", {}).get("completion_tokens", n)
+    usage = ev.get("usage") or {}
+    if usage.get("completion_tokens"):
+        return max(n, usage["completion_tokens"])
     choices = ev.get("choices") or []
     if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
         return n + 1
@@ -150,6 +157,9 @@ async def one(session, url: str, route: str, ids: list[int], out_len: int, strea
                 if "error" in ev:
                     return {"error": str(ev["error"])[:200]}
                 new_n = _count(route, ev, n)
+                if not ev.get("choices") and route != "generate":
+                    n = new_n  # the final usage chunk: the exact count, not a token arrival
+                    continue
                 if new_n > n:
                     now = time.perf_counter()
                     if ttft is None:

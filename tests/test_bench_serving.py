@@ -50,3 +50,13 @@ def test_gateway_overhead_bench_runs_end_to_end():
                         "--step-ms", "2"], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tokens 48, errors 0" in r.stdout and "gateway" in r.stdout and "us/token" in r.stdout, r.stdout
+
+
+def test_openai_stream_count_takes_the_usage_chunk():
+    """Events may carry several tokens (a stream that fell behind): the final usage chunk is the count."""
+    from bench.serving import _count, request_body
+
+    assert request_body("completions", [1, 2], 4, True)[1]["stream_options"] == {"include_usage": True}
+    n = _count("completions", {"choices": [{"text": "a b c"}]}, 0)
+    assert n == 1
+    assert _count("completions", {"choices": [], "usage": {"completion_tokens": 3}}, n) == 3
