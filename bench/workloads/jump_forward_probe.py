@@ -24,6 +24,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.forward_batch import ForwardMode
 from shared.protocol import GenerateRequest
+from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
 HEAD = ("Please extract the information of a city from the following wikipedia page.\n"
@@ -104,7 +105,7 @@ def run(engine: Engine, reqs: list[list[int]], parallel: int, sampling: dict, st
             while (submitted < len(reqs) and submitted - len(done) < parallel
                    and (submitted >= parallel or counts["steps"] - last_submit >= stagger)):
                 engine.submit(GenerateRequest(rid=f"{base}-{submitted}", input_ids=reqs[submitted],
-                                              sampling=sampling, stream=False))
+                                              sampling=SamplingParams.from_dict(sampling), stream=False))
                 submitted += 1
                 last_submit = counts["steps"]
             kind[0] = None
@@ -124,7 +125,8 @@ def run(engine: Engine, reqs: list[list[int]], parallel: int, sampling: dict, st
                   forced_tokens=engine.jump_forward_tokens - jf0,
                   jumps_declined=engine.jump_forward_declined - declined0, sampled_tokens=engine.generated_tokens - gen0,
                   output_tokens=sum(o.completion_tokens for o in done.values()),
-                  finished_by_length=sum((o.finish_reason or {}).get("type") == "length" for o in done.values()))
+                  finished_by_length=sum(o.finish_reason is not None and o.finish_reason.TYPE == "length"
+                                             for o in done.values()))
     counts["mean_decode_bs"] = round(counts["decode_bs"] / max(1, counts["decode_passes"]), 2)
     # Host time spent deciding and making jumps (planning, tokenizing, matcher moves), per engine step.
     counts["settle_ms_per_step"] = round(counts.pop("settle_ms") / max(1, counts["steps"]), 3)
