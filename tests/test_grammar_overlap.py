@@ -4,6 +4,7 @@ host fills this step's masks while the device runs the forward, and only then is
 Outputs are those of strictly sequential steps."""
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -28,8 +29,10 @@ class _Trace:
     """Order of the runner's calls: a step's forward launched, its masks filled, its results waited on."""
 
     def __init__(self, engine):
-        self.events: list[tuple[str, int]] = []
+        self.events: list[tuple[str, int]] = []  # (what, step number)
         self.extend_with_pending = 0
+        self.seq: dict[int, int] = {}  # id(batch) -> step number (ids are reused: the latest wins)
+        self._count = itertools.count()
         runner = engine.runner
         launch, sample_pending, build = runner.launch, runner.sample_pending, runner.masker.build
         trace = self
@@ -37,18 +40,19 @@ class _Trace:
         def traced_launch(batch):
             if batch.mode == ForwardMode.EXTEND and PENDING_TOKEN in batch.input_ids:
                 trace.extend_with_pending += 1
+            step = trace.seq[id(batch)] = next(trace._count)
             handle = launch(batch)
-            trace.events.append(("launch", id(batch)))
+            trace.events.append(("launch", step))
             resolve = handle.resolve
 
             def traced_resolve():
-                trace.events.append(("wait", id(batch)))
+                trace.events.append(("wait", step))
                 return resolve()
             handle.resolve = traced_resolve
             return handle
 
         def traced_sample_pending(handle):
-            trace.events.append(("sample", id(handle.batch)))
+            trace.events.append(("sample", trace.seq[id(handle.batch)]))
             return sample_pending(handle)
 
         def traced_build(states, device=None):
@@ -68,8 +72,7 @@ class _Trace:
         out = []
         for k, b in enumerate(order):
             start = pos[("launch", b)]
-            fills = [n for n, (kind, _) in enumerate(self.events) if kind == "fill"
-                     and n > start and self._owner(n) == b]
+            fills = [n for n, (kind, _) in enumerate(self.events) if kind == "fill" and self._owner(n) == b]
             if not fills:
                 continue
             prev_wait = pos.get(("wait", order[k - 1])) if k else None

@@ -19,7 +19,7 @@ from typing import Callable
 from shared.cache.allocator import SlotAllocator
 from shared.cache.no_cache import NoPrefixCache
 from shared.cache.radix_cache import RadixCache
-from shared.constrained import apply_jump, forced_text, jump_forward, plan_jump
+from shared.constrained import apply_jump, forced_text, jump_forward, plan_jump, set_allowed
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.model_runner import ModelRunner, StepOutput
@@ -110,6 +110,7 @@ class Engine:
         self.jump_forward_tokens = 0
         self.jump_forward_declined = 0  # jumps not taken: too few forced tokens to pay for a catch-up pass
         self._jump_candidates: list[tuple[Req, int]] = []  # this step's grammar requests, for _settle_jumps
+        self.forced_mask_rows = 0  # verify mode: proposal positions masked from the forced text, no fill
         self._host_dependent = 0  # live requests whose sampling needs their tokens on the host
         # PD mode: the prefill/decode halves (shared/engine/disagg.py), wired by the worker's transfer
         # glue; idle in unified mode.
@@ -520,15 +521,35 @@ class Engine:
         self._leave_launching(req)
         k = len(jf.new_ids)
         req.grammar.rollback(k)
-        masks = torch.full((k + 1, (self.runner.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        for m, t in enumerate(jf.new_ids):
-            req.grammar.fill_bitmask(masks, m)
-            accepted = req.grammar.accept_token(t)
-            assert accepted, "a forced token the grammar just produced must be accepted"
-        req.grammar.fill_bitmask(masks, k)
+        req.proposal_masks = self._forced_run_masks(req.grammar, jf)
         req.output_ids.extend(jf.new_ids)
-        req.proposed, req.proposal_masks = k, masks
+        req.proposed = k
         return False
+
+    def _forced_run_masks(self, grammar, jf) -> torch.Tensor:
+        """Allowed tokens at each proposal position and after the last, replaying the matcher over
+        the proposals (it ends after them). Inside the forced run the allowed tokens are those that
+        spell a prefix of the forced text still ahead (VocabIndex.prefix_tokens): those rows need no
+        fill by the matcher, only the positions where the grammar's choice is open do (where a token
+        may run past the forced text, or the grammar could end)."""
+        k = len(jf.new_ids)
+        masks = torch.full((k + 1, (self.runner.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        ahead = jf.forced_text.encode()
+        vocab = grammar.vocab
+        for m, t in enumerate(jf.new_ids):
+            allowed = None
+            if ahead.startswith(vocab.token_bytes[t]) and not grammar.is_completed():
+                allowed = vocab.prefix_tokens(ahead)
+            if allowed is None:
+                grammar.fill_bitmask(masks, m)
+            else:
+                set_allowed(masks, m, allowed)
+                self.forced_mask_rows += 1
+            accepted = grammar.accept_token(t)
+            assert accepted, "a forced token the grammar just produced must be accepted"
+            ahead = ahead[len(vocab.token_bytes[t]):] if ahead.startswith(vocab.token_bytes[t]) else b""
+        grammar.fill_bitmask(masks, k)
+        return masks
 
     def _verify_proposals(self, req: Req, out: StepOutput, i: int) -> tuple[int, list[int]]:
         """Keep the proposals the model sampled itself (same seed and step, same mask: exactly what
