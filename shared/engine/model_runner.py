@@ -336,11 +336,12 @@ class ModelRunner:
             fb.prefix_groups = plan.prefix_groups
         elif PENDING_TOKEN in plan.input_ids:
             # A running request riding along in an extend pass with a token still on the device (overlap):
-            # its value is the previous step's sample, in token_buf. Every rank substitutes it from its own
-            # token_buf (rank 0's samples, broadcast).
-            fb.input_ids = torch.where(fb.input_ids == PENDING_TOKEN,
-                                       self.token_buf[fb.req_pool_indices.repeat_interleave(fb.extend_seq_lens)],
-                                       fb.input_ids)
+            # its value is the previous step's sample, in token_buf (indices built on the host: no sync).
+            # Every rank substitutes it from its own token_buf (rank 0's samples, broadcast).
+            rows = [r for r, e in zip(plan.req_pool_indices, plan.extend_lens) for _ in range(e)]
+            at = [j for j, t in enumerate(plan.input_ids) if t == PENDING_TOKEN]
+            fb.input_ids[to_device(at, torch.int64, dev)] = self.token_buf[to_device([rows[j] for j in at],
+                                                                                     torch.int64, dev)]
         if plan.use_graph:
             return fb, self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
                                              fb.out_cache_loc)
