@@ -140,3 +140,38 @@ def test_mask_timing_records_each_masked_step():
     _run(h, _requests()[:2])
     timing = h.engine.runner.mask_timing
     assert timing and all(end >= start and rows >= 1 and host_s == end - start for start, end, rows, host_s in timing)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("threshold", [0, 3])
+def test_every_decode_input_is_the_hosts_token_after_jumps(overlap, threshold):
+    """A decode pass reads its inputs from the device (token_buf). Wherever the host already knows the
+    token at the position being decoded, the device must hold that token: in particular after a
+    retokenizing jump that rolled back the sampled token and added one token (one token to compute, so
+    a decode pass, not a catch-up extend), which left the rolled-back sample there before."""
+    h = Harness(jump_forward_mode="retokenize", jump_forward_threshold=threshold, enable_overlap=overlap)
+    runner, engine = h.engine.runner, h.engine
+    checked, swaps = [0], [0]
+    launch, jump = runner.launch, engine._jump_forward
+
+    def checking_launch(batch):
+        if batch.mode == ForwardMode.DECODE:
+            for req, p in zip(batch.reqs, batch.prefix_lens):
+                want = req.all_ids[p]
+                if want != PENDING_TOKEN:
+                    assert int(runner.token_buf[req.req_pool_idx]) == want, (req.rid, p)
+                    checked[0] += 1
+        return launch(batch)
+
+    def counting_jump(req, jf):
+        swaps[0] += jf.rollback == 1 and len(jf.new_ids) == 1
+        return jump(req, jf)
+    runner.launch, engine._jump_forward = checking_launch, counting_jump
+    got = _run(h, _requests())
+    assert checked[0] > 0 and engine.jump_forward_tokens > 0
+    if threshold == 0:
+        assert swaps[0] > 0, "no jump swapped the sample for one token: the case is not exercised"
+    ref = Harness(disable_jump_forward=True)
+    for ids, ref_ids, s in zip(got, _run(ref, _requests()), _requests()):
+        if "regex" not in s and "json_schema" not in s:
+            assert ids == ref_ids  # unconstrained riders are unaffected by the others' jumps

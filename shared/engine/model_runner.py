@@ -526,7 +526,8 @@ class ModelRunner:
         return bitmask_to_bool(to_device(bitmask, torch.int32, device), self.vocab_size)
 
     def set_last_token(self, req_pool_idx: int, token_id: int) -> None:
-        """Correct a request's next decode input (a verified proposal was rejected)."""
+        """Correct a request's next decode input on every rank (a verified proposal was rejected, a
+        jump-forward replaced the sample)."""
         if self.tp is not None:
             self.tp.send(("set_token", req_pool_idx, token_id))
         self.token_buf[req_pool_idx] = token_id
