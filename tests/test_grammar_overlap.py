@@ -15,6 +15,10 @@ from tests.engine_harness import Harness
 from tests.test_engine_grammar import REGEXES, SCHEMA, prompt
 
 UNCONSTRAINED = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+# Retokenizing parity runs jump every forced run: with --jump-forward-threshold above 0 whether a run is
+# jumped depends on the batch around it (running and waiting requests, which grammar compile times on
+# threads vary), and a jumped run is tokenized differently from a decoded one.
+RETOKENIZE = {"jump_forward_mode": "retokenize", "jump_forward_threshold": 0}
 
 
 def _requests():
@@ -93,7 +97,7 @@ def _run(h: Harness, reqs):
 
 @pytest.mark.parametrize("mode", ["off", "retokenize", "verify"])
 def test_masks_fill_between_the_forward_launch_and_the_wait(mode):
-    jf = {"disable_jump_forward": True} if mode == "off" else {"jump_forward_mode": mode}
+    jf = {"off": {"disable_jump_forward": True}, "retokenize": RETOKENIZE, "verify": {"jump_forward_mode": mode}}[mode]
     h = Harness(**jf)
     trace = _Trace(h.engine)
     got = _run(h, _requests())
@@ -118,7 +122,7 @@ def test_jump_forward_under_overlap_drops_the_stale_row_and_keeps_outputs(cfg):
     """Retokenizing jump-forward appends forced tokens while the next step, already launched, decodes
     the request from the sampled token: that row is dropped and the forced run extends next, with
     the other requests riding along (their last token still on the device)."""
-    h = Harness(jump_forward_mode="retokenize", **cfg)
+    h = Harness(**RETOKENIZE, **cfg)
     trace = _Trace(h.engine)
     dropped = []
     sample_pending = h.engine.runner.sample_pending
@@ -129,7 +133,7 @@ def test_jump_forward_under_overlap_drops_the_stale_row_and_keeps_outputs(cfg):
     h.engine.runner.sample_pending = counting
     got = _run(h, _requests())
     assert sum(dropped) > 0 and trace.extend_with_pending > 0
-    ref = Harness(jump_forward_mode="retokenize", enable_overlap=False, **cfg)
+    ref = Harness(**RETOKENIZE, enable_overlap=False, **cfg)
     assert got == _run(ref, _requests())
     assert h.engine.scheduler.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
 
@@ -168,8 +172,8 @@ def test_every_decode_input_is_the_hosts_token_after_jumps(overlap, threshold):
         return jump(req, jf)
     runner.launch, engine._jump_forward = checking_launch, counting_jump
     got = _run(h, _requests())
-    assert checked[0] > 0 and engine.jump_forward_tokens > 0
-    if threshold == 0:
+    assert checked[0] > 0
+    if threshold == 0:  # every forced run jumped (at 3, how many are depends on the batch around them)
         assert swaps[0] > 0, "no jump swapped the sample for one token: the case is not exercised"
     ref = Harness(disable_jump_forward=True)
     for ids, ref_ids, s in zip(got, _run(ref, _requests()), _requests()):
