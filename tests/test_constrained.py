@@ -346,6 +346,31 @@ def test_extendable_tokens_match_brute_force(cache):
         assert cache.vocab.is_extendable(i) == expected, (i, b)
 
 
+@pytest.mark.parametrize("kind,text", [("json_schema", json.dumps(s)) for s in SCHEMAS.values()]
+                         + [("regex", r"call me at \d{3}-\d{4}, thanks!"), ("regex", r"(alpha|beta)-[0-9]{2}")])
+def test_prefix_tokens_inside_a_forced_run_equal_the_matchers_mask(tok, cache, kind, text):
+    """Verify mode masks proposal positions inside a forced run from the forced text alone: wherever
+    that is decidable (`prefix_tokens` is not None), it must give exactly the matcher's allowed set."""
+    decided = 0
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        state = cache.state_for(kind, text)
+        for _ in range(120):
+            if state.is_terminated():
+                break
+            bitmask = torch.full((1, (MODEL_VOCAB + 31) // 32), -1, dtype=torch.int32)
+            state.fill_bitmask(bitmask, 0)
+            allowed = bitmask_to_bool(bitmask, MODEL_VOCAB)[0].nonzero().flatten().tolist()
+            forced = state.find_jump_forward_string().encode()
+            derived = cache.vocab.prefix_tokens(forced) if forced and not state.is_completed() else None
+            if derived is not None:
+                decided += 1
+                assert sorted(derived) == allowed, forced
+            pick = allowed[int(torch.randint(len(allowed), (1,), generator=gen))]
+            assert state.accept_token(pick)
+    assert decided > 10
+
+
 def test_jump_forward_leaves_matcher_unchanged_when_nothing_is_forced(tok, cache):
     state = cache.state_for("regex", "(yes|no)")
     assert jump_forward(state, [], tok) is None and state.num_accepted == 0

@@ -162,6 +162,8 @@ def test_verified_jump_forward_equals_token_by_token(cfg):
                 assert abs(x[0] - y[0]) < 1e-4
     assert on.engine.jump_forward_tokens > 0
     assert on.engine.steps < off.engine.steps
+    # Most proposal positions took their mask from the forced text (no matcher fill).
+    assert on.engine.forced_mask_rows > on.engine.jump_forward_tokens // 2
     for h in (on, off):
         assert h.engine.scheduler.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
 

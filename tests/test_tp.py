@@ -97,6 +97,32 @@ def test_tp_engine_matches_single_rank(tp1, tp):
     assert parallel.tp_size() == 1  # the process's rank state is reset with its group
 
 
+def test_tp_retokenized_jumps_under_overlap_match_single_rank():
+    """Grammar masks fill while the forward runs (overlap stays on): a request that jumps leaves the
+    launched pass on every rank (its row's token is not broadcast, its next input is set on every rank),
+    and the catch-up pass after the jump extends the other requests with their last token still on the
+    device, which every rank substitutes from its own copy of rank 0's samples."""
+    from shared.engine.forward_batch import ForwardMode
+    from shared.engine.request import PENDING_TOKEN
+    from tests.test_grammar_overlap import _requests, _run
+
+    results, riders = [], []
+    for tp in (1, 2):
+        h = Harness(tp_size=tp, jump_forward_mode="retokenize", jump_forward_threshold=0)
+        launch, seen = h.engine.runner.launch, [0]
+
+        def counting(batch, launch=launch, seen=seen):
+            seen[0] += batch.mode == ForwardMode.EXTEND and PENDING_TOKEN in batch.input_ids
+            return launch(batch)
+        h.engine.runner.launch = counting
+        try:
+            results.append(_run(h, _requests()))
+            riders.append(seen[0])
+        finally:
+            h.engine.stop()
+    assert results[0] == results[1] and riders[1] > 0, riders
+
+
 @pytest.mark.parametrize("family", ["llama_bias", "qwen2", "tied"])
 def test_tp_families_match_single_rank(family, tmp_path):
     """Row-parallel biases added once, one kv head replicated on both ranks (qwen2), a vocab-parallel

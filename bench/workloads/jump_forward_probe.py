@@ -23,7 +23,7 @@ from bench.workloads.programs import CITY_REGEX, make_json
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.forward_batch import ForwardMode
-from shared.protocol import GenerateRequest
+from shared.protocol import FinishLength, GenerateRequest
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
@@ -105,13 +105,13 @@ def run(engine: Engine, reqs: list[list[int]], parallel: int, sampling: dict, st
             while (submitted < len(reqs) and submitted - len(done) < parallel
                    and (submitted >= parallel or counts["steps"] - last_submit >= stagger)):
                 engine.submit(GenerateRequest(rid=f"{base}-{submitted}", input_ids=reqs[submitted],
-                                              sampling=SamplingParams.from_dict(sampling), stream=False))
+                                              sampling=SamplingParams(**sampling), stream=False))
                 submitted += 1
                 last_submit = counts["steps"]
             kind[0] = None
             t = time.perf_counter()
             engine.step()
-            if kind[0] is not None:  # grammar requests turn overlap off: a step launches and finishes its pass
+            if kind[0] is not None:  # the step launching this pass (it processes the previous one too)
                 step_s[kind[0]] += time.perf_counter() - t
             counts["steps"] += 1
     finally:
@@ -125,8 +125,7 @@ def run(engine: Engine, reqs: list[list[int]], parallel: int, sampling: dict, st
                   forced_tokens=engine.jump_forward_tokens - jf0,
                   jumps_declined=engine.jump_forward_declined - declined0, sampled_tokens=engine.generated_tokens - gen0,
                   output_tokens=sum(o.completion_tokens for o in done.values()),
-                  finished_by_length=sum(o.finish_reason is not None and o.finish_reason.TYPE == "length"
-                                             for o in done.values()))
+                  finished_by_length=sum(isinstance(o.finish_reason, FinishLength) for o in done.values()))
     counts["mean_decode_bs"] = round(counts["decode_bs"] / max(1, counts["decode_passes"]), 2)
     # Host time spent deciding and making jumps (planning, tokenizing, matcher moves), per engine step.
     counts["settle_ms_per_step"] = round(counts.pop("settle_ms") / max(1, counts["steps"]), 3)

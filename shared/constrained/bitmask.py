@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -67,6 +68,15 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, rows: list[int
     if rows is not None and len(rows) == logits.shape[0]:
         rows = None  # every row constrained: the kernel's dense path
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size or logits.shape[-1], indices=rows)
+
+
+def set_allowed(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
+    """bitmask[row] (a host int32 bitmask) allows exactly `token_ids`: the row for a position whose
+    allowed tokens are known without asking the matcher (inside a forced run)."""
+    words = bitmask[row].numpy().view(np.uint32)
+    words[:] = 0
+    ids = np.asarray(token_ids, dtype=np.int64)
+    np.bitwise_or.at(words, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
 
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}

@@ -5,6 +5,7 @@ xgrammar's `TokenizerInfo.from_huggingface` wants a `transformers` tokenizer; we
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import xgrammar as xgr
@@ -63,6 +64,10 @@ class VocabIndex:
     special_ids: frozenset[int]
     extendable_ids: frozenset[int] = field(repr=False)
     max_token_bytes: int = 1  # the longest token's byte length (bounds the text a token stands for)
+    # Ordinary tokens by their bytes (several ids may spell the same bytes), and those bytes sorted:
+    # `prefix_tokens` reads both.
+    ids_by_bytes: dict[bytes, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    sorted_bytes: list[bytes] = field(default_factory=list, repr=False)
 
     @classmethod
     def build(cls, info: xgr.TokenizerInfo) -> "VocabIndex":
@@ -80,8 +85,26 @@ class VocabIndex:
             if j < len(ordinary) and ordinary[j][0].startswith(b):
                 extendable.add(i)
         longest = max((len(b) for i, b in enumerate(token_bytes) if i not in special), default=1)
+        by_bytes: dict[bytes, list[int]] = {}
+        for b, i in ordinary:
+            by_bytes.setdefault(b, []).append(i)
         return cls(token_bytes=token_bytes, special_ids=special, extendable_ids=frozenset(extendable),
-                   max_token_bytes=max(1, longest))
+                   max_token_bytes=max(1, longest), ids_by_bytes={b: tuple(v) for b, v in by_bytes.items()},
+                   sorted_bytes=list(by_bytes))
 
     def is_extendable(self, token_id: int) -> bool:
         return token_id in self.extendable_ids
+
+    def prefix_tokens(self, text: bytes) -> list[int] | None:
+        """The ordinary tokens that spell a non-empty prefix of `text`: when the grammar forces `text`
+        next, exactly the tokens it allows, unless some token spells `text` and then more (whether
+        that one is allowed depends on what the grammar takes after `text`): then None."""
+        if not text:
+            return None
+        i = bisect.bisect_right(self.sorted_bytes, text)
+        if i < len(self.sorted_bytes) and self.sorted_bytes[i].startswith(text):
+            return None
+        ids: list[int] = []
+        for n in range(1, min(len(text), self.max_token_bytes) + 1):
+            ids.extend(self.ids_by_bytes.get(text[:n], ()))
+        return ids

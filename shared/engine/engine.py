@@ -19,11 +19,11 @@ from typing import Callable
 from shared.cache.allocator import SlotAllocator
 from shared.cache.no_cache import NoPrefixCache
 from shared.cache.radix_cache import RadixCache
-from shared.constrained import apply_jump, forced_text, jump_forward, plan_jump
+from shared.constrained import apply_jump, forced_text, jump_forward, plan_jump, set_allowed
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.model_runner import ModelRunner, StepOutput
-from shared.engine.request import PENDING_TOKEN, Req
+from shared.engine.request import PENDING_TOKEN, Req, ReqStatus
 from shared.engine.scheduler import ScheduleBatch, Scheduler
 from shared import limits
 from shared.errors import InvalidRequest
@@ -99,6 +99,9 @@ class Engine:
         self.steps = 0
         self.generated_tokens = 0
         self._pending = None  # PendingStep launched but not yet processed
+        # The step launched in this call of step() while the previous one is processed: a request
+        # whose next input changes on the host then (jump-forward) leaves it (`_leave_launching`).
+        self._launching = None
         # Fault isolation: batches launched and not yet processed, and the one being launched or
         # processed right now (the one a step's exception belongs to).
         self._inflight: list[ScheduleBatch] = []
@@ -107,6 +110,7 @@ class Engine:
         self.jump_forward_tokens = 0
         self.jump_forward_declined = 0  # jumps not taken: too few forced tokens to pay for a catch-up pass
         self._jump_candidates: list[tuple[Req, int]] = []  # this step's grammar requests, for _settle_jumps
+        self.forced_mask_rows = 0  # verify mode: proposal positions masked from the forced text, no fill
         self._host_dependent = 0  # live requests whose sampling needs their tokens on the host
         # PD mode: the prefill/decode halves (shared/engine/disagg.py), wired by the worker's transfer
         # glue; idle in unified mode.
@@ -173,8 +177,10 @@ class Engine:
 
         With overlap on, step N+1 is scheduled and launched before step N's tokens reach the host; the
         scheduler sees placeholders for them (decode inputs are read on the device). Requests whose
-        next sampling depends on host state (penalties over their output, grammars) turn overlap off
-        for the steps they are in."""
+        next sampling depends on host state (penalties over their output) turn overlap off for the
+        steps they are in. Grammars do not: a step with constrained requests launches its forward
+        pass, then step N is processed (the grammars take its tokens), then the host fills step N+1's
+        masks while the device runs its forward, and only then is N+1's sampling enqueued."""
         if self._pending is not None and (not self.config.enable_overlap or self._host_dependent > 0):
             self._resolve_pending()
         self._drain_inbox(block=self.scheduler.is_idle() and self._pending is None and not self._grammar_wait)
@@ -195,10 +201,20 @@ class Engine:
         self._inflight.append(batch)
         self._on_launch(batch)
         self._failing = None
-        self._resolve_pending()
+        self._launching = handle
+        try:
+            self._resolve_pending()
+        finally:
+            self._launching = None
+        if handle.needs_sampling:
+            self._failing = batch
+            self.runner.sample_pending(handle)
+            self._failing = None
         self._pending = handle
         self.steps += 1
-        if not self.config.enable_overlap or self._host_dependent > 0:
+        if not self.config.enable_overlap or self._host_dependent > 0 or handle.counts is not None:
+            # A pass verifying proposals (jump-forward, verify mode) decides on the host where its
+            # requests continue: nothing is scheduled after it until it is processed.
             self._resolve_pending()
         return True
 
@@ -207,7 +223,7 @@ class Engine:
             return
         handle, self._pending = self._pending, None
         self._failing = handle.batch
-        self._process(handle.batch, handle.resolve())
+        self._process(handle.batch, handle.resolve(), handle.dropped)
         self._inflight.remove(handle.batch)
         self._failing = None
 
@@ -347,12 +363,12 @@ class Engine:
         if self.prefill_side.on_kv_gathered is not None:
             self.prefill_side.on_launch(batch.reqs, batch.sample)
 
-    def _process(self, batch: ScheduleBatch, out: StepOutput) -> None:
+    def _process(self, batch: ScheduleBatch, out: StepOutput, dropped: set[int] = frozenset()) -> None:
         ready: list[Req] = []
         first_steps = self.decode_side.timing  # PD: requests whose first decode step is being timed
         for i, req in enumerate(batch.reqs):
-            if req.finished:
-                continue  # finished (or aborted) while this step was in flight: its results are moot
+            if req.finished or i in dropped:
+                continue  # finished (or aborted, or left the step) while it was in flight: results moot
             if out.input_logprobs[i] is not None:
                 req.input_logprobs.extend(out.input_logprobs[i])
                 req.input_top_logprobs.extend(out.input_top_logprobs[i])
@@ -451,8 +467,9 @@ class Engine:
         for req, tok in candidates:  # planned only: the matchers move for the jumps taken
             forced = forced_text(req.grammar)
             budget = req.params.max_new_tokens - req.num_resolved
-            jf = plan_jump(req.grammar, req.output_ids, self.tokenizer, max_retokenize=1, budget=budget,
-                           forced=forced) if forced else None
+            # The resolved tokens only: a trailing placeholder belongs to the step being launched.
+            jf = plan_jump(req.grammar, req.output_ids[:req.num_resolved], self.tokenizer, max_retokenize=1,
+                           budget=budget, forced=forced) if forced else None
             if jf is not None:
                 jumps.append((req, tok, jf))
         extend_due = bool(self.scheduler.waiting) or self.scheduler.chunked is not None
@@ -460,17 +477,24 @@ class Engine:
         if not extend_due and sum(len(jf.new_ids) - jf.rollback for _, _, jf in jumps) < need:
             self.jump_forward_declined += len(jumps)
             return
-        jumps = [(req, tok, jf) for req, tok, jf in jumps if apply_jump(req.grammar, jf, req.output_ids)]
+        jumps = [(req, tok, jf) for req, tok, jf in jumps
+                 if apply_jump(req.grammar, jf, req.output_ids[:req.num_resolved])]
         for req, tok, jf in jumps:
             self._check_finish(req, tok, self._jump_forward(req, jf), False)
 
     def _jump_forward(self, req: Req, jf) -> bool:
         """Append the run of tokens the grammar forced, re-tokenized at the boundary. Only the just-sampled
-        token (no KV yet) may be rewritten, so no computed KV is discarded; the next step extends all new
-        tokens in one pass. Returns whether a stop string appeared."""
+        token may be rewritten (its KV exists only if the step launched meanwhile computed it: that row
+        leaves the step, `_leave_launching`); the next step extends all new tokens in one pass. Returns
+        whether a stop string appeared."""
+        self._leave_launching(req)
         if jf.rollback:
             del req.output_ids[-jf.rollback:]
         req.output_ids.extend(jf.new_ids)
+        if req.req_pool_idx is not None:
+            # The next input is now the run's last token, not the sample: a rollback with one new token
+            # leaves a single token to compute, which a decode pass reads from the device buffer.
+            self.runner.set_last_token(req.req_pool_idx, req.output_ids[-1])
         req.num_resolved = len(req.output_ids)
         req.sent_token_count = min(req.sent_token_count, req.num_resolved)
         self.jump_forward_tokens += len(jf.new_ids)
@@ -485,22 +509,47 @@ class Engine:
     def _propose_forced(self, req: Req) -> bool:
         """Verify mode: append the forced run as proposals, with the allowed-token mask at each of
         their positions (recorded by replaying the matcher over them). The next pass extends them and
-        samples at every position; `_verify_proposals` keeps the prefix the model agrees with."""
+        samples at every position; `_verify_proposals` keeps the prefix the model agrees with. A request
+        retracted to the queue meanwhile (overlap) proposes nothing: it decodes on when readmitted."""
+        if req.status is not ReqStatus.RUNNING:
+            return False
         budget = req.params.max_new_tokens - req.num_resolved - 1  # room for the sample after them
-        jf = jump_forward(req.grammar, req.output_ids, self.tokenizer, max_retokenize=0, budget=budget)
+        jf = jump_forward(req.grammar, req.output_ids[:req.num_resolved], self.tokenizer, max_retokenize=0,
+                          budget=budget)
         if jf is None or not jf.new_ids:
             return False
+        self._leave_launching(req)
         k = len(jf.new_ids)
         req.grammar.rollback(k)
-        masks = torch.full((k + 1, (self.runner.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        for m, t in enumerate(jf.new_ids):
-            req.grammar.fill_bitmask(masks, m)
-            accepted = req.grammar.accept_token(t)
-            assert accepted, "a forced token the grammar just produced must be accepted"
-        req.grammar.fill_bitmask(masks, k)
+        req.proposal_masks = self._forced_run_masks(req.grammar, jf)
         req.output_ids.extend(jf.new_ids)
-        req.proposed, req.proposal_masks = k, masks
+        req.proposed = k
         return False
+
+    def _forced_run_masks(self, grammar, jf) -> torch.Tensor:
+        """Allowed tokens at each proposal position and after the last, replaying the matcher over
+        the proposals (it ends after them). Inside the forced run the allowed tokens are those that
+        spell a prefix of the forced text still ahead (VocabIndex.prefix_tokens): those rows need no
+        fill by the matcher, only the positions where the grammar's choice is open do (where a token
+        may run past the forced text, or the grammar could end)."""
+        k = len(jf.new_ids)
+        masks = torch.full((k + 1, (self.runner.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        ahead = jf.forced_text.encode()
+        vocab = grammar.vocab
+        for m, t in enumerate(jf.new_ids):
+            allowed = None
+            if ahead.startswith(vocab.token_bytes[t]) and not grammar.is_completed():
+                allowed = vocab.prefix_tokens(ahead)
+            if allowed is None:
+                grammar.fill_bitmask(masks, m)
+            else:
+                set_allowed(masks, m, allowed)
+                self.forced_mask_rows += 1
+            accepted = grammar.accept_token(t)
+            assert accepted, "a forced token the grammar just produced must be accepted"
+            ahead = ahead[len(vocab.token_bytes[t]):] if ahead.startswith(vocab.token_bytes[t]) else b""
+        grammar.fill_bitmask(masks, k)
+        return masks
 
     def _verify_proposals(self, req: Req, out: StepOutput, i: int) -> tuple[int, list[int]]:
         """Keep the proposals the model sampled itself (same seed and step, same mask: exactly what
@@ -513,8 +562,10 @@ class Engine:
         while j < k and samples[j] == props[j]:
             j += 1
         tok = samples[j]
-        del req.output_ids[base + j:]
-        req.output_ids.append(PENDING_TOKEN)
+        if j < k:
+            self._leave_launching(req)  # its next pass read the sample after the last proposal
+        # Rejected proposals go; the sample's placeholder (and a later step's, if any) stays.
+        del req.output_ids[base + j:base + k]
         if j < k:
             req.grammar.rollback(k - j)
             self.scheduler.truncate_kv(req, len(req.input_ids) + base + j)
@@ -529,6 +580,22 @@ class Engine:
         self.jump_forward_tokens += j
         self.generated_tokens += j
         return tok, props[:j]
+
+    def _leave_launching(self, req: Req) -> None:
+        """`req`'s next input just changed on the host (forced tokens appended, a proposal rejected):
+        if the step being launched holds it, that row's result is ignored, its placeholder removed and
+        the KV that row writes forgotten; the next pass extends the request from the right place."""
+        handle = self._launching
+        if handle is None:
+            return
+        batch = handle.batch
+        i = next((m for m, r in enumerate(batch.reqs) if r is req), None)
+        if i is None or i in handle.dropped:
+            return
+        handle.dropped.add(i)
+        if batch.sample[i] and req.params.max_new_tokens > 0:
+            req.output_ids.pop()  # that step's placeholder: always the last entry
+        self.scheduler.truncate_kv(req, min(req.kv_len, batch.prefix_lens[i]))
 
     def _release(self, req: Req) -> None:
         """Drop tokens still pending on the device (from a step launched after the one that finished
@@ -547,8 +614,7 @@ class Engine:
 
     @staticmethod
     def _is_host_dependent(p: SamplingParams) -> bool:
-        return (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
-                or p.grammar is not None)
+        return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
 
     def _make_output(self, req: Req) -> TokenOutput:
         new_ids = req.output_ids[req.sent_token_count:req.num_resolved]
@@ -612,7 +678,7 @@ class Engine:
         failing, self._failing = self._failing, None
         dropped = list(self._inflight) + ([failing] if failing is not None and failing not in self._inflight else [])
         self._inflight.clear()
-        self._pending = None
+        self._pending = self._launching = None
         if failing is None:  # not in a batch (scheduling, the inbox): nothing to pin it on
             self._fail_all(f"internal error in the engine step ({type(exc).__name__})")
             return

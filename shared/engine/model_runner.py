@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ from shared.cache.kv_pool import KVPool, ReqToTokenPool
 from shared.engine.config import EngineConfig
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
 from shared.engine.h2d import to_device
-from shared.engine.request import Req
+from shared.engine.request import PENDING_TOKEN, Req
 from shared.engine.sampler import SamplingBatch, sample
 from shared.engine.scheduler import ScheduleBatch
 
@@ -60,14 +61,28 @@ class StepOutput:
 
 class PendingStep:
     """A launched step: device work enqueued, results copied to the host asynchronously. `resolve()`
-    waits for them; until then the CPU is free to schedule and launch the next step."""
+    waits for them; until then the CPU is free to schedule and launch the next step.
 
-    def __init__(self, out: StepOutput, batch: ScheduleBatch, sampled: list[int], tensors: dict,
+    A step with grammar-constrained requests is launched in two halves: the forward pass first, its
+    sampling later (`ModelRunner.sample_pending`), once the engine has advanced the grammars by the
+    previous step's tokens; the host fills the masks while the device runs the forward. Rows in
+    `dropped` (requests whose next input changed on the host meanwhile: jump-forward, a rejected
+    proposal) are sampled without a mask and their results are ignored."""
+
+    def __init__(self, out: StepOutput, batch: ScheduleBatch, sampled: list[int], tensors: dict | None,
                  event: "torch.cuda.Event | None", counts: list[int] | None = None):
         self.out, self.batch, self.sampled, self.tensors, self.event = out, batch, sampled, tensors, event
         self.counts = counts  # sample rows per sampled request (None: one each)
+        self.dropped: set[int] = set()
+        self.deferred: tuple | None = None  # (runner, logits, fb, sampling batch): not sampled yet
+
+    @property
+    def needs_sampling(self) -> bool:
+        return self.deferred is not None
 
     def resolve(self) -> StepOutput:
+        if self.deferred is not None:
+            self.deferred[0].sample_pending(self)
         if self.event is not None:
             self.event.synchronize()
         out, t = self.out, self.tensors
@@ -190,6 +205,10 @@ class ModelRunner:
         # alone samples.
         self.masker = MaskBuilder(self.vocab_size, max_threads=max(2, min(8, (os.cpu_count() or 2) // 2))) \
             if tp_rank == 0 else None
+        # Set to a list to record, per step with grammar masks, (start, end, masked rows, host seconds
+        # of the fill): start/end are CUDA events around the fill on a GPU (their gap is the part of the
+        # fill the forward did not hide), host clock readings on CPU. bench/structured.py reads it.
+        self.mask_timing: list | None = None
         # Last sampled token of each request row, on the device: the next decode step's input.
         self.token_buf = torch.zeros(config.max_running_requests + 1, dtype=torch.int64, device=self.device)
         self.attn_backend = create_attention_backend(
@@ -315,6 +334,14 @@ class ModelRunner:
         if decode:
             fb.input_ids = self.token_buf[fb.req_pool_indices]
             fb.prefix_groups = plan.prefix_groups
+        elif PENDING_TOKEN in plan.input_ids:
+            # A running request riding along in an extend pass with a token still on the device (overlap):
+            # its value is the previous step's sample, in token_buf (indices built on the host: no sync).
+            # Every rank substitutes it from its own token_buf (rank 0's samples, broadcast).
+            rows = [r for r, e in zip(plan.req_pool_indices, plan.extend_lens) for _ in range(e)]
+            at = [j for j, t in enumerate(plan.input_ids) if t == PENDING_TOKEN]
+            fb.input_ids[to_device(at, torch.int64, dev)] = self.token_buf[to_device([rows[j] for j in at],
+                                                                                     torch.int64, dev)]
         if plan.use_graph:
             return fb, self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
                                              fb.out_cache_loc)
@@ -381,11 +408,11 @@ class ModelRunner:
 
     def _sample(self, batch: ScheduleBatch, logits: torch.Tensor, sampled: list[int], out: StepOutput,
                 fb: ForwardBatch, counts: list[int] | None = None) -> PendingStep:
-        """Sample one row per request, or, for a request with proposals, one row per proposal
-        position plus one (`counts`); row m of such a request is its sample after m proposals."""
-        if self.tokenizer_vocab_size < logits.shape[-1]:
-            # Padded embedding rows have no text: never sample them.
-            logits[:, self.tokenizer_vocab_size:] = float("-inf")
+        """The forward is enqueued; sample one row per request, or, for a request with proposals, one
+        row per proposal position plus one (`counts`); row m of such a request is its sample after m
+        proposals. Without grammars sampling is enqueued now; with them it waits for `sample_pending`
+        (the engine calls it once the grammars have taken the previous step's tokens; `resolve` does
+        if nobody did), and the host fills the masks then, while the device runs this forward."""
         reqs = [batch.reqs[i] for i in sampled]
         if counts is None:
             rows_req, rows_step = reqs, [len(r.output_ids) for r in reqs]
@@ -401,24 +428,43 @@ class ModelRunner:
             vocab_size=self.vocab_size, device=self.device,
             eos_ids=[self._stop_ids(r) for r in rows_req],
             min_new_tokens_active=[st < r.params.min_new_tokens for r, st in zip(rows_req, rows_step)])
+        handle = PendingStep(out, batch, sampled, None, None, counts)
+        handle.deferred = (self, logits, fb, sb)
+        if any(r.grammar is not None for r in reqs):
+            return handle
+        self.sample_pending(handle)
+        return handle
+
+    def sample_pending(self, handle: PendingStep) -> None:
+        """Fill the grammar masks (host), then enqueue sampling and the copy of its results."""
+        _, logits, fb, sb = handle.deferred
+        handle.deferred = None
+        batch, sampled, counts = handle.batch, handle.sampled, handle.counts
+        if self.tokenizer_vocab_size < logits.shape[-1]:
+            # Padded embedding rows have no text: never sample them.
+            logits[:, self.tokenizer_vocab_size:] = float("-inf")
+        reqs = [batch.reqs[i] for i in sampled]
+        # Rows whose result will be ignored take no mask: dropped ones, and requests already finished.
+        live = [i not in handle.dropped and not batch.reqs[i].finished for i in sampled]
         k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        vocab_mask = None
-        if counts is not None:
-            vocab_mask = self._proposal_masks(reqs, counts, logits.device)
-        elif any(r.grammar is not None for r in reqs):
-            mask = self.masker.build([r.grammar for r in reqs], device=logits.device)
-            vocab_mask = mask.to_bool() if mask is not None else None
+        vocab_mask = self._grammar_masks(handle, reqs, live, logits.device)
         res = sample(logits, sb, top_logprobs_num=k, vocab_mask=vocab_mask)
         last_rows = res.next_token_ids
         if counts is not None:
             ends = torch.tensor(counts).cumsum(0) - 1
             last_rows = res.next_token_ids[to_device(ends, torch.int64, self.device)]
+        if handle.dropped:
+            # A dropped row's next input may have been set on the host (set_last_token): keep it.
+            keep = [m for m, i in enumerate(sampled) if i not in handle.dropped]
+            last_rows = last_rows[to_device(keep, torch.int64, self.device)]
+            sampled = [sampled[m] for m in keep]
         rows = fb.req_pool_indices if len(sampled) == batch.batch_size else \
             fb.req_pool_indices[to_device(sampled, torch.int64, self.device)]
         if self.tp is not None:  # every rank feeds rank 0's samples into the next step
             from shared.models.parallel import broadcast
 
-            self.tp.send(("tokens", [batch.reqs[i].req_pool_idx for i in sampled]))
+            # The rows as launched: a request that finished meanwhile has given its row back.
+            self.tp.send(("tokens", [fb.req_pool_indices_cpu[i] for i in sampled]))
             last_rows = broadcast(last_rows.to(torch.int64).contiguous())
         self.token_buf[rows] = last_rows
         tensors = {"ids": res.next_token_ids, "lps": res.logprobs, "top_ids": res.top_logprobs_ids,
@@ -430,26 +476,58 @@ class ModelRunner:
                            if v is not None else None) for k, v in tensors.items()}
             event = torch.cuda.Event()
             event.record()
-        return PendingStep(out, batch, sampled, tensors, event, counts)
+        handle.tensors, handle.event = tensors, event
 
-    def _proposal_masks(self, reqs: list[Req], counts: list[int], device: torch.device) -> torch.Tensor:
-        """Allowed tokens per sample row: stored masks for proposal positions (filled when the
-        proposals were made), the grammar's current mask for other constrained requests."""
+    def _grammar_masks(self, handle: PendingStep, reqs: list[Req], live: list[bool],
+                       device: torch.device) -> torch.Tensor | None:
+        """bool [rows, V] of allowed tokens for the sampler, or None when no row is constrained."""
+        counts = handle.counts
+        states = [r.grammar if ok else None for r, ok in zip(reqs, live)]
+        if counts is None and not any(s is not None for s in states):
+            return None
+        timing = self.mask_timing
+        if timing is not None:
+            t0 = time.perf_counter()
+            start = t0
+            if self.device.type == "cuda":
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+        if counts is not None:
+            vocab_mask = self._proposal_masks(reqs, live, counts, device)
+            rows = sum(counts)
+        else:
+            mask = self.masker.build(states, device=device)
+            vocab_mask = mask.to_bool() if mask is not None else None
+            rows = len(mask.rows) if mask is not None else 0
+        if timing is not None:
+            end = time.perf_counter()
+            host_s = end - t0
+            if self.device.type == "cuda":
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+            timing.append((start, end, rows, host_s))
+        return vocab_mask
+
+    def _proposal_masks(self, reqs: list[Req], live: list[bool], counts: list[int],
+                        device: torch.device) -> torch.Tensor:
+        """Allowed tokens per sample row: stored masks for proposal positions (made with the
+        proposals), the grammar's current mask for other constrained requests."""
         from shared.constrained import bitmask_to_bool
 
         width = next(r.proposal_masks.shape[1] for r, c in zip(reqs, counts) if c > 1)
         bitmask = torch.full((sum(counts), width), -1, dtype=torch.int32)
         row = 0
-        for r, c in zip(reqs, counts):
+        for r, ok, c in zip(reqs, live, counts):
             if c > 1:
                 bitmask[row:row + c] = r.proposal_masks
-            elif r.grammar is not None and not r.grammar.is_terminated():
+            elif ok and r.grammar is not None and not r.grammar.is_terminated():
                 r.grammar.fill_bitmask(bitmask, row)
             row += c
         return bitmask_to_bool(to_device(bitmask, torch.int32, device), self.vocab_size)
 
     def set_last_token(self, req_pool_idx: int, token_id: int) -> None:
-        """Correct a request's next decode input (a verified proposal was rejected)."""
+        """Correct a request's next decode input on every rank (a verified proposal was rejected, a
+        jump-forward replaced the sample)."""
         if self.tp is not None:
             self.tp.send(("set_token", req_pool_idx, token_id))
         self.token_buf[req_pool_idx] = token_id

@@ -105,7 +105,8 @@ class Req:
         """Forget unverified jump-forward proposals (their grammar progress too)."""
         if self.proposed:
             self.grammar.rollback(self.proposed)
-            del self.output_ids[len(self.output_ids) - self.proposed:]
+            # Proposals follow the resolved tokens; a placeholder after them (a pass in flight) goes too.
+            del self.output_ids[self.num_resolved:]
             self.proposed, self.proposal_masks = 0, None
 
     def remaining_new_tokens(self) -> int:
