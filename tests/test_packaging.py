@@ -135,7 +135,7 @@ def test_compose_services_restart_get_hf_token_and_share_ipc(compose):
         assert svc.get("profiles"), f"{name}: every service belongs to a topology's profile"
         if name != "redis":
             assert "HF_TOKEN" in svc["environment"], name
-    for profile in ("unified", "pd"):
+    for profile in ("unified", "pd", "tp"):
         for name, svc in _workers(compose, profile):
             assert svc["ipc"] == "host" and svc["healthcheck"]["start_period"]
             devices = svc["deploy"]["resources"]["reservations"]["devices"]
@@ -145,6 +145,7 @@ def test_compose_services_restart_get_hf_token_and_share_ipc(compose):
 @pytest.mark.parametrize("profile,launch_argv", [
     ("unified", []),
     ("pd", ["--topology", "pd", "--worker-gpus", "0,1"]),
+    ("tp", ["--tp-size", "2"]),
 ])
 def test_compose_profiles_start_what_launch_starts(compose, profile, launch_argv, monkeypatch):
     """Same worker roles in the same order, on the same GPUs, with flags the worker and gateway parse."""
@@ -162,8 +163,12 @@ def test_compose_profiles_start_what_launch_starts(compose, profile, launch_argv
     if launch.worker_gpus:
         gpus = launch.worker_gpus.split(",")
         assert [a.device for a in parsed] == [f"cuda:{gpus[i % len(gpus)]}" for i in range(len(parsed))]
+    assert [a.tp_size for a in parsed] == [launch.tp_size] * len(parsed)
     for (name, svc), args in zip(workers, parsed):
         assert args.redis_url == "redis://redis:6379/0" and args.advertise_host == name
+        if args.tp_size > 1:  # one GPU per rank reserved for the container
+            (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+            assert int(_interpolate(str(dev["count"]))) == args.tp_size
         assert args.worker_id.startswith(args.role)
         if args.role == "decode":
             assert args.transfer_port > 0  # a fixed port other containers can reach
