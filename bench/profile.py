@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 import subprocess
 import threading
 import time
 
 from bench.common import log
+from shared import procfs
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds of each thread of pid, keyed "tid name"."""
-    ticks = os.sysconf("SC_CLK_TCK")
     out = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -26,13 +27,11 @@ def thread_cpu(pid: int) -> dict[str, float]:
         return out
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
         except OSError:
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[f"{tid} {name}"] = (int(fields[11]) + int(fields[12])) / ticks
+        out[f"{tid} {name}"] = procfs.cpu_seconds(pid, int(tid))
     return out
 
 
@@ -102,6 +101,9 @@ def profile_process(pid: int, out_prefix: str, delay: float = 8.0, seconds: floa
     thread) and per-thread CPU of pid, written to `out_prefix`.txt (dumps, CPU, summary) and `out_prefix`.raw."""
     def run():
         time.sleep(delay)
+        if shutil.which("py-spy") is None:
+            log("profile skipped: py-spy is not installed (pip install -e \".[bench]\")")
+            return
         raw = out_prefix + ".raw"
         with open(out_prefix + ".txt", "w") as f:
             for i in range(2):
