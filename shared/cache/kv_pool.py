@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from shared.h2d import to_device
+
 
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
@@ -64,10 +66,7 @@ class ReqToTokenPool:
         """`slots` on the host (staged through pinned memory and copied without blocking: a pageable copy
         would wait for all the work queued on the stream, the pass in flight included) or on the device."""
         dev = self.req_to_token.device
-        if slots.device != dev and dev.type == "cuda":
-            values = slots.to(torch.int32).pin_memory().to(dev, non_blocking=True)
-        else:
-            values = slots.to(dev, torch.int32)
+        values = to_device(slots, torch.int32, dev) if slots.device != dev else slots.to(torch.int32)
         self.req_to_token[row, start:start + len(slots)] = values
         if self.on_write is not None:
             self.on_write(row, start, slots)

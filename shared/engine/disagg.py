@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from shared.errors import InvalidRequest
-from shared.engine.h2d import to_device
+from shared.h2d import to_device
 from shared.protocol import FinishTransferred, GenerateRequest, KvDone, KvHeader
 from shared.transfer import kv_pages
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.engine.h2d import to_device
+from shared.h2d import to_device
 
 if TYPE_CHECKING:
     from shared.models.attention.base import AttentionBackend

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.h2d import to_device
+from shared.h2d import to_device
 from shared.engine.penalties import PenaltyState
 from shared.sampling_params import SamplingParams
 
