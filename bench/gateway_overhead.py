@@ -4,6 +4,7 @@ token is measured on any machine (no GPU), and a change to the wire, the dispatc
 as a number in seconds.
 
     python -m bench.gateway_overhead [--streams 256] [--tokens 128] [--step-ms 30] [--route completions]
+                                     [--stream-interval 1]
 
 The fake engine runs the worker's real `WorkerServer`; every `--step-ms` it emits one token for each
 running request in one `on_output` call, as the real engine does once per step. The gateway is
@@ -32,8 +33,9 @@ from shared import procfs  # noqa: E402
 class FakeEngine:
     """The engine interface WorkerServer uses, backed by a thread that emits a token per request per step."""
 
-    def __init__(self, step_s: float):
+    def __init__(self, step_s: float, stream_interval: int = 1):
         self.step_s = step_s
+        self.stream_interval = stream_interval  # as the engine's --stream-interval
         self.on_output = None
         self.steps = 0
         self._lock = threading.Lock()
@@ -47,7 +49,7 @@ class FakeEngine:
 
     def submit(self, msg) -> None:
         with self._lock:
-            self._running[msg.rid] = [0, msg.sampling.max_new_tokens, len(msg.input_ids)]
+            self._running[msg.rid] = [0, msg.sampling.max_new_tokens, len(msg.input_ids), []]
         self._wake.set()
 
     def abort(self, rid: str) -> None:
@@ -83,10 +85,14 @@ class FakeEngine:
             with self._lock:
                 for rid, st in list(self._running.items()):
                     st[0] += 1
+                    st[3].append(next(tokens))
                     done = st[0] >= st[1]
-                    outs.append(TokenOutput(rid=rid, token_ids=[next(tokens)], text=" x", finished=done,
+                    if not done and st[0] > 1 and len(st[3]) < self.stream_interval:
+                        continue
+                    outs.append(TokenOutput(rid=rid, token_ids=st[3], text=" x" * len(st[3]), finished=done,
                                             finish_reason=FinishLength(length=st[1]) if done else None,
                                             prompt_tokens=st[2], completion_tokens=st[0]))
+                    st[3] = []
                     if done:
                         del self._running[rid]
             self.steps += 1
@@ -96,11 +102,11 @@ class FakeEngine:
                 time.sleep(left)
 
 
-async def _serve_fake_worker(port: int, step_s: float) -> None:
+async def _serve_fake_worker(port: int, step_s: float, stream_interval: int = 1) -> None:
     from services.worker.server import WorkerServer
     from shared.wire import internal_key
 
-    server = WorkerServer(FakeEngine(step_s), internal_key=internal_key())
+    server = WorkerServer(FakeEngine(step_s, stream_interval), internal_key=internal_key())
     bound = await server.start("127.0.0.1", port)
     print(f"FAKE WORKER {bound}", flush=True)
     await asyncio.Event().wait()
@@ -132,13 +138,15 @@ def main():
     ap.add_argument("--step-ms", type=float, default=30.0)
     ap.add_argument("--route", default="completions", choices=["completions", "generate", "chat"])
     ap.add_argument("--no-stream", action="store_true")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="tokens per streamed increment, as the engine's --stream-interval")
     ap.add_argument("--profile", default=None, metavar="PREFIX", help="py-spy of the gateway under load (PREFIX.txt)")
     ap.add_argument("--fake-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.fake_worker is not None:
         from shared import event_loop
 
-        event_loop.run(_serve_fake_worker(args.fake_worker, args.step_ms / 1000))
+        event_loop.run(_serve_fake_worker(args.fake_worker, args.step_ms / 1000, args.stream_interval))
         return
 
     from bench.serving import MODEL, run_load, summarize
@@ -147,7 +155,7 @@ def main():
            "PYTHONPATH": ROOT}
     wport, gport = _free_port(), _free_port()
     worker = subprocess.Popen([sys.executable, "-m", "bench.gateway_overhead", "--fake-worker", str(wport),
-                               "--step-ms", str(args.step_ms)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               "--step-ms", str(args.step_ms), "--stream-interval", str(args.stream_interval)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     gateway = None
     try:

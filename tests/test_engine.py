@@ -92,6 +92,30 @@ def test_streamed_text_never_shows_a_stop_string(h):
     assert streamed == ref["text"][:ref["text"].find(stop)]
 
 
+@pytest.mark.parametrize("interval", [1, 4])
+def test_stream_interval_batches_increments_and_loses_nothing(h, interval):
+    """--stream-interval N: the first token at once, then increments of N tokens, the rest with the
+    finish; the concatenation is the whole greedy output, ids and text alike."""
+    p = prompts(1, seed=9)[0]
+    ref = h.generate(p, sampling=GREEDY)
+    h.engine.config.stream_interval = interval
+    try:
+        rid = h.submit(p, sampling=GREEDY, stream=True)
+        h.run([rid])
+    finally:
+        h.engine.config.stream_interval = 1
+    outs = [o for o in h.outputs[rid] if o.token_ids or o.finished]
+    assert [t for o in outs for t in o.token_ids] == ref["ids"]
+    assert "".join(o.text for o in h.outputs[rid]) == ref["text"]
+    sizes = [len(o.token_ids) for o in outs]
+    assert sizes[0] == 1
+    if interval == 1:
+        assert set(sizes[:-1]) == {1}
+    else:
+        assert all(n >= interval for n in sizes[1:-1]), sizes
+        assert len(outs) <= 2 + GREEDY["max_new_tokens"] // interval, sizes
+
+
 def test_min_new_tokens_blocks_eos(h):
     p = prompts(1, seed=6)[0]
     eos = tokenizer().eos_token_ids[0]

@@ -5,6 +5,10 @@ the stream or call waiting for it (a TokenOutputs frame, one engine step's outpu
 stream it names). When the connection drops, every pending stream and call fails at once with
 WorkerUnavailable, so nothing waits on a dead socket; every other wait has a timeout too.
 
+A stream's silence limit (`token_timeout`) is kept by one watchdog task per client that looks at every
+stream's last delivery about four times per limit, not by a timer armed around every wait: with one token
+per step per stream, a per-wait timer was one timer per token.
+
 Timeouts use `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` swallows a cancellation that
 lands in the same loop turn as a result, and a swallowed cancellation here is a request that never aborts.
 """
@@ -14,6 +18,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
+from collections import deque
 from typing import AsyncIterator
 
 from services.gateway.errors import WorkerUnavailable
@@ -33,6 +39,34 @@ class _Lost:
         self.reason = reason
 
 
+class _Mailbox:
+    """One stream's increments: filled by the read loop, drained by the stream's task. Lighter than an
+    asyncio.Queue (no getter list, no loop lookup per wait) since it has exactly one consumer."""
+
+    __slots__ = ("items", "waiter", "last")
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
+        self.last = time.monotonic()  # when the stream last got something (or started)
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        self.last = time.monotonic()
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until something is in the box (returns at once if something is)."""
+        if not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+
 class WorkerClient:
     def __init__(self, host: str, port: int, *, connect_timeout: float = 10.0, call_timeout: float = 10.0,
                  token_timeout: float = 600.0, max_backoff: float = 5.0, internal_key: str | None = None):
@@ -46,7 +80,8 @@ class WorkerClient:
         self.max_backoff = max_backoff
         self._writer: asyncio.StreamWriter | None = None
         self._connected = asyncio.Event()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Mailbox] = {}
+        self._watchdog: asyncio.Task | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._task: asyncio.Task | None = None
@@ -97,16 +132,28 @@ class WorkerClient:
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
         if self._task is None and not self._closed:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"worker-{self.address}")
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._run(), name=f"worker-{self.address}")
+            self._watchdog = loop.create_task(self._watch_silence(), name=f"watchdog-{self.address}")
 
     async def close(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        for task in (self._task, self._watchdog):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._task = self._watchdog = None
         self._fail_pending("gateway shutting down")
+
+    async def _watch_silence(self) -> None:
+        """End every stream that has waited longer than `token_timeout` since its last delivery."""
+        while True:
+            await asyncio.sleep(min(1.0, self.token_timeout / 4))
+            now = time.monotonic()
+            for box in list(self._streams.values()):
+                if box.waiter is not None and now - box.last > self.token_timeout:
+                    box.put(_Lost(f"worker {self.address} sent nothing for {self.token_timeout:.0f} s"))
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -166,13 +213,13 @@ class WorkerClient:
             msg = await read_message(reader)
             if isinstance(msg, TokenOutputs):
                 for out in msg.outputs:
-                    queue = streams.get(out.rid)
-                    if queue is not None:  # else: output of a request we already gave up on
-                        queue.put_nowait(out)
+                    box = streams.get(out.rid)
+                    if box is not None:  # else: output of a request we already gave up on
+                        box.put(out)
             elif isinstance(msg, TokenOutput):
-                queue = streams.get(msg.rid)
-                if queue is not None:
-                    queue.put_nowait(msg)
+                box = streams.get(msg.rid)
+                if box is not None:
+                    box.put(msg)
             elif isinstance(msg, PongResult) and msg.call_id == 0:
                 self.draining = msg.draining  # unasked: the worker's readiness changed
             elif isinstance(msg, (InfoResult, FlushCacheResult, PongResult)):
@@ -193,8 +240,8 @@ class WorkerClient:
             writer.transport.abort()
 
     def _fail_pending(self, reason: str) -> None:
-        for queue in self._streams.values():
-            queue.put_nowait(_Lost(reason))
+        for box in self._streams.values():
+            box.put(_Lost(reason))
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(WorkerUnavailable(reason))
@@ -229,8 +276,9 @@ class WorkerClient:
         connection drops or the worker goes silent; leaving early (break, cancel) aborts on the worker."""
         if req.rid in self._streams:
             raise ValueError(f"request id {req.rid!r} is already running on {self.address}")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[req.rid] = queue
+        box = _Mailbox()
+        self._streams[req.rid] = box
+        items = box.items
         finished = False
         lost: _Lost | None = None
         try:
@@ -239,23 +287,16 @@ class WorkerClient:
                 if lost is not None:
                     finished = True  # the worker side is gone; nothing to abort there
                     raise WorkerUnavailable(lost.reason)
-                if queue.empty():  # the silence timer only while waiting: no timer per token
-                    try:
-                        async with asyncio.timeout(self.token_timeout):
-                            item = await queue.get()
-                    except TimeoutError:
-                        raise WorkerUnavailable(
-                            f"worker {self.address} sent nothing for {self.token_timeout:.0f} s") from None
-                else:
-                    item = queue.get_nowait()
+                await box.wait()  # the silence limit: _watch_silence
+                item = items.popleft()
                 if isinstance(item, _Lost):
                     lost = item
                     continue
                 # A consumer that fell behind (a slow client, a busy gateway) gets what queued up as one
                 # increment: one event per batch of tokens instead of per token, so falling behind does
                 # not make the gateway fall further behind.
-                while not item.finished and not queue.empty():
-                    nxt = queue.get_nowait()
+                while not item.finished and items:
+                    nxt = items.popleft()
                     if isinstance(nxt, _Lost):
                         lost = nxt
                         break

@@ -43,7 +43,18 @@ def _tp_size(value: str) -> int:
     return size
 
 
-_TYPES = {"device": _device, "attention_backend": _attention_backend, "tp_size": _tp_size}
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+_TYPES = {"device": _device, "attention_backend": _attention_backend, "tp_size": _tp_size,
+          "stream_interval": _positive_int}
 
 # Flag names where SGLang's launcher names the same setting differently: its name first (what --help and
 # child processes use), ours kept as an alias. Boolean fields that default to true also take SGLang's
@@ -89,6 +100,8 @@ _HELP = {
                               "this many per running request (a catch-up extend pass costs the whole batch "
                               "about that many decode steps) or a prompt is being admitted anyway; 0: always",
     "random_seed": "seed of requests without their own",
+    "stream_interval": "streaming requests receive new tokens every this many tokens (first and last at once); "
+                       "larger values cut per-token serving overhead, smaller ones give smoother streams",
     "kv_transfer_staging": "PD: device (UCX moves GPU memory) or host (pinned buffers, UCX without CUDA)",
     "kv_transfer_timeout": "PD: seconds a decode worker waits for a request's KV pages",
     "tp_size": "tensor-parallel ranks: the worker spawns one process per rank (GPUs cuda:N..N+tp-1 from "

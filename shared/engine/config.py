@@ -66,6 +66,10 @@ class EngineConfig:
     # workload). 0: always jump.
     jump_forward_threshold: float = 3.0
     random_seed: int = 0
+    # Streaming requests get their new tokens every this many tokens (the first and the last at once), as
+    # SGLang's --stream-interval: fewer, larger increments cut the per-token work of the worker's IO, the
+    # wire and the gateway (one SSE event per increment) at the cost of a burstier stream.
+    stream_interval: int = 1
     # Tensor parallelism: ranks (one process and one GPU each, NCCL; gloo on CPU) the model is split over.
     tp_size: int = 1
     # PD mode. Staging of KV pages: device (UCX reads/writes GPU memory: cuda_copy / cuda_ipc) or host

@@ -437,12 +437,14 @@ class Engine:
 
     def _emit(self, ready: list[Req]) -> None:
         outputs = []
+        interval = self.config.stream_interval
         for req in ready:
             if req.finished:
                 self._release(req)
                 req.pending_text += self.detok.flush(req.detok)
                 outputs.append(self._make_output(req))
-            elif req.stream:
+            elif req.stream and (interval <= 1 or req.sent_token_count == 0
+                                 or req.num_resolved - req.sent_token_count >= interval):
                 outputs.append(self._make_output(req))
         if outputs:
             self.on_output(outputs)
