@@ -23,6 +23,7 @@ import secrets
 import signal
 import sys
 
+from services.gateway.cli import add_gateway_args, gateway_args_to_argv
 from services.supervisor import RestartPolicy, WorkerSlot
 from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
@@ -32,7 +33,7 @@ from shared.wire import INTERNAL_KEY_ENV
 log = logging.getLogger("services.launch")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.launch", description=__doc__, formatter_class=HelpFormatter)
     add_config_arg(p)
     p.add_argument("--topology", default="unified", choices=["unified", "pd"],
@@ -46,16 +47,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=None, help="routing metadata in Redis (default: in memory)")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     p.add_argument("--port", type=int, default=30000, help="the gateway's HTTP port")
-    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model-path)")
-    p.add_argument("--routing-policy", default="cache-aware", choices=["cache-aware", "prefix-affinity"],
-                   help="cache-aware: the worker sent the longest part of the prompt before; prefix-affinity: "
-                        "hash of the prompt's head")
-    p.add_argument("--pd-bypass-tokens", type=int, default=None,
-                   help="PD: longest uncached prompt suffix a decode worker extends itself (gateway flag)")
-    p.add_argument("--api-key", default=None, help="Bearer key(s), comma-separated, required on /v1/* and /generate")
-    p.add_argument("--admin-api-key", default=None, help="Bearer key required on /flush_cache")
-    p.add_argument("--strict", action="store_true",
-                   help="refuse unknown sampling parameters with 400 (default: accept, with a Warning header)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before stopping")
     p.add_argument("--drain-grace", type=float, default=1.0,
@@ -64,15 +55,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="restarts of one worker per minute; one more exit and it stays down")
     p.add_argument("--restart-backoff", type=float, default=0.5,
                    help="seconds before the first restart of a worker; doubles per restart in the minute")
-    p.add_argument("--disable-fork-hint", action="store_true",
-                   help="/v1/programs starts a fork's branches without prefilling their shared prefix first "
-                        "(gateway flag; for ablations)")
-    p.add_argument("--chat-template", default=None, help="a .jinja chat template file instead of the tokenizer's")
-    p.add_argument("--tool-call-parser", default=None,
-                   help="hermes or llama3 (default: detected from the chat template)")
-    p.add_argument("--reasoning-parser", default=None, help="qwen3, qwen3-thinking or deepseek-r1")
     p.add_argument("--log-level", default="warning", help="debug | info | warning | error")
+    add_gateway_args(p, forward_only=True)
     add_engine_args(p)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = parse_with_config(p, argv)
     if args.workers < 1 or args.prefill < 1 or args.decode < 1:
         p.error("--workers, --prefill and --decode must be >= 1")
@@ -116,18 +106,9 @@ def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
     argv = ["--model-path", args.model_path, "--workers", ",".join(addrs), "--host", args.host,
             "--port", str(args.port), "--log-level", args.log_level]
     argv += ["--drain-timeout", str(args.drain_timeout), "--drain-grace", str(args.drain_grace)]
-    if args.pd_bypass_tokens is not None:
-        argv += ["--pd-bypass-tokens", str(args.pd_bypass_tokens)]
-    if args.strict:
-        argv.append("--strict")
-    if args.disable_fork_hint:
-        argv.append("--disable-fork-hint")
-    for flag in ("served_model_name", "api_key", "admin_api_key", "redis_url", "routing_policy",
-                 "chat_template", "tool_call_parser", "reasoning_parser"):
-        value = getattr(args, flag)
-        if value:
-            argv += ["--" + flag.replace("_", "-"), value]
-    return argv
+    if args.redis_url:
+        argv += ["--redis-url", args.redis_url]
+    return argv + gateway_args_to_argv(args)
 
 
 async def run(args: argparse.Namespace) -> int:

@@ -54,6 +54,16 @@ def step(s: Scheduler, finished: list):
     return batch
 
 
+def warm_shared_prefix(s: Scheduler, shared: list[int], tail: int = 500) -> list:
+    """Run one request of `shared` + [tail] (one new token) to completion, so `shared` is in the tree;
+    returns the list of finished requests (the warm one) for the test's later steps."""
+    done = []
+    s.add(make_req(shared + [tail], max_new=1))
+    while not done:
+        step(s, done)
+    return done
+
+
 def accounted(s: Scheduler) -> int:
     # A running request owns its slots beyond the locked cached prefix (those belong to the tree).
     # Pages are the unit of allocation: a partly filled last page is held whole.
@@ -103,12 +113,8 @@ def test_chunked_prefill_respects_budget():
 
 def test_lpm_admits_longest_prefix_first():
     s = make_sched(max_prefill_tokens=64, chunked_prefill_size=64)
-    done = []
     shared = list(range(1, 61))
-    warm = make_req(shared + [500], max_new=1)
-    s.add(warm)
-    while not done:
-        step(s, done)
+    done = warm_shared_prefix(s, shared)
     cold = make_req(list(range(2000, 2060)), t=0.0)  # arrived first, no match
     hot = make_req(shared + [600, 601], t=1.0)
     s.add(cold)
@@ -119,11 +125,8 @@ def test_lpm_admits_longest_prefix_first():
 
 def test_fcfs_policy_keeps_arrival_order():
     s = make_sched(max_prefill_tokens=64, chunked_prefill_size=64, schedule_policy="fcfs")
-    done = []
     shared = list(range(1, 61))
-    s.add(make_req(shared + [500], max_new=1))
-    while not done:
-        step(s, done)
+    done = warm_shared_prefix(s, shared)
     cold = make_req(list(range(2000, 2060)), t=0.0)
     hot = make_req(shared + [600, 601], t=1.0)
     s.add(cold)
@@ -136,11 +139,8 @@ def test_aging_bounds_starvation():
     bound = 5
     s = make_sched(max_prefill_tokens=40, chunked_prefill_size=40, max_skipped_rounds=bound,
                    max_running_requests=64)
-    done = []
     shared = list(range(1, 33))
-    s.add(make_req(shared + [7], max_new=1))
-    while not done:
-        step(s, done)
+    done = warm_shared_prefix(s, shared, tail=7)
     loner = make_req(list(range(3000, 3038)), max_new=2, t=-1.0)
     s.add(loner)
     rounds = 0
@@ -509,11 +509,8 @@ def test_lpm_stays_on_for_a_long_queue():
     """With the queue limit off (lpm_queue_limit=0), LPM orders a 300-request queue; with the default
     limit (128) such a queue is served first come, first served."""
     s = make_sched(max_prefill_tokens=64, chunked_prefill_size=64, max_running_requests=1024, lpm_queue_limit=0)
-    done = []
     shared = list(range(1, 61))
-    s.add(make_req(shared + [500], max_new=1))
-    while not done:
-        step(s, done)
+    done = warm_shared_prefix(s, shared)
     for k in range(300):
         s.add(make_req(list(range(2000 + 100 * k, 2060 + 100 * k)), t=float(k)))
     hot = make_req(shared + [600, 601], t=1e9)  # arrived last, 300 requests ahead of it
@@ -524,11 +521,8 @@ def test_lpm_stays_on_for_a_long_queue():
 def test_default_queue_limit_serves_long_queues_in_arrival_order():
     s = make_sched(max_prefill_tokens=64, chunked_prefill_size=64, max_running_requests=1024)
     assert s.config.lpm_queue_limit == 128
-    done = []
     shared = list(range(1, 61))
-    s.add(make_req(shared + [500], max_new=1))
-    while not done:
-        step(s, done)
+    done = warm_shared_prefix(s, shared)
     first = make_req(list(range(2000, 2060)), t=0.0)
     s.add(first)
     for k in range(1, 300):

@@ -10,6 +10,7 @@ import signal
 from aiohttp import web
 
 from services.gateway.app import create_app
+from services.gateway.cli import add_gateway_args
 from services.gateway.limits import Limits
 from services.gateway.program_limits import ProgramBudget
 from services.gateway.router import Router
@@ -29,44 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__, formatter_class=HelpFormatter)
     add_config_arg(p)
     p.add_argument("--model-path", required=True, help="the workers' model: hub id or directory (tokenizer, name)")
-    p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
     p.add_argument("--workers", default="", help="host:port[,host:port...] (static; may be empty with --redis-url)")
     p.add_argument("--redis-url", default=None, help="discover workers registered in this Redis")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=30000, help="HTTP port")
-    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model-path)")
-    p.add_argument("--routing-policy", default="cache-aware", choices=["cache-aware", "prefix-affinity"],
-                   help="cache-aware: prefer the worker that was sent the longest part of the prompt before; "
-                        "prefix-affinity: hash the prompt's head")
-    p.add_argument("--pd-bypass-tokens", type=int, default=128,
-                   help="PD: a decode worker known to hold all of a prompt but at most this many trailing tokens "
-                        "computes them itself, no prefill worker or KV transfer (0: off)")
     p.add_argument("--context-length", type=int, default=None, help="defaults to what the workers report")
-    p.add_argument("--api-key", default=None, help="Bearer key required on /v1/* and /generate")
-    p.add_argument("--admin-api-key", default=None, help="Bearer key required on /flush_cache")
     p.add_argument("--internal-key", default=None,
                    help="the workers' shared secret, sent when connecting to them (default $RADIXSERVE_INTERNAL_KEY)")
-    p.add_argument("--max-programs-per-key", type=int, default=ProgramBudget.max_running_per_key,
-                   help="/v1/programs requests one API key (or the anonymous tenant) may run at once; more get 429")
-    p.add_argument("--disable-fork-hint", action="store_true",
-                   help="/v1/programs: start a fork's branches without first prefilling their shared prefix once "
-                        "(the fork prefix hint that lets every branch hit the radix cache); for ablations")
-    p.add_argument("--max-n", type=int, default=Limits.max_n, help="most choices (n) one request may ask for")
-    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
-                   help="larger request bodies are refused with 413")
-    p.add_argument("--strict", action="store_true",
-                   help="refuse unknown sampling parameters with 400 (default: accept, with a Warning header)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
     p.add_argument("--drain-grace", type=float, default=1.0,
                    help="on SIGTERM, seconds /health says 503 before the listener closes (routers notice)")
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file (.jinja) used instead of the tokenizer's own")
-    p.add_argument("--tool-call-parser", default=None,
-                   help="format of tool calls in the model's output: hermes (Qwen, Hermes: <tool_call>) or "
-                        "llama3 (Llama 3.x JSON); default: detected from the chat template")
-    p.add_argument("--reasoning-parser", default=None,
-                   help="split <think>...</think> into reasoning_content: qwen3, qwen3-thinking or deepseek-r1")
+    add_gateway_args(p)
     p.add_argument("--log-level", default="info", help="debug | info | warning | error")
     return p
 
