@@ -361,3 +361,28 @@ def test_worker_exits_when_a_rank_dies():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_group_teardown_is_bounded(monkeypatch, caplog):
+    """A process-group teardown stuck in the backend (NCCL's hung the worker's shutdown on the H200) is
+    left behind after the bound instead of hanging the worker that is shutting down."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from shared.engine import tp as tp_mod
+
+    release = threading.Event()
+    monkeypatch.setattr(tp_mod, "_TEARDOWN_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: release.wait(30))
+    t0 = time.monotonic()
+    try:
+        with caplog.at_level("WARNING"):
+            tp_mod._destroy_process_group()
+        assert time.monotonic() - t0 < 5
+        assert "did not finish" in caplog.text
+    finally:
+        release.set()

@@ -295,7 +295,18 @@ class ModelRunner:
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (rank 0; nothing to do otherwise)."""
         if self.tp is not None and self.tp.is_leader:
+            self.drop_graphs()
             self.tp.close()
+
+    def drop_graphs(self) -> None:
+        """Destroy the captured CUDA graphs. Under tensor parallelism they hold NCCL collectives, and a
+        communicator is torn down only after the graphs that use it are gone (NCCL leaves the other
+        order undefined)."""
+        if self.graph_runner is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.graph_runner.graphs.clear()
+            self.graph_runner = None
 
     @staticmethod
     def _table_writes(batch: ScheduleBatch) -> tuple[list[int], list[int], list[int]]:

@@ -41,6 +41,7 @@ from shared.models.parallel import set_tp
 log = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 1800.0  # a 70B shard loading from a slow disk
+_TEARDOWN_TIMEOUT_S = 20.0  # leaving the process group at shutdown
 _COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 
@@ -147,11 +148,15 @@ class TPLeader:
         self._closed = True
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the last pass's collectives complete before the ranks go
+        everyone = all(proc.poll() is None for proc in self.procs)
         for conn in self.conns:
             try:
                 conn.send_bytes(pickle.dumps(("stop",)))
             except (OSError, ValueError):
                 pass
+        # Every rank leaves the group together (the followers do on "stop"): NCCL's teardown waits for
+        # its peers, so destroying it here after they exited hung the worker's shutdown on the H200.
+        _destroy_process_group(graceful=everyone)
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
@@ -160,7 +165,6 @@ class TPLeader:
                 proc.wait(timeout=5)
         for conn in self.conns:
             conn.close()
-        _destroy_process_group()
 
 
 class TPFollowerLink:
@@ -170,6 +174,7 @@ class TPFollowerLink:
 
     def __init__(self, conn):
         self.conn = conn
+        self.orphaned = False  # rank 0 went away without saying stop: no group left to leave with it
 
     def ready(self) -> None:
         self.conn.send(("ready", None))
@@ -179,6 +184,7 @@ class TPFollowerLink:
             try:
                 cmd = pickle.loads(self.conn.recv_bytes())
             except (EOFError, OSError):
+                self.orphaned = True
                 return  # rank 0 is gone
             if cmd[0] == "stop":
                 return
@@ -188,11 +194,26 @@ class TPFollowerLink:
         pass
 
 
-def _destroy_process_group() -> None:
+def _destroy_process_group(graceful: bool = True) -> None:
+    """Leave the process group: every rank at once when all are alive (`graceful`); otherwise (a rank
+    died) NCCL's communicators are aborted, which waits for no peer. Either way torch's group registry
+    is cleared, so a later engine in this process can form a new group."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if not graceful and dist.get_backend() == "nccl" and hasattr(c10d, "_abort_process_group"):
+            teardown = c10d._abort_process_group
+        else:
+            teardown = dist.destroy_process_group
+        # Bounded: a teardown stuck in NCCL (seen on the H200 before the graphs were dropped first) must
+        # not hang the worker's shutdown; the process is leaving anyway.
+        done = threading.Thread(target=teardown, name="tp-teardown", daemon=True)
+        done.start()
+        done.join(_TEARDOWN_TIMEOUT_S)
+        if done.is_alive():
+            log.warning("tensor-parallel group teardown did not finish in %.0f s; left behind",
+                        _TEARDOWN_TIMEOUT_S)
     set_tp(0, 1)
 
 
@@ -239,6 +260,9 @@ def _follower_main(rank: int, port: int, conn: Connection, parent_pid: int) -> N
         os._exit(1)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # our part of rank 0's last collectives
+    if not link.orphaned:
+        runner.drop_graphs()
+        _destroy_process_group()  # together with rank 0 (TPLeader.close)
     os._exit(0)  # nothing to flush; skips a slow interpreter teardown
 
 
