@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import itertools
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -135,6 +136,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
+    ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (random ids)")
     ap.add_argument("--step-ms", type=float, default=30.0)
     ap.add_argument("--route", default="completions", choices=["completions", "generate", "chat"])
     ap.add_argument("--no-stream", action="store_true")
@@ -167,7 +169,8 @@ def main():
         _wait_line(gateway, "gateway ready")
         url = f"http://127.0.0.1:{gport}"
         MODEL["id"] = "tiny-random"
-        dataset = [([10 + (i % 300)] * 8, args.tokens) for i in range(args.streams)]
+        rng = random.Random(0)
+        dataset = [([rng.randrange(10, 400) for _ in range(args.prompt_len)], args.tokens) for _ in range(args.streams)]
         asyncio.run(run_load(url, args.route, dataset[:8], not args.no_stream, float("inf"), 0))  # warm-up
         if args.profile:
             from bench.profile import profile_process

@@ -358,3 +358,24 @@ async def test_bad_program_is_400(stack):
     stack.worker.refuse = "no"
     r = await stack.client.post("/v1/programs", json={"program": PROGRAM})
     assert r.status == 400 and (await r.json())["error"]["message"] == "no"
+
+
+def test_observe_many_equals_repeated_observe():
+    """The ITL histogram takes an increment of n tokens as n gaps in one move: same exposition as n
+    observe calls (fails if prometheus-client's internals change under observe_many)."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from services.gateway.metrics import observe_many
+
+    regs = [CollectorRegistry(), CollectorRegistry()]
+    hists = [Histogram("itl", "gap", buckets=(0.01, 0.1, 1.0), registry=r) for r in regs]
+    for value, count in ((0.005, 3), (0.05, 16), (5.0, 2), (0.1, 1)):
+        observe_many(hists[0], value, count)
+        for _ in range(count):
+            hists[1].observe(value)
+    def samples(reg):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in reg.collect() for s in m.samples
+                if not s.name.endswith("_created")}
+
+    got, want = samples(regs[0]), samples(regs[1])
+    assert got.keys() == want.keys() and got == pytest.approx(want)

@@ -14,7 +14,8 @@ def is_int(v: Any) -> bool:
 
 
 def is_token_ids(v: Any) -> bool:
-    return isinstance(v, list) and all(is_int(t) for t in v)
+    # `type(t) is int`: JSON gives ints and bools only, and bool is not a token id (is_int, at C speed).
+    return isinstance(v, list) and all(type(t) is int for t in v)
 
 
 def get_int(body: dict, name: str, default: Any = None, lo: int | None = None,

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from services.gateway.errors import APIError, bad_request
@@ -39,7 +40,7 @@ async def read_json(request: web.Request, limits: Limits) -> Any:
     if not raw:
         raise bad_request("request body is empty; a JSON object is expected")
     try:
-        body = json.loads(raw)
+        body = _loads(raw)
     except RecursionError:
         raise _too_deep(limits) from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -58,6 +59,18 @@ async def read_json(request: web.Request, limits: Limits) -> Any:
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+
+
+def _loads(raw: bytes) -> Any:
+    """orjson for the bodies it takes (every ordinary one, several times faster than the standard
+    library); what it refuses (NaN, integers beyond 64 bits, lone surrogate escapes, nesting past its
+    limit, invalid JSON) goes to the standard library, so the result, or the error, is the standard
+    library's either way."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+
 
 
 def _lone_surrogate(obj: Any) -> str | None:

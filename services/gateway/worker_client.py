@@ -249,18 +249,22 @@ class WorkerClient:
     # ---------------------------------------------------------------- sending
     async def _send(self, msg: Message) -> None:
         self.start()
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                await self._connected.wait()
-        except TimeoutError:
-            raise WorkerUnavailable(self.last_error or f"worker {self.address} is not connected") from None
+        if not self._connected.is_set():  # the timer only when there is something to wait for
+            try:
+                async with asyncio.timeout(self.connect_timeout):
+                    await self._connected.wait()
+            except TimeoutError:
+                raise WorkerUnavailable(self.last_error or f"worker {self.address} is not connected") from None
         writer = self._writer
         if writer is None:
             raise WorkerUnavailable(f"worker {self.address} is not connected")
         try:
             writer.write(encode_frame(msg))
-            async with asyncio.timeout(self.call_timeout):
-                await writer.drain()
+            if writer.transport.get_write_buffer_size():  # else the kernel took it all: nothing to drain
+                async with asyncio.timeout(self.call_timeout):
+                    await writer.drain()
+            elif writer.is_closing():
+                raise ConnectionResetError("connection closing")
         except (OSError, TimeoutError) as e:
             raise WorkerUnavailable(f"cannot send to worker {self.address}: {e!r}") from None
 
