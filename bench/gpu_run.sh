@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-dp|sync-audit|tp|shared-prefix|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-dp|sync-audit|tp|shared-prefix|all
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
 what=${1:-all}
@@ -45,6 +45,12 @@ fi
 if [[ $what == serving ]]; then
   timeout 500 python3 -m bench.serving --launch --num-prompts 256 --routes generate,completions --no-stream --profile \
     --offline --out "$OUT" 2>&1 | tee "$OUT/serving.log" | tail -14
+fi
+if [[ $what == serving-interval ]]; then
+  # The same workload with --stream-interval 16 (16 tokens per streamed increment): the gateway's
+  # per-token CPU when events carry several tokens (issue 12's <= 5 us/token goal).
+  timeout 300 python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --offline \
+    --out "$OUT/interval16" -- --stream-interval 16 2>&1 | tee "$OUT/serving_interval.log" | tail -10
 fi
 if [[ $what == serving-dp ]]; then
   # Data-parallel scaling (nvidia-h200-x2): one unified worker vs two behind one gateway, 512 streams.
