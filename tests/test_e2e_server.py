@@ -208,3 +208,23 @@ def test_services_run_on_uvloop(base_url):
     info = requests.get(base_url + "/server_info", timeout=10).json()
     assert info["event_loop"].startswith("uvloop"), info["event_loop"]
     assert all(w["info"]["event_loop"].startswith("uvloop") for w in info["workers"]), info["workers"]
+
+
+def test_stream_interval_sends_tokens_in_increments():
+    """`--stream-interval 4` through the launcher: a streamed completion arrives as the first token, then
+    increments of four, and its text equals the non-streamed completion's."""
+    s = Stack("--stream-interval", "4")
+    try:
+        body = {"model": "tiny-random", "prompt": "stream interval check", "max_tokens": 21,
+                "temperature": 0, "ignore_eos": True}
+        whole = post(s.url, "/v1/completions", body).json()["choices"][0]["text"]
+        with requests.post(s.url + "/v1/completions", json={**body, "stream": True}, stream=True, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith(b"data: ") and line != b"data: [DONE]"]
+        texts = [e["choices"][0]["text"] for e in events if e["choices"]]
+        assert "".join(texts) == whole
+        content = [t for t in texts if t]
+        # 21 tokens: 1, then 4 x 5 -> at most 6 increments with text (one per token would be 21).
+        assert 2 <= len(content) <= 7, texts
+    finally:
+        s.stop()
