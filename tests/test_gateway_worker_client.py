@@ -6,7 +6,8 @@ from contextlib import aclosing
 import pytest
 
 from services.gateway.errors import APIError, WorkerUnavailable
-from services.gateway.router import PrefixAffinityPolicy, Router
+from services.gateway.affinity import PrefixAffinityPolicy
+from services.gateway.router import Router
 from services.gateway.worker_client import WorkerClient, parse_worker_list
 from shared.protocol import (AbortRequest, FinishLength, FinishStop, GenerateRequest, PongResult, TokenOutput,
                              TokenOutputs)

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _policy(args: argparse.Namespace):
     from services.gateway.cache_aware import CacheAwarePolicy
-    from services.gateway.router import PrefixAffinityPolicy
+    from services.gateway.affinity import PrefixAffinityPolicy
 
     name = getattr(args, "routing_policy", "cache-aware")
     return PrefixAffinityPolicy() if name == "prefix-affinity" else CacheAwarePolicy()

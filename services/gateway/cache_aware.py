@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from typing import Sequence
 
-from services.gateway.router import PrefixAffinityPolicy
+from services.gateway.affinity import PrefixAffinityPolicy
 from services.gateway.worker_client import WorkerClient
 
 

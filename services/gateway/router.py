@@ -1,47 +1,17 @@
-"""Which worker serves a request.
+"""Which worker serves a request: the Router holds the workers and asks a routing policy.
 
-Two policies. Prefix affinity balances in-flight load but keeps requests that share a prompt head on one
-worker, so its radix cache keeps hitting: the head of the token ids picks a worker by rendezvous hashing
-(stable when workers come and go), and that worker wins unless it is busier than the least loaded one by
-more than a slack. Cache-aware (services/gateway/cache_aware.py, the default) remembers which prompt
-prefixes went where and prefers the worker holding the longest one, falling back to prefix affinity.
+Two policies: cache-aware (services/gateway/cache_aware.py, the default) remembers which prompt prefixes
+went where and prefers the worker holding the longest one, falling back to prefix affinity
+(services/gateway/affinity.py), which keeps requests sharing a prompt head on one worker.
 """
 from __future__ import annotations
 
-import hashlib
-from typing import Protocol, Sequence
+from typing import Sequence
 
+from services.gateway.affinity import RoutingPolicy
+from services.gateway.cache_aware import CacheAwarePolicy
 from services.gateway.errors import unavailable
 from services.gateway.worker_client import WorkerClient
-
-
-class RoutingPolicy(Protocol):
-    def pick(self, workers: Sequence[WorkerClient], input_ids: Sequence[int], salt: str | None) -> WorkerClient:
-        ...
-
-
-class PrefixAffinityPolicy:
-    def __init__(self, prefix_tokens: int = 32, slack: int = 4):
-        self.prefix_tokens = prefix_tokens
-        self.slack = slack
-
-    def pick(self, workers: Sequence[WorkerClient], input_ids: Sequence[int], salt: str | None) -> WorkerClient:
-        least = min(workers, key=lambda w: w.load)
-        if len(workers) == 1:
-            return least
-        key = prefix_key(input_ids, self.prefix_tokens, salt)
-        home = max(workers, key=lambda w: _score(key, w.address))
-        return home if home.load <= least.load + self.slack else least
-
-
-def prefix_key(input_ids: Sequence[int], n: int, salt: str | None) -> bytes:
-    head = ",".join(map(str, input_ids[:n]))
-    # The salt keeps tenants apart here as in the cache: another tenant's prompts must not steer routing.
-    return f"{salt or ''}|{head}".encode()
-
-
-def _score(key: bytes, address: str) -> bytes:
-    return hashlib.blake2b(key + b"@" + address.encode(), digest_size=8).digest()
 
 
 def _live(workers: list[WorkerClient]) -> list[WorkerClient]:
@@ -55,8 +25,6 @@ class Router:
     def __init__(self, workers: Sequence[WorkerClient], policy: RoutingPolicy | None = None,
                  pd_bypass_tokens: int = 0):
         if policy is None:
-            from services.gateway.cache_aware import CacheAwarePolicy
-
             policy = CacheAwarePolicy()
         self.policy = policy
         # PD short-suffix bypass: a decode worker known to hold all of a prompt but at most this many
