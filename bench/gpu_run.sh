@@ -43,7 +43,7 @@ if [[ $what == fp8 ]]; then
   timeout 400 python3 -m bench.fp8 --out "$OUT" 2>&1 | tee "$OUT/fp8.log" | tail -10
 fi
 if [[ $what == serving ]]; then
-  timeout 500 python3 -m bench.serving --launch --num-prompts 256 --routes generate,completions --no-stream --profile \
+  timeout 500 python3 -m bench.serving --launch --num-prompts 256 --routes generate,completions --no-stream --profile --batch1 16 \
     --offline --out "$OUT" 2>&1 | tee "$OUT/serving.log" | tail -14
 fi
 if [[ $what == serving-interval ]]; then

@@ -238,7 +238,7 @@ def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ offline reference
-def offline_reference(path: str, dataset, extra_engine: dict) -> dict:
+def offline_reference(path: str, dataset, extra_engine: dict, batch1: int = 0) -> dict:
     import torch
 
     from bench.common import drive
@@ -259,7 +259,25 @@ def offline_reference(path: str, dataset, extra_engine: dict) -> dict:
     drive(eng, prompts[:8], {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8})  # warm-up
     eng.cache.reset()
     st = drive(eng, prompts, {"temperature": 0, "ignore_eos": True, "max_new_tokens": ol})
-    return {"out_tok_s": st.output_tokens / st.wall_s, "wall_s": st.wall_s, "out_tokens": st.output_tokens}
+    out = {"out_tok_s": st.output_tokens / st.wall_s, "wall_s": st.wall_s, "out_tokens": st.output_tokens}
+    if batch1:
+        out["batch1_step_ms"] = batch1_step_ms(eng, prompts[:batch1], ol)
+    return out
+
+
+def batch1_step_ms(eng, prompts: list[list[int]], out_len: int) -> float:
+    """The engine's decode step at batch 1 (median over prompts): a request of `out_len` tokens minus the
+    same request with one token (its prefill), over the tokens in between, each from an empty cache."""
+    from bench.common import drive
+
+    steps = []
+    for p in prompts:
+        walls = []
+        for n in (1, out_len):
+            eng.cache.reset()
+            walls.append(drive(eng, [p], {"temperature": 0, "ignore_eos": True, "max_new_tokens": n}).wall_s)
+        steps.append((walls[1] - walls[0]) * 1e3 / (out_len - 1))
+    return sorted(steps)[len(steps) // 2]
 
 
 def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
@@ -305,11 +323,20 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
                 f"{s['itl_p50_ms']:.2f} ms, errors {s['errors']}, gateway "
                 f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token, worker "
                 f"{s.get('workers_cpu_us_per_token', float('nan')):.1f} us/token, client CPU {s['client_cpu_share']:.0%}")
+        if args.batch1:
+            # One stream at a time: the server's time per output token against the engine's batch-1 step.
+            flush_cache(url)
+            results, wall = asyncio.run(run_load(url, "generate", dataset[:args.batch1], True, math.inf, 1))
+            out[BATCH1] = summarize(results, wall)
+            log(f"{BATCH1}: TPOT p50 {out[BATCH1]['tpot_p50_ms']:.3f} ms, ITL p50 {out[BATCH1]['itl_p50_ms']:.3f} ms")
     finally:
         if proc is not None:
             from bench.stack import stop_stack
             stop_stack(proc)
     return out
+
+
+BATCH1 = "generate batch-1"
 
 
 def main():
@@ -336,6 +363,9 @@ def main():
                     help="during the first run: py-spy of the gateway and each worker, thread CPU (to --out)")
     ap.add_argument("--workers-sweep", default="",
                     help="e.g. 1,2: one stack per count (unified workers on GPUs 0..n-1), data-parallel scaling")
+    ap.add_argument("--batch1", type=int, default=0, metavar="N",
+                    help="also stream N requests one at a time and compare their time per token with the "
+                         "offline engine's batch-1 step (goal: within 2%%; needs --offline)")
     ap.add_argument("--port", type=int, default=31000)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
     ap.add_argument("launch_args", nargs="*", help="after --: extra services.launch flags")
@@ -367,7 +397,7 @@ def main():
         res["runs"].update({(k if n is None else f"{k} x{n}"): v for k, v in runs.items()})
     if args.offline:
         log("offline engine, same workload")
-        res["offline"] = offline_reference(path, dataset, {})
+        res["offline"] = offline_reference(path, dataset, {}, args.batch1)
         log(f"  {res['offline']['out_tok_s']:.0f} out tok/s")
     with open(os.path.join(args.out, f"serving_{args.dataset}.json"), "w") as f:
         json.dump(res, f, indent=2)
@@ -383,6 +413,13 @@ def main():
         off = res["offline"]["out_tok_s"]
         print(f"{'offline engine':22s} {off:10.0f}")
         for key, s in res["runs"].items():
+            if key.startswith(BATCH1):
+                step = res["offline"].get("batch1_step_ms")
+                if step:
+                    ratio = s["tpot_p50_ms"] / step
+                    print(f"{'PASS' if ratio <= 1.02 else 'FAIL'}: {key} TPOT p50 {s['tpot_p50_ms']:.3f} ms = "
+                          f"{ratio:.3f}x the engine's batch-1 step {step:.3f} ms (goal <= 1.02)")
+                continue
             if " x" in key and not key.endswith(f" x{sweep[0]}"):
                 continue  # several GPUs: compared with one worker above, not with one engine
             goal = 0.97 if key.split(" x")[0].endswith("nostream") else 0.95
@@ -399,7 +436,8 @@ def main():
                 print(f"{verdict}: {name} with {n} workers at {ratio:.2f}x {base} (goal >= {goal})")
     for key, s in res["runs"].items():
         gw = s.get("gateway_cpu_us_per_token")
-        if gw is not None and s["out_tokens"] and key.split(" x")[0].endswith(("generate", "completions", "chat")):
+        if gw is not None and s["out_tokens"] and key.split(" x")[0].endswith(("generate", "completions", "chat")) \
+                and not key.startswith(BATCH1):
             print(f"{'PASS' if gw <= 5 else 'FAIL'}: {key} gateway CPU {gw:.1f} us/token (goal <= 5)")
     bad = sum(s["errors"] for s in res["runs"].values())
     if bad:

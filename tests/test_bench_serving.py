@@ -52,6 +52,27 @@ def test_gateway_overhead_bench_runs_end_to_end():
     assert "tokens 48, errors 0" in r.stdout and "gateway" in r.stdout and "us/token" in r.stdout, r.stdout
 
 
+def test_serving_bench_runs_end_to_end_with_batch1(tmp_path):
+    """bench/serving.py --launch on the tiny shape: a real stack, the offline reference and the batch-1
+    comparison each print their verdict line (the numbers mean something only on the GPU)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, free_port
+
+    r = subprocess.run([sys.executable, "-m", "bench.serving", "--launch", "--shape", "tiny", "--num-prompts", "6",
+                        "--random-input-len", "24", "--random-output-len", "6", "--routes", "generate",
+                        "--offline", "--batch1", "2", "--port", str(free_port()), "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "generate at " in r.stdout and "of the offline engine" in r.stdout, r.stdout
+    assert "generate batch-1 TPOT p50" in r.stdout and "engine's batch-1 step" in r.stdout, r.stdout
+    res = json.loads((tmp_path / "serving_random.json").read_text())
+    assert res["runs"]["generate"]["completed"] == 6 and res["runs"]["generate batch-1"]["completed"] == 2
+    assert res["offline"]["batch1_step_ms"] > 0
+
+
 def test_openai_stream_count_takes_the_usage_chunk():
     """Events may carry several tokens (a stream that fell behind): the final usage chunk is the count."""
     from bench.serving import _count, request_body
