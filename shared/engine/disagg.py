@@ -11,9 +11,9 @@ Prefill side (a request taken with transfer {"role": "prefill"}), by transfer:
   transferring  first token sampled and handed to the glue (services/prefill/kv_push.py), which pushes
                 the pages and then ends the transfer (end_transfer)
   done          released through Engine.end_request; its KV stays in the tree
-and, alongside, by KV: `prefilled` from the launch of the pass computing its last chunk until it is
-released: the request never decodes here, it is parked holding its KV (the pass's pages are gathered
-right after that launch, on_kv_gathered).
+and, alongside, by KV: `prefilled` from the scheduling round that takes its last chunk until it is
+released: the request never decodes here, it is parked holding its KV (the pages are gathered right
+after that pass is launched, on_kv_gathered).
 
 Decode side (a request taken with transfer {"role": "decode"}):
   queued        taken, no slots yet; admissible to the scheduler only once offered (its prefill worker
@@ -100,7 +100,7 @@ class PrefillStages:
         self.admitted: list["Req"] = []  # admitted in the last round: transfer to open
         self.computing: dict[str, "Req"] = {}  # transfer open, first token not sampled yet
         self.transferring: dict[str, "Req"] = {}  # first token handed off, pages being pushed
-        self.prefilled: list["Req"] = []  # last chunk's pass launched: parked with its KV until released
+        self.prefilled: list["Req"] = []  # last chunk scheduled: parked with its KV until released
 
     def knows(self, tid: str) -> bool:
         return tid in self.computing or tid in self.transferring
@@ -111,7 +111,7 @@ class PrefillStages:
         self.admitted.append(req)
 
     def park(self, req: "Req") -> None:
-        """The pass computing the prompt's last chunk is scheduled: the request holds its KV here."""
+        """The prompt's last chunk is scheduled: the request is parked here with its KV."""
         self.prefilled.append(req)
 
     def holds_kv(self) -> bool:
