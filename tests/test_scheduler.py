@@ -249,13 +249,16 @@ def test_decode_side_reserves_only_offered_requests_and_only_what_its_tree_lacks
     s.add(a)
     s.add(b)
     assert s.schedule() is None  # neither prefill side has committed yet: nothing reserved
-    assert s.awaiting_kv == [] and len(s.waiting) == 2
+    assert s.decode_stages.holding() == [] and len(s.waiting) == 2
     a.kv_offered = True
     assert s.schedule() is None  # a reservation computes nothing
-    assert s.awaiting_kv == [a] and s.new_awaiting == [a] and s.waiting == [b]
+    assert s.decode_stages.holding() == [a] and list(s.decode_stages.reserved.values()) == [a]
+    assert s.waiting == [b]
     assert a.kv_len == len(shared) and len(a.slots) == len(a.input_ids)  # cached head + reserved rest
+    s.decode_stages.expect(a, deadline=0.0)
+    assert s.decode_stages.arrived("ta") is a
     s.kv_arrived(a)
-    assert a.kv_len == len(a.input_ids) and a in s.running and not s.awaiting_kv
+    assert a.kv_len == len(a.input_ids) and a in s.running and not s.decode_stages.holding()
 
 
 def test_prefill_side_parks_computed_prompts_and_a_full_pool_waits_instead_of_failing():
@@ -266,9 +269,9 @@ def test_prefill_side_parks_computed_prompts_and_a_full_pool_waits_instead_of_fa
     s.add(first)
     s.add(second)
     batch = s.schedule()
-    assert batch.reqs == [first] and s.new_transfers == [first]
+    assert batch.reqs == [first] and s.prefill_stages.admitted == [first]
     first.kv_len += batch.extend_lens[0]
-    assert s.prefilled == [first] and first not in s.running  # never decoded here
+    assert s.prefill_stages.prefilled == [first] and first not in s.running  # never decoded here
     assert s.schedule() is None and s.failed == []  # waits: the parked KV will come back
     s.remove(first)  # the transfer ended
     batch = s.schedule()
@@ -450,7 +453,7 @@ def test_prefill_side_parks_with_its_prompt_in_the_tree():
     s.add(p)
     batch = s.schedule()
     p.kv_len += batch.extend_lens[0]
-    assert s.prefilled == [p]
+    assert s.prefill_stages.prefilled == [p]
     assert s.schedule() is None  # parked: nothing to decode; its prompt entered the tree
     assert p.cached_len == 66 and s.cache.protected_size() == 66
     local = make_req(system + [3, 4], max_new=2)
@@ -469,14 +472,15 @@ def test_decode_side_inserts_received_prompt_so_a_sibling_reserves_only_its_tail
     a = make_req(system + [7, 8])
     a.transfer, a.kv_offered = Transfer(role="decode", id="ta"), True
     s.add(a)
-    assert s.schedule() is None and s.awaiting_kv == [a]
+    assert s.schedule() is None and s.decode_stages.holding() == [a]
+    s.decode_stages.remove(a)  # its pages came
     s.kv_arrived(a)
     assert a.cached_len == 66 and s.cache.protected_size() == 66
     b = make_req(system + [9, 9, 9])
     b.transfer, b.kv_offered = Transfer(role="decode", id="tb"), True
     s.add(b)
     s.schedule()
-    assert b in s.awaiting_kv and b.kv_len == 64  # the prefill side sends only positions 64..
+    assert b in s.decode_stages.holding() and b.kv_len == 64  # the prefill side sends only positions 64..
 
 
 # ---------------------------------------------------------------- LPM on long queues

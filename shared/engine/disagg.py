@@ -1,13 +1,31 @@
 """The engine's two halves of prefill/decode disaggregation, on the engine thread.
 
-PrefillSide: a request taken with transfer {"role": "prefill"} is computed as usual, then parked with its
-KV instead of decoding; the transfer glue (services/prefill/kv_push.py) gets a hand-off and pushes the
-pages, then ends the transfer, which releases the request (its KV stays in the tree).
+Each side keeps its requests in stage queues (PrefillStages, DecodeStages) that it owns; the scheduler
+asks them through a few methods (admissible, reserve, park, holds_kv, remove, ...) and keeps no PD list
+of its own. The stages, in order:
 
-DecodeSide: a request taken with transfer {"role": "decode"} waits until its prefill worker has committed
-to it (an offer: the transfer's header arrived), then gets slots for what the tree lacks and waits for the
-pages (services/decode/kv_receive.py); on arrival they are scattered into the pool and the request joins
-the running batch with the first token the prefill side sampled.
+Prefill side (a request taken with transfer {"role": "prefill"}), by transfer:
+  admitted      admitted in the last scheduling round; the side opens its transfer after the round
+                (on_transfer_open: the handshake runs while the prompt is computed)
+  computing     transfer open, prompt being computed (in the scheduler's batch or chunked request)
+  transferring  first token sampled and handed to the glue (services/prefill/kv_push.py), which pushes
+                the pages and then ends the transfer (end_transfer)
+  done          released through Engine.end_request; its KV stays in the tree
+and, alongside, by KV: `prefilled` from the scheduling round that takes its last chunk until it is
+released: the request never decodes here, it is parked holding its KV (the pages are gathered right
+after that pass is launched, on_kv_gathered).
+
+Decode side (a request taken with transfer {"role": "decode"}):
+  queued        taken, no slots yet; admissible to the scheduler only once offered (its prefill worker
+                has committed to it: the transfer's header arrived), so slots are never held for
+                prompts the prefill side cannot start (the two pools would wait on each other)
+  reserved      the scheduler reserved slots for what the tree lacks, in the last round; the side tells
+                the receiver after the round (on_kv_expect)
+  awaiting      the receiver (services/decode/kv_receive.py) waits for the pages, until a deadline
+  ready         pages scattered into the pool: the request leaves the stages and joins the scheduler's
+                running batch with the first token the prefill side sampled (Engine.start_decoding)
+A request that ends at any stage (abort, timeout, failure) leaves its stage; the scheduler releases
+its slots and the receiver drops the transfer (on_kv_cancel).
 
 Both sides talk to their glue through hooks set by it, called on this thread (the glue moves them to its
 event loop); the glue talks back through Engine.call or the thread-safe Engine.kv_* entry points. They
@@ -73,6 +91,108 @@ class PartTimes:
         return out
 
 
+
+class PrefillStages:
+    """The prefill side's requests by stage (module docstring). Owned by PrefillSide; the scheduler
+    calls admit, park, holds_kv, unpark and remove."""
+
+    def __init__(self):
+        self.admitted: list["Req"] = []  # admitted in the last round: transfer to open
+        self.computing: dict[str, "Req"] = {}  # transfer open, first token not sampled yet
+        self.transferring: dict[str, "Req"] = {}  # first token handed off, pages being pushed
+        self.prefilled: list["Req"] = []  # last chunk scheduled: parked with its KV until released
+
+    def knows(self, tid: str) -> bool:
+        return tid in self.computing or tid in self.transferring
+
+    # scheduler side
+    def admit(self, req: "Req") -> None:
+        """First admission of the request (its transfer opens after the round)."""
+        self.admitted.append(req)
+
+    def park(self, req: "Req") -> None:
+        """The prompt's last chunk is scheduled: the request is parked here with its KV."""
+        self.prefilled.append(req)
+
+    def holds_kv(self) -> bool:
+        return bool(self.prefilled)
+
+    def unpark(self, req: "Req") -> None:
+        """Back to the scheduler's queue after a failed step (its KV is released by the scheduler)."""
+        for lst in (self.prefilled, self.admitted):
+            if req in lst:
+                lst.remove(req)
+
+    def remove(self, req: "Req") -> tuple[str, ...]:
+        """Out of every stage (idempotent); the stages it left."""
+        left = []
+        for name in ("admitted", "prefilled"):
+            lst = getattr(self, name)
+            if req in lst:
+                lst.remove(req)
+                left.append(name)
+        for name in ("computing", "transferring"):
+            if getattr(self, name).pop(req.transfer_id, None) is not None:
+                left.append(name)
+        return tuple(left)
+
+    # side
+    def open(self, req: "Req") -> None:
+        self.computing[req.transfer_id] = req
+
+    def hand_off(self, req: "Req") -> None:
+        self.computing.pop(req.transfer_id, None)
+        self.transferring[req.transfer_id] = req
+
+
+class DecodeStages:
+    """The decode side's requests by stage (module docstring). Owned by DecodeSide; the scheduler calls
+    admissible, reserve, holding/num_holding and remove."""
+
+    def __init__(self):
+        self.queued: dict[str, "Req"] = {}  # taken, no slots yet
+        self.reserved: dict[str, "Req"] = {}  # slots reserved in the last round, receiver not told yet
+        self.awaiting: dict[str, tuple["Req", float]] = {}  # receiver told: (request, deadline)
+
+    def knows(self, tid: str) -> bool:
+        return tid in self.queued or tid in self.reserved or tid in self.awaiting
+
+    # scheduler side
+    @staticmethod
+    def admissible(req: "Req") -> bool:
+        """May the scheduler admit this waiting request? A decode-side one only once offered."""
+        return req.transfer_role != "decode" or req.kv_offered
+
+    def reserve(self, req: "Req") -> None:
+        """The scheduler has reserved the request's slots (queued -> reserved)."""
+        self.queued.pop(req.transfer_id, None)
+        self.reserved[req.transfer_id] = req
+
+    def holding(self) -> list["Req"]:
+        """Requests holding slots whose pages are not in yet, in reservation order."""
+        return [e[0] for e in self.awaiting.values()] + list(self.reserved.values())
+
+    def num_holding(self) -> int:
+        return len(self.awaiting) + len(self.reserved)
+
+    def remove(self, req: "Req") -> tuple[str, ...]:
+        """Out of every stage (idempotent); the stages it left."""
+        tid = req.transfer_id
+        return tuple(name for name in ("queued", "reserved", "awaiting")
+                     if getattr(self, name).pop(tid, None) is not None)
+
+    # side
+    def expect(self, req: "Req", deadline: float) -> None:
+        """The receiver is told (reserved -> awaiting)."""
+        self.reserved.pop(req.transfer_id, None)
+        self.awaiting[req.transfer_id] = (req, deadline)
+
+    def arrived(self, tid: str) -> "Req | None":
+        """Pages are in (awaiting -> ready): the request, or None if it is no longer awaiting."""
+        entry = self.awaiting.pop(tid, None)
+        return entry[0] if entry is not None else None
+
+
 def validate_transfer(msg: GenerateRequest, engine: "Engine") -> None:
     t = msg.transfer
     if t is None:
@@ -108,26 +228,25 @@ class PrefillSide:
         self.on_kv_gathered: Callable[[str, Pages], None] | None = None
         self.on_kv_ready: Callable[[str, HandOff | None], None] | None = None
         self.starts: dict[str, int] = {}  # the decode side's first missing position, written by the glue
-        self._open: set[str] = set()  # transfer opened, prompt not computed yet
-        self._handed_off: dict[str, "Req"] = {}  # prompt computed, KV parked until end_transfer
+        self.stages = PrefillStages()
 
     def knows(self, tid: str) -> bool:
-        return tid in self._open or tid in self._handed_off
+        return self.stages.knows(tid)
 
     @property
     def busy(self) -> bool:
-        return bool(self._handed_off)
+        return bool(self.stages.transferring)
 
     def open_new(self) -> None:
-        """After a scheduling round: open the transfers of newly admitted requests (the handshake runs
-        while their prefill does)."""
-        sched, pool = self.engine.scheduler, self.engine.runner.kv_pool
-        for req in sched.new_transfers:
-            self._open.add(req.transfer_id)
+        """After a scheduling round: open the transfers of newly admitted requests (admitted ->
+        computing; the handshake runs while their prefill does)."""
+        pool = self.engine.runner.kv_pool
+        for req in self.stages.admitted:
+            self.stages.open(req)
             self.on_transfer_open(req.transfer_id, {"host": req.transfer.host, "port": req.transfer.port},
                                   KvHeader(transfer_id=req.transfer_id, prompt_len=len(req.input_ids),
                                            layout=kv_pages.token_layout(pool), dtype=kv_pages.dtype_name(pool.dtype)))
-        sched.new_transfers.clear()
+        self.stages.admitted.clear()
 
     def on_launch(self, reqs: list["Req"], sample: list[bool]) -> None:
         """A pass was just enqueued: for each prompt it completes, enqueue the gather of its pages
@@ -141,16 +260,15 @@ class PrefillSide:
                 self.on_kv_gathered(req.transfer_id, Pages(start, buf, event))
 
     def hand_off(self, req: "Req", out: "StepOutput", i: int) -> None:
-        """The first token is sampled: park the request (it stays in scheduler.prefilled, holding its
-        KV) and hand the token to the glue, which sends it after the pages."""
+        """The first token is sampled (computing -> transferring; the request stays prefilled, holding
+        its KV): hand the token to the glue, which sends it after the pages."""
         tok = None
         if req.params.max_new_tokens > 0:
             tok = out.next_token_ids[i]
             req.output_ids[req.num_resolved] = tok
             req.num_resolved += 1
         tid = req.transfer_id
-        self._open.discard(tid)
-        self._handed_off[tid] = req
+        self.stages.hand_off(req)
         done = KvDone(transfer_id=tid, first_token=tok, first_logprob=out.logprobs[i] if tok is not None else None,
                       first_top_logprobs=out.top_logprobs[i] or [],
                       cached_tokens=req.num_cached_tokens or 0)
@@ -168,19 +286,20 @@ class PrefillSide:
         return buf, event
 
     def end_transfer(self, tid: str, error: str | None) -> None:
-        """The decode side has the pages (or the push failed): release the request."""
-        req = self._handed_off.pop(tid, None)
+        """The decode side has the pages (or the push failed): release the request (transferring ->
+        done)."""
+        req = self.stages.transferring.pop(tid, None)
         if req is None or req.finished:
             return
         self.engine.end_request(req, error, None if error else FinishTransferred())
 
     def on_release(self, req: "Req") -> None:
+        """The request ends (Engine.end_request, before the scheduler releases its KV): out of its
+        stages."""
         tid = req.transfer_id
-        self._handed_off.pop(tid, None)
         self.starts.pop(tid, None)
-        if tid in self._open:  # ended before its prompt was computed: the glue drops the transfer
-            self._open.discard(tid)
-            self.on_kv_ready(tid, None)
+        if "computing" in self.stages.remove(req):  # ended before its prompt was computed:
+            self.on_kv_ready(tid, None)  # the glue drops the transfer
 
 
 class DecodeSide:
@@ -190,8 +309,7 @@ class DecodeSide:
         # on_kv_cancel(id) when such a request ends before its pages came.
         self.on_kv_expect: Callable[[str, int, int], None] | None = None
         self.on_kv_cancel: Callable[[str], None] | None = None
-        self._waiting: dict[str, "Req"] = {}  # queued, no slots yet
-        self._awaiting: dict[str, tuple["Req", float]] = {}  # slots reserved: (request, deadline)
+        self.stages = DecodeStages()
         self._offers: dict[str, float] = {}  # headers that came before their request
         # Received page buffers kept alive until the scatter that reads them has run on the device: the
         # allocator could otherwise hand their memory to the next receive while UCX (not ordered with
@@ -204,16 +322,19 @@ class DecodeSide:
         self._first_step: dict[str, tuple[float, ...]] = {}
 
     def knows(self, tid: str) -> bool:
-        return tid in self._waiting or tid in self._awaiting
+        return self.stages.knows(tid)
 
     def on_admit(self, req: "Req") -> None:
-        self._waiting[req.transfer_id] = req
+        """The engine took the request: queued."""
+        self.stages.queued[req.transfer_id] = req
         offered_at = self._offers.pop(req.transfer_id, None)
         req.kv_offered = offered_at is not None
         self._stamps[req.transfer_id] = [req.arrival_time, offered_at or 0.0, 0.0]
 
     def offered(self, tid: str) -> None:
-        req = self._waiting.get(tid)
+        req = self.stages.queued.get(tid)
+        if req is None:
+            req = self.stages.reserved.get(tid)
         if req is not None:
             req.kv_offered = True
             self._stamps[tid][1] = time.monotonic()
@@ -221,34 +342,33 @@ class DecodeSide:
             self._offers[tid] = time.monotonic()
 
     def announce(self) -> None:
-        """After a scheduling round: tell the receiver which slots are ready; time out requests whose
-        prefill side never committed, or whose pages never came."""
-        engine, sched = self.engine, self.engine.scheduler
+        """After a scheduling round: tell the receiver which slots are ready (reserved -> awaiting);
+        time out requests whose prefill side never committed (queued), or whose pages never came
+        (awaiting)."""
+        engine, stages = self.engine, self.stages
         timeout = engine.config.kv_transfer_timeout
         now = time.monotonic()
-        for req in sched.new_awaiting:
-            self._waiting.pop(req.transfer_id, None)
-            self._awaiting[req.transfer_id] = (req, now + timeout)
+        for req in list(stages.reserved.values()):
+            stages.expect(req, now + timeout)
             self._stamps[req.transfer_id][2] = now
             self.on_kv_expect(req.transfer_id, req.kv_len, len(req.input_ids))
-        sched.new_awaiting.clear()
         for tid in [t for t, at in self._offers.items() if at < now - timeout]:
             del self._offers[tid]  # offers for requests that never came (ended at the gateway first)
-        late = [e[0] for e in self._awaiting.values() if e[1] < now]
-        late += [r for r in self._waiting.values() if not r.kv_offered and r.arrival_time + timeout < now]
+        late = [e[0] for e in stages.awaiting.values() if e[1] < now]
+        late += [r for r in stages.queued.values() if not r.kv_offered and r.arrival_time + timeout < now]
         for req in late:
             msg = f"the prompt's KV did not arrive within {timeout:g} s"
             engine.end_request(req, msg)
 
     def arrived(self, tid: str, done: KvDone, buf: torch.Tensor, received_at: float = 0.0) -> None:
         """Pages and first token are here (`received_at`: when the receiver had them): scatter, emit the
-        first token, and the request decodes from this very step on."""
+        first token, and the request decodes from this very step on (awaiting -> ready)."""
         picked_at = time.monotonic()
-        entry = self._awaiting.pop(tid, None)
+        req = self.stages.arrived(tid)
         stamps = self._stamps.pop(tid, None)
-        if entry is None or entry[0].finished:
+        if req is None or req.finished:
             return  # ended (abort, timeout) while its pages were on the way
-        engine, req = self.engine, entry[0]
+        engine = self.engine
         runner, n = engine.runner, len(req.input_ids)
         kv_pages.scatter(runner.kv_pool, torch.tensor(req.slots[req.kv_len:n], dtype=torch.int64), buf)
         if buf.is_cuda:
@@ -279,16 +399,16 @@ class DecodeSide:
                        scatter=scattered - picked, first_step=time.monotonic() - scattered)
 
     def failed(self, tid: str, reason: str) -> None:
-        entry = self._awaiting.get(tid)
+        entry = self.stages.awaiting.get(tid)
         if entry is not None:
             self.engine.end_request(entry[0], reason)
 
     def on_release(self, req: "Req") -> None:
-        """Ended before its pages came (abort, timeout, failure): the receiver drops the transfer,
-        whether slots were reserved yet or not."""
+        """The request ends (Engine.end_request, before the scheduler releases its slots). Before its
+        pages came (abort, timeout, failure; queued, reserved or awaiting): the receiver drops the
+        transfer."""
         tid = req.transfer_id
         self._stamps.pop(tid, None)
         self._first_step.pop(req.rid, None)
-        queued = self._waiting.pop(tid, None) is not None
-        if self._awaiting.pop(tid, None) is not None or queued:
+        if self.stages.remove(req):
             self.on_kv_cancel(tid)

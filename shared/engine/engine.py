@@ -83,8 +83,13 @@ class Engine:
         self.allocator = SlotAllocator(self.runner.kv_pool.num_pages, config.page_size, device="cpu")
         cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
         self.cache = cache_cls(self.allocator, config.page_size)
+        # PD mode: the prefill/decode halves (shared/engine/disagg.py), wired by the worker's transfer
+        # glue; idle in unified mode. The scheduler asks their stage queues about PD requests.
+        self.prefill_side = PrefillSide(self)
+        self.decode_side = DecodeSide(self)
         self.scheduler = Scheduler(config, self.cache, self.allocator, self.runner.req_pool,
-                                   self.runner.max_context_len)
+                                   self.runner.max_context_len, prefill_stages=self.prefill_side.stages,
+                                   decode_stages=self.decode_side.stages)
         self.detok = Detokenizer(tokenizer)
         from shared.constrained import GrammarCache
 
@@ -112,10 +117,6 @@ class Engine:
         self._jump_candidates: list[tuple[Req, int]] = []  # this step's grammar requests, for _settle_jumps
         self.forced_mask_rows = 0  # verify mode: proposal positions masked from the forced text, no fill
         self._host_dependent = 0  # live requests whose sampling needs their tokens on the host
-        # PD mode: the prefill/decode halves (shared/engine/disagg.py), wired by the worker's transfer
-        # glue; idle in unified mode.
-        self.prefill_side = PrefillSide(self)
-        self.decode_side = DecodeSide(self)
 
     # ------------------------------------------------------------------ thread-safe API
     def submit(self, msg: GenerateRequest) -> None:

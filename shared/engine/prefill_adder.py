@@ -165,8 +165,7 @@ class PrefillAdder:
         s._bind(req, match)
         req.slots.extend(slots.tolist())
         s._mark_admitted(req, match.length)
-        s.awaiting_kv.append(req)
-        s.new_awaiting.append(req)
+        s.decode_stages.reserve(req)  # queued -> reserved: the decode side tells the receiver
         self.reserve += s._reserve_of(req)
         self.admitted += 1
         return True

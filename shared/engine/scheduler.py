@@ -9,6 +9,11 @@ budget. A request's computed prompt KV enters the tree as soon as the pass compu
 its decode tokens join the tree when it ends. When the pool runs dry the cache is evicted first, then
 running requests are retracted to the queue (their computed KV kept in the tree, so re-admission mostly
 hits the cache).
+
+Prefill/decode disaggregation: requests with a transfer go through the stage queues of
+shared/engine/disagg.py (PrefillStages, DecodeStages, owned by the engine's PrefillSide and DecodeSide,
+where the stages are described); the scheduler holds no PD list and asks the stages what it needs
+(admissible, reserve, park, holds_kv, remove).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch
 from shared.cache.base import PrefixCache
 from shared.cache.kv_pool import ReqToTokenPool
 from shared.engine.config import EngineConfig
+from shared.engine.disagg import DecodeStages, PrefillStages
 from shared.engine.forward_batch import ForwardMode
 from shared.engine.prefill_adder import PrefillAdder
 from shared.engine.request import PENDING_TOKEN, Req, ReqStatus
@@ -58,7 +64,9 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, cache: PrefixCache, allocator, req_pool: ReqToTokenPool,
-                 max_context_len: int):
+                 max_context_len: int, prefill_stages: PrefillStages | None = None,
+                 decode_stages: DecodeStages | None = None):
+        """The PD stages are the engine's sides' (fresh ones when not given: the scheduler alone)."""
         self.config = config
         self.cache = cache
         self.allocator = allocator
@@ -68,14 +76,9 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # prefill done, decoding
         self.chunked: Req | None = None  # prefill in progress across passes
-        # PD mode. Decode side: slots reserved for the prompt's uncached part, its pages on the way from a
-        # prefill worker (`new_awaiting`: reserved in the last round, for the engine to announce).
-        # Prefill side: prompt computed (or being computed in the pass just launched); never decoded here,
-        # parked with their KV until the transfer ends (`new_transfers`: admitted in the last round).
-        self.awaiting_kv: list[Req] = []
-        self.new_awaiting: list[Req] = []
-        self.prefilled: list[Req] = []
-        self.new_transfers: list[Req] = []
+        # PD mode: requests with a transfer are also in a stage of their side (shared/engine/disagg.py).
+        self.prefill_stages = prefill_stages if prefill_stages is not None else PrefillStages()
+        self.decode_stages = decode_stages if decode_stages is not None else DecodeStages()
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
         self._last_was_prefill = False
@@ -89,14 +92,15 @@ class Scheduler:
         self.waiting.append(req)
 
     def num_running(self) -> int:
-        return len(self.running) + (1 if self.chunked else 0) + len(self.awaiting_kv)
+        return len(self.running) + (1 if self.chunked else 0) + self.decode_stages.num_holding()
 
     def is_idle(self) -> bool:
-        return (not self.waiting and not self.running and self.chunked is None and not self.awaiting_kv
-                and not self.prefilled)
+        return (not self.waiting and not self.running and self.chunked is None
+                and not self.decode_stages.num_holding() and not self.prefill_stages.holds_kv())
 
     def find(self, rid: str) -> Req | None:
-        for r in self.waiting + self.running + ([self.chunked] if self.chunked else []) + self.awaiting_kv:
+        for r in (self.waiting + self.running + ([self.chunked] if self.chunked else [])
+                  + self.decode_stages.holding()):
             if r.rid == rid:
                 return r
         return None
@@ -107,9 +111,9 @@ class Scheduler:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-        for pd_list in (self.awaiting_kv, self.new_awaiting, self.prefilled, self.new_transfers):
-            if req in pd_list:
-                pd_list.remove(req)
+        role = req.transfer_role
+        if role is not None:  # out of its PD stage too (the side may have taken it out already)
+            (self.prefill_stages if role == "prefill" else self.decode_stages).remove(req)
         if self.chunked is req:
             self.chunked = None
         if req.req_pool_idx is not None:
@@ -135,10 +139,9 @@ class Scheduler:
     def _order_waiting(self) -> list[Req]:
         """Admission order: aged requests first (FCFS among them), then the longest cached prefix first
         (LPM), or arrival order under FCFS or when the queue is too long to sort cheaply."""
-        # Decode side of PD: a request is eligible only once its prefill worker has committed KV to it,
-        # so slots are never held for prompts the prefill side cannot start (the two pools would wait
-        # on each other).
-        ready = [r for r in self.waiting if r.transfer_role != "decode" or r.kv_offered]
+        # PD decode side: a request is eligible only once offered (DecodeStages.admissible).
+        admissible = self.decode_stages.admissible
+        ready = [r for r in self.waiting if admissible(r)]
         aged = [r for r in ready if r.skipped_rounds >= self.config.max_skipped_rounds]
         rest = [r for r in ready if r.skipped_rounds < self.config.max_skipped_rounds]
         limit = self.config.lpm_queue_limit
@@ -249,7 +252,7 @@ class Scheduler:
         # 2. Running requests that gained several tokens at once (jump-forward) extend them here, and
         #    every other running request rides along with its one decode token, so none stalls.
         adder.add_catch_up()
-        # 3. Admit waiting requests (they join self.running, self.chunked or a PD list as taken).
+        # 3. Admit waiting requests (they join self.running, self.chunked or a PD stage as taken).
         if self.chunked is None and self.waiting:
             for req in self._order_waiting():
                 if req.solo and adder.reqs:
@@ -277,18 +280,22 @@ class Scheduler:
             self.stats.prompt_tokens += len(req.input_ids)
             self.stats.cached_tokens += cached
             if req.transfer_role == "prefill":
-                self.new_transfers.append(req)
+                self.prefill_stages.admit(req)
 
     def _holds_kv(self) -> bool:
         """Some other request holds KV that will be freed without this one's help (so waiting is safe)."""
-        return bool(self.running or self.chunked is not None or self.awaiting_kv or self.prefilled)
+        return bool(self.running or self.chunked is not None or self.decode_stages.num_holding()
+                    or self.prefill_stages.holds_kv())
 
     def _prefill_done(self, req: Req) -> None:
-        (self.prefilled if req.transfer_role == "prefill" else self.running).append(req)
+        if req.transfer_role == "prefill":
+            self.prefill_stages.park(req)  # never decodes here
+        else:
+            self.running.append(req)
 
     def kv_arrived(self, req: Req) -> None:
-        """Decode side: the request's prompt KV is complete; it decodes from the next step."""
-        self.awaiting_kv.remove(req)
+        """Decode side: the request's prompt KV is complete (DecodeSide took it out of its stages); it
+        decodes from the next step."""
         req.kv_len = len(req.input_ids)
         self.running.append(req)
         self.cache_computed(req)  # the received prompt serves later requests on this worker too
@@ -351,9 +358,10 @@ class Scheduler:
     def requeue(self, req: Req, kv_len: int) -> None:
         """Back to the front of the queue after a failed step: KV past `kv_len` (what the failed pass
         wrote) is not trusted and is freed; the rest goes to the tree, so re-admission mostly hits it."""
-        for lst in (self.running, self.prefilled, self.new_transfers):
-            if req in lst:
-                lst.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req.transfer_role == "prefill":
+            self.prefill_stages.unpark(req)
         if self.chunked is req:
             self.chunked = None
         req.kv_len = min(req.kv_len, max(kv_len, req.cached_len))  # what the tree holds is kept
