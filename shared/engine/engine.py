@@ -24,7 +24,8 @@ from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.model_runner import ModelRunner, StepOutput
 from shared.engine.request import PENDING_TOKEN, Req, ReqStatus
-from shared.engine.scheduler import ScheduleBatch, Scheduler
+from shared.engine.schedule_batch import ScheduleBatch
+from shared.engine.scheduler import Scheduler
 from shared import limits
 from shared.errors import InvalidRequest
 from shared.engine.disagg import DecodeSide, PrefillSide, validate_transfer

@@ -14,7 +14,7 @@ from shared.engine.forward_batch import ForwardBatch, ForwardMode
 from shared.h2d import to_device
 from shared.engine.request import PENDING_TOKEN, Req
 from shared.engine.sampler import SamplingBatch, sample
-from shared.engine.scheduler import ScheduleBatch
+from shared.engine.schedule_batch import ScheduleBatch
 
 log = logging.getLogger(__name__)
 

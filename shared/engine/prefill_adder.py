@@ -13,9 +13,10 @@ import torch
 
 from shared.engine.forward_batch import ForwardMode
 from shared.engine.request import Req
+from shared.engine.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
-    from shared.engine.scheduler import ScheduleBatch, Scheduler
+    from shared.engine.scheduler import Scheduler
 
 # Longest prefix of a prompt used to spot requests in one admission round that share a prefix the tree
 # does not hold yet: all but one are deferred one round so the prefix is computed once, not N times
@@ -171,9 +172,7 @@ class PrefillAdder:
         return True
 
     # ------------------------------------------------------------------ result
-    def batch(self) -> "ScheduleBatch | None":
-        from shared.engine.scheduler import ScheduleBatch
-
+    def batch(self) -> ScheduleBatch | None:
         if not self.reqs:
             return None
         input_ids: list[int] = []

@@ -25,30 +25,13 @@ import torch
 from shared.cache.base import PrefixCache
 from shared.cache.kv_pool import ReqToTokenPool
 from shared.engine.config import EngineConfig
-from shared.engine.disagg import DecodeStages, PrefillStages
+from shared.engine.pd_stages import DecodeStages, PrefillStages
 from shared.engine.forward_batch import ForwardMode
 from shared.engine.prefill_adder import PrefillAdder
+from shared.engine.schedule_batch import ScheduleBatch
 from shared.engine.request import PENDING_TOKEN, Req, ReqStatus
 
 _RESERVE_CAP = 4096  # per request, future decode tokens counted toward the reservation
-
-
-@dataclass
-class ScheduleBatch:
-    mode: ForwardMode
-    reqs: list[Req]
-    prefix_lens: list[int]
-    extend_lens: list[int]
-    sample: list[bool]  # False: a prefill chunk that stops short of the sequence end (no token sampled)
-    input_ids: list[int]
-    out_cache_loc: torch.Tensor  # host int64
-    # Decode: groups of requests whose KV begins with one cached prefix (prefix length, batch indices),
-    # for shared-prefix attention; None when not looked for.
-    prefix_groups: list[tuple[int, list[int]]] | None = None
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.reqs)
 
 
 @dataclass
