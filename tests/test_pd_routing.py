@@ -52,3 +52,26 @@ def test_replacement_picks_skip_failed_and_disconnected_workers():
     assert router.pick_side("decode", [1, 2, 3, 4], exclude={"d0:1"}) is None
     assert router.pick_side("prefill", [1, 2, 3, 4], exclude={"p1:1"}) is ps[0]
     assert router.pick_side("prefill", [1, 2, 3, 4], exclude={"p0:1", "p1:1"}) is None
+
+
+def test_remember_reuses_the_prompt_chain_and_matches_a_full_hash():
+    """At a request's end the routing index takes prompt + output; the prompt's block names, computed
+    when it was routed, are reused and only the output's blocks hashed: the same names as hashing it all."""
+    from services.gateway.cache_aware import CacheAwarePolicy, block_chain
+
+    class W:
+        address, load = "w:1", 0
+
+    policy = CacheAwarePolicy(block_tokens=4)
+    prompt = list(range(10, 31))  # 5 full blocks and a partial one
+    output = list(range(500, 511))
+    w = W()
+    policy.pick([w], prompt, "salt")
+    assert id(prompt) in policy._in_flight
+    policy.remember(w, prompt + output, "salt", prompt=prompt)
+    assert id(prompt) not in policy._in_flight  # taken back at the end
+    full = block_chain(prompt + output, 4, "salt")
+    assert len(full) == 8 and policy._index_of(w).match(full) == len(full)
+    assert block_chain(prompt + output, 4, "salt", known=block_chain(prompt, 4, "salt")) == full
+    # Another tenant's salt never reuses this prompt's names.
+    assert block_chain(prompt + output, 4, "other", known=None) != full

@@ -108,7 +108,8 @@ class Dispatcher:
                     if out.finished and result.output_ids:
                         # Its tree now holds prompt + output (but the last token's KV): a next turn
                         # that extends them is routed back there, and may bypass prefill in PD.
-                        self.router.remember(served_by[-1], list(req.input_ids) + result.output_ids[:-1], salt)
+                        self.router.remember(served_by[-1], list(req.input_ids) + result.output_ids[:-1], salt,
+                                             prompt=req.input_ids)
                     if record is not None:
                         if out.token_ids:
                             record.first_token()

@@ -88,11 +88,13 @@ class Router:
               and w.address not in exclude and (role != "decode" or w.transfer_addr)]
         return self.policy.pick(_live(ok), input_ids, salt) if ok else None
 
-    def remember(self, worker: WorkerClient, token_ids: Sequence[int], salt: str | None = None) -> None:
-        """`worker` finished a request over these tokens: the policy may note that its tree holds them."""
+    def remember(self, worker: WorkerClient, token_ids: Sequence[int], salt: str | None = None,
+                 prompt: Sequence[int] | None = None) -> None:
+        """`worker` finished a request over these tokens (`prompt`, the ids it was routed with, then its
+        output): the policy may note that its tree holds them."""
         remember = getattr(self.policy, "remember", None)
         if remember is not None and worker in self._workers:
-            remember(worker, token_ids, salt)
+            remember(worker, token_ids, salt, prompt)
 
     def forget_cache(self, address: str | None = None) -> None:
         """Workers' caches were flushed (or one left): the policy's picture of them is stale."""
