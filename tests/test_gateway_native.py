@@ -379,3 +379,19 @@ def test_observe_many_equals_repeated_observe():
 
     got, want = samples(regs[0]), samples(regs[1])
     assert got.keys() == want.keys() and got == pytest.approx(want)
+
+
+def test_generation_result_text_is_joined_once_per_read():
+    """A long generation's increments are kept as parts and joined when the text is read: the same text,
+    without copying the whole output at every increment."""
+    from services.gateway.dispatch import GenerationResult
+    from shared.protocol import TokenOutput
+
+    res = GenerationResult(rid="r")
+    pieces = [f"t{i} " for i in range(5000)] + [""]
+    for p in pieces:
+        res.absorb(TokenOutput(rid="r", token_ids=[1], text=p, finished=False))
+    assert len(res._text_parts) == 5000
+    assert res.text == "".join(pieces) and len(res._text_parts) == 1
+    res.absorb(TokenOutput(rid="r", token_ids=[2], text="end", finished=True))
+    assert res.text.endswith("t4999 end") and res.completion_tokens == 5002

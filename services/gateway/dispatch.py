@@ -28,7 +28,7 @@ from shared.protocol import FinishReason, GenerateRequest, TokenOutput
 class GenerationResult:
     """Everything one request produced so far; `absorb` folds in each increment."""
     rid: str
-    text: str = ""
+    _text_parts: list[str] = field(default_factory=list, repr=False)
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: FinishReason | None = None
@@ -41,8 +41,18 @@ class GenerationResult:
     input_top_logprobs: list = field(default_factory=list)
     e2e_latency: float = 0.0
 
+    @property
+    def text(self) -> str:
+        """The output so far, joined when read (appending to one string per increment copied the whole
+        text every time: quadratic in a long generation)."""
+        parts = self._text_parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
+
     def absorb(self, out: TokenOutput) -> None:
-        self.text += out.text
+        if out.text:
+            self._text_parts.append(out.text)
         self.output_ids.extend(out.token_ids)
         self.output_logprobs.extend(out.output_logprobs)
         self.output_top_logprobs.extend(out.output_top_logprobs)
