@@ -149,6 +149,11 @@ def main(argv=None) -> None:
         event_loop.run(serve(args))
     except (UnsupportedQuantization, TPConfigError) as e:  # a model we cannot run this way: say so, no traceback
         raise SystemExit(f"error: {e}") from None
+    from shared.engine.tp import teardown_stuck
+
+    if teardown_stuck():
+        logging.shutdown()
+        os._exit(0)
 
 
 if __name__ == "__main__":

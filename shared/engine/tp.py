@@ -212,9 +212,20 @@ def _destroy_process_group(graceful: bool = True) -> None:
         done.start()
         done.join(_TEARDOWN_TIMEOUT_S)
         if done.is_alive():
-            log.warning("tensor-parallel group teardown did not finish in %.0f s; left behind",
-                        _TEARDOWN_TIMEOUT_S)
+            global _teardown_stuck
+            _teardown_stuck = True
+            log.warning("tensor-parallel group teardown did not finish in %.0f s; left behind (the process "
+                        "exits without interpreter teardown)", _TEARDOWN_TIMEOUT_S)
     set_tp(0, 1)
+
+
+_teardown_stuck = False
+
+
+def teardown_stuck() -> bool:
+    """A group teardown was left behind in this process: its exit must skip the interpreter's teardown,
+    where the backend's destructor would wait on it again (services/worker/__main__.py does)."""
+    return _teardown_stuck
 
 
 def _die_with_parent(parent_pid: int) -> None:
