@@ -115,6 +115,13 @@ async def test_silent_worker_times_out(worker, client):
     client.token_timeout = 0.3
     with pytest.raises(WorkerUnavailable, match="sent nothing"):
         await collect(client, req("hang"))
+    # The worker may still hold the request's KV: a silence timeout aborts it there (a lost connection
+    # would not: nothing is left to abort).
+    for _ in range(50):
+        if "hang" in worker.aborted():
+            break
+        await asyncio.sleep(0.01)
+    assert "hang" in worker.aborted()
 
 
 async def test_unreachable_worker_fails_fast():

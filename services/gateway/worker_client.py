@@ -33,10 +33,12 @@ log = logging.getLogger(__name__)
 
 
 class _Lost:
-    """Queued into a stream when the connection dies under it."""
+    """Queued into a stream when the connection dies under it (nothing to abort on the worker), or when
+    the worker went silent for too long (`abort`: the request may still hold KV there)."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, abort: bool = False):
         self.reason = reason
+        self.abort = abort
 
 
 class _Mailbox:
@@ -153,7 +155,8 @@ class WorkerClient:
             now = time.monotonic()
             for box in list(self._streams.values()):
                 if box.waiter is not None and now - box.last > self.token_timeout:
-                    box.put(_Lost(f"worker {self.address} sent nothing for {self.token_timeout:.0f} s"))
+                    box.put(_Lost(f"worker {self.address} sent nothing for {self.token_timeout:.0f} s",
+                                  abort=True))
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -289,7 +292,7 @@ class WorkerClient:
             await self._send(req)
             while True:
                 if lost is not None:
-                    finished = True  # the worker side is gone; nothing to abort there
+                    finished = not lost.abort  # a lost connection: nothing to abort there
                     raise WorkerUnavailable(lost.reason)
                 await box.wait()  # the silence limit: _watch_silence
                 item = items.popleft()
