@@ -68,8 +68,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--workers, --prefill and --decode must be >= 1")
     if args.worker_gpus is not None and not all(x.strip().isdigit() for x in args.worker_gpus.split(",")):
         p.error("--worker-gpus must be comma-separated GPU ids, e.g. 0,1")
-    if args.topology == "pd" and args.tp_size > 1:
-        p.error("--tp-size > 1 runs on unified workers only for now (PD would move KV pages rank to rank)")
     if args.topology == "pd":
         from shared.transfer import require_ucx
 

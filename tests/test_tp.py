@@ -272,13 +272,6 @@ def test_cli_refuses_tp_size_out_of_range(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_worker_refuses_tp_with_a_pd_role():
-    from services.worker.__main__ import main
-
-    with pytest.raises(SystemExit, match="unified workers only"):
-        main(["--model-path", "tiny-random", "--device", "cpu", "--tp-size", "2", "--role", "decode"])
-
-
 def test_worker_refuses_tp_size_not_dividing_the_heads():
     """Refused before any rank starts, as one `error:` line (no traceback)."""
     proc = subprocess.run([sys.executable, "-m", "services.worker", "--model-path", "tiny-random",
@@ -289,11 +282,34 @@ def test_worker_refuses_tp_size_not_dividing_the_heads():
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_launcher_refuses_tp_with_pd():
-    from services.launch import parse_args
+def test_kv_pages_leave_whole_whatever_the_sharding():
+    """PD moves the model's whole KV (every kv head), so pools sharded differently can exchange pages:
+    rank 0 of a TP=2 engine gathers the same buffer a TP=1 engine does, and a buffer scattered into the
+    TP=2 pool reads back whole."""
+    from tests.engine_harness import tokenizer
 
-    with pytest.raises(SystemExit):
-        parse_args(["--model-path", "tiny-random", "--topology", "pd", "--tp-size", "2"])
+    ids = tokenizer().encode("whole kv pages across ranks")
+    bufs = []
+    for tp in (1, 2):
+        h = Harness(tp_size=tp)
+        try:
+            rid = h.submit(ids, sampling={**GREEDY, "max_new_tokens": 1})
+            h.run([rid])
+            slots = h.engine.cache.match_prefix(ids, record=False).slots  # the prompt's KV, in the tree
+            assert len(slots) >= len(ids) - 1
+            runner = h.engine.runner
+            assert runner.kv_layout()[2] == 2  # tiny-random: 2 kv heads, one per rank at TP=2
+            buf = runner.gather_kv(slots)
+            assert list(buf.shape) == [len(slots), *runner.kv_layout()]
+            bufs.append(buf.clone())
+            if tp == 2:
+                runner.scatter_kv(slots, torch.zeros_like(buf))
+                assert runner.gather_kv(slots).abs().sum() == 0
+                runner.scatter_kv(slots, bufs[0])
+                assert torch.allclose(runner.gather_kv(slots), bufs[0], atol=1e-5)
+        finally:
+            h.engine.stop()
+    assert torch.allclose(bufs[0], bufs[1], atol=1e-4)
 
 
 # ------------------------------------------------------------------ end to end
@@ -325,6 +341,34 @@ def test_tp2_stack_serves_what_tp1_decodes():
     finally:
         stack.stop()
     wait_for(lambda: not any(procfs.alive(p) for p in ranks), 15, "the worker's rank to exit")
+
+
+def test_pd_with_tp2_on_both_sides_serves_what_tp1_decodes():
+    """PD with tensor parallelism: a TP=2 prefill worker's ranks gather their kv heads, rank 0 sends the
+    whole KV over UCX, the TP=2 decode worker's rank 0 broadcasts it and each rank keeps its heads; the
+    tokens are those of one unsharded engine."""
+    from tests.engine_harness import tokenizer
+
+    prompt = "disaggregated and tensor parallel"
+    h = Harness()
+    try:
+        want = h.generate(tokenizer().encode(prompt), sampling={**GREEDY, "max_new_tokens": 6})
+    finally:
+        h.engine.stop()
+    stack = Stack("--topology", "pd", "--tp-size", "2", "--device", "cpu", timeout=240)
+    try:
+        ranks = [p for p in procfs.descendants(stack.proc.pid) if "shared.engine.tp" in procfs.argv(p)]
+        assert len(ranks) == 2  # one beside the prefill worker, one beside the decode worker
+        for _ in range(2):  # the second time the decode worker's own tree may hold the prompt
+            got = _generate(stack.url, prompt)
+            assert got["output_ids"] == want["ids"] and got["text"] == want["text"]
+        with urllib.request.urlopen(stack.url + "/server_info", timeout=30) as r:
+            workers = json.loads(r.read())["workers"]
+        assert sorted(w["info"]["tp_size"] for w in workers) == [2, 2]
+        assert any(w["info"].get("kv_transfer", {}).get("received_tokens", 0) > 0 for w in workers), workers
+    finally:
+        stack.stop()
+    wait_for(lambda: not any(procfs.alive(p) for p in ranks), 15, "the workers' ranks to exit")
 
 
 def _tp2_worker() -> tuple[subprocess.Popen, int]:

@@ -17,11 +17,11 @@ from shared.transfer.ucx import KvReceiver
 class KvReceive:
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, key: str = ""):
         self.engine, self.loop = engine, loop
-        pool = engine.runner.kv_pool
+        runner = engine.runner
         staging = engine.config.kv_transfer_staging
         self.receiver = KvReceiver(
-            kv_pages.token_layout(pool), kv_pages.dtype_name(pool.dtype),
-            alloc=lambda n: kv_pages.empty_buffer(pool, n, staging),
+            runner.kv_layout(), kv_pages.dtype_name(runner.dtype),
+            alloc=lambda n: runner.empty_kv_buffer(n, staging),
             on_arrival=engine.kv_arrived, on_failure=engine.kv_failed, on_offer=engine.kv_offered,
             expect_timeout=engine.config.kv_transfer_timeout, key=key)
         side = engine.decode_side

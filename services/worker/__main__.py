@@ -60,10 +60,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    if args.role != "unified" and args.tp_size > 1:
-        # KV pages would have to move rank to rank (prefill rank i -> decode rank i): not built yet.
-        raise SystemExit(f"error: --tp-size {args.tp_size} with --role {args.role}: tensor parallelism "
-                         "runs on unified workers only for now")
     if args.role in ("prefill", "decode"):
         from shared.transfer import require_ucx
 

@@ -140,12 +140,12 @@ class PrefillSide:
     def open_new(self) -> None:
         """After a scheduling round: open the transfers of newly admitted requests (admitted ->
         computing; the handshake runs while their prefill does)."""
-        pool = self.engine.runner.kv_pool
+        runner = self.engine.runner
         for req in self.stages.admitted:
             self.stages.open(req)
             self.on_transfer_open(req.transfer_id, {"host": req.transfer.host, "port": req.transfer.port},
                                   KvHeader(transfer_id=req.transfer_id, prompt_len=len(req.input_ids),
-                                           layout=kv_pages.token_layout(pool), dtype=kv_pages.dtype_name(pool.dtype)))
+                                           layout=runner.kv_layout(), dtype=kv_pages.dtype_name(runner.dtype)))
         self.stages.admitted.clear()
 
     def on_launch(self, reqs: list["Req"], sample: list[bool]) -> None:
@@ -178,7 +178,7 @@ class PrefillSide:
     def _gather(self, req: "Req", start: int):
         runner = self.engine.runner
         slots = torch.tensor(req.slots[start:len(req.input_ids)], dtype=torch.int64)
-        buf = kv_pages.gather(runner.kv_pool, slots, self.engine.config.kv_transfer_staging)
+        buf = runner.gather_kv(slots, self.engine.config.kv_transfer_staging)
         event = None
         if runner.device.type == "cuda":
             event = torch.cuda.Event()
@@ -270,7 +270,7 @@ class DecodeSide:
             return  # ended (abort, timeout) while its pages were on the way
         engine = self.engine
         runner, n = engine.runner, len(req.input_ids)
-        kv_pages.scatter(runner.kv_pool, torch.tensor(req.slots[req.kv_len:n], dtype=torch.int64), buf)
+        runner.scatter_kv(torch.tensor(req.slots[req.kv_len:n], dtype=torch.int64), buf)
         if buf.is_cuda:
             self._in_use = [(e, b) for e, b in self._in_use if not e.query()]
             event = torch.cuda.Event()

@@ -381,8 +381,67 @@ class ModelRunner:
             self.req_pool.write(cmd[1], cmd[2], torch.tensor(cmd[3], dtype=torch.int64))
         elif op == "set_token":
             self.token_buf[cmd[1]] = cmd[2]
+        elif op in ("kv_gather", "kv_scatter"):
+            self._follow_kv(op, cmd[1])
         else:
             raise ValueError(f"unknown tensor-parallel command {op!r}")
+
+    # ------------------------------------------------------------------ KV pages for PD (whole model)
+    def kv_layout(self) -> list[int]:
+        """One token's KV as it travels between PD workers: every kv head of the model, so the two
+        pools may be sharded differently (or not at all)."""
+        mc = self.model_config
+        return [mc.num_hidden_layers, 2, mc.num_key_value_heads, mc.head_dim]
+
+    def empty_kv_buffer(self, tokens: int, staging: str = "device") -> torch.Tensor:
+        """Where `tokens` positions of whole-model KV are received."""
+        shape = (tokens, *self.kv_layout())
+        if staging == "host" and self.device.type == "cuda":
+            return torch.empty(shape, dtype=self.dtype, pin_memory=True)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def gather_kv(self, slots: torch.Tensor, staging: str = "device") -> torch.Tensor:
+        """Whole-model KV at `slots` -> one contiguous buffer (kv_pages' token-major layout). Under
+        tensor parallelism every rank gathers its heads and rank 0 assembles them."""
+        from shared.transfer import kv_pages
+
+        if self.tp is None:
+            return kv_pages.gather(self.kv_pool, slots, staging)
+        from shared.models.parallel import all_gather_kv_heads
+
+        self.tp.send(("kv_gather", slots.tolist()))
+        full = all_gather_kv_heads(kv_pages.gather(self.kv_pool, slots), self.model_config.num_key_value_heads)
+        if staging == "host" and full.device.type == "cuda":
+            host = torch.empty(full.shape, dtype=full.dtype, pin_memory=True)
+            host.copy_(full, non_blocking=True)  # the caller waits on an event before reading it
+            return host
+        return full
+
+    def scatter_kv(self, slots: torch.Tensor, buf: torch.Tensor) -> None:
+        """Write whole-model KV into the pool at `slots`; under tensor parallelism rank 0 broadcasts it
+        and every rank keeps its heads."""
+        from shared.transfer import kv_pages
+
+        if self.tp is None:
+            kv_pages.scatter(self.kv_pool, slots, buf)
+            return
+        from shared.models.parallel import broadcast, local_kv_part
+
+        self.tp.send(("kv_scatter", slots.tolist()))
+        full = broadcast(buf.to(self.device, non_blocking=True).contiguous())
+        kv_pages.scatter(self.kv_pool, slots, local_kv_part(full, self.model_config.num_key_value_heads))
+
+    def _follow_kv(self, op: str, slots: list[int]) -> None:
+        from shared.models.parallel import all_gather_kv_heads, broadcast, local_kv_part
+        from shared.transfer import kv_pages
+
+        loc = torch.tensor(slots, dtype=torch.int64)
+        heads = self.model_config.num_key_value_heads
+        if op == "kv_gather":
+            all_gather_kv_heads(kv_pages.gather(self.kv_pool, loc), heads)
+        else:
+            full = broadcast(self.empty_kv_buffer(len(slots)))
+            kv_pages.scatter(self.kv_pool, loc, local_kv_part(full, heads))
 
     def forward(self, batch: ScheduleBatch) -> StepOutput:
         return self.launch(batch).resolve()

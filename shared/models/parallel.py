@@ -76,10 +76,10 @@ def even_shard(n: int, dim: int = 0) -> Shard | None:
     return Shard(dim, _state.rank * per, per, n)
 
 
-def kv_head_range(num_kv_heads: int) -> tuple[int, int]:
-    """(first kv head, kv heads) of this rank. With fewer kv heads than ranks each kv head is
-    replicated on size / num_kv_heads consecutive ranks: exactly the ranks whose q heads use it."""
-    size, rank = _state.size, _state.rank
+def kv_head_range(num_kv_heads: int, rank: int | None = None) -> tuple[int, int]:
+    """(first kv head, kv heads) of this rank (or of `rank`). With fewer kv heads than ranks each kv head
+    is replicated on size / num_kv_heads consecutive ranks: exactly the ranks whose q heads use it."""
+    size, rank = _state.size, (_state.rank if rank is None else rank)
     if num_kv_heads >= size:
         per = num_kv_heads // size
         return rank * per, per
@@ -147,6 +147,31 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_state.size)]
     dist.all_gather(parts, x, group=_state.group)
     return torch.cat(parts, dim=-1)
+
+
+def all_gather_kv_heads(local: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Every rank's KV of the same positions ([..., its kv heads, head_dim]) -> the model's whole KV
+    ([..., num_kv_heads, head_dim]); a replicated head is taken once."""
+    if _state.size == 1:
+        return local
+    import torch.distributed as dist
+
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(_state.size)]
+    dist.all_gather(parts, local, group=_state.group)
+    full = local.new_empty((*local.shape[:-2], num_kv_heads, local.shape[-1]))
+    for rank, part in enumerate(parts):
+        first, n = kv_head_range(num_kv_heads, rank)
+        full[..., first:first + n, :] = part
+    return full
+
+
+def local_kv_part(full: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """This rank's kv heads of a whole-model KV buffer ([..., num_kv_heads, head_dim])."""
+    if _state.size == 1:
+        return full
+    first, n = kv_head_range(num_kv_heads)
+    return full[..., first:first + n, :].contiguous()
 
 
 def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:

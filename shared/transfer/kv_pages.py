@@ -51,14 +51,6 @@ def scatter(pool: KVPool, slots: torch.Tensor, buf: torch.Tensor) -> None:
         v[loc] = buf[:, layer, 1]
 
 
-def empty_buffer(pool: KVPool, tokens: int, staging: str = "device") -> torch.Tensor:
-    """Where a receiver puts `tokens` positions of KV."""
-    shape = (tokens, pool.num_layers, 2, pool.num_kv_heads, pool.head_dim)
-    if staging == "host" and pool.device.type == "cuda":
-        return torch.empty(shape, dtype=pool.dtype, pin_memory=True)
-    return torch.empty(shape, dtype=pool.dtype, device=pool.device)
-
-
 def as_transport_buffer(t: torch.Tensor):
     """What UCX can read/write: the tensor itself on the GPU (__cuda_array_interface__), a byte view of
     its storage on the host (the buffer protocol; torch tensors do not export it themselves)."""
