@@ -59,7 +59,7 @@ if [[ $what == serving-dp ]]; then
 fi
 if [[ $what == tp ]]; then
   # Tensor parallelism (nvidia-h200-x2): parity with TP=1 on the GPUs (NCCL, CUDA graphs), then speed.
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py -k "engine_matches or families" 2>&1 \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py -k "engine_matches or families or kv_pages_leave_whole" 2>&1 \
     | tee "$OUT/tp_tests.log" | tail -5
   timeout 300 python3 -m bench.tp --out "$OUT" 2>&1 | tee "$OUT/tp.log" | tail -8
 fi
