@@ -28,6 +28,7 @@ from services.supervisor import RestartPolicy, WorkerSlot
 from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.engine.cli import add_engine_args, engine_args_to_argv
+from shared.models.parallel import MAX_TP_SIZE
 from shared.wire import INTERNAL_KEY_ENV
 
 log = logging.getLogger("services.launch")
@@ -41,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="unified workers to start")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (pd topology)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (pd topology)")
+    p.add_argument("--prefill-tp-size", type=int, default=None,
+                   help="pd topology: tensor-parallel ranks of each prefill worker (default: --tp-size); KV "
+                        "moves whole-model, so the two pools may be sharded differently")
+    p.add_argument("--decode-tp-size", type=int, default=None,
+                   help="pd topology: tensor-parallel ranks of each decode worker (default: --tp-size)")
     p.add_argument("--worker-gpus", default=None,
                    help="comma-separated GPU ids; worker i runs on --device cuda:ids[i %% len(ids)] (with "
                         "--tp-size N: cuda:ids[i*N %% len(ids)] and the N-1 GPUs after it)")
@@ -68,6 +74,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--workers, --prefill and --decode must be >= 1")
     if args.worker_gpus is not None and not all(x.strip().isdigit() for x in args.worker_gpus.split(",")):
         p.error("--worker-gpus must be comma-separated GPU ids, e.g. 0,1")
+    for flag, value in (("--prefill-tp-size", args.prefill_tp_size), ("--decode-tp-size", args.decode_tp_size)):
+        if value is not None and args.topology != "pd":
+            p.error(f"{flag} applies to the pd topology")
+        if value is not None and not 1 <= value <= MAX_TP_SIZE:
+            p.error(f"{flag} must be between 1 and {MAX_TP_SIZE}, got {value}")
     if args.topology == "pd":
         from shared.transfer import require_ucx
 
@@ -84,20 +95,40 @@ def worker_roles(args: argparse.Namespace) -> list[str]:
     return ["unified"] * args.workers
 
 
-def _worker_cmd(args: argparse.Namespace, index: int, role: str):
+def worker_tp_size(args: argparse.Namespace, role: str) -> int:
+    """Tensor-parallel ranks of a worker of this role."""
+    own = {"prefill": args.prefill_tp_size, "decode": args.decode_tp_size}.get(role)
+    return own if own is not None else args.tp_size
+
+
+def _worker_cmd(args: argparse.Namespace, index: int, role: str, first_gpu: int = 0):
+    """`first_gpu`: this worker's place in --worker-gpus (the ranks of the workers before it come first)."""
+    tp = worker_tp_size(args, role)
+
     def cmd(port: int) -> list[str]:
         argv = [sys.executable, "-m", "services.worker", "--role", role, "--host", "127.0.0.1",
                 "--port", str(port), "--worker-id", f"{role}-{index}", "--log-level", args.log_level,
                 "--drain-timeout", str(args.drain_timeout), "--drain-grace", str(args.drain_grace),
                 *engine_args_to_argv(args)]
+        if tp != args.tp_size:
+            argv += ["--tp-size", str(tp)]  # the last one given wins
         if args.redis_url:
             argv += ["--redis-url", args.redis_url]
         if args.worker_gpus:
             gpus = [g.strip() for g in args.worker_gpus.split(",")]
             # A tensor-parallel worker's ranks take the GPUs after its first (cuda:N .. N+tp-1).
-            argv += ["--device", f"cuda:{gpus[index * args.tp_size % len(gpus)]}"]
+            argv += ["--device", f"cuda:{gpus[first_gpu % len(gpus)]}"]
         return argv
     return cmd
+
+
+def worker_cmds(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """(slot name, command builder) of every worker, GPUs handed out in order, tp_size ranks each."""
+    out, first_gpu = [], 0
+    for i, role in enumerate(worker_roles(args)):
+        out.append((f"{role}-{i}", _worker_cmd(args, i, role, first_gpu)))
+        first_gpu += worker_tp_size(args, role)
+    return out
 
 
 def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
@@ -115,8 +146,7 @@ async def run(args: argparse.Namespace) -> int:
     from shared.gc_freeze import freeze_startup_heap
 
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=60.0, backoff_s=args.restart_backoff)
-    slots = [WorkerSlot(f"{role}-{i}", _worker_cmd(args, i, role), policy)
-             for i, role in enumerate(worker_roles(args))]
+    slots = [WorkerSlot(name, cmd, policy) for name, cmd in worker_cmds(args)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

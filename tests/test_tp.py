@@ -371,6 +371,43 @@ def test_pd_with_tp2_on_both_sides_serves_what_tp1_decodes():
     wait_for(lambda: not any(procfs.alive(p) for p in ranks), 15, "the workers' ranks to exit")
 
 
+def test_launcher_gives_each_pd_pool_its_tp_size_and_gpus():
+    from services.launch import parse_args, worker_cmds
+
+    args = parse_args(["--model-path", "tiny-random", "--topology", "pd", "--prefill", "2", "--prefill-tp-size", "2",
+                       "--decode-tp-size", "1", "--worker-gpus", "0,1,2,3,4"])
+    cmds = {name: build(1234) for name, build in worker_cmds(args)}
+
+    def flag(argv, name):
+        return argv[len(argv) - 1 - argv[::-1].index(name) + 1] if name in argv else None  # the last one wins
+
+    assert [(n, flag(a, "--tp-size") or "1", flag(a, "--device")) for n, a in cmds.items()] == [
+        ("prefill-0", "2", "cuda:0"), ("prefill-1", "2", "cuda:2"), ("decode-2", "1", "cuda:4")]
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "tiny-random", "--prefill-tp-size", "2"])  # unified: no prefill pool
+
+
+def test_pd_with_unequal_tp_serves_what_tp1_decodes():
+    """A TP=2 prefill worker feeds an unsharded decode worker: the wire carries the model's whole KV."""
+    from tests.engine_harness import tokenizer
+
+    prompt = "two ranks hand over to one"
+    h = Harness()
+    try:
+        want = h.generate(tokenizer().encode(prompt), sampling={**GREEDY, "max_new_tokens": 6})
+    finally:
+        h.engine.stop()
+    stack = Stack("--topology", "pd", "--prefill-tp-size", "2", "--device", "cpu", timeout=240)
+    try:
+        got = _generate(stack.url, prompt)
+        assert got["output_ids"] == want["ids"] and got["text"] == want["text"]
+        with urllib.request.urlopen(stack.url + "/server_info", timeout=30) as r:
+            workers = json.loads(r.read())["workers"]
+        assert sorted(w["info"]["tp_size"] for w in workers) == [1, 2]
+    finally:
+        stack.stop()
+
+
 def _tp2_worker() -> tuple[subprocess.Popen, int]:
     """A ready --tp-size 2 worker process and the pid of its second rank."""
     proc = subprocess.Popen([sys.executable, "-m", "services.worker", "--model-path", "tiny-random",
