@@ -27,8 +27,7 @@ from services.gateway.cli import add_gateway_args, gateway_args_to_argv
 from services.supervisor import RestartPolicy, WorkerSlot
 from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
-from shared.engine.cli import add_engine_args, engine_args_to_argv
-from shared.models.parallel import MAX_TP_SIZE
+from shared.engine.cli import add_engine_args, engine_args_to_argv, tp_size_arg
 from shared.wire import INTERNAL_KEY_ENV
 
 log = logging.getLogger("services.launch")
@@ -42,14 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="unified workers to start")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (pd topology)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (pd topology)")
-    p.add_argument("--prefill-tp-size", type=int, default=None,
+    p.add_argument("--prefill-tp-size", type=tp_size_arg, default=None,
                    help="pd topology: tensor-parallel ranks of each prefill worker (default: --tp-size); KV "
                         "moves whole-model, so the two pools may be sharded differently")
-    p.add_argument("--decode-tp-size", type=int, default=None,
+    p.add_argument("--decode-tp-size", type=tp_size_arg, default=None,
                    help="pd topology: tensor-parallel ranks of each decode worker (default: --tp-size)")
     p.add_argument("--worker-gpus", default=None,
-                   help="comma-separated GPU ids; worker i runs on --device cuda:ids[i %% len(ids)] (with "
-                        "--tp-size N: cuda:ids[i*N %% len(ids)] and the N-1 GPUs after it)")
+                   help="comma-separated GPU ids, handed out to the workers in order, as many per worker as "
+                        "its tensor-parallel ranks (a worker's ranks run on cuda:K and the GPUs after it); "
+                        "the list wraps around")
     p.add_argument("--redis-url", default=None, help="routing metadata in Redis (default: in memory)")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     p.add_argument("--port", type=int, default=30000, help="the gateway's HTTP port")
@@ -74,11 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--workers, --prefill and --decode must be >= 1")
     if args.worker_gpus is not None and not all(x.strip().isdigit() for x in args.worker_gpus.split(",")):
         p.error("--worker-gpus must be comma-separated GPU ids, e.g. 0,1")
-    for flag, value in (("--prefill-tp-size", args.prefill_tp_size), ("--decode-tp-size", args.decode_tp_size)):
-        if value is not None and args.topology != "pd":
-            p.error(f"{flag} applies to the pd topology")
-        if value is not None and not 1 <= value <= MAX_TP_SIZE:
-            p.error(f"{flag} must be between 1 and {MAX_TP_SIZE}, got {value}")
+    if (args.prefill_tp_size is not None or args.decode_tp_size is not None) and args.topology != "pd":
+        p.error("--prefill-tp-size and --decode-tp-size apply to the pd topology")
     if args.topology == "pd":
         from shared.transfer import require_ucx
 

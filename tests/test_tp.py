@@ -313,6 +313,17 @@ def test_kv_pages_leave_whole_whatever_the_sharding():
 
 
 # ------------------------------------------------------------------ end to end
+def _unsharded(prompt: str) -> dict:
+    """What one unsharded engine generates for `prompt` (what _generate asks a stack for)."""
+    from tests.engine_harness import tokenizer
+
+    h = Harness()
+    try:
+        return h.generate(tokenizer().encode(prompt), sampling={**GREEDY, "max_new_tokens": 6})
+    finally:
+        h.engine.stop()
+
+
 def _generate(url: str, prompt: str) -> dict:
     body = json.dumps({"text": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 6}}).encode()
     req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
@@ -321,15 +332,8 @@ def _generate(url: str, prompt: str) -> dict:
 
 
 def test_tp2_stack_serves_what_tp1_decodes():
-    from tests.engine_harness import tokenizer
-
     prompt = "tensor parallel hello"
-    h = Harness()
-    try:
-        ids = tokenizer().encode(prompt)
-        want = h.generate(ids, sampling={**GREEDY, "max_new_tokens": 6})
-    finally:
-        h.engine.stop()
+    want = _unsharded(prompt)
     stack = Stack("--tp-size", "2", "--device", "cpu", timeout=180)
     try:
         ranks = [p for p in procfs.descendants(stack.proc.pid) if "shared.engine.tp" in procfs.argv(p)]
@@ -347,14 +351,8 @@ def test_pd_with_tp2_on_both_sides_serves_what_tp1_decodes():
     """PD with tensor parallelism: a TP=2 prefill worker's ranks gather their kv heads, rank 0 sends the
     whole KV over UCX, the TP=2 decode worker's rank 0 broadcasts it and each rank keeps its heads; the
     tokens are those of one unsharded engine."""
-    from tests.engine_harness import tokenizer
-
     prompt = "disaggregated and tensor parallel"
-    h = Harness()
-    try:
-        want = h.generate(tokenizer().encode(prompt), sampling={**GREEDY, "max_new_tokens": 6})
-    finally:
-        h.engine.stop()
+    want = _unsharded(prompt)
     stack = Stack("--topology", "pd", "--tp-size", "2", "--device", "cpu", timeout=240)
     try:
         ranks = [p for p in procfs.descendants(stack.proc.pid) if "shared.engine.tp" in procfs.argv(p)]
@@ -389,14 +387,8 @@ def test_launcher_gives_each_pd_pool_its_tp_size_and_gpus():
 
 def test_pd_with_unequal_tp_serves_what_tp1_decodes():
     """A TP=2 prefill worker feeds an unsharded decode worker: the wire carries the model's whole KV."""
-    from tests.engine_harness import tokenizer
-
     prompt = "two ranks hand over to one"
-    h = Harness()
-    try:
-        want = h.generate(tokenizer().encode(prompt), sampling={**GREEDY, "max_new_tokens": 6})
-    finally:
-        h.engine.stop()
+    want = _unsharded(prompt)
     stack = Stack("--topology", "pd", "--prefill-tp-size", "2", "--device", "cpu", timeout=240)
     try:
         got = _generate(stack.url, prompt)

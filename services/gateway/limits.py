@@ -78,7 +78,6 @@ def _loads(raw: bytes) -> Any:
         return json.loads(raw)
 
 
-
 def _lone_surrogate(obj: Any) -> str | None:
     """The path ("messages[0].content") of the first string (key or value) that is not valid Unicode
     text, or None."""

@@ -31,7 +31,8 @@ def _attention_backend(value: str) -> str:
     return value
 
 
-def _tp_size(value: str) -> int:
+def tp_size_arg(value: str) -> int:
+    """argparse type of a tensor-parallel size (also the launcher's per-pool sizes)."""
     from shared.models.parallel import MAX_TP_SIZE
 
     try:
@@ -53,7 +54,7 @@ def _positive_int(value: str) -> int:
     return number
 
 
-_TYPES = {"device": _device, "attention_backend": _attention_backend, "tp_size": _tp_size,
+_TYPES = {"device": _device, "attention_backend": _attention_backend, "tp_size": tp_size_arg,
           "stream_interval": _positive_int}
 
 # Flag names where SGLang's launcher names the same setting differently: its name first (what --help and

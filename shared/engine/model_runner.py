@@ -395,10 +395,9 @@ class ModelRunner:
 
     def empty_kv_buffer(self, tokens: int, staging: str = "device") -> torch.Tensor:
         """Where `tokens` positions of whole-model KV are received."""
-        shape = (tokens, *self.kv_layout())
-        if staging == "host" and self.device.type == "cuda":
-            return torch.empty(shape, dtype=self.dtype, pin_memory=True)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        from shared.transfer import kv_pages
+
+        return kv_pages.empty_buffer(self.kv_layout(), self.dtype, self.device, tokens, staging)
 
     def gather_kv(self, slots: torch.Tensor, staging: str = "device") -> torch.Tensor:
         """Whole-model KV at `slots` -> one contiguous buffer (kv_pages' token-major layout). Under
@@ -411,11 +410,7 @@ class ModelRunner:
 
         self.tp.send(("kv_gather", slots.tolist()))
         full = all_gather_kv_heads(kv_pages.gather(self.kv_pool, slots), self.model_config.num_key_value_heads)
-        if staging == "host" and full.device.type == "cuda":
-            host = torch.empty(full.shape, dtype=full.dtype, pin_memory=True)
-            host.copy_(full, non_blocking=True)  # the caller waits on an event before reading it
-            return host
-        return full
+        return kv_pages.staged(full, staging)
 
     def scatter_kv(self, slots: torch.Tensor, buf: torch.Tensor) -> None:
         """Write whole-model KV into the pool at `slots`; under tensor parallelism rank 0 broadcasts it

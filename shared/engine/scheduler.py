@@ -11,9 +11,9 @@ running requests are retracted to the queue (their computed KV kept in the tree,
 hits the cache).
 
 Prefill/decode disaggregation: requests with a transfer go through the stage queues of
-shared/engine/disagg.py (PrefillStages, DecodeStages, owned by the engine's PrefillSide and DecodeSide,
-where the stages are described); the scheduler holds no PD list and asks the stages what it needs
-(admissible, reserve, park, holds_kv, remove).
+shared/engine/pd_stages.py (PrefillStages, DecodeStages, owned by the engine's PrefillSide and
+DecodeSide in shared/engine/disagg.py, where the stages are described); the scheduler holds no PD list
+and asks the stages what it needs (admissible, reserve, park, holds_kv, remove).
 """
 from __future__ import annotations
 

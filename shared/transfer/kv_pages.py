@@ -32,11 +32,17 @@ def gather(pool: KVPool, slots: torch.Tensor, staging: str = "device") -> torch.
         k, v = pool.get_kv(layer)
         out[:, layer, 0].copy_(k[loc])
         out[:, layer, 1].copy_(v[loc])
-    if staging == "host" and out.device.type == "cuda":
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        host.copy_(out, non_blocking=True)  # the caller waits on an event before reading it
+    return staged(out, staging)
+
+
+def staged(buf: torch.Tensor, staging: str) -> torch.Tensor:
+    """`buf` where the transport reads it: as is, or (staging "host", a GPU buffer) copied to pinned
+    host memory without waiting (the caller waits on an event before reading it)."""
+    if staging == "host" and buf.device.type == "cuda":
+        host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+        host.copy_(buf, non_blocking=True)
         return host
-    return out
+    return buf
 
 
 def scatter(pool: KVPool, slots: torch.Tensor, buf: torch.Tensor) -> None:
@@ -49,6 +55,15 @@ def scatter(pool: KVPool, slots: torch.Tensor, buf: torch.Tensor) -> None:
         k, v = pool.get_kv(layer)
         k[loc] = buf[:, layer, 0]
         v[loc] = buf[:, layer, 1]
+
+
+def empty_buffer(layout: list[int], dtype: torch.dtype, device: torch.device, tokens: int,
+                 staging: str = "device") -> torch.Tensor:
+    """Where a receiver puts `tokens` positions of KV of this per-token `layout`."""
+    shape = (tokens, *layout)
+    if staging == "host" and device.type == "cuda":
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def as_transport_buffer(t: torch.Tensor):
