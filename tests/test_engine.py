@@ -300,3 +300,35 @@ def test_shared_prefix_attention_groups_from_the_tree_keep_greedy_output():
     finally:
         runner.model.forward = forward
     assert not be.cascade_enabled and be.select_prefix_groups([(64, [0, 1, 2, 3])]) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_prefix_attention_in_cuda_graphs_keeps_greedy_output():
+    """On the GPU, decode batches with prefix groups replay the batch size's shared-prefix graph (groups
+    staged into the backend's static plan), and groups that do not fit its capacities run eagerly; greedy
+    output is that of plain attention either way."""
+    rng = random.Random(29)
+    systems = [[rng.randrange(3, 400) for _ in range(64)] for _ in range(12)]
+    ps = [systems[k % 4] + [rng.randrange(3, 400) for _ in range(6)] for k in range(24)]  # 4 groups of 6
+    pairs = [systems[4 + k // 2] + [rng.randrange(3, 400) for _ in range(6)] for k in range(16)]  # 8 of 2
+    h = Harness(max_running_requests=32)
+    runner = h.engine.runner
+    be, gr = runner.attn_backend, runner.graph_runner
+    assert gr is not None and be.graph_cascade()
+    be.cascade_min_prefix, be.cascade_min_saved_tokens = 16, 0
+    replays, chosen = [], []
+    run, select = gr.run, be.select_prefix_groups
+    gr.run = lambda *a, **kw: replays.append(kw.get("cascade", False)) or run(*a, **kw)
+    be.select_prefix_groups = lambda g: chosen.append(select(g)) or chosen[-1]
+    h.run([h.submit(s + [1], sampling={"max_new_tokens": 0}) for s in systems])
+    got = [r["ids"] for r in h.run([h.submit(p, sampling=GREEDY) for p in ps])]
+    assert any(replays), "no shared-prefix graph replayed"
+    # Groups of two (allowed now, below the size the graphs were captured for): more entries than a
+    # graph holds, so those steps run eagerly.
+    be.cascade_min_group = 2
+    n_replays, n_chosen = len(replays), len(chosen)
+    got_pairs = [r["ids"] for r in h.run([h.submit(p, sampling=GREEDY) for p in pairs])]
+    assert any(chosen[n_chosen:]) and not any(replays[n_replays:])
+    ref = Harness(max_running_requests=32, disable_shared_prefix_attention=True)
+    assert [r["ids"] for r in ref.run([ref.submit(p, sampling=GREEDY) for p in ps])] == got
+    assert [r["ids"] for r in ref.run([ref.submit(p, sampling=GREEDY) for p in pairs])] == got_pairs

@@ -144,7 +144,8 @@ def check_decode_attention(device, dtype):
 def check_cascade_decode_attention(device, dtype):
     """Shared-prefix decode: groups whose rows begin with the same slots; the torch cascade reference
     equals plain decode attention, and the Triton kernel equals both (big groups are cut in blocks)."""
-    from kernels.attention.triton_cascade import cascade_decode_attention, plan_cascade
+    from kernels.attention.triton_cascade import (CascadePlan, CascadeShape, cascade_decode_attention, plan_cascade,
+                                                 plan_cascade_host)
     from kernels.attention.triton_decode import num_kv_splits_for
     from kernels.reference import cascade_decode_attention_ref, decode_attention_ref
     gen = torch.Generator().manual_seed(3)
@@ -188,6 +189,18 @@ def check_cascade_decode_attention(device, dtype):
                                                    max_splits, d ** -0.5)
                     torch.testing.assert_close(out, ref, **_tol(dtype),
                                                msg=lambda m: f"d={d} hq={hq} hkv={hkv} B={B} splits={max_splits}: {m}")
+                # A captured graph's plan: fixed capacities (unused entries, chunks past a group's own
+                # count), loaded over a previous batch's contents.
+                shape = CascadeShape.for_graph(B + 3, hq // hkv, 2)
+                static = CascadePlan.empty(shape, B + 3, device)
+                for gs in ([(max(groups[0][0] - 5, 1), groups[0][1][:2])], groups):
+                    host = plan_cascade_host(gs, list(range(1, B + 1)), B, hkv, hq // hkv, shape)
+                    assert host.fits(shape) and host.num_groups <= shape.max_groups
+                    static.load(host, B)
+                splits = num_kv_splits_for(seq_lens - static.kv_start[:B], 4, 8)
+                out = cascade_decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, static, splits, 4, d ** -0.5)
+                torch.testing.assert_close(out, ref, **_tol(dtype),
+                                           msg=lambda m: f"graph plan d={d} hq={hq} hkv={hkv} B={B}: {m}")
 
 
 def check_extend_attention(device, dtype):

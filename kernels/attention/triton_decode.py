@@ -81,16 +81,18 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
 
 
 @triton.jit
-def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, O, stride_ob, stride_oh, HQ, MAX_SPLITS, EXTRA_FROM, D,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Columns [0, n_splits) and [EXTRA_FROM, MAX_SPLITS) of a row are merged (the extra ones hold a
-    shared prefix's partials, -inf where a request has none)."""
+def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, KV_START, O, stride_ob, stride_oh, HQ, MAX_SPLITS, EXTRA_FROM, D,
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr):
+    """Columns [0, n_splits) of a row are merged, and for a request with a shared prefix (kv_start > 0)
+    also [EXTRA_FROM, MAX_SPLITS): the prefix's partials (-inf where a chunk was empty)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_splits = tl.load(NUM_SPLITS + b)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = (offs_s < n_splits) | ((offs_s >= EXTRA_FROM) & (offs_s < MAX_SPLITS))
+    mask_s = offs_s < n_splits
+    if HAS_START:
+        mask_s = mask_s | ((offs_s >= EXTRA_FROM) & (offs_s < MAX_SPLITS) & (tl.load(KV_START + b) > 0))
     mask_d = offs_d < D
     idx = (b * HQ + h) * MAX_SPLITS + offs_s
     lse = tl.load(MID_LSE + idx, mask=mask_s, other=float("-inf"))
@@ -131,8 +133,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     """q: [B, Hq, D]; pool buffers [slots, Hkv, D]; returns [B, Hq, D] in q's dtype.
     mid_o [B, Hq, S, D] / mid_lse [B, Hq, S] fp32 scratch (S >= max_kv_splits) may be passed in so all
     layers reuse one allocation. With kv_start [B] int32, only positions [kv_start, seq_len) are read
-    here, and columns [max_kv_splits, S) of the scratch, filled beforehand (triton_cascade.py), are
-    merged in as well."""
+    here, and for requests with kv_start > 0 columns [max_kv_splits, S) of the scratch, filled
+    beforehand (triton_cascade.py), are merged in as well."""
     B, HQ, D = q.shape
     HKV = k_buf.shape[1]
     assert HQ % HKV == 0 and q.stride(-1) == 1 and k_buf.is_contiguous() and v_buf.is_contiguous()
@@ -156,6 +158,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         BLOCK_H=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2, HAS_START=kv_start is not None)
     _decode_stage2[(B, HQ)](
-        mid_o, mid_lse, num_kv_splits, out, out.stride(0), out.stride(1), HQ, total_splits, max_kv_splits, D,
-        BLOCK_S=next_pow2(total_splits), BLOCK_D=BLOCK_D, num_warps=4 if BLOCK_D >= 128 else 2)
+        mid_o, mid_lse, num_kv_splits, kv_start if kv_start is not None else seq_lens, out, out.stride(0),
+        out.stride(1), HQ, total_splits, max_kv_splits, D, BLOCK_S=next_pow2(total_splits), BLOCK_D=BLOCK_D,
+        num_warps=4 if BLOCK_D >= 128 else 2, HAS_START=kv_start is not None)
     return out

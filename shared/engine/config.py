@@ -49,7 +49,8 @@ class EngineConfig:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.002
     # Decode batches holding groups of requests with one cached prefix attend it once per group
-    # (cascade attention) when the backend judges it pays; such batches run outside CUDA graphs.
+    # (cascade attention) when the backend judges it pays, in CUDA graphs of their own where the backend
+    # can capture it.
     disable_shared_prefix_attention: bool = False
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256

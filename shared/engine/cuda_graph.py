@@ -1,6 +1,8 @@
 """CUDA graphs for decode: one graph per batch size bucket, captured at start-up; a batch is padded up
 to the next captured size. Eager decode on a GPU is launch-bound (hundreds of kernels per step at
-~10 µs each), a replay is one launch.
+~10 µs each), a replay is one launch. Where the attention backend can capture shared-prefix (cascade)
+decode, batch sizes from CASCADE_MIN_BS get a second graph that reads the batch's prefix groups from
+the backend's static buffers.
 
 Padding rows point at request row 0 (all zeros in req_to_token -> slot 0, the reserved padding slot)
 with seq_len 1, so they read and write only the padding slot.
@@ -17,6 +19,9 @@ from tqdm import tqdm
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
 
 log = logging.getLogger(__name__)
+
+
+CASCADE_MIN_BS = 16  # smaller batches rarely share enough prefix to pay (and run eagerly if they do)
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -45,22 +50,23 @@ class CudaGraphRunner:
         self.ones = torch.ones(n, **i32)
         self.start_loc = torch.arange(n, **i32)
         self.out_cache_loc = torch.zeros(n, **i64)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # (batch size, shared-prefix variant) -> graph and its logits
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
         self._capture_all(progress)
 
-    def _batch(self, bs: int) -> ForwardBatch:
+    def _batch(self, bs: int, cascade: bool = False) -> ForwardBatch:
         return ForwardBatch(
             mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
             positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs], extend_prefix_lens=self.prefix_lens[:bs],
             extend_seq_lens=self.ones[:bs], extend_start_loc=self.start_loc[:bs],
             out_cache_loc=self.out_cache_loc[:bs], req_to_token=self.req_to_token, kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend)
+            attn_backend=self.attn_backend, graph_cascade=cascade)
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        fb = self._batch(bs)
+    def _forward(self, bs: int, cascade: bool = False) -> torch.Tensor:
+        fb = self._batch(bs, cascade)
         self.attn_backend.init_forward_metadata(fb)
         return self.model.compute_logits(self.model.forward(fb))
 
@@ -69,31 +75,46 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.device)
         # Largest first, so smaller graphs reuse the memory pool the largest one reserved. The bar goes to
         # stderr (the launcher relays it, prefixed with the worker's name).
-        sizes = list(reversed(self.sizes))
-        for bs in tqdm(sizes, desc="Capturing CUDA graphs", unit="graph", disable=not progress,
-                       dynamic_ncols=True):
+        cascade = self.attn_backend.graph_cascade()
+        keys = [(bs, c) for bs in reversed(self.sizes) for c in ((False, True) if cascade and bs >= CASCADE_MIN_BS
+                                                                  else (False,))]
+        for bs, c in tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress,
+                          dynamic_ncols=True):
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: autotuning and lazy allocations stay out of the graph
-                    self._forward(bs)
+                    self._forward(bs, c)
             stream.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                out = self._forward(bs)
+                out = self._forward(bs, c)
             if self.pool is None:
                 self.pool = g.pool()
-            self.graphs[bs] = g
-            self.outputs[bs] = out
+            self.graphs[bs, c] = g
+            self.outputs[bs, c] = out
         torch.cuda.synchronize(self.device)
-        log.info("captured %d decode graphs in %.1fs", len(self.sizes), time.monotonic() - t0)
+        log.info("captured %d decode graphs in %.1fs", len(keys), time.monotonic() - t0)
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.max_bs
 
+    def _bucket(self, n: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    def load_cascade(self, groups: list, req_rows: list[int]) -> bool:
+        """Stage a decode batch's prefix groups for the shared-prefix graph of its bucket; False when
+        there is none or they do not fit it (the batch then runs eagerly)."""
+        n = len(req_rows)
+        if not self.can_run(n):
+            return False
+        bs = self._bucket(n)
+        return (bs, True) in self.graphs and self.attn_backend.load_graph_cascade(bs, groups, req_rows, n)
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, req_pool_indices: torch.Tensor,
-            seq_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> torch.Tensor:
-        """All inputs are device tensors of the real batch size n; returns logits [n, vocab]."""
+            seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, cascade: bool = False) -> torch.Tensor:
+        """All inputs are device tensors of the real batch size n; returns logits [n, vocab]. cascade:
+        the shared-prefix graph, its groups staged by load_cascade."""
         n = input_ids.shape[0]
-        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        bs = self._bucket(n)
         if bs != n:
             self.input_ids[n:bs].zero_()
             self.positions[n:bs].zero_()
@@ -106,5 +127,5 @@ class CudaGraphRunner:
         self.seq_lens[:n].copy_(seq_lens)
         self.prefix_lens[:n].copy_(seq_lens - 1)
         self.out_cache_loc[:n].copy_(out_cache_loc)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        self.graphs[bs, cascade].replay()
+        return self.outputs[bs, cascade][:n]

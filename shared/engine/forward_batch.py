@@ -47,6 +47,9 @@ class ForwardBatch:
     # Decode: (shared prefix length, batch indices) of requests whose KV begins with the same slots; the
     # backend may attend each such prefix once per group (shared-prefix attention).
     prefix_groups: list[tuple[int, list[int]]] | None = None
+    # Decode captured with shared-prefix attention: the groups are in the backend's static buffers for
+    # this batch size (AttentionBackend.load_graph_cascade), not in prefix_groups.
+    graph_cascade: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -323,16 +323,17 @@ class ModelRunner:
     def _plan(self, batch: ScheduleBatch) -> ForwardPlan:
         decode = batch.mode == ForwardMode.DECODE
         n = batch.batch_size
-        # Shared-prefix attention when the backend judges it pays; such batches are not graph-captured.
+        # Shared-prefix attention when the backend judges it pays (in the batch size's shared-prefix graph
+        # when there is one and the groups fit it: _run_plan decides, the same way on every rank).
         groups = self.attn_backend.select_prefix_groups(batch.prefix_groups) if decode else None
         return ForwardPlan(
             batch.mode, [] if decode else batch.input_ids, [r.req_pool_idx for r in batch.reqs],
             batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, self._table_writes(batch), groups,
-            use_graph=decode and self.graph_runner is not None and self.graph_runner.can_run(n) and not groups)
+            use_graph=decode and self.graph_runner is not None and self.graph_runner.can_run(n))
 
     def _run_plan(self, plan: ForwardPlan) -> tuple[ForwardBatch, torch.Tensor]:
         """Write the slot table, run the model: (batch, logits of every row) from a CUDA graph, else
-        (batch, final hidden states)."""
+        (batch, final hidden states); plan.use_graph says which on return."""
         dev = self.device
         rows, cols, vals = plan.table_writes
         self.req_pool.req_to_token[to_device(rows, torch.int64, dev), to_device(cols, torch.int64, dev)] = \
@@ -354,8 +355,11 @@ class ModelRunner:
             fb.input_ids[to_device(at, torch.int64, dev)] = self.token_buf[to_device([rows[j] for j in at],
                                                                                      torch.int64, dev)]
         if plan.use_graph:
-            return fb, self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
-                                             fb.out_cache_loc)
+            cascade = bool(plan.prefix_groups)
+            if not cascade or self.graph_runner.load_cascade(plan.prefix_groups, plan.req_pool_indices):
+                return fb, self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
+                                                 fb.out_cache_loc, cascade=cascade)
+            plan.use_graph = False  # groups the shared-prefix graph cannot hold: eager (hidden states)
         self.attn_backend.init_forward_metadata(fb)
         return fb, self.model.forward(fb)
 

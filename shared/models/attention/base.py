@@ -12,7 +12,8 @@ class AttentionBackend(ABC):
     # True when forward() can be captured in a CUDA graph (no host syncs, shapes fixed by batch size).
     graph_safe: bool = False
     # Shared-prefix (cascade) decode: whether the backend has it, and when it pays. A batch with such
-    # groups runs outside CUDA graphs, so the prefix reads it saves must outweigh eager launches.
+    # groups runs in a captured graph where the backend can capture it (graph_cascade), eagerly
+    # otherwise.
     supports_cascade: bool = False
     cascade_min_group = 4  # requests sharing the prefix
     cascade_min_prefix = 256  # tokens of shared prefix
@@ -32,6 +33,17 @@ class AttentionBackend(ABC):
         keep = [(p, m) for p, m in groups if len(m) >= self.cascade_min_group and p >= self.cascade_min_prefix]
         saved = sum(p * (len(m) - 1) for p, m in keep)
         return keep if keep and saved >= self.cascade_min_saved_tokens else None
+
+    def graph_cascade(self) -> bool:
+        """Whether shared-prefix decode can be captured in CUDA graphs (a ForwardBatch with
+        graph_cascade set, its groups loaded by load_graph_cascade before each replay)."""
+        return False
+
+    def load_graph_cascade(self, batch_size: int, groups: list[tuple[int, list[int]]], req_rows: list[int],
+                           num_reqs: int) -> bool:
+        """Put a batch's groups where the captured graph of this batch size reads them; False when they do
+        not fit its capacities (the batch then runs eagerly). num_reqs <= batch_size real rows."""
+        return False
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Called once per forward before layer 0: precompute what every layer shares."""

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention.triton_cascade import CascadePlan, cascade_decode_attention, plan_cascade
+from kernels.attention.triton_cascade import (CascadePlan, CascadeShape, cascade_decode_attention, plan_cascade,
+                                             plan_cascade_host)
 from kernels.attention.triton_decode import (MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, decode_attention,
                                              num_kv_splits_for, plan_max_kv_splits)
 from kernels.attention.triton_extend import extend_attention
@@ -35,7 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
     inside a captured CUDA graph. If it runs outside, replays keep the captured split counts, which is
     still correct: any split count from 1 to max_kv_splits yields the same attention."""
 
-    graph_safe = True  # plain decode; cascade batches (ForwardBatch.prefix_groups) run eagerly
+    graph_safe = True  # plain decode, and shared-prefix decode from static plans (graph_cascade)
     supports_cascade = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None,
@@ -48,6 +49,28 @@ class TritonAttentionBackend(AttentionBackend):
                          if head_dim > MAX_HEAD_DIM else None)
         self._meta: _DecodeMetadata | _ExtendMetadata | None = None
         self._meta_batch: ForwardBatch | None = None
+        self._graph_plans: dict[int, CascadePlan] = {}  # batch size -> static plan a captured graph reads
+
+    def graph_cascade(self) -> bool:
+        return self.cascade_enabled and self.fallback is None
+
+    def _graph_plan(self, batch_size: int, device) -> CascadePlan:
+        plan = self._graph_plans.get(batch_size)
+        if plan is None:
+            shape = CascadeShape.for_graph(batch_size, self.num_heads // self.num_kv_heads, self.cascade_min_group)
+            plan = self._graph_plans[batch_size] = CascadePlan.empty(shape, batch_size, device)
+        return plan
+
+    def load_graph_cascade(self, batch_size, groups, req_rows, num_reqs) -> bool:
+        plan = self._graph_plans.get(batch_size)
+        if plan is None:
+            return False
+        host = plan_cascade_host(groups, req_rows, num_reqs, self.num_kv_heads, self.num_heads // self.num_kv_heads,
+                                 plan.shape)
+        if host is None or not host.fits(plan.shape):
+            return False
+        plan.load(host, num_reqs)
+        return True
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         self._meta_batch = fb
@@ -58,7 +81,9 @@ class TritonAttentionBackend(AttentionBackend):
             splits = plan_max_kv_splits(B, self.num_kv_heads, self.max_kv_splits)
             dev = fb.seq_lens.device
             plan = None
-            if fb.prefix_groups:
+            if fb.graph_cascade:
+                plan = self._graph_plan(B, dev)
+            elif fb.prefix_groups:
                 plan = plan_cascade(fb.prefix_groups, fb.req_pool_indices_cpu, B, self.num_kv_heads,
                                     self.num_heads // self.num_kv_heads, dev)
             kv_lens = fb.seq_lens if plan is None else fb.seq_lens - plan.kv_start
