@@ -26,22 +26,37 @@ from kernels.attention.triton_cascade import (CascadePlan, CascadeShape, cascade
 from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits  # noqa: E402
 
 
-def layout(batch: int, group: int, prefix: int, question: int, decoded: int, dev):
-    """req_to_token rows and seq lens for the shared batch and for the same batch without prefixes."""
+def layout(batch: int, group: int, prefix: int, question: int, decoded: int, dev, pool: int = 0, seed: int = 0):
+    """req_to_token rows for the shared batch (rows [0, batch)) and for the same batch without prefixes
+    (rows [batch, 2 batch)), the slot count, and the groups. pool > 0: every contiguous run (a prefix, a
+    question, a step's decoded tokens) starts at a random place in a pool of that many slots, as in a
+    long-running server's pool, instead of packed from slot 1."""
     groups = batch // group
     ctx = prefix + question + decoded
     r2t = torch.zeros((2 * batch, ctx + 64), dtype=torch.int32)
-    nxt = 1
-    pre = []
-    for g in range(groups):
-        pre.append(torch.arange(nxt, nxt + prefix, dtype=torch.int32))
-        nxt += prefix
-    qs = []
-    for b in range(2 * batch):
-        qs.append(torch.arange(nxt, nxt + question, dtype=torch.int32))
-        nxt += question
-    dec = torch.arange(nxt, nxt + 2 * batch * decoded, dtype=torch.int32).view(decoded, 2 * batch).t()
-    nxt += 2 * batch * decoded
+    gen = torch.Generator().manual_seed(seed)
+    runs = [prefix] * groups + [question] * (2 * batch) + [2 * batch] * decoded
+    if pool:
+        # Disjoint runs at random places: shuffle the runs and the gaps between them.
+        assert pool >= sum(runs) + 1
+        order = torch.randperm(len(runs), generator=gen).tolist()
+        cuts = sorted(torch.randint(0, pool - sum(runs), (len(runs),), generator=gen).tolist())
+        starts, used = [0] * len(runs), 1
+        for k, i in enumerate(order):
+            starts[i] = used + cuts[k]
+            used += runs[i]
+        nxt = pool
+    else:
+        starts, acc = [], 1
+        for n in runs:
+            starts.append(acc)
+            acc += n
+        nxt = acc
+    it = iter(starts)
+    pre = [torch.arange(s, s + prefix, dtype=torch.int32) for _, s in zip(range(groups), it)]
+    qs = [torch.arange(s, s + question, dtype=torch.int32) for _, s in zip(range(2 * batch), it)]
+    dec = torch.stack([torch.arange(s, s + 2 * batch, dtype=torch.int32) for _, s in zip(range(decoded), it)]).t() \
+        if decoded else torch.zeros((2 * batch, 0), dtype=torch.int32)
     for b in range(batch):  # rows [0, batch): shared prefix; rows [batch, 2 batch): no prefix
         r2t[b, :prefix] = pre[b // group]
         r2t[b, prefix:prefix + question] = qs[b]
@@ -59,10 +74,11 @@ def main(argv=None):
     ap.add_argument("--question", type=int, default=128)
     ap.add_argument("--decoded", type=int, default=24)
     ap.add_argument("--splits", default="2,4,8,16", help="prefix splits to try")
+    ap.add_argument("--pool", type=int, default=0, help="slots in the KV pool, runs placed at random (0: packed)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     B, G, P = args.batch, args.group, args.prefix
-    r2t, slots, groups = layout(B, G, P, args.question, args.decoded, dev)
+    r2t, slots, groups = layout(B, G, P, args.question, args.decoded, dev, args.pool)
     k = torch.randn((slots, HKV, D), dtype=DT, device=dev)
     v = torch.randn_like(k)
     q = torch.randn((B, HQ, D), dtype=DT, device=dev)

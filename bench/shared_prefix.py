@@ -124,11 +124,13 @@ def decode_step_ms(eng: Engine, prompts: list[list[int]], out_len: int, bs: int,
     of a few full-batch steps (those steps then also count in the median, with the profiler's cost)."""
     be = eng.runner.attn_backend
     finish = profile_full_steps(eng, bs, profile) if profile else None
-    select, cascade_steps = be.select_prefix_groups, [0]
+    select, cascade_steps, grouped = be.select_prefix_groups, [0], []
 
     def counted(groups):
         chosen = select(groups)
         cascade_steps[0] += bool(chosen)
+        if chosen:
+            grouped.append(sum(len(m) for _, m in chosen))
         return chosen
 
     be.select_prefix_groups = counted
@@ -139,6 +141,8 @@ def decode_step_ms(eng: Engine, prompts: list[list[int]], out_len: int, bs: int,
         if finish is not None:
             finish()
     full = [t for t, b in zip(st.decode_step_s, st.decode_step_bs) if b == bs]
+    if grouped:
+        log(f"  requests in shared-prefix groups per step: max {max(grouped)}, median {median(grouped)}")
     eng.cache.reset()
     return (median(full) * 1e3 if full else float("nan")), len(full), cascade_steps[0]
 

@@ -38,55 +38,56 @@ def _prefix_stage1(Q, KB, VB, REQ_TO_TOKEN, G_ROW, G_LEN, G_START, G_SIZE, G_SPL
     gi = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # Entries past the batch's groups have size 0: every row masked, nothing stored. A chunk past the
-    # group's own count stores an empty partial (lse -inf), so every prefix column of a member is written.
-    plen = tl.load(G_LEN + gi)
+    # Entries past the batch's groups have size 0 and return at once. A chunk past the group's own
+    # count stores an empty partial (lse -inf), so every prefix column of a member is written.
     size = tl.load(G_SIZE + gi)
-    first = tl.load(G_START + gi)
-    n_splits = tl.maximum(tl.load(G_SPLITS + gi), 1)
-    row = tl.load(G_ROW + gi).to(tl.int64) * stride_rt
-    split_len = tl.cdiv(tl.cdiv(plen, n_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, plen)
-    end = tl.where(split < n_splits, end, start)
+    if size > 0:
+        plen = tl.load(G_LEN + gi)
+        first = tl.load(G_START + gi)
+        n_splits = tl.maximum(tl.load(G_SPLITS + gi), 1)
+        row = tl.load(G_ROW + gi).to(tl.int64) * stride_rt
+        split_len = tl.cdiv(tl.cdiv(plen, n_splits), BLOCK_N) * BLOCK_N
+        start = split * split_len
+        end = tl.minimum(start + split_len, plen)
+        end = tl.where(split < n_splits, end, start)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    r = offs_m // BLOCK_G
-    g = offs_m % BLOCK_G
-    mask_m = (r < size) & (g < GROUP)
-    b = tl.load(MEMBERS + first + r, mask=mask_m, other=0).to(tl.int64)
-    heads = kvh * GROUP + g
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    mask_md = mask_m[:, None] & mask_d[None, :]
-    q = tl.load(Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_md, other=0.0)
-    q = q.to(KB.dtype.element_ty)
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    kv_base = kvh * stride_bh
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        slots = tl.load(REQ_TO_TOKEN + row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_off = kv_base + slots[:, None] * stride_bs + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(KB + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(VB + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-    empty = start >= end
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
-    idx = (b * HQ + heads) * TOTAL_SPLITS + FIRST_COL + split
-    tl.store(MID_O + idx[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=mask_md)
-    tl.store(MID_LSE + idx, lse, mask=mask_m)
+        offs_m = tl.arange(0, BLOCK_M)
+        r = offs_m // BLOCK_G
+        g = offs_m % BLOCK_G
+        mask_m = (r < size) & (g < GROUP)
+        b = tl.load(MEMBERS + first + r, mask=mask_m, other=0).to(tl.int64)
+        heads = kvh * GROUP + g
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        mask_md = mask_m[:, None] & mask_d[None, :]
+        q = tl.load(Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_md, other=0.0)
+        q = q.to(KB.dtype.element_ty)
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        kv_base = kvh * stride_bh
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slots = tl.load(REQ_TO_TOKEN + row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            kv_off = kv_base + slots[:, None] * stride_bs + offs_d[None, :]
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(KB + kv_off, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(VB + kv_off, mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+        empty = start >= end
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+        idx = (b * HQ + heads) * TOTAL_SPLITS + FIRST_COL + split
+        tl.store(MID_O + idx[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=mask_md & (start < end))
+        tl.store(MID_LSE + idx, lse, mask=mask_m)
 
 
 @dataclass(frozen=True)
