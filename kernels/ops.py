@@ -1,6 +1,7 @@
 """Device dispatch for the model code: Triton kernels on CUDA, the torch references elsewhere.
 
-In-place contracts hold on both paths (apply_rope writes q and k; store_kv writes the buffers).
+In-place contracts hold on both paths (apply_rope writes q and k; store_kv writes the buffers;
+apply_rope_and_store_kv does both).
 rms_norm with a residual returns (y, new_residual): use the returned residual, since only the Triton
 path also updates its argument in place.
 """
@@ -51,6 +52,18 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
         kern(k_buf, v_buf, loc, k, v)
     else:
         ref.store_kv_ref(k_buf, v_buf, loc, k, v)
+
+
+def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            cos_sin_cache: torch.Tensor, head_dim: int, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                            loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rope then store_kv; one kernel on CUDA (k, v: [T, Hkv, D])."""
+    if _on_gpu(q):
+        from kernels.rope import apply_rope_and_store_kv as kern
+        return kern(q, k, v, positions, cos_sin_cache, head_dim, k_buf, v_buf, loc)
+    q, k = apply_rope(q, k, positions, cos_sin_cache, head_dim)
+    store_kv(k_buf, v_buf, loc, k, v)
+    return q, k
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

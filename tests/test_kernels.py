@@ -71,6 +71,42 @@ def check_rope(device, dtype):
         torch.testing.assert_close(k3, k3_ref, **_tol(dtype))
 
 
+def check_rope_store_kv(device, dtype):
+    """The fused rope + KV store equals rope then store_kv bit for bit (q, k in place and the pool),
+    and the references; partial rotary (rotary dim < head dim) stores the unrotated tail too."""
+    from kernels.kv_store import store_kv
+    from kernels.reference import rope_cos_sin_cache, rope_ref, store_kv_ref
+    from kernels.rope import apply_rope, apply_rope_and_store_kv
+    for T, hq, hkv, d, rot in [(1, 4, 2, 16, 16), (7, 4, 2, 16, 16), (3, 8, 1, 32, 16), (5, 6, 3, 24, 24)]:
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=device) / rot))
+        cache = rope_cos_sin_cache(inv_freq, 300)
+        qkv = _rand(T, (hq + 2 * hkv) * d, dtype=dtype, device=device)
+        pos = torch.randint(0, 300, (T,), device=device)
+        loc = torch.randperm(40, device=device)[:T]
+        worlds = []
+        for fused in (True, False):
+            x = qkv.clone()
+            q = x[:, :hq * d]
+            k = x[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
+            v = x[:, (hq + hkv) * d:].view(T, hkv, d)
+            kb, vb = (torch.zeros(40, hkv, d, dtype=dtype, device=device) for _ in range(2))
+            if fused:
+                apply_rope_and_store_kv(q, k, v, pos, cache, d, kb, vb, loc)
+            else:
+                apply_rope(q, k, pos, cache, d)
+                store_kv(kb, vb, loc, k, v)
+            worlds.append((x, kb, vb))
+        for a, b in zip(*worlds):
+            assert torch.equal(a, b), f"fused rope+store differs from rope then store_kv (T={T} d={d} rot={rot})"
+        x, kb, vb = worlds[0]
+        q_ref, k_ref = rope_ref(qkv[:, :hq * d], qkv[:, hq * d:(hq + hkv) * d], pos, cache, d)
+        kb_ref, vb_ref = torch.zeros_like(kb), torch.zeros_like(vb)
+        store_kv_ref(kb_ref, vb_ref, loc, k_ref.view(T, hkv, d), qkv[:, (hq + hkv) * d:].view(T, hkv, d))
+        torch.testing.assert_close(x[:, :hq * d], q_ref, **_tol(dtype))
+        torch.testing.assert_close(kb, kb_ref, **_tol(dtype))
+        assert torch.equal(vb, vb_ref)
+
+
 def check_silu_and_mul(device, dtype):
     from kernels.activation import silu_and_mul
     from kernels.reference import silu_and_mul_ref
@@ -369,6 +405,11 @@ def test_ops_dispatch_cpu_keeps_in_place_contracts():
     kb, vb = torch.zeros(8, 1, 16), torch.zeros(8, 1, 16)
     ops.store_kv(kb, vb, torch.tensor([3, 6, 1]), k.view(3, 1, 16), k.view(3, 1, 16))
     assert torch.equal(kb[[3, 6, 1]], k.view(3, 1, 16))
+    q2, k2, v2 = torch.randn(3, 2, 16), torch.randn(3, 1, 16), torch.randn(3, 1, 16)
+    q2_ref, k2_ref = rope_ref(q2, k2, pos, cache, 16)
+    ops.apply_rope_and_store_kv(q2, k2, v2, pos, cache, 16, kb, vb, torch.tensor([2, 4, 5]))
+    assert torch.equal(q2, q2_ref) and torch.equal(k2, k2_ref)
+    assert torch.equal(kb[[2, 4, 5]], k2_ref) and torch.equal(vb[[2, 4, 5]], v2)
     x, w = torch.randn(2, 32), torch.randn(5, 32)
     torch.testing.assert_close(ops.linear(x, w), x @ w.t())
 

@@ -42,8 +42,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self._per_head_norm(q, self.q_norm)
             k = self._per_head_norm(k, self.k_norm)
-        q, k = rotary(fb.positions, q, k)
-        o = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
+        # Rope is applied by the backend, fused with the KV store.
+        o = fb.attn_backend.forward(q, k, v, self.layer_id, fb, rotary=rotary)
         return self.o_proj(o)
 
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
