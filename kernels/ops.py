@@ -72,12 +72,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     each row dequantizes by its scale."""
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias)
-    if _on_gpu(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and weight.dtype == torch.bfloat16 \
-            and x.dtype == torch.bfloat16 and weight.stride(1) == 1 and x.stride(1) == 1:
+    if _gemv_applies(x, weight, None):
         from kernels.gemv import gemv
         y = gemv(x, weight)
         return y + bias if bias is not None else y
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
+    """The decode-time GEMV takes this matmul: CUDA, at most GEMV_MAX_M rows with contiguous rows, and
+    bf16 weights (FP8 ones with their scales)."""
+    return (_on_gpu(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and x.stride(1) == 1
+            and weight.stride(1) == 1
+            and (weight_scale is not None or (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16)))
+
+
+def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(silu_and_mul(h), ...) for h [M, 2K] (gate | up). Where the GEMV takes the matmul the
+    activation is computed in its input load (no silu_and_mul launch); the result is the same bits."""
+    if _gemv_applies(h, weight, weight_scale):
+        from kernels.gemv import gemv
+        y = gemv(h, weight, scale=weight_scale, silu_mul=True)
+        return y + bias if bias is not None else y
+    return linear(silu_and_mul(h), weight, bias, weight_scale)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -88,7 +106,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if _on_gpu(x) and x.dim() == 2:
         M, K = x.shape
         N = weight.shape[0]
-        if M <= GEMV_MAX_M and x.stride(1) == 1 and weight.stride(1) == 1:
+        if _gemv_applies(x, weight, weight_scale):
             from kernels.gemv import gemv
             y = gemv(x, weight, scale=weight_scale)
             return y + bias if bias is not None else y

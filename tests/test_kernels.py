@@ -144,6 +144,25 @@ def check_gemv(device, dtype):
                                            msg=lambda m: f"K={K} N={N} M={M} {cfg}: {m}")
 
 
+def check_gemv_silu_mul(device, dtype):
+    """The down projection with the gated activation folded into its input load equals silu_and_mul
+    then the GEMV bit for bit (every config: split-K, odd K, several rows)."""
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import GemvConfig, gemv
+    from kernels.reference import gemv_ref, silu_and_mul_ref
+    shapes = [(64, 48), (200, 37), (96, 130)]
+    if device.type == "cuda":
+        shapes += [(14336, 4096)]
+    for K, N in shapes:
+        w = _rand(N, K, dtype=dtype, device=device)
+        for M in (1, 3):
+            h = _rand(M, 2 * K, dtype=dtype, device=device)
+            for cfg in [None, GemvConfig(16, 32, 1, 4), GemvConfig(8, 32, 4, 4)]:
+                y = gemv(h, w, config=cfg, silu_mul=True)
+                assert torch.equal(y, gemv(silu_and_mul(h), w, config=cfg)), f"K={K} N={N} M={M} {cfg}"
+                torch.testing.assert_close(y, gemv_ref(silu_and_mul_ref(h), w), **_tol(dtype))
+
+
 def _paged_setup(device, dtype, hkv, d, prefix_lens, extend_lens, num_slots=600):
     """A pool with shuffled slots and a req_to_token table for requests in rows 1..B (row 0 = padding)."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -412,6 +431,8 @@ def test_ops_dispatch_cpu_keeps_in_place_contracts():
     assert torch.equal(kb[[2, 4, 5]], k2_ref) and torch.equal(vb[[2, 4, 5]], v2)
     x, w = torch.randn(2, 32), torch.randn(5, 32)
     torch.testing.assert_close(ops.linear(x, w), x @ w.t())
+    h = torch.randn(2, 64)
+    assert torch.equal(ops.silu_mul_linear(h, w), ops.linear(ops.silu_and_mul(h), w))
 
 
 def test_factory_choices():
