@@ -196,6 +196,30 @@ def check_decode_attention(device, dtype):
                                            msg=lambda m: f"d={d} hq={hq} hkv={hkv} splits={max_splits}: {m}")
 
 
+def check_decode_attention_single_stage(device, dtype):
+    """max_kv_splits == 1: one launch, no scratch, the same bits as the two-stage merge (forced here
+    through a zero kv_start) and a zero output for a zero-length padding request."""
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for
+    from kernels.reference import decode_attention_ref
+    lens = [1, 7, 130, 0]
+    for d in _head_dims(device)[:2]:
+        for hq, hkv in [(4, 4), (8, 2)]:
+            k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, dtype, hkv, d, [max(0, n - 1) for n in lens],
+                                                         [min(1, n) for n in lens])
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+            q = _rand(len(lens), hq, d, dtype=dtype, device=device)
+            splits = num_kv_splits_for(seq_lens, 1)
+            out = decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, splits, 1, d ** -0.5)
+            mid_o = torch.full((len(lens), hq, 1, d), float("nan"), device=device)
+            mid_lse = torch.full((len(lens), hq, 1), float("nan"), device=device)
+            two = decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, splits, 1, d ** -0.5, mid_o=mid_o,
+                                   mid_lse=mid_lse, kv_start=torch.zeros_like(seq_lens))
+            assert torch.equal(out, two), f"d={d} hq={hq} hkv={hkv}"
+            assert torch.equal(out[3], torch.zeros_like(out[3]))
+            ref = decode_attention_ref(q[:3], k_buf, v_buf, r2t, req_idx[:3], seq_lens[:3], d ** -0.5)
+            torch.testing.assert_close(out[:3], ref, **_tol(dtype))
+
+
 def check_cascade_decode_attention(device, dtype):
     """Shared-prefix decode: groups whose rows begin with the same slots; the torch cascade reference
     equals plain decode attention, and the Triton kernel equals both (big groups are cut in blocks)."""
@@ -275,8 +299,8 @@ def check_backend_end_to_end(device, dtype):
     from shared.engine.forward_batch import ForwardBatch, ForwardMode
     hq, hkv, d, layers = 4, 2, 16, 2
     worlds = []
-    for name in ("torch", "triton"):
-        be = create_attention_backend(name, hq, hkv, d, device=device, max_kv_splits=4, min_tokens_per_split=8)
+    for name, splits in (("torch", 4), ("triton", 4), ("triton", 1)):  # 1 split: the single-launch decode
+        be = create_attention_backend(name, hq, hkv, d, device=device, max_kv_splits=splits, min_tokens_per_split=8)
         worlds.append((be, KVPool(layers, hkv, d, num_pages=64, page_size=4, dtype=dtype, device=device),
                        ReqToTokenPool(4, 128, device)))
     gen = torch.Generator().manual_seed(0)
@@ -299,10 +323,14 @@ def check_backend_end_to_end(device, dtype):
                 off += e
             fb = ForwardBatch.build(mode, [0] * T, rows, prefix, ext, locs, r2t.req_to_token, pool, be, device)
             be.init_forward_metadata(fb)
+            if mode == ForwardMode.DECODE and hasattr(be, "max_kv_splits"):  # the triton ones
+                assert (be._meta.mid_o is None) == (be.max_kv_splits == 1)
             outs.append(torch.stack([be.forward(q, k, v, layer, fb) for layer in range(layers)]))
-        torch.testing.assert_close(outs[1], outs[0], **_tol(dtype), msg=lambda m: f"{mode} {prefix}: {m}")
+        for out in outs[1:]:
+            torch.testing.assert_close(out, outs[0], **_tol(dtype), msg=lambda m: f"{mode} {prefix}: {m}")
     for layer in range(layers):
-        assert torch.equal(worlds[0][1].k_buffers[layer], worlds[1][1].k_buffers[layer])
+        for w in worlds[1:]:
+            assert torch.equal(worlds[0][1].k_buffers[layer], w[1].k_buffers[layer])
 
 
 def check_backend_cascade_decode(device, dtype):
