@@ -1,6 +1,7 @@
 """GPU benchmark of the Triton kernels against their torch references and the machine's ceilings.
 
     python -m bench.kernels            # H200: under 3 minutes; prints a table last; $OUT/kernels.json if OUT set
+    python -m bench.kernels fusions    # only the decode fusions, each against the launches it replaces
 
 Ceilings are measured first in the same run: device copy bandwidth (large D2D copy, bytes read +
 written) and bf16 matmul TFLOP/s. Every timing is the median over replays of a CUDA graph holding
@@ -257,6 +258,70 @@ def bench_extend(rep: Report):
         del kbs, vbs
 
 
+def bench_fusions(rep: Report):
+    """The decode fusions against the launches they replace, at Llama-3.1-8B decode shapes (batch 1
+    and 64): rope + KV store in one kernel vs rope then store_kv; the down GEMV reading gate|up vs
+    silu_and_mul then the GEMV (the GEMV serves batch 1 only, ops.GEMV_MAX_M); single-launch decode
+    attention vs the same one split merged by stage 2 (the backend uses it when max_kv_splits == 1)."""
+    from kernels.activation import silu_and_mul
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for
+    from kernels.gemv import gemv
+    from kernels.kv_store import store_kv
+    from kernels.reference import rope_cos_sin_cache
+    from kernels.rope import apply_rope, apply_rope_and_store_kv
+
+    inv = 1.0 / (500000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
+    cache = rope_cos_sin_cache(inv, 131072)
+    for T in (1, 64):
+        n = copies_for(T * (HQ + 2 * HKV) * D * 2)
+        qkvs = [torch.randn(T, (HQ + 2 * HKV) * D, dtype=DT, device="cuda") for _ in range(n)]
+        kb = torch.zeros(4096, HKV, D, dtype=DT, device="cuda")
+        vb = torch.zeros_like(kb)
+        loc = torch.randperm(kb.shape[0], device="cuda")[:T]
+        pos = torch.randint(0, 131072, (T,), device="cuda")
+
+        def views(qkv):
+            return (qkv[:, :HQ * D], qkv[:, HQ * D:(HQ + HKV) * D].view(T, HKV, D),
+                    qkv[:, (HQ + HKV) * D:].view(T, HKV, D))
+
+        def unfused(i):
+            q, k, v = views(qkvs[i % n])
+            apply_rope(q, k, pos, cache, D)
+            store_kv(kb, vb, loc, k, v)
+
+        nb = T * ((2 * HQ + 4 * HKV) * D * 2 + D * 4)
+        rep.add("rope+kv", f"T={T}", graph_time_ms(lambda i: apply_rope_and_store_kv(*views(qkvs[i % n]), pos, cache,
+                                                                                      D, kb, vb, loc)),
+                graph_time_ms(unfused), nbytes=nb, torch_name="rope;store")
+
+    K, N = INTER, HIDDEN
+    ws = [torch.randn(N, K, dtype=DT, device="cuda") for _ in range(copies_for(N * K * 2, cap=8))]
+    h = torch.randn(1, 2 * K, dtype=DT, device="cuda")
+    rep.add("down+silu", f"M=1 {K}x{N}", graph_time_ms(lambda i: gemv(h, ws[i % len(ws)], silu_mul=True)),
+            graph_time_ms(lambda i: gemv(silu_and_mul(h), ws[i % len(ws)])), nbytes=N * K * 2,
+            torch_name="silu;gemv")
+    del ws
+
+    for B, ctx in [(1, 1024), (64, 1024), (64, 4096), (128, 1024)]:  # the plan gives 1 split from B=67 on H200
+        kv_bytes = 2 * B * ctx * HKV * D * 2
+        kbs, vbs, r2t, req = _pool(B, ctx, copies_for(kv_bytes))
+        seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(B, HQ, D, dtype=DT, device="cuda")
+        splits = num_kv_splits_for(seq, 1)
+        zero = torch.zeros_like(seq)
+        mid_o = torch.empty(B, HQ, 1, D, dtype=torch.float32, device="cuda")
+        mid_lse = torch.empty(B, HQ, 1, dtype=torch.float32, device="cuda")
+        out = torch.empty_like(q)
+        n = len(kbs)
+
+        def one(i, two_stage):
+            decode_attention(q, kbs[i % n], vbs[i % n], r2t, req, seq, splits, 1, D ** -0.5, out=out,
+                             **(dict(mid_o=mid_o, mid_lse=mid_lse, kv_start=zero) if two_stage else {}))
+        rep.add("decode1", f"B={B} ctx={ctx} 1 split", graph_time_ms(lambda i: one(i, False)),
+                graph_time_ms(lambda i: one(i, True)), nbytes=kv_bytes, torch_name="2-stage")
+        del kbs, vbs
+
+
 def tune(budget_s: float = 150.0) -> None:
     """Sweep GemvConfig per Llama shape (cold L2) and extend-attention tiles; print the best of each."""
     import itertools
@@ -320,7 +385,7 @@ def main() -> int:
         tune()
         return 0
     for name, fn in [("elementwise", bench_elementwise), ("gemv", bench_gemv), ("decode", bench_decode),
-                     ("extend", bench_extend)]:
+                     ("extend", bench_extend), ("fusions", bench_fusions)]:
         if not only or name in only:
             fn(rep)
             torch.cuda.empty_cache()

@@ -6,6 +6,10 @@ evict-first (W is read once), and K is split across programs when N alone gives 
 to keep every SM's memory pipe busy. Split partials go to an fp32 workspace and a second small kernel
 sums them, which keeps the result deterministic.
 
+With silu_mul=True the input is a gated MLP's [M, 2K] gate|up activation and the kernel multiplies by
+silu(gate) * up, computed as it loads x (rounded to x's dtype, as the silu_and_mul kernel's output
+would be): the down projection without a separate activation launch.
+
 `python -m bench.kernels --tune` sweeps the block choices on the current GPU.
 """
 from __future__ import annotations
@@ -17,14 +21,21 @@ import triton
 import triton.language as tl
 
 from kernels._utils import dot_precision, next_pow2, num_sms
+from kernels.activation import silu_mul_f32
 
 MAX_M = 4
 
 
 @triton.jit
+def _silu_mul(gate, up):
+    """Rounded to the input dtype, as activation.silu_and_mul's output is."""
+    return silu_mul_f32(gate, up).to(gate.dtype)
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
                  HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
+                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, SILU_MUL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -45,10 +56,15 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         if EVEN_K:
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0, eviction_policy="evict_last")
+            if SILU_MUL:
+                x = _silu_mul(x, tl.load(x_ptrs + K, mask=mask_m[:, None], other=0.0, eviction_policy="evict_last"))
         else:
             mk = (k0 + kk + offs_k) < K
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mk[None, :], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=mask_m[:, None] & mk[None, :], other=0.0, eviction_policy="evict_last")
+            if SILU_MUL:
+                x = _silu_mul(x, tl.load(x_ptrs + K, mask=mask_m[:, None] & mk[None, :], other=0.0,
+                                         eviction_policy="evict_last"))
         if M_PAD == 1:
             acc2 += w.to(tl.float32) * x.to(tl.float32)
         else:
@@ -107,10 +123,14 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, scale: torch.Tensor | None = None,
-         tensor_cores: bool = False) -> torch.Tensor:
+         tensor_cores: bool = False, silu_mul: bool = False) -> torch.Tensor:
     """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype.
-    `scale` (float32 [N]) dequantizes FP8 weights row by row (one row of x only: x is not quantized)."""
+    `scale` (float32 [N]) dequantizes FP8 weights row by row (one row of x only: x is not quantized).
+    silu_mul: x is [M, 2K] (gate | up) and y = silu_and_mul(x) @ w^T."""
     M, K = x.shape
+    if silu_mul:
+        assert K % 2 == 0
+        K //= 2
     N = w.shape[0]
     assert M <= MAX_M, "gemv is for decode batches of at most 4 rows; use a GEMM"
     assert w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1
@@ -128,7 +148,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
         x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
         k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
-        EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), num_warps=cfg.num_warps)
+        EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul, num_warps=cfg.num_warps)
     if split_k > 1:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,

@@ -1,6 +1,7 @@
 """Device dispatch for the model code: Triton kernels on CUDA, the torch references elsewhere.
 
-In-place contracts hold on both paths (apply_rope writes q and k; store_kv writes the buffers).
+In-place contracts hold on both paths (apply_rope writes q and k; store_kv writes the buffers;
+apply_rope_and_store_kv does both).
 rms_norm with a residual returns (y, new_residual): use the returned residual, since only the Triton
 path also updates its argument in place.
 """
@@ -53,18 +54,48 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
         ref.store_kv_ref(k_buf, v_buf, loc, k, v)
 
 
+def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            cos_sin_cache: torch.Tensor, head_dim: int, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                            loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rope then store_kv; one kernel on CUDA (k, v: [T, Hkv, D])."""
+    if _on_gpu(q):
+        from kernels.rope import apply_rope_and_store_kv as kern
+        return kern(q, k, v, positions, cos_sin_cache, head_dim, k_buf, v_buf, loc)
+    q, k = apply_rope(q, k, positions, cos_sin_cache, head_dim)
+    store_kv(k_buf, v_buf, loc, k, v)
+    return q, k
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias). With `weight_scale` (float32 [N]) the weight is FP8 e4m3 and
     each row dequantizes by its scale."""
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias)
-    if _on_gpu(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and weight.dtype == torch.bfloat16 \
-            and x.dtype == torch.bfloat16 and weight.stride(1) == 1 and x.stride(1) == 1:
+    if _gemv_applies(x, weight, None):
         from kernels.gemv import gemv
         y = gemv(x, weight)
         return y + bias if bias is not None else y
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
+    """The decode-time GEMV takes this matmul: CUDA, at most GEMV_MAX_M rows with contiguous rows, and
+    bf16 weights (FP8 ones with their scales)."""
+    return (_on_gpu(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and x.stride(1) == 1
+            and weight.stride(1) == 1
+            and (weight_scale is not None or (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16)))
+
+
+def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(silu_and_mul(h), ...) for h [M, 2K] (gate | up). Where the GEMV takes the matmul the
+    activation is computed in its input load (no silu_and_mul launch); the result is the same bits."""
+    if _gemv_applies(h, weight, weight_scale):
+        from kernels.gemv import gemv
+        y = gemv(h, weight, scale=weight_scale, silu_mul=True)
+        return y + bias if bias is not None else y
+    return linear(silu_and_mul(h), weight, bias, weight_scale)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -75,7 +106,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if _on_gpu(x) and x.dim() == 2:
         M, K = x.shape
         N = weight.shape[0]
-        if M <= GEMV_MAX_M and x.stride(1) == 1 and weight.stride(1) == 1:
+        if _gemv_applies(x, weight, weight_scale):
             from kernels.gemv import gemv
             y = gemv(x, weight, scale=weight_scale)
             return y + bias if bias is not None else y

@@ -1,4 +1,5 @@
-"""Rotary embedding, neox style (HF Llama's rotate_half), applied in place to q and k.
+"""Rotary embedding, neox style (HF Llama's rotate_half), applied in place to q and k; optionally fused
+with the KV store (apply_rope_and_store_kv: one launch instead of rope + store_kv per layer).
 
 cos_sin_cache: [max_positions, rotary_dim] fp32, cos in the first half of each row and sin in the
 second (kernels.reference.rope_cos_sin_cache builds it). Only the first rotary_dim dims of each head
@@ -21,8 +22,11 @@ def _rotate_heads(X, stride_h, H, cos, sin, HALF, BLOCK_H: tl.constexpr, BLOCK_R
     p1 = X + offs_h[:, None] * stride_h + offs_r[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(p1, (x1 * cos - x2 * sin).to(X.dtype.element_ty), mask=mask)
-    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(X.dtype.element_ty), mask=mask)
+    y1 = (x1 * cos - x2 * sin).to(X.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(X.dtype.element_ty)
+    tl.store(p1, y1, mask=mask)
+    tl.store(p1 + HALF, y2, mask=mask)
+    return y1, y2
 
 
 @triton.jit
@@ -35,6 +39,38 @@ def _rope_kernel(Q, K, POS, CS, stride_qt, stride_qh, stride_kt, stride_kh, stri
     sin = tl.load(CS + pos * stride_cs + HALF + offs_r, mask=offs_r < HALF, other=0.0)[None, :]
     _rotate_heads(Q + t * stride_qt, stride_qh, HQ, cos, sin, HALF, BLOCK_HQ, BLOCK_R)
     _rotate_heads(K + t * stride_kt, stride_kh, HK, cos, sin, HALF, BLOCK_HK, BLOCK_R)
+
+
+@triton.jit
+def _rope_store_kv_kernel(Q, K, V, POS, CS, KB, VB, LOC, stride_qt, stride_qh, stride_kt, stride_kh,
+                          stride_vt, stride_vh, stride_cs, stride_bs, stride_bh, HQ, HK, HALF, D,
+                          BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HAS_PASS: tl.constexpr):
+    """One token per program: rope on q and k exactly as _rope_kernel does (k rounded to its own dtype,
+    then cast to the pool's, as rope followed by store_kv would), and k, v written to the token's slot."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS + t).to(tl.int64)
+    slot = tl.load(LOC + t).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    cos = tl.load(CS + pos * stride_cs + offs_r, mask=offs_r < HALF, other=0.0)[None, :]
+    sin = tl.load(CS + pos * stride_cs + HALF + offs_r, mask=offs_r < HALF, other=0.0)[None, :]
+    _rotate_heads(Q + t * stride_qt, stride_qh, HQ, cos, sin, HALF, BLOCK_HQ, BLOCK_R)
+    y1, y2 = _rotate_heads(K + t * stride_kt, stride_kh, HK, cos, sin, HALF, BLOCK_HK, BLOCK_R)
+    offs_h = tl.arange(0, BLOCK_HK)
+    mask_h = offs_h[:, None] < HK
+    dst = slot * stride_bs + offs_h[:, None] * stride_bh
+    mask = mask_h & (offs_r[None, :] < HALF)
+    tl.store(KB + dst + offs_r[None, :], y1.to(KB.dtype.element_ty), mask=mask)
+    tl.store(KB + dst + HALF + offs_r[None, :], y2.to(KB.dtype.element_ty), mask=mask)
+    if HAS_PASS:  # partial rotary: dims [2*HALF, D) are stored as they are
+        offs_p = 2 * HALF + tl.arange(0, BLOCK_P)
+        mask_p = mask_h & (offs_p[None, :] < D)
+        kp = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_p[None, :], mask=mask_p)
+        tl.store(KB + dst + offs_p[None, :], kp.to(KB.dtype.element_ty), mask=mask_p)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = mask_h & (offs_d[None, :] < D)
+    v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask_d)
+    tl.store(VB + dst + offs_d[None, :], v.to(VB.dtype.element_ty), mask=mask_d)
 
 
 def _head_strides(x: torch.Tensor, head_dim: int) -> tuple[int, int, int]:
@@ -57,4 +93,27 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
         _rope_kernel[(T,)](q, k, positions, cos_sin_cache, sqt, sqh, skt, skh, cos_sin_cache.stride(0),
                            hq, hk, half, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk),
                            BLOCK_R=next_pow2(half), num_warps=4)
+    return q, k
+
+
+def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            cos_sin_cache: torch.Tensor, head_dim: int, k_buf: torch.Tensor,
+                            v_buf: torch.Tensor, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rope(q, k) then store_kv(k_buf, v_buf, loc, k, v) in one launch, with the same results bit
+    for bit: q and k rotated in place, the rotated k and v written to slots `loc` of the pool buffers
+    [slots, Hkv, D]. q, k, v: [T, H*D] or [T, H, D] (strided views of a fused qkv output are fine)."""
+    sqt, sqh, hq = _head_strides(q, head_dim)
+    skt, skh, hk = _head_strides(k, head_dim)
+    svt, svh, hv = _head_strides(v, head_dim)
+    half = cos_sin_cache.shape[1] // 2
+    assert cos_sin_cache.stride(1) == 1 and 2 * half <= head_dim and hv == hk
+    assert k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape[1:] == (hk, head_dim)
+    T = q.shape[0]
+    n_pass = head_dim - 2 * half
+    if T:
+        _rope_store_kv_kernel[(T,)](
+            q, k, v, positions, cos_sin_cache, k_buf, v_buf, loc, sqt, sqh, skt, skh, svt, svh,
+            cos_sin_cache.stride(0), k_buf.stride(0), k_buf.stride(1), hq, hk, half, head_dim,
+            BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_R=next_pow2(half),
+            BLOCK_D=next_pow2(head_dim), BLOCK_P=next_pow2(max(1, n_pass)), HAS_PASS=n_pass > 0, num_warps=4)
     return q, k

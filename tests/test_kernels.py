@@ -71,6 +71,42 @@ def check_rope(device, dtype):
         torch.testing.assert_close(k3, k3_ref, **_tol(dtype))
 
 
+def check_rope_store_kv(device, dtype):
+    """The fused rope + KV store equals rope then store_kv bit for bit (q, k in place and the pool),
+    and the references; partial rotary (rotary dim < head dim) stores the unrotated tail too."""
+    from kernels.kv_store import store_kv
+    from kernels.reference import rope_cos_sin_cache, rope_ref, store_kv_ref
+    from kernels.rope import apply_rope, apply_rope_and_store_kv
+    for T, hq, hkv, d, rot in [(1, 4, 2, 16, 16), (7, 4, 2, 16, 16), (3, 8, 1, 32, 16), (5, 6, 3, 24, 24)]:
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=device) / rot))
+        cache = rope_cos_sin_cache(inv_freq, 300)
+        qkv = _rand(T, (hq + 2 * hkv) * d, dtype=dtype, device=device)
+        pos = torch.randint(0, 300, (T,), device=device)
+        loc = torch.randperm(40, device=device)[:T]
+        worlds = []
+        for fused in (True, False):
+            x = qkv.clone()
+            q = x[:, :hq * d]
+            k = x[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
+            v = x[:, (hq + hkv) * d:].view(T, hkv, d)
+            kb, vb = (torch.zeros(40, hkv, d, dtype=dtype, device=device) for _ in range(2))
+            if fused:
+                apply_rope_and_store_kv(q, k, v, pos, cache, d, kb, vb, loc)
+            else:
+                apply_rope(q, k, pos, cache, d)
+                store_kv(kb, vb, loc, k, v)
+            worlds.append((x, kb, vb))
+        for a, b in zip(*worlds):
+            assert torch.equal(a, b), f"fused rope+store differs from rope then store_kv (T={T} d={d} rot={rot})"
+        x, kb, vb = worlds[0]
+        q_ref, k_ref = rope_ref(qkv[:, :hq * d], qkv[:, hq * d:(hq + hkv) * d], pos, cache, d)
+        kb_ref, vb_ref = torch.zeros_like(kb), torch.zeros_like(vb)
+        store_kv_ref(kb_ref, vb_ref, loc, k_ref.view(T, hkv, d), qkv[:, (hq + hkv) * d:].view(T, hkv, d))
+        torch.testing.assert_close(x[:, :hq * d], q_ref, **_tol(dtype))
+        torch.testing.assert_close(kb, kb_ref, **_tol(dtype))
+        assert torch.equal(vb, vb_ref)
+
+
 def check_silu_and_mul(device, dtype):
     from kernels.activation import silu_and_mul
     from kernels.reference import silu_and_mul_ref
@@ -108,6 +144,25 @@ def check_gemv(device, dtype):
                                            msg=lambda m: f"K={K} N={N} M={M} {cfg}: {m}")
 
 
+def check_gemv_silu_mul(device, dtype):
+    """The down projection with the gated activation folded into its input load equals silu_and_mul
+    then the GEMV bit for bit (every config: split-K, odd K, several rows)."""
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import GemvConfig, gemv
+    from kernels.reference import gemv_ref, silu_and_mul_ref
+    shapes = [(64, 48), (200, 37), (96, 130)]
+    if device.type == "cuda":
+        shapes += [(14336, 4096)]
+    for K, N in shapes:
+        w = _rand(N, K, dtype=dtype, device=device)
+        for M in (1, 3):
+            h = _rand(M, 2 * K, dtype=dtype, device=device)
+            for cfg in [None, GemvConfig(16, 32, 1, 4), GemvConfig(8, 32, 4, 4)]:
+                y = gemv(h, w, config=cfg, silu_mul=True)
+                assert torch.equal(y, gemv(silu_and_mul(h), w, config=cfg)), f"K={K} N={N} M={M} {cfg}"
+                torch.testing.assert_close(y, gemv_ref(silu_and_mul_ref(h), w), **_tol(dtype))
+
+
 def _paged_setup(device, dtype, hkv, d, prefix_lens, extend_lens, num_slots=600):
     """A pool with shuffled slots and a req_to_token table for requests in rows 1..B (row 0 = padding)."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -139,6 +194,30 @@ def check_decode_attention(device, dtype):
                 out = decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, splits, max_splits, d ** -0.5)
                 torch.testing.assert_close(out, ref, **_tol(dtype),
                                            msg=lambda m: f"d={d} hq={hq} hkv={hkv} splits={max_splits}: {m}")
+
+
+def check_decode_attention_single_stage(device, dtype):
+    """max_kv_splits == 1: one launch, no scratch, the same bits as the two-stage merge (forced here
+    through a zero kv_start) and a zero output for a zero-length padding request."""
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for
+    from kernels.reference import decode_attention_ref
+    lens = [1, 7, 130, 0]
+    for d in _head_dims(device)[:2]:
+        for hq, hkv in [(4, 4), (8, 2)]:
+            k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, dtype, hkv, d, [max(0, n - 1) for n in lens],
+                                                         [min(1, n) for n in lens])
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+            q = _rand(len(lens), hq, d, dtype=dtype, device=device)
+            splits = num_kv_splits_for(seq_lens, 1)
+            out = decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, splits, 1, d ** -0.5)
+            mid_o = torch.full((len(lens), hq, 1, d), float("nan"), device=device)
+            mid_lse = torch.full((len(lens), hq, 1), float("nan"), device=device)
+            two = decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, splits, 1, d ** -0.5, mid_o=mid_o,
+                                   mid_lse=mid_lse, kv_start=torch.zeros_like(seq_lens))
+            assert torch.equal(out, two), f"d={d} hq={hq} hkv={hkv}"
+            assert torch.equal(out[3], torch.zeros_like(out[3]))
+            ref = decode_attention_ref(q[:3], k_buf, v_buf, r2t, req_idx[:3], seq_lens[:3], d ** -0.5)
+            torch.testing.assert_close(out[:3], ref, **_tol(dtype))
 
 
 def check_cascade_decode_attention(device, dtype):
@@ -233,8 +312,8 @@ def check_backend_end_to_end(device, dtype):
     from shared.engine.forward_batch import ForwardBatch, ForwardMode
     hq, hkv, d, layers = 4, 2, 16, 2
     worlds = []
-    for name in ("torch", "triton"):
-        be = create_attention_backend(name, hq, hkv, d, device=device, max_kv_splits=4, min_tokens_per_split=8)
+    for name, splits in (("torch", 4), ("triton", 4), ("triton", 1)):  # 1 split: the single-launch decode
+        be = create_attention_backend(name, hq, hkv, d, device=device, max_kv_splits=splits, min_tokens_per_split=8)
         worlds.append((be, KVPool(layers, hkv, d, num_pages=64, page_size=4, dtype=dtype, device=device),
                        ReqToTokenPool(4, 128, device)))
     gen = torch.Generator().manual_seed(0)
@@ -257,10 +336,14 @@ def check_backend_end_to_end(device, dtype):
                 off += e
             fb = ForwardBatch.build(mode, [0] * T, rows, prefix, ext, locs, r2t.req_to_token, pool, be, device)
             be.init_forward_metadata(fb)
+            if mode == ForwardMode.DECODE and hasattr(be, "max_kv_splits"):  # the triton ones
+                assert (be._meta.mid_o is None) == (be.max_kv_splits == 1)
             outs.append(torch.stack([be.forward(q, k, v, layer, fb) for layer in range(layers)]))
-        torch.testing.assert_close(outs[1], outs[0], **_tol(dtype), msg=lambda m: f"{mode} {prefix}: {m}")
+        for out in outs[1:]:
+            torch.testing.assert_close(out, outs[0], **_tol(dtype), msg=lambda m: f"{mode} {prefix}: {m}")
     for layer in range(layers):
-        assert torch.equal(worlds[0][1].k_buffers[layer], worlds[1][1].k_buffers[layer])
+        for w in worlds[1:]:
+            assert torch.equal(worlds[0][1].k_buffers[layer], w[1].k_buffers[layer])
 
 
 def check_backend_cascade_decode(device, dtype):
@@ -382,8 +465,15 @@ def test_ops_dispatch_cpu_keeps_in_place_contracts():
     kb, vb = torch.zeros(8, 1, 16), torch.zeros(8, 1, 16)
     ops.store_kv(kb, vb, torch.tensor([3, 6, 1]), k.view(3, 1, 16), k.view(3, 1, 16))
     assert torch.equal(kb[[3, 6, 1]], k.view(3, 1, 16))
+    q2, k2, v2 = torch.randn(3, 2, 16), torch.randn(3, 1, 16), torch.randn(3, 1, 16)
+    q2_ref, k2_ref = rope_ref(q2, k2, pos, cache, 16)
+    ops.apply_rope_and_store_kv(q2, k2, v2, pos, cache, 16, kb, vb, torch.tensor([2, 4, 5]))
+    assert torch.equal(q2, q2_ref) and torch.equal(k2, k2_ref)
+    assert torch.equal(kb[[2, 4, 5]], k2_ref) and torch.equal(vb[[2, 4, 5]], v2)
     x, w = torch.randn(2, 32), torch.randn(5, 32)
     torch.testing.assert_close(ops.linear(x, w), x @ w.t())
+    h = torch.randn(2, 64)
+    assert torch.equal(ops.silu_mul_linear(h, w), ops.linear(ops.silu_and_mul(h), w))
 
 
 def test_factory_choices():

@@ -5,6 +5,9 @@ Stage 1 splits each request's context into at most `max_kv_splits` chunks; one p
 per group, and the group is padded to 16 rows so the scores are a tensor-core dot). It writes a
 normalised partial output and its log-sum-exp. Stage 2 merges the chunks per (request, head).
 
+With max_kv_splits == 1 (large batches already fill the GPU one program per request and KV head) and
+no cascade prefix columns, stage 1 writes the final output itself and stage 2 is not launched.
+
 CUDA-graph safe: the grid depends only on the batch size and max_kv_splits (host ints fixed per
 graph); sequence lengths and per-request split counts are read from device tensors.
 """
@@ -22,11 +25,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O, MID_LSE, KV_START,
-                   sm_scale_log2, stride_qb, stride_qh, stride_bs, stride_bh, stride_rt,
+def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O, MID_LSE, KV_START, O,
+                   sm_scale_log2, stride_qb, stride_qh, stride_bs, stride_bh, stride_rt, stride_ob, stride_oh,
                    HQ, MAX_SPLITS, GROUP, D,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr, HAS_START: tl.constexpr):
+                   DOT_PREC: tl.constexpr, HAS_START: tl.constexpr, SINGLE: tl.constexpr):
+    """SINGLE: one split per request, whose normalised output is final: written to O in O's dtype (as
+    stage 2 would write it: a lone split merges to itself exactly), nothing to the scratch."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -75,9 +80,14 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
         empty = start >= end
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
-        idx = (b * HQ + heads) * MAX_SPLITS + split
-        tl.store(MID_O + idx[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=mask_hd)
-        tl.store(MID_LSE + idx, lse, mask=mask_h)
+        if SINGLE:
+            # A zero-length (padding) request has acc = 0: zeros, as stage 2 writes for it.
+            tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=mask_hd)
+        else:
+            idx = (b * HQ + heads) * MAX_SPLITS + split
+            tl.store(MID_O + idx[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=mask_hd)
+            tl.store(MID_LSE + idx, lse, mask=mask_h)
 
 
 @triton.jit
@@ -134,29 +144,35 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     mid_o [B, Hq, S, D] / mid_lse [B, Hq, S] fp32 scratch (S >= max_kv_splits) may be passed in so all
     layers reuse one allocation. With kv_start [B] int32, only positions [kv_start, seq_len) are read
     here, and for requests with kv_start > 0 columns [max_kv_splits, S) of the scratch, filled
-    beforehand (triton_cascade.py), are merged in as well."""
+    beforehand (triton_cascade.py), are merged in as well. With max_kv_splits == 1 and no kv_start, one
+    launch writes `out` directly and the scratch is neither needed nor touched."""
     B, HQ, D = q.shape
     HKV = k_buf.shape[1]
     assert HQ % HKV == 0 and q.stride(-1) == 1 and k_buf.is_contiguous() and v_buf.is_contiguous()
     group = HQ // HKV
     if out is None:
         out = torch.empty_like(q)
-    if mid_o is None:
+    single = max_kv_splits == 1 and kv_start is None
+    if mid_o is None and not single:
         mid_o = torch.empty((B, HQ, max_kv_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, HQ, max_kv_splits), dtype=torch.float32, device=q.device)
     if B == 0:
         return out
-    total_splits = mid_lse.shape[2]
+    total_splits = mid_lse.shape[2] if mid_lse is not None else 1
     assert total_splits == max_kv_splits or kv_start is not None
     BLOCK_D = max(16, next_pow2(D))
     BLOCK_N = 64 if BLOCK_D <= 128 else 32
     _decode_stage1[(B, HKV, max_kv_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
-        kv_start if kv_start is not None else seq_lens,
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
+        mid_o if mid_o is not None else out, mid_lse if mid_lse is not None else out,
+        kv_start if kv_start is not None else seq_lens, out,
         scaling * LOG2E, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), req_to_token.stride(0),
-        HQ, total_splits, group, D,
+        out.stride(0), out.stride(1), HQ, total_splits, group, D,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2, HAS_START=kv_start is not None)
+        DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2, HAS_START=kv_start is not None,
+        SINGLE=single)
+    if single:
+        return out
     _decode_stage2[(B, HQ)](
         mid_o, mid_lse, num_kv_splits, kv_start if kv_start is not None else seq_lens, out, out.stride(0),
         out.stride(1), HQ, total_splits, max_kv_splits, D, BLOCK_S=next_pow2(total_splits), BLOCK_D=BLOCK_D,

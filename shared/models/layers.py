@@ -29,11 +29,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return ops.rms_norm(x, weight, eps, residual)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, 2*I] holding gate then up. Returns silu(gate) * up: [T, I]."""
-    return ops.silu_and_mul(x)
-
-
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -93,11 +88,14 @@ class Linear(nn.Module):
         self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32, device=device),
                                          requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """gated: x is a gated MLP's [T, 2 * in_features] (gate | up) and the layer's input is
+        silu(gate) * up, computed inside the decode GEMV where ops can (silu_mul_linear)."""
+        matmul = ops.silu_mul_linear if gated else ops.linear
         if self.parallel == "row" and self.shard is not None:
-            y = all_reduce(ops.linear(x, self.weight, None, self.weight_scale))
+            y = all_reduce(matmul(x, self.weight, None, self.weight_scale))
             return y if self.bias is None else y + self.bias
-        return ops.linear(x, self.weight, self.bias, self.weight_scale)
+        return matmul(x, self.weight, self.bias, self.weight_scale)
 
 
 class MergedLinear(Linear):

@@ -12,7 +12,7 @@ from torch import nn
 
 from shared.engine.forward_batch import ForwardBatch
 from shared.models.config import ModelConfig
-from shared.models.layers import Embedding, Linear, MergedLinear, RMSNorm, rms_norm, silu_and_mul
+from shared.models.layers import Embedding, Linear, MergedLinear, RMSNorm, rms_norm
 from shared.models.parallel import all_gather_last, even_shard, head_shard, kv_shard, local_heads, local_kv_heads
 from shared.models.rope import RotaryEmbedding
 
@@ -42,8 +42,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self._per_head_norm(q, self.q_norm)
             k = self._per_head_norm(k, self.k_norm)
-        q, k = rotary(fb.positions, q, k)
-        o = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
+        # Rope is applied by the backend, fused with the KV store.
+        o = fb.attn_backend.forward(q, k, v, self.layer_id, fb, rotary=rotary)
         return self.o_proj(o)
 
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -60,7 +60,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), gated=True)  # silu_and_mul inside
 
 
 class LlamaDecoderLayer(nn.Module):

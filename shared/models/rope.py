@@ -1,5 +1,6 @@
 """Rotary position embedding: inverse frequencies per scaling type, a cos/sin table over every position,
-and one function that rotates q and k (kernels.ops: Triton on CUDA, torch reference elsewhere).
+and one function that rotates q and k (kernels.ops: Triton on CUDA, torch reference elsewhere), alone or
+fused with the KV store.
 
 Layout is the HF "rotate half" convention: dimension i pairs with i + rotary_dim/2.
 """
@@ -99,3 +100,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim)
+
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor):
+        """forward(positions, q, k), then the rotated k and v written to pool slots `loc` (k, v:
+        [T, Hkv, D]); one kernel on CUDA. Every scaling type lives in the table, so all take this path."""
+        return ops.apply_rope_and_store_kv(q, k, v, positions, self.cos_sin_cache, self.head_dim, k_buf, v_buf, loc)

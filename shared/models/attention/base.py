@@ -49,17 +49,22 @@ class AttentionBackend(ABC):
         """Called once per forward before layer 0: precompute what every layer shares."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                fb: ForwardBatch) -> torch.Tensor:
+                fb: ForwardBatch, rotary=None) -> torch.Tensor:
         """q: [T, num_heads*head_dim]; k, v: [T, num_kv_heads*head_dim] for the new tokens.
 
-        Stores k/v into the pool at fb.out_cache_loc, then attends each new token to its request's
-        full causal context. Returns [T, num_heads*head_dim].
+        With `rotary` (a RotaryEmbedding) q and k are rotated in place at fb.positions first, in the
+        same kernel as the KV store. Stores k/v into the pool at fb.out_cache_loc, then attends each
+        new token to its request's full causal context. Returns [T, num_heads*head_dim].
         """
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if rotary is None:
+            fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        else:
+            k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
+            q, k = rotary.rotate_and_store(fb.positions, q, k, v, k_buf, v_buf, fb.out_cache_loc)
         if fb.mode == ForwardMode.DECODE:
             o = self.forward_decode(q, layer_id, fb)
         else:

@@ -21,8 +21,10 @@ MAX_HEAD_DIM = 256  # one head row must fit a tile; larger heads go to the torch
 class _DecodeMetadata:
     max_kv_splits: int
     num_kv_splits: torch.Tensor  # [B] int32, on device
-    mid_o: torch.Tensor  # [B, Hq, max_kv_splits, D] fp32 scratch shared by all layers
-    mid_lse: torch.Tensor  # [B, Hq, max_kv_splits] fp32
+    # [B, Hq, max_kv_splits, D] / [B, Hq, max_kv_splits] fp32 scratch shared by all layers; None when
+    # one split per request lets the decode kernel write its output in a single launch.
+    mid_o: torch.Tensor | None
+    mid_lse: torch.Tensor | None
     cascade: CascadePlan | None = None  # shared-prefix groups (scratch then has its prefix columns too)
 
 
@@ -88,11 +90,13 @@ class TritonAttentionBackend(AttentionBackend):
                                     self.num_heads // self.num_kv_heads, dev)
             kv_lens = fb.seq_lens if plan is None else fb.seq_lens - plan.kv_start
             cols = splits + (plan.prefix_splits if plan is not None else 0)
+            scratch = cols > 1
             self._meta = _DecodeMetadata(
                 max_kv_splits=splits,
                 num_kv_splits=num_kv_splits_for(kv_lens, splits, self.min_tokens_per_split),
-                mid_o=torch.empty((B, self.num_heads, cols, self.head_dim), dtype=torch.float32, device=dev),
-                mid_lse=torch.empty((B, self.num_heads, cols), dtype=torch.float32, device=dev),
+                mid_o=(torch.empty((B, self.num_heads, cols, self.head_dim), dtype=torch.float32, device=dev)
+                       if scratch else None),
+                mid_lse=torch.empty((B, self.num_heads, cols), dtype=torch.float32, device=dev) if scratch else None,
                 cascade=plan)
         else:
             lens = fb.extend_seq_lens_cpu
