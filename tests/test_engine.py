@@ -266,6 +266,30 @@ def test_siblings_arriving_while_the_first_decodes_hit_its_prefix():
     assert h.engine.scheduler.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
 
 
+def test_select_prefix_groups_puts_each_request_in_the_group_that_saves_most():
+    """Nested groups from the tree: a deeper group takes its members only when the reads it saves them
+    exceed its own prefix read; groups left below the minimum size, or too little saved, are dropped."""
+    from shared.models.attention import create_attention_backend
+    be = create_attention_backend("torch", 4, 2, 16, device="cpu")
+    be.cascade_min_group, be.cascade_min_prefix, be.cascade_min_saved_tokens = 4, 256, 0
+    sys16 = (2048, list(range(16)))
+    # Two questions sharing one more token than the system prompt: not worth a group of their own.
+    assert be.select_prefix_groups([sys16, (2049, [3, 7])]) == [sys16]
+    be.cascade_min_group = 2
+    assert be.select_prefix_groups([sys16, (2049, [3, 7])]) == [sys16]
+    # A prefix inserted chunk by chunk is a chain of nodes: the whole group goes to the deepest.
+    assert be.select_prefix_groups([(1936, list(range(16))), sys16, (2049, [3, 7])]) == [sys16]
+    # Eight requests sharing 4,000 tokens under a 2,000-token prompt of sixteen: two groups.
+    assert be.select_prefix_groups([(2000, list(range(16))), (4000, list(range(8)))]) == \
+        [(2000, list(range(8, 16))), (4000, list(range(8)))]
+    be.cascade_min_group = 4
+    # Moving six of eight leaves two: the shallow group is dropped, its two requests read alone.
+    assert be.select_prefix_groups([(2000, list(range(8))), (4000, list(range(6)))]) == [(4000, list(range(6)))]
+    assert be.select_prefix_groups([(100, list(range(8)))]) is None  # below min_prefix
+    be.cascade_min_saved_tokens = 10 ** 6
+    assert be.select_prefix_groups([sys16]) is None
+
+
 def test_shared_prefix_attention_groups_from_the_tree_keep_greedy_output():
     """Decode batches of requests sharing a cached prefix go through shared-prefix attention (groups
     found from the tree's shared locked node); greedy output is that of plain attention."""

@@ -535,7 +535,7 @@ def test_match_length_touches_nothing_and_counts_nothing():
     assert cache.match_length([1, 2, 3, 9], None, memo)[0] == 4
 
 
-def test_shared_prefix_groups_pick_the_deepest_node_shared_in_the_batch():
+def test_shared_prefix_groups_nest_every_node_shared_in_the_batch():
     alloc, cache = make(num_pages=256)
     system = list(range(1, 41))
     nodes = []
@@ -544,6 +544,6 @@ def test_shared_prefix_groups_pick_the_deepest_node_shared_in_the_batch():
         nodes.append(cache.match_prefix(system + q).node)
     other = put(alloc, cache, [7, 7, 7]) is not None and cache.match_prefix([7, 7, 7]).node
     groups = cache.shared_prefix_groups(nodes + [other, None, cache.roots()[None]])
-    assert sorted(groups) == [(41, [2, 3]), (42, [0, 1])]
+    assert sorted(groups) == [(40, [0, 1, 2, 3, 4]), (41, [2, 3]), (42, [0, 1])]
     assert cache.shared_prefix_groups(nodes[4:] + nodes[2:3]) == [(40, [0, 1])]
     assert NoPrefixCache(alloc, 1).shared_prefix_groups(nodes) == []

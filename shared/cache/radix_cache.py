@@ -208,8 +208,7 @@ class RadixCache(PrefixCache):
             for n, depth in path:
                 if count[id(n)] >= 2:
                     groups.setdefault(id(n), (depth, []))[1].append(i)
-                    break
-        return [g for g in groups.values() if len(g[1]) >= 2]
+        return list(groups.values())
 
     def evictable_size(self) -> int:
         return self._evictable

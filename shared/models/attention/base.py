@@ -27,10 +27,41 @@ class AttentionBackend(ABC):
         self.cascade_enabled = self.supports_cascade
 
     def select_prefix_groups(self, groups: list[tuple[int, list[int]]] | None) -> list[tuple[int, list[int]]] | None:
-        """The groups worth attending once per group in this decode batch, or None: plain decode."""
+        """The groups worth attending once per group in this decode batch, each request in at most one,
+        or None: plain decode. `groups` nest (RadixCache.shared_prefix_groups): every request starts in
+        its shallowest eligible group, and moves, with the others of a deeper group, into that one when
+        that saves prefix reads. So a whole group follows its prefix down a chain of nodes (a prompt
+        inserted chunk by chunk), while two questions of a 16-request system prompt that happen to share
+        a first token stay with the other fourteen."""
         if not (self.cascade_enabled and groups):
             return None
-        keep = [(p, m) for p, m in groups if len(m) >= self.cascade_min_group and p >= self.cascade_min_prefix]
+        eligible = sorted(((p, m) for p, m in groups if len(m) >= self.cascade_min_group
+                           and p >= self.cascade_min_prefix), key=lambda g: g[0])
+        at: dict[int, int] = {}  # request -> index into eligible of its group
+        size: dict[int, int] = {}  # group index -> requests in it now
+        for gi, (p, members) in enumerate(eligible):
+            # Nested groups, shallow first: a deeper group's members are all in one group by now, or none.
+            cur = at.get(members[0])
+            if cur is not None:
+                p_cur, left = eligible[cur][0], size[cur] - len(members)
+                # Prefix reads saved: each member's suffix shrinks by p - p_cur; the group reads p once,
+                # and the old group's read goes if it empties, while members left in a group too small to
+                # run read their prefix alone.
+                gain = len(members) * (p - p_cur) - p
+                if left == 0:
+                    gain += p_cur
+                elif left < self.cascade_min_group:
+                    gain -= (left - 1) * p_cur
+                if gain <= 0:
+                    continue
+                size[cur] = left
+            for b in members:
+                at[b] = gi
+            size[gi] = len(members)
+        chosen: dict[int, list[int]] = {}
+        for b, gi in at.items():
+            chosen.setdefault(gi, []).append(b)
+        keep = [(eligible[gi][0], sorted(m)) for gi, m in sorted(chosen.items()) if len(m) >= self.cascade_min_group]
         saved = sum(p * (len(m) - 1) for p, m in keep)
         return keep if keep and saved >= self.cascade_min_saved_tokens else None
 
