@@ -211,7 +211,7 @@ def graph_replay_ms(graph_runner, bs: int = 1, reps: int = 60, skip: int = 10) -
     for _ in range(reps):
         s_ev, e_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s_ev.record()
-        graph_runner.graphs[bs].replay()
+        graph_runner.graphs[bs, False].replay()
         e_ev.record()
         e_ev.synchronize()
         times.append(s_ev.elapsed_time(e_ev))
