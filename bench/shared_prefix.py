@@ -160,6 +160,8 @@ def main(argv=None):
     ap.add_argument("--question-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--configs", default="lpm,fcfs,off", help="comma list of lpm, fcfs, off")
+    ap.add_argument("--max-running", type=int, default=256,
+                    help="requests decoded together at most (both configs; CUDA graphs up to it)")
     ap.add_argument("--decode-bs", type=int, default=256)
     ap.add_argument("--decode-group", type=int, default=16)
     ap.add_argument("--decode-prefix", type=int, default=2048)
@@ -187,8 +189,9 @@ def main(argv=None):
     max_ctx = max(args.system_len + args.question_len + args.output_len,
                   args.decode_prefix + args.decode_question + args.decode_out) + 64
     ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=max(8192, max_ctx),
-                      max_running_requests=max(256, args.decode_bs), chunked_prefill_size=8192,
+                      max_running_requests=max(args.max_running, args.decode_bs), chunked_prefill_size=8192,
                       max_prefill_tokens=8192, cuda_graph=cuda,
+                      cuda_graph_max_bs=max(args.max_running, args.decode_bs),
                       max_total_tokens=None if cuda else 65536)
     t0 = time.perf_counter()
     base = Engine(ec, tok, on_output=lambda o: None)
