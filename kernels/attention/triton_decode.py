@@ -31,7 +31,8 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    DOT_PREC: tl.constexpr, HAS_START: tl.constexpr, SINGLE: tl.constexpr):
     """SINGLE: one split per request, whose normalised output is final: written to O in O's dtype (as
-    stage 2 would write it: a lone split merges to itself exactly), nothing to the scratch."""
+    stage 2 would write it: a lone split merges to itself exactly), nothing to the scratch; with
+    HAS_START, a request with a shared prefix merges the prefix's partials from the scratch first."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -82,8 +83,29 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
         if SINGLE:
             # A zero-length (padding) request has acc = 0: zeros, as stage 2 writes for it.
+            o = acc / l_safe[:, None]
+            if HAS_START:
+                if kv_start > 0:
+                    # Merge the shared prefix's partials, columns [1, MAX_SPLITS) (the cascade kernel ran
+                    # first), as stage 2 would: weights relative to the largest log-sum-exp.
+                    base = (b * HQ + heads) * MAX_SPLITS
+                    m = lse
+                    for c in range(1, MAX_SPLITS):
+                        m = tl.maximum(m, tl.load(MID_LSE + base + c, mask=mask_h, other=float("-inf")))
+                    m = tl.where(m > float("-inf"), m, 0.0)
+                    w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
+                    num = o * w[:, None]
+                    den = w
+                    for c in range(1, MAX_SPLITS):
+                        lc = tl.load(MID_LSE + base + c, mask=mask_h, other=float("-inf"))
+                        wc = tl.where(lc > float("-inf"), tl.exp2(lc - m), 0.0)
+                        oc = tl.load(MID_O + (base + c)[:, None] * D + offs_d[None, :],
+                                     mask=mask_hd & (lc > float("-inf"))[:, None], other=0.0)
+                        num += wc[:, None] * oc
+                        den += wc
+                    o = num / tl.where(den > 0, den, 1.0)[:, None]
             tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                     (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=mask_hd)
+                     o.to(O.dtype.element_ty), mask=mask_hd)
         else:
             idx = (b * HQ + heads) * MAX_SPLITS + split
             tl.store(MID_O + idx[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=mask_hd)
@@ -144,15 +166,16 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     mid_o [B, Hq, S, D] / mid_lse [B, Hq, S] fp32 scratch (S >= max_kv_splits) may be passed in so all
     layers reuse one allocation. With kv_start [B] int32, only positions [kv_start, seq_len) are read
     here, and for requests with kv_start > 0 columns [max_kv_splits, S) of the scratch, filled
-    beforehand (triton_cascade.py), are merged in as well. With max_kv_splits == 1 and no kv_start, one
-    launch writes `out` directly and the scratch is neither needed nor touched."""
+    beforehand (triton_cascade.py), are merged in as well. With max_kv_splits == 1 one launch writes
+    `out` directly (merging those columns itself), and without kv_start the scratch is not needed."""
     B, HQ, D = q.shape
     HKV = k_buf.shape[1]
     assert HQ % HKV == 0 and q.stride(-1) == 1 and k_buf.is_contiguous() and v_buf.is_contiguous()
     group = HQ // HKV
     if out is None:
         out = torch.empty_like(q)
-    single = max_kv_splits == 1 and kv_start is None
+    single = max_kv_splits == 1
+    assert kv_start is None or mid_lse is not None, "shared-prefix partials come in the scratch"
     if mid_o is None and not single:
         mid_o = torch.empty((B, HQ, max_kv_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, HQ, max_kv_splits), dtype=torch.float32, device=q.device)
