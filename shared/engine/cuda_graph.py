@@ -100,14 +100,17 @@ class CudaGraphRunner:
     def _bucket(self, n: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def load_cascade(self, groups: list, req_rows: list[int]) -> bool:
-        """Stage a decode batch's prefix groups for the shared-prefix graph of its bucket; False when
+    def plan_cascade(self, groups: list, req_rows: list[int]):
+        """A decode batch's prefix groups laid out for the shared-prefix graph of its bucket, or None when
         there is none or they do not fit it (the batch then runs eagerly)."""
         n = len(req_rows)
-        if not self.can_run(n):
-            return False
-        bs = self._bucket(n)
-        return (bs, True) in self.graphs and self.attn_backend.load_graph_cascade(bs, groups, req_rows, n)
+        if not self.can_run(n) or (self._bucket(n), True) not in self.graphs:
+            return None
+        return self.attn_backend.plan_graph_cascade(self._bucket(n), groups, req_rows, n)
+
+    def load_cascade(self, plan, num_reqs: int) -> None:
+        """Stage a plan_cascade result (made here, or on tensor-parallel rank 0) for the next run."""
+        self.attn_backend.load_graph_cascade(self._bucket(num_reqs), plan, num_reqs)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, req_pool_indices: torch.Tensor,
             seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, cascade: bool = False) -> torch.Tensor:

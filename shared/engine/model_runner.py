@@ -121,6 +121,9 @@ class ForwardPlan:
     table_writes: tuple[list[int], list[int], list[int]]  # req_to_token rows, columns, slots
     prefix_groups: list | None = None
     use_graph: bool = False
+    # With use_graph and prefix_groups: their layout for the batch size's shared-prefix graph (rank 0
+    # decides; every rank loads the same).
+    graph_cascade: object = None
 
     # The slot ids cross the pipe as a numpy array: pickling a torch tensor costs ~10x more (~250 us).
     def __getstate__(self) -> dict:
@@ -323,17 +326,22 @@ class ModelRunner:
     def _plan(self, batch: ScheduleBatch) -> ForwardPlan:
         decode = batch.mode == ForwardMode.DECODE
         n = batch.batch_size
-        # Shared-prefix attention when the backend judges it pays (in the batch size's shared-prefix graph
-        # when there is one and the groups fit it: _run_plan decides, the same way on every rank).
+        # Shared-prefix attention when the backend judges it pays: in the batch size's shared-prefix graph
+        # when there is one and the groups fit it, eagerly otherwise.
         groups = self.attn_backend.select_prefix_groups(batch.prefix_groups) if decode else None
+        rows = [r.req_pool_idx for r in batch.reqs]
+        use_graph = decode and self.graph_runner is not None and self.graph_runner.can_run(n)
+        cascade = None
+        if use_graph and groups:
+            cascade = self.graph_runner.plan_cascade(groups, rows)
+            use_graph = cascade is not None
         return ForwardPlan(
-            batch.mode, [] if decode else batch.input_ids, [r.req_pool_idx for r in batch.reqs],
-            batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, self._table_writes(batch), groups,
-            use_graph=decode and self.graph_runner is not None and self.graph_runner.can_run(n))
+            batch.mode, [] if decode else batch.input_ids, rows, batch.prefix_lens, batch.extend_lens,
+            batch.out_cache_loc, self._table_writes(batch), groups, use_graph=use_graph, graph_cascade=cascade)
 
     def _run_plan(self, plan: ForwardPlan) -> tuple[ForwardBatch, torch.Tensor]:
         """Write the slot table, run the model: (batch, logits of every row) from a CUDA graph, else
-        (batch, final hidden states); plan.use_graph says which on return."""
+        (batch, final hidden states)."""
         dev = self.device
         rows, cols, vals = plan.table_writes
         self.req_pool.req_to_token[to_device(rows, torch.int64, dev), to_device(cols, torch.int64, dev)] = \
@@ -355,11 +363,10 @@ class ModelRunner:
             fb.input_ids[to_device(at, torch.int64, dev)] = self.token_buf[to_device([rows[j] for j in at],
                                                                                      torch.int64, dev)]
         if plan.use_graph:
-            cascade = bool(plan.prefix_groups)
-            if not cascade or self.graph_runner.load_cascade(plan.prefix_groups, plan.req_pool_indices):
-                return fb, self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
-                                                 fb.out_cache_loc, cascade=cascade)
-            plan.use_graph = False  # groups the shared-prefix graph cannot hold: eager (hidden states)
+            if plan.graph_cascade is not None:
+                self.graph_runner.load_cascade(plan.graph_cascade, len(plan.req_pool_indices))
+            return fb, self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
+                                             fb.out_cache_loc, cascade=plan.graph_cascade is not None)
         self.attn_backend.init_forward_metadata(fb)
         return fb, self.model.forward(fb)
 

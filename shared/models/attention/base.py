@@ -67,14 +67,19 @@ class AttentionBackend(ABC):
 
     def graph_cascade(self) -> bool:
         """Whether shared-prefix decode can be captured in CUDA graphs (a ForwardBatch with
-        graph_cascade set, its groups loaded by load_graph_cascade before each replay)."""
+        graph_cascade set, its groups staged by load_graph_cascade before each replay)."""
         return False
 
-    def load_graph_cascade(self, batch_size: int, groups: list[tuple[int, list[int]]], req_rows: list[int],
-                           num_reqs: int) -> bool:
-        """Put a batch's groups where the captured graph of this batch size reads them; False when they do
-        not fit its capacities (the batch then runs eagerly). num_reqs <= batch_size real rows."""
-        return False
+    def plan_graph_cascade(self, batch_size: int, groups: list[tuple[int, list[int]]], req_rows: list[int],
+                           num_reqs: int):
+        """A batch's groups laid out for the captured shared-prefix graph of this batch size (a plain,
+        picklable value the tensor-parallel ranks all load), or None when they do not fit its capacities
+        (the batch then runs eagerly). num_reqs <= batch_size real rows."""
+        return None
+
+    def load_graph_cascade(self, batch_size: int, plan, num_reqs: int) -> None:
+        """Put a plan_graph_cascade result where the graph of this batch size reads it."""
+        raise NotImplementedError
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Called once per forward before layer 0: precompute what every layer shares."""

@@ -63,16 +63,17 @@ class TritonAttentionBackend(AttentionBackend):
             plan = self._graph_plans[batch_size] = CascadePlan.empty(shape, batch_size, device)
         return plan
 
-    def load_graph_cascade(self, batch_size, groups, req_rows, num_reqs) -> bool:
-        plan = self._graph_plans.get(batch_size)
-        if plan is None:
-            return False
+    def plan_graph_cascade(self, batch_size, groups, req_rows, num_reqs):
+        shape = CascadeShape.for_graph(batch_size, self.num_heads // self.num_kv_heads, self.cascade_min_group)
         host = plan_cascade_host(groups, req_rows, num_reqs, self.num_kv_heads, self.num_heads // self.num_kv_heads,
-                                 plan.shape)
-        if host is None or not host.fits(plan.shape):
-            return False
-        plan.load(host, num_reqs)
-        return True
+                                 shape)
+        return host if host is not None and host.fits(shape) else None
+
+    def load_graph_cascade(self, batch_size, plan, num_reqs) -> None:
+        static = self._graph_plans.get(batch_size)
+        if static is None or not plan.fits(static.shape):
+            raise RuntimeError(f"no shared-prefix graph of batch size {batch_size} holds this plan")
+        static.load(plan, num_reqs)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         self._meta_batch = fb
