@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from shared.errors import InvalidRequest
-from shared.h2d import to_device
+from kernels.h2d import to_device
 from shared.protocol import FinishReason, FinishTransferred, GenerateRequest, KvDone, KvHeader
 from shared.engine.pd_stages import DecodeStages, PrefillStages
 from shared.transfer import kv_pages

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from shared.h2d import to_device
+from kernels.h2d import to_device
 
 if TYPE_CHECKING:
     from shared.cache.kv_pool import KVPool
