@@ -336,7 +336,7 @@ def test_tp2_stack_serves_what_tp1_decodes():
     want = _unsharded(prompt)
     stack = Stack("--tp-size", "2", "--device", "cpu", timeout=180)
     try:
-        ranks = [p for p in procfs.descendants(stack.proc.pid) if "shared.engine.tp" in procfs.argv(p)]
+        ranks = [p for p in procfs.descendants(stack.proc.pid) if "shared.engine.tp_follower" in procfs.argv(p)]
         assert len(ranks) == 1  # one worker, one rank beside it
         got = _generate(stack.url, prompt)
         assert got["output_ids"] == want["ids"] and got["text"] == want["text"]
@@ -355,7 +355,7 @@ def test_pd_with_tp2_on_both_sides_serves_what_tp1_decodes():
     want = _unsharded(prompt)
     stack = Stack("--topology", "pd", "--tp-size", "2", "--device", "cpu", timeout=240)
     try:
-        ranks = [p for p in procfs.descendants(stack.proc.pid) if "shared.engine.tp" in procfs.argv(p)]
+        ranks = [p for p in procfs.descendants(stack.proc.pid) if "shared.engine.tp_follower" in procfs.argv(p)]
         assert len(ranks) == 2  # one beside the prefill worker, one beside the decode worker
         for _ in range(2):  # the second time the decode worker's own tree may hold the prompt
             got = _generate(stack.url, prompt)
@@ -409,7 +409,7 @@ def _tp2_worker() -> tuple[subprocess.Popen, int]:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "WORKER READY" not in (proc.stdout.readline() or "WORKER READY"):
         pass
-    ranks = [p for p in procfs.descendants(proc.pid) if "shared.engine.tp" in procfs.argv(p)]
+    ranks = [p for p in procfs.descendants(proc.pid) if "shared.engine.tp_follower" in procfs.argv(p)]
     assert len(ranks) == 1 and proc.poll() is None
     return proc, ranks[0]
 
@@ -454,7 +454,7 @@ def test_group_teardown_is_bounded(monkeypatch, caplog):
     t0 = time.monotonic()
     try:
         with caplog.at_level("WARNING"):
-            tp_mod._destroy_process_group()
+            tp_mod.leave_process_group()
         assert time.monotonic() - t0 < 5
         assert "did not finish" in caplog.text and tp_mod.teardown_stuck()
     finally:

@@ -160,7 +160,7 @@ class CascadePlan:
 
     def load(self, host: CascadeHostPlan, batch_size: int) -> None:
         """Copy a host plan into these buffers (non-blocking); entries past it become unused."""
-        from shared.h2d import to_device
+        from kernels.h2d import to_device
         G, n = host.num_groups, len(host.members)
         dev = self.g_row.device
         pad = self.shape.max_groups - G

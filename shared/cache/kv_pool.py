@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.h2d import to_device
+from kernels.h2d import to_device
 
 
 class KVPool:

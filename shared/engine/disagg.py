@@ -37,20 +37,33 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from shared.errors import InvalidRequest
-from shared.h2d import to_device
-from shared.protocol import FinishTransferred, GenerateRequest, KvDone, KvHeader
+from kernels.h2d import to_device
+from shared.protocol import FinishReason, FinishTransferred, GenerateRequest, KvDone, KvHeader
 from shared.engine.pd_stages import DecodeStages, PrefillStages
 from shared.transfer import kv_pages
 
 if TYPE_CHECKING:
-    from shared.engine.engine import Engine
-    from shared.engine.model_runner import StepOutput
+    from shared.engine.config import EngineConfig
+    from shared.engine.model_runner import ModelRunner, StepOutput
     from shared.engine.request import Req
+    from shared.engine.scheduler import Scheduler
+
+
+class EngineView(Protocol):
+    """What the two sides use of their engine (shared/engine/engine.py's Engine): its config, runner and
+    scheduler, and its public way to end a request or start one decoding."""
+    config: EngineConfig
+    runner: ModelRunner
+    scheduler: Scheduler
+
+    def end_request(self, req: Req, error: str | None = None, reason: FinishReason | None = None) -> None: ...
+
+    def start_decoding(self, req: Req, first_token: int | None, logprob, top_logprobs) -> None: ...
 
 @dataclass
 class Pages:
@@ -93,22 +106,22 @@ class PartTimes:
 
 
 
-def validate_transfer(msg: GenerateRequest, engine: "Engine") -> None:
+def validate_transfer(msg: GenerateRequest, prefill_side: PrefillSide, decode_side: DecodeSide) -> None:
     t = msg.transfer
     if t is None:
         return
     role, tid = t.role, t.id  # types checked on the wire; values here
     if not tid or len(tid) > 128:
         raise InvalidRequest("transfer.id must be a short string", "transfer")
-    if engine.prefill_side.knows(tid) or engine.decode_side.knows(tid):
+    if prefill_side.knows(tid) or decode_side.knows(tid):
         raise InvalidRequest(f"duplicate transfer id {tid}", "transfer")
     if role == "prefill":
-        if engine.prefill_side.on_transfer_open is None:
+        if prefill_side.on_transfer_open is None:
             raise InvalidRequest("this worker does not send KV (start it with --role prefill)", "transfer")
         if not t.host or t.port is None:
             raise InvalidRequest("transfer needs the decode worker's host and port", "transfer")
     elif role == "decode":
-        if engine.decode_side.on_kv_expect is None:
+        if decode_side.on_kv_expect is None:
             raise InvalidRequest("this worker does not receive KV (start it with --role decode)", "transfer")
     else:
         raise InvalidRequest("transfer.role must be prefill or decode", "transfer")
@@ -118,7 +131,7 @@ def validate_transfer(msg: GenerateRequest, engine: "Engine") -> None:
 
 
 class PrefillSide:
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine: EngineView):
         self.engine = engine
         # Hooks (set by the glue): on_transfer_open(id, {"host","port"}, header) once the scheduler has
         # committed KV to a request; on_kv_gathered(id, Pages) when the pass computing its last chunk is
@@ -203,7 +216,7 @@ class PrefillSide:
 
 
 class DecodeSide:
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine: EngineView):
         self.engine = engine
         # Hooks (set by the glue): on_kv_expect(id, start, prompt_len) once slots are reserved;
         # on_kv_cancel(id) when such a request ends before its pages came.

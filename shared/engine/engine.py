@@ -296,7 +296,7 @@ class Engine:
                                  f"({self.runner.max_total_tokens} tokens)", "input_ids")
         if msg.rid in self._reqs:
             raise InvalidRequest(f"duplicate request id {msg.rid}", "rid")
-        validate_transfer(msg, self)
+        validate_transfer(msg, self.prefill_side, self.decode_side)
         return params
 
     def _admit(self, msg: GenerateRequest) -> None:

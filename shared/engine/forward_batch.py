@@ -8,20 +8,27 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from shared.h2d import to_device
+from kernels.h2d import to_device
 
 if TYPE_CHECKING:
-    from shared.models.attention.base import AttentionBackend
     from shared.cache.kv_pool import KVPool
 
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill of new tokens over a (possibly empty) cached prefix
     DECODE = "decode"  # exactly one new token per request
+
+
+class BatchAttention(Protocol):
+    """What a model layer calls on its batch's attention backend (every AttentionBackend of
+    shared/models/attention/ is one): q, k, v of this pass's tokens in, attention out."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                fb: ForwardBatch, rotary=None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -38,7 +45,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [T] int64: pool slots the new tokens' K/V are written to
     req_to_token: torch.Tensor  # [max_reqs + 1, max_context_len] int32
     kv_pool: "KVPool"
-    attn_backend: "AttentionBackend"
+    attn_backend: BatchAttention
     # Host copies, for backends and loops that must not sync with the device.
     seq_lens_cpu: list[int] | None = None
     extend_prefix_lens_cpu: list[int] | None = None
@@ -58,7 +65,7 @@ class ForwardBatch:
     @classmethod
     def build(cls, mode: ForwardMode, input_ids: list[int], req_pool_indices: list[int],
               prefix_lens: list[int], extend_lens: list[int], out_cache_loc: torch.Tensor,
-              req_to_token: torch.Tensor, kv_pool: "KVPool", attn_backend: "AttentionBackend",
+              req_to_token: torch.Tensor, kv_pool: "KVPool", attn_backend: BatchAttention,
               device: torch.device) -> "ForwardBatch":
         """Assemble a batch from host lists (one transfer per tensor)."""
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]

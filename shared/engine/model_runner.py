@@ -11,7 +11,7 @@ import torch
 from shared.cache.kv_pool import KVPool, ReqToTokenPool
 from shared.engine.config import EngineConfig
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
-from shared.h2d import to_device
+from kernels.h2d import to_device
 from shared.engine.request import PENDING_TOKEN, Req
 from shared.engine.sampler import SamplingBatch, sample
 from shared.engine.schedule_batch import ScheduleBatch

@@ -13,7 +13,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from shared.h2d import to_device
+from kernels.h2d import to_device
 
 from shared.sampling_params import SamplingParams
 

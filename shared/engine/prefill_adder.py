@@ -3,11 +3,11 @@
 The adder owns the round's token budget (max_prefill_tokens), the memory reservation (slots held back
 for the future decode tokens of everything running or admitted, `Scheduler._reserve_of`), and the
 in-batch dedupe of shared prefixes. Each `add_*` either takes a request whole (slots allocated, KV
-bookkeeping set) or leaves everything as it was.
+bookkeeping set) or leaves everything as it was. It works on its scheduler through Admitting.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -16,7 +16,11 @@ from shared.engine.request import Req
 from shared.engine.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
-    from shared.engine.scheduler import Scheduler
+    from shared.cache.allocator import SlotAllocator
+    from shared.cache.base import MatchResult, PrefixCache
+    from shared.cache.kv_pool import ReqToTokenPool
+    from shared.engine.config import EngineConfig
+    from shared.engine.pd_stages import DecodeStages
 
 # Longest prefix of a prompt used to spot requests in one admission round that share a prefix the tree
 # does not hold yet: all but one are deferred one round so the prefix is computed once, not N times
@@ -24,8 +28,36 @@ if TYPE_CHECKING:
 INBATCH_SHARE_TOKENS = 32
 
 
+class Admitting(Protocol):
+    """What an admission round uses of its scheduler (shared/engine/scheduler.py's Scheduler): the pools,
+    the queues, the reservation figures, and the scheduler's own steps for a request it takes."""
+    config: EngineConfig
+    cache: PrefixCache
+    allocator: SlotAllocator
+    req_pool: ReqToTokenPool
+    page_size: int
+    waiting: list[Req]
+    running: list[Req]
+    chunked: Req | None
+    failed: list[Req]
+    decode_stages: DecodeStages
+
+    def num_running(self) -> int: ...
+    def _reserve_of(self, req: Req) -> float: ...
+    def _reserved_tokens(self) -> float: ...
+    def _free_tokens(self) -> int: ...
+    def _holds_kv(self) -> bool: ...
+    def _evict_for(self, tokens: int) -> None: ...
+    def _match(self, req: Req) -> MatchResult: ...
+    def _bind(self, req: Req, match: MatchResult) -> None: ...
+    def _unbind(self, req: Req) -> None: ...
+    def _mark_admitted(self, req: Req, cached: int) -> None: ...
+    def _prefill_done(self, req: Req) -> None: ...
+    def _retract(self, req: Req) -> None: ...
+
+
 class PrefillAdder:
-    def __init__(self, sched: "Scheduler"):
+    def __init__(self, sched: Admitting):
         self.s = sched
         self.budget = sched.config.max_prefill_tokens
         self.reserve = sched._reserved_tokens()
@@ -53,8 +85,7 @@ class PrefillAdder:
     def _take(self, req: Req, ext: int) -> bool:
         """Allocate ext slots after the request's KV and put its next ext tokens into the batch."""
         s = self.s
-        if s.allocator.available_size() < ext:
-            s.stats.evicted_for_admission += s.cache.evict(ext - s.allocator.available_size())
+        s._evict_for(ext)
         slots = s.allocator.alloc(ext, req.slots[-1] if req.slots else -1)
         if slots is None:
             return False
@@ -154,8 +185,7 @@ class PrefillAdder:
         if not self.fits(req, need):
             s.cache.unlock(match.node)
             return False
-        if s.allocator.available_size() < need:
-            s.stats.evicted_for_admission += s.cache.evict(need - s.allocator.available_size())
+        s._evict_for(need)
         slots = s.allocator.alloc(need, int(match.slots[-1]) if len(match.slots) else -1)
         if slots is None:
             s.cache.unlock(match.node)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.h2d import to_device
+from kernels.h2d import to_device
 from shared.engine.penalties import PenaltyState
 from shared.sampling_params import SamplingParams
 

@@ -226,6 +226,11 @@ class Scheduler:
     def _free_tokens(self) -> int:
         return self.allocator.available_size() + self.cache.evictable_size()
 
+    def _evict_for(self, tokens: int) -> None:
+        """Admission is about to allocate `tokens` slots: evict from the tree what the allocator lacks."""
+        if self.allocator.available_size() < tokens:
+            self.stats.evicted_for_admission += self.cache.evict(tokens - self.allocator.available_size())
+
     def _schedule_prefill(self) -> ScheduleBatch | None:
         adder = PrefillAdder(self)
         # 1. Continue the chunked request first.

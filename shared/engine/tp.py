@@ -1,12 +1,12 @@
 """Tensor parallelism across processes: one process per rank, rank 0 in charge.
 
 Rank 0 is the worker process itself: it owns the network side, the scheduler, the radix cache and
-sampling, exactly as with one device. Ranks 1..N-1 are followers it spawns: each holds its shard of the
-weights and of the KV heads, and repeats rank 0's device work. For every forward pass rank 0 sends them
-one small command over a pipe (the batch's inputs and slot writes), then one per logits computation and
-one before the sampled tokens are broadcast; so every rank launches the same kernels and collectives in
-the same order, and every rank feeds the same token into the next step whatever the sampling needed
-(grammar masks, penalties, per-request seeds live on rank 0 only).
+sampling, exactly as with one device. Ranks 1..N-1 are followers it spawns (shared/engine/tp_follower.py):
+each holds its shard of the weights and of the KV heads, and repeats rank 0's device work. For every
+forward pass rank 0 sends them one small command over a pipe (the batch's inputs and slot writes), then
+one per logits computation and one before the sampled tokens are broadcast; so every rank launches the
+same kernels and collectives in the same order, and every rank feeds the same token into the next step
+whatever the sampling needed (grammar masks, penalties, per-request seeds live on rank 0 only).
 
 Why not run the same scheduler on every rank: what it decides depends on host state that differs
 between processes (grammars finishing their compile on threads, timeouts, admin calls), and one
@@ -17,19 +17,15 @@ dies (PR_SET_PDEATHSIG), and rank 0 exits if a follower dies (its ranks' collect
 """
 from __future__ import annotations
 
-import argparse
-import ctypes
 import dataclasses
 import logging
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -58,7 +54,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def _init_process_group(rank: int, size: int, port: int, device: torch.device) -> None:
+def join_process_group(rank: int, size: int, port: int, device: torch.device) -> None:
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -83,7 +79,7 @@ class TPLeader:
         for rank in range(1, self.size):
             ours, theirs = socket.socketpair()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "shared.engine.tp", "--rank", str(rank), "--port", str(port),
+                [sys.executable, "-m", "shared.engine.tp_follower", "--rank", str(rank), "--port", str(port),
                  "--fd", str(theirs.fileno()), "--parent", str(os.getpid())],
                 pass_fds=(theirs.fileno(),))
             theirs.close()
@@ -98,7 +94,7 @@ class TPLeader:
         try:
             # A rank that fails before the rendezvous would leave this one waiting: hear from each first.
             self._await("started")
-            _init_process_group(0, self.size, port, device)
+            join_process_group(0, self.size, port, device)
         except BaseException:
             self.close()
             raise
@@ -156,7 +152,7 @@ class TPLeader:
                 pass
         # Every rank leaves the group together (the followers do on "stop"): NCCL's teardown waits for
         # its peers, so destroying it here after they exited hung the worker's shutdown on the H200.
-        _destroy_process_group(graceful=everyone)
+        leave_process_group(graceful=everyone)
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
@@ -167,34 +163,7 @@ class TPLeader:
             conn.close()
 
 
-class TPFollowerLink:
-    """A follower's side of the pipe: reports its load, then receives rank 0's commands."""
-
-    is_leader = False
-
-    def __init__(self, conn):
-        self.conn = conn
-        self.orphaned = False  # rank 0 went away without saying stop: no group left to leave with it
-
-    def ready(self) -> None:
-        self.conn.send(("ready", None))
-
-    def commands(self):
-        while True:
-            try:
-                cmd = pickle.loads(self.conn.recv_bytes())
-            except (EOFError, OSError):
-                self.orphaned = True
-                return  # rank 0 is gone
-            if cmd[0] == "stop":
-                return
-            yield cmd
-
-    def close(self) -> None:
-        pass
-
-
-def _destroy_process_group(graceful: bool = True) -> None:
+def leave_process_group(graceful: bool = True) -> None:
     """Leave the process group: every rank at once when all are alive (`graceful`); otherwise (a rank
     died) NCCL's communicators are aborted, which waits for no peer. Either way torch's group registry
     is cleared, so a later engine in this process can form a new group."""
@@ -226,60 +195,3 @@ def teardown_stuck() -> bool:
     """A group teardown was left behind in this process: its exit must skip the interpreter's teardown,
     where the backend's destructor would wait on it again (services/worker/__main__.py does)."""
     return _teardown_stuck
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this rank when rank 0 dies. The kernel ties it to the *thread* that started us: build the
-    ModelRunner on a thread that lives as long as the engine (the worker's main thread does)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the pipe's EOF still ends the follower between steps
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
-
-
-def _follower_main(rank: int, port: int, conn: Connection, parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker's Ctrl-C is rank 0's to handle
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{rank} %(name)s %(levelname)s %(message)s")
-    from shared.engine.model_runner import ModelRunner, resolve_device
-
-    link = TPFollowerLink(conn)
-    try:
-        config: EngineConfig = conn.recv()
-        device = rank_device(resolve_device(config.device), rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        else:  # the ranks share the cores: N ranks x all-core thread pools thrash
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
-        conn.send(("started", None))
-        _init_process_group(rank, config.tp_size, port, device)
-        runner = ModelRunner(config, tp=link, tp_rank=rank)
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        finally:
-            os._exit(1)
-    try:
-        with torch.no_grad():
-            for cmd in link.commands():
-                runner.follow(cmd)
-    except BaseException:
-        log.exception("tensor-parallel rank %d failed", rank)
-        os._exit(1)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # our part of rank 0's last collectives
-    if not link.orphaned:
-        runner.drop_graphs()
-        _destroy_process_group()  # together with rank 0 (TPLeader.close)
-    os._exit(0)  # nothing to flush; skips a slow interpreter teardown
-
-
-if __name__ == "__main__":
-    _p = argparse.ArgumentParser(description="one tensor-parallel rank > 0 (started by rank 0, never by hand)")
-    for _flag in ("--rank", "--port", "--fd", "--parent"):
-        _p.add_argument(_flag, type=int, required=True)
-    _a = _p.parse_args()
-    _follower_main(_a.rank, _a.port, Connection(_a.fd), _a.parent)

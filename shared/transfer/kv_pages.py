@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from shared.cache.kv_pool import KVPool
-from shared.h2d import to_device
+from kernels.h2d import to_device
 
 
 def token_layout(pool: KVPool) -> list[int]:
