@@ -367,12 +367,25 @@ def check_backend_cascade_decode(device, dtype):
         r2t.write(row, 0, torch.cat([prefix, own[40:]]) if row <= 4 else own)
     q = torch.randn(5, hq * d, generator=gen).to(device, dtype)
     outs = []
-    for name, groups in (("torch", None), ("triton", [(40, [0, 1, 2, 3])])):
+    # Plain (torch), eager shared-prefix, and the layout a captured graph of batch size 8 reads (the
+    # planning and staging a CUDA-graph replay does, the forward run directly).
+    for name, groups, graph in (("torch", None, False), ("triton", [(40, [0, 1, 2, 3])], False),
+                                ("triton", [(40, [0, 1, 2, 3])], True)):
         be = create_attention_backend(name, hq, hkv, d, device=device, **({"max_kv_splits": 4} if name == "triton" else {}))
         locs = torch.tensor([r2t.req_to_token[i + 1, n - 1].item() for i, n in enumerate(lens)])
         fb = ForwardBatch.build(ForwardMode.DECODE, [0] * 5, [1, 2, 3, 4, 5], [n - 1 for n in lens], [1] * 5, locs,
                                 r2t.req_to_token, pool, be, device)
         fb.prefix_groups = groups
+        if graph:
+            assert be.graph_cascade() and be.plan_graph_cascade(5, groups, [1, 2, 3, 4, 5], 5) is None  # no graph yet
+            be._graph_plan(8, device)  # what capturing the graphs of batch sizes 8 and 5 makes
+            be._graph_plan(5, device)
+            pairs = [(40, [0, 1]), (41, [2, 3]), (42, [4, 5])]  # 3 entries > 8 // min group 4
+            assert be.plan_graph_cascade(8, pairs, list(range(1, 9)), 8) is None
+            assert be.plan_graph_cascade(8, pairs[:2], list(range(1, 9)), 8) is not None
+            plan = be.plan_graph_cascade(5, groups, [1, 2, 3, 4, 5], 5)
+            be.load_graph_cascade(5, plan, 5)
+            fb.prefix_groups, fb.graph_cascade = None, True
         be.init_forward_metadata(fb)
         if groups:
             assert be._meta.cascade is not None
@@ -380,6 +393,7 @@ def check_backend_cascade_decode(device, dtype):
         v = pool.v_buffers[0][locs.to(device)].reshape(5, hkv * d).clone()
         outs.append(be.forward(q, k, v, 0, fb))
     torch.testing.assert_close(outs[1], outs[0], **_tol(dtype))
+    torch.testing.assert_close(outs[2], outs[0], **_tol(dtype))
 
 
 def check_backend_fallback(device, dtype):

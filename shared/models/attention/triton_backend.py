@@ -64,10 +64,12 @@ class TritonAttentionBackend(AttentionBackend):
         return plan
 
     def plan_graph_cascade(self, batch_size, groups, req_rows, num_reqs):
-        shape = CascadeShape.for_graph(batch_size, self.num_heads // self.num_kv_heads, self.cascade_min_group)
+        static = self._graph_plans.get(batch_size)  # made when the graph was captured
+        if static is None:
+            return None
         host = plan_cascade_host(groups, req_rows, num_reqs, self.num_kv_heads, self.num_heads // self.num_kv_heads,
-                                 shape)
-        return host if host is not None and host.fits(shape) else None
+                                 static.shape)
+        return host if host is not None and host.fits(static.shape) else None
 
     def load_graph_cascade(self, batch_size, plan, num_reqs) -> None:
         static = self._graph_plans.get(batch_size)
