@@ -140,7 +140,7 @@ def _gateway_argv(args: argparse.Namespace, addrs: list[str]) -> list[str]:
 async def run(args: argparse.Namespace) -> int:
     from services.gateway.__main__ import build_parser as gateway_parser
     from services.gateway.__main__ import start_gateway, stop_gateway
-    from shared.gc_freeze import freeze_startup_heap
+    from shared.gc_freeze import freeze_startup_heap, space_young_collections
 
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=60.0, backoff_s=args.restart_backoff)
     slots = [WorkerSlot(name, cmd, policy) for name, cmd in worker_cmds(args)]
@@ -158,6 +158,7 @@ async def run(args: argparse.Namespace) -> int:
         addrs = list(started)
         runner, state = await start_gateway(gateway_parser().parse_args(_gateway_argv(args, addrs)))
         freeze_startup_heap()
+        space_young_collections()  # this process is the gateway's
 
         async def on_change(slot: WorkerSlot, what: str) -> None:
             # The gateway hears from the supervisor at once: /health names a worker that is down, and

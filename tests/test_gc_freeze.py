@@ -2,7 +2,7 @@
 import gc
 import weakref
 
-from shared.gc_freeze import freeze_startup_heap
+from shared.gc_freeze import freeze_startup_heap, space_young_collections
 
 
 class _Node:
@@ -20,3 +20,19 @@ def test_freeze_moves_the_heap_out_and_later_cycles_are_still_collected():
         assert ref() is None
     finally:
         gc.unfreeze()
+
+
+def test_young_collections_are_spaced_and_cycles_still_collected():
+    before = gc.get_threshold()
+    try:
+        space_young_collections(5000)
+        assert gc.get_threshold() == (5000, before[1], before[2])
+        refs = []
+        for _ in range(20_000):  # enough allocations for automatic collections alone to find the cycles
+            node = _Node()
+            node.self = node
+            refs.append(weakref.ref(node))
+        del node
+        assert sum(r() is not None for r in refs) < 10_000
+    finally:
+        gc.set_threshold(*before)

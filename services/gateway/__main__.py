@@ -20,7 +20,7 @@ from services.gateway.tool_parsers import resolve_parser
 from services.gateway.worker_client import WorkerClient, parse_worker_list
 from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
-from shared.gc_freeze import freeze_startup_heap
+from shared.gc_freeze import freeze_startup_heap, space_young_collections
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger("services.gateway")
@@ -125,6 +125,7 @@ async def _main(args: argparse.Namespace) -> None:
     runner, state = await start_gateway(args)
     workers = ",".join(w.address for w in state.router.workers)
     freeze_startup_heap()
+    space_young_collections()
     print(f"gateway ready on http://{args.host}:{args.port} (model {state.served_model_name}, "
           f"workers {workers})", flush=True)
     stop = asyncio.Event()

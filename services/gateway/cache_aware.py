@@ -15,8 +15,6 @@ themselves by load. The salt (tenant) is part of the chain, as it is part of the
 """
 from __future__ import annotations
 
-import array
-import hashlib
 import time
 from collections import OrderedDict
 from typing import Sequence
@@ -26,15 +24,19 @@ from services.gateway.worker_client import WorkerClient
 
 
 def block_chain(input_ids: Sequence[int], block: int, salt: str | None,
-                known: list[bytes] | None = None) -> list[bytes]:
-    """Chained names of the prompt's full blocks (about 0.2 ms for 4k tokens). `known`: the names of
-    the leading blocks, already computed (a finished request's prompt): only the rest is hashed."""
-    start = len(known) if known else 0
-    raw, step = array.array("q", input_ids[start * block:]).tobytes(), block * 8
+                known: list[int] | None = None) -> list[int]:
+    """Chained names of the prompt's full blocks (about 6 us for 512 tokens). `known`: the names of
+    the leading blocks, already computed (a finished request's prompt): only the rest is hashed.
+
+    A name is Python's 64-bit tuple hash of (previous name, the block's ids): several times cheaper than a
+    cryptographic digest per block, and as good here - names never leave this process (the salt's string
+    hash is even seeded per process), and a collision can only send a request to a worker that turns out
+    not to hold its prefix, never change what it computes."""
     names = list(known) if known else []
-    h = names[-1] if names else (salt or "").encode()
-    for i in range(0, len(raw) - step + 1, step):
-        h = hashlib.blake2b(h + raw[i:i + step], digest_size=12).digest()
+    h = names[-1] if names else hash(salt or "")
+    end = len(input_ids) - len(input_ids) % block
+    for i in range(len(names) * block, end, block):
+        h = hash((h, tuple(input_ids[i:i + block])))
         names.append(h)
     return names
 
@@ -47,9 +49,9 @@ class _Index:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.blocks: OrderedDict[bytes, float] = OrderedDict()
+        self.blocks: OrderedDict[int, float] = OrderedDict()
 
-    def match(self, chain: list[bytes]) -> int:
+    def match(self, chain: list[int]) -> int:
         n = 0
         for name in chain:
             if name not in self.blocks:
@@ -57,7 +59,7 @@ class _Index:
             n += 1
         return n
 
-    def insert(self, chain: list[bytes]) -> None:
+    def insert(self, chain: list[int]) -> None:
         now = time.monotonic()
         for name in chain:
             self.blocks[name] = now
@@ -76,10 +78,10 @@ class CacheAwarePolicy:
         self._index: dict[str, _Index] = {}
         self._fallback = PrefixAffinityPolicy(prefix_tokens=2 * block_tokens, slack=slack)
         # A PD request is routed twice (prefill side, decode side) with the same prompt: hash it once.
-        self._last: tuple[Sequence[int], str | None, list[bytes]] | None = None
+        self._last: tuple[Sequence[int], str | None, list[int]] | None = None
         # Chains of prompts in flight, by the prompt list's id (alive while its request is), so that
         # `remember` at the end hashes only the output's blocks; bounded, for requests that never end.
-        self._in_flight: OrderedDict[int, tuple[str | None, list[bytes]]] = OrderedDict()
+        self._in_flight: OrderedDict[int, tuple[str | None, list[int]]] = OrderedDict()
         # Leading prompt tokens the last pick's worker was already known to hold (before this request).
         self.last_match_tokens = 0
 
@@ -109,7 +111,7 @@ class CacheAwarePolicy:
         known = entry[1] if entry is not None and entry[0] == salt else None
         self._index_of(worker).insert(block_chain(token_ids, self.block_tokens, salt, known))
 
-    def _chain(self, input_ids: Sequence[int], salt: str | None) -> list[bytes]:
+    def _chain(self, input_ids: Sequence[int], salt: str | None) -> list[int]:
         last = self._last
         if last is not None and last[0] is input_ids and last[1] == salt:
             return last[2]

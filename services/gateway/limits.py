@@ -61,8 +61,10 @@ async def read_json(request: web.Request, limits: Limits) -> Any:
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
-# 19 digits in a row: possibly an integer beyond 64 bits, which orjson would read as a float.
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+# 19 digits in a row: possibly an integer beyond 64 bits, which orjson would read as a float. Looked for
+# as a run of zeros once every digit is made a zero: a regex scan took 17 us of a 512-token prompt's body.
+_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_LONG_DIGITS = b"0" * 19
 
 
 def _loads(raw: bytes) -> Any:
@@ -70,7 +72,7 @@ def _loads(raw: bytes) -> Any:
     times faster); a body with a possible integer beyond 64 bits, or one orjson refuses (NaN, lone
     surrogate escapes, nesting past its limit, invalid JSON), goes to the standard library, so the
     result, or the error, is the standard library's either way."""
-    if _LONG_DIGITS.search(raw):
+    if _LONG_DIGITS in raw.translate(_DIGITS_TO_ZERO):
         return json.loads(raw)
     try:
         return orjson.loads(raw)

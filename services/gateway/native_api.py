@@ -18,7 +18,7 @@ from services.gateway.errors import bad_request
 from services.gateway.fields import get_bool, get_int, is_int, is_token_ids
 from services.gateway.json_out import json_response
 from services.gateway.limits import read_json
-from services.gateway.sse import stream_events
+from services.gateway.sse import Tail, stream_events
 from shared.protocol import GenerateRequest
 
 if TYPE_CHECKING:
@@ -169,10 +169,12 @@ def _with_first_null(req: GenerateRequest, entries: list) -> list:
     return entries
 
 
-async def _events(state: "GatewayState", job: NativeJob) -> AsyncIterator[dict]:
+async def _events(state: "GatewayState", job: NativeJob) -> AsyncIterator[dict | Tail]:
+    running = len(job.reqs)
     async with aclosing(state.dispatcher.stream_many(job.reqs)) as stream:
         async for i, out, res in stream:
+            running -= out.finished
             event = _answer(state, job, job.reqs[i], res)  # cumulative: the frontend slices what it saw
             if job.batched:
                 event["index"] = i
-            yield event
+            yield event if running else Tail(event)  # the last: the end marker follows at once

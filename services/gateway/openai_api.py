@@ -23,7 +23,7 @@ from shared.errors import ContextLengthExceeded
 from services.gateway.fields import get_bool, get_dict, get_int, is_token_ids
 from services.gateway.json_out import json_response
 from services.gateway.limits import read_json
-from services.gateway.sse import stream_events
+from services.gateway.sse import Tail, stream_events
 from shared.protocol import GenerateRequest
 
 if TYPE_CHECKING:
@@ -203,10 +203,12 @@ class _CompletionFormat:
         usage_extra = {"usage": None} if self.job.include_usage else {}
         results: dict[int, GenerationResult] = {}
         offsets: dict[int, int] = {}  # characters sent so far per choice (text_offset)
+        running = len(self.job.reqs)
         # Closed deterministically: leaving early (client gone) aborts every choice's request.
         async with aclosing(self.state.dispatcher.stream_many(self.job.reqs)) as stream:
             async for i, out, res in stream:
                 results[i] = res
+                running -= out.finished
                 text, logprobs = out.text, None
                 if i not in offsets and self.echo:
                     prompt = self.job.prompts[self.job.prompt_of(i)]
@@ -224,9 +226,10 @@ class _CompletionFormat:
                     continue  # tokens whose text is held back (partial UTF-8, possible stop string)
                 choice = {"index": i, "text": text, "logprobs": logprobs,
                           "finish_reason": _finish(out.finish_reason)}
-                yield self._envelope([choice], **usage_extra)
+                event = self._envelope([choice], **usage_extra)
+                yield event if running else Tail(event)  # the last choice's end: what follows comes at once
         if self.job.include_usage:
-            yield self._envelope([], usage=_usage(self.job, results))
+            yield Tail(self._envelope([], usage=_usage(self.job, results)))
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
@@ -331,9 +334,12 @@ class _ChatFormat:
             yield self._chunk(i, {"role": "assistant", "content": ""})
         results: dict[int, GenerationResult] = {}
         outputs = [self._output() for _ in self.job.reqs]
+        running = len(self.job.reqs)
         async with aclosing(self.state.dispatcher.stream_many(self.job.reqs)) as stream:
             async for i, out, res in stream:
                 results[i] = res
+                running -= out.finished
+                hold = Tail if not running else _send_now  # the last choice's end: what follows comes at once
                 parser = outputs[i]
                 logprobs = None
                 if self.want_lp and out.token_ids:
@@ -347,11 +353,15 @@ class _ChatFormat:
                 if not deltas and logprobs is not None:
                     deltas = [{}]  # the tokens' text is held back by a parser; their logprobs are not
                 for k, delta in enumerate(deltas):
-                    yield self._chunk(i, delta, logprobs if k == 0 else None)
+                    yield hold(self._chunk(i, delta, logprobs if k == 0 else None))
                 if out.finished:
-                    yield self._chunk(i, {}, finish=parser.finish_reason(_finish(out.finish_reason)))
+                    yield hold(self._chunk(i, {}, finish=parser.finish_reason(_finish(out.finish_reason))))
         if self.job.include_usage:
-            yield self._envelope([], "chat.completion.chunk", usage=_usage(self.job, results))
+            yield Tail(self._envelope([], "chat.completion.chunk", usage=_usage(self.job, results)))
+
+
+def _send_now(event: dict) -> dict:
+    return event
 
 
 # ---------------------------------------------------------------- /v1/models

@@ -1,5 +1,11 @@
 """Server-sent events: `data: <json>\n\n` per event, `data: [DONE]\n\n` at the end, one error event in place
-of the rest when something fails after the headers went out."""
+of the rest when something fails after the headers went out.
+
+Each event is its own socket write (a client waits for it), except those a producer wraps in `Tail`: the
+events it knows the next ones follow at once (a stream's last increment, then its usage summary). Those
+are held and go out with what follows - the end marker and the chunked-encoding terminator included - in
+one write: three syscalls fewer per streamed request, a sizeable share of the gateway's CPU per request.
+"""
 from __future__ import annotations
 
 import logging
@@ -16,37 +22,50 @@ log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
 
 
+class Tail:
+    """An event its producer follows at once with more (or the end): sent together with those."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: Any):
+        self.event = event
+
+
 def encode_event(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
 
-async def stream_events(request: web.Request, events: AsyncIterator[dict],
+async def stream_events(request: web.Request, events: AsyncIterator[Any],
                         headers: dict[str, str] | None = None) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no", **(headers or {})})
     await resp.prepare(request)
+    held: list[bytes] = []  # encoded Tail events not yet written
     try:
         async with aclosing(events) as it:
             async for event in it:
-                await resp.write(encode_event(event))
-        await resp.write(DONE)
+                if type(event) is Tail:
+                    held.append(encode_event(event.event))
+                    continue
+                data = encode_event(event)
+                if held:
+                    held.append(data)
+                    data = b"".join(held)
+                    held.clear()
+                await resp.write(data)
+        held.append(DONE)
+        await resp.write_eof(b"".join(held))
+        return resp
     except APIError as e:
-        await _write_quietly(resp, encode_event(e.body()))
+        held.append(encode_event(e.body()))
     except ConnectionError:
         # The client hung up; closing `events` above already aborted its requests on the workers.
         return resp
     except Exception:
         log.exception("stream failed")
-        await _write_quietly(resp, encode_event(error_body("internal error while streaming", "internal_error")))
-    await _write_quietly(resp, None)
-    return resp
-
-
-async def _write_quietly(resp: web.StreamResponse, data: bytes | None) -> None:
+        held.append(encode_event(error_body("internal error while streaming", "internal_error")))
     try:
-        if data is None:
-            await resp.write_eof()
-        else:
-            await resp.write(data)
+        await resp.write_eof(b"".join(held))
     except ConnectionError:
         pass
+    return resp
