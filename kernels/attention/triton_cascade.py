@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels._utils import dot_precision, next_pow2, num_sms
-from kernels.attention.triton_decode import LOG2E, decode_attention
+from kernels.attention.triton_decode import LOG2E, attend_chunk, decode_attention
 
 MAX_ROWS = 64  # members x query heads of one program's block
 MIN_TOKENS_PER_PREFIX_SPLIT = 256
@@ -62,31 +62,10 @@ def _prefix_stage1(Q, KB, VB, REQ_TO_TOKEN, G_ROW, G_LEN, G_START, G_SIZE, G_SPL
         mask_md = mask_m[:, None] & mask_d[None, :]
         q = tl.load(Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_md, other=0.0)
         q = q.to(KB.dtype.element_ty)
-        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        kv_base = kvh * stride_bh
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            slots = tl.load(REQ_TO_TOKEN + row + offs_n, mask=mask_n, other=0).to(tl.int64)
-            kv_off = kv_base + slots[:, None] * stride_bs + offs_d[None, :]
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(KB + kv_off, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(VB + kv_off, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
-        empty = start >= end
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+        o, lse = attend_chunk(q, KB, VB, REQ_TO_TOKEN + row, start, end, kvh * stride_bh, stride_bs, offs_d, mask_d,
+                              sm_scale_log2, BLOCK_M, BLOCK_D, BLOCK_N, DOT_PREC)
         idx = (b * HQ + heads) * TOTAL_SPLITS + FIRST_COL + split
-        tl.store(MID_O + idx[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=mask_md & (start < end))
+        tl.store(MID_O + idx[:, None] * D + offs_d[None, :], o, mask=mask_md & (start < end))
         tl.store(MID_LSE + idx, lse, mask=mask_m)
 
 

@@ -25,6 +25,37 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def attend_chunk(q, KB, VB, ROW, start, end, kv_base, stride_bs, offs_d, mask_d, sm_scale_log2,
+                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online-softmax attention of query rows q [ROWS, BLOCK_D] (in the KV dtype) over positions [start,
+    end) of one req_to_token row (ROW points at it), KV head at kv_base: the normalised partial output
+    [ROWS, BLOCK_D] fp32 and its log2-sum-exp [ROWS] (-inf, and an output of 0, for an empty chunk).
+    The decode and shared-prefix kernels' one inner loop."""
+    m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((ROWS,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = tl.load(ROW + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_off = kv_base + slots[:, None] * stride_bs + offs_d[None, :]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(KB + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(VB + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    lse = tl.where(start >= end, float("-inf"), m_i + tl.log2(l_safe))
+    return acc / l_safe[:, None], lse
+
+
+@triton.jit
 def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O, MID_LSE, KV_START, O,
                    sm_scale_log2, stride_qb, stride_qh, stride_bs, stride_bh, stride_rt, stride_ob, stride_oh,
                    HQ, MAX_SPLITS, GROUP, D,
@@ -57,33 +88,11 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0)
         q = q.to(KB.dtype.element_ty)
         row = tl.load(REQ_IDX + b).to(tl.int64) * stride_rt
-        m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-        kv_base = kvh * stride_bh
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            slots = tl.load(REQ_TO_TOKEN + row + offs_n, mask=mask_n, other=0).to(tl.int64)
-            kv_off = kv_base + slots[:, None] * stride_bs + offs_d[None, :]
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(KB + kv_off, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(VB + kv_off, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
-        # A chunk past the end of a short context is empty: it contributes weight 0 in stage 2.
-        empty = start >= end
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+        # A chunk past the end of a short context is empty: weight 0 in the merge (lse -inf, o 0).
+        o, lse = attend_chunk(q, KB, VB, REQ_TO_TOKEN + row, start, end, kvh * stride_bh, stride_bs, offs_d, mask_d,
+                              sm_scale_log2, BLOCK_H, BLOCK_D, BLOCK_N, DOT_PREC)
         if SINGLE:
-            # A zero-length (padding) request has acc = 0: zeros, as stage 2 writes for it.
-            o = acc / l_safe[:, None]
+            # A zero-length (padding) request has o = 0: zeros, as stage 2 writes for it.
             if HAS_START:
                 if kv_start > 0:
                     # Merge the shared prefix's partials, columns [1, MAX_SPLITS) (the cascade kernel ran
@@ -108,7 +117,7 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
                      o.to(O.dtype.element_ty), mask=mask_hd)
         else:
             idx = (b * HQ + heads) * MAX_SPLITS + split
-            tl.store(MID_O + idx[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=mask_hd)
+            tl.store(MID_O + idx[:, None] * D + offs_d[None, :], o, mask=mask_hd)
             tl.store(MID_LSE + idx, lse, mask=mask_h)
 
 
