@@ -80,13 +80,20 @@ class CudaGraphRunner:
                                                                   else (False,))]
         for bs, c in tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress,
                           dynamic_ncols=True):
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: autotuning and lazy allocations stay out of the graph
-                    self._forward(bs, c)
-            stream.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                out = self._forward(bs, c)
+            try:
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm-up: autotuning and lazy allocations stay out of the graph
+                        self._forward(bs, c)
+                stream.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                    out = self._forward(bs, c)
+            except torch.OutOfMemoryError as e:
+                raise RuntimeError(
+                    f"out of GPU memory capturing the decode CUDA graph of batch size {bs}"
+                    f"{' (shared-prefix variant)' if c else ''}: each captured graph keeps its own logits "
+                    f"({bs} x vocab, fp32) beside the KV pool; lower --cuda-graph-max-bs (now {self.max_bs}) "
+                    f"or --mem-fraction-static, or pass --disable-cuda-graph") from e
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[bs, c] = g
