@@ -535,6 +535,42 @@ def test_match_length_touches_nothing_and_counts_nothing():
     assert cache.match_length([1, 2, 3, 9], None, memo)[0] == 4
 
 
+def test_shared_prefix_groups_are_the_deepest_node_of_each_shared_set():
+    """Random trees and batches: every set of >= 2 requests sharing a node is reported once, at the
+    deepest node with exactly that set (a brute force over every path says which)."""
+    rng = random.Random(7)
+    for trial in range(30):
+        alloc, cache = make(num_pages=4096)
+        keys = []
+        for _ in range(rng.randrange(2, 12)):
+            base = rng.choice(keys) if keys and rng.random() < 0.7 else []
+            key = base[:rng.randrange(0, len(base) + 1)] + [rng.randrange(1, 6) for _ in range(rng.randrange(1, 6))]
+            put(alloc, cache, key)
+            keys.append(key)
+        nodes = [cache.match_prefix(k).node for k in rng.sample(keys, rng.randrange(1, len(keys) + 1))]
+        want: dict[frozenset, int] = {}
+        sets: dict[int, tuple[int, set]] = {}
+        for i, n in enumerate(nodes):
+            d = sum(len(m.key) for m in _path(n))
+            for m in _path(n):
+                sets.setdefault(id(m), (d, set()))[1].add(i)
+                d -= len(m.key)
+        for d, members in sets.values():
+            if len(members) >= 2:
+                want[frozenset(members)] = max(d, want.get(frozenset(members), 0))
+        got = cache.shared_prefix_groups(nodes)
+        assert all(m == sorted(m) for _, m in got)
+        assert {frozenset(m): d for d, m in got} == want and len(got) == len(want), trial
+
+
+def _path(node):
+    out = []
+    while node is not None and node.parent is not None:
+        out.append(node)
+        node = node.parent
+    return out
+
+
 def test_shared_prefix_groups_nest_every_node_shared_in_the_batch():
     alloc, cache = make(num_pages=256)
     system = list(range(1, 41))

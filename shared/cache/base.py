@@ -38,11 +38,12 @@ class PrefixCache(ABC):
         return self.match_prefix(key, namespace, record=False).length, None
 
     def shared_prefix_groups(self, nodes: Sequence[Any]) -> list[tuple[int, list[int]]]:
-        """For requests holding locks on `nodes` (as returned by match/insert): for every node that at
-        least two of them share, (its prefix length, their indices). Groups nest: an index is in the
-        group of each shared node on its path (a deeper group's indices are a subset of a shallower
-        one's); the attention backend picks one per request (AttentionBackend.select_prefix_groups).
-        A group's first prefix-length slots are the same pool slots for all its members."""
+        """For requests holding locks on `nodes` (as returned by match/insert): (prefix length, their
+        indices, ascending) for every set of at least two of them that share a node, at the deepest node
+        they share. Groups nest: a deeper group's indices are a subset of a shallower one's, and an index
+        is in one group per branching of the tree above it; the attention backend picks one per request
+        (AttentionBackend.select_prefix_groups). A group's first prefix-length slots are the same pool
+        slots for all its members."""
         return []
 
     @abstractmethod

@@ -184,31 +184,47 @@ class RadixCache(PrefixCache):
         return total
 
     def shared_prefix_groups(self, nodes) -> list[tuple[int, list[int]]]:
-        paths = []
-        count: dict[int, int] = {}
-        for node in nodes:
-            path = []  # (node, depth of its end), deepest first
-            if node is not None and not node.evicted:
-                depth = 0
-                n = node
-                while n.parent is not None:
-                    path.append(n)
-                    depth += len(n.key)
-                    n = n.parent
-                ends, d = [], depth
-                for n in path:
-                    ends.append((n, d))
-                    d -= len(n.key)
-                path = ends
-            paths.append(path)
-            for n, _ in path:
-                count[id(n)] = count.get(id(n), 0) + 1
-        groups: dict[int, tuple[int, list[int]]] = {}
-        for i, path in enumerate(paths):
-            for n, depth in path:
-                if count[id(n)] >= 2:
-                    groups.setdefault(id(n), (depth, []))[1].append(i)
-        return list(groups.values())
+        # The union of the requests' paths, each node visited once: a walk up stops at a node an earlier
+        # walk reached (O(union), not O(sum of path lengths): a 40-turn chat history shared by 256
+        # requests is 41 nodes, not 10k). Reported: the nodes where the member set changes (a request's
+        # own node, or where two visited branches meet), each the deepest node with its member set;
+        # the chain above it, up to the next such node, shares that set at a smaller depth.
+        depth: dict[int, int] = {}
+        parent: dict[int, int | None] = {}  # visited node -> visited parent (None: under a root)
+        own: dict[int, list[int]] = {}
+        for i, node in enumerate(nodes):
+            if node is None or node.evicted or node.parent is None:
+                continue
+            chain, n = [], node
+            while n.parent is not None and id(n) not in depth:
+                chain.append(n)
+                n = n.parent
+            top = id(n) if n.parent is not None else None
+            d = depth[top] if top is not None else 0
+            for m in reversed(chain):
+                d += len(m.key)
+                depth[id(m)] = d
+                parent[id(m)] = top
+                top = id(m)
+            own.setdefault(id(node), []).append(i)
+        children: dict[int, int] = {}
+        for p in parent.values():
+            if p is not None:
+                children[p] = children.get(p, 0) + 1
+        below: dict[int, list[list[int]]] = {}  # node -> member lists passed up by its visited children
+        groups = []
+        for k in sorted(depth, key=depth.__getitem__, reverse=True):
+            parts = below.pop(k, [])
+            mine = own.get(k)
+            if mine is not None or len(parts) >= 2:
+                members = sorted((mine or []) + [b for part in parts for b in part])
+                if len(members) >= 2:
+                    groups.append((depth[k], members))
+            else:
+                members = parts[0]  # a chain node: its one child's set, passed up as is
+            if parent[k] is not None:
+                below.setdefault(parent[k], []).append(members)
+        return groups
 
     def evictable_size(self) -> int:
         return self._evictable
