@@ -122,3 +122,27 @@ def test_random_alloc_free_never_hands_out_a_page_twice(page_size):
         free = a.free_pages().tolist()
         assert sorted(free + pages) == list(range(1, 41))
         assert a.available_size() == len(free) * page_size
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_alloc_next_equals_one_alloc_per_request(page_size):
+    """A decode step's slots in one call are the slots one alloc(1, last) per request would give, in
+    order, with the same allocator state after; a step that does not fit takes nothing."""
+    rng = random.Random(page_size)
+    twins = [SlotAllocator(num_pages=64, page_size=page_size) for _ in range(2)]
+    lasts = []
+    for a in twins:  # requests with partly filled pages, on both allocators alike
+        for n in (3, 5, 8, 1):
+            lasts.append(int(a.alloc(n)[-1]))
+    lasts = lasts[:4] + [-1]
+    for _ in range(6):
+        order = rng.sample(lasts, len(lasts))
+        one = twins[0].alloc_next(order)
+        seq = torch.cat([twins[1].alloc(1, last) for last in order])
+        assert one.dtype == torch.int64 and one.tolist() == seq.tolist()
+        assert twins[0].available_size() == twins[1].available_size()
+        assert np.array_equal(twins[0].free_pages(), twins[1].free_pages())
+        lasts = one.tolist()
+    big = SlotAllocator(num_pages=2, page_size=page_size)
+    free = big.available_size()
+    assert big.alloc_next([-1, -1, -1]) is None and big.available_size() == free

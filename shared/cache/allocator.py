@@ -103,6 +103,31 @@ class SlotAllocator:
                                             self.num_pages - self._num_free)
         return torch.from_numpy(slots).to(self.device)
 
+    def alloc_next(self, last_slots: list[int]) -> torch.Tensor | None:
+        """One slot for each of several requests (a decode step), int64 on `device`, in their order:
+        the slot after a request's last one while its page has room, else the first slot of a fresh page
+        (last slot -1: no slot yet). None (nothing taken) if there are not enough free pages. The same
+        slots as one alloc(1, last) per request in that order, in one pass."""
+        last = np.asarray(last_slots, dtype=np.int64)
+        ps = self.page_size
+        fresh = np.ones(last.shape[0], dtype=bool) if ps == 1 else (last < 0) | ((last + 1) % ps == 0)
+        need = int(fresh.sum())
+        if need > self._num_free:
+            self.counters.failed_allocs += 1
+            return None
+        out = last + 1
+        if need < last.shape[0]:
+            assert not self._is_free[last[~fresh] // ps].any(), "a last slot is in a free page"
+        if need:
+            top = self._num_free
+            pages = self._free_stack[top - need:top][::-1]
+            self._num_free = top - need
+            self._is_free[pages] = False
+            out[fresh] = pages * ps
+        self.counters.allocs += 1
+        self.counters.peak_used_pages = max(self.counters.peak_used_pages, self.num_pages - self._num_free)
+        return torch.from_numpy(out).to(self.device)
+
     def free(self, slots) -> None:
         """Free the pages containing `slots` (torch tensor, numpy array or sequence).
 

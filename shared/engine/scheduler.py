@@ -307,20 +307,18 @@ class Scheduler:
                 return None
             self._retract(self._pick_victim())
         reqs = list(self.running)
-        locs, prefix_lens = [], []
-        for req in reqs:
-            slots = self.allocator.alloc(1, req.slots[-1] if req.slots else -1)
-            assert slots is not None
-            req.slots.extend(slots.tolist())
-            locs.append(slots)
-            prefix_lens.append(req.kv_len)
+        locs = self.allocator.alloc_next([req.slots[-1] if req.slots else -1 for req in reqs])
+        assert locs is not None
+        for req, slot in zip(reqs, locs.tolist()):
+            req.slots.append(slot)
+        prefix_lens = [req.kv_len for req in reqs]
         input_ids = [req.output_ids[-1] if req.output_ids else req.input_ids[-1] for req in reqs]
         n = len(reqs)
         groups = None
         if not self.config.disable_shared_prefix_attention and n >= 2:
             groups = self.cache.shared_prefix_groups([r.last_node for r in reqs])
-        return ScheduleBatch(ForwardMode.DECODE, reqs, prefix_lens, [1] * n, [True] * n, input_ids,
-                             torch.cat(locs), prefix_groups=groups)
+        return ScheduleBatch(ForwardMode.DECODE, reqs, prefix_lens, [1] * n, [True] * n, input_ids, locs,
+                             prefix_groups=groups)
 
     def _decode_slots_needed(self) -> int:
         if self.page_size == 1:
