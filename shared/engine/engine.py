@@ -285,7 +285,7 @@ class Engine:
         if n == 0:
             raise InvalidRequest("the prompt is empty", "input_ids")
         vocab = self.runner.vocab_size
-        if any(t < 0 or t >= vocab for t in msg.input_ids):
+        if min(msg.input_ids) < 0 or max(msg.input_ids) >= vocab:  # builtins: C loops, not a genexpr
             raise InvalidRequest(f"input_ids must be in [0, {vocab})", "input_ids")
         if n >= self.runner.max_context_len:
             raise InvalidRequest(
