@@ -563,6 +563,25 @@ def test_shared_prefix_groups_are_the_deepest_node_of_each_shared_set():
         assert {frozenset(m): d for d, m in got} == want and len(got) == len(want), trial
 
 
+def test_shared_prefix_groups_are_kept_for_the_same_nodes_only():
+    """The answer for one decode batch is reused while its nodes are the same objects: a split above
+    them (an insert diverging inside a shared edge) leaves it right, and another node list recomputes."""
+    alloc, cache = make(num_pages=256)
+    system = list(range(1, 41))
+    nodes = []
+    for q in ([100, 1], [100, 2], [200]):
+        put(alloc, cache, system + q)
+        nodes.append(cache.match_prefix(system + q).node)
+    first = cache.shared_prefix_groups(nodes)
+    assert sorted(first) == [(40, [0, 1, 2]), (41, [0, 1])]
+    assert cache.shared_prefix_groups(list(nodes)) is first  # the same nodes, a new list: kept
+    put(alloc, cache, system[:20] + [999])  # splits the shared edge at 20
+    again = cache.shared_prefix_groups(nodes)
+    assert sorted(again) == sorted(first) == sorted(cache._shared_prefix_groups(tuple(nodes)))
+    other = nodes[:2] + [cache.match_prefix(system[:20] + [999]).node]
+    assert sorted(cache.shared_prefix_groups(other)) == [(20, [0, 1, 2]), (41, [0, 1])]
+
+
 def _path(node):
     out = []
     while node is not None and node.parent is not None:

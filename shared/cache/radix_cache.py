@@ -79,6 +79,7 @@ class RadixCache(PrefixCache):
         self._evicted_tokens = 0
         self._epoch = 0  # bumped when a namespace root is created or dropped, and on reset
         self._roots[None] = self._new_root()
+        self._groups_memo: tuple[tuple, int, list] | None = None  # (nodes, epoch, groups): shared_prefix_groups
 
     # ---- PrefixCache -------------------------------------------------------------------------------
     def match_prefix(self, key: Sequence[int], namespace: str | None = None, record: bool = True) -> MatchResult:
@@ -184,6 +185,21 @@ class RadixCache(PrefixCache):
         return total
 
     def shared_prefix_groups(self, nodes) -> list[tuple[int, list[int]]]:
+        # Consecutive decode steps of one batch ask about the same nodes: the answer is kept. It depends
+        # only on those nodes (held by the memo, so compared by identity, never by a reused id) and on
+        # their ancestry, which inserts and evictions elsewhere leave alone: a split above a node adds an
+        # ancestor with the node's own member set at a smaller depth, and the requests' locks keep their
+        # paths from eviction. Callers must not mutate the result.
+        nodes = tuple(nodes)
+        memo = self._groups_memo
+        if memo is not None and memo[1] == self._epoch and len(memo[0]) == len(nodes) and all(
+                a is b for a, b in zip(memo[0], nodes)):
+            return memo[2]
+        groups = self._shared_prefix_groups(nodes)
+        self._groups_memo = (nodes, self._epoch, groups)
+        return groups
+
+    def _shared_prefix_groups(self, nodes) -> list[tuple[int, list[int]]]:
         # The union of the requests' paths, each node visited once: a walk up stops at a node an earlier
         # walk reached (O(union), not O(sum of path lengths): a 40-turn chat history shared by 256
         # requests is 41 nodes, not 10k). Reported: the nodes where the member set changes (a request's
@@ -242,6 +258,7 @@ class RadixCache(PrefixCache):
         self._roots = {None: self._new_root()}
         self._root_namespace = {}
         self._epoch += 1
+        self._groups_memo = None
         self._heap = []
         self._evictable = 0
         self._num_nodes = 0
