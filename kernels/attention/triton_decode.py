@@ -5,8 +5,9 @@ Stage 1 splits each request's context into at most `max_kv_splits` chunks; one p
 per group, and the group is padded to 16 rows so the scores are a tensor-core dot). It writes a
 normalised partial output and its log-sum-exp. Stage 2 merges the chunks per (request, head).
 
-With max_kv_splits == 1 (large batches already fill the GPU one program per request and KV head) and
-no cascade prefix columns, stage 1 writes the final output itself and stage 2 is not launched.
+With max_kv_splits == 1 (large batches already fill the GPU one program per request and KV head),
+stage 1 writes the final output itself, merging a shared prefix's partials from the cascade kernel's
+scratch columns where a request has them, and stage 2 is not launched.
 
 CUDA-graph safe: the grid depends only on the batch size and max_kv_splits (host ints fixed per
 graph); sequence lengths and per-request split counts are read from device tensors.

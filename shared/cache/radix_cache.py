@@ -223,10 +223,6 @@ class RadixCache(PrefixCache):
                 parent[id(m)] = top
                 top = id(m)
             own.setdefault(id(node), []).append(i)
-        children: dict[int, int] = {}
-        for p in parent.values():
-            if p is not None:
-                children[p] = children.get(p, 0) + 1
         below: dict[int, list[list[int]]] = {}  # node -> member lists passed up by its visited children
         groups = []
         for k in sorted(depth, key=depth.__getitem__, reverse=True):
