@@ -30,15 +30,23 @@ def _rotate_heads(X, stride_h, H, cos, sin, HALF, BLOCK_H: tl.constexpr, BLOCK_R
 
 
 @triton.jit
-def _rope_kernel(Q, K, POS, CS, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK, HALF,
-                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _rope_token(Q, K, POS, CS, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK, HALF,
+                BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Token t's q and k heads rotated in place; returns k's rotated halves (in k's dtype)."""
     pos = tl.load(POS + t).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     cos = tl.load(CS + pos * stride_cs + offs_r, mask=offs_r < HALF, other=0.0)[None, :]
     sin = tl.load(CS + pos * stride_cs + HALF + offs_r, mask=offs_r < HALF, other=0.0)[None, :]
     _rotate_heads(Q + t * stride_qt, stride_qh, HQ, cos, sin, HALF, BLOCK_HQ, BLOCK_R)
-    _rotate_heads(K + t * stride_kt, stride_kh, HK, cos, sin, HALF, BLOCK_HK, BLOCK_R)
+    return _rotate_heads(K + t * stride_kt, stride_kh, HK, cos, sin, HALF, BLOCK_HK, BLOCK_R)
+
+
+@triton.jit
+def _rope_kernel(Q, K, POS, CS, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK, HALF,
+                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    _rope_token(Q, K, POS, CS, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK, HALF,
+                BLOCK_HQ, BLOCK_HK, BLOCK_R)
 
 
 @triton.jit
@@ -49,13 +57,10 @@ def _rope_store_kv_kernel(Q, K, V, POS, CS, KB, VB, LOC, stride_qt, stride_qh, s
     """One token per program: rope on q and k exactly as _rope_kernel does (k rounded to its own dtype,
     then cast to the pool's, as rope followed by store_kv would), and k, v written to the token's slot."""
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(POS + t).to(tl.int64)
     slot = tl.load(LOC + t).to(tl.int64)
+    y1, y2 = _rope_token(Q, K, POS, CS, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK, HALF,
+                         BLOCK_HQ, BLOCK_HK, BLOCK_R)
     offs_r = tl.arange(0, BLOCK_R)
-    cos = tl.load(CS + pos * stride_cs + offs_r, mask=offs_r < HALF, other=0.0)[None, :]
-    sin = tl.load(CS + pos * stride_cs + HALF + offs_r, mask=offs_r < HALF, other=0.0)[None, :]
-    _rotate_heads(Q + t * stride_qt, stride_qh, HQ, cos, sin, HALF, BLOCK_HQ, BLOCK_R)
-    y1, y2 = _rotate_heads(K + t * stride_kt, stride_kh, HK, cos, sin, HALF, BLOCK_HK, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_HK)
     mask_h = offs_h[:, None] < HK
     dst = slot * stride_bs + offs_h[:, None] * stride_bh
