@@ -57,6 +57,23 @@ def ideal_hit_rate(groups: int, per_group: int, system_len: int, question_len: i
     return (per_group - 1) * system_len / (per_group * (system_len + question_len))
 
 
+CONFIGS = {"lpm": {"schedule_policy": "lpm"},  # the engine's default LPM (queue limit as configured)
+           "lpm0": {"schedule_policy": "lpm", "lpm_queue_limit": 0},  # LPM over any queue length
+           "fcfs": {"schedule_policy": "fcfs"},
+           "off": {"disable_radix_cache": True}}
+
+
+def config_overrides(name: str, max_running: int) -> dict:
+    """A --configs entry: NAME or NAME@N (N: requests decoded together, at most --max-running)."""
+    base, _, n = name.partition("@")
+    if base not in CONFIGS:
+        raise SystemExit(f"unknown config {name!r}: one of {', '.join(CONFIGS)}, optionally @N")
+    running = int(n) if n else max_running
+    if not 0 < running <= max_running:
+        raise SystemExit(f"config {name!r}: @N must be in 1..--max-running ({max_running})")
+    return {**CONFIGS[base], "max_running_requests": running}
+
+
 def variant(base: Engine, tok: Tokenizer, **overrides) -> Engine:
     """A fresh engine (scheduler, cache) on the same weights and KV pool; the old one must be idle."""
     base.cache.reset()
@@ -159,7 +176,9 @@ def main(argv=None):
     ap.add_argument("--system-len", type=int, default=2048)
     ap.add_argument("--question-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--configs", default="lpm,fcfs,off", help="comma list of lpm, fcfs, off")
+    ap.add_argument("--configs", default="lpm,fcfs,off",
+                    help="comma list of lpm, lpm0 (LPM at any queue length), fcfs, off, each optionally @N "
+                         "(at most N requests decoded together; default --max-running)")
     ap.add_argument("--max-running", type=int, default=256,
                     help="requests decoded together at most (both configs; CUDA graphs up to it)")
     ap.add_argument("--decode-bs", type=int, default=256)
@@ -212,11 +231,9 @@ def main(argv=None):
     prompts = workload(g, p, sl, ql, seed=1)
     ideal = ideal_hit_rate(g, p, sl, ql)
     res["ideal_hit_rate"] = ideal
-    overrides = {"lpm": {"schedule_policy": "lpm"}, "fcfs": {"schedule_policy": "fcfs"},
-                 "off": {"disable_radix_cache": True}}
     runs = {}
     for name in [c for c in args.configs.split(",") if c]:
-        eng = variant(base, tok, **overrides[name])
+        eng = variant(base, tok, **config_overrides(name, args.max_running))
         log(f"{len(prompts)} requests ({g} groups x {p}, {sl}+{ql} in, {ol} out), config {name}")
         st = drive(eng, prompts, {**GREEDY_FIXED, "max_new_tokens": ol})
         runs[name] = {"out_tok_s": st.output_tokens / st.wall_s, "wall_s": st.wall_s,
@@ -254,6 +271,15 @@ def main(argv=None):
 
     with open(os.path.join(args.out, "shared_prefix.json"), "w") as f:
         json.dump(res, f, indent=2)
+
+    # Every run beside the radix-off run of the same concurrency (when there is one).
+    print()
+    print(f"{'config':12s} {'out tok/s':>10s} {'wall s':>7s} {'hit/ideal':>9s} {'vs off':>7s}")
+    for name, r in runs.items():
+        at = name.partition("@")[2]
+        off = runs.get(f"off@{at}" if at else "off")
+        vs = f"{r['out_tok_s'] / off['out_tok_s']:7.2f}" if off and not name.startswith("off") else "      -"
+        print(f"{name:12s} {r['out_tok_s']:10.0f} {r['wall_s']:7.1f} {r['hit_rate'] / ideal:9.3f} {vs}")
 
     # Goals.
     print()

@@ -50,9 +50,13 @@ class CudaGraphRunner:
         self.ones = torch.ones(n, **i32)
         self.start_loc = torch.arange(n, **i32)
         self.out_cache_loc = torch.zeros(n, **i64)
-        # (batch size, shared-prefix variant) -> graph and its logits
+        # One logits buffer every graph writes its rows into: per-graph outputs would each hold their own
+        # [bs, vocab] fp32 tensor for the runner's life (~18 GB over the sizes to 1,024 with the
+        # shared-prefix variants). Sharing is safe because replays run in stream order and each step's
+        # sampling is enqueued before the next step launches (shared/engine/engine.py, step).
+        self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
+        # (batch size, shared-prefix variant) -> graph
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
         self._capture_all(progress)
 
@@ -68,7 +72,7 @@ class CudaGraphRunner:
     def _forward(self, bs: int, cascade: bool = False) -> torch.Tensor:
         fb = self._batch(bs, cascade)
         self.attn_backend.init_forward_metadata(fb)
-        return self.model.compute_logits(self.model.forward(fb))
+        return self.model.compute_logits(self.model.forward(fb), out=self.logits[:bs])
 
     def _capture_all(self, progress: bool) -> None:
         t0 = time.monotonic()
@@ -87,17 +91,15 @@ class CudaGraphRunner:
                 stream.synchronize()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    out = self._forward(bs, c)
+                    self._forward(bs, c)
             except torch.OutOfMemoryError as e:
                 raise RuntimeError(
                     f"out of GPU memory capturing the decode CUDA graph of batch size {bs}"
-                    f"{' (shared-prefix variant)' if c else ''}: each captured graph keeps its own logits "
-                    f"({bs} x vocab, fp32) beside the KV pool; lower --cuda-graph-max-bs (now {self.max_bs}) "
-                    f"or --mem-fraction-static, or pass --disable-cuda-graph") from e
+                    f"{' (shared-prefix variant)' if c else ''} beside the KV pool; lower --cuda-graph-max-bs "
+                    f"(now {self.max_bs}) or --mem-fraction-static, or pass --disable-cuda-graph") from e
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[bs, c] = g
-            self.outputs[bs, c] = out
         torch.cuda.synchronize(self.device)
         log.info("captured %d decode graphs in %.1fs", len(keys), time.monotonic() - t0)
 
@@ -138,4 +140,4 @@ class CudaGraphRunner:
         self.prefix_lens[:n].copy_(seq_lens - 1)
         self.out_cache_loc[:n].copy_(out_cache_loc)
         self.graphs[bs, cascade].replay()
-        return self.outputs[bs, cascade][:n]
+        return self.logits[:n]

@@ -119,11 +119,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden_size] -> fp32 logits [N, vocab_size], the same on every rank."""
-        logits = torch.nn.functional.linear(hidden, self.lm_head.weight).float()
-        if self.lm_head.shard is None:
-            return logits
-        logits = all_gather_last(logits)
-        vocab = self.config.vocab_size
-        return logits if logits.shape[-1] == vocab else logits[:, :vocab].contiguous()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, hidden_size] -> fp32 logits [N, vocab_size], the same on every rank. out: an fp32
+        [N, vocab_size] buffer to write them to (the widening copy a fresh result would make anyway)."""
+        logits = torch.nn.functional.linear(hidden, self.lm_head.weight)
+        if self.lm_head.shard is not None:
+            logits = all_gather_last(logits)
+            logits = logits[:, :self.config.vocab_size]
+        if out is None:
+            return logits.float().contiguous()
+        return out.copy_(logits)
