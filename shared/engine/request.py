@@ -53,6 +53,7 @@ class Req:
     num_cached_tokens: int | None = None
     first_scheduled_time: float | None = None
     skipped_rounds: int = 0  # admission rounds this request was passed over (aging)
+    sibling_deferrals: int = 0  # rounds it waited for a sibling computing the same tokens (prefill_adder)
     lpm_memo: Any = None  # (match key length, the cache's memo) from the last LPM ordering
     retractions: int = 0
     # Fault isolation: engine steps that failed with this request in the batch, and whether its next
