@@ -179,8 +179,9 @@ def main(argv=None):
     ap.add_argument("--configs", default="lpm,fcfs,off",
                     help="comma list of lpm, lpm0 (LPM at any queue length), fcfs, off, each optionally @N "
                          "(at most N requests decoded together; default --max-running)")
-    ap.add_argument("--max-running", type=int, default=256,
-                    help="requests decoded together at most (both configs; CUDA graphs up to it)")
+    ap.add_argument("--max-running", type=int, default=1024,
+                    help="requests decoded together at most (every config; CUDA graphs up to it). 1,024: the "
+                         "whole workload at once, which the KV pool holds with the radix cache on")
     ap.add_argument("--decode-bs", type=int, default=256)
     ap.add_argument("--decode-group", type=int, default=16)
     ap.add_argument("--decode-prefix", type=int, default=2048)
