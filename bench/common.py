@@ -105,7 +105,15 @@ class RunStats:
     extend_step_tokens: list = field(default_factory=list)
     decode_step_s: list = field(default_factory=list)
     decode_step_bs: list = field(default_factory=list)
+    # Without time_steps: when each decode pass was launched (perf_counter), so the period between
+    # consecutive launches is the pipelined step (host work overlapped, as in serving).
+    decode_launch_t: list = field(default_factory=list)
     gpu_idle_frac: float | None = None
+
+    def decode_periods(self, bs: int) -> list[float]:
+        """Seconds between consecutive decode launches that both ran batch size bs."""
+        t, b = self.decode_launch_t, self.decode_step_bs
+        return [t[i + 1] - t[i] for i in range(len(t) - 1) if b[i] == bs and b[i + 1] == bs]
 
 
 def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = False,
@@ -144,6 +152,7 @@ def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = F
                 stats.extend_step_tokens.append(sum(batch.extend_lens))
             else:
                 stats.decode_step_bs.append(batch.batch_size)
+                stats.decode_launch_t.append(time.perf_counter())
             return runner_forward(batch)
         sync()
         ts = time.perf_counter()

@@ -22,3 +22,23 @@ def test_smoke_mode_runs_and_hits_the_ideal(tmp_path, capsys):
     assert res["shared_prefix_attention"] and res["decode_cascade_steps"]["shared_cascade"] > 0
     assert res["decode_cascade_steps"]["shared_plain"] == 0
     assert (tmp_path / "shared_prefix.json").exists()
+
+
+def test_configs_at_a_concurrency_and_pipelined_step_times(tmp_path, capsys):
+    res = main(["--smoke", "--out", str(tmp_path), "--configs", "lpm0,off@2,lpm0@2"])
+    out = capsys.readouterr().out
+    assert set(res["runs"]) == {"lpm0", "off@2", "lpm0@2"}
+    assert "lpm0@2" in out and res["runs"]["lpm0@2"]["hit_rate"] >= 0.95 * res["ideal_hit_rate"]
+    for name in ("shared_cascade", "shared_plain", "no_prefix"):
+        assert res["decode_step_ms"][name] > 0 and res["decode_step_synced_ms"][name] > 0
+
+
+def test_unknown_config_or_concurrency_is_a_clear_error():
+    import pytest
+
+    from bench.shared_prefix import config_overrides
+    assert config_overrides("fcfs@8", 16) == {"schedule_policy": "fcfs", "max_running_requests": 8}
+    with pytest.raises(SystemExit, match="unknown config"):
+        config_overrides("lru", 16)
+    with pytest.raises(SystemExit, match="@N must be"):
+        config_overrides("lpm@32", 16)
