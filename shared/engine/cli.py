@@ -83,7 +83,7 @@ _HELP = {
     "chunked_prefill_size": "new tokens of one request per prefill pass (longer prompts take several)",
     "max_prefill_tokens": "new tokens of all requests in one prefill pass",
     "schedule_policy": "lpm: longest cached prefix first; fcfs: arrival order",
-    "lpm_queue_limit": "above this queue length LPM falls back to FCFS (sorting costs)",
+    "lpm_queue_limit": "above this queue length LPM falls back to FCFS (0: LPM at any length)",
     "max_skipped_rounds": "a request passed over this many times goes first (no starvation)",
     "disable_radix_cache": "no prefix reuse (the ablation)",
     "init_new_token_ratio": "share of running requests' remaining max_new_tokens reserved at admission",

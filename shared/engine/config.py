@@ -37,11 +37,12 @@ class EngineConfig:
     chunked_prefill_size: int = 4096  # max new tokens of one request per prefill pass
     max_prefill_tokens: int = 8192  # max new tokens of all requests in one prefill pass
     schedule_policy: str = "lpm"  # lpm (longest prefix match) | fcfs
-    # Above this queue length LPM falls back to FCFS; 0: never. Match lengths are kept incrementally, so
-    # ordering a long queue is cheap, but on the H200 (bench/shared_prefix.py, 1,024 queued requests in 64
-    # groups) LPM over the whole queue ran 0.66x FCFS's throughput: it admits cached siblings first and
-    # leaves the cold groups' prefills for a tail with a thin decode batch. Until LPM weighs that, long
-    # queues stay FCFS.
+    # Above this queue length LPM falls back to FCFS (SGLang's threshold too); 0: never. Match lengths are
+    # kept incrementally, so ordering a long queue is cheap; what decides is the order itself. On the
+    # H200 (bench/shared_prefix.py, 1,024 queued requests in 64 groups sharing 2k-token prompts) LPM over
+    # the whole queue ran 0.95x FCFS with all of them decoded together and 1.03x at 256: it admits cached
+    # siblings first, so the decode steps interleaved with the remaining prefills are large, while the
+    # makespan is set by the last admission either way.
     lpm_queue_limit: int = 128
     max_skipped_rounds: int = 32  # aging bound: a request passed over this often goes first
     disable_radix_cache: bool = False
