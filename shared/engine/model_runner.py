@@ -204,8 +204,8 @@ class ModelRunner:
             self.req_pool.on_write = lambda row, start, slots: self.tp.send(("table", row, start, slots.tolist()))
         from shared.constrained import MaskBuilder
 
-        # Mask filling is host work per constrained request; xgrammar spreads it over threads. Rank 0
-        # alone samples.
+        # Mask filling is host work per constrained request; xgrammar spreads it over threads when a
+        # batch's fill is large enough to pay for that (MaskBuilder). Rank 0 alone samples.
         self.masker = MaskBuilder(self.vocab_size, max_threads=max(2, min(8, (os.cpu_count() or 2) // 2))) \
             if tp_rank == 0 else None
         # Set to a list to record, per step with grammar masks, (start, end, masked rows, host seconds
