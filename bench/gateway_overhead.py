@@ -9,7 +9,7 @@ as a number in seconds.
 The fake engine runs the worker's real `WorkerServer`; every `--step-ms` it emits one token for each
 running request in one `on_output` call, as the real engine does once per step. The gateway is
 `python -m services.gateway` against it. Reported: output tokens/s, the gateway's and the worker
-process's CPU µs per output token (/proc), the client's CPU share, TTFT/ITL. On the H200 the engine steps
+process's CPU µs per output token (/proc schedstat, to the ns: the measured window holds only ~0.2 s of gateway CPU), the client's CPU share, TTFT/ITL. On the H200 the engine steps
 at ~37 ms for 256 streams; `--step-ms 0` emits as fast as the gateway takes them (its ceiling).
 """
 from __future__ import annotations
@@ -178,10 +178,10 @@ def main():
         if args.profile:
             from bench.profile import profile_process
             profile_process(gateway.pid, args.profile, delay=1.0, seconds=3.0)
-        g0, w0, c0 = procfs.cpu_seconds(gateway.pid), procfs.cpu_seconds(worker.pid), time.process_time()
+        g0, w0, c0 = procfs.run_seconds(gateway.pid), procfs.run_seconds(worker.pid), time.process_time()
         results, wall = asyncio.run(run_load(url, args.route, dataset, not args.no_stream, float("inf"),
                                              args.concurrency))
-        g1, w1, c1 = procfs.cpu_seconds(gateway.pid), procfs.cpu_seconds(worker.pid), time.process_time()
+        g1, w1, c1 = procfs.run_seconds(gateway.pid), procfs.run_seconds(worker.pid), time.process_time()
         s = summarize(results, wall)
         n = max(1, s["out_tokens"])
         print(f"{args.streams} streams x {args.tokens} tokens"
