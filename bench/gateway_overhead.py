@@ -9,8 +9,9 @@ as a number in seconds.
 The fake engine runs the worker's real `WorkerServer`; every `--step-ms` it emits one token for each
 running request in one `on_output` call, as the real engine does once per step. The gateway is
 `python -m services.gateway` against it. Reported: output tokens/s, the gateway's and the worker
-process's CPU µs per output token (/proc schedstat, to the ns: the measured window holds only ~0.2 s of gateway CPU), the client's CPU share, TTFT/ITL. On the H200 the engine steps
-at ~37 ms for 256 streams; `--step-ms 0` emits as fast as the gateway takes them (its ceiling).
+process's CPU µs per output token and per request (/proc schedstat, to the ns: the measured window holds
+only ~0.2 s of gateway CPU), the client's CPU share, TTFT/ITL. On the H200 the engine steps at ~37 ms for
+256 streams; `--step-ms 0` emits as fast as the gateway takes them (its ceiling).
 """
 from __future__ import annotations
 
