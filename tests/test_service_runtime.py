@@ -30,7 +30,7 @@ def test_sse_event_framing():
     assert encode_event({"x": "✓"}) == 'data: {"x":"✓"}\n\n'.encode()
 
 
-async def _sse_writes(events) -> tuple[list[bytes], bytes]:
+async def _sse_writes(events, hold_headers=True) -> tuple[list[bytes], bytes]:
     """What stream_events hands the socket, one item per write, and the body the client reads."""
     from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
@@ -46,13 +46,17 @@ async def _sse_writes(events) -> tuple[list[bytes], bytes]:
         transport = request.transport
         real = transport.write
         transport.write = lambda data: (writes.append(bytes(data)), real(data))[1]
-        return await stream_events(request, gen())
+        return await stream_events(request, gen(), hold_headers=hold_headers)
 
     app = web.Application()
     app.router.add_get("/", handler)
     async with TestClient(TestServer(app)) as client:
         body = await (await client.get("/")).read()
-    return writes[1:], body  # [0]: the headers
+    return writes, body
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n" % len(data) + data + b"\r\n"
 
 
 async def test_sse_tail_events_go_out_with_the_end_in_one_write():
@@ -67,6 +71,50 @@ async def test_sse_tail_events_go_out_with_the_end_in_one_write():
     writes, body = await _sse_writes([a, Tail(b), bad_request("boom")])
     assert body.startswith(encode_event(a) + encode_event(b) + b"data: ") and b"boom" in body
     assert not body.endswith(DONE)
+
+
+async def test_sse_headers_go_out_with_the_first_event():
+    a, b = {"i": 1}, {"i": 2}
+    writes, body = await _sse_writes([a, b])
+    assert body == encode_event(a) + encode_event(b) + DONE
+    assert len(writes) == 3 and writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"Content-Type: text/event-stream; charset=utf-8\r\n" in writes[0]
+    assert writes[0].endswith(b"\r\n\r\n" + _chunk(encode_event(a)))  # headers, then the first chunk
+    assert writes[1:] == [_chunk(encode_event(b)), _chunk(DONE) + b"0\r\n\r\n"]
+    # A stream that fails before its first event: the headers and the error event in one write.
+    writes, body = await _sse_writes([bad_request("early")])
+    assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200 OK") and b"early" in body
+    # A stream with nothing to say: the headers, the end marker and the terminator together.
+    writes, body = await _sse_writes([])
+    assert body == DONE and len(writes) == 1 and writes[0].endswith(_chunk(DONE) + b"0\r\n\r\n")
+    # hold_headers=False: the headers first, on their own.
+    writes, body = await _sse_writes([a], hold_headers=False)
+    assert len(writes) == 3 and writes[0].endswith(b"\r\n\r\n") and b"data:" not in writes[0]
+    assert body == encode_event(a) + DONE
+
+
+async def test_sse_held_headers_wait_for_the_first_event_only_when_asked():
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    for hold in (True, False):
+        release = asyncio.Event()
+
+        async def handler(request):
+            async def gen():
+                await release.wait()
+                yield {"i": 1}
+            return await stream_events(request, gen(), hold_headers=hold)
+
+        app = web.Application()
+        app.router.add_get("/", handler)
+        async with TestClient(TestServer(app)) as client:
+            started = asyncio.ensure_future(client.get("/"))
+            await asyncio.sleep(0.2)
+            assert started.done() is not hold  # held: no status line before the first event
+            release.set()
+            resp = await started
+            assert resp.status == 200 and await resp.read() == encode_event({"i": 1}) + DONE
 
 
 def test_json_response_headers():
