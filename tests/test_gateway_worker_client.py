@@ -407,3 +407,21 @@ def test_cache_aware_pair_routing_hashes_the_prompt_once(monkeypatch):
     assert len(calls) == 1
     router.pick_pair(list(ids))  # another request with the same tokens is hashed afresh
     assert len(calls) == 2
+
+
+async def test_dispatcher_streams_index_each_increment(worker, client):
+    """stream_many yields (index, increment, result): one request is the dispatcher's own stream (no
+    relaying generator per event), several are interleaved with their indices."""
+    from services.gateway.dispatch import Dispatcher
+    from services.gateway.metrics import GatewayMetrics
+
+    d = Dispatcher(Router([client]), GatewayMetrics("m"))
+    one = d.stream_many([req("solo", (5, 6), 3)])
+    assert one.ag_code is Dispatcher.stream.__code__
+    got = [(i, out.token_ids, res.output_ids[:]) async for i, out, res in one]
+    assert [i for i, _, _ in got] == [0] * len(got)
+    assert [t for _, ids, _ in got for t in ids] == worker.expected_ids([5, 6], 3) == got[-1][2]
+    many = [(i, out.finished, res.rid) async for i, out, res in d.stream_many([req("a", (5,), 2), req("b", (6,), 4)])]
+    assert {(i, rid) for i, _, rid in many} == {(0, "a"), (1, "b")}
+    assert sorted(i for i, fin, _ in many if fin) == [0, 1]
+    assert not d.inflight and client.load == 0
