@@ -117,6 +117,74 @@ async def test_sse_held_headers_wait_for_the_first_event_only_when_asked():
             assert resp.status == 200 and await resp.read() == encode_event({"i": 1}) + DONE
 
 
+async def test_sse_chunk_writer_writes_direct_only_while_the_client_keeps_up():
+    """Events after the first go straight to the transport as aiohttp would frame them, unless the
+    transport still holds data (a slow client: aiohttp's write and its flow control), is closing, or the
+    response is not plain chunked (HTTP/1.0, compression)."""
+    from services.gateway.sse import _ChunkWriter
+
+    class Transport:
+        def __init__(self):
+            self.buffered, self.closing, self.writes = 0, False, []
+
+        def get_write_buffer_size(self):
+            return self.buffered
+
+        def is_closing(self):
+            return self.closing
+
+        def write(self, data):
+            self.writes.append(bytes(data))
+
+    class Resp:
+        def __init__(self, headers):
+            self.headers, self.writes = headers, []
+
+        async def write(self, data):
+            self.writes.append(data)
+
+    for headers, direct in (({"Transfer-Encoding": "chunked"}, True), ({}, False),
+                            ({"Transfer-Encoding": "chunked", "Content-Encoding": "gzip"}, False)):
+        t, resp = Transport(), Resp(headers)
+        w = _ChunkWriter(type("Req", (), {"transport": t})(), resp)
+        await w.write(b"first")  # carries the headers: always aiohttp's
+        await w.write(b"second")
+        t.buffered = 10
+        await w.write(b"behind")
+        t.buffered, t.closing = 0, True
+        await w.write(b"closing")
+        t.closing = False
+        await w.write(b"again")
+        if direct:
+            assert resp.writes == [b"first", b"behind", b"closing"]
+            assert t.writes == [_chunk(b"second"), _chunk(b"again")]
+        else:
+            assert resp.writes == [b"first", b"second", b"behind", b"closing", b"again"] and not t.writes
+
+
+async def test_sse_over_http_1_0_is_not_chunked():
+    """An HTTP/1.0 client gets the events unframed, the end by the connection closing."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    async def handler(request):
+        async def gen():
+            for i in range(3):
+                yield {"i": i}
+        return await stream_events(request, gen())
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    async with TestServer(app) as server:
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+        raw = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
+    assert body == b"".join(encode_event({"i": i}) for i in range(3)) + DONE
+
+
 def test_json_response_headers():
     r = json_out.json_response({"a": 1}, status=201, headers={"X-Request-Id": "r1"})
     assert r.status == 201 and r.body == b'{"a":1}'
