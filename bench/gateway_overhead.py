@@ -4,13 +4,14 @@ token is measured on any machine (no GPU), and a change to the wire, the dispatc
 as a number in seconds.
 
     python -m bench.gateway_overhead [--streams 256] [--tokens 128] [--step-ms 30] [--route completions]
-                                     [--stream-interval 1]
+                                     [--stream-interval 1] [--concurrency 0]
 
 The fake engine runs the worker's real `WorkerServer`; every `--step-ms` it emits one token for each
 running request in one `on_output` call, as the real engine does once per step. The gateway is
 `python -m services.gateway` against it. Reported: output tokens/s, the gateway's and the worker
-process's CPU µs per output token (/proc), the client's CPU share, TTFT/ITL. On the H200 the engine steps
-at ~37 ms for 256 streams; `--step-ms 0` emits as fast as the gateway takes them (its ceiling).
+process's CPU µs per output token and per request (/proc schedstat, to the ns: the measured window holds
+only ~0.2 s of gateway CPU), the client's CPU share, TTFT/ITL. On the H200 the engine steps at ~37 ms for
+256 streams; `--step-ms 0` emits as fast as the gateway takes them (its ceiling).
 """
 from __future__ import annotations
 
@@ -134,7 +135,10 @@ def _wait_line(proc: subprocess.Popen, prefix: str, timeout: float = 120.0) -> s
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--streams", type=int, default=256)
+    ap.add_argument("--streams", type=int, default=256, help="requests, all sent at once unless --concurrency")
+    ap.add_argument("--concurrency", type=int, default=0,
+                    help="at most this many in flight (0: all at once); e.g. --streams 3000 --tokens 2 "
+                         "--concurrency 256 measures the per-request cost at a steady load")
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (random ids)")
     ap.add_argument("--step-ms", type=float, default=30.0)
@@ -175,15 +179,17 @@ def main():
         if args.profile:
             from bench.profile import profile_process
             profile_process(gateway.pid, args.profile, delay=1.0, seconds=3.0)
-        g0, w0, c0 = procfs.cpu_seconds(gateway.pid), procfs.cpu_seconds(worker.pid), time.process_time()
-        results, wall = asyncio.run(run_load(url, args.route, dataset, not args.no_stream, float("inf"), 0))
-        g1, w1, c1 = procfs.cpu_seconds(gateway.pid), procfs.cpu_seconds(worker.pid), time.process_time()
+        g0, w0, c0 = procfs.run_seconds(gateway.pid), procfs.run_seconds(worker.pid), time.process_time()
+        results, wall = asyncio.run(run_load(url, args.route, dataset, not args.no_stream, float("inf"),
+                                             args.concurrency))
+        g1, w1, c1 = procfs.run_seconds(gateway.pid), procfs.run_seconds(worker.pid), time.process_time()
         s = summarize(results, wall)
         n = max(1, s["out_tokens"])
-        print(f"{args.streams} streams x {args.tokens} tokens, step {args.step_ms:g} ms, {args.route}"
+        print(f"{args.streams} streams x {args.tokens} tokens"
+              f"{f' ({args.concurrency} at a time)' if args.concurrency else ''}, step {args.step_ms:g} ms, {args.route}"
               f"{'' if not args.no_stream else ' (no stream)'}: {s['out_tok_s']:.0f} out tok/s, tokens {s['out_tokens']}, "
               f"errors {s['errors']}")
-        print(f"  gateway {(g1 - g0) * 1e6 / n:.1f} us/token, worker IO {(w1 - w0) * 1e6 / n:.1f} us/token, "
+        print(f"  gateway {(g1 - g0) * 1e6 / n:.1f} us/token ({(g1 - g0) * 1e6 / len(results):.0f} us/request), worker IO {(w1 - w0) * 1e6 / n:.1f} us/token, "
               f"client CPU {(c1 - c0) / wall:.0%}; TTFT p50 {s['ttft_p50_ms']:.1f} ms, ITL p50 {s['itl_p50_ms']:.2f} ms")
     finally:
         for p in (gateway, worker):

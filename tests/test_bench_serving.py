@@ -50,6 +50,20 @@ def test_gateway_overhead_bench_runs_end_to_end():
                         "--step-ms", "2"], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tokens 48, errors 0" in r.stdout and "gateway" in r.stdout and "us/token" in r.stdout, r.stdout
+    assert "us/request" in r.stdout, r.stdout
+
+
+def test_gateway_overhead_bench_bounds_concurrency():
+    """--concurrency: more requests than may be in flight at once all complete (the per-request figure)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "bench.gateway_overhead", "--streams", "12", "--concurrency", "3",
+                        "--tokens", "2", "--step-ms", "1"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "(3 at a time)" in r.stdout and "tokens 24, errors 0" in r.stdout, r.stdout
 
 
 def test_serving_bench_runs_end_to_end_with_batch1(tmp_path):

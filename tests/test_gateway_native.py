@@ -362,15 +362,19 @@ async def test_bad_program_is_400(stack):
 
 def test_observe_many_equals_repeated_observe():
     """The ITL histogram takes an increment of n tokens as n gaps in one move: same exposition as n
-    observe calls (fails if prometheus-client's internals change under observe_many)."""
+    observe calls, values on a bound included (fails if prometheus-client's internals change under
+    ManyObserver); a histogram without those internals gets the plain calls."""
     from prometheus_client import CollectorRegistry, Histogram
 
-    from services.gateway.metrics import observe_many
+    from services.gateway.metrics import ManyObserver
 
     regs = [CollectorRegistry(), CollectorRegistry()]
     hists = [Histogram("itl", "gap", buckets=(0.01, 0.1, 1.0), registry=r) for r in regs]
-    for value, count in ((0.005, 3), (0.05, 16), (5.0, 2), (0.1, 1)):
-        observe_many(hists[0], value, count)
+    many = ManyObserver(hists[0])
+    assert many._buckets is not None  # the fast path is the one tested
+    for value, count in ((0.005, 3), (0.05, 16), (5.0, 2), (0.1, 1), (0.01, 1), (1.0, 4), (0.0, 1), (1e9, 1),
+                         (0.0999, 1), (0.10001, 7)):
+        many.observe(value, count)
         for _ in range(count):
             hists[1].observe(value)
     def samples(reg):
@@ -379,6 +383,16 @@ def test_observe_many_equals_repeated_observe():
 
     got, want = samples(regs[0]), samples(regs[1])
     assert got.keys() == want.keys() and got == pytest.approx(want)
+
+    class Plain:
+        seen: list = []
+
+        def observe(self, v):
+            self.seen.append(v)
+
+    plain = ManyObserver(Plain())
+    plain.observe(0.5, 3)
+    assert Plain.seen == [0.5, 0.5, 0.5]
 
 
 def test_generation_result_text_is_joined_once_per_read():

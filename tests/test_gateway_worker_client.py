@@ -147,6 +147,61 @@ async def test_duplicate_rid_on_one_connection_is_refused(worker, client):
     await first.aclose()
 
 
+async def test_frames_of_one_turn_go_out_in_one_write_in_order(worker, client):
+    """Requests sent in the same event-loop turn reach the socket as one write; an abort posted in that
+    turn follows its request, never overtakes it; the worker gets every frame."""
+    worker.token_delay = 0.02
+    await client.info()  # connected
+    writes = []
+    real_write = client._writer.write
+    client._writer.write = lambda data: (writes.append(bytes(data)), real_write(data))[1]
+    streams = [client.generate(req(f"t{i}", max_new_tokens=50)) for i in range(3)]
+    firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+    await asyncio.gather(*firsts)
+    assert writes == [b"".join(encode_frame(req(f"t{i}", max_new_tokens=50)) for i in range(3))]
+    writes.clear()
+    for s in streams:  # leaving early: one abort each, posted in this turn, written together
+        await s.aclose()
+    await asyncio.sleep(0.05)
+    assert len(writes) == 1 and writes[0] == b"".join(encode_frame(AbortRequest(rid=f"t{i}")) for i in range(3))
+    assert {"t0", "t1", "t2"} <= worker.aborted()
+    order = [(type(m).__name__, m.rid) for m in worker.received if hasattr(m, "rid")]
+    assert order.index(("GenerateRequest", "t0")) < order.index(("AbortRequest", "t0"))
+
+
+async def test_a_request_and_its_abort_in_one_turn_arrive_in_order(worker, client):
+    """A stream closed before its request was written: the request and the abort go out together, the
+    request first, so the worker cancels what it started."""
+    worker.token_delay = 0.02
+    await client.info()
+    stream = client.generate(req("quick", max_new_tokens=50))
+    first = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)  # the request is posted, not yet written
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await stream.aclose()
+    for _ in range(100):
+        if "quick" in worker.aborted():
+            break
+        await asyncio.sleep(0.01)
+    order = [type(m).__name__ for m in worker.received if getattr(m, "rid", None) == "quick"]
+    assert order == ["GenerateRequest", "AbortRequest"]
+    assert "quick" not in worker.running
+
+
+async def test_frames_posted_for_a_lost_connection_are_not_sent_on_the_next(worker, client):
+    await client.info()
+    stream = client.generate(req("lost", max_new_tokens=50))
+    first = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)  # posted
+    client.drop_connection("test")
+    with pytest.raises(WorkerUnavailable):
+        await first
+    await stream.aclose()
+    await client.info()  # reconnected
+    assert not [m for m in worker.received if getattr(m, "rid", None) == "lost"]
+
+
 async def test_a_batched_frame_reaches_each_requests_stream():
     """A worker sends one TokenOutputs frame per engine step for all of a connection's requests: each
     output lands in its own stream, in order; an output for a request nobody waits for is dropped."""
@@ -352,3 +407,21 @@ def test_cache_aware_pair_routing_hashes_the_prompt_once(monkeypatch):
     assert len(calls) == 1
     router.pick_pair(list(ids))  # another request with the same tokens is hashed afresh
     assert len(calls) == 2
+
+
+async def test_dispatcher_streams_index_each_increment(worker, client):
+    """stream_many yields (index, increment, result): one request is the dispatcher's own stream (no
+    relaying generator per event), several are interleaved with their indices."""
+    from services.gateway.dispatch import Dispatcher
+    from services.gateway.metrics import GatewayMetrics
+
+    d = Dispatcher(Router([client]), GatewayMetrics("m"))
+    one = d.stream_many([req("solo", (5, 6), 3)])
+    assert one.ag_code is Dispatcher.stream.__code__
+    got = [(i, out.token_ids, res.output_ids[:]) async for i, out, res in one]
+    assert [i for i, _, _ in got] == [0] * len(got)
+    assert [t for _, ids, _ in got for t in ids] == worker.expected_ids([5, 6], 3) == got[-1][2]
+    many = [(i, out.finished, res.rid) async for i, out, res in d.stream_many([req("a", (5,), 2), req("b", (6,), 4)])]
+    assert {(i, rid) for i, _, rid in many} == {(0, "a"), (1, "b")}
+    assert sorted(i for i, fin, _ in many if fin) == [0, 1]
+    assert not d.inflight and client.load == 0

@@ -30,7 +30,7 @@ def test_sse_event_framing():
     assert encode_event({"x": "✓"}) == 'data: {"x":"✓"}\n\n'.encode()
 
 
-async def _sse_writes(events) -> tuple[list[bytes], bytes]:
+async def _sse_writes(events, hold_headers=True) -> tuple[list[bytes], bytes]:
     """What stream_events hands the socket, one item per write, and the body the client reads."""
     from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
@@ -46,13 +46,17 @@ async def _sse_writes(events) -> tuple[list[bytes], bytes]:
         transport = request.transport
         real = transport.write
         transport.write = lambda data: (writes.append(bytes(data)), real(data))[1]
-        return await stream_events(request, gen())
+        return await stream_events(request, gen(), hold_headers=hold_headers)
 
     app = web.Application()
     app.router.add_get("/", handler)
     async with TestClient(TestServer(app)) as client:
         body = await (await client.get("/")).read()
-    return writes[1:], body  # [0]: the headers
+    return writes, body
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n" % len(data) + data + b"\r\n"
 
 
 async def test_sse_tail_events_go_out_with_the_end_in_one_write():
@@ -67,6 +71,118 @@ async def test_sse_tail_events_go_out_with_the_end_in_one_write():
     writes, body = await _sse_writes([a, Tail(b), bad_request("boom")])
     assert body.startswith(encode_event(a) + encode_event(b) + b"data: ") and b"boom" in body
     assert not body.endswith(DONE)
+
+
+async def test_sse_headers_go_out_with_the_first_event():
+    a, b = {"i": 1}, {"i": 2}
+    writes, body = await _sse_writes([a, b])
+    assert body == encode_event(a) + encode_event(b) + DONE
+    assert len(writes) == 3 and writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"Content-Type: text/event-stream; charset=utf-8\r\n" in writes[0]
+    assert writes[0].endswith(b"\r\n\r\n" + _chunk(encode_event(a)))  # headers, then the first chunk
+    assert writes[1:] == [_chunk(encode_event(b)), _chunk(DONE) + b"0\r\n\r\n"]
+    # A stream that fails before its first event: the headers and the error event in one write.
+    writes, body = await _sse_writes([bad_request("early")])
+    assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200 OK") and b"early" in body
+    # A stream with nothing to say: the headers, the end marker and the terminator together.
+    writes, body = await _sse_writes([])
+    assert body == DONE and len(writes) == 1 and writes[0].endswith(_chunk(DONE) + b"0\r\n\r\n")
+    # hold_headers=False: the headers first, on their own.
+    writes, body = await _sse_writes([a], hold_headers=False)
+    assert len(writes) == 3 and writes[0].endswith(b"\r\n\r\n") and b"data:" not in writes[0]
+    assert body == encode_event(a) + DONE
+
+
+async def test_sse_held_headers_wait_for_the_first_event_only_when_asked():
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    for hold in (True, False):
+        release = asyncio.Event()
+
+        async def handler(request):
+            async def gen():
+                await release.wait()
+                yield {"i": 1}
+            return await stream_events(request, gen(), hold_headers=hold)
+
+        app = web.Application()
+        app.router.add_get("/", handler)
+        async with TestClient(TestServer(app)) as client:
+            started = asyncio.ensure_future(client.get("/"))
+            await asyncio.sleep(0.2)
+            assert started.done() is not hold  # held: no status line before the first event
+            release.set()
+            resp = await started
+            assert resp.status == 200 and await resp.read() == encode_event({"i": 1}) + DONE
+
+
+async def test_sse_chunk_writer_writes_direct_only_while_the_client_keeps_up():
+    """Events after the first go straight to the transport as aiohttp would frame them, unless the
+    transport still holds data (a slow client: aiohttp's write and its flow control), is closing, or the
+    response is not plain chunked (HTTP/1.0, compression)."""
+    from services.gateway.sse import _ChunkWriter
+
+    class Transport:
+        def __init__(self):
+            self.buffered, self.closing, self.writes = 0, False, []
+
+        def get_write_buffer_size(self):
+            return self.buffered
+
+        def is_closing(self):
+            return self.closing
+
+        def write(self, data):
+            self.writes.append(bytes(data))
+
+    class Resp:
+        def __init__(self, headers):
+            self.headers, self.writes = headers, []
+
+        async def write(self, data):
+            self.writes.append(data)
+
+    for headers, direct in (({"Transfer-Encoding": "chunked"}, True), ({}, False),
+                            ({"Transfer-Encoding": "chunked", "Content-Encoding": "gzip"}, False)):
+        t, resp = Transport(), Resp(headers)
+        w = _ChunkWriter(type("Req", (), {"transport": t})(), resp)
+        await w.write(b"first")  # carries the headers: always aiohttp's
+        await w.write(b"second")
+        t.buffered = 10
+        await w.write(b"behind")
+        t.buffered, t.closing = 0, True
+        await w.write(b"closing")
+        t.closing = False
+        await w.write(b"again")
+        if direct:
+            assert resp.writes == [b"first", b"behind", b"closing"]
+            assert t.writes == [_chunk(b"second"), _chunk(b"again")]
+        else:
+            assert resp.writes == [b"first", b"second", b"behind", b"closing", b"again"] and not t.writes
+
+
+async def test_sse_over_http_1_0_is_not_chunked():
+    """An HTTP/1.0 client gets the events unframed, the end by the connection closing."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    async def handler(request):
+        async def gen():
+            for i in range(3):
+                yield {"i": i}
+        return await stream_events(request, gen())
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    async with TestServer(app) as server:
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+        raw = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
+    assert body == b"".join(encode_event({"i": i}) for i in range(3)) + DONE
 
 
 def test_json_response_headers():

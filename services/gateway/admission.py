@@ -2,7 +2,8 @@
 Shared by the OpenAI and native translators so both refuse the same things the same way."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import functools
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -30,11 +31,20 @@ def check_token_ids(state: "GatewayState", ids: list[int], param: str) -> None:
     if not ids:
         raise bad_request("the prompt is empty", param)
     vocab = state.tokenizer.vocab_size
-    if min(ids) >= 0 and max(ids) < vocab:  # at C speed; the offender is looked for only if there is one
+    try:  # one pass in C (min and max were two, ~12 us for 512 ids); the offender is looked for only if any
+        msgspec.convert(ids, _ids_below(vocab))
         return
+    except msgspec.ValidationError:
+        pass
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
+
+
+@functools.lru_cache(maxsize=8)
+def _ids_below(vocab: int) -> Any:
+    """The type msgspec checks a prompt's ids against: ints in [0, vocab)."""
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab)]]
 
 
 async def encode_prompt(state: "GatewayState", text: str, param: str) -> list[int]:

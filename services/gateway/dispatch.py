@@ -54,8 +54,10 @@ class GenerationResult:
         if out.text:
             self._text_parts.append(out.text)
         self.output_ids.extend(out.token_ids)
-        self.output_logprobs.extend(out.output_logprobs)
-        self.output_top_logprobs.extend(out.output_top_logprobs)
+        if out.output_logprobs:  # most requests ask for none
+            self.output_logprobs.extend(out.output_logprobs)
+        if out.output_top_logprobs:
+            self.output_top_logprobs.extend(out.output_top_logprobs)
         if out.input_logprobs:
             self.input_logprobs = list(out.input_logprobs)
         if out.input_top_logprobs:
@@ -82,9 +84,10 @@ class Dispatcher:
             if tenant_rid(rid, salt) in self.inflight:
                 raise bad_request(f"request id {rid!r} is already running", "rid")
 
-    async def stream(self, req: GenerateRequest, salt: str | None = None
-                     ) -> AsyncIterator[tuple[TokenOutput, GenerationResult]]:
-        """Yield (increment, accumulated result) until the request finishes."""
+    async def stream(self, req: GenerateRequest, salt: str | None = None, index: int = 0
+                     ) -> AsyncIterator[tuple[int, TokenOutput, GenerationResult]]:
+        """Yield (index, increment, accumulated result) until the request finishes; `index` is the
+        request's place in a stream_many."""
         record = ACCESS_RECORD.get()
         if record is not None and req.request_id is None:
             req.request_id = record.request_id
@@ -125,7 +128,7 @@ class Dispatcher:
                             record.first_token()
                         if out.finished:
                             record.finished(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
-                    yield out, result
+                    yield index, out, result
         except WorkerUnavailable as e:
             self.metrics.aborted_requests.inc()
             raise unavailable(str(e)) from None
@@ -133,23 +136,23 @@ class Dispatcher:
             self.inflight.discard(req.rid)
             self.metrics.gateway_inflight.dec()
 
-    async def stream_many(self, reqs: Sequence[GenerateRequest]
-                          ) -> AsyncIterator[tuple[int, TokenOutput, GenerationResult]]:
+    def stream_many(self, reqs: Sequence[GenerateRequest]
+                    ) -> AsyncIterator[tuple[int, TokenOutput, GenerationResult]]:
         """Run requests concurrently, yielding (index, increment, result) in arrival order. The first
-        failure cancels (and so aborts) the others and is raised."""
-        if len(reqs) == 1:
-            async with aclosing(self.stream(reqs[0])) as events:
-                async for out, res in events:
-                    yield 0, out, res
-            return
+        failure cancels (and so aborts) the others and is raised. One request is its own stream (no
+        relaying generator in between: one resumption fewer per event)."""
+        return self.stream(reqs[0]) if len(reqs) == 1 else self._stream_concurrently(reqs)
+
+    async def _stream_concurrently(self, reqs: Sequence[GenerateRequest]
+                                   ) -> AsyncIterator[tuple[int, TokenOutput, GenerationResult]]:
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(i: int, req: GenerateRequest) -> None:
             try:
-                async with aclosing(self.stream(req)) as events:
-                    async for out, res in events:
-                        queue.put_nowait((i, out, res))
+                async with aclosing(self.stream(req, index=i)) as events:
+                    async for item in events:
+                        queue.put_nowait(item)
                 queue.put_nowait((i, done, None))
             except Exception as e:  # handed to the consumer, which raises it
                 queue.put_nowait((i, e, None))

@@ -29,7 +29,9 @@ async def run_program(state: "GatewayState", request: web.Request) -> web.Stream
     generate = meter.wrap(functools.partial(native_api.generate_json, state, cache_salt=salt))
     with state.program_slots.hold(salt):  # 429 when this key already runs its share
         if stream:
-            return await stream_events(request, _events(stream_program(program, generate, state.fork_hint)))
+            # Headers at once: a program's first event may come only after whole generations.
+            return await stream_events(request, _events(stream_program(program, generate, state.fork_hint)),
+                                       hold_headers=False)
         try:
             result = await execute_program(program, generate, fork_hint=state.fork_hint)
         except ProgramError as e:

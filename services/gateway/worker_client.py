@@ -9,6 +9,10 @@ A stream's silence limit (`token_timeout`) is kept by one watchdog task per clie
 stream's last delivery about four times per limit, not by a timer armed around every wait: with one token
 per step per stream, a per-wait timer was one timer per token.
 
+Frames to the worker are written once per event-loop turn, together (`_outbox`): requests that arrive
+together (a step's finished streams are replaced at once) cost the gateway one socket write, not one each,
+and the order of a connection's frames (a request before its abort) is kept.
+
 Timeouts use `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` swallows a cancellation that
 lands in the same loop turn as a result, and a swallowed cancellation here is a request that never aborts.
 """
@@ -81,6 +85,7 @@ class WorkerClient:
         self.token_timeout = token_timeout  # longest silence tolerated inside a stream (queueing included)
         self.max_backoff = max_backoff
         self._writer: asyncio.StreamWriter | None = None
+        self._outbox: list[bytes] = []  # frames for the current connection, written at the end of this turn
         self._connected = asyncio.Event()
         self._streams: dict[str, _Mailbox] = {}
         self._watchdog: asyncio.Task | None = None
@@ -193,6 +198,7 @@ class WorkerClient:
             finally:
                 self._connected.clear()
                 self._writer = None
+                self._outbox.clear()  # the dead connection's frames: their streams fail just below
                 writer.close()
             self.last_error = reason
             log.warning("worker %s: %s", self.address, reason)
@@ -262,12 +268,12 @@ class WorkerClient:
         if writer is None:
             raise WorkerUnavailable(f"worker {self.address} is not connected")
         try:
-            writer.write(encode_frame(msg))
-            if writer.transport.get_write_buffer_size():  # else the kernel took it all: nothing to drain
+            if writer.is_closing():
+                raise ConnectionResetError("connection closing")
+            self._post(encode_frame(msg))
+            if writer.transport.get_write_buffer_size():  # the worker reads slower than we write: wait
                 async with asyncio.timeout(self.call_timeout):
                     await writer.drain()
-            elif writer.is_closing():
-                raise ConnectionResetError("connection closing")
         except (OSError, TimeoutError) as e:
             raise WorkerUnavailable(f"cannot send to worker {self.address}: {e!r}") from None
 
@@ -275,7 +281,21 @@ class WorkerClient:
         """Best effort, never blocks: used from cleanup paths that may run inside a cancelled task."""
         writer = self._writer
         if writer is not None and not writer.is_closing():
-            writer.write(encode_frame(msg))
+            self._post(encode_frame(msg))
+
+    def _post(self, frame: bytes) -> None:
+        """Queue a frame for the current connection; the first of a turn schedules the write of all."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(frame)
+
+    def _flush(self) -> None:
+        frames, writer = self._outbox, self._writer
+        if not frames:  # sent by an earlier flush, or dropped with their connection
+            return
+        self._outbox = []
+        if writer is not None and not writer.is_closing():
+            writer.write(frames[0] if len(frames) == 1 else b"".join(frames))
 
     # ---------------------------------------------------------------- API
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenOutput]:

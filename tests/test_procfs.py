@@ -1,0 +1,45 @@
+"""shared/procfs.py's CPU readings."""
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from shared import procfs
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_run_seconds_counts_every_thread_finer_than_ticks():
+    before = procfs.run_seconds(os.getpid())
+    burnt, leave = threading.Event(), threading.Event()
+    t = threading.Thread(target=lambda: (_burn(0.05), burnt.set(), leave.wait()))
+    t.start()
+    _burn(0.05)
+    burnt.wait()
+    spent = procfs.run_seconds(os.getpid()) - before  # read while the other thread still lives
+    leave.set()
+    t.join()
+    assert 0.095 <= spent < 0.5  # both threads' 50 ms
+    a = procfs.run_seconds(os.getpid())
+    _burn(0.003)  # below one 10 ms tick: still seen
+    assert procfs.run_seconds(os.getpid()) - a >= 0.0025
+
+
+def test_run_seconds_of_another_process_and_of_a_gone_one():
+    p = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.2\n"
+                          "while time.process_time() < end: pass\nimport sys; sys.stdin.read()"],
+                         stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while procfs.run_seconds(p.pid) < 0.2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert procfs.run_seconds(p.pid) >= 0.2
+        assert abs(procfs.run_seconds(p.pid) - procfs.cpu_seconds(p.pid)) < 0.05
+    finally:
+        p.communicate(b"")
+    assert procfs.run_seconds(p.pid) == 0.0
