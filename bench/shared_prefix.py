@@ -135,6 +135,14 @@ def profile_full_steps(eng: Engine, bs: int, path: str, skip: int = 2, steps: in
     return finish
 
 
+@dataclass
+class StepTimes:
+    synced_ms: float  # synced around each launch: the device's step plus the host's planning of it
+    period_ms: float  # between consecutive launches with overlap on: what a running batch sees per token
+    full_steps: int
+    cascade_steps: int
+
+
 def decode_step_ms(eng: Engine, prompts: list[list[int]], out_len: int, bs: int,
                    profile: str | None = None) -> tuple[float, int, int]:
     """Median synced decode step time over the steps that ran the full batch, how many did, and how
@@ -168,14 +176,6 @@ def decode_step_ms(eng: Engine, prompts: list[list[int]], out_len: int, bs: int,
     nan = float("nan")
     return StepTimes(median(full) * 1e3 if full else nan, median(periods) * 1e3 if periods else nan,
                      len(full), cascade_steps[0])
-
-
-@dataclass
-class StepTimes:
-    synced_ms: float  # synced around each launch: the device's step plus the host's planning of it
-    period_ms: float  # between consecutive launches with overlap on: what a running batch sees per token
-    full_steps: int
-    cascade_steps: int
 
 
 def verdict(ok: bool, judged: bool) -> str:

@@ -62,7 +62,6 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-
 def run_seconds(pid: int) -> float:
     """CPU time of pid's live threads to the nanosecond (schedstat), for windows too short for the
     10 ms ticks of cpu_seconds (a 0.2 s gateway window read in ticks is +-5%). A thread that ended inside
