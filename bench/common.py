@@ -109,6 +109,7 @@ class RunStats:
     # consecutive launches is the pipelined step (host work overlapped, as in serving).
     decode_launch_t: list = field(default_factory=list)
     gpu_idle_frac: float | None = None
+    outputs: dict = field(default_factory=dict)  # rid -> the request's final output
 
     def decode_periods(self, bs: int) -> list[float]:
         """Seconds between consecutive decode launches that both ran batch size bs."""
@@ -176,6 +177,7 @@ def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = F
         engine.runner.launch = runner_forward
     sync()
     stats.wall_s = time.perf_counter() - t0
+    stats.outputs = finished
     for o in finished.values():
         if o.error:
             raise RuntimeError(f"request failed: {o.error}")

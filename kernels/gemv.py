@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import dot_precision, next_pow2, num_sms
+from kernels._utils import dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue
 from kernels.activation import silu_mul_f32
 
 MAX_M = 4
@@ -33,9 +33,39 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
+def _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & ((kbase + offs_k) < K)[None, :], other=0.0,
+                    eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, EVEN_K: tl.constexpr,
+                SILU_MUL: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc += x_tile . w_tile: a full-tile fp32 accumulator for one row (reduced once at the end, no
+    shuffles in the loop), a 16-row tensor-core tile for several (the MMA is free next to the W stream)."""
+    if EVEN_K:
+        xm = mask_m[:, None]
+    else:
+        xm = mask_m[:, None] & ((kbase + offs_k) < K)[None, :]
+    x = tl.load(x_ptrs, mask=xm, other=0.0, eviction_policy="evict_last")
+    if SILU_MUL:
+        x = _silu_mul(x, tl.load(x_ptrs + K, mask=xm, other=0.0, eviction_policy="evict_last"))
+    if M_PAD == 1:
+        acc += w.to(tl.float32) * x.to(tl.float32)
+    else:
+        acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
                  HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, SILU_MUL: tl.constexpr):
+                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, SILU_MUL: tl.constexpr,
+                 PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -47,32 +77,23 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
     if M_PAD == 1:
-        # One row: keep a full-tile accumulator and reduce once at the end (no shuffles in the loop).
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
-        # Several rows: pad them to a 16-row tensor-core tile; the MMA is free next to the W stream.
         acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, K_PER_SPLIT, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0, eviction_policy="evict_last")
-            if SILU_MUL:
-                x = _silu_mul(x, tl.load(x_ptrs + K, mask=mask_m[:, None], other=0.0, eviction_policy="evict_last"))
-        else:
-            mk = (k0 + kk + offs_k) < K
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & mk[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & mk[None, :], other=0.0, eviction_policy="evict_last")
-            if SILU_MUL:
-                x = _silu_mul(x, tl.load(x_ptrs + K, mask=mask_m[:, None] & mk[None, :], other=0.0,
-                                         eviction_policy="evict_last"))
-        if M_PAD == 1:
-            acc2 += w.to(tl.float32) * x.to(tl.float32)
-        else:
-            acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=DOT_PREC)
+    if PDL:
+        # The weights are nobody's output: the first tile streams in while the previous kernel drains.
+        w = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K)
+        pdl_prologue(PDL)
+        acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    for kk in range(BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
+        w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K)
+        acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if M_PAD == 1:
-        acc = tl.sum(acc2, axis=1)[None, :]
+        acc = tl.sum(acc, axis=1)[None, :]
     if HAS_SCALE:  # FP8 weights: one dequantization scale per output row (linear, so per split too)
         acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
@@ -83,7 +104,9 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
 
 
 @triton.jit
-def _splitk_reduce_kernel(P, Y, N, stride_ym, M: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_reduce_kernel(P, Y, N, stride_ym, M: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+    pdl_prologue(PDL)
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -108,6 +131,11 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     which want >= 16 output columns per program."""
     if M == 1 and weight_bytes == 1:  # FP8 rows (bench/fp8_gemv_sweep.py, H200, 2026-11-30)
         block_n, block_k, warps = (8, 1024, 4) if N <= 4096 else (8, 512, 4) if N <= 8192 else (8, 256, 2)
+    elif M == 1 and N <= 4096 and K <= 4096:
+        # o_proj's shape: four rows by half of K per program, twice the programs; with PDL, half of the
+        # weights stream in while the previous kernels drain (bench/gemv_chain_sweep.py, H200, 2026-12-01:
+        # -8.7 us per layer in the chain).
+        block_n, block_k, warps = 4, 2048, 2
     elif M == 1:
         block_n, block_k, warps = (8, 1024, 2) if N <= 4096 else (8, 512, 4) if N <= 8192 else (16, 256, 4)
     else:
@@ -123,10 +151,11 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, scale: torch.Tensor | None = None,
-         tensor_cores: bool = False, silu_mul: bool = False) -> torch.Tensor:
+         tensor_cores: bool = False, silu_mul: bool = False, pdl: bool | None = None) -> torch.Tensor:
     """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype.
     `scale` (float32 [N]) dequantizes FP8 weights row by row (one row of x only: x is not quantized).
-    silu_mul: x is [M, 2K] (gate | up) and y = silu_and_mul(x) @ w^T."""
+    silu_mul: x is [M, 2K] (gate | up) and y = silu_and_mul(x) @ w^T.
+    pdl: programmatic dependent launch (None: the process default; see kernels._utils.pdl_launch)."""
     M, K = x.shape
     if silu_mul:
         assert K % 2 == 0
@@ -148,9 +177,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
         x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
         k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
-        EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul, num_warps=cfg.num_warps)
+        EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul, num_warps=cfg.num_warps,
+        **pdl_launch(pdl))
     if split_k > 1:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,
-                                                          SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4)
+                                                          SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4,
+                                                          **pdl_launch(pdl))
     return out

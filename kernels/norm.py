@@ -5,12 +5,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import next_pow2
+from kernels._utils import next_pow2, pdl_launch, pdl_prologue
 
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -40,5 +41,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(T,)](
             x, residual if residual is not None else x, weight, y,
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), H, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=num_warps)
+            HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=num_warps, **pdl_launch())
     return (y, residual) if residual is not None else y

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import next_pow2
+from kernels._utils import next_pow2, pdl_launch, pdl_prologue
 
 
 @triton.jit
@@ -53,9 +53,11 @@ def _rope_kernel(Q, K, POS, CS, stride_qt, stride_qh, stride_kt, stride_kh, stri
 def _rope_store_kv_kernel(Q, K, V, POS, CS, KB, VB, LOC, stride_qt, stride_qh, stride_kt, stride_kh,
                           stride_vt, stride_vh, stride_cs, stride_bs, stride_bh, HQ, HK, HALF, D,
                           BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HAS_PASS: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HAS_PASS: tl.constexpr,
+                          PDL: tl.constexpr):
     """One token per program: rope on q and k exactly as _rope_kernel does (k rounded to its own dtype,
     then cast to the pool's, as rope followed by store_kv would), and k, v written to the token's slot."""
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(LOC + t).to(tl.int64)
     y1, y2 = _rope_token(Q, K, POS, CS, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK, HALF,
@@ -120,5 +122,6 @@ def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
             q, k, v, positions, cos_sin_cache, k_buf, v_buf, loc, sqt, sqh, skt, skh, svt, svh,
             cos_sin_cache.stride(0), k_buf.stride(0), k_buf.stride(1), hq, hk, half, head_dim,
             BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_R=next_pow2(half),
-            BLOCK_D=next_pow2(head_dim), BLOCK_P=next_pow2(max(1, n_pass)), HAS_PASS=n_pass > 0, num_warps=4)
+            BLOCK_D=next_pow2(head_dim), BLOCK_P=next_pow2(max(1, n_pass)), HAS_PASS=n_pass > 0, num_warps=4,
+            **pdl_launch())
     return q, k

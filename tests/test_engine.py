@@ -404,3 +404,24 @@ def test_decode_in_cuda_graphs_gives_the_tokens_of_eager_decode():
     got = [graphs.submit(p, sampling={**GREEDY, "max_new_tokens": n}) for p, n in zip(ps, lens)]
     ref = [eager.submit(p, sampling={**GREEDY, "max_new_tokens": n}) for p, n in zip(ps, lens)]
     assert [r["ids"] for r in graphs.run(got)] == [r["ids"] for r in eager.run(ref)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability >= 9")
+def test_pdl_launches_decode_the_tokens_of_plain_launches():
+    """bf16 (the batch-1 GEMV path), CUDA graphs: the engine with programmatic dependent launch decodes
+    what it decodes without, one request alone and several together. The setting is process-wide, so
+    the two engines run one after the other."""
+    from kernels._utils import set_pdl
+    ps = prompts(5, seed=43)
+    results = {}
+    try:
+        for pdl in (False, True):
+            h = Harness(dtype="bfloat16", max_running_requests=8, enable_pdl=pdl)
+            alone = h.run([h.submit(ps[0], sampling={**GREEDY, "max_new_tokens": 24})])
+            together = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 16}) for p in ps])
+            results[pdl] = [r["ids"] for r in alone + together]
+            h.engine.stop()
+    finally:
+        set_pdl(False)
+    assert results[True] == results[False]

@@ -140,6 +140,8 @@ def check_gemv(device, dtype):
         for M in (1, 2, 3, 4):
             x = _rand(M, K, dtype=dtype, device=device)
             for cfg in configs:
+                if device.type == "cuda":  # the PDL launch (first tile loaded before the wait): same bits
+                    assert torch.equal(gemv(x, w, config=cfg, pdl=True), gemv(x, w, config=cfg, pdl=False))
                 torch.testing.assert_close(gemv(x, w, config=cfg), gemv_ref(x, w), **_tol(dtype),
                                            msg=lambda m: f"K={K} N={N} M={M} {cfg}: {m}")
 
@@ -464,6 +466,60 @@ def test_cuda_graph_decode_replay_tracks_new_lengths():
         g.replay()
         ref = decode_attention_ref(q, k_buf, v_buf, r2t, req_idx, seq, d ** -0.5)
         torch.testing.assert_close(out, ref, **_tol(torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability >= 9")
+def test_cuda_pdl_kernels_match_plain_launches_in_a_graph():
+    """With PDL each kernel may start while the previous one drains (the GEMV loads its first weight tile
+    before waiting): a chain of dependent norm -> GEMV -> rope/KV store -> decode attention -> GEMV
+    launches, captured in a CUDA graph and replayed on fresh inputs, gives the same bits as plain launches."""
+    from kernels._utils import pdl_launch, set_pdl
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
+    from kernels.gemv import GemvConfig, gemv
+    from kernels.norm import rms_norm
+    from kernels.rope import apply_rope_and_store_kv
+    assert pdl_launch(True) == {"PDL": True, "launch_pdl": True}
+    dev, dt, d, hq, hkv, hidden = torch.device("cuda"), torch.bfloat16, 128, 8, 2, 1024
+    k_buf, v_buf, r2t, req_idx, _ = _paged_setup(dev, dt, hkv, d, [300], [0], num_slots=600)
+    seq = torch.tensor([300], dtype=torch.int32, device=dev)
+    loc = r2t[1, 299:300].to(torch.int64)
+    pos = torch.tensor([299], dtype=torch.int64, device=dev)
+    cs = torch.randn(4096, d, dtype=torch.float32, device=dev)
+    wq = _rand((hq + 2 * hkv) * d, hidden, dtype=dt, device=dev)
+    wo = _rand(hidden, hq * d, dtype=dt, device=dev)
+    nw = _rand(hidden, dtype=dt, device=dev)
+    ms = plan_max_kv_splits(1, hkv)
+    x = _rand(1, hidden, dtype=dt, device=dev)
+
+    def chain():
+        res = x * 0.5
+        h, _ = rms_norm(x.clone(), nw, 1e-5, res)
+        qkv = gemv(h, wq, config=GemvConfig(4, 256, 2, 2))  # split-K: the reduce kernel chains too
+        q, k, v = qkv.view(1, -1, d).split([hq, hkv, hkv], dim=1)
+        q, k = apply_rope_and_store_kv(q, k, v, pos, cs, d, k_buf, v_buf, loc)
+        o = decode_attention(q.contiguous(), k_buf, v_buf, r2t, req_idx, seq, num_kv_splits_for(seq, ms), ms,
+                             d ** -0.5)
+        return gemv(o.view(1, -1), wo)
+
+    outs = {}
+    try:
+        for pdl in (False, True):
+            set_pdl(pdl)
+            chain()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                y = chain()
+            rows = []
+            for i in range(3):
+                torch.manual_seed(i)
+                x.copy_(_rand(1, hidden, dtype=dt, device=dev))
+                g.replay()
+                rows.append(y.clone())
+            outs[pdl] = torch.cat(rows)
+    finally:
+        set_pdl(False)
+    assert torch.equal(outs[False], outs[True])
 
 
 def test_ops_dispatch_cpu_keeps_in_place_contracts():

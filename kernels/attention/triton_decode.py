@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import dot_precision, next_pow2, num_sms
+from kernels._utils import dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue
 
 LOG2E = 1.4426950408889634
 
@@ -61,10 +61,11 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
                    sm_scale_log2, stride_qb, stride_qh, stride_bs, stride_bh, stride_rt, stride_ob, stride_oh,
                    HQ, MAX_SPLITS, GROUP, D,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr, HAS_START: tl.constexpr, SINGLE: tl.constexpr):
+                   DOT_PREC: tl.constexpr, HAS_START: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr):
     """SINGLE: one split per request, whose normalised output is final: written to O in O's dtype (as
     stage 2 would write it: a lone split merges to itself exactly), nothing to the scratch; with
     HAS_START, a request with a shared prefix merges the prefix's partials from the scratch first."""
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -124,9 +125,10 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
 
 @triton.jit
 def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, KV_START, O, stride_ob, stride_oh, HQ, MAX_SPLITS, EXTRA_FROM, D,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr):
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr, PDL: tl.constexpr):
     """Columns [0, n_splits) of a row are merged, and for a request with a shared prefix (kv_start > 0)
     also [EXTRA_FROM, MAX_SPLITS): the prefix's partials (-inf where a chunk was empty)."""
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_splits = tl.load(NUM_SPLITS + b)
@@ -203,11 +205,11 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         out.stride(0), out.stride(1), HQ, total_splits, group, D,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2, HAS_START=kv_start is not None,
-        SINGLE=single)
+        SINGLE=single, **pdl_launch())
     if single:
         return out
     _decode_stage2[(B, HQ)](
         mid_o, mid_lse, num_kv_splits, kv_start if kv_start is not None else seq_lens, out, out.stride(0),
         out.stride(1), HQ, total_splits, max_kv_splits, D, BLOCK_S=next_pow2(total_splits), BLOCK_D=BLOCK_D,
-        num_warps=4 if BLOCK_D >= 128 else 2, HAS_START=kv_start is not None)
+        num_warps=4 if BLOCK_D >= 128 else 2, HAS_START=kv_start is not None, **pdl_launch())
     return out

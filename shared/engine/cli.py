@@ -63,6 +63,7 @@ _TYPES = {"device": _device, "attention_backend": _attention_backend, "tp_size":
 _NAMES = {
     "max_context_len": ["--context-length", "--max-context-len"],
     "cuda_graph": ["--no-cuda-graph", "--disable-cuda-graph"],
+    "enable_pdl": ["--no-enable-pdl", "--disable-pdl"],
     "enable_overlap": ["--no-enable-overlap", "--disable-overlap-schedule"],
     "tp_size": ["--tp-size", "--tp"],
 }
@@ -93,6 +94,7 @@ _HELP = {
                                        "once per group (the cascade-attention ablation)",
     "cuda_graph": "run decode without CUDA graphs",
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
+    "enable_pdl": "launch the Triton kernels without programmatic dependent launch (Hopper and newer)",
     "enable_overlap": "do not overlap the host's scheduling with the device's step",
     "disable_jump_forward": "decode grammar-forced tokens one by one (the ablation)",
     "jump_forward_mode": "retokenize: forced runs as the tokenizer's tokens (fastest); verify: forced "

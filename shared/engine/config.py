@@ -55,6 +55,10 @@ class EngineConfig:
     disable_shared_prefix_attention: bool = False
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
+    # Programmatic dependent launch for our Triton kernels on Hopper and newer: a kernel may be scheduled
+    # while the previous one drains (it waits for that one's writes first), and a GEMV starts streaming
+    # its weights early. Process-wide (kernels._utils.set_pdl), set before the CUDA graphs are captured.
+    enable_pdl: bool = True
     enable_overlap: bool = True
     disable_jump_forward: bool = False
     # retokenize: forced runs go in as the tokenizer's own tokens (fastest; the model may have chosen

@@ -174,6 +174,9 @@ class ModelRunner:
         self.device = rank_device(resolve_device(config.device), tp_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            from kernels._utils import set_pdl
+
+            set_pdl(config.enable_pdl)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.random_seed)
         self.model, self.model_config = load_model(config.model_path, dtype=self.dtype, device=self.device,

@@ -1,0 +1,118 @@
+"""GEMV tiles chosen where they run: a Llama-8B decode layer's norms and four GEMVs, x 32 layers, in one
+CUDA graph with programmatic dependent launch, bf16 and FP8 weights. One shape's tile is varied at a time
+(the others at their defaults); the chain's time is what counts, since with PDL a GEMV overlaps its
+neighbours and the best tile alone is not the best tile in the chain.
+
+    python -m bench.gemv_chain_sweep [--dtypes bf16,fp8] [--budget 400]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from bench.kernels import graph_time_ms
+from kernels._utils import set_pdl
+from kernels.gemv import GemvConfig, default_config, gemv
+from kernels.norm import rms_norm
+
+HIDDEN, INTER, QKV = 4096, 14336, 6144
+LAYERS = 32
+SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+CANDIDATES = [(4, 2048, 2), (8, 512, 2), (8, 512, 4), (8, 1024, 2), (8, 1024, 4), (8, 2048, 4), (8, 4096, 8),
+              (16, 256, 4), (16, 512, 4), (16, 1024, 4), (16, 2048, 8), (32, 256, 4), (32, 512, 4)]
+
+
+def build(dtype: str):
+    from shared.models.quantization import quantize_per_channel
+    layers = []
+    for _ in range(LAYERS):
+        ws = {}
+        for name, (n, k) in SHAPES.items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            ws[name] = quantize_per_channel(w.float()) if dtype == "fp8" else (w, None)
+            del w
+        layers.append(ws)
+    return layers
+
+
+def chain_ms(layers, cfgs: dict) -> float:
+    x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    nw = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def fn(i):
+        h = x
+        for ws in layers:
+            hn, _ = rms_norm(h, nw, 1e-5, res)
+            qkv = gemv(hn, ws["qkv"][0], scale=ws["qkv"][1], config=cfgs.get("qkv"))
+            o = gemv(qkv[:, :HIDDEN], ws["o"][0], scale=ws["o"][1], config=cfgs.get("o"))
+            hn, _ = rms_norm(o, nw, 1e-5, res)
+            gu = gemv(hn, ws["gate_up"][0], scale=ws["gate_up"][1], config=cfgs.get("gate_up"))
+            h = gemv(gu, ws["down"][0], scale=ws["down"][1], config=cfgs.get("down"), silu_mul=True)
+    return graph_time_ms(fn, reps=7, target_ms=15)
+
+
+def fits(bn, bk, warps) -> bool:
+    return bn * bk // (32 * warps) <= 128
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--budget", type=float, default=400)
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    args = ap.parse_args()
+    set_pdl(True)
+    t0 = time.time()
+    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "runs": {}}
+    for dtype in args.dtypes.split(","):
+        layers = build(dtype)
+        wb = 1 if dtype == "fp8" else 2
+        nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
+        base = chain_ms(layers, {})
+        print(f"{dtype}: default tiles {base * 1e3:.0f} us for the chain ({nbytes / base / 1e9:.0f} GB/s)", flush=True)
+        best = {}
+        rows = []
+        for name, (n, k) in SHAPES.items():
+            d = default_config(1, n, k, wb)
+            best[name] = (base, d)
+            for bn, bk, warps in CANDIDATES:
+                for split in (1, 2):
+                    if not fits(bn, bk, warps) or bk > k or (split > 1 and n > 8192):
+                        continue
+                    if time.time() - t0 > args.budget:
+                        break
+                    cfg = GemvConfig(bn, bk, split, warps)
+                    if cfg == d:
+                        continue
+                    try:
+                        t = chain_ms(layers, {name: cfg})
+                    except Exception as e:  # a tile that does not compile or fit
+                        print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
+                        continue
+                    rows.append({"shape": name, "cfg": [bn, bk, split, warps], "chain_us": t * 1e3})
+                    if t < best[name][0]:
+                        best[name] = (t, cfg)
+            print(f"  {name}: default {d} -> best {best[name][1]} chain {best[name][0] * 1e3:.0f} us "
+                  f"({(base - best[name][0]) / LAYERS * 1e3:+.2f} us per layer)", flush=True)
+        final = chain_ms(layers, {nm: b[1] for nm, b in best.items()})
+        again = chain_ms(layers, {})
+        print(f"{dtype}: all best {final * 1e3:.0f} us vs default {again * 1e3:.0f} us "
+              f"({nbytes / final / 1e9:.0f} vs {nbytes / again / 1e9:.0f} GB/s)", flush=True)
+        result["runs"][dtype] = {"default_us": [base * 1e3, again * 1e3], "best_us": final * 1e3,
+                                 "best": {nm: list(vars(b[1]).values()) for nm, b in best.items()}, "rows": rows}
+        del layers
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(os.path.join(args.out, "gemv_chain_sweep.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

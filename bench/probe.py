@@ -1,0 +1,289 @@
+"""Exploratory GPU probes (one device call each, a few minutes): where batch-1 decode and extend time goes.
+
+    python -m bench.probe pdl        # a Llama-8B layer's four GEMVs x 32 in one CUDA graph, PDL off / on
+    python -m bench.probe extend     # extend attention: our tiles, torch's flash varlen and SDPA backends
+    python -m bench.probe trace      # the engine's batch-1 decode graph, kernel by kernel (torch.profiler)
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.kernels import graph_time_ms
+
+HQ, HKV, D, HIDDEN, INTER = 32, 8, 128, 4096, 14336
+DT = torch.bfloat16
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def probe_pdl(res: dict) -> None:
+    from kernels.gemv import gemv
+    layers = 32
+    dev = "cuda"
+    ws = [(torch.randn(6144, HIDDEN, dtype=DT, device=dev) * 0.02, torch.randn(HIDDEN, HIDDEN, dtype=DT, device=dev) * 0.02,
+           torch.randn(2 * INTER, HIDDEN, dtype=DT, device=dev) * 0.02, torch.randn(HIDDEN, INTER, dtype=DT, device=dev) * 0.02)
+          for _ in range(layers)]
+    x0 = torch.randn(1, HIDDEN, dtype=DT, device=dev)
+    bufs = [torch.empty(1, 6144, dtype=DT, device=dev), torch.empty(1, HIDDEN, dtype=DT, device=dev),
+            torch.empty(1, 2 * INTER, dtype=DT, device=dev), torch.empty(1, HIDDEN, dtype=DT, device=dev)]
+    nbytes = sum(w.numel() * 2 for lw in ws for w in lw)
+
+    def chain(pdl):
+        def fn(i):
+            x = x0
+            for wq, wo, wgu, wd in ws:
+                gemv(x, wq, out=bufs[0], pdl=pdl)
+                gemv(bufs[0][:, :HIDDEN], wo, out=bufs[1], pdl=pdl)
+                gemv(bufs[1], wgu, out=bufs[2], pdl=pdl)
+                gemv(bufs[2], wd, out=bufs[3], silu_mul=True, pdl=pdl)
+                x = bufs[3]
+        return fn
+
+    ref = None
+    for pdl in (False, True, False, True):
+        fn = chain(pdl)
+        fn(0)
+        torch.cuda.synchronize()
+        out = bufs[3].clone()
+        if ref is None:
+            ref = out
+        same = torch.equal(out, ref)
+        t = graph_time_ms(fn, reps=9, target_ms=20)
+        log(f"pdl={pdl}: 128 GEMVs {t * 1e3:.0f} us, {nbytes / t / 1e6:.0f} GB/s, same result {same}")
+        res.setdefault("pdl", []).append({"pdl": pdl, "us": t * 1e3, "GBps": nbytes / t / 1e6, "same": same})
+    del ws
+
+
+def probe_extend(res: dict) -> None:
+    from kernels.attention.triton_extend import extend_attention, extend_block_sizes
+    rows = []
+    for B, L in [(1, 8192), (2, 4096), (8, 1024)]:
+        T = B * L
+        q = torch.randn(T, HQ, D, dtype=DT, device="cuda")
+        k = torch.randn(T, HKV, D, dtype=DT, device="cuda")
+        v = torch.randn(T, HKV, D, dtype=DT, device="cuda")
+        kb = torch.zeros(16, HKV, D, dtype=DT, device="cuda")
+        r2t = torch.zeros(B, 16, dtype=torch.int32, device="cuda")
+        req = torch.arange(B, dtype=torch.int32, device="cuda")
+        zero = torch.zeros(B, dtype=torch.int32, device="cuda")
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        starts = torch.arange(B, dtype=torch.int32, device="cuda") * L
+        cu = torch.arange(B + 1, dtype=torch.int32, device="cuda") * L
+        flops = 4 * HQ * D * B * L * (L + 1) / 2
+        out = torch.empty_like(q)
+        base = None
+        for cfg in [None, (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3),
+                    (128, 32, 4, 3), (64, 128, 4, 2)]:
+            try:
+                t = graph_time_ms(lambda i: extend_attention(q, k, v, kb, kb, r2t, req, zero, lens, starts, L,
+                                                             D ** -0.5, out=out, config=cfg), reps=7)
+                if base is None:
+                    base = out.clone()
+                rows.append({"case": f"{B}x{L}", "impl": f"ours {cfg or extend_block_sizes(D, DT)}", "us": t * 1e3,
+                             "TFLOPs": flops / t / 1e9})
+            except Exception as e:
+                rows.append({"case": f"{B}x{L}", "impl": f"ours {cfg}", "error": repr(e)[:200]})
+            log(rows[-1])
+        try:
+            def fa(i):
+                return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, L, L, 0.0, True, False,
+                                                               scale=D ** -0.5)[0]
+            o = fa(0)
+            err = (o.float() - base.float()).abs().max().item()
+            t = graph_time_ms(fa, reps=7)
+            rows.append({"case": f"{B}x{L}", "impl": "aten flash varlen", "us": t * 1e3, "TFLOPs": flops / t / 1e9,
+                         "max_err_vs_ours": err})
+        except Exception as e:
+            rows.append({"case": f"{B}x{L}", "impl": "aten flash varlen", "error": repr(e)[:300]})
+        log(rows[-1])
+        if B == 1:
+            F = torch.nn.functional
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            qf, kf, vf = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            for name, be in [("default", None), ("flash", SDPBackend.FLASH_ATTENTION),
+                             ("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:
+                try:
+                    def sd(i):
+                        if be is None:
+                            return F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=True)
+                        with sdpa_kernel([be]):
+                            return F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=True)
+                    t = graph_time_ms(sd, reps=5)
+                    rows.append({"case": f"{B}x{L}", "impl": f"SDPA {name}", "us": t * 1e3, "TFLOPs": flops / t / 1e9})
+                except Exception as e:
+                    rows.append({"case": f"{B}x{L}", "impl": f"SDPA {name}", "error": repr(e)[:200]})
+                log(rows[-1])
+        del q, k, v
+        torch.cuda.empty_cache()
+    res["extend"] = rows
+
+
+def _engine(pdl: bool, quantization: str | None = None):
+    from bench.common import drive, model_dir, random_prompts
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.tokenizer import Tokenizer
+    path = model_dir("llama-3.1-8b")
+    tok = Tokenizer.load(path)
+    extra = {"quantization": quantization} if quantization else {}
+    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=100_000,
+                      max_running_requests=8, cuda_graph=True, cuda_graph_max_bs=8, enable_pdl=pdl, **extra)
+    eng = Engine(ec, tok, on_output=lambda o: None)
+    greedy = {"temperature": 0, "ignore_eos": True}
+    drive(eng, random_prompts(2, 64, 400, 0), {**greedy, "max_new_tokens": 8})
+    return eng, drive, random_prompts, greedy
+
+
+def probe_b1(res: dict) -> None:
+    """Batch-1 decode with PDL off / on, alternating engines in one process: step wall time, graph replay,
+    and the greedy tokens (must be the same)."""
+    import gc
+
+    from bench.common import graph_replay_ms
+    rows = []
+    tokens = {}
+    for quant in (None, "fp8"):
+        for pdl in (False, True, False, True):
+            eng, drive, random_prompts, greedy = _engine(pdl, quant)
+            st = drive(eng, random_prompts(1, 512, 400, 2), {**greedy, "max_new_tokens": 256})
+            step = st.wall_s / max(1, st.steps) * 1e3
+            replay = graph_replay_ms(eng.runner.graph_runner)
+            toks = [t for o in st.outputs.values() for t in o.token_ids]
+            same = tokens.setdefault(quant, toks) == toks
+            rows.append({"quant": quant, "pdl": pdl, "step_ms": step, "replay_ms": replay, "same_tokens": same,
+                         "n_tokens": len(toks)})
+            log(rows[-1])
+            eng.stop()
+            del eng
+            gc.collect()
+            torch.cuda.empty_cache()
+    res["b1"] = rows
+
+
+def probe_trace(res: dict) -> None:
+    from bench.common import model_dir, random_prompts, drive
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.tokenizer import Tokenizer
+    path = model_dir("llama-3.1-8b")
+    tok = Tokenizer.load(path)
+    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=100_000,
+                      max_running_requests=8, cuda_graph=True, cuda_graph_max_bs=8)
+    eng = Engine(ec, tok, on_output=lambda o: None)
+    greedy = {"temperature": 0, "ignore_eos": True}
+    drive(eng, random_prompts(2, 64, 400, 0), {**greedy, "max_new_tokens": 8})
+    drive(eng, random_prompts(1, 512, 400, 2), {**greedy, "max_new_tokens": 64})
+    g = eng.runner.graph_runner.graphs[1, False]
+    for _ in range(20):
+        g.replay()
+    torch.cuda.synchronize()
+    _trace_graph(res, g, "trace")
+    eng.stop()
+
+
+def probe_trace_pdl(res: dict) -> None:
+    eng, *_ = _engine(True)
+    _trace_graph(res, eng.runner.graph_runner.graphs[1, False], "trace_pdl")
+    eng.stop()
+
+
+def _trace_graph(res, g, key):
+    from torch.profiler import ProfilerActivity, profile
+    reps = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    evs.sort(key=lambda e: e.time_range.start)
+    agg = collections.defaultdict(lambda: [0, 0.0])
+    busy = 0.0
+    for e in evs:
+        d = e.time_range.end - e.time_range.start
+        agg[e.name[:90]][0] += 1
+        agg[e.name[:90]][1] += d
+        busy += d
+    span = (evs[-1].time_range.end - evs[0].time_range.start) if evs else 0
+    gaps = [evs[i + 1].time_range.start - evs[i].time_range.end for i in range(len(evs) - 1)]
+    table = sorted(((n, c / reps, t / reps) for n, (c, t) in agg.items()), key=lambda r: -r[2])
+    log(f"trace: {len(evs) / reps:.0f} kernels per replay, busy {busy / reps:.0f} us, span {span / reps:.0f} us, "
+        f"median gap {statistics.median(gaps) if gaps else 0:.2f} us")
+    for n, c, t in table[:25]:
+        print(f"  {t:8.1f} us  {c:6.0f}x  {t / max(c, 1):6.2f} us each  {n}", flush=True)
+    res[key] = {"kernels_per_replay": len(evs) / reps, "busy_us": busy / reps, "span_us": span / reps,
+                    "median_gap_us": statistics.median(gaps) if gaps else 0,
+                    "top": [{"name": n, "count": c, "us": t} for n, c, t in table[:40]]}
+
+
+def probe_cudnn(res: dict) -> None:
+    """torch's cuDNN attention on packed variable-length batches (no prefix), against our kernel."""
+    from kernels.attention.triton_extend import extend_attention
+    rows = []
+    for B, L in [(1, 8192), (2, 4096), (8, 1024), (4, 300)]:
+        T = B * L
+        q = torch.randn(T, HQ, D, dtype=DT, device="cuda")
+        k = torch.randn(T, HKV, D, dtype=DT, device="cuda")
+        v = torch.randn(T, HKV, D, dtype=DT, device="cuda")
+        kb = torch.zeros(16, HKV, D, dtype=DT, device="cuda")
+        r2t = torch.zeros(B, 16, dtype=torch.int32, device="cuda")
+        req = torch.arange(B, dtype=torch.int32, device="cuda")
+        zero = torch.zeros(B, dtype=torch.int32, device="cuda")
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        starts = torch.arange(B, dtype=torch.int32, device="cuda") * L
+        cu = torch.arange(B + 1, dtype=torch.int32, device="cuda") * L
+        flops = 4 * HQ * D * B * L * (L + 1) / 2
+        out = torch.empty_like(q)
+        t = graph_time_ms(lambda i: extend_attention(q, k, v, kb, kb, r2t, req, zero, lens, starts, L, D ** -0.5,
+                                                     out=out), reps=7)
+        rows.append({"case": f"{B}x{L}", "impl": "ours", "us": t * 1e3, "TFLOPs": flops / t / 1e9})
+        log(rows[-1])
+        for gqa in ("native", "expand"):
+            try:
+                def cd(i):
+                    kk, vv = (k, v) if gqa == "native" else (k.repeat_interleave(HQ // HKV, 1),
+                                                            v.repeat_interleave(HQ // HKV, 1))
+                    return torch.ops.aten._cudnn_attention_forward(q, kk, vv, None, cu, cu, L, L, False, 0.0, True,
+                                                                   False, scale=D ** -0.5)[0]
+                o = cd(0)
+                err = (o.float() - out.float()).abs().max().item()
+                t = graph_time_ms(cd, reps=7)
+                rows.append({"case": f"{B}x{L}", "impl": f"cudnn varlen {gqa}", "us": t * 1e3,
+                             "TFLOPs": flops / t / 1e9, "max_err": err})
+            except Exception as e:
+                rows.append({"case": f"{B}x{L}", "impl": f"cudnn varlen {gqa}", "error": repr(e)[:300]})
+            log(rows[-1])
+        del q, k, v
+        torch.cuda.empty_cache()
+    res["cudnn"] = rows
+
+
+def main() -> int:
+    what = sys.argv[1:] or ["pdl", "extend", "trace"]
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d %H:%M")}
+    for w in what:
+        try:
+            {"pdl": probe_pdl, "extend": probe_extend, "trace": probe_trace, "b1": probe_b1,
+             "trace_pdl": probe_trace_pdl, "cudnn": probe_cudnn}[w](res)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            res[w + "_error"] = repr(e)[:300]
+        torch.cuda.empty_cache()
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "probe.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
