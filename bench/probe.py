@@ -224,6 +224,100 @@ def _trace_graph(res, g, key):
                     "top": [{"name": n, "count": c, "us": t} for n, c, t in table[:40]]}
 
 
+def probe_steps(res: dict) -> None:
+    """What the GPU does between two batch-1 graph replays in the engine loop (overlap on): the kernels
+    outside the graph (sampling, copies) and the idle time, from a torch.profiler trace of 40 steps."""
+    eng, drive, random_prompts, greedy = _engine(True)
+    drive(eng, random_prompts(1, 512, 400, 2), {**greedy, "max_new_tokens": 32})
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        st = drive(eng, random_prompts(1, 512, 400, 3), {**greedy, "max_new_tokens": 48})
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    # A replay ends with lm_head (the one cuBLAS GEMV of the graph) and starts with the embedding lookup.
+    ends = [i for i, e in enumerate(evs) if e.name.startswith("nvjet")]
+    between = collections.defaultdict(lambda: [0, 0.0])
+    idle, n_gaps = 0.0, 0
+    for a, b in zip(ends, ends[1:]):
+        j = a + 1
+        while j < b and "indexSelect" not in evs[j].name:
+            j += 1
+        seg = evs[a + 1:j]
+        t_prev = evs[a].time_range.end
+        for e in seg:
+            between[e.name[:80]][0] += 1
+            between[e.name[:80]][1] += e.time_range.end - e.time_range.start
+            idle += max(0.0, e.time_range.start - t_prev)
+            t_prev = e.time_range.end
+        if j < b:
+            idle += max(0.0, evs[j].time_range.start - t_prev)
+        n_gaps += 1
+    n = max(1, n_gaps)
+    rows = sorted(((k, c / n, t / n) for k, (c, t) in between.items()), key=lambda r: -r[2])
+    log(f"steps: {st.steps}, {n} replay boundaries: idle {idle / n:.1f} us per boundary, "
+        f"kernels between {sum(r[2] for r in rows):.1f} us")
+    for k, c, t in rows[:20]:
+        print(f"  {t:7.1f} us {c:5.1f}x  {k}", flush=True)
+    cpu = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            cpu[e.name[:80]] += e.time_range.end - e.time_range.start
+    top = sorted(cpu.items(), key=lambda kv: -kv[1])[:25]
+    print("host ops (inclusive us per step):", flush=True)
+    for k, t in top:
+        print(f"  {t / max(1, st.steps):8.1f}  {k}", flush=True)
+    res["steps"] = {"idle_us_per_boundary": idle / n, "between": [{"name": k, "count": c, "us": t} for k, c, t in rows],
+                    "host_top": [{"name": k, "us_per_step": t / max(1, st.steps)} for k, t in top]}
+    eng.stop()
+
+
+def probe_tput(res: dict) -> None:
+    """Where the throughput workload's time goes (256 x (512 in, 128 out), all at once, steps synced):
+    prefill passes against the matmul-rate model, decode steps against the weights + KV stream model of
+    bench/offline.py, and against one that also counts decode's matmul compute (at batch 256 the GEMMs are
+    compute-bound: 2 x params x batch FLOPs take longer than streaming the weights)."""
+    from bench.common import (LLAMA31_8B, drive, kv_bytes_per_token, matmul_params, measure_copy_bandwidth,
+                              measure_matmul_tflops, model_dir, param_bytes, random_prompts)
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.tokenizer import Tokenizer
+    cfg = LLAMA31_8B
+    bw = measure_copy_bandwidth()
+    tf = measure_matmul_tflops() * 1e12
+    path = model_dir("llama-3.1-8b")
+    tok = Tokenizer.load(path)
+    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=8192, max_running_requests=256,
+                      chunked_prefill_size=8192, max_prefill_tokens=8192, cuda_graph=True)
+    eng = Engine(ec, tok, on_output=lambda o: None)
+    greedy = {"temperature": 0, "ignore_eos": True}
+    drive(eng, random_prompts(8, 64, 400, 0), {**greedy, "max_new_tokens": 8})
+    st_free = drive(eng, random_prompts(256, 512, 400, 5), {**greedy, "max_new_tokens": 128})
+    st = drive(eng, random_prompts(256, 512, 400, 6), {**greedy, "max_new_tokens": 128}, time_steps=True)
+    mp = matmul_params(cfg)
+    w = param_bytes(cfg) - cfg["vocab_size"] * cfg["hidden_size"] * 2
+    kvb = kv_bytes_per_token(cfg)
+    L, H, D = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["head_dim"]
+    pf_model = sum(t * 2 * mp + 4 * L * H * D * t * 512 / 2 for t in st.extend_step_tokens) / tf
+    dec_mem, dec_cmp = 0.0, 0.0
+    ctx = 512
+    for bs in st.decode_step_bs:
+        kv = bs * ctx * kvb
+        dec_mem += (w + kv) / bw
+        dec_cmp += max(2 * mp * bs / tf, w / bw) + kv / bw
+        ctx += 1
+    out = {"wall_free_s": st_free.wall_s, "wall_synced_s": st.wall_s, "extend_s": sum(st.extend_step_s),
+           "extend_passes": len(st.extend_step_s), "extend_tokens": sum(st.extend_step_tokens),
+           "prefill_model_s": pf_model, "decode_s": sum(st.decode_step_s), "decode_steps": len(st.decode_step_s),
+           "decode_model_mem_s": dec_mem, "decode_model_compute_s": dec_cmp,
+           "decode_bs_hist": dict(collections.Counter(st.decode_step_bs).most_common(6))}
+    big = [t for t, b in zip(st.decode_step_s, st.decode_step_bs) if b == 256]
+    if big:
+        out["decode_b256_ms_median"] = statistics.median(big) * 1e3
+    log(out)
+    res["tput"] = out
+    eng.stop()
+
+
 def probe_cudnn(res: dict) -> None:
     """torch's cuDNN attention on packed variable-length batches (no prefix), against our kernel."""
     from kernels.attention.triton_extend import extend_attention
@@ -273,7 +367,8 @@ def main() -> int:
     for w in what:
         try:
             {"pdl": probe_pdl, "extend": probe_extend, "trace": probe_trace, "b1": probe_b1,
-             "trace_pdl": probe_trace_pdl, "cudnn": probe_cudnn}[w](res)
+             "trace_pdl": probe_trace_pdl, "cudnn": probe_cudnn, "steps": probe_steps,
+             "tput": probe_tput}[w](res)
         except Exception as e:
             import traceback
             traceback.print_exc()
