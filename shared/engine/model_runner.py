@@ -74,6 +74,7 @@ class PendingStep:
         self.out, self.batch, self.sampled, self.tensors, self.event = out, batch, sampled, tensors, event
         self.counts = counts  # sample rows per sampled request (None: one each)
         self.dropped: set[int] = set()
+        self.constrained = False  # grammar rows: sampled once the engine has advanced the grammars
         self.deferred: tuple | None = None  # (runner, logits, fb, sampling batch): not sampled yet
 
     @property
@@ -507,6 +508,7 @@ class ModelRunner:
         handle = PendingStep(out, batch, sampled, None, None, counts)
         handle.deferred = (self, logits, fb, sb)
         if any(r.grammar is not None for r in reqs):
+            handle.constrained = True
             return handle
         self.sample_pending(handle)
         return handle
