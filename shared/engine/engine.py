@@ -519,9 +519,10 @@ class Engine:
         if jf.rollback:
             del req.output_ids[-jf.rollback:]
         req.output_ids.extend(jf.new_ids)
-        if req.req_pool_idx is not None:
+        if req.req_pool_idx is not None and req.seq_len - req.kv_len == 1:
             # The next input is now the run's last token, not the sample: a rollback with one new token
-            # leaves a single token to compute, which a decode pass reads from the device buffer.
+            # leaves a single token to compute, which a decode pass reads from the device buffer. (With
+            # more, the next pass extends them from the host's ids and its sample refills the buffer.)
             self.runner.set_last_token(req.req_pool_idx, req.output_ids[-1])
         req.num_resolved = len(req.output_ids)
         req.sent_token_count = min(req.sent_token_count, req.num_resolved)

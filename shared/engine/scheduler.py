@@ -163,6 +163,7 @@ class Scheduler:
     def _bind(self, req: Req, match) -> None:
         """Give an admitted request its row and its cached prefix (locked by the caller)."""
         req.req_pool_idx = self.req_pool.alloc()
+        req.table_len = 0  # a new row: nothing of it written yet
         req.last_node = match.node
         req.cached_len = req.kv_len = match.length
         req.slots = match.slots.tolist()
@@ -171,6 +172,7 @@ class Scheduler:
         self.cache.unlock(req.last_node)
         self.req_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.cached_len, req.kv_len, req.slots = None, None, 0, 0, []
+        req.table_len = 0
 
     # ------------------------------------------------------------------ insert at prefill end
     def _cache_extended(self) -> None:
@@ -390,6 +392,7 @@ class Scheduler:
             self.cache.unlock(req.last_node)
         self.req_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.cached_len, req.kv_len, req.slots = None, None, 0, 0, []
+        req.table_len = 0
 
 
 class _LazyKey:
