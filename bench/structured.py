@@ -3,7 +3,10 @@ unconstrained decoding through the real engine, and the grammar mask cost per to
 fill on its own (host fill + copy + unpack, nothing to hide behind) and what of it stays on the critical
 path in the engine, where the host fills a step's masks while the device runs that step's forward.
 
-    python -m bench.structured [--shape llama-3.1-8b|tiny] [--num-reqs 64]
+    python -m bench.structured [--shape llama-3.1-8b|tiny|tiny-wide] [--num-reqs 64] [--modes ...]
+
+After the timed runs, jump-forward and token-by-token run once more with a per-pass breakdown
+(bench/pass_breakdown.py): passes by kind, host ms per pass by phase, device ms per pass on a GPU.
 
 Random weights: what the model writes inside free fields is noise, but the grammar's forced scaffolding
 (keys, punctuation, enum tails) is the same as with a real model, and that is what jump-forward skips.
@@ -21,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import SHAPES, drive, median, model_dir, sync  # noqa: E402
+from bench.pass_breakdown import PassBreakdown, format_summary  # noqa: E402
 from shared.engine.config import EngineConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
@@ -96,7 +100,12 @@ def main():
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--num-reqs", type=int, default=64)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
+    ap.add_argument("--modes", default="jump-forward,jump-fwd verify,token-by-token,unconstrained",
+                    help="comma-separated subset of the modes to time")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the per-pass breakdown runs")
+    ap.add_argument("--no-mask-cost", action="store_true", help="skip the batch-32 mask cost figures")
     args = ap.parse_args()
+    wanted = set(args.modes.split(","))
     os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available()
     path = model_dir(args.shape)
@@ -121,6 +130,8 @@ def main():
     modes = [("jump-forward", eng, constrained), ("jump-fwd verify", eng_verify, constrained),
              ("token-by-token", eng_nojf, constrained)]
     for name, engine, sampling in modes:
+        if name not in wanted:
+            continue
         engine.cache.reset()
         jf0, steps0 = engine.jump_forward_tokens, engine.steps
         st = drive(engine, prompts, sampling)
@@ -131,29 +142,54 @@ def main():
         log(f"{name}: {st.wall_s:.2f}s, {st.output_tokens} tokens, {engine.steps - steps0} steps "
             f"({len(st.extend_step_tokens)} extend with {sum(st.extend_step_tokens)} tokens, "
             f"{len(st.decode_step_bs)} decode)")
-    # Unconstrained: the same number of output tokens per request, no grammar.
-    per_req = max(1, res["token-by-token"]["output_tokens"] // len(prompts))
-    eng.cache.reset()
-    st = drive(eng, prompts, {"temperature": 0, "max_new_tokens": per_req, "ignore_eos": True})
-    res["unconstrained"] = {"wall_s": st.wall_s, "output_tokens": st.output_tokens,
-                            "req_per_s": len(prompts) / st.wall_s}
-    log(f"unconstrained: {st.wall_s:.2f}s")
-    res["mask_us_per_token_b32"] = mask_cost_us_per_token(eng, 32)
-    res["mask_in_engine_b32"] = mask_exposed_us_per_token(eng_nojf, prompts, constrained, 32)
-    res["jump_forward_speedup"] = res["token-by-token"]["wall_s"] / res["jump-forward"]["wall_s"]
+    if "unconstrained" in wanted:
+        # Unconstrained: the same number of output tokens per request, no grammar.
+        per_req = max(1, res["token-by-token"]["output_tokens"] // len(prompts)) if "token-by-token" in res else 254
+        eng.cache.reset()
+        st = drive(eng, prompts, {"temperature": 0, "max_new_tokens": per_req, "ignore_eos": True})
+        res["unconstrained"] = {"wall_s": st.wall_s, "output_tokens": st.output_tokens,
+                                "req_per_s": len(prompts) / st.wall_s}
+        log(f"unconstrained: {st.wall_s:.2f}s")
+    if not args.no_mask_cost:
+        res["mask_us_per_token_b32"] = mask_cost_us_per_token(eng, 32)
+        res["mask_in_engine_b32"] = mask_exposed_us_per_token(eng_nojf, prompts, constrained, 32)
+    if "token-by-token" in res and "jump-forward" in res:
+        res["jump_forward_speedup"] = res["token-by-token"]["wall_s"] / res["jump-forward"]["wall_s"]
+    breakdowns = {}
+    if not args.no_breakdown:
+        # Once more each, instrumented (a few perf_counter reads and CUDA events per pass; the timed
+        # runs above carry none of it).
+        for name, engine in (("jump-forward", eng), ("token-by-token", eng_nojf)):
+            engine.cache.reset()
+            bd = PassBreakdown(engine)
+            try:
+                st = drive(engine, prompts, constrained)
+            finally:
+                bd.close()
+            breakdowns[name] = bd.summary()
+            breakdowns[name]["all"]["run_wall_s"] = st.wall_s
+            log(f"{name} (instrumented): {st.wall_s:.2f}s")
+        res["pass_breakdown"] = breakdowns
     with open(os.path.join(args.out, "structured.json"), "w") as f:
         json.dump(res, f, indent=2)
     print(f"\n{res['gpu']}  {args.num_reqs} JSON extractions, schema with {len(SCHEMA['properties'])} fields")
     print(f"{'mode':18s} {'wall s':>8s} {'req/s':>8s} {'tokens':>8s} {'ms/token':>9s} {'steps':>6s}")
     for name in ("jump-forward", "jump-fwd verify", "token-by-token", "unconstrained"):
+        if name not in res:
+            continue
         r = res[name]
         print(f"{name:18s} {r['wall_s']:8.2f} {r['req_per_s']:8.2f} {r['output_tokens']:8d} "
               f"{1e3 * r['wall_s'] / max(1, r['output_tokens']) * args.num_reqs:9.2f} {r.get('steps', 0):6d}")
-    m = res["mask_in_engine_b32"]
-    print(f"jump-forward speedup {res['jump_forward_speedup']:.2f}x (goal 2x); mask fill alone "
-          f"{res['mask_us_per_token_b32']:.1f} us/token at batch 32; in the engine {m['exposed_us']:.1f} "
-          f"us/token on the critical path (goal 40), host fill {m['host_fill_us']:.1f} us/token "
-          f"({m['steps']} steps, {m['masked_tokens']} masked tokens)")
+    if "jump_forward_speedup" in res:
+        print(f"jump-forward speedup {res['jump_forward_speedup']:.2f}x (goal 2x)")
+    if "mask_in_engine_b32" in res:
+        m = res["mask_in_engine_b32"]
+        print(f"mask fill alone {res['mask_us_per_token_b32']:.1f} us/token at batch 32; in the engine "
+              f"{m['exposed_us']:.1f} us/token on the critical path (goal 40), host fill {m['host_fill_us']:.1f} "
+              f"us/token ({m['steps']} steps, {m['masked_tokens']} masked tokens)")
+    for name, summary in breakdowns.items():
+        print()
+        print(format_summary(summary, name))
 
 
 if __name__ == "__main__":

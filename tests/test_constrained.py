@@ -490,10 +490,56 @@ def test_bitmask_to_bool_matches_xgrammar_layout():
     assert b[0].nonzero().flatten().tolist() == [5] and b[1].nonzero().flatten().tolist() == [67]
 
 
-def test_tokenizer_info_is_byte_level(cache):
+def test_tokenizer_info_is_byte_level(tok, cache):
     assert cache.info.vocab_type == xgr.VocabType.BYTE_LEVEL
     assert cache.info.stop_token_ids == [EOS] and cache.vocab_size == MODEL_VOCAB
-    assert cache.vocab.token_bytes[cache.info.vocab_size - 1] == b""
+    # lm_head padding is not in xgrammar's vocab (it would list every padding id as a special token and
+    # scan them all on each accept_token); the masks still cover the model's vocab.
+    assert cache.grammar_vocab_size == cache.info.vocab_size == tok.vocab_size < MODEL_VOCAB
+    assert len(cache.info.special_token_ids) < 10
+
+
+def test_padding_ids_are_refused_and_masked(tok, cache, builder):
+    """Ids past the grammar's vocab (lm_head padding) are never allowed: the state refuses them (and
+    fails, as for any token outside the grammar), and every mask path disallows their columns in
+    constrained rows, leaves them alone in the others."""
+    state = cache.state_for("regex", "(yes|no)")
+    # Every way of getting a model-width mask says the same.
+    wide = torch.full((1, (MODEL_VOCAB + 31) // 32), -1, dtype=torch.int32)
+    state.fill_bitmask(wide, 0)
+    via_state = bitmask_to_bool(wide, MODEL_VOCAB)[0]
+    mask = builder.build([None, state])
+    assert mask.bitmask.shape[-1] == (tok.vocab_size + 31) // 32  # filled at the grammar's width
+    b = mask.to_bool()
+    assert b.shape == (2, MODEL_VOCAB) and b[0].all() and torch.equal(b[1], via_state)
+    assert not via_state[tok.vocab_size:].any() and via_state[:tok.vocab_size].any()
+    logits = torch.zeros(2, MODEL_VOCAB)
+    mask.apply(logits)
+    assert torch.isfinite(logits[0]).all() and torch.equal(torch.isfinite(logits[1]), via_state)
+    ok = via_state.nonzero().flatten()[0].item()
+    assert not state.accept_tokens([ok, MODEL_VOCAB - 1]) and not state.failed and state.num_accepted == 0
+    assert not state.accept_token(tok.vocab_size) and state.failed
+
+
+def test_accept_token_cost_does_not_grow_with_lm_head_padding(tok):
+    """An 8B lm_head (128k rows) over a small tokenizer: accepting a token costs what it costs without
+    the padding (xgrammar scanned 128k padding ids as special tokens on every accept: ~24x slower)."""
+    def per_token_s(model_vocab):
+        c = GrammarCache(tok, model_vocab)
+        try:
+            st = c.state_for("json_schema", json.dumps(SCHEMAS["bounded_numbers"]))
+            ids = tok.encode('{"age": 41, "score": 0.5, "count": -3}')
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                assert st.accept_tokens(ids)
+                best = min(best, (time.perf_counter() - t0) / len(ids))
+                st.rollback(len(ids))
+            return best
+        finally:
+            c.close()
+    small, padded = per_token_s(MODEL_VOCAB), per_token_s(128256)
+    assert padded < 4 * small + 2e-6, (small, padded)
 
 
 def test_mask_cost_at_batch_32(tok, cache, builder):

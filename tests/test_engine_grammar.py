@@ -195,3 +195,49 @@ def test_jump_forward_under_memory_pressure_completes(mode):
         ref = Harness(disable_jump_forward=True)
         want = ref.run([ref.submit(prompt(), sampling=s) for s in sampling])
         assert [r["ids"] for r in got] == [r["ids"] for r in want]
+
+
+@pytest.mark.parametrize("cfg", [{"jump_forward_mode": "retokenize", "jump_forward_threshold": 0},
+                                 {"jump_forward_mode": "verify"},
+                                 {"jump_forward_threshold": 0, "page_size": 4, "max_total_tokens": 480,
+                                  "init_new_token_ratio": 0.0, "min_new_token_ratio": 0.0}])
+def test_passes_write_only_new_slot_table_entries_and_rows_hold_every_slot(cfg):
+    """An extend pass writes a request's slot-table row only past what earlier passes wrote (a catch-up
+    pass of jump-forward: its new tokens, not the whole row again); at every launch, every row of the
+    pass holds the request's slots up to the pass's end, through jumps, rejected proposals, dedup with
+    the tree, retraction and re-admission (the small pool)."""
+    from shared.engine.forward_batch import ForwardMode
+
+    h = Harness(**cfg)
+    runner = h.engine.runner
+    launch, plan = runner.launch, runner._plan
+    written, catch_up_tokens, checked = [0], [0], [0]
+
+    def counting_plan(batch):
+        p = plan(batch)
+        if batch.mode == ForwardMode.EXTEND and all(r.num_resolved > 0 for r in batch.reqs):
+            written[0] += len(p.table_writes[0])
+            catch_up_tokens[0] += sum(batch.extend_lens)
+        return p
+
+    def checking_launch(batch):
+        handle = launch(batch)
+        table = runner.req_pool.req_to_token
+        for req, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            assert table[req.req_pool_idx, :p + e].tolist() == req.slots[:p + e], req.rid
+            checked[0] += 1
+        return handle
+    runner._plan, runner.launch = counting_plan, checking_launch
+    sampling = [{"json_schema": json.dumps(SCHEMA), "temperature": 1.0, "seed": s, "max_new_tokens": 120}
+                for s in range(6)]
+    got = h.run([h.submit(prompt(), sampling=s) for s in sampling], max_steps=3000)
+    for r in got:
+        jsonschema.validate(json.loads(r["text"]), SCHEMA)
+    # A request row reused by a request with another prompt, then by one hitting the first prompt's
+    # cached prefix: that prefix must be written into the row again.
+    other = tokenizer().encode("Something else entirely, to be answered in a few words.")
+    for ids in (other, prompt(), other):
+        h.run([h.submit(ids, sampling=sampling[0])], max_steps=3000)
+    assert checked[0] > 0 and catch_up_tokens[0] > 0
+    if "max_total_tokens" not in cfg:  # no re-admission: catch-up passes write their new tokens only
+        assert written[0] == catch_up_tokens[0], (written[0], catch_up_tokens[0])

@@ -108,9 +108,16 @@ def test_masks_fill_between_the_forward_launch_and_the_wait(mode):
         # the wait (or inside the launch) would add to the step instead of hiding behind the forward.
         assert launch < fill < wait, (launch, fill, wait)
     # Overlap: the previous step's tokens were processed after this step's forward was launched and
-    # before its masks were filled (the grammars had to take them first).
+    # before its masks were filled (the grammars had to take them first). With jump-forward, a step
+    # whose tokens will likely make jumps is processed before the next is scheduled instead (Engine.step:
+    # the next pass extends the forced runs at once); every other step overlaps.
     overlapped = [s for s in steps if s[3] is not None and s[0] < s[3] < s[1]]
-    assert len(overlapped) >= len(steps) // 2, (len(overlapped), len(steps))
+    processed_first = [s for s in steps if s[3] is not None and s[3] < s[0]]
+    assert len(overlapped) + len(processed_first) == len([s for s in steps if s[3] is not None])
+    if mode == "off":
+        assert not processed_first and len(overlapped) >= len(steps) // 2, (len(overlapped), len(steps))
+    else:
+        assert overlapped and processed_first, (len(overlapped), len(processed_first))
     ref = Harness(enable_overlap=False, **jf)
     assert got == _run(ref, _requests())
     for x in (h, ref):
@@ -121,8 +128,11 @@ def test_masks_fill_between_the_forward_launch_and_the_wait(mode):
 def test_jump_forward_under_overlap_drops_the_stale_row_and_keeps_outputs(cfg):
     """Retokenizing jump-forward appends forced tokens while the next step, already launched, decodes
     the request from the sampled token: that row is dropped and the forced run extends next, with
-    the other requests riding along (their last token still on the device)."""
+    the other requests riding along (their last token still on the device). The engine avoids this
+    while jumps are likely (it processes such steps before scheduling the next); here it is told
+    they never are, so every jump meets a launched step."""
     h = Harness(**RETOKENIZE, **cfg)
+    h.engine._jumps_likely_after = lambda handle: False
     trace = _Trace(h.engine)
     dropped = []
     sample_pending = h.engine.runner.sample_pending
@@ -181,3 +191,37 @@ def test_every_decode_input_is_the_hosts_token_after_jumps(overlap, threshold):
     for ids, ref_ids, s in zip(got, _run(ref, _requests()), _requests()):
         if "regex" not in s and "json_schema" not in s:
             assert ids == ref_ids  # unconstrained riders are unaffected by the others' jumps
+
+
+def test_while_jumping_no_pass_is_wasted():
+    """Requests in lockstep over one schema jump after nearly every sampled token. With the next step
+    launched before those tokens are known, each jump drops the request's row of that step and its
+    forced run waits a pass more; the engine processes a step whose tokens will likely jump before
+    scheduling the next, so the forced runs extend at once: fewer passes, (almost) no dropped rows,
+    the same outputs."""
+    reqs = [{"json_schema": json.dumps(SCHEMA), "temperature": 0, "max_new_tokens": 160}] * 6
+
+    def run(likely):
+        h = Harness(**RETOKENIZE)
+        if likely is not None:
+            h.engine._jumps_likely_after = likely
+        dropped, passes = [], [0]
+        launch, sample_pending = h.engine.runner.launch, h.engine.runner.sample_pending
+
+        def counting_launch(batch):
+            passes[0] += 1
+            return launch(batch)
+
+        def counting(handle):
+            dropped.append(len(handle.dropped))
+            return sample_pending(handle)
+        h.engine.runner.launch, h.engine.runner.sample_pending = counting_launch, counting
+        got = _run(h, reqs)
+        assert h.engine.scheduler.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
+        return got, passes[0], sum(dropped)
+
+    got, passes, dropped = run(None)
+    old, old_passes, old_dropped = run(lambda handle: False)
+    assert got == old
+    assert old_dropped >= 2 * len(reqs) and dropped < old_dropped // 2, (dropped, old_dropped)
+    assert passes < old_passes, (passes, old_passes)

@@ -602,3 +602,75 @@ def test_shared_prefix_groups_nest_every_node_shared_in_the_batch():
     assert sorted(groups) == [(40, [0, 1, 2, 3, 4]), (41, [2, 3]), (42, [0, 1])]
     assert cache.shared_prefix_groups(nodes[4:] + nodes[2:3]) == [(40, [0, 1])]
     assert NoPrefixCache(alloc, 1).shared_prefix_groups(nodes) == []
+
+
+# ---- a running request's KV growing in the tree (insert_extending) ---------------------------------
+
+def _tree_state(cache):
+    """Every node's path, slots and lock count, and the size counters: what the two ways must agree on."""
+    out = {}
+
+    def walk(node, path):
+        for child in node.children.values():
+            p = path + tuple(child.key.tolist())
+            out[p] = (tuple(child.value.tolist()), child.lock_ref)
+            walk(child, p)
+
+    for ns, root in cache.roots().items():
+        walk(root, (ns,))
+    return out, cache.evictable_size(), cache.protected_size(), cache.stats()["nodes"]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_insert_extending_from_the_request_node_equals_insert_from_the_root(page_size, seed):
+    """Requests grow their KV chunk by chunk (catch-up passes of jump-forward), sharing prefixes, some
+    computing tokens another put into the tree first, and end (released as the scheduler does): the
+    walk from the request's locked node leaves the same tree, locks, sizes and slots as the generic
+    insert from the root + re-match + lock move (PrefixCache.insert_extending)."""
+    from shared.cache.base import PrefixCache
+
+    rng = random.Random(seed)
+    runs = []
+    for fast in (True, False):
+        rng = random.Random(seed)
+        alloc, cache = make(num_pages=4096, page_size=page_size)
+        extend = cache.insert_extending if fast else (
+            lambda *a, **k: PrefixCache.insert_extending(cache, *a, **k))
+        live = []  # [tokens, slots, node, cached, namespace]
+        log = []
+        for _ in range(120):
+            op = rng.random()
+            if op < 0.25 or not live:
+                ns = rng.choice([None, None, "t"])
+                base = rng.choice([[1], [1, 2, 3, 4] * page_size, [5] * (2 * page_size) + [6]])
+                m = cache.match_prefix(base, namespace=ns)
+                cache.lock(m.node)
+                slots = m.slots.tolist() + alloc.alloc(len(base) - m.length).tolist()
+                live.append([list(base), slots, m.node, m.length, ns])
+            elif op < 0.85:
+                r = rng.choice(live)
+                grow = rng.randint(1, 3) * page_size
+                r[0].extend(rng.choice([1, 2, 3]) for _ in range(grow))
+                r[1].extend(alloc.alloc(grow, r[1][-1]).tolist())
+                n = len(r[0]) - len(r[0]) % page_size
+                if n <= r[3]:
+                    continue
+                returned, node, tree = extend(r[2], r[3], r[0][:n], r[1][:n], namespace=r[4])
+                if returned > r[3]:
+                    alloc.free(np.asarray(r[1][r[3]:returned]))
+                    r[1][r[3]:returned] = tree.tolist()
+                r[2], r[3] = node, n
+                log.append((returned, tuple(r[1][:n])))
+            else:
+                r = live.pop(rng.randrange(len(live)))
+                aligned = len(r[0]) - len(r[0]) % page_size
+                slots = torch.tensor(r[1], dtype=torch.int64)
+                done = cache.insert(r[0][:aligned], slots[:aligned], namespace=r[4]) if aligned else 0
+                if done > r[3]:
+                    alloc.free(slots[r[3]:done])
+                if len(slots) > aligned:
+                    alloc.free(slots[aligned:])
+                cache.unlock(r[2])
+        runs.append((_tree_state(cache), log, alloc.available_size()))
+    assert runs[0] == runs[1]

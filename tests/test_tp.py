@@ -101,7 +101,9 @@ def test_tp_retokenized_jumps_under_overlap_match_single_rank():
     """Grammar masks fill while the forward runs (overlap stays on): a request that jumps leaves the
     launched pass on every rank (its row's token is not broadcast, its next input is set on every rank),
     and the catch-up pass after the jump extends the other requests with their last token still on the
-    device, which every rank substitutes from its own copy of rank 0's samples."""
+    device, which every rank substitutes from its own copy of rank 0's samples. (The engine processes
+    a step whose tokens will likely jump before scheduling the next; told they never will, every jump
+    meets a launched pass, as here.)"""
     from shared.engine.forward_batch import ForwardMode
     from shared.engine.request import PENDING_TOKEN
     from tests.test_grammar_overlap import _requests, _run
@@ -109,6 +111,7 @@ def test_tp_retokenized_jumps_under_overlap_match_single_rank():
     results, riders = [], []
     for tp in (1, 2):
         h = Harness(tp_size=tp, jump_forward_mode="retokenize", jump_forward_threshold=0)
+        h.engine._jumps_likely_after = lambda handle: False
         launch, seen = h.engine.runner.launch, [0]
 
         def counting(batch, launch=launch, seen=seen):

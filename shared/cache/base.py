@@ -52,6 +52,21 @@ class PrefixCache(ABC):
         leading tokens were already cached; the caller still owns slots[:returned] and must free those of
         them that are not its own locked prefix. The tree owns slots[returned:] from now on."""
 
+    def insert_extending(self, node: Any, start: int, key: Sequence[int], slots: Sequence[int],
+                         namespace: str | None = None) -> tuple[int, Any, torch.Tensor]:
+        """A running request's KV grows in the tree: it holds one lock on `node`, whose path is
+        key[:start], and now inserts key -> slots (whole, page-aligned, start < len(key)); its lock moves
+        to the node ending at len(key). Returns (leading tokens already cached, as insert() does; never
+        less than start), the new node, and the tree's slots of key[start:returned] (the caller's own
+        slots for those positions are not the tree's: it frees them and switches to these)."""
+        returned = self.insert(key, torch.as_tensor(slots, dtype=torch.int64), namespace=namespace)
+        assert returned >= start, (returned, start)
+        match = self.match_prefix(key, namespace=namespace, record=False)
+        assert match.length == len(key), (match.length, len(key))
+        self.lock(match.node)
+        self.unlock(node)
+        return returned, match.node, match.slots[start:returned].cpu()
+
     @abstractmethod
     def lock(self, node: Any) -> None:
         """Protect the path root..node from eviction (one reference)."""

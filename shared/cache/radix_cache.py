@@ -138,6 +138,37 @@ class RadixCache(PrefixCache):
             self._push(leaf)
         return matched
 
+    def insert_extending(self, node: TreeNode, start: int, key: Sequence[int], slots: Sequence[int],
+                         namespace: str | None = None) -> tuple[int, TreeNode, torch.Tensor]:
+        """As PrefixCache.insert_extending, in O(new tokens): the walk starts at `node` (the request's
+        lock keeps it in the tree; a split above or inside it leaves its path as it was), not at the
+        root, and only the nodes below it change lock counts. The path above is not touched (LRU): it is
+        locked by the request, and touched when the request's KV is finally inserted at its end."""
+        if start <= 0 or node is None or node.parent is None or node.evicted:
+            return super().insert_extending(node, start, key, slots, namespace)
+        n = len(key)
+        assert n == len(slots) and n % self.page_size == 0 and start % self.page_size == 0 and start < n
+        tokens = as_tokens(key[start:])
+        now = self._tick()
+        end, matched, values = self._walk(node, tokens, now)
+        if matched < tokens.shape[0]:
+            leaf = TreeNode(tokens[matched:].copy(), to_numpy_slots(slots[start + matched:]).copy(), end, now)
+            end.children[self._child_key(leaf.key)] = leaf
+            end.version += 1
+            self._num_nodes += 1
+            self._evictable += len(leaf.key)
+            self._push(leaf)
+            end = leaf
+        m = end
+        while m is not node:  # the lock moves from node to end: one more reference below node
+            if m.lock_ref == 0:
+                self._evictable -= len(m.key)
+                self._protected += len(m.key)
+            m.lock_ref += 1
+            m = m.parent
+        tree = np.concatenate(values) if values else np.empty(0, np.int64)
+        return start + matched, end, torch.from_numpy(tree)
+
     def lock(self, node: TreeNode) -> None:
         assert not node.evicted, "lock of an evicted node"
         while node.parent is not None:

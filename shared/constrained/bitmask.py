@@ -18,20 +18,34 @@ from shared.constrained.matcher import GrammarState
 
 @dataclass
 class GrammarMask:
-    bitmask: torch.Tensor  # int32 [B, ceil(V/32)], bit j of row i set = token j allowed
+    bitmask: torch.Tensor  # int32 [B, W], bit j of row i set = token j allowed
     rows: list[int]  # rows that carry a grammar; the others are all-ones
     vocab_size: int  # model vocab V (logits width)
+    # The grammars' vocab when narrower than V (lm_head padding left out of xgrammar's vocab, see
+    # vocab.build_tokenizer_info): the bitmask then covers only it, and the columns past it are
+    # disallowed in constrained rows, untouched in the others (`free`: bool [B], True for those).
+    grammar_vocab_size: int | None = None
+    free: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> "GrammarMask":
-        return GrammarMask(self.bitmask.to(device, non_blocking=True), self.rows, self.vocab_size)
+        free = self.free.to(device, non_blocking=True) if self.free is not None else None
+        return GrammarMask(self.bitmask.to(device, non_blocking=True), self.rows, self.vocab_size,
+                           self.grammar_vocab_size, free)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set disallowed logits to -inf in place (rows without a grammar are untouched)."""
+        if self.grammar_vocab_size is not None:
+            logits.masked_fill_(~self.to_bool().to(logits.device)[:, :logits.shape[-1]], float("-inf"))
+            return
         apply_bitmask(logits, self.bitmask, rows=self.rows, vocab_size=self.vocab_size)
 
     def to_bool(self) -> torch.Tensor:
         """bool [B, V] of allowed tokens, on the bitmask's device (the sampler's `vocab_mask`)."""
-        return bitmask_to_bool(self.bitmask, self.vocab_size)
+        if self.grammar_vocab_size is None:
+            return bitmask_to_bool(self.bitmask, self.vocab_size)
+        g = self.grammar_vocab_size
+        allowed = bitmask_to_bool(self.bitmask, g)
+        return torch.cat([allowed, self.free[:, None].expand(allowed.shape[0], self.vocab_size - g)], dim=1)
 
 
 class MaskBuilder:
@@ -77,10 +91,25 @@ class MaskBuilder:
         # Pinned host memory lets the copy overlap; torch's caching host allocator makes a fresh
         # buffer per step cheap and keeps it alive until the async copy has finished.
         pin = device.type == "cuda"
-        bitmask = torch.full(xgr.get_bitmask_shape(len(states), self.vocab_size), -1,
-                             dtype=xgr.bitmask_dtype, pin_memory=pin)
-        self._fill([states[i].matcher for i in rows], bitmask, rows)
-        mask = GrammarMask(bitmask, rows, self.vocab_size)
+        # The grammars' own width, narrower than the logits when the model pads its vocab: xgrammar
+        # fills rows of exactly that width. States of several widths (not from one GrammarCache) take
+        # the model's, each row widened by its state.
+        widths = {states[i].vocab.size for i in rows}
+        g = widths.pop() if len(widths) == 1 else self.vocab_size
+        direct = not widths and g <= self.vocab_size
+        if not direct:
+            g = self.vocab_size
+        bitmask = torch.full(xgr.get_bitmask_shape(len(states), g), -1, dtype=xgr.bitmask_dtype, pin_memory=pin)
+        if direct:
+            self._fill([states[i].matcher for i in rows], bitmask, rows)
+        else:
+            for i in rows:
+                states[i].fill_bitmask(bitmask, i)
+        free = None
+        if g < self.vocab_size:
+            free = torch.ones(len(states), dtype=torch.bool, pin_memory=pin)
+            free[rows] = False
+        mask = GrammarMask(bitmask, rows, self.vocab_size, g if free is not None else None, free)
         return mask.to(device) if device.type != "cpu" else mask
 
 

@@ -44,7 +44,10 @@ class GrammarCache:
                  any_whitespace: bool = False, jump_forward: bool = True, max_abandoned: int = 4):
         self.tokenizer = tokenizer
         self.info = build_tokenizer_info(tokenizer, model_vocab_size)
-        self.vocab_size = self.info.vocab_size
+        # Mask width (the logits' vocab), and the grammar's own: the tokenizer's ids, lm_head padding left
+        # out (build_tokenizer_info), so it may be narrower.
+        self.vocab_size = model_vocab_size or self.info.vocab_size
+        self.grammar_vocab_size = self.info.vocab_size
         self.vocab = VocabIndex.build(self.info)
         self.max_entries = max_entries
         self.max_grammar_chars = max_grammar_chars

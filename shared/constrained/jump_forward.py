@@ -72,8 +72,8 @@ def plan_jump(state: GrammarState, output_ids: list[int], tokenizer: Tokenizer, 
     rollback, new_ids = k - common, ids[common:]
     if budget is not None:
         new_ids = new_ids[:budget + rollback]
-    removed_bytes = b"".join(tb[t] for t in tail[common:])
-    added_bytes = b"".join(tb[t] for t in new_ids)
+    removed_bytes = b"".join([tb[t] for t in tail[common:]])
+    added_bytes = b"".join([tb[t] for t in new_ids])
     # Never lose generated text, and make progress.
     if len(added_bytes) <= len(removed_bytes) or not added_bytes.startswith(removed_bytes):
         return None
@@ -98,14 +98,16 @@ def _retokenize(state: GrammarState, output_ids: list[int], tokenizer: Tokenizer
     tb = state.vocab.token_bytes
     k = _tail_length(state, output_ids, max_retokenize)
     tail = list(output_ids[len(output_ids) - k:])
-    tail_bytes = b"".join(tb[t] for t in tail)
+    tail_bytes = b"".join([tb[t] for t in tail])
+    forced_bytes = forced.encode()
     ids = tokenizer.raw.encode(tail_bytes.decode("utf-8") + forced, add_special_tokens=False).ids
-    if any(t >= len(tb) for t in ids) or b"".join(tb[t] for t in ids) != tail_bytes + forced.encode():
+    if max(ids, default=-1) >= len(tb) or b"".join([tb[t] for t in ids]) != tail_bytes + forced_bytes:
         return tail, None
     # A final token that a longer token extends would likely have merged with what the model
     # writes next; leave those characters to the model (the mask still forces them) unless the
-    # token reaches back into text that was already generated.
-    if ids and state.vocab.is_extendable(ids[-1]) and len(b"".join(tb[t] for t in ids[:-1])) >= len(tail_bytes):
+    # token reaches back into text that was already generated (the ids spell tail + forced, so the
+    # ones before it reach past the tail exactly when the forced text is at least that token).
+    if ids and state.vocab.is_extendable(ids[-1]) and len(forced_bytes) >= len(tb[ids[-1]]):
         ids = ids[:-1]
     return tail, ids
 

@@ -1,7 +1,7 @@
 """Per-request grammar state: which tokens may come next, and when the output is complete."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xgrammar as xgr
@@ -24,6 +24,12 @@ class GrammarState:
     # Set when a token outside the grammar arrived (a sampler that ignored the mask):
     # the request cannot be continued validly and must be aborted.
     failed: bool = False
+    _row: torch.Tensor | None = field(default=None, repr=False, compare=False)  # fill_bitmask's scratch
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of this grammar's own mask row (its vocab: the tokenizer's ids, no lm_head padding)."""
+        return (self.vocab.size + 31) // 32
 
     @classmethod
     def create(cls, compiled: xgr.CompiledGrammar, vocab: VocabIndex, *, jump_forward: bool = True
@@ -34,7 +40,7 @@ class GrammarState:
         """Advance by one sampled token. False (and `failed`) if the grammar forbids it."""
         if self.failed:
             return False
-        if not self.matcher.accept_token(int(token_id)):
+        if not 0 <= token_id < self.vocab.size or not self.matcher.accept_token(int(token_id)):
             self.failed = True
             return False
         self.num_accepted += 1
@@ -43,8 +49,9 @@ class GrammarState:
     def accept_tokens(self, token_ids: list[int]) -> bool:
         """All or nothing: on a rejection the matcher is left as it was."""
         taken = 0
+        n = self.vocab.size
         for t in token_ids:
-            if not self.matcher.accept_token(int(t)):
+            if not 0 <= t < n or not self.matcher.accept_token(int(t)):
                 if taken:
                     self.matcher.rollback(taken)
                 return False
@@ -60,8 +67,21 @@ class GrammarState:
             self.num_accepted -= n
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
-        """Write the allowed-next-token bits into bitmask[row]. True if anything is masked."""
-        return self.matcher.fill_next_token_bitmask(bitmask, row)
+        """Write the allowed-next-token bits into bitmask[row] (a host int32 bitmask of this grammar's
+        width, or wider: the model's, whose columns past the grammar's vocab are lm_head padding and
+        come out disallowed). True if anything is masked."""
+        words = self.mask_words
+        if bitmask.shape[-1] == words:
+            return self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self._row is None:
+            self._row = torch.empty((1, words), dtype=torch.int32)
+        self.matcher.fill_next_token_bitmask(self._row, 0)
+        bitmask[row, :words] = self._row[0]
+        bitmask[row, words:] = 0
+        tail = self.vocab.size % 32
+        if tail:
+            bitmask[row, words - 1] &= (1 << tail) - 1
+        return True
 
     def is_terminated(self) -> bool:
         """A stop token was accepted: the request is done (finish reason: stop)."""

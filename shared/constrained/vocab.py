@@ -14,16 +14,21 @@ from shared.tokenizer import Tokenizer
 
 
 def build_tokenizer_info(tokenizer: Tokenizer, model_vocab_size: int | None = None) -> xgr.TokenizerInfo:
-    """TokenizerInfo whose mask width is the model's vocab (lm_head rows), not the tokenizer's.
+    """TokenizerInfo over the tokenizer's own ids, capped at the model's vocab (lm_head rows).
 
-    Ids the tokenizer does not define (lm_head padding) get an empty string, which xgrammar treats
-    as a special token and never allows; ids beyond the model's vocab are dropped. Special added
-    tokens other than eos are blanked the same way: their text is dropped on detokenization, so
-    letting a grammar spell "<|endoftext|>" with one of them would produce output that no longer
-    matches the grammar.
+    lm_head padding (model ids the tokenizer does not define) is left out of xgrammar's vocabulary:
+    xgrammar lists every id without text as a special token and scans that list on every
+    accept_token, which with 128k padding ids (an 8B lm_head over a small tokenizer) cost ~24 us a
+    token against ~1 us. So the grammar's masks are narrower than the logits when the model pads;
+    `GrammarState.fill_bitmask` and `MaskBuilder` widen them, padding disallowed (the engine also
+    never samples padding). Special added tokens other than eos are blanked: their text is dropped on
+    detokenization, so letting a grammar spell "<|endoftext|>" with one of them would produce output
+    that no longer matches the grammar; xgrammar treats a blank id as special and never allows it.
     """
     vocab = tokenizer.raw.get_vocab(with_added_tokens=True)
-    size = model_vocab_size or max(max(vocab.values()) + 1, len(vocab))
+    size = max(max(vocab.values()) + 1, len(vocab))
+    if model_vocab_size:
+        size = min(size, model_vocab_size)
     hidden = {i for i, t in tokenizer.raw.get_added_tokens_decoder().items()
               if t.special and i not in tokenizer.eos_token_ids}
     encoded = [""] * size
@@ -91,6 +96,11 @@ class VocabIndex:
         return cls(token_bytes=token_bytes, special_ids=special, extendable_ids=frozenset(extendable),
                    max_token_bytes=max(1, longest), ids_by_bytes={b: tuple(v) for b, v in by_bytes.items()},
                    sorted_bytes=list(by_bytes))
+
+    @property
+    def size(self) -> int:
+        """Ids the grammar knows (xgrammar's vocab_size): its masks cover these."""
+        return len(self.token_bytes)
 
     def is_extendable(self, token_id: int) -> bool:
         return token_id in self.extendable_ids

@@ -31,6 +31,7 @@ class DetokState:
     prefix_offset: int = 0
     read_offset: int = 0
     context_len: int = 0  # leading prompt tokens in ids, decoded only for context
+    context_text: str | None = None  # their text (reset_output's, decoded once)
     text: str = ""  # all stable output text so far (before stop trimming)
     emitted: int = 0  # characters of `text` already returned to the caller
     matched_stop: str | None = None
@@ -61,7 +62,9 @@ class Detokenizer:
         """The output tokens were rewritten (jump-forward re-tokenized the tail; its text only grows):
         decode them afresh, then emit what is new as usual."""
         st.ids = st.ids[:st.context_len] + list(output_ids)
-        context = self._decode(st, st.ids[:st.context_len])
+        if st.context_text is None:
+            st.context_text = self._decode(st, st.ids[:st.context_len])
+        context = st.context_text
         full = self._decode(st, st.ids)
         text = full[len(context):] if full.startswith(context) else self._decode(st, list(output_ids))
         while text.endswith("\ufffd"):  # an unfinished character: wait for the rest

@@ -22,6 +22,7 @@ from shared.cache.radix_cache import RadixCache
 from shared.constrained import apply_jump, forced_text, jump_forward, plan_jump, set_allowed
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import Detokenizer
+from shared.engine.forward_batch import ForwardMode
 from shared.engine.model_runner import ModelRunner, StepOutput
 from shared.engine.request import PENDING_TOKEN, Req, ReqStatus
 from shared.engine.schedule_batch import ScheduleBatch
@@ -116,6 +117,9 @@ class Engine:
         self.jump_forward_tokens = 0
         self.jump_forward_declined = 0  # jumps not taken: too few forced tokens to pay for a catch-up pass
         self._jump_candidates: list[tuple[Req, int]] = []  # this step's grammar requests, for _settle_jumps
+        # The last step whose grammar requests sampled made jumps (or verify-mode proposals): the next
+        # likely does too, so the next constrained step is processed before scheduling (see step()).
+        self._expect_jumps = False
         self.forced_mask_rows = 0  # verify mode: proposal positions masked from the forced text, no fill
         self._host_dependent = 0  # live requests whose sampling needs their tokens on the host
 
@@ -182,7 +186,17 @@ class Engine:
         next sampling depends on host state (penalties over their output) turn overlap off for the
         steps they are in. Grammars do not: a step with constrained requests launches its forward
         pass, then step N is processed (the grammars take its tokens), then the host fills step N+1's
-        masks while the device runs its forward, and only then is N+1's sampling enqueued."""
+        masks while the device runs its forward, and only then is N+1's sampling enqueued.
+
+        Except while jump-forward is jumping: a request that jumps over forced text after step N's
+        token cannot use its row of step N+1 (launched before that token was known): the row is
+        dropped and its forced tokens wait for step N+2, so each forced run would cost the request two
+        passes, and in lockstep batches every other pass would be wasted. So while the last processed
+        step's tokens led to jumps (`_expect_jumps`), and after an extend pass (its requests' next
+        token, after a prompt or a forced run, is mostly at a choice the grammar follows with forced
+        text), a constrained step is processed as soon as its sampling is enqueued, before the next one
+        is scheduled: the next pass extends the forced runs at once (its masks still fill while its
+        forward runs)."""
         if self._pending is not None and (not self.config.enable_overlap or self._host_dependent > 0):
             self._resolve_pending()
         self._drain_inbox(block=self.scheduler.is_idle() and self._pending is None and not self._grammar_wait)
@@ -214,11 +228,18 @@ class Engine:
             self._failing = None
         self._pending = handle
         self.steps += 1
-        if not self.config.enable_overlap or self._host_dependent > 0 or handle.counts is not None:
+        if (not self.config.enable_overlap or self._host_dependent > 0 or handle.counts is not None
+                or self._jumps_likely_after(handle)):
             # A pass verifying proposals (jump-forward, verify mode) decides on the host where its
-            # requests continue: nothing is scheduled after it until it is processed.
+            # requests continue: nothing is scheduled after it until it is processed. So does a
+            # constrained pass while jump-forward is jumping (above).
             self._resolve_pending()
         return True
+
+    def _jumps_likely_after(self, handle) -> bool:
+        """Whether the tokens of this constrained pass will likely make jumps (see step())."""
+        return (handle.constrained and not self.config.disable_jump_forward
+                and (self._expect_jumps or handle.batch.mode == ForwardMode.EXTEND))
 
     def _resolve_pending(self) -> None:
         if self._pending is None:
@@ -466,6 +487,7 @@ class Engine:
         if self.config.jump_forward_mode == "verify":
             for req, _ in candidates:
                 self._propose_forced(req)
+            self._expect_jumps = any(req.proposed for req, _ in candidates)
             return
         jumps = []
         for req, tok in candidates:  # planned only: the matchers move for the jumps taken
@@ -480,9 +502,11 @@ class Engine:
         need = self.config.jump_forward_threshold * len(self.scheduler.running)
         if not extend_due and sum(len(jf.new_ids) - jf.rollback for _, _, jf in jumps) < need:
             self.jump_forward_declined += len(jumps)
+            self._expect_jumps = False
             return
         jumps = [(req, tok, jf) for req, tok, jf in jumps
                  if apply_jump(req.grammar, jf, req.output_ids[:req.num_resolved])]
+        self._expect_jumps = bool(jumps)
         for req, tok, jf in jumps:
             self._check_finish(req, tok, self._jump_forward(req, jf), False)
 
@@ -495,9 +519,10 @@ class Engine:
         if jf.rollback:
             del req.output_ids[-jf.rollback:]
         req.output_ids.extend(jf.new_ids)
-        if req.req_pool_idx is not None:
+        if req.req_pool_idx is not None and req.seq_len - req.kv_len == 1:
             # The next input is now the run's last token, not the sample: a rollback with one new token
-            # leaves a single token to compute, which a decode pass reads from the device buffer.
+            # leaves a single token to compute, which a decode pass reads from the device buffer. (With
+            # more, the next pass extends them from the host's ids and its sample refills the buffer.)
             self.runner.set_last_token(req.req_pool_idx, req.output_ids[-1])
         req.num_resolved = len(req.output_ids)
         req.sent_token_count = min(req.sent_token_count, req.num_resolved)

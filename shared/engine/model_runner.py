@@ -74,6 +74,7 @@ class PendingStep:
         self.out, self.batch, self.sampled, self.tensors, self.event = out, batch, sampled, tensors, event
         self.counts = counts  # sample rows per sampled request (None: one each)
         self.dropped: set[int] = set()
+        self.constrained = False  # grammar rows: sampled once the engine has advanced the grammars
         self.deferred: tuple | None = None  # (runner, logits, fb, sampling batch): not sampled yet
 
     @property
@@ -316,14 +317,17 @@ class ModelRunner:
 
     @staticmethod
     def _table_writes(batch: ScheduleBatch) -> tuple[list[int], list[int], list[int]]:
-        """The slots of this pass's tokens in the request rows. An extend pass writes the whole row up to
-        its end: a newly admitted request's cached prefix is new there."""
+        """The slots of this pass's tokens in the request rows. An extend pass writes the row from the
+        first entry no earlier pass wrote (`Req.table_len`): all of it for a newly admitted request (its
+        cached prefix is new there), the new tokens only for a running one catching up."""
         rows, cols, vals = [], [], []
+        decode = batch.mode == ForwardMode.DECODE
         for req, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            first = p if batch.mode == ForwardMode.DECODE else 0
+            first = p if decode else min(p, req.table_len)
             rows.extend([req.req_pool_idx] * (p + e - first))
             cols.extend(range(first, p + e))
             vals.extend(req.slots[first:p + e])
+            req.table_len = p + e
         return rows, cols, vals
 
     def _plan(self, batch: ScheduleBatch) -> ForwardPlan:
@@ -510,6 +514,7 @@ class ModelRunner:
         handle = PendingStep(out, batch, sampled, None, None, counts)
         handle.deferred = (self, logits, fb, sb)
         if any(r.grammar is not None for r in reqs):
+            handle.constrained = True
             return handle
         self.sample_pending(handle)
         return handle

@@ -49,6 +49,9 @@ class Req:
     cached_len: int = 0
     last_node: Any = None
     slots: list[int] = field(default_factory=list)  # pool slot of every position with KV (host mirror)
+    # Leading entries of the request's req_to_token row written by passes since the row was taken (an
+    # extend pass writes only past them: a catch-up pass need not rewrite whole rows). 0 on a new row.
+    table_len: int = 0
     # Reported: prefix tokens served from the cache at first admission (counted once).
     num_cached_tokens: int | None = None
     first_scheduled_time: float | None = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from shared.cache.base import PrefixCache
@@ -162,6 +163,7 @@ class Scheduler:
     def _bind(self, req: Req, match) -> None:
         """Give an admitted request its row and its cached prefix (locked by the caller)."""
         req.req_pool_idx = self.req_pool.alloc()
+        req.table_len = 0  # a new row: nothing of it written yet
         req.last_node = match.node
         req.cached_len = req.kv_len = match.length
         req.slots = match.slots.tolist()
@@ -170,6 +172,7 @@ class Scheduler:
         self.cache.unlock(req.last_node)
         self.req_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.cached_len, req.kv_len, req.slots = None, None, 0, 0, []
+        req.table_len = 0
 
     # ------------------------------------------------------------------ insert at prefill end
     def _cache_extended(self) -> None:
@@ -191,27 +194,22 @@ class Scheduler:
         ids = req.all_ids
         n = min(req.kv_len, len(ids) - req.proposed)  # unverified jump-forward proposals stay out
         n -= n % P
-        if n <= req.cached_len:
-            return
-        key = ids[:n]
-        if PENDING_TOKEN in key:  # a sampled token not on the host yet (overlap): stop before it
-            n = key.index(PENDING_TOKEN)
-            n -= n % P
-            if n <= req.cached_len:
-                return
-            key = key[:n]
         old = req.cached_len
-        slots = torch.tensor(req.slots[:n], dtype=torch.int64)
-        returned = self.cache.insert(key, slots, namespace=req.cache_salt)
-        assert returned >= old, (returned, old)
-        match = self.cache.match_prefix(key, namespace=req.cache_salt, record=False)
-        assert match.length == n, (match.length, n)
-        self.cache.lock(match.node)
-        self.cache.unlock(req.last_node)
-        req.last_node, req.cached_len = match.node, n
+        if n <= old:
+            return
+        tail = ids[old:n]  # what is new: the tree holds ids[:old] already
+        if PENDING_TOKEN in tail:  # a sampled token not on the host yet (overlap): stop before it
+            n = old + tail.index(PENDING_TOKEN)
+            n -= n % P
+            if n <= old:
+                return
+        # From the request's own node down (not from the root): O(new tokens) a call, however deep its
+        # path (a jump-forward request inserts after every catch-up pass).
+        returned, node, tree = self.cache.insert_extending(req.last_node, old, ids[:n], req.slots[:n],
+                                                           namespace=req.cache_salt)
+        req.last_node, req.cached_len = node, n
         if returned > old:
-            self.allocator.free(slots[old:returned])
-            tree = match.slots[old:returned]
+            self.allocator.free(np.asarray(req.slots[old:returned], dtype=np.int64))
             req.slots[old:returned] = tree.tolist()
             self.req_pool.write(req.req_pool_idx, old, tree)  # host slots: staged without blocking
 
@@ -394,6 +392,7 @@ class Scheduler:
             self.cache.unlock(req.last_node)
         self.req_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.cached_len, req.kv_len, req.slots = None, None, 0, 0, []
+        req.table_len = 0
 
 
 class _LazyKey:
