@@ -15,7 +15,7 @@ from services.gateway import logprobs as lp
 from services.gateway.chat_output import ChoiceOutput
 from services.gateway.chat_request import ChatSpec, parse_chat
 from services.gateway.admission import (check_grammars, check_model, stamp_tenant, check_token_ids, child_requests,
-                                        encode_prompt, resolve_max_new_tokens, sampling_params)
+                                        encode_prompt, resolve_max_new_tokens, sampling_params, token_ids_in_vocab)
 from services.gateway.dispatch import GenerationResult, created_timestamp, new_rid
 from services.gateway.errors import APIError, bad_request
 from shared.errors import ContextLengthExceeded
@@ -147,6 +147,8 @@ async def completions(state: "GatewayState", request: web.Request) -> web.Stream
 
 async def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
     tok = state.tokenizer
+    if isinstance(prompt, list) and prompt and token_ids_in_vocab(state, prompt):
+        return [Prompt(prompt, tokenizer=tok)]  # the common case in one check; any other shape or error below
     if isinstance(prompt, str):
         items: list = [prompt]
     elif is_token_ids(prompt) and prompt:
@@ -166,7 +168,7 @@ async def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
             out.append(Prompt(await encode_prompt(state, item, "prompt"), item))
         else:
             check_token_ids(state, item, "prompt")
-            out.append(Prompt(list(item), tokenizer=tok))
+            out.append(Prompt(item, tokenizer=tok))  # the body's own list: nothing else holds or changes it
     return out
 
 
