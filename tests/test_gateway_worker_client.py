@@ -409,19 +409,60 @@ def test_cache_aware_pair_routing_hashes_the_prompt_once(monkeypatch):
     assert len(calls) == 2
 
 
-async def test_dispatcher_streams_index_each_increment(worker, client):
-    """stream_many yields (index, increment, result): one request is the dispatcher's own stream (no
-    relaying generator per event), several are interleaved with their indices."""
+async def test_dispatcher_pushes_increments_from_the_read_loop(worker, client):
+    """A Run's increments reach its consumer by a plain call from the worker connection's read loop (no
+    task of the request's in between), each with its index and the result so far; closing an unfinished
+    run aborts on the worker, and leaves nothing in flight."""
     from services.gateway.dispatch import Dispatcher
     from services.gateway.metrics import GatewayMetrics
 
     d = Dispatcher(Router([client]), GatewayMetrics("m"))
-    one = d.stream_many([req("solo", (5, 6), 3)])
-    assert one.ag_code is Dispatcher.stream.__code__
-    got = [(i, out.token_ids, res.output_ids[:]) async for i, out, res in one]
-    assert [i for i, _, _ in got] == [0] * len(got)
-    assert [t for _, ids, _ in got for t in ids] == worker.expected_ids([5, 6], 3) == got[-1][2]
-    many = [(i, out.finished, res.rid) async for i, out, res in d.stream_many([req("a", (5,), 2), req("b", (6,), 4)])]
-    assert {(i, rid) for i, _, rid in many} == {(0, "a"), (1, "b")}
-    assert sorted(i for i, fin, _ in many if fin) == [0, 1]
+
+    class Recorder:
+        def __init__(self):
+            self.got, self.done = [], asyncio.Event()
+
+        def deliver(self, gen, item):
+            res = gen.accept(item)
+            self.got.append((gen.index, list(item.token_ids), list(res.output_ids), asyncio.current_task().get_name()))
+            if all(g.result.finished for g in run.generations):
+                self.done.set()
+
+    rec = Recorder()
+    run = d.run([req("a", (5,), 2), req("b", (6,), 4)], rec)
+    await run.start()
+    assert set(d.inflight) == {"a", "b"}
+    await asyncio.wait_for(rec.done.wait(), 5)
+    await run.close()
+    assert {task for *_, task in rec.got} == {f"worker-{client.address}"}  # called in the read loop's turn
+    for i, ids, n in ((0, [5], 2), (1, [6], 4)):
+        mine = [(new, acc) for j, new, acc, _ in rec.got if j == i]
+        assert [t for new, _ in mine for t in new] == worker.expected_ids(ids, n) == mine[-1][1]
+    assert not d.inflight and client.load == 0
+    assert not worker.aborted()  # both finished: nothing to abort
+    # A run closed before its requests finish aborts them on the worker.
+    worker.token_delay = 0.05
+    run = d.run([req("c", (7,), 100)], Recorder())
+    await run.start()
+    await asyncio.sleep(0.12)
+    await run.close()
+    for _ in range(100):
+        if "c" in worker.aborted():
+            break
+        await asyncio.sleep(0.01)
+    assert "c" in worker.aborted() and not d.inflight and client.load == 0
+
+
+async def test_collect_many_raises_the_first_failure_and_aborts_the_rest(worker, client):
+    from services.gateway.dispatch import Dispatcher
+    from services.gateway.metrics import GatewayMetrics
+
+    d = Dispatcher(Router([client]), GatewayMetrics("m"))
+    results = await d.collect_many([req("x", (5,), 3), req("y", (6,), 1)])
+    assert [r.rid for r in results] == ["x", "y"] and [len(r.output_ids) for r in results] == [3, 1]
+    worker.token_delay = 0.02
+    worker.error_after = 3
+    with pytest.raises(APIError) as e:
+        await d.collect_many([req("p", (5,), 50), req("q", (6,), 50)])
+    assert e.value.status == 400 and e.value.message == "worker exploded"
     assert not d.inflight and client.load == 0

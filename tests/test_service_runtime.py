@@ -9,7 +9,7 @@ import pytest
 
 from services.gateway import json_out
 from services.gateway.errors import bad_request
-from services.gateway.sse import DONE, Tail, encode_event, stream_events
+from services.gateway.sse import DONE, encode_event, stream_events
 from shared import event_loop
 
 
@@ -59,18 +59,14 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n" % len(data) + data + b"\r\n"
 
 
-async def test_sse_tail_events_go_out_with_the_end_in_one_write():
-    a, b, c = {"i": 1}, {"i": 2}, {"usage": 3}
-    writes, body = await _sse_writes([a, Tail(b), Tail(c)])
-    assert body == encode_event(a) + encode_event(b) + encode_event(c) + DONE  # the same bytes as before
-    assert len(writes) == 2 and writes[1].startswith(b"%x\r\n" % len(encode_event(b) + encode_event(c) + DONE))
-    assert writes[1].endswith(b"\r\n0\r\n\r\n")  # the chunked terminator in the same write
-    # A held event goes out with the next ordinary one; an error after a held event keeps it.
-    writes, body = await _sse_writes([Tail(a), b])
-    assert body == encode_event(a) + encode_event(b) + DONE and len(writes) == 2
-    writes, body = await _sse_writes([a, Tail(b), bad_request("boom")])
+async def test_sse_error_after_events_keeps_them():
+    """An error after some events: those events, then one error event in place of the end marker (a
+    generation stream's last increment going out with the end: tests/test_gateway_stream_push.py)."""
+    a, b = {"i": 1}, {"i": 2}
+    writes, body = await _sse_writes([a, b, bad_request("boom")])
     assert body.startswith(encode_event(a) + encode_event(b) + b"data: ") and b"boom" in body
     assert not body.endswith(DONE)
+    assert writes[-1].endswith(b"\r\n0\r\n\r\n")  # the error event and the terminator in one write
 
 
 async def test_sse_headers_go_out_with_the_first_event():

@@ -27,15 +27,22 @@ def check_model(state: "GatewayState", body: dict) -> None:
                             f"'{state.served_model_name}'", param="model", code="model_not_found")
 
 
+def token_ids_in_vocab(state: "GatewayState", ids: Any) -> bool:
+    """A list of ints (bools are not) in [0, vocab): one pass in C (min and max were two, ~12 us for 512
+    ids)."""
+    try:
+        msgspec.convert(ids, _ids_below(state.tokenizer.vocab_size))
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
 def check_token_ids(state: "GatewayState", ids: list[int], param: str) -> None:
     if not ids:
         raise bad_request("the prompt is empty", param)
-    vocab = state.tokenizer.vocab_size
-    try:  # one pass in C (min and max were two, ~12 us for 512 ids); the offender is looked for only if any
-        msgspec.convert(ids, _ids_below(vocab))
+    if token_ids_in_vocab(state, ids):
         return
-    except msgspec.ValidationError:
-        pass
+    vocab = state.tokenizer.vocab_size  # the offender is looked for only if there is one
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)

@@ -15,7 +15,7 @@ themselves by load. The salt (tenant) is part of the chain, as it is part of the
 """
 from __future__ import annotations
 
-import time
+import itertools
 from collections import OrderedDict
 from typing import Sequence
 
@@ -34,10 +34,12 @@ def block_chain(input_ids: Sequence[int], block: int, salt: str | None,
     not to hold its prefix, never change what it computes."""
     names = list(known) if known else []
     h = names[-1] if names else hash(salt or "")
-    end = len(input_ids) - len(input_ids) % block
-    for i in range(len(names) * block, end, block):
-        h = hash((h, tuple(input_ids[i:i + block])))
-        names.append(h)
+    start = len(names) * block
+    ids = iter(input_ids) if not start else itertools.islice(input_ids, start, None)
+    append = names.append
+    for blk in zip(*(ids,) * block):  # the full blocks' ids as tuples, cut in C (a trailing part is left out)
+        h = hash((h, blk))
+        append(h)
     return names
 
 
@@ -45,11 +47,11 @@ _IN_FLIGHT_CHAINS = 8192
 
 
 class _Index:
-    """Block names one worker has been sent, least recently used first."""
+    """Block names one worker has been sent, least recently used first (the order is all that is kept)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.blocks: OrderedDict[int, float] = OrderedDict()
+        self.blocks: OrderedDict[int, None] = OrderedDict()
 
     def match(self, chain: list[int]) -> int:
         n = 0
@@ -60,12 +62,15 @@ class _Index:
         return n
 
     def insert(self, chain: list[int]) -> None:
-        now = time.monotonic()
+        blocks = self.blocks
+        move = blocks.move_to_end
         for name in chain:
-            self.blocks[name] = now
-            self.blocks.move_to_end(name)
-        while len(self.blocks) > self.capacity:
-            self.blocks.popitem(last=False)
+            if name in blocks:
+                move(name)
+            else:
+                blocks[name] = None
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
 
 
 class CacheAwarePolicy:

@@ -1,8 +1,17 @@
-"""Sending GenerateRequests to workers and gathering what comes back, shared by every API flavour.
+"""Sending GenerateRequests to workers and handing what comes back to the API route, shared by every API
+flavour.
 
-Every stream here is closed deterministically (`aclosing`), so leaving early - a client that hung up, a
-sibling that failed - reaches WorkerClient.generate's cleanup, which aborts the request on its worker.
-Failures surface as APIError: 503 when the worker is unreachable, 400 when it refused the request.
+Increments are pushed, not pulled. Each worker request is a `Generation`, registered with its
+WorkerClient as the stream's sink, so the read loop that decodes a worker frame (one engine step's
+outputs for many requests) calls straight into it and on into the route's `Consumer`: an SSE response
+formats and writes the event right there (services/gateway/sse.py), a non-streaming answer collects.
+No task wakes and no generator resumes per increment; the route's task runs to start, to end, and when
+its client cannot keep up.
+
+`Generation.accept` is the bookkeeping every increment goes through (metrics, the accumulated result,
+routing memory, the access record); it raises failures as APIError: 503 when the worker is unreachable,
+400 when it refused the request. `Run.close` ends every request that did not finish - a client that hung
+up, a sibling that failed - by aborting it on its worker.
 """
 from __future__ import annotations
 
@@ -11,7 +20,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Protocol, Sequence
 
 import msgspec
 
@@ -20,7 +29,7 @@ from services.gateway.errors import APIError, WorkerUnavailable, bad_request, un
 from services.gateway.metrics import GatewayMetrics, RequestTimer
 from services.gateway.pd import pd_serve, wants_local_prefill
 from services.gateway.router import Router
-from services.gateway.worker_client import WorkerClient
+from services.gateway.worker_client import Lost, WorkerClient
 from shared.protocol import FinishReason, GenerateRequest, TokenOutput
 
 
@@ -70,6 +79,178 @@ class GenerationResult:
             self.finish_reason = out.finish_reason
 
 
+class Consumer(Protocol):
+    """Where a Run's increments go."""
+
+    def deliver(self, gen: "Generation", item: TokenOutput | Exception) -> None:
+        """An increment of gen's request, or its failure (an exception `gen.accept` raises as the API's
+        error), called from a worker connection's read loop: must not raise or block. The consumer calls
+        `gen.accept(item)` when it takes the increment (at once, or later if it fell behind)."""
+
+
+class Generation:
+    """One worker request in flight: the sink its worker's read loop feeds, and its bookkeeping."""
+
+    waiting = True  # for the worker's silence limit: this stream always waits on the worker
+
+    def __init__(self, dispatcher: "Dispatcher", req: GenerateRequest, index: int, consumer: Consumer):
+        self.index = index  # the request's place in its Run
+        self.consumer = consumer
+        self.result = GenerationResult(rid=req.rid)
+        self.last = time.monotonic()
+        self._d = dispatcher
+        self._record = ACCESS_RECORD.get()  # the API request's access record (read in its task, here)
+        if self._record is not None and req.request_id is None:
+            req.request_id = self._record.request_id
+        self._salt = req.cache_salt
+        # Workers see the tenant's namespace in the id, so two tenants' equal ids never collide there.
+        wire_rid = tenant_rid(req.rid, self._salt)
+        self.req = msgspec.structs.replace(req, rid=wire_rid) if wire_rid != req.rid else req
+        self._timer: RequestTimer | None = None
+        self._served_by: list[WorkerClient] = []
+        self._client: WorkerClient | None = None  # whose read loop feeds us, until the request ends there
+        self._relay_task: asyncio.Task | None = None  # PD: the task relaying pd_serve's increments
+        self._counted = False  # in the dispatcher's inflight set
+
+    async def start(self) -> None:
+        d, req = self._d, self.req
+        d.check_rids([self.result.rid], self._salt)
+        pair = None if wants_local_prefill(req) else d.router.pick_pair(req.input_ids, self._salt)
+        client = d.router.pick(req.input_ids, self._salt) if pair is None else None
+        self._timer = RequestTimer(d.metrics)
+        d.inflight.add(req.rid)
+        d.metrics.gateway_inflight.inc()
+        self._counted = True
+        if client is None:
+            if pair[0] is None:
+                d.metrics.pd_bypassed.inc()
+            source = pd_serve(req, d.router, self._salt, *pair, served_by=self._served_by,
+                              on_retry=d.metrics.pd_retried.inc)
+            self._relay_task = asyncio.create_task(self._relay(source))
+            return
+        self._served_by.append(client)
+        self._client = client  # before the send: increments may arrive while it waits to drain
+        try:
+            await client.open_stream(req, self)
+        except WorkerUnavailable as e:
+            self._client = None
+            d.metrics.aborted_requests.inc()
+            raise unavailable(str(e)) from None
+
+    async def _relay(self, source: AsyncIterator[TokenOutput]) -> None:
+        """PD: pd_serve (a generator of its own, for its failover) handed on as a read loop would."""
+        try:
+            async with aclosing(source) as outs:
+                async for out in outs:
+                    self.put(out)
+                    if out.finished:
+                        return
+            self.put(APIError(502, "a worker ended a request without a result", type="internal_error"))
+        except Exception as e:  # APIError, WorkerUnavailable: raised to the route by accept
+            self.put(e)
+
+    def put(self, item: TokenOutput | Lost | Exception) -> None:
+        self.last = time.monotonic()
+        if type(item) is TokenOutput:
+            if item.finished:
+                self._detach(abort=False)
+        elif type(item) is Lost:
+            self._detach(abort=item.abort)  # a lost connection: nothing to abort there
+            item = WorkerUnavailable(item.reason)
+        self.consumer.deliver(self, item)
+
+    def accept(self, item: TokenOutput | Exception) -> GenerationResult:
+        """Take an increment (several merged, for a consumer that fell behind) into the result and the
+        metrics; a failure is raised as the API's error."""
+        if type(item) is not TokenOutput:
+            if isinstance(item, WorkerUnavailable):
+                self._d.metrics.aborted_requests.inc()
+                raise unavailable(str(item))
+            raise item
+        out = item
+        timer = self._timer
+        now = timer.observe(out)
+        if out.error:
+            raise worker_refused(out.error)
+        result = self.result
+        result.absorb(out)
+        result.e2e_latency = now - timer.start
+        record = self._record
+        if record is not None and record.ttft is None and out.token_ids:
+            record.first_token()
+        if out.finished:
+            self._finished(result)
+        return result
+
+    def _finished(self, result: GenerationResult) -> None:
+        if result.output_ids:
+            # Its tree now holds prompt + output (but the last token's KV): a next turn that extends
+            # them is routed back there, and may bypass prefill in PD.
+            req = self.req
+            self._d.router.remember(self._served_by[-1], list(req.input_ids) + result.output_ids[:-1],
+                                    self._salt, prompt=req.input_ids)
+        if self._record is not None:
+            self._record.finished(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
+
+    def _detach(self, abort: bool) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close_stream(self.req.rid, abort)
+
+    async def close(self) -> None:
+        """The request is over for the route: aborted on its worker(s) unless it finished there."""
+        self._detach(abort=True)
+        task, self._relay_task = self._relay_task, None
+        if task is not None:  # cancelling pd_serve aborts on both PD workers
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if self._counted:
+            self._counted = False
+            self._d.inflight.discard(self.req.rid)
+            self._d.metrics.gateway_inflight.dec()
+
+
+class Run:
+    """The worker requests of one API request, all feeding one consumer; index i is reqs[i]."""
+
+    def __init__(self, dispatcher: "Dispatcher", reqs: Sequence[GenerateRequest], consumer: Consumer):
+        self.generations = [Generation(dispatcher, r, i, consumer) for i, r in enumerate(reqs)]
+
+    async def start(self) -> None:
+        """Route and send every request (APIError if one cannot start: close() ends the others)."""
+        for gen in self.generations:
+            await gen.start()
+
+    async def close(self) -> None:
+        for gen in self.generations:
+            await gen.close()
+
+
+class _Collector:
+    """A consumer for a non-streaming answer: every request's final result, or the first failure."""
+
+    def __init__(self, count: int):
+        self.results: list[GenerationResult | None] = [None] * count
+        self.error: Exception | None = None
+        self.done = asyncio.get_running_loop().create_future()
+        self._left = count
+
+    def deliver(self, gen: Generation, item: TokenOutput | Exception) -> None:
+        if self.done.done():
+            return
+        try:
+            res = gen.accept(item)
+        except Exception as e:
+            self.error = e
+            self.done.set_result(None)
+            return
+        if item.finished:
+            self.results[gen.index] = res
+            self._left -= 1
+            if not self._left:
+                self.done.set_result(None)
+
+
 class Dispatcher:
     def __init__(self, router: Router, metrics: GatewayMetrics):
         self.router = router
@@ -84,104 +265,24 @@ class Dispatcher:
             if tenant_rid(rid, salt) in self.inflight:
                 raise bad_request(f"request id {rid!r} is already running", "rid")
 
-    async def stream(self, req: GenerateRequest, salt: str | None = None, index: int = 0
-                     ) -> AsyncIterator[tuple[int, TokenOutput, GenerationResult]]:
-        """Yield (index, increment, accumulated result) until the request finishes; `index` is the
-        request's place in a stream_many."""
-        record = ACCESS_RECORD.get()
-        if record is not None and req.request_id is None:
-            req.request_id = record.request_id
-        salt = salt if salt is not None else req.cache_salt
-        self.check_rids([req.rid], salt)
-        result = GenerationResult(rid=req.rid)
-        # Workers see the tenant's namespace in the id, so two tenants' equal ids never collide there.
-        wire_rid = tenant_rid(req.rid, salt)
-        req = msgspec.structs.replace(req, rid=wire_rid) if wire_rid != req.rid else req
-        pair = None if wants_local_prefill(req) else self.router.pick_pair(req.input_ids, salt)
-        served_by: list[WorkerClient] = []
-        if pair is None:
-            served_by.append(self.router.pick(req.input_ids, salt))
-            source = served_by[0].generate(req)
-        else:
-            if pair[0] is None:
-                self.metrics.pd_bypassed.inc()
-            source = pd_serve(req, self.router, salt, *pair, served_by=served_by,
-                              on_retry=self.metrics.pd_retried.inc)
-        timer = RequestTimer(self.metrics)
-        self.inflight.add(req.rid)
-        self.metrics.gateway_inflight.inc()
-        try:
-            async with aclosing(source) as outputs:
-                async for out in outputs:
-                    timer.observe(out)
-                    if out.error:
-                        raise worker_refused(out.error)
-                    result.absorb(out)
-                    result.e2e_latency = timer.elapsed()
-                    if out.finished and result.output_ids:
-                        # Its tree now holds prompt + output (but the last token's KV): a next turn
-                        # that extends them is routed back there, and may bypass prefill in PD.
-                        self.router.remember(served_by[-1], list(req.input_ids) + result.output_ids[:-1], salt,
-                                             prompt=req.input_ids)
-                    if record is not None:
-                        if out.token_ids:
-                            record.first_token()
-                        if out.finished:
-                            record.finished(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
-                    yield index, out, result
-        except WorkerUnavailable as e:
-            self.metrics.aborted_requests.inc()
-            raise unavailable(str(e)) from None
-        finally:
-            self.inflight.discard(req.rid)
-            self.metrics.gateway_inflight.dec()
-
-    def stream_many(self, reqs: Sequence[GenerateRequest]
-                    ) -> AsyncIterator[tuple[int, TokenOutput, GenerationResult]]:
-        """Run requests concurrently, yielding (index, increment, result) in arrival order. The first
-        failure cancels (and so aborts) the others and is raised. One request is its own stream (no
-        relaying generator in between: one resumption fewer per event)."""
-        return self.stream(reqs[0]) if len(reqs) == 1 else self._stream_concurrently(reqs)
-
-    async def _stream_concurrently(self, reqs: Sequence[GenerateRequest]
-                                   ) -> AsyncIterator[tuple[int, TokenOutput, GenerationResult]]:
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump(i: int, req: GenerateRequest) -> None:
-            try:
-                async with aclosing(self.stream(req, index=i)) as events:
-                    async for item in events:
-                        queue.put_nowait(item)
-                queue.put_nowait((i, done, None))
-            except Exception as e:  # handed to the consumer, which raises it
-                queue.put_nowait((i, e, None))
-
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                i, item, res = await queue.get()
-                if item is done:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield i, item, res
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    def run(self, reqs: Sequence[GenerateRequest], consumer: Consumer) -> Run:
+        """The requests, ready to start, each increment going to `consumer`; the caller starts the run
+        and closes it whatever happens (closing aborts what did not finish)."""
+        return Run(self, reqs, consumer)
 
     async def collect_many(self, reqs: Sequence[GenerateRequest]) -> list[GenerationResult]:
-        results: list[GenerationResult | None] = [None] * len(reqs)
-        async with aclosing(self.stream_many(reqs)) as events:
-            async for i, out, res in events:
-                if out.finished:
-                    results[i] = res
-        if any(r is None for r in results):  # a worker that ended a stream without finishing it
-            raise APIError(502, "a worker ended a request without a result", type="internal_error")
-        return results  # type: ignore[return-value]
+        """Run requests concurrently to their end; the first failure ends (and so aborts) the others and
+        is raised."""
+        collector = _Collector(len(reqs))
+        run = self.run(reqs, collector)
+        try:
+            await run.start()
+            await collector.done
+        finally:
+            await run.close()
+        if collector.error is not None:
+            raise collector.error
+        return collector.results  # type: ignore[return-value]
 
 
 def tenant_rid(rid: str, salt: str | None) -> str:

@@ -135,7 +135,8 @@ class RequestTimer:
         self.start = time.perf_counter()
         self.last: float | None = None
 
-    def observe(self, out: TokenOutput) -> None:
+    def observe(self, out: TokenOutput) -> float:
+        """Account one increment; returns the time it was taken (perf_counter)."""
         now = time.perf_counter()
         n = len(out.token_ids)
         self.m.streamed_tokens += n
@@ -160,6 +161,4 @@ class RequestTimer:
             self.m.e2e.observe(now - self.start)
             if isinstance(out.finish_reason, FinishAbort) or out.error:
                 self.m.aborted_requests.inc()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
+        return now

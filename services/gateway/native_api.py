@@ -2,9 +2,8 @@
 streaming with cumulative text, logprob entries [logprob, token_id, text-or-null]."""
 from __future__ import annotations
 
-from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -18,8 +17,8 @@ from services.gateway.errors import bad_request
 from services.gateway.fields import get_bool, get_int, is_int, is_token_ids
 from services.gateway.json_out import json_response
 from services.gateway.limits import read_json
-from services.gateway.sse import Tail, stream_events
-from shared.protocol import GenerateRequest
+from services.gateway.sse import encode_event, stream_generation
+from shared.protocol import GenerateRequest, TokenOutput
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
@@ -46,7 +45,8 @@ async def generate(state: "GatewayState", request: web.Request) -> web.StreamRes
     state.dispatcher.check_rids([r.rid for r in job.reqs], request_salt(request))  # before any header goes out
     await check_grammars(state, job.reqs)
     if get_bool(body, "stream"):
-        return await stream_events(request, _events(state, job), headers=job.headers())
+        return await stream_generation(request, state.dispatcher, job.reqs, _NativeFormat(state, job),
+                                       headers=job.headers())
     return json_response(await _run(state, job), headers=job.headers())
 
 
@@ -169,12 +169,21 @@ def _with_first_null(req: GenerateRequest, entries: list) -> list:
     return entries
 
 
-async def _events(state: "GatewayState", job: NativeJob) -> AsyncIterator[dict | Tail]:
-    running = len(job.reqs)
-    async with aclosing(state.dispatcher.stream_many(job.reqs)) as stream:
-        async for i, out, res in stream:
-            running -= out.finished
-            event = _answer(state, job, job.reqs[i], res)  # cumulative: the frontend slices what it saw
-            if job.batched:
-                event["index"] = i
-            yield event if running else Tail(event)  # the last: the end marker follows at once
+class _NativeFormat:
+    """Stream events of /generate (an EventFormat): each carries the request's output so far (cumulative:
+    SGLang's frontend slices off what it has seen)."""
+
+    def __init__(self, state: "GatewayState", job: NativeJob):
+        self.state, self.job = state, job
+
+    def head(self) -> bytes:
+        return b""
+
+    def on_output(self, i: int, out: TokenOutput, res: GenerationResult) -> bytes:
+        event = _answer(self.state, self.job, self.job.reqs[i], res)
+        if self.job.batched:
+            event["index"] = i
+        return encode_event(event)
+
+    def tail(self) -> bytes:
+        return b""

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from aiohttp import web
@@ -16,15 +15,15 @@ from services.gateway import logprobs as lp
 from services.gateway.chat_output import ChoiceOutput
 from services.gateway.chat_request import ChatSpec, parse_chat
 from services.gateway.admission import (check_grammars, check_model, stamp_tenant, check_token_ids, child_requests,
-                                        encode_prompt, resolve_max_new_tokens, sampling_params)
+                                        encode_prompt, resolve_max_new_tokens, sampling_params, token_ids_in_vocab)
 from services.gateway.dispatch import GenerationResult, created_timestamp, new_rid
 from services.gateway.errors import APIError, bad_request
 from shared.errors import ContextLengthExceeded
 from services.gateway.fields import get_bool, get_dict, get_int, is_token_ids
 from services.gateway.json_out import json_response
 from services.gateway.limits import read_json
-from services.gateway.sse import Tail, stream_events
-from shared.protocol import GenerateRequest
+from services.gateway.sse import Envelope, encode_event, stream_generation
+from shared.protocol import GenerateRequest, TokenOutput
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
@@ -141,13 +140,15 @@ async def completions(state: "GatewayState", request: web.Request) -> web.Stream
     job = Job(job_id, prompts, n, reqs, include_usage)
     fmt = _CompletionFormat(state, job, echo, want_lp)
     if stream:
-        return await stream_events(request, fmt.events())
+        return await stream_generation(request, state.dispatcher, reqs, fmt)
     results = await state.dispatcher.collect_many(reqs)
     return json_response(fmt.response(results))
 
 
 async def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
     tok = state.tokenizer
+    if isinstance(prompt, list) and prompt and token_ids_in_vocab(state, prompt):
+        return [Prompt(prompt, tokenizer=tok)]  # the common case in one check; any other shape or error below
     if isinstance(prompt, str):
         items: list = [prompt]
     elif is_token_ids(prompt) and prompt:
@@ -167,19 +168,26 @@ async def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
             out.append(Prompt(await encode_prompt(state, item, "prompt"), item))
         else:
             check_token_ids(state, item, "prompt")
-            out.append(Prompt(list(item), tokenizer=tok))
+            out.append(Prompt(item, tokenizer=tok))  # the body's own list: nothing else holds or changes it
     return out
 
 
 class _CompletionFormat:
+    """The answer of a /v1/completions request: whole (`response`) or as stream chunks (an EventFormat)."""
+
     def __init__(self, state: "GatewayState", job: Job, echo: bool, want_lp: bool):
         self.state, self.tok = state, state.tokenizer
         self.model = state.served_model_name
         self.job, self.echo, self.want_lp = job, echo, want_lp
+        self._results: dict[int, GenerationResult] = {}  # streaming: each choice's result so far
+        self._offsets: dict[int, int] = {}  # streaming: characters sent so far per choice (text_offset)
+        self._chunk: Envelope | None = None  # streaming: a chunk's event around its choice
+
+    def _fields(self) -> dict:
+        return {"id": self.job.id, "object": "text_completion", "created": self.job.created, "model": self.model}
 
     def _envelope(self, choices: list, **extra) -> dict:
-        return {"id": self.job.id, "object": "text_completion", "created": self.job.created,
-                "model": self.model, "choices": choices, **extra}
+        return {**self._fields(), "choices": choices, **extra}
 
     def _echo_logprobs(self, prompt: Prompt, res: GenerationResult) -> dict:
         return lp.completion_logprobs(prompt.ids, res.input_logprobs, res.input_top_logprobs, self.tok, 0)
@@ -199,37 +207,35 @@ class _CompletionFormat:
                             "finish_reason": _finish(res)})
         return self._envelope(choices, usage=_usage(self.job, dict(enumerate(results))))
 
-    async def events(self) -> AsyncIterator[dict]:
-        usage_extra = {"usage": None} if self.job.include_usage else {}
-        results: dict[int, GenerationResult] = {}
-        offsets: dict[int, int] = {}  # characters sent so far per choice (text_offset)
-        running = len(self.job.reqs)
-        # Closed deterministically: leaving early (client gone) aborts every choice's request.
-        async with aclosing(self.state.dispatcher.stream_many(self.job.reqs)) as stream:
-            async for i, out, res in stream:
-                results[i] = res
-                running -= out.finished
-                text, logprobs = out.text, None
-                if i not in offsets and self.echo:
-                    prompt = self.job.prompts[self.job.prompt_of(i)]
-                    text = prompt.text + text
-                    if self.want_lp:
-                        logprobs = self._echo_logprobs(prompt, res)
-                if self.want_lp:
-                    start = len(res.output_ids) - len(out.token_ids)
-                    new = lp.completion_logprobs(out.token_ids, res.output_logprobs[start:],
-                                                 res.output_top_logprobs[start:], self.tok,
-                                                 offsets.get(i, 0) + len(text) - len(out.text))
-                    logprobs = new if logprobs is None else lp.merge_completion_logprobs(logprobs, new)
-                offsets[i] = offsets.get(i, 0) + len(text)
-                if not text and not out.finished and not (logprobs and logprobs["tokens"]):
-                    continue  # tokens whose text is held back (partial UTF-8, possible stop string)
-                choice = {"index": i, "text": text, "logprobs": logprobs,
-                          "finish_reason": _finish(out.finish_reason)}
-                event = self._envelope([choice], **usage_extra)
-                yield event if running else Tail(event)  # the last choice's end: what follows comes at once
-        if self.job.include_usage:
-            yield Tail(self._envelope([], usage=_usage(self.job, results)))
+    def head(self) -> bytes:
+        self._chunk = Envelope(self._fields(), **({"usage": None} if self.job.include_usage else {}))
+        return b""
+
+    def on_output(self, i: int, out: TokenOutput, res: GenerationResult) -> bytes:
+        self._results[i] = res
+        offsets = self._offsets
+        text, logprobs = out.text, None
+        if i not in offsets and self.echo:
+            prompt = self.job.prompts[self.job.prompt_of(i)]
+            text = prompt.text + text
+            if self.want_lp:
+                logprobs = self._echo_logprobs(prompt, res)
+        if self.want_lp:
+            start = len(res.output_ids) - len(out.token_ids)
+            new = lp.completion_logprobs(out.token_ids, res.output_logprobs[start:],
+                                         res.output_top_logprobs[start:], self.tok,
+                                         offsets.get(i, 0) + len(text) - len(out.text))
+            logprobs = new if logprobs is None else lp.merge_completion_logprobs(logprobs, new)
+        offsets[i] = offsets.get(i, 0) + len(text)
+        if not text and not out.finished and not (logprobs and logprobs["tokens"]):
+            return b""  # tokens whose text is held back (partial UTF-8, possible stop string)
+        return self._chunk.event({"index": i, "text": text, "logprobs": logprobs,
+                                  "finish_reason": _finish(out.finish_reason)})
+
+    def tail(self) -> bytes:
+        if not self.job.include_usage:
+            return b""
+        return encode_event(self._envelope([], usage=_usage(self.job, self._results)))
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
@@ -253,7 +259,7 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
     job = Job(job_id, [prompt], n, reqs, include_usage)
     fmt = _ChatFormat(state, job, want_lp, spec)
     if stream:
-        return await stream_events(request, fmt.events())
+        return await stream_generation(request, state.dispatcher, reqs, fmt)
     results = await state.dispatcher.collect_many(reqs)
     return json_response(fmt.response(results))
 
@@ -300,14 +306,21 @@ def _response_format(body: dict) -> dict:
 
 
 class _ChatFormat:
+    """The answer of a /v1/chat/completions request: whole (`response`) or as stream chunks (an EventFormat)."""
+
     def __init__(self, state: "GatewayState", job: Job, want_lp: bool, spec: ChatSpec):
         self.state, self.tok = state, state.tokenizer
         self.model = state.served_model_name
         self.job, self.want_lp, self.spec = job, want_lp, spec
+        self._results: dict[int, GenerationResult] = {}  # streaming: each choice's result so far
+        self._outputs: list[ChoiceOutput] | None = None  # streaming: each choice's output parsers
+        self._chunk_envelope: Envelope | None = None  # streaming: a chunk's event around its choice
+
+    def _fields(self, object: str) -> dict:
+        return {"id": self.job.id, "object": object, "created": self.job.created, "model": self.model}
 
     def _envelope(self, choices: list, object: str, **extra) -> dict:
-        return {"id": self.job.id, "object": object, "created": self.job.created, "model": self.model,
-                "choices": choices, **extra}
+        return {**self._fields(object), "choices": choices, **extra}
 
     def _logprobs(self, token_ids, logprobs, tops) -> dict | None:
         return lp.chat_logprobs(token_ids, logprobs, tops, self.tok) if self.want_lp else None
@@ -324,44 +337,37 @@ class _ChatFormat:
                             "finish_reason": out.finish_reason(_finish(res))})
         return self._envelope(choices, "chat.completion", usage=_usage(self.job, dict(enumerate(results))))
 
-    def _chunk(self, index: int, delta: dict, logprobs=None, finish=None) -> dict:
-        extra = {"usage": None} if self.job.include_usage else {}
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return self._envelope([choice], "chat.completion.chunk", **extra)
+    def _chunk(self, index: int, delta: dict, logprobs=None, finish=None) -> bytes:
+        return self._chunk_envelope.event({"index": index, "delta": delta, "logprobs": logprobs,
+                                           "finish_reason": finish})
 
-    async def events(self) -> AsyncIterator[dict]:
-        for i in range(len(self.job.reqs)):
-            yield self._chunk(i, {"role": "assistant", "content": ""})
-        results: dict[int, GenerationResult] = {}
-        outputs = [self._output() for _ in self.job.reqs]
-        running = len(self.job.reqs)
-        async with aclosing(self.state.dispatcher.stream_many(self.job.reqs)) as stream:
-            async for i, out, res in stream:
-                results[i] = res
-                running -= out.finished
-                hold = Tail if not running else _send_now  # the last choice's end: what follows comes at once
-                parser = outputs[i]
-                logprobs = None
-                if self.want_lp and out.token_ids:
-                    start = len(res.output_ids) - len(out.token_ids)
-                    logprobs = self._logprobs(out.token_ids, res.output_logprobs[start:],
-                                              res.output_top_logprobs[start:])
-                deltas = (parser.feed(out.text) if parser.active else
-                          [{"content": out.text}] if out.text else [])
-                if out.finished and parser.active:
-                    deltas += parser.finish()
-                if not deltas and logprobs is not None:
-                    deltas = [{}]  # the tokens' text is held back by a parser; their logprobs are not
-                for k, delta in enumerate(deltas):
-                    yield hold(self._chunk(i, delta, logprobs if k == 0 else None))
-                if out.finished:
-                    yield hold(self._chunk(i, {}, finish=parser.finish_reason(_finish(out.finish_reason))))
-        if self.job.include_usage:
-            yield Tail(self._envelope([], "chat.completion.chunk", usage=_usage(self.job, results)))
+    def head(self) -> bytes:
+        self._chunk_envelope = Envelope(self._fields("chat.completion.chunk"),
+                                        **({"usage": None} if self.job.include_usage else {}))
+        self._outputs = [self._output() for _ in self.job.reqs]
+        return b"".join(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self.job.reqs)))
 
+    def on_output(self, i: int, out: TokenOutput, res: GenerationResult) -> bytes:
+        self._results[i] = res
+        parser = self._outputs[i]
+        logprobs = None
+        if self.want_lp and out.token_ids:
+            start = len(res.output_ids) - len(out.token_ids)
+            logprobs = self._logprobs(out.token_ids, res.output_logprobs[start:], res.output_top_logprobs[start:])
+        deltas = parser.feed(out.text) if parser.active else [{"content": out.text}] if out.text else []
+        if out.finished and parser.active:
+            deltas += parser.finish()
+        if not deltas and logprobs is not None:
+            deltas = [{}]  # the tokens' text is held back by a parser; their logprobs are not
+        events = [self._chunk(i, delta, logprobs if k == 0 else None) for k, delta in enumerate(deltas)]
+        if out.finished:
+            events.append(self._chunk(i, {}, finish=parser.finish_reason(_finish(out.finish_reason))))
+        return b"".join(events)
 
-def _send_now(event: dict) -> dict:
-    return event
+    def tail(self) -> bytes:
+        if not self.job.include_usage:
+            return b""
+        return encode_event(self._envelope([], "chat.completion.chunk", usage=_usage(self.job, self._results)))
 
 
 # ---------------------------------------------------------------- /v1/models

@@ -5,6 +5,11 @@ the stream or call waiting for it (a TokenOutputs frame, one engine step's outpu
 stream it names). When the connection drops, every pending stream and call fails at once with
 WorkerUnavailable, so nothing waits on a dead socket; every other wait has a timeout too.
 
+A stream is a *sink* registered under its rid (`open_stream`): the read loop hands it each increment by
+a plain call, `sink.put(item)`, in the loop's own turn. `generate` is one sink (a mailbox drained by an
+async iterator, for callers that want to await increments); the dispatcher's streams are another, which
+format and write an SSE event right there, without waking the request's task (services/gateway/dispatch.py).
+
 A stream's silence limit (`token_timeout`) is kept by one watchdog task per client that looks at every
 stream's last delivery about four times per limit, not by a timer armed around every wait: with one token
 per step per stream, a per-wait timer was one timer per token.
@@ -24,7 +29,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 from services.gateway.errors import WorkerUnavailable
 from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest, Hello, InfoRequest,
@@ -36,13 +41,27 @@ from shared.wire import encode_frame, read_message
 log = logging.getLogger(__name__)
 
 
-class _Lost:
-    """Queued into a stream when the connection dies under it (nothing to abort on the worker), or when
+class Lost:
+    """Put into a stream when the connection dies under it (nothing to abort on the worker), or when
     the worker went silent for too long (`abort`: the request may still hold KV there)."""
+
+    __slots__ = ("reason", "abort")
 
     def __init__(self, reason: str, abort: bool = False):
         self.reason = reason
         self.abort = abort
+
+
+class Sink(Protocol):
+    """What a stream registered with `open_stream` is to the read loop."""
+    last: float  # when the stream last got something (or started): the silence watchdog reads it
+
+    def put(self, item: TokenOutput | Lost) -> None:
+        """One increment (or the stream's loss), called from the read loop: must not raise or block."""
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the stream's consumer waits on the worker (the silence limit applies)."""
 
 
 class _Mailbox:
@@ -55,6 +74,10 @@ class _Mailbox:
         self.items: deque = deque()
         self.waiter: asyncio.Future | None = None
         self.last = time.monotonic()  # when the stream last got something (or started)
+
+    @property
+    def waiting(self) -> bool:
+        return self.waiter is not None
 
     def put(self, item) -> None:
         self.items.append(item)
@@ -87,7 +110,7 @@ class WorkerClient:
         self._writer: asyncio.StreamWriter | None = None
         self._outbox: list[bytes] = []  # frames for the current connection, written at the end of this turn
         self._connected = asyncio.Event()
-        self._streams: dict[str, _Mailbox] = {}
+        self._streams: dict[str, Sink] = {}
         self._watchdog: asyncio.Task | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
@@ -159,9 +182,9 @@ class WorkerClient:
             await asyncio.sleep(min(1.0, self.token_timeout / 4))
             now = time.monotonic()
             for box in list(self._streams.values()):
-                if box.waiter is not None and now - box.last > self.token_timeout:
-                    box.put(_Lost(f"worker {self.address} sent nothing for {self.token_timeout:.0f} s",
-                                  abort=True))
+                if box.waiting and now - box.last > self.token_timeout:
+                    box.put(Lost(f"worker {self.address} sent nothing for {self.token_timeout:.0f} s",
+                                 abort=True))
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -224,11 +247,17 @@ class WorkerClient:
                 for out in msg.outputs:
                     box = streams.get(out.rid)
                     if box is not None:  # else: output of a request we already gave up on
-                        box.put(out)
+                        try:
+                            box.put(out)
+                        except Exception:  # a sink's bug ends its stream at worst, never the connection
+                            log.exception("stream %s failed to take an increment", out.rid)
             elif isinstance(msg, TokenOutput):
                 box = streams.get(msg.rid)
                 if box is not None:
-                    box.put(msg)
+                    try:
+                        box.put(msg)
+                    except Exception:
+                        log.exception("stream %s failed to take an increment", msg.rid)
             elif isinstance(msg, PongResult) and msg.call_id == 0:
                 self.draining = msg.draining  # unasked: the worker's readiness changed
             elif isinstance(msg, (InfoResult, FlushCacheResult, PongResult)):
@@ -249,8 +278,8 @@ class WorkerClient:
             writer.transport.abort()
 
     def _fail_pending(self, reason: str) -> None:
-        for box in self._streams.values():
-            box.put(_Lost(reason))
+        for box in list(self._streams.values()):  # a sink may close its stream from put()
+            box.put(Lost(reason))
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(WorkerUnavailable(reason))
@@ -298,25 +327,40 @@ class WorkerClient:
             writer.write(frames[0] if len(frames) == 1 else b"".join(frames))
 
     # ---------------------------------------------------------------- API
+    async def open_stream(self, req: GenerateRequest, sink: Sink) -> None:
+        """Register `sink` for req's increments and send the request; raises WorkerUnavailable (with
+        nothing left registered) when it cannot be sent. From then on the read loop calls `sink.put`
+        with each increment, or with a Lost, until `close_stream`."""
+        if req.rid in self._streams:
+            raise ValueError(f"request id {req.rid!r} is already running on {self.address}")
+        self._streams[req.rid] = sink
+        try:
+            await self._send(req)
+        except BaseException:  # the frame may be queued already (a drain that timed out): abort it too
+            self.close_stream(req.rid, abort=True)
+            raise
+
+    def close_stream(self, rid: str, abort: bool) -> None:
+        """Forget the stream; `abort`: it has not finished on the worker, which is told to drop it."""
+        if self._streams.pop(rid, None) is not None and abort:
+            self._send_nowait(AbortRequest(rid=rid))
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenOutput]:
         """Yield the worker's increments until one has `finished`. Raises WorkerUnavailable when the
         connection drops or the worker goes silent; leaving early (break, cancel) aborts on the worker."""
-        if req.rid in self._streams:
-            raise ValueError(f"request id {req.rid!r} is already running on {self.address}")
         box = _Mailbox()
-        self._streams[req.rid] = box
+        await self.open_stream(req, box)
         items = box.items
         finished = False
-        lost: _Lost | None = None
+        lost: Lost | None = None
         try:
-            await self._send(req)
             while True:
                 if lost is not None:
                     finished = not lost.abort  # a lost connection: nothing to abort there
                     raise WorkerUnavailable(lost.reason)
                 await box.wait()  # the silence limit: _watch_silence
                 item = items.popleft()
-                if isinstance(item, _Lost):
+                if isinstance(item, Lost):
                     lost = item
                     continue
                 # A consumer that fell behind (a slow client, a busy gateway) gets what queued up as one
@@ -324,7 +368,7 @@ class WorkerClient:
                 # not make the gateway fall further behind.
                 while not item.finished and items:
                     nxt = items.popleft()
-                    if isinstance(nxt, _Lost):
+                    if isinstance(nxt, Lost):
                         lost = nxt
                         break
                     item = merge_outputs(item, nxt)
@@ -333,9 +377,7 @@ class WorkerClient:
                 if finished:
                     return
         finally:
-            self._streams.pop(req.rid, None)
-            if not finished:
-                self._send_nowait(AbortRequest(rid=req.rid))
+            self.close_stream(req.rid, abort=not finished)
 
     async def abort(self, rid: str) -> None:
         await self._send(AbortRequest(rid=rid))
