@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false UCX_WARN_UNUSED_ENV_VARS=
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $what == all || $what == tests ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -k "not interpreted" tests/test_kernels.py tests/test_engine.py \
-    tests/test_engine_grammar.py tests/test_sampler.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    tests/test_engine_grammar.py tests/test_grammar_overlap.py tests/test_sampler.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [[ $what == all || $what == offline || $what == offline-nohf ]]; then
   extra=""; [[ $what == offline-nohf ]] && extra="--skip-hf"
