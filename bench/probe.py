@@ -63,23 +63,28 @@ def probe_pdl(res: dict) -> None:
     del ws
 
 
+def _packed_batch(B: int, L: int):
+    """B requests of L new tokens each, no prefix, packed: q, k, v, a dummy pool and its table, the
+    per-request tensors, cumulative lengths, the causal FLOPs and an output buffer."""
+    T = B * L
+    q = torch.randn(T, HQ, D, dtype=DT, device="cuda")
+    k = torch.randn(T, HKV, D, dtype=DT, device="cuda")
+    v = torch.randn(T, HKV, D, dtype=DT, device="cuda")
+    kb = torch.zeros(16, HKV, D, dtype=DT, device="cuda")
+    r2t = torch.zeros(B, 16, dtype=torch.int32, device="cuda")
+    req = torch.arange(B, dtype=torch.int32, device="cuda")
+    zero = torch.zeros(B, dtype=torch.int32, device="cuda")
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    starts = torch.arange(B, dtype=torch.int32, device="cuda") * L
+    cu = torch.arange(B + 1, dtype=torch.int32, device="cuda") * L
+    return q, k, v, kb, r2t, req, zero, lens, starts, cu, 4 * HQ * D * B * L * (L + 1) / 2, torch.empty_like(q)
+
+
 def probe_extend(res: dict) -> None:
     from kernels.attention.triton_extend import extend_attention, extend_block_sizes
     rows = []
     for B, L in [(1, 8192), (2, 4096), (8, 1024)]:
-        T = B * L
-        q = torch.randn(T, HQ, D, dtype=DT, device="cuda")
-        k = torch.randn(T, HKV, D, dtype=DT, device="cuda")
-        v = torch.randn(T, HKV, D, dtype=DT, device="cuda")
-        kb = torch.zeros(16, HKV, D, dtype=DT, device="cuda")
-        r2t = torch.zeros(B, 16, dtype=torch.int32, device="cuda")
-        req = torch.arange(B, dtype=torch.int32, device="cuda")
-        zero = torch.zeros(B, dtype=torch.int32, device="cuda")
-        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-        starts = torch.arange(B, dtype=torch.int32, device="cuda") * L
-        cu = torch.arange(B + 1, dtype=torch.int32, device="cuda") * L
-        flops = 4 * HQ * D * B * L * (L + 1) / 2
-        out = torch.empty_like(q)
+        q, k, v, kb, r2t, req, zero, lens, starts, cu, flops, out = _packed_batch(B, L)
         base = None
         for cfg in [None, (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3),
                     (128, 32, 4, 3), (64, 128, 4, 2)]:
@@ -318,48 +323,6 @@ def probe_tput(res: dict) -> None:
     eng.stop()
 
 
-def probe_cudnn(res: dict) -> None:
-    """torch's cuDNN attention on packed variable-length batches (no prefix), against our kernel."""
-    from kernels.attention.triton_extend import extend_attention
-    rows = []
-    for B, L in [(1, 8192), (2, 4096), (8, 1024), (4, 300)]:
-        T = B * L
-        q = torch.randn(T, HQ, D, dtype=DT, device="cuda")
-        k = torch.randn(T, HKV, D, dtype=DT, device="cuda")
-        v = torch.randn(T, HKV, D, dtype=DT, device="cuda")
-        kb = torch.zeros(16, HKV, D, dtype=DT, device="cuda")
-        r2t = torch.zeros(B, 16, dtype=torch.int32, device="cuda")
-        req = torch.arange(B, dtype=torch.int32, device="cuda")
-        zero = torch.zeros(B, dtype=torch.int32, device="cuda")
-        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-        starts = torch.arange(B, dtype=torch.int32, device="cuda") * L
-        cu = torch.arange(B + 1, dtype=torch.int32, device="cuda") * L
-        flops = 4 * HQ * D * B * L * (L + 1) / 2
-        out = torch.empty_like(q)
-        t = graph_time_ms(lambda i: extend_attention(q, k, v, kb, kb, r2t, req, zero, lens, starts, L, D ** -0.5,
-                                                     out=out), reps=7)
-        rows.append({"case": f"{B}x{L}", "impl": "ours", "us": t * 1e3, "TFLOPs": flops / t / 1e9})
-        log(rows[-1])
-        for gqa in ("native", "expand"):
-            try:
-                def cd(i):
-                    kk, vv = (k, v) if gqa == "native" else (k.repeat_interleave(HQ // HKV, 1),
-                                                            v.repeat_interleave(HQ // HKV, 1))
-                    return torch.ops.aten._cudnn_attention_forward(q, kk, vv, None, cu, cu, L, L, False, 0.0, True,
-                                                                   False, scale=D ** -0.5)[0]
-                o = cd(0)
-                err = (o.float() - out.float()).abs().max().item()
-                t = graph_time_ms(cd, reps=7)
-                rows.append({"case": f"{B}x{L}", "impl": f"cudnn varlen {gqa}", "us": t * 1e3,
-                             "TFLOPs": flops / t / 1e9, "max_err": err})
-            except Exception as e:
-                rows.append({"case": f"{B}x{L}", "impl": f"cudnn varlen {gqa}", "error": repr(e)[:300]})
-            log(rows[-1])
-        del q, k, v
-        torch.cuda.empty_cache()
-    res["cudnn"] = rows
-
-
 def main() -> int:
     what = sys.argv[1:] or ["pdl", "extend", "trace"]
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -367,7 +330,7 @@ def main() -> int:
     for w in what:
         try:
             {"pdl": probe_pdl, "extend": probe_extend, "trace": probe_trace, "b1": probe_b1,
-             "trace_pdl": probe_trace_pdl, "cudnn": probe_cudnn, "steps": probe_steps,
+             "trace_pdl": probe_trace_pdl, "steps": probe_steps,
              "tput": probe_tput}[w](res)
         except Exception as e:
             import traceback
