@@ -3,6 +3,10 @@
     python -m bench.probe pdl        # a Llama-8B layer's four GEMVs x 32 in one CUDA graph, PDL off / on
     python -m bench.probe extend     # extend attention: our tiles, torch's flash varlen and SDPA backends
     python -m bench.probe trace      # the engine's batch-1 decode graph, kernel by kernel (torch.profiler)
+    python -m bench.probe trace_pdl  # the same with PDL (kernels overlap, so spans, not per-kernel times)
+    python -m bench.probe b1         # batch-1 step and replay, bf16 and FP8, engines with PDL off / on
+    python -m bench.probe steps      # what the GPU runs between two batch-1 graph replays, host ops
+    python -m bench.probe tput       # the throughput workload, prefill and decode against the roofline model
 """
 from __future__ import annotations
 
