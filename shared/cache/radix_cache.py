@@ -129,14 +129,19 @@ class RadixCache(PrefixCache):
         now = self._tick()
         node, matched, _ = self._walk(root, tokens, now)
         if matched < n:
-            # Copies: the tree must not alias arrays the caller may reuse or mutate.
-            leaf = TreeNode(tokens[matched:].copy(), to_numpy_slots(slots)[matched:].copy(), node, now)
-            node.children[self._child_key(leaf.key)] = leaf
-            node.version += 1
-            self._num_nodes += 1
-            self._evictable += n - matched
-            self._push(leaf)
+            self._add_leaf(node, tokens[matched:], to_numpy_slots(slots)[matched:], now)
         return matched
+
+    def _add_leaf(self, parent: TreeNode, tokens: np.ndarray, values: np.ndarray, now: int) -> TreeNode:
+        """A new unlocked leaf under parent holding tokens -> values (copied: the tree must not alias
+        arrays the caller may reuse or mutate)."""
+        leaf = TreeNode(tokens.copy(), values.copy(), parent, now)
+        parent.children[self._child_key(leaf.key)] = leaf
+        parent.version += 1
+        self._num_nodes += 1
+        self._evictable += len(leaf.key)
+        self._push(leaf)
+        return leaf
 
     def insert_extending(self, node: TreeNode, start: int, key: Sequence[int], slots: Sequence[int],
                          namespace: str | None = None) -> tuple[int, TreeNode, torch.Tensor]:
@@ -152,26 +157,18 @@ class RadixCache(PrefixCache):
         now = self._tick()
         end, matched, values = self._walk(node, tokens, now)
         if matched < tokens.shape[0]:
-            leaf = TreeNode(tokens[matched:].copy(), to_numpy_slots(slots[start + matched:]).copy(), end, now)
-            end.children[self._child_key(leaf.key)] = leaf
-            end.version += 1
-            self._num_nodes += 1
-            self._evictable += len(leaf.key)
-            self._push(leaf)
-            end = leaf
-        m = end
-        while m is not node:  # the lock moves from node to end: one more reference below node
-            if m.lock_ref == 0:
-                self._evictable -= len(m.key)
-                self._protected += len(m.key)
-            m.lock_ref += 1
-            m = m.parent
+            end = self._add_leaf(end, tokens[matched:], to_numpy_slots(slots[start + matched:]), now)
+        self._lock_path(end, stop=node)  # the lock moves from node to end: one more reference below node
         tree = np.concatenate(values) if values else np.empty(0, np.int64)
         return start + matched, end, torch.from_numpy(tree)
 
     def lock(self, node: TreeNode) -> None:
         assert not node.evicted, "lock of an evicted node"
-        while node.parent is not None:
+        self._lock_path(node)
+
+    def _lock_path(self, node: TreeNode, stop: TreeNode | None = None) -> None:
+        """One more reference on every node from node up to (not including) stop, or the root."""
+        while node is not stop and node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
