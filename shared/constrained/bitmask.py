@@ -95,8 +95,8 @@ class MaskBuilder:
         # fills rows of exactly that width. States of several widths (not from one GrammarCache) take
         # the model's, each row widened by its state.
         widths = {states[i].vocab.size for i in rows}
-        g = widths.pop() if len(widths) == 1 else self.vocab_size
-        direct = not widths and g <= self.vocab_size
+        g = widths.pop() if len(widths) == 1 else None
+        direct = g is not None and g <= self.vocab_size
         if not direct:
             g = self.vocab_size
         bitmask = torch.full(xgr.get_bitmask_shape(len(states), g), -1, dtype=xgr.bitmask_dtype, pin_memory=pin)
