@@ -243,21 +243,14 @@ class WorkerClient:
         streams = self._streams
         while True:
             msg = await read_message(reader)
-            if isinstance(msg, TokenOutputs):
-                for out in msg.outputs:
+            if isinstance(msg, (TokenOutputs, TokenOutput)):
+                for out in (msg.outputs if isinstance(msg, TokenOutputs) else (msg,)):
                     box = streams.get(out.rid)
                     if box is not None:  # else: output of a request we already gave up on
                         try:
                             box.put(out)
                         except Exception:  # a sink's bug ends its stream at worst, never the connection
                             log.exception("stream %s failed to take an increment", out.rid)
-            elif isinstance(msg, TokenOutput):
-                box = streams.get(msg.rid)
-                if box is not None:
-                    try:
-                        box.put(msg)
-                    except Exception:
-                        log.exception("stream %s failed to take an increment", msg.rid)
             elif isinstance(msg, PongResult) and msg.call_id == 0:
                 self.draining = msg.draining  # unasked: the worker's readiness changed
             elif isinstance(msg, (InfoResult, FlushCacheResult, PongResult)):
