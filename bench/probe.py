@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from bench.common import drive, graph_replay_ms, model_dir, random_prompts
 from bench.kernels import graph_time_ms
 
 HQ, HKV, D, HIDDEN, INTER = 32, 8, 128, 4096, 14336
@@ -136,20 +137,21 @@ def probe_extend(res: dict) -> None:
     res["extend"] = rows
 
 
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
 def _engine(pdl: bool, quantization: str | None = None):
-    from bench.common import drive, model_dir, random_prompts
+    """The 8B shape (random weights), graphs to batch 8, warmed up."""
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.tokenizer import Tokenizer
     path = model_dir("llama-3.1-8b")
-    tok = Tokenizer.load(path)
     extra = {"quantization": quantization} if quantization else {}
     ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=100_000,
                       max_running_requests=8, cuda_graph=True, cuda_graph_max_bs=8, enable_pdl=pdl, **extra)
-    eng = Engine(ec, tok, on_output=lambda o: None)
-    greedy = {"temperature": 0, "ignore_eos": True}
-    drive(eng, random_prompts(2, 64, 400, 0), {**greedy, "max_new_tokens": 8})
-    return eng, drive, random_prompts, greedy
+    eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
+    drive(eng, random_prompts(2, 64, 400, 0), {**GREEDY, "max_new_tokens": 8})
+    return eng
 
 
 def probe_b1(res: dict) -> None:
@@ -157,13 +159,12 @@ def probe_b1(res: dict) -> None:
     and the greedy tokens (must be the same)."""
     import gc
 
-    from bench.common import graph_replay_ms
     rows = []
     tokens = {}
     for quant in (None, "fp8"):
         for pdl in (False, True, False, True):
-            eng, drive, random_prompts, greedy = _engine(pdl, quant)
-            st = drive(eng, random_prompts(1, 512, 400, 2), {**greedy, "max_new_tokens": 256})
+            eng = _engine(pdl, quant)
+            st = drive(eng, random_prompts(1, 512, 400, 2), {**GREEDY, "max_new_tokens": 256})
             step = st.wall_s / max(1, st.steps) * 1e3
             replay = graph_replay_ms(eng.runner.graph_runner)
             toks = [t for o in st.outputs.values() for t in o.token_ids]
@@ -178,31 +179,23 @@ def probe_b1(res: dict) -> None:
     res["b1"] = rows
 
 
-def probe_trace(res: dict) -> None:
-    from bench.common import model_dir, random_prompts, drive
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.tokenizer import Tokenizer
-    path = model_dir("llama-3.1-8b")
-    tok = Tokenizer.load(path)
-    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=100_000,
-                      max_running_requests=8, cuda_graph=True, cuda_graph_max_bs=8)
-    eng = Engine(ec, tok, on_output=lambda o: None)
-    greedy = {"temperature": 0, "ignore_eos": True}
-    drive(eng, random_prompts(2, 64, 400, 0), {**greedy, "max_new_tokens": 8})
-    drive(eng, random_prompts(1, 512, 400, 2), {**greedy, "max_new_tokens": 64})
+def _probe_trace(res: dict, pdl: bool, key: str) -> None:
+    eng = _engine(pdl)
+    drive(eng, random_prompts(1, 512, 400, 2), {**GREEDY, "max_new_tokens": 64})
     g = eng.runner.graph_runner.graphs[1, False]
     for _ in range(20):
         g.replay()
     torch.cuda.synchronize()
-    _trace_graph(res, g, "trace")
+    _trace_graph(res, g, key)
     eng.stop()
+
+
+def probe_trace(res: dict) -> None:
+    _probe_trace(res, False, "trace")
 
 
 def probe_trace_pdl(res: dict) -> None:
-    eng, *_ = _engine(True)
-    _trace_graph(res, eng.runner.graph_runner.graphs[1, False], "trace_pdl")
-    eng.stop()
+    _probe_trace(res, True, "trace_pdl")
 
 
 def _trace_graph(res, g, key):
@@ -236,11 +229,11 @@ def _trace_graph(res, g, key):
 def probe_steps(res: dict) -> None:
     """What the GPU does between two batch-1 graph replays in the engine loop (overlap on): the kernels
     outside the graph (sampling, copies) and the idle time, from a torch.profiler trace of 40 steps."""
-    eng, drive, random_prompts, greedy = _engine(True)
-    drive(eng, random_prompts(1, 512, 400, 2), {**greedy, "max_new_tokens": 32})
+    eng = _engine(True)
+    drive(eng, random_prompts(1, 512, 400, 2), {**GREEDY, "max_new_tokens": 32})
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        st = drive(eng, random_prompts(1, 512, 400, 3), {**greedy, "max_new_tokens": 48})
+        st = drive(eng, random_prompts(1, 512, 400, 3), {**GREEDY, "max_new_tokens": 48})
     evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                  key=lambda e: e.time_range.start)
     # A replay ends with lm_head (the one cuBLAS GEMV of the graph) and starts with the embedding lookup.
@@ -285,8 +278,8 @@ def probe_tput(res: dict) -> None:
     prefill passes against the matmul-rate model, decode steps against the weights + KV stream model of
     bench/offline.py, and against one that also counts decode's matmul compute (at batch 256 the GEMMs are
     compute-bound: 2 x params x batch FLOPs take longer than streaming the weights)."""
-    from bench.common import (LLAMA31_8B, drive, kv_bytes_per_token, matmul_params, measure_copy_bandwidth,
-                              measure_matmul_tflops, model_dir, param_bytes, random_prompts)
+    from bench.common import (LLAMA31_8B, kv_bytes_per_token, matmul_params, measure_copy_bandwidth,
+                              measure_matmul_tflops, param_bytes)
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.tokenizer import Tokenizer
@@ -298,10 +291,9 @@ def probe_tput(res: dict) -> None:
     ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=8192, max_running_requests=256,
                       chunked_prefill_size=8192, max_prefill_tokens=8192, cuda_graph=True)
     eng = Engine(ec, tok, on_output=lambda o: None)
-    greedy = {"temperature": 0, "ignore_eos": True}
-    drive(eng, random_prompts(8, 64, 400, 0), {**greedy, "max_new_tokens": 8})
-    st_free = drive(eng, random_prompts(256, 512, 400, 5), {**greedy, "max_new_tokens": 128})
-    st = drive(eng, random_prompts(256, 512, 400, 6), {**greedy, "max_new_tokens": 128}, time_steps=True)
+    drive(eng, random_prompts(8, 64, 400, 0), {**GREEDY, "max_new_tokens": 8})
+    st_free = drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
+    st = drive(eng, random_prompts(256, 512, 400, 6), {**GREEDY, "max_new_tokens": 128}, time_steps=True)
     mp = matmul_params(cfg)
     w = param_bytes(cfg) - cfg["vocab_size"] * cfg["hidden_size"] * 2
     kvb = kv_bytes_per_token(cfg)
