@@ -41,12 +41,6 @@ _TEARDOWN_TIMEOUT_S = 20.0  # leaving the process group at shutdown
 _COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """Rank r uses the r-th GPU after the worker's own (cuda:N -> cuda:N+r); CPU ranks share the CPU."""
     if device.type != "cuda":
@@ -54,13 +48,23 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def join_process_group(rank: int, size: int, port: int, device: torch.device) -> None:
+def rendezvous_store(size: int, port: int = 0):
+    """The group's rendezvous store. Rank 0 (`port` 0) listens on a port the kernel picks while binding:
+    a port picked free and bound later can be taken in between (CI saw EADDRINUSE). Followers connect
+    to the port rank 0 passes them."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, world_size=size, is_master=port == 0, timeout=_COLLECTIVE_TIMEOUT,
+                         wait_for_workers=False)
+
+
+def join_process_group(rank: int, size: int, store, device: torch.device) -> None:
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=_COLLECTIVE_TIMEOUT, **kwargs)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=_COLLECTIVE_TIMEOUT,
+                            **kwargs)
     set_tp(rank, size)
 
 
@@ -71,7 +75,8 @@ class TPLeader:
 
     def __init__(self, config: EngineConfig, device: torch.device):
         self.size = config.tp_size
-        port = _free_port()
+        store = rendezvous_store(self.size)
+        port = store.port
         # Plain subprocesses rather than multiprocessing's spawn: that would re-import the caller's main
         # module in every rank (a script without a __main__ guard would recurse).
         self.procs: list[subprocess.Popen] = []
@@ -94,7 +99,7 @@ class TPLeader:
         try:
             # A rank that fails before the rendezvous would leave this one waiting: hear from each first.
             self._await("started")
-            join_process_group(0, self.size, port, device)
+            join_process_group(0, self.size, store, device)
         except BaseException:
             self.close()
             raise

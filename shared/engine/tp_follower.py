@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.tp import join_process_group, leave_process_group, rank_device
+from shared.engine.tp import join_process_group, leave_process_group, rank_device, rendezvous_store
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _follower_main(rank: int, port: int, conn: Connection, parent_pid: int) -> N
         else:  # the ranks share the cores: N ranks x all-core thread pools thrash
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
         conn.send(("started", None))
-        join_process_group(rank, config.tp_size, port, device)
+        join_process_group(rank, config.tp_size, rendezvous_store(config.tp_size, port), device)
         runner = ModelRunner(config, tp=link, tp_rank=rank)
     except BaseException:
         try:
