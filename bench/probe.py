@@ -7,6 +7,9 @@
     python -m bench.probe b1         # batch-1 step and replay, bf16 and FP8, engines with PDL off / on
     python -m bench.probe steps      # what the GPU runs between two batch-1 graph replays, host ops
     python -m bench.probe tput       # the throughput workload, prefill and decode against the roofline model
+    python -m bench.probe b1phases   # batch-1 decode in the engine loop, host phases and device time per pass
+    python -m bench.probe trace256   # the batch-256 decode graph of that workload, kernel by kernel
+    python -m bench.probe trace_prefill  # its prefill passes (8k-token chunks, eager), kernel by kernel
 """
 from __future__ import annotations
 
@@ -198,14 +201,76 @@ def probe_trace_pdl(res: dict) -> None:
     _probe_trace(res, True, "trace_pdl")
 
 
-def _trace_graph(res, g, key):
+def _tput_engine():
+    """The throughput workload's engine (batch 256, 8k-token prefill chunks, graphs to batch 256)."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.tokenizer import Tokenizer
+    path = model_dir("llama-3.1-8b")
+    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=8192, max_running_requests=256,
+                      chunked_prefill_size=8192, max_prefill_tokens=8192, cuda_graph=True)
+    eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
+    drive(eng, random_prompts(8, 64, 400, 0), {**GREEDY, "max_new_tokens": 8})
+    return eng
+
+
+def probe_b1phases(res: dict) -> None:
+    """Batch-1 decode through the engine loop with bench/pass_breakdown's per-pass phases (host ms by
+    phase, device ms per pass): whether the ~0.2 ms between a graph replay and an engine step is host work
+    on the critical path or device work outside the graph."""
+    from bench.pass_breakdown import PassBreakdown, format_summary
+    eng = _engine(True)
+    drive(eng, random_prompts(1, 512, 400, 2), {**GREEDY, "max_new_tokens": 32})
+    bd = PassBreakdown(eng)
+    try:
+        st = drive(eng, random_prompts(1, 512, 400, 3), {**GREEDY, "max_new_tokens": 256})
+    finally:
+        bd.close()
+    summary = bd.summary()
+    print(format_summary(summary, "batch-1 decode"), flush=True)
+    res["b1phases"] = {"summary": summary, "step_ms": st.wall_s / max(1, st.steps) * 1e3,
+                       "replay_ms": graph_replay_ms(eng.runner.graph_runner)}
+    log(f"b1phases: step {res['b1phases']['step_ms']:.3f} ms, replay {res['b1phases']['replay_ms']:.3f} ms")
+    eng.stop()
+
+
+def probe_trace256(res: dict) -> None:
+    """The batch-256 decode graph kernel by kernel, at the workload's end (256 requests of 512 + 128
+    tokens: the graph's inputs still hold the last step, so a replay attends over ~640 tokens a row)."""
+    eng = _tput_engine()
+    drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
+    g = eng.runner.graph_runner.graphs[256, False]
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    _trace_graph(res, g, "trace256", reps=5)
+    eng.stop()
+
+
+def probe_trace_prefill(res: dict) -> None:
+    """The workload's prefill (256 x 512 tokens in 8k-token extend passes, eager) kernel by kernel: where
+    the time that is not GEMM goes, and how long the device waits between kernels."""
     from torch.profiler import ProfilerActivity, profile
-    reps = 10
+    eng = _tput_engine()
+    drive(eng, random_prompts(16, 512, 400, 4), {**GREEDY, "max_new_tokens": 1})
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 1})
+    _kernel_table(res, "trace_prefill", [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA],
+                  256 * 512 // 8192, "per 8k-token pass")
+    eng.stop()
+
+
+def _trace_graph(res, g, key, reps: int = 10):
+    from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             g.replay()
         torch.cuda.synchronize()
-    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    _kernel_table(res, key, [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA], reps,
+                  "per replay")
+
+
+def _kernel_table(res, key, evs, reps, per):
     evs.sort(key=lambda e: e.time_range.start)
     agg = collections.defaultdict(lambda: [0, 0.0])
     busy = 0.0
@@ -217,7 +282,7 @@ def _trace_graph(res, g, key):
     span = (evs[-1].time_range.end - evs[0].time_range.start) if evs else 0
     gaps = [evs[i + 1].time_range.start - evs[i].time_range.end for i in range(len(evs) - 1)]
     table = sorted(((n, c / reps, t / reps) for n, (c, t) in agg.items()), key=lambda r: -r[2])
-    log(f"trace: {len(evs) / reps:.0f} kernels per replay, busy {busy / reps:.0f} us, span {span / reps:.0f} us, "
+    log(f"{key}: {len(evs) / reps:.0f} kernels {per}, busy {busy / reps:.0f} us, span {span / reps:.0f} us, "
         f"median gap {statistics.median(gaps) if gaps else 0:.2f} us")
     for n, c, t in table[:25]:
         print(f"  {t:8.1f} us  {c:6.0f}x  {t / max(c, 1):6.2f} us each  {n}", flush=True)
@@ -327,7 +392,7 @@ def main() -> int:
         try:
             {"pdl": probe_pdl, "extend": probe_extend, "trace": probe_trace, "b1": probe_b1,
              "trace_pdl": probe_trace_pdl, "steps": probe_steps,
-             "tput": probe_tput}[w](res)
+             "tput": probe_tput, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill}[w](res)
         except Exception as e:
             import traceback
             traceback.print_exc()

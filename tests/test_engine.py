@@ -144,6 +144,34 @@ def test_output_and_input_logprobs(h):
         assert abs(a[0] - b[0]) < 1e-4
 
 
+def test_logprobs_computed_only_for_batches_that_ask(h, monkeypatch):
+    """A batch where nobody asked for logprobs skips them (sample(..., logprobs=False)); one request that
+    asks, batched with one that does not, gets the numbers it gets alone."""
+    from shared.engine import model_runner
+
+    asked = []
+    real = model_runner.sample
+
+    def spy(*a, **kw):
+        asked.append(kw.get("logprobs", True))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(model_runner, "sample", spy)
+    p, q = prompts(2, seed=9, lo=12, hi=13)
+    h.generate(p, sampling={**GREEDY, "max_new_tokens": 3})
+    assert asked and not any(asked)
+    alone = h.generate(q, sampling={**GREEDY, "max_new_tokens": 4}, return_logprob=True)
+    asked.clear()
+    rids = [h.submit(p, sampling={**GREEDY, "max_new_tokens": 4}),
+            h.submit(q, sampling={**GREEDY, "max_new_tokens": 4}, return_logprob=True)]
+    h.run(rids)
+    assert any(asked)
+    got = h.result(rids[1])
+    assert [t for _, t in got["logprobs"]] == alone["ids"] == got["ids"]
+    for (a, _), (b, _) in zip(got["logprobs"], alone["logprobs"]):
+        assert abs(a - b) < 1e-4
+
+
 def test_abort_frees_everything(h):
     before = h.free_tokens()
     p = prompts(1, seed=8)[0]

@@ -283,6 +283,19 @@ def test_logprobs_are_raw_log_softmax_at_the_chosen_token():
     assert out.top_logprobs is None and out.top_logprobs_ids is None
 
 
+def test_logprobs_skipped_when_no_row_asks():
+    """Without logprobs the same tokens come out (seeded draws included) and nothing else is computed."""
+    x = torch.randn(4, V, generator=torch.Generator().manual_seed(9)) * 2
+    params = [SP(temperature=0.0), SP(temperature=0.7), SP(top_k=5), SP(temperature=0.0, repetition_penalty=2.0)]
+    kw = dict(seeds=[1, 2, 3, 4], steps=[0, 1, 2, 3], output_ids=[[0], [1], [2], [3]], prompt_ids=[[1]] * 4)
+    full = sample(x, build(params, **kw))
+    bare = sample(x, build(params, **kw), logprobs=False)
+    assert torch.equal(full.next_token_ids, bare.next_token_ids)
+    assert bare.logprobs is None and bare.top_logprobs is None and bare.top_logprobs_ids is None
+    with pytest.raises(ValueError):
+        sample(x, build(params, **kw), top_logprobs_num=2, logprobs=False)
+
+
 def test_top_logprobs_sorted_and_correct():
     x = torch.randn(3, V, generator=torch.Generator().manual_seed(7))
     out = sample(x, build([SP(temperature=0.0), SP(), SP(repetition_penalty=5.0)], output_ids=[[0], [0], [0]]),

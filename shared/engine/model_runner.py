@@ -90,7 +90,7 @@ class PendingStep:
         if not self.sampled:
             return out
         ids = t["ids"].tolist()
-        lps = t["lps"].tolist()
+        lps = t["lps"].tolist() if t["lps"] is not None else [None] * len(ids)  # none asked for
         top_ids = t["top_ids"].tolist() if t.get("top_ids") is not None else None
         top_lps = t["top_lps"].tolist() if t.get("top_lps") is not None else None
         counts = self.counts or [1] * len(self.sampled)
@@ -530,9 +530,10 @@ class ModelRunner:
         reqs = [batch.reqs[i] for i in sampled]
         # Rows whose result will be ignored take no mask: dropped ones, and requests already finished.
         live = [i not in handle.dropped and not batch.reqs[i].finished for i in sampled]
+        want_logprobs = any(r.return_logprob for r in reqs)
         k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         vocab_mask = self._grammar_masks(handle, reqs, live, logits.device)
-        res = sample(logits, sb, top_logprobs_num=k, vocab_mask=vocab_mask)
+        res = sample(logits, sb, top_logprobs_num=k, vocab_mask=vocab_mask, logprobs=want_logprobs)
         last_rows = res.next_token_ids
         if counts is not None:
             ends = torch.tensor(counts).cumsum(0) - 1

@@ -127,18 +127,21 @@ class SamplingBatch:
 @dataclass
 class SampleOutput:
     next_token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor  # [B] float32: log-softmax of the raw logits at the chosen token
+    logprobs: torch.Tensor | None  # [B] float32: log-softmax of the raw logits at the chosen token (None:
+    #   not asked for)
     top_logprobs_ids: torch.Tensor | None  # [B, k] int64, of the raw distribution, best first
     top_logprobs: torch.Tensor | None  # [B, k] float32
 
 
 # ---- the per-step path ----
 def sample(logits: torch.Tensor, batch: SamplingBatch, top_logprobs_num: int = 0,
-           vocab_mask: torch.Tensor | None = None) -> SampleOutput:
+           vocab_mask: torch.Tensor | None = None, logprobs: bool = True) -> SampleOutput:
     """Choose one token per row of `logits` [B, >=V].
 
     `vocab_mask`: optional bool [B, V] of ALLOWED tokens (the grammar hook); applied after penalties,
     before greedy or random choice. A row with nothing allowed yields token 0.
+    `logprobs`: False when no row asked for them: the log-partition (two passes over [B, V]) and the
+    chosen tokens' logprobs are skipped (SampleOutput.logprobs is None; top_logprobs_num must be 0).
     """
     raw = logits[:, :batch.vocab_size].float()  # drop lm_head padding columns, if any
     work = raw
@@ -156,14 +159,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, top_logprobs_num: int = 0
         if batch.any_greedy:
             next_ids = torch.where(batch.greedy, work.argmax(dim=-1), next_ids)
 
+    if not logprobs:
+        if top_logprobs_num > 0:
+            raise ValueError("top logprobs need logprobs")
+        return SampleOutput(next_ids, None, None, None)
     lse = torch.logsumexp(raw, dim=-1, keepdim=True)
-    logprobs = raw.gather(1, next_ids[:, None]).sub_(lse).squeeze(1)
+    chosen = raw.gather(1, next_ids[:, None]).sub_(lse).squeeze(1)
     top_ids = top_lp = None
     if top_logprobs_num > 0:
         k = min(top_logprobs_num, batch.vocab_size)
         vals, top_ids = raw.topk(k, dim=-1, sorted=True)
         top_lp = vals - lse
-    return SampleOutput(next_ids, logprobs, top_ids, top_lp)
+    return SampleOutput(next_ids, chosen, top_ids, top_lp)
 
 
 def _sample_random(work: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
