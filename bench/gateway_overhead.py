@@ -146,6 +146,9 @@ def main():
     ap.add_argument("--no-stream", action="store_true")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="tokens per streamed increment, as the engine's --stream-interval")
+    ap.add_argument("--gateway-processes", type=int, default=1,
+                    help="gateway processes on the port (their CPU is summed); with --step-ms 0 this measures "
+                         "whether the pool lifts the gateway's ceiling")
     ap.add_argument("--profile", default=None, metavar="PREFIX", help="py-spy of the gateway under load (PREFIX.txt)")
     ap.add_argument("--fake-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -167,7 +170,8 @@ def main():
     try:
         _wait_line(worker, "FAKE WORKER")
         gateway = subprocess.Popen([sys.executable, "-m", "services.gateway", "--model-path", "tiny-random",
-                                    "--workers", f"127.0.0.1:{wport}", "--port", str(gport), "--log-level", "warning"],
+                                    "--workers", f"127.0.0.1:{wport}", "--port", str(gport), "--log-level", "warning",
+                                    "--gateway-processes", str(args.gateway_processes)],
                                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    start_new_session=True)
         _wait_line(gateway, "gateway ready")
@@ -179,10 +183,14 @@ def main():
         if args.profile:
             from bench.profile import profile_process
             profile_process(gateway.pid, args.profile, delay=1.0, seconds=3.0)
-        g0, w0, c0 = procfs.run_seconds(gateway.pid), procfs.run_seconds(worker.pid), time.process_time()
+        gateway_pids = [gateway.pid, *procfs.descendants(gateway.pid)]  # a pool's processes too
+
+        def gateway_cpu() -> float:
+            return sum(procfs.run_seconds(p) for p in gateway_pids)
+        g0, w0, c0 = gateway_cpu(), procfs.run_seconds(worker.pid), time.process_time()
         results, wall = asyncio.run(run_load(url, args.route, dataset, not args.no_stream, float("inf"),
                                              args.concurrency))
-        g1, w1, c1 = procfs.run_seconds(gateway.pid), procfs.run_seconds(worker.pid), time.process_time()
+        g1, w1, c1 = gateway_cpu(), procfs.run_seconds(worker.pid), time.process_time()
         s = summarize(results, wall)
         n = max(1, s["out_tokens"])
         print(f"{args.streams} streams x {args.tokens} tokens"

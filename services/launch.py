@@ -24,6 +24,7 @@ import signal
 import sys
 
 from services.gateway.cli import add_gateway_args, gateway_args_to_argv
+from services.gateway.pool import GatewayPool
 from services.supervisor import RestartPolicy, WorkerSlot
 from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
@@ -148,7 +149,7 @@ async def run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner, state = None, None
+    runner, state, pool = None, None, None
     try:
         started = await asyncio.gather(*[s.start() for s in slots], return_exceptions=True)
         errors = [s for s in started if isinstance(s, BaseException)]
@@ -156,26 +157,37 @@ async def run(args: argparse.Namespace) -> int:
             print(f"launch failed: {errors[0]}", file=sys.stderr, flush=True)
             return 1
         addrs = list(started)
-        runner, state = await start_gateway(gateway_parser().parse_args(_gateway_argv(args, addrs)))
-        freeze_startup_heap()
-        space_young_collections()  # this process is the gateway's
+        processes = getattr(args, "gateway_processes", None) or 1
+        if processes > 1:
+            # A pool of gateway processes on the port (services/gateway/pool.py); each is told of
+            # workers going down and coming back through its control pipe.
+            pool = GatewayPool(_gateway_argv(args, addrs), processes, args.host, args.port, policy)
+            try:
+                await pool.start()
+            except (OSError, RuntimeError) as e:
+                print(f"launch failed: {e}", file=sys.stderr, flush=True)
+                return 1
 
-        async def on_change(slot: WorkerSlot, what: str) -> None:
-            # The gateway hears from the supervisor at once: /health names a worker that is down, and
-            # a restarted one is dialled now rather than after the client's reconnect backoff.
-            state.set_worker_status(slot.address, what if what != "up" else None,
-                                    restarts=slot.restarts, last_exit=slot.last_exit)
-            if what == "up":
-                for w in state.router.workers:
-                    if w.address == slot.address:
-                        w.kick()
+            async def on_change(slot: WorkerSlot, what: str) -> None:
+                pool.worker_status(slot.address, what if what != "up" else None, restarts=slot.restarts,
+                                   last_exit=slot.last_exit)
+        else:
+            runner, state = await start_gateway(gateway_parser().parse_args(_gateway_argv(args, addrs)))
+            freeze_startup_heap()
+            space_young_collections()  # this process is the gateway's
 
-        # Ready means routable: every worker connected and its role known (PD pairs need both sides).
-        for w in state.router.workers:
-            w.start()
-        deadline = loop.time() + 30
-        while not all(w.connected for w in state.router.workers) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+            async def on_change(slot: WorkerSlot, what: str) -> None:
+                # The gateway hears from the supervisor at once: /health names a worker that is down, and
+                # a restarted one is dialled now rather than after the client's reconnect backoff.
+                state.supervisor_says(slot.address, what if what != "up" else None,
+                                      restarts=slot.restarts, last_exit=slot.last_exit)
+
+            # Ready means routable: every worker connected and its role known (PD pairs need both sides).
+            for w in state.router.workers:
+                w.start()
+            deadline = loop.time() + 30
+            while not all(w.connected for w in state.router.workers) and loop.time() < deadline:
+                await asyncio.sleep(0.05)
         for slot in slots:
             slot.on_change = on_change
             slot.watch()
@@ -186,6 +198,8 @@ async def run(args: argparse.Namespace) -> int:
         if runner is not None:
             # The gateway says not ready, then lets requests in flight finish (workers are still up).
             await stop_gateway(runner, state)
+        if pool is not None:
+            await pool.stop(args.drain_timeout + args.drain_grace + 10)
         await asyncio.gather(*(s.stop(args.drain_timeout + args.drain_grace + 15) for s in slots))
         log.warning("stopped")
     return 0

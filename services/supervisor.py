@@ -1,5 +1,7 @@
 """Worker supervision for `services.launch`: each worker process lives in a slot that restarts it when it
 exits, with backoff, on the same port (so the gateway's connection to that address simply comes back).
+Gateway processes sharing one port (services/gateway/pool.py) live in slots too: they print their own
+ready line, inherit the listening socket, and take control messages on their stdin.
 
 A slot that restarts more than `max_restarts` times within `window_s` gives up: the worker stays down and
 the gateway is told so (its /health and /server_info name it). Nothing a worker does stops the stack;
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import signal
 import sys
@@ -49,6 +52,11 @@ class WorkerSlot:
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     # Called with (slot, state) on every change: "up", "restarting", "down".
     on_change: Callable[["WorkerSlot", str], Awaitable[None] | None] | None = None
+    kind: str = "worker"  # in messages
+    ready_prefix: str = "WORKER READY "  # its ready line: this, then host:port
+    pass_fds: tuple[int, ...] = ()  # descriptors the process inherits (a gateway's listening socket)
+    env: dict[str, str] | None = None  # its environment (None: ours)
+    control: bool = False  # a pipe to its stdin, for `send`
     proc: asyncio.subprocess.Process | None = None
     address: str | None = None
     state: str = "starting"
@@ -68,7 +76,8 @@ class WorkerSlot:
         relay = PrefixedRelay(self.name)
         proc = await asyncio.create_subprocess_exec(*self.cmd(self.port), stdout=asyncio.subprocess.PIPE,
                                                     stderr=relay.write_fd, start_new_session=True,
-                                                    preexec_fn=_die_with_parent)
+                                                    preexec_fn=_die_with_parent, pass_fds=self.pass_fds,
+                                                    env=self.env, stdin=asyncio.subprocess.PIPE if self.control else None)
         relay.child_started()
         self.proc = proc
         try:
@@ -86,10 +95,21 @@ class WorkerSlot:
         while True:
             line = await proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"worker {self.name} exited before it was ready (code {await proc.wait()})")
+                raise RuntimeError(f"{self.kind} {self.name} exited before it was ready (code {await proc.wait()})")
             text = line.decode(errors="replace").strip()
-            if text.startswith("WORKER READY "):
-                return text.split()[2]
+            if text.startswith(self.ready_prefix):
+                return text[len(self.ready_prefix):].split()[0]
+
+    def send(self, msg: dict) -> None:
+        """A control message (one JSON line on its stdin); dropped while the process is down (a restarted
+        one starts from the state its command line gives it)."""
+        proc = self.proc
+        if not self.control or proc is None or proc.returncode is not None or proc.stdin is None:
+            return
+        try:
+            proc.stdin.write(json.dumps(msg).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError, RuntimeError):
+            pass
 
     def watch(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._watch(), name=f"supervise-{self.name}")
@@ -102,6 +122,7 @@ class WorkerSlot:
                 await res
 
     async def _watch(self) -> None:
+        """Restart the process when it exits (see the module docstring); `on_change` hears of each turn."""
         await self._notify("up")
         while not self._stopping:
             code = await self.proc.wait()
@@ -112,23 +133,23 @@ class WorkerSlot:
             while self._recent and now - self._recent[0] > self.policy.window_s:
                 self._recent.popleft()
             if len(self._recent) >= self.policy.max_restarts:
-                log.error("worker %s (%s) exited with code %s; %d restarts in %.0f s: leaving it down",
-                          self.name, self.address, code, len(self._recent), self.policy.window_s)
+                log.error("%s %s (%s) exited with code %s; %d restarts in %.0f s: leaving it down",
+                          self.kind, self.name, self.address, code, len(self._recent), self.policy.window_s)
                 await self._notify("down")
                 return
             delay = min(self.policy.backoff_s * 2 ** len(self._recent), self.policy.max_backoff_s)
             self._recent.append(now)
-            log.warning("worker %s (%s) exited with code %s; restarting in %.1f s",
-                        self.name, self.address, code, delay)
+            log.warning("%s %s (%s) exited with code %s; restarting in %.1f s",
+                        self.kind, self.name, self.address, code, delay)
             await self._notify("restarting")
             await asyncio.sleep(delay)
             try:
                 await self.start()
             except Exception as e:  # exited before its ready line: counts as one more exit
-                log.warning("worker %s failed to restart: %s", self.name, e)
+                log.warning("%s %s failed to restart: %s", self.kind, self.name, e)
                 continue
             self.restarts += 1
-            log.warning("worker %s is back on %s (restart %d)", self.name, self.address, self.restarts)
+            log.warning("%s %s is back on %s (restart %d)", self.kind, self.name, self.address, self.restarts)
             await self._notify("up")
 
     async def stop(self, timeout: float) -> None:
@@ -143,7 +164,7 @@ class WorkerSlot:
         try:
             await asyncio.wait_for(proc.wait(), timeout)
         except asyncio.TimeoutError:
-            print(f"worker {self.name} did not stop in {timeout:.0f} s; killing it", file=sys.stderr, flush=True)
+            print(f"{self.kind} {self.name} did not stop in {timeout:.0f} s; killing it", file=sys.stderr, flush=True)
             proc.kill()
             await proc.wait()
 

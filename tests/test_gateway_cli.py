@@ -28,6 +28,8 @@ NOT_FORWARDED = {  # no launcher flag gives the gateway this
     "--context-length": "the launcher's is the engine's maximum; the gateway learns it from the workers",
     "--internal-key": "the launcher hands its key through the environment, never argv (which `ps` shows)",
     "--config": "each parser reads its own file",
+    "--listen-fd": "set by a --gateway-processes pool for each of its processes (hidden)",
+    "--process-index": "set by a --gateway-processes pool for each of its processes (hidden)",
     "--help": "argparse's",
 }
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
+import socket
+import sys
 
 from aiohttp import web
 
@@ -43,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds /health says 503 before the listener closes (routers notice)")
     add_gateway_args(p)
     p.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    # One process of a --gateway-processes pool (services/gateway/pool.py starts it, never a user):
+    p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--process-index", type=int, default=0, help=argparse.SUPPRESS)
     return p
 
 
@@ -86,7 +92,8 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
                          reasoning_parser=reasoning_parser,
                          program_budget=ProgramBudget(max_running_per_key=getattr(
                              args, "max_programs_per_key", ProgramBudget.max_running_per_key)),
-                         fork_hint=not getattr(args, "disable_fork_hint", False))
+                         fork_hint=not getattr(args, "disable_fork_hint", False),
+                         process=(getattr(args, "process_index", 0), getattr(args, "gateway_processes", 1) or 1))
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup aborts the
     # request on the worker (otherwise its KV stays pinned until generation ends).
     app = create_app(state)
@@ -106,7 +113,11 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=getattr(args, "drain_timeout", 30.0))
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
+    listen_fd = getattr(args, "listen_fd", None)
+    if listen_fd is not None:  # the pool's socket, shared with the other gateway processes
+        await web.SockSite(runner, socket.socket(fileno=listen_fd)).start()
+    else:
+        await web.TCPSite(runner, args.host, args.port).start()
     state.drain_grace = getattr(args, "drain_grace", 1.0)
     return runner, state
 
@@ -126,19 +137,53 @@ async def _main(args: argparse.Namespace) -> None:
     workers = ",".join(w.address for w in state.router.workers)
     freeze_startup_heap()
     space_young_collections()
-    print(f"gateway ready on http://{args.host}:{args.port} (model {state.served_model_name}, "
-          f"workers {workers})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    follower = None
+    if args.listen_fd is not None:
+        from services.gateway.pool import READY_PREFIX
+
+        # Ready means routable, as the launcher's READY: every worker connected (or 30 s gone).
+        deadline = loop.time() + 30
+        while not all(w.connected for w in state.router.workers) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        follower = loop.create_task(_follow_pool(state), name="pool-control")
+        print(f"{READY_PREFIX}{args.host}:{args.port} process {args.process_index} of {args.gateway_processes}",
+              flush=True)
+    else:
+        print(f"gateway ready on http://{args.host}:{args.port} (model {state.served_model_name}, "
+              f"workers {workers})", flush=True)
     await stop.wait()
+    if follower is not None:
+        follower.cancel()
     await stop_gateway(runner, state)
+
+
+async def _follow_pool(state: GatewayState) -> None:
+    """A pool process's stdin: what the stack's supervisor says about workers, one JSON line each."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := await reader.readline():
+        try:
+            msg = json.loads(line)
+            state.supervisor_says(msg["worker"], msg.get("status"), restarts=msg.get("restarts"),
+                                  last_exit=msg.get("last_exit"))
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignored a malformed pool control line: %r", line[:200])
 
 
 def main() -> None:
     args = parse_with_config(build_parser())
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.gateway_processes < 1:
+        raise SystemExit("--gateway-processes must be >= 1")
+    if args.gateway_processes > 1 and args.listen_fd is None:
+        from services.gateway.pool import serve
+
+        sys.exit(event_loop.run(serve(args, sys.argv[1:])))
     event_loop.run(_main(args))
 
 

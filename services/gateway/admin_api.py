@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -35,6 +36,7 @@ async def server_info(state: "GatewayState") -> dict:
             "limits": {"max_n": limits.max_n, "max_batch": limits.max_batch,
                        "max_body_bytes": limits.max_body_bytes, "max_top_logprobs": limits.max_top_logprobs},
             "gateway_inflight": len(state.dispatcher.inflight), "event_loop": event_loop.current_loop_name(),
+            "gateway_process": {"index": state.process[0], "count": state.process[1], "pid": os.getpid()},
             "workers": workers}
 
 

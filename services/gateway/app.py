@@ -105,10 +105,12 @@ async def _on_startup(app: web.Application) -> None:
     for w in state.router.workers:
         w.start()
     state.health.start()
+    state.metrics.start_publishing()
 
 
 async def _on_cleanup(app: web.Application) -> None:
     state = app[STATE]
+    await state.metrics.stop_publishing()
     await state.health.stop()
     await asyncio.gather(*(w.close() for w in state.router.workers))
     state.cpu.close()

@@ -46,6 +46,11 @@ GATEWAY_FLAGS: tuple[tuple[str, dict], ...] = (
                                 help="format of tool calls in the model's output: hermes (Qwen, Hermes: "
                                      "<tool_call>) or llama3 (Llama 3.x JSON); default: detected from the chat "
                                      "template")),
+    ("--gateway-processes", dict(type=int, default=1,
+                                 help="gateway processes accepting on the one port (as vLLM's --api-server-count): "
+                                      "each a whole gateway with its own worker connections; /metrics covers "
+                                      "them all; for data-parallel stacks whose token rate one Python process "
+                                      "cannot carry")),
     ("--reasoning-parser", dict(default=None,
                                 help="split <think>...</think> into reasoning_content: qwen3, qwen3-thinking or "
                                      "deepseek-r1")),

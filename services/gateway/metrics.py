@@ -1,13 +1,22 @@
 """Prometheus metrics under SGLang's names (`sglang:*`), in a registry of our own so several gateways
-(tests) can live in one process. Token counters rather than hit-rate gauges: users derive rates."""
+(tests) can live in one process. Token counters rather than hit-rate gauges: users derive rates.
+
+Several gateway processes on one port (services/gateway/pool.py) share one picture: their pool sets
+$PROMETHEUS_MULTIPROC_DIR, prometheus-client keeps every process's values in files there, and whichever
+process a scrape reaches renders them all (counters and histograms summed, the gateway's in-flight gauge
+and throughput summed over live processes, the workers' gauges as last polled). The cache hit rate, a
+ratio, is rebuilt from every process's token counts over its window."""
 from __future__ import annotations
 
+import asyncio
 import bisect
 import collections
+import os
 import time
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shared.protocol import FinishAbort, TokenOutput
@@ -22,13 +31,22 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # cache_hit_rate and gen_throughput are rates over about this many recent seconds (SGLang's are over its
 # logging interval); the counters stay the exact source.
 RATE_WINDOW_S = 10.0
+# Each process of a pool publishes its window's token counts this often (any of them may render).
+PUBLISH_INTERVAL_S = 1.0
+
+
+def multiprocess_dir() -> str | None:
+    """The pool's shared metrics directory, when this gateway is one of several processes."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
 class GatewayMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
+        self.multiprocess = multiprocess_dir() is not None
         labels = ["model_name"]
         r = self.registry
+        self.model_name = model_name
 
         def counter(name, doc):
             return Counter(f"sglang:{name}", doc, labels, registry=r).labels(model_name)
@@ -36,8 +54,10 @@ class GatewayMetrics:
         def histogram(name, doc, buckets):
             return Histogram(f"sglang:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
 
-        def gauge(name, doc):
-            return Gauge(f"sglang:{name}", doc, labels, registry=r).labels(model_name)
+        def gauge(name, doc, mode="livemostrecent"):
+            # mode: how a pool's processes combine (ignored in one process); the workers' figures are
+            # the same seen from any process, the last polled wins.
+            return Gauge(f"sglang:{name}", doc, labels, registry=r, multiprocess_mode=mode).labels(model_name)
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
@@ -58,15 +78,22 @@ class GatewayMetrics:
         self.num_running = gauge("num_running_reqs", "Requests running on the workers")
         self.num_queued = gauge("num_queue_reqs", "Requests waiting on the workers")
         self.token_usage = gauge("token_usage", "KV cache usage, fraction of the pool (mean over workers)")
-        self.gateway_inflight = gauge("gateway_inflight_reqs", "Requests the gateway is waiting on")
+        self.gateway_inflight = gauge("gateway_inflight_reqs", "Requests the gateway is waiting on", "livesum")
         self.num_used_tokens = gauge("num_used_tokens", "KV cache slots in use, summed over workers")
-        self.cache_hit_rate = gauge("cache_hit_rate", "Prompt tokens served from the prefix cache / prompt "
-                                    f"tokens, over the last ~{RATE_WINDOW_S:.0f} s of finished requests")
+        hit_doc = (f"Prompt tokens served from the prefix cache / prompt tokens, over the last "
+                   f"~{RATE_WINDOW_S:.0f} s of finished requests")
+        if self.multiprocess:  # a ratio does not sum: each process publishes its window's two counts
+            self.cache_hit_rate = _HitRateParts(gauge("gateway_window_cached_tokens", "(internal)", "livesum"),
+                                                gauge("gateway_window_queried_tokens", "(internal)", "livesum"),
+                                                hit_doc)
+        else:
+            self.cache_hit_rate = gauge("cache_hit_rate", hit_doc)
         self.gen_throughput = gauge("gen_throughput", "Generated tokens per second, over the last "
-                                    f"~{RATE_WINDOW_S:.0f} s")
+                                    f"~{RATE_WINDOW_S:.0f} s", "livesum")
         # Totals the rates are computed from: streamed tokens count when they arrive, not at the end.
         self.streamed_tokens = self.cached_total = self.queried_total = 0
         self._samples: collections.deque = collections.deque([(time.monotonic(), 0, 0, 0)])
+        self._publisher: asyncio.Task | None = None
 
     def set_worker_stats(self, infos: list[dict]) -> None:
         self.num_running.set(sum(_num(i.get("num_running")) for i in infos))
@@ -86,12 +113,71 @@ class GatewayMetrics:
         if now > t0:
             self.gen_throughput.set((current[1] - gen0) / (now - t0))
         queried = current[3] - queried0
-        self.cache_hit_rate.set((current[2] - cached0) / queried if queried > 0 else 0.0)
+        if self.multiprocess:
+            self.cache_hit_rate.publish(current[2] - cached0, queried)
+        else:
+            self.cache_hit_rate.set((current[2] - cached0) / queried if queried > 0 else 0.0)
         samples.append(current)
+
+    def start_publishing(self) -> None:
+        """In a pool: refresh this process's rate figures every PUBLISH_INTERVAL_S (a scrape may be
+        rendered by any process, from what the others last published)."""
+        if self.multiprocess and self._publisher is None:
+            self._publisher = asyncio.get_running_loop().create_task(self._publish_forever(),
+                                                                     name="metrics-publish")
+
+    async def stop_publishing(self) -> None:
+        task, self._publisher = self._publisher, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _publish_forever(self) -> None:
+        while True:
+            self.update_rates()
+            await asyncio.sleep(PUBLISH_INTERVAL_S)
 
     def render(self) -> bytes:
         self.update_rates()
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=multiprocess_dir())
+        return generate_latest(_PoolView(merged, self.cache_hit_rate, self.model_name))
+
+
+class _HitRateParts:
+    """In a pool: the two counts of this process's hit-rate window, published for the renderer."""
+
+    def __init__(self, cached: Gauge, queried: Gauge, doc: str):
+        self.cached, self.queried, self.doc = cached, queried, doc
+        self.names = ("sglang:gateway_window_cached_tokens", "sglang:gateway_window_queried_tokens")
+
+    def publish(self, cached: float, queried: float) -> None:
+        self.cached.set(cached)
+        self.queried.set(queried)
+
+
+class _PoolView:
+    """Every process's series, merged (MultiProcessCollector), with the hit rate rebuilt from the
+    processes' window counts in place of those internal series."""
+
+    def __init__(self, merged: CollectorRegistry, parts: _HitRateParts, model_name: str):
+        self.merged, self.parts, self.model_name = merged, parts, model_name
+
+    def collect(self):
+        sums = dict.fromkeys(self.parts.names, 0.0)
+        for family in self.merged.collect():
+            if family.name in sums:
+                sums[family.name] = sum(s.value for s in family.samples)
+                continue
+            yield family
+        cached, queried = (sums[n] for n in self.parts.names)
+        rate = GaugeMetricFamily("sglang:cache_hit_rate", self.parts.doc, labels=["model_name"])
+        rate.add_metric([self.model_name], cached / queried if queried > 0 else 0.0)
+        yield rate
 
 
 def _num(v) -> float:

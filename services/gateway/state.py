@@ -46,6 +46,8 @@ class GatewayState:
     drain_grace: float = 1.0
     # address -> what a supervisor said about a worker that is not up: {"state": "restarting" | "down", ...}
     worker_status: dict[str, dict] = field(default_factory=dict)
+    # (index, count): this process's place in a --gateway-processes pool ((0, 1) alone)
+    process: tuple[int, int] = (0, 1)
 
     def __post_init__(self):
         from shared.constrained import GrammarCache
@@ -65,6 +67,15 @@ class GatewayState:
             self.worker_status.pop(address, None)
         else:
             self.worker_status[address] = {"state": status, **detail}
+
+    def supervisor_says(self, address: str | None, status: str | None, **detail) -> None:
+        """A supervisor's news of a worker: not up (`status` restarting | down), or up again (None). A
+        worker back up is dialled at once rather than after the connection's reconnect backoff."""
+        self.set_worker_status(address, status, **detail)
+        if status is None:
+            for w in self.router.workers:
+                if w.address == address:
+                    w.kick()
 
     def worker_state(self, worker) -> str:
         """up | draining | unresponsive | restarting | down | disconnected: what /health and /server_info say."""
