@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-dp|sync-audit|tp|shared-prefix|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-dp|serving-dp4|sync-audit|tp|shared-prefix|all
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
 what=${1:-all}
@@ -56,6 +56,12 @@ if [[ $what == serving-dp ]]; then
   # Data-parallel scaling (nvidia-h200-x2): one unified worker vs two behind one gateway, 512 streams.
   timeout 400 python3 -m bench.serving --launch --num-prompts 512 --routes completions --workers-sweep 1,2 \
     --out "$OUT/dp" 2>&1 | tee "$OUT/serving_dp.log" | tail -8
+fi
+if [[ $what == serving-dp4 ]]; then
+  # Data-parallel scaling on nvidia-h200-x4 (goal >= 3.7x): 1, 2 and 4 unified workers, at the default
+  # --stream-interval 1, behind a pool of two gateway processes.
+  timeout 580 python3 -m bench.serving --launch --num-prompts 1024 --routes completions --workers-sweep 1,2,4 \
+    --out "$OUT/dp4" -- --gateway-processes 2 2>&1 | tee "$OUT/serving_dp4.log" | tail -10
 fi
 if [[ $what == tp ]]; then
   # Tensor parallelism (nvidia-h200-x2): parity with TP=1 on the GPUs (NCCL, CUDA graphs), then speed.

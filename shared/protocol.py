@@ -218,6 +218,10 @@ class PongResult(Message, tag="pong"):
     # True once the worker is stopping (SIGTERM): it finishes what it has but takes no new requests. It
     # also sends a pong with call_id 0 unasked at that moment, so gateways stop routing to it at once.
     draining: bool = False
+    # The worker's radix cache identity: new when the worker starts and at every flush (when it also
+    # goes out unasked), so every gateway, not just the one that asked for the flush, forgets what it
+    # thought that worker held.
+    cache_id: str = ""
 
 
 # ---------------------------------------------------------------- prefill worker <-> decode worker (UCX)

@@ -466,3 +466,70 @@ async def test_collect_many_raises_the_first_failure_and_aborts_the_rest(worker,
         await d.collect_many([req("p", (5,), 50), req("q", (6,), 50)])
     assert e.value.status == 400 and e.value.message == "worker exploded"
     assert not d.inflight and client.load == 0
+
+
+class _FlushableEngine:
+    """What WorkerServer asks of an engine to answer pings and flushes."""
+    steps = 0
+    on_output = None
+
+    class scheduler:
+        @staticmethod
+        def num_running() -> int:
+            return 0
+
+    def call(self, fn):
+        from concurrent.futures import Future
+        f = Future()
+        f.set_result(fn())
+        return f
+
+    def flush_cache(self):
+        return True, "cache flushed"
+
+
+async def test_a_flush_or_a_restart_resets_every_gateways_picture_of_the_worker():
+    """Two gateways (two processes of a pool, or two gateways on one fleet) route prompts to one real
+    worker server; one flushes its cache: both forget what they thought it held (the worker's cache id
+    changes and goes out unasked). A worker restarted on the same port comes with a new id too."""
+    from services.gateway.cache_aware import CacheAwarePolicy
+    from services.worker.server import WorkerServer
+
+    server = WorkerServer(_FlushableEngine(), internal_key="k")
+    port = await server.start("127.0.0.1", 0)
+    clients = [WorkerClient("127.0.0.1", port, internal_key="k", connect_timeout=2.0) for _ in range(2)]
+    routers = [Router([c], CacheAwarePolicy()) for c in clients]
+    try:
+        for c in clients:
+            c.start()
+        ids = list(range(10, 90))
+        for c, r in zip(clients, routers):
+            r.remember(c, ids, None)
+            assert c.address in r.policy._index
+        while not all(c.connected and c.cache_id for c in clients):
+            await asyncio.sleep(0.01)
+        first = clients[1].cache_id
+        assert (await clients[0].flush_cache()).ok
+        for _ in range(200):
+            if all(c.address not in r.policy._index for c, r in zip(clients, routers)):
+                break
+            await asyncio.sleep(0.01)
+        assert all(c.address not in r.policy._index for c, r in zip(clients, routers))
+        assert clients[1].cache_id != first
+        # The same address, a new process (a supervisor's restart): the reconnecting gateway forgets too.
+        routers[1].remember(clients[1], ids, None)
+        await server.close()
+        server = WorkerServer(_FlushableEngine(), internal_key="k")
+        await server.start("127.0.0.1", port)
+        for c in clients:
+            c.drop_connection("the worker restarted")  # as its process's death would
+        clients[1].kick()
+        for _ in range(300):
+            if clients[1].address not in routers[1].policy._index:
+                break
+            await asyncio.sleep(0.02)
+        assert clients[1].address not in routers[1].policy._index
+    finally:
+        for c in clients:
+            await c.close()
+        await server.close()

@@ -31,6 +31,8 @@ class Router:
         # trailing tokens extends it itself (no prefill worker, no transfer). 0 turns it off.
         self.pd_bypass_tokens = pd_bypass_tokens
         self._workers: list[WorkerClient] = list(workers)
+        for w in self._workers:
+            w.on_cache_reset = self.forget_cache
 
     @property
     def workers(self) -> list[WorkerClient]:
@@ -46,6 +48,7 @@ class Router:
         for w in gone:
             self.forget_cache(w.address)
         for w in new:
+            w.on_cache_reset = self.forget_cache
             w.start()
         return gone
 

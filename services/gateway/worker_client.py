@@ -29,7 +29,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from services.gateway.errors import WorkerUnavailable
 from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest, Hello, InfoRequest,
@@ -126,6 +126,10 @@ class WorkerClient:
         self.transfer_addr: tuple[str, int] | None = None
         # Set by the worker's pongs (it sends one unasked when it starts to drain): take no new work.
         self.draining = False
+        # The worker's cache identity (PongResult.cache_id) and who hears when it changes (a flush, a
+        # restart): the router, whose picture of this worker's cache is then stale.
+        self.cache_id: str | None = None
+        self.on_cache_reset: Callable[[str], None] | None = None
         self._kick = asyncio.Event()
 
     @property
@@ -236,8 +240,16 @@ class WorkerClient:
             raise ProtocolError(f"expected a pong, got {pong.TYPE!r}")
         self.role = pong.role
         self.draining = pong.draining
+        self._saw_cache(pong.cache_id)
         self.transfer_addr = ((pong.transfer_host, pong.transfer_port)
                               if pong.transfer_host and pong.transfer_port else None)
+
+    def _saw_cache(self, cache_id: str) -> None:
+        if not cache_id:
+            return
+        if self.cache_id is not None and cache_id != self.cache_id and self.on_cache_reset is not None:
+            self.on_cache_reset(self.address)
+        self.cache_id = cache_id
 
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
         streams = self._streams
@@ -252,10 +264,12 @@ class WorkerClient:
                         except Exception:  # a sink's bug ends its stream at worst, never the connection
                             log.exception("stream %s failed to take an increment", out.rid)
             elif isinstance(msg, PongResult) and msg.call_id == 0:
-                self.draining = msg.draining  # unasked: the worker's readiness changed
+                self.draining = msg.draining  # unasked: the worker's readiness or its cache changed
+                self._saw_cache(msg.cache_id)
             elif isinstance(msg, (InfoResult, FlushCacheResult, PongResult)):
                 if isinstance(msg, PongResult):
                     self.draining = msg.draining
+                    self._saw_cache(msg.cache_id)
                 fut = self._calls.get(msg.call_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)

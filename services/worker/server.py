@@ -7,6 +7,7 @@ KV slots.
 from __future__ import annotations
 
 import asyncio
+import uuid
 import gc
 import logging
 
@@ -51,18 +52,24 @@ class WorkerServer:
         self._conns: set[_Connection] = set()
         self._request_ids: dict[str, str] = {}  # rid -> the client's X-Request-Id, for log lines
         self.draining = False
+        self.cache_id = uuid.uuid4().hex  # PongResult.cache_id
 
     def start_draining(self) -> None:
         """Not ready from now on: every gateway hears it at once (a pong it did not ask for) and stops
         routing here; requests already accepted run to the end."""
         self.draining = True
+        self._tell_everyone()
+
+    def _tell_everyone(self) -> None:
+        """A pong nobody asked for, to every connection: what it says changed."""
         for conn in list(self._conns):
             conn.send(encode_frame(self._pong(0)))
 
     def _pong(self, call_id: int) -> PongResult:
         host, port = self.transfer_addr or (None, None)
         return PongResult(call_id=call_id, steps=self.engine.steps, num_running=self.engine.scheduler.num_running(),
-                          role=self.role, transfer_host=host, transfer_port=port, draining=self.draining)
+                          role=self.role, transfer_host=host, transfer_port=port, draining=self.draining,
+                          cache_id=self.cache_id)
 
     async def start(self, host: str, port: int) -> int:
         self._loop = asyncio.get_running_loop()
@@ -143,6 +150,9 @@ class WorkerServer:
                 elif isinstance(msg, FlushCacheRequest):
                     ok, text = await self._call(self.engine.flush_cache)
                     conn.send(encode_frame(FlushCacheResult(call_id=msg.call_id, ok=ok, message=text)))
+                    if ok:
+                        self.cache_id = uuid.uuid4().hex
+                        self._tell_everyone()
                 elif isinstance(msg, PingRequest):
                     conn.send(encode_frame(self._pong(msg.call_id)))
                 elif isinstance(msg, InfoRequest):
