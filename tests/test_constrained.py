@@ -304,6 +304,40 @@ def test_a_planned_jump_leaves_the_matcher_until_applied(tok, cache):
     assert forced_text(state) == forced_text(ref)
 
 
+def test_a_memo_of_boundary_encodings_plans_the_same_jumps_with_one_encode_per_boundary(tok, cache):
+    """RetokenizeMemo: a boundary (tail tokens, forced text) seen before is not encoded again, and every
+    plan equals the one made without the memo; bounded in entries, long forced runs not kept."""
+    from shared.constrained import RetokenizeMemo, forced_text, plan_jump
+
+    class Counting:
+        encodes = 0
+
+        class raw:
+            @staticmethod
+            def encode(text, add_special_tokens=False):
+                Counting.encodes += 1
+                return tok.raw.encode(text, add_special_tokens=add_special_tokens)
+
+    pattern = r'\{"name": "[a-z]+"\}'
+    brace = tok.raw.token_to_id("{")
+    memo = RetokenizeMemo()
+    for _ in range(3):  # three requests at the same boundary
+        state = cache.state_for("regex", pattern)
+        assert state.accept_token(brace)
+        plain = plan_jump(state, [brace], tok, forced=forced_text(state))
+        memoized = plan_jump(state, [brace], Counting, forced=forced_text(state), memo=memo)
+        assert memoized is not None and (memoized.rollback, memoized.new_ids) == (plain.rollback, plain.new_ids)
+    assert Counting.encodes == 1 and (memo.hits, memo.misses, len(memo)) == (2, 1, 1)
+    # A boundary whose encoding does not round-trip is remembered as such (None).
+    assert memo.ids([brace], "x", lambda: None) is None and memo.ids([brace], "x", lambda: [1]) is None
+    small = RetokenizeMemo(max_entries=2, max_forced_chars=4)
+    small.ids([], "long text", lambda: [1])
+    assert len(small) == 0  # too long to keep
+    for text in ("a", "b", "c"):
+        small.ids([], text, lambda: [2])
+    assert len(small) == 2 and small.ids([], "a", lambda: [3]) == [3]  # the oldest went
+
+
 def test_jump_forward_budget_and_disable(tok, cache):
     pattern = "The answer is (true|false)\\."
     state = cache.state_for("regex", pattern)
