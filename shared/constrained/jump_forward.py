@@ -117,11 +117,14 @@ def plan_jump(state: GrammarState, output_ids: list[int], tokenizer: Tokenizer, 
     return JumpForward(forced_text=forced, rollback=rollback, new_ids=new_ids)
 
 
-def apply_jump(state: GrammarState, jf: JumpForward, output_ids: list[int]) -> bool:
+def apply_jump(state: GrammarState, jf: JumpForward, output_ids: list[int], *, final: bool = False) -> bool:
     """Advance the matcher over a planned jump (`output_ids` as when it was planned); False, with the
-    matcher unchanged, when the grammar refuses the new tokens."""
+    matcher unchanged, when the grammar refuses the new tokens. `final`: the jump's tokens will never
+    be rolled back (they are not proposals), so the matcher takes them as one step, far cheaper
+    (GrammarState.accept_forced_run)."""
     state.rollback(jf.rollback)
-    if not state.accept_tokens(jf.new_ids):
+    accept = state.accept_forced_run if final else state.accept_tokens
+    if not accept(jf.new_ids):
         restored = state.accept_tokens(output_ids[len(output_ids) - jf.rollback:] if jf.rollback else [])
         assert restored, "re-accepting previously accepted tokens cannot fail"
         return False

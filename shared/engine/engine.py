@@ -505,8 +505,9 @@ class Engine:
             self.jump_forward_declined += len(jumps)
             self._expect_jumps = False
             return
+        # final: this mode never rolls a jump's tokens back (only verify mode's proposals are).
         jumps = [(req, tok, jf) for req, tok, jf in jumps
-                 if apply_jump(req.grammar, jf, req.output_ids[:req.num_resolved])]
+                 if apply_jump(req.grammar, jf, req.output_ids[:req.num_resolved], final=True)]
         self._expect_jumps = bool(jumps)
         for req, tok, jf in jumps:
             self._check_finish(req, tok, self._jump_forward(req, jf), False)
