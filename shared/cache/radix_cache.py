@@ -48,6 +48,10 @@ class TreeNode:
         return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children or ())})"
 
 
+# insert_extending's answer when the tree held none of the new tokens (read-only: callers only slice it).
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
 def as_tokens(key) -> np.ndarray:
     if isinstance(key, torch.Tensor):
         return key.detach().to("cpu", torch.int32).numpy()
@@ -155,12 +159,16 @@ class RadixCache(PrefixCache):
         assert n == len(slots) and n % self.page_size == 0 and start % self.page_size == 0 and start < n
         tokens = as_tokens(key[start:])
         now = self._tick()
-        end, matched, values = self._walk(node, tokens, now)
+        if node.children:
+            end, matched, values = self._walk(node, tokens, now)
+        else:  # the request's own leaf, the usual case: nothing below it to match (nor to touch)
+            end, matched, values = node, 0, []
         if matched < tokens.shape[0]:
             end = self._add_leaf(end, tokens[matched:], to_numpy_slots(slots[start + matched:]), now)
         self._lock_path(end, stop=node)  # the lock moves from node to end: one more reference below node
-        tree = np.concatenate(values) if values else np.empty(0, np.int64)
-        return start + matched, end, torch.from_numpy(tree)
+        if not values:
+            return start, end, _NO_SLOTS
+        return start + matched, end, torch.from_numpy(np.concatenate(values))
 
     def lock(self, node: TreeNode) -> None:
         assert not node.evicted, "lock of an evicted node"
