@@ -674,3 +674,69 @@ def test_insert_extending_from_the_request_node_equals_insert_from_the_root(page
                 cache.unlock(r[2])
         runs.append((_tree_state(cache), log, alloc.available_size()))
     assert runs[0] == runs[1]
+
+
+def _lock_ends_brute(cache, held):
+    """Locks ending on each node, from the list of nodes the live requests hold."""
+    ends = {}
+    for node in held:
+        ends[id(node)] = ends.get(id(node), 0) + 1
+    return ends
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_private_leaf_is_a_leaf_no_other_lock_ends_on_or_above(page_size, seed):
+    """is_private_leaf (what lets the engine insert a pass's KV ahead of the next schedule) against the
+    definition, and every node's lock count = locks ending on it + its children's, along requests that
+    share prefixes, grow (insert_extending, with splits), end (insert from the root, unlock) and evict."""
+    rng = random.Random(seed)
+    alloc, cache = make(num_pages=4096, page_size=page_size)
+    live = []  # [tokens, slots, node, cached]
+    checked = private = 0
+    for _ in range(150):
+        op = rng.random()
+        if op < 0.3 or not live:
+            base = rng.choice([[1], [1, 2, 3, 4] * page_size, [5] * (2 * page_size) + [6]])
+            m = cache.match_prefix(base)
+            cache.lock(m.node)
+            live.append([list(base), m.slots.tolist() + alloc.alloc(len(base) - m.length).tolist(), m.node, m.length])
+        elif op < 0.8:
+            r = rng.choice(live)
+            grow = rng.randint(1, 3) * page_size
+            r[0].extend(rng.choice([1, 2]) for _ in range(grow))
+            r[1].extend(alloc.alloc(grow, r[1][-1]).tolist())
+            n = len(r[0]) - len(r[0]) % page_size
+            if n > r[3]:
+                returned, node, tree = cache.insert_extending(r[2], r[3], r[0][:n], r[1][:n])
+                if returned > r[3]:
+                    alloc.free(np.asarray(r[1][r[3]:returned]))
+                    r[1][r[3]:returned] = tree.tolist()
+                r[2], r[3] = node, n
+        elif op < 0.95:
+            r = live.pop(rng.randrange(len(live)))
+            aligned = len(r[0]) - len(r[0]) % page_size
+            slots = torch.tensor(r[1], dtype=torch.int64)
+            done = cache.insert(r[0][:aligned], slots[:aligned]) if aligned else 0
+            if done > r[3]:
+                alloc.free(slots[r[3]:done])
+            if len(slots) > aligned:
+                alloc.free(slots[aligned:])
+            cache.unlock(r[2])
+        else:
+            cache.evict(rng.randint(1, 20))
+        ends = _lock_ends_brute(cache, [r[2] for r in live])
+        for node in cache.nodes():
+            assert node.lock_ends == ends.get(id(node), 0)
+            assert node.lock_ref == node.lock_ends + sum(c.lock_ref for c in node.children.values())
+        for r in live:
+            node, want = r[2], False
+            if node.parent is not None and not node.children and ends[id(node)] == 1:
+                up, want = node.parent, True
+                while up.parent is not None:
+                    want = want and not ends.get(id(up), 0)
+                    up = up.parent
+            assert cache.is_private_leaf(node) == want
+            checked += 1
+            private += want
+    assert checked and 0 < private < checked  # both answers came up

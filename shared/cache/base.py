@@ -67,6 +67,13 @@ class PrefixCache(ABC):
         self.unlock(node)
         return returned, match.node, match.slots[start:returned].cpu()
 
+    def is_private_leaf(self, node: Any) -> bool:
+        """Whether `node` (held by one request) is a leaf that no other request's lock ends on or above:
+        the request's insert_extending below it then adds a leaf without walking, and no other request's
+        insert, release or lock can reach under it, so it yields the same tree, slots and counts in
+        whatever order it runs among theirs. False when unsure."""
+        return False
+
     @abstractmethod
     def lock(self, node: Any) -> None:
         """Protect the path root..node from eviction (one reference)."""

@@ -29,14 +29,15 @@ from shared.cache.base import MatchResult, PrefixCache
 
 
 class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "version")
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "lock_ends", "last_access", "version")
 
     def __init__(self, key: np.ndarray, value: np.ndarray, parent: "TreeNode | None", last_access: int):
         self.key = key  # int32 token ids of this edge
         self.value = value  # int64 pool slots, one per token
         self.children: dict | None = {}  # None once evicted
         self.parent = parent  # None for a root (and for evicted nodes)
-        self.lock_ref = 0
+        self.lock_ref = 0  # locks whose path goes through this node
+        self.lock_ends = 0  # ... of them, those that end here (a request's own node: lock() / insert_extending)
         self.last_access = last_access
         self.version = 0  # bumped when `children` changes (see match_length)
 
@@ -166,6 +167,8 @@ class RadixCache(PrefixCache):
         if matched < tokens.shape[0]:
             end = self._add_leaf(end, tokens[matched:], to_numpy_slots(slots[start + matched:]), now)
         self._lock_path(end, stop=node)  # the lock moves from node to end: one more reference below node
+        node.lock_ends -= 1
+        end.lock_ends += 1
         if not values:
             return start, end, _NO_SLOTS
         return start + matched, end, torch.from_numpy(np.concatenate(values))
@@ -173,6 +176,7 @@ class RadixCache(PrefixCache):
     def lock(self, node: TreeNode) -> None:
         assert not node.evicted, "lock of an evicted node"
         self._lock_path(node)
+        node.lock_ends += 1
 
     def _lock_path(self, node: TreeNode, stop: TreeNode | None = None) -> None:
         """One more reference on every node from node up to (not including) stop, or the root."""
@@ -185,6 +189,8 @@ class RadixCache(PrefixCache):
 
     def unlock(self, node: TreeNode) -> None:
         assert not node.evicted, "unlock of an evicted node"
+        assert node.lock_ends > 0, "unlock of a node no lock ends on"
+        node.lock_ends -= 1
         end = node
         while node.parent is not None:
             assert node.lock_ref > 0, "unlock without a matching lock"
@@ -194,6 +200,18 @@ class RadixCache(PrefixCache):
                 self._protected -= len(node.key)
             node = node.parent
         self._push(end)  # only the path's end can be a leaf; _push ignores it otherwise
+
+    def is_private_leaf(self, node: TreeNode) -> bool:
+        """`node` is a leaf, one lock ends on it and no other lock ends on its path (see
+        PrefixCache.is_private_leaf): O(depth)."""
+        if node is None or node.parent is None or node.evicted or node.children or node.lock_ends != 1:
+            return False
+        node = node.parent
+        while node.parent is not None:
+            if node.lock_ends:
+                return False
+            node = node.parent
+        return True
 
     def evict(self, num_tokens: int) -> int:
         freed: list[np.ndarray] = []

@@ -229,6 +229,10 @@ class Engine:
             self._failing = None
         self._pending = handle
         self.steps += 1
+        # The pass's computed KV enters the tree now, while the device runs it, where that leaves the same
+        # tree as entering in the next schedule() (which, when this pass is processed first as below, runs
+        # with the device idle). Its rows cannot leave it any more: only the previous pass's processing drops rows.
+        self.scheduler.cache_extended_apart()
         if (not self.config.enable_overlap or self._host_dependent > 0 or handle.counts is not None
                 or self._jumps_likely_after(handle)):
             # A pass verifying proposals (jump-forward, verify mode) decides on the host where its

@@ -182,6 +182,22 @@ class Scheduler:
             if req.req_pool_idx is not None and not req.finished:
                 self.cache_computed(req)
 
+    def cache_extended_apart(self) -> None:
+        """Ahead of the next schedule(), the part of its `_cache_extended` that leaves the same tree, slots
+        and counts whenever it runs before it: requests whose node is a private leaf (no other request's
+        insert, release or lock can reach under it: PrefixCache.is_private_leaf) and without proposals
+        (the confirmed part of those grows when their pass is processed). The engine calls this while the
+        device runs the batch; the rest waits for schedule()."""
+        rest = []
+        for req in self._extended:
+            if req.req_pool_idx is None or req.finished:
+                continue
+            if not req.proposed and self.cache.is_private_leaf(req.last_node):
+                self.cache_computed(req)
+            else:
+                rest.append(req)
+        self._extended = rest
+
     def cache_computed(self, req: Req) -> None:
         """Insert the request's computed KV (page-aligned, confirmed tokens only) into the tree while it
         keeps running: the lock moves to the new deepest node, and positions another request put into
