@@ -153,8 +153,9 @@ class RadixCache(PrefixCache):
         """As PrefixCache.insert_extending, in O(new tokens): the walk starts at `node` (the request's
         lock keeps it in the tree; a split above or inside it leaves its path as it was), not at the
         root, and only the nodes below it change lock counts. The path above is not touched (LRU): it is
-        locked by the request, and touched when the request's KV is finally inserted at its end."""
-        if start <= 0 or node is None or node.parent is None or node.evicted:
+        locked by the request, and touched when the request's KV is finally inserted at its end. A
+        request with nothing cached yet holds its namespace's root: the walk starts there."""
+        if node is None or node.evicted or (node.parent is None and node is not self._roots.get(namespace)):
             return super().insert_extending(node, start, key, slots, namespace)
         n = len(key)
         assert n == len(slots) and n % self.page_size == 0 and start % self.page_size == 0 and start < n
