@@ -740,3 +740,78 @@ def test_private_leaf_is_a_leaf_no_other_lock_ends_on_or_above(page_size, seed):
             checked += 1
             private += want
     assert checked and 0 < private < checked  # both answers came up
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_release_inserting_from_the_request_node_equals_inserting_from_the_root(page_size, seed):
+    """insert_from (a request's KV entering the tree when it ends, from its own node) against insert from
+    the root: the same tree, locks, sizes, LRU times, returned lengths and eviction order, for requests
+    sharing prefixes, growing in catch-up passes, some in a namespace, ending at random."""
+    runs = []
+    for fast in (True, False):
+        rng = random.Random(seed)
+        alloc, cache = make(num_pages=4096, page_size=page_size)
+        live, log = [], []  # live: [tokens, slots, node, cached, namespace]
+        for _ in range(150):
+            op = rng.random()
+            if op < 0.3 or not live:
+                ns = rng.choice([None, None, "t"])
+                base = rng.choice([[1], [1, 2, 3, 4] * page_size, [5] * (2 * page_size) + [6]])
+                m = cache.match_prefix(base, namespace=ns)
+                cache.lock(m.node)
+                live.append([list(base), m.slots.tolist() + alloc.alloc(len(base) - m.length).tolist(), m.node,
+                             m.length, ns])
+            elif op < 0.75:
+                r = rng.choice(live)
+                grow = rng.randint(1, 3) * page_size
+                r[0].extend(rng.choice([1, 2, 3]) for _ in range(grow))
+                r[1].extend(alloc.alloc(grow, r[1][-1]).tolist())
+                n = len(r[0]) - len(r[0]) % page_size
+                if n > r[3] and rng.random() < 0.7:  # some grow past their inserted part before they end
+                    returned, node, tree = cache.insert_extending(r[2], r[3], r[0][:n], r[1][:n], namespace=r[4])
+                    if returned > r[3]:
+                        alloc.free(np.asarray(r[1][r[3]:returned]))
+                        r[1][r[3]:returned] = tree.tolist()
+                    r[2], r[3] = node, n
+            elif op < 0.95:
+                r = live.pop(rng.randrange(len(live)))
+                aligned = len(r[0]) - len(r[0]) % page_size
+                slots = torch.tensor(r[1], dtype=torch.int64)
+                if fast:
+                    done = cache.insert_from(r[2], r[3], r[0][:aligned], slots[:aligned], namespace=r[4])
+                else:
+                    done = cache.insert(r[0][:aligned], slots[:aligned], namespace=r[4])
+                log.append(done)
+                if done > r[3]:
+                    alloc.free(slots[r[3]:done])
+                if len(slots) > aligned:
+                    alloc.free(slots[aligned:])
+                cache.unlock(r[2])
+            else:
+                log.append(cache.evict(rng.randint(1, 3 * page_size)))
+        state, times = _tree_state(cache), _tree_times(cache)
+        for r in live:
+            cache.unlock(r[2])
+        freed = []
+        while cache.evictable_size():
+            before = set(alloc.free_pages().tolist())
+            cache.evict(1)
+            freed.append(sorted(set(alloc.free_pages().tolist()) - before))
+        runs.append((state, times, log, freed))
+    assert runs[0] == runs[1]
+
+
+def _tree_times(cache):
+    """Every node's path and LRU time."""
+    out = {}
+
+    def walk(node, path):
+        for child in node.children.values():
+            p = path + tuple(child.key.tolist())
+            out[p] = child.last_access
+            walk(child, p)
+
+    for ns, root in cache.roots().items():
+        walk(root, (ns,))
+    return out

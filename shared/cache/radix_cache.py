@@ -137,6 +137,33 @@ class RadixCache(PrefixCache):
             self._add_leaf(node, tokens[matched:], to_numpy_slots(slots)[matched:], now)
         return matched
 
+    def insert_from(self, node: TreeNode, start: int, key: Sequence[int], slots: torch.Tensor,
+                    namespace: str | None = None) -> int:
+        """As insert(), in O(depth + new tokens): the path above `node` is touched as the walk from the
+        root touches it, without comparing its tokens again (a request's path is dozens of nodes deep after
+        jump-forward's catch-up passes); the new tokens are matched and added below node."""
+        if node is None or node.evicted or (node.parent is None and node is not self._roots.get(namespace)):
+            return self.insert(key, slots, namespace=namespace)
+        n = len(key)
+        assert n == len(slots) and n % self.page_size == 0 and start % self.page_size == 0 and start <= n
+        if n == 0:
+            return 0
+        now = self._tick()
+        up = node
+        while up.parent is not None:
+            up.last_access = now
+            up = up.parent
+        if start == n:  # the walk from the root ends at node, which the request's lock keeps off the heap
+            return n
+        tokens = as_tokens(key[start:])
+        if node.children:
+            end, matched, _ = self._walk(node, tokens, now)
+        else:
+            end, matched = node, 0
+        if matched < tokens.shape[0]:
+            self._add_leaf(end, tokens[matched:], to_numpy_slots(slots)[start + matched:], now)
+        return start + matched
+
     def _add_leaf(self, parent: TreeNode, tokens: np.ndarray, values: np.ndarray, now: int) -> TreeNode:
         """A new unlocked leaf under parent holding tokens -> values (copied: the tree must not alias
         arrays the caller may reuse or mutate)."""

@@ -397,7 +397,9 @@ class Scheduler:
         slots = torch.tensor(req.slots, dtype=torch.int64)
         aligned = kv // self.page_size * self.page_size
         if aligned > 0:
-            returned = self.cache.insert(req.all_ids[:aligned], slots[:aligned], namespace=req.cache_salt)
+            # From the request's node (its cached part is its path): not a walk down the whole path again.
+            returned = self.cache.insert_from(req.last_node, req.cached_len, req.all_ids[:aligned], slots[:aligned],
+                                              namespace=req.cache_salt)
             assert returned >= req.cached_len, (returned, req.cached_len)
             if returned > req.cached_len:
                 self.allocator.free(slots[req.cached_len:returned])
