@@ -779,7 +779,7 @@ def test_a_release_inserting_from_the_request_node_equals_inserting_from_the_roo
                 aligned = len(r[0]) - len(r[0]) % page_size
                 slots = torch.tensor(r[1], dtype=torch.int64)
                 if fast:
-                    done = cache.insert_from(r[2], r[3], r[0][:aligned], slots[:aligned], namespace=r[4])
+                    done = cache.insert_from(r[2], r[3], r[0][:aligned], r[1][:aligned], namespace=r[4])
                 else:
                     done = cache.insert(r[0][:aligned], slots[:aligned], namespace=r[4])
                 log.append(done)

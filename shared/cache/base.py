@@ -52,11 +52,11 @@ class PrefixCache(ABC):
         leading tokens were already cached; the caller still owns slots[:returned] and must free those of
         them that are not its own locked prefix. The tree owns slots[returned:] from now on."""
 
-    def insert_from(self, node: Any, start: int, key: Sequence[int], slots: torch.Tensor,
+    def insert_from(self, node: Any, start: int, key: Sequence[int], slots: Sequence[int],
                     namespace: str | None = None) -> int:
         """insert(key, slots) by a request holding one lock on `node`, whose path is key[:start]: the
         same result and the same tree (an implementation may skip matching that path again)."""
-        return self.insert(key, slots, namespace=namespace)
+        return self.insert(key, torch.as_tensor(slots, dtype=torch.int64), namespace=namespace)
 
     def insert_extending(self, node: Any, start: int, key: Sequence[int], slots: Sequence[int],
                          namespace: str | None = None) -> tuple[int, Any, torch.Tensor]:

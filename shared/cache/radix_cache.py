@@ -137,13 +137,13 @@ class RadixCache(PrefixCache):
             self._add_leaf(node, tokens[matched:], to_numpy_slots(slots)[matched:], now)
         return matched
 
-    def insert_from(self, node: TreeNode, start: int, key: Sequence[int], slots: torch.Tensor,
+    def insert_from(self, node: TreeNode, start: int, key: Sequence[int], slots: Sequence[int],
                     namespace: str | None = None) -> int:
         """As insert(), in O(depth + new tokens): the path above `node` is touched as the walk from the
         root touches it, without comparing its tokens again (a request's path is dozens of nodes deep after
         jump-forward's catch-up passes); the new tokens are matched and added below node."""
         if node is None or node.evicted or (node.parent is None and node is not self._roots.get(namespace)):
-            return self.insert(key, slots, namespace=namespace)
+            return super().insert_from(node, start, key, slots, namespace)
         n = len(key)
         assert n == len(slots) and n % self.page_size == 0 and start % self.page_size == 0 and start <= n
         if n == 0:
@@ -161,7 +161,7 @@ class RadixCache(PrefixCache):
         else:
             end, matched = node, 0
         if matched < tokens.shape[0]:
-            self._add_leaf(end, tokens[matched:], to_numpy_slots(slots)[start + matched:], now)
+            self._add_leaf(end, tokens[matched:], to_numpy_slots(slots[start + matched:]), now)
         return start + matched
 
     def _add_leaf(self, parent: TreeNode, tokens: np.ndarray, values: np.ndarray, now: int) -> TreeNode:

@@ -394,7 +394,7 @@ class Scheduler:
     def _release_kv(self, req: Req) -> None:
         """Hand the request's computed KV to the tree and free what the tree does not keep."""
         kv = req.kv_len
-        slots = torch.tensor(req.slots, dtype=torch.int64)
+        slots = req.slots  # host ints: only the parts freed become arrays (the row is hundreds long)
         aligned = kv // self.page_size * self.page_size
         if aligned > 0:
             # From the request's node (its cached part is its path): not a walk down the whole path again.
@@ -402,10 +402,10 @@ class Scheduler:
                                               namespace=req.cache_salt)
             assert returned >= req.cached_len, (returned, req.cached_len)
             if returned > req.cached_len:
-                self.allocator.free(slots[req.cached_len:returned])
+                self.allocator.free(np.asarray(slots[req.cached_len:returned], dtype=np.int64))
         if len(slots) > aligned:
             # Partial tail page and any slots allocated beyond the computed KV.
-            self.allocator.free(slots[aligned:])
+            self.allocator.free(np.asarray(slots[aligned:], dtype=np.int64))
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
         self.req_pool.free(req.req_pool_idx)
