@@ -10,7 +10,9 @@ off again by `close()`) and records, per engine step that launched a pass:
 - host time by phase (perf_counter), and the time the engine thread spent blocked on the device;
 - on a GPU, the pass's device time (CUDA events around its forward, and to the end of its sampling).
 
-Host phases (ms, per step): `schedule` (scheduler, incl. `cache` = KV entering the radix tree), `launch`
+Host phases (ms, per step): `schedule` (scheduler, incl. `cache` = KV entering the radix tree there), `kv-run`
+(the pass's own KV entering the tree once its sampling is enqueued, where that leaves the same tree: on a
+GPU while the device runs the pass, off the serial path), `launch`
 (plan, slot table, batch tensors, kernel launches of the forward: on a CPU the forward itself, reported
 apart as `model`), `wait` (blocked until the previous pass's results were on the host), `process` (the
 previous pass's tokens: grammar, detokenizer, finish checks; incl. `jumps` = planning and taking
@@ -27,7 +29,7 @@ import torch
 
 from shared.engine.forward_batch import ForwardMode
 
-PHASES = ("schedule", "cache", "launch", "model", "wait", "process", "jumps", "masks", "sample")
+PHASES = ("schedule", "cache", "kv-run", "launch", "model", "wait", "process", "jumps", "masks", "sample")
 
 
 @dataclass
@@ -54,6 +56,7 @@ class PassBreakdown:
         eng, sched, runner = engine, engine.scheduler, engine.runner
         self._wrap(sched, "schedule", "schedule")
         self._wrap(sched, "_cache_extended", "cache")
+        self._wrap(sched, "cache_extended_apart", "kv-run")
         self._wrap(eng, "_settle_jumps", "jumps")
         self._wrap(runner.masker, "build", "masks")
         self._wrap(runner, "_proposal_masks", "masks")

@@ -146,3 +146,30 @@ def test_alloc_next_equals_one_alloc_per_request(page_size):
     big = SlotAllocator(num_pages=2, page_size=page_size)
     free = big.available_size()
     assert big.alloc_next([-1, -1, -1]) is None and big.available_size() == free
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_alloc_runs_equals_one_alloc_per_request(page_size):
+    """A catch-up pass's slots in one call are those one alloc(n, last) per request would give, in
+    order, with the same allocator state and counters after; runs that do not all fit take nothing."""
+    rng = random.Random(page_size)
+    twins = [SlotAllocator(num_pages=256, page_size=page_size) for _ in range(2)]
+    lasts = []
+    for a in twins:
+        for n in (3, 5, 8, 1):
+            lasts.append(int(a.alloc(n)[-1]))
+    lasts = lasts[:4] + [-1]
+    for _ in range(6):
+        order = rng.sample(lasts, len(lasts))
+        counts = [rng.choice([1, 2, 7, 13]) for _ in order]
+        one = twins[0].alloc_runs(counts, order)
+        seq = torch.cat([twins[1].alloc(n, last) for n, last in zip(counts, order)])
+        assert one.dtype == torch.int64 and one.tolist() == seq.tolist()
+        assert np.array_equal(twins[0].free_pages(), twins[1].free_pages())
+        assert twins[0].stats() == twins[1].stats()
+        ends = np.cumsum(counts) - 1
+        lasts = [int(one[e]) for e in ends]
+    small = SlotAllocator(num_pages=3, page_size=page_size)
+    free = small.available_size()
+    assert small.alloc_runs([page_size, 2 * page_size, 1], [-1, -1, -1]) is None
+    assert small.available_size() == free and small.alloc_runs([], []).tolist() == []

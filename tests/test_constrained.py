@@ -304,6 +304,83 @@ def test_a_planned_jump_leaves_the_matcher_until_applied(tok, cache):
     assert forced_text(state) == forced_text(ref)
 
 
+def test_a_memo_of_boundary_encodings_plans_the_same_jumps_with_one_encode_per_boundary(tok, cache):
+    """RetokenizeMemo: a boundary (tail tokens, forced text) seen before is not encoded again, and every
+    plan equals the one made without the memo; bounded in entries, long forced runs not kept."""
+    from shared.constrained import RetokenizeMemo, forced_text, plan_jump
+
+    class Counting:
+        encodes = 0
+
+        class raw:
+            @staticmethod
+            def encode(text, add_special_tokens=False):
+                Counting.encodes += 1
+                return tok.raw.encode(text, add_special_tokens=add_special_tokens)
+
+    pattern = r'\{"name": "[a-z]+"\}'
+    brace = tok.raw.token_to_id("{")
+    memo = RetokenizeMemo()
+    for _ in range(3):  # three requests at the same boundary
+        state = cache.state_for("regex", pattern)
+        assert state.accept_token(brace)
+        plain = plan_jump(state, [brace], tok, forced=forced_text(state))
+        memoized = plan_jump(state, [brace], Counting, forced=forced_text(state), memo=memo)
+        assert memoized is not None and (memoized.rollback, memoized.new_ids) == (plain.rollback, plain.new_ids)
+    assert Counting.encodes == 1 and (memo.hits, memo.misses, len(memo)) == (2, 1, 1)
+    # A boundary whose encoding does not round-trip is remembered as such (None).
+    assert memo.ids([brace], "x", lambda: None) is None and memo.ids([brace], "x", lambda: [1]) is None
+    small = RetokenizeMemo(max_entries=2, max_forced_chars=4)
+    small.ids([], "long text", lambda: [1])
+    assert len(small) == 0  # too long to keep
+    for text in ("a", "b", "c"):
+        small.ids([], text, lambda: [2])
+    assert len(small) == 2 and small.ids([], "a", lambda: [3]) == [3]  # the oldest went
+
+
+@pytest.mark.parametrize("name", ["nested", "array_enum", "string_pattern"])
+def test_a_forced_run_taken_as_one_step_leaves_the_matcher_where_token_by_token_does(tok, cache, builder, name):
+    """accept_forced_run (the engine's jumps) against accept_tokens along random decoding with jumps:
+    the same mask, completion and forced text after every step; nothing before a run rolls back."""
+    from shared.constrained import apply_jump, forced_text, plan_jump
+
+    compiled = cache.compile("json_schema", json.dumps(SCHEMAS[name]))
+    for seed in range(3):
+        fast, ref = cache.new_state(compiled), cache.new_state(compiled)
+        score, out, runs = random_scorer(tok, seed), [], 0
+        for step in range(40):
+            forced = forced_text(ref)
+            jf = plan_jump(ref, out, tok, forced=forced, max_retokenize=1) if forced else None
+            if jf is not None:
+                assert apply_jump(ref, jf, out) and apply_jump(fast, jf, out, final=True)
+                del out[len(out) - jf.rollback:]
+                out.extend(jf.new_ids)
+                runs += 1
+                assert fast.num_accepted == 0
+                with pytest.raises(ValueError):
+                    fast.rollback(1)
+            else:
+                if ref.is_terminated():
+                    break
+                logits = score(tok.decode(out), step)
+                builder.build([ref]).apply(logits[None])
+                t = int(logits.argmax())
+                assert ref.accept_token(t) and fast.accept_token(t)
+                out.append(t)
+            assert fast.is_completed() == ref.is_completed() and fast.is_terminated() == ref.is_terminated()
+            if not ref.is_terminated():
+                a, b = (builder.build([s]).to_bool() for s in (fast, ref))
+                assert torch.equal(a, b) and forced_text(fast) == forced_text(ref)
+        assert runs > 0
+
+
+def test_a_forced_run_with_a_stop_token_or_refused_goes_token_by_token(tok, cache):
+    state = cache.state_for("regex", "ab")
+    a, b = tok.raw.token_to_id("a"), tok.raw.token_to_id("b")
+    assert not state.accept_forced_run([b]) and state.num_accepted == 0 and state.find_jump_forward_string() == "ab"
+    assert state.accept_forced_run([a, b, EOS]) and state.is_terminated()  # eos taken as the stop token
+
+
 def test_jump_forward_budget_and_disable(tok, cache):
     pattern = "The answer is (true|false)\\."
     state = cache.state_for("regex", pattern)

@@ -241,3 +241,39 @@ def test_passes_write_only_new_slot_table_entries_and_rows_hold_every_slot(cfg):
     assert checked[0] > 0 and catch_up_tokens[0] > 0
     if "max_total_tokens" not in cfg:  # no re-admission: catch-up passes write their new tokens only
         assert written[0] == catch_up_tokens[0], (written[0], catch_up_tokens[0])
+
+
+@pytest.mark.parametrize("cfg", [{}, {"page_size": 4, "max_total_tokens": 900},
+                                 {"jump_forward_mode": "verify", "max_total_tokens": 700},
+                                 {"enable_overlap": False, "jump_forward_threshold": 0}])
+def test_kv_entering_the_tree_while_its_pass_runs_changes_nothing(cfg, monkeypatch):
+    """A pass's KV enters the tree while the device runs it (Scheduler.cache_extended_apart) only where
+    that leaves what the next schedule() would: requests sharing prompts, and writing the same tokens
+    (greedy), jump and end under memory pressure; every pass (rows, slots) and every output is the same
+    as with all of it left to schedule()."""
+    from shared.engine.scheduler import Scheduler
+
+    runs = []
+    for apart in (True, False):
+        if not apart:
+            monkeypatch.setattr(Scheduler, "cache_extended_apart", lambda self: None)
+        h = Harness(**cfg)
+        h.engine.grammars.compile("json_schema", json.dumps(SCHEMA))  # no compile timing in the schedule
+        h.engine.grammars.compile("regex", REGEXES[2])
+        launches, launch = [], h.engine.runner.launch
+
+        def logged(batch, launch=launch, launches=launches):
+            launches.append(([r.rid.split("-")[-1] for r in batch.reqs], batch.extend_lens,
+                             batch.out_cache_loc.tolist()))
+            return launch(batch)
+        h.engine.runner.launch = logged
+        rids = []
+        for i in range(12):
+            grammar = {"json_schema": json.dumps(SCHEMA)} if i % 3 else {"regex": REGEXES[2]}
+            sampling = {**grammar, "temperature": 0.0 if i % 2 else 1.0, "seed": i // 4, "max_new_tokens": 100}
+            rids.append(h.submit(tokenizer().encode(f"Write record {i % 4}:"), rid=f"x{apart}-{i}",
+                                 sampling=sampling))
+        got = h.run(rids, max_steps=3000)
+        runs.append((launches, [(r["ids"], r["text"], r["finish"]) for r in got], h.engine.cache.stats()))
+        assert h.engine.scheduler.is_idle()
+    assert runs[0] == runs[1]

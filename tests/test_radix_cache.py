@@ -674,3 +674,133 @@ def test_insert_extending_from_the_request_node_equals_insert_from_the_root(page
                 cache.unlock(r[2])
         runs.append((_tree_state(cache), log, alloc.available_size()))
     assert runs[0] == runs[1]
+
+
+
+class _Requests:
+    """Random requests on one tree, driven as the scheduler drives it: admitted on their cached prefix
+    (locked), growing in catch-up passes (insert_extending), ending (their KV inserted from the root, or
+    with insert_from, then unlocked), and evictions in between. live: [tokens, slots, node, cached, ns]."""
+
+    def __init__(self, page_size: int, seed: int, namespaces=(None,)):
+        self.rng, self.ps, self.namespaces = random.Random(seed), page_size, namespaces
+        self.alloc, self.cache = make(num_pages=4096, page_size=page_size)
+        self.live: list[list] = []
+
+    def admit(self) -> None:
+        ps = self.ps
+        ns = self.rng.choice(self.namespaces)
+        base = self.rng.choice([[1], [1, 2, 3, 4] * ps, [5] * (2 * ps) + [6]])
+        m = self.cache.match_prefix(base, namespace=ns)
+        self.cache.lock(m.node)
+        slots = m.slots.tolist() + self.alloc.alloc(len(base) - m.length).tolist()
+        self.live.append([list(base), slots, m.node, m.length, ns])
+
+    def grow(self, insert: bool = True) -> None:
+        r = self.rng.choice(self.live)
+        grow = self.rng.randint(1, 3) * self.ps
+        r[0].extend(self.rng.choice([1, 2, 3]) for _ in range(grow))
+        r[1].extend(self.alloc.alloc(grow, r[1][-1]).tolist())
+        n = len(r[0]) - len(r[0]) % self.ps
+        if n > r[3] and insert:
+            returned, node, tree = self.cache.insert_extending(r[2], r[3], r[0][:n], r[1][:n], namespace=r[4])
+            if returned > r[3]:
+                self.alloc.free(np.asarray(r[1][r[3]:returned]))
+                r[1][r[3]:returned] = tree.tolist()
+            r[2], r[3] = node, n
+
+    def end(self, from_node: bool = False) -> int:
+        r = self.live.pop(self.rng.randrange(len(self.live)))
+        aligned = len(r[0]) - len(r[0]) % self.ps
+        slots = torch.tensor(r[1], dtype=torch.int64)
+        if from_node:
+            done = self.cache.insert_from(r[2], r[3], r[0][:aligned], r[1][:aligned], namespace=r[4])
+        else:
+            done = self.cache.insert(r[0][:aligned], slots[:aligned], namespace=r[4]) if aligned else 0
+        if done > r[3]:
+            self.alloc.free(slots[r[3]:done])
+        if len(slots) > aligned:
+            self.alloc.free(slots[aligned:])
+        self.cache.unlock(r[2])
+        return done
+
+    def step(self, from_node: bool = False):
+        """One random operation; what it returned (ends and evictions), else None."""
+        op = self.rng.random()
+        if op < 0.3 or not self.live:
+            self.admit()
+        elif op < 0.75:
+            self.grow(insert=self.rng.random() < 0.7)  # some grow past their inserted part before they end
+        elif op < 0.95:
+            return self.end(from_node)
+        else:
+            return self.cache.evict(self.rng.randint(1, 3 * self.ps))
+        return None
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_private_leaf_is_a_leaf_no_other_lock_ends_on_or_above(page_size, seed):
+    """is_private_leaf (what lets the engine insert a pass's KV ahead of the next schedule) against the
+    definition, and every node's lock count = locks ending on it + its children's, along requests that
+    share prefixes, grow (insert_extending, with splits), end (insert from the root, unlock) and evict."""
+    reqs = _Requests(page_size, seed)
+    cache = reqs.cache
+    checked = private = 0
+    for _ in range(150):
+        reqs.step()
+        ends: dict[int, int] = {}
+        for r in reqs.live:
+            ends[id(r[2])] = ends.get(id(r[2]), 0) + 1
+        for node in cache.nodes():
+            assert node.lock_ends == ends.get(id(node), 0)
+            assert node.lock_ref == node.lock_ends + sum(c.lock_ref for c in node.children.values())
+        for r in reqs.live:
+            node, want = r[2], False
+            if node.parent is not None and not node.children and ends[id(node)] == 1:
+                up, want = node.parent, True
+                while up.parent is not None:
+                    want = want and not ends.get(id(up), 0)
+                    up = up.parent
+            assert cache.is_private_leaf(node) == want
+            checked += 1
+            private += want
+    assert checked and 0 < private < checked  # both answers came up
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_release_inserting_from_the_request_node_equals_inserting_from_the_root(page_size, seed):
+    """insert_from (a request's KV entering the tree when it ends, from its own node) against insert from
+    the root: the same tree, locks, sizes, LRU times, returned lengths and eviction order, for requests
+    sharing prefixes, growing in catch-up passes, some in a namespace, ending at random."""
+    runs = []
+    for from_node in (True, False):
+        reqs = _Requests(page_size, seed, namespaces=(None, None, "t"))
+        log = [reqs.step(from_node) for _ in range(150)]
+        cache, alloc = reqs.cache, reqs.alloc
+        state, times = _tree_state(cache), _tree_times(cache)
+        for r in reqs.live:
+            cache.unlock(r[2])
+        freed = []
+        while cache.evictable_size():
+            before = set(alloc.free_pages().tolist())
+            cache.evict(1)
+            freed.append(sorted(set(alloc.free_pages().tolist()) - before))
+        runs.append((state, times, log, freed))
+    assert runs[0] == runs[1]
+
+
+def _tree_times(cache):
+    """Every node's path and LRU time."""
+    out = {}
+
+    def walk(node, path):
+        for child in node.children.values():
+            p = path + tuple(child.key.tolist())
+            out[p] = child.last_access
+            walk(child, p)
+
+    for ns, root in cache.roots().items():
+        walk(root, (ns,))
+    return out

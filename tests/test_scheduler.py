@@ -607,3 +607,29 @@ def test_default_queue_limit_serves_long_queues_in_arrival_order():
         s.add(make_req(list(range(2000 + 100 * k, 2060 + 100 * k)), t=float(k)))
     s.add(make_req(shared + [600, 601], t=1e9))
     assert step(s, done).reqs[0] is first
+
+
+@pytest.mark.parametrize("page_size,pool", [(1, 4096), (4, 4096), (1, 600), (4, 640)])
+def test_catch_up_rows_taken_at_once_equal_taken_one_by_one(page_size, pool, monkeypatch):
+    """Jump-forward catch-up passes take all rows with one allocation (PrefillAdder._take_all); the
+    batches, slots and pool are exactly those of one _take per row, also when the pool runs short."""
+    from shared.engine.prefill_adder import PrefillAdder
+
+    runs = []
+    for at_once in (True, False):
+        if not at_once:
+            monkeypatch.setattr(PrefillAdder, "_take_all", lambda self, reqs, exts: False)
+        rng = random.Random(page_size + pool)
+        s = make_sched(pool_tokens=pool, page_size=page_size)
+        for i in range(12):
+            s.add(make_req([1 + i] + list(range(2, 2 + rng.randint(3, 40))), max_new=60, t=i))
+        done, log = [], []
+        while len(done) < 12 and len(log) < 400:
+            b = step(s, done)
+            if b is not None:
+                log.append(([r.input_ids[0] for r in b.reqs], b.prefix_lens, b.extend_lens, b.out_cache_loc.tolist()))
+            for r in s.running:  # forced runs appended after a sampled token: the next pass catches up
+                if rng.random() < 0.3 and len(r.output_ids) + 8 < r.params.max_new_tokens:
+                    r.output_ids.extend([7] * rng.randint(2, 8))
+        runs.append((log, len(done), s.stats.retractions, s.allocator.free_pages().tolist()))
+    assert runs[0] == runs[1] and runs[0][1] == 12

@@ -80,3 +80,37 @@ def test_reset_output_after_rewritten_tail(tk):
     rewritten = tk.encode("{\"name\": \"")
     more, _ = d.reset_output(st, rewritten)
     assert text + more == "{\"name\": \""
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+@pytest.mark.parametrize("seed", range(6))
+def test_reset_output_decoding_past_its_anchor_equals_decoding_all_of_it(tk, seed, skip_special):
+    """A byte-level tokenizer's reset_output decodes only the output past its last whole-character point;
+    along jump-like rewrites (sampled tokens, then the last one replaced by a longer run; multi-byte
+    characters split across tokens, special tokens, prompt tails ending mid-character) every step
+    returns what decoding the whole output returns."""
+    d, ref = Detokenizer(tk), Detokenizer(tk)
+    assert d._bytewise
+    ref._bytewise = False  # the whole output decoded at every reset
+    rng = random.Random(seed)
+    ids = tk.encode(TEXT, add_special_tokens=False)
+    byte_ids = [i for i in range(3, tk.vocab_size) if len(tk.raw.decode([i]).encode()) == 1]
+    pool = ids + [0, 1, 2] + rng.sample(byte_ids, 20)  # whole tokens, specials, lone bytes
+    prompt = tk.encode("Prompt ü", add_special_tokens=False)
+    if seed % 2:
+        prompt = prompt + [t for t in tk.encode("日", add_special_tokens=False)][:1]  # ends mid-character
+    st, st_ref = (x.new_state([], skip_special_tokens=skip_special, prompt_tail=prompt) for x in (d, ref))
+    out: list[int] = []
+    for step in range(60):
+        if out and rng.random() < 0.6:  # a jump: the last token rewritten, a forced run appended
+            rewrite = len(out) if rng.random() < 0.05 else rng.randint(0, 1)  # rarely: all of it
+            del out[len(out) - rewrite:]
+            out += [rng.choice(pool) for _ in range(rng.randint(1, 6))]
+            got, want = d.reset_output(st, out), ref.reset_output(st_ref, out)
+        else:  # a sampled token
+            t = rng.choice(pool)
+            out.append(t)
+            got, want = d.add_tokens(st, [t]), ref.add_tokens(st_ref, [t])
+        assert got == want, step
+        assert st.text == st_ref.text
+    assert d.flush(st) == ref.flush(st_ref)

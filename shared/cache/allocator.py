@@ -103,6 +103,33 @@ class SlotAllocator:
                                             self.num_pages - self._num_free)
         return torch.from_numpy(slots).to(self.device)
 
+    def alloc_runs(self, counts: list[int], last_slots: list[int]) -> torch.Tensor | None:
+        """counts[i] slots for each of several requests (a catch-up pass), concatenated in their order:
+        the slots one alloc(counts[i], last_slots[i]) per request in that order would give, in one pass
+        when pages are 1 slot (no request has a partly filled page then). None (nothing taken) if they
+        do not all fit."""
+        ps = self.page_size
+        if ps > 1:  # partly filled pages come first: request by request, once the whole fits
+            heads = [min(ps - 1 - last % ps, n) if last >= 0 and (last + 1) % ps else 0
+                     for n, last in zip(counts, last_slots)]
+            if sum(-(-(n - h) // ps) for n, h in zip(counts, heads)) > self._num_free:
+                self.counters.failed_allocs += 1
+                return None
+            runs = [self.alloc(n, last) for n, last in zip(counts, last_slots)]
+            return torch.cat(runs) if runs else torch.empty(0, dtype=torch.int64, device=self.device)
+        total = sum(counts)
+        if total > self._num_free:
+            self.counters.failed_allocs += 1
+            return None
+        top = self._num_free
+        # Popped from the top as alloc pops them, request after request.
+        pages = self._free_stack[top - total:top][::-1].copy()
+        self._num_free = top - total
+        self._is_free[pages] = False
+        self.counters.allocs += sum(1 for n in counts if n)
+        self.counters.peak_used_pages = max(self.counters.peak_used_pages, self.num_pages - self._num_free)
+        return torch.from_numpy(pages).to(self.device)
+
     def alloc_next(self, last_slots: list[int]) -> torch.Tensor | None:
         """One slot for each of several requests (a decode step), int64 on `device`, in their order:
         the slot after a request's last one while its page has room, else the first slot of a fresh page

@@ -52,6 +52,12 @@ class PrefixCache(ABC):
         leading tokens were already cached; the caller still owns slots[:returned] and must free those of
         them that are not its own locked prefix. The tree owns slots[returned:] from now on."""
 
+    def insert_from(self, node: Any, start: int, key: Sequence[int], slots: Sequence[int],
+                    namespace: str | None = None) -> int:
+        """insert(key, slots) by a request holding one lock on `node`, whose path is key[:start]: the
+        same result and the same tree (an implementation may skip matching that path again)."""
+        return self.insert(key, torch.as_tensor(slots, dtype=torch.int64), namespace=namespace)
+
     def insert_extending(self, node: Any, start: int, key: Sequence[int], slots: Sequence[int],
                          namespace: str | None = None) -> tuple[int, Any, torch.Tensor]:
         """A running request's KV grows in the tree: it holds one lock on `node`, whose path is
@@ -66,6 +72,13 @@ class PrefixCache(ABC):
         self.lock(match.node)
         self.unlock(node)
         return returned, match.node, match.slots[start:returned].cpu()
+
+    def is_private_leaf(self, node: Any) -> bool:
+        """Whether `node` (held by one request) is a leaf that no other request's lock ends on or above:
+        the request's insert_extending below it then adds a leaf without walking, and no other request's
+        insert, release or lock can reach under it, so it yields the same tree, slots and counts in
+        whatever order it runs among theirs. False when unsure."""
+        return False
 
     @abstractmethod
     def lock(self, node: Any) -> None:

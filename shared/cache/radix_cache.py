@@ -29,14 +29,15 @@ from shared.cache.base import MatchResult, PrefixCache
 
 
 class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "version")
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "lock_ends", "last_access", "version")
 
     def __init__(self, key: np.ndarray, value: np.ndarray, parent: "TreeNode | None", last_access: int):
         self.key = key  # int32 token ids of this edge
         self.value = value  # int64 pool slots, one per token
         self.children: dict | None = {}  # None once evicted
         self.parent = parent  # None for a root (and for evicted nodes)
-        self.lock_ref = 0
+        self.lock_ref = 0  # locks whose path goes through this node
+        self.lock_ends = 0  # ... of them, those that end here (a request's own node: lock() / insert_extending)
         self.last_access = last_access
         self.version = 0  # bumped when `children` changes (see match_length)
 
@@ -46,6 +47,10 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children or ())})"
+
+
+# insert_extending's answer when the tree held none of the new tokens (read-only: callers only slice it).
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 def as_tokens(key) -> np.ndarray:
@@ -132,6 +137,33 @@ class RadixCache(PrefixCache):
             self._add_leaf(node, tokens[matched:], to_numpy_slots(slots)[matched:], now)
         return matched
 
+    def insert_from(self, node: TreeNode, start: int, key: Sequence[int], slots: Sequence[int],
+                    namespace: str | None = None) -> int:
+        """As insert(), in O(depth + new tokens): the path above `node` is touched as the walk from the
+        root touches it, without comparing its tokens again (a request's path is dozens of nodes deep after
+        jump-forward's catch-up passes); the new tokens are matched and added below node."""
+        if node is None or node.evicted or (node.parent is None and node is not self._roots.get(namespace)):
+            return super().insert_from(node, start, key, slots, namespace)
+        n = len(key)
+        assert n == len(slots) and n % self.page_size == 0 and start % self.page_size == 0 and start <= n
+        if n == 0:
+            return 0
+        now = self._tick()
+        up = node
+        while up.parent is not None:
+            up.last_access = now
+            up = up.parent
+        if start == n:  # the walk from the root ends at node, which the request's lock keeps off the heap
+            return n
+        tokens = as_tokens(key[start:])
+        if node.children:
+            end, matched, _ = self._walk(node, tokens, now)
+        else:
+            end, matched = node, 0
+        if matched < tokens.shape[0]:
+            self._add_leaf(end, tokens[matched:], to_numpy_slots(slots[start + matched:]), now)
+        return start + matched
+
     def _add_leaf(self, parent: TreeNode, tokens: np.ndarray, values: np.ndarray, now: int) -> TreeNode:
         """A new unlocked leaf under parent holding tokens -> values (copied: the tree must not alias
         arrays the caller may reuse or mutate)."""
@@ -148,23 +180,31 @@ class RadixCache(PrefixCache):
         """As PrefixCache.insert_extending, in O(new tokens): the walk starts at `node` (the request's
         lock keeps it in the tree; a split above or inside it leaves its path as it was), not at the
         root, and only the nodes below it change lock counts. The path above is not touched (LRU): it is
-        locked by the request, and touched when the request's KV is finally inserted at its end."""
-        if start <= 0 or node is None or node.parent is None or node.evicted:
+        locked by the request, and touched when the request's KV is finally inserted at its end. A
+        request with nothing cached yet holds its namespace's root: the walk starts there."""
+        if node is None or node.evicted or (node.parent is None and node is not self._roots.get(namespace)):
             return super().insert_extending(node, start, key, slots, namespace)
         n = len(key)
         assert n == len(slots) and n % self.page_size == 0 and start % self.page_size == 0 and start < n
         tokens = as_tokens(key[start:])
         now = self._tick()
-        end, matched, values = self._walk(node, tokens, now)
+        if node.children:
+            end, matched, values = self._walk(node, tokens, now)
+        else:  # the request's own leaf, the usual case: nothing below it to match (nor to touch)
+            end, matched, values = node, 0, []
         if matched < tokens.shape[0]:
             end = self._add_leaf(end, tokens[matched:], to_numpy_slots(slots[start + matched:]), now)
         self._lock_path(end, stop=node)  # the lock moves from node to end: one more reference below node
-        tree = np.concatenate(values) if values else np.empty(0, np.int64)
-        return start + matched, end, torch.from_numpy(tree)
+        node.lock_ends -= 1
+        end.lock_ends += 1
+        if not values:
+            return start, end, _NO_SLOTS
+        return start + matched, end, torch.from_numpy(np.concatenate(values))
 
     def lock(self, node: TreeNode) -> None:
         assert not node.evicted, "lock of an evicted node"
         self._lock_path(node)
+        node.lock_ends += 1
 
     def _lock_path(self, node: TreeNode, stop: TreeNode | None = None) -> None:
         """One more reference on every node from node up to (not including) stop, or the root."""
@@ -177,6 +217,8 @@ class RadixCache(PrefixCache):
 
     def unlock(self, node: TreeNode) -> None:
         assert not node.evicted, "unlock of an evicted node"
+        assert node.lock_ends > 0, "unlock of a node no lock ends on"
+        node.lock_ends -= 1
         end = node
         while node.parent is not None:
             assert node.lock_ref > 0, "unlock without a matching lock"
@@ -186,6 +228,18 @@ class RadixCache(PrefixCache):
                 self._protected -= len(node.key)
             node = node.parent
         self._push(end)  # only the path's end can be a leaf; _push ignores it otherwise
+
+    def is_private_leaf(self, node: TreeNode) -> bool:
+        """`node` is a leaf, one lock ends on it and no other lock ends on its path (see
+        PrefixCache.is_private_leaf): O(depth)."""
+        if node is None or node.parent is None or node.evicted or node.children or node.lock_ends != 1:
+            return False
+        node = node.parent
+        while node.parent is not None:
+            if node.lock_ends:
+                return False
+            node = node.parent
+        return True
 
     def evict(self, num_tokens: int) -> int:
         freed: list[np.ndarray] = []

@@ -9,12 +9,14 @@ jump-forward over forced text. The engine uses:
 """
 from shared.constrained.bitmask import GrammarMask, MaskBuilder, apply_bitmask, bitmask_to_bool, set_allowed
 from shared.constrained.grammar_cache import KINDS, GrammarCache
-from shared.constrained.jump_forward import JumpForward, apply_jump, forced_text, jump_forward, plan_jump
+from shared.constrained.jump_forward import (JumpForward, RetokenizeMemo, apply_jump, forced_text, jump_forward,
+                                             plan_jump)
 from shared.constrained.matcher import GrammarState
 from shared.constrained.vocab import VocabIndex, build_tokenizer_info
 
 __all__ = [
-    "GrammarCache", "GrammarState", "GrammarMask", "MaskBuilder", "JumpForward", "KINDS", "VocabIndex",
+    "GrammarCache", "GrammarState", "GrammarMask", "MaskBuilder", "JumpForward", "KINDS", "RetokenizeMemo",
+    "VocabIndex",
     "apply_bitmask", "bitmask_to_bool", "build_tokenizer_info", "jump_forward",
     "apply_jump", "forced_text", "plan_jump", "set_allowed",
 ]

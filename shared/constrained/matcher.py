@@ -11,10 +11,11 @@ from shared.constrained.vocab import VocabIndex
 
 @dataclass
 class GrammarState:
-    """Wraps one xgrammar GrammarMatcher and counts the tokens it has taken.
+    """Wraps one xgrammar GrammarMatcher and counts the tokens it can roll back one by one.
 
     The count bounds rollback: jump-forward may only re-tokenize output that this matcher
-    accepted (not, say, a first token the grammar never saw).
+    accepted (not, say, a first token the grammar never saw), and never into a forced run taken
+    as one step (`accept_forced_run`).
     """
     matcher: xgr.GrammarMatcher
     compiled: xgr.CompiledGrammar
@@ -57,6 +58,21 @@ class GrammarState:
                 return False
             taken += 1
         self.num_accepted += taken
+        return True
+
+    def accept_forced_run(self, token_ids: list[int]) -> bool:
+        """accept_tokens for a run of tokens that will never be rolled back (jump-forward's forced
+        text): the matcher takes their bytes as one step, in one call instead of one per token, and
+        stands where accept_tokens would leave it (xgrammar matches ordinary tokens by their bytes). Neither the run nor anything before it can be rolled
+        back afterwards: the count restarts at 0. A run holding a special or stop token, which
+        accept_token treats apart from its text, or one the string match refuses, goes token by token."""
+        n, special = self.vocab.size, self.vocab.special_ids
+        if any(t in special or not 0 <= t < n for t in token_ids):
+            return self.accept_tokens(token_ids)
+        tb = self.vocab.token_bytes
+        if not self.matcher.accept_string(b"".join([tb[t] for t in token_ids])):
+            return self.accept_tokens(token_ids)  # the refused string left the matcher as it was
+        self.num_accepted = 0
         return True
 
     def rollback(self, n: int) -> None:

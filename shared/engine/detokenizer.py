@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenizers import decoders
 
 from shared.sampling_params import compile_stop_regex
 from shared.tokenizer import Tokenizer
@@ -32,6 +33,10 @@ class DetokState:
     read_offset: int = 0
     context_len: int = 0  # leading prompt tokens in ids, decoded only for context
     context_text: str | None = None  # their text (reset_output's, decoded once)
+    # reset_output's last whole-character point: the first `anchor_len` output tokens decode to
+    # `anchor_text`, which ends on a whole character (byte-level decoders only, see reset_output).
+    anchor_len: int = 0
+    anchor_text: str = ""
     text: str = ""  # all stable output text so far (before stop trimming)
     emitted: int = 0  # characters of `text` already returned to the caller
     matched_stop: str | None = None
@@ -45,6 +50,10 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self._special = tokenizer.special_ids
+        # A byte-level decoder (GPT-2, Llama 3, Qwen...) writes the tokens' bytes one after another and
+        # decodes them as UTF-8 once: tokens split after a whole character decode to the two parts'
+        # texts joined. Others (SentencePiece's leading-space strip, WordPiece's "##") may not.
+        self._bytewise = isinstance(getattr(tokenizer.raw, "decoder", None), decoders.ByteLevel)
 
     def new_state(self, stop: list[str], skip_special_tokens: bool = True, no_stop_trim: bool = False,
                   prompt_tail: list[int] | None = None, stop_regex: list[str] | None = None) -> DetokState:
@@ -61,12 +70,22 @@ class Detokenizer:
     def reset_output(self, st: DetokState, output_ids: list[int]) -> tuple[str, bool]:
         """The output tokens were rewritten (jump-forward re-tokenized the tail; its text only grows):
         decode them afresh, then emit what is new as usual."""
+        unchanged = self._anchor_holds(st, output_ids)  # before st.ids, which the anchor was read from, changes
         st.ids = st.ids[:st.context_len] + list(output_ids)
         if st.context_text is None:
             st.context_text = self._decode(st, st.ids[:st.context_len])
         context = st.context_text
-        full = self._decode(st, st.ids)
-        text = full[len(context):] if full.startswith(context) else self._decode(st, list(output_ids))
+        if self._bytewise and not context.endswith("\ufffd"):
+            # The context ends on a whole character, so its text and the output's join: decode only the
+            # output past the anchor (a jump rewrites the last token at most), not the whole of it again.
+            if not unchanged:
+                st.anchor_len, st.anchor_text = 0, ""
+            text = st.anchor_text + self._decode(st, list(output_ids[st.anchor_len:]))
+            if not text.endswith("\ufffd"):
+                st.anchor_len, st.anchor_text = len(output_ids), text
+        else:
+            full = self._decode(st, st.ids)
+            text = full[len(context):] if full.startswith(context) else self._decode(st, list(output_ids))
         while text.endswith("\ufffd"):  # an unfinished character: wait for the rest
             text = text[:-1]
         if len(text) >= len(st.text):
@@ -74,6 +93,13 @@ class Detokenizer:
         st.read_offset = len(st.ids)
         st.prefix_offset = max(st.context_len, len(st.ids) - _CONTEXT_TOKENS)
         return self._emit(st)
+
+    @staticmethod
+    def _anchor_holds(st: DetokState, output_ids: list[int]) -> bool:
+        """The output's first anchor_len tokens are still those the anchor was decoded from (st.ids has
+        only grown past them since: add_tokens appends, reset_output moves the anchor)."""
+        c, k = st.context_len, st.anchor_len
+        return 0 < k <= len(output_ids) and st.ids[c:c + k] == output_ids[:k]
 
     def _decode(self, st: DetokState, ids: list[int]) -> str:
         if st.skip_special_tokens:

@@ -19,7 +19,7 @@ from typing import Callable
 from shared.cache.allocator import SlotAllocator
 from shared.cache.no_cache import NoPrefixCache
 from shared.cache.radix_cache import RadixCache
-from shared.constrained import apply_jump, forced_text, jump_forward, plan_jump, set_allowed
+from shared.constrained import RetokenizeMemo, apply_jump, forced_text, jump_forward, plan_jump, set_allowed
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.forward_batch import ForwardMode
@@ -97,6 +97,7 @@ class Engine:
 
         self.grammars = GrammarCache(tokenizer, self.runner.vocab_size,
                                      jump_forward=not config.disable_jump_forward)
+        self._retokenized = RetokenizeMemo()  # jump boundaries' encodings (this engine's tokenizer)
         self._grammar_wait: list[Req] = []  # admitted, waiting for their grammar to compile
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._reqs: dict[str, Req] = {}
@@ -228,6 +229,10 @@ class Engine:
             self._failing = None
         self._pending = handle
         self.steps += 1
+        # The pass's computed KV enters the tree now, while the device runs it, where that leaves the same
+        # tree as entering in the next schedule() (which, when this pass is processed first as below, runs
+        # with the device idle). Its rows cannot leave it any more: only the previous pass's processing drops rows.
+        self.scheduler.cache_extended_apart()
         if (not self.config.enable_overlap or self._host_dependent > 0 or handle.counts is not None
                 or self._jumps_likely_after(handle)):
             # A pass verifying proposals (jump-forward, verify mode) decides on the host where its
@@ -495,7 +500,7 @@ class Engine:
             budget = req.params.max_new_tokens - req.num_resolved
             # The resolved tokens only: a trailing placeholder belongs to the step being launched.
             jf = plan_jump(req.grammar, req.output_ids[:req.num_resolved], self.tokenizer, max_retokenize=1,
-                           budget=budget, forced=forced) if forced else None
+                           budget=budget, forced=forced, memo=self._retokenized) if forced else None
             if jf is not None:
                 jumps.append((req, tok, jf))
         extend_due = bool(self.scheduler.waiting) or self.scheduler.chunked is not None
@@ -504,8 +509,9 @@ class Engine:
             self.jump_forward_declined += len(jumps)
             self._expect_jumps = False
             return
+        # final: this mode never rolls a jump's tokens back (only verify mode's proposals are).
         jumps = [(req, tok, jf) for req, tok, jf in jumps
-                 if apply_jump(req.grammar, jf, req.output_ids[:req.num_resolved])]
+                 if apply_jump(req.grammar, jf, req.output_ids[:req.num_resolved], final=True)]
         self._expect_jumps = bool(jumps)
         for req, tok, jf in jumps:
             self._check_finish(req, tok, self._jump_forward(req, jf), False)
@@ -544,7 +550,7 @@ class Engine:
             return False
         budget = req.params.max_new_tokens - req.num_resolved - 1  # room for the sample after them
         jf = jump_forward(req.grammar, req.output_ids[:req.num_resolved], self.tokenizer, max_retokenize=0,
-                          budget=budget)
+                          budget=budget, memo=self._retokenized)
         if jf is None or not jf.new_ids:
             return False
         self._leave_launching(req)

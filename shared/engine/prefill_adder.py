@@ -102,6 +102,28 @@ class PrefillAdder:
         self.budget -= ext
         return True
 
+    def _take_all(self, reqs: list[Req], exts: list[int]) -> bool:
+        """`_take` for every request at once (one allocation, not one per row), when they all fit the
+        budget and the free slots without evicting; else False, nothing taken."""
+        s = self.s
+        total = sum(exts)
+        if total > self.budget or total > s.allocator.available_size():
+            return False
+        slots = s.allocator.alloc_runs(exts, [req.slots[-1] if req.slots else -1 for req in reqs])
+        if slots is None:
+            return False
+        flat, pos = slots.tolist(), 0
+        for req, ext in zip(reqs, exts):
+            self.reqs.append(req)
+            self.prefix_lens.append(req.kv_len)
+            self.extend_lens.append(ext)
+            self.sample.append(req.kv_len + ext == req.seq_len)
+            req.slots.extend(flat[pos:pos + ext])
+            pos += ext
+        self.locs.append(slots)  # the rows' slots in row order, as one _take per row appends them
+        self.budget -= total
+        return True
+
     def add_chunk(self, req: Req) -> bool:
         """The next chunk of the request being prefilled in pieces."""
         s = self.s
@@ -122,10 +144,12 @@ class PrefillAdder:
         with their one decode token."""
         s = self.s
         rest = [r for r in s.running if r not in self.reqs]
-        if not any(r.seq_len - r.kv_len > 1 for r in rest):
+        exts = [r.seq_len - r.kv_len for r in rest]
+        if not any(ext > 1 for ext in exts):
             return
-        for req in rest:
-            ext = req.seq_len - req.kv_len
+        if self._take_all(rest, exts):
+            return
+        for req, ext in zip(rest, exts):  # one by one: the pool is short (or the budget)
             if ext > self.budget:
                 break
             if not self._take(req, ext):

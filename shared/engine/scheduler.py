@@ -182,6 +182,22 @@ class Scheduler:
             if req.req_pool_idx is not None and not req.finished:
                 self.cache_computed(req)
 
+    def cache_extended_apart(self) -> None:
+        """Ahead of the next schedule(), the part of its `_cache_extended` that leaves the same tree, slots
+        and counts whenever it runs before it: requests whose node is a private leaf (no other request's
+        insert, release or lock can reach under it: PrefixCache.is_private_leaf) and without proposals
+        (the confirmed part of those grows when their pass is processed). The engine calls this while the
+        device runs the batch; the rest waits for schedule()."""
+        rest = []
+        for req in self._extended:
+            if req.req_pool_idx is None or req.finished:
+                continue
+            if not req.proposed and self.cache.is_private_leaf(req.last_node):
+                self.cache_computed(req)
+            else:
+                rest.append(req)
+        self._extended = rest
+
     def cache_computed(self, req: Req) -> None:
         """Insert the request's computed KV (page-aligned, confirmed tokens only) into the tree while it
         keeps running: the lock moves to the new deepest node, and positions another request put into
@@ -378,16 +394,18 @@ class Scheduler:
     def _release_kv(self, req: Req) -> None:
         """Hand the request's computed KV to the tree and free what the tree does not keep."""
         kv = req.kv_len
-        slots = torch.tensor(req.slots, dtype=torch.int64)
+        slots = req.slots  # host ints: only the parts freed become arrays (the row is hundreds long)
         aligned = kv // self.page_size * self.page_size
         if aligned > 0:
-            returned = self.cache.insert(req.all_ids[:aligned], slots[:aligned], namespace=req.cache_salt)
+            # From the request's node (its cached part is its path): not a walk down the whole path again.
+            returned = self.cache.insert_from(req.last_node, req.cached_len, req.all_ids[:aligned], slots[:aligned],
+                                              namespace=req.cache_salt)
             assert returned >= req.cached_len, (returned, req.cached_len)
             if returned > req.cached_len:
-                self.allocator.free(slots[req.cached_len:returned])
+                self.allocator.free(np.asarray(slots[req.cached_len:returned], dtype=np.int64))
         if len(slots) > aligned:
             # Partial tail page and any slots allocated beyond the computed KV.
-            self.allocator.free(slots[aligned:])
+            self.allocator.free(np.asarray(slots[aligned:], dtype=np.int64))
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
         self.req_pool.free(req.req_pool_idx)
