@@ -182,12 +182,9 @@ async def run(args: argparse.Namespace) -> int:
                 state.supervisor_says(slot.address, what if what != "up" else None,
                                       restarts=slot.restarts, last_exit=slot.last_exit)
 
-            # Ready means routable: every worker connected and its role known (PD pairs need both sides).
             for w in state.router.workers:
                 w.start()
-            deadline = loop.time() + 30
-            while not all(w.connected for w in state.router.workers) and loop.time() < deadline:
-                await asyncio.sleep(0.05)
+            await state.router.wait_connected(30)  # ready means routable
         for slot in slots:
             slot.on_change = on_change
             slot.watch()

@@ -145,10 +145,7 @@ async def _main(args: argparse.Namespace) -> None:
     if args.listen_fd is not None:
         from services.gateway.pool import READY_PREFIX
 
-        # Ready means routable, as the launcher's READY: every worker connected (or 30 s gone).
-        deadline = loop.time() + 30
-        while not all(w.connected for w in state.router.workers) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        await state.router.wait_connected(30)  # ready means routable, as the launcher's READY
         follower = loop.create_task(_follow_pool(state), name="pool-control")
         print(f"{READY_PREFIX}{args.host}:{args.port} process {args.process_index} of {args.gateway_processes}",
               flush=True)

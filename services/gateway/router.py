@@ -6,6 +6,8 @@ went where and prefers the worker holding the longest one, falling back to prefi
 """
 from __future__ import annotations
 
+import asyncio
+
 from typing import Sequence
 
 from services.gateway.affinity import RoutingPolicy
@@ -51,6 +53,14 @@ class Router:
             w.on_cache_reset = self.forget_cache
             w.start()
         return gone
+
+    async def wait_connected(self, timeout: float) -> None:
+        """Until every worker is connected, its role known (PD pairs need both sides), or `timeout` s:
+        what a stack's ready line waits for."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not all(w.connected for w in self._workers) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
     def pick(self, input_ids: Sequence[int], salt: str | None = None) -> WorkerClient:
         """A worker that serves the whole request: unified, or a decode worker computing it locally.
