@@ -215,9 +215,12 @@ def summarize(results: list[dict], wall: float) -> dict:
 
 # ------------------------------------------------------------------ CPU accounting from /proc
 def stack_pids(root_pid: int) -> dict[str, list[int]]:
-    """The launcher (which runs the gateway, and a process pool for large tokenizations) and its workers."""
-    return {"gateway": [root_pid], "workers": [p for p in procfs.descendants(root_pid)
-                                               if procfs.flag_value(p, "--role") is not None]}
+    """The launcher (which runs the gateway, and a process pool for large tokenizations), its gateway
+    processes if it has a pool of them, and its workers."""
+    kids = procfs.descendants(root_pid)
+    # With --gateway-processes N the gateways are the launcher's children that carry --process-index.
+    return {"gateway": [root_pid] + [p for p in kids if procfs.flag_value(p, "--process-index") is not None],
+            "workers": [p for p in kids if procfs.flag_value(p, "--role") is not None]}
 
 
 def flush_cache(url: str) -> None:

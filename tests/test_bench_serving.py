@@ -95,3 +95,25 @@ def test_openai_stream_count_takes_the_usage_chunk():
     n = _count("completions", {"choices": [{"text": "a b c"}]}, 0)
     assert n == 1
     assert _count("completions", {"choices": [], "usage": {"completion_tokens": 3}}, n) == 3
+
+
+def test_stack_pids_counts_a_pools_gateway_processes_as_gateway():
+    """The gateway's CPU per token sums the launcher and, with --gateway-processes N, its gateway children
+    (they carry --process-index); workers carry --role; anything else is neither."""
+    import os
+    import subprocess
+    import sys
+
+    from bench.serving import stack_pids
+    nap = "import time; time.sleep(60)"
+    kids = [subprocess.Popen([sys.executable, "-c", nap, *args])
+            for args in (["--process-index", "0"], ["--process-index", "1"], ["--role", "unified"], [])]
+    try:
+        pids = stack_pids(os.getpid())
+        assert pids["gateway"][0] == os.getpid()
+        assert sorted(pids["gateway"][1:]) == sorted([kids[0].pid, kids[1].pid])
+        assert pids["workers"] == [kids[2].pid]
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
