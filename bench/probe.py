@@ -182,6 +182,52 @@ def probe_b1(res: dict) -> None:
     res["b1"] = rows
 
 
+def probe_eager_host(res: dict) -> None:
+    """Host cost of an eager extend pass like jump-forward's catch-up passes (44 requests, 17 new tokens
+    each on a cached 300-token prefix): the pass breakdown, then a cProfile of the same passes (which
+    Python functions, Triton's launcher included, make up the host 'model' phase)."""
+    import cProfile
+    import io
+    import pstats
+
+    from bench.pass_breakdown import PassBreakdown, format_summary
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.tokenizer import Tokenizer
+    path = model_dir("llama-3.1-8b")
+    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=200_000,
+                      max_running_requests=64, cuda_graph=True, cuda_graph_max_bs=8, enable_pdl=True)
+    eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
+    prefixes = random_prompts(44, 300, 400, 7)
+    drive(eng, prefixes, {**GREEDY, "max_new_tokens": 1})
+
+    def rounds(seed0, n):
+        for r in range(n):
+            tails = random_prompts(44, 17, 400, seed0 + r)
+            drive(eng, [p + t for p, t in zip(prefixes, tails)], {**GREEDY, "max_new_tokens": 1})
+
+    rounds(100, 2)  # warm: every kernel of these shapes compiled
+    bd = PassBreakdown(eng)
+    try:
+        rounds(200, 6)
+    finally:
+        bd.close()
+    summary = bd.summary()
+    print(format_summary(summary, "eager extend, 44 x 17 tokens on 300 cached"), flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    rounds(300, 6)
+    prof.disable()
+    out = io.StringIO()
+    st = pstats.Stats(prof, stream=out)
+    st.sort_stats("tottime").print_stats(40)
+    st.sort_stats("cumulative").print_stats(45)
+    text = out.getvalue()
+    print(text[-12000:], flush=True)
+    res["eager_host"] = {"summary": summary, "profile": text[:60000]}
+    eng.stop()
+
+
 def _probe_trace(res: dict, pdl: bool, key: str) -> None:
     eng = _engine(pdl)
     drive(eng, random_prompts(1, 512, 400, 2), {**GREEDY, "max_new_tokens": 64})
@@ -391,12 +437,14 @@ def main() -> int:
     for w in what:
         try:
             {"pdl": probe_pdl, "extend": probe_extend, "trace": probe_trace, "b1": probe_b1,
-             "trace_pdl": probe_trace_pdl, "steps": probe_steps,
+             "trace_pdl": probe_trace_pdl, "steps": probe_steps, "eager_host": probe_eager_host,
              "tput": probe_tput, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill}[w](res)
         except Exception as e:
             import traceback
             traceback.print_exc()
             res[w + "_error"] = repr(e)[:300]
+        import gc
+        gc.collect()  # the probe's engine sits in reference cycles: free its KV pool before the next one's
         torch.cuda.empty_cache()
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "probe.json"), "w") as f:
