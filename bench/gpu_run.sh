@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-dp|serving-dp4|sync-audit|tp|shared-prefix|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-dp|serving-dp4|sync-audit|probes|tp|shared-prefix|all
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
 what=${1:-all}
@@ -68,6 +68,11 @@ if [[ $what == tp ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py -k "engine_matches or families or kv_pages_leave_whole" 2>&1 \
     | tee "$OUT/tp_tests.log" | tail -5
   timeout 300 python3 -m bench.tp --out "$OUT" 2>&1 | tee "$OUT/tp.log" | tail -8
+fi
+if [[ $what == probes ]]; then
+  # Where issue 14's batch-1, batch-256 and prefill time goes (bench/probe.py; 2026-12-01: ~3 min).
+  timeout 400 python3 -m bench.probe b1phases steps trace_pdl trace256 trace_prefill eager_host 2>&1 \
+    | grep -v "Capturing\|Warning" | tee "$OUT/probes.log" | tail -60
 fi
 if [[ $what == sync-audit ]]; then
   timeout 240 python3 -m bench.sync_audit 2>&1 | tee "$OUT/sync_audit.log" | tail -40
