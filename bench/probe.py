@@ -182,6 +182,31 @@ def probe_b1(res: dict) -> None:
     res["b1"] = rows
 
 
+def probe_trace_extend(res: dict) -> None:
+    """The eager_host probe's passes (44 requests, 17 new tokens each on a cached 300-token prefix) kernel
+    by kernel: what the device does in a catch-up-like extend pass besides the GEMMs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.tokenizer import Tokenizer
+    path = model_dir("llama-3.1-8b")
+    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=200_000,
+                      max_running_requests=64, cuda_graph=True, cuda_graph_max_bs=8, enable_pdl=True)
+    eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
+    prefixes = random_prompts(44, 300, 400, 7)
+    drive(eng, prefixes, {**GREEDY, "max_new_tokens": 1})
+    for r in range(2):
+        drive(eng, [p + t for p, t in zip(prefixes, random_prompts(44, 17, 400, 100 + r))], {**GREEDY, "max_new_tokens": 1})
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for r in range(3):
+            drive(eng, [p + t for p, t in zip(prefixes, random_prompts(44, 17, 400, 200 + r))],
+                  {**GREEDY, "max_new_tokens": 1})
+    _kernel_table(res, "trace_extend", [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA],
+                  3, "per round (one 748-token extend pass + one 44-row eager decode pass)")
+    eng.stop()
+
+
 def probe_eager_host(res: dict) -> None:
     """Host cost of an eager extend pass like jump-forward's catch-up passes (44 requests, 17 new tokens
     each on a cached 300-token prefix): the pass breakdown, then a cProfile of the same passes (which
@@ -437,7 +462,7 @@ def main() -> int:
     for w in what:
         try:
             {"pdl": probe_pdl, "extend": probe_extend, "trace": probe_trace, "b1": probe_b1,
-             "trace_pdl": probe_trace_pdl, "steps": probe_steps, "eager_host": probe_eager_host,
+             "trace_pdl": probe_trace_pdl, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "tput": probe_tput, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill}[w](res)
         except Exception as e:
             import traceback
