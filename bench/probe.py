@@ -182,11 +182,9 @@ def probe_b1(res: dict) -> None:
     res["b1"] = rows
 
 
-def probe_trace_extend(res: dict) -> None:
-    """The eager_host probe's passes (44 requests, 17 new tokens each on a cached 300-token prefix) kernel
-    by kernel: what the device does in a catch-up-like extend pass besides the GEMMs."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _catchup_engine():
+    """An engine (graphs to batch 8, PDL) with 44 cached 300-token prompts: (engine, prompts). Each of
+    them plus 17 new tokens is an eager extend pass like jump-forward's catch-up passes."""
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.tokenizer import Tokenizer
@@ -196,12 +194,25 @@ def probe_trace_extend(res: dict) -> None:
     eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
     prefixes = random_prompts(44, 300, 400, 7)
     drive(eng, prefixes, {**GREEDY, "max_new_tokens": 1})
-    for r in range(2):
-        drive(eng, [p + t for p, t in zip(prefixes, random_prompts(44, 17, 400, 100 + r))], {**GREEDY, "max_new_tokens": 1})
+    return eng, prefixes
+
+
+def _catchup_rounds(eng, prefixes, seed0: int, n: int) -> None:
+    """n rounds: every cached prompt plus 17 fresh tokens, one token sampled."""
+    for r in range(n):
+        tails = random_prompts(len(prefixes), 17, 400, seed0 + r)
+        drive(eng, [p + t for p, t in zip(prefixes, tails)], {**GREEDY, "max_new_tokens": 1})
+
+
+def probe_trace_extend(res: dict) -> None:
+    """The eager_host probe's passes (44 requests, 17 new tokens each on a cached 300-token prefix) kernel
+    by kernel: what the device does in a catch-up-like extend pass besides the GEMMs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng, prefixes = _catchup_engine()
+    _catchup_rounds(eng, prefixes, 100, 2)  # warm: every kernel of these shapes compiled
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for r in range(3):
-            drive(eng, [p + t for p, t in zip(prefixes, random_prompts(44, 17, 400, 200 + r))],
-                  {**GREEDY, "max_new_tokens": 1})
+        _catchup_rounds(eng, prefixes, 200, 3)
     _kernel_table(res, "trace_extend", [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA],
                   3, "per round (one 748-token extend pass + one 44-row eager decode pass)")
     eng.stop()
@@ -216,32 +227,18 @@ def probe_eager_host(res: dict) -> None:
     import pstats
 
     from bench.pass_breakdown import PassBreakdown, format_summary
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.tokenizer import Tokenizer
-    path = model_dir("llama-3.1-8b")
-    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=200_000,
-                      max_running_requests=64, cuda_graph=True, cuda_graph_max_bs=8, enable_pdl=True)
-    eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
-    prefixes = random_prompts(44, 300, 400, 7)
-    drive(eng, prefixes, {**GREEDY, "max_new_tokens": 1})
-
-    def rounds(seed0, n):
-        for r in range(n):
-            tails = random_prompts(44, 17, 400, seed0 + r)
-            drive(eng, [p + t for p, t in zip(prefixes, tails)], {**GREEDY, "max_new_tokens": 1})
-
-    rounds(100, 2)  # warm: every kernel of these shapes compiled
+    eng, prefixes = _catchup_engine()
+    _catchup_rounds(eng, prefixes, 100, 2)  # warm: every kernel of these shapes compiled
     bd = PassBreakdown(eng)
     try:
-        rounds(200, 6)
+        _catchup_rounds(eng, prefixes, 200, 6)
     finally:
         bd.close()
     summary = bd.summary()
     print(format_summary(summary, "eager extend, 44 x 17 tokens on 300 cached"), flush=True)
     prof = cProfile.Profile()
     prof.enable()
-    rounds(300, 6)
+    _catchup_rounds(eng, prefixes, 300, 6)
     prof.disable()
     out = io.StringIO()
     st = pstats.Stats(prof, stream=out)
