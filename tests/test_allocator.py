@@ -173,3 +173,23 @@ def test_alloc_runs_equals_one_alloc_per_request(page_size):
     free = small.available_size()
     assert small.alloc_runs([page_size, 2 * page_size, 1], [-1, -1, -1]) is None
     assert small.available_size() == free and small.alloc_runs([], []).tolist() == []
+
+
+def test_req_to_token_rows_refuse_a_double_free_and_row_zero():
+    """Request rows: every row once, lowest first; a row freed twice, never handed out, or the padding row
+    0 is a bug caught at the free (O(1) bookkeeping, not a scan of the free list)."""
+    from shared.cache.kv_pool import ReqToTokenPool
+    pool = ReqToTokenPool(3, 8, "cpu")
+    rows = [pool.alloc() for _ in range(3)]
+    assert rows == [1, 2, 3] and pool.alloc() is None and pool.available() == 0
+    pool.free(2)
+    with pytest.raises(AssertionError):
+        pool.free(2)
+    with pytest.raises(AssertionError):
+        pool.free(0)
+    assert pool.alloc() == 2 and pool.available() == 0
+    for r in (1, 2, 3):
+        pool.free(r)
+    assert pool.available() == 3
+    with pytest.raises(AssertionError):
+        pool.free(3)

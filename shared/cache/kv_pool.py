@@ -49,6 +49,7 @@ class ReqToTokenPool:
         # Row 0 is reserved for padding (CUDA-graph dummy requests); it stays all zeros.
         self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int32, device=device)
         self._free = list(range(max_reqs, 0, -1))
+        self._is_free = [False] + [True] * max_reqs  # by row: the double-free check in O(1)
         # Called after every write (row, start, slots): tensor parallelism mirrors the table on every rank.
         self.on_write = None
 
@@ -56,10 +57,15 @@ class ReqToTokenPool:
         return len(self._free)
 
     def alloc(self) -> int | None:
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        row = self._free.pop()
+        self._is_free[row] = False
+        return row
 
     def free(self, row: int) -> None:
-        assert 0 < row <= self.max_reqs and row not in self._free, f"bad req row free {row}"
+        assert 0 < row <= self.max_reqs and not self._is_free[row], f"bad req row free {row}"
+        self._is_free[row] = True
         self._free.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
