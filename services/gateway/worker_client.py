@@ -239,12 +239,15 @@ class WorkerClient:
         if not isinstance(pong, PongResult):
             raise ProtocolError(f"expected a pong, got {pong.TYPE!r}")
         self.role = pong.role
-        self.draining = pong.draining
-        self._saw_cache(pong.cache_id)
+        self._take_pong(pong)
         self.transfer_addr = ((pong.transfer_host, pong.transfer_port)
                               if pong.transfer_host and pong.transfer_port else None)
 
-    def _saw_cache(self, cache_id: str) -> None:
+    def _take_pong(self, pong: PongResult) -> None:
+        """What every pong says of the worker: whether it drains, and its cache identity (when that
+        changes, a flush or a restart, the router's picture of this worker's cache is stale)."""
+        self.draining = pong.draining
+        cache_id = pong.cache_id
         if not cache_id:
             return
         if self.cache_id is not None and cache_id != self.cache_id and self.on_cache_reset is not None:
@@ -263,13 +266,10 @@ class WorkerClient:
                             box.put(out)
                         except Exception:  # a sink's bug ends its stream at worst, never the connection
                             log.exception("stream %s failed to take an increment", out.rid)
-            elif isinstance(msg, PongResult) and msg.call_id == 0:
-                self.draining = msg.draining  # unasked: the worker's readiness or its cache changed
-                self._saw_cache(msg.cache_id)
             elif isinstance(msg, (InfoResult, FlushCacheResult, PongResult)):
                 if isinstance(msg, PongResult):
-                    self.draining = msg.draining
-                    self._saw_cache(msg.cache_id)
+                    # call_id 0 (no call has it): unasked, the worker's readiness or its cache changed
+                    self._take_pong(msg)
                 fut = self._calls.get(msg.call_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
