@@ -142,7 +142,7 @@ class RadixCache(PrefixCache):
         """As insert(), in O(depth + new tokens): the path above `node` is touched as the walk from the
         root touches it, without comparing its tokens again (a request's path is dozens of nodes deep after
         jump-forward's catch-up passes); the new tokens are matched and added below node."""
-        if node is None or node.evicted or (node.parent is None and node is not self._roots.get(namespace)):
+        if not self._walks_from(node, namespace):
             return super().insert_from(node, start, key, slots, namespace)
         n = len(key)
         assert n == len(slots) and n % self.page_size == 0 and start % self.page_size == 0 and start <= n
@@ -155,14 +155,26 @@ class RadixCache(PrefixCache):
             up = up.parent
         if start == n:  # the walk from the root ends at node, which the request's lock keeps off the heap
             return n
-        tokens = as_tokens(key[start:])
-        if node.children:
-            end, matched, _ = self._walk(node, tokens, now)
-        else:
-            end, matched = node, 0
-        if matched < tokens.shape[0]:
-            self._add_leaf(end, tokens[matched:], to_numpy_slots(slots[start + matched:]), now)
+        _, matched, _ = self._extend_below(node, as_tokens(key[start:]), slots, start, now)
         return start + matched
+
+    def _walks_from(self, node: TreeNode | None, namespace: str | None) -> bool:
+        """A request's node its inserts may start from: in the tree, and a node or its namespace's root (a
+        request with nothing cached holds that root)."""
+        return (node is not None and not node.evicted
+                and (node.parent is not None or node is self._roots.get(namespace)))
+
+    def _extend_below(self, node: TreeNode, tokens: np.ndarray, slots: Sequence[int], start: int, now: int):
+        """Match `tokens` (key[start:]) below `node` and add a leaf under the match's end for the rest, holding
+        slots[start + matched:]: (that leaf, or the end when all matched; matched length; the matched slot
+        arrays). From a leaf, the usual case, there is nothing below to match, nor to touch."""
+        if node.children:
+            end, matched, values = self._walk(node, tokens, now)
+        else:
+            end, matched, values = node, 0, []
+        if matched < tokens.shape[0]:
+            end = self._add_leaf(end, tokens[matched:], to_numpy_slots(slots[start + matched:]), now)
+        return end, matched, values
 
     def _add_leaf(self, parent: TreeNode, tokens: np.ndarray, values: np.ndarray, now: int) -> TreeNode:
         """A new unlocked leaf under parent holding tokens -> values (copied: the tree must not alias
@@ -182,18 +194,11 @@ class RadixCache(PrefixCache):
         root, and only the nodes below it change lock counts. The path above is not touched (LRU): it is
         locked by the request, and touched when the request's KV is finally inserted at its end. A
         request with nothing cached yet holds its namespace's root: the walk starts there."""
-        if node is None or node.evicted or (node.parent is None and node is not self._roots.get(namespace)):
+        if not self._walks_from(node, namespace):
             return super().insert_extending(node, start, key, slots, namespace)
         n = len(key)
         assert n == len(slots) and n % self.page_size == 0 and start % self.page_size == 0 and start < n
-        tokens = as_tokens(key[start:])
-        now = self._tick()
-        if node.children:
-            end, matched, values = self._walk(node, tokens, now)
-        else:  # the request's own leaf, the usual case: nothing below it to match (nor to touch)
-            end, matched, values = node, 0, []
-        if matched < tokens.shape[0]:
-            end = self._add_leaf(end, tokens[matched:], to_numpy_slots(slots[start + matched:]), now)
+        end, matched, values = self._extend_below(node, as_tokens(key[start:]), slots, start, self._tick())
         self._lock_path(end, stop=node)  # the lock moves from node to end: one more reference below node
         node.lock_ends -= 1
         end.lock_ends += 1
