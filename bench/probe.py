@@ -10,6 +10,7 @@
     python -m bench.probe b1phases   # batch-1 decode in the engine loop, host phases and device time per pass
     python -m bench.probe trace256   # the batch-256 decode graph of that workload, kernel by kernel
     python -m bench.probe trace_prefill  # its prefill passes (8k-token chunks, eager), kernel by kernel
+    python -m bench.probe extend_pack    # extend attention, one query head per program vs a KV group's heads packed
 """
 from __future__ import annotations
 
@@ -140,6 +141,51 @@ def probe_extend(res: dict) -> None:
     res["extend"] = rows
 
 
+def probe_extend_pack(res: dict) -> None:
+    """Extend attention with one query head per program against a KV group's heads packed into the rows
+    (kernels/attention/triton_extend.py), on prefixed short extends (jump-forward catch-up, chat turns)
+    and on plain prefill; each case checks the packed output against the unpacked one."""
+    from kernels.attention.triton_extend import extend_attention, extend_block_sizes, extend_pack
+    rows = []
+    cases = [(44, 300, 17), (64, 150, 4), (64, 40, 40), (32, 1000, 64), (8, 2000, 100), (16, 0, 512), (1, 0, 8192)]
+    for B, P, E in cases:
+        T, S = B * E, B * (P + E)
+        q = torch.randn(T, HQ, D, dtype=DT, device="cuda")
+        kb = torch.randn(S + 1, HKV, D, dtype=DT, device="cuda")
+        vb = torch.randn(S + 1, HKV, D, dtype=DT, device="cuda")
+        slots = (torch.randperm(S, device="cuda") + 1).to(torch.int32).view(B, P + E)
+        r2t = torch.zeros(B, P + E, dtype=torch.int32, device="cuda")
+        r2t[:] = slots
+        new = slots[:, P:].reshape(-1).long()
+        k, v = kb[new], vb[new]
+        req = torch.arange(B, dtype=torch.int32, device="cuda")
+        i32 = dict(dtype=torch.int32, device="cuda")
+        pl, el = torch.full((B,), P, **i32), torch.full((B,), E, **i32)
+        sl = torch.arange(B, **i32) * E
+        flops = 4 * HQ * D * B * (E * P + E * (E + 1) / 2)
+        out, ref = torch.empty_like(q), None
+        auto = extend_pack(HQ, HKV)
+        for pack, cfg in [(1, None), (4, None), (4, (128, 64, 8, 3)), (4, (64, 64, 4, 3)), (4, (128, 32, 4, 3)),
+                          (4, (128, 64, 4, 3)), (4, (64, 32, 4, 2)), (2, None)]:
+            name = f"pack {pack} {cfg or extend_block_sizes(D, DT, E * pack if pack > 1 else None)}"
+            try:
+                t = graph_time_ms(lambda i: extend_attention(q, k, v, kb, vb, r2t, req, pl, el, sl, E, D ** -0.5,
+                                                             out=out, config=cfg, pack=pack), reps=7)
+                err = None
+                if ref is None:
+                    ref = out.clone()
+                else:
+                    err = (out.float() - ref.float()).abs().max().item()
+                rows.append({"case": f"{B}x({P}+{E})", "impl": name, "auto": pack == auto and cfg is None,
+                             "us": t * 1e3, "TFLOPs": flops / t / 1e9, "max_err_vs_pack1": err})
+            except Exception as e:
+                rows.append({"case": f"{B}x({P}+{E})", "impl": name, "error": repr(e)[:200]})
+            log(rows[-1])
+        del q, kb, vb, k, v
+        torch.cuda.empty_cache()
+    res["extend_pack"] = rows
+
+
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
@@ -182,15 +228,17 @@ def probe_b1(res: dict) -> None:
     res["b1"] = rows
 
 
-def _catchup_engine():
+def _catchup_engine(extend_graphs: bool = True):
     """An engine (graphs to batch 8, PDL) with 44 cached 300-token prompts: (engine, prompts). Each of
-    them plus 17 new tokens is an eager extend pass like jump-forward's catch-up passes."""
+    them plus 17 new tokens is an extend pass like jump-forward's catch-up passes (a captured graph's
+    unless extend_graphs is false)."""
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.tokenizer import Tokenizer
     path = model_dir("llama-3.1-8b")
     ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=200_000,
-                      max_running_requests=64, cuda_graph=True, cuda_graph_max_bs=8, enable_pdl=True)
+                      max_running_requests=64, cuda_graph=True, cuda_graph_max_bs=8, enable_pdl=True,
+                      cuda_graph_max_extend_tokens=2048 if extend_graphs else 0)
     eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
     prefixes = random_prompts(44, 300, 400, 7)
     drive(eng, prefixes, {**GREEDY, "max_new_tokens": 1})
@@ -227,7 +275,7 @@ def probe_eager_host(res: dict) -> None:
     import pstats
 
     from bench.pass_breakdown import PassBreakdown, format_summary
-    eng, prefixes = _catchup_engine()
+    eng, prefixes = _catchup_engine(extend_graphs=False)
     _catchup_rounds(eng, prefixes, 100, 2)  # warm: every kernel of these shapes compiled
     bd = PassBreakdown(eng)
     try:
@@ -460,6 +508,7 @@ def main() -> int:
         try:
             {"pdl": probe_pdl, "extend": probe_extend, "trace": probe_trace, "b1": probe_b1,
              "trace_pdl": probe_trace_pdl, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
+             "extend_pack": probe_extend_pack,
              "tput": probe_tput, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill}[w](res)
         except Exception as e:
             import traceback

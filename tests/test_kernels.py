@@ -285,11 +285,12 @@ def check_cascade_decode_attention(device, dtype):
 
 
 def check_extend_attention(device, dtype):
-    from kernels.attention.triton_extend import extend_attention
+    from kernels.attention.triton_extend import extend_attention, extend_pack
     from kernels.reference import extend_attention_ref
-    cases = [([0, 5, 33, 0], [7, 1, 30, 70]), ([130], [33])]
+    # A request with no new tokens is a captured graph's padding row: it must write nothing.
+    cases = [([0, 5, 33, 0], [7, 1, 30, 70]), ([130], [33]), ([40, 0, 9], [17, 0, 5])]
     for d in _head_dims(device)[:2]:
-        for hq, hkv in [(4, 4), (4, 2), (8, 2)]:
+        for hq, hkv in [(4, 4), (4, 2), (8, 2), (12, 2), (8, 1)]:  # groups 1, 2, 4, 6 (packs 2), 8
             for prefix, ext in cases:
                 k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, dtype, hkv, d, prefix, ext)
                 T = sum(ext)
@@ -299,11 +300,16 @@ def check_extend_attention(device, dtype):
                 k, v = k_buf[slots], v_buf[slots]
                 starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))], dtype=torch.int32, device=device)
                 i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-                out = extend_attention(q, k, v, k_buf, v_buf, r2t, req_idx, i32(prefix), i32(ext), starts,
-                                       max(ext), d ** -0.5)
                 ref = extend_attention_ref(q, k_buf, v_buf, r2t, req_idx, prefix, ext, d ** -0.5)
-                torch.testing.assert_close(out, ref, **_tol(dtype),
-                                           msg=lambda m: f"d={d} hq={hq} hkv={hkv} {prefix} {ext}: {m}")
+                # pack: query heads per program (None: the kernel's choice); a grid bound above the
+                # longest request (as a captured graph has) changes nothing.
+                full = extend_pack(hq, hkv)
+                assert (hq // hkv) % full == 0 and full & (full - 1) == 0
+                for pack, bound in [(None, max(ext)), (1, max(ext)), (full, max(ext) + 40), (max(1, full // 2), max(ext))]:
+                    out = extend_attention(q, k, v, k_buf, v_buf, r2t, req_idx, i32(prefix), i32(ext), starts,
+                                           bound, d ** -0.5, pack=pack)
+                    torch.testing.assert_close(out, ref, **_tol(dtype),
+                                               msg=lambda m: f"d={d} hq={hq} hkv={hkv} {prefix} {ext} pack={pack}: {m}")
 
 
 def check_backend_end_to_end(device, dtype):
