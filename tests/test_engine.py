@@ -453,3 +453,35 @@ def test_pdl_launches_decode_the_tokens_of_plain_launches():
     finally:
         set_pdl(False)
     assert results[True] == results[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_short_extends_in_cuda_graphs_give_the_results_of_eager_extends():
+    """Extend passes of a few tokens per request over cached prefixes (a second turn, jump-forward's
+    catch-ups) replay a captured graph padded to their token bucket; tokens and input logprobs are those
+    of eager passes, and passes beyond the graphs' bounds (a request with > 64 new tokens) run eagerly."""
+    from shared.engine.extend_graph import MAX_EXTEND_LEN
+
+    graphs = Harness(max_running_requests=16, cuda_graph_max_extend_tokens=512)
+    eager = Harness(max_running_requests=16, cuda_graph_max_extend_tokens=0)
+    eg = graphs.engine.runner.extend_graphs
+    assert eg is not None and eager.engine.runner.extend_graphs is None and eg.sizes[-1] == 512
+    replays, run = [], eg.run
+    eg.run = lambda fb: replays.append(fb.extend_seq_lens_cpu) or run(fb)
+    rng = random.Random(43)
+    first = prompts(10, seed=43, lo=5, hi=120)  # some beyond MAX_EXTEND_LEN: eager
+    results = []
+    for h in (graphs, eager):
+        got = [r["ids"] for r in h.run([h.submit(p, sampling=GREEDY) for p in first])]
+        # Second turns: each conversation so far plus 1-40 new tokens, cached but for those.
+        rng = random.Random(44)
+        turns = [p + out + [rng.randrange(3, 400) for _ in range(rng.randrange(1, 41))] for p, out in zip(first, got)]
+        second = h.run([h.submit(t, sampling=GREEDY, return_logprob=True, logprob_start_len=len(t) - 3) for t in turns])
+        results.append((got, [(r["ids"], r["cached"]) for r in second], [r["input_logprobs"] for r in second]))
+    assert results[0][:2] == results[1][:2]
+    for a, b in zip(results[0][2], results[1][2]):
+        assert [t for _, t in a] == [t for _, t in b]
+        torch.testing.assert_close([lp for lp, _ in a], [lp for lp, _ in b], rtol=1e-4, atol=1e-4)
+    assert all(c > 0 for _, c in results[0][1])  # the second turns did extend cached prefixes
+    assert replays and all(max(lens) <= MAX_EXTEND_LEN for lens in replays)
+    assert any(len(lens) > 1 for lens in replays)  # several requests in one captured pass

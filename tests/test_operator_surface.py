@@ -75,6 +75,18 @@ def test_sglang_flag_names_and_old_aliases():
     assert back.max_context_len == 300 and not back.cuda_graph
 
 
+def test_integer_flags_with_a_floor_refuse_what_is_below_it(capsys):
+    args = launch_args(["--model-path", "m", "--cuda-graph-max-extend-tokens", "0", "--stream-interval", "3"])
+    assert args.cuda_graph_max_extend_tokens == 0 and args.stream_interval == 3
+    assert worker_args(["--model-path", "m"]).cuda_graph_max_extend_tokens == 2048
+    for flag, value, says in [("--cuda-graph-max-extend-tokens", "-1", "must be at least 0, got -1"),
+                              ("--stream-interval", "0", "must be at least 1, got 0"),
+                              ("--cuda-graph-max-extend-tokens", "many", "'many' is not an integer")]:
+        with pytest.raises(SystemExit):
+            launch_args(["--model-path", "m", flag, value])
+        assert says in capsys.readouterr().err
+
+
 def test_attention_backend_choices_and_the_unsupported_flashinfer(capsys):
     assert launch_args(["--model-path", "m", "--attention-backend", "triton"]).attention_backend == "triton"
     for parse in (launch_args, worker_args):

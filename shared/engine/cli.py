@@ -44,18 +44,20 @@ def tp_size_arg(value: str) -> int:
     return size
 
 
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
-    return number
+def _int_at_least(minimum: int):
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {number}")
+        return number
+    return parse
 
 
 _TYPES = {"device": _device, "attention_backend": _attention_backend, "tp_size": tp_size_arg,
-          "stream_interval": _positive_int}
+          "stream_interval": _int_at_least(1), "cuda_graph_max_extend_tokens": _int_at_least(0)}
 
 # Flag names where SGLang's launcher names the same setting differently: its name first (what --help and
 # child processes use), ours kept as an alias. Boolean fields that default to true also take SGLang's
@@ -94,6 +96,8 @@ _HELP = {
                                        "once per group (the cascade-attention ablation)",
     "cuda_graph": "run decode without CUDA graphs",
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
+    "cuda_graph_max_extend_tokens": "largest extend pass (tokens; at most 64 new per request) captured in a CUDA "
+                                    "graph: jump-forward catch-up passes, short turns on cached prefixes; 0: none",
     "enable_pdl": "launch the Triton kernels without programmatic dependent launch (Hopper and newer)",
     "enable_overlap": "do not overlap the host's scheduling with the device's step",
     "disable_jump_forward": "decode grammar-forced tokens one by one (the ablation)",

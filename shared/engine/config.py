@@ -55,6 +55,10 @@ class EngineConfig:
     disable_shared_prefix_attention: bool = False
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
+    # Extend passes of up to this many tokens (at most 64 new tokens per request) replay a CUDA graph too:
+    # jump-forward's catch-up passes and short turns on cached prefixes, launch-bound when eager
+    # (shared/engine/extend_graph.py). 0: extend passes always run eagerly.
+    cuda_graph_max_extend_tokens: int = 2048
     # Programmatic dependent launch for our Triton kernels on Hopper and newer: a kernel may be scheduled
     # while the previous one drains (it waits for that one's writes first), and a GEMV starts streaming
     # its weights early. Process-wide (kernels._utils.set_pdl), set before the CUDA graphs are captured.
@@ -67,7 +71,7 @@ class EngineConfig:
     jump_forward_mode: str = "retokenize"
     # Retokenize mode: a step's jumps are taken only when their forced tokens reach this many per running
     # request, or the next pass extends anyway. A jump makes the next pass a catch-up extend of the whole
-    # batch (outside CUDA graphs) instead of a decode step; on the H200 (8B, batch 16) that costs a few
+    # batch (a CUDA graph of its own when it fits) instead of a decode step; on the H200 (8B, batch 16) that costs a few
     # decode steps, and one request's short forced run saves only its own steps (bench/RESULTS.md, JSON
     # workload). 0: always jump.
     jump_forward_threshold: float = 3.0

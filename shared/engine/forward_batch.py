@@ -57,6 +57,9 @@ class ForwardBatch:
     # Decode captured with shared-prefix attention: the groups are in the backend's static buffers for
     # this batch size (AttentionBackend.load_graph_cascade), not in prefix_groups.
     graph_cascade: bool = False
+    # Extend: a host bound on every request's new-token count wider than this batch's own (a captured
+    # graph's, shared/engine/extend_graph.py); None: the batch's longest (extend_seq_lens_cpu).
+    max_extend_len: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -122,6 +122,7 @@ class ForwardPlan:
     table_writes: tuple[list[int], list[int], list[int]]  # req_to_token rows, columns, slots
     prefix_groups: list | None = None
     use_graph: bool = False
+    extend_graph: bool = False  # an extend pass replayed from shared/engine/extend_graph.py
     # With use_graph and prefix_groups: their layout for the batch size's shared-prefix graph (rank 0
     # decides; every rank loads the same).
     graph_cascade: object = None
@@ -234,6 +235,20 @@ class ModelRunner:
                 self.model, self.kv_pool, self.req_pool.req_to_token, self.attn_backend,
                 max_bs=min(config.cuda_graph_max_bs, config.max_running_requests), device=self.device,
                 progress=tp_rank == 0)
+        self.extend_graphs = None
+        # Not under tensor parallelism yet: those passes would capture collectives in graphs no GPU
+        # run of ours has checked.
+        if (self.device.type == "cuda" and config.cuda_graph and config.tp_size == 1
+                and getattr(self.attn_backend, "extend_graph_safe", False)):
+            from shared.engine.extend_graph import ExtendGraphRunner, capture_sizes
+
+            if capture_sizes(config.cuda_graph_max_extend_tokens):
+                self.extend_graphs = ExtendGraphRunner(
+                    self.model, self.kv_pool, self.req_pool.req_to_token, self.attn_backend,
+                    max_tokens=config.cuda_graph_max_extend_tokens, max_reqs=config.max_running_requests,
+                    dtype=self.dtype, device=self.device,
+                    pool=self.graph_runner.pool if self.graph_runner is not None else None,
+                    progress=tp_rank == 0)
 
     @torch.no_grad()
     def warmup(self) -> None:
@@ -314,6 +329,9 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             self.graph_runner.graphs.clear()
             self.graph_runner = None
+        if getattr(self, "extend_graphs", None) is not None:
+            self.extend_graphs.graphs.clear()
+            self.extend_graphs = None
 
     @staticmethod
     def _table_writes(batch: ScheduleBatch) -> tuple[list[int], list[int], list[int]]:
@@ -342,9 +360,11 @@ class ModelRunner:
         if use_graph and groups:
             cascade = self.graph_runner.plan_cascade(groups, rows)
             use_graph = cascade is not None
+        extend_graph = not decode and self.extend_graphs is not None and self.extend_graphs.can_run(batch.extend_lens)
         return ForwardPlan(
             batch.mode, [] if decode else batch.input_ids, rows, batch.prefix_lens, batch.extend_lens,
-            batch.out_cache_loc, self._table_writes(batch), groups, use_graph=use_graph, graph_cascade=cascade)
+            batch.out_cache_loc, self._table_writes(batch), groups, use_graph=use_graph, graph_cascade=cascade,
+            extend_graph=extend_graph)
 
     def _run_plan(self, plan: ForwardPlan) -> tuple[ForwardBatch, torch.Tensor]:
         """Write the slot table, run the model: (batch, logits of every row) from a CUDA graph, else
@@ -374,6 +394,8 @@ class ModelRunner:
                 self.graph_runner.load_cascade(plan.graph_cascade, len(plan.req_pool_indices))
             return fb, self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
                                              fb.out_cache_loc, cascade=plan.graph_cascade is not None)
+        if plan.extend_graph:
+            return fb, self.extend_graphs.run(fb)
         self.attn_backend.init_forward_metadata(fb)
         return fb, self.model.forward(fb)
 

@@ -11,6 +11,9 @@ from shared.engine.forward_batch import ForwardBatch, ForwardMode
 class AttentionBackend(ABC):
     # True when forward() can be captured in a CUDA graph (no host syncs, shapes fixed by batch size).
     graph_safe: bool = False
+    # Extend passes may be captured too (shared/engine/extend_graph.py): forward_extend reads no host
+    # copies of the batch, and fb.max_extend_len, when set, bounds every request's new tokens.
+    extend_graph_safe: bool = False
     # Shared-prefix (cascade) decode: whether the backend has it, and when it pays. A batch with such
     # groups runs in a captured graph where the backend can capture it (graph_cascade), eagerly
     # otherwise.

@@ -49,6 +49,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.min_tokens_per_split = min_tokens_per_split
         self.fallback = (TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scaling)
                          if head_dim > MAX_HEAD_DIM else None)
+        # Extend reads only device tensors, its grid bounded by fb.max_extend_len (not the torch fallback).
+        self.extend_graph_safe = self.fallback is None
         self._meta: _DecodeMetadata | _ExtendMetadata | None = None
         self._meta_batch: ForwardBatch | None = None
         self._graph_plans: dict[int, CascadePlan] = {}  # batch size -> static plan a captured graph reads
@@ -104,7 +106,8 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             lens = fb.extend_seq_lens_cpu
             # Without host copies the packed token count bounds every request's length.
-            self._meta = _ExtendMetadata(max(lens) if lens else fb.num_tokens)
+            bound = fb.max_extend_len if fb.max_extend_len is not None else max(lens) if lens else fb.num_tokens
+            self._meta = _ExtendMetadata(bound)
 
     def _metadata(self, fb: ForwardBatch):
         if self._meta_batch is not fb or self._meta is None:
