@@ -95,7 +95,23 @@ def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         from kernels.gemv import gemv
         y = gemv(h, weight, scale=weight_scale, silu_mul=True)
         return y + bias if bias is not None else y
+    if weight_scale is not None and _fp8_gemm_applies(h, weight, h.shape[-1] // 2):
+        from kernels.quant import quantize_per_token  # the activation goes straight into the FP8 input
+        return _fp8_gemm(*quantize_per_token(h, silu_mul=True), weight, weight_scale, bias, h.dtype)
     return linear(silu_and_mul(h), weight, bias, weight_scale)
+
+
+def _fp8_gemm_applies(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
+    """torch._scaled_mm takes x (k inputs per row) against FP8 weight [N, k]: CUDA, 16-aligned sizes, a
+    half-precision activation with contiguous rows."""
+    return (_on_gpu(x) and x.dim() == 2 and x.stride(1) == 1 and k % 16 == 0 and weight.shape[0] % 16 == 0
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def _fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, weight.shape[0]),
+                            out_dtype=out_dtype, bias=bias)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -104,15 +120,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     (x stays in its dtype); more rows -> an FP8 GEMM with dynamic per-token activation scales. Elsewhere
     (and for shapes the FP8 GEMM does not take) the weight is dequantized on the fly: the reference."""
     if _on_gpu(x) and x.dim() == 2:
-        M, K = x.shape
-        N = weight.shape[0]
         if _gemv_applies(x, weight, weight_scale):
             from kernels.gemv import gemv
             y = gemv(x, weight, scale=weight_scale)
             return y + bias if bias is not None else y
-        if K % 16 == 0 and N % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16):
-            xq, x_scale = ref.quantize_fp8_per_token(x)
-            y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, N),
-                                 out_dtype=x.dtype, bias=bias)
-            return y
+        if _fp8_gemm_applies(x, weight, x.shape[1]):
+            from kernels.quant import quantize_per_token  # one launch: rows' max, scale, convert
+            return _fp8_gemm(*quantize_per_token(x), weight, weight_scale, bias, x.dtype)
     return ref.fp8_linear_ref(x, weight, weight_scale, bias)

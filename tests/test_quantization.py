@@ -190,7 +190,8 @@ def test_fp8_linear_reference_and_activation_quantization():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 GEMM and GEMV need a GPU")
 def test_fp8_kernels_on_gpu():
-    from kernels.ops import fp8_linear
+    from kernels.ops import fp8_linear, silu_mul_linear
+    from kernels.reference import silu_and_mul_ref
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     for m, n, k in [(1, 4096, 4096), (1, 1024, 4096), (7, 512, 256), (64, 4096, 1024)]:
@@ -200,3 +201,8 @@ def test_fp8_kernels_on_gpu():
         ref = fp8_linear_ref(x.float(), q, s)
         y = fp8_linear(x, q, s).float()
         assert float((y - ref).abs().max() / ref.abs().max()) < 0.05, (m, n, k)
+        # The down projection's path: the gated activation quantized in the same kernel (M > 4: the GEMM).
+        h = torch.randn(m, 2 * k, device="cuda", generator=gen).to(torch.bfloat16)
+        ref = fp8_linear_ref(silu_and_mul_ref(h).float(), q, s)
+        y = silu_mul_linear(h, q, None, s).float()
+        assert float((y - ref).abs().max() / ref.abs().max()) < 0.05, ("silu_mul", m, n, k)
