@@ -3,8 +3,9 @@ layer with FP8 weights: x [M, K] -> (e4m3 [M, K], float32 scale [M, 1]), each ro
 the FP8 range.
 
 One program per row, in one launch: a pass over the row for its max, a second that scales and stores
-(the row is then in cache). Unfused this is five torch ops, each a pass over the activations and a launch
-(abs, amax, divide, clamp, convert): at batch 256 that is ~20 launches per layer of a decode step.
+(the row is then in cache). Unfused (kernels.reference.quantize_fp8_per_token) this is nine torch ops,
+each a launch and most a pass over the activations (abs, amax, casts, clamps, divisions): ~36 launches
+per layer of a decode step, which made FP8 slower than bf16 at batch 256 (bench/RESULTS.md).
 
 With silu_mul=True the input is a gated MLP's [M, 2K] gate|up activation and the row quantized is
 silu(gate) * up, rounded to x's dtype as activation.silu_and_mul's output would be: the down projection's
