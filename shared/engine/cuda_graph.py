@@ -24,6 +24,19 @@ log = logging.getLogger(__name__)
 CASCADE_MIN_BS = 16  # smaller batches rarely share enough prefix to pay (and run eagerly if they do)
 
 
+def capture_graph(forward, stream: torch.cuda.Stream, pool) -> torch.cuda.CUDAGraph:
+    """forward() run twice on `stream` (compiles, autotuning and lazy allocations stay out of the graph),
+    then captured into a graph drawing on the memory pool `pool` (None: a new one)."""
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    stream.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool, stream=stream):
+        forward()
+    return g
+
+
 def capture_sizes(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 8)) + list(range(272, 1025, 16))
     return [s for s in sizes if s <= max_bs] or [1]
@@ -85,13 +98,7 @@ class CudaGraphRunner:
         for bs, c in tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress,
                           dynamic_ncols=True):
             try:
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm-up: autotuning and lazy allocations stay out of the graph
-                        self._forward(bs, c)
-                stream.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    self._forward(bs, c)
+                g = capture_graph(lambda: self._forward(bs, c), stream, self.pool)
             except torch.OutOfMemoryError as e:
                 raise RuntimeError(
                     f"out of GPU memory capturing the decode CUDA graph of batch size {bs}"

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from shared.engine.cuda_graph import capture_graph
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
 
 log = logging.getLogger(__name__)
@@ -90,13 +91,7 @@ class ExtendGraphRunner:
         for tokens in tqdm(list(reversed(self.sizes)), desc="Capturing extend CUDA graphs", unit="graph",
                            disable=not progress, dynamic_ncols=True):
             try:
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm-up: compiles and lazy allocations stay out of the graph
-                        self._forward(tokens)
-                stream.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    self._forward(tokens)
+                g = capture_graph(lambda: self._forward(tokens), stream, self.pool)
             except torch.OutOfMemoryError as e:
                 raise RuntimeError(
                     f"out of GPU memory capturing the extend CUDA graph of {tokens} tokens beside the KV pool; "
