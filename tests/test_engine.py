@@ -485,3 +485,23 @@ def test_short_extends_in_cuda_graphs_give_the_results_of_eager_extends():
     assert all(c > 0 for _, c in results[0][1])  # the second turns did extend cached prefixes
     assert replays and all(max(lens) <= MAX_EXTEND_LEN for lens in replays)
     assert any(len(lens) > 1 for lens in replays)  # several requests in one captured pass
+
+
+def test_extend_graph_eligibility_bounds_tokens_requests_and_new_tokens_per_request():
+    """Which extend passes a captured graph takes (the padded bucket must hold every token, every request
+    row and each request's new tokens); checked without capturing (no GPU needed)."""
+    from shared.engine.extend_graph import MAX_EXTEND_LEN, ExtendGraphRunner, capture_sizes
+
+    assert capture_sizes(15) == [] and capture_sizes(512)[-1] == 512 and capture_sizes(2048)[-1] == 2048
+    r = object.__new__(ExtendGraphRunner)
+    r.sizes, r.req_cap = capture_sizes(512), 16
+    r.graphs = dict.fromkeys(r.sizes)
+    assert r.bucket(1) == 16 and r.bucket(17) == 32 and r.bucket(512) == 512 and r.bucket(513) is None
+    assert r.max_reqs(16) == 16 and r.max_reqs(512) == 16
+    assert r.can_run([17] * 10) and r.can_run([MAX_EXTEND_LEN] * 8) and r.can_run([1] * 16)
+    assert not r.can_run([MAX_EXTEND_LEN + 1])  # one request too long for the attention grid's bound
+    assert not r.can_run([1] * 17)  # more request rows than the bucket has
+    assert not r.can_run([64] * 9)  # 576 tokens: beyond the largest bucket
+    assert not r.can_run([])
+    r.graphs = {}
+    assert not r.can_run([5])  # nothing captured
