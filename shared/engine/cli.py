@@ -96,8 +96,9 @@ _HELP = {
                                        "once per group (the cascade-attention ablation)",
     "cuda_graph": "run decode without CUDA graphs",
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
-    "cuda_graph_max_extend_tokens": "largest extend pass (tokens; at most 64 new per request) captured in a CUDA "
-                                    "graph: jump-forward catch-up passes, short turns on cached prefixes; 0: none",
+    "cuda_graph_max_extend_tokens": "largest extend pass (tokens, up to 4096; at most 64 new per request) captured "
+                                    "in a CUDA graph: jump-forward catch-up passes, short turns on cached prefixes; "
+                                    "0: none",
     "enable_pdl": "launch the Triton kernels without programmatic dependent launch (Hopper and newer)",
     "enable_overlap": "do not overlap the host's scheduling with the device's step",
     "disable_jump_forward": "decode grammar-forced tokens one by one (the ablation)",

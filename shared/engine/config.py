@@ -55,7 +55,7 @@ class EngineConfig:
     disable_shared_prefix_attention: bool = False
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
-    # Extend passes of up to this many tokens (at most 64 new tokens per request) replay a CUDA graph too:
+    # Extend passes of up to this many tokens (4096 at most; 64 new tokens per request) replay a CUDA graph too:
     # jump-forward's catch-up passes and short turns on cached prefixes, launch-bound when eager
     # (shared/engine/extend_graph.py). 0: extend passes always run eagerly.
     cuda_graph_max_extend_tokens: int = 2048
