@@ -80,7 +80,7 @@ if [[ $what == recheck ]]; then
 fi
 if [[ $what == probes ]]; then
   # Where issue 14's batch-1, batch-256 and prefill time goes (bench/probe.py; 2026-12-01: ~3 min).
-  timeout 450 python3 -m bench.probe b1phases steps trace_pdl trace256 trace_prefill eager_host trace_extend extend_pack 2>&1 \
+  timeout 450 python3 -m bench.probe b1phases steps trace_pdl trace256 trace_prefill eager_host trace_extend extend_pack prefill_attn 2>&1 \
     | grep -v "Capturing\|Warning" | tee "$OUT/probes.log" | tail -60
 fi
 if [[ $what == sync-audit ]]; then

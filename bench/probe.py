@@ -11,6 +11,7 @@
     python -m bench.probe trace256   # the batch-256 decode graph of that workload, kernel by kernel
     python -m bench.probe trace_prefill  # its prefill passes (8k-token chunks, eager), kernel by kernel
     python -m bench.probe extend_pack    # extend attention, one query head per program vs a KV group's heads packed
+    python -m bench.probe prefill_attn   # no-prefix prefill attention: larger packed tiles vs cuDNN SDPA per sequence
 """
 from __future__ import annotations
 
@@ -184,6 +185,61 @@ def probe_extend_pack(res: dict) -> None:
         del q, kb, vb, k, v
         torch.cuda.empty_cache()
     res["extend_pack"] = rows
+
+
+def probe_prefill_attn(res: dict) -> None:
+    """No-prefix prefill attention, the prefill goal's open question: our packed kernel at larger tiles
+    against cuDNN SDPA run per sequence on views of the packed q/k/v (as the engine would call it), and what
+    cuDNN's first call at a new length costs (one plan per length unless lengths are bucketed)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels.attention.triton_extend import extend_attention, extend_block_sizes
+    F = torch.nn.functional
+    rows = []
+    for B, L in [(1, 1024), (4, 1024), (1, 2048), (2, 4096), (1, 8192)]:
+        q, k, v, kb, r2t, req, zero, lens, starts, cu, flops, out = _packed_batch(B, L)
+        ref = None
+        for cfg in [None, (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 2)]:
+            name = f"ours packed {cfg or extend_block_sizes(D, DT, L * 4)}"
+            try:
+                t = graph_time_ms(lambda i: extend_attention(q, k, v, kb, kb, r2t, req, zero, lens, starts, L,
+                                                             D ** -0.5, out=out, config=cfg), reps=7)
+                if ref is None:
+                    ref = out.clone()
+                rows.append({"case": f"{B}x{L}", "impl": name, "us": t * 1e3, "TFLOPs": flops / t / 1e9,
+                             "max_err": (out.float() - ref.float()).abs().max().item()})
+            except Exception as e:
+                rows.append({"case": f"{B}x{L}", "impl": name, "error": repr(e)[:200]})
+            log(rows[-1])
+
+        def cudnn(i):
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                for b in range(B):
+                    sl = slice(b * L, (b + 1) * L)
+                    o = F.scaled_dot_product_attention(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None],
+                                                       v[sl].transpose(0, 1)[None], is_causal=True, enable_gqa=True,
+                                                       scale=D ** -0.5)
+                    out[sl].copy_(o[0].transpose(0, 1))
+        try:
+            t = graph_time_ms(cudnn, reps=7)
+            rows.append({"case": f"{B}x{L}", "impl": "cuDNN SDPA per sequence + copy", "us": t * 1e3,
+                         "TFLOPs": flops / t / 1e9, "max_err": (out.float() - ref.float()).abs().max().item()})
+        except Exception as e:
+            rows.append({"case": f"{B}x{L}", "impl": "cuDNN SDPA per sequence + copy", "error": repr(e)[:300]})
+        log(rows[-1])
+        del q, k, v
+        torch.cuda.empty_cache()
+    # A length cuDNN has not seen: the first call builds its plan.
+    for L in (3001, 3002, 3001):
+        q, k, v = (torch.randn(1, h, L, D, dtype=DT, device="cuda") for h in (HQ, HKV, HKV))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        torch.cuda.synchronize()
+        rows.append({"case": f"first call at length {L}", "impl": "cuDNN SDPA", "ms": (time.perf_counter() - t0) * 1e3})
+        log(rows[-1])
+    res["prefill_attn"] = rows
 
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -508,7 +564,7 @@ def main() -> int:
         try:
             {"pdl": probe_pdl, "extend": probe_extend, "trace": probe_trace, "b1": probe_b1,
              "trace_pdl": probe_trace_pdl, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
-             "extend_pack": probe_extend_pack,
+             "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
              "tput": probe_tput, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill}[w](res)
         except Exception as e:
             import traceback
