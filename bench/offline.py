@@ -26,6 +26,10 @@ from shared.engine.engine import Engine  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 
 GOAL_ZERO_REUSE_OVERHEAD = 0.003  # issue 11: the radix cache costs <= 0.3% when nothing is reused
+# Issue 14 ("GPU path, round two"), each a ratio to this run's own reference.
+GOAL_B1_OF_FLOOR = 0.9  # batch-1 decode step: floor / step
+GOAL_TPUT_OF_ROOFLINE = 0.85
+GOAL_PREFILL_OF_MATMUL = 0.88
 
 GREEDY_FIXED = {"temperature": 0, "ignore_eos": True}
 
@@ -224,6 +228,9 @@ def main():
     print(f"{'metric':34s} {'measured':>12s} {'reference':>12s} {'ratio':>7s}")
     for name, v, ref, ratio in rows:
         print(f"{name:34s} {v:12.2f} {ref:12.2f} {ratio:7.3f}")
+    for (name, _, _, ratio), goal in zip(rows, (GOAL_B1_OF_FLOOR, GOAL_TPUT_OF_ROOFLINE, None, GOAL_PREFILL_OF_MATMUL)):
+        if goal is not None:
+            print(f"{'PASS' if ratio >= goal else 'FAIL'}  {name.strip()} at {ratio:.3f} of its reference (goal >= {goal})")
     ov = res["zero_reuse_overhead"]
     print(f"{'PASS' if ov <= GOAL_ZERO_REUSE_OVERHEAD else 'FAIL'}  zero-reuse overhead of the radix cache "
           f"{100 * ov:.2f}% (median of {len(res['tput_cache_on_runs'])} on vs {len(res['tput_cache_off_runs'])} "

@@ -49,6 +49,10 @@ SCHEMA = {
 }
 
 
+GOAL_JF_SPEEDUP = 2.0  # issue 14: jump-forward >= 2x token-by-token constrained decoding
+GOAL_MASK_US = 40.0  # issue 14: grammar mask on the critical path, us per token at batch 32
+
+
 def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -180,16 +184,24 @@ def main():
         r = res[name]
         print(f"{name:18s} {r['wall_s']:8.2f} {r['req_per_s']:8.2f} {r['output_tokens']:8d} "
               f"{1e3 * r['wall_s'] / max(1, r['output_tokens']) * args.num_reqs:9.2f} {r.get('steps', 0):6d}")
+    verdicts = []
     if "jump_forward_speedup" in res:
         print(f"jump-forward speedup {res['jump_forward_speedup']:.2f}x (goal 2x)")
+        verdicts.append(f"{'PASS' if res['jump_forward_speedup'] >= GOAL_JF_SPEEDUP else 'FAIL'}  jump-forward "
+                        f"{res['jump_forward_speedup']:.2f}x token-by-token (goal >= {GOAL_JF_SPEEDUP})")
     if "mask_in_engine_b32" in res:
         m = res["mask_in_engine_b32"]
         print(f"mask fill alone {res['mask_us_per_token_b32']:.1f} us/token at batch 32; in the engine "
               f"{m['exposed_us']:.1f} us/token on the critical path (goal 40), host fill {m['host_fill_us']:.1f} "
               f"us/token ({m['steps']} steps, {m['masked_tokens']} masked tokens)")
+        verdicts.append(f"{'PASS' if m['exposed_us'] <= GOAL_MASK_US else 'FAIL'}  grammar mask {m['exposed_us']:.1f} "
+                        f"us/token on the critical path at batch 32 (goal <= {GOAL_MASK_US:g})")
     for name, summary in breakdowns.items():
         print()
         print(format_summary(summary, name))
+    if verdicts:
+        print()
+        print("\n".join(verdicts))
 
 
 if __name__ == "__main__":
