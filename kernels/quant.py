@@ -20,9 +20,8 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_mul_f32
-from kernels.reference import FP8_MAX
+from kernels.reference import FP8_DTYPE, FP8_MAX
 
-FP8_DTYPE = torch.float8_e4m3fn
 _EPS = 1e-12  # the reference's floor on a row's max (an all-zero row quantizes to zeros)
 
 

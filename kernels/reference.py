@@ -151,13 +151,14 @@ def extend_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tens
     return out
 
 
-FP8_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn  # e4m3 with no infinities, what FP8 checkpoints hold
+FP8_MAX = 448.0  # its largest finite value
 
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (fp8 e4m3 [M, K], float32 scale [M, 1]) with each row's max mapped to the FP8 range."""
     scale = x.abs().amax(dim=-1, keepdim=True).to(torch.float32).clamp(min=1e-12) / FP8_MAX
-    q = (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 

@@ -25,10 +25,10 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from kernels.reference import FP8_DTYPE, FP8_MAX
+
 log = logging.getLogger(__name__)
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 SUPPORTED = "fp8 (per-tensor, per-channel or block scales), fbgemm_fp8, compressed-tensors float8"
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
 # Checkpoint entries of quantized layers that the FP8 path does not need.
