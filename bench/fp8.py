@@ -28,8 +28,6 @@ def main():
     ap.add_argument("--reqs", type=int, default=128, help="requests of the throughput run (512 in, 128 out)")
     ap.add_argument("--steps", type=int, default=200, help="batch-1 decode steps")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
-    ap.add_argument("--fp8-decodes", default="", help="FP8 GEMV weight decodings to run the FP8 engine with, "
-                    "e.g. 0,1,2 (kernels.gemv.FP8_WDECODE; default: the kernel's default only)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available()
@@ -44,22 +42,10 @@ def main():
     kv = 600 * kv_bytes_per_token(cfg)
     res["floor_bf16_ms"] = (w + kv) / bw * 1e3
     res["floor_fp8_ms"] = ((w - lm_head) / 2 + lm_head + kv) / bw * 1e3  # lm_head stays bf16
-    import kernels.gemv as gemv_mod
-    default_decode = gemv_mod.FP8_WDECODE
-    decodes = [int(d) for d in args.fp8_decodes.split(",") if d] or [default_decode]
-    primary = default_decode if default_decode in decodes else decodes[0]  # the run reported as "fp8"
-    for q, d in [("none", None)] + [("fp8", d) for d in decodes]:
-        key = q if d in (None, primary) else f"fp8:{d}"
-        log(f"engine quantization={q}" + (f", FP8 GEMV wdecode {d}" if d is not None else ""))
-        if d is not None:
-            gemv_mod.FP8_WDECODE = d
-        res[key] = engine_figures(path, tok, cuda, 400, args.reqs, args.steps, quantization=q)
-        log(f"  {res[key]}"[:300])
-    gemv_mod.FP8_WDECODE = default_decode
-    for d in decodes:
-        r = res["fp8" if d == primary else f"fp8:{d}"]
-        print(f"fp8 wdecode {d}: b1 step {r.get('b1_step_ms', float('nan')):.3f} ms, graph "
-              f"{r.get('b1_graph_ms', float('nan')):.3f} ms, {r.get('tput_tok_s', float('nan')):.0f} tok/s")
+    for q in ("none", "fp8"):
+        log(f"engine quantization={q}")
+        res[q] = engine_figures(path, tok, cuda, 400, args.reqs, args.steps, quantization=q)
+        log(f"  {res[q]}"[:300])
     ratio = res["fp8"]["b1_step_ms"] / res["none"]["b1_step_ms"]
     res["b1_ratio"] = ratio
     with open(os.path.join(args.out, "fp8.json"), "w") as f:

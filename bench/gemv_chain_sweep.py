@@ -3,14 +3,11 @@ CUDA graph with programmatic dependent launch, bf16 and FP8 weights. One shape's
 (the others at their defaults); the chain's time is what counts, since with PDL a GEMV overlaps its
 neighbours and the best tile alone is not the best tile in the chain.
 
-    python -m bench.gemv_chain_sweep [--dtypes bf16,fp8] [--fp8-decodes 0] [--budget 400]
-
---fp8-decodes: the FP8 rows' weight decodings to sweep (GemvConfig.wdecode), each with its own tiles.
+    python -m bench.gemv_chain_sweep [--dtypes bf16,fp8] [--budget 400]
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -28,9 +25,6 @@ LAYERS = 32
 SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
 CANDIDATES = [(4, 2048, 2), (8, 512, 2), (8, 512, 4), (8, 1024, 2), (8, 1024, 4), (8, 2048, 4), (8, 4096, 8),
               (16, 256, 4), (16, 512, 4), (16, 1024, 4), (16, 2048, 8), (32, 256, 4), (32, 512, 4)]
-# The word decoding holds a quarter of the tile per accumulator: longer tiles fit.
-WORD_CANDIDATES = [(4, 2048, 2), (4, 4096, 4), (8, 1024, 2), (8, 1024, 4), (8, 2048, 4), (8, 4096, 4),
-                   (8, 4096, 8), (16, 1024, 4), (16, 2048, 4), (16, 2048, 8), (32, 1024, 8)]
 
 
 def build(dtype: str):
@@ -46,10 +40,7 @@ def build(dtype: str):
     return layers
 
 
-def chain_ms(layers, cfgs: dict, wdecode: int = 0) -> float:
-    wb = 1 if layers[0]["qkv"][1] is not None else 2
-    cfgs = {nm: cfgs.get(nm) or dataclasses.replace(default_config(1, n, k, wb), wdecode=wdecode)
-            for nm, (n, k) in SHAPES.items()}
+def chain_ms(layers, cfgs: dict) -> float:
     x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
     nw = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -66,64 +57,57 @@ def chain_ms(layers, cfgs: dict, wdecode: int = 0) -> float:
     return graph_time_ms(fn, reps=7, target_ms=15)
 
 
-def fits(bn, bk, warps, wdecode=0) -> bool:
-    return bn * bk // (32 * warps) <= (512 if wdecode == 2 else 128)
+def fits(bn, bk, warps) -> bool:
+    return bn * bk // (32 * warps) <= 128
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bf16,fp8")
-    ap.add_argument("--fp8-decodes", default="0")
     ap.add_argument("--budget", type=float, default=400)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     set_pdl(True)
     t0 = time.time()
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "runs": {}}
-    runs = [(d, int(m)) for d in args.dtypes.split(",")
-            for m in (args.fp8_decodes.split(",") if d == "fp8" else ["0"])]
-    built = {}
-    for dtype, wdecode in runs:
-        if dtype not in built:
-            built.clear()
-            torch.cuda.empty_cache()
-            built[dtype] = build(dtype)
-        layers = built[dtype]
-        label = f"{dtype}" + (f" wdecode {wdecode}" if dtype == "fp8" else "")
+    for dtype in args.dtypes.split(","):
+        layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2
         nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
-        base = chain_ms(layers, {}, wdecode)
-        print(f"{label}: default tiles {base * 1e3:.0f} us for the chain ({nbytes / base / 1e9:.0f} GB/s)", flush=True)
+        base = chain_ms(layers, {})
+        print(f"{dtype}: default tiles {base * 1e3:.0f} us for the chain ({nbytes / base / 1e6:.0f} GB/s)", flush=True)
         best = {}
         rows = []
         for name, (n, k) in SHAPES.items():
-            d = dataclasses.replace(default_config(1, n, k, wb), wdecode=wdecode)
+            d = default_config(1, n, k, wb)
             best[name] = (base, d)
-            for bn, bk, warps in (WORD_CANDIDATES if wdecode == 2 else CANDIDATES):
+            for bn, bk, warps in CANDIDATES:
                 for split in (1, 2):
-                    if not fits(bn, bk, warps, wdecode) or bk > k or (split > 1 and n > 8192):
+                    if not fits(bn, bk, warps) or bk > k or (split > 1 and n > 8192):
                         continue
                     if time.time() - t0 > args.budget:
                         break
-                    cfg = GemvConfig(bn, bk, split, warps, wdecode)
+                    cfg = GemvConfig(bn, bk, split, warps)
                     if cfg == d:
                         continue
                     try:
-                        t = chain_ms(layers, {name: cfg}, wdecode)
+                        t = chain_ms(layers, {name: cfg})
                     except Exception as e:  # a tile that does not compile or fit
                         print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
                         continue
-                    rows.append({"shape": name, "cfg": [bn, bk, split, warps, wdecode], "chain_us": t * 1e3})
+                    rows.append({"shape": name, "cfg": [bn, bk, split, warps], "chain_us": t * 1e3})
                     if t < best[name][0]:
                         best[name] = (t, cfg)
             print(f"  {name}: default {d} -> best {best[name][1]} chain {best[name][0] * 1e3:.0f} us "
                   f"({(base - best[name][0]) / LAYERS * 1e3:+.2f} us per layer)", flush=True)
-        final = chain_ms(layers, {nm: b[1] for nm, b in best.items()}, wdecode)
-        again = chain_ms(layers, {}, wdecode)
-        print(f"{label}: all best {final * 1e3:.0f} us vs default {again * 1e3:.0f} us "
-              f"({nbytes / final / 1e9:.0f} vs {nbytes / again / 1e9:.0f} GB/s)", flush=True)
-        result["runs"][label] = {"default_us": [base * 1e3, again * 1e3], "best_us": final * 1e3,
+        final = chain_ms(layers, {nm: b[1] for nm, b in best.items()})
+        again = chain_ms(layers, {})
+        print(f"{dtype}: all best {final * 1e3:.0f} us vs default {again * 1e3:.0f} us "
+              f"({nbytes / final / 1e6:.0f} vs {nbytes / again / 1e6:.0f} GB/s)", flush=True)
+        result["runs"][dtype] = {"default_us": [base * 1e3, again * 1e3], "best_us": final * 1e3,
                                  "best": {nm: list(vars(b[1]).values()) for nm, b in best.items()}, "rows": rows}
+        del layers
+        torch.cuda.empty_cache()
     if args.out:
         with open(os.path.join(args.out, "gemv_chain_sweep.json"), "w") as f:
             json.dump(result, f, indent=1)

@@ -7,7 +7,6 @@ in process in bf16 with wider tolerances.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -166,37 +165,24 @@ def check_gemv_silu_mul(device, dtype):
                 torch.testing.assert_close(y, gemv_ref(silu_and_mul_ref(h), w), **_tol(dtype))
 
 
-def check_gemv_fp8_decodings(device, dtype):
-    """FP8 rows' three weight decodings (the conversion unit; integer ops per byte; int32 words of four):
-    every e4m3 code (subnormals, both zeros, +-448; NaN left out) at every byte position of a word reads
-    exactly - a one-hot x returns the weight column times its scale bit for bit - and random rows match
-    the dequantized reference (split-K, a K the tile does not divide, a K the words cannot take, silu_mul)."""
+def check_gemv_fp8_codes(device, dtype):
+    """The FP8 GEMV reads every e4m3 code exactly (subnormals, both zeros, +-448; NaN left out), at every
+    byte position of a 16-byte load: a one-hot x returns the weight column times its scale bit for bit."""
     from kernels.gemv import GemvConfig, gemv
-    from kernels.reference import FP8_DTYPE, silu_and_mul_ref
+    from kernels.reference import FP8_DTYPE
     codes = torch.arange(256, dtype=torch.int32)
     codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)
     N, K = len(codes), 64
     s = (torch.rand(N) + 0.5).to(device)
-    for col in (0, 1, 2, 3, 37, 62):
+    for col in (0, 1, 2, 3, 15, 37, 62):
         w = torch.zeros(N, K, dtype=torch.uint8)
         w[:, col] = codes
         w8 = w.view(FP8_DTYPE).to(device)
         x = torch.zeros(1, K, device=device)
         x[0, col] = 1.0
-        exact = w8.float()[:, col] * s
-        for dec in (0, 1, 2):
-            y = gemv(x, w8, scale=s, config=GemvConfig(8, 32, 1, 2, dec))[0]
-            assert torch.equal(y, exact), f"wdecode {dec}, column {col}: {(y - exact).abs().max()}"
-    for (n, k), silu in [((24, 64), False), ((16, 100), True), ((8, 102), False), ((40, 256), True)]:
-        w8 = codes[torch.randint(0, N, (n, k))].view(FP8_DTYPE).to(device)
-        sc = (torch.rand(n) * 0.01 + 1e-3).to(device)
-        x = _rand(1, 2 * k if silu else k, dtype=dtype, device=device)
-        xin = silu_and_mul_ref(x) if silu else x
-        ref = xin.float() @ (w8.float() * sc[:, None]).t()
-        for dec, cfg in itertools.product((0, 1, 2), [(8, 32, 1, 2), (8, 32, 2, 2), (4, 64, 1, 1)]):
-            y = gemv(x, w8, scale=sc, silu_mul=silu, config=GemvConfig(*cfg, dec)).float()
-            err = float((y - ref).abs().max() / ref.abs().max())
-            assert err < (1e-5 if dtype == torch.float32 else 2e-2), (n, k, silu, dec, cfg, err)
+        for cfg in (None, GemvConfig(8, 32, 1, 2), GemvConfig(8, 16, 2, 1)):
+            y = gemv(x, w8, scale=s, config=cfg)[0]
+            assert torch.equal(y, w8.float()[:, col] * s), f"column {col} {cfg}"
 
 
 def _paged_setup(device, dtype, hkv, d, prefix_lens, extend_lens, num_slots=600):
