@@ -3,11 +3,15 @@ CUDA graph with programmatic dependent launch, bf16 and FP8 weights. One shape's
 (the others at their defaults); the chain's time is what counts, since with PDL a GEMV overlaps its
 neighbours and the best tile alone is not the best tile in the chain.
 
-    python -m bench.gemv_chain_sweep [--dtypes bf16,fp8] [--budget 400]
+    python -m bench.gemv_chain_sweep [--dtypes bf16,fp8] [--budget 400] [--pre-tiles-study]
+
+--pre-tiles-study: only the chain at the default tiles with 1 and 2 weight tiles loaded before the PDL wait,
+alternated 1, 2, 1, 2.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -65,12 +69,28 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--budget", type=float, default=400)
+    ap.add_argument("--pre-tiles-study", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     set_pdl(True)
     t0 = time.time()
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "runs": {}}
-    for dtype in args.dtypes.split(","):
+    if args.pre_tiles_study:
+        for dtype in args.dtypes.split(","):
+            layers = build(dtype)
+            wb = 1 if dtype == "fp8" else 2
+            nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
+            times = {1: [], 2: []}
+            for pre in (1, 2, 1, 2):
+                cfgs = {nm: dataclasses.replace(default_config(1, n, k, wb), pre_tiles=pre)
+                        for nm, (n, k) in SHAPES.items()}
+                times[pre].append(chain_ms(layers, cfgs) * 1e3)
+            print(f"{dtype}: chain us, 1 tile before the wait {times[1]}, 2 tiles {times[2]} "
+                  f"({nbytes / min(times[2]) / 1e3:.0f} vs {nbytes / min(times[1]) / 1e3:.0f} GB/s)", flush=True)
+            result["runs"][f"{dtype} pre_tiles"] = times
+            del layers
+            torch.cuda.empty_cache()
+    for dtype in ([] if args.pre_tiles_study else args.dtypes.split(",")):
         layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2
         nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())

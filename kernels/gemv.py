@@ -65,7 +65,7 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
 def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
                  HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, SILU_MUL: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, PRE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,13 +81,20 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     else:
         acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     if PDL:
-        # The weights are nobody's output: the first tile streams in while the previous kernel drains.
+        # The weights are nobody's output: the first PRE tiles stream in while the previous kernel drains
+        # (PRE = 2 only where this split has two tiles or more: the host checks).
         w = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K)
+        if PRE == 2:
+            w2 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K)
         pdl_prologue(PDL)
         acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    for kk in range(BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
+        if PRE == 2:
+            acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+    for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
         w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K)
         acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
         w_ptrs += BLOCK_K
@@ -122,6 +129,7 @@ class GemvConfig:
     block_k: int
     split_k: int
     num_warps: int
+    pre_tiles: int = 1  # weight tiles loaded before waiting on the previous kernel (PDL): 1 or 2
 
 
 def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
@@ -146,7 +154,10 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     # Split K only when N is too short to put two programs on every SM.
     while triton.cdiv(N, block_n) * split_k < 2 * num_sms() and split_k * 2 <= k_steps and split_k < 16:
         split_k *= 2
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps)
+    # With PDL, two weight tiles in flight before the wait, not one: more of a short GEMV's stream overlaps
+    # the previous kernel's tail (bench/gemv_chain_sweep.py --pre-tiles-study).
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps,
+                      pre_tiles=2 if M == 1 else 1)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -179,7 +190,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
         k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
         EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul, num_warps=cfg.num_warps,
-        **pdl_launch(pdl))
+        PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1, **pdl_launch(pdl))
     if split_k > 1:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,

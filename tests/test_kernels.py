@@ -134,7 +134,8 @@ def check_gemv(device, dtype):
     shapes = [(64, 48), (200, 37), (96, 130)]
     if device.type == "cuda":
         shapes += [(4096, 6144), (14336, 4096)]
-    configs = [None, GemvConfig(16, 32, 1, 4), GemvConfig(8, 32, 4, 4), GemvConfig(32, 64, 2, 4)]
+    configs = [None, GemvConfig(16, 32, 1, 4), GemvConfig(8, 32, 4, 4), GemvConfig(32, 64, 2, 4),
+               GemvConfig(16, 32, 1, 4, pre_tiles=2), GemvConfig(8, 16, 3, 2, pre_tiles=2)]
     for K, N in shapes:
         w = _rand(N, K, dtype=dtype, device=device)
         for M in (1, 2, 3, 4):
@@ -159,7 +160,7 @@ def check_gemv_silu_mul(device, dtype):
         w = _rand(N, K, dtype=dtype, device=device)
         for M in (1, 3):
             h = _rand(M, 2 * K, dtype=dtype, device=device)
-            for cfg in [None, GemvConfig(16, 32, 1, 4), GemvConfig(8, 32, 4, 4)]:
+            for cfg in [None, GemvConfig(16, 32, 1, 4), GemvConfig(8, 32, 4, 4), GemvConfig(8, 16, 2, 2, pre_tiles=2)]:
                 y = gemv(h, w, config=cfg, silu_mul=True)
                 assert torch.equal(y, gemv(silu_and_mul(h), w, config=cfg)), f"K={K} N={N} M={M} {cfg}"
                 torch.testing.assert_close(y, gemv_ref(silu_and_mul_ref(h), w), **_tol(dtype))
