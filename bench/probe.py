@@ -556,6 +556,63 @@ def probe_tput(res: dict) -> None:
     eng.stop()
 
 
+def probe_gemm_tune(res: dict) -> None:
+    """Whether cuBLAS's default picks leave speed on the table for the prefill and batch-256 GEMMs: each
+    Llama-8B linear at M = 8192 and 256 (and the 8192^3 reference), timed with the default heuristic, then
+    with PyTorch's TunableOp after it tried the cuBLASLt candidates for that shape."""
+    import torch.cuda.tunable as tunable
+    shapes = [(m, n, k) for m in (8192, 256) for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]]
+    shapes.append((8192, 8192, 8192))
+    dev = torch.device("cuda")
+
+    def timed(x, w, reps=20):
+        for _ in range(3):
+            torch.nn.functional.linear(x, w)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ts = []
+        for _ in range(reps):
+            a.record()
+            torch.nn.functional.linear(x, w)
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        return sorted(ts)[len(ts) // 2]
+
+    data = {s: (torch.randn(s[0], s[2], device=dev, dtype=torch.bfloat16),
+                torch.randn(s[1], s[2], device=dev, dtype=torch.bfloat16) * 0.02) for s in shapes}
+    before = {s: timed(*data[s]) for s in shapes}
+    tunable.enable(True)
+    tunable.tuning_enable(True)
+    tunable.set_max_tuning_iterations(30)
+    tunable.set_max_tuning_duration(200)
+    t0 = time.time()
+    for s in shapes:
+        torch.nn.functional.linear(*data[s])
+    torch.cuda.synchronize()
+    tune_s = time.time() - t0
+    tunable.tuning_enable(False)
+    after = {s: timed(*data[s]) for s in shapes}
+    tunable.enable(False)
+    rows = []
+    for s in shapes:
+        fl = 2 * s[0] * s[1] * s[2]
+        rows.append({"shape": list(s), "default_us": before[s], "tuned_us": after[s],
+                     "default_tflops": fl / before[s] / 1e6, "tuned_tflops": fl / after[s] / 1e6})
+        log(f"M={s[0]:5d} N={s[1]:5d} K={s[2]:5d}: default {before[s]:8.1f} us ({fl / before[s] / 1e6:4.0f} TFLOP/s)"
+            f"  tuned {after[s]:8.1f} us ({fl / after[s] / 1e6:4.0f})  {after[s] / before[s]:.3f}x")
+    for m in (8192, 256):
+        sb = sum(before[s] for s in shapes[:-1] if s[0] == m)
+        sa = sum(after[s] for s in shapes[:-1] if s[0] == m)
+        log(f"a layer's four GEMMs at M={m}: default {sb:.0f} us, tuned {sa:.0f} us ({sa / sb:.3f}x)")
+    try:
+        results = tunable.get_results()
+    except Exception as e:  # noqa: BLE001
+        results = repr(e)
+    log(f"tuning took {tune_s:.1f} s; TunableOp results: {str(results)[:600]}")
+    res["gemm_tune"] = {"rows": rows, "tune_s": tune_s, "results": str(results)[:4000]}
+
+
 def main() -> int:
     what = sys.argv[1:] or ["pdl", "extend", "trace"]
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -565,7 +622,8 @@ def main() -> int:
             {"pdl": probe_pdl, "extend": probe_extend, "trace": probe_trace, "b1": probe_b1,
              "trace_pdl": probe_trace_pdl, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
-             "tput": probe_tput, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill}[w](res)
+             "tput": probe_tput, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
+             "gemm_tune": probe_gemm_tune}[w](res)
         except Exception as e:
             import traceback
             traceback.print_exc()
