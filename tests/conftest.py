@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,10 +15,38 @@ import shutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now and stays free until a test's server binds it: drawn below the kernel's
+    ephemeral range. A port from bind(0) lies inside that range, so any outgoing connection of the
+    stack being started (to Redis, to a worker) could take it as its local port before the server
+    binds it; that race failed a CI run with EADDRINUSE."""
+    lo, _ = _ephemeral_range()
+    top = lo - 1 if lo > 12000 else 32767
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(500):
+        port = rng.randint(10000, top)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def stop_process_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
