@@ -7,6 +7,9 @@ neighbours and the best tile alone is not the best tile in the chain.
 
 --pre-tiles-study: only the chain at the default tiles with 1 and 2 weight tiles loaded before the PDL wait,
 alternated 1, 2, 1, 2.
+--mma-study: each shape in turn on the tensor-core GEMV (GemvConfig.mma: weights as the MMA's rows, loads
+pipelined through shared memory; FP8 weights multiplied in f16), tiles and pipeline depth swept, then the
+chain with every shape's best against the defaults, alternated.
 """
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ import sys
 import time
 
 import torch
+import triton
 
 from bench.kernels import graph_time_ms
-from kernels._utils import set_pdl
+from kernels._utils import num_sms, set_pdl
 from kernels.gemv import GemvConfig, default_config, gemv
 from kernels.norm import rms_norm
 
@@ -61,6 +65,58 @@ def chain_ms(layers, cfgs: dict) -> float:
     return graph_time_ms(fn, reps=7, target_ms=15)
 
 
+MMA_CANDIDATES = [(64, 64, 4), (64, 128, 3), (64, 128, 4), (64, 256, 3), (64, 256, 4), (128, 64, 4),
+                  (128, 128, 3), (128, 128, 4)]
+
+
+def mma_config(n: int, k: int, bn: int, bk: int, stages: int) -> GemvConfig:
+    """Split K until the grid puts two programs on every SM (as default_config does)."""
+    split = 1
+    while triton.cdiv(n, bn) * split < 2 * num_sms() and split * 2 * bk <= k and split < 16:
+        split *= 2
+    return GemvConfig(bn, bk, split, 4, mma=True, num_stages=stages)
+
+
+def mma_study(dtypes, budget: float, t0: float) -> dict:
+    out = {}
+    for dtype in dtypes:
+        layers = build(dtype)
+        wb = 1 if dtype == "fp8" else 2
+        nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
+        base = chain_ms(layers, {})
+        print(f"{dtype}: default tiles {base * 1e3:.0f} us for the chain ({nbytes / base / 1e6:.0f} GB/s)", flush=True)
+        best, rows = {}, []
+        for name, (n, k) in SHAPES.items():
+            best[name] = (base, None)
+            for bn, bk, stages in MMA_CANDIDATES:
+                if time.time() - t0 > budget:
+                    break
+                cfg = mma_config(n, k, bn, bk, stages)
+                try:
+                    t = chain_ms(layers, {name: cfg})
+                except Exception as e:  # a tile that does not compile or fit in shared memory
+                    print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                rows.append({"shape": name, "cfg": [bn, bk, cfg.split_k, stages], "chain_us": t * 1e3})
+                print(f"  {name} mma {bn}x{bk} split {cfg.split_k} stages {stages}: {t * 1e3:.0f} us", flush=True)
+                if t < best[name][0]:
+                    best[name] = (t, cfg)
+            print(f"  {name}: best {best[name][1]} chain {best[name][0] * 1e3:.0f} us "
+                  f"({(base - best[name][0]) / LAYERS * 1e3:+.2f} us per layer)", flush=True)
+        picks = {nm: b[1] for nm, b in best.items() if b[1] is not None}
+        pair = {"default": [], "mma": []}
+        for _ in range(2):
+            pair["default"].append(chain_ms(layers, {}) * 1e3)
+            pair["mma"].append(chain_ms(layers, picks) * 1e3)
+        print(f"{dtype}: chain default {pair['default']} us, with the mma picks {pair['mma']} us "
+              f"({nbytes / min(pair['mma']) / 1e3:.0f} vs {nbytes / min(pair['default']) / 1e3:.0f} GB/s)", flush=True)
+        out[f"{dtype} mma"] = {"pair_us": pair, "picks": {nm: list(vars(c).values()) for nm, c in picks.items()},
+                               "rows": rows}
+        del layers
+        torch.cuda.empty_cache()
+    return out
+
+
 def fits(bn, bk, warps) -> bool:
     return bn * bk // (32 * warps) <= 128
 
@@ -70,11 +126,14 @@ def main() -> int:
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--budget", type=float, default=400)
     ap.add_argument("--pre-tiles-study", action="store_true")
+    ap.add_argument("--mma-study", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     set_pdl(True)
     t0 = time.time()
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "runs": {}}
+    if args.mma_study:
+        result["runs"].update(mma_study(args.dtypes.split(","), args.budget, t0))
     if args.pre_tiles_study:
         for dtype in args.dtypes.split(","):
             layers = build(dtype)
@@ -90,7 +149,7 @@ def main() -> int:
             result["runs"][f"{dtype} pre_tiles"] = times
             del layers
             torch.cuda.empty_cache()
-    for dtype in ([] if args.pre_tiles_study else args.dtypes.split(",")):
+    for dtype in ([] if args.pre_tiles_study or args.mma_study else args.dtypes.split(",")):
         layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2
         nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
