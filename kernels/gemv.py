@@ -62,19 +62,24 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
 
 
 @triton.jit
+def _program_tiles(W, N, stride_wn, K_PER_SPLIT, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """This program's output rows and K range, and the pointers of its first weight tile."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    k0 = tl.program_id(1) * K_PER_SPLIT
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+    return offs_n, offs_n < N, offs_m, offs_m < M, offs_k, k0, w_ptrs
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
                  HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, SILU_MUL: tl.constexpr,
                  PDL: tl.constexpr, PRE: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_m = tl.arange(0, M_PAD)
-    mask_m = offs_m < M
-    offs_k = tl.arange(0, BLOCK_K)
-    k0 = pid_k * K_PER_SPLIT
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+    offs_n, mask_n, offs_m, mask_m, offs_k, k0, w_ptrs = _program_tiles(W, N, stride_wn, K_PER_SPLIT, M, M_PAD,
+                                                                         BLOCK_N, BLOCK_K)
     x_ptrs = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
     if M_PAD == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -107,7 +112,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     if SPLIT_K == 1:
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
     else:
-        tl.store(P + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+        tl.store(P + (tl.program_id(1) * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -120,15 +125,8 @@ def _gemv_mma_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER
     memory), so more weight bytes are in flight per SM than the register-tile kernel holds; FP8 weights
     convert two at a time (e4m3x2 -> f16x2) and multiply in f16 with an fp32 accumulator (F16: x is
     rounded to f16 too, exact for bf16 values in f16's normal range), so no weight passes through fp32."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_m = tl.arange(0, M_PAD)
-    mask_m = offs_m < M
-    offs_k = tl.arange(0, BLOCK_K)
-    k0 = pid_k * K_PER_SPLIT
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+    offs_n, mask_n, offs_m, mask_m, offs_k, k0, w_ptrs = _program_tiles(W, N, stride_wn, K_PER_SPLIT, M, M_PAD,
+                                                                         BLOCK_N, BLOCK_K)
     x_ptrs = X + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
     acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     start = 0
@@ -150,7 +148,7 @@ def _gemv_mma_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER
     if SPLIT_K == 1:
         tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty), mask=mask)
     else:
-        tl.store(P + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
+        tl.store(P + (tl.program_id(1) * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
 
 
 @triton.jit
@@ -228,8 +226,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     silu_mul: x is [M, 2K] (gate | up) and y = silu_and_mul(x) @ w^T.
     pdl: programmatic dependent launch (None: the process default; see kernels._utils.pdl_launch)."""
     M, K = x.shape
-    if config is not None and config.mma:
-        return _gemv_mma(x, w, out, config, scale, silu_mul, pdl)
     if silu_mul:
         assert K % 2 == 0
         K //= 2
@@ -237,52 +233,33 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert M <= MAX_M, "gemv is for decode batches of at most 4 rows; use a GEMM"
     assert w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1
     assert scale is None or (scale.shape == (N,) and scale.dtype == torch.float32)
-    assert scale is None or M == 1 or x.dtype == w.dtype, "FP8 weights take one unquantized row of x"
     cfg = config or default_config(M, N, K, w.element_size())
-    dot = M > 1 or tensor_cores
-    if dot and cfg.block_n < 16:  # tensor-core tile minimum
-        cfg = dataclasses.replace(cfg, block_n=16)
+    if cfg.mma:
+        assert w.element_size() > 1 or scale is not None, "FP8 weights need their row scales"
+        assert cfg.block_n >= 16 and cfg.block_k >= 16, "tensor-core tiles are at least 16 wide"
+        dot = False
+    else:
+        assert scale is None or M == 1 or x.dtype == w.dtype, "FP8 weights take one unquantized row of x"
+        dot = M > 1 or tensor_cores
+        if dot and cfg.block_n < 16:  # tensor-core tile minimum
+            cfg = dataclasses.replace(cfg, block_n=16)
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
-    even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
-    _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
-        k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
-        EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul, num_warps=cfg.num_warps,
-        PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1, **pdl_launch(pdl))
-    if split_k > 1:
-        BLOCK = 1024
-        _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,
-                                                          SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4,
-                                                          **pdl_launch(pdl))
-    return out
-
-
-def _gemv_mma(x, w, out, cfg: GemvConfig, scale, silu_mul: bool, pdl) -> torch.Tensor:
-    M, K = x.shape
-    if silu_mul:
-        assert K % 2 == 0
-        K //= 2
-    N = w.shape[0]
-    assert M <= MAX_M and w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1
-    assert scale is None or (scale.shape == (N,) and scale.dtype == torch.float32)
-    fp8 = w.element_size() == 1
-    assert not fp8 or scale is not None, "FP8 weights need their row scales"
-    assert cfg.block_n >= 16 and cfg.block_k >= 16, "tensor-core tiles are at least 16 wide"
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    split_k = triton.cdiv(K, k_per_split)
-    even_k = K % cfg.block_k == 0 and K % k_per_split == 0
-    partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
-    _gemv_mma_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
-        k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=split_k, EVEN_K=even_k, F16=fp8 or x.dtype == torch.float16, SILU_MUL=silu_mul,
-        DOT_PREC=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl))
+    args = (x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
+            k_per_split)
+    common = dict(HAS_SCALE=scale is not None, M=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
+                  EVEN_K=K % cfg.block_k == 0 and K % k_per_split == 0, DOT_PREC=dot_precision(x.dtype),
+                  SILU_MUL=silu_mul, num_warps=cfg.num_warps, **pdl_launch(pdl))
+    grid = (triton.cdiv(N, cfg.block_n), split_k)
+    if cfg.mma:
+        _gemv_mma_kernel[grid](*args, M_PAD=16, F16=w.element_size() == 1 or x.dtype == torch.float16,
+                               num_stages=cfg.num_stages, **common)
+    else:
+        _gemv_kernel[grid](*args, M_PAD=16 if dot else 1,
+                           PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1, **common)
     if split_k > 1:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,
