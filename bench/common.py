@@ -234,7 +234,8 @@ def graph_replay_ms(graph_runner, bs: int = 1, reps: int = 60, skip: int = 10) -
 
 def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int, **config) -> dict:
     """An engine of `config` (dummy weights): batch-1 decode ms/step over `steps` steps, its CUDA graph's
-    replay, and the output tok/s of `reqs` × (512 in, 128 out) all at once. The engine is freed after."""
+    replay, and the output tok/s of `reqs` × (512 in, 128 out) all at once (none for reqs=0). The engine is
+    freed after."""
     import gc
 
     from shared.engine.config import EngineConfig
@@ -242,7 +243,7 @@ def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int
 
     greedy = {"temperature": 0, "ignore_eos": True}
     ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=200_000,
-                      max_running_requests=128, cuda_graph=cuda, cuda_graph_max_bs=128, **config)
+                      cuda_graph=cuda, **{"max_running_requests": 128, "cuda_graph_max_bs": 128, **config})
     eng = Engine(ec, tok, on_output=lambda o: None)
     out: dict = {}
     try:
@@ -252,8 +253,9 @@ def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int
         gr = eng.runner.graph_runner
         if gr is not None:
             out["b1_graph_ms"] = graph_replay_ms(gr, reps=50)
-        st = drive(eng, random_prompts(reqs, 512, vocab, 5), {**greedy, "max_new_tokens": 128})
-        out["tput_tok_s"] = st.output_tokens / st.wall_s
+        if reqs:
+            st = drive(eng, random_prompts(reqs, 512, vocab, 5), {**greedy, "max_new_tokens": 128})
+            out["tput_tok_s"] = st.output_tokens / st.wall_s
     finally:
         eng.stop()
     del eng

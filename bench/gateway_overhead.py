@@ -162,13 +162,13 @@ def main():
 
     env = {**os.environ, "RADIXSERVE_INTERNAL_KEY": os.environ.get("RADIXSERVE_INTERNAL_KEY", "bench-key"),
            "PYTHONPATH": ROOT}
-    wport, gport = _free_port(), _free_port()
-    worker = subprocess.Popen([sys.executable, "-m", "bench.gateway_overhead", "--fake-worker", str(wport),
+    gport = _free_port()
+    worker = subprocess.Popen([sys.executable, "-m", "bench.gateway_overhead", "--fake-worker", "0",
                                "--step-ms", str(args.step_ms), "--stream-interval", str(args.stream_interval)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     gateway = None
     try:
-        _wait_line(worker, "FAKE WORKER")
+        wport = int(_wait_line(worker, "FAKE WORKER").split()[-1])  # bound by the worker: no port race
         gateway = subprocess.Popen([sys.executable, "-m", "services.gateway", "--model-path", "tiny-random",
                                     "--workers", f"127.0.0.1:{wport}", "--port", str(gport), "--log-level", "warning",
                                     "--gateway-processes", str(args.gateway_processes)],

@@ -7,9 +7,11 @@ neighbours and the best tile alone is not the best tile in the chain.
 
 --pre-tiles-study: only the chain at the default tiles with 1 and 2 weight tiles loaded before the PDL wait,
 alternated 1, 2, 1, 2.
---mma-study: each shape in turn on the tensor-core GEMV (GemvConfig.mma: weights as the MMA's rows, loads
-pipelined through shared memory; FP8 weights multiplied in f16), tiles and pipeline depth swept, then the
-chain with every shape's best against the defaults, alternated.
+--mma-study: each shape in turn with its weight loads kept further ahead of the math: the register-tile
+kernel two tiles ahead (GemvConfig.ahead), or the tensor-core GEMV (GemvConfig.mma: weights as the MMA's
+rows, loads pipelined through shared memory; FP8 weights multiplied in f16), tiles and depth swept; then
+the chain with every shape's best against the defaults, alternated. The picks go to $OUT/gemv_picks.json
+for `bench.fp8 --gemv-picks`.
 """
 from __future__ import annotations
 
@@ -65,8 +67,17 @@ def chain_ms(layers, cfgs: dict) -> float:
     return graph_time_ms(fn, reps=7, target_ms=15)
 
 
-MMA_CANDIDATES = [(64, 64, 4), (64, 128, 3), (64, 128, 4), (64, 256, 3), (64, 256, 4), (128, 64, 4),
-                  (128, 128, 3), (128, 128, 4)]
+MMA_CANDIDATES = [(64, 128, 3), (64, 128, 4), (64, 256, 3), (64, 256, 4), (128, 64, 4), (128, 128, 3)]
+AHEAD_TILES = [(8, 512, 4), (8, 1024, 4), (16, 512, 4)]  # besides the default tile, with ahead=2
+
+
+def study_configs(n: int, k: int, wb: int) -> list[GemvConfig]:
+    d = default_config(1, n, k, wb)
+    cfgs = [dataclasses.replace(d, ahead=2)]
+    for bn, bk, warps in AHEAD_TILES:
+        if (bn, bk, warps) != (d.block_n, d.block_k, d.num_warps):
+            cfgs.append(dataclasses.replace(d, block_n=bn, block_k=bk, num_warps=warps, ahead=2))
+    return cfgs + [mma_config(n, k, bn, bk, stages) for bn, bk, stages in MMA_CANDIDATES]
 
 
 def mma_config(n: int, k: int, bn: int, bk: int, stages: int) -> GemvConfig:
@@ -88,17 +99,16 @@ def mma_study(dtypes, budget: float, t0: float) -> dict:
         best, rows = {}, []
         for name, (n, k) in SHAPES.items():
             best[name] = (base, None)
-            for bn, bk, stages in MMA_CANDIDATES:
+            for cfg in study_configs(n, k, wb):
                 if time.time() - t0 > budget:
                     break
-                cfg = mma_config(n, k, bn, bk, stages)
                 try:
                     t = chain_ms(layers, {name: cfg})
                 except Exception as e:  # a tile that does not compile or fit in shared memory
                     print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
                     continue
-                rows.append({"shape": name, "cfg": [bn, bk, cfg.split_k, stages], "chain_us": t * 1e3})
-                print(f"  {name} mma {bn}x{bk} split {cfg.split_k} stages {stages}: {t * 1e3:.0f} us", flush=True)
+                rows.append({"shape": name, "cfg": dataclasses.asdict(cfg), "chain_us": t * 1e3})
+                print(f"  {name} {cfg}: {t * 1e3:.0f} us", flush=True)
                 if t < best[name][0]:
                     best[name] = (t, cfg)
             print(f"  {name}: best {best[name][1]} chain {best[name][0] * 1e3:.0f} us "
@@ -110,7 +120,7 @@ def mma_study(dtypes, budget: float, t0: float) -> dict:
             pair["mma"].append(chain_ms(layers, picks) * 1e3)
         print(f"{dtype}: chain default {pair['default']} us, with the mma picks {pair['mma']} us "
               f"({nbytes / min(pair['mma']) / 1e3:.0f} vs {nbytes / min(pair['default']) / 1e3:.0f} GB/s)", flush=True)
-        out[f"{dtype} mma"] = {"pair_us": pair, "picks": {nm: list(vars(c).values()) for nm, c in picks.items()},
+        out[f"{dtype} mma"] = {"pair_us": pair, "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()},
                                "rows": rows}
         del layers
         torch.cuda.empty_cache()
@@ -134,6 +144,11 @@ def main() -> int:
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "runs": {}}
     if args.mma_study:
         result["runs"].update(mma_study(args.dtypes.split(","), args.budget, t0))
+        if args.out:  # for bench.fp8 --gemv-picks: the engine with these picks beside the defaults
+            picks = {dt: {"%d,%d" % SHAPES[nm]: c for nm, c in r["picks"].items()}
+                     for dt, r in ((k.split()[0], v) for k, v in result["runs"].items() if k.endswith(" mma"))}
+            with open(os.path.join(args.out, "gemv_picks.json"), "w") as f:
+                json.dump(picks, f, indent=1)
     if args.pre_tiles_study:
         for dtype in args.dtypes.split(","):
             layers = build(dtype)

@@ -85,10 +85,12 @@ if [[ $what == probes ]]; then
 fi
 if [[ $what == mma ]]; then
   # The tensor-core GEMV (GemvConfig.mma) against the register-tile one in the 32-layer decode chain, then the
-  # kernel checks that cover it on the GPU (~6 min, unmeasured as of 2026-12-02).
-  timeout 420 python3 -m bench.gemv_chain_sweep --mma-study --budget 360 --out "$OUT" 2>&1 | grep -v Warning \
-    | tee "$OUT/mma.log" | tail -40
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda and gemv" 2>&1 | tail -5
+  # engine's batch-1 step with the chain's picks beside the defaults (~9 min; unmeasured as of 2026-12-02).
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda and gemv" 2>&1 | tail -5
+  timeout 300 python3 -m bench.gemv_chain_sweep --mma-study --budget 240 --out "$OUT" 2>&1 | grep -v Warning \
+    > "$OUT/mma.log"; grep -v "^  " "$OUT/mma.log" | tail -12
+  timeout 240 python3 -m bench.fp8 --reqs 0 --steps 128 --gemv-picks "$OUT/gemv_picks.json" > "$OUT/fp8_picks.log" 2>&1
+  tail -12 "$OUT/fp8_picks.log"
 fi
 if [[ $what == sync-audit ]]; then
   timeout 240 python3 -m bench.sync_audit 2>&1 | tee "$OUT/sync_audit.log" | tail -40

@@ -77,7 +77,7 @@ def _program_tiles(W, N, stride_wn, K_PER_SPLIT, M: tl.constexpr, M_PAD: tl.cons
 def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
                  HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, SILU_MUL: tl.constexpr,
-                 PDL: tl.constexpr, PRE: tl.constexpr):
+                 PDL: tl.constexpr, PRE: tl.constexpr, AHEAD: tl.constexpr):
     offs_n, mask_n, offs_m, mask_m, offs_k, k0, w_ptrs = _program_tiles(W, N, stride_wn, K_PER_SPLIT, M, M_PAD,
                                                                          BLOCK_N, BLOCK_K)
     x_ptrs = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
@@ -85,7 +85,22 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    if PDL:
+    if AHEAD == 2:
+        # Two tiles ahead all the way: each step's load is issued before the math of the tile two back,
+        # so three tiles are in flight per program, not one (the host checks the split has >= 2 tiles).
+        wa = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K)
+        wb = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K)
+        pdl_prologue(PDL)
+        for kk in range(0, K_PER_SPLIT - 2 * BLOCK_K, BLOCK_K):
+            wc = _load_w(w_ptrs + kk + 2 * BLOCK_K, k0 + kk + 2 * BLOCK_K, K, mask_n, offs_k, EVEN_K)
+            acc = _accumulate(acc, wa, x_ptrs + kk, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
+            wa = wb
+            wb = wc
+        kk = K_PER_SPLIT - 2 * BLOCK_K
+        acc = _accumulate(acc, wa, x_ptrs + kk, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
+        kk += BLOCK_K
+        acc = _accumulate(acc, wb, x_ptrs + kk, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
+    elif PDL:
         # The weights are nobody's output: the first PRE tiles stream in while the previous kernel drains
         # (PRE = 2 only where this split has two tiles or more: the host checks).
         w = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K)
@@ -99,11 +114,12 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
             acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-    for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
-        w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K)
-        acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    if AHEAD != 2:
+        for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
+            w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K)
+            acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
     if M_PAD == 1:
         acc = tl.sum(acc, axis=1)[None, :]
     if HAS_SCALE:  # FP8 weights: one dequantization scale per output row (linear, so per split too)
@@ -186,8 +202,20 @@ class GemvConfig:
     split_k: int
     num_warps: int
     pre_tiles: int = 1  # weight tiles loaded before waiting on the previous kernel (PDL): 1 or 2
+    ahead: int = 0  # 2: the register-tile kernel keeps two weight tiles ahead of its math in every step
     mma: bool = False  # weights as tensor-core rows, pipelined loads (_gemv_mma_kernel)
     num_stages: int = 3  # the mma kernel's software-pipeline depth
+
+
+_batch1_tuned: dict[tuple[int, int, int], GemvConfig] = {}
+
+
+def set_batch1_tuned(table: dict[tuple[int, int, int], GemvConfig]) -> None:
+    """Batch-1 configs by (N, K, weight bytes) that replace default_config's choice for the kernels launched
+    from now on (a process-wide table, as set_pdl: set it before CUDA graphs are captured). Benchmarks
+    use it to run the engine with a sweep's picks beside the defaults in one process."""
+    _batch1_tuned.clear()
+    _batch1_tuned.update(table)
 
 
 def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
@@ -195,6 +223,8 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     N >= 4096 already gives enough programs. One row: narrow, long tiles for short N (more programs,
     more bytes in flight each), wider and shorter ones for long N. Several rows run on tensor cores,
     which want >= 16 output columns per program."""
+    if M == 1 and (N, K, weight_bytes) in _batch1_tuned:
+        return _batch1_tuned[(N, K, weight_bytes)]
     if M == 1 and weight_bytes == 1:  # FP8 rows (bench/fp8_gemv_sweep.py, H200, 2026-11-30)
         block_n, block_k, warps = (8, 1024, 4) if N <= 4096 else (8, 512, 4) if N <= 8192 else (8, 256, 2)
     elif M == 1 and N <= 4096 and K <= 4096:
@@ -258,8 +288,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         _gemv_mma_kernel[grid](*args, M_PAD=16, F16=w.element_size() == 1 or x.dtype == torch.float16,
                                num_stages=cfg.num_stages, **common)
     else:
-        _gemv_kernel[grid](*args, M_PAD=16 if dot else 1,
-                           PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1, **common)
+        two = k_per_split >= 2 * cfg.block_k
+        _gemv_kernel[grid](*args, M_PAD=16 if dot else 1, PRE=2 if cfg.pre_tiles >= 2 and two else 1,
+                           AHEAD=2 if cfg.ahead == 2 and two else 0, **common)
     if split_k > 1:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,
