@@ -515,7 +515,9 @@ async def test_slow_compile_times_out_and_stays_refused(tok):
         with pytest.raises(InvalidRequest, match="longer than") as e:
             await c.compile_async("json_schema", huge, timeout_s=0.02)
         task.cancel()
-        assert e.value.param == "json_schema" and time.perf_counter() - t0 < 0.5 and ticks > 3
+        # A compile that held the loop would raise before the ticker ever ran (ticks == 0); how often it
+        # ticked in the 20 ms depends on the machine's load (3 of ~20 on a loaded CI box), so not counted.
+        assert e.value.param == "json_schema" and time.perf_counter() - t0 < 0.5 and ticks >= 1
         t1 = time.perf_counter()
         with pytest.raises(InvalidRequest, match="longer than"):
             await c.compile_async("json_schema", huge, timeout_s=5)
