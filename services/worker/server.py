@@ -169,6 +169,11 @@ class WorkerServer:
                     log.warning("unexpected message %s", type(msg).__name__)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        except asyncio.CancelledError:
+            # The server is stopping. Python 3.11's start_server callback asks a cancelled handler task
+            # for its exception, which raises and logs "Exception in callback" at ERROR on every clean
+            # shutdown (3.12 checks cancelled() first); nothing awaits this task, so it ends quietly.
+            pass
         finally:
             self._conns.discard(conn)
             if conn.rids:
