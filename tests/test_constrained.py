@@ -533,7 +533,8 @@ def test_compile_cache_hit_returns_same_object(tok):
         first = c.compile("json_schema", schema)
         t0 = time.perf_counter()
         second = c.compile("json_schema", schema)
-        assert second is first and time.perf_counter() - t0 < 0.005 and c.hits == 1
+        # hits == 1 is the proof; the time only bounds it (5 ms was tight for a loaded 2-core box)
+        assert second is first and time.perf_counter() - t0 < 0.05 and c.hits == 1
         # concurrent requests for one new grammar share a single compile
         f1, f2 = c.submit("regex", "[0-9]{4}"), c.submit("regex", "[0-9]{4}")
         assert f1.result() is f2.result() and c.misses == 2
