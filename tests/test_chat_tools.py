@@ -297,6 +297,8 @@ async def test_continue_final_message_and_documents(qwen):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
     ({"functions": [TIME["function"]]}, "functions"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_choice": ["a"]}, "tool_choice"),
     ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
      "messages[1].tool_calls[0].function.arguments"),
     ({"messages": ASK, "continue_final_message": True}, "continue_final_message"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 
@@ -143,7 +144,6 @@ def test_structured_output_through_the_stack(base_url):
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     g = post(base_url, "/generate", {"text": "Date: ", "sampling_params": {"regex": r"\d{4}-\d{2}-\d{2}",
                                                                           "max_new_tokens": 20}}).json()
-    import re
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", g["text"])
     # Bad grammars are refused at the gateway, quickly, with the field named.
     t0 = time.monotonic()
@@ -153,6 +153,29 @@ def test_structured_output_through_the_stack(base_url):
     r = post(base_url, "/generate", {"text": "x", "sampling_params": {"regex": "(a+)+$", "max_new_tokens": 4}})
     assert r.status_code in (200, 400)
     assert time.monotonic() - t0 < 10
+
+
+def test_vllm_structured_outputs_through_the_stack(base_url):
+    """A vLLM client's constraints hold end to end: `structured_outputs` and the older `guided_*` fields."""
+    import jsonschema
+
+    client = OpenAI(base_url=base_url + "/v1", api_key="none")
+    choices = ["positive", "negative", "neutral"]
+    for extra in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
+        r = client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "Mood?"}],
+                                           max_tokens=20, extra_body=extra)
+        assert r.choices[0].message.content in choices, (extra, r.choices[0].message.content)
+    for extra in ({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}}, {"guided_regex": r"[0-9]{3}-[a-z]{2}"}):
+        r = client.completions.create(model="tiny-random", prompt="Code: ", max_tokens=20, extra_body=extra)
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", r.choices[0].text), (extra, r.choices[0].text)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = client.completions.create(model="tiny-random", prompt="JSON: ", max_tokens=30,
+                                  extra_body={"structured_outputs": {"json": schema}})
+    jsonschema.validate(json.loads(r.choices[0].text), schema)
+    r = post(base_url, "/v1/completions", {"model": "tiny-random", "prompt": "x", "max_tokens": 4,
+                                           "structured_outputs": {"grammar": "root ::= ("}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.grammar", r.text
 
 
 def test_api_keys_are_tenants_with_separate_caches():

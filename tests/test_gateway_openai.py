@@ -219,6 +219,40 @@ async def test_response_format_maps_to_json_schema(stack):
         assert (json.loads(got) if got else None) == expect
 
 
+async def test_vllm_structured_outputs_name_the_grammar(stack):
+    """vLLM's `structured_outputs` (and its older `guided_*` fields) constrain the output as they do
+    there: each becomes the request's grammar; its options that change nothing here are accepted."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"structured_outputs": {"regex": "[0-9]{3}"}}, "regex", "[0-9]{3}"),
+        ({"structured_outputs": {"json": schema, "disable_any_whitespace": True}}, "json_schema", schema),
+        ({"structured_outputs": {"json": json.dumps(schema)}}, "json_schema", schema),
+        ({"structured_outputs": {"json_object": True}}, "json_schema", {"type": "object"}),
+        ({"structured_outputs": {"choice": ["yes", 'say "no"', "é"]}}, "ebnf", 'root ::= "yes" | "say \\"no\\"" | "é"'),
+        ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, "ebnf", 'root ::= "a" | "b"'),
+        ({"structured_outputs": {"disable_fallback": True}}, None, None),
+        ({"guided_regex": "[a-z]+", "guided_decoding_backend": "xgrammar"}, "regex", "[a-z]+"),
+        ({"guided_json": schema}, "json_schema", schema),
+        ({"guided_choice": ["left", "right"]}, "ebnf", 'root ::= "left" | "right"'),
+        ({"guided_grammar": 'root ::= "x"'}, "ebnf", 'root ::= "x"'),
+    ]
+    for extra, field, expect in cases:
+        for path, base, prefix in (("/v1/completions", {"prompt": "hi"}, "cmpl-"),
+                                   ("/v1/chat/completions", {"messages": CHAT}, "chatcmpl-")):
+            stack.worker.received.clear()
+            status, body = await post(stack, path, {**base, "max_tokens": 1, **extra})
+            assert status == 200, (extra, body)
+            [req] = generated(stack, prefix)
+            grammars = {k: getattr(req.sampling, k) for k in ("regex", "json_schema", "ebnf")
+                        if getattr(req.sampling, k) is not None}
+            if field is None:
+                assert grammars == {}, extra
+                continue
+            assert list(grammars) == [field], extra
+            got = json.loads(grammars[field]) if field == "json_schema" else grammars[field]
+            assert got == expect, extra
+
+
 # ---------------------------------------------------------------- refusals
 BAD_INPUTS = [
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
@@ -265,7 +299,33 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400,
      "response_format.json_schema", None),
     ("/v1/chat/completions", {"messages": CHAT, "regex": "a+", "response_format": {"type": "json_object"}},
-     400, "json_schema", None),
+     400, "regex", None),
+    # vLLM's structured outputs: one constraint, nothing we cannot honour, no unknown keys, no clash.
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+     "structured_outputs.choice", None),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"whitespace_pattern": " "}}, 400,
+     "structured_outputs.whitespace_pattern", None),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": "{}"}}, 400,
+     "structured_outputs.structural_tag", None),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regx": "a"}}, 400, "structured_outputs.regx", None),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": []}}, 400, "structured_outputs.choice", None),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"json": 5}}, 400, "structured_outputs.json", None),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"json_object": "yes"}}, 400,
+     "structured_outputs.json_object", None),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"disable_fallback": "no"}}, 400,
+     "structured_outputs.disable_fallback", None),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": "regex"}, 400, "structured_outputs", None),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(unclosed"}}, 400,
+     "structured_outputs.regex", None),
+    ("/v1/completions", {"prompt": "x", "guided_choice": [1, 2]}, 400, "guided_choice", None),
+    ("/v1/completions", {"prompt": "x", "guided_regex": ""}, 400, "guided_regex", None),
+    ("/v1/completions", {"prompt": "x", "guided_json": "{bad"}, 400, "guided_json", None),
+    ("/v1/completions", {"prompt": "x", "guided_whitespace_pattern": " "}, 400, "guided_whitespace_pattern", None),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a", "regex": "b"}, 400, "regex", None),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a", "structured_outputs": {"regex": "b"}}, 400,
+     "guided_regex", None),
+    ("/v1/chat/completions", {"messages": CHAT, "guided_json": {}, "response_format": {"type": "json_object"}},
+     400, "guided_json", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 300}]}, 400, "messages",
      "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 250}, 400, "max_tokens", "context_length_exceeded"),

@@ -10,11 +10,11 @@ from typing import Any
 
 from services.gateway.errors import bad_request
 from services.gateway.fields import get_bool, get_dict
+from services.gateway.grammar_fields import GRAMMAR_FIELDS
 from services.gateway.tool_grammar import tool_call_ebnf
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_GRAMMAR_KEYS = ("response_format", "regex", "json_schema", "ebnf")
 
 
 @dataclass
@@ -162,7 +162,7 @@ def _tools(body: dict, spec: ChatSpec, parser: str | None) -> None:
     spec.tools = [{"type": "function", "function": f} for f in functions]
     spec.tool_parser, spec.tool_names = parser, set(names)
     if constrained:
-        clash = next((k for k in _GRAMMAR_KEYS if body.get(k) is not None), None)
+        clash = next((k for k in GRAMMAR_FIELDS if body.get(k) is not None), None)
         if clash:
             raise bad_request(f"'{clash}' cannot be combined with tool_choice '{choice if isinstance(choice, str) else 'function'}'",
                               "tool_choice")

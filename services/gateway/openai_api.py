@@ -3,7 +3,6 @@ back. A request with n choices over P prompts becomes P*n worker requests; choic
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ from services.gateway.dispatch import GenerationResult, created_timestamp, new_r
 from services.gateway.errors import APIError, bad_request
 from shared.errors import ContextLengthExceeded
 from services.gateway.fields import get_bool, get_dict, get_int, is_token_ids
+from services.gateway.grammar_fields import output_grammar
 from services.gateway.json_out import json_response
 from services.gateway.limits import read_json
 from services.gateway.sse import Envelope, encode_event, stream_generation
@@ -132,11 +132,12 @@ async def completions(state: "GatewayState", request: web.Request) -> web.Stream
         raise bad_request("suffix is not supported", "suffix")
     max_tokens = get_int(body, "max_tokens", state.limits.default_completion_max_tokens, lo=0)
     want_lp = top_k is not None
+    extra, grammar_param = output_grammar(body)
     job_id, reqs = _fan_out(state, body, prompts, n, max_tokens, "prompt", "max_tokens", "cmpl-",
-                            return_logprob=want_lp, logprob_start_len=0 if (want_lp and echo) else -1,
-                            top_logprobs_num=top_k or 0)
+                            extra_sampling=extra, return_logprob=want_lp,
+                            logprob_start_len=0 if (want_lp and echo) else -1, top_logprobs_num=top_k or 0)
     stamp_tenant(reqs, request_salt(request))
-    await check_grammars(state, reqs)
+    await check_grammars(state, reqs, param=grammar_param)
     job = Job(job_id, prompts, n, reqs, include_usage)
     fmt = _CompletionFormat(state, job, echo, want_lp)
     if stream:
@@ -251,11 +252,11 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = get_int(body, max_param, state.limits.default_chat_max_tokens, lo=0)
-    extra = {"ebnf": spec.tool_ebnf} if spec.tool_ebnf else _response_format(body)
+    extra, grammar_param = ({"ebnf": spec.tool_ebnf}, "tools") if spec.tool_ebnf else output_grammar(body)
     job_id, reqs = _fan_out(state, body, [prompt], n, max_tokens, "messages", max_param, "chatcmpl-",
                             extra_sampling=extra, return_logprob=want_lp, top_logprobs_num=top_k)
     stamp_tenant(reqs, request_salt(request))
-    await check_grammars(state, reqs, param="tools" if spec.tool_ebnf else "response_format")
+    await check_grammars(state, reqs, param=grammar_param)
     job = Job(job_id, [prompt], n, reqs, include_usage)
     fmt = _ChatFormat(state, job, want_lp, spec)
     if stream:
@@ -280,29 +281,6 @@ async def _render_chat(state: "GatewayState", spec: ChatSpec) -> Prompt:
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
     check_token_ids(state, ids, "messages")
     return Prompt(ids, text)
-
-
-def _response_format(body: dict) -> dict:
-    fmt = get_dict(body, "response_format")
-    if fmt is None:
-        return {}
-    kind = fmt.get("type")
-    if kind == "text":
-        return {}
-    if kind == "json_object":
-        return {"json_schema": json.dumps({"type": "object"})}
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise bad_request("response_format.json_schema must be an object with a 'name'",
-                              "response_format.json_schema")
-        schema = spec.get("schema", {})
-        if not isinstance(schema, (dict, bool)):
-            raise bad_request("response_format.json_schema.schema must be a JSON schema object",
-                              "response_format.json_schema.schema")
-        return {"json_schema": json.dumps(schema)}
-    raise bad_request("response_format.type must be 'text', 'json_object' or 'json_schema'",
-                      "response_format.type")
 
 
 class _ChatFormat:
