@@ -176,6 +176,10 @@ def test_vllm_structured_outputs_through_the_stack(base_url):
     r = post(base_url, "/v1/completions", {"model": "tiny-random", "prompt": "x", "max_tokens": 4,
                                            "structured_outputs": {"grammar": "root ::= ("}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.grammar", r.text
+    # vLLM's prompt truncation: the prompt's last 8 tokens are what is computed and billed.
+    r = client.completions.create(model="tiny-random", prompt=list(range(20, 60)), max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 8})
+    assert r.usage.prompt_tokens == 8
 
 
 def test_api_keys_are_tenants_with_separate_caches():

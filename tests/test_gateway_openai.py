@@ -253,6 +253,31 @@ async def test_vllm_structured_outputs_name_the_grammar(stack):
             assert got == expect, extra
 
 
+async def test_vllm_extras_stop_strings_and_prompt_truncation(stack):
+    """include_stop_str_in_output is no_stop_trim; truncate_prompt_tokens keeps the prompt's last k tokens
+    (what the worker is sent, and what usage bills); features we lack set to their off values are fine."""
+    for value in (True, False):
+        stack.worker.received.clear()
+        status, _ = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop": ["x"],
+                                                          "include_stop_str_in_output": value})
+        assert status == 200
+        assert generated(stack, "cmpl-")[0].sampling.no_stop_trim is value
+    ids = [11, 12, 13, 14, 15]
+    for k, expect in ((2, ids[-2:]), (5, ids), (9, ids), (-1, ids)):
+        stack.worker.received.clear()
+        status, body = await post(stack, "/v1/completions", {"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": k,
+                                                             "use_beam_search": False, "prompt_logprobs": None})
+        assert status == 200, body
+        assert generated(stack, "cmpl-")[0].input_ids == expect
+        assert body["usage"]["prompt_tokens"] == len(expect)
+    stack.worker.received.clear()
+    status, _ = await post(stack, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})
+    full = generated(stack, "chatcmpl-")[0].input_ids
+    stack.worker.received.clear()
+    status, _ = await post(stack, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "truncate_prompt_tokens": 3})
+    assert status == 200 and generated(stack, "chatcmpl-")[0].input_ids == full[-3:]
+
+
 # ---------------------------------------------------------------- refusals
 BAD_INPUTS = [
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
@@ -326,6 +351,17 @@ BAD_INPUTS = [
      "guided_regex", None),
     ("/v1/chat/completions", {"messages": CHAT, "guided_json": {}, "response_format": {"type": "json_object"}},
      400, "guided_json", None),
+    # vLLM's other extras: what we lack is refused, not ignored.
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": CHAT, "bad_words": ["no"]}, 400, "bad_words", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [5]}, 400, "allowed_token_ids", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", None),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": "3"}, 400, "truncate_prompt_tokens", None),
+    ("/v1/chat/completions", {"messages": CHAT, "truncate_prompt_tokens": True}, 400, "truncate_prompt_tokens", None),
+    ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output", None),
+    ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": True, "no_stop_trim": False}, 400,
+     "include_stop_str_in_output", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 300}]}, 400, "messages",
      "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 250}, 400, "max_tokens", "context_length_exceeded"),

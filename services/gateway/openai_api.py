@@ -20,6 +20,7 @@ from services.gateway.errors import APIError, bad_request
 from shared.errors import ContextLengthExceeded
 from services.gateway.fields import get_bool, get_dict, get_int, is_token_ids
 from services.gateway.grammar_fields import output_grammar
+from services.gateway.vllm_params import check_supported, stop_trim_fields, truncate_prompts
 from services.gateway.json_out import json_response
 from services.gateway.limits import read_json
 from services.gateway.sse import Envelope, encode_event, stream_generation
@@ -77,6 +78,7 @@ def _common(state: "GatewayState", body: Any) -> tuple[int, bool, bool]:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     check_model(state, body)
+    check_supported(body)
     n = get_int(body, "n", 1, lo=1, hi=state.limits.max_n)
     best_of = get_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of != n:
@@ -97,6 +99,7 @@ def _fan_out(state: "GatewayState", body: dict, prompts: list[Prompt], n: int, m
     for p_idx, prompt in enumerate(prompts):
         budget = resolve_max_new_tokens(state, len(prompt.ids), max_tokens, prompt_param, max_param)
         raw = {ours: body.get(theirs) for theirs, ours in _SAMPLING_KEYS.items()}
+        raw.update(stop_trim_fields(body))
         raw.update(extra_sampling or {})
         raw["max_new_tokens"] = budget
         params = sampling_params(state, raw)
@@ -125,7 +128,8 @@ def _finish(res_or_reason) -> str | None:
 async def completions(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
     n, stream, include_usage = _common(state, body)
-    prompts = await _parse_prompts(state, body.get("prompt"))
+    prompts = truncate_prompts(body, await _parse_prompts(state, body.get("prompt")), state.context_length,
+                               state.tokenizer)
     echo = get_bool(body, "echo")
     top_k = get_int(body, "logprobs", None, lo=0, hi=state.limits.max_top_logprobs)
     if body.get("suffix") is not None:
@@ -245,7 +249,7 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
     n, stream, include_usage = _common(state, body)
     # Off the event loop: tool_choice required / named converts every function's schema to a grammar.
     spec = await asyncio.to_thread(parse_chat, body, state.tool_parser, state.reasoning_parser)
-    prompt = await _render_chat(state, spec)
+    [prompt] = truncate_prompts(body, [await _render_chat(state, spec)], state.context_length, state.tokenizer)
     want_lp = get_bool(body, "logprobs")
     top_k = get_int(body, "top_logprobs", 0, lo=0, hi=state.limits.max_top_logprobs)
     if top_k and not want_lp:

@@ -55,20 +55,23 @@ def build_spec(limits: Limits) -> dict[str, Any]:
     grammar_text = {"type": "string", "minLength": 1, "maxLength": MAX_GRAMMAR_CHARS}
     schema_given = {"type": ["object", "string"]}
     choices = {"type": "array", "minItems": 1, "items": {"type": "string"}}
-    # vLLM's structured outputs (services/gateway/grammar_fields.py): one constraint per request.
-    vllm_grammar = {
+    # vLLM's structured outputs (services/gateway/grammar_fields.py: one constraint per request) and extras.
+    vllm_extras = {
         "structured_outputs": {"type": "object", "additionalProperties": False, "properties": {
             "json": schema_given, "regex": grammar_text, "choice": choices, "grammar": grammar_text,
             "json_object": {"type": "boolean"}, "disable_fallback": {"type": "boolean"},
             "disable_any_whitespace": {"type": "boolean"}, "disable_additional_properties": {"type": "boolean"}}},
         "guided_json": schema_given, "guided_regex": grammar_text, "guided_choice": choices,
         "guided_grammar": grammar_text, "guided_decoding_backend": {"type": "string"},
+        # vLLM's other extras that this server has (services/gateway/vllm_params.py)
+        "include_stop_str_in_output": {"type": "boolean"},
+        "truncate_prompt_tokens": {"oneOf": [{"type": "integer", "minimum": 1}, {"const": -1}]},
     }
     n = {"type": "integer", "minimum": 1, "maximum": limits.max_n}
     common = {"model": {"type": "string"}, "n": n, "stream": {"type": "boolean"},
               "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
               "max_tokens": {"type": ["integer", "null"], "minimum": 0},
-              **{k: v for k, v in sampling.items() if k not in ("regex", "json_schema", "ebnf")}, **vllm_grammar}
+              **{k: v for k, v in sampling.items() if k not in ("regex", "json_schema", "ebnf")}, **vllm_extras}
     completion = {"type": "object", "required": ["prompt"], "properties": {
         "prompt": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "string"}},
                              {**token_ids, "minItems": 1}, {"type": "array", "minItems": 1, "items": {**token_ids, "minItems": 1}}]},
