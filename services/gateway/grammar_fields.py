@@ -90,7 +90,7 @@ def _structured_outputs(so: dict) -> tuple[str, dict[str, str]] | None:
                 raise bad_request(f"{param} must be a boolean", param)
         elif key not in _CONSTRAINTS:
             raise bad_request(f"unknown field {param}; supported: {', '.join(_CONSTRAINTS)}", param)
-    given = [k for k in _CONSTRAINTS if so.get(k) not in (None, False)]
+    given = [k for k in _CONSTRAINTS if so.get(k) is not None and not (k == "json_object" and so[k] is False)]
     if len(given) > 1:
         raise bad_request(f"structured_outputs takes one constraint, got {' and '.join(given)}",
                           f"structured_outputs.{given[1]}")
