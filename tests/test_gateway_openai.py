@@ -237,6 +237,7 @@ async def test_vllm_structured_outputs_name_the_grammar(stack):
         ({"guided_json": schema}, "json_schema", schema),
         ({"guided_choice": ["left", "right"]}, "ebnf", 'root ::= "left" | "right"'),
         ({"guided_grammar": 'root ::= "x"'}, "ebnf", 'root ::= "x"'),
+        ({"response_format": {"type": "json_object"}}, "json_schema", {"type": "object"}),  # completions too
     ]
     for extra, field, expect in cases:
         for path, base, prefix in (("/v1/completions", {"prompt": "hi"}, "cmpl-"),
@@ -265,9 +266,10 @@ async def test_vllm_extras_stop_strings_and_prompt_truncation(stack):
         assert status == 200
         assert generated(stack, "cmpl-")[0].sampling.no_stop_trim is value
     ids = [11, 12, 13, 14, 15]
-    for k, expect in ((2, ids[-2:]), (5, ids), (9, ids), (-1, ids)):
+    long = list(range(10, 310))  # longer than the fake stack's 256-token context: truncated, not refused
+    for prompt, k, expect in ((ids, 2, ids[-2:]), (ids, 5, ids), (ids, 9, ids), (ids, -1, ids), (long, 8, long[-8:])):
         stack.worker.received.clear()
-        status, body = await post(stack, "/v1/completions", {"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": k,
+        status, body = await post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": k,
                                                              "use_beam_search": False, "prompt_logprobs": None})
         assert status == 200, body
         assert generated(stack, "cmpl-")[0].input_ids == expect
