@@ -91,7 +91,9 @@ def _common(state: "GatewayState", body: Any) -> tuple[int, bool, bool]:
 
 def _fan_out(state: "GatewayState", body: dict, prompts: list[Prompt], n: int, max_tokens: int | None,
              prompt_param: str, max_param: str, rid_prefix: str, extra_sampling: dict | None = None,
-             **logprob_args: Any) -> tuple[str, list[GenerateRequest]]:
+             extra_param: str | None = None, **logprob_args: Any) -> tuple[str, list[GenerateRequest]]:
+    """`extra_sampling`: sampling fields the route derived from the body (a grammar), named `extra_param`
+    in errors about them (the client sent `structured_outputs.regex`, not `regex`)."""
     if len(prompts) * n > state.limits.max_batch:
         raise bad_request(f"at most {state.limits.max_batch} choices per request (prompts x n)", "n")
     job_id = new_rid(rid_prefix)
@@ -102,7 +104,12 @@ def _fan_out(state: "GatewayState", body: dict, prompts: list[Prompt], n: int, m
         raw.update(stop_trim_fields(body))
         raw.update(extra_sampling or {})
         raw["max_new_tokens"] = budget
-        params = sampling_params(state, raw)
+        try:
+            params = sampling_params(state, raw)
+        except APIError as e:
+            if extra_param and e.param in (extra_sampling or {}):
+                e.param = extra_param
+            raise
         reqs += child_requests(f"{job_id}-{p_idx}", n, prompt.ids, params, **logprob_args)
     return job_id, reqs
 
@@ -138,7 +145,7 @@ async def completions(state: "GatewayState", request: web.Request) -> web.Stream
     want_lp = top_k is not None
     extra, grammar_param = output_grammar(body)
     job_id, reqs = _fan_out(state, body, prompts, n, max_tokens, "prompt", "max_tokens", "cmpl-",
-                            extra_sampling=extra, return_logprob=want_lp,
+                            extra_sampling=extra, extra_param=grammar_param, return_logprob=want_lp,
                             logprob_start_len=0 if (want_lp and echo) else -1, top_logprobs_num=top_k or 0)
     stamp_tenant(reqs, request_salt(request))
     await check_grammars(state, reqs, param=grammar_param)
@@ -258,7 +265,8 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
     max_tokens = get_int(body, max_param, state.limits.default_chat_max_tokens, lo=0)
     extra, grammar_param = ({"ebnf": spec.tool_ebnf}, "tools") if spec.tool_ebnf else output_grammar(body)
     job_id, reqs = _fan_out(state, body, [prompt], n, max_tokens, "messages", max_param, "chatcmpl-",
-                            extra_sampling=extra, return_logprob=want_lp, top_logprobs_num=top_k)
+                            extra_sampling=extra, extra_param=grammar_param, return_logprob=want_lp,
+                            top_logprobs_num=top_k)
     stamp_tenant(reqs, request_salt(request))
     await check_grammars(state, reqs, param=grammar_param)
     job = Job(job_id, [prompt], n, reqs, include_usage)
