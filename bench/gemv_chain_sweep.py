@@ -23,11 +23,10 @@ import sys
 import time
 
 import torch
-import triton
 
 from bench.kernels import graph_time_ms
-from kernels._utils import num_sms, set_pdl
-from kernels.gemv import GemvConfig, default_config, gemv
+from kernels._utils import set_pdl
+from kernels.gemv import GemvConfig, default_config, gemv, split_k_for
 from kernels.norm import rms_norm
 
 HIDDEN, INTER, QKV = 4096, 14336, 6144
@@ -81,15 +80,12 @@ def study_configs(n: int, k: int, wb: int) -> list[GemvConfig]:
 
 
 def mma_config(n: int, k: int, bn: int, bk: int, stages: int) -> GemvConfig:
-    """Split K until the grid puts two programs on every SM (as default_config does)."""
-    split = 1
-    while triton.cdiv(n, bn) * split < 2 * num_sms() and split * 2 * bk <= k and split < 16:
-        split *= 2
-    return GemvConfig(bn, bk, split, 4, mma=True, num_stages=stages)
+    return GemvConfig(bn, bk, split_k_for(n, k, bn, bk), 4, mma=True, num_stages=stages)
 
 
-def mma_study(dtypes, budget: float, t0: float) -> dict:
-    out = {}
+def mma_study(dtypes, budget: float, t0: float) -> tuple[dict, dict]:
+    """(the runs, and each dtype's picks by "N,K": what bench.fp8 --gemv-picks reads)."""
+    out, picks_by_shape = {}, {}
     for dtype in dtypes:
         layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2
@@ -122,9 +118,10 @@ def mma_study(dtypes, budget: float, t0: float) -> dict:
               f"({nbytes / min(pair['mma']) / 1e3:.0f} vs {nbytes / min(pair['default']) / 1e3:.0f} GB/s)", flush=True)
         out[f"{dtype} mma"] = {"pair_us": pair, "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()},
                                "rows": rows}
+        picks_by_shape[dtype] = {"%d,%d" % SHAPES[nm]: dataclasses.asdict(c) for nm, c in picks.items()}
         del layers
         torch.cuda.empty_cache()
-    return out
+    return out, picks_by_shape
 
 
 def fits(bn, bk, warps) -> bool:
@@ -143,10 +140,9 @@ def main() -> int:
     t0 = time.time()
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "runs": {}}
     if args.mma_study:
-        result["runs"].update(mma_study(args.dtypes.split(","), args.budget, t0))
+        runs, picks = mma_study(args.dtypes.split(","), args.budget, t0)
+        result["runs"].update(runs)
         if args.out:  # for bench.fp8 --gemv-picks: the engine with these picks beside the defaults
-            picks = {dt: {"%d,%d" % SHAPES[nm]: c for nm, c in r["picks"].items()}
-                     for dt, r in ((k.split()[0], v) for k, v in result["runs"].items() if k.endswith(" mma"))}
             with open(os.path.join(args.out, "gemv_picks.json"), "w") as f:
                 json.dump(picks, f, indent=1)
     if args.pre_tiles_study:

@@ -218,12 +218,20 @@ def set_batch1_tuned(table: dict[tuple[int, int, int], GemvConfig]) -> None:
     _batch1_tuned.update(table)
 
 
+def split_k_for(N: int, K: int, block_n: int, block_k: int) -> int:
+    """Split K only when N is too short to put two programs on every SM."""
+    split_k, k_steps = 1, triton.cdiv(K, block_k)
+    while triton.cdiv(N, block_n) * split_k < 2 * num_sms() and split_k * 2 <= k_steps and split_k < 16:
+        split_k *= 2
+    return split_k
+
+
 def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     """From sweeps on H200 (bench/kernels.py --tune, cold L2). No split-K for the Llama-8B shapes:
     N >= 4096 already gives enough programs. One row: narrow, long tiles for short N (more programs,
     more bytes in flight each), wider and shorter ones for long N. Several rows run on tensor cores,
     which want >= 16 output columns per program."""
-    if M == 1 and (N, K, weight_bytes) in _batch1_tuned:
+    if _batch1_tuned and M == 1 and (N, K, weight_bytes) in _batch1_tuned:
         return _batch1_tuned[(N, K, weight_bytes)]
     if M == 1 and weight_bytes == 1:  # FP8 rows (bench/fp8_gemv_sweep.py, H200, 2026-11-30)
         block_n, block_k, warps = (8, 1024, 4) if N <= 4096 else (8, 512, 4) if N <= 8192 else (8, 256, 2)
@@ -237,11 +245,7 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     else:
         block_n, block_k, warps = (32, 512, 4) if N <= 4096 else (64, 512, 4) if N <= 8192 else (64, 256, 4)
     block_k = min(block_k, max(16, next_pow2(K)))
-    split_k = 1
-    k_steps = triton.cdiv(K, block_k)
-    # Split K only when N is too short to put two programs on every SM.
-    while triton.cdiv(N, block_n) * split_k < 2 * num_sms() and split_k * 2 <= k_steps and split_k < 16:
-        split_k *= 2
+    split_k = split_k_for(N, K, block_n, block_k)
     # With PDL, two weight tiles in flight before the wait, not one: more of a short GEMV's stream overlaps
     # the previous kernel's tail (bench/gemv_chain_sweep.py --pre-tiles-study).
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps,
