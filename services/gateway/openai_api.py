@@ -20,7 +20,7 @@ from services.gateway.errors import APIError, bad_request
 from shared.errors import ContextLengthExceeded
 from services.gateway.fields import get_bool, get_dict, get_int, is_token_ids
 from services.gateway.grammar_fields import output_grammar
-from services.gateway.vllm_params import check_supported, stop_trim_fields, truncate_prompts
+from services.gateway.vllm_params import check_supported, kept_prompt_tokens, stop_trim_fields
 from services.gateway.json_out import json_response
 from services.gateway.limits import read_json
 from services.gateway.sse import Envelope, encode_event, stream_generation
@@ -135,8 +135,7 @@ def _finish(res_or_reason) -> str | None:
 async def completions(state: "GatewayState", request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.limits)
     n, stream, include_usage = _common(state, body)
-    prompts = truncate_prompts(body, await _parse_prompts(state, body.get("prompt")), state.context_length,
-                               state.tokenizer)
+    prompts = _truncated(state, body, await _parse_prompts(state, body.get("prompt")))
     echo = get_bool(body, "echo")
     top_k = get_int(body, "logprobs", None, lo=0, hi=state.limits.max_top_logprobs)
     if body.get("suffix") is not None:
@@ -182,6 +181,14 @@ async def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
             check_token_ids(state, item, "prompt")
             out.append(Prompt(item, tokenizer=tok))  # the body's own list: nothing else holds or changes it
     return out
+
+
+def _truncated(state: "GatewayState", body: dict, prompts: list[Prompt]) -> list[Prompt]:
+    """Each prompt's last tokens where the body asks for vLLM's truncate_prompt_tokens."""
+    k = kept_prompt_tokens(body, state.context_length)
+    if k is None:
+        return prompts
+    return [p if len(p.ids) <= k else Prompt(p.ids[-k:], tokenizer=state.tokenizer) for p in prompts]
 
 
 class _CompletionFormat:
@@ -256,7 +263,7 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
     n, stream, include_usage = _common(state, body)
     # Off the event loop: tool_choice required / named converts every function's schema to a grammar.
     spec = await asyncio.to_thread(parse_chat, body, state.tool_parser, state.reasoning_parser)
-    [prompt] = truncate_prompts(body, [await _render_chat(state, spec)], state.context_length, state.tokenizer)
+    [prompt] = _truncated(state, body, [await _render_chat(state, spec)])
     want_lp = get_bool(body, "logprobs")
     top_k = get_int(body, "top_logprobs", 0, lo=0, hi=state.limits.max_top_logprobs)
     if top_k and not want_lp:

@@ -11,13 +11,8 @@ refused (400) where it does not; never silently ignored, since each changes what
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from services.gateway.errors import bad_request
 from services.gateway.fields import get_bool
-
-if TYPE_CHECKING:
-    from services.gateway.openai_api import Prompt
 
 _UNSUPPORTED = {
     "use_beam_search": "beam search is not supported",
@@ -46,17 +41,13 @@ def stop_trim_fields(body: dict) -> dict[str, bool]:
     return {"no_stop_trim": keep}
 
 
-def truncate_prompts(body: dict, prompts: list["Prompt"], context_length: int | None, tokenizer) -> list["Prompt"]:
-    """Each prompt's last k tokens for `truncate_prompt_tokens: k` (-1: the context length)."""
+def kept_prompt_tokens(body: dict, context_length: int | None) -> int | None:
+    """How many of a prompt's last tokens `truncate_prompt_tokens` keeps (-1: the context length); None:
+    all of them."""
     k = body.get("truncate_prompt_tokens")
     if k is None:
-        return prompts
+        return None
     if isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1):
         raise bad_request("truncate_prompt_tokens must be an integer >= 1, or -1 (the context length)",
                           "truncate_prompt_tokens")
-    if k == -1:
-        if context_length is None:
-            return prompts
-        k = context_length
-    return [p if len(p.ids) <= k else type(p)(p.ids[-k:], tokenizer=tokenizer) for p in prompts]
-
+    return context_length if k == -1 else k
