@@ -7,11 +7,6 @@ neighbours and the best tile alone is not the best tile in the chain.
 
 --pre-tiles-study: only the chain at the default tiles with 1 and 2 weight tiles loaded before the PDL wait,
 alternated 1, 2, 1, 2.
---mma-study: each shape in turn with its weight loads kept further ahead of the math: the register-tile
-kernel two tiles ahead (GemvConfig.ahead), or the tensor-core GEMV (GemvConfig.mma: weights as the MMA's
-rows, loads pipelined through shared memory; FP8 weights multiplied in f16), tiles and depth swept; then
-the chain with every shape's best against the defaults, alternated. The picks go to $OUT/gemv_picks.json
-for `bench.fp8 --gemv-picks`.
 """
 from __future__ import annotations
 
@@ -26,7 +21,7 @@ import torch
 
 from bench.kernels import graph_time_ms
 from kernels._utils import set_pdl
-from kernels.gemv import GemvConfig, default_config, gemv, split_k_for
+from kernels.gemv import GemvConfig, default_config, gemv
 from kernels.norm import rms_norm
 
 HIDDEN, INTER, QKV = 4096, 14336, 6144
@@ -66,64 +61,6 @@ def chain_ms(layers, cfgs: dict) -> float:
     return graph_time_ms(fn, reps=7, target_ms=15)
 
 
-MMA_CANDIDATES = [(64, 128, 3), (64, 128, 4), (64, 256, 3), (64, 256, 4), (128, 64, 4), (128, 128, 3)]
-AHEAD_TILES = [(8, 512, 4), (8, 1024, 4), (16, 512, 4)]  # besides the default tile, with ahead=2
-
-
-def study_configs(n: int, k: int, wb: int) -> list[GemvConfig]:
-    d = default_config(1, n, k, wb)
-    cfgs = [dataclasses.replace(d, ahead=2)]
-    for bn, bk, warps in AHEAD_TILES:
-        if (bn, bk, warps) != (d.block_n, d.block_k, d.num_warps):
-            cfgs.append(dataclasses.replace(d, block_n=bn, block_k=bk, num_warps=warps, ahead=2))
-    return cfgs + [mma_config(n, k, bn, bk, stages) for bn, bk, stages in MMA_CANDIDATES]
-
-
-def mma_config(n: int, k: int, bn: int, bk: int, stages: int) -> GemvConfig:
-    return GemvConfig(bn, bk, split_k_for(n, k, bn, bk), 4, mma=True, num_stages=stages)
-
-
-def mma_study(dtypes, budget: float, t0: float) -> tuple[dict, dict]:
-    """(the runs, and each dtype's picks by "N,K": what bench.fp8 --gemv-picks reads)."""
-    out, picks_by_shape = {}, {}
-    for dtype in dtypes:
-        layers = build(dtype)
-        wb = 1 if dtype == "fp8" else 2
-        nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
-        base = chain_ms(layers, {})
-        print(f"{dtype}: default tiles {base * 1e3:.0f} us for the chain ({nbytes / base / 1e6:.0f} GB/s)", flush=True)
-        best, rows = {}, []
-        for name, (n, k) in SHAPES.items():
-            best[name] = (base, None)
-            for cfg in study_configs(n, k, wb):
-                if time.time() - t0 > budget:
-                    break
-                try:
-                    t = chain_ms(layers, {name: cfg})
-                except Exception as e:  # a tile that does not compile or fit in shared memory
-                    print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
-                    continue
-                rows.append({"shape": name, "cfg": dataclasses.asdict(cfg), "chain_us": t * 1e3})
-                print(f"  {name} {cfg}: {t * 1e3:.0f} us", flush=True)
-                if t < best[name][0]:
-                    best[name] = (t, cfg)
-            print(f"  {name}: best {best[name][1]} chain {best[name][0] * 1e3:.0f} us "
-                  f"({(base - best[name][0]) / LAYERS * 1e3:+.2f} us per layer)", flush=True)
-        picks = {nm: b[1] for nm, b in best.items() if b[1] is not None}
-        pair = {"default": [], "mma": []}
-        for _ in range(2):
-            pair["default"].append(chain_ms(layers, {}) * 1e3)
-            pair["mma"].append(chain_ms(layers, picks) * 1e3)
-        print(f"{dtype}: chain default {pair['default']} us, with the mma picks {pair['mma']} us "
-              f"({nbytes / min(pair['mma']) / 1e3:.0f} vs {nbytes / min(pair['default']) / 1e3:.0f} GB/s)", flush=True)
-        out[f"{dtype} mma"] = {"pair_us": pair, "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()},
-                               "rows": rows}
-        picks_by_shape[dtype] = {"%d,%d" % SHAPES[nm]: dataclasses.asdict(c) for nm, c in picks.items()}
-        del layers
-        torch.cuda.empty_cache()
-    return out, picks_by_shape
-
-
 def fits(bn, bk, warps) -> bool:
     return bn * bk // (32 * warps) <= 128
 
@@ -133,18 +70,11 @@ def main() -> int:
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--budget", type=float, default=400)
     ap.add_argument("--pre-tiles-study", action="store_true")
-    ap.add_argument("--mma-study", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     set_pdl(True)
     t0 = time.time()
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "runs": {}}
-    if args.mma_study:
-        runs, picks = mma_study(args.dtypes.split(","), args.budget, t0)
-        result["runs"].update(runs)
-        if args.out:  # for bench.fp8 --gemv-picks: the engine with these picks beside the defaults
-            with open(os.path.join(args.out, "gemv_picks.json"), "w") as f:
-                json.dump(picks, f, indent=1)
     if args.pre_tiles_study:
         for dtype in args.dtypes.split(","):
             layers = build(dtype)
@@ -160,7 +90,7 @@ def main() -> int:
             result["runs"][f"{dtype} pre_tiles"] = times
             del layers
             torch.cuda.empty_cache()
-    for dtype in ([] if args.pre_tiles_study or args.mma_study else args.dtypes.split(",")):
+    for dtype in ([] if args.pre_tiles_study else args.dtypes.split(",")):
         layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2
         nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-dp|serving-dp4|sync-audit|probes|mma|recheck|tp|shared-prefix|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-dp|serving-dp4|sync-audit|probes|recheck|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 included, in one call (~6 min; 2026-12-02), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
@@ -82,15 +82,6 @@ if [[ $what == probes ]]; then
   # Where issue 14's batch-1, batch-256 and prefill time goes (bench/probe.py; 2026-12-01: ~3 min).
   timeout 450 python3 -m bench.probe b1phases steps trace_pdl trace256 trace_prefill eager_host trace_extend extend_pack prefill_attn 2>&1 \
     | grep -v "Capturing\|Warning" | tee "$OUT/probes.log" | tail -60
-fi
-if [[ $what == mma ]]; then
-  # The tensor-core GEMV (GemvConfig.mma) against the register-tile one in the 32-layer decode chain, then the
-  # engine's batch-1 step with the chain's picks beside the defaults (~9 min; unmeasured as of 2026-12-02).
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda and gemv" 2>&1 | tail -5
-  timeout 300 python3 -m bench.gemv_chain_sweep --mma-study --budget 240 --out "$OUT" 2>&1 | grep -v Warning \
-    > "$OUT/mma.log"; grep -v "^  " "$OUT/mma.log" | tail -12
-  timeout 240 python3 -m bench.fp8 --reqs 0 --steps 128 --gemv-picks "$OUT/gemv_picks.json" > "$OUT/fp8_picks.log" 2>&1
-  tail -12 "$OUT/fp8_picks.log"
 fi
 if [[ $what == sync-audit ]]; then
   timeout 240 python3 -m bench.sync_audit 2>&1 | tee "$OUT/sync_audit.log" | tail -40

@@ -62,45 +62,25 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
 
 
 @triton.jit
-def _program_tiles(W, N, stride_wn, K_PER_SPLIT, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    """This program's output rows and K range, and the pointers of its first weight tile."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, M_PAD)
-    offs_k = tl.arange(0, BLOCK_K)
-    k0 = tl.program_id(1) * K_PER_SPLIT
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
-    return offs_n, offs_n < N, offs_m, offs_m < M, offs_k, k0, w_ptrs
-
-
-@triton.jit
 def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
                  HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, SILU_MUL: tl.constexpr,
-                 PDL: tl.constexpr, PRE: tl.constexpr, AHEAD: tl.constexpr):
-    offs_n, mask_n, offs_m, mask_m, offs_k, k0, w_ptrs = _program_tiles(W, N, stride_wn, K_PER_SPLIT, M, M_PAD,
-                                                                         BLOCK_N, BLOCK_K)
+                 PDL: tl.constexpr, PRE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = tl.arange(0, M_PAD)
+    mask_m = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    k0 = pid_k * K_PER_SPLIT
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
     if M_PAD == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    if AHEAD == 2:
-        # Two tiles ahead all the way: each step's load is issued before the math of the tile two back,
-        # so three tiles are in flight per program, not one (the host checks the split has >= 2 tiles).
-        wa = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K)
-        wb = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K)
-        pdl_prologue(PDL)
-        for kk in range(0, K_PER_SPLIT - 2 * BLOCK_K, BLOCK_K):
-            wc = _load_w(w_ptrs + kk + 2 * BLOCK_K, k0 + kk + 2 * BLOCK_K, K, mask_n, offs_k, EVEN_K)
-            acc = _accumulate(acc, wa, x_ptrs + kk, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
-            wa = wb
-            wb = wc
-        kk = K_PER_SPLIT - 2 * BLOCK_K
-        acc = _accumulate(acc, wa, x_ptrs + kk, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
-        kk += BLOCK_K
-        acc = _accumulate(acc, wb, x_ptrs + kk, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
-    elif PDL:
+    if PDL:
         # The weights are nobody's output: the first PRE tiles stream in while the previous kernel drains
         # (PRE = 2 only where this split has two tiles or more: the host checks).
         w = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K)
@@ -114,12 +94,11 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
             acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-    if AHEAD != 2:
-        for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
-            w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K)
-            acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
+    for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
+        w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K)
+        acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     if M_PAD == 1:
         acc = tl.sum(acc, axis=1)[None, :]
     if HAS_SCALE:  # FP8 weights: one dequantization scale per output row (linear, so per split too)
@@ -128,58 +107,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     if SPLIT_K == 1:
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
     else:
-        tl.store(P + (tl.program_id(1) * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
-
-
-@triton.jit
-def _gemv_mma_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
-                     HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, F16: tl.constexpr,
-                     SILU_MUL: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
-    """Weights as the MMA's rows: acc[BLOCK_N, M_PAD] = W_tile . x_tile^T on tensor cores, x's rows padded
-    to M_PAD columns. Loads that feed a dot are software-pipelined (num_stages deep through shared
-    memory), so more weight bytes are in flight per SM than the register-tile kernel holds; FP8 weights
-    convert two at a time (e4m3x2 -> f16x2) and multiply in f16 with an fp32 accumulator (F16: x is
-    rounded to f16 too, exact for bf16 values in f16's normal range), so no weight passes through fp32."""
-    offs_n, mask_n, offs_m, mask_m, offs_k, k0, w_ptrs = _program_tiles(W, N, stride_wn, K_PER_SPLIT, M, M_PAD,
-                                                                         BLOCK_N, BLOCK_K)
-    x_ptrs = X + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
-    acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
-    start = 0
-    if PDL:
-        w = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K)
-        pdl_prologue(PDL)
-        acc = _mma_step(acc, w, x_ptrs, k0, K, mask_m, offs_k, EVEN_K, F16, SILU_MUL, DOT_PREC)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        start = BLOCK_K
-    for kk in range(start, K_PER_SPLIT, BLOCK_K):
-        w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K)
-        acc = _mma_step(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, EVEN_K, F16, SILU_MUL, DOT_PREC)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if HAS_SCALE:
-        acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[:, None]
-    mask = mask_n[:, None] & mask_m[None, :]
-    if SPLIT_K == 1:
-        tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty), mask=mask)
-    else:
-        tl.store(P + (tl.program_id(1) * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
-
-
-@triton.jit
-def _mma_step(acc, w, x_ptrs, kbase, K, mask_m, offs_k, EVEN_K: tl.constexpr, F16: tl.constexpr,
-              SILU_MUL: tl.constexpr, DOT_PREC: tl.constexpr):
-    if EVEN_K:
-        xm = mask_m[None, :]
-    else:
-        xm = mask_m[None, :] & ((kbase + offs_k) < K)[:, None]
-    xt = tl.load(x_ptrs, mask=xm, other=0.0, eviction_policy="evict_last")
-    if SILU_MUL:
-        xt = _silu_mul(xt, tl.load(x_ptrs + K, mask=xm, other=0.0, eviction_policy="evict_last"))
-    if F16:
-        return tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
-    return tl.dot(w, xt.to(w.dtype), acc, input_precision=DOT_PREC)
+        tl.store(P + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -202,28 +130,6 @@ class GemvConfig:
     split_k: int
     num_warps: int
     pre_tiles: int = 1  # weight tiles loaded before waiting on the previous kernel (PDL): 1 or 2
-    ahead: int = 0  # 2: the register-tile kernel keeps two weight tiles ahead of its math in every step
-    mma: bool = False  # weights as tensor-core rows, pipelined loads (_gemv_mma_kernel)
-    num_stages: int = 3  # the mma kernel's software-pipeline depth
-
-
-_batch1_tuned: dict[tuple[int, int, int], GemvConfig] = {}
-
-
-def set_batch1_tuned(table: dict[tuple[int, int, int], GemvConfig]) -> None:
-    """Batch-1 configs by (N, K, weight bytes) that replace default_config's choice for the kernels launched
-    from now on (a process-wide table, as set_pdl: set it before CUDA graphs are captured). Benchmarks
-    use it to run the engine with a sweep's picks beside the defaults in one process."""
-    _batch1_tuned.clear()
-    _batch1_tuned.update(table)
-
-
-def split_k_for(N: int, K: int, block_n: int, block_k: int) -> int:
-    """Split K only when N is too short to put two programs on every SM."""
-    split_k, k_steps = 1, triton.cdiv(K, block_k)
-    while triton.cdiv(N, block_n) * split_k < 2 * num_sms() and split_k * 2 <= k_steps and split_k < 16:
-        split_k *= 2
-    return split_k
 
 
 def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
@@ -231,8 +137,6 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     N >= 4096 already gives enough programs. One row: narrow, long tiles for short N (more programs,
     more bytes in flight each), wider and shorter ones for long N. Several rows run on tensor cores,
     which want >= 16 output columns per program."""
-    if _batch1_tuned and M == 1 and (N, K, weight_bytes) in _batch1_tuned:
-        return _batch1_tuned[(N, K, weight_bytes)]
     if M == 1 and weight_bytes == 1:  # FP8 rows (bench/fp8_gemv_sweep.py, H200, 2026-11-30)
         block_n, block_k, warps = (8, 1024, 4) if N <= 4096 else (8, 512, 4) if N <= 8192 else (8, 256, 2)
     elif M == 1 and N <= 4096 and K <= 4096:
@@ -245,7 +149,11 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     else:
         block_n, block_k, warps = (32, 512, 4) if N <= 4096 else (64, 512, 4) if N <= 8192 else (64, 256, 4)
     block_k = min(block_k, max(16, next_pow2(K)))
-    split_k = split_k_for(N, K, block_n, block_k)
+    split_k = 1
+    k_steps = triton.cdiv(K, block_k)
+    # Split K only when N is too short to put two programs on every SM.
+    while triton.cdiv(N, block_n) * split_k < 2 * num_sms() and split_k * 2 <= k_steps and split_k < 16:
+        split_k *= 2
     # With PDL, two weight tiles in flight before the wait, not one: more of a short GEMV's stream overlaps
     # the previous kernel's tail (bench/gemv_chain_sweep.py --pre-tiles-study).
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps,
@@ -267,34 +175,22 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert M <= MAX_M, "gemv is for decode batches of at most 4 rows; use a GEMM"
     assert w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1
     assert scale is None or (scale.shape == (N,) and scale.dtype == torch.float32)
+    assert scale is None or M == 1 or x.dtype == w.dtype, "FP8 weights take one unquantized row of x"
     cfg = config or default_config(M, N, K, w.element_size())
-    if cfg.mma:
-        assert w.element_size() > 1 or scale is not None, "FP8 weights need their row scales"
-        assert cfg.block_n >= 16 and cfg.block_k >= 16, "tensor-core tiles are at least 16 wide"
-        dot = False
-    else:
-        assert scale is None or M == 1 or x.dtype == w.dtype, "FP8 weights take one unquantized row of x"
-        dot = M > 1 or tensor_cores
-        if dot and cfg.block_n < 16:  # tensor-core tile minimum
-            cfg = dataclasses.replace(cfg, block_n=16)
+    dot = M > 1 or tensor_cores
+    if dot and cfg.block_n < 16:  # tensor-core tile minimum
+        cfg = dataclasses.replace(cfg, block_n=16)
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
+    even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
-    args = (x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
-            k_per_split)
-    common = dict(HAS_SCALE=scale is not None, M=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
-                  EVEN_K=K % cfg.block_k == 0 and K % k_per_split == 0, DOT_PREC=dot_precision(x.dtype),
-                  SILU_MUL=silu_mul, num_warps=cfg.num_warps, **pdl_launch(pdl))
-    grid = (triton.cdiv(N, cfg.block_n), split_k)
-    if cfg.mma:
-        _gemv_mma_kernel[grid](*args, M_PAD=16, F16=w.element_size() == 1 or x.dtype == torch.float16,
-                               num_stages=cfg.num_stages, **common)
-    else:
-        two = k_per_split >= 2 * cfg.block_k
-        _gemv_kernel[grid](*args, M_PAD=16 if dot else 1, PRE=2 if cfg.pre_tiles >= 2 and two else 1,
-                           AHEAD=2 if cfg.ahead == 2 and two else 0, **common)
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
+        x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
+        k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
+        EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul, num_warps=cfg.num_warps,
+        PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1, **pdl_launch(pdl))
     if split_k > 1:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,
