@@ -45,6 +45,20 @@ def test_second_identical_request_reports_cached_tokens(base_url):
     assert g["meta_info"]["cached_tokens"] == n - 1
 
 
+def test_tokenize_counts_what_the_routes_bill(base_url):
+    """/tokenize through the real stack: its count is the completion's and the chat's prompt_tokens, and
+    /detokenize gives the text back."""
+    prompt, messages = "Once upon a time there was", [{"role": "user", "content": "Hi there"}]
+    t = post(base_url, "/tokenize", {"model": "tiny-random", "prompt": prompt}).json()
+    c = post(base_url, "/v1/completions", {"model": "tiny-random", "prompt": prompt, "max_tokens": 1}).json()
+    assert t["count"] == c["usage"]["prompt_tokens"] == len(t["tokens"]) and t["max_model_len"] > 0
+    tm = post(base_url, "/v1/tokenize", {"messages": messages}).json()
+    cm = post(base_url, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()
+    assert tm["count"] == cm["usage"]["prompt_tokens"]
+    d = post(base_url, "/detokenize", {"tokens": t["tokens"]}).json()
+    assert d["text"] == d["prompt"] == prompt
+
+
 def test_native_generate_batch_stream_and_logprobs(base_url):
     r = post(base_url, "/generate", {"text": ["a b c", "d e f"], "sampling_params": {"max_new_tokens": 3,
                                                                                       "temperature": 0}})

@@ -8,7 +8,7 @@ import logging
 
 from aiohttp import web
 
-from services.gateway import admin_api, native_api, openai_api, programs_api
+from services.gateway import admin_api, native_api, openai_api, programs_api, tokenize_api
 from services.gateway.access_log import access_middleware, add_request_id_header
 from services.gateway.errors import APIError, error_body
 from services.gateway.json_out import json_response
@@ -56,6 +56,12 @@ def create_app(state: GatewayState) -> web.Application:
     async def model_info(request):
         return json_response(admin_api.model_info(s))
 
+    async def tokenize(request):
+        return await tokenize_api.tokenize(s, request)
+
+    async def detokenize(request):
+        return await tokenize_api.detokenize(s, request)
+
     async def server_info(request):
         return json_response(await admin_api.server_info(s))
 
@@ -78,6 +84,9 @@ def create_app(state: GatewayState) -> web.Application:
     app.router.add_get("/v1/models/{model_id:.+}", model)
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/programs", programs)
+    for prefix in ("", "/v1"):  # SGLang serves both; vLLM the first
+        app.router.add_post(f"{prefix}/tokenize", tokenize)
+        app.router.add_post(f"{prefix}/detokenize", detokenize)
     for path in ("/get_model_info", "/model_info"):
         app.router.add_get(path, model_info)
     for path in ("/server_info", "/get_server_info"):

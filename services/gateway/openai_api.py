@@ -263,7 +263,7 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
     n, stream, include_usage = _common(state, body)
     # Off the event loop: tool_choice required / named converts every function's schema to a grammar.
     spec = await asyncio.to_thread(parse_chat, body, state.tool_parser, state.reasoning_parser)
-    [prompt] = _truncated(state, body, [await _render_chat(state, spec)])
+    [prompt] = _truncated(state, body, [await render_chat(state, spec)])
     want_lp = get_bool(body, "logprobs")
     top_k = get_int(body, "top_logprobs", 0, lo=0, hi=state.limits.max_top_logprobs)
     if top_k and not want_lp:
@@ -284,7 +284,7 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
     return json_response(fmt.response(results))
 
 
-async def _render_chat(state: "GatewayState", spec: ChatSpec) -> Prompt:
+async def render_chat(state: "GatewayState", spec: ChatSpec) -> Prompt:
     """The chat template applied and tokenized: in a pool process when the messages are large."""
     chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else len(str(m.get("content") or ""))
                 for m in spec.messages)

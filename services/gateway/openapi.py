@@ -107,6 +107,19 @@ def build_spec(limits: Limits) -> dict[str, Any]:
         "program": {"type": "object", "description": "a traced lang_client program (IR version 1)"},
         "args": {"type": "object", "additionalProperties": {"type": "string"}}, "stream": {"type": "boolean"}}}
 
+    tokenize = {"type": "object", "properties": {
+        "model": {"type": "string"},
+        "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}}]},
+        "messages": chat["properties"]["messages"], "add_special_tokens": {"type": "boolean"},
+        "add_generation_prompt": {"type": "boolean"}, "continue_final_message": {"type": "boolean"},
+        "chat_template_kwargs": {"type": "object"}, "tools": {"type": "array"},
+        "return_token_strs": {"type": "boolean"}},
+        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
+    detokenize = {"type": "object", "required": ["tokens"], "properties": {
+        "model": {"type": "string"},
+        "tokens": {"oneOf": [token_ids, {"type": "array", "minItems": 1, "items": token_ids}]},
+        "skip_special_tokens": {"type": "boolean"}}}
+
     def post(summary: str, body: dict, *errors: int) -> dict:
         return {"post": {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
                          "responses": {**_json_ok(), **_errors(*errors)}}}
@@ -120,6 +133,10 @@ def build_spec(limits: Limits) -> dict[str, Any]:
         "/v1/chat/completions": post("OpenAI chat completions", chat, 400, 401, 404, 413, 503),
         "/generate": post("SGLang-native generation", generate, 400, 401, 413, 503),
         "/v1/programs": post("Run a traced program server-side", program, 400, 401, 413, 429, 503),
+        **{f"{prefix}/tokenize": post("Token ids of a prompt or chat messages (count, max_model_len, tokens)",
+                                      tokenize, 400, 401, 404, 413) for prefix in ("", "/v1")},
+        **{f"{prefix}/detokenize": post("Text of token ids (as `text` and `prompt`)", detokenize, 400, 401, 404, 413)
+           for prefix in ("", "/v1")},
         "/v1/models": get("Served models", {**_json_ok(), **_errors(401)}),
         "/v1/models/{model_id}": {"get": {
             "summary": "One served model (404 model_not_found for another id)",

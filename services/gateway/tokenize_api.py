@@ -1,0 +1,100 @@
+"""`/tokenize` and `/detokenize` (also under `/v1/`): the served model's tokenizer over HTTP, in the shapes
+both SGLang's and vLLM's servers answer, so their clients (prompt builders that count tokens, benchmark
+scripts that make exact-length prompts) work unchanged. No worker is involved.
+
+/tokenize takes exactly one of `prompt` (a string, or a list of strings: SGLang's batch form) and
+`messages` (rendered by the chat template exactly as /v1/chat/completions renders them, so `count`
+equals that route's usage.prompt_tokens). It answers {count, max_model_len, tokens}, plus `token_strs`
+(the vocabulary's strings) with `return_token_strs`. `add_special_tokens` defaults to true for a prompt
+and to false for messages (the template adds its own), as both servers do.
+
+/detokenize takes `tokens` (ids, or a list of id lists) and answers the text under both servers' names:
+`text` (SGLang) and `prompt` (vLLM). Special tokens are skipped unless `skip_special_tokens` is false
+(SGLang's default; vLLM keeps them, so a vLLM client that wants them back passes false).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from services.gateway.admission import check_model, token_ids_in_vocab
+from services.gateway.chat_request import parse_chat
+from services.gateway.errors import bad_request
+from services.gateway.fields import get_bool, is_token_ids
+from services.gateway.json_out import json_response
+from services.gateway.limits import read_json
+from services.gateway.openai_api import render_chat
+
+if TYPE_CHECKING:
+    from services.gateway.state import GatewayState
+
+# Decoding this many ids or fewer stays on the event loop (well under a millisecond).
+INLINE_DECODE_TOKENS = 16 * 1024
+
+
+async def tokenize(state: "GatewayState", request: web.Request) -> web.Response:
+    body = await _body(state, request)
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise bad_request("exactly one of 'prompt' and 'messages' is required", "prompt")
+    token_strs = get_bool(body, "return_token_strs", False)
+    if messages is not None:
+        # Off the event loop, as the chat route: tool_choice required / named builds a grammar.
+        spec = await asyncio.to_thread(parse_chat, body, state.tool_parser, None)
+        rendered = await render_chat(state, spec)
+        ids = rendered.ids
+        if get_bool(body, "add_special_tokens", False):
+            ids = await state.cpu.encode(rendered.text, add_special_tokens=True)
+        return json_response(_tokens_answer(state, ids, token_strs))
+    add_special = get_bool(body, "add_special_tokens", True)
+    if isinstance(prompt, str):
+        return json_response(_tokens_answer(state, await state.cpu.encode(prompt, add_special), token_strs))
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) for p in prompt):
+        raise bad_request("'prompt' must be a string or a non-empty list of strings", "prompt")
+    answers = [_tokens_answer(state, await state.cpu.encode(p, add_special), token_strs) for p in prompt]
+    out: dict[str, Any] = {"count": [a["count"] for a in answers], "max_model_len": state.context_length,
+                           "tokens": [a["tokens"] for a in answers]}
+    if token_strs:
+        out["token_strs"] = [a["token_strs"] for a in answers]
+    return json_response(out)
+
+
+async def detokenize(state: "GatewayState", request: web.Request) -> web.Response:
+    body = await _body(state, request)
+    tokens = body.get("tokens")
+    if is_token_ids(tokens):
+        batch = [tokens]
+    elif isinstance(tokens, list) and tokens and all(is_token_ids(t) for t in tokens):
+        batch = tokens
+    else:
+        raise bad_request("'tokens' must be a list of token ids or a non-empty list of such lists", "tokens")
+    skip = get_bool(body, "skip_special_tokens", True)
+    vocab = state.tokenizer.vocab_size
+    for ids in batch:
+        if ids and not token_ids_in_vocab(state, ids):
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+    decode = state.tokenizer.decode
+    if sum(map(len, batch)) <= INLINE_DECODE_TOKENS:
+        texts = [decode(ids, skip_special_tokens=skip) for ids in batch]
+    else:
+        texts = await asyncio.to_thread(lambda: [decode(ids, skip_special_tokens=skip) for ids in batch])
+    text: str | list[str] = texts if batch is tokens else texts[0]
+    return json_response({"text": text, "prompt": text})
+
+
+async def _body(state: "GatewayState", request: web.Request) -> dict:
+    body = await read_json(request, state.limits)
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    check_model(state, body)
+    return body
+
+
+def _tokens_answer(state: "GatewayState", ids: list[int], token_strs: bool) -> dict:
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": state.context_length, "tokens": ids}
+    if token_strs:
+        out["token_strs"] = [state.tokenizer.id_to_token(t) for t in ids]
+    return out
