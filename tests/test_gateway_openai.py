@@ -316,6 +316,8 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": {}, "content": ""}]}, 400, "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": ""}]}, 400, "messages[0].role", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content", None),

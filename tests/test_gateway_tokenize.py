@@ -94,6 +94,7 @@ async def test_tokenize_then_detokenize_round_trips(stack):
     ("/tokenize", {"prompt": "a", "return_token_strs": 1}, "return_token_strs"),
     ("/tokenize", {"messages": "hi"}, "messages"),
     ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("/tokenize", {"messages": [{"role": {}, "content": ""}]}, "messages[0].role"),
     ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
     ("/detokenize", {}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),

@@ -67,7 +67,7 @@ def _message(m: Any, param: str) -> dict:
     if not isinstance(m, dict):
         raise bad_request(f"{param} must be an object", param)
     role = m.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:  # a dict or list role is unhashable
         raise bad_request(f"{param}.role must be one of {sorted(_ROLES)}", f"{param}.role")
     out: dict[str, Any] = {"role": role}
     calls = m.get("tool_calls") if role == "assistant" else None
