@@ -237,7 +237,13 @@ def flush_cache(url: str) -> None:
 
 
 def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
-    return {role: sum(procfs.cpu_seconds(p) for p in ps) for role, ps in pids.items()}
+    """CPU seconds per role, and per role its system (kernel) part as "<role>_sys"."""
+    out = {}
+    for role, ps in pids.items():
+        splits = [procfs.cpu_split(p) for p in ps]
+        out[role] = sum(u + k for u, k in splits)
+        out[f"{role}_sys"] = sum(k for _, k in splits)
+    return out
 
 
 # ------------------------------------------------------------------ offline reference
@@ -318,13 +324,14 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
             s["client_cpu_share"] = (time.process_time() - client0) / wall
             if pids:
                 after = cpu_snapshot(pids)
-                for role in after:
+                for role in after:  # gateway_cpu_us_per_token, gateway_sys_cpu_us_per_token (its kernel part), ...
                     s[f"{role}_cpu_us_per_token"] = (after[role] - before[role]) * 1e6 / max(1, s["out_tokens"])
             key = f"{route}{'' if stream else '-nostream'}"
             out[key] = s
             log(f"{key}: {s['out_tok_s']:.0f} out tok/s, TTFT p50 {s['ttft_p50_ms']:.1f} ms, ITL p50 "
                 f"{s['itl_p50_ms']:.2f} ms, errors {s['errors']}, gateway "
-                f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token, worker "
+                f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token "
+                f"({s.get('gateway_sys_cpu_us_per_token', float('nan')):.1f} of it in the kernel), worker "
                 f"{s.get('workers_cpu_us_per_token', float('nan')):.1f} us/token, client CPU {s['client_cpu_share']:.0%}")
         if args.batch1:
             # One stream at a time: the server's time per output token against the engine's batch-1 step.

@@ -57,9 +57,18 @@ def alive(pid: int) -> bool:
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float:
     """User + system CPU time of a process (or one of its threads); 0 when it is gone."""
+    return sum(cpu_split(pid, tid))
+
+
+def cpu_split(pid: int, tid: int | None = None) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process (or one of its threads); zeros when it is gone. The
+    system part is the kernel working for it: for a server, mostly its sockets."""
     path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     fields = _stat_fields(path)
-    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    if fields is None:
+        return 0.0, 0.0
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tck, int(fields[12]) / tck
 
 
 def run_seconds(pid: int) -> float:

@@ -43,3 +43,28 @@ def test_run_seconds_of_another_process_and_of_a_gone_one():
     finally:
         p.communicate(b"")
     assert procfs.run_seconds(p.pid) == 0.0
+
+
+def test_cpu_split_tells_kernel_time_from_user_time():
+    """After start-up, a process summing ranges in Python spends user time (process_time() itself is a
+    syscall, hence not called in a tight loop); one reading /dev/zero in 1 MiB reads
+    spends system time (the kernel fills the buffers)."""
+    work = {"user": "while time.process_time() < end: sum(range(20000))",
+            "sys": "fd = os.open('/dev/zero', os.O_RDONLY)\nwhile time.process_time() < end: os.read(fd, 1 << 20)"}
+    for kind, loop in work.items():
+        code = f"import os, sys, time\nsys.stdin.readline()\nend = time.process_time() + 0.4\n{loop}\nprint('done', flush=True)\nsys.stdin.readline()"
+        p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            time.sleep(0.5)  # start-up (imports: system time of its own) is over before the first reading
+            u0, s0 = procfs.cpu_split(p.pid)
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            assert p.stdout.readline().strip() == "done"
+            u1, s1 = procfs.cpu_split(p.pid)
+            assert abs(u1 + s1 - procfs.cpu_seconds(p.pid)) < 0.02
+            user, system = u1 - u0, s1 - s0
+            assert user + system >= 0.3, (kind, user, system)
+            assert (user > 2 * system) if kind == "user" else (system > 2 * user), (kind, user, system)
+        finally:
+            p.communicate("\n")
+    assert procfs.cpu_split(p.pid) == (0.0, 0.0)
