@@ -35,32 +35,14 @@ def create_app(state: GatewayState) -> web.Application:
     app[STATE] = state
     s = state
 
-    async def completions(request):
-        return await openai_api.completions(s, request)
-
-    async def chat(request):
-        return await openai_api.chat_completions(s, request)
-
     async def models(request):
         return json_response(openai_api.models(s))
 
     async def model(request):
         return json_response(openai_api.model(s, request.match_info["model_id"]))
 
-    async def generate(request):
-        return await native_api.generate(s, request)
-
-    async def programs(request):
-        return await programs_api.run_program(s, request)
-
     async def model_info(request):
         return json_response(admin_api.model_info(s))
-
-    async def tokenize(request):
-        return await tokenize_api.tokenize(s, request)
-
-    async def detokenize(request):
-        return await tokenize_api.detokenize(s, request)
 
     async def server_info(request):
         return json_response(await admin_api.server_info(s))
@@ -77,16 +59,16 @@ def create_app(state: GatewayState) -> web.Application:
     async def metrics(request):
         return await admin_api.metrics(s)
 
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", _bound(s, openai_api.completions))
+    app.router.add_post("/v1/chat/completions", _bound(s, openai_api.chat_completions))
     app.router.add_get("/v1/models", models)
     # {model_id:.+}: hub ids contain a slash (meta-llama/Llama-3.1-8B).
     app.router.add_get("/v1/models/{model_id:.+}", model)
-    app.router.add_post("/generate", generate)
-    app.router.add_post("/v1/programs", programs)
+    app.router.add_post("/generate", _bound(s, native_api.generate))
+    app.router.add_post("/v1/programs", _bound(s, programs_api.run_program))
     for prefix in ("", "/v1"):  # SGLang serves both; vLLM the first
-        app.router.add_post(f"{prefix}/tokenize", tokenize)
-        app.router.add_post(f"{prefix}/detokenize", detokenize)
+        app.router.add_post(f"{prefix}/tokenize", _bound(s, tokenize_api.tokenize))
+        app.router.add_post(f"{prefix}/detokenize", _bound(s, tokenize_api.detokenize))
     for path in ("/get_model_info", "/model_info"):
         app.router.add_get(path, model_info)
     for path in ("/server_info", "/get_server_info"):
@@ -107,6 +89,14 @@ def create_app(state: GatewayState) -> web.Application:
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app
+
+
+def _bound(state: GatewayState, translator):
+    """A route handler for a translator that takes (state, request)."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await translator(state, request)
+
+    return handler
 
 
 async def _on_startup(app: web.Application) -> None:
