@@ -56,6 +56,21 @@ async def test_unknown_sampling_parameters_warn_or_refuse_under_strict():
         await r.read()
         r = await s.client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}})
         assert "Warning" not in r.headers
+        # The client's key names cannot break or inject the header: newlines, quotes, NUL and non-Latin-1
+        # characters come back escaped (this request used to be dropped without an answer).
+        odd = {"a\r\nX-Evil: 1": 1, 'q"\\': 2, "\u0000\u00fc\ud83d\ude00": 3, "long" * 40: 4}
+        for stream in (False, True):
+            r = await s.client.post("/generate", json={"text": "x", "stream": stream,
+                                                       "sampling_params": {"max_new_tokens": 1, **odd}})
+            assert r.status == 200 and "X-Evil" not in r.headers
+            await r.read()
+            warning = r.headers["Warning"]
+            assert warning.isascii() and warning.isprintable(), warning
+            assert "a\\r\\nX-Evil: 1" in warning and 'q\\"\\\\' in warning and "\\u0000\\u00fc" in warning
+            assert ("long" * 16) in warning and ("long" * 17) not in warning
+        many = {f"k{i:02d}": i for i in range(20)}
+        r = await s.client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1, **many}})
+        assert r.headers["Warning"].endswith('k15 and 4 more"')
     async with gateway_stack(limits=Limits(strict_sampling_params=True)) as s:
         r = await s.client.post("/generate", json=body)
         assert r.status == 400

@@ -2,6 +2,7 @@
 streaming with cumulative text, logprob entries [logprob, token_id, text-or-null]."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +33,15 @@ class NativeJob:
     unknown: list[str] = field(default_factory=list)  # sampling_params keys we do not know (ignored)
 
     def headers(self) -> dict[str, str]:
-        """Ignored keys are said out loud (an HTTP Warning) rather than silently dropped."""
+        """Ignored keys are said out loud (an HTTP Warning) rather than silently dropped. The names are the
+        client's: escaped to printable ASCII (a newline would split the header, a non-Latin-1 character
+        would fail to encode it and drop the connection without an answer), each cut to 64 characters,
+        at most 16 of them."""
         if not self.unknown:
             return {}
-        return {"Warning": f'299 radixserve "unknown sampling parameters ignored: {", ".join(self.unknown)}"'}
+        names = [json.dumps(k[:64])[1:-1] for k in self.unknown[:16]]
+        more = f" and {len(self.unknown) - 16} more" if len(self.unknown) > 16 else ""
+        return {"Warning": f'299 radixserve "unknown sampling parameters ignored: {", ".join(names)}{more}"'}
 
 
 async def generate(state: "GatewayState", request: web.Request) -> web.StreamResponse:
