@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from services.gateway.admission import check_model, token_ids_in_vocab
+from services.gateway.admission import check_model, check_token_ids
 from services.gateway.chat_request import parse_chat
 from services.gateway.errors import bad_request
 from services.gateway.fields import get_bool, is_token_ids
@@ -53,11 +53,11 @@ async def tokenize(state: "GatewayState", request: web.Request) -> web.Response:
         return json_response(_tokens_answer(state, await state.cpu.encode(prompt, add_special), token_strs))
     if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) for p in prompt):
         raise bad_request("'prompt' must be a string or a non-empty list of strings", "prompt")
-    answers = [_tokens_answer(state, await state.cpu.encode(p, add_special), token_strs) for p in prompt]
-    out: dict[str, Any] = {"count": [a["count"] for a in answers], "max_model_len": state.context_length,
-                           "tokens": [a["tokens"] for a in answers]}
+    lists = [await state.cpu.encode(p, add_special) for p in prompt]
+    out: dict[str, Any] = {"count": [len(ids) for ids in lists], "max_model_len": state.context_length,
+                           "tokens": lists}
     if token_strs:
-        out["token_strs"] = [a["token_strs"] for a in answers]
+        out["token_strs"] = [_token_strs(state, ids) for ids in lists]
     return json_response(out)
 
 
@@ -71,11 +71,9 @@ async def detokenize(state: "GatewayState", request: web.Request) -> web.Respons
     else:
         raise bad_request("'tokens' must be a list of token ids or a non-empty list of such lists", "tokens")
     skip = get_bool(body, "skip_special_tokens", True)
-    vocab = state.tokenizer.vocab_size
     for ids in batch:
-        if ids and not token_ids_in_vocab(state, ids):
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        if ids:  # an empty list is the empty text here, not an empty prompt
+            check_token_ids(state, ids, "tokens")
     decode = state.tokenizer.decode
     if sum(map(len, batch)) <= INLINE_DECODE_TOKENS:
         texts = [decode(ids, skip_special_tokens=skip) for ids in batch]
@@ -96,5 +94,9 @@ async def _body(state: "GatewayState", request: web.Request) -> dict:
 def _tokens_answer(state: "GatewayState", ids: list[int], token_strs: bool) -> dict:
     out: dict[str, Any] = {"count": len(ids), "max_model_len": state.context_length, "tokens": ids}
     if token_strs:
-        out["token_strs"] = [state.tokenizer.id_to_token(t) for t in ids]
+        out["token_strs"] = _token_strs(state, ids)
     return out
+
+
+def _token_strs(state: "GatewayState", ids: list[int]) -> list[str | None]:
+    return [state.tokenizer.id_to_token(t) for t in ids]
