@@ -160,8 +160,9 @@ def main():
 
     from bench.serving import MODEL, run_load, summarize
 
+    # ROOT first, whatever else the caller's path holds kept (the GPU image's wheels live in a --target dir).
     env = {**os.environ, "RADIXSERVE_INTERNAL_KEY": os.environ.get("RADIXSERVE_INTERNAL_KEY", "bench-key"),
-           "PYTHONPATH": ROOT}
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     gport = _free_port()
     worker = subprocess.Popen([sys.executable, "-m", "bench.gateway_overhead", "--fake-worker", "0",
                                "--step-ms", str(args.step_ms), "--stream-interval", str(args.stream_interval)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
