@@ -11,7 +11,9 @@
     python -m bench.probe trace256   # the batch-256 decode graph of that workload, kernel by kernel
     python -m bench.probe trace_prefill  # its prefill passes (8k-token chunks, eager), kernel by kernel
     python -m bench.probe extend_pack    # extend attention, one query head per program vs a KV group's heads packed
-    python -m bench.probe prefill_attn   # no-prefix prefill attention: larger packed tiles vs cuDNN SDPA per sequence
+    python -m bench.probe prefill_attn   # no-prefix prefill attention: our tiles vs cuDNN SDPA per sequence
+    python -m bench.probe trace_prefill4k  # bench.offline's prefill passes (2 x 4096 tokens), kernel by kernel
+    python -m bench.probe extend_layout  # extend attention on the engine's qkv views vs contiguous, alone and after a GEMM
 """
 from __future__ import annotations
 
@@ -199,7 +201,7 @@ def probe_prefill_attn(res: dict) -> None:
     for B, L in [(1, 1024), (4, 1024), (1, 2048), (2, 4096), (1, 8192)]:
         q, k, v, kb, r2t, req, zero, lens, starts, cu, flops, out = _packed_batch(B, L)
         ref = None
-        for cfg in [None, (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 2)]:
+        for cfg in [None, (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)]:
             name = f"ours packed {cfg or extend_block_sizes(D, DT, L * 4)}"
             try:
                 t = graph_time_ms(lambda i: extend_attention(q, k, v, kb, kb, r2t, req, zero, lens, starts, L,
@@ -229,16 +231,6 @@ def probe_prefill_attn(res: dict) -> None:
         log(rows[-1])
         del q, k, v
         torch.cuda.empty_cache()
-    # A length cuDNN has not seen: the first call builds its plan.
-    for L in (3001, 3002, 3001):
-        q, k, v = (torch.randn(1, h, L, D, dtype=DT, device="cuda") for h in (HQ, HKV, HKV))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        torch.cuda.synchronize()
-        rows.append({"case": f"first call at length {L}", "impl": "cuDNN SDPA", "ms": (time.perf_counter() - t0) * 1e3})
-        log(rows[-1])
     res["prefill_attn"] = rows
 
 
@@ -429,6 +421,46 @@ def probe_trace_prefill(res: dict) -> None:
         drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 1})
     _kernel_table(res, "trace_prefill", [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA],
                   256 * 512 // 8192, "per 8k-token pass")
+    eng.stop()
+
+
+def probe_extend_layout(res: dict) -> None:
+    """Why the engine's extend kernel (2 x 4096, no prefix) runs slower inside a prefill pass than alone:
+    q/k/v as the engine hands them (views of the fused qkv projection's output, rows 6144 apart) against
+    contiguous tensors, and the kernel right after a gate_up-sized GEMM (the pass's heat) minus that
+    GEMM alone."""
+    from kernels.attention.triton_extend import extend_attention
+    B, L = 2, 4096
+    q, k, v, kb, r2t, req, zero, lens, starts, cu, flops, out = _packed_batch(B, L)
+    qkv = torch.randn(B * L, (HQ + 2 * HKV) * D, dtype=DT, device="cuda")
+    qv, kv_, vv = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
+    qv, kv_, vv = qv.view(-1, HQ, D), kv_.view(-1, HKV, D), vv.view(-1, HKV, D)
+    x = torch.randn(B * L, HIDDEN, dtype=DT, device="cuda")
+    w = torch.randn(2 * INTER, HIDDEN, dtype=DT, device="cuda")
+    rows = []
+    gemm = graph_time_ms(lambda i: torch.nn.functional.linear(x, w), reps=7)
+    rows.append({"case": "gate_up GEMM alone", "us": gemm * 1e3})
+    for name, (a, b_, c) in [("contiguous", (q, k, v)), ("qkv views", (qv, kv_, vv))]:
+        def call(i, a=a, b_=b_, c=c):
+            extend_attention(a, b_, c, kb, kb, r2t, req, zero, lens, starts, L, D ** -0.5, out=out)
+        t = graph_time_ms(call, reps=7)
+        t2 = graph_time_ms(lambda i: (torch.nn.functional.linear(x, w), call(i)), reps=7)
+        rows.append({"case": name, "us": t * 1e3, "TFLOPs": flops / t / 1e9, "after_gemm_us": (t2 - gemm) * 1e3})
+        log(rows[-1])
+    res["extend_layout"] = rows
+
+
+def probe_trace_prefill4k(res: dict) -> None:
+    """bench.offline's prefill goal workload (16 prompts of 4096 tokens, 8k-token passes of two prompts,
+    eager), kernel by kernel: what besides the GEMMs separates it from the matmul rate."""
+    from torch.profiler import ProfilerActivity, profile
+    eng = _tput_engine()
+    drive(eng, random_prompts(2, 4096, 400, 29), {**GREEDY, "max_new_tokens": 1})
+    eng.cache.reset()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        drive(eng, random_prompts(16, 4096, 400, 30), {**GREEDY, "max_new_tokens": 1})
+    _kernel_table(res, "trace_prefill4k", [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA],
+                  8, "per 8k-token pass")
     eng.stop()
 
 
@@ -623,6 +655,7 @@ def main() -> int:
              "trace_pdl": probe_trace_pdl, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
              "tput": probe_tput, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
+             "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "gemm_tune": probe_gemm_tune}[w](res)
         except Exception as e:
             import traceback

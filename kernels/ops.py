@@ -56,14 +56,17 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
 
 def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                             cos_sin_cache: torch.Tensor, head_dim: int, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                            loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """apply_rope then store_kv; one kernel on CUDA (k, v: [T, Hkv, D])."""
+                            loc: torch.Tensor, out: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """apply_rope then store_kv; one kernel on CUDA (k, v: [T, Hkv, D]). Returns (q, k, v): rotated in
+    place, or with `out` new contiguous [T, H, D] tensors (kernels.rope.apply_rope_and_store_kv)."""
     if _on_gpu(q):
         from kernels.rope import apply_rope_and_store_kv as kern
-        return kern(q, k, v, positions, cos_sin_cache, head_dim, k_buf, v_buf, loc)
+        return kern(q, k, v, positions, cos_sin_cache, head_dim, k_buf, v_buf, loc, out=out)
+    if out:
+        q, k, v = (x.reshape(x.shape[0], -1, head_dim).clone(memory_format=torch.contiguous_format) for x in (q, k, v))
     q, k = apply_rope(q, k, positions, cos_sin_cache, head_dim)
     store_kv(k_buf, v_buf, loc, k, v)
-    return q, k
+    return q, k, v
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

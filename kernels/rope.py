@@ -15,7 +15,8 @@ from kernels._utils import next_pow2, pdl_launch, pdl_prologue
 
 
 @triton.jit
-def _rotate_heads(X, stride_h, H, cos, sin, HALF, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+def _rotate_heads(X, stride_h, Y, stride_yh, H, cos, sin, HALF, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Heads of one token read at X, rotated, written at Y (X itself for in place)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, BLOCK_R)
     mask = (offs_h[:, None] < H) & (offs_r[None, :] < HALF)
@@ -24,44 +25,64 @@ def _rotate_heads(X, stride_h, H, cos, sin, HALF, BLOCK_H: tl.constexpr, BLOCK_R
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     y1 = (x1 * cos - x2 * sin).to(X.dtype.element_ty)
     y2 = (x2 * cos + x1 * sin).to(X.dtype.element_ty)
-    tl.store(p1, y1, mask=mask)
-    tl.store(p1 + HALF, y2, mask=mask)
+    q1 = Y + offs_h[:, None] * stride_yh + offs_r[None, :]
+    tl.store(q1, y1, mask=mask)
+    tl.store(q1 + HALF, y2, mask=mask)
     return y1, y2
 
 
 @triton.jit
-def _rope_token(Q, K, POS, CS, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK, HALF,
+def _copy_heads(X, stride_h, Y, stride_yh, H, lo, D, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Dims [lo, D) of one token's heads copied from X to Y."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_c = lo + tl.arange(0, BLOCK_C)
+    mask = (offs_h[:, None] < H) & (offs_c[None, :] < D)
+    x = tl.load(X + offs_h[:, None] * stride_h + offs_c[None, :], mask=mask)
+    tl.store(Y + offs_h[:, None] * stride_yh + offs_c[None, :], x, mask=mask)
+
+
+@triton.jit
+def _rope_token(Q, K, QO, KO, POS, CS, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+                stride_okt, stride_okh, stride_cs, HQ, HK, HALF,
                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Token t's q and k heads rotated in place; returns k's rotated halves (in k's dtype)."""
+    """Token t's q and k heads rotated into QO / KO (Q / K for in place); returns k's rotated halves (in
+    k's dtype)."""
     pos = tl.load(POS + t).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     cos = tl.load(CS + pos * stride_cs + offs_r, mask=offs_r < HALF, other=0.0)[None, :]
     sin = tl.load(CS + pos * stride_cs + HALF + offs_r, mask=offs_r < HALF, other=0.0)[None, :]
-    _rotate_heads(Q + t * stride_qt, stride_qh, HQ, cos, sin, HALF, BLOCK_HQ, BLOCK_R)
-    return _rotate_heads(K + t * stride_kt, stride_kh, HK, cos, sin, HALF, BLOCK_HK, BLOCK_R)
+    _rotate_heads(Q + t * stride_qt, stride_qh, QO + t * stride_ot, stride_oh, HQ, cos, sin, HALF, BLOCK_HQ, BLOCK_R)
+    return _rotate_heads(K + t * stride_kt, stride_kh, KO + t * stride_okt, stride_okh, HK, cos, sin, HALF,
+                         BLOCK_HK, BLOCK_R)
 
 
 @triton.jit
 def _rope_kernel(Q, K, POS, CS, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK, HALF,
                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    _rope_token(Q, K, POS, CS, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK, HALF,
-                BLOCK_HQ, BLOCK_HK, BLOCK_R)
+    _rope_token(Q, K, Q, K, POS, CS, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_qt, stride_qh,
+                stride_kt, stride_kh, stride_cs, HQ, HK, HALF, BLOCK_HQ, BLOCK_HK, BLOCK_R)
 
 
 @triton.jit
-def _rope_store_kv_kernel(Q, K, V, POS, CS, KB, VB, LOC, stride_qt, stride_qh, stride_kt, stride_kh,
-                          stride_vt, stride_vh, stride_cs, stride_bs, stride_bh, HQ, HK, HALF, D,
-                          BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
+def _rope_store_kv_kernel(Q, K, V, POS, CS, KB, VB, LOC, QO, KO, VO, stride_qt, stride_qh, stride_kt, stride_kh,
+                          stride_vt, stride_vh, stride_cs, stride_bs, stride_bh, stride_ot, stride_okt, HQ, HK,
+                          HALF, D, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HAS_PASS: tl.constexpr,
-                          PDL: tl.constexpr):
+                          OUT: tl.constexpr, PDL: tl.constexpr):
     """One token per program: rope on q and k exactly as _rope_kernel does (k rounded to its own dtype,
-    then cast to the pool's, as rope followed by store_kv would), and k, v written to the token's slot."""
+    then cast to the pool's, as rope followed by store_kv would), and k, v written to the token's slot.
+    OUT: q, k, v written to the contiguous [T, H, D] tensors QO, KO, VO (whole heads, the unrotated tail
+    too), Q and K left as they were; else q and k rotated in place."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(LOC + t).to(tl.int64)
-    y1, y2 = _rope_token(Q, K, POS, CS, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK, HALF,
-                         BLOCK_HQ, BLOCK_HK, BLOCK_R)
+    if OUT:
+        y1, y2 = _rope_token(Q, K, QO, KO, POS, CS, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, D,
+                             stride_okt, D, stride_cs, HQ, HK, HALF, BLOCK_HQ, BLOCK_HK, BLOCK_R)
+    else:
+        y1, y2 = _rope_token(Q, K, Q, K, POS, CS, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_qt,
+                             stride_qh, stride_kt, stride_kh, stride_cs, HQ, HK, HALF, BLOCK_HQ, BLOCK_HK, BLOCK_R)
     offs_r = tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_HK)
     mask_h = offs_h[:, None] < HK
@@ -74,10 +95,15 @@ def _rope_store_kv_kernel(Q, K, V, POS, CS, KB, VB, LOC, stride_qt, stride_qh, s
         mask_p = mask_h & (offs_p[None, :] < D)
         kp = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_p[None, :], mask=mask_p)
         tl.store(KB + dst + offs_p[None, :], kp.to(KB.dtype.element_ty), mask=mask_p)
+        if OUT:
+            tl.store(KO + t * stride_okt + offs_h[:, None] * D + offs_p[None, :], kp, mask=mask_p)
+            _copy_heads(Q + t * stride_qt, stride_qh, QO + t * stride_ot, D, HQ, 2 * HALF, D, BLOCK_HQ, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = mask_h & (offs_d[None, :] < D)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask_d)
     tl.store(VB + dst + offs_d[None, :], v.to(VB.dtype.element_ty), mask=mask_d)
+    if OUT:
+        tl.store(VO + t * stride_okt + offs_h[:, None] * D + offs_d[None, :], v, mask=mask_d)
 
 
 def _head_strides(x: torch.Tensor, head_dim: int) -> tuple[int, int, int]:
@@ -105,10 +131,14 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
 
 def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                             cos_sin_cache: torch.Tensor, head_dim: int, k_buf: torch.Tensor,
-                            v_buf: torch.Tensor, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                            v_buf: torch.Tensor, loc: torch.Tensor,
+                            out: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """apply_rope(q, k) then store_kv(k_buf, v_buf, loc, k, v) in one launch, with the same results bit
-    for bit: q and k rotated in place, the rotated k and v written to slots `loc` of the pool buffers
-    [slots, Hkv, D]. q, k, v: [T, H*D] or [T, H, D] (strided views of a fused qkv output are fine)."""
+    for bit: the rotated k and v written to slots `loc` of the pool buffers [slots, Hkv, D]. q, k, v:
+    [T, H*D] or [T, H, D] (strided views of a fused qkv output are fine). Returns (q, k, v): without
+    `out`, q and k rotated in place and v itself; with it, new contiguous [T, H, D] tensors (q and k
+    untouched), which extend attention reads faster than views whose rows lie a whole qkv row apart
+    (2 x 4096 tokens, Llama-8B heads, H200: 735 -> 606 us)."""
     sqt, sqh, hq = _head_strides(q, head_dim)
     skt, skh, hk = _head_strides(k, head_dim)
     svt, svh, hv = _head_strides(v, head_dim)
@@ -117,11 +147,16 @@ def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     assert k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape[1:] == (hk, head_dim)
     T = q.shape[0]
     n_pass = head_dim - 2 * half
+    if out:
+        qo = torch.empty(T, hq, head_dim, dtype=q.dtype, device=q.device)
+        ko, vo = (torch.empty(T, hk, head_dim, dtype=x.dtype, device=x.device) for x in (k, v))
+    else:
+        qo, ko, vo = q, k, v
     if T:
         _rope_store_kv_kernel[(T,)](
-            q, k, v, positions, cos_sin_cache, k_buf, v_buf, loc, sqt, sqh, skt, skh, svt, svh,
-            cos_sin_cache.stride(0), k_buf.stride(0), k_buf.stride(1), hq, hk, half, head_dim,
-            BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_R=next_pow2(half),
-            BLOCK_D=next_pow2(head_dim), BLOCK_P=next_pow2(max(1, n_pass)), HAS_PASS=n_pass > 0, num_warps=4,
-            **pdl_launch())
-    return q, k
+            q, k, v, positions, cos_sin_cache, k_buf, v_buf, loc, qo, ko, vo, sqt, sqh, skt, skh, svt, svh,
+            cos_sin_cache.stride(0), k_buf.stride(0), k_buf.stride(1), hq * head_dim, hk * head_dim, hq, hk, half,
+            head_dim, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_R=next_pow2(half),
+            BLOCK_D=next_pow2(head_dim), BLOCK_P=next_pow2(max(1, n_pass)), HAS_PASS=n_pass > 0, OUT=out,
+            num_warps=4, **pdl_launch())
+    return qo, ko, vo

@@ -98,6 +98,19 @@ def check_rope_store_kv(device, dtype):
             worlds.append((x, kb, vb))
         for a, b in zip(*worlds):
             assert torch.equal(a, b), f"fused rope+store differs from rope then store_kv (T={T} d={d} rot={rot})"
+        # out=True: the same q, k, v bits as new contiguous [T, H, D] tensors, the inputs untouched, the
+        # same pool writes.
+        x = qkv.clone()
+        q, k, v = x[:, :hq * d], x[:, hq * d:(hq + hkv) * d], x[:, (hq + hkv) * d:]
+        kb, vb = (torch.zeros(40, hkv, d, dtype=dtype, device=device) for _ in range(2))
+        qo, ko, vo = apply_rope_and_store_kv(q, k, v, pos, cache, d, kb, vb, loc, out=True)
+        assert torch.equal(x, qkv), "out=True must leave q, k, v as they were"
+        rotated = worlds[0][0]
+        for got, want, h in [(qo, rotated[:, :hq * d], hq), (ko, rotated[:, hq * d:(hq + hkv) * d], hkv),
+                             (vo, rotated[:, (hq + hkv) * d:], hkv)]:
+            assert got.is_contiguous() and got.shape == (T, h, d)
+            assert torch.equal(got, want.reshape(T, h, d)), f"out=True differs (T={T} d={d} rot={rot})"
+        assert torch.equal(kb, worlds[0][1]) and torch.equal(vb, worlds[0][2])
         x, kb, vb = worlds[0]
         q_ref, k_ref = rope_ref(qkv[:, :hq * d], qkv[:, hq * d:(hq + hkv) * d], pos, cache, d)
         kb_ref, vb_ref = torch.zeros_like(kb), torch.zeros_like(vb)
@@ -564,7 +577,7 @@ def test_cuda_pdl_kernels_match_plain_launches_in_a_graph():
         h, _ = rms_norm(x.clone(), nw, 1e-5, res)
         qkv = gemv(h, wq, config=GemvConfig(4, 256, 2, 2))  # split-K: the reduce kernel chains too
         q, k, v = qkv.view(1, -1, d).split([hq, hkv, hkv], dim=1)
-        q, k = apply_rope_and_store_kv(q, k, v, pos, cs, d, k_buf, v_buf, loc)
+        q, k, _ = apply_rope_and_store_kv(q, k, v, pos, cs, d, k_buf, v_buf, loc)
         o = decode_attention(q.contiguous(), k_buf, v_buf, r2t, req_idx, seq, num_kv_splits_for(seq, ms), ms,
                              d ** -0.5)
         return gemv(o.view(1, -1), wo)

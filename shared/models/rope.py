@@ -102,7 +102,9 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim)
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor):
+                         k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, out: bool = False):
         """forward(positions, q, k), then the rotated k and v written to pool slots `loc` (k, v:
-        [T, Hkv, D]); one kernel on CUDA. Every scaling type lives in the table, so all take this path."""
-        return ops.apply_rope_and_store_kv(q, k, v, positions, self.cos_sin_cache, self.head_dim, k_buf, v_buf, loc)
+        [T, Hkv, D]); one kernel on CUDA. Every scaling type lives in the table, so all take this path.
+        Returns (q, k, v); `out`: as new contiguous tensors, the inputs untouched (kernels.ops)."""
+        return ops.apply_rope_and_store_kv(q, k, v, positions, self.cos_sin_cache, self.head_dim, k_buf, v_buf, loc,
+                                           out=out)

@@ -103,7 +103,10 @@ class AttentionBackend(ABC):
             fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         else:
             k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
-            q, k = rotary.rotate_and_store(fb.positions, q, k, v, k_buf, v_buf, fb.out_cache_loc)
+            # Extend attention streams k and v once per query block: contiguous copies (one write of v
+            # more) read faster than rows a whole qkv row apart. Decode reads q once: in place.
+            q, k, v = rotary.rotate_and_store(fb.positions, q, k, v, k_buf, v_buf, fb.out_cache_loc,
+                                              out=fb.mode != ForwardMode.DECODE)
         if fb.mode == ForwardMode.DECODE:
             o = self.forward_decode(q, layer_id, fb)
         else:
