@@ -447,6 +447,13 @@ def probe_extend_layout(res: dict) -> None:
         t2 = graph_time_ms(lambda i: (torch.nn.functional.linear(x, w), call(i)), reps=7)
         rows.append({"case": name, "us": t * 1e3, "TFLOPs": flops / t / 1e9, "after_gemm_us": (t2 - gemm) * 1e3})
         log(rows[-1])
+    # Inputs out of L2, as in a pass (q, k, v were written a rope kernel ago, 100 MB through a 50 MB L2):
+    # four input sets in turn, each ~100 MB.
+    sets = [tuple(torch.randn_like(x) for x in (q, k, v)) for _ in range(4)]
+    t = graph_time_ms(lambda i: extend_attention(*sets[i % 4], kb, kb, r2t, req, zero, lens, starts, L, D ** -0.5,
+                                                 out=out), reps=7)
+    rows.append({"case": "contiguous, 4 input sets in turn", "us": t * 1e3, "TFLOPs": flops / t / 1e9})
+    log(rows[-1])
     res["extend_layout"] = rows
 
 
