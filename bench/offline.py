@@ -197,6 +197,11 @@ def main():
     res["prefill_tflops"] = pf_tok_s * flops_tok / 1e12
     log(f"  {pf_tok_s:.0f} tok/s = {res['prefill_tflops']:.0f} TFLOP/s")
     eng.cache.reset()
+    # The goal's reference is the matmul rate of a cool GPU (measured first, in bursts). Measured again
+    # here, right after the sustained passes, it is the rate at the clocks the prefill ran at: on the H200
+    # 696 against 731-737 at the start (bench.probe prefill_tiles, 2026-12-02). Reported beside the goal.
+    if cuda:
+        res["matmul_tflops_after_prefill"] = measure_matmul_tflops()
 
     with open(os.path.join(args.out, "offline.json"), "w") as f:
         json.dump(res, f, indent=2)
@@ -231,6 +236,10 @@ def main():
     for (name, _, _, ratio), goal in zip(rows, (GOAL_B1_OF_FLOOR, GOAL_TPUT_OF_ROOFLINE, None, GOAL_PREFILL_OF_MATMUL)):
         if goal is not None:
             print(f"{'PASS' if ratio >= goal else 'FAIL'}  {name.strip()} at {ratio:.3f} of its reference (goal >= {goal})")
+    if res.get("matmul_tflops_after_prefill"):
+        hot = res["matmul_tflops_after_prefill"]
+        print(f"info  prefill at {res['prefill_tflops'] / hot:.3f} of the matmul rate measured right after it "
+              f"({hot:.0f} TFLOP/s; the goal's reference, {tflops:.0f}, is measured on a cool GPU first)")
     ov = res["zero_reuse_overhead"]
     print(f"{'PASS' if ov <= GOAL_ZERO_REUSE_OVERHEAD else 'FAIL'}  zero-reuse overhead of the radix cache "
           f"{100 * ov:.2f}% (median of {len(res['tput_cache_on_runs'])} on vs {len(res['tput_cache_off_runs'])} "

@@ -13,6 +13,7 @@
     python -m bench.probe extend_pack    # extend attention, one query head per program vs a KV group's heads packed
     python -m bench.probe prefill_attn   # no-prefix prefill attention: our tiles vs cuDNN SDPA per sequence
     python -m bench.probe trace_prefill4k  # bench.offline's prefill passes (2 x 4096 tokens), kernel by kernel
+    python -m bench.probe prefill_tiles  # bench.offline's prefill rate with the long-prompt extend tile varied in the engine
     python -m bench.probe extend_layout  # extend attention on the engine's qkv views vs contiguous, alone and after a GEMM
 """
 from __future__ import annotations
@@ -457,6 +458,39 @@ def probe_extend_layout(res: dict) -> None:
     res["extend_layout"] = rows
 
 
+def probe_prefill_tiles(res: dict) -> None:
+    """bench.offline's prefill measurement (16 x 4096 tokens, 8k-token passes, each pass synced and timed)
+    with the extend kernel's tile for long prompts varied in the engine itself (inside a pass its inputs
+    come cold from HBM, so the tile that wins alone need not win there), alternated, with the matmul
+    reference of the same call."""
+    import kernels.attention.triton_extend as te
+    from bench.common import SHAPES, matmul_params, measure_matmul_tflops
+    cfg = SHAPES["llama-3.1-8b"]
+    flops_tok = 2 * matmul_params(cfg) + 2 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * 4096
+    default = te.extend_block_sizes
+    eng = _tput_engine()
+    rows = []
+    for tiles in [None, (128, 64, 8, 3), (128, 128, 8, 3), None, (128, 64, 8, 3), (128, 128, 8, 3)]:
+        te.extend_block_sizes = default if tiles is None else (
+            lambda d, dt, r=None, t=tiles: t if r is not None and r >= 1024 else default(d, dt, r))
+        eng.cache.reset()
+        drive(eng, random_prompts(2, 4096, 400, 29), {**GREEDY, "max_new_tokens": 1})  # compile
+        eng.cache.reset()
+        st = drive(eng, random_prompts(16, 4096, 400, 30), {**GREEDY, "max_new_tokens": 1}, time_steps=True)
+        full = [(t, k) for t, k in zip(st.extend_step_s, st.extend_step_tokens) if k >= 8192]
+        tok_s = sum(k for _, k in full) / sum(t for t, _ in full)
+        rows.append({"tiles": str(tiles or "default"), "prefill_tflops": tok_s * flops_tok / 1e12,
+                     "pass_ms": 1e3 * sum(t for t, _ in full) / len(full)})
+        log(rows[-1])
+    te.extend_block_sizes = default
+    eng.stop()
+    ref = measure_matmul_tflops()
+    for r in rows:
+        r["of_matmul"] = r["prefill_tflops"] / ref
+    log(f"matmul reference {ref:.0f} TFLOP/s; " + ", ".join(f"{r['tiles']}: {r['of_matmul']:.3f}" for r in rows))
+    res["prefill_tiles"] = {"rows": rows, "matmul_tflops": ref}
+
+
 def probe_trace_prefill4k(res: dict) -> None:
     """bench.offline's prefill goal workload (16 prompts of 4096 tokens, 8k-token passes of two prompts,
     eager), kernel by kernel: what besides the GEMMs separates it from the matmul rate."""
@@ -663,6 +697,7 @@ def main() -> int:
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
              "tput": probe_tput, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
+             "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune}[w](res)
         except Exception as e:
             import traceback
