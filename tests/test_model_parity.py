@@ -70,3 +70,28 @@ def test_greedy_decode_matches_generate(family):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=DECODE_STEPS + 1)
         assert toks == ref[0, len(p):].tolist()
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_rope_writes_contiguous_qkv_only_for_a_backend_that_reads_them(mode):
+    """The rope + KV-store step copies q, k, v out of the fused qkv output only where it pays: extend
+    passes of the Triton backend (its kernel streams them); decode, and the torch backend (which reads
+    the pool), rotate in place."""
+    from types import SimpleNamespace
+
+    from shared.models.attention.torch_backend import TorchAttentionBackend
+    from shared.models.attention.triton_backend import TritonAttentionBackend
+    asked = []
+
+    class Rotary:
+        def rotate_and_store(self, positions, q, k, v, k_buf, v_buf, loc, out=False):
+            asked.append(out)
+            return q, k, v
+    fb = SimpleNamespace(mode=mode, positions=None, out_cache_loc=None,
+                         kv_pool=SimpleNamespace(get_kv=lambda layer: (None, None)))
+    q, kv = torch.zeros(3, 4 * 8), torch.zeros(3, 2 * 8)
+    for cls in (TritonAttentionBackend, TorchAttentionBackend):
+        backend = cls(4, 2, 8)
+        backend.forward_extend = backend.forward_decode = lambda q, *a, **kw: q
+        backend.forward(q, kv, kv.clone(), 0, fb, rotary=Rotary())
+    assert asked == [mode == ForwardMode.EXTEND, False]

@@ -18,6 +18,10 @@ class AttentionBackend(ABC):
     # groups runs in a captured graph where the backend can capture it (graph_cascade), eagerly
     # otherwise.
     supports_cascade: bool = False
+    # Whether forward_extend reads the new tokens' k/v (and q) as passed, fast enough on contiguous copies
+    # to pay for them: the rope + KV-store kernel then writes q, k, v to new [T, H, D] tensors instead of
+    # rotating views of the fused qkv output in place. Backends that read k/v from the pool leave it off.
+    extend_contiguous_qkv: bool = False
     cascade_min_group = 4  # requests sharing the prefix
     cascade_min_prefix = 256  # tokens of shared prefix
     cascade_min_saved_tokens = 65536  # prefix tokens not re-read in the whole batch (sum over groups)
@@ -103,10 +107,8 @@ class AttentionBackend(ABC):
             fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         else:
             k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
-            # Extend attention streams k and v once per query block: contiguous copies (one write of v
-            # more) read faster than rows a whole qkv row apart. Decode reads q once: in place.
             q, k, v = rotary.rotate_and_store(fb.positions, q, k, v, k_buf, v_buf, fb.out_cache_loc,
-                                              out=fb.mode != ForwardMode.DECODE)
+                                              out=self.extend_contiguous_qkv and fb.mode != ForwardMode.DECODE)
         if fb.mode == ForwardMode.DECODE:
             o = self.forward_decode(q, layer_id, fb)
         else:

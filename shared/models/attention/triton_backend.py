@@ -51,6 +51,10 @@ class TritonAttentionBackend(AttentionBackend):
                          if head_dim > MAX_HEAD_DIM else None)
         # Extend reads only device tensors, its grid bounded by fb.max_extend_len (not the torch fallback).
         self.extend_graph_safe = self.fallback is None
+        # The extend kernel streams k and v once per query block: contiguous copies (one write of v more)
+        # read faster than rows a whole qkv row apart (2 x 4096 tokens on the H200: 730 -> 600 us).
+        # Decode reads q once and stays in place.
+        self.extend_contiguous_qkv = self.fallback is None
         self._meta: _DecodeMetadata | _ExtendMetadata | None = None
         self._meta_batch: ForwardBatch | None = None
         self._graph_plans: dict[int, CascadePlan] = {}  # batch size -> static plan a captured graph reads
