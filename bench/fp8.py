@@ -28,9 +28,6 @@ def main():
     ap.add_argument("--reqs", type=int, default=128, help="requests of the throughput run (512 in, 128 out)")
     ap.add_argument("--steps", type=int, default=200, help="batch-1 decode steps")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
-    ap.add_argument("--w8a8", choices=("off", "on", "both"), default="off",
-                    help="FP8 decode rows through the W8A8 tensor-core GEMV (kernels.ops.set_w8a8_rows); both: "
-                         "the FP8 engine with each, the ratio from the faster")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available()
@@ -45,21 +42,10 @@ def main():
     kv = 600 * kv_bytes_per_token(cfg)
     res["floor_bf16_ms"] = (w + kv) / bw * 1e3
     res["floor_fp8_ms"] = ((w - lm_head) / 2 + lm_head + kv) / bw * 1e3  # lm_head stays bf16
-    from kernels.ops import set_w8a8_rows
-    runs = [("none", False)] + [("fp8", w) for w in {"off": [False], "on": [True], "both": [False, True]}[args.w8a8]]
-    for q, w8a8 in runs:
-        key = "fp8_w8a8" if w8a8 else q
-        log(f"engine quantization={q}{' (W8A8 rows)' if w8a8 else ''}")
-        set_w8a8_rows(w8a8)
-        res[key] = engine_figures(path, tok, cuda, 400, args.reqs, args.steps, quantization=q)
-        log(f"  {res[key]}"[:300])
-    set_w8a8_rows(False)
-    if "fp8_w8a8" in res:
-        print(f"FP8 weight-only rows vs W8A8 rows: batch-1 step {res.get('fp8', {}).get('b1_step_ms', float('nan')):.3f} "
-              f"vs {res['fp8_w8a8']['b1_step_ms']:.3f} ms, replay {res.get('fp8', {}).get('b1_graph_ms', float('nan')):.3f} "
-              f"vs {res['fp8_w8a8'].get('b1_graph_ms', float('nan')):.3f} ms")
-        if "fp8" not in res or res["fp8_w8a8"]["b1_step_ms"] < res["fp8"]["b1_step_ms"]:
-            res["fp8"] = res["fp8_w8a8"]
+    for q in ("none", "fp8"):
+        log(f"engine quantization={q}")
+        res[q] = engine_figures(path, tok, cuda, 400, args.reqs, args.steps, quantization=q)
+        log(f"  {res[q]}"[:300])
     ratio = res["fp8"]["b1_step_ms"] / res["none"]["b1_step_ms"]
     res["b1_ratio"] = ratio
     with open(os.path.join(args.out, "fp8.json"), "w") as f:

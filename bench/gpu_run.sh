@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-dp|serving-dp4|sync-audit|probes|recheck|tp|shared-prefix|w8a8|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-dp|serving-dp4|sync-audit|probes|recheck|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~6 min; 2026-12-02), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
@@ -77,13 +77,6 @@ if [[ $what == recheck ]]; then
   timeout 150 python3 -m bench.structured --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/structured.log" | tail -12
   timeout 270 python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream --batch1 16 --offline \
     --out "$OUT/interval16" -- --stream-interval 16 2>&1 | grep -v Capturing | tee "$OUT/serving_interval.log" | tail -12
-fi
-if [[ $what == w8a8 ]]; then
-  # FP8 decode rows on tensor cores with per-token activation scales (kernels.gemv.gemv_w8a8, issue 14 item 3):
-  # kernel checks on the GPU, the 32-layer chain with each shape's tiles swept, then the engine's batch-1 step.
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and (w8a8 or fp8)" 2>&1 | tail -3
-  timeout 330 python3 -m bench.gemv_chain_sweep --w8a8-study --budget 270 --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/w8a8.log" | tail -12
-  timeout 150 python3 -m bench.fp8 --w8a8 both --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/fp8.log" | tail -9
 fi
 if [[ $what == probes ]]; then
   # Where issue 14's batch-1, batch-256 and prefill time goes (bench/probe.py; 2026-12-01: ~3 min).

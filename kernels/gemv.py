@@ -22,7 +22,6 @@ import triton.language as tl
 
 from kernels._utils import dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue
 from kernels.activation import silu_mul_f32
-from kernels.quant import _row_values
 
 MAX_M = 4
 
@@ -192,110 +191,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
         EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul, num_warps=cfg.num_warps,
         PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1, **pdl_launch(pdl))
-    if split_k > 1:
-        BLOCK = 1024
-        _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,
-                                                          SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4,
-                                                          **pdl_launch(pdl))
-    return out
-
-
-# ---------------------------------------------------------------- FP8 x FP8 on tensor cores (W8A8 rows)
-
-@triton.jit
-def _gemv_w8a8_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT, fp8_max, eps,
-                      M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, XBLOCK: tl.constexpr, PDL: tl.constexpr):
-    """y = quant(x) . W^T with FP8 weights and FP8 activations on tensor cores: each program finds the
-    rows' dynamic per-token scales itself (a pass over x, which is L2-resident and small next to W), then
-    streams its weight tiles straight into the MMA (no weight conversion: the instruction issue that caps
-    the weight-only FP8 GEMV). The activation's bits are those of kernels.quant.quantize_per_token, so the
-    result is torch._scaled_mm's on the same quantized row (up to the order of the fp32 sums)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_m = tl.arange(0, 16)
-    offs_k = tl.arange(0, BLOCK_K)
-    k0 = pid_k * K_PER_SPLIT
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
-    if PDL:
-        w = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K)  # weights are nobody's output
-        pdl_prologue(PDL)
-    sx = tl.zeros([16], dtype=tl.float32) + 1.0
-    for m in tl.static_range(M):
-        amax = tl.zeros([XBLOCK], dtype=tl.float32)
-        for kx in range(0, K, XBLOCK):
-            offs = kx + tl.arange(0, XBLOCK)
-            amax = tl.maximum(amax, tl.abs(_row_values(X + m * stride_xm, offs, offs < K, K, SILU_MUL)))
-        sx = tl.where(offs_m == m, tl.maximum(tl.max(amax, axis=0), eps) / fp8_max, sx)
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    start = 0
-    if PDL:
-        acc = _w8a8_step(acc, w, X, stride_xm, sx, k0, K, offs_k, offs_m, fp8_max, M, SILU_MUL)
-        w_ptrs += BLOCK_K
-        start = BLOCK_K
-    for kk in range(start, K_PER_SPLIT, BLOCK_K):
-        w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K)
-        acc = _w8a8_step(acc, w, X, stride_xm, sx, k0 + kk, K, offs_k, offs_m, fp8_max, M, SILU_MUL)
-        w_ptrs += BLOCK_K
-    acc = acc * sx[None, :] * tl.load(S + offs_n, mask=mask_n, other=0.0)[:, None]
-    mask = mask_n[:, None] & (offs_m < M)[None, :]
-    if SPLIT_K == 1:
-        tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty), mask=mask)
-    else:
-        tl.store(P + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
-
-
-@triton.jit
-def _w8a8_step(acc, w, X, stride_xm, sx, kbase, K, offs_k, offs_m, fp8_max, M: tl.constexpr,
-               SILU_MUL: tl.constexpr):
-    """acc += W_tile . quant(x_tile)^T, x's rows as the MMA's (padded) columns."""
-    offs = kbase + offs_k
-    xb = tl.zeros((offs_k.shape[0], 16), dtype=tl.float32)
-    for m in tl.static_range(M):
-        s_m = tl.sum(tl.where(offs_m == m, sx, 0.0), axis=0)
-        v = tl.math.div_rn(_row_values(X + m * stride_xm, offs, offs < K, K, SILU_MUL), s_m)
-        v = tl.minimum(tl.maximum(v, -fp8_max), fp8_max)
-        xb = tl.where(offs_m[None, :] == m, v[:, None], xb)
-    return tl.dot(w, xb.to(w.dtype, fp_downcast_rounding="rtne"), acc)
-
-
-def w8a8_config(N: int, K: int) -> GemvConfig:
-    """Tensor-core tiles: 64 weight rows a program (the MMA's minimum with 4 warps), K split until every SM
-    has two programs."""
-    block_n, block_k = 64, min(256 if N > 8192 else 128, max(32, next_pow2(K)))
-    split_k = 1
-    while triton.cdiv(N, block_n) * split_k < 2 * num_sms() and split_k * 2 <= triton.cdiv(K, block_k) and split_k < 16:
-        split_k *= 2
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4)
-
-
-def gemv_w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
-              config: GemvConfig | None = None, silu_mul: bool = False, num_stages: int = 3,
-              pdl: bool | None = None) -> torch.Tensor:
-    """y = (quant(x) @ w^T) * x_scale * scale for FP8 weights w [N, K] (per-row scale [N]) and x [M, K]
-    (M <= 4, bf16/fp16), x quantized per row to e4m3 inside the kernel: the W8A8 arithmetic that
-    torch._scaled_mm runs for the same layer at larger batches."""
-    from kernels.reference import FP8_MAX
-    from kernels.quant import _EPS
-    M, K = x.shape
-    if silu_mul:
-        K //= 2
-    N = w.shape[0]
-    assert M <= MAX_M and w.element_size() == 1 and w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1
-    assert scale.shape == (N,) and scale.dtype == torch.float32
-    cfg = config or w8a8_config(N, K)
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    split_k = triton.cdiv(K, k_per_split)
-    even_k = K % cfg.block_k == 0 and K % k_per_split == 0
-    partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
-    _gemv_w8a8_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, w, out, partial, scale, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split, FP8_MAX, _EPS,
-        M=M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, SILU_MUL=silu_mul,
-        XBLOCK=min(2048, next_pow2(K)), num_warps=cfg.num_warps, num_stages=num_stages, **pdl_launch(pdl))
     if split_k > 1:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,

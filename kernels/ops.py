@@ -95,34 +95,13 @@ def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """linear(silu_and_mul(h), ...) for h [M, 2K] (gate | up). Where the GEMV takes the matmul the
     activation is computed in its input load (no silu_and_mul launch); the result is the same bits."""
     if _gemv_applies(h, weight, weight_scale):
-        if weight_scale is not None:
-            y = _fp8_rows(h, weight, weight_scale, silu_mul=True)
-        else:
-            from kernels.gemv import gemv
-            y = gemv(h, weight, silu_mul=True)
+        from kernels.gemv import gemv
+        y = gemv(h, weight, scale=weight_scale, silu_mul=True)
         return y + bias if bias is not None else y
     if weight_scale is not None and _fp8_gemm_applies(h, weight, h.shape[-1] // 2):
         from kernels.quant import quantize_per_token  # the activation goes straight into the FP8 input
         return _fp8_gemm(*quantize_per_token(h, silu_mul=True), weight, weight_scale, bias, h.dtype)
     return linear(silu_and_mul(h), weight, bias, weight_scale)
-
-
-_W8A8_ROWS = False  # FP8 decode rows: weight-only GEMV (False) or W8A8 on tensor cores (kernels.gemv.gemv_w8a8)
-
-
-def set_w8a8_rows(on: bool) -> None:
-    """Where the GEMV takes an FP8 layer's decode row, quantize the row per token and multiply FP8 by FP8 on
-    tensor cores (the arithmetic of the FP8 GEMM at larger batches) instead of reading the bf16 row against
-    dequantized weights. Set before an engine captures its graphs."""
-    global _W8A8_ROWS
-    _W8A8_ROWS = bool(on)
-
-
-def _fp8_rows(x, weight, weight_scale, silu_mul=False):
-    from kernels.gemv import gemv, gemv_w8a8
-    if _W8A8_ROWS:
-        return gemv_w8a8(x, weight, weight_scale, silu_mul=silu_mul)
-    return gemv(x, weight, scale=weight_scale, silu_mul=silu_mul)
 
 
 def _fp8_gemm_applies(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
@@ -145,7 +124,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     (and for shapes the FP8 GEMM does not take) the weight is dequantized on the fly: the reference."""
     if _on_gpu(x) and x.dim() == 2:
         if _gemv_applies(x, weight, weight_scale):
-            y = _fp8_rows(x, weight, weight_scale)
+            from kernels.gemv import gemv
+            y = gemv(x, weight, scale=weight_scale)
             return y + bias if bias is not None else y
         if _fp8_gemm_applies(x, weight, x.shape[1]):
             from kernels.quant import quantize_per_token  # one launch: rows' max, scale, convert

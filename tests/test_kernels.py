@@ -199,47 +199,6 @@ def check_gemv_fp8_codes(device, dtype):
             assert torch.equal(y, w8.float()[:, col] * s), f"column {col} {cfg}"
 
 
-def check_gemv_w8a8(device, dtype):
-    """The W8A8 GEMV (rows quantized per token inside the kernel, FP8 x FP8 on tensor cores) equals the FP8
-    GEMM's arithmetic: per-token quantization then the FP8 product times both scales. Rows are built on the
-    FP8 grid (each row's max maps to 448 exactly), so on the CPU, whose interpreter converts to FP8 its own
-    way, the quantization is exact too; on the GPU random rows are compared with torch._scaled_mm on
-    kernels.quant's quantization. The gated form equals silu_and_mul then the kernel, bit for bit."""
-    from kernels.activation import silu_and_mul
-    from kernels.gemv import GemvConfig, gemv_w8a8
-    from kernels.reference import FP8_DTYPE, FP8_MAX
-    from shared.models.quantization import quantize_per_channel
-    gen = torch.Generator().manual_seed(0)
-    shapes = [(128, 64), (200, 96), (256, 130)]
-    if device.type == "cuda":
-        shapes += [(4096, 6144), (14336, 4096)]
-    configs = [None, GemvConfig(64, 64, 1, 4), GemvConfig(64, 32, 3, 4), GemvConfig(128, 64, 2, 4)]
-    for K, N in shapes:
-        q, s = quantize_per_channel(torch.randn(N, K, generator=gen) * 0.02)
-        q, s = q.to(device), s.to(device)
-        for M in (1, 2, 3):
-            grid = (torch.randn(M, K, generator=gen) * 60).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
-            grid[:, 5] = FP8_MAX * torch.tensor([1.0, -1.0, 1.0])[:M]
-            x = (grid * 2.0 ** -6).to(device=device, dtype=dtype)
-            ref = (grid.to(device) @ q.float().t()) * 2.0 ** -6 * s[None, :]
-            if device.type == "cuda":
-                from kernels.quant import quantize_per_token
-                xr = _rand(M, K, dtype=dtype, device=device)
-                xq, xs = quantize_per_token(xr)
-                mm = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.view(1, N), out_dtype=torch.float32)
-            for cfg in configs:
-                y = gemv_w8a8(x, q, s, config=cfg, out=torch.empty(M, N, device=device))
-                torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()),
-                                           msg=lambda m: f"K={K} N={N} M={M} {cfg}: {m}")
-                if device.type == "cuda":
-                    y = gemv_w8a8(xr, q, s, config=cfg, pdl=False)
-                    assert torch.equal(gemv_w8a8(xr, q, s, config=cfg, pdl=True), y), f"PDL K={K} N={N} {cfg}"
-                    err = float((y.float() - mm).abs().max() / mm.abs().max())
-                    assert err < 1e-2, (K, N, M, cfg, err)
-            h = _rand(M, 2 * K, dtype=dtype, device=device)
-            assert torch.equal(gemv_w8a8(h, q, s, silu_mul=True), gemv_w8a8(silu_and_mul(h), q, s)), (K, N, M)
-
-
 def _paged_setup(device, dtype, hkv, d, prefix_lens, extend_lens, num_slots=600):
     """A pool with shuffled slots and a req_to_token table for requests in rows 1..B (row 0 = padding)."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
