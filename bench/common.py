@@ -112,6 +112,9 @@ class RunStats:
     # consecutive launches is the pipelined step (host work overlapped, as in serving).
     decode_launch_t: list = field(default_factory=list)
     gpu_idle_frac: float | None = None
+    # With measure_idle: each decode pass's time on the device (ms; CUDA events around its launch), in
+    # decode_step_bs's order.
+    decode_device_ms: list = field(default_factory=list)
     outputs: dict = field(default_factory=dict)  # rid -> the request's final output
 
     def decode_periods(self, bs: int) -> list[float]:
@@ -146,6 +149,8 @@ def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = F
     def timed_forward(batch):
         if measure_idle and batch.mode == ForwardMode.DECODE:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            stats.decode_step_bs.append(batch.batch_size)
+            stats.decode_launch_t.append(time.perf_counter())
             s.record()
             out = runner_forward(batch)
             e.record()
@@ -188,6 +193,7 @@ def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = F
         stats.prompt_tokens += o.prompt_tokens
         stats.cached_tokens += o.cached_tokens
     if events:
+        stats.decode_device_ms = [s.elapsed_time(e) for s, e in events]
         busy = sum(s.elapsed_time(e) for s, e in events)
         span = events[0][0].elapsed_time(events[-1][1])
         stats.gpu_idle_frac = max(0.0, 1 - busy / span) if span > 0 else None

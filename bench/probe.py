@@ -399,6 +399,24 @@ def probe_b1phases(res: dict) -> None:
     eng.stop()
 
 
+def probe_tput_breakdown(res: dict) -> None:
+    """The throughput workload free-running under bench.pass_breakdown: per pass kind, host time by phase
+    against the pass's device time, so a batch-256 decode step shows whether the host keeps ahead."""
+    from bench.pass_breakdown import PassBreakdown, format_summary
+    eng = _tput_engine()
+    drive(eng, random_prompts(256, 512, 400, 4), {**GREEDY, "max_new_tokens": 16})
+    bd = PassBreakdown(eng)
+    try:
+        st = drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
+    finally:
+        bd.close()
+    s = bd.summary()
+    s["all"]["run_wall_s"] = st.wall_s
+    print(format_summary(s, f"256 x (512, 128), {st.wall_s:.2f} s"), flush=True)
+    res["tput_breakdown"] = s
+    eng.stop()
+
+
 def probe_trace256(res: dict) -> None:
     """The batch-256 decode graph kernel by kernel, at the workload's end (256 requests of 512 + 128
     tokens: the graph's inputs still hold the last step, so a replay attends over ~640 tokens a row)."""
@@ -624,6 +642,20 @@ def probe_tput(res: dict) -> None:
     big = [t for t, b in zip(st.decode_step_s, st.decode_step_bs) if b == 256]
     if big:
         out["decode_b256_ms_median"] = statistics.median(big) * 1e3
+    # Free-running again with CUDA events around each decode pass: is a batch-256 step bound by the device
+    # (the period between launches equals the pass's device time) or by the host (the period is longer and
+    # the device waits)?
+    st_ev = drive(eng, random_prompts(256, 512, 400, 7), {**GREEDY, "max_new_tokens": 128}, measure_idle=True)
+    dev = [ms for ms, b in zip(st_ev.decode_device_ms, st_ev.decode_step_bs) if b == 256]
+    per = st_ev.decode_periods(256)
+    if dev and per:
+        out["b256_device_ms_median"] = statistics.median(dev)
+        out["b256_period_ms_median"] = statistics.median(per) * 1e3
+        out["b256_device_ms_sum"] = sum(dev)
+        out["b256_period_ms_sum"] = sum(per) * 1e3
+        out["wall_events_s"] = st_ev.wall_s
+        log(f"batch-256 decode, free-running: period between launches {out['b256_period_ms_median']:.2f} ms "
+            f"(median), device time {out['b256_device_ms_median']:.2f} ms; {len(dev)} passes")
     log(out)
     res["tput"] = out
     eng.stop()
@@ -695,7 +727,7 @@ def main() -> int:
             {"pdl": probe_pdl, "extend": probe_extend, "trace": probe_trace, "b1": probe_b1,
              "trace_pdl": probe_trace_pdl, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
-             "tput": probe_tput, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
+             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune}[w](res)
