@@ -383,37 +383,35 @@ def probe_b1phases(res: dict) -> None:
     """Batch-1 decode through the engine loop with bench/pass_breakdown's per-pass phases (host ms by
     phase, device ms per pass): whether the ~0.2 ms between a graph replay and an engine step is host work
     on the critical path or device work outside the graph."""
-    from bench.pass_breakdown import PassBreakdown, format_summary
     eng = _engine(True)
     drive(eng, random_prompts(1, 512, 400, 2), {**GREEDY, "max_new_tokens": 32})
-    bd = PassBreakdown(eng)
-    try:
-        st = drive(eng, random_prompts(1, 512, 400, 3), {**GREEDY, "max_new_tokens": 256})
-    finally:
-        bd.close()
-    summary = bd.summary()
-    print(format_summary(summary, "batch-1 decode"), flush=True)
+    st, summary = _broken_down(eng, random_prompts(1, 512, 400, 3), 256, "batch-1 decode")
     res["b1phases"] = {"summary": summary, "step_ms": st.wall_s / max(1, st.steps) * 1e3,
                        "replay_ms": graph_replay_ms(eng.runner.graph_runner)}
     log(f"b1phases: step {res['b1phases']['step_ms']:.3f} ms, replay {res['b1phases']['replay_ms']:.3f} ms")
     eng.stop()
 
 
+def _broken_down(eng, prompts, max_new_tokens: int, title: str):
+    """drive() under bench.pass_breakdown; prints the per-pass table, returns (RunStats, summary)."""
+    from bench.pass_breakdown import PassBreakdown, format_summary
+    bd = PassBreakdown(eng)
+    try:
+        st = drive(eng, prompts, {**GREEDY, "max_new_tokens": max_new_tokens})
+    finally:
+        bd.close()
+    summary = bd.summary()
+    summary["all"]["run_wall_s"] = st.wall_s
+    print(format_summary(summary, f"{title}, {st.wall_s:.2f} s"), flush=True)
+    return st, summary
+
+
 def probe_tput_breakdown(res: dict) -> None:
     """The throughput workload free-running under bench.pass_breakdown: per pass kind, host time by phase
     against the pass's device time, so a batch-256 decode step shows whether the host keeps ahead."""
-    from bench.pass_breakdown import PassBreakdown, format_summary
     eng = _tput_engine()
     drive(eng, random_prompts(256, 512, 400, 4), {**GREEDY, "max_new_tokens": 16})
-    bd = PassBreakdown(eng)
-    try:
-        st = drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
-    finally:
-        bd.close()
-    s = bd.summary()
-    s["all"]["run_wall_s"] = st.wall_s
-    print(format_summary(s, f"256 x (512, 128), {st.wall_s:.2f} s"), flush=True)
-    res["tput_breakdown"] = s
+    _, res["tput_breakdown"] = _broken_down(eng, random_prompts(256, 512, 400, 5), 128, "256 x (512, 128)")
     eng.stop()
 
 
