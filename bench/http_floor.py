@@ -172,7 +172,7 @@ def main() -> int:
                 s = summarize(results, wall)
                 print(f"round {rnd + 1} {kind:8s}: {cpu * 1e6 / len(results):5.0f} us/request, "
                       f"{cpu * 1e6 / max(1, s['out_tokens']):5.2f} us/token, {s['out_tok_s']:.0f} out tok/s, "
-                      f"errors {s['errors']}", flush=True)
+                      f"tokens {s['out_tokens']}, errors {s['errors']}", flush=True)
             finally:
                 proc.kill()
                 proc.wait()

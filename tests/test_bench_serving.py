@@ -53,6 +53,23 @@ def test_gateway_overhead_bench_runs_end_to_end():
     assert "us/request" in r.stdout, r.stdout
 
 
+def test_http_floor_bench_serves_every_stream_from_both_servers():
+    """bench/http_floor.py: the bare aiohttp and the bare protocol server each deliver every stream's tokens
+    (the usage chunk's count) through the same client, with no errors, and print their CPU figures."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "bench.http_floor", "--streams", "8", "--concurrency", "4",
+                        "--tokens", "6", "--stream-interval", "2", "--step-ms", "2", "--rounds", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("round 1")]
+    assert len(lines) == 2 and "aiohttp" in lines[0] and "protocol" in lines[1], r.stdout
+    assert all("tokens 48, errors 0" in ln and "us/request" in ln for ln in lines), r.stdout
+
+
 def test_gateway_overhead_bench_bounds_concurrency():
     """--concurrency: more requests than may be in flight at once all complete (the per-request figure)."""
     import subprocess
