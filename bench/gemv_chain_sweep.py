@@ -65,11 +65,69 @@ def fits(bn, bk, warps) -> bool:
     return bn * bk // (32 * warps) <= 128
 
 
+def fp32_math_config(n: int, k: int) -> GemvConfig:
+    """The FP8 one-row GEMV's tiles before f16 math (fp32 math, two tiles before the PDL wait), for comparison."""
+    bn, bk, warps = (8, 1024, 4) if n <= 4096 else (8, 512, 4) if n <= 8192 else (8, 256, 2)
+    return dataclasses.replace(default_config(1, n, k, 1), block_n=bn, block_k=bk, split_k=1, num_warps=warps,
+                               pre_tiles=2, f16_math=False)
+
+
+def f16_math_study(budget: float, t0: float) -> dict:
+    """FP8 rows: f16 math at its default tiles against fp32 math at its former ones (accuracy per shape
+    against the dequantized weights, the chain alternated), then f16 math's tiles swept shape by shape."""
+    from kernels.reference import fp8_linear_ref
+    layers = build("fp8")
+    nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
+    fp32 = {nm: fp32_math_config(n, k) for nm, (n, k) in SHAPES.items()}
+    check = {}
+    for name, (n, k) in SHAPES.items():
+        w, sc = layers[0][name]
+        for mag in (1.0, 100.0):
+            x = (torch.randn(1, k, device="cuda") * mag).to(torch.bfloat16)
+            ref = fp8_linear_ref(x.float(), w, sc)
+            check[f"{name} |x|~{mag:g}"] = {
+                key: float((gemv(x, w, scale=sc, config=cfg).float() - ref).abs().max() / ref.abs().max())
+                for key, cfg in (("fp32_math", fp32[name]), ("f16_math", None))}
+    print(f"accuracy (max error / max output): {json.dumps(check)}", flush=True)
+    times = {"fp32_math": [], "f16_math": []}
+    for _ in range(3):
+        times["fp32_math"].append(chain_ms(layers, fp32) * 1e3)
+        times["f16_math"].append(chain_ms(layers, {}) * 1e3)
+    print(f"fp8 chain, alternated, us: {json.dumps(times)} ({nbytes / min(times['fp32_math']) / 1e3:.0f} vs "
+          f"{nbytes / min(times['f16_math']) / 1e3:.0f} GB/s)", flush=True)
+    base = min(times["f16_math"]) / 1e3
+    best, rows = {}, []
+    cands = [(8, 512, 4), (8, 1024, 4), (8, 2048, 4), (16, 512, 4), (16, 1024, 4), (16, 1024, 8), (16, 2048, 8),
+             (32, 1024, 8)]
+    per_shape = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
+    for name, (n, k) in SHAPES.items():
+        d = default_config(1, n, k, 1)
+        best[name] = (base, d)
+        t_shape = time.time()
+        for bn, bk, warps in cands:
+            if time.time() - t_shape > per_shape:
+                break
+            for split in (1, 2):
+                cfg = GemvConfig(bn, bk, split, warps, f16_math=True)
+                if bk > k or (split > 1 and n > 8192) or cfg == d:
+                    continue
+                t = chain_ms(layers, {name: cfg})
+                rows.append({"shape": name, "cfg": [bn, bk, split, warps], "chain_us": t * 1e3})
+                if t < best[name][0]:
+                    best[name] = (t, cfg)
+        print(f"  {name}: f16 math, default {d} -> best {best[name][1]} chain {best[name][0] * 1e3:.0f} us", flush=True)
+    return {"check": check, "times": times, "rows": rows,
+            "picks": {nm: list(vars(b[1]).values()) for nm, b in best.items()}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--budget", type=float, default=400)
     ap.add_argument("--pre-tiles-study", action="store_true")
+    ap.add_argument("--f16-math-study", action="store_true",
+                    help="FP8 only: the one-row GEMV multiplying in f16 (set_fp8_f16_math) against fp32 math, "
+                         "accuracy per shape, the chain alternated, then its tiles swept shape by shape")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     set_pdl(True)
@@ -90,7 +148,9 @@ def main() -> int:
             result["runs"][f"{dtype} pre_tiles"] = times
             del layers
             torch.cuda.empty_cache()
-    for dtype in ([] if args.pre_tiles_study else args.dtypes.split(",")):
+    if args.f16_math_study:
+        result["runs"]["f16_math"] = f16_math_study(args.budget, t0)
+    for dtype in ([] if args.pre_tiles_study or args.f16_math_study else args.dtypes.split(",")):
         layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2
         nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())

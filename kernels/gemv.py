@@ -43,8 +43,15 @@ def _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _pair_sum(p):
+    """[R, C] -> [R, C / 2]: neighbouring columns added."""
+    a, b = tl.split(tl.reshape(p, (p.shape[0], p.shape[1] // 2, 2)))
+    return a + b
+
+
+@triton.jit
 def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, EVEN_K: tl.constexpr,
-                SILU_MUL: tl.constexpr, DOT_PREC: tl.constexpr):
+                SILU_MUL: tl.constexpr, DOT_PREC: tl.constexpr, F16: tl.constexpr = False):
     """acc += x_tile . w_tile: a full-tile fp32 accumulator for one row (reduced once at the end, no
     shuffles in the loop), a 16-row tensor-core tile for several (the MMA is free next to the W stream)."""
     if EVEN_K:
@@ -54,7 +61,13 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
     x = tl.load(x_ptrs, mask=xm, other=0.0, eviction_policy="evict_last")
     if SILU_MUL:
         x = _silu_mul(x, tl.load(x_ptrs + K, mask=xm, other=0.0, eviction_policy="evict_last"))
-    if M_PAD == 1:
+    if F16:
+        # FP8 rows: weights converted to f16 only (e4m3 is exact in f16), products with x * 2^-8 (so that
+        # |w| <= 448 times x stays in f16's range) summed eight at a time in f16, then in fp32. About half
+        # the conversion and FMA instructions of the fp32 path, which is what bounds this GEMV.
+        p = w.to(tl.float16) * (x.to(tl.float32) * 0.00390625).to(tl.float16)
+        acc += _pair_sum(_pair_sum(_pair_sum(p))).to(tl.float32)
+    elif M_PAD == 1:
         acc += w.to(tl.float32) * x.to(tl.float32)
     else:
         acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=DOT_PREC)
@@ -65,7 +78,7 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
 def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
                  HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, SILU_MUL: tl.constexpr,
-                 PDL: tl.constexpr, PRE: tl.constexpr):
+                 PDL: tl.constexpr, PRE: tl.constexpr, F16: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,7 +89,9 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     k0 = pid_k * K_PER_SPLIT
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
-    if M_PAD == 1:
+    if F16:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    elif M_PAD == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
@@ -87,19 +102,21 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         if PRE == 2:
             w2 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K)
         pdl_prologue(PDL)
-        acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
+        acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         if PRE == 2:
-            acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
+            acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
         w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K)
-        acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC)
+        acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if M_PAD == 1:
+    if F16:
+        acc = tl.sum(acc, axis=1)[None, :] * 256.0
+    elif M_PAD == 1:
         acc = tl.sum(acc, axis=1)[None, :]
     if HAS_SCALE:  # FP8 weights: one dequantization scale per output row (linear, so per split too)
         acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
@@ -130,6 +147,7 @@ class GemvConfig:
     split_k: int
     num_warps: int
     pre_tiles: int = 1  # weight tiles loaded before waiting on the previous kernel (PDL): 1 or 2
+    f16_math: bool = False  # FP8 weights, one row: multiply in f16, eight products summed in f16 (_accumulate)
 
 
 def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
@@ -137,8 +155,10 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     N >= 4096 already gives enough programs. One row: narrow, long tiles for short N (more programs,
     more bytes in flight each), wider and shorter ones for long N. Several rows run on tensor cores,
     which want >= 16 output columns per program."""
-    if M == 1 and weight_bytes == 1:  # FP8 rows (bench/fp8_gemv_sweep.py, H200, 2026-11-30)
-        block_n, block_k, warps = (8, 1024, 4) if N <= 4096 else (8, 512, 4) if N <= 8192 else (8, 256, 2)
+    if M == 1 and weight_bytes == 1:
+        # FP8 rows with f16 math, tiles from the 32-layer chain (bench.gemv_chain_sweep --f16-math-study, H200,
+        # 2026-12-02: 2,095 us against 2,196 for fp32 math at its own tiles), one tile before the PDL wait.
+        block_n, block_k, warps = (16, 1024, 8) if N <= 4096 else (8, 2048, 4) if N <= 8192 else (8, 512, 4)
     elif M == 1 and N <= 4096 and K <= 4096:
         # o_proj's shape: four rows by half of K per program, twice the programs; with PDL, half of the
         # weights stream in while the previous kernels drain (bench/gemv_chain_sweep.py, H200, 2026-12-01:
@@ -155,9 +175,10 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     while triton.cdiv(N, block_n) * split_k < 2 * num_sms() and split_k * 2 <= k_steps and split_k < 16:
         split_k *= 2
     # With PDL, two weight tiles in flight before the wait, not one: more of a short GEMV's stream overlaps
-    # the previous kernel's tail (bench/gemv_chain_sweep.py --pre-tiles-study).
+    # the previous kernel's tail (bench/gemv_chain_sweep.py --pre-tiles-study; bf16 only since the f16 math).
+    fp8_row = M == 1 and weight_bytes == 1
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps,
-                      pre_tiles=2 if M == 1 else 1)
+                      pre_tiles=2 if M == 1 and not fp8_row else 1, f16_math=fp8_row)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -190,7 +211,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
         k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
         EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul, num_warps=cfg.num_warps,
-        PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1, **pdl_launch(pdl))
+        PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
+        F16=cfg.f16_math and w.element_size() == 1 and not dot and cfg.block_k >= 8, **pdl_launch(pdl))
     if split_k > 1:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,

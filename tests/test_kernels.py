@@ -199,6 +199,34 @@ def check_gemv_fp8_codes(device, dtype):
             assert torch.equal(y, w8.float()[:, col] * s), f"column {col} {cfg}"
 
 
+def check_gemv_fp8_f16_math(device, dtype):
+    """FP8 rows multiplied in f16 (the default at one row) agree with fp32 math and with the dequantized
+    weights to well under the output's own rounding, small and large activations alike (x is scaled by
+    2^-8 so |w| * |x| stays in f16's range), with split K, ragged K and the gated down projection."""
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import GemvConfig, default_config, gemv
+    from kernels.reference import fp8_linear_ref
+    from shared.models.quantization import quantize_per_channel
+    gen = torch.Generator().manual_seed(1)
+    assert default_config(1, 4096, 4096, 1).f16_math and not default_config(1, 4096, 4096, 2).f16_math
+    for K, N in [(256, 48), (200, 40), (1024, 24)]:
+        q, s = quantize_per_channel(torch.randn(N, K, generator=gen) * 0.02)
+        q, s = q.to(device), s.to(device)
+        for mag in (0.01, 1.0, 300.0):
+            x = (torch.randn(1, K, generator=gen) * mag).to(device=device, dtype=dtype)
+            ref = fp8_linear_ref(x.float(), q, s)
+            for bn, bk, split in [(8, 64, 1), (16, 32, 3), (8, 256, 2)]:
+                f16 = gemv(x, q, scale=s, config=GemvConfig(bn, bk, split, 2, f16_math=True)).float()
+                f32 = gemv(x, q, scale=s, config=GemvConfig(bn, bk, split, 2)).float()
+                # Within the output's rounding (bf16's half-ulp is 2^-9 of a value) plus f16 math's own error.
+                tol = (2e-3 if dtype == torch.float32 else 6e-3) * float(ref.abs().max())
+                assert float((f16 - ref).abs().max()) < tol, (K, N, mag, bn, bk, split)
+                assert float((f16 - f32).abs().max()) < tol, (K, N, mag, bn, bk, split)
+        h = _rand(1, 2 * K, dtype=dtype, device=device)
+        y = gemv(h, q, scale=s, silu_mul=True)
+        torch.testing.assert_close(y, gemv(silu_and_mul(h), q, scale=s), rtol=0, atol=0)
+
+
 def _paged_setup(device, dtype, hkv, d, prefix_lens, extend_lens, num_slots=600):
     """A pool with shuffled slots and a req_to_token table for requests in rows 1..B (row 0 = padding)."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
