@@ -72,6 +72,7 @@ if [[ $what == tp ]]; then
 fi
 if [[ $what == recheck ]]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py -k gpu 2>&1 | tail -3
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv" 2>&1 | tail -3
   timeout 150 python3 -m bench.offline --out "$OUT" --skip-hf 2>&1 | tee "$OUT/offline.log" | tail -11
   timeout 150 python3 -m bench.fp8 --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/fp8.log" | tail -7
   timeout 150 python3 -m bench.structured --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/structured.log" | tail -12
