@@ -1,12 +1,13 @@
 """The HTTP stack's own floor under the gateway's streaming load: what a server that does nothing but read
 the request and stream the events costs per request, with the gateway's work taken away.
 
-Two bare servers, each in its own process, driven by the same client and load as
+Three bare servers, each in its own process, driven by the same client and load as
 `bench.gateway_overhead` (bench.serving.run_load: 512-token prompts, `--tokens` per stream, one SSE event
 per `--stream-interval` tokens of a `--step-ms` step, then the usage chunk and [DONE] in one write):
 
 - `aiohttp`: an aiohttp + uvloop application with one route, the body parsed with orjson, the events
   written to the transport directly (as services/gateway/sse.py does while the client keeps up);
+- `aiohttp-lowlevel`: aiohttp's low-level `web.Server` (a handler; no Application, router or middlewares);
 - `protocol`: an asyncio.Protocol on uvloop with a minimal HTTP/1.1 reader (Content-Length bodies,
   keep-alive) and chunked writes: no web framework at all.
 
@@ -100,6 +101,37 @@ def serve_aiohttp(port: int, ticker: _Ticker) -> None:
     uvloop.run(main())
 
 
+def serve_aiohttp_lowlevel(port: int, ticker: _Ticker) -> None:
+    """aiohttp's low-level server (web.Server: a request handler, no Application, router or middlewares)."""
+    import orjson
+    import uvloop
+    from aiohttp import web
+
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        orjson.loads(await request.read())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        done = asyncio.get_running_loop().create_future()
+        transport = request.transport
+
+        def write(data: bytes, last: bool) -> None:
+            transport.write(_chunk(data, False))
+            if last:
+                done.set_result(None)
+        ticker.add(write)
+        await done
+        await resp.write_eof()
+        return resp
+
+    async def main() -> None:
+        server = web.Server(handler, access_log=None)
+        await asyncio.get_running_loop().create_server(server, "127.0.0.1", port)
+        asyncio.get_running_loop().create_task(ticker.run())
+        print("READY", flush=True)
+        await asyncio.Event().wait()
+    uvloop.run(main())
+
+
 def serve_protocol(port: int, ticker: _Ticker) -> None:
     import orjson
     import uvloop
@@ -133,6 +165,9 @@ def serve_protocol(port: int, ticker: _Ticker) -> None:
     uvloop.run(main())
 
 
+KINDS = ("aiohttp", "aiohttp-lowlevel", "protocol")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=1024)
@@ -141,12 +176,13 @@ def main() -> int:
     ap.add_argument("--stream-interval", type=int, default=16)
     ap.add_argument("--step-ms", type=float, default=37.0)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--serve", choices=("aiohttp", "protocol"), help=argparse.SUPPRESS)
+    ap.add_argument("--serve", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         ticker = _Ticker(args.step_ms / 1000, args.stream_interval, args.tokens)
-        (serve_aiohttp if args.serve == "aiohttp" else serve_protocol)(args.port, ticker)
+        {"aiohttp": serve_aiohttp, "aiohttp-lowlevel": serve_aiohttp_lowlevel,
+         "protocol": serve_protocol}[args.serve](args.port, ticker)
         return 0
 
     from bench.gateway_overhead import _free_port
@@ -157,7 +193,7 @@ def main() -> int:
     dataset = [([rng.randrange(10, 400) for _ in range(512)], args.tokens) for _ in range(args.streams)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     for rnd in range(args.rounds):
-        for kind in ("aiohttp", "protocol"):
+        for kind in KINDS:
             port = _free_port()
             proc = subprocess.Popen([sys.executable, "-m", "bench.http_floor", "--serve", kind, "--port", str(port),
                                      "--tokens", str(args.tokens), "--stream-interval", str(args.stream_interval),
@@ -170,7 +206,7 @@ def main() -> int:
                 results, wall = asyncio.run(run_load(url, "completions", dataset, True, float("inf"), args.concurrency))
                 cpu = procfs.run_seconds(proc.pid) - c0
                 s = summarize(results, wall)
-                print(f"round {rnd + 1} {kind:8s}: {cpu * 1e6 / len(results):5.0f} us/request, "
+                print(f"round {rnd + 1} {kind:16s}: {cpu * 1e6 / len(results):5.0f} us/request, "
                       f"{cpu * 1e6 / max(1, s['out_tokens']):5.2f} us/token, {s['out_tok_s']:.0f} out tok/s, "
                       f"tokens {s['out_tokens']}, errors {s['errors']}", flush=True)
             finally:
