@@ -53,7 +53,7 @@ def test_gateway_overhead_bench_runs_end_to_end():
     assert "us/request" in r.stdout, r.stdout
 
 
-def test_http_floor_bench_serves_every_stream_from_both_servers():
+def test_http_floor_bench_serves_every_stream_from_every_server():
     """bench/http_floor.py: the bare aiohttp servers and the bare protocol one each deliver every stream's tokens
     (the usage chunk's count) through the same client, with no errors, and print their CPU figures."""
     import subprocess
