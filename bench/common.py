@@ -194,7 +194,7 @@ def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = F
         stats.cached_tokens += o.cached_tokens
     if events:
         stats.decode_device_ms = [s.elapsed_time(e) for s, e in events]
-        busy = sum(s.elapsed_time(e) for s, e in events)
+        busy = sum(stats.decode_device_ms)
         span = events[0][0].elapsed_time(events[-1][1])
         stats.gpu_idle_frac = max(0.0, 1 - busy / span) if span > 0 else None
     assert sched.is_idle()

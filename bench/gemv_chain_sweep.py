@@ -68,8 +68,7 @@ def fits(bn, bk, warps) -> bool:
 def fp32_math_config(n: int, k: int) -> GemvConfig:
     """The FP8 one-row GEMV's tiles before f16 math (fp32 math, two tiles before the PDL wait), for comparison."""
     bn, bk, warps = (8, 1024, 4) if n <= 4096 else (8, 512, 4) if n <= 8192 else (8, 256, 2)
-    return dataclasses.replace(default_config(1, n, k, 1), block_n=bn, block_k=bk, split_k=1, num_warps=warps,
-                               pre_tiles=2, f16_math=False)
+    return GemvConfig(bn, bk, 1, warps, pre_tiles=2)
 
 
 def f16_math_study(budget: float, t0: float) -> dict:
@@ -126,7 +125,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=400)
     ap.add_argument("--pre-tiles-study", action="store_true")
     ap.add_argument("--f16-math-study", action="store_true",
-                    help="FP8 only: the one-row GEMV multiplying in f16 (set_fp8_f16_math) against fp32 math, "
+                    help="FP8 only: the one-row GEMV multiplying in f16 (GemvConfig.f16_math) against fp32 math, "
                          "accuracy per shape, the chain alternated, then its tiles swept shape by shape")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()

@@ -68,43 +68,22 @@ def _chunk(data: bytes, last: bool) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data) + (b"0\r\n\r\n" if last else b"")
 
 
-def serve_aiohttp(port: int, ticker: _Ticker) -> None:
-    import orjson
+def _run(listen, ticker: _Ticker) -> None:
+    """On uvloop: `await listen()` (the server is up; it returns the port it bound), start the fake engine,
+    say READY and the port, serve until killed."""
     import uvloop
-    from aiohttp import web
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        orjson.loads(await request.read())
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        done = asyncio.get_running_loop().create_future()
-        transport = request.transport
-
-        def write(data: bytes, last: bool) -> None:
-            transport.write(_chunk(data, False))
-            if last:
-                done.set_result(None)
-        ticker.add(write)
-        await done
-        await resp.write_eof()
-        return resp
 
     async def main() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/completions", handler)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        port = await listen()
         asyncio.get_running_loop().create_task(ticker.run())
-        print("READY", flush=True)
+        print(f"READY {port}", flush=True)
         await asyncio.Event().wait()
     uvloop.run(main())
 
 
-def serve_aiohttp_lowlevel(port: int, ticker: _Ticker) -> None:
-    """aiohttp's low-level server (web.Server: a request handler, no Application, router or middlewares)."""
+def _aiohttp_handler(ticker: _Ticker):
+    """The one request handler both aiohttp servers run: read the body, stream the events to the transport."""
     import orjson
-    import uvloop
     from aiohttp import web
 
     async def handler(request: web.BaseRequest) -> web.StreamResponse:
@@ -122,19 +101,35 @@ def serve_aiohttp_lowlevel(port: int, ticker: _Ticker) -> None:
         await done
         await resp.write_eof()
         return resp
+    return handler
 
-    async def main() -> None:
-        server = web.Server(handler, access_log=None)
-        await asyncio.get_running_loop().create_server(server, "127.0.0.1", port)
-        asyncio.get_running_loop().create_task(ticker.run())
-        print("READY", flush=True)
-        await asyncio.Event().wait()
-    uvloop.run(main())
+
+def serve_aiohttp(port: int, ticker: _Ticker) -> None:
+    from aiohttp import web
+
+    async def listen() -> int:
+        app = web.Application()
+        app.router.add_post("/v1/completions", _aiohttp_handler(ticker))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner.addresses[0][1]
+    _run(listen, ticker)
+
+
+def serve_aiohttp_lowlevel(port: int, ticker: _Ticker) -> None:
+    """aiohttp's low-level server (web.Server: a request handler, no Application, router or middlewares)."""
+    from aiohttp import web
+
+    async def listen() -> int:
+        server = web.Server(_aiohttp_handler(ticker), access_log=None)
+        srv = await asyncio.get_running_loop().create_server(server, "127.0.0.1", port)
+        return srv.sockets[0].getsockname()[1]
+    _run(listen, ticker)
 
 
 def serve_protocol(port: int, ticker: _Ticker) -> None:
     import orjson
-    import uvloop
 
     class Conn(asyncio.Protocol):
         def connection_made(self, transport):
@@ -148,7 +143,8 @@ def serve_protocol(port: int, ticker: _Ticker) -> None:
                     return
                 head = self.buf[:end].lower()
                 at = head.find(b"content-length:")
-                length = int(head[at + 15:head.find(b"\r\n", at) if head.find(b"\r\n", at) > 0 else None]) if at >= 0 else 0
+                stop = head.find(b"\r\n", at)
+                length = int(head[at + 15:stop if stop > 0 else None]) if at >= 0 else 0
                 if len(self.buf) < end + 4 + length:
                     return
                 body, self.buf = self.buf[end + 4:end + 4 + length], self.buf[end + 4 + length:]
@@ -157,12 +153,10 @@ def serve_protocol(port: int, ticker: _Ticker) -> None:
                 transport = self.transport
                 ticker.add(lambda data, last: transport.write(_chunk(data, last)))
 
-    async def main() -> None:
-        await asyncio.get_running_loop().create_server(Conn, "127.0.0.1", port)
-        asyncio.get_running_loop().create_task(ticker.run())
-        print("READY", flush=True)
-        await asyncio.Event().wait()
-    uvloop.run(main())
+    async def listen() -> int:
+        srv = await asyncio.get_running_loop().create_server(Conn, "127.0.0.1", port)
+        return srv.sockets[0].getsockname()[1]
+    _run(listen, ticker)
 
 
 KINDS = ("aiohttp", "aiohttp-lowlevel", "protocol")
@@ -177,7 +171,7 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, default=37.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--serve", choices=KINDS, help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)  # 0: the server picks
     args = ap.parse_args()
     if args.serve:
         ticker = _Ticker(args.step_ms / 1000, args.stream_interval, args.tokens)
@@ -185,7 +179,6 @@ def main() -> int:
          "protocol": serve_protocol}[args.serve](args.port, ticker)
         return 0
 
-    from bench.gateway_overhead import _free_port
     from bench.serving import run_load, summarize
     from shared import procfs
 
@@ -194,12 +187,13 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     for rnd in range(args.rounds):
         for kind in KINDS:
-            port = _free_port()
-            proc = subprocess.Popen([sys.executable, "-m", "bench.http_floor", "--serve", kind, "--port", str(port),
+            proc = subprocess.Popen([sys.executable, "-m", "bench.http_floor", "--serve", kind,
                                      "--tokens", str(args.tokens), "--stream-interval", str(args.stream_interval),
                                      "--step-ms", str(args.step_ms)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
             try:
-                assert proc.stdout.readline().startswith("READY"), f"{kind} server did not start"
+                ready = proc.stdout.readline()
+                assert ready.startswith("READY"), f"{kind} server did not start"
+                port = int(ready.split()[1])  # bound by the server itself: no port race
                 url = f"http://127.0.0.1:{port}"
                 asyncio.run(run_load(url, "completions", dataset[:8], True, float("inf"), 0))
                 c0, t0 = procfs.run_seconds(proc.pid), time.perf_counter()
