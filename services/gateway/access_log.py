@@ -15,10 +15,11 @@ import contextvars
 import logging
 import re
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from aiohttp import web
+
+from shared.ids import unique_hex
 
 log = logging.getLogger("services.gateway.access")
 
@@ -59,7 +60,7 @@ def current_request_id() -> str | None:
 
 def request_id_from(request: web.Request) -> str:
     given = request.headers.get(HEADER, "")
-    return given if _SANE.fullmatch(given) else uuid.uuid4().hex
+    return given if _SANE.fullmatch(given) else unique_hex()
 
 
 @web.middleware

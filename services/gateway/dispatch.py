@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
@@ -30,6 +29,7 @@ from services.gateway.metrics import GatewayMetrics, RequestTimer
 from services.gateway.pd import pd_serve, wants_local_prefill
 from services.gateway.router import Router
 from services.gateway.worker_client import Lost, WorkerClient
+from shared.ids import unique_hex
 from shared.protocol import FinishReason, GenerateRequest, TokenOutput
 
 
@@ -290,7 +290,7 @@ def tenant_rid(rid: str, salt: str | None) -> str:
 
 
 def new_rid(prefix: str = "") -> str:
-    return f"{prefix}{uuid.uuid4().hex}"
+    return f"{prefix}{unique_hex()}"
 
 
 def created_timestamp() -> int:
