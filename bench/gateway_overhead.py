@@ -149,6 +149,8 @@ def main():
     ap.add_argument("--gateway-processes", type=int, default=1,
                     help="gateway processes on the port (their CPU is summed); with --step-ms 0 this measures "
                          "whether the pool lifts the gateway's ceiling")
+    ap.add_argument("--disable-http-front", action="store_true",
+                    help="the gateway's --disable-http-front (aiohttp serves the generation routes too)")
     ap.add_argument("--profile", default=None, metavar="PREFIX", help="py-spy of the gateway under load (PREFIX.txt)")
     ap.add_argument("--fake-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -172,7 +174,8 @@ def main():
         wport = int(_wait_line(worker, "FAKE WORKER").split()[-1])  # bound by the worker: no port race
         gateway = subprocess.Popen([sys.executable, "-m", "services.gateway", "--model-path", "tiny-random",
                                     "--workers", f"127.0.0.1:{wport}", "--port", str(gport), "--log-level", "warning",
-                                    "--gateway-processes", str(args.gateway_processes)],
+                                    "--gateway-processes", str(args.gateway_processes)]
+                                   + (["--disable-http-front"] if args.disable_http_front else []),
                                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    start_new_session=True)
         _wait_line(gateway, "gateway ready")

@@ -196,6 +196,16 @@ class FakeWorker:
         return [[fake_logprob(position) - j, (tid + j) % vocab] for j in range(k)]
 
 
+class GatewayTestServer(TestServer):
+    """A TestServer run as services.gateway runs the app: its GatewayRunner puts the generation routes'
+    front (services/gateway/front.py) before aiohttp."""
+
+    async def _make_runner(self, **kwargs):
+        from services.gateway.app import GatewayRunner
+
+        return GatewayRunner(self.app, **kwargs)
+
+
 @dataclass
 class Stack:
     """A gateway over fake workers, served by a real TestServer."""
@@ -229,7 +239,7 @@ async def gateway_stack(num_workers: int = 1, *, context_length: int | None = 25
     state = GatewayState(tokenizer=tok, served_model_name="tiny", model_path="tiny-random",
                          router=Router(clients), context_length=context_length, **state_kwargs)
     state.health.interval = 0.02
-    server = TestServer(create_app(state))
+    server = GatewayTestServer(create_app(state))
     client = TestClient(server)
     await client.start_server()
     try:

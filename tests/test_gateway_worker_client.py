@@ -498,7 +498,8 @@ async def test_a_flush_or_a_restart_resets_every_gateways_picture_of_the_worker(
     server = WorkerServer(_FlushableEngine(), internal_key="k")
     port = await server.start("127.0.0.1", 0)
     clients = [WorkerClient("127.0.0.1", port, internal_key="k", connect_timeout=2.0) for _ in range(2)]
-    routers = [Router([c], CacheAwarePolicy()) for c in clients]
+    # Each fleet has a second worker (never started): a fleet of one keeps no routing index at all.
+    routers = [Router([c, WorkerClient("127.0.0.1", 9, internal_key="k")], CacheAwarePolicy()) for c in clients]
     try:
         for c in clients:
             c.start()
@@ -533,3 +534,19 @@ async def test_a_flush_or_a_restart_resets_every_gateways_picture_of_the_worker(
         for c in clients:
             await c.close()
         await server.close()
+
+
+def test_a_fleet_of_one_unified_worker_keeps_no_routing_index():
+    """Nothing to choose between: the cache-aware index is not kept (its upkeep was ~30 us a request);
+    with a second worker it is."""
+    from services.gateway.cache_aware import CacheAwarePolicy
+
+    solo = WorkerClient("127.0.0.1", 9)
+    ids = list(range(100))
+    router = Router([solo], CacheAwarePolicy())
+    assert router.pick(ids) is solo
+    router.remember(solo, ids + [1, 2], None, prompt=ids)
+    assert router.policy._index == {}
+    pair = Router([solo, WorkerClient("127.0.0.1", 10)], CacheAwarePolicy())
+    pair.remember(solo, ids, None)
+    assert solo.address in pair.policy._index

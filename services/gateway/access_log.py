@@ -58,14 +58,24 @@ def current_request_id() -> str | None:
     return record.request_id if record is not None else None
 
 
-def request_id_from(request: web.Request) -> str:
-    given = request.headers.get(HEADER, "")
-    return given if _SANE.fullmatch(given) else unique_hex()
+def request_id_from(given: str) -> str:
+    """The client's X-Request-Id header value when it is a sane token, else a new id."""
+    return given if given and _SANE.fullmatch(given) else unique_hex()
+
+
+def log_access(record: AccessRecord, method: str, path: str, status: int) -> None:
+    """The request's access-log line (probes at debug level)."""
+    ttft = f"{record.ttft:.3f}" if record.ttft is not None else "-"
+    level = logging.DEBUG if path in _PROBES else logging.INFO
+    if log.isEnabledFor(level):
+        log.log(level, "request_id=%s %s %s %d prompt_tokens=%d cached_tokens=%d output_tokens=%d ttft=%s "
+                "e2e=%.3f", record.request_id, method, path, status, record.prompt_tokens, record.cached_tokens,
+                record.output_tokens, ttft, time.perf_counter() - record.start)
 
 
 @web.middleware
 async def access_middleware(request: web.Request, handler) -> web.StreamResponse:
-    record = AccessRecord(request_id_from(request))
+    record = AccessRecord(request_id_from(request.headers.get(HEADER, "")))
     request[_KEY] = record
     token = CURRENT.set(record)
     status = 500
@@ -81,11 +91,7 @@ async def access_middleware(request: web.Request, handler) -> web.StreamResponse
         raise
     finally:
         CURRENT.reset(token)
-        ttft = f"{record.ttft:.3f}" if record.ttft is not None else "-"
-        level = logging.DEBUG if request.path in _PROBES else logging.INFO
-        log.log(level, "request_id=%s %s %s %d prompt_tokens=%d cached_tokens=%d output_tokens=%d ttft=%s e2e=%.3f",
-                 record.request_id, request.method, request.path, status, record.prompt_tokens,
-                 record.cached_tokens, record.output_tokens, ttft, time.perf_counter() - record.start)
+        log_access(record, request.method, request.path, status)
 
 
 async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:

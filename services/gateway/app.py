@@ -1,23 +1,25 @@
-"""The aiohttp application: route table, error and auth middlewares, start-up and shutdown. Routes only
-read the state and call the translator that owns the endpoint."""
+"""The aiohttp application: route table, error and auth middlewares, start-up and shutdown, and the runner
+that puts the generation routes' front (front.py) before it. Routes only read the state and call the
+translator that owns the endpoint."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 from aiohttp import web
 
 from services.gateway import admin_api, native_api, openai_api, programs_api, tokenize_api
+from services.gateway.auth import matching_key, required_keys, unauthorized
 from services.gateway.access_log import access_middleware, add_request_id_header
 from services.gateway.errors import APIError, error_body
+from services.gateway.front import FrontServer
 from services.gateway.json_out import json_response
-from services.gateway.openapi import OPEN_PATHS, build_spec
+from services.gateway.openapi import build_spec
 from services.gateway.state import GatewayState
 from services.gateway.tenancy import CACHE_SALT, tenant_salt
 from shared.errors import InvalidRequest
 
-__all__ = ["GatewayState", "create_app", "STATE"]
+__all__ = ["GatewayState", "GatewayRunner", "create_app", "STATE"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,31 @@ _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "
                      413: "invalid_request_error"}
 # OpenAI's `code` is a string or null, never the HTTP status.
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+# The routes that carry generation traffic: POST translators taking (state, request), where request is
+# aiohttp's or the front's FrontRequest (services/gateway/front.py).
+GENERATION_ROUTES = {
+    "/v1/completions": openai_api.completions,
+    "/v1/chat/completions": openai_api.chat_completions,
+    "/generate": native_api.generate,
+}
+
+
+class GatewayRunner(web.AppRunner):
+    """aiohttp's AppRunner whose sites listen with the front (services/gateway/front.py): generation
+    requests are served from the socket, every other request (and connection) by the application."""
+
+    def __init__(self, app: web.Application, *, front: bool = True, keepalive_timeout: float = 3630.0,
+                 **kwargs):
+        super().__init__(app, keepalive_timeout=keepalive_timeout, **kwargs)
+        self._front, self._keepalive_timeout = front, keepalive_timeout
+
+    async def _make_server(self):
+        web_server = await super()._make_server()
+        if not self._front:
+            return web_server
+        return FrontServer(web_server, self.app[STATE], GENERATION_ROUTES, self._keepalive_timeout)
 
 
 def create_app(state: GatewayState) -> web.Application:
@@ -59,12 +86,11 @@ def create_app(state: GatewayState) -> web.Application:
     async def metrics(request):
         return await admin_api.metrics(s)
 
-    app.router.add_post("/v1/completions", _bound(s, openai_api.completions))
-    app.router.add_post("/v1/chat/completions", _bound(s, openai_api.chat_completions))
+    for path, translator in GENERATION_ROUTES.items():  # also served by the front (GatewayRunner)
+        app.router.add_post(path, _bound(s, translator))
     app.router.add_get("/v1/models", models)
     # {model_id:.+}: hub ids contain a slash (meta-llama/Llama-3.1-8B).
     app.router.add_get("/v1/models/{model_id:.+}", model)
-    app.router.add_post("/generate", _bound(s, native_api.generate))
     app.router.add_post("/v1/programs", _bound(s, programs_api.run_program))
     for prefix in ("", "/v1"):  # SGLang serves both; vLLM the first
         app.router.add_post(f"{prefix}/tokenize", _bound(s, tokenize_api.tokenize))
@@ -139,36 +165,12 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
 def _auth_middleware(state: GatewayState):
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        keys = _required_keys(state, request.path)
+        keys = required_keys(state, request.path)
         if keys:
-            key = _matching_key(request, keys)
+            key = matching_key(request.headers.get("Authorization", ""), keys)
             if key is None:
-                return json_response(error_body("invalid or missing API key", "authentication_error",
-                                                    code="invalid_api_key"), status=401)
+                return unauthorized().response()
             request[CACHE_SALT] = tenant_salt(key)
         return await handler(request)
 
     return check
-
-
-def _required_keys(state: GatewayState, path: str) -> list[str]:
-    """With --api-key every route needs a key except liveness, metrics and the API description (as
-    SGLang); /flush_cache takes the admin key when one is set."""
-    if path == "/flush_cache":
-        return [state.admin_api_key] if state.admin_api_key else state.api_keys
-    if path in OPEN_PATHS:
-        return []
-    return state.api_keys
-
-
-def _matching_key(request: web.Request, keys: list[str]) -> str | None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    token_b = token.strip().encode()
-    found = None
-    # Constant-time comparison against every key (no early exit): timing says nothing about the keys.
-    for key in keys:
-        if hmac.compare_digest(token_b, key.encode()) and scheme.lower() == "bearer":
-            found = key
-    return found
-

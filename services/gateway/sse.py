@@ -77,8 +77,29 @@ class EventFormat(Protocol):
         """Events after the last request ended (the usage summary)."""
 
 
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+class EventWriter(Protocol):
+    """Where an SSE response's events go: HTTP/1.1 chunks on the client's connection."""
+
+    def ready(self) -> bool:
+        """`write_now` may write: the headers are out and the client has taken everything so far."""
+
+    def write_now(self, data: bytes) -> None:
+        """Only when `ready()`: one chunk, written at once."""
+
+    async def write(self, data: bytes) -> None:
+        """One chunk (with the held headers first), waiting while the client is behind; ConnectionError
+        when it is gone."""
+
+    async def write_eof(self, data: bytes) -> None:
+        """The last chunk (may be b"") and the end of the body, in one write."""
+
+
 class _ChunkWriter:
-    """Writes an SSE response's events as HTTP/1.1 chunks. The first goes through aiohttp (it carries the
+    """An EventWriter over an aiohttp StreamResponse. The first chunk goes through aiohttp (it carries the
     held headers); later ones, while the client keeps up (`ready`: nothing left in the transport's
     buffer), may go to the transport at once, framed as aiohttp frames them: StreamResponse.write's four
     Python layers were ~1 us of every event. When the client falls behind, or the response is not plain
@@ -92,12 +113,10 @@ class _ChunkWriter:
         self._transport: Any = None  # set once the headers are out
 
     def ready(self) -> bool:
-        """`write_now` may write: the headers are out and the client has taken everything so far."""
         transport = self._transport
         return transport is not None and not transport.get_write_buffer_size() and not transport.is_closing()
 
     def write_now(self, data: bytes) -> None:
-        """Only when `ready()`."""
         self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
     async def write(self, data: bytes) -> None:
@@ -109,6 +128,9 @@ class _ChunkWriter:
         if headers.get("Transfer-Encoding") == "chunked" and "Content-Encoding" not in headers:
             self._transport = self._request.transport
 
+    async def write_eof(self, data: bytes) -> None:
+        await self._resp.write_eof(data)
+
 
 class _HeldHeadersResponse(web.StreamResponse):
     """Headers buffered at prepare() and sent in the first write (aiohttp 3.14's switch, set by Response)."""
@@ -116,19 +138,28 @@ class _HeldHeadersResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
-async def _respond(request: web.Request, produce: Callable[[_ChunkWriter, list[bytes]], Awaitable[None]],
-                   headers: dict[str, str] | None, hold_headers: bool) -> web.StreamResponse:
+async def _open(request: Any, headers: dict[str, str], hold_headers: bool) -> tuple[EventWriter, Any]:
+    """The request's SSE response: its writer, and what the route returns. aiohttp's request gets a
+    StreamResponse; the generation routes' front (services/gateway/front.py) brings its own
+    `open_event_stream`, which writes to the connection directly."""
+    opener = getattr(request, "open_event_stream", None)
+    if opener is not None:
+        return opener(headers, hold_headers), None
+    resp = (_HeldHeadersResponse if hold_headers else web.StreamResponse)(headers=headers)
+    await resp.prepare(request)
+    return _ChunkWriter(request, resp), resp
+
+
+async def _respond(request: Any, produce: Callable[[EventWriter, list[bytes]], Awaitable[None]],
+                   headers: dict[str, str] | None, hold_headers: bool) -> Any:
     """An SSE response whose events `produce(writer, held)` writes; `held`: encoded events that go out
     with the end (the end marker, or an error event in its place)."""
-    kind = _HeldHeadersResponse if hold_headers else web.StreamResponse
-    resp = kind(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-                         "X-Accel-Buffering": "no", **(headers or {})})
-    await resp.prepare(request)
+    out, resp = await _open(request, {**SSE_HEADERS, **(headers or {})}, hold_headers)
     held: list[bytes] = []
     try:
-        await produce(_ChunkWriter(request, resp), held)
+        await produce(out, held)
         held.append(DONE)
-        await resp.write_eof(b"".join(held))
+        await out.write_eof(b"".join(held))
         return resp
     except APIError as e:
         held.append(encode_event(e.body()))
@@ -139,16 +170,16 @@ async def _respond(request: web.Request, produce: Callable[[_ChunkWriter, list[b
         log.exception("stream failed")
         held.append(encode_event(error_body("internal error while streaming", "internal_error")))
     try:
-        await resp.write_eof(b"".join(held))
+        await out.write_eof(b"".join(held))
     except ConnectionError:
         pass
     return resp
 
 
-async def stream_events(request: web.Request, events: AsyncIterator[Any],
-                        headers: dict[str, str] | None = None, hold_headers: bool = True) -> web.StreamResponse:
+async def stream_events(request: Any, events: AsyncIterator[Any],
+                        headers: dict[str, str] | None = None, hold_headers: bool = True) -> Any:
     """An SSE response of an async iterator's events, each written as it comes."""
-    async def produce(out: _ChunkWriter, held: list[bytes]) -> None:
+    async def produce(out: EventWriter, held: list[bytes]) -> None:
         async with aclosing(events) as it:  # leaving early (client gone) closes, and so aborts, its source
             async for event in it:
                 await out.write(encode_event(event))
@@ -156,10 +187,10 @@ async def stream_events(request: web.Request, events: AsyncIterator[Any],
     return await _respond(request, produce, headers, hold_headers)
 
 
-async def stream_generation(request: web.Request, dispatcher: "Dispatcher", reqs: Sequence[GenerateRequest],
-                            fmt: EventFormat, headers: dict[str, str] | None = None) -> web.StreamResponse:
+async def stream_generation(request: Any, dispatcher: "Dispatcher", reqs: Sequence[GenerateRequest],
+                            fmt: EventFormat, headers: dict[str, str] | None = None) -> Any:
     """An SSE response of the requests' increments as `fmt` formats them (see the module docstring)."""
-    async def produce(out: _ChunkWriter, held: list[bytes]) -> None:
+    async def produce(out: EventWriter, held: list[bytes]) -> None:
         stream = GenerationStream(out, fmt, len(reqs), held)
         run = dispatcher.run(reqs, stream)
         try:
@@ -180,7 +211,7 @@ class GenerationStream:
 
     __slots__ = ("_out", "_fmt", "_held", "_running", "_backlog", "_waiter", "_error")
 
-    def __init__(self, out: _ChunkWriter, fmt: EventFormat, count: int, held: list[bytes]):
+    def __init__(self, out: EventWriter, fmt: EventFormat, count: int, held: list[bytes]):
         self._out, self._fmt, self._held = out, fmt, held
         self._running = count  # requests that have not ended
         self._backlog: list[tuple["Generation", Any]] = []  # increments the task has yet to take, in order

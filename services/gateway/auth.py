@@ -1,0 +1,40 @@
+"""API keys: which routes need one and whether a request's Authorization header carries one. Shared by
+the aiohttp middleware (services/gateway/app.py) and the generation routes' front
+(services/gateway/front.py), so both paths refuse and admit the same requests."""
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING
+
+from services.gateway.errors import APIError
+from services.gateway.openapi import OPEN_PATHS
+
+if TYPE_CHECKING:
+    from services.gateway.state import GatewayState
+
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
+
+
+def required_keys(state: "GatewayState", path: str) -> list[str]:
+    """With --api-key every route needs a key except liveness, metrics and the API description (as
+    SGLang); /flush_cache takes the admin key when one is set."""
+    if path == "/flush_cache":
+        return [state.admin_api_key] if state.admin_api_key else state.api_keys
+    if path in OPEN_PATHS:
+        return []
+    return state.api_keys
+
+
+def matching_key(authorization: str, keys: list[str]) -> str | None:
+    """The key a `Bearer <key>` Authorization header value carries, if it is one of `keys`."""
+    scheme, _, token = authorization.partition(" ")
+    token_b = token.strip().encode("utf-8", "surrogateescape")
+    found = None
+    # Constant-time comparison against every key (no early exit): timing says nothing about the keys.
+    for key in keys:
+        if hmac.compare_digest(token_b, key.encode()) and scheme.lower() == "bearer":
+            found = key
+    return found
