@@ -9,14 +9,14 @@ import logging
 from aiohttp import web
 
 from services.gateway import admin_api, native_api, openai_api, programs_api, tokenize_api
-from services.gateway.auth import matching_key, required_keys, unauthorized
+from services.gateway.auth import authorize
 from services.gateway.access_log import access_middleware, add_request_id_header
-from services.gateway.errors import APIError, error_body
+from services.gateway.errors import APIError, error_body, internal_error
 from services.gateway.front import FrontServer
 from services.gateway.json_out import json_response
 from services.gateway.openapi import build_spec
 from services.gateway.state import GatewayState
-from services.gateway.tenancy import CACHE_SALT, tenant_salt
+from services.gateway.tenancy import CACHE_SALT
 from shared.errors import InvalidRequest
 
 __all__ = ["GatewayState", "GatewayRunner", "create_app", "STATE"]
@@ -159,18 +159,18 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
     except Exception:
         # Bad input never lands here (translators raise APIError); this is a bug, logged but not shown.
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return json_response(error_body("internal server error", "internal_error"), status=500)
+        return internal_error().response()
 
 
 def _auth_middleware(state: GatewayState):
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        keys = required_keys(state, request.path)
-        if keys:
-            key = matching_key(request.headers.get("Authorization", ""), keys)
-            if key is None:
-                return unauthorized().response()
-            request[CACHE_SALT] = tenant_salt(key)
+        try:
+            salt = authorize(state, request.path, request.headers.get("Authorization", ""))
+        except APIError as e:
+            return e.response()
+        if salt is not None:
+            request[CACHE_SALT] = salt
         return await handler(request)
 
     return check

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from services.gateway.errors import APIError
 from services.gateway.openapi import OPEN_PATHS
+from services.gateway.tenancy import tenant_salt
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
@@ -16,6 +17,18 @@ if TYPE_CHECKING:
 
 def unauthorized() -> APIError:
     return APIError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
+
+
+def authorize(state: "GatewayState", path: str, authorization: str) -> str | None:
+    """The tenant's cache salt for a request to `path` with this Authorization header value (None when the
+    route needs no key); raises the 401 when it needs one the header does not carry."""
+    keys = required_keys(state, path)
+    if not keys:
+        return None
+    key = matching_key(authorization, keys)
+    if key is None:
+        raise unauthorized()
+    return tenant_salt(key)
 
 
 def required_keys(state: "GatewayState", path: str) -> list[str]:

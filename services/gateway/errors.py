@@ -44,6 +44,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def internal_error() -> APIError:
+    """A bug's answer: logged where it is caught, never shown to the client."""
+    return APIError(500, "internal server error", type="internal_error")
+
+
 def unavailable(message: str) -> APIError:
     return APIError(503, message, type="service_unavailable", code="worker_unavailable")
 

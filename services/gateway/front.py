@@ -37,10 +37,11 @@ from aiohttp import web
 from aiohttp.tcp_helpers import tcp_keepalive
 
 from services.gateway.access_log import CURRENT, HEADER as REQUEST_ID, AccessRecord, log_access, request_id_from
-from services.gateway.auth import matching_key, required_keys, unauthorized
-from services.gateway.errors import APIError, error_body
+from services.gateway.auth import authorize
+from services.gateway.errors import APIError, internal_error
 from services.gateway.json_out import dumps
-from services.gateway.tenancy import CACHE_SALT, tenant_salt
+from services.gateway.sse import chunk
+from services.gateway.tenancy import CACHE_SALT
 from shared.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -221,14 +222,14 @@ class _FrontEventWriter:
         return (self._head is None and not transport.get_write_buffer_size() and not transport.is_closing())
 
     def write_now(self, data: bytes) -> None:
-        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        self._transport.write(chunk(data))
 
     async def write(self, data: bytes) -> None:
-        self._send(b"%x\r\n%b\r\n" % (len(data), data))
+        self._send(chunk(data))
         await self._conn.drain()
 
     async def write_eof(self, data: bytes) -> None:
-        self._send((b"%x\r\n%b\r\n" % (len(data), data) if data else b"") + _CHUNK_END)
+        self._send((chunk(data) if data else b"") + _CHUNK_END)
 
 
 class FrontProtocol(asyncio.Protocol):
@@ -262,6 +263,7 @@ class FrontProtocol(asyncio.Protocol):
         if timeout > 0:
             self._idle_handle = self._loop.call_at(self._idle_since + timeout, self._check_idle)
         self._task = self._loop.create_task(self._serve())
+        self._server.track(self._task)
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
@@ -385,40 +387,37 @@ class FrontProtocol(asyncio.Protocol):
 
     async def _serve(self) -> None:
         queue = self._queue
-        try:
-            while True:
-                while not queue:
-                    if self._closing or self.transport.is_closing():
-                        self.transport.close()
-                        return
-                    if self._cold:
-                        self._hand_over()
-                        return
-                    self._wake = self._loop.create_future()
-                    try:
-                        await self._wake
-                    finally:
-                        self._wake = None
-                if self._closing:
+        while True:
+            while not queue:
+                if self._closing or self.transport.is_closing():
                     self.transport.close()
                     return
-                msg = queue[0]
-                self._busy = True
+                if self._cold:
+                    self._hand_over()
+                    return
+                self._wake = self._loop.create_future()
                 try:
-                    await self._handle(msg)
+                    await self._wake
                 finally:
-                    queue.popleft()
-                    self._busy = False
-                    self._idle_since = self._loop.time()
-                if len(queue) < _QUEUED // 2 and not self._cold:
-                    self._resume_reading()
-                if msg.close or msg.body is None or self._closing:
-                    # Connection: close, or answered before its body came (it may never come: a refused
-                    # Expect: 100-continue): the stream cannot be trusted for another request.
-                    self.transport.close()
-                    return
-        finally:
-            self._server.finished(self)
+                    self._wake = None
+            if self._closing:
+                self.transport.close()
+                return
+            msg = queue[0]
+            self._busy = True
+            try:
+                await self._handle(msg)
+            finally:
+                queue.popleft()
+                self._busy = False
+                self._idle_since = self._loop.time()
+            if len(queue) < _QUEUED // 2 and not self._cold:
+                self._resume_reading()
+            if msg.close or msg.body is None or self._closing:
+                # Connection: close, or answered before its body came (it may never come: a refused
+                # Expect: 100-continue): the stream cannot be trusted for another request.
+                self.transport.close()
+                return
 
     def _hand_over(self) -> None:
         """From the buffer's first byte on, the connection is aiohttp's."""
@@ -448,31 +447,23 @@ class FrontProtocol(asyncio.Protocol):
         status = 499  # the client went away (the handler cancelled)
         try:
             try:
-                keys = required_keys(server.state, msg.path)
-                if keys:
-                    key = matching_key(msg.authorization, keys)
-                    if key is None:
-                        raise unauthorized()
-                    req.salt = tenant_salt(key)
+                req.salt = authorize(server.state, msg.path, msg.authorization)
                 resp = await msg.route(server.state, req)
                 if req.stream is None:
                     status = resp.status
                     self._respond(msg, req, status, resp.headers.items(), resp.body or b"")
                 else:
                     status = 200
-            except APIError as e:
-                status = e.status
-                self._respond_json(msg, req, status, e.body())
-            except InvalidRequest as e:
-                err = APIError.from_invalid(e)
-                status = err.status
-                self._respond_json(msg, req, status, err.body())
             except ConnectionError:
                 pass
-            except Exception:
-                log.exception("unhandled error on POST %s", msg.path)
-                status = 500
-                self._respond_json(msg, req, status, error_body("internal server error", "internal_error"))
+            except Exception as e:
+                if isinstance(e, InvalidRequest):
+                    e = APIError.from_invalid(e)
+                elif not isinstance(e, APIError):
+                    log.exception("unhandled error on POST %s", msg.path)
+                    e = internal_error()
+                status = e.status
+                self._respond_json(msg, req, status, e.body())
         finally:
             CURRENT.reset(token)
             log_access(record, "POST", msg.path, status)
@@ -508,22 +499,14 @@ class FrontServer:
         self.connections: set[FrontProtocol] = set()
         self.served = 0  # requests the front answered itself (the rest were aiohttp's)
         self.handed_over = 0  # connections given to aiohttp
-        self._serving: set[FrontProtocol] = set()  # connections whose serving task has not ended
-        self._all_done: asyncio.Future | None = None
+        self._tasks: set[asyncio.Task] = set()  # connections' serving tasks that have not ended
 
     def __call__(self) -> FrontProtocol:
-        conn = FrontProtocol(self)
-        self._serving.add(conn)
-        return conn
+        return FrontProtocol(self)
 
-    def finished(self, conn: FrontProtocol) -> None:
-        self._serving.discard(conn)
-        if not self._serving and self._all_done is not None and not self._all_done.done():
-            self._all_done.set_result(None)
-
-    @property
-    def requests_count(self) -> int:
-        return self.web_server.requests_count
+    def track(self, task: asyncio.Task) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def pre_shutdown(self) -> None:
         self.web_server.pre_shutdown()
@@ -536,15 +519,9 @@ class FrontServer:
         await asyncio.gather(self.web_server.shutdown(timeout), self._drain(timeout))
 
     async def _drain(self, timeout: float | None) -> None:
-        serving = [c for c in self._serving if c._task is not None and not c._task.done()]
-        if serving:
-            self._all_done = self.loop.create_future()
-            try:
-                await asyncio.wait_for(asyncio.shield(self._all_done), timeout)
-            except asyncio.TimeoutError:
-                pass
-        for conn in list(self._serving):
-            if conn._task is not None:
-                conn._task.cancel()
-            if conn.transport is not None:
-                conn.transport.close()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+        for task in list(self._tasks):
+            task.cancel()
+        for conn in list(self.connections):
+            conn.transport.close()

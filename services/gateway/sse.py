@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
 
 
+def chunk(data: bytes) -> bytes:
+    """`data` framed as one HTTP/1.1 chunk."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
 def encode_event(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
@@ -117,7 +122,7 @@ class _ChunkWriter:
         return transport is not None and not transport.get_write_buffer_size() and not transport.is_closing()
 
     def write_now(self, data: bytes) -> None:
-        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        self._transport.write(chunk(data))
 
     async def write(self, data: bytes) -> None:
         if self.ready():
