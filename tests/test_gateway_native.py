@@ -360,29 +360,36 @@ async def test_bad_program_is_400(stack):
     assert r.status == 400 and (await r.json())["error"]["message"] == "no"
 
 
-def test_observe_many_equals_repeated_observe():
-    """The ITL histogram takes an increment of n tokens as n gaps in one move: same exposition as n
-    observe calls, values on a bound included (fails if prometheus-client's internals change under
-    ManyObserver); a histogram without those internals gets the plain calls."""
+def test_batched_histogram_equals_repeated_observe():
+    """The request path's histograms keep counts until flushed: the same exposition as one observe call
+    per observation, values on a bound included, n tokens of an increment as n gaps (fails if
+    prometheus-client's internals change under BatchedHistogram); nothing shows before the flush, and a
+    histogram without those internals gets the plain calls."""
     from prometheus_client import CollectorRegistry, Histogram
 
-    from services.gateway.metrics import ManyObserver
+    from services.gateway.metrics import BatchedHistogram
 
     regs = [CollectorRegistry(), CollectorRegistry()]
     hists = [Histogram("itl", "gap", buckets=(0.01, 0.1, 1.0), registry=r) for r in regs]
-    many = ManyObserver(hists[0])
-    assert many._buckets is not None  # the fast path is the one tested
-    for value, count in ((0.005, 3), (0.05, 16), (5.0, 2), (0.1, 1), (0.01, 1), (1.0, 4), (0.0, 1), (1e9, 1),
-                         (0.0999, 1), (0.10001, 7)):
-        many.observe(value, count)
-        for _ in range(count):
-            hists[1].observe(value)
+    batched = BatchedHistogram(hists[0])
+    assert batched._buckets is not None  # the fast path is the one tested
+
     def samples(reg):
         return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in reg.collect() for s in m.samples
                 if not s.name.endswith("_created")}
 
-    got, want = samples(regs[0]), samples(regs[1])
-    assert got.keys() == want.keys() and got == pytest.approx(want)
+    empty = samples(regs[0])
+    for round_ in range(2):
+        for value, count in ((0.005, 3), (0.05, 16), (5.0, 2), (0.1, 1), (0.01, 1), (1.0, 4), (0.0, 1), (1e9, 1),
+                             (0.0999, 1), (0.10001, 7)):
+            batched.observe(value, count)
+            for _ in range(count):
+                hists[1].observe(value)
+        if round_ == 0:
+            assert samples(regs[0]) == empty  # held until the flush
+        batched.flush()
+        got, want = samples(regs[0]), samples(regs[1])
+        assert got.keys() == want.keys() and got == pytest.approx(want)
 
     class Plain:
         seen: list = []
@@ -390,9 +397,30 @@ def test_observe_many_equals_repeated_observe():
         def observe(self, v):
             self.seen.append(v)
 
-    plain = ManyObserver(Plain())
+    plain = BatchedHistogram(Plain())
     plain.observe(0.5, 3)
+    plain.flush()
     assert Plain.seen == [0.5, 0.5, 0.5]
+
+
+def test_metrics_render_flushes_batched_values():
+    """A scrape shows every request accounted before it, though the request path only batches them."""
+    from services.gateway.metrics import GatewayMetrics, RequestTimer
+    from shared.protocol import FinishLength, TokenOutput
+
+    m = GatewayMetrics("m")
+    timer = RequestTimer(m)
+    timer.observe(TokenOutput(rid="a", token_ids=[1], text="x", prompt_tokens=7))
+    timer.observe(TokenOutput(rid="a", token_ids=[2, 3], text="yz", finished=True,
+                              finish_reason=FinishLength(length=3), prompt_tokens=7, completion_tokens=3))
+    text = m.render().decode()
+    for line in ('sglang:num_requests_total{model_name="m"} 1.0', 'sglang:prompt_tokens_total{model_name="m"} 7.0',
+                 'sglang:generation_tokens_total{model_name="m"} 3.0',
+                 'sglang:inter_token_latency_seconds_count{model_name="m"} 2.0',
+                 'sglang:time_to_first_token_seconds_count{model_name="m"} 1.0',
+                 'sglang:e2e_request_latency_seconds_count{model_name="m"} 1.0'):
+        assert line in text, line
+    assert 'sglang:num_requests_total{model_name="m"} 1.0' in m.render().decode()  # flushed once, not twice
 
 
 def test_generation_result_text_is_joined_once_per_read():
