@@ -136,3 +136,19 @@ def test_stack_pids_counts_a_pools_gateway_processes_as_gateway():
         for k in kids:
             k.kill()
             k.wait()
+
+
+def test_cpu_snapshot_resolves_less_than_a_clock_tick():
+    """The gateway's us/token comes from these totals: 4 ms of CPU must read as ~4 ms, not as 0 or 10 ms
+    (the ticks of /proc/PID/stat quantize a 32k-token run's gateway time to +-0.3 us/token)."""
+    import os
+    import time
+
+    from bench.serving import cpu_snapshot
+    pids = {"gateway": [os.getpid()]}
+    before = cpu_snapshot(pids)
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.004:
+        pass
+    spent = cpu_snapshot(pids)["gateway"] - before["gateway"]
+    assert 0.0035 <= spent < 0.009, spent
