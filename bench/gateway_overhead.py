@@ -151,6 +151,9 @@ def main():
                          "whether the pool lifts the gateway's ceiling")
     ap.add_argument("--disable-http-front", action="store_true",
                     help="the gateway's --disable-http-front (aiohttp serves the generation routes too)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the load this many times against the same gateway, each reported (a cost that "
+                         "grows from round to round is state the gateway keeps)")
     ap.add_argument("--profile", default=None, metavar="PREFIX", help="py-spy of the gateway under load (PREFIX.txt)")
     ap.add_argument("--fake-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -191,18 +194,22 @@ def main():
 
         def gateway_cpu() -> float:
             return sum(procfs.run_seconds(p) for p in gateway_pids)
-        g0, w0, c0 = gateway_cpu(), procfs.run_seconds(worker.pid), time.process_time()
-        results, wall = asyncio.run(run_load(url, args.route, dataset, not args.no_stream, float("inf"),
-                                             args.concurrency))
-        g1, w1, c1 = gateway_cpu(), procfs.run_seconds(worker.pid), time.process_time()
-        s = summarize(results, wall)
-        n = max(1, s["out_tokens"])
-        print(f"{args.streams} streams x {args.tokens} tokens"
-              f"{f' ({args.concurrency} at a time)' if args.concurrency else ''}, step {args.step_ms:g} ms, {args.route}"
-              f"{'' if not args.no_stream else ' (no stream)'}: {s['out_tok_s']:.0f} out tok/s, tokens {s['out_tokens']}, "
-              f"errors {s['errors']}")
-        print(f"  gateway {(g1 - g0) * 1e6 / n:.1f} us/token ({(g1 - g0) * 1e6 / len(results):.0f} us/request), worker IO {(w1 - w0) * 1e6 / n:.1f} us/token, "
-              f"client CPU {(c1 - c0) / wall:.0%}; TTFT p50 {s['ttft_p50_ms']:.1f} ms, ITL p50 {s['itl_p50_ms']:.2f} ms")
+        for rnd in range(args.rounds):
+            g0, w0, c0 = gateway_cpu(), procfs.run_seconds(worker.pid), time.process_time()
+            results, wall = asyncio.run(run_load(url, args.route, dataset, not args.no_stream, float("inf"),
+                                                 args.concurrency))
+            g1, w1, c1 = gateway_cpu(), procfs.run_seconds(worker.pid), time.process_time()
+            s = summarize(results, wall)
+            n = max(1, s["out_tokens"])
+            head = f"round {rnd + 1}/{args.rounds}: " if args.rounds > 1 else ""
+            print(f"{head}{args.streams} streams x {args.tokens} tokens"
+                  f"{f' ({args.concurrency} at a time)' if args.concurrency else ''}, step {args.step_ms:g} ms, "
+                  f"{args.route}{'' if not args.no_stream else ' (no stream)'}: {s['out_tok_s']:.0f} out tok/s, "
+                  f"tokens {s['out_tokens']}, errors {s['errors']}")
+            print(f"  gateway {(g1 - g0) * 1e6 / n:.1f} us/token ({(g1 - g0) * 1e6 / len(results):.0f} us/request), "
+                  f"worker IO {(w1 - w0) * 1e6 / n:.1f} us/token, client CPU {(c1 - c0) / wall:.0%}; "
+                  f"TTFT p50 {s['ttft_p50_ms']:.1f} ms, ITL p50 {s['itl_p50_ms']:.2f} ms; gateway RSS "
+                  f"{sum(procfs.rss_bytes(p) for p in gateway_pids) / 2**20:.0f} MiB", flush=True)
     finally:
         for p in (gateway, worker):
             if p is not None:

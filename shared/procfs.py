@@ -89,3 +89,10 @@ def run_seconds(pid: int) -> float:
         except (OSError, ValueError, IndexError):
             continue  # the thread ended meanwhile
     return total / 1e9
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (0 when it is gone): a server whose RSS grows with requests served
+    keeps state it should not."""
+    fields = _stat_fields(f"/proc/{pid}/stat")
+    return int(fields[21]) * os.sysconf("SC_PAGE_SIZE") if fields is not None else 0
