@@ -249,6 +249,21 @@ def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ offline reference
+def worker_passes(url: str) -> dict[str, int]:
+    """The workers' launched passes by mode, summed (the engine's info "passes")."""
+    import requests
+
+    total: dict[str, int] = {}
+    for w in requests.get(url + "/get_server_info", timeout=30).json().get("workers", []):
+        for k, v in ((w.get("info") or {}).get("passes") or {}).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def pass_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
 def offline_reference(path: str, dataset, extra_engine: dict, batch1: int = 0) -> dict:
     import torch
 
@@ -269,8 +284,10 @@ def offline_reference(path: str, dataset, extra_engine: dict, batch1: int = 0) -
     (ol, prompts), = by_len.items()
     drive(eng, prompts[:8], {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8})  # warm-up
     eng.cache.reset()
+    before = dict(eng.passes)
     st = drive(eng, prompts, {"temperature": 0, "ignore_eos": True, "max_new_tokens": ol})
-    out = {"out_tok_s": st.output_tokens / st.wall_s, "wall_s": st.wall_s, "out_tokens": st.output_tokens}
+    out = {"out_tok_s": st.output_tokens / st.wall_s, "wall_s": st.wall_s, "out_tokens": st.output_tokens,
+           "passes": pass_delta(before, eng.passes)}
     if batch1:
         out["batch1_step_ms"] = batch1_step_ms(eng, prompts[:batch1], ol)
     return out
@@ -317,11 +334,15 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
                 for j, pid in enumerate(pids["gateway"] + pids["workers"]):
                     profile_process(pid, os.path.join(args.out, "profile_gateway" if j == 0 else f"profile_worker{j}"),
                                     delay=2.0, seconds=4.0)
+            passes0 = worker_passes(url)
             before = cpu_snapshot(pids) if pids else None
             client0 = time.process_time()
             results, wall = asyncio.run(run_load(url, route, dataset, stream, args.request_rate,
                                                  args.max_concurrency))
             s = summarize(results, wall)
+            # How the engine scheduled it (compare with the offline reference's): arrivals spread over
+            # time show as more extend and decode passes for the same tokens.
+            s["passes"] = pass_delta(passes0, worker_passes(url))
             # The client is one Python process too: a saturated client would understate the stack.
             s["client_cpu_share"] = (time.process_time() - client0) / wall
             if pids:
@@ -334,7 +355,8 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
                 f"{s['itl_p50_ms']:.2f} ms, errors {s['errors']}, gateway "
                 f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token "
                 f"({s.get('gateway_sys_cpu_us_per_token', float('nan')):.1f} of it in the kernel), worker "
-                f"{s.get('workers_cpu_us_per_token', float('nan')):.1f} us/token, client CPU {s['client_cpu_share']:.0%}")
+                f"{s.get('workers_cpu_us_per_token', float('nan')):.1f} us/token, client CPU {s['client_cpu_share']:.0%}, "
+                f"passes {s['passes']}")
         if args.batch1:
             # One stream at a time: the server's time per output token against the engine's batch-1 step.
             flush_cache(url)
@@ -410,7 +432,7 @@ def main():
     if args.offline:
         log("offline engine, same workload")
         res["offline"] = offline_reference(path, dataset, {}, args.batch1)
-        log(f"  {res['offline']['out_tok_s']:.0f} out tok/s")
+        log(f"  {res['offline']['out_tok_s']:.0f} out tok/s, passes {res['offline']['passes']}")
     with open(os.path.join(args.out, f"serving_{args.dataset}.json"), "w") as f:
         json.dump(res, f, indent=2)
     print(f"\ndataset {args.dataset}, {len(dataset)} prompts, rate {args.request_rate}, ideal hit rate "

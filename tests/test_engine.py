@@ -31,6 +31,19 @@ def test_greedy_is_deterministic_and_batch_independent(h):
     assert all(len(x) == 24 for x in alone)
 
 
+def test_info_counts_passes_by_mode(h):
+    """info()["passes"]: one extend pass for prompts submitted together, then a decode pass per further
+    token (the serving benchmark compares these between the server and the offline engine)."""
+    ps = prompts(3, seed=11)
+    before = h.engine.info()["passes"]
+    h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 5}) for p in ps])
+    after = h.engine.info()["passes"]
+    # Four decode passes make the other four tokens; with overlap scheduling a fifth is launched before the
+    # fourth's tokens say the requests ended.
+    assert after["extend"] - before["extend"] == 1 and 4 <= after["decode"] - before["decode"] <= 5
+    assert after["extend_tokens"] - before["extend_tokens"] == sum(len(p) for p in ps)
+
+
 def test_seed_reproducible_and_distinct(h):
     p = prompts(1, seed=2)[0]
     s = {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True}

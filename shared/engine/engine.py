@@ -105,6 +105,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._rng = random.Random(config.random_seed)
         self.steps = 0
+        # Passes launched, by mode, and the tokens of the extend passes: how a workload was scheduled
+        # (a trickle of arrivals shows as more, smaller extend passes and more decode passes).
+        self.passes = {"extend": 0, "decode": 0, "extend_tokens": 0}
         self.generated_tokens = 0
         self._pending = None  # PendingStep launched but not yet processed
         # The step launched in this call of step() while the previous one is processed: a request
@@ -384,6 +387,12 @@ class Engine:
     def _on_launch(self, batch: ScheduleBatch) -> None:
         """What the host knows as soon as a step is enqueued: KV lengths and one pending token per
         sampling request (its value arrives with the step's results)."""
+        passes = self.passes
+        if batch.mode is ForwardMode.DECODE:
+            passes["decode"] += 1
+        else:
+            passes["extend"] += 1
+            passes["extend_tokens"] += len(batch.input_ids)
         for i, req in enumerate(batch.reqs):
             req.kv_len += batch.extend_lens[i]
             if batch.sample[i] and req.params.max_new_tokens > 0:
@@ -794,6 +803,8 @@ class Engine:
             "retractions": self.scheduler.stats.retractions,
             "failed_steps": self.failed_steps,
             "generated_tokens": self.generated_tokens,
+            "steps": self.steps,
+            "passes": dict(self.passes),
             "jump_forward_tokens": self.jump_forward_tokens,
             "jump_forward_declined": self.jump_forward_declined,
             "grammar_cache": {"hits": self.grammars.hits, "misses": self.grammars.misses, "entries": len(self.grammars)},
