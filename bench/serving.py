@@ -260,8 +260,15 @@ def worker_passes(url: str) -> dict[str, int]:
     return total
 
 
-def pass_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+def pass_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+def pass_summary(p: dict[str, float]) -> str:
+    """"extend/decode passes, decode ms a pass": the engine's own step time, served or offline."""
+    timed = p.get("decode_timed") or 0
+    step = f", decode {p['decode_s'] * 1e3 / timed:.2f} ms/pass" if timed else ""
+    return f"{p.get('extend', 0)} extend / {p.get('decode', 0)} decode passes{step}"
 
 
 def offline_reference(path: str, dataset, extra_engine: dict, batch1: int = 0) -> dict:
@@ -356,7 +363,7 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
                 f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token "
                 f"({s.get('gateway_sys_cpu_us_per_token', float('nan')):.1f} of it in the kernel), worker "
                 f"{s.get('workers_cpu_us_per_token', float('nan')):.1f} us/token, client CPU {s['client_cpu_share']:.0%}, "
-                f"passes {s['passes']}")
+                f"{pass_summary(s['passes'])}")
         if args.batch1:
             # One stream at a time: the server's time per output token against the engine's batch-1 step.
             flush_cache(url)
@@ -432,7 +439,7 @@ def main():
     if args.offline:
         log("offline engine, same workload")
         res["offline"] = offline_reference(path, dataset, {}, args.batch1)
-        log(f"  {res['offline']['out_tok_s']:.0f} out tok/s, passes {res['offline']['passes']}")
+        log(f"  {res['offline']['out_tok_s']:.0f} out tok/s, {pass_summary(res['offline']['passes'])}")
     with open(os.path.join(args.out, f"serving_{args.dataset}.json"), "w") as f:
         json.dump(res, f, indent=2)
     print(f"\ndataset {args.dataset}, {len(dataset)} prompts, rate {args.request_rate}, ideal hit rate "

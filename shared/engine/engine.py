@@ -106,8 +106,13 @@ class Engine:
         self._rng = random.Random(config.random_seed)
         self.steps = 0
         # Passes launched, by mode, and the tokens of the extend passes: how a workload was scheduled
-        # (a trickle of arrivals shows as more, smaller extend passes and more decode passes).
-        self.passes = {"extend": 0, "decode": 0, "extend_tokens": 0}
+        # (a trickle of arrivals shows as more, smaller extend passes and more decode passes). "<mode>_s":
+        # wall seconds from each pass's launch to the next launch while work kept coming (the engine's
+        # step time, the same figure whether or not a server is around it).
+        # "<mode>_timed": how many passes those seconds cover.
+        self.passes = {"extend": 0, "decode": 0, "extend_tokens": 0,
+                       "extend_s": 0.0, "extend_timed": 0, "decode_s": 0.0, "decode_timed": 0}
+        self._last_launch: tuple[float, str] | None = None  # (when, mode) of the last pass launched
         self.generated_tokens = 0
         self._pending = None  # PendingStep launched but not yet processed
         # The step launched in this call of step() while the previous one is processed: a request
@@ -210,6 +215,7 @@ class Engine:
         self.prefill_side.open_new()
         self.decode_side.announce()
         if batch is None:
+            self._last_launch = None  # out of work: the gap until the next pass is no pass's time
             if self._pending is not None:
                 self._resolve_pending()
                 return True
@@ -387,12 +393,16 @@ class Engine:
     def _on_launch(self, batch: ScheduleBatch) -> None:
         """What the host knows as soon as a step is enqueued: KV lengths and one pending token per
         sampling request (its value arrives with the step's results)."""
-        passes = self.passes
-        if batch.mode is ForwardMode.DECODE:
-            passes["decode"] += 1
-        else:
-            passes["extend"] += 1
+        passes, now = self.passes, time.perf_counter()
+        if self._last_launch is not None:
+            then, mode = self._last_launch
+            passes[mode + "_s"] += now - then
+            passes[mode + "_timed"] += 1
+        mode = "decode" if batch.mode is ForwardMode.DECODE else "extend"
+        passes[mode] += 1
+        if mode == "extend":
             passes["extend_tokens"] += len(batch.input_ids)
+        self._last_launch = (now, mode)
         for i, req in enumerate(batch.reqs):
             req.kv_len += batch.extend_lens[i]
             if batch.sample[i] and req.params.max_new_tokens > 0:
