@@ -265,10 +265,14 @@ def pass_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, f
 
 
 def pass_summary(p: dict[str, float]) -> str:
-    """"extend/decode passes, decode ms a pass": the engine's own step time, served or offline."""
-    timed = p.get("decode_timed") or 0
-    step = f", decode {p['decode_s'] * 1e3 / timed:.2f} ms/pass" if timed else ""
-    return f"{p.get('extend', 0)} extend / {p.get('decode', 0)} decode passes{step}"
+    """Passes by mode, ms a pass over all of them, ms a decode step in runs of decode passes: the engine's
+    own step time, served or offline (shared/engine/engine.py's `passes`)."""
+    out = f"{p.get('extend', 0)} extend / {p.get('decode', 0)} decode passes"
+    if p.get("busy_timed"):
+        out += f", {p['busy_s'] * 1e3 / p['busy_timed']:.2f} ms a pass"
+    if p.get("decode_timed"):
+        out += f", decode step {p['decode_s'] * 1e3 / p['decode_timed']:.2f} ms"
+    return out
 
 
 def offline_reference(path: str, dataset, extra_engine: dict, batch1: int = 0) -> dict:

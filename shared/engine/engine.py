@@ -106,13 +106,16 @@ class Engine:
         self._rng = random.Random(config.random_seed)
         self.steps = 0
         # Passes launched, by mode, and the tokens of the extend passes: how a workload was scheduled
-        # (a trickle of arrivals shows as more, smaller extend passes and more decode passes). "<mode>_s":
-        # wall seconds from each pass's launch to the next launch while work kept coming (the engine's
-        # step time, the same figure whether or not a server is around it).
-        # "<mode>_timed": how many passes those seconds cover.
+        # (a trickle of arrivals shows as more, smaller extend passes and more decode passes).
+        # "busy_s" / "busy_timed": wall seconds from each launch to the next while work kept coming, and
+        # how many launches they cover; "decode_s" / "decode_timed": the same over runs of decode passes
+        # only (the launch before and the one before that were decode too: with overlap a launch waits
+        # on the pass two back, so only then is the interval one decode step). The engine's step time,
+        # comparable between a served workload and the offline engine.
         self.passes = {"extend": 0, "decode": 0, "extend_tokens": 0,
-                       "extend_s": 0.0, "extend_timed": 0, "decode_s": 0.0, "decode_timed": 0}
-        self._last_launch: tuple[float, str] | None = None  # (when, mode) of the last pass launched
+                       "busy_s": 0.0, "busy_timed": 0, "decode_s": 0.0, "decode_timed": 0}
+        # (when, its mode, the mode of the launch before) of the last pass launched
+        self._last_launch: tuple[float, str, str] | None = None
         self.generated_tokens = 0
         self._pending = None  # PendingStep launched but not yet processed
         # The step launched in this call of step() while the previous one is processed: a request
@@ -394,15 +397,18 @@ class Engine:
         """What the host knows as soon as a step is enqueued: KV lengths and one pending token per
         sampling request (its value arrives with the step's results)."""
         passes, now = self.passes, time.perf_counter()
-        if self._last_launch is not None:
-            then, mode = self._last_launch
-            passes[mode + "_s"] += now - then
-            passes[mode + "_timed"] += 1
         mode = "decode" if batch.mode is ForwardMode.DECODE else "extend"
+        last = self._last_launch
+        if last is not None:
+            passes["busy_s"] += now - last[0]
+            passes["busy_timed"] += 1
+            if mode == last[1] == last[2] == "decode":
+                passes["decode_s"] += now - last[0]
+                passes["decode_timed"] += 1
         passes[mode] += 1
         if mode == "extend":
             passes["extend_tokens"] += len(batch.input_ids)
-        self._last_launch = (now, mode)
+        self._last_launch = (now, mode, last[1] if last is not None else "")
         for i, req in enumerate(batch.reqs):
             req.kv_len += batch.extend_lens[i]
             if batch.sample[i] and req.params.max_new_tokens > 0:
