@@ -264,12 +264,16 @@ def pass_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     return {k: v - before.get(k, 0) for k, v in after.items()}
 
 
-def pass_summary(p: dict[str, float]) -> str:
+def pass_summary(p: dict[str, float], wall: float | None = None) -> str:
     """Passes by mode, ms a pass over all of them, ms a decode step in runs of decode passes: the engine's
-    own step time, served or offline (shared/engine/engine.py's `passes`)."""
+    own step time, served or offline (shared/engine/engine.py's `passes`); with the run's wall, the part
+    of it outside the timed passes (arrivals, the last deliveries: the edges; the last pass, which no
+    launch follows, is counted there too, served and offline alike)."""
     out = f"{p.get('extend', 0)} extend / {p.get('decode', 0)} decode passes"
     if p.get("busy_timed"):
         out += f", {p['busy_s'] * 1e3 / p['busy_timed']:.2f} ms a pass"
+        if wall is not None:
+            out += f", {(wall - p['busy_s']) * 1e3:.0f} ms of the wall outside them"
     if p.get("decode_timed"):
         out += f", decode step {p['decode_s'] * 1e3 / p['decode_timed']:.2f} ms"
     return out
@@ -367,7 +371,7 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
                 f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token "
                 f"({s.get('gateway_sys_cpu_us_per_token', float('nan')):.1f} of it in the kernel), worker "
                 f"{s.get('workers_cpu_us_per_token', float('nan')):.1f} us/token, client CPU {s['client_cpu_share']:.0%}, "
-                f"{pass_summary(s['passes'])}")
+                f"{pass_summary(s['passes'], s['wall_s'])}")
         if args.batch1:
             # One stream at a time: the server's time per output token against the engine's batch-1 step.
             flush_cache(url)
@@ -443,7 +447,7 @@ def main():
     if args.offline:
         log("offline engine, same workload")
         res["offline"] = offline_reference(path, dataset, {}, args.batch1)
-        log(f"  {res['offline']['out_tok_s']:.0f} out tok/s, {pass_summary(res['offline']['passes'])}")
+        log(f"  {res['offline']['out_tok_s']:.0f} out tok/s, {pass_summary(res['offline']['passes'], res['offline']['wall_s'])}")
     with open(os.path.join(args.out, f"serving_{args.dataset}.json"), "w") as f:
         json.dump(res, f, indent=2)
     print(f"\ndataset {args.dataset}, {len(dataset)} prompts, rate {args.request_rate}, ideal hit rate "
