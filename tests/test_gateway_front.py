@@ -167,6 +167,48 @@ async def test_refusals_are_the_same_on_both_paths(stack):
             writer.close()
 
 
+async def test_heads_the_front_does_not_read_exactly_are_answered_by_aiohttp_at_once(stack):
+    """Found by differential fuzzing (the same bytes to a gateway with the front and one without): a head
+    with bare-LF line ends never shows CRLF CRLF, and the front waited for it until the idle timeout; a
+    head without Host or with two Content-Types the front served where aiohttp refuses. All go to aiohttp
+    now, as the first line ending arrives."""
+    front = _front(stack)
+    body = json.dumps(GENERATE).encode()
+    cases = [
+        b"POST /generate HTTP/1.1\nHost: t\nContent-Length: %d\n\n%b" % (len(body), body),
+        b"POST /generate HTTP/1.1\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body),
+        _post("/generate", body, extra=b"Content-Type: text/plain\r\n"),
+    ]
+    for raw in cases:
+        before = front.handed_over
+        reader, writer = await _connect(stack)
+        try:
+            writer.write(raw)
+            status, _, _ = await _read_response(reader)  # within its 10 s, not the idle timeout
+            assert status == 400, raw
+            assert front.handed_over == before + 1
+        finally:
+            writer.close()
+
+
+async def test_a_body_aiohttp_cannot_decode_is_a_400_not_a_500(stack):
+    """Content-Encoding goes to aiohttp, which inflates the body; one that does not inflate was a 500."""
+    import gzip
+
+    body = json.dumps(GENERATE).encode()
+    for data, expected in ((body, 400), (gzip.compress(body), 200)):
+        reader, writer = await _connect(stack)
+        try:
+            writer.write(_post("/generate", data, extra=b"Content-Encoding: gzip\r\n"))
+            status, _, raw = await _read_response(reader)
+            assert status == expected, raw
+            if expected == 400:
+                error = json.loads(raw)["error"]
+                assert error["code"] == "invalid_body" and "content-encoding" in error["message"], error
+        finally:
+            writer.close()
+
+
 async def test_connection_close_is_honoured(stack):
     reader, writer = await _connect(stack)
     try:

@@ -12,9 +12,9 @@ Everything else goes to aiohttp, unchanged: at a message boundary, a request the
 read exactly, a head that is not yet whole after 64 KiB) hands the connection over. Once the requests
 before it are answered, the front switches the transport's protocol to an aiohttp request handler and
 gives it every byte from that request on; the connection stays with aiohttp. The front's parser is
-strict (one Content-Length of digits, token header names, printable ASCII values, CRLF line ends) and
-anything it would have to be lenient about is aiohttp's to judge, so both never disagree on where a
-message ends.
+strict (one Content-Length of digits, one Host, token header names, printable ASCII values, CRLF line
+ends: a head with a bare LF goes to aiohttp as soon as one arrives) and anything it would have to be
+lenient about is aiohttp's to judge, so both never disagree on where a message ends.
 
 What aiohttp's handler does for a request, the front does too: the access-log line and X-Request-Id,
 API-key checks (auth.py), OpenAI-style errors, `Expect: 100-continue`, keep-alive with aiohttp's idle
@@ -61,7 +61,8 @@ _HELD_COLD = 1 << 20  # bytes read ahead of a handover before reading pauses
 # printable ASCII (VCHAR, SP, HTAB; no obs-text, no obs-fold), CRLF.
 _HEADER_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*((?:[\x21-\x7e][\x20-\x7e\t]*)?)\r\n")
 # Headers whose second copy the front would have to merge or choose between: aiohttp's to judge.
-_SINGLE = frozenset({b"content-length", b"authorization", b"x-request-id", b"expect", b"connection", b"host"})
+_SINGLE = frozenset({b"content-length", b"authorization", b"x-request-id", b"expect", b"connection", b"host",
+                     b"content-type"})
 _COLD_HEADERS = frozenset({b"transfer-encoding", b"upgrade", b"content-encoding"})
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CHUNK_END = b"0\r\n\r\n"
@@ -114,8 +115,8 @@ def _parse_head(head: bytes, routes: dict[bytes, tuple[str, Route]], max_body: i
             fields[name] = m.group(2).rstrip()
         count += 1
         pos = m.end()
-    if count > MAX_HEADERS or not _COLD_HEADERS.isdisjoint(fields):
-        return None
+    if count > MAX_HEADERS or not _COLD_HEADERS.isdisjoint(fields) or b"host" not in fields:
+        return None  # (an HTTP/1.1 request without Host is aiohttp's to refuse, 400)
     length = 0
     raw_length = fields.get(b"content-length")
     if raw_length is not None:
@@ -314,7 +315,9 @@ class FrontProtocol(asyncio.Protocol):
                 return
             head_end = buf.find(b"\r\n\r\n", 0, MAX_HEAD)
             if head_end < 0:
-                if len(buf) >= MAX_HEAD:
+                # A head that will not end in CRLF CRLF (bare LF line ends) or will not fit: aiohttp's,
+                # now; waiting for more would leave the client unanswered.
+                if len(buf) >= MAX_HEAD or buf.count(b"\n") != buf.count(b"\r\n"):
                     self._go_cold()
                 return
             msg = _parse_head(bytes(buf[:head_end + 2]), self._server.routes, self._server.max_body)
