@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from services.gateway.errors import APIError, bad_request
 from shared import limits as shared_limits
@@ -37,6 +39,11 @@ async def read_json(request: web.Request, limits: Limits) -> Any:
     except web.HTTPRequestEntityTooLarge:
         raise APIError(413, f"request body exceeds {limits.max_body_bytes} bytes",
                        code="request_too_large") from None
+    except (RequestPayloadError, HttpProcessingError) as e:
+        # A body aiohttp could not read as sent: a Content-Encoding it cannot decode, a broken chunk.
+        cause = e.__cause__ if isinstance(e.__cause__, HttpProcessingError) else e
+        message = getattr(cause, "message", "") or str(cause)
+        raise bad_request(f"the request body could not be read: {message}", code="invalid_body") from None
     if not raw:
         raise bad_request("request body is empty; a JSON object is expected")
     try:
