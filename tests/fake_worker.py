@@ -225,7 +225,8 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def gateway_stack(num_workers: int = 1, *, context_length: int | None = 256, wait_healthy: bool = True,
-                        token_delay: float = 0.0, tokenizer: Tokenizer | None = None, **state_kwargs):
+                        token_delay: float = 0.0, tokenizer: Tokenizer | None = None, front: bool = True,
+                        **state_kwargs):
     from services.gateway.app import create_app
     from services.gateway.router import Router
     from services.gateway.state import GatewayState
@@ -239,7 +240,7 @@ async def gateway_stack(num_workers: int = 1, *, context_length: int | None = 25
     state = GatewayState(tokenizer=tok, served_model_name="tiny", model_path="tiny-random",
                          router=Router(clients), context_length=context_length, **state_kwargs)
     state.health.interval = 0.02
-    server = GatewayTestServer(create_app(state))
+    server = GatewayTestServer(create_app(state), front=front)  # front=False: aiohttp serves every route
     client = TestClient(server)
     await client.start_server()
     try:
