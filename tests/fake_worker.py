@@ -200,10 +200,14 @@ class GatewayTestServer(TestServer):
     """A TestServer run as services.gateway runs the app: its GatewayRunner puts the generation routes'
     front (services/gateway/front.py) before aiohttp."""
 
+    def __init__(self, app, *, front: bool = True, **kwargs):
+        super().__init__(app, **kwargs)
+        self.front = front  # False: aiohttp serves every route (the gateway's --disable-http-front)
+
     async def _make_runner(self, **kwargs):
         from services.gateway.app import GatewayRunner
 
-        return GatewayRunner(self.app, **kwargs)
+        return GatewayRunner(self.app, front=self.front, **kwargs)
 
 
 @dataclass
@@ -240,7 +244,7 @@ async def gateway_stack(num_workers: int = 1, *, context_length: int | None = 25
     state = GatewayState(tokenizer=tok, served_model_name="tiny", model_path="tiny-random",
                          router=Router(clients), context_length=context_length, **state_kwargs)
     state.health.interval = 0.02
-    server = GatewayTestServer(create_app(state), front=front)  # front=False: aiohttp serves every route
+    server = GatewayTestServer(create_app(state), front=front)
     client = TestClient(server)
     await client.start_server()
     try:

@@ -147,6 +147,9 @@ async def main(n: int, seed: int) -> int:
     rng = random.Random(seed)
     flagged = 0
     async with gateway_stack() as a, gateway_stack(front=False) as b:
+        from services.gateway.front import FrontServer
+        assert isinstance(a.server.runner.server, FrontServer)
+        assert not isinstance(b.server.runner.server, FrontServer)  # the comparison is aiohttp alone
         for k in range(n):
             data = request(rng)
             if rng.random() < 0.3:

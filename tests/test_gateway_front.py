@@ -191,6 +191,16 @@ async def test_heads_the_front_does_not_read_exactly_are_answered_by_aiohttp_at_
             writer.close()
 
 
+async def test_the_stack_without_the_front_is_aiohttp_alone():
+    """tests/fuzz_front.py compares against gateway_stack(front=False): it must not have the front."""
+    from services.gateway.front import FrontServer
+
+    async with gateway_stack(front=False) as s:
+        assert not isinstance(s.server.runner.server, FrontServer)
+        resp = await s.client.post("/generate", json=GENERATE)
+        assert resp.status == 200 and (await resp.json())["meta_info"]["completion_tokens"] == 3
+
+
 async def test_a_body_aiohttp_cannot_decode_is_a_400_not_a_500(stack):
     """Content-Encoding goes to aiohttp, which inflates the body; one that does not inflate was a 500."""
     import gzip
