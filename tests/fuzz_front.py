@@ -6,8 +6,10 @@ whose answers differ, that gets a 5xx, or that the front leaves unanswered is pr
 
 Not every difference is a bug. Known and accepted: pipelined requests where the second is malformed (the
 front answers the first, then refuses the second; aiohttp parses the whole read and refuses at once),
-`Expect: 100-continue` with the body already sent (the front skips the 100), trailing bytes after a
-body (the front waits for the rest of a next request). A body cut short waits on both sides. What it
+`Expect: 100-continue` with the body already sent (the front skips the 100), bytes after a body or
+after a request without Content-Length (the front waits for the rest of a next request; aiohttp refuses
+the lot and closes), `Connection: close` followed by more bytes (the front answers and closes). A body
+cut short waits on both sides. What it
 found on 2026-12-03: heads with bare-LF line ends left unanswered by the front, and a Content-Encoding
 that does not decode answered 500 on the aiohttp path (tests/test_gateway_front.py holds both).
 """
