@@ -249,11 +249,11 @@ def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ offline reference
-def worker_passes(url: str) -> dict[str, int]:
-    """The workers' launched passes by mode, summed (the engine's info "passes")."""
+def worker_passes(url: str) -> dict[str, float]:
+    """The workers' launched passes by mode and their times, summed (the engine's info "passes")."""
     import requests
 
-    total: dict[str, int] = {}
+    total: dict[str, float] = {}
     for w in requests.get(url + "/get_server_info", timeout=30).json().get("workers", []):
         for k, v in ((w.get("info") or {}).get("passes") or {}).items():
             total[k] = total.get(k, 0) + v

@@ -211,11 +211,12 @@ class Engine:
         forward runs)."""
         if self._pending is not None and (not self.config.enable_overlap or self._host_dependent > 0):
             self._resolve_pending()
-        if self.scheduler.is_idle():
+        idle = self.scheduler.is_idle()
+        if idle:
             # Out of work (a pending pass then only holds rows of requests that ended): the time until
             # the next launch is no pass's. A caller stepping until its requests end stops here.
             self._last_launch = None
-        self._drain_inbox(block=self.scheduler.is_idle() and self._pending is None and not self._grammar_wait)
+        self._drain_inbox(block=idle and self._pending is None and not self._grammar_wait)
         self._poll_grammars()
         batch = self.scheduler.schedule()
         self._emit_failed()
