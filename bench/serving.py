@@ -148,7 +148,8 @@ async def one(session, url: str, route: str, ids: list[int], out_len: int, strea
                     n = data["meta_info"]["completion_tokens"]
                 else:
                     n = data["usage"]["completion_tokens"]
-                return {"ttft": e2e, "e2e": e2e, "itl": [], "out": n, "in": len(ids)}
+                return {"ttft": e2e, "e2e": e2e, "itl": [], "out": n, "in": len(ids), "t_start": t0,
+                        "t_end": t0 + e2e}
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -169,7 +170,8 @@ async def one(session, url: str, route: str, ids: list[int], out_len: int, strea
                     last, n = now, new_n
     except aiohttp.ClientError as e:
         return {"error": repr(e)[:200]}
-    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "itl": itl, "out": n, "in": len(ids)}
+    end = time.perf_counter()
+    return {"ttft": ttft, "e2e": end - t0, "itl": itl, "out": n, "in": len(ids), "t_start": t0, "t_end": end}
 
 
 async def run_load(url, route, dataset, stream, rate, max_concurrency, seed=0) -> tuple[list[dict], float]:
@@ -260,6 +262,46 @@ def worker_passes(url: str) -> dict[str, float]:
     return total
 
 
+def worker_busy_period(url: str) -> dict[str, float] | None:
+    """The workers' latest busy period (engine info "busy_period": first launch after idle, end of the last
+    pass processed, on the host's monotonic clock), over all workers; None if none reports one."""
+    import requests
+
+    periods = [(w.get("info") or {}).get("busy_period")
+               for w in requests.get(url + "/get_server_info", timeout=30).json().get("workers", [])]
+    periods = [p for p in periods if p and p.get("start")]
+    if not periods:
+        return None
+    return {"start": min(p["start"] for p in periods), "end": max(p["end"] for p in periods),
+            "count": sum(p.get("count", 0) for p in periods)}
+
+
+def edges(results: list[dict], busy: dict[str, float] | None, periods0: int = 0) -> dict[str, float]:
+    """Where a served run's wall goes outside the engine's busy period, when client and workers share a
+    host (one monotonic clock): from the first request's send to the engine's first launch (arrival),
+    from the end of its last pass to the last response's end (tail), and the spread of the client's own
+    send times (the first task starts within microseconds of the wall's start). periods0: the busy
+    periods begun before the run; more than one in the run means the engine went idle midway (the
+    arrival then also holds the earlier periods)."""
+    ok = [r for r in results if "t_start" in r]
+    if not ok or busy is None:
+        return {}
+    start, end = min(r["t_start"] for r in ok), max(r["t_end"] for r in ok)
+    if not start <= busy["start"] <= busy["end"] <= end:
+        return {}  # another host's clock, or a busy period that is not this run's
+    return {"arrival_ms": (busy["start"] - start) * 1e3, "tail_ms": (end - busy["end"]) * 1e3,
+            "engine_span_s": busy["end"] - busy["start"], "busy_periods": busy.get("count", 0) - periods0,
+            "send_spread_ms": (max(r["t_start"] for r in ok) - start) * 1e3}
+
+
+def edge_summary(e: dict[str, float]) -> str:
+    if not e:
+        return "edges: not on one clock"
+    return (f"edges: first send -> first launch {e['arrival_ms']:.1f} ms, engine {e['engine_span_s']:.3f} s, "
+            f"last pass -> last response {e['tail_ms']:.1f} ms, sends spread over {e['send_spread_ms']:.1f} ms, "
+            f"{e['busy_periods']:.0f} busy period(s)")
+
+
 def pass_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0) for k, v in after.items()}
 
@@ -302,7 +344,8 @@ def offline_reference(path: str, dataset, extra_engine: dict, batch1: int = 0) -
     before = dict(eng.passes)
     st = drive(eng, prompts, {"temperature": 0, "ignore_eos": True, "max_new_tokens": ol})
     out = {"out_tok_s": st.output_tokens / st.wall_s, "wall_s": st.wall_s, "out_tokens": st.output_tokens,
-           "passes": pass_delta(before, eng.passes)}
+           "passes": pass_delta(before, eng.passes),
+           "engine_span_s": eng.busy_period["end"] - eng.busy_period["start"]}
     if batch1:
         out["batch1_step_ms"] = batch1_step_ms(eng, prompts[:batch1], ol)
     return out
@@ -350,6 +393,7 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
                     profile_process(pid, os.path.join(args.out, "profile_gateway" if j == 0 else f"profile_worker{j}"),
                                     delay=2.0, seconds=4.0)
             passes0 = worker_passes(url)
+            periods0 = (worker_busy_period(url) or {}).get("count", 0)
             before = cpu_snapshot(pids) if pids else None
             client0 = time.process_time()
             results, wall = asyncio.run(run_load(url, route, dataset, stream, args.request_rate,
@@ -358,6 +402,7 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
             # How the engine scheduled it (compare with the offline reference's): arrivals spread over
             # time show as more extend and decode passes for the same tokens.
             s["passes"] = pass_delta(passes0, worker_passes(url))
+            s["edges"] = edges(results, worker_busy_period(url), periods0)
             # The client is one Python process too: a saturated client would understate the stack.
             s["client_cpu_share"] = (time.process_time() - client0) / wall
             if pids:
@@ -371,7 +416,7 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
                 f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token "
                 f"({s.get('gateway_sys_cpu_us_per_token', float('nan')):.1f} of it in the kernel), worker "
                 f"{s.get('workers_cpu_us_per_token', float('nan')):.1f} us/token, client CPU {s['client_cpu_share']:.0%}, "
-                f"{pass_summary(s['passes'], s['wall_s'])}")
+                f"{pass_summary(s['passes'], s['wall_s'])}; {edge_summary(s['edges'])}")
         if args.batch1:
             # One stream at a time: the server's time per output token against the engine's batch-1 step.
             flush_cache(url)
@@ -447,7 +492,8 @@ def main():
     if args.offline:
         log("offline engine, same workload")
         res["offline"] = offline_reference(path, dataset, {}, args.batch1)
-        log(f"  {res['offline']['out_tok_s']:.0f} out tok/s, {pass_summary(res['offline']['passes'], res['offline']['wall_s'])}")
+        log(f"  {res['offline']['out_tok_s']:.0f} out tok/s, {pass_summary(res['offline']['passes'], res['offline']['wall_s'])}, "
+            f"engine {res['offline']['engine_span_s']:.3f} s")
     with open(os.path.join(args.out, f"serving_{args.dataset}.json"), "w") as f:
         json.dump(res, f, indent=2)
     print(f"\ndataset {args.dataset}, {len(dataset)} prompts, rate {args.request_rate}, ideal hit rate "

@@ -102,6 +102,13 @@ def test_serving_bench_runs_end_to_end_with_batch1(tmp_path):
     res = json.loads((tmp_path / "serving_random.json").read_text())
     assert res["runs"]["generate"]["completed"] == 6 and res["runs"]["generate batch-1"]["completed"] == 2
     assert res["offline"]["batch1_step_ms"] > 0
+    # Client and worker share this host's monotonic clock: the run's wall splits into arrival, the
+    # engine's one busy period and the tail, each non-negative and together the run's extent.
+    e = res["runs"]["generate"]["edges"]
+    assert e["busy_periods"] >= 1 and e["arrival_ms"] >= 0 and e["tail_ms"] >= 0, e
+    assert e["engine_span_s"] * 1e3 + e["arrival_ms"] + e["tail_ms"] <= res["runs"]["generate"]["wall_s"] * 1e3 + 1, e
+    assert "edges: first send -> first launch" in r.stdout, r.stdout
+    assert res["offline"]["engine_span_s"] > 0
 
 
 def test_openai_stream_count_takes_the_usage_chunk():

@@ -116,6 +116,13 @@ class Engine:
                        "busy_s": 0.0, "busy_timed": 0, "decode_s": 0.0, "decode_timed": 0}
         # (when, its mode, the mode of the launch before) of the last pass launched
         self._last_launch: tuple[float, str, str] | None = None
+        # The latest busy period on this host's monotonic clock (time.perf_counter, CLOCK_MONOTONIC: one
+        # clock for every process on the machine): the first launch after the engine was idle and the end
+        # of the last pass processed since. A client on the same host sets its own send and receive times
+        # against them: what a served run loses before the engine starts and after it ends (the edges).
+        # "count": busy periods begun (a served run that starved the engine midway shows more than one).
+        self.busy_period = {"start": 0.0, "end": 0.0, "count": 0}
+        self._was_idle = True
         self.generated_tokens = 0
         self._pending = None  # PendingStep launched but not yet processed
         # The step launched in this call of step() while the previous one is processed: a request
@@ -216,6 +223,7 @@ class Engine:
             # Out of work (a pending pass then only holds rows of requests that ended): the time until
             # the next launch is no pass's. A caller stepping until its requests end stops here.
             self._last_launch = None
+            self._was_idle = True
         self._drain_inbox(block=idle and self._pending is None and not self._grammar_wait)
         self._poll_grammars()
         batch = self.scheduler.schedule()
@@ -413,6 +421,9 @@ class Engine:
         passes[mode] += 1
         if mode == "extend":
             passes["extend_tokens"] += len(batch.input_ids)
+        if self._was_idle:
+            self._was_idle = False
+            self.busy_period = {"start": now, "end": now, "count": self.busy_period["count"] + 1}
         self._last_launch = (now, mode, last[1] if last is not None else "")
         for i, req in enumerate(batch.reqs):
             req.kv_len += batch.extend_lens[i]
@@ -454,6 +465,7 @@ class Engine:
             ready.append(req)
         self._settle_jumps()
         self._emit(ready)
+        self.busy_period["end"] = time.perf_counter()
 
     def _take_token(self, req: Req, tok: int, accepted: list[int], logprob, top_logprobs) -> None:
         """A sampled token reached the host: record it, detokenize, advance the grammar, and decide whether
@@ -826,6 +838,7 @@ class Engine:
             "generated_tokens": self.generated_tokens,
             "steps": self.steps,
             "passes": dict(self.passes),
+            "busy_period": dict(self.busy_period),
             "jump_forward_tokens": self.jump_forward_tokens,
             "jump_forward_declined": self.jump_forward_declined,
             "grammar_cache": {"hits": self.grammars.hits, "misses": self.grammars.misses, "entries": len(self.grammars)},
