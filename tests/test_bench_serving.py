@@ -105,7 +105,7 @@ def test_serving_bench_runs_end_to_end_with_batch1(tmp_path):
     # Client and worker share this host's monotonic clock: the run's wall splits into arrival, the
     # engine's one busy period and the tail, each non-negative and together the run's extent.
     e = res["runs"]["generate"]["edges"]
-    assert e["busy_periods"] >= 1 and e["arrival_ms"] >= 0 and e["tail_ms"] >= 0, e
+    assert e["ordered"] and e["busy_periods"] >= 1 and e["arrival_ms"] >= 0 and e["tail_ms"] >= 0, e
     assert e["engine_span_s"] * 1e3 + e["arrival_ms"] + e["tail_ms"] <= res["runs"]["generate"]["wall_s"] * 1e3 + 1, e
     assert "edges: first send -> first launch" in r.stdout, r.stdout
     assert res["offline"]["engine_span_s"] > 0

@@ -118,8 +118,9 @@ class Engine:
         self._last_launch: tuple[float, str, str] | None = None
         # The latest busy period on this host's monotonic clock (time.perf_counter, CLOCK_MONOTONIC: one
         # clock for every process on the machine): the first launch after the engine was idle and the end
-        # of the last pass processed since. A client on the same host sets its own send and receive times
-        # against them: what a served run loses before the engine starts and after it ends (the edges).
+        # of the last pass processed since that delivered tokens. A client on the same host sets its own
+        # send and receive times against them: what a served run loses before the engine starts and after
+        # it ends (the edges).
         # "count": busy periods begun (a served run that starved the engine midway shows more than one).
         self.busy_period = {"start": 0.0, "end": 0.0, "count": 0}
         self._was_idle = True
@@ -464,8 +465,9 @@ class Engine:
                 self.decode_side.first_step_done(req)
             ready.append(req)
         self._settle_jumps()
+        if ready:  # a pass whose rows all ended before it was processed (overlap's last one) delivers nothing
+            self.busy_period["end"] = time.perf_counter()  # before the outputs leave: a client sees them after
         self._emit(ready)
-        self.busy_period["end"] = time.perf_counter()
 
     def _take_token(self, req: Req, tok: int, accepted: list[int], logprob, top_logprobs) -> None:
         """A sampled token reached the host: record it, detokenize, advance the grammar, and decide whether
