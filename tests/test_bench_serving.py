@@ -159,3 +159,43 @@ def test_cpu_snapshot_resolves_less_than_a_clock_tick():
         pass
     spent = cpu_snapshot(pids)["gateway"] - before["gateway"]
     assert 0.0035 <= spent < 0.009, spent
+
+
+def test_run_load_sends_prepared_bodies_and_restores_the_collector():
+    """run_load encodes every body before the clock starts and keeps the cyclic collector off the run's
+    objects; afterwards the process's collector is as it was (thresholds, nothing left frozen)."""
+    import asyncio
+    import gc
+    import math
+
+    from aiohttp import web
+
+    from bench.serving import run_load
+
+    seen = []
+
+    async def generate(request):
+        body = await request.json()
+        seen.append((request.content_type, len(body["input_ids"])))
+        return web.json_response({"text": "x", "meta_info": {"completion_tokens": 3}})
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await run_load(f"http://127.0.0.1:{port}", "generate", [([1, 2, 3], 3)] * 5 + [([4], 3)],
+                                  False, math.inf, 0)
+        finally:
+            await runner.cleanup()
+
+    before = gc.get_threshold()
+    results, wall = asyncio.run(main())
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    assert [r["out"] for r in results] == [3] * 6 and [r["in"] for r in results] == [3] * 5 + [1]
+    assert sorted(seen) == sorted([("application/json", 3)] * 5 + [("application/json", 1)])
+    assert all(r["t_start"] <= r["t_end"] for r in results) and wall > 0
