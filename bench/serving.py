@@ -180,17 +180,21 @@ async def one(session, url: str, route: str, path: str, body: bytes, n_in: int, 
     return {"ttft": ttft, "e2e": end - t0, "itl": itl, "out": n, "in": n_in, "t_start": t0, "t_end": end}
 
 
-async def run_load(url, route, dataset, stream, rate, max_concurrency, seed=0) -> tuple[list[dict], float]:
+async def run_load(url, route, dataset, stream, rate, max_concurrency, seed=0,
+                   interleave: bool = False) -> tuple[list[dict], float]:
     """Send the dataset (all at once, at a Poisson rate, or at most max_concurrency in flight); the
     results and the wall from the first send to the last response.
 
-    The client must not be what a run measures: bodies are encoded before the clock starts, the cyclic
-    collector is kept off the run's objects as the servers keep it off theirs (shared/gc_freeze.py:
-    start-up heap frozen, young collections spaced), and with every request sent at once the loop lets
-    each one's connection proceed as soon as it is created, so the first requests are on the wire while
-    the later ones are still being made. (Measured on the H200's host, 2026-12-04: creating all 256
-    tasks before any ran spread the sends over 40-176 ms and the engine's first pass started 71-223 ms
-    after the first send, against an engine busy for 4.7 s.)"""
+    The client must not be what a run measures: bodies are encoded before the clock starts, and the
+    cyclic collector is kept off the run's objects as the servers keep it off theirs (shared/gc_freeze.py:
+    start-up heap frozen, young collections spaced).
+
+    All at once (rate inf), the tasks are made before any runs, as SGLang's and vLLM's bench_serving do:
+    every connection is opened, then every request written, so the server sees them in a burst, and the
+    first is on the wire only after the client made the last. interleave: the loop runs each task as
+    soon as it is made, so the first requests are served while the later ones are still being made (on
+    the H200's host, 2026-12-04, the burst spread the sends over 40-176 ms and the engine's first pass
+    began 71-223 ms after the first send; interleaved arrivals cost the gateway more CPU a request)."""
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     conn = aiohttp.TCPConnector(limit=0)
@@ -216,7 +220,10 @@ async def run_load(url, route, dataset, stream, rate, max_concurrency, seed=0) -
             t0 = time.perf_counter()
             for path, body, n_in in bodies:
                 tasks.append(asyncio.create_task(task(path, body, n_in)))
-                await asyncio.sleep(rng.expovariate(rate) if rate != math.inf else 0)
+                if rate != math.inf:
+                    await asyncio.sleep(rng.expovariate(rate))
+                elif interleave:
+                    await asyncio.sleep(0)
             results = await asyncio.gather(*tasks)
             return list(results), time.perf_counter() - t0
     finally:
@@ -427,7 +434,7 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
             before = cpu_snapshot(pids) if pids else None
             client0 = time.process_time()
             results, wall = asyncio.run(run_load(url, route, dataset, stream, args.request_rate,
-                                                 args.max_concurrency))
+                                                 args.max_concurrency, interleave=args.interleave))
             s = summarize(results, wall)
             # How the engine scheduled it (compare with the offline reference's): arrivals spread over
             # time show as more extend and decode passes for the same tokens.
@@ -480,6 +487,9 @@ def main():
     ap.add_argument("--gsp-output-len", type=int, default=256)
     ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
     ap.add_argument("--max-concurrency", type=int, default=0)
+    ap.add_argument("--interleave", action="store_true",
+                    help="all at once: send each request as soon as it is made (default: make them all, then "
+                         "send, as SGLang's bench_serving does)")
     ap.add_argument("--routes", default="generate", help="comma list of generate, completions, chat")
     ap.add_argument("--no-stream", action="store_true", help="also run each route without streaming")
     ap.add_argument("--offline", action="store_true", help="the same workload through the offline engine")
