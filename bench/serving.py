@@ -435,6 +435,9 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
             client0 = time.process_time()
             results, wall = asyncio.run(run_load(url, route, dataset, stream, args.request_rate,
                                                  args.max_concurrency, interleave=args.interleave))
+            # Read before anything else asks the stack a question: /get_server_info costs the gateway and
+            # the workers CPU that is no request's.
+            after = cpu_snapshot(pids) if pids else None
             s = summarize(results, wall)
             # How the engine scheduled it (compare with the offline reference's): arrivals spread over
             # time show as more extend and decode passes for the same tokens.
@@ -443,7 +446,6 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
             # The client is one Python process too: a saturated client would understate the stack.
             s["client_cpu_share"] = (time.process_time() - client0) / wall
             if pids:
-                after = cpu_snapshot(pids)
                 for role in after:  # gateway_cpu_us_per_token, gateway_sys_cpu_us_per_token (its kernel part), ...
                     s[f"{role}_cpu_us_per_token"] = (after[role] - before[role]) * 1e6 / max(1, s["out_tokens"])
             key = f"{route}{'' if stream else '-nostream'}{f' ({rep})' if rep > 1 else ''}"
