@@ -2,7 +2,7 @@
 import gc
 import weakref
 
-from shared.gc_freeze import freeze_startup_heap, space_young_collections
+from shared.gc_freeze import freeze_startup_heap, frozen_count, space_young_collections
 
 
 class _Node:
@@ -36,3 +36,18 @@ def test_young_collections_are_spaced_and_cycles_still_collected():
         assert sum(r() is not None for r in refs) < 10_000
     finally:
         gc.set_threshold(*before)
+
+
+def test_the_frozen_count_is_remembered_not_recounted(monkeypatch):
+    """Workers report it on every info call (/metrics, /server_info): gc.get_freeze_count() walks the
+    permanent generation under the GIL (~20 ms for a worker's heap), so it is counted once, at the freeze."""
+    try:
+        n = freeze_startup_heap()
+        assert n > 1000
+
+        def walk():
+            raise AssertionError("counted again")
+        monkeypatch.setattr(gc, "get_freeze_count", walk)
+        assert frozen_count() == n
+    finally:
+        gc.unfreeze()

@@ -7,11 +7,10 @@ KV slots.
 from __future__ import annotations
 
 import asyncio
-import uuid
-import gc
 import logging
+import uuid
 
-from shared import event_loop
+from shared import event_loop, gc_freeze
 from shared.engine.engine import Engine
 from shared.protocol import (AbortRequest, FinishAbort, FlushCacheRequest, FlushCacheResult, GenerateRequest,
                              InfoRequest, InfoResult, PingRequest, PongResult, ProtocolError, TokenOutput,
@@ -159,7 +158,7 @@ class WorkerServer:
                     info = await self._call(self.engine.info)
                     info["role"] = self.role
                     info["event_loop"] = event_loop.current_loop_name()
-                    info["gc_frozen_objects"] = gc.get_freeze_count()  # start-up heap (shared/gc_freeze.py)
+                    info["gc_frozen_objects"] = gc_freeze.frozen_count()  # start-up heap (shared/gc_freeze.py)
                     if self.transfer is not None:
                         info["kv_transfer"] = self.transfer.stats()
                     if self.transfer_addr is not None:
