@@ -286,6 +286,17 @@ def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
     return out
 
 
+def gateway_threads(pids: dict[str, list[int]]) -> dict[str, float]:
+    """The gateway processes' CPU seconds by thread ("pid:name/tid")."""
+    return {f"{p}:{k}": v for p in pids.get("gateway", []) for k, v in procfs.thread_run_seconds(p).items()}
+
+
+def top_threads(before: dict[str, float], after: dict[str, float], n: int = 4) -> dict[str, float]:
+    """The n threads that spent the most CPU between two gateway_threads readings, in ms."""
+    d = {k: (v - before.get(k, 0.0)) * 1e3 for k, v in after.items()}
+    return dict(sorted(d.items(), key=lambda kv: -kv[1])[:n])
+
+
 # ------------------------------------------------------------------ offline reference
 def worker_passes(url: str) -> dict[str, float]:
     """The workers' launched passes by mode and their times, summed (the engine's info "passes")."""
@@ -432,12 +443,14 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
             passes0 = worker_passes(url)
             periods0 = (worker_busy_period(url) or {}).get("count", 0)
             before = cpu_snapshot(pids) if pids else None
+            threads0 = gateway_threads(pids) if pids else {}
             client0 = time.process_time()
             results, wall = asyncio.run(run_load(url, route, dataset, stream, args.request_rate,
                                                  args.max_concurrency, interleave=args.interleave))
             # Read before anything else asks the stack a question: /get_server_info costs the gateway and
             # the workers CPU that is no request's.
             after = cpu_snapshot(pids) if pids else None
+            threads1 = gateway_threads(pids) if pids else {}
             s = summarize(results, wall)
             # How the engine scheduled it (compare with the offline reference's): arrivals spread over
             # time show as more extend and decode passes for the same tokens.
@@ -446,6 +459,8 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
             # The client is one Python process too: a saturated client would understate the stack.
             s["client_cpu_share"] = (time.process_time() - client0) / wall
             if pids:
+                # Which of the gateway's threads it was (the loop; a log relay; an executor), in ms.
+                s["gateway_threads_ms"] = top_threads(threads0, threads1)
                 for role in after:  # gateway_cpu_us_per_token, gateway_sys_cpu_us_per_token (its kernel part), ...
                     s[f"{role}_cpu_us_per_token"] = (after[role] - before[role]) * 1e6 / max(1, s["out_tokens"])
             key = f"{route}{'' if stream else '-nostream'}{f' ({rep})' if rep > 1 else ''}"
@@ -455,7 +470,8 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
                 f"{s.get('gateway_cpu_us_per_token', float('nan')):.1f} us/token "
                 f"({s.get('gateway_sys_cpu_us_per_token', float('nan')):.1f} of it in the kernel), worker "
                 f"{s.get('workers_cpu_us_per_token', float('nan')):.1f} us/token, client CPU {s['client_cpu_share']:.0%}, "
-                f"{pass_summary(s['passes'], s['wall_s'])}; {edge_summary(s['edges'])}")
+                f"{pass_summary(s['passes'], s['wall_s'])}; {edge_summary(s['edges'])}; gateway threads, ms: "
+                f"{', '.join(f'{k} {v:.1f}' for k, v in s.get('gateway_threads_ms', {}).items())}")
         if args.batch1:
             # One stream at a time: the server's time per output token against the engine's batch-1 step.
             flush_cache(url)

@@ -91,6 +91,27 @@ def run_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def thread_run_seconds(pid: int) -> dict[str, float]:
+    """run_seconds by live thread, keyed "name/tid" (the thread's comm; "main" for the process's first
+    thread, since Python before 3.14 names no OS thread): which of a process's threads spends its CPU
+    (the event loop, a log relay, an executor). {} where the kernel keeps no schedstat."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        out[f"{'main' if tid == str(pid) else name}/{tid}"] = ns / 1e9
+    return out
+
+
 def rss_bytes(pid: int) -> int:
     """Resident memory of a process (0 when it is gone): a server whose RSS grows with requests served
     keeps state it should not."""

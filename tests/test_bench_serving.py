@@ -199,3 +199,31 @@ def test_run_load_sends_prepared_bodies_and_restores_the_collector():
     assert [r["out"] for r in results] == [3] * 6 and [r["in"] for r in results] == [3] * 5 + [1]
     assert sorted(seen) == sorted([("application/json", 3)] * 5 + [("application/json", 1)])
     assert all(r["t_start"] <= r["t_end"] for r in results) and wall > 0
+
+
+def test_thread_cpu_names_the_main_thread_and_counts_a_busy_one():
+    import os
+    import threading
+    import time
+
+    from shared import procfs
+
+    done = threading.Event()
+
+    def spin():
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.2:
+            pass
+        done.wait()
+
+    th = threading.Thread(target=spin)
+    th.start()
+    try:
+        time.sleep(0.3)
+        got = procfs.thread_run_seconds(os.getpid())
+        assert f"main/{os.getpid()}" in got, got
+        assert f"python/{th.native_id}" in got or any(k.endswith(f"/{th.native_id}") for k in got)
+        assert max(v for k, v in got.items() if k.endswith(f"/{th.native_id}")) >= 0.15
+    finally:
+        done.set()
+        th.join()
