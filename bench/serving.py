@@ -261,6 +261,29 @@ def stack_pids(root_pid: int) -> dict[str, list[int]]:
             "workers": [p for p in kids if procfs.flag_value(p, "--role") is not None]}
 
 
+def pin_stack(pids: dict[str, list[int]]) -> str:
+    """--pin: the gateway's threads on the last CPU, this client on the one before, the workers' threads on
+    the rest (an experiment on where the gateway's CPU per token varies from: its thread sharing a core
+    with the engine's or the client's). Returns what was pinned where."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 4:
+        return "not pinned (fewer than 4 CPUs)"
+    gw, client, rest = {cpus[-1]}, {cpus[-2]}, set(cpus[:-2])
+
+    def pin(pid: int, where: set[int]) -> None:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), where)
+            except OSError:
+                pass
+    for p in pids["gateway"]:
+        pin(p, gw)
+    for p in pids["workers"]:
+        pin(p, rest)
+    os.sched_setaffinity(0, client)
+    return f"gateway on CPU {min(gw)}, client on CPU {min(client)}, workers on CPUs {min(rest)}-{max(rest)}"
+
+
 def flush_cache(url: str) -> None:
     """Every run starts from an empty cache, as the offline reference does (the same prompts are sent by
     each run: without this, later runs skip their prefills)."""
@@ -422,6 +445,8 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
         from bench.stack import start_stack
         log(f"starting the stack {' '.join(extra)}")
         proc = start_stack(path, args.port, *extra)
+        if args.pin:
+            log(pin_stack(stack_pids(proc.pid)))
         url = f"http://127.0.0.1:{args.port}"
     try:
         routes = args.routes.split(",")
@@ -505,6 +530,9 @@ def main():
     ap.add_argument("--gsp-output-len", type=int, default=256)
     ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
     ap.add_argument("--max-concurrency", type=int, default=0)
+    ap.add_argument("--pin", action="store_true",
+                    help="with --launch: the gateway on a CPU of its own, the client on another, the workers on the "
+                         "rest (an experiment; the stack does not pin itself)")
     ap.add_argument("--interleave", action="store_true",
                     help="all at once: send each request as soon as it is made (default: make them all, then "
                          "send, as SGLang's bench_serving does)")
