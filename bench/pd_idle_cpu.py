@@ -20,7 +20,8 @@ sys.path.insert(0, ROOT)
 import requests  # noqa: E402
 
 from bench.common import model_dir  # noqa: E402
-from bench.pd import _thread_cpu as thread_cpu, _worker_pid  # noqa: E402
+from bench.pd import _worker_pid  # noqa: E402
+from bench.profile import thread_cpu  # noqa: E402
 from bench.stack import start_stack, stop_stack  # noqa: E402
 
 

@@ -19,20 +19,8 @@ from shared import procfs
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread of pid, keyed "tid name"."""
-    out = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            continue
-        out[f"{tid} {name}"] = procfs.cpu_seconds(pid, int(tid))
-    return out
+    """CPU seconds of each thread of pid, keyed "name/tid" (procfs.thread_run_seconds: to the ns)."""
+    return procfs.thread_run_seconds(pid)
 
 
 _PLUMBING = ("runners.py", "base_events.py", "events.py", "threading.py", "<frozen runpy>", "module.py")

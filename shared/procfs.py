@@ -77,18 +77,7 @@ def run_seconds(pid: int) -> float:
     a window takes its time with it. cpu_seconds where the kernel keeps no schedstat."""
     if not os.path.exists("/proc/self/schedstat"):
         return cpu_seconds(pid)
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0.0
-    total = 0
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # the thread ended meanwhile
-    return total / 1e9
+    return sum(thread_run_seconds(pid).values())
 
 
 def thread_run_seconds(pid: int) -> dict[str, float]:
@@ -107,7 +96,7 @@ def thread_run_seconds(pid: int) -> dict[str, float]:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 name = f.read().strip()
         except (OSError, ValueError, IndexError):
-            continue
+            continue  # the thread ended meanwhile
         out[f"{'main' if tid == str(pid) else name}/{tid}"] = ns / 1e9
     return out
 
