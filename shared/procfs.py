@@ -74,7 +74,10 @@ def cpu_split(pid: int, tid: int | None = None) -> tuple[float, float]:
 def run_seconds(pid: int) -> float:
     """CPU time of pid's live threads to the nanosecond (schedstat), for windows too short for the
     10 ms ticks of cpu_seconds (a 0.2 s gateway window read in ticks is +-5%). A thread that ended inside
-    a window takes its time with it. cpu_seconds where the kernel keeps no schedstat."""
+    a window takes its time with it. A thread's figure is brought up to date when it leaves the CPU: for
+    a server's threads, which block between events, that is current; a thread spinning on a CPU (this
+    process's own, while it reads) can read behind by its whole current slice. cpu_seconds where the
+    kernel keeps no schedstat."""
     if not os.path.exists("/proc/self/schedstat"):
         return cpu_seconds(pid)
     return sum(thread_run_seconds(pid).values())

@@ -147,18 +147,35 @@ def test_stack_pids_counts_a_pools_gateway_processes_as_gateway():
 
 def test_cpu_snapshot_resolves_less_than_a_clock_tick():
     """The gateway's us/token comes from these totals: 4 ms of CPU must read as ~4 ms, not as 0 or 10 ms
-    (the ticks of /proc/PID/stat quantize a 32k-token run's gateway time to +-0.3 us/token)."""
-    import os
-    import time
+    (the ticks of /proc/PID/stat quantize a 32k-token run's gateway time to +-0.3 us/token). Measured on
+    a child that spins 4 ms then blocks, as a server's threads do between events (a thread's schedstat
+    is brought up to date when it leaves the CPU, so the running test process cannot read itself)."""
+    import subprocess
+    import sys
 
     from bench.serving import cpu_snapshot
-    pids = {"gateway": [os.getpid()]}
-    before = cpu_snapshot(pids)
-    t0 = time.thread_time()
-    while time.thread_time() - t0 < 0.004:
-        pass
-    spent = cpu_snapshot(pids)["gateway"] - before["gateway"]
-    assert 0.0035 <= spent < 0.009, spent
+    spin = ("import sys, time\n"
+            "sys.stdin.readline()\n"
+            "t0 = time.thread_time()\n"
+            "while time.thread_time() - t0 < 0.004:\n"
+            "    pass\n"
+            "print('spun', flush=True)\n"
+            "sys.stdin.readline()\n")
+    child = subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = {"gateway": [child.pid]}
+        import time
+        time.sleep(0.3)  # started and blocked on its first read
+        before = cpu_snapshot(pids)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "spun"
+        time.sleep(0.05)  # blocked on its second read
+        spent = cpu_snapshot(pids)["gateway"] - before["gateway"]
+        assert 0.0035 <= spent < 0.009, spent
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_run_load_sends_prepared_bodies_and_restores_the_collector():
