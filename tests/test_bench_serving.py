@@ -244,3 +244,16 @@ def test_thread_cpu_names_the_main_thread_and_counts_a_busy_one():
     finally:
         done.set()
         th.join()
+
+
+def test_edges_split_the_wall_around_the_busy_period():
+    from bench.serving import edges
+
+    results = [{"t_start": 10.0, "t_end": 15.0}, {"t_start": 10.02, "t_end": 15.2}, {"error": "x"}]
+    e = edges(results, {"start": 10.1, "end": 15.19, "count": 3}, periods0=2)
+    assert e["ordered"] and e["busy_periods"] == 1
+    assert abs(e["arrival_ms"] - 100) < 1e-6 and abs(e["tail_ms"] - 10) < 1e-6
+    assert abs(e["send_spread_ms"] - 20) < 1e-6 and abs(e["engine_span_s"] - 5.09) < 1e-9
+    # A busy period from before the run (or another host's clock) is flagged, not taken for edges.
+    assert not edges(results, {"start": 9.0, "end": 9.5, "count": 3}, periods0=3)["ordered"]
+    assert edges(results, None) == {} and edges([{"error": "x"}], {"start": 1, "end": 2}) == {}
