@@ -14,9 +14,14 @@ Datasets (all generated locally, fixed seeds, as token ids so lengths are exact)
 - gsp (generated shared prefix): groups of prompts sharing a system prompt (--gsp-* flags).
 --profile: py-spy (every thread) and per-thread CPU of the gateway and of each worker during the first run,
 summarised per thread in --out/profile_*.txt.
-Reported: TTFT, TPOT, ITL, E2E percentiles (ms), request, output and total throughput, and the CPU time
-per output token of the gateway process and of the workers (from /proc), then PASS/FAIL lines against
-the goals of the "Serving at engine speed" issue when --offline gives the reference.
+--repeat N: every route N times on the same stack (the spread within one stack instance).
+--interleave: with every request at once, each is sent as soon as it is made (default: a burst, all made
+first, as SGLang's bench_serving does). --pin: gateway, client and workers on separate CPUs (an experiment).
+Reported: TTFT, TPOT, ITL, E2E percentiles (ms), request, output and total throughput, the CPU time per
+output token of the gateway process and of the workers (schedstat, to the ns) and the gateway's CPU by
+thread, the engine's passes, and the run's edges (arrival: first send -> first pass; the engine's span;
+tail: last pass -> last response; the client and the workers share the host's monotonic clock), then
+PASS/FAIL lines against the goals of the "Serving at engine speed" issue when --offline gives the reference.
 """
 from __future__ import annotations
 
