@@ -16,7 +16,8 @@ Datasets (all generated locally, fixed seeds, as token ids so lengths are exact)
 summarised per thread in --out/profile_*.txt.
 --repeat N: every route N times on the same stack (the spread within one stack instance).
 --interleave: with every request at once, each is sent as soon as it is made (default: a burst, all made
-first, as SGLang's bench_serving does). --pin: gateway, client and workers on separate CPUs (an experiment).
+first, as SGLang's bench_serving does). --warm-connections: the connections opened before the clock, as a
+connection pool holds them. --pin: gateway, client and workers on separate CPUs (an experiment).
 Reported: TTFT, TPOT, ITL, E2E percentiles (ms), request, output and total throughput, the CPU time per
 output token of the gateway process and of the workers (schedstat, to the ns) and the gateway's CPU by
 thread, the engine's passes, and the run's edges (arrival: first send -> first pass; the engine's span;
@@ -186,7 +187,7 @@ async def one(session, url: str, route: str, path: str, body: bytes, n_in: int, 
 
 
 async def run_load(url, route, dataset, stream, rate, max_concurrency, seed=0,
-                   interleave: bool = False) -> tuple[list[dict], float]:
+                   interleave: bool = False, warm: bool = False, at_start=None) -> tuple[list[dict], float]:
     """Send the dataset (all at once, at a Poisson rate, or at most max_concurrency in flight); the
     results and the wall from the first send to the last response.
 
@@ -199,7 +200,11 @@ async def run_load(url, route, dataset, stream, rate, max_concurrency, seed=0,
     first is on the wire only after the client made the last. interleave: the loop runs each task as
     soon as it is made, so the first requests are served while the later ones are still being made (on
     the H200's host, 2026-12-04, the burst spread the sends over 40-176 ms and the engine's first pass
-    began 71-223 ms after the first send; interleaved arrivals cost the gateway more CPU a request)."""
+    began 71-223 ms after the first send; interleaved arrivals cost the gateway more CPU a request).
+    warm: before the clock, as many keep-alive connections as requests will be in flight are opened (a
+    GET /health each) and the run's requests reuse them, as clients behind a load balancer's or an SDK's
+    connection pool do: the burst without its connection set-up. at_start: called just before the clock
+    starts (after the warming), where a caller reads the CPU counters of its window."""
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     conn = aiohttp.TCPConnector(limit=0)
@@ -221,6 +226,13 @@ async def run_load(url, route, dataset, stream, rate, max_concurrency, seed=0,
                 async with sem:
                     return await one(session, url, route, path, body, n_in, stream)
 
+            if warm:
+                async def health():
+                    async with session.get(url + "/health") as r:
+                        await r.read()
+                await asyncio.gather(*(health() for _ in range(max_concurrency or len(bodies))))
+            if at_start is not None:
+                at_start()
             tasks = []
             t0 = time.perf_counter()
             for path, body, n_in in bodies:
@@ -472,11 +484,15 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
                                     delay=2.0, seconds=4.0)
             passes0 = worker_passes(url)
             periods0 = (worker_busy_period(url) or {}).get("count", 0)
-            before = cpu_snapshot(pids) if pids else None
-            threads0 = gateway_threads(pids) if pids else {}
-            client0 = time.process_time()
+            mark: dict = {}
+
+            def at_start():  # the CPU window opens with the run's clock (after any connection warming)
+                mark.update(before=cpu_snapshot(pids) if pids else None,
+                            threads0=gateway_threads(pids) if pids else {}, client0=time.process_time())
             results, wall = asyncio.run(run_load(url, route, dataset, stream, args.request_rate,
-                                                 args.max_concurrency, interleave=args.interleave))
+                                                 args.max_concurrency, interleave=args.interleave,
+                                                 warm=args.warm_connections, at_start=at_start))
+            before, threads0, client0 = mark["before"], mark["threads0"], mark["client0"]
             # Read before anything else asks the stack a question: /get_server_info costs the gateway and
             # the workers CPU that is no request's.
             after = cpu_snapshot(pids) if pids else None
@@ -535,6 +551,9 @@ def main():
     ap.add_argument("--gsp-output-len", type=int, default=256)
     ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
     ap.add_argument("--max-concurrency", type=int, default=0)
+    ap.add_argument("--warm-connections", action="store_true",
+                    help="open the run's connections before the clock (keep-alive, as a connection pool "
+                         "would) instead of with each request")
     ap.add_argument("--pin", action="store_true",
                     help="with --launch: the gateway on a CPU of its own, the client on another, the workers on the "
                          "rest (an experiment; the stack does not pin itself)")

@@ -257,3 +257,48 @@ def test_edges_split_the_wall_around_the_busy_period():
     # A busy period from before the run (or another host's clock) is flagged, not taken for edges.
     assert not edges(results, {"start": 9.0, "end": 9.5, "count": 3}, periods0=3)["ordered"]
     assert edges(results, None) == {} and edges([{"error": "x"}], {"start": 1, "end": 2}) == {}
+
+
+def test_run_load_warm_connections_are_opened_before_the_clock_and_reused():
+    """--warm-connections: one keep-alive connection per request in flight is opened (GET /health) before
+    at_start and the clock; the requests then go out on those connections, none on a new one."""
+    import asyncio
+    import math
+
+    from aiohttp import web
+
+    from bench.serving import run_load
+
+    events = []
+
+    async def health(request):
+        events.append(("health", request.transport.get_extra_info("peername")[1]))
+        await asyncio.sleep(0.05)  # all of them in flight at once: one connection each
+        return web.Response(text="ok")
+
+    async def generate(request):
+        await request.read()
+        events.append(("generate", request.transport.get_extra_info("peername")[1]))
+        return web.json_response({"text": "x", "meta_info": {"completion_tokens": 2}})
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await run_load(f"http://127.0.0.1:{port}", "generate", [([1, 2], 2)] * 4, False, math.inf, 0,
+                                  warm=True, at_start=lambda: events.append(("clock", None)))
+        finally:
+            await runner.cleanup()
+
+    results, _ = asyncio.run(main())
+    assert [r["out"] for r in results] == [2] * 4
+    kinds = [k for k, _ in events]
+    assert kinds == ["health"] * 4 + ["clock"] + ["generate"] * 4, kinds
+    warmed = {p for k, p in events if k == "health"}
+    assert len(warmed) == 4 and {p for k, p in events if k == "generate"} <= warmed
