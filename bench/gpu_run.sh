@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-dp|serving-dp4|sync-audit|probes|recheck|tp|shared-prefix|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|recheck|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
@@ -52,6 +52,14 @@ if [[ $what == serving-interval ]]; then
   # per-token CPU when events carry several tokens (issue 12's <= 5 us/token goal).
   timeout 300 python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --offline \
     --out "$OUT/interval16" -- --stream-interval 16 2>&1 | tee "$OUT/serving_interval.log" | tail -10
+fi
+if [[ $what == serving-warm ]]; then
+  # The burst with its connections opened beforehand (as a load balancer's or an SDK's pool holds them)
+  # against the default cold burst, on one stack: what of the arrival is the client's connection set-up.
+  timeout 300 python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --repeat 2 --offline \
+    --out "$OUT/cold" -- --stream-interval 16 2>&1 | grep -v Capturing | tee "$OUT/serving_cold.log" | tail -8
+  timeout 200 python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --repeat 2 \
+    --warm-connections --out "$OUT/warm" -- --stream-interval 16 2>&1 | grep -v Capturing | tee "$OUT/serving_warm.log" | tail -6
 fi
 if [[ $what == serving-dp ]]; then
   # Data-parallel scaling (nvidia-h200-x2): one unified worker vs two behind one gateway, 512 streams.
