@@ -2,6 +2,8 @@
 parts that decide what it measures honest)."""
 from __future__ import annotations
 
+import contextlib
+
 from bench.serving import gsp_dataset, ideal_hit_rate, random_dataset, sharegpt_dataset, summarize
 
 
@@ -178,6 +180,24 @@ def test_cpu_snapshot_resolves_less_than_a_clock_tick():
         child.wait()
 
 
+@contextlib.asynccontextmanager
+async def _test_server(routes):
+    """An aiohttp server on a free port with (method, path, handler) routes; yields its URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
 def test_run_load_sends_prepared_bodies_and_restores_the_collector():
     """run_load encodes every body before the clock starts and keeps the cyclic collector off the run's
     objects; afterwards the process's collector is as it was (thresholds, nothing left frozen)."""
@@ -197,18 +217,8 @@ def test_run_load_sends_prepared_bodies_and_restores_the_collector():
         return web.json_response({"text": "x", "meta_info": {"completion_tokens": 3}})
 
     async def main():
-        app = web.Application()
-        app.router.add_post("/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            return await run_load(f"http://127.0.0.1:{port}", "generate", [([1, 2, 3], 3)] * 5 + [([4], 3)],
-                                  False, math.inf, 0)
-        finally:
-            await runner.cleanup()
+        async with _test_server([("POST", "/generate", generate)]) as url:
+            return await run_load(url, "generate", [([1, 2, 3], 3)] * 5 + [([4], 3)], False, math.inf, 0)
 
     before = gc.get_threshold()
     results, wall = asyncio.run(main())
@@ -282,19 +292,9 @@ def test_run_load_warm_connections_are_opened_before_the_clock_and_reused():
         return web.json_response({"text": "x", "meta_info": {"completion_tokens": 2}})
 
     async def main():
-        app = web.Application()
-        app.router.add_get("/health", health)
-        app.router.add_post("/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            return await run_load(f"http://127.0.0.1:{port}", "generate", [([1, 2], 2)] * 4, False, math.inf, 0,
-                                  warm=True, at_start=lambda: events.append(("clock", None)))
-        finally:
-            await runner.cleanup()
+        async with _test_server([("GET", "/health", health), ("POST", "/generate", generate)]) as url:
+            return await run_load(url, "generate", [([1, 2], 2)] * 4, False, math.inf, 0, warm=True,
+                                  at_start=lambda: events.append(("clock", None)))
 
     results, _ = asyncio.run(main())
     assert [r["out"] for r in results] == [2] * 4
