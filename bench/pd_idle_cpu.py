@@ -21,8 +21,8 @@ import requests  # noqa: E402
 
 from bench.common import model_dir  # noqa: E402
 from bench.pd import _worker_pid  # noqa: E402
-from bench.profile import thread_cpu  # noqa: E402
 from bench.stack import start_stack, stop_stack  # noqa: E402
+from shared.procfs import thread_run_seconds  # noqa: E402
 
 
 def main():
@@ -45,9 +45,9 @@ def main():
         time.sleep(1.0)
         workers = [w for w in requests.get(url + "/server_info", timeout=10).json()["workers"] if w["info"]]
         pids = {role: _worker_pid(proc.pid, role) for role in ("prefill", "decode")}
-        a = {r: thread_cpu(p) for r, p in pids.items()}
+        a = {r: thread_run_seconds(p) for r, p in pids.items()}
         time.sleep(args.seconds)
-        b = {r: thread_cpu(p) for r, p in pids.items()}
+        b = {r: thread_run_seconds(p) for r, p in pids.items()}
         for role in pids:
             busy = sorted(((b[role][t] - a[role].get(t, 0.0)) / args.seconds for t in b[role]), reverse=True)
             print(f"{role}: idle CPU {sum(busy):.2f} cores; busiest threads {[round(x, 2) for x in busy[:3]]}")

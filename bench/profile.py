@@ -18,11 +18,6 @@ from bench.common import log
 from shared import procfs
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread of pid, keyed "name/tid" (procfs.thread_run_seconds: to the ns)."""
-    return procfs.thread_run_seconds(pid)
-
-
 _PLUMBING = ("runners.py", "base_events.py", "events.py", "threading.py", "<frozen runpy>", "module.py")
 
 
@@ -98,12 +93,12 @@ def profile_process(pid: int, out_prefix: str, delay: float = 8.0, seconds: floa
                 r = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True)
                 f.write(f"=== py-spy dump {i} ===\n{r.stdout}{r.stderr}\n")
                 time.sleep(0.3)
-            a = thread_cpu(pid)
+            a = procfs.thread_run_seconds(pid)
             cmd = ["py-spy", "record", "--pid", str(pid), "--threads", "--nonblocking", "-r", "200",
                    "-d", str(int(seconds)), "-f", "raw", "-o", raw] + (["--gil"] if gil else [])
             rec = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
             time.sleep(seconds)
-            b = thread_cpu(pid)
+            b = procfs.thread_run_seconds(pid)
             try:
                 rec.wait(30)
             except subprocess.TimeoutExpired:

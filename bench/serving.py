@@ -338,25 +338,26 @@ def top_threads(before: dict[str, float], after: dict[str, float], n: int = 4) -
 
 
 # ------------------------------------------------------------------ offline reference
-def worker_passes(url: str) -> dict[str, float]:
-    """The workers' launched passes by mode and their times, summed (the engine's info "passes")."""
+def worker_infos(url: str) -> list[dict]:
+    """Every worker's engine info (one /get_server_info)."""
     import requests
 
+    return [w.get("info") or {} for w in requests.get(url + "/get_server_info", timeout=30).json().get("workers", [])]
+
+
+def worker_passes(infos: list[dict]) -> dict[str, float]:
+    """The workers' launched passes by mode and their times, summed (the engine's info "passes")."""
     total: dict[str, float] = {}
-    for w in requests.get(url + "/get_server_info", timeout=30).json().get("workers", []):
-        for k, v in ((w.get("info") or {}).get("passes") or {}).items():
+    for info in infos:
+        for k, v in (info.get("passes") or {}).items():
             total[k] = total.get(k, 0) + v
     return total
 
 
-def worker_busy_period(url: str) -> dict[str, float] | None:
+def worker_busy_period(infos: list[dict]) -> dict[str, float] | None:
     """The workers' latest busy period (engine info "busy_period": first launch after idle, end of the last
     pass processed, on the host's monotonic clock), over all workers; None if none reports one."""
-    import requests
-
-    periods = [(w.get("info") or {}).get("busy_period")
-               for w in requests.get(url + "/get_server_info", timeout=30).json().get("workers", [])]
-    periods = [p for p in periods if p and p.get("start")]
+    periods = [p for p in (info.get("busy_period") for info in infos) if p and p.get("start")]
     if not periods:
         return None
     return {"start": min(p["start"] for p in periods), "end": max(p["end"] for p in periods),
@@ -387,6 +388,12 @@ def edge_summary(e: dict[str, float]) -> str:
     return (("" if e["ordered"] else "NOT ORDERED (not this run's busy period, or another clock) ") + f"edges: first send -> first launch {e['arrival_ms']:.1f} ms, engine {e['engine_span_s']:.3f} s, "
             f"last pass -> last response {e['tail_ms']:.1f} ms, sends spread over {e['send_spread_ms']:.1f} ms, "
             f"{e['busy_periods']:.0f} busy period(s)")
+
+
+def run_route(key: str) -> str:
+    """A run's route and mode ("generate-nostream") without its repeat and worker-count suffixes
+    ("generate-nostream (2) x2")."""
+    return key.split(" (")[0].split(" x")[0]
 
 
 def pass_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -482,8 +489,9 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
                 for j, pid in enumerate(pids["gateway"] + pids["workers"]):
                     profile_process(pid, os.path.join(args.out, "profile_gateway" if j == 0 else f"profile_worker{j}"),
                                     delay=2.0, seconds=4.0)
-            passes0 = worker_passes(url)
-            periods0 = (worker_busy_period(url) or {}).get("count", 0)
+            infos0 = worker_infos(url)
+            passes0 = worker_passes(infos0)
+            periods0 = (worker_busy_period(infos0) or {}).get("count", 0)
             mark: dict = {}
 
             def at_start():  # the CPU window opens with the run's clock (after any connection warming)
@@ -500,8 +508,9 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
             s = summarize(results, wall)
             # How the engine scheduled it (compare with the offline reference's): arrivals spread over
             # time show as more extend and decode passes for the same tokens.
-            s["passes"] = pass_delta(passes0, worker_passes(url))
-            s["edges"] = edges(results, worker_busy_period(url), periods0)
+            infos = worker_infos(url)
+            s["passes"] = pass_delta(passes0, worker_passes(infos))
+            s["edges"] = edges(results, worker_busy_period(infos), periods0)
             # The client is one Python process too: a saturated client would understate the stack.
             s["client_cpu_share"] = (time.process_time() - client0) / wall
             if pids:
@@ -629,7 +638,7 @@ def main():
                 continue
             if " x" in key and not key.endswith(f" x{sweep[0]}"):
                 continue  # several GPUs: compared with one worker above, not with one engine
-            goal = 0.97 if key.split(" (")[0].split(" x")[0].endswith("nostream") else 0.95
+            goal = 0.97 if run_route(key).endswith("nostream") else 0.95
             ratio = s["out_tok_s"] / off
             print(f"{'PASS' if ratio >= goal else 'FAIL'}: {key} at {ratio:.3f} of the offline engine (goal >= {goal})")
     if len(sweep) > 1:
@@ -643,7 +652,7 @@ def main():
                 print(f"{verdict}: {name} with {n} workers at {ratio:.2f}x {base} (goal >= {goal})")
     for key, s in res["runs"].items():
         gw = s.get("gateway_cpu_us_per_token")
-        if gw is not None and s["out_tokens"] and key.split(" (")[0].split(" x")[0].endswith(("generate", "completions", "chat")) \
+        if gw is not None and s["out_tokens"] and run_route(key).endswith(("generate", "completions", "chat")) \
                 and not key.startswith(BATCH1):
             print(f"{'PASS' if gw <= 5 else 'FAIL'}: {key} gateway CPU {gw:.1f} us/token (goal <= 5)")
     bad = sum(s["errors"] for s in res["runs"].values())

@@ -86,7 +86,9 @@ def run_seconds(pid: int) -> float:
 def thread_run_seconds(pid: int) -> dict[str, float]:
     """run_seconds by live thread, keyed "name/tid" (the thread's comm; "main" for the process's first
     thread, since Python before 3.14 names no OS thread): which of a process's threads spends its CPU
-    (the event loop, a log relay, an executor). {} where the kernel keeps no schedstat."""
+    (the event loop, a log relay, an executor). In ticks (cpu_seconds) where the kernel keeps no
+    schedstat."""
+    schedstat = os.path.exists("/proc/self/schedstat")
     out: dict[str, float] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -94,13 +96,16 @@ def thread_run_seconds(pid: int) -> dict[str, float]:
         return out
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
+            if schedstat:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    seconds = int(f.read().split()[0]) / 1e9
+            else:
+                seconds = cpu_seconds(pid, int(tid))
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 name = f.read().strip()
         except (OSError, ValueError, IndexError):
             continue  # the thread ended meanwhile
-        out[f"{'main' if tid == str(pid) else name}/{tid}"] = ns / 1e9
+        out[f"{'main' if tid == str(pid) else name}/{tid}"] = seconds
     return out
 
 
