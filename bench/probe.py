@@ -350,6 +350,7 @@ def probe_eager_host(res: dict) -> None:
 def _probe_trace(res: dict, pdl: bool, key: str) -> None:
     eng = _engine(pdl)
     drive(eng, random_prompts(1, 512, 400, 2), {**GREEDY, "max_new_tokens": 64})
+    eng.runner.graph_runner.neutralize(1)
     g = eng.runner.graph_runner.graphs[1, False]
     for _ in range(20):
         g.replay()
@@ -420,6 +421,7 @@ def probe_trace256(res: dict) -> None:
     tokens: the graph's inputs still hold the last step, so a replay attends over ~640 tokens a row)."""
     eng = _tput_engine()
     drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
+    eng.runner.graph_runner.neutralize(256)
     g = eng.runner.graph_runner.graphs[256, False]
     for _ in range(5):
         g.replay()

@@ -80,6 +80,16 @@ def store_kv_ref(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k:
     v_buf[loc.long()] = v.to(v_buf.dtype)
 
 
+def decode_inputs_ref(staged: torch.Tensor, token_buf: torch.Tensor, req_to_token: torch.Tensor):
+    """kernels.decode_inputs.unpack_decode_inputs out of place: (input_ids, positions, req_pool_indices,
+    out_cache_loc, seq_lens, prefix_lens, the new req_to_token)."""
+    rows, seq, loc, table = staged.unbind(1)
+    table_out = req_to_token.clone()
+    table_out[rows, seq - 1] = table.to(torch.int32)
+    return (token_buf[rows], seq - 1, rows.clone(), loc.clone(), seq.to(torch.int32), (seq - 1).to(torch.int32),
+            table_out)
+
+
 def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y = x @ w^T with fp32 accumulation, in x's dtype."""
     return (x.float() @ w.float().t()).to(x.dtype)

@@ -418,14 +418,16 @@ def test_cuda_graphs_write_one_logits_buffer_and_each_replay_gets_its_own_rows()
     ids = torch.randint(3, 400, (16,), generator=torch.Generator().manual_seed(5)).to(dev)
     # Input j decodes at position 0 in request row j + 1, whose one slot is j + 1: rows of their own (all
     # writing one slot would make each row read whichever row wrote last).
-    own = torch.arange(1, 17, device=dev)
-    runner.req_pool.req_to_token[own, 0] = own.to(torch.int32)
+    # The graph gathers each row's input from the runner's last samples and writes the slot table itself.
+    own = list(range(1, 17))
+    runner.token_buf[torch.tensor(own, device=dev)] = ids
 
     def replay(first, bs):
         rows = own[first:first + bs]
-        got = gr.run(ids[first:first + bs], torch.zeros(bs, dtype=torch.int64, device=dev), rows,
-                     torch.ones(bs, dtype=torch.int32, device=dev), rows)
+        got, dev_rows = gr.run(rows, [1] * bs, torch.tensor(rows, dtype=torch.int64), rows)
         assert got.data_ptr() == gr.logits.data_ptr() and got.shape[0] == bs
+        assert dev_rows.tolist() == rows
+        assert runner.req_pool.req_to_token[dev_rows, 0].tolist() == rows
         return got.clone()
 
     seen = {}

@@ -4,6 +4,12 @@ to the next captured size. Eager decode on a GPU is launch-bound (hundreds of ke
 decode, batch sizes from CASCADE_MIN_BS get a second graph that reads the batch's prefix groups from
 the backend's static buffers.
 
+A step's inputs reach the graph in one host-to-device copy: four numbers per request (its slot-table
+row, context length, new KV slot, slot-table entry) into a static block that the graph's first kernel
+unpacks (kernels/decode_inputs.py): the input tokens are gathered there from the runner's last samples,
+and the slot table is written there. Between two replays the device runs that copy, the sampling and
+the copy of its result, nothing else.
+
 Padding rows point at request row 0 (all zeros in req_to_token -> slot 0, the reserved padding slot)
 with seq_len 1, so they read and write only the padding slot.
 """
@@ -16,6 +22,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from kernels.decode_inputs import LOC, ROWS, SEQ, TABLE, unpack_decode_inputs
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
 
 log = logging.getLogger(__name__)
@@ -43,11 +50,12 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, kv_pool, req_to_token: torch.Tensor, attn_backend, max_bs: int,
-                 device: torch.device, progress: bool = True):
+    def __init__(self, model, kv_pool, req_to_token: torch.Tensor, token_buf: torch.Tensor, attn_backend,
+                 max_bs: int, device: torch.device, progress: bool = True):
         self.model = model
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
+        self.token_buf = token_buf  # the last sample of each request row: the next step's input
         self.attn_backend = attn_backend
         self.device = device
         self.sizes = capture_sizes(max_bs)
@@ -63,6 +71,10 @@ class CudaGraphRunner:
         self.ones = torch.ones(n, **i32)
         self.start_loc = torch.arange(n, **i32)
         self.out_cache_loc = torch.zeros(n, **i64)
+        # The step's inputs as the host copies them in ([n, 4] row-major: a batch of size bs reads the
+        # first bs rows), all padding rows until the first run.
+        self.staged = torch.zeros(n, 4, **i64)
+        self.staged[:, SEQ] = 1
         # One logits buffer every graph writes its rows into: per-graph outputs would each hold their own
         # [bs, vocab] fp32 tensor for the runner's life (~18 GB over the sizes to 1,024 with the
         # shared-prefix variants). Sharing is safe because replays run in stream order and each step's
@@ -83,6 +95,9 @@ class CudaGraphRunner:
             attn_backend=self.attn_backend, graph_cascade=cascade)
 
     def _forward(self, bs: int, cascade: bool = False) -> torch.Tensor:
+        unpack_decode_inputs(self.staged[:bs], self.token_buf, self.req_to_token, self.input_ids[:bs],
+                             self.positions[:bs], self.req_pool_indices[:bs], self.out_cache_loc[:bs],
+                             self.seq_lens[:bs], self.prefix_lens[:bs])
         fb = self._batch(bs, cascade)
         self.attn_backend.init_forward_metadata(fb)
         return self.model.compute_logits(self.model.forward(fb), out=self.logits[:bs])
@@ -128,23 +143,29 @@ class CudaGraphRunner:
         """Stage a plan_cascade result (made here, or on tensor-parallel rank 0) for the next run."""
         self.attn_backend.load_graph_cascade(self._bucket(num_reqs), plan, num_reqs)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, req_pool_indices: torch.Tensor,
-            seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, cascade: bool = False) -> torch.Tensor:
-        """All inputs are device tensors of the real batch size n; returns logits [n, vocab]. cascade:
-        the shared-prefix graph, its groups staged by load_cascade."""
-        n = input_ids.shape[0]
+    def run(self, rows: list[int], seq_lens: list[int], out_cache_loc: torch.Tensor, table: list[int],
+            cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of n = len(rows) requests: their slot-table rows, context lengths after the
+        step, new KV slots (host int64) and slot-table entries (written at row, length - 1). Returns
+        (logits [n, vocab], the rows on the device [n]); both are static buffers, valid until the next
+        run. cascade: the shared-prefix graph, its groups staged by load_cascade."""
+        n = len(rows)
         bs = self._bucket(n)
-        if bs != n:
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.req_pool_indices[n:bs].zero_()
-            self.seq_lens[n:bs].fill_(1)
-            self.out_cache_loc[n:bs].zero_()
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.req_pool_indices[:n].copy_(req_pool_indices)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.prefix_lens[:n].copy_(seq_lens - 1)
-        self.out_cache_loc[:n].copy_(out_cache_loc)
+        pad = bs - n
+        host = torch.empty(bs, 4, dtype=torch.int64)
+        host[:n, ROWS] = torch.tensor(rows, dtype=torch.int64)
+        host[:n, SEQ] = torch.tensor(seq_lens, dtype=torch.int64)
+        host[:n, LOC] = out_cache_loc
+        host[:n, TABLE] = torch.tensor(table, dtype=torch.int64)
+        if pad:
+            host[n:] = torch.tensor([0, 1, 0, 0], dtype=torch.int64)
+        self.staged[:bs].copy_(host.pin_memory(), non_blocking=True)
         self.graphs[bs, cascade].replay()
-        return self.logits[:n]
+        return self.logits[:n], self.req_pool_indices[:n]
+
+    def neutralize(self, bs: int) -> None:
+        """Make a bare replay of the graph of size bs harmless (benchmarks time replays of the last
+        step): its rows then write their new K/V to the padding slot and leave the slot table as it is."""
+        st = self.staged[:bs]
+        st[:, TABLE] = self.req_to_token[st[:, ROWS], st[:, SEQ] - 1].to(torch.int64)
+        st[:, LOC] = 0

@@ -75,7 +75,7 @@ class PendingStep:
         self.counts = counts  # sample rows per sampled request (None: one each)
         self.dropped: set[int] = set()
         self.constrained = False  # grammar rows: sampled once the engine has advanced the grammars
-        self.deferred: tuple | None = None  # (runner, logits, fb, sampling batch): not sampled yet
+        self.deferred: tuple | None = None  # (runner, logits, rows, host rows, sampling batch): not sampled yet
 
     @property
     def needs_sampling(self) -> bool:
@@ -232,7 +232,7 @@ class ModelRunner:
             from shared.engine.cuda_graph import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(
-                self.model, self.kv_pool, self.req_pool.req_to_token, self.attn_backend,
+                self.model, self.kv_pool, self.req_pool.req_to_token, self.token_buf, self.attn_backend,
                 max_bs=min(config.cuda_graph_max_bs, config.max_running_requests), device=self.device,
                 progress=tp_rank == 0)
         self.extend_graphs = None
@@ -366,9 +366,11 @@ class ModelRunner:
             batch.out_cache_loc, self._table_writes(batch), groups, use_graph=use_graph, graph_cascade=cascade,
             extend_graph=extend_graph)
 
-    def _run_plan(self, plan: ForwardPlan) -> tuple[ForwardBatch, torch.Tensor]:
-        """Write the slot table, run the model: (batch, logits of every row) from a CUDA graph, else
-        (batch, final hidden states)."""
+    def _run_plan(self, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the slot table, run the model: (the request rows on the device, logits of every row) from
+        a CUDA graph, else (the rows, final hidden states)."""
+        if plan.use_graph:
+            return self._run_graph(plan)
         dev = self.device
         rows, cols, vals = plan.table_writes
         self.req_pool.req_to_token[to_device(rows, torch.int64, dev), to_device(cols, torch.int64, dev)] = \
@@ -389,15 +391,23 @@ class ModelRunner:
             at = [j for j, t in enumerate(plan.input_ids) if t == PENDING_TOKEN]
             fb.input_ids[to_device(at, torch.int64, dev)] = self.token_buf[to_device([rows[j] for j in at],
                                                                                      torch.int64, dev)]
-        if plan.use_graph:
-            if plan.graph_cascade is not None:
-                self.graph_runner.load_cascade(plan.graph_cascade, len(plan.req_pool_indices))
-            return fb, self.graph_runner.run(fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens,
-                                             fb.out_cache_loc, cascade=plan.graph_cascade is not None)
         if plan.extend_graph:
-            return fb, self.extend_graphs.run(fb)
+            return fb.req_pool_indices, self.extend_graphs.run(fb)
         self.attn_backend.init_forward_metadata(fb)
-        return fb, self.model.forward(fb)
+        return fb.req_pool_indices, self.model.forward(fb)
+
+    def _run_graph(self, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode pass replayed from its batch size's graph: the step's inputs go over in one copy and
+        the graph writes the slot table itself (cuda_graph.py)."""
+        rows, cols, vals = plan.table_writes
+        # A decode pass writes one entry per request, at its new token's position.
+        assert rows == plan.req_pool_indices and cols == plan.prefix_lens, "decode table writes out of order"
+        if plan.graph_cascade is not None:
+            self.graph_runner.load_cascade(plan.graph_cascade, len(plan.req_pool_indices))
+        logits, dev_rows = self.graph_runner.run(
+            plan.req_pool_indices, [p + 1 for p in plan.prefix_lens], plan.out_cache_loc, vals,
+            cascade=plan.graph_cascade is not None)
+        return dev_rows, logits
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits of some rows of hidden; the other ranks compute their vocabulary part alongside."""
@@ -488,11 +498,11 @@ class ModelRunner:
         plan = self._plan(batch)
         if self.tp is not None:
             self.tp.send(("forward", plan))
-        fb, result = self._run_plan(plan)
+        dev_rows, result = self._run_plan(plan)
         n = batch.batch_size
         out = StepOutput([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
         if plan.use_graph:
-            return self._sample(batch, result, list(range(n)), out, fb)
+            return self._sample(batch, result, list(range(n)), out, dev_rows, plan.req_pool_indices)
         hidden = result
         ends, acc = [], 0
         for e in batch.extend_lens:
@@ -508,16 +518,18 @@ class ModelRunner:
         # A request carrying k proposed tokens is sampled at each of them and after the last.
         counts = [batch.reqs[i].proposed + 1 for i in sampled]
         rows = [ends[i] - c + 1 + m for i, c in zip(sampled, counts) for m in range(c)]
-        return self._sample(batch, self._logits(hidden, rows), sampled, out, fb,
+        return self._sample(batch, self._logits(hidden, rows), sampled, out, dev_rows, plan.req_pool_indices,
                             counts if any(c > 1 for c in counts) else None)
 
     def _sample(self, batch: ScheduleBatch, logits: torch.Tensor, sampled: list[int], out: StepOutput,
-                fb: ForwardBatch, counts: list[int] | None = None) -> PendingStep:
+                dev_rows: torch.Tensor, host_rows: list[int], counts: list[int] | None = None) -> PendingStep:
         """The forward is enqueued; sample one row per request, or, for a request with proposals, one
         row per proposal position plus one (`counts`); row m of such a request is its sample after m
         proposals. Without grammars sampling is enqueued now; with them it waits for `sample_pending`
         (the engine calls it once the grammars have taken the previous step's tokens; `resolve` does
-        if nobody did), and the host fills the masks then, while the device runs this forward."""
+        if nobody did), and the host fills the masks then, while the device runs this forward. dev_rows /
+        host_rows: the batch's request rows on the device and the host (a graph pass's device rows are its
+        static buffer: sampling is enqueued before the next pass launches, shared/engine/engine.py)."""
         reqs = [batch.reqs[i] for i in sampled]
         if counts is None:
             rows_req, rows_step = reqs, [len(r.output_ids) for r in reqs]
@@ -534,7 +546,7 @@ class ModelRunner:
             eos_ids=[self._stop_ids(r) for r in rows_req],
             min_new_tokens_active=[st < r.params.min_new_tokens for r, st in zip(rows_req, rows_step)])
         handle = PendingStep(out, batch, sampled, None, None, counts)
-        handle.deferred = (self, logits, fb, sb)
+        handle.deferred = (self, logits, dev_rows, host_rows, sb)
         if any(r.grammar is not None for r in reqs):
             handle.constrained = True
             return handle
@@ -543,7 +555,7 @@ class ModelRunner:
 
     def sample_pending(self, handle: PendingStep) -> None:
         """Fill the grammar masks (host), then enqueue sampling and the copy of its results."""
-        _, logits, fb, sb = handle.deferred
+        _, logits, dev_rows, host_rows, sb = handle.deferred
         handle.deferred = None
         batch, sampled, counts = handle.batch, handle.sampled, handle.counts
         if self.tokenizer_vocab_size < logits.shape[-1]:
@@ -565,13 +577,12 @@ class ModelRunner:
             keep = [m for m, i in enumerate(sampled) if i not in handle.dropped]
             last_rows = last_rows[to_device(keep, torch.int64, self.device)]
             sampled = [sampled[m] for m in keep]
-        rows = fb.req_pool_indices if len(sampled) == batch.batch_size else \
-            fb.req_pool_indices[to_device(sampled, torch.int64, self.device)]
+        rows = dev_rows if len(sampled) == batch.batch_size else dev_rows[to_device(sampled, torch.int64, self.device)]
         if self.tp is not None:  # every rank feeds rank 0's samples into the next step
             from shared.models.parallel import broadcast
 
             # The rows as launched: a request that finished meanwhile has given its row back.
-            self.tp.send(("tokens", [fb.req_pool_indices_cpu[i] for i in sampled]))
+            self.tp.send(("tokens", [host_rows[i] for i in sampled]))
             last_rows = broadcast(last_rows.to(torch.int64).contiguous())
         self.token_buf[rows] = last_rows
         tensors = {"ids": res.next_token_ids, "lps": res.logprobs, "top_ids": res.top_logprobs_ids,
