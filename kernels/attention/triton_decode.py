@@ -42,15 +42,13 @@ def attend_chunk(q, KB, VB, ROW, start, end, kv_base, stride_bs, offs_d, mask_d,
         kv_off = kv_base + slots[:, None] * stride_bs + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(KB + kv_off, mask=kv_mask, other=0.0)
-        # V's load is issued with K's (it depends only on the slots), not after the scores: a short
-        # context is one tile a program, where the two loads' latencies would otherwise add up.
-        v = tl.load(VB + kv_off, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(VB + kv_off, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
