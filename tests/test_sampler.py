@@ -61,6 +61,15 @@ def test_greedy_is_argmax_whatever_the_seed():
         assert torch.equal(out, x.argmax(-1))
 
 
+def test_an_all_greedy_batch_sends_no_row_parameters_to_the_device():
+    """Only an argmax runs for it: no per-row tensors are built (each would be a host-to-device copy per
+    decode step); one sampled row brings them all back, for every row."""
+    greedy = build([SP(temperature=0.0)] * 3)
+    assert greedy.all_greedy and greedy.temperatures is None and greedy.seeds is None and greedy.greedy is None
+    mixed = build([SP(temperature=0.0), SP(temperature=0.7, top_p=0.9), SP(temperature=0.0)])
+    assert not mixed.all_greedy and mixed.temperatures.shape == (3, 1) and mixed.greedy.tolist() == [True, False, True]
+
+
 def test_top_k_one_equals_greedy():
     x = torch.randn(16, V, generator=torch.Generator().manual_seed(2))
     out = draw(x, [SP(temperature=1.5, top_k=1)] * 16, seeds=list(range(100, 116)))

@@ -70,14 +70,6 @@ def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class SamplingBatch:
     batch_size: int
     vocab_size: int
-    # The per-row tensors are None when every row is greedy (all_greedy: only an argmax runs).
-    temperatures: torch.Tensor | None  # [B, 1] float32; 1.0 on greedy rows (never divides by ~0)
-    top_ps: torch.Tensor | None  # [B, 1] float32; 1.0 where unused
-    min_ps: torch.Tensor | None  # [B, 1] float32; 0.0 where unused
-    top_ks: torch.Tensor | None  # [B, 1] int64; vocab_size where unused
-    seeds: torch.Tensor | None  # [B] int64
-    steps: torch.Tensor | None  # [B] int64
-    greedy: torch.Tensor | None  # [B] bool
     # Host-side facts that decide which ops run at all.
     all_greedy: bool
     any_greedy: bool
@@ -85,6 +77,14 @@ class SamplingBatch:
     use_top_p: bool
     use_min_p: bool
     penalties: PenaltyState | None = None
+    # The per-row tensors; None when every row is greedy (all_greedy: only an argmax runs).
+    temperatures: torch.Tensor | None = None  # [B, 1] float32; 1.0 on greedy rows (never divides by ~0)
+    top_ps: torch.Tensor | None = None  # [B, 1] float32; 1.0 where unused
+    min_ps: torch.Tensor | None = None  # [B, 1] float32; 0.0 where unused
+    top_ks: torch.Tensor | None = None  # [B, 1] int64; vocab_size where unused
+    seeds: torch.Tensor | None = None  # [B] int64
+    steps: torch.Tensor | None = None  # [B] int64
+    greedy: torch.Tensor | None = None  # [B] bool
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int],
@@ -109,23 +109,17 @@ class SamplingBatch:
             min_new_tokens_active = [s < p.min_new_tokens for p, s in zip(params, steps)]
 
         all_greedy = all(greedy)
-        if all_greedy:
-            # Only an argmax runs: none of the per-row parameters goes to the device (three copies fewer
-            # between two decode steps).
-            floats = ints = flags = None
-        else:
+        rows: dict = {}
+        if not all_greedy:  # all greedy: only an argmax runs, and no per-row parameter goes to the device
             # One host->device copy per dtype.
             floats = to_device([temps, top_ps, min_ps], torch.float32, device)
             ints = to_device([[s & 0x7FFFFFFF for s in seeds], list(steps), top_ks], torch.int64, device)
-            flags = to_device(greedy, torch.bool, device)
+            rows = dict(temperatures=floats[0, :, None], top_ps=floats[1, :, None], min_ps=floats[2, :, None],
+                        seeds=ints[0], steps=ints[1], top_ks=ints[2, :, None],
+                        greedy=to_device(greedy, torch.bool, device))
         sampled_k = [k for k, g in zip(top_ks, greedy) if not g and k < vocab_size]
         return cls(
-            batch_size=b, vocab_size=vocab_size,
-            temperatures=floats[0, :, None] if floats is not None else None,
-            top_ps=floats[1, :, None] if floats is not None else None,
-            min_ps=floats[2, :, None] if floats is not None else None,
-            seeds=ints[0] if ints is not None else None, steps=ints[1] if ints is not None else None,
-            top_ks=ints[2, :, None] if ints is not None else None, greedy=flags,
+            batch_size=b, vocab_size=vocab_size, **rows,
             all_greedy=all_greedy, any_greedy=any(greedy),
             max_top_k=max(sampled_k, default=0),
             use_top_p=any(tp < 1.0 for tp in top_ps), use_min_p=any(mp > 0.0 for mp in min_ps),
