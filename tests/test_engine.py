@@ -455,6 +455,27 @@ def test_decode_in_cuda_graphs_gives_the_tokens_of_eager_decode():
     assert [r["ids"] for r in graphs.run(got)] == [r["ids"] for r in eager.run(ref)]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_neutralized_bare_replay_leaves_the_kv_pool_and_slot_table_as_they_are():
+    """Benchmarks time bare replays of the last step's graph. The graph gathers its inputs from the last
+    samples and writes the slot table and the new token's K/V itself, so a bare replay would overwrite a
+    cached token's K/V with the next token's; after neutralize() it writes only the padding slot."""
+    h = Harness(max_running_requests=8)
+    runner = h.engine.runner
+    gr = runner.graph_runner
+    h.run([h.submit(prompts(1, seed=47)[0], sampling={**GREEDY, "max_new_tokens": 12})])
+    table = runner.req_pool.req_to_token.clone()
+    k_before = [k.clone() for k in runner.kv_pool.k_buffers]
+    v_before = [v.clone() for v in runner.kv_pool.v_buffers]
+    gr.neutralize(1)
+    for _ in range(3):
+        gr.graphs[1, False].replay()
+    torch.cuda.synchronize()
+    assert torch.equal(runner.req_pool.req_to_token, table)
+    for before, after in zip(k_before + v_before, list(runner.kv_pool.k_buffers) + list(runner.kv_pool.v_buffers)):
+        assert torch.equal(after[1:], before[1:]), "a bare replay wrote a real slot"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs compute capability >= 9")
 def test_pdl_launches_decode_the_tokens_of_plain_launches():
