@@ -9,11 +9,7 @@ set -uo pipefail
 patch=$1 rounds=$2; shift 2
 [[ -f $patch && $rounds -ge 1 && $# -ge 1 ]] || { echo "usage: bench/ab.sh PATCH ROUNDS CMD..." >&2; exit 2; }
 git apply -R --check "$patch" || { echo "ab.sh: $patch does not reverse-apply to this tree" >&2; exit 2; }
-if [[ -d .whl ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*/*.whl
-  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/device_env.sh" || exit 1
 reverted=0
 restore() { if (( reverted )); then git apply "$patch" && reverted=0; fi; }
 trap restore EXIT
