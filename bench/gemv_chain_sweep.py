@@ -119,6 +119,76 @@ def f16_math_study(budget: float, t0: float) -> dict:
             "picks": {nm: list(vars(b[1]).values()) for nm, b in best.items()}}
 
 
+# The one-row kernel's tiles: (block_n, block_k, warps, narrow accumulators, tiles before the PDL wait, fold).
+ROW_CANDIDATES = [(4, 2048, 2, False, 2, 1), (8, 1024, 2, False, 2, 1), (8, 512, 2, False, 2, 1),
+                  (2, 4096, 2, False, 2, 1), (2, 2048, 1, False, 2, 1), (4, 1024, 1, False, 2, 1),
+                  (4, 1024, 2, False, 2, 1), (2, 2048, 2, False, 2, 1), (4, 2048, 2, True, 2, 1),
+                  (4, 4096, 4, True, 2, 1), (8, 2048, 4, True, 2, 1), (16, 1024, 4, True, 2, 1),
+                  (2, 4096, 2, True, 2, 1), (8, 1024, 2, True, 2, 1), (4, 2048, 2, False, 1, 1),
+                  (8, 1024, 2, False, 1, 1), (4, 1024, 2, True, 2, 2), (8, 512, 2, True, 2, 2)]
+
+
+def row_study(budget: float, t0: float) -> dict:
+    """bf16 weights: the one-row kernel (x in w's register layout, no shared-memory round trip a tile) at its
+    default tiles against the general kernel at the tiles it had, the 32-layer chain alternated; then the row
+    kernel's tiles swept shape by shape (the others at their defaults), and the best picks alternated against
+    the general kernel and the defaults."""
+    layers = build("bf16")
+    nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
+    former = {"qkv": GemvConfig(8, 512, 1, 4, pre_tiles=2), "o": GemvConfig(4, 2048, 1, 2, pre_tiles=2),
+              "gate_up": GemvConfig(16, 256, 1, 4, pre_tiles=2), "down": GemvConfig(8, 1024, 1, 2, pre_tiles=2)}
+    general = {nm: dataclasses.replace(c, row_kernel=False) for nm, c in former.items()}
+    row = {nm: default_config(1, n, k, 2) for nm, (n, k) in SHAPES.items()}
+    check = {}
+    for name, (n, k) in SHAPES.items():
+        w, _ = layers[0][name]
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        ref = x.float() @ w.float().t()
+        check[name] = {key: float((gemv(x, w, config=cfg[name]).float() - ref).abs().max() / ref.abs().max())
+                       for key, cfg in (("general", general), ("row", row))}
+    print(f"accuracy (max error / max output): {json.dumps(check)}", flush=True)
+    times = {"general": [], "row": []}
+    for _ in range(2):
+        times["general"].append(chain_ms(layers, general) * 1e3)
+        times["row"].append(chain_ms(layers, row) * 1e3)
+    print(f"chain alternated, us: {json.dumps(times)} ({nbytes / min(times['general']) / 1e3:.0f} vs "
+          f"{nbytes / min(times['row']) / 1e3:.0f} GB/s)", flush=True)
+    base = min(times["row"]) / 1e3
+    best, rows = {nm: (base, row[nm]) for nm in SHAPES}, []
+    share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
+    for name, (n, k) in SHAPES.items():
+        t_shape = time.time()
+        cands = [dataclasses.replace(row[name], evict_first=False)]
+        cands += [GemvConfig(bn, bk, 1, warps, pre_tiles=pre, fold=fold, narrow=narrow)
+                  for bn, bk, warps, narrow, pre, fold in ROW_CANDIDATES if bk <= k]
+        for cfg in cands:
+            if time.time() - t_shape > share:
+                break
+            if cfg == row[name]:
+                continue
+            try:
+                t = chain_ms(layers, {**row, name: cfg})
+            except Exception as e:  # a tile that does not compile or fit
+                print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
+                continue
+            rows.append({"shape": name, "cfg": dataclasses.asdict(cfg), "chain_us": t * 1e3})
+            if t < best[name][0]:
+                best[name] = (t, cfg)
+        print(f"  {name}: default {row[name]} -> best {best[name][1]} chain {best[name][0] * 1e3:.0f} us "
+              f"({(base - best[name][0]) / LAYERS * 1e3:+.2f} us per layer)", flush=True)
+    picks = {nm: b[1] for nm, b in best.items()}
+    final = {"general": [], "row": [], "picks": []}
+    for _ in range(2):
+        for key, cfgs in (("general", general), ("row", row), ("picks", picks)):
+            final[key].append(chain_ms(layers, cfgs) * 1e3)
+    print(f"best picks alternated with the general kernel and the defaults, us: {json.dumps(final)} "
+          f"({', '.join(f'{k} {nbytes / min(v) / 1e3:.0f}' for k, v in final.items())} GB/s)", flush=True)
+    del layers
+    torch.cuda.empty_cache()
+    return {"check": check, "times": times, "rows": rows, "final": final,
+            "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bf16,fp8")
@@ -127,6 +197,8 @@ def main() -> int:
     ap.add_argument("--f16-math-study", action="store_true",
                     help="FP8 only: the one-row GEMV multiplying in f16 (GemvConfig.f16_math) against fp32 math, "
                          "accuracy per shape, the chain alternated, then its tiles swept shape by shape")
+    ap.add_argument("--row-study", action="store_true",
+                    help="bf16: the one-row kernel against the general one (chain alternated), then its tiles swept")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     set_pdl(True)
@@ -149,7 +221,10 @@ def main() -> int:
             torch.cuda.empty_cache()
     if args.f16_math_study:
         result["runs"]["f16_math"] = f16_math_study(args.budget, t0)
-    for dtype in ([] if args.pre_tiles_study or args.f16_math_study else args.dtypes.split(",")):
+    if args.row_study:
+        result["runs"]["row"] = row_study(args.budget, t0)
+    studies = args.pre_tiles_study or args.f16_math_study or args.row_study
+    for dtype in ([] if studies else args.dtypes.split(",")):
         layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2
         nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())

@@ -33,12 +33,12 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
-def _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K: tl.constexpr):
+def _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
     if EVEN_K:
-        w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+        w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy=EVICT)
     else:
         w = tl.load(w_ptrs, mask=mask_n[:, None] & ((kbase + offs_k) < K)[None, :], other=0.0,
-                    eviction_policy="evict_first")
+                    eviction_policy=EVICT)
     return w
 
 
@@ -101,9 +101,9 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     if PDL:
         # The weights are nobody's output: the first PRE tiles stream in while the previous kernel drains
         # (PRE = 2 only where this split has two tiles or more: the host checks).
-        w = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K)
+        w = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K, "evict_first")
         if PRE == 2:
-            w2 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K)
+            w2 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K, "evict_first")
         pdl_prologue(PDL)
         acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
         w_ptrs += BLOCK_K
@@ -113,7 +113,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
-        w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K)
+        w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K, "evict_first")
         acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -128,6 +128,104 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
     else:
         tl.store(P + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NARROW: tl.constexpr, EVICT: tl.constexpr, w=None):
+    """One [BLOCK_N, BLOCK_K] weight tile of a one-row GEMV added into acc. x is read through a pointer tile
+    of w's shape or, where every warp spans K, one broadcast row (_gemv_row_kernel): either way it arrives
+    in w's register layout, with no layout conversion through shared memory in the loop."""
+    if w is None:
+        w = _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K, EVICT)
+    # Plain loads (no cache-policy hint, which Triton emits as inline assembly): the compiler then sees the
+    # rows' x loads as one and converts each x element once, not once per row a thread holds.
+    if EVEN_K:
+        x = tl.load(x_ptrs)
+    else:
+        xm = (kbase + offs_k)[None, :] < K
+        x = tl.load(x_ptrs, mask=xm, other=0.0)
+    if SILU_MUL:
+        if EVEN_K:
+            up = tl.load(x_ptrs + K)
+        else:
+            up = tl.load(x_ptrs + K, mask=xm, other=0.0)
+        x = _silu_mul(x, up)
+    p = w.to(tl.float32) * x.to(tl.float32)
+    if NARROW:  # each thread's eight neighbouring products summed first: an eighth of the accumulators
+        acc += tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // 8, 8)), axis=2)
+    else:
+        acc += p
+    return acc
+
+
+@triton.jit
+def _row_chunk(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               FOLD: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NARROW: tl.constexpr,
+               EVICT: tl.constexpr, PRE: tl.constexpr = 0, w0=None, w1=None):
+    """FOLD consecutive tiles, unrolled (their loads issue together); the first PRE of them already loaded
+    (w0, w1)."""
+    for j in tl.static_range(FOLD):
+        if j == 0 and PRE >= 1:
+            w = w0
+        elif j == 1 and PRE >= 2:
+            w = w1
+        else:
+            w = None
+        acc = _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N, BLOCK_K, EVEN_K, SILU_MUL, NARROW,
+                        EVICT, w)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        kbase += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+                     PRE: tl.constexpr, FOLD: tl.constexpr, X_ROWS: tl.constexpr, NARROW: tl.constexpr,
+                     EVICT: tl.constexpr):
+    """y = x @ W^T for one row x and half- or full-precision W: each program streams BLOCK_N rows of W over
+    its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    k0 = pid_k * K_PER_SPLIT
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+    if X_ROWS:  # x through a pointer tile of w's shape: w's layout whatever the warps' placement
+        x_ptrs = X + (k0 + offs_k)[None, :] + 0 * offs_n[:, None]
+    else:  # one x row, broadcast: w's layout where every warp spans K (then x is converted once a tile)
+        x_ptrs = X + (k0 + offs_k)[None, :]
+    if NARROW:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    start = 0
+    if PDL:
+        # The weights are nobody's output: the first PRE tiles stream in while the previous kernel drains.
+        w0 = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K, EVICT)
+        if PRE == 2:
+            w1 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K, EVICT)
+        else:
+            w1 = w0
+        pdl_prologue(PDL)
+        acc = _row_chunk(acc, w_ptrs, x_ptrs, k0, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K, SILU_MUL,
+                         NARROW, EVICT, PRE, w0, w1)
+        w_ptrs += FOLD * BLOCK_K
+        x_ptrs += FOLD * BLOCK_K
+        start = FOLD * BLOCK_K
+    for kk in range(start, K_PER_SPLIT, FOLD * BLOCK_K):
+        acc = _row_chunk(acc, w_ptrs, x_ptrs, k0 + kk, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K,
+                         SILU_MUL, NARROW, EVICT)
+        w_ptrs += FOLD * BLOCK_K
+        x_ptrs += FOLD * BLOCK_K
+    out = tl.sum(acc, axis=1)
+    if SPLIT_K == 1:
+        tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(P + pid_k * N + offs_n, out, mask=mask_n)
 
 
 @triton.jit
@@ -151,37 +249,56 @@ class GemvConfig:
     num_warps: int
     pre_tiles: int = 1  # weight tiles loaded before waiting on the previous kernel (PDL): 1 or 2
     f16_math: bool = False  # FP8 weights, one row: multiply in f16, eight products summed in f16 (_accumulate)
+    # One row of x, half- or full-precision weights (_gemv_row_kernel unless row_kernel is False):
+    fold: int = 1  # tiles a loop step unrolls (at least pre_tiles; lowered to a divisor of the split's tiles)
+    row_kernel: bool = True
+    narrow: bool = False  # each thread's eight neighbouring products summed before they are accumulated
+    evict_first: bool = True  # weight loads marked evict-first (W is read once)
 
 
 def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
-    """From sweeps on H200 (bench/kernels.py --tune, cold L2). No split-K for the Llama-8B shapes:
-    N >= 4096 already gives enough programs. One row: narrow, long tiles for short N (more programs,
-    more bytes in flight each), wider and shorter ones for long N. Several rows run on tensor cores,
-    which want >= 16 output columns per program."""
+    """Tiles from sweeps on H200 in the 32-layer chain of Llama-8B's decode GEMVs (bench/gemv_chain_sweep.py),
+    where a kernel's neighbours overlap it under PDL. K is split only when N is too short to put two programs
+    on every SM. Several rows run on tensor cores, which want >= 16 output columns per program."""
+    extra = {}
     if M == 1 and weight_bytes == 1:
-        # FP8 rows with f16 math, tiles from the 32-layer chain (bench.gemv_chain_sweep --f16-math-study, H200,
-        # 2026-12-02: 2,095 us against 2,196 for fp32 math at its own tiles), one tile before the PDL wait.
+        # FP8 rows with f16 math (--f16-math-study, 2026-12-02: 2,095 us against 2,196 for fp32 math at its own
+        # tiles), one tile before the PDL wait.
         block_n, block_k, warps = (16, 1024, 8) if N <= 4096 else (8, 2048, 4) if N <= 8192 else (8, 512, 4)
-    elif M == 1 and N <= 4096 and K <= 4096:
-        # o_proj's shape: four rows by half of K per program, twice the programs; with PDL, half of the
-        # weights stream in while the previous kernels drain (bench/gemv_chain_sweep.py, H200, 2026-12-01:
-        # -8.7 us per layer in the chain).
-        block_n, block_k, warps = 4, 2048, 2
+        extra = dict(f16_math=True)
     elif M == 1:
-        block_n, block_k, warps = (8, 1024, 2) if N <= 4096 else (8, 512, 4) if N <= 8192 else (16, 256, 4)
+        # The one-row kernel (--row-study, 2026-12-04): few rows and long K tiles a program, products summed
+        # eight at a time before they are accumulated where registers are short, two tiles before the PDL
+        # wait; the chain 3,437 us against 3,638 for the general kernel at its former tiles, alternated.
+        if N <= 4096:  # o_proj (K = N); down_proj (long K, the gated activation computed in the load)
+            block_n, block_k, warps, narrow = (2, 4096, 2, True) if K <= 4096 else (8, 2048, 4, True)
+        else:  # qkv; gate_up
+            block_n, block_k, warps, narrow = (8, 512, 2, True) if N <= 8192 else (2, 2048, 2, False)
+        extra = dict(pre_tiles=2, fold=2 if 4096 < N <= 8192 else 1, narrow=narrow)
     else:
         block_n, block_k, warps = (32, 512, 4) if N <= 4096 else (64, 512, 4) if N <= 8192 else (64, 256, 4)
     block_k = min(block_k, max(16, next_pow2(K)))
     split_k = 1
     k_steps = triton.cdiv(K, block_k)
-    # Split K only when N is too short to put two programs on every SM.
     while triton.cdiv(N, block_n) * split_k < 2 * num_sms() and split_k * 2 <= k_steps and split_k < 16:
         split_k *= 2
-    # With PDL, two weight tiles in flight before the wait, not one: more of a short GEMV's stream overlaps
-    # the previous kernel's tail (bench/gemv_chain_sweep.py --pre-tiles-study; bf16 only since the f16 math).
-    fp8_row = M == 1 and weight_bytes == 1
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps,
-                      pre_tiles=2 if M == 1 and not fp8_row else 1, f16_math=fp8_row)
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, **extra)
+
+
+def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvConfig, silu_mul, pdl):
+    tiles = k_per_split // cfg.block_k
+    # With PDL the first chunk is peeled to take the tiles loaded before the wait, so it holds pre_tiles (the
+    # chunking does not depend on PDL: the same sums in the same order either way).
+    fold = min(max(cfg.fold, cfg.pre_tiles), tiles)
+    while tiles % fold:
+        fold -= 1
+    launch = pdl_launch(pdl)
+    _gemv_row_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
+        x, w, out, partial, N, K, w.stride(0), k_per_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=split_k, EVEN_K=even_k, SILU_MUL=silu_mul, PRE=min(cfg.pre_tiles, fold) if launch["PDL"] else 0,
+        FOLD=fold, X_ROWS=cfg.block_k < 32 * cfg.num_warps * 16 // x.element_size(),
+        NARROW=cfg.narrow and cfg.block_k % 8 == 0, EVICT="evict_first" if cfg.evict_first else "",
+        num_warps=cfg.num_warps, **launch)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -210,12 +327,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     split_k = triton.cdiv(K, k_per_split)
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
-    _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
-        k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k,
-        EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul, num_warps=cfg.num_warps,
-        PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
-        F16=cfg.f16_math and w.element_size() == 1 and not dot and cfg.block_k >= 8, **pdl_launch(pdl))
+    if not dot and cfg.row_kernel and scale is None:
+        _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl)
+    else:
+        _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
+            x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
+            k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
+            num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
+            F16=cfg.f16_math and w.element_size() == 1 and not dot and cfg.block_k >= 8, **pdl_launch(pdl))
     if split_k > 1:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,

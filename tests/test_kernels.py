@@ -172,8 +172,14 @@ def check_gemv(device, dtype):
     shapes = [(64, 48), (200, 37), (96, 130)]
     if device.type == "cuda":
         shapes += [(4096, 6144), (14336, 4096)]
+    # One row takes the row kernel (row_kernel=False: the general one): x read through w-shaped pointers or as
+    # one broadcast row (block_k below or above 16 bytes x 32 lanes x warps), unrolled folds that do not divide
+    # the tiles, narrow accumulators, two tiles before the PDL wait, ragged K.
     configs = [None, GemvConfig(16, 32, 1, 4), GemvConfig(8, 32, 4, 4), GemvConfig(32, 64, 2, 4),
-               GemvConfig(16, 32, 1, 4, pre_tiles=2), GemvConfig(8, 16, 3, 2, pre_tiles=2)]
+               GemvConfig(16, 32, 1, 4, pre_tiles=2), GemvConfig(8, 16, 3, 2, pre_tiles=2),
+               GemvConfig(2, 64, 1, 1, pre_tiles=2, narrow=True), GemvConfig(4, 16, 1, 1, fold=3),
+               GemvConfig(8, 16, 2, 2, fold=2, narrow=True), GemvConfig(4, 256, 1, 2, narrow=True),
+               GemvConfig(16, 32, 1, 4, row_kernel=False)]
     for K, N in shapes:
         w = _rand(N, K, dtype=dtype, device=device)
         for M in (1, 2, 3, 4):
@@ -183,6 +189,23 @@ def check_gemv(device, dtype):
                     assert torch.equal(gemv(x, w, config=cfg, pdl=True), gemv(x, w, config=cfg, pdl=False))
                 torch.testing.assert_close(gemv(x, w, config=cfg), gemv_ref(x, w), **_tol(dtype),
                                            msg=lambda m: f"K={K} N={N} M={M} {cfg}: {m}")
+
+
+def check_gemv_row_kernel(device, dtype):
+    """The one-row kernel and the general kernel compute the same fp32 sums in other orders: equal to well
+    inside the output's rounding, at every tile shape (x in w's layout either way) and with the gated input."""
+    from kernels.gemv import GemvConfig, gemv
+    for K, N in [(96, 40), (130, 24)] + ([(4096, 6144), (14336, 4096)] if device.type == "cuda" else []):
+        w = _rand(N, K, dtype=dtype, device=device)
+        x = _rand(1, 2 * K, dtype=dtype, device=device)
+        for silu_mul in (False, True):
+            xin = x if silu_mul else x[:, :K]
+            for cfg in (GemvConfig(2, 64, 1, 1, pre_tiles=2), GemvConfig(8, 32, 2, 2, narrow=True, fold=2),
+                        GemvConfig(4, 128, 1, 1, narrow=True)):
+                row = gemv(xin, w, config=cfg, silu_mul=silu_mul)
+                general = gemv(xin, w, config=GemvConfig(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
+                                                         row_kernel=False), silu_mul=silu_mul)
+                torch.testing.assert_close(row, general, **_tol(dtype), msg=lambda m: f"{K}x{N} {cfg}: {m}")
 
 
 def check_gemv_silu_mul(device, dtype):
