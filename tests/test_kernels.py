@@ -476,8 +476,10 @@ def check_backend_end_to_end(device, dtype):
     from shared.engine.forward_batch import ForwardBatch, ForwardMode
     hq, hkv, d, layers = 4, 2, 16, 2
     worlds = []
-    for name, splits in (("torch", 4), ("triton", 4), ("triton", 1)):  # 1 split: the single-launch decode
-        be = create_attention_backend(name, hq, hkv, d, device=device, max_kv_splits=splits, min_tokens_per_split=8)
+    # 1 split: the single-launch decode; one launch: split decode merged in stage 1's launch.
+    for name, splits, one in (("torch", 4, False), ("triton", 4, False), ("triton", 1, False), ("triton", 4, True)):
+        be = create_attention_backend(name, hq, hkv, d, device=device, max_kv_splits=splits, min_tokens_per_split=8,
+                                      one_launch_decode=one)
         worlds.append((be, KVPool(layers, hkv, d, num_pages=64, page_size=4, dtype=dtype, device=device),
                        ReqToTokenPool(4, 128, device)))
     gen = torch.Generator().manual_seed(0)
@@ -502,7 +504,10 @@ def check_backend_end_to_end(device, dtype):
             be.init_forward_metadata(fb)
             if mode == ForwardMode.DECODE and hasattr(be, "max_kv_splits"):  # the triton ones
                 assert (be._meta.mid_o is None) == (be.max_kv_splits == 1)
+                assert (be._meta.tickets is not None) == (be.one_launch_decode and be.max_kv_splits > 1)
             outs.append(torch.stack([be.forward(q, k, v, layer, fb) for layer in range(layers)]))
+            if getattr(be, "_tickets", None) is not None:
+                assert not be._tickets.any()
         for out in outs[1:]:
             torch.testing.assert_close(out, outs[0], **_tol(dtype), msg=lambda m: f"{mode} {prefix}: {m}")
     for layer in range(layers):
@@ -532,10 +537,14 @@ def check_backend_cascade_decode(device, dtype):
     q = torch.randn(5, hq * d, generator=gen).to(device, dtype)
     outs = []
     # Plain (torch), eager shared-prefix, and the layout a captured graph of batch size 8 reads (the
-    # planning and staging a CUDA-graph replay does, the forward run directly).
-    for name, groups, graph in (("torch", None, False), ("triton", [(40, [0, 1, 2, 3])], False),
-                                ("triton", [(40, [0, 1, 2, 3])], True)):
-        be = create_attention_backend(name, hq, hkv, d, device=device, **({"max_kv_splits": 4} if name == "triton" else {}))
+    # planning and staging a CUDA-graph replay does, the forward run directly); the last two also with
+    # the merge in the suffix kernel's launch.
+    groups4 = [(40, [0, 1, 2, 3])]
+    for name, groups, graph, one in (("torch", None, False, False), ("triton", groups4, False, False),
+                                     ("triton", groups4, True, False), ("triton", groups4, False, True),
+                                     ("triton", groups4, True, True)):
+        be = create_attention_backend(name, hq, hkv, d, device=device,
+                                      **({"max_kv_splits": 4, "one_launch_decode": one} if name == "triton" else {}))
         locs = torch.tensor([r2t.req_to_token[i + 1, n - 1].item() for i, n in enumerate(lens)])
         fb = ForwardBatch.build(ForwardMode.DECODE, [0] * 5, [1, 2, 3, 4, 5], [n - 1 for n in lens], [1] * 5, locs,
                                 r2t.req_to_token, pool, be, device)
@@ -552,12 +561,14 @@ def check_backend_cascade_decode(device, dtype):
             fb.prefix_groups, fb.graph_cascade = None, True
         be.init_forward_metadata(fb)
         if groups:
-            assert be._meta.cascade is not None
+            assert be._meta.cascade is not None and (be._meta.tickets is not None) == one
         k = pool.k_buffers[0][locs.to(device)].reshape(5, hkv * d).clone()
         v = pool.v_buffers[0][locs.to(device)].reshape(5, hkv * d).clone()
         outs.append(be.forward(q, k, v, 0, fb))
-    torch.testing.assert_close(outs[1], outs[0], **_tol(dtype))
-    torch.testing.assert_close(outs[2], outs[0], **_tol(dtype))
+        if one:
+            assert not be._meta.tickets.any()
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], **_tol(dtype))
 
 
 def check_backend_fallback(device, dtype):
