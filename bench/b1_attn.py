@@ -4,10 +4,11 @@ KV head) against two (a stage-2 kernel per layer), on one GPU in one process (~2
     python -m bench.b1_attn [--rounds 2] [--variants two,one,one@16] [--contexts 512,2048,3584] [--steps 256]
                             [--kernel-contexts 512,1024,2048,4096] [--split-caps 8,16,32,64] [--no-kernels]
 
-1. Kernels (~20 s): decode attention alone, Llama-3.1-8B shape (32 query heads, 8 KV heads, d 128, bf16),
-   32 calls (a layer each, their own KV) in one CUDA graph with PDL, per context and split cap (the
-   backend's plan at batch 1 is min(64, context / 64) chunks), both merges: µs per layer, and how far
-   the one-launch output is from the two-launch one (the merges sum in other orders: a bf16 ulp).
+1. Kernels (~30 s): decode attention alone, Llama-3.1-8B shape (32 query heads, 8 KV heads, d 128, bf16),
+   32 calls (a layer each, KV beyond L2) in one CUDA graph with PDL, per context and, at batch 1, split
+   cap (the backend's plan there is min(64, context / 64) chunks; at batch 16, 8), both merges: µs per
+   layer, and how far the one-launch output is from the two-launch one (the merges sum in other
+   orders: a bf16 ulp).
 2. Engines: the engine's batch-1 step (wall, overlap on) and its CUDA graph's replay, for one request
    decoding `steps` tokens after a prompt of each context, engines alternated variant by variant
    (two / one / two / one ...) in this process. A variant is `two` or `one`, optionally `@N`: the split
@@ -30,7 +31,7 @@ import time
 import torch
 
 from bench.common import GREEDY, b1_engine, drive, graph_replay_ms, log, random_prompts
-from bench.kernels import DT, HKV, HQ, D, _pool, graph_time_ms
+from bench.kernels import DT, HKV, HQ, D, _pool, copies_for, graph_time_ms
 
 LAYERS = 32
 
@@ -44,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--contexts", type=ints, default=[512, 2048, 3584], help="prompt tokens of the engine runs")
     ap.add_argument("--steps", type=int, default=256, help="tokens decoded per engine run")
     ap.add_argument("--kernel-contexts", type=ints, default=[512, 1024, 2048, 4096])
+    ap.add_argument("--kernel-batches", type=ints, default=[1, 16], help="batch 1: every split cap; others: the plan's")
     ap.add_argument("--split-caps", type=ints, default=[8, 16, 32, 64], help="kernel part: chunks per request at most")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--no-engines", action="store_true")
@@ -70,40 +72,56 @@ def variant_name(v: tuple[bool, int | None]) -> str:
 
 def bench_kernels(args) -> list[dict]:
     from kernels._utils import set_pdl
-    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
+    from kernels.attention.triton_decode import MAX_KV_SPLITS, decode_attention, num_kv_splits_for, plan_max_kv_splits
     set_pdl(True)
     rows = []
-    for ctx in args.kernel_contexts:
-        kbs, vbs, r2t, req = _pool(1, ctx, LAYERS)
-        seq = torch.full((1,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(1, HQ, D, dtype=DT, device="cuda")
-        out = torch.empty_like(q)
-        tickets = torch.zeros(HKV, dtype=torch.int32, device="cuda")
-        for cap in args.split_caps:
-            ms = plan_max_kv_splits(1, HKV, cap)
-            splits = num_kv_splits_for(seq, ms)
-            mid_o = torch.empty(1, HQ, ms, D, dtype=torch.float32, device="cuda")
-            mid_lse = torch.empty(1, HQ, ms, dtype=torch.float32, device="cuda")
-            ref = None
-            for one in (False, True):
-                def layers(i, tk=tickets if one else None):
-                    for k, v in zip(kbs, vbs):
-                        decode_attention(q, k, v, r2t, req, seq, splits, ms, D ** -0.5, out=out, mid_o=mid_o,
-                                         mid_lse=mid_lse, tickets=tk)
-                layers(0)
-                torch.cuda.synchronize()
-                if ref is None:
-                    ref = out.clone()
-                row = {"part": "kernel", "context": ctx, "split_cap": cap, "chunks": int(splits.item()),
-                       "merge": "one" if one else "two",
-                       "us_per_layer": graph_time_ms(layers, reps=9) * 1e3 / LAYERS,
-                       "max_diff_vs_two": float((out.float() - ref.float()).abs().max()),
-                       "tickets_clean": not bool(tickets.any())}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        del kbs, vbs
-        torch.cuda.empty_cache()
+    for B in args.kernel_batches:
+        # Batch 1 with the split cap varied; larger batches at the backend's own plan.
+        caps = args.split_caps if B == 1 else [MAX_KV_SPLITS]
+        for ctx in args.kernel_contexts:
+            n = copies_for(2 * B * ctx * HKV * D * 2, cap=LAYERS)  # the layers' KV together well beyond L2
+            kbs, vbs, r2t, req = _pool(B, ctx, n)
+            seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+            q = torch.randn(B, HQ, D, dtype=DT, device="cuda")
+            out = torch.empty_like(q)
+            tickets = torch.zeros(B * HKV, dtype=torch.int32, device="cuda")
+            for cap in caps:
+                ms = plan_max_kv_splits(B, HKV, cap)
+                splits = num_kv_splits_for(seq, ms)
+                mid_o = torch.empty(B, HQ, ms, D, dtype=torch.float32, device="cuda")
+                mid_lse = torch.empty(B, HQ, ms, dtype=torch.float32, device="cuda")
+                ref = None
+                for one in (False, True):
+                    def layers(i, tk=tickets if one else None):
+                        for layer in range(LAYERS):
+                            decode_attention(q, kbs[layer % n], vbs[layer % n], r2t, req, seq, splits, ms, D ** -0.5,
+                                             out=out, mid_o=mid_o, mid_lse=mid_lse, tickets=tk)
+                    layers(0)
+                    torch.cuda.synchronize()
+                    if ref is None:
+                        ref = out.clone()
+                    row = {"part": "kernel", "batch": B, "context": ctx, "split_cap": cap, "chunks": int(splits[0]),
+                           "merge": "one" if one else "two",
+                           "us_per_layer": graph_time_ms(layers, reps=9) * 1e3 / LAYERS,
+                           "max_diff_vs_two": float((out.float() - ref.float()).abs().max()),
+                           "tickets_clean": not bool(tickets.any())}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            del kbs, vbs
+            torch.cuda.empty_cache()
     return rows
+
+
+def kernel_table(rows: list[dict]) -> list[str]:
+    """Per batch and context: µs per layer, two launches / one, for each split cap."""
+    lines = []
+    for B, ctx in dict.fromkeys((r["batch"], r["context"]) for r in rows):
+        cells = []
+        for cap in dict.fromkeys(r["split_cap"] for r in rows if (r["batch"], r["context"]) == (B, ctx)):
+            t = {r["merge"]: r for r in rows if (r["batch"], r["context"], r["split_cap"]) == (B, ctx, cap)}
+            cells.append(f"{t['one']['chunks']} chunks {t['two']['us_per_layer']:.2f}/{t['one']['us_per_layer']:.2f}")
+        lines.append(f"  batch {B} ctx {ctx}: " + ", ".join(cells))
+    return lines
 
 
 def run_engine(variant, args, rnd: int) -> list[dict]:
@@ -164,14 +182,9 @@ def main(argv=None) -> int:
     log(f"{torch.cuda.get_device_name()}, variants {[variant_name(v) for v in args.variants]}")
     if not args.no_kernels:
         krows = bench_kernels(args)
-        log("kernels, µs per layer (two launches / one launch):")
-        for ctx in args.kernel_contexts:
-            cells = []
-            for cap in args.split_caps:
-                t = {r["merge"]: r for r in krows if r["context"] == ctx and r["split_cap"] == cap}
-                cells.append(f"cap {cap} ({t['one']['chunks']} chunks) {t['two']['us_per_layer']:.2f}/"
-                             f"{t['one']['us_per_layer']:.2f}")
-            log(f"  ctx {ctx}: " + ", ".join(cells))
+        log("kernels, µs per layer, two launches / one launch:")
+        for line in kernel_table(krows):
+            log(line)
         bad = [r for r in krows if not r["tickets_clean"] or r["max_diff_vs_two"] > 0.05]
         if bad:
             print(f"FAIL: one-launch kernel output or counters wrong: {bad}")
