@@ -50,7 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--no-engines", action="store_true")
     args = ap.parse_args(argv)
-    args.variants = [parse_variant(v) for v in args.variants.split(",")]
+    try:
+        args.variants = [parse_variant(v) for v in args.variants.split(",")]
+    except ValueError as e:
+        ap.error(str(e))
     if len(args.variants) < 2:
         ap.error("--variants needs a baseline and at least one other")
     if max(args.contexts) + args.steps > 4096:
@@ -62,7 +65,7 @@ def parse_variant(text: str) -> tuple[bool, int | None]:
     """'one@16' -> (one launch, split cap 16); 'two' -> (False, None)."""
     merge, _, cap = text.partition("@")
     if merge not in ("one", "two"):
-        raise argparse.ArgumentTypeError(f"variant {text!r}: one or two, optionally @N")
+        raise ValueError(f"variant {text!r}: one or two, optionally @N")
     return merge == "one", int(cap) if cap else None
 
 
