@@ -240,6 +240,25 @@ def graph_replay_ms(graph_runner, bs: int = 1, reps: int = 60, skip: int = 10) -
     return median(times[skip:])
 
 
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def b1_engine(pdl: bool = True, quantization: str | None = None, **config):
+    """The 8B shape (random weights), graphs to batch 8, warmed up: the batch-1 probes' engine. `config`:
+    further EngineConfig fields."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.tokenizer import Tokenizer
+    path = model_dir("llama-3.1-8b")
+    extra = {"quantization": quantization} if quantization else {}
+    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=100_000,
+                      max_running_requests=8, cuda_graph=True, cuda_graph_max_bs=8, enable_pdl=pdl, **extra,
+                      **config)
+    eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
+    drive(eng, random_prompts(2, 64, 400, 0), {**GREEDY, "max_new_tokens": 8})
+    return eng
+
+
 def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int, **config) -> dict:
     """An engine of `config` (dummy weights): batch-1 decode ms/step over `steps` steps, its CUDA graph's
     replay, and the output tok/s of `reqs` × (512 in, 128 out) all at once (none for reqs=0). The engine is

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|recheck|tp|shared-prefix|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
@@ -92,6 +92,14 @@ if [[ $what == probes ]]; then
   # Where issue 14's batch-1, batch-256 and prefill time goes (bench/probe.py; 2026-12-01: ~3 min).
   timeout 450 python3 -m bench.probe b1phases steps trace_pdl trace256 trace_prefill eager_host trace_extend extend_pack prefill_attn 2>&1 \
     | grep -v "Capturing\|Warning" | tee "$OUT/probes.log" | tail -60
+fi
+if [[ $what == b1-attn ]]; then
+  # Decode attention's merge in one launch against two (kernels, then engines alternated), batch 1; with the
+  # GPU tests of both merges first (~3 min).
+  timeout 200 python3 -m pytest -q -p no:cacheprovider \
+    -k "not interpreted and (test_cuda or one_launch or pdl_launches or decode_in_cuda_graphs)" tests/test_kernels.py \
+    tests/test_engine.py 2>&1 | tee "$OUT/b1_attn_tests.log" | tail -8
+  timeout 280 python3 -m bench.b1_attn 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/b1_attn.log" | tail -45
 fi
 if [[ $what == sync-audit ]]; then
   timeout 240 python3 -m bench.sync_audit 2>&1 | tee "$OUT/sync_audit.log" | tail -40

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from bench.common import drive, graph_replay_ms, model_dir, random_prompts
+from bench.common import GREEDY, b1_engine, drive, graph_replay_ms, model_dir, random_prompts
 from bench.kernels import graph_time_ms
 
 HQ, HKV, D, HIDDEN, INTER = 32, 8, 128, 4096, 14336
@@ -235,23 +235,6 @@ def probe_prefill_attn(res: dict) -> None:
     res["prefill_attn"] = rows
 
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-def _engine(pdl: bool, quantization: str | None = None):
-    """The 8B shape (random weights), graphs to batch 8, warmed up."""
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.tokenizer import Tokenizer
-    path = model_dir("llama-3.1-8b")
-    extra = {"quantization": quantization} if quantization else {}
-    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=100_000,
-                      max_running_requests=8, cuda_graph=True, cuda_graph_max_bs=8, enable_pdl=pdl, **extra)
-    eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
-    drive(eng, random_prompts(2, 64, 400, 0), {**GREEDY, "max_new_tokens": 8})
-    return eng
-
-
 def probe_b1(res: dict) -> None:
     """Batch-1 decode with PDL off / on, alternating engines in one process: step wall time, graph replay,
     and the greedy tokens (must be the same)."""
@@ -261,7 +244,7 @@ def probe_b1(res: dict) -> None:
     tokens = {}
     for quant in (None, "fp8"):
         for pdl in (False, True, False, True):
-            eng = _engine(pdl, quant)
+            eng = b1_engine(pdl, quant)
             st = drive(eng, random_prompts(1, 512, 400, 2), {**GREEDY, "max_new_tokens": 256})
             step = st.wall_s / max(1, st.steps) * 1e3
             replay = graph_replay_ms(eng.runner.graph_runner)
@@ -348,7 +331,7 @@ def probe_eager_host(res: dict) -> None:
 
 
 def _probe_trace(res: dict, pdl: bool, key: str) -> None:
-    eng = _engine(pdl)
+    eng = b1_engine(pdl)
     drive(eng, random_prompts(1, 512, 400, 2), {**GREEDY, "max_new_tokens": 64})
     eng.runner.graph_runner.neutralize(1)
     g = eng.runner.graph_runner.graphs[1, False]
@@ -384,7 +367,7 @@ def probe_b1phases(res: dict) -> None:
     """Batch-1 decode through the engine loop with bench/pass_breakdown's per-pass phases (host ms by
     phase, device ms per pass): whether the ~0.2 ms between a graph replay and an engine step is host work
     on the critical path or device work outside the graph."""
-    eng = _engine(True)
+    eng = b1_engine(True)
     drive(eng, random_prompts(1, 512, 400, 2), {**GREEDY, "max_new_tokens": 32})
     st, summary = _broken_down(eng, random_prompts(1, 512, 400, 3), 256, "batch-1 decode")
     res["b1phases"] = {"summary": summary, "step_ms": st.wall_s / max(1, st.steps) * 1e3,
@@ -557,7 +540,7 @@ def _kernel_table(res, key, evs, reps, per):
 def probe_steps(res: dict) -> None:
     """What the GPU does between two batch-1 graph replays in the engine loop (overlap on): the kernels
     outside the graph (sampling, copies) and the idle time, from a torch.profiler trace of 40 steps."""
-    eng = _engine(True)
+    eng = b1_engine(True)
     drive(eng, random_prompts(1, 512, 400, 2), {**GREEDY, "max_new_tokens": 32})
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

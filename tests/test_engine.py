@@ -498,6 +498,29 @@ def test_pdl_launches_decode_the_tokens_of_plain_launches():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_launch_decode_attention_decodes_the_tokens_of_two_launches():
+    """Split decode attention merged in its own launch (the last program per request and KV head) decodes
+    what the two-launch merge decodes: CUDA graphs replayed step after step (the counters must be clean
+    at every replay), one request alone and several of different lengths together, contexts of up to
+    ~1k tokens (up to 16 chunks each), and eager steps."""
+    rng = random.Random(53)
+    ps = [[rng.randrange(3, 400) for _ in range(n)] for n in (900, 250, 40, 600, 3)]
+    results = {}
+    for one in (False, True):
+        for graphs in (True, False):
+            h = Harness(max_running_requests=8, one_launch_decode_attention=one, cuda_graph=graphs)
+            be = h.engine.runner.attn_backend
+            assert be.one_launch_decode is one
+            alone = h.run([h.submit(ps[0], sampling={**GREEDY, "max_new_tokens": 20})])
+            together = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 16}) for p in ps])
+            results[one, graphs] = [r["ids"] for r in alone + together]
+            assert be._tickets is None or not be._tickets.any()
+            assert one == (be._tickets is not None)
+            h.engine.stop()
+    assert results[True, True] == results[False, True] == results[True, False] == results[False, False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_short_extends_in_cuda_graphs_give_the_results_of_eager_extends():
     """Extend passes of a few tokens per request over cached prefixes (a second turn, jump-forward's
     catch-ups) replay a captured graph padded to their token bucket; tokens and input logprobs are those

@@ -332,6 +332,45 @@ def check_decode_attention_single_stage(device, dtype):
             torch.testing.assert_close(out[:3], ref, **_tol(dtype))
 
 
+def check_decode_attention_one_launch(device, dtype):
+    """Split decode merged by the last program of each (request, KV head) in the same launch: equal to the
+    reference and to the two-launch merge, for batches with uneven per-request split counts (fewer than
+    the grid's), contexts shorter than a chunk, a zero-length padding request, and scratch left full of
+    NaN by a previous batch; the counters are back at zero after every call, so repeated calls agree."""
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for
+    from kernels.reference import decode_attention_ref
+    gen = torch.Generator().manual_seed(11)
+    near = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)  # a bf16 ulp
+    for lens, (hq, hkv), max_splits in [([1, 7, 33, 130, 0], (4, 2), 4), ([200], (8, 2), 16),
+                                        ([65, 3, 129], (8, 1), 8)]:
+        d = _head_dims(device)[len(lens) % 2]
+        B = len(lens)
+        k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, dtype, hkv, d, [max(0, n - 1) for n in lens],
+                                                     [min(1, n) for n in lens])
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        live = [i for i, n in enumerate(lens) if n]
+        q = _rand(B, hq, d, dtype=dtype, device=device)
+        ref = decode_attention_ref(q[live], k_buf, v_buf, r2t, req_idx[live], seq_lens[live], d ** -0.5)
+        tickets = torch.zeros(B * hkv + 5, dtype=torch.int32, device=device)
+        mid_o = torch.empty((B, hq, max_splits, d), device=device)
+        mid_lse = torch.full((B, hq, max_splits), float("nan"), device=device)
+        # Per-request counts from the lengths (chunks of >= 16 tokens), and arbitrary ones (1..max_splits,
+        # most below the grid's; many chunks of a short context empty).
+        uneven = torch.randint(1, max_splits + 1, (B,), generator=gen, dtype=torch.int32).to(device)
+        for splits in (num_kv_splits_for(seq_lens, max_splits, 16), uneven):
+            two = decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, splits, max_splits, d ** -0.5)
+            for call in range(2):
+                mid_o.fill_(float("nan"))
+                out = decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, splits, max_splits, d ** -0.5,
+                                       mid_o=mid_o, mid_lse=mid_lse, tickets=tickets)
+                what = f"lens={lens} hq={hq} hkv={hkv} d={d} splits={splits.tolist()} call {call}"
+                assert not tickets.any(), f"{what}: counters left at {tickets.tolist()}"
+                torch.testing.assert_close(out[live], ref, **_tol(dtype), msg=lambda m: f"{what}: {m}")
+                torch.testing.assert_close(out, two, **near, msg=lambda m: f"{what}, against two launches: {m}")
+                if len(live) < B:
+                    assert torch.equal(out[lens.index(0)], torch.zeros_like(out[0])), what
+
+
 def check_cascade_decode_attention(device, dtype):
     """Shared-prefix decode: groups whose rows begin with the same slots; the torch cascade reference
     equals plain decode attention, and the Triton kernel equals both (big groups are cut in blocks)."""
@@ -374,12 +413,16 @@ def check_cascade_decode_attention(device, dtype):
                 cref = cascade_decode_attention_ref(q, k_buf, v_buf, r2t, req_idx, seq_lens, groups, d ** -0.5)
                 torch.testing.assert_close(cref, ref, **_tol(dtype))
                 plan = plan_cascade(groups, list(range(1, B + 1)), B, hkv, hq // hkv, device)
-                for max_splits, min_tok in [(4, 8)] if cpu and li else [(1, 256), (4, 8)]:
+                tickets = torch.zeros(B * hkv, dtype=torch.int32, device=device)
+                # (4, 8, tickets): the suffix chunks and the prefix's merged in the suffix kernel's launch.
+                for max_splits, min_tok, tk in [(4, 8, tickets)] if cpu and li else [(1, 256, None), (4, 8, None),
+                                                                                   (4, 8, tickets)]:
                     splits = num_kv_splits_for(seq_lens - plan.kv_start, max_splits, min_tok)
                     out = cascade_decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, plan, splits,
-                                                   max_splits, d ** -0.5)
-                    torch.testing.assert_close(out, ref, **_tol(dtype),
-                                               msg=lambda m: f"d={d} hq={hq} hkv={hkv} B={B} splits={max_splits}: {m}")
+                                                   max_splits, d ** -0.5, tickets=tk)
+                    torch.testing.assert_close(out, ref, **_tol(dtype), msg=lambda m: f"d={d} hq={hq} hkv={hkv} B={B} "
+                                               f"splits={max_splits} one launch={tk is not None}: {m}")
+                    assert not tickets.any()
                 # A captured graph's plan: fixed capacities (unused entries, chunks past a group's own
                 # count), loaded over a previous batch's contents.
                 shape = CascadeShape.for_graph(B + 3, hq // hkv, 2)
@@ -389,9 +432,11 @@ def check_cascade_decode_attention(device, dtype):
                     assert host.fits(shape) and host.num_groups <= shape.max_groups
                     static.load(host, B)
                 splits = num_kv_splits_for(seq_lens - static.kv_start[:B], 4, 8)
-                out = cascade_decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, static, splits, 4, d ** -0.5)
+                out = cascade_decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, static, splits, 4, d ** -0.5,
+                                               tickets=tickets if li else None)
                 torch.testing.assert_close(out, ref, **_tol(dtype),
                                            msg=lambda m: f"graph plan d={d} hq={hq} hkv={hkv} B={B}: {m}")
+                assert not tickets.any()
 
 
 def check_extend_attention(device, dtype):
@@ -454,8 +499,10 @@ def check_backend_end_to_end(device, dtype):
     from shared.engine.forward_batch import ForwardBatch, ForwardMode
     hq, hkv, d, layers = 4, 2, 16, 2
     worlds = []
-    for name, splits in (("torch", 4), ("triton", 4), ("triton", 1)):  # 1 split: the single-launch decode
-        be = create_attention_backend(name, hq, hkv, d, device=device, max_kv_splits=splits, min_tokens_per_split=8)
+    # 1 split: the single-launch decode; one launch: split decode merged in stage 1's launch.
+    for name, splits, one in (("torch", 4, False), ("triton", 4, False), ("triton", 1, False), ("triton", 4, True)):
+        be = create_attention_backend(name, hq, hkv, d, device=device, max_kv_splits=splits, min_tokens_per_split=8,
+                                      one_launch_decode=one)
         worlds.append((be, KVPool(layers, hkv, d, num_pages=64, page_size=4, dtype=dtype, device=device),
                        ReqToTokenPool(4, 128, device)))
     gen = torch.Generator().manual_seed(0)
@@ -480,7 +527,10 @@ def check_backend_end_to_end(device, dtype):
             be.init_forward_metadata(fb)
             if mode == ForwardMode.DECODE and hasattr(be, "max_kv_splits"):  # the triton ones
                 assert (be._meta.mid_o is None) == (be.max_kv_splits == 1)
+                assert (be._meta.tickets is not None) == (be.one_launch_decode and be.max_kv_splits > 1)
             outs.append(torch.stack([be.forward(q, k, v, layer, fb) for layer in range(layers)]))
+            if getattr(be, "_tickets", None) is not None:
+                assert not be._tickets.any()
         for out in outs[1:]:
             torch.testing.assert_close(out, outs[0], **_tol(dtype), msg=lambda m: f"{mode} {prefix}: {m}")
     for layer in range(layers):
@@ -510,10 +560,14 @@ def check_backend_cascade_decode(device, dtype):
     q = torch.randn(5, hq * d, generator=gen).to(device, dtype)
     outs = []
     # Plain (torch), eager shared-prefix, and the layout a captured graph of batch size 8 reads (the
-    # planning and staging a CUDA-graph replay does, the forward run directly).
-    for name, groups, graph in (("torch", None, False), ("triton", [(40, [0, 1, 2, 3])], False),
-                                ("triton", [(40, [0, 1, 2, 3])], True)):
-        be = create_attention_backend(name, hq, hkv, d, device=device, **({"max_kv_splits": 4} if name == "triton" else {}))
+    # planning and staging a CUDA-graph replay does, the forward run directly); the last two also with
+    # the merge in the suffix kernel's launch.
+    groups4 = [(40, [0, 1, 2, 3])]
+    for name, groups, graph, one in (("torch", None, False, False), ("triton", groups4, False, False),
+                                     ("triton", groups4, True, False), ("triton", groups4, False, True),
+                                     ("triton", groups4, True, True)):
+        be = create_attention_backend(name, hq, hkv, d, device=device,
+                                      **({"max_kv_splits": 4, "one_launch_decode": one} if name == "triton" else {}))
         locs = torch.tensor([r2t.req_to_token[i + 1, n - 1].item() for i, n in enumerate(lens)])
         fb = ForwardBatch.build(ForwardMode.DECODE, [0] * 5, [1, 2, 3, 4, 5], [n - 1 for n in lens], [1] * 5, locs,
                                 r2t.req_to_token, pool, be, device)
@@ -530,12 +584,14 @@ def check_backend_cascade_decode(device, dtype):
             fb.prefix_groups, fb.graph_cascade = None, True
         be.init_forward_metadata(fb)
         if groups:
-            assert be._meta.cascade is not None
+            assert be._meta.cascade is not None and (be._meta.tickets is not None) == one
         k = pool.k_buffers[0][locs.to(device)].reshape(5, hkv * d).clone()
         v = pool.v_buffers[0][locs.to(device)].reshape(5, hkv * d).clone()
         outs.append(be.forward(q, k, v, 0, fb))
-    torch.testing.assert_close(outs[1], outs[0], **_tol(dtype))
-    torch.testing.assert_close(outs[2], outs[0], **_tol(dtype))
+        if one:
+            assert not be._meta.tickets.any()
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], **_tol(dtype))
 
 
 def check_backend_fallback(device, dtype):
@@ -601,8 +657,11 @@ def test_cuda_bf16(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_decode_replay_tracks_new_lengths():
-    """Capture decode attention (metadata included) once, then replay with longer contexts."""
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_cuda_graph_decode_replay_tracks_new_lengths(one_launch):
+    """Capture decode attention (metadata included) once, then replay with longer contexts; with the
+    one-launch merge the counters are back at zero after every replay (a replay finding them dirty
+    would merge too early or never)."""
     from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
     from kernels.reference import decode_attention_ref
     dev, d, hq, hkv = torch.device("cuda"), 128, 32, 8
@@ -611,25 +670,80 @@ def test_cuda_graph_decode_replay_tracks_new_lengths():
     seq = torch.tensor([10, 7, 1], dtype=torch.int32, device=dev)
     q = _rand(3, hq, d, dtype=torch.bfloat16, device=dev)
     ms = plan_max_kv_splits(3, hkv)
+    assert ms > 1
     out = torch.empty_like(q)
-    decode_attention(q, k_buf, v_buf, r2t, req_idx, seq, num_kv_splits_for(seq, ms), ms, d ** -0.5, out=out)
+    tickets = torch.zeros(3 * hkv, dtype=torch.int32, device=dev) if one_launch else None
+
+    def call():
+        decode_attention(q, k_buf, v_buf, r2t, req_idx, seq, num_kv_splits_for(seq, ms), ms, d ** -0.5, out=out,
+                         tickets=tickets)
+    call()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        decode_attention(q, k_buf, v_buf, r2t, req_idx, seq, num_kv_splits_for(seq, ms), ms, d ** -0.5, out=out)
-    for lens in ([10, 7, 1], [1000, 41, 4], [513, 2, 3]):
+        call()
+    for lens in ([10, 7, 1], [1000, 41, 4], [513, 2, 3], [1000, 1000, 64]):
         seq.copy_(torch.tensor(lens, dtype=torch.int32))
         q.copy_(_rand(3, hq, d, dtype=torch.bfloat16, device=dev))
-        g.replay()
-        ref = decode_attention_ref(q, k_buf, v_buf, r2t, req_idx, seq, d ** -0.5)
-        torch.testing.assert_close(out, ref, **_tol(torch.bfloat16))
+        for _ in range(2):
+            out.zero_()
+            g.replay()
+            ref = decode_attention_ref(q, k_buf, v_buf, r2t, req_idx, seq, d ** -0.5)
+            torch.testing.assert_close(out, ref, **_tol(torch.bfloat16))
+            assert tickets is None or not tickets.any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_one_launch_decode_matches_two_launches_under_load():
+    """Many programs finishing in any order (batch 1 to 64, up to 64 chunks each, shared-prefix columns
+    too), each call repeated in one CUDA graph: the one-launch merge gives the two-launch output (within
+    a bf16 ulp: the merges sum in other orders), every time, and leaves the counters at zero."""
+    from kernels.attention.triton_cascade import cascade_decode_attention, plan_cascade
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
+    dev, dt, d, hq, hkv = torch.device("cuda"), torch.bfloat16, 128, 32, 8
+    gen = torch.Generator().manual_seed(17)
+    for B in (1, 3, 64):
+        lens = torch.randint(1, 4096, (B,), generator=gen).tolist()
+        lens[:2] = [max(n, 400) for n in lens[:2]]  # room for the shared prefix below
+        k_buf, v_buf, r2t, req_idx, _ = _paged_setup(dev, dt, hkv, d, [n - 1 for n in lens], [1] * B,
+                                                     num_slots=sum(lens) + 16)
+        seq = torch.tensor(lens, dtype=torch.int32, device=dev)
+        q = _rand(B, hq, d, dtype=dt, device=dev)
+        ms = plan_max_kv_splits(B, hkv)
+        splits = num_kv_splits_for(seq, ms)
+        tickets = torch.zeros(B * hkv, dtype=torch.int32, device=dev)
+        two = decode_attention(q, k_buf, v_buf, r2t, req_idx, seq, splits, ms, d ** -0.5)
+        outs = [torch.empty_like(q) for _ in range(8)]
+        g = torch.cuda.CUDAGraph()
+        decode_attention(q, k_buf, v_buf, r2t, req_idx, seq, splits, ms, d ** -0.5, tickets=tickets)
+        with torch.cuda.graph(g):
+            for o in outs:
+                decode_attention(q, k_buf, v_buf, r2t, req_idx, seq, splits, ms, d ** -0.5, out=o, tickets=tickets)
+        for _ in range(3):
+            g.replay()
+            for o in outs:
+                torch.testing.assert_close(o, two, rtol=1e-2, atol=1e-2, msg=lambda m: f"B={B}: {m}")
+                assert torch.equal(o, outs[0]), "the merge's result depends on which program was last"
+            assert not tickets.any()
+        if B >= 3:  # the first two requests share their first 300 slots (a radix-tree prefix)
+            r2t[2, :300] = r2t[1, :300]
+            plan = plan_cascade([(300, [0, 1])], req_idx.tolist(), B, hkv, hq // hkv, dev)
+            splits = num_kv_splits_for(seq - plan.kv_start, ms)
+            ref = cascade_decode_attention(q, k_buf, v_buf, r2t, req_idx, seq, plan, splits, ms, d ** -0.5)
+            for _ in range(2):
+                one = cascade_decode_attention(q, k_buf, v_buf, r2t, req_idx, seq, plan, splits, ms, d ** -0.5,
+                                               tickets=tickets)
+                torch.testing.assert_close(one, ref, rtol=1e-2, atol=1e-2)
+                assert not tickets.any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs compute capability >= 9")
-def test_cuda_pdl_kernels_match_plain_launches_in_a_graph():
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_cuda_pdl_kernels_match_plain_launches_in_a_graph(one_launch):
     """With PDL each kernel may start while the previous one drains (the GEMV loads its first weight tile
     before waiting): a chain of dependent norm -> GEMV -> rope/KV store -> decode attention -> GEMV
-    launches, captured in a CUDA graph and replayed on fresh inputs, gives the same bits as plain launches."""
+    launches, captured in a CUDA graph and replayed on fresh inputs, gives the same bits as plain launches
+    (decode attention merging its chunks in two launches or in one)."""
     from kernels._utils import pdl_launch, set_pdl
     from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
     from kernels.gemv import GemvConfig, gemv
@@ -646,6 +760,7 @@ def test_cuda_pdl_kernels_match_plain_launches_in_a_graph():
     wo = _rand(hidden, hq * d, dtype=dt, device=dev)
     nw = _rand(hidden, dtype=dt, device=dev)
     ms = plan_max_kv_splits(1, hkv)
+    tickets = torch.zeros(hkv, dtype=torch.int32, device=dev) if one_launch else None
     x = _rand(1, hidden, dtype=dt, device=dev)
 
     def chain():
@@ -655,7 +770,7 @@ def test_cuda_pdl_kernels_match_plain_launches_in_a_graph():
         q, k, v = qkv.view(1, -1, d).split([hq, hkv, hkv], dim=1)
         q, k, _ = apply_rope_and_store_kv(q, k, v, pos, cs, d, k_buf, v_buf, loc)
         o = decode_attention(q.contiguous(), k_buf, v_buf, r2t, req_idx, seq, num_kv_splits_for(seq, ms), ms,
-                             d ** -0.5)
+                             d ** -0.5, tickets=tickets)
         return gemv(o.view(1, -1), wo)
 
     outs = {}

@@ -224,10 +224,12 @@ def cascade_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.
                              req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                              plan: CascadePlan, num_kv_splits: torch.Tensor, max_kv_splits: int,
                              scaling: float, mid_o: torch.Tensor | None = None,
-                             mid_lse: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                             mid_lse: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                             tickets: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D]: each group's prefix attended once, merged with every request's own
     suffix. num_kv_splits: per-request splits of the suffix (at most max_kv_splits). Scratch, if
-    given: [B, Hq, max_kv_splits + plan.prefix_splits(, D)] fp32."""
+    given: [B, Hq, max_kv_splits + plan.prefix_splits(, D)] fp32. tickets: decode_attention's (the
+    merge in the suffix kernel's launch)."""
     B, HQ, D = q.shape
     total = max_kv_splits + plan.prefix_splits
     if mid_o is None:
@@ -235,4 +237,5 @@ def cascade_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.
         mid_lse = torch.empty((B, HQ, total), dtype=torch.float32, device=q.device)
     prefix_attention(q, k_buf, v_buf, req_to_token, plan, max_kv_splits, scaling, mid_o, mid_lse)
     return decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
-                            max_kv_splits, scaling, out=out, mid_o=mid_o, mid_lse=mid_lse, kv_start=plan.kv_start)
+                            max_kv_splits, scaling, out=out, mid_o=mid_o, mid_lse=mid_lse, kv_start=plan.kv_start,
+                            tickets=tickets)

@@ -3,11 +3,18 @@
 Stage 1 splits each request's context into at most `max_kv_splits` chunks; one program handles one
 (request, KV head, chunk) and all query heads of that KV head's group at once (GQA: K/V are read once
 per group, and the group is padded to 16 rows so the scores are a tensor-core dot). It writes a
-normalised partial output and its log-sum-exp. Stage 2 merges the chunks per (request, head).
-
-With max_kv_splits == 1 (large batches already fill the GPU one program per request and KV head),
-stage 1 writes the final output itself, merging a shared prefix's partials from the cascade kernel's
-scratch columns where a request has them, and stage 2 is not launched.
+normalised partial output and its log-sum-exp to fp32 scratch. The chunks of a (request, head) are then
+merged through their log-sum-exps, in one of two ways:
+- two launches: stage 2, one program per (request, head), after stage 1;
+- one launch (`tickets` given): each stage-1 program, once its partial is stored, takes a ticket from a
+  per-(request, KV head) counter (an atomic add, acq_rel at GPU scope, after a CTA barrier so every
+  thread's stores are released); the program that draws the last ticket reads every chunk's partial
+  (acquired by that add) and writes the output, then puts the counter back to 0, so the next launch (a
+  later layer, step or CUDA-graph replay) finds it clean. Programs past a request's own split count
+  take no part, so the count always matches.
+With max_kv_splits == 1 (large batches already fill the GPU one program per request and KV head) each
+program is alone: stage 1 writes the final output itself, merging a shared prefix's partials from the
+cascade kernel's scratch columns where a request has them, and no counter is needed.
 
 CUDA-graph safe: the grid depends only on the batch size and max_kv_splits (host ints fixed per
 graph); sequence lengths and per-request split counts are read from device tensors.
@@ -57,20 +64,72 @@ def attend_chunk(q, KB, VB, ROW, start, end, kv_base, stride_bs, offs_d, mask_d,
 
 
 @triton.jit
-def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O, MID_LSE, KV_START, O,
+def merge_columns(acc, den, m, MID_O, MID_LSE, rows, mask_r, lo, hi, total, offs_d, mask_d, D,
+                  CHUNK: tl.constexpr):
+    """Folds the partials in scratch columns [lo, hi) of `rows` (request * Hq + head, mask_r) into a running
+    log-sum-exp merge: acc [R, BLOCK_D] (weighted outputs), den [R] (their weights), m [R] (the largest
+    log2-sum-exp so far, the weights' reference). The final output is acc / den. Columns are read CHUNK
+    at a time, outputs and log-sum-exps at once (no load waits for another); a column with lse -inf (an
+    empty chunk) weighs 0 and its output is not used: a prefix column no group wrote holds whatever was
+    there. Loads bypass L1 (.cg): in the one-launch form other programs wrote them during this kernel."""
+    offs_c = tl.arange(0, CHUNK)
+    for c0 in range(lo, hi, CHUNK):
+        cols = c0 + offs_c
+        mask = mask_r[:, None] & (cols < hi)[None, :]
+        idx = rows[:, None] * total + cols[None, :]
+        lse = tl.load(MID_LSE + idx, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(MID_O + idx[:, :, None] * D + offs_d[None, None, :],
+                    mask=mask[:, :, None] & mask_d[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # all empty so far (a padding request): weights 0
+        w = tl.exp2(lse - ref[:, None])
+        o = tl.where((lse > float("-inf"))[:, :, None], o, 0.0)
+        scale = tl.exp2(m - ref)
+        acc = acc * scale[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+        den = den * scale + tl.sum(w, axis=1)
+        m = m_new
+    return acc, den, m
+
+
+@triton.jit
+def merge_rows(MID_O, MID_LSE, rows, mask_r, n_splits, has_prefix, extra_from, total, offs_d, mask_d, D,
+               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
+    """The attention output [BLOCK_R, BLOCK_D] fp32 of scratch `rows`: their columns [0, n_splits), and
+    with has_prefix also a shared prefix's [extra_from, total) (the cascade kernel's). Zeros where every
+    chunk was empty (a zero-length padding request)."""
+    acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    den = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+    acc, den, m = merge_columns(acc, den, m, MID_O, MID_LSE, rows, mask_r, 0, n_splits, total, offs_d, mask_d, D,
+                                CHUNK)
+    if has_prefix:
+        acc, den, m = merge_columns(acc, den, m, MID_O, MID_LSE, rows, mask_r, extra_from, total, total, offs_d,
+                                    mask_d, D, CHUNK)
+    return acc / tl.where(den > 0, den, 1.0)[:, None]
+
+
+@triton.jit
+def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O, MID_LSE, KV_START, TICKETS, O,
                    sm_scale_log2, stride_qb, stride_qh, stride_bs, stride_bh, stride_rt, stride_ob, stride_oh,
-                   HQ, MAX_SPLITS, GROUP, D,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr, HAS_START: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr):
-    """SINGLE: one split per request, whose normalised output is final: written to O in O's dtype (as
-    stage 2 would write it: a lone split merges to itself exactly), nothing to the scratch; with
-    HAS_START, a request with a shared prefix merges the prefix's partials from the scratch first."""
+                   HQ, TOTAL, EXTRA_FROM, GROUP, D,
+                   BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CHUNK: tl.constexpr, DOT_PREC: tl.constexpr, HAS_START: tl.constexpr, FINAL: tl.constexpr,
+                   TICKETED: tl.constexpr, PDL: tl.constexpr):
+    """Without FINAL: partial output and log-sum-exp of one chunk into the scratch, for stage 2.
+    FINAL: stage 1 writes the output itself, in O's dtype. A request's lone chunk (one split, no shared
+    prefix) is final as it is (a lone split merges to itself exactly). Otherwise every chunk's partial
+    goes to the scratch, and the last program of the (request, KV head) to finish merges them, a shared
+    prefix's columns included: with TICKETED, the one whose increment of the pair's ticket counter
+    returns n_splits - 1 (it then puts the counter back to 0 for the next launch); without, every
+    request has one split (max_kv_splits == 1), so its program is the last."""
     pdl_prologue(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b)
     n_splits = tl.load(NUM_SPLITS + b)
+    # Programs past the request's own split count (the grid is fixed per graph) take no part, not even
+    # in the ticket count.
     if split < n_splits:
         # Positions [kv_start, seq_len) (kv_start > 0: a shared prefix attended by the cascade kernel).
         kv_start = 0
@@ -93,62 +152,55 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
         # A chunk past the end of a short context is empty: weight 0 in the merge (lse -inf, o 0).
         o, lse = attend_chunk(q, KB, VB, REQ_TO_TOKEN + row, start, end, kvh * stride_bh, stride_bs, offs_d, mask_d,
                               sm_scale_log2, BLOCK_H, BLOCK_D, BLOCK_N, DOT_PREC)
-        if SINGLE:
-            # A zero-length (padding) request has o = 0: zeros, as stage 2 writes for it.
-            if HAS_START:
-                if kv_start > 0:
-                    # Merge the shared prefix's partials, columns [1, MAX_SPLITS) (the cascade kernel ran
-                    # first), as stage 2 would: weights relative to the largest log-sum-exp.
-                    base = (b * HQ + heads) * MAX_SPLITS
-                    m = lse
-                    for c in range(1, MAX_SPLITS):
-                        m = tl.maximum(m, tl.load(MID_LSE + base + c, mask=mask_h, other=float("-inf")))
-                    m = tl.where(m > float("-inf"), m, 0.0)
-                    w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
-                    num = o * w[:, None]
-                    den = w
-                    for c in range(1, MAX_SPLITS):
-                        lc = tl.load(MID_LSE + base + c, mask=mask_h, other=float("-inf"))
-                        wc = tl.where(lc > float("-inf"), tl.exp2(lc - m), 0.0)
-                        oc = tl.load(MID_O + (base + c)[:, None] * D + offs_d[None, :],
-                                     mask=mask_hd & (lc > float("-inf"))[:, None], other=0.0)
-                        num += wc[:, None] * oc
-                        den += wc
-                    o = num / tl.where(den > 0, den, 1.0)[:, None]
+        if FINAL:
+            lone = (n_splits == 1) & (kv_start == 0)
+        else:
+            lone = False
+        if lone:
+            # A zero-length (padding) request has o = 0: zeros, as the merge writes for it.
             tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                      o.to(O.dtype.element_ty), mask=mask_hd)
         else:
-            idx = (b * HQ + heads) * MAX_SPLITS + split
+            idx = (b * HQ + heads) * TOTAL + split
             tl.store(MID_O + idx[:, None] * D + offs_d[None, :], o, mask=mask_hd)
             tl.store(MID_LSE + idx, lse, mask=mask_h)
+            if FINAL:
+                # Every thread's partial stored before one thread takes the ticket (acq_rel: a release of
+                # them at GPU scope) and before the merge reads them back.
+                tl.debug_barrier()
+                last = True
+                if TICKETED:
+                    ticket = TICKETS + b * tl.num_programs(1) + kvh
+                    last = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == n_splits - 1
+                if last:
+                    offs_r = tl.arange(0, BLOCK_G)
+                    mask_r = offs_r < GROUP
+                    rows = b * HQ + kvh * GROUP + offs_r
+                    out = merge_rows(MID_O, MID_LSE, rows, mask_r, n_splits, kv_start > 0, EXTRA_FROM, TOTAL,
+                                     offs_d, mask_d, D, BLOCK_G, BLOCK_D, CHUNK)
+                    tl.store(O + b * stride_ob + (kvh * GROUP + offs_r)[:, None] * stride_oh + offs_d[None, :],
+                             out.to(O.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
+                    if TICKETED:
+                        tl.store(ticket, 0)
 
 
 @triton.jit
-def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, KV_START, O, stride_ob, stride_oh, HQ, MAX_SPLITS, EXTRA_FROM, D,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr, PDL: tl.constexpr):
-    """Columns [0, n_splits) of a row are merged, and for a request with a shared prefix (kv_start > 0)
-    also [EXTRA_FROM, MAX_SPLITS): the prefix's partials (-inf where a chunk was empty)."""
+def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, KV_START, O, stride_ob, stride_oh, HQ, TOTAL, EXTRA_FROM, D,
+                   BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, HAS_START: tl.constexpr, PDL: tl.constexpr):
+    """One (request, head): columns [0, n_splits) merged, and for a request with a shared prefix
+    (kv_start > 0) also [EXTRA_FROM, TOTAL), the prefix's partials."""
     pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    n_splits = tl.load(NUM_SPLITS + b)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < n_splits
+    has_prefix = False
     if HAS_START:
-        mask_s = mask_s | ((offs_s >= EXTRA_FROM) & (offs_s < MAX_SPLITS) & (tl.load(KV_START + b) > 0))
+        has_prefix = tl.load(KV_START + b) > 0
+    offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    idx = (b * HQ + h) * MAX_SPLITS + offs_s
-    lse = tl.load(MID_LSE + idx, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    # All chunks empty only for a zero-length (padding) request: output zeros, not NaN.
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(m > float("-inf"), m, 0.0)), 0.0)
-    # Columns without weight are never read: a prefix column no group wrote holds whatever was there.
-    live = mask_s & (lse > float("-inf"))
-    o = tl.load(MID_O + idx[:, None] * D + offs_d[None, :], mask=live[:, None] & mask_d[None, :], other=0.0)
-    denom = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
+    rows = b * HQ + h + tl.arange(0, 1)
+    out = merge_rows(MID_O, MID_LSE, rows, rows >= 0, tl.load(NUM_SPLITS + b), has_prefix, EXTRA_FROM, TOTAL,
+                     offs_d, mask_d, D, 1, BLOCK_D, CHUNK)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=mask_d[None, :])
 
 
 MIN_TOKENS_PER_SPLIT = 64
@@ -169,26 +221,37 @@ def num_kv_splits_for(seq_lens: torch.Tensor, max_kv_splits: int,
     return n.clamp(1, max_kv_splits).to(torch.int32)
 
 
+def merge_chunk(rows: int, block_d: int, columns: int) -> int:
+    """Scratch columns a merge reads at once: all of them where the [rows, columns, block_d] fp32 tile
+    stays within ~64 registers a thread (4 warps), else chunks of that size."""
+    return max(1, min(next_pow2(columns), 8192 // (next_pow2(rows) * block_d)))
+
+
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, num_kv_splits: torch.Tensor,
                      max_kv_splits: int, scaling: float, out: torch.Tensor | None = None,
                      mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
-                     kv_start: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_start: torch.Tensor | None = None, tickets: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; pool buffers [slots, Hkv, D]; returns [B, Hq, D] in q's dtype.
     mid_o [B, Hq, S, D] / mid_lse [B, Hq, S] fp32 scratch (S >= max_kv_splits) may be passed in so all
     layers reuse one allocation. With kv_start [B] int32, only positions [kv_start, seq_len) are read
     here, and for requests with kv_start > 0 columns [max_kv_splits, S) of the scratch, filled
-    beforehand (triton_cascade.py), are merged in as well. With max_kv_splits == 1 one launch writes
-    `out` directly (merging those columns itself), and without kv_start the scratch is not needed."""
+    beforehand (triton_cascade.py), are merged in as well.
+    One launch writes `out` where max_kv_splits == 1 (without kv_start no scratch is needed then), or
+    where `tickets` is given: [>= B * Hkv] int32 counters, zero, and left zero (one buffer for every call
+    of a process, allocated once: a captured graph keeps its address); the last program to finish
+    each (request, KV head) merges its chunks. Otherwise a second launch (stage 2) merges them."""
     B, HQ, D = q.shape
     HKV = k_buf.shape[1]
     assert HQ % HKV == 0 and q.stride(-1) == 1 and k_buf.is_contiguous() and v_buf.is_contiguous()
     group = HQ // HKV
     if out is None:
         out = torch.empty_like(q)
-    single = max_kv_splits == 1
+    ticketed = tickets is not None and max_kv_splits > 1
+    final = max_kv_splits == 1 or ticketed
     assert kv_start is None or mid_lse is not None, "shared-prefix partials come in the scratch"
-    if mid_o is None and not single:
+    assert not ticketed or (tickets.dtype == torch.int32 and tickets.numel() >= B * HKV)
+    if mid_o is None and max_kv_splits > 1:
         mid_o = torch.empty((B, HQ, max_kv_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, HQ, max_kv_splits), dtype=torch.float32, device=q.device)
     if B == 0:
@@ -197,19 +260,20 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     assert total_splits == max_kv_splits or kv_start is not None
     BLOCK_D = max(16, next_pow2(D))
     BLOCK_N = 64 if BLOCK_D <= 128 else 32
+    widest = max(max_kv_splits, total_splits - max_kv_splits)  # a merge's own columns, or a shared prefix's
     _decode_stage1[(B, HKV, max_kv_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
         mid_o if mid_o is not None else out, mid_lse if mid_lse is not None else out,
-        kv_start if kv_start is not None else seq_lens, out,
+        kv_start if kv_start is not None else seq_lens, tickets if ticketed else seq_lens, out,
         scaling * LOG2E, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), req_to_token.stride(0),
-        out.stride(0), out.stride(1), HQ, total_splits, group, D,
-        BLOCK_H=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2, HAS_START=kv_start is not None,
-        SINGLE=single, **pdl_launch())
-    if single:
+        out.stride(0), out.stride(1), HQ, total_splits, max_kv_splits, group, D,
+        BLOCK_H=max(16, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        CHUNK=merge_chunk(group, BLOCK_D, widest), DOT_PREC=dot_precision(q.dtype), num_warps=4,
+        num_stages=2, HAS_START=kv_start is not None, FINAL=final, TICKETED=ticketed, **pdl_launch())
+    if final:
         return out
     _decode_stage2[(B, HQ)](
         mid_o, mid_lse, num_kv_splits, kv_start if kv_start is not None else seq_lens, out, out.stride(0),
-        out.stride(1), HQ, total_splits, max_kv_splits, D, BLOCK_S=next_pow2(total_splits), BLOCK_D=BLOCK_D,
+        out.stride(1), HQ, total_splits, max_kv_splits, D, BLOCK_D=BLOCK_D, CHUNK=merge_chunk(1, BLOCK_D, widest),
         num_warps=4 if BLOCK_D >= 128 else 2, HAS_START=kv_start is not None, **pdl_launch())
     return out

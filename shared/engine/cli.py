@@ -100,6 +100,8 @@ _HELP = {
                                     "in a CUDA graph: jump-forward catch-up passes, short turns on cached prefixes; "
                                     "0: none",
     "enable_pdl": "launch the Triton kernels without programmatic dependent launch (Hopper and newer)",
+    "one_launch_decode_attention": "triton backend: split decode attention merges its chunks in the last program "
+                                   "of each request and KV head, not in a second kernel per layer",
     "enable_overlap": "do not overlap the host's scheduling with the device's step",
     "disable_jump_forward": "decode grammar-forced tokens one by one (the ablation)",
     "jump_forward_mode": "retokenize: forced runs as the tokenizer's tokens (fastest); verify: forced "

@@ -63,6 +63,10 @@ class EngineConfig:
     # while the previous one drains (it waits for that one's writes first), and a GEMV starts streaming
     # its weights early. Process-wide (kernels._utils.set_pdl), set before the CUDA graphs are captured.
     enable_pdl: bool = True
+    # Split decode attention (small batches, the context cut into chunks) merges the chunks in the same
+    # launch, in the last program to finish each request and KV head, instead of a second kernel per layer
+    # (kernels/attention/triton_decode.py). Off until measured faster: bench/b1_attn.py A/Bs the two.
+    one_launch_decode_attention: bool = False
     enable_overlap: bool = True
     disable_jump_forward: bool = False
     # retokenize: forced runs go in as the tokenizer's own tokens (fastest; the model may have chosen

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels._utils import next_pow2
 from kernels.attention.triton_cascade import (CascadePlan, CascadeShape, cascade_decode_attention, plan_cascade,
                                              plan_cascade_host)
 from kernels.attention.triton_decode import (MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, decode_attention,
@@ -26,6 +27,9 @@ class _DecodeMetadata:
     mid_o: torch.Tensor | None
     mid_lse: torch.Tensor | None
     cascade: CascadePlan | None = None  # shared-prefix groups (scratch then has its prefix columns too)
+    # [>= B * Hkv] int32 counters, zero between launches: the split chunks are merged by the last program
+    # of each (request, KV head) in the same launch. None: by a second launch (or no split at all).
+    tickets: torch.Tensor | None = None
 
 
 @dataclass
@@ -42,11 +46,17 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cascade = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None,
-                 max_kv_splits: int = MAX_KV_SPLITS, min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT):
+                 max_kv_splits: int = MAX_KV_SPLITS, min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
+                 one_launch_decode: bool = False):
         super().__init__(num_heads, num_kv_heads, head_dim, scaling)
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
         self.max_kv_splits = max_kv_splits
         self.min_tokens_per_split = min_tokens_per_split
+        # Split decode merged in the same launch (the last program per request and KV head) instead of by
+        # a second kernel; both are kept so they can be A/B'd (bench/b1_attn.py).
+        self.one_launch_decode = one_launch_decode
+        self._tickets: torch.Tensor | None = None
+        self._retired_tickets: list[torch.Tensor] = []
         self.fallback = (TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scaling)
                          if head_dim > MAX_HEAD_DIM else None)
         # Extend reads only device tensors, its grid bounded by fb.max_extend_len (not the torch fallback).
@@ -83,6 +93,17 @@ class TritonAttentionBackend(AttentionBackend):
             raise RuntimeError(f"no shared-prefix graph of batch size {batch_size} holds this plan")
         static.load(plan, num_reqs)
 
+    def _decode_tickets(self, rows: int, device) -> torch.Tensor:
+        """The one-launch merge's counters, zero, at least `rows` of them. One buffer for every batch: the
+        kernels leave it zero. A larger batch gets a new one, and the old stays allocated: a captured
+        graph keeps using the address it was captured with. (Graph capture runs each forward first
+        outside the capture, largest batch first, so the buffer is made there, not inside a capture.)"""
+        if self._tickets is None or self._tickets.numel() < rows:
+            if self._tickets is not None:
+                self._retired_tickets.append(self._tickets)
+            self._tickets = torch.zeros(next_pow2(rows), dtype=torch.int32, device=device)
+        return self._tickets
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         self._meta_batch = fb
         if self.fallback is not None:
@@ -106,7 +127,9 @@ class TritonAttentionBackend(AttentionBackend):
                 mid_o=(torch.empty((B, self.num_heads, cols, self.head_dim), dtype=torch.float32, device=dev)
                        if scratch else None),
                 mid_lse=torch.empty((B, self.num_heads, cols), dtype=torch.float32, device=dev) if scratch else None,
-                cascade=plan)
+                cascade=plan,
+                tickets=(self._decode_tickets(B * self.num_kv_heads, dev) if self.one_launch_decode and splits > 1
+                         else None))
         else:
             lens = fb.extend_seq_lens_cpu
             # Without host copies the packed token count bounds every request's length.
@@ -135,7 +158,7 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.cascade is not None:
             return cascade_decode_attention(q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                             meta.cascade, meta.num_kv_splits, meta.max_kv_splits, self.scaling,
-                                            mid_o=meta.mid_o, mid_lse=meta.mid_lse)
+                                            mid_o=meta.mid_o, mid_lse=meta.mid_lse, tickets=meta.tickets)
         return decode_attention(q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                 meta.num_kv_splits, meta.max_kv_splits, self.scaling,
-                                mid_o=meta.mid_o, mid_lse=meta.mid_lse)
+                                mid_o=meta.mid_o, mid_lse=meta.mid_lse, tickets=meta.tickets)
