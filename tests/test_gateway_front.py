@@ -3,8 +3,10 @@ what it hands to aiohttp and when (pipelined requests in order across the handov
 100-continue, keep-alive and Connection: close, the refusals a client gets either way, a client that
 hangs up (aborted on the worker), and its request ids, auth and access log."""
 import asyncio
+import gc
 import json
 import logging
+import weakref
 
 import pytest
 
@@ -228,6 +230,28 @@ async def test_connection_close_is_honoured(stack):
         assert await asyncio.wait_for(reader.read(), 5) == b""  # the server closed its side
     finally:
         writer.close()
+
+
+async def test_a_connection_closed_between_requests_leaves_no_cyclic_garbage(stack):
+    """Every client that closes its keep-alive connection: the protocol and its task are freed by their
+    reference counts (a cancelled task's CancelledError held them in a cycle until a collection)."""
+    front = _front(stack)
+    reader, writer = await _connect(stack)
+    gc.disable()
+    try:
+        writer.write(_post("/generate", GENERATE))
+        assert (await _read_response(reader))[0] == 200
+        [conn] = front.connections
+        gone, task = weakref.ref(conn), weakref.ref(conn._task)
+        del conn
+        writer.close()
+        for _ in range(100):
+            if gone() is None:
+                break
+            await asyncio.sleep(0.01)
+        assert gone() is None and task() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -286,7 +286,14 @@ class FrontProtocol(asyncio.Protocol):
             self._drain.set_exception(ConnectionResetError("connection lost"))
             self._drain.exception()  # retrieved: nobody may be waiting
         if self._task is not None and not self._task.done():
-            self._task.cancel()  # the handler's cleanup aborts its requests on the workers
+            if self._busy:
+                self._task.cancel()  # the handler's cleanup aborts its requests on the workers
+            else:
+                # Between requests (every client that closes its connection): the task sees the
+                # connection closing and returns. A cancellation would leave a CancelledError whose
+                # traceback holds this protocol and its task in a cycle, garbage only the cyclic
+                # collector frees.
+                self._wake_task()
 
     def pause_writing(self) -> None:
         self._write_paused = True
