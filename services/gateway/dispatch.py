@@ -183,12 +183,12 @@ class Generation:
         return result
 
     def _finished(self, result: GenerationResult) -> None:
-        if result.output_ids:
+        router, worker = self._d.router, self._served_by[-1]
+        if result.output_ids and router.remembers(worker):
             # Its tree now holds prompt + output (but the last token's KV): a next turn that extends
             # them is routed back there, and may bypass prefill in PD.
             req = self.req
-            self._d.router.remember(self._served_by[-1], list(req.input_ids) + result.output_ids[:-1],
-                                    self._salt, prompt=req.input_ids)
+            router.remember(worker, list(req.input_ids) + result.output_ids[:-1], self._salt, prompt=req.input_ids)
         if self._record is not None:
             self._record.finished(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
 
