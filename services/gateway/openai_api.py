@@ -100,7 +100,7 @@ def _fan_out(state: "GatewayState", body: dict, prompts: list[Prompt], n: int, m
     reqs = []
     for p_idx, prompt in enumerate(prompts):
         budget = resolve_max_new_tokens(state, len(prompt.ids), max_tokens, prompt_param, max_param)
-        raw = {ours: body.get(theirs) for theirs, ours in _SAMPLING_KEYS.items()}
+        raw = {ours: v for theirs, ours in _SAMPLING_KEYS.items() if (v := body.get(theirs)) is not None}
         raw.update(stop_trim_fields(body))
         raw.update(extra_sampling or {})
         raw["max_new_tokens"] = budget
