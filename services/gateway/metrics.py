@@ -276,28 +276,29 @@ class RequestTimer:
         """Account one increment; returns the time it was taken (perf_counter)."""
         now = time.perf_counter()
         n = len(out.token_ids)
-        self.m.streamed_tokens += n
-        if self.last is None:
+        m = self.m
+        m.streamed_tokens += n
+        last = self.last
+        if last is None:
             if out.queue_time > 0:
-                self.m.queue_time.observe(out.queue_time)
+                m.queue_time.observe(out.queue_time)
             if n:
-                self.m.ttft.observe(now - self.start)
+                m.ttft.observe(now - self.start)
                 self.last = now
         elif n:
-            gap = (now - self.last) / n  # a frame may carry several tokens (jump-forward, batching)
-            self.m.itl.observe(gap, n)
+            m.itl.observe((now - last) / n, n)  # a frame may carry several tokens (jump-forward, batching)
             self.last = now
         if out.finished:
-            self.m.requests.inc()
-            self.m.prompt_tokens.inc(out.prompt_tokens)
-            self.m.queried_prefix_tokens.inc(out.prompt_tokens)
-            self.m.cached_tokens.inc(out.cached_tokens)
-            self.m.cached_total += out.cached_tokens
-            self.m.queried_total += out.prompt_tokens
-            self.m.generation_tokens.inc(out.completion_tokens)
-            self.m.e2e.observe(now - self.start)
+            m.requests.inc()
+            m.prompt_tokens.inc(out.prompt_tokens)
+            m.queried_prefix_tokens.inc(out.prompt_tokens)
+            m.cached_tokens.inc(out.cached_tokens)
+            m.cached_total += out.cached_tokens
+            m.queried_total += out.prompt_tokens
+            m.generation_tokens.inc(out.completion_tokens)
+            m.e2e.observe(now - self.start)
             if isinstance(out.finish_reason, FinishAbort) or out.error:
-                self.m.aborted_requests.inc()
-            if self.m.multiprocess:
-                self.m.flush()  # a scrape right after this answer may be rendered by another process
+                m.aborted_requests.inc()
+            if m.multiprocess:
+                m.flush()  # a scrape right after this answer may be rendered by another process
         return now

@@ -249,7 +249,7 @@ class _CompletionFormat:
         if not text and not out.finished and not (logprobs and logprobs["tokens"]):
             return b""  # tokens whose text is held back (partial UTF-8, possible stop string)
         return self._chunk.event({"index": i, "text": text, "logprobs": logprobs,
-                                  "finish_reason": _finish(out.finish_reason)})
+                                  "finish_reason": None if out.finish_reason is None else _finish(out.finish_reason)})
 
     def tail(self) -> bytes:
         if not self.job.include_usage:
