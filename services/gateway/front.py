@@ -204,7 +204,7 @@ class FrontRequest:
 
 class _FrontEventWriter:
     """sse.py's EventWriter on the front: HTTP/1.1 chunks written to the transport; the headers with the
-    first chunk when held."""
+    first chunk when held (from the read loop too: a stream's first event needs no wake-up of its task)."""
 
     __slots__ = ("_conn", "_transport", "_head")
 
@@ -220,10 +220,15 @@ class _FrontEventWriter:
 
     def ready(self) -> bool:
         transport = self._transport
-        return (self._head is None and not transport.get_write_buffer_size() and not transport.is_closing())
+        return not transport.get_write_buffer_size() and not transport.is_closing()
 
     def write_now(self, data: bytes) -> None:
-        self._transport.write(chunk(data))
+        head = self._head
+        if head is None:
+            self._transport.write(chunk(data))
+        else:
+            self._head = None
+            self._transport.write(head + chunk(data))
 
     async def write(self, data: bytes) -> None:
         self._send(chunk(data))
