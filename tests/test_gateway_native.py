@@ -423,6 +423,25 @@ def test_metrics_render_flushes_batched_values():
     assert 'sglang:num_requests_total{model_name="m"} 1.0' in m.render().decode()  # flushed once, not twice
 
 
+def test_the_in_flight_gauge_is_batched_in_one_process_and_direct_in_a_pool(monkeypatch, tmp_path):
+    """Requests started and ended show in the next scrape; in a pool (where another process may render it)
+    each start shows at once."""
+    from services.gateway.metrics import BatchedGauge, GatewayMetrics
+
+    m = GatewayMetrics("m")
+    assert isinstance(m.gateway_inflight, BatchedGauge)
+    for _ in range(3):
+        m.gateway_inflight.inc()
+    m.gateway_inflight.dec()
+    line = 'sglang:gateway_inflight_reqs{model_name="m"} 2.0'
+    assert line in m.render().decode() and line in m.render().decode()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    pooled = GatewayMetrics("m")
+    assert not isinstance(pooled.gateway_inflight, BatchedGauge)
+    pooled.gateway_inflight.inc()
+    assert pooled.gateway_inflight._value.get() == 1.0  # in the pool's file at once
+
+
 def test_generation_result_text_is_joined_once_per_read():
     """A long generation's increments are kept as parts and joined when the text is read: the same text,
     without copying the whole output at every increment."""

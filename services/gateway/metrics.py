@@ -89,7 +89,9 @@ class GatewayMetrics:
         self.num_running = gauge("num_running_reqs", "Requests running on the workers")
         self.num_queued = gauge("num_queue_reqs", "Requests waiting on the workers")
         self.token_usage = gauge("token_usage", "KV cache usage, fraction of the pool (mean over workers)")
-        self.gateway_inflight = gauge("gateway_inflight_reqs", "Requests the gateway is waiting on", "livesum")
+        inflight = gauge("gateway_inflight_reqs", "Requests the gateway is waiting on", "livesum")
+        # In a pool the processes that render must see each start at once: there the gauge is not batched.
+        self.gateway_inflight = inflight if self.multiprocess else batched(inflight, BatchedGauge)
         self.num_used_tokens = gauge("num_used_tokens", "KV cache slots in use, summed over workers")
         hit_doc = (f"Prompt tokens served from the prefix cache / prompt tokens, over the last "
                    f"~{RATE_WINDOW_S:.0f} s of finished requests")
@@ -262,6 +264,16 @@ class BatchedCounter:
         if self._pending:
             pending, self._pending = self._pending, 0
             self.counter.inc(pending)
+
+
+class BatchedGauge(BatchedCounter):
+    """A gauge's increments and decrements summed until `flush()` (the request path's in-flight count:
+    two prometheus-client updates a request, each under a lock, otherwise)."""
+
+    __slots__ = ()
+
+    def dec(self, amount: float = 1) -> None:
+        self._pending -= amount
 
 
 class RequestTimer:
