@@ -33,7 +33,7 @@ from shared.ids import unique_hex
 from shared.protocol import FinishReason, GenerateRequest, TokenOutput
 
 
-@dataclass
+@dataclass(slots=True)
 class GenerationResult:
     """Everything one request produced so far; `absorb` folds in each increment."""
     rid: str
