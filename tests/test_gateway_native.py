@@ -166,6 +166,8 @@ async def test_unknown_sampling_keys_are_ignored(stack):
     ({"text": "a", "logprob_start_len": -2}, "logprob_start_len"),
     ({"text": "a", "top_logprobs_num": 1000}, "top_logprobs_num"),
     ({"text": "a", "rid": 7}, "rid"),
+    ({"text": ["a", "b"], "rid": ["x", ""]}, "rid"),
+    ({"text": ["a", "b"], "return_logprob": [True, None, False]}, "return_logprob"),
     ({"text": "a", "stream": 1}, "stream"),
     ({"input_ids": [5] * 256}, "input_ids"),
     ({"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 250}}, "max_new_tokens"),
@@ -174,6 +176,14 @@ async def test_bad_native_input(stack, body, param):
     err = (await generate(stack, body, status=400))["error"]
     assert err["param"] == param and err["message"]
     assert not generated(stack)
+
+
+async def test_per_input_fields_may_leave_an_input_out(stack):
+    body = {"text": ["a", "b"], "rid": ["x", None], "top_logprobs_num": [None, 0],
+            "sampling_params": [None, {"max_new_tokens": 2}]}
+    out = await generate(stack, body)
+    assert out[0]["meta_info"]["id"] == "x" and out[1]["meta_info"]["id"] != "x"
+    assert [o["meta_info"]["completion_tokens"] for o in out] == [128, 2]
 
 
 async def test_duplicate_running_rid_is_refused(stack):
