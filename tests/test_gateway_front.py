@@ -319,3 +319,21 @@ async def test_shutdown_lets_a_stream_in_flight_finish():
         await asyncio.wait_for(cleanup, 10)
         writer.close()
         idle_writer.close()
+
+
+def test_response_header_lines_are_encoded_once_and_newlines_refused(monkeypatch):
+    from services.gateway import front
+
+    monkeypatch.setattr(front, "_LINES", {})
+    head = front._response_head(200, [("Content-Type", "text/event-stream"), ("Warning", '299 x "é"')], "rid-1",
+                                False, b"Transfer-Encoding: chunked\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nDate: ")
+    assert head.endswith(b'Content-Type: text/event-stream\r\nWarning: 299 x "\xc3\xa9"\r\nX-Request-Id: rid-1\r\n\r\n')
+    assert front._response_head(200, [("Content-Type", "text/event-stream")], "rid-2", True, b"").endswith(
+        b"Content-Type: text/event-stream\r\nX-Request-Id: rid-2\r\nConnection: close\r\n\r\n")
+    assert len(front._LINES) == 2
+    monkeypatch.setattr(front, "_MAX_LINES", 2)
+    assert front._header_line("A", "b") == b"A: b\r\n" and len(front._LINES) == 2  # full: encoded, not kept
+    for name, value in (("Warning", "a\r\nSet-Cookie: x"), ("X\n", "v")):
+        with pytest.raises(ValueError):
+            front._header_line(name, value)

@@ -67,6 +67,7 @@ _COLD_HEADERS = frozenset({b"transfer-encoding", b"upgrade", b"content-encoding"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CHUNK_END = b"0\r\n\r\n"
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+_REQUEST_ID = REQUEST_ID.encode()
 
 
 class _Message:
@@ -156,15 +157,28 @@ def _date() -> bytes:
     return _date_line
 
 
+_LINES: dict[tuple[str, str], bytes] = {}  # header lines already encoded (the routes' few fixed ones)
+_MAX_LINES = 256
+
+
+def _header_line(name: str, value: str) -> bytes:
+    line = _LINES.get((name, value))
+    if line is None:
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"newline in response header {name!r}")
+        line = f"{name}: {value}\r\n".encode("utf-8")
+        if len(_LINES) < _MAX_LINES:  # past the first 256 (Warnings naming a client's keys): encoded each time
+            _LINES[(name, value)] = line
+    return line
+
+
 def _response_head(status: int, headers: Iterable[tuple[str, str]], request_id: str, close: bool,
                    framing: bytes) -> bytes:
     """Status line and headers; `framing`: the Content-Length or Transfer-Encoding line."""
     parts = [b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b"Unknown")), framing, _date()]
     for name, value in headers:
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-            raise ValueError(f"newline in response header {name!r}")
-        parts.append(f"{name}: {value}\r\n".encode("utf-8"))
-    parts.append(b"%b: %b\r\n" % (REQUEST_ID.encode(), request_id.encode()))
+        parts.append(_header_line(name, value))
+    parts.append(b"%b: %b\r\n" % (_REQUEST_ID, request_id.encode()))
     parts.append(b"Connection: close\r\n\r\n" if close else b"\r\n")
     return b"".join(parts)
 
