@@ -232,6 +232,25 @@ async def test_connection_close_is_honoured(stack):
         writer.close()
 
 
+async def test_the_serving_task_starts_with_the_first_request(stack):
+    front = _front(stack)
+    reader, writer = await _connect(stack)
+    try:
+        for _ in range(100):
+            if front.connections:
+                break
+            await asyncio.sleep(0.01)
+        [conn] = front.connections
+        assert conn._task is None  # connected, nothing sent: no task
+        writer.write(_post("/generate", GENERATE))
+        assert (await _read_response(reader))[0] == 200
+        assert conn._task is not None and not conn._task.done()  # kept for the next request
+        writer.write(_post("/generate", GENERATE))
+        assert (await _read_response(reader))[0] == 200
+    finally:
+        writer.close()
+
+
 async def test_a_connection_closed_between_requests_leaves_no_cyclic_garbage(stack):
     """Every client that closes its keep-alive connection: the protocol and its task are freed by their
     reference counts (a cancelled task's CancelledError held them in a cycle until a collection)."""

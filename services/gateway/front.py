@@ -263,7 +263,7 @@ class FrontProtocol(asyncio.Protocol):
         self._filling: tuple[_Message, int] | None = None  # a message whose body is still coming, its offset
         self._queue: deque[_Message] = deque()  # parsed, not yet answered (the first may be in progress)
         self._cold = False  # the buffer starts with a request for aiohttp: hand over once the queue is done
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None  # serves the requests; started with the first one
         self._wake: asyncio.Future | None = None  # the serving task waits here for a request
         self._busy = False  # a request is being answered
         self._closing = False  # close once the request in progress is answered (shutdown, Connection: close)
@@ -282,8 +282,6 @@ class FrontProtocol(asyncio.Protocol):
         timeout = self._server.keepalive_timeout
         if timeout > 0:
             self._idle_handle = self._loop.call_at(self._idle_since + timeout, self._check_idle)
-        self._task = self._loop.create_task(self._serve())
-        self._server.track(self._task)
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
@@ -391,6 +389,13 @@ class FrontProtocol(asyncio.Protocol):
 
     # ------------------------------------------------------------------ serving
     def _wake_task(self) -> None:
+        """The serving task has something to do: started with the connection's first request (one task
+        step and one wait less for the many clients that send one request a connection), woken when it
+        waits for the next."""
+        if self._task is None:
+            self._task = self._loop.create_task(self._serve())
+            self._server.track(self._task)
+            return
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)
@@ -412,7 +417,8 @@ class FrontProtocol(asyncio.Protocol):
         self._closing = True
         if not self._busy:
             self.transport.close()
-        self._wake_task()
+        if self._task is not None:
+            self._wake_task()
 
     async def _serve(self) -> None:
         queue = self._queue
