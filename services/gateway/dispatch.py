@@ -91,6 +91,9 @@ class Consumer(Protocol):
 class Generation:
     """One worker request in flight: the sink its worker's read loop feeds, and its bookkeeping."""
 
+    __slots__ = ("index", "consumer", "result", "last", "_d", "_record", "_salt", "req", "_timer", "_served_by",
+                 "_client", "_relay_task", "_counted")
+
     waiting = True  # for the worker's silence limit: this stream always waits on the worker
 
     def __init__(self, dispatcher: "Dispatcher", req: GenerateRequest, index: int, consumer: Consumer):
@@ -212,6 +215,8 @@ class Generation:
 
 class Run:
     """The worker requests of one API request, all feeding one consumer; index i is reqs[i]."""
+
+    __slots__ = ("generations",)
 
     def __init__(self, dispatcher: "Dispatcher", reqs: Sequence[GenerateRequest], consumer: Consumer):
         self.generations = [Generation(dispatcher, r, i, consumer) for i, r in enumerate(reqs)]

@@ -255,6 +255,10 @@ class _FrontEventWriter:
 class FrontProtocol(asyncio.Protocol):
     """One client connection while the front serves it (see the module docstring)."""
 
+    __slots__ = ("transport", "_server", "_loop", "_buf", "_filling", "_queue", "_cold", "_task", "_wake", "_busy",
+                 "_closing", "_read_paused", "_write_paused", "_drain", "_idle_since", "_idle_handle",
+                 "__weakref__")
+
     def __init__(self, server: "FrontServer"):
         self._server = server
         self._loop = server.loop

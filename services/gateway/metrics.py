@@ -279,6 +279,8 @@ class BatchedGauge(BatchedCounter):
 class RequestTimer:
     """Timing of one request's stream: feeds TTFT, ITL, queue time and the token counters."""
 
+    __slots__ = ("m", "start", "last")
+
     def __init__(self, metrics: GatewayMetrics):
         self.m = metrics
         self.start = time.perf_counter()

@@ -181,6 +181,8 @@ class _NativeFormat:
     """Stream events of /generate (an EventFormat): each carries the request's output so far (cumulative:
     SGLang's frontend slices off what it has seen)."""
 
+    __slots__ = ("state", "job")
+
     def __init__(self, state: "GatewayState", job: NativeJob):
         self.state, self.job = state, job
 

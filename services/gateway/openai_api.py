@@ -194,6 +194,8 @@ def _truncated(state: "GatewayState", body: dict, prompts: list[Prompt]) -> list
 class _CompletionFormat:
     """The answer of a /v1/completions request: whole (`response`) or as stream chunks (an EventFormat)."""
 
+    __slots__ = ("state", "tok", "model", "job", "echo", "want_lp", "_results", "_offsets", "_chunk")
+
     def __init__(self, state: "GatewayState", job: Job, echo: bool, want_lp: bool):
         self.state, self.tok = state, state.tokenizer
         self.model = state.served_model_name
