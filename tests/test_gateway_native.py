@@ -149,6 +149,8 @@ async def test_unknown_sampling_keys_are_ignored(stack):
     ({"text": 5}, "text"),
     ({"input_ids": []}, "input_ids"),
     ({"input_ids": [1, "2"]}, "input_ids"),
+    ({"input_ids": [1, True]}, "input_ids"),
+    ({"input_ids": [[1], [2.0]]}, "input_ids"),
     ({"input_ids": [99999]}, "input_ids"),
     ({"input_ids": [[1], []]}, "input_ids"),
     ({"input_ids": 1}, "input_ids"),

@@ -12,7 +12,7 @@ from services.gateway.tenancy import request_salt
 from services.gateway import logprobs as lp
 from services.gateway.admission import (check_grammars, check_token_ids, child_requests, encode_prompt,
                                        resolve_max_new_tokens, sampling_params, stamp_tenant,
-                                       unknown_sampling_keys)
+                                       token_ids_in_vocab, unknown_sampling_keys)
 from services.gateway.dispatch import GenerationResult, new_rid
 from services.gateway.errors import bad_request
 from services.gateway.fields import get_bool, get_int, is_int, is_token_ids
@@ -92,10 +92,12 @@ async def _build(state: "GatewayState", body: Any) -> NativeJob:
             raise bad_request("'input_ids' must be a list of token ids or a list of such lists", "input_ids")
         batched = bool(input_ids) and all(isinstance(x, list) for x in input_ids)
         prompts = input_ids if batched else [input_ids]
-        if not all(is_token_ids(p) for p in prompts):
-            raise bad_request("'input_ids' must be a list of token ids or a list of such lists", "input_ids")
-        for p in prompts:
-            check_token_ids(state, p, "input_ids")
+        # The common case in one check a prompt; any other shape or error as before, below.
+        if not all(p and token_ids_in_vocab(state, p) for p in prompts):
+            if not all(is_token_ids(p) for p in prompts):
+                raise bad_request("'input_ids' must be a list of token ids or a list of such lists", "input_ids")
+            for p in prompts:
+                check_token_ids(state, p, "input_ids")
     count = len(prompts)
     if count > state.limits.max_batch:
         raise bad_request(f"at most {state.limits.max_batch} prompts per request", "text")
