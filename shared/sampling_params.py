@@ -90,78 +90,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
         p = cls()
         for key, value in kwargs.items():
             setattr(p, key, value)
-        p.validate()
+        p.validate(kwargs.keys())
         return p
 
-    def validate(self) -> None:
-        _int(self, "max_new_tokens", lo=0)
-        _int(self, "min_new_tokens", lo=0)
-        _int(self, "n", lo=1)
-        _num(self, "temperature", lo=0.0)
-        _num(self, "top_p", lo=0.0, hi=1.0)
-        if self.top_p == 0.0:
-            raise InvalidRequest("top_p must be in (0, 1]", "top_p")
-        _int(self, "top_k", lo=-1)
-        if self.top_k == 0:
-            raise InvalidRequest("top_k must be -1 (disabled) or >= 1", "top_k")
-        _num(self, "min_p", lo=0.0, hi=1.0)
-        _num(self, "frequency_penalty", lo=-2.0, hi=2.0)
-        _num(self, "presence_penalty", lo=-2.0, hi=2.0)
-        _num(self, "repetition_penalty", lo=0.0, hi=10.0)
-        if self.repetition_penalty == 0.0:
-            raise InvalidRequest("repetition_penalty must be > 0", "repetition_penalty")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-            raise InvalidRequest("stop must be a string or a list of strings", "stop")
-        self.stop = [s for s in self.stop if s]
-        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in self.stop):
-            raise InvalidRequest(
-                f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters", "stop")
-        if isinstance(self.stop_regex, str):
-            self.stop_regex = [self.stop_regex]
-        if not isinstance(self.stop_regex, list) or not all(isinstance(s, str) and s for s in self.stop_regex):
-            raise InvalidRequest("stop_regex must be a non-empty string or a list of them", "stop_regex")
-        if len(self.stop_regex) > MAX_STOP_REGEX or any(len(s) > MAX_STOP_REGEX_LEN for s in self.stop_regex):
-            raise InvalidRequest(f"at most {MAX_STOP_REGEX} stop_regex patterns of at most "
-                                 f"{MAX_STOP_REGEX_LEN} characters", "stop_regex")
-        for pattern in self.stop_regex:
-            compile_stop_regex(pattern)
-        if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
-            self.stop_token_ids = [self.stop_token_ids]
-        if not isinstance(self.stop_token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise InvalidRequest("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidRequest(f"{name} must be a boolean", name)
-        if self.seed is not None:
-            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-                raise InvalidRequest("seed must be an integer", "seed")
-            self.seed = self.seed & 0x7FFFFFFF
-        if not isinstance(self.logit_bias, dict):
-            raise InvalidRequest("logit_bias must be an object of token id -> bias", "logit_bias")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
-        try:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        except (TypeError, ValueError):
-            raise InvalidRequest("logit_bias must map token ids to numbers", "logit_bias") from None
-        if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
-            raise InvalidRequest("logit_bias values must be in [-100, 100]", "logit_bias")
-        grammars = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
-        if len(grammars) > 1:
-            raise InvalidRequest("only one of regex, json_schema, ebnf may be set", grammars[1])
-        for k in grammars:
-            if not isinstance(getattr(self, k), str):
-                raise InvalidRequest(f"{k} must be a string", k)
-            if len(getattr(self, k)) > MAX_GRAMMAR_CHARS:
-                raise InvalidRequest(f"{k} is longer than {MAX_GRAMMAR_CHARS} characters", k)
-            count = _largest_count(getattr(self, k))
-            if count > MAX_REPEAT:
-                raise InvalidRequest(f"{k} asks for {count} repetitions; at most {MAX_REPEAT}", k)
+    def validate(self, given: Any = None) -> None:
+        """Check ranges and limits, normalizing what SGLang accepts loosely. `given`: the names of the
+        fields set from a body (a set or a dict's keys); the others hold their defaults, which pass, so
+        only these are checked (a body's few fields, not all 23). The first failing check, in the order
+        of _CHECKS, is raised either way."""
+        for names, check in _CHECKS:
+            if given is None or not given.isdisjoint(names):
+                check(self)
         if self.min_new_tokens > self.max_new_tokens:
             self.min_new_tokens = self.max_new_tokens
 
@@ -207,3 +146,122 @@ def _num(p: SamplingParams, name: str, lo: float | None = None, hi: float | None
     setattr(p, name, v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {v}", name)
+
+
+# ---- the checks `validate` runs, each for the fields it reads; defaults pass every one ----
+def _check_counts(p: SamplingParams) -> None:
+    _int(p, "max_new_tokens", lo=0)
+    _int(p, "min_new_tokens", lo=0)
+    _int(p, "n", lo=1)
+
+
+def _check_sampling(p: SamplingParams) -> None:
+    _num(p, "temperature", lo=0.0)
+    _num(p, "top_p", lo=0.0, hi=1.0)
+    if p.top_p == 0.0:
+        raise InvalidRequest("top_p must be in (0, 1]", "top_p")
+    _int(p, "top_k", lo=-1)
+    if p.top_k == 0:
+        raise InvalidRequest("top_k must be -1 (disabled) or >= 1", "top_k")
+    _num(p, "min_p", lo=0.0, hi=1.0)
+
+
+def _check_penalties(p: SamplingParams) -> None:
+    _num(p, "frequency_penalty", lo=-2.0, hi=2.0)
+    _num(p, "presence_penalty", lo=-2.0, hi=2.0)
+    _num(p, "repetition_penalty", lo=0.0, hi=10.0)
+    if p.repetition_penalty == 0.0:
+        raise InvalidRequest("repetition_penalty must be > 0", "repetition_penalty")
+
+
+def _check_stop(p: SamplingParams) -> None:
+    if isinstance(p.stop, str):
+        p.stop = [p.stop]
+    if not isinstance(p.stop, list) or not all(isinstance(s, str) for s in p.stop):
+        raise InvalidRequest("stop must be a string or a list of strings", "stop")
+    p.stop = [s for s in p.stop if s]
+    if len(p.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in p.stop):
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters", "stop")
+
+
+def _check_stop_regex(p: SamplingParams) -> None:
+    if isinstance(p.stop_regex, str):
+        p.stop_regex = [p.stop_regex]
+    if not isinstance(p.stop_regex, list) or not all(isinstance(s, str) and s for s in p.stop_regex):
+        raise InvalidRequest("stop_regex must be a non-empty string or a list of them", "stop_regex")
+    if len(p.stop_regex) > MAX_STOP_REGEX or any(len(s) > MAX_STOP_REGEX_LEN for s in p.stop_regex):
+        raise InvalidRequest(f"at most {MAX_STOP_REGEX} stop_regex patterns of at most "
+                             f"{MAX_STOP_REGEX_LEN} characters", "stop_regex")
+    for pattern in p.stop_regex:
+        compile_stop_regex(pattern)
+
+
+def _check_stop_token_ids(p: SamplingParams) -> None:
+    if isinstance(p.stop_token_ids, int) and not isinstance(p.stop_token_ids, bool):
+        p.stop_token_ids = [p.stop_token_ids]
+    if not isinstance(p.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p.stop_token_ids):
+        raise InvalidRequest("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
+
+
+_FLAGS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+
+
+def _check_flags(p: SamplingParams) -> None:
+    for name in _FLAGS:
+        if not isinstance(getattr(p, name), bool):
+            raise InvalidRequest(f"{name} must be a boolean", name)
+
+
+def _check_seed(p: SamplingParams) -> None:
+    if p.seed is not None:
+        if isinstance(p.seed, bool) or not isinstance(p.seed, int):
+            raise InvalidRequest("seed must be an integer", "seed")
+        p.seed = p.seed & 0x7FFFFFFF
+
+
+def _check_logit_bias(p: SamplingParams) -> None:
+    if not isinstance(p.logit_bias, dict):
+        raise InvalidRequest("logit_bias must be an object of token id -> bias", "logit_bias")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
+    try:
+        p.logit_bias = {int(k): float(v) for k, v in p.logit_bias.items()}
+    except (TypeError, ValueError):
+        raise InvalidRequest("logit_bias must map token ids to numbers", "logit_bias") from None
+    if any(not -100.0 <= v <= 100.0 for v in p.logit_bias.values()):
+        raise InvalidRequest("logit_bias values must be in [-100, 100]", "logit_bias")
+
+
+_GRAMMARS = ("regex", "json_schema", "ebnf")
+
+
+def _check_grammars(p: SamplingParams) -> None:
+    grammars = [k for k in _GRAMMARS if getattr(p, k) is not None]
+    if len(grammars) > 1:
+        raise InvalidRequest("only one of regex, json_schema, ebnf may be set", grammars[1])
+    for k in grammars:
+        if not isinstance(getattr(p, k), str):
+            raise InvalidRequest(f"{k} must be a string", k)
+        if len(getattr(p, k)) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequest(f"{k} is longer than {MAX_GRAMMAR_CHARS} characters", k)
+        count = _largest_count(getattr(p, k))
+        if count > MAX_REPEAT:
+            raise InvalidRequest(f"{k} asks for {count} repetitions; at most {MAX_REPEAT}", k)
+
+
+# (fields a check reads, the check), in the order `validate` has always checked them.
+_CHECKS = (
+    (("max_new_tokens", "min_new_tokens", "n"), _check_counts),
+    (("temperature", "top_p", "top_k", "min_p"), _check_sampling),
+    (("frequency_penalty", "presence_penalty", "repetition_penalty"), _check_penalties),
+    (("stop",), _check_stop),
+    (("stop_regex",), _check_stop_regex),
+    (("stop_token_ids",), _check_stop_token_ids),
+    (_FLAGS, _check_flags),
+    (("seed",), _check_seed),
+    (("logit_bias",), _check_logit_bias),
+    (_GRAMMARS, _check_grammars),
+)

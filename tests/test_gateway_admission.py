@@ -6,9 +6,10 @@ import types
 
 import pytest
 
-from services.gateway.admission import check_token_ids
+from services.gateway.admission import check_token_ids, child_requests
 from services.gateway.errors import APIError
 from services.gateway.fields import is_token_ids
+from shared.sampling_params import SamplingParams
 
 
 
@@ -53,3 +54,14 @@ def test_vocabularies_of_different_sizes_are_told_apart():
     check_token_ids(_state(1000), [999], "prompt")
     with pytest.raises(APIError):
         check_token_ids(_state(10), [999], "prompt")
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_child_requests_share_the_prompt_list(n):
+    """No copy of the prompt per worker request (a copy is one more list of hundreds of ids alive, and
+    walked by the garbage collector, for as long as the stream runs); seeds still differ per child."""
+    ids = list(range(512))
+    reqs = child_requests("r", n, ids, SamplingParams(seed=7))
+    assert all(r.input_ids is ids for r in reqs)
+    assert [r.rid for r in reqs] == (["r"] if n == 1 else [f"r-{j}" for j in range(n)])
+    assert [r.sampling.seed for r in reqs] == [7 + j for j in range(n)]

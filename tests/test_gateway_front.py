@@ -3,8 +3,10 @@ what it hands to aiohttp and when (pipelined requests in order across the handov
 100-continue, keep-alive and Connection: close, the refusals a client gets either way, a client that
 hangs up (aborted on the worker), and its request ids, auth and access log."""
 import asyncio
+import gc
 import json
 import logging
+import weakref
 
 import pytest
 
@@ -230,6 +232,47 @@ async def test_connection_close_is_honoured(stack):
         writer.close()
 
 
+async def test_the_serving_task_starts_with_the_first_request(stack):
+    front = _front(stack)
+    reader, writer = await _connect(stack)
+    try:
+        for _ in range(100):
+            if front.connections:
+                break
+            await asyncio.sleep(0.01)
+        [conn] = front.connections
+        assert conn._task is None  # connected, nothing sent: no task
+        writer.write(_post("/generate", GENERATE))
+        assert (await _read_response(reader))[0] == 200
+        assert conn._task is not None and not conn._task.done()  # kept for the next request
+        writer.write(_post("/generate", GENERATE))
+        assert (await _read_response(reader))[0] == 200
+    finally:
+        writer.close()
+
+
+async def test_a_connection_closed_between_requests_leaves_no_cyclic_garbage(stack):
+    """Every client that closes its keep-alive connection: the protocol and its task are freed by their
+    reference counts (a cancelled task's CancelledError held them in a cycle until a collection)."""
+    front = _front(stack)
+    reader, writer = await _connect(stack)
+    gc.disable()
+    try:
+        writer.write(_post("/generate", GENERATE))
+        assert (await _read_response(reader))[0] == 200
+        [conn] = front.connections
+        gone, task = weakref.ref(conn), weakref.ref(conn._task)
+        del conn
+        writer.close()
+        for _ in range(100):
+            if gone() is None:
+                break
+            await asyncio.sleep(0.01)
+        assert gone() is None and task() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("stream", [True, False])
 async def test_a_client_that_hangs_up_is_aborted_on_the_worker(stream):
     """Streamed (the next write fails) or not (nothing is written until the end: the handler is cancelled
@@ -295,3 +338,21 @@ async def test_shutdown_lets_a_stream_in_flight_finish():
         await asyncio.wait_for(cleanup, 10)
         writer.close()
         idle_writer.close()
+
+
+def test_response_header_lines_are_encoded_once_and_newlines_refused(monkeypatch):
+    from services.gateway import front
+
+    monkeypatch.setattr(front, "_LINES", {})
+    head = front._response_head(200, [("Content-Type", "text/event-stream"), ("Warning", '299 x "é"')], "rid-1",
+                                False, b"Transfer-Encoding: chunked\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nDate: ")
+    assert head.endswith(b'Content-Type: text/event-stream\r\nWarning: 299 x "\xc3\xa9"\r\nX-Request-Id: rid-1\r\n\r\n')
+    assert front._response_head(200, [("Content-Type", "text/event-stream")], "rid-2", True, b"").endswith(
+        b"Content-Type: text/event-stream\r\nX-Request-Id: rid-2\r\nConnection: close\r\n\r\n")
+    assert len(front._LINES) == 2
+    monkeypatch.setattr(front, "_MAX_LINES", 2)
+    assert front._header_line("A", "b") == b"A: b\r\n" and len(front._LINES) == 2  # full: encoded, not kept
+    for name, value in (("Warning", "a\r\nSet-Cookie: x"), ("X\n", "v")):
+        with pytest.raises(ValueError):
+            front._header_line(name, value)

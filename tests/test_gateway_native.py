@@ -149,6 +149,8 @@ async def test_unknown_sampling_keys_are_ignored(stack):
     ({"text": 5}, "text"),
     ({"input_ids": []}, "input_ids"),
     ({"input_ids": [1, "2"]}, "input_ids"),
+    ({"input_ids": [1, True]}, "input_ids"),
+    ({"input_ids": [[1], [2.0]]}, "input_ids"),
     ({"input_ids": [99999]}, "input_ids"),
     ({"input_ids": [[1], []]}, "input_ids"),
     ({"input_ids": 1}, "input_ids"),
@@ -166,6 +168,8 @@ async def test_unknown_sampling_keys_are_ignored(stack):
     ({"text": "a", "logprob_start_len": -2}, "logprob_start_len"),
     ({"text": "a", "top_logprobs_num": 1000}, "top_logprobs_num"),
     ({"text": "a", "rid": 7}, "rid"),
+    ({"text": ["a", "b"], "rid": ["x", ""]}, "rid"),
+    ({"text": ["a", "b"], "return_logprob": [True, None, False]}, "return_logprob"),
     ({"text": "a", "stream": 1}, "stream"),
     ({"input_ids": [5] * 256}, "input_ids"),
     ({"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 250}}, "max_new_tokens"),
@@ -174,6 +178,14 @@ async def test_bad_native_input(stack, body, param):
     err = (await generate(stack, body, status=400))["error"]
     assert err["param"] == param and err["message"]
     assert not generated(stack)
+
+
+async def test_per_input_fields_may_leave_an_input_out(stack):
+    body = {"text": ["a", "b"], "rid": ["x", None], "top_logprobs_num": [None, 0],
+            "sampling_params": [None, {"max_new_tokens": 2}]}
+    out = await generate(stack, body)
+    assert out[0]["meta_info"]["id"] == "x" and out[1]["meta_info"]["id"] != "x"
+    assert [o["meta_info"]["completion_tokens"] for o in out] == [128, 2]
 
 
 async def test_duplicate_running_rid_is_refused(stack):
@@ -421,6 +433,25 @@ def test_metrics_render_flushes_batched_values():
                  'sglang:e2e_request_latency_seconds_count{model_name="m"} 1.0'):
         assert line in text, line
     assert 'sglang:num_requests_total{model_name="m"} 1.0' in m.render().decode()  # flushed once, not twice
+
+
+def test_the_in_flight_gauge_is_batched_in_one_process_and_direct_in_a_pool(monkeypatch, tmp_path):
+    """Requests started and ended show in the next scrape; in a pool (where another process may render it)
+    each start shows at once."""
+    from services.gateway.metrics import BatchedGauge, GatewayMetrics
+
+    m = GatewayMetrics("m")
+    assert isinstance(m.gateway_inflight, BatchedGauge)
+    for _ in range(3):
+        m.gateway_inflight.inc()
+    m.gateway_inflight.dec()
+    line = 'sglang:gateway_inflight_reqs{model_name="m"} 2.0'
+    assert line in m.render().decode() and line in m.render().decode()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    pooled = GatewayMetrics("m")
+    assert not isinstance(pooled.gateway_inflight, BatchedGauge)
+    pooled.gateway_inflight.inc()
+    assert pooled.gateway_inflight._value.get() == 1.0  # in the pool's file at once
 
 
 def test_generation_result_text_is_joined_once_per_read():

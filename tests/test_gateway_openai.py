@@ -407,6 +407,17 @@ async def test_malformed_and_deep_json(stack, raw, fragment):
     assert fragment in (await r.json())["error"]["message"]
 
 
+async def test_a_lone_surrogate_escape_is_a_400_and_other_escapes_pass(stack):
+    r = await stack.client.post("/v1/completions", headers={"Content-Type": "application/json"},
+                                data=b'{"model": "tiny", "prompt": "a \\ud800 b", "max_tokens": 2}')
+    assert r.status == 400
+    err = (await r.json())["error"]
+    assert err["code"] == "invalid_unicode" and err["param"] == "prompt"
+    r = await stack.client.post("/v1/completions", headers={"Content-Type": "application/json"},
+                                data=b'{"model": "tiny", "prompt": "a\\n\\u00e9 \\ud83d\\ude00", "max_tokens": 2}')
+    assert r.status == 200, await r.text()
+
+
 async def test_body_over_the_limit_is_413(stack):
     limit = stack.state.limits.max_body_bytes
     r = await stack.client.post("/v1/completions", data=b'{"prompt": "' + b"a" * limit + b'"}',

@@ -539,6 +539,7 @@ async def test_a_flush_or_a_restart_resets_every_gateways_picture_of_the_worker(
 def test_a_fleet_of_one_unified_worker_keeps_no_routing_index():
     """Nothing to choose between: the cache-aware index is not kept (its upkeep was ~30 us a request);
     with a second worker it is."""
+    from services.gateway.affinity import PrefixAffinityPolicy
     from services.gateway.cache_aware import CacheAwarePolicy
 
     solo = WorkerClient("127.0.0.1", 9)
@@ -546,7 +547,9 @@ def test_a_fleet_of_one_unified_worker_keeps_no_routing_index():
     router = Router([solo], CacheAwarePolicy())
     assert router.pick(ids) is solo
     router.remember(solo, ids + [1, 2], None, prompt=ids)
-    assert router.policy._index == {}
+    assert router.policy._index == {} and not router.remembers(solo)  # (the dispatcher builds no list)
     pair = Router([solo, WorkerClient("127.0.0.1", 10)], CacheAwarePolicy())
+    assert pair.remembers(solo) and not pair.remembers(WorkerClient("127.0.0.1", 11))
     pair.remember(solo, ids, None)
     assert solo.address in pair.policy._index
+    assert not Router([solo, WorkerClient("127.0.0.1", 10)], PrefixAffinityPolicy()).remembers(solo)

@@ -51,3 +51,31 @@ def test_the_frozen_count_is_remembered_not_recounted(monkeypatch):
         assert frozen_count() == n
     finally:
         gc.unfreeze()
+
+
+async def test_the_gateway_young_threshold_holds_hundreds_of_streams_in_flight():
+    """A young collection is triggered by tracked objects allocated and not yet freed: the threshold is
+    meant to sit above what 256 streams keep alive while they run, so that a burst of requests does not set
+    off collections that walk every stream's objects (the fake worker's share counted too: an overestimate)."""
+    import asyncio
+    import json
+
+    from shared.gc_freeze import GATEWAY_YOUNG_THRESHOLD
+    from tests.fake_worker import gateway_stack
+
+    streams = 16
+    async with gateway_stack(token_delay=0.05) as s:
+        conns = [await asyncio.open_connection(s.server.host, s.server.port) for _ in range(streams)]
+        body = json.dumps({"model": "tiny", "prompt": list(range(1, 200)), "max_tokens": 40, "stream": True})
+        gc.collect()
+        before = len(gc.get_objects())
+        for _, writer in conns:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%b" % (len(body), body.encode()))
+        for reader, _ in conns:
+            await asyncio.wait_for(reader.readuntil(b"\n\n"), 10)  # every stream has its first event
+        gc.collect()
+        per_stream = (len(gc.get_objects()) - before) / streams
+        for _, writer in conns:
+            writer.close()
+    assert 20 < per_stream and 256 * per_stream < GATEWAY_YOUNG_THRESHOLD, per_stream

@@ -28,7 +28,7 @@ _PROBES = {"/health", "/metrics"}  # polled every few seconds: access-logged at 
 _SANE = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 
 
-@dataclass
+@dataclass(slots=True)
 class AccessRecord:
     request_id: str
     start: float = field(default_factory=time.perf_counter)
@@ -65,9 +65,9 @@ def request_id_from(given: str) -> str:
 
 def log_access(record: AccessRecord, method: str, path: str, status: int) -> None:
     """The request's access-log line (probes at debug level)."""
-    ttft = f"{record.ttft:.3f}" if record.ttft is not None else "-"
     level = logging.DEBUG if path in _PROBES else logging.INFO
     if log.isEnabledFor(level):
+        ttft = f"{record.ttft:.3f}" if record.ttft is not None else "-"
         log.log(level, "request_id=%s %s %s %d prompt_tokens=%d cached_tokens=%d output_tokens=%d ttft=%s "
                 "e2e=%.3f", record.request_id, method, path, status, record.prompt_tokens, record.cached_tokens,
                 record.output_tokens, ttft, time.perf_counter() - record.start)

@@ -135,11 +135,13 @@ async def check_grammars(state: "GatewayState", reqs: list[GenerateRequest], par
 def child_requests(rid: str, n: int, input_ids: list[int], params: SamplingParams,
                    **logprob_args: Any) -> list[GenerateRequest]:
     """The n worker requests of one prompt: rid itself when n == 1, `rid-0..n-1` otherwise. A seeded
-    request gives each child its own seed (seed + j), so choices differ yet stay reproducible."""
+    request gives each child its own seed (seed + j), so choices differ yet stay reproducible. The children
+    share the caller's `input_ids` list (nothing changes a prompt's ids once they are checked): a copy per
+    request was a 512-id list more for every young garbage collection to walk while the stream runs."""
     rids = [rid] if n == 1 else [f"{rid}-{j}" for j in range(n)]
     reqs = []
     for j, child in enumerate(rids):
         seed = None if params.seed is None else (params.seed + j) & 0x7FFFFFFF
         sampling = msgspec.structs.replace(params, n=1, seed=seed)
-        reqs.append(GenerateRequest(rid=child, input_ids=list(input_ids), sampling=sampling, **logprob_args))
+        reqs.append(GenerateRequest(rid=child, input_ids=input_ids, sampling=sampling, **logprob_args))
     return reqs

@@ -33,7 +33,7 @@ from shared.ids import unique_hex
 from shared.protocol import FinishReason, GenerateRequest, TokenOutput
 
 
-@dataclass
+@dataclass(slots=True)
 class GenerationResult:
     """Everything one request produced so far; `absorb` folds in each increment."""
     rid: str
@@ -90,6 +90,9 @@ class Consumer(Protocol):
 
 class Generation:
     """One worker request in flight: the sink its worker's read loop feeds, and its bookkeeping."""
+
+    __slots__ = ("index", "consumer", "result", "last", "_d", "_record", "_salt", "req", "_timer", "_served_by",
+                 "_client", "_relay_task", "_counted")
 
     waiting = True  # for the worker's silence limit: this stream always waits on the worker
 
@@ -183,12 +186,12 @@ class Generation:
         return result
 
     def _finished(self, result: GenerationResult) -> None:
-        if result.output_ids:
+        router, worker = self._d.router, self._served_by[-1]
+        if result.output_ids and router.remembers(worker):
             # Its tree now holds prompt + output (but the last token's KV): a next turn that extends
             # them is routed back there, and may bypass prefill in PD.
             req = self.req
-            self._d.router.remember(self._served_by[-1], list(req.input_ids) + result.output_ids[:-1],
-                                    self._salt, prompt=req.input_ids)
+            router.remember(worker, list(req.input_ids) + result.output_ids[:-1], self._salt, prompt=req.input_ids)
         if self._record is not None:
             self._record.finished(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
 
@@ -212,6 +215,8 @@ class Generation:
 
 class Run:
     """The worker requests of one API request, all feeding one consumer; index i is reqs[i]."""
+
+    __slots__ = ("generations",)
 
     def __init__(self, dispatcher: "Dispatcher", reqs: Sequence[GenerateRequest], consumer: Consumer):
         self.generations = [Generation(dispatcher, r, i, consumer) for i, r in enumerate(reqs)]

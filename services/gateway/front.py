@@ -67,6 +67,7 @@ _COLD_HEADERS = frozenset({b"transfer-encoding", b"upgrade", b"content-encoding"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CHUNK_END = b"0\r\n\r\n"
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+_REQUEST_ID = REQUEST_ID.encode()
 
 
 class _Message:
@@ -156,15 +157,28 @@ def _date() -> bytes:
     return _date_line
 
 
+_LINES: dict[tuple[str, str], bytes] = {}  # header lines already encoded (the routes' few fixed ones)
+_MAX_LINES = 256
+
+
+def _header_line(name: str, value: str) -> bytes:
+    line = _LINES.get((name, value))
+    if line is None:
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"newline in response header {name!r}")
+        line = f"{name}: {value}\r\n".encode("utf-8")
+        if len(_LINES) < _MAX_LINES:  # past the first 256 (Warnings naming a client's keys): encoded each time
+            _LINES[(name, value)] = line
+    return line
+
+
 def _response_head(status: int, headers: Iterable[tuple[str, str]], request_id: str, close: bool,
                    framing: bytes) -> bytes:
     """Status line and headers; `framing`: the Content-Length or Transfer-Encoding line."""
     parts = [b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b"Unknown")), framing, _date()]
     for name, value in headers:
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-            raise ValueError(f"newline in response header {name!r}")
-        parts.append(f"{name}: {value}\r\n".encode("utf-8"))
-    parts.append(b"%b: %b\r\n" % (REQUEST_ID.encode(), request_id.encode()))
+        parts.append(_header_line(name, value))
+    parts.append(b"%b: %b\r\n" % (_REQUEST_ID, request_id.encode()))
     parts.append(b"Connection: close\r\n\r\n" if close else b"\r\n")
     return b"".join(parts)
 
@@ -204,7 +218,7 @@ class FrontRequest:
 
 class _FrontEventWriter:
     """sse.py's EventWriter on the front: HTTP/1.1 chunks written to the transport; the headers with the
-    first chunk when held."""
+    first chunk when held (from the read loop too: a stream's first event needs no wake-up of its task)."""
 
     __slots__ = ("_conn", "_transport", "_head")
 
@@ -220,10 +234,15 @@ class _FrontEventWriter:
 
     def ready(self) -> bool:
         transport = self._transport
-        return (self._head is None and not transport.get_write_buffer_size() and not transport.is_closing())
+        return not transport.get_write_buffer_size() and not transport.is_closing()
 
     def write_now(self, data: bytes) -> None:
-        self._transport.write(chunk(data))
+        head = self._head
+        if head is None:
+            self._transport.write(chunk(data))
+        else:
+            self._head = None
+            self._transport.write(head + chunk(data))
 
     async def write(self, data: bytes) -> None:
         self._send(chunk(data))
@@ -236,6 +255,10 @@ class _FrontEventWriter:
 class FrontProtocol(asyncio.Protocol):
     """One client connection while the front serves it (see the module docstring)."""
 
+    __slots__ = ("transport", "_server", "_loop", "_buf", "_filling", "_queue", "_cold", "_task", "_wake", "_busy",
+                 "_closing", "_read_paused", "_write_paused", "_drain", "_idle_since", "_idle_handle",
+                 "__weakref__")
+
     def __init__(self, server: "FrontServer"):
         self._server = server
         self._loop = server.loop
@@ -244,7 +267,7 @@ class FrontProtocol(asyncio.Protocol):
         self._filling: tuple[_Message, int] | None = None  # a message whose body is still coming, its offset
         self._queue: deque[_Message] = deque()  # parsed, not yet answered (the first may be in progress)
         self._cold = False  # the buffer starts with a request for aiohttp: hand over once the queue is done
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None  # serves the requests; started with the first one
         self._wake: asyncio.Future | None = None  # the serving task waits here for a request
         self._busy = False  # a request is being answered
         self._closing = False  # close once the request in progress is answered (shutdown, Connection: close)
@@ -263,8 +286,6 @@ class FrontProtocol(asyncio.Protocol):
         timeout = self._server.keepalive_timeout
         if timeout > 0:
             self._idle_handle = self._loop.call_at(self._idle_since + timeout, self._check_idle)
-        self._task = self._loop.create_task(self._serve())
-        self._server.track(self._task)
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
@@ -286,7 +307,14 @@ class FrontProtocol(asyncio.Protocol):
             self._drain.set_exception(ConnectionResetError("connection lost"))
             self._drain.exception()  # retrieved: nobody may be waiting
         if self._task is not None and not self._task.done():
-            self._task.cancel()  # the handler's cleanup aborts its requests on the workers
+            if self._busy:
+                self._task.cancel()  # the handler's cleanup aborts its requests on the workers
+            else:
+                # Between requests (every client that closes its connection): the task sees the
+                # connection closing and returns. A cancellation would leave a CancelledError whose
+                # traceback holds this protocol and its task in a cycle, garbage only the cyclic
+                # collector frees.
+                self._wake_task()
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -365,6 +393,13 @@ class FrontProtocol(asyncio.Protocol):
 
     # ------------------------------------------------------------------ serving
     def _wake_task(self) -> None:
+        """The serving task has something to do: started with the connection's first request (one task
+        step and one wait less for the many clients that send one request a connection), woken when it
+        waits for the next."""
+        if self._task is None:
+            self._task = self._loop.create_task(self._serve())
+            self._server.track(self._task)
+            return
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)
@@ -386,7 +421,8 @@ class FrontProtocol(asyncio.Protocol):
         self._closing = True
         if not self._busy:
             self.transport.close()
-        self._wake_task()
+        if self._task is not None:
+            self._wake_task()
 
     async def _serve(self) -> None:
         queue = self._queue

@@ -89,7 +89,9 @@ class GatewayMetrics:
         self.num_running = gauge("num_running_reqs", "Requests running on the workers")
         self.num_queued = gauge("num_queue_reqs", "Requests waiting on the workers")
         self.token_usage = gauge("token_usage", "KV cache usage, fraction of the pool (mean over workers)")
-        self.gateway_inflight = gauge("gateway_inflight_reqs", "Requests the gateway is waiting on", "livesum")
+        inflight = gauge("gateway_inflight_reqs", "Requests the gateway is waiting on", "livesum")
+        # In a pool the processes that render must see each start at once: there the gauge is not batched.
+        self.gateway_inflight = inflight if self.multiprocess else batched(inflight, BatchedGauge)
         self.num_used_tokens = gauge("num_used_tokens", "KV cache slots in use, summed over workers")
         hit_doc = (f"Prompt tokens served from the prefix cache / prompt tokens, over the last "
                    f"~{RATE_WINDOW_S:.0f} s of finished requests")
@@ -264,8 +266,20 @@ class BatchedCounter:
             self.counter.inc(pending)
 
 
+class BatchedGauge(BatchedCounter):
+    """A gauge's increments and decrements summed until `flush()` (the request path's in-flight count:
+    two prometheus-client updates a request, each under a lock, otherwise)."""
+
+    __slots__ = ()
+
+    def dec(self, amount: float = 1) -> None:
+        self._pending -= amount
+
+
 class RequestTimer:
     """Timing of one request's stream: feeds TTFT, ITL, queue time and the token counters."""
+
+    __slots__ = ("m", "start", "last")
 
     def __init__(self, metrics: GatewayMetrics):
         self.m = metrics
@@ -276,28 +290,29 @@ class RequestTimer:
         """Account one increment; returns the time it was taken (perf_counter)."""
         now = time.perf_counter()
         n = len(out.token_ids)
-        self.m.streamed_tokens += n
-        if self.last is None:
+        m = self.m
+        m.streamed_tokens += n
+        last = self.last
+        if last is None:
             if out.queue_time > 0:
-                self.m.queue_time.observe(out.queue_time)
+                m.queue_time.observe(out.queue_time)
             if n:
-                self.m.ttft.observe(now - self.start)
+                m.ttft.observe(now - self.start)
                 self.last = now
         elif n:
-            gap = (now - self.last) / n  # a frame may carry several tokens (jump-forward, batching)
-            self.m.itl.observe(gap, n)
+            m.itl.observe((now - last) / n, n)  # a frame may carry several tokens (jump-forward, batching)
             self.last = now
         if out.finished:
-            self.m.requests.inc()
-            self.m.prompt_tokens.inc(out.prompt_tokens)
-            self.m.queried_prefix_tokens.inc(out.prompt_tokens)
-            self.m.cached_tokens.inc(out.cached_tokens)
-            self.m.cached_total += out.cached_tokens
-            self.m.queried_total += out.prompt_tokens
-            self.m.generation_tokens.inc(out.completion_tokens)
-            self.m.e2e.observe(now - self.start)
+            m.requests.inc()
+            m.prompt_tokens.inc(out.prompt_tokens)
+            m.queried_prefix_tokens.inc(out.prompt_tokens)
+            m.cached_tokens.inc(out.cached_tokens)
+            m.cached_total += out.cached_tokens
+            m.queried_total += out.prompt_tokens
+            m.generation_tokens.inc(out.completion_tokens)
+            m.e2e.observe(now - self.start)
             if isinstance(out.finish_reason, FinishAbort) or out.error:
-                self.m.aborted_requests.inc()
-            if self.m.multiprocess:
-                self.m.flush()  # a scrape right after this answer may be rendered by another process
+                m.aborted_requests.inc()
+            if m.multiprocess:
+                m.flush()  # a scrape right after this answer may be rendered by another process
         return now

@@ -12,7 +12,7 @@ from services.gateway.tenancy import request_salt
 from services.gateway import logprobs as lp
 from services.gateway.admission import (check_grammars, check_token_ids, child_requests, encode_prompt,
                                        resolve_max_new_tokens, sampling_params, stamp_tenant,
-                                       unknown_sampling_keys)
+                                       token_ids_in_vocab, unknown_sampling_keys)
 from services.gateway.dispatch import GenerationResult, new_rid
 from services.gateway.errors import bad_request
 from services.gateway.fields import get_bool, get_int, is_int, is_token_ids
@@ -92,23 +92,24 @@ async def _build(state: "GatewayState", body: Any) -> NativeJob:
             raise bad_request("'input_ids' must be a list of token ids or a list of such lists", "input_ids")
         batched = bool(input_ids) and all(isinstance(x, list) for x in input_ids)
         prompts = input_ids if batched else [input_ids]
-        if not all(is_token_ids(p) for p in prompts):
-            raise bad_request("'input_ids' must be a list of token ids or a list of such lists", "input_ids")
-        for p in prompts:
-            check_token_ids(state, p, "input_ids")
+        # The common case in one check a prompt; any other shape or error as before, below.
+        if not all(p and token_ids_in_vocab(state, p) for p in prompts):
+            if not all(is_token_ids(p) for p in prompts):
+                raise bad_request("'input_ids' must be a list of token ids or a list of such lists", "input_ids")
+            for p in prompts:
+                check_token_ids(state, p, "input_ids")
     count = len(prompts)
     if count > state.limits.max_batch:
         raise bad_request(f"at most {state.limits.max_batch} prompts per request", "text")
 
-    sps = _per_item(body, "sampling_params", count, lambda v: v is None or isinstance(v, dict), "an object")
-    rids = _per_item(body, "rid", count, lambda v: v is None or (
-        isinstance(v, str) and 0 < len(v) <= state.limits.max_rid_len), "a non-empty short string")
-    return_logprob = _per_item(body, "return_logprob", count, lambda v: v is None or isinstance(v, bool),
-                               "a boolean")
-    start_lens = _per_item(body, "logprob_start_len", count, lambda v: v is None or (is_int(v) and v >= -1),
-                           "an integer >= -1")
-    top_nums = _per_item(body, "top_logprobs_num", count, lambda v: v is None or (
-        is_int(v) and 0 <= v <= state.limits.max_top_logprobs), f"an integer in [0, {state.limits.max_top_logprobs}]")
+    sps = _per_item(body, "sampling_params", count, lambda v: isinstance(v, dict), "an object")
+    rids = _per_item(body, "rid", count, lambda v: isinstance(v, str) and 0 < len(v) <= state.limits.max_rid_len,
+                     "a non-empty short string")
+    return_logprob = _per_item(body, "return_logprob", count, lambda v: isinstance(v, bool), "a boolean")
+    start_lens = _per_item(body, "logprob_start_len", count, lambda v: is_int(v) and v >= -1, "an integer >= -1")
+    max_top = state.limits.max_top_logprobs
+    top_nums = _per_item(body, "top_logprobs_num", count, lambda v: is_int(v) and 0 <= v <= max_top,
+                         f"an integer in [0, {max_top}]")
     with_text = get_bool(body, "return_text_in_logprobs")
 
     reqs: list[GenerateRequest] = []
@@ -138,12 +139,15 @@ async def _build(state: "GatewayState", body: Any) -> NativeJob:
 
 
 def _per_item(body: dict, name: str, count: int, ok, what: str) -> list:
-    """A top-level field given once for all items or as a list with one value per item."""
+    """A top-level field given once for all items or as a list with one value per item; `ok(value)` for
+    each value given (None, or absent, always passes)."""
     value = body.get(name)
+    if value is None:
+        return [None] * count
     values = value if isinstance(value, list) else [value] * count
     if len(values) != count:
         raise bad_request(f"'{name}' has {len(values)} entries for {count} inputs", name)
-    if not all(ok(v) for v in values):
+    if not all(v is None or ok(v) for v in values):
         raise bad_request(f"'{name}' must be {what} (or a list of those, one per input)", name)
     return values
 
@@ -164,7 +168,7 @@ def _answer(state: "GatewayState", job: NativeJob, req: GenerateRequest, res: Ge
             input_top_logprobs=lp.native_tops(res.input_top_logprobs, tok, text),
             output_top_logprobs=lp.native_tops(res.output_top_logprobs, tok, text),
         )
-    return {"text": res.text, "output_ids": list(res.output_ids), "meta_info": meta}
+    return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}  # encoded before it changes
 
 
 def _with_first_null(req: GenerateRequest, entries: list) -> list:
@@ -178,6 +182,8 @@ def _with_first_null(req: GenerateRequest, entries: list) -> list:
 class _NativeFormat:
     """Stream events of /generate (an EventFormat): each carries the request's output so far (cumulative:
     SGLang's frontend slices off what it has seen)."""
+
+    __slots__ = ("state", "job")
 
     def __init__(self, state: "GatewayState", job: NativeJob):
         self.state, self.job = state, job

@@ -59,7 +59,7 @@ class Prompt:
         return self._text
 
 
-@dataclass
+@dataclass(slots=True)
 class Job:
     """One OpenAI request, validated and fanned out."""
     id: str
@@ -100,7 +100,7 @@ def _fan_out(state: "GatewayState", body: dict, prompts: list[Prompt], n: int, m
     reqs = []
     for p_idx, prompt in enumerate(prompts):
         budget = resolve_max_new_tokens(state, len(prompt.ids), max_tokens, prompt_param, max_param)
-        raw = {ours: body.get(theirs) for theirs, ours in _SAMPLING_KEYS.items()}
+        raw = {ours: v for theirs, ours in _SAMPLING_KEYS.items() if (v := body.get(theirs)) is not None}
         raw.update(stop_trim_fields(body))
         raw.update(extra_sampling or {})
         raw["max_new_tokens"] = budget
@@ -194,12 +194,14 @@ def _truncated(state: "GatewayState", body: dict, prompts: list[Prompt]) -> list
 class _CompletionFormat:
     """The answer of a /v1/completions request: whole (`response`) or as stream chunks (an EventFormat)."""
 
+    __slots__ = ("state", "tok", "model", "job", "echo", "want_lp", "_results", "_offsets", "_chunk")
+
     def __init__(self, state: "GatewayState", job: Job, echo: bool, want_lp: bool):
         self.state, self.tok = state, state.tokenizer
         self.model = state.served_model_name
         self.job, self.echo, self.want_lp = job, echo, want_lp
         self._results: dict[int, GenerationResult] = {}  # streaming: each choice's result so far
-        self._offsets: dict[int, int] = {}  # streaming: characters sent so far per choice (text_offset)
+        self._offsets: dict[int, int] = {}  # streaming, with echo or logprobs: characters sent so far per choice
         self._chunk: Envelope | None = None  # streaming: a chunk's event around its choice
 
     def _fields(self) -> dict:
@@ -232,6 +234,18 @@ class _CompletionFormat:
 
     def on_output(self, i: int, out: TokenOutput, res: GenerationResult) -> bytes:
         self._results[i] = res
+        if self.echo or self.want_lp:
+            text, logprobs = self._echoed(i, out, res)
+        else:
+            text, logprobs = out.text, None
+        if not text and not out.finished and not (logprobs and logprobs["tokens"]):
+            return b""  # tokens whose text is held back (partial UTF-8, possible stop string)
+        return self._chunk.event({"index": i, "text": text, "logprobs": logprobs,
+                                  "finish_reason": None if out.finish_reason is None else _finish(out.finish_reason)})
+
+    def _echoed(self, i: int, out: TokenOutput, res: GenerationResult) -> tuple[str, dict | None]:
+        """An increment's text and logprobs with echo (the prompt before the first) or logprobs asked for,
+        which count the characters sent so far (text_offset)."""
         offsets = self._offsets
         text, logprobs = out.text, None
         if i not in offsets and self.echo:
@@ -246,10 +260,7 @@ class _CompletionFormat:
                                          offsets.get(i, 0) + len(text) - len(out.text))
             logprobs = new if logprobs is None else lp.merge_completion_logprobs(logprobs, new)
         offsets[i] = offsets.get(i, 0) + len(text)
-        if not text and not out.finished and not (logprobs and logprobs["tokens"]):
-            return b""  # tokens whose text is held back (partial UTF-8, possible stop string)
-        return self._chunk.event({"index": i, "text": text, "logprobs": logprobs,
-                                  "finish_reason": _finish(out.finish_reason)})
+        return text, logprobs
 
     def tail(self) -> bytes:
         if not self.job.include_usage:

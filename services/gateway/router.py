@@ -107,9 +107,12 @@ class Router:
                  prompt: Sequence[int] | None = None) -> None:
         """`worker` finished a request over these tokens (`prompt`, the ids it was routed with, then its
         output): the policy may note that its tree holds them."""
-        remember = getattr(self.policy, "remember", None)
-        if remember is not None and worker in self._workers and not self._solo():
-            remember(worker, token_ids, salt, prompt)
+        if self.remembers(worker):
+            self.policy.remember(worker, token_ids, salt, prompt)
+
+    def remembers(self, worker: WorkerClient) -> bool:
+        """Whether `remember` notes anything for `worker` (a caller builds the token list only then)."""
+        return hasattr(self.policy, "remember") and worker in self._workers and not self._solo()
 
     def _solo(self) -> bool:
         """One worker that serves requests whole (no PD pair to route, no choice to make): the routing

@@ -15,10 +15,11 @@ take long for another reason than the model's first token (a program's) send the
 A generation stream (`GenerationStream`) is the consumer of its requests' Run: the worker connection's
 read loop hands it each increment, and while the client keeps up (nothing left in the transport's
 buffer) it formats, encodes and writes the event in that same call - no task wake-up and no generator
-chain per event. Before the first event (which carries the headers) and whenever the client falls
-behind, increments queue up instead and the response's own task writes them through aiohttp, with its
-flow control (it waits while the transport is paused); what queued meanwhile is merged into one
-increment per choice, so a slow client gets fewer, larger events: no unbounded buffer, no lost token.
+chain per event; on the generation routes' front (front.py) that includes the first event, which carries
+the headers. Whenever the client falls behind (and, through aiohttp, before the first event), increments
+queue up instead and the response's own task writes them, with flow control (it waits while the
+transport is paused); what queued meanwhile is merged into one increment per choice, so a slow client
+gets fewer, larger events: no unbounded buffer, no lost token.
 """
 from __future__ import annotations
 
@@ -90,10 +91,11 @@ class EventWriter(Protocol):
     """Where an SSE response's events go: HTTP/1.1 chunks on the client's connection."""
 
     def ready(self) -> bool:
-        """`write_now` may write: the headers are out and the client has taken everything so far."""
+        """`write_now` may write: the client has taken everything so far (and the headers are out, for a
+        writer that cannot send them itself)."""
 
     def write_now(self, data: bytes) -> None:
-        """Only when `ready()`: one chunk, written at once."""
+        """Only when `ready()`: one chunk (after the held headers, if any), written at once."""
 
     async def write(self, data: bytes) -> None:
         """One chunk (with the held headers first), waiting while the client is behind; ConnectionError
