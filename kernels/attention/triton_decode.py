@@ -152,7 +152,9 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
         # A chunk past the end of a short context is empty: weight 0 in the merge (lse -inf, o 0).
         o, lse = attend_chunk(q, KB, VB, REQ_TO_TOKEN + row, start, end, kvh * stride_bh, stride_bs, offs_d, mask_d,
                               sm_scale_log2, BLOCK_H, BLOCK_D, BLOCK_N, DOT_PREC)
-        if FINAL:
+        if FINAL and not (TICKETED or HAS_START):
+            lone = True  # max_kv_splits == 1, no shared prefix: every request is one chunk (no merge compiled)
+        elif FINAL:
             lone = (n_splits == 1) & (kv_start == 0)
         else:
             lone = False
