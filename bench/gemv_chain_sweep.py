@@ -241,7 +241,8 @@ def main() -> int:
                         continue
                     if time.time() - t0 > args.budget:
                         break
-                    cfg = GemvConfig(bn, bk, split, warps)
+                    # The tile varied, the rest as the default has it (pre-tiles, f16 math, narrow accumulators).
+                    cfg = dataclasses.replace(d, block_n=bn, block_k=bk, split_k=split, num_warps=warps)
                     if cfg == d:
                         continue
                     try:
