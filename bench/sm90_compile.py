@@ -1,0 +1,136 @@
+"""Compile the batch-1 decode path's Triton kernels for sm_90 on a machine without a GPU, through the same
+Python wrappers the engine calls, and report registers, spills and shared memory per kernel (and the SASS
+with --sass). A kernel that does not compile for Hopper fails here, not in a device call.
+
+    PYTHONPATH=/tmp/t36 python -m bench.sm90_compile [--pdl 0|1|2] [--sass NAME] [--fp8]
+
+Use the device's Triton version (3.6: `pip download --no-deps triton==3.6.0` and `pip install --no-deps
+--target /tmp/t36` the wheel) so ptxas and the compiler match what runs there. Nothing is launched: each
+kernel launch is intercepted, its arguments typed as Triton would specialize them (pointers and multiples of
+16 divisible by 16, the integer 1 a constant) and compiled for GPUTarget("cuda", 90, 32).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int8: "i8"}
+compiled: list[tuple[str, object]] = []
+
+
+def _compile(self: JITFunction, *args, grid, warmup, **kwargs):
+    params = self.params
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
+    names = [p.name for p in params]
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(params):
+        v = bound.get(p.name, p.default if p.default is not inspect.Parameter.empty else None)
+        if p.is_constexpr or v is None or isinstance(v, (bool, str)):
+            signature[p.name] = "constexpr"
+            constexprs[(i,)] = v
+        elif isinstance(v, torch.Tensor):
+            signature[p.name] = "*" + _DTYPES[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, int):
+            if v == 1:
+                signature[p.name] = "constexpr"
+                constexprs[(i,)] = 1
+            else:
+                signature[p.name] = "i64" if abs(v) >= 2 ** 31 else "i32"
+                if v % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            signature[p.name] = "fp32"
+        else:
+            raise TypeError(f"{self.__name__}: cannot type argument {p.name}={v!r}")
+    opts = {"num_warps": options.get("num_warps", 4), "num_stages": options.get("num_stages", 3)}
+    kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=opts)
+    compiled.append((self.__name__, kernel))
+    return kernel
+
+
+def _resources(kernel) -> str:
+    from triton.backends.nvidia import compiler as nv
+    cuobjdump = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return " ".join(line.strip() for line in out.splitlines() if "REG" in line)
+
+
+def _sass(kernel) -> str:
+    from triton.backends.nvidia import compiler as nv
+    cuobjdump = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True).stdout
+
+
+def decode_path(fp8: bool) -> None:
+    """The kernels of one Llama-3.1-8B decode layer at batch 1, through the engine's wrappers."""
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
+    from kernels.gemv import gemv
+    from kernels.norm import rms_norm
+    from kernels.rope import apply_rope_and_store_kv
+    bf = torch.bfloat16
+    hidden, inter, hq, hkv, d = 4096, 14336, 32, 8, 128
+    x = torch.zeros(1, hidden, dtype=bf)
+    rms_norm(x, torch.zeros(hidden, dtype=bf), 1e-5, torch.zeros(1, hidden, dtype=bf))
+    shapes = [("qkv", (hq + 2 * hkv) * d, hidden, False), ("o", hidden, hq * d, False),
+              ("gate_up", 2 * inter, hidden, False), ("down", hidden, inter, True)]
+    for _, n, k, silu in shapes:
+        wdt = torch.float8_e4m3fn if fp8 else bf
+        w = torch.zeros(n, k, dtype=wdt)
+        xin = torch.zeros(1, 2 * k if silu else k, dtype=bf)
+        gemv(xin, w, scale=torch.ones(n) if fp8 else None, silu_mul=silu)
+    qkv = torch.zeros(1, (hq + 2 * hkv) * d, dtype=bf)
+    q, k, v = qkv.view(1, -1, d).split([hq, hkv, hkv], dim=1)
+    slots = 4096
+    k_buf, v_buf = torch.zeros(slots, hkv, d, dtype=bf), torch.zeros(slots, hkv, d, dtype=bf)
+    apply_rope_and_store_kv(q, k, v, torch.zeros(1, dtype=torch.int64), torch.zeros(4096, d), d, k_buf, v_buf,
+                            torch.zeros(1, dtype=torch.int64))
+    seq = torch.full((1,), 768, dtype=torch.int32)
+    ms = plan_max_kv_splits(1, hkv)
+    decode_attention(torch.zeros(1, hq, d, dtype=bf), k_buf, v_buf, torch.zeros(2, 4096, dtype=torch.int32),
+                     torch.zeros(1, dtype=torch.int32), seq, num_kv_splits_for(seq, ms), ms, d ** -0.5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pdl", type=int, default=2, help="0: off, 1: trigger after the wait, 2: before it")
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights in the GEMVs")
+    ap.add_argument("--sass", default="", help="print the SASS of kernels whose name contains this")
+    args = ap.parse_args()
+    import kernels._utils as ku
+    ku.pdl_supported = lambda: True  # type: ignore[assignment]
+    ku.num_sms.cache_clear()
+    ku.num_sms = lambda device_index=None: 132  # type: ignore[assignment]
+    import kernels.attention.triton_decode as td
+    import kernels.gemv as kg
+    kg.num_sms = td.num_sms = ku.num_sms
+    ku.set_pdl(args.pdl > 0, early_trigger=args.pdl == 2)
+    JITFunction.run = _compile  # type: ignore[method-assign]
+    decode_path(args.fp8)
+    for name, kernel in compiled:
+        print(f"{name}: {_resources(kernel)}")
+        if args.sass and args.sass in name:
+            print(_sass(kernel))
+
+
+if __name__ == "__main__":
+    main()
