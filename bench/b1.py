@@ -3,6 +3,11 @@ and its CUDA graph's replay, Llama-3.1-8B shape with dummy weights, bf16 and/or 
 engine. One JSON line per engine, so a shell loop can alternate code versions between processes.
 
     python -m bench.b1 [--quantization none,fp8] [--steps 400] [--label NAME]
+    python -m bench.b1 --variants "base=;early=pdl_early_trigger=1" --rounds 2
+
+--variants A/Bs engine settings in one process: NAME=FIELD=VALUE,... entries separated by ";", each an
+engine of those EngineConfig fields, alternated --rounds times (values parsed as Python literals where
+they parse, "1"/"0" as booleans for boolean fields).
 
 The figures are bench.offline's and bench.fp8's batch-1 figures (same drive, same replay timing) without
 their throughput runs; the floor and the goals stay theirs.
@@ -21,15 +26,48 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", help="comma-separated: none, fp8")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--label", default="")
+    ap.add_argument("--variants", default="", help='"NAME=FIELD=VALUE,...;NAME2=..." engine settings to alternate')
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     path = model_dir("llama-3.1-8b")
     tok = Tokenizer.load(path)
-    for q in args.quantization.split(","):
-        extra = {} if q == "none" else {"quantization": q}
-        fig = engine_figures(path, tok, True, 400, 0, args.steps, max_running_requests=8, cuda_graph_max_bs=8,
-                             **extra)
-        log(f"{args.label} {q}: step {fig['b1_step_ms']:.3f} ms, replay {fig.get('b1_graph_ms', 0):.3f} ms")
-        print(json.dumps({"label": args.label, "quantization": q, **fig}), flush=True)
+    variants = parse_variants(args.variants) if args.variants else {args.label: {}}
+    for r in range(args.rounds):
+        for name, settings in variants.items():
+            for q in args.quantization.split(","):
+                extra = {} if q == "none" else {"quantization": q}
+                fig = engine_figures(path, tok, True, 400, 0, args.steps, max_running_requests=8,
+                                     cuda_graph_max_bs=8, **extra, **settings)
+                log(f"{name} {q} round {r + 1}: step {fig['b1_step_ms']:.3f} ms, "
+                    f"replay {fig.get('b1_graph_ms', 0):.3f} ms")
+                print(json.dumps({"label": name, "round": r + 1, "quantization": q, "settings": settings, **fig}),
+                      flush=True)
+
+
+def parse_variants(text: str) -> dict[str, dict]:
+    """"base=;early=pdl_early_trigger=1,max_kv_splits=32" -> {"base": {}, "early": {...}}."""
+    import ast
+    import dataclasses
+
+    from shared.engine.config import EngineConfig
+    types = {f.name: f.type for f in dataclasses.fields(EngineConfig)}
+    out: dict[str, dict] = {}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        name, _, rest = entry.partition("=")
+        settings = {}
+        for item in filter(None, (i.strip() for i in rest.split(","))):
+            key, _, value = item.partition("=")
+            if key not in types:
+                raise SystemExit(f"--variants: {key!r} is not an EngineConfig field")
+            if types[key] in (bool, "bool"):
+                settings[key] = value.lower() in ("1", "true", "yes")
+            else:
+                try:
+                    settings[key] = ast.literal_eval(value)
+                except (ValueError, SyntaxError):
+                    settings[key] = value
+        out[name] = settings
+    return out
 
 
 if __name__ == "__main__":

@@ -39,23 +39,34 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 _pdl_default = False
+_pdl_early_default = False
 
 
-def set_pdl(enabled: bool) -> None:
+def set_pdl(enabled: bool, early_trigger: bool = False) -> None:
     """The process's choice for kernels launched without an explicit `pdl` (the engine sets it once, from
-    its config, before capturing CUDA graphs)."""
-    global _pdl_default
+    its config, before capturing CUDA graphs). early_trigger: see pdl_launch."""
+    global _pdl_default, _pdl_early_default
     _pdl_default = bool(enabled)
+    _pdl_early_default = bool(early_trigger)
 
 
-def pdl_launch(enabled: bool | None = None) -> dict:
+def pdl_launch(enabled: bool | None = None, early_trigger: bool | None = None) -> dict:
     """Launch options for a kernel compiled with a `PDL` constexpr: {PDL, launch_pdl} where programmatic
     dependent launch is asked for (explicitly, or by set_pdl) and possible (compute capability >= 9, not
     the interpreter). Such a kernel calls griddepcontrol.wait before it reads anything an earlier kernel
     wrote (and before any early exit), so it may be scheduled while the previous grid drains: in a CUDA
-    graph a kernel boundary stops costing a launch gap, and a GEMV starts streaming its weights early."""
+    graph a kernel boundary stops costing a launch gap, and a GEMV starts streaming its weights early.
+
+    PDL is 1 (True) or 2. At 1 a kernel lets the next one launch once it has waited for the previous one;
+    at 2 (early_trigger) before it waits, so a run of short dependent kernels (rope, the two attention
+    stages) can all be resident at once and the GEMV after them streams its first weight tiles under the
+    whole run, not just under its last kernel. Either way a kernel's writes happen after its wait, so a
+    kernel that completes has seen every earlier kernel complete: what a later one reads is written."""
     on = (_pdl_default if enabled is None else bool(enabled)) and pdl_supported()
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    if not on:
+        return {"PDL": False}
+    early = _pdl_early_default if early_trigger is None else bool(early_trigger)
+    return {"PDL": 2 if early else True, "launch_pdl": True}
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,9 +76,23 @@ def pdl_supported() -> bool:
 
 
 @triton.jit
-def pdl_prologue(PDL: tl.constexpr):
-    """First statement of a PDL-capable kernel: wait for the previous grid's writes, then let the next
-    kernel launch. Unconditional (no program may exit before it), so completion stays transitive."""
-    if PDL:
+def pdl_trigger_early(PDL: tl.constexpr):
+    """For a kernel with work to do before its wait (a GEMV's first weight tiles): its first statement, so
+    that with PDL == 2 the next kernel may launch at once; then pdl_prologue(PDL, True) before the first
+    read of an earlier kernel's output."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr, TRIGGERED: tl.constexpr = False):
+    """Before a kernel's first read of an earlier kernel's output, and unconditional (no program may exit
+    before it), so completion stays transitive: wait for the previous grid's writes and let the next kernel
+    launch (PDL == 1: after the wait; PDL == 2: before it, unless pdl_trigger_early already did)."""
+    if PDL == 2:
+        if not TRIGGERED:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue
+from kernels._utils import dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue, pdl_trigger_early
 from kernels.activation import silu_mul_f32
 
 MAX_M = 4
@@ -101,10 +101,11 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     if PDL:
         # The weights are nobody's output: the first PRE tiles stream in while the previous kernel drains
         # (PRE = 2 only where this split has two tiles or more: the host checks).
+        pdl_trigger_early(PDL)
         w = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K, "evict_first")
         if PRE == 2:
             w2 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K, "evict_first")
-        pdl_prologue(PDL)
+        pdl_prologue(PDL, True)
         acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -205,12 +206,13 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, BLOCK_N: tl.const
     start = 0
     if PDL:
         # The weights are nobody's output: the first PRE tiles stream in while the previous kernel drains.
+        pdl_trigger_early(PDL)
         w0 = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K, EVICT)
         if PRE == 2:
             w1 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K, EVICT)
         else:
             w1 = w0
-        pdl_prologue(PDL)
+        pdl_prologue(PDL, True)
         acc = _row_chunk(acc, w_ptrs, x_ptrs, k0, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K, SILU_MUL,
                          NARROW, EVICT, PRE, w0, w1)
         w_ptrs += FOLD * BLOCK_K

@@ -486,15 +486,16 @@ def test_pdl_launches_decode_the_tokens_of_plain_launches():
     ps = prompts(5, seed=43)
     results = {}
     try:
-        for pdl in (False, True):
-            h = Harness(dtype="bfloat16", max_running_requests=8, enable_pdl=pdl)
+        for pdl in (False, True, "early"):  # early: each kernel lets the next launch before it waits
+            h = Harness(dtype="bfloat16", max_running_requests=8, enable_pdl=bool(pdl),
+                        pdl_early_trigger=pdl == "early")
             alone = h.run([h.submit(ps[0], sampling={**GREEDY, "max_new_tokens": 24})])
             together = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 16}) for p in ps])
             results[pdl] = [r["ids"] for r in alone + together]
             h.engine.stop()
     finally:
         set_pdl(False)
-    assert results[True] == results[False]
+    assert results[True] == results[False] == results["early"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -750,6 +750,7 @@ def test_cuda_pdl_kernels_match_plain_launches_in_a_graph(one_launch):
     from kernels.norm import rms_norm
     from kernels.rope import apply_rope_and_store_kv
     assert pdl_launch(True) == {"PDL": True, "launch_pdl": True}
+    assert pdl_launch(True, early_trigger=True) == {"PDL": 2, "launch_pdl": True}
     dev, dt, d, hq, hkv, hidden = torch.device("cuda"), torch.bfloat16, 128, 8, 2, 1024
     k_buf, v_buf, r2t, req_idx, _ = _paged_setup(dev, dt, hkv, d, [300], [0], num_slots=600)
     seq = torch.tensor([300], dtype=torch.int32, device=dev)
@@ -775,8 +776,8 @@ def test_cuda_pdl_kernels_match_plain_launches_in_a_graph(one_launch):
 
     outs = {}
     try:
-        for pdl in (False, True):
-            set_pdl(pdl)
+        for pdl in (False, True, "early"):  # early: each kernel lets the next launch before it waits
+            set_pdl(bool(pdl), early_trigger=pdl == "early")
             chain()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
@@ -791,6 +792,7 @@ def test_cuda_pdl_kernels_match_plain_launches_in_a_graph(one_launch):
     finally:
         set_pdl(False)
     assert torch.equal(outs[False], outs[True])
+    assert torch.equal(outs[False], outs["early"])
 
 
 def test_ops_dispatch_cpu_keeps_in_place_contracts():

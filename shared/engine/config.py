@@ -63,10 +63,17 @@ class EngineConfig:
     # while the previous one drains (it waits for that one's writes first), and a GEMV starts streaming
     # its weights early. Process-wide (kernels._utils.set_pdl), set before the CUDA graphs are captured.
     enable_pdl: bool = True
+    # With PDL, each kernel lets the next launch before it waits on the previous one (not after), so the
+    # GEMV after rope and the two attention stages streams its weights under all three (kernels._utils).
+    pdl_early_trigger: bool = False
     # Split decode attention (small batches, the context cut into chunks) merges the chunks in the same
     # launch, in the last program to finish each request and KV head, instead of a second kernel per layer
     # (kernels/attention/triton_decode.py). Off until measured faster: bench/b1_attn.py A/Bs the two.
     one_launch_decode_attention: bool = False
+    # Triton backend: chunks a request's context is cut into at most, in decode batches small enough to
+    # split (SGLang's flag name). Fewer chunks mean fewer idle programs at short contexts, longer chunks at
+    # long ones (bench/b1_attn.py measures both).
+    triton_attention_num_kv_splits: int = 64
     enable_overlap: bool = True
     disable_jump_forward: bool = False
     # retokenize: forced runs go in as the tokenizer's own tokens (fastest; the model may have chosen

@@ -178,7 +178,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
             from kernels._utils import set_pdl
 
-            set_pdl(config.enable_pdl)
+            set_pdl(config.enable_pdl, config.pdl_early_trigger)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.random_seed)
         self.model, self.model_config = load_model(config.model_path, dtype=self.dtype, device=self.device,
@@ -221,7 +221,8 @@ class ModelRunner:
         self.token_buf = torch.zeros(config.max_running_requests + 1, dtype=torch.int64, device=self.device)
         self.attn_backend = create_attention_backend(
             config.attention_backend, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=mc.head_dim, device=self.device, one_launch_decode=config.one_launch_decode_attention)
+            head_dim=mc.head_dim, device=self.device, one_launch_decode=config.one_launch_decode_attention,
+            max_kv_splits=config.triton_attention_num_kv_splits)
         self.attn_backend.cascade_enabled &= not config.disable_shared_prefix_attention
         log.info("model %s on %s (%s): KV pool %d tokens, context %d", config.model_path, self.device,
                  self.dtype, self.max_total_tokens, self.max_context_len)
