@@ -330,8 +330,8 @@ def probe_eager_host(res: dict) -> None:
     eng.stop()
 
 
-def _probe_trace(res: dict, pdl: bool, key: str) -> None:
-    eng = b1_engine(pdl)
+def _probe_trace(res: dict, pdl: bool, key: str, **config) -> None:
+    eng = b1_engine(pdl, **config)
     drive(eng, random_prompts(1, 512, 400, 2), {**GREEDY, "max_new_tokens": 64})
     eng.runner.graph_runner.neutralize(1)
     g = eng.runner.graph_runner.graphs[1, False]
@@ -348,6 +348,11 @@ def probe_trace(res: dict) -> None:
 
 def probe_trace_pdl(res: dict) -> None:
     _probe_trace(res, True, "trace_pdl")
+
+
+def probe_trace_pdl_early(res: dict) -> None:
+    """The same with the decode-attention stages letting o_proj launch before they wait."""
+    _probe_trace(res, True, "trace_pdl_early", pdl_early_trigger="attention")
 
 
 def _tput_engine():
@@ -528,12 +533,28 @@ def _kernel_table(res, key, evs, reps, per):
     span = (evs[-1].time_range.end - evs[0].time_range.start) if evs else 0
     gaps = [evs[i + 1].time_range.start - evs[i].time_range.end for i in range(len(evs) - 1)]
     table = sorted(((n, c / reps, t / reps) for n, (c, t) in agg.items()), key=lambda r: -r[2])
+    # Kernels overlap under PDL, so durations do not add up to the span. Charged time does: each kernel is
+    # charged from the latest end before it (or its own start, if later) to its own end, so the charges sum
+    # to the span minus idle gaps, and a kernel hidden under its neighbours is charged ~0.
+    charged: dict = collections.defaultdict(float)
+    last_end = None
+    for e in evs:
+        lo = e.time_range.start if last_end is None else max(e.time_range.start, min(last_end, e.time_range.end))
+        charged[e.name[:90]] += max(0.0, e.time_range.end - lo)
+        last_end = e.time_range.end if last_end is None else max(last_end, e.time_range.end)
+    log(f"{key}: charged time per replay (each kernel from the latest earlier end to its own end)")
+    for n, t in sorted(charged.items(), key=lambda r: -r[1])[:12]:
+        print(f"  {t / reps:8.1f} us charged  {n}", flush=True)
+    t0 = evs[0].time_range.start if evs else 0
+    first = [(e.name[:40], round(e.time_range.start - t0, 2), round(e.time_range.end - t0, 2))
+             for e in evs[:len(evs) // max(reps, 1)]]
     log(f"{key}: {len(evs) / reps:.0f} kernels {per}, busy {busy / reps:.0f} us, span {span / reps:.0f} us, "
         f"median gap {statistics.median(gaps) if gaps else 0:.2f} us")
     for n, c, t in table[:25]:
         print(f"  {t:8.1f} us  {c:6.0f}x  {t / max(c, 1):6.2f} us each  {n}", flush=True)
     res[key] = {"kernels_per_replay": len(evs) / reps, "busy_us": busy / reps, "span_us": span / reps,
                     "median_gap_us": statistics.median(gaps) if gaps else 0,
+                    "charged_us": {n: t / reps for n, t in charged.items()}, "first_timeline": first,
                     "top": [{"name": n, "count": c, "us": t} for n, c, t in table[:40]]}
 
 
@@ -708,7 +729,7 @@ def main() -> int:
     for w in what:
         try:
             {"pdl": probe_pdl, "extend": probe_extend, "trace": probe_trace, "b1": probe_b1,
-             "trace_pdl": probe_trace_pdl, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
+             "trace_pdl": probe_trace_pdl, "trace_pdl_early": probe_trace_pdl_early, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
              "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,

@@ -39,18 +39,30 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 _pdl_default = False
-_pdl_early_default = False
+_pdl_early: frozenset[str] = frozenset()
+PDL_FAMILIES = ("attention", "norm", "rope", "gemv")
 
 
-def set_pdl(enabled: bool, early_trigger: bool = False) -> None:
+def set_pdl(enabled: bool, early_trigger: str | bool = "") -> None:
     """The process's choice for kernels launched without an explicit `pdl` (the engine sets it once, from
-    its config, before capturing CUDA graphs). early_trigger: see pdl_launch."""
-    global _pdl_default, _pdl_early_default
+    its config, before capturing CUDA graphs). early_trigger: the kernel families (comma-separated names of
+    PDL_FAMILIES, or True for all; "+" also separates) that let the next kernel launch before they wait; see pdl_launch."""
+    global _pdl_default, _pdl_early
     _pdl_default = bool(enabled)
-    _pdl_early_default = bool(early_trigger)
+    _pdl_early = parse_pdl_families(early_trigger)
 
 
-def pdl_launch(enabled: bool | None = None, early_trigger: bool | None = None) -> dict:
+def parse_pdl_families(text: str | bool) -> frozenset[str]:
+    if text is True:
+        return frozenset(PDL_FAMILIES)
+    names = frozenset(n.strip() for n in (text or "").replace("+", ",").split(",") if n.strip())
+    unknown = names - set(PDL_FAMILIES)
+    if unknown:
+        raise ValueError(f"unknown kernel families {sorted(unknown)}; choose from {', '.join(PDL_FAMILIES)}")
+    return names
+
+
+def pdl_launch(enabled: bool | None = None, family: str = "", early_trigger: bool | None = None) -> dict:
     """Launch options for a kernel compiled with a `PDL` constexpr: {PDL, launch_pdl} where programmatic
     dependent launch is asked for (explicitly, or by set_pdl) and possible (compute capability >= 9, not
     the interpreter). Such a kernel calls griddepcontrol.wait before it reads anything an earlier kernel
@@ -58,14 +70,14 @@ def pdl_launch(enabled: bool | None = None, early_trigger: bool | None = None) -
     graph a kernel boundary stops costing a launch gap, and a GEMV starts streaming its weights early.
 
     PDL is 1 (True) or 2. At 1 a kernel lets the next one launch once it has waited for the previous one;
-    at 2 (early_trigger) before it waits, so a run of short dependent kernels (rope, the two attention
-    stages) can all be resident at once and the GEMV after them streams its first weight tiles under the
-    whole run, not just under its last kernel. Either way a kernel's writes happen after its wait, so a
-    kernel that completes has seen every earlier kernel complete: what a later one reads is written."""
+    at 2 (early trigger: set_pdl's families, or early_trigger) before it waits, so the kernel after it can
+    be resident sooner: after the two decode-attention stages, the o_proj GEMV streams its first weight
+    tiles under both, not just the second. Either way a kernel's writes happen after its wait, so a kernel
+    that completes has seen every earlier kernel complete: what a later one reads is written."""
     on = (_pdl_default if enabled is None else bool(enabled)) and pdl_supported()
     if not on:
         return {"PDL": False}
-    early = _pdl_early_default if early_trigger is None else bool(early_trigger)
+    early = family in _pdl_early if early_trigger is None else bool(early_trigger)
     return {"PDL": 2 if early else True, "launch_pdl": True}
 
 

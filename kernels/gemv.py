@@ -294,7 +294,7 @@ def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvC
     fold = min(max(cfg.fold, cfg.pre_tiles), tiles)
     while tiles % fold:
         fold -= 1
-    launch = pdl_launch(pdl)
+    launch = pdl_launch(pdl, "gemv")
     _gemv_row_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
         x, w, out, partial, N, K, w.stride(0), k_per_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=split_k, EVEN_K=even_k, SILU_MUL=silu_mul, PRE=min(cfg.pre_tiles, fold) if launch["PDL"] else 0,
@@ -337,10 +337,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
             k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
-            F16=cfg.f16_math and w.element_size() == 1 and not dot and cfg.block_k >= 8, **pdl_launch(pdl))
+            F16=cfg.f16_math and w.element_size() == 1 and not dot and cfg.block_k >= 8,
+            **pdl_launch(pdl, "gemv"))
     if split_k > 1:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,
                                                           SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4,
-                                                          **pdl_launch(pdl))
+                                                          **pdl_launch(pdl, "gemv"))
     return out

@@ -41,5 +41,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(T,)](
             x, residual if residual is not None else x, weight, y,
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), H, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=num_warps, **pdl_launch())
+            HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=num_warps,
+            **pdl_launch(family="norm"))
     return (y, residual) if residual is not None else y

@@ -158,5 +158,5 @@ def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
             cos_sin_cache.stride(0), k_buf.stride(0), k_buf.stride(1), hq * head_dim, hk * head_dim, hq, hk, half,
             head_dim, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_R=next_pow2(half),
             BLOCK_D=next_pow2(head_dim), BLOCK_P=next_pow2(max(1, n_pass)), HAS_PASS=n_pass > 0, OUT=out,
-            num_warps=4, **pdl_launch())
+            num_warps=4, **pdl_launch(family="rope"))
     return qo, ko, vo

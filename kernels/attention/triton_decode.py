@@ -271,11 +271,12 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         out.stride(0), out.stride(1), HQ, total_splits, max_kv_splits, group, D,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         CHUNK=merge_chunk(group, BLOCK_D, widest), DOT_PREC=dot_precision(q.dtype), num_warps=4,
-        num_stages=2, HAS_START=kv_start is not None, FINAL=final, TICKETED=ticketed, **pdl_launch())
+        num_stages=2, HAS_START=kv_start is not None, FINAL=final, TICKETED=ticketed,
+        **pdl_launch(family="attention"))
     if final:
         return out
     _decode_stage2[(B, HQ)](
         mid_o, mid_lse, num_kv_splits, kv_start if kv_start is not None else seq_lens, out, out.stride(0),
         out.stride(1), HQ, total_splits, max_kv_splits, D, BLOCK_D=BLOCK_D, CHUNK=merge_chunk(1, BLOCK_D, widest),
-        num_warps=4 if BLOCK_D >= 128 else 2, HAS_START=kv_start is not None, **pdl_launch())
+        num_warps=4 if BLOCK_D >= 128 else 2, HAS_START=kv_start is not None, **pdl_launch(family="attention"))
     return out

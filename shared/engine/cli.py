@@ -56,9 +56,17 @@ def _int_at_least(minimum: int):
     return parse
 
 
+def _pdl_families(value: str) -> str:
+    from kernels._utils import parse_pdl_families
+    try:
+        return ",".join(sorted(parse_pdl_families(value)))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 _TYPES = {"device": _device, "attention_backend": _attention_backend, "tp_size": tp_size_arg,
           "stream_interval": _int_at_least(1), "cuda_graph_max_extend_tokens": _int_at_least(0),
-          "triton_attention_num_kv_splits": _int_at_least(1)}
+          "triton_attention_num_kv_splits": _int_at_least(1), "pdl_early_trigger": _pdl_families}
 
 # Flag names where SGLang's launcher names the same setting differently: its name first (what --help and
 # child processes use), ours kept as an alias. Boolean fields that default to true also take SGLang's
@@ -101,8 +109,8 @@ _HELP = {
                                     "in a CUDA graph: jump-forward catch-up passes, short turns on cached prefixes; "
                                     "0: none",
     "enable_pdl": "launch the Triton kernels without programmatic dependent launch (Hopper and newer)",
-    "pdl_early_trigger": "with PDL, a kernel lets the next one launch before it waits on the previous one, "
-                         "so a GEMV streams its weights under a whole run of short kernels",
+    "pdl_early_trigger": "with PDL, kernels of these families (comma-separated: attention, norm, rope, gemv) let "
+                         "the next kernel launch before they wait on the previous one",
     "triton_attention_num_kv_splits": "triton backend: most chunks a request's context is cut into for split "
                                       "decode attention",
     "one_launch_decode_attention": "triton backend: split decode attention merges its chunks in the last program "

@@ -63,9 +63,10 @@ class EngineConfig:
     # while the previous one drains (it waits for that one's writes first), and a GEMV starts streaming
     # its weights early. Process-wide (kernels._utils.set_pdl), set before the CUDA graphs are captured.
     enable_pdl: bool = True
-    # With PDL, each kernel lets the next launch before it waits on the previous one (not after), so the
-    # GEMV after rope and the two attention stages streams its weights under all three (kernels._utils).
-    pdl_early_trigger: bool = False
+    # With PDL, the kernels of these families (comma-separated: attention, norm, rope, gemv) let the next
+    # kernel launch before they wait on the previous one, not after: after the two decode-attention stages
+    # the o_proj GEMV then streams its first weights under both (kernels._utils.pdl_launch).
+    pdl_early_trigger: str = ""
     # Split decode attention (small batches, the context cut into chunks) merges the chunks in the same
     # launch, in the last program to finish each request and KV head, instead of a second kernel per layer
     # (kernels/attention/triton_decode.py). Off until measured faster: bench/b1_attn.py A/Bs the two.
