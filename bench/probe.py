@@ -350,6 +350,10 @@ def probe_trace_pdl(res: dict) -> None:
     _probe_trace(res, True, "trace_pdl")
 
 
+def probe_trace_pdl_fp8(res: dict) -> None:
+    _probe_trace(res, True, "trace_pdl_fp8", quantization="fp8")
+
+
 def probe_trace_pdl_early(res: dict) -> None:
     """The same with the decode-attention stages letting o_proj launch before they wait."""
     _probe_trace(res, True, "trace_pdl_early", pdl_early_trigger="attention")
@@ -729,7 +733,8 @@ def main() -> int:
     for w in what:
         try:
             {"pdl": probe_pdl, "extend": probe_extend, "trace": probe_trace, "b1": probe_b1,
-             "trace_pdl": probe_trace_pdl, "trace_pdl_early": probe_trace_pdl_early, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
+             "trace_pdl": probe_trace_pdl, "trace_pdl_early": probe_trace_pdl_early,
+             "trace_pdl_fp8": probe_trace_pdl_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
              "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
