@@ -76,6 +76,7 @@ _NAMES = {
     "cuda_graph": ["--no-cuda-graph", "--disable-cuda-graph"],
     "enable_pdl": ["--no-enable-pdl", "--disable-pdl"],
     "enable_overlap": ["--no-enable-overlap", "--disable-overlap-schedule"],
+    "one_launch_decode_attention": ["--two-launch-decode-attention", "--no-one-launch-decode-attention"],
     "tp_size": ["--tp-size", "--tp"],
 }
 
@@ -113,8 +114,8 @@ _HELP = {
                          "the next kernel launch before they wait on the previous one",
     "triton_attention_num_kv_splits": "triton backend: most chunks a request's context is cut into for split "
                                       "decode attention",
-    "one_launch_decode_attention": "triton backend: split decode attention merges its chunks in the last program "
-                                   "of each request and KV head, not in a second kernel per layer",
+    "one_launch_decode_attention": "triton backend: split decode attention merges its chunks in a second kernel "
+                                   "per layer, not in the last program of each request and KV head",
     "enable_overlap": "do not overlap the host's scheduling with the device's step",
     "disable_jump_forward": "decode grammar-forced tokens one by one (the ablation)",
     "jump_forward_mode": "retokenize: forced runs as the tokenizer's tokens (fastest); verify: forced "
@@ -148,6 +149,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             (t for t in (int, float) if f.type is t or str(f.type).startswith(t.__name__)), str)
         group.add_argument(*names, dest=f.name, type=typ, default=f.default, choices=_CHOICES.get(f.name),
                            help=_HELP.get(f.name))
+    # The opt-in spelling from before the one-launch merge became the default: accepted, changes nothing.
+    group.add_argument("--one-launch-decode-attention", dest="one_launch_decode_attention", action="store_true",
+                       help=argparse.SUPPRESS)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

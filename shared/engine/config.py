@@ -69,12 +69,13 @@ class EngineConfig:
     pdl_early_trigger: str = ""
     # Split decode attention (small batches, the context cut into chunks) merges the chunks in the same
     # launch, in the last program to finish each request and KV head, instead of a second kernel per layer
-    # (kernels/attention/triton_decode.py). Off until measured faster: bench/b1_attn.py A/Bs the two.
-    one_launch_decode_attention: bool = False
+    # (kernels/attention/triton_decode.py). bench/b1_attn.py A/Bs the two: at most 32 chunks, one launch
+    # was faster at every context from 512 to 3,584 tokens (H200, 2026-12-04).
+    one_launch_decode_attention: bool = True
     # Triton backend: chunks a request's context is cut into at most, in decode batches small enough to
     # split (SGLang's flag name). Fewer chunks mean fewer idle programs at short contexts, longer chunks at
-    # long ones (bench/b1_attn.py measures both).
-    triton_attention_num_kv_splits: int = 64
+    # long ones (bench/b1_attn.py measures both; 32 against 64: batch-1 step -0.3% at 512-912 tokens).
+    triton_attention_num_kv_splits: int = 32
     enable_overlap: bool = True
     disable_jump_forward: bool = False
     # retokenize: forced runs go in as the tokenizer's own tokens (fastest; the model may have chosen
