@@ -84,7 +84,7 @@ def _sass(kernel) -> str:
 def decode_path(fp8: bool) -> None:
     """The kernels of one Llama-3.1-8B decode layer at batch 1, through the engine's wrappers."""
     from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
-    from kernels import ops
+    from kernels.gemv import gemv
     from kernels.norm import rms_norm
     from kernels.rope import apply_rope_and_store_kv
     bf = torch.bfloat16
@@ -93,17 +93,11 @@ def decode_path(fp8: bool) -> None:
     rms_norm(x, torch.zeros(hidden, dtype=bf), 1e-5, torch.zeros(1, hidden, dtype=bf))
     shapes = [("qkv", (hq + 2 * hkv) * d, hidden, False), ("o", hidden, hq * d, False),
               ("gate_up", 2 * inter, hidden, False), ("down", hidden, inter, True)]
-    for name, n, k, silu in shapes:
+    for _, n, k, silu in shapes:
         wdt = torch.float8_e4m3fn if fp8 else bf
         w = torch.zeros(n, k, dtype=wdt)
         xin = torch.zeros(1, 2 * k if silu else k, dtype=bf)
-        if fp8:
-            ops.fp8_linear(xin, w, torch.ones(n)) if not silu else ops.silu_mul_linear(xin, w, None, torch.ones(n))
-        elif name in ("o", "down"):  # the residual add and the next norm in the GEMV (Linear.forward_add_norm)
-            ops.linear_add_rms_norm(xin, w, None, None, torch.zeros(1, n, dtype=bf), torch.zeros(n, dtype=bf), 1e-5,
-                                    gated=silu)
-        else:
-            ops.linear(xin, w)
+        gemv(xin, w, scale=torch.ones(n) if fp8 else None, silu_mul=silu)
     qkv = torch.zeros(1, (hq + 2 * hkv) * d, dtype=bf)
     q, k, v = qkv.view(1, -1, d).split([hq, hkv, hkv], dim=1)
     slots = 4096
@@ -130,8 +124,6 @@ def main() -> None:
     import kernels.gemv as kg
     kg.num_sms = td.num_sms = ku.num_sms
     ku.set_pdl(args.pdl > 0, early_trigger=args.pdl == 2)
-    from kernels import ops
-    ops._on_gpu = lambda x: True  # the Triton kernels, not the CPU references
     JITFunction.run = _compile  # type: ignore[method-assign]
     decode_path(args.fp8)
     for name, kernel in compiled:

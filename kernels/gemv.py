@@ -182,35 +182,12 @@ def _row_chunk(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _add_rms_norm_last(h, offs_n, mask_n, N, R, G, YN, TICKET, eps, BLOCK_NORM: tl.constexpr):
-    """The GEMV's output rows h (fp32, this program's) added to the residual stream R in place, as
-    kernels.norm does (h rounded to R's dtype first, the sum rounded again); then the program that takes the
-    last ticket normalizes the whole new residual into YN: rmsnorm(R) * G, the unfused norm kernel's math.
-    Every program stores its rows before one thread takes the ticket (acq_rel, after a CTA barrier), so the
-    last one reads them all; its reads bypass L1 (.cg), where other programs' rows may sit stale. It puts
-    the counter back to 0 for the next launch."""
-    x = (h.to(R.dtype.element_ty).to(tl.float32) + tl.load(R + offs_n, mask=mask_n, other=0.0).to(tl.float32))
-    tl.store(R + offs_n, x.to(R.dtype.element_ty), mask=mask_n)
-    tl.debug_barrier()
-    if tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        offs = tl.arange(0, BLOCK_NORM)
-        mask = offs < N
-        xf = tl.load(R + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(YN + offs, (xf * rstd * g).to(YN.dtype.element_ty), mask=mask)
-        tl.store(TICKET, 0)
-
-
-@triton.jit
-def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, G, TICKET, eps, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
-                     PDL: tl.constexpr, PRE: tl.constexpr, FOLD: tl.constexpr, X_ROWS: tl.constexpr,
-                     NARROW: tl.constexpr, EVICT: tl.constexpr, NORM: tl.constexpr, BLOCK_NORM: tl.constexpr):
+def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+                     PRE: tl.constexpr, FOLD: tl.constexpr, X_ROWS: tl.constexpr, NARROW: tl.constexpr,
+                     EVICT: tl.constexpr):
     """y = x @ W^T for one row x and half- or full-precision W: each program streams BLOCK_N rows of W over
-    its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end.
-    NORM (one split): y is not stored; it is added into the residual R, and Y receives rmsnorm(R) * G
-    (_add_rms_norm_last): the residual add and the next RMSNorm without a kernel of their own."""
+    its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -247,9 +224,7 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, G, TICKET, eps
         w_ptrs += FOLD * BLOCK_K
         x_ptrs += FOLD * BLOCK_K
     out = tl.sum(acc, axis=1)
-    if NORM:
-        _add_rms_norm_last(out, offs_n, mask_n, N, R, G, Y, TICKET, eps, BLOCK_NORM)
-    elif SPLIT_K == 1:
+    if SPLIT_K == 1:
         tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=mask_n)
     else:
         tl.store(P + pid_k * N + offs_n, out, mask=mask_n)
@@ -312,8 +287,7 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, **extra)
 
 
-def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvConfig, silu_mul, pdl,
-              norm=None):
+def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvConfig, silu_mul, pdl):
     tiles = k_per_split // cfg.block_k
     # With PDL the first chunk is peeled to take the tiles loaded before the wait, so it holds pre_tiles (the
     # chunking does not depend on PDL: the same sums in the same order either way).
@@ -321,55 +295,12 @@ def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvC
     while tiles % fold:
         fold -= 1
     launch = pdl_launch(pdl, "gemv")
-    residual, norm_weight, eps = norm if norm is not None else (out, out, 0.0)
     _gemv_row_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, w, out, partial, N, K, w.stride(0), k_per_split, residual, norm_weight,
-        _norm_ticket(x.device) if norm is not None else out, eps, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        x, w, out, partial, N, K, w.stride(0), k_per_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=split_k, EVEN_K=even_k, SILU_MUL=silu_mul, PRE=min(cfg.pre_tiles, fold) if launch["PDL"] else 0,
         FOLD=fold, X_ROWS=cfg.block_k < 32 * cfg.num_warps * 16 // x.element_size(),
         NARROW=cfg.narrow and cfg.block_k % 8 == 0, EVICT="evict_first" if cfg.evict_first else "",
-        NORM=norm is not None, BLOCK_NORM=next_pow2(N) if norm is not None else 1, num_warps=cfg.num_warps,
-        **launch)
-
-
-_tickets: dict = {}
-
-
-def _norm_ticket(device: torch.device) -> torch.Tensor:
-    """The fused norm's counter (zero, and left zero by every launch): one per device, for GEMVs that run one
-    after another on one stream. Made at the first (eager) call: a captured graph keeps its address."""
-    t = _tickets.get(device)
-    if t is None:
-        t = _tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return t
-
-
-# Largest output row the fused norm normalizes in one program (its registers).
-ADD_NORM_MAX_N = 8192
-
-
-def gemv_add_rms_norm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                      eps: float, silu_mul: bool = False, pdl: bool | None = None,
-                      config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rmsnorm(residual + x @ w^T) * norm_weight, residual) with residual updated in place, as
-    kernels.norm.rms_norm(gemv(x, w), norm_weight, eps, residual) returns, in one launch: x one row, w
-    half- or full-precision, the GEMV's config unsplit (one program per output block sees all of K).
-    None where that does not hold (the caller runs the two ops)."""
-    M, K = x.shape
-    if silu_mul:
-        K //= 2
-    N = w.shape[0]
-    cfg = config or default_config(M, N, K, w.element_size())
-    if (M != 1 or not cfg.row_kernel or cfg.split_k != 1 or N > ADD_NORM_MAX_N or w.element_size() == 1
-            or residual.shape != (1, N) or residual.stride(-1) != 1 or norm_weight.shape != (N,)
-            or residual.dtype != x.dtype):
-        return None
-    assert w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1
-    out = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    even_k = K % cfg.block_k == 0
-    _gemv_row(x, w, out, out, N, K, triton.cdiv(K, cfg.block_k) * cfg.block_k, 1, even_k, cfg, silu_mul, pdl,
-              norm=(residual, norm_weight, float(eps)))
-    return out, residual
+        num_warps=cfg.num_warps, **launch)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,

@@ -82,21 +82,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        weight_scale: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
-                        eps: float, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm(linear(x) + residual) with the residual update: (normalized, new residual), as
-    rms_norm(linear(x, ...), norm_weight, eps, residual) returns (gated: silu_mul_linear). Where the one-row
-    GEMV takes the matmul unsplit, the add and the norm happen in its last program (no norm launch)."""
-    if bias is None and weight_scale is None and _gemv_applies(x, weight, None):
-        from kernels.gemv import gemv_add_rms_norm
-        fused = gemv_add_rms_norm(x, weight, residual, norm_weight, eps, silu_mul=gated)
-        if fused is not None:
-            return fused
-    y = (silu_mul_linear if gated else linear)(x, weight, bias, weight_scale)
-    return rms_norm(y, norm_weight, eps, residual)
-
-
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
     """The decode-time GEMV takes this matmul: CUDA, at most GEMV_MAX_M rows with contiguous rows, and
     bf16 weights (FP8 ones with their scales)."""

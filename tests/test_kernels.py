@@ -208,36 +208,6 @@ def check_gemv_row_kernel(device, dtype):
                 torch.testing.assert_close(row, general, **_tol(dtype), msg=lambda m: f"{K}x{N} {cfg}: {m}")
 
 
-def check_gemv_add_rms_norm(device, dtype):
-    """The projection with the residual add and the next RMSNorm in its last program: the new residual
-    bit for bit what gemv then the fused add-norm kernel give (the same sums), updated in place; the
-    normalized row within rounding (its sum of squares reduced in another order); the ticket left at 0, so
-    the next call works too. Several tiles (x in w's layout or broadcast), gated input, ragged N and K;
-    split configs decline (None)."""
-    from kernels import gemv as kg
-    from kernels.gemv import GemvConfig, gemv, gemv_add_rms_norm
-    from kernels.norm import rms_norm
-    shapes = [(96, 40), (130, 24)] + ([(4096, 4096), (14336, 4096)] if device.type == "cuda" else [])
-    configs = [None, GemvConfig(2, 64, 1, 1, pre_tiles=2), GemvConfig(8, 32, 1, 2, narrow=True, fold=2),
-               GemvConfig(4, 128, 1, 1, narrow=True)]
-    for K, N in shapes:
-        w = _rand(N, K, dtype=dtype, device=device)
-        g = _rand(N, dtype=dtype, device=device)
-        for silu_mul in (False, True):
-            x = _rand(1, 2 * K if silu_mul else K, dtype=dtype, device=device)
-            for cfg in configs:
-                res = _rand(1, N, dtype=dtype, device=device)
-                for _ in range(2):  # the second call starts from the first's residual and ticket
-                    r_ref = res.clone()
-                    y_ref, r_ref = rms_norm(gemv(x, w, config=cfg, silu_mul=silu_mul), g, 1e-5, r_ref)
-                    y, r = gemv_add_rms_norm(x, w, res, g, 1e-5, silu_mul=silu_mul, config=cfg)
-                    assert r.data_ptr() == res.data_ptr(), "residual must be updated in place"
-                    assert torch.equal(r, r_ref), f"{K}x{N} {cfg} gated={silu_mul}"
-                    torch.testing.assert_close(y, y_ref, **_tol(dtype), msg=lambda m: f"{K}x{N} {cfg}: {m}")
-                    assert int(kg._norm_ticket(device).item()) == 0
-        assert gemv_add_rms_norm(x, w, res, g, 1e-5, silu_mul=True, config=GemvConfig(8, 32, 2, 2)) is None
-
-
 def check_gemv_silu_mul(device, dtype):
     """The down projection with the gated activation folded into its input load equals silu_and_mul
     then the GEMV bit for bit (every config: split-K, odd K, several rows)."""
@@ -776,7 +746,7 @@ def test_cuda_pdl_kernels_match_plain_launches_in_a_graph(one_launch):
     (decode attention merging its chunks in two launches or in one)."""
     from kernels._utils import pdl_launch, set_pdl
     from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
-    from kernels.gemv import GemvConfig, gemv, gemv_add_rms_norm
+    from kernels.gemv import GemvConfig, gemv
     from kernels.norm import rms_norm
     from kernels.rope import apply_rope_and_store_kv
     assert pdl_launch(True) == {"PDL": True, "launch_pdl": True}
@@ -802,8 +772,7 @@ def test_cuda_pdl_kernels_match_plain_launches_in_a_graph(one_launch):
         q, k, _ = apply_rope_and_store_kv(q, k, v, pos, cs, d, k_buf, v_buf, loc)
         o = decode_attention(q.contiguous(), k_buf, v_buf, r2t, req_idx, seq, num_kv_splits_for(seq, ms), ms,
                              d ** -0.5, tickets=tickets)
-        y, r = gemv_add_rms_norm(o.view(1, -1), wo, res, nw, 1e-5)  # add + norm in its last program
-        return torch.cat([y, r])
+        return gemv(o.view(1, -1), wo)
 
     outs = {}
     try:

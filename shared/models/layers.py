@@ -97,15 +97,6 @@ class Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         return matmul(x, self.weight, self.bias, self.weight_scale)
 
-    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                         gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(self(x, gated), residual): (normalized, new residual). Without tensor parallelism the
-        residual add and the norm may run inside the layer's GEMV (ops.linear_add_rms_norm)."""
-        if self.parallel == "row" and self.shard is not None:
-            return norm(self(x, gated), residual)
-        return ops.linear_add_rms_norm(x, self.weight, self.bias, self.weight_scale, residual, norm.weight, norm.eps,
-                                       gated=gated)
-
 
 class MergedLinear(Linear):
     """Several checkpoint projections of the same input stacked along the output dim, run as one GEMM.

@@ -37,16 +37,14 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, fb: ForwardBatch, norm: RMSNorm,
-                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(attention output + residual): (normalized, new residual)."""
+    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, fb: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = self._per_head_norm(q, self.q_norm)
             k = self._per_head_norm(k, self.k_norm)
         # Rope is applied by the backend, fused with the KV store.
         o = fb.attn_backend.forward(q, k, v, self.layer_id, fb, rotary=rotary)
-        return self.o_proj.forward_add_norm(o, residual, norm)
+        return self.o_proj(o)
 
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         T = x.shape[0]
@@ -61,9 +59,8 @@ class LlamaMLP(nn.Module):
                                          shards=[even_shard(cfg.intermediate_size)] * 2)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, parallel="row")
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(MLP output + residual): (normalized, new residual). silu_and_mul runs inside down_proj."""
-        return self.down_proj.forward_add_norm(self.gate_up_proj(x), residual, norm, gated=True)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x), gated=True)  # silu_and_mul inside
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -75,15 +72,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
-                fb: ForwardBatch, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the embeddings (residual None, the first layer) or this layer's input already normalized
-        by the previous layer. Returns (next_norm(output + residual), new residual): each residual add
-        fuses into the norm after it, and that norm into the projection before it where the decode GEMV
-        can (Linear.forward_add_norm); next_norm is the next layer's input norm or the model's final one."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden)
-        hidden, residual = self.self_attn(hidden, rotary, fb, self.post_attention_layernorm, residual)
-        return self.mlp(hidden, next_norm, residual)
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each add fuses into the following norm.
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, fb)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -97,9 +91,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(fb.input_ids), None
-        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm in zip(self.layers, norms):
-            hidden, residual = layer(hidden, residual, self.rotary_emb, fb, next_norm)
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, self.rotary_emb, fb)
+        hidden, _ = self.norm(hidden, residual)
         return hidden
 
 
