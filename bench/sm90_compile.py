@@ -105,9 +105,10 @@ def decode_path(fp8: bool) -> None:
     apply_rope_and_store_kv(q, k, v, torch.zeros(1, dtype=torch.int64), torch.zeros(4096, d), d, k_buf, v_buf,
                             torch.zeros(1, dtype=torch.int64))
     seq = torch.full((1,), 768, dtype=torch.int32)
-    ms = plan_max_kv_splits(1, hkv)
+    ms = plan_max_kv_splits(1, hkv, 32)  # the engine's default cap (--triton-attention-num-kv-splits)
     decode_attention(torch.zeros(1, hq, d, dtype=bf), k_buf, v_buf, torch.zeros(2, 4096, dtype=torch.int32),
-                     torch.zeros(1, dtype=torch.int32), seq, num_kv_splits_for(seq, ms), ms, d ** -0.5)
+                     torch.zeros(1, dtype=torch.int32), seq, num_kv_splits_for(seq, ms), ms, d ** -0.5,
+                     tickets=torch.zeros(hkv, dtype=torch.int32))  # the engine's default: merged in one launch
 
 
 def main() -> None:
