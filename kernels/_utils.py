@@ -48,8 +48,8 @@ def set_pdl(enabled: bool, early_trigger: str | bool = "") -> None:
     its config, before capturing CUDA graphs). early_trigger: the kernel families (comma-separated names of
     PDL_FAMILIES, or True for all; "+" also separates) that let the next kernel launch before they wait; see pdl_launch."""
     global _pdl_default, _pdl_early
-    _pdl_default = bool(enabled)
-    _pdl_early = parse_pdl_families(early_trigger)
+    early = parse_pdl_families(early_trigger)
+    _pdl_default, _pdl_early = bool(enabled), early
 
 
 def parse_pdl_families(text: str | bool) -> frozenset[str]:

@@ -795,6 +795,28 @@ def test_cuda_pdl_kernels_match_plain_launches_in_a_graph(one_launch):
     assert torch.equal(outs[False], outs["early"])
 
 
+def test_pdl_early_trigger_is_chosen_per_kernel_family(monkeypatch):
+    """PDL = 2 (trigger before the wait) only for the families set_pdl names; 1 for the others; off where
+    PDL is off or unsupported (the interpreter, GPUs before Hopper); unknown families are refused."""
+    import kernels._utils as ku
+    monkeypatch.setattr(ku, "pdl_supported", lambda: True)
+    try:
+        ku.set_pdl(True, early_trigger="attention+rope")
+        assert ku.pdl_launch(family="attention") == {"PDL": 2, "launch_pdl": True}
+        assert ku.pdl_launch(family="rope")["PDL"] == 2
+        assert ku.pdl_launch(family="gemv") == {"PDL": True, "launch_pdl": True}
+        assert ku.pdl_launch(False, "attention") == {"PDL": False}
+        assert ku.pdl_launch(True, "gemv", early_trigger=True)["PDL"] == 2
+        ku.set_pdl(True, early_trigger=True)
+        assert all(ku.pdl_launch(family=f)["PDL"] == 2 for f in ku.PDL_FAMILIES)
+        monkeypatch.setattr(ku, "pdl_supported", lambda: False)
+        assert ku.pdl_launch(family="attention") == {"PDL": False}
+        with pytest.raises(ValueError, match="unknown kernel families"):
+            ku.set_pdl(True, early_trigger="attention,gemm")
+    finally:
+        ku.set_pdl(False)
+
+
 def test_ops_dispatch_cpu_keeps_in_place_contracts():
     """kernels.ops on CPU runs the references but keeps the kernels' in-place behaviour."""
     from kernels import ops

@@ -87,6 +87,29 @@ def test_integer_flags_with_a_floor_refuse_what_is_below_it(capsys):
         assert says in capsys.readouterr().err
 
 
+def test_decode_attention_and_pdl_flags(capsys):
+    """Split decode attention merges in one launch by default (the second kernel on request; the old opt-in
+    spelling still parses), at most --triton-attention-num-kv-splits chunks (1 or more), and
+    --pdl-early-trigger takes kernel families only; the launcher passes each on to its workers."""
+    from shared.engine.cli import engine_args_to_argv
+    base = launch_args(["--model-path", "m"])
+    assert base.one_launch_decode_attention and base.triton_attention_num_kv_splits == 32
+    assert base.pdl_early_trigger == ""
+    assert launch_args(["--model-path", "m", "--one-launch-decode-attention"]).one_launch_decode_attention
+    args = launch_args(["--model-path", "m", "--two-launch-decode-attention", "--triton-attention-num-kv-splits",
+                        "8", "--pdl-early-trigger", "rope+attention"])
+    assert not args.one_launch_decode_attention and args.triton_attention_num_kv_splits == 8
+    assert args.pdl_early_trigger == "attention,rope"
+    back = worker_args(engine_args_to_argv(args))
+    assert (not back.one_launch_decode_attention and back.triton_attention_num_kv_splits == 8
+            and back.pdl_early_trigger == "attention,rope")
+    for flag, value, says in [("--triton-attention-num-kv-splits", "0", "must be at least 1, got 0"),
+                              ("--pdl-early-trigger", "attention,gemm", "unknown kernel families ['gemm']")]:
+        with pytest.raises(SystemExit):
+            launch_args(["--model-path", "m", flag, value])
+        assert says in capsys.readouterr().err
+
+
 def test_attention_backend_choices_and_the_unsupported_flashinfer(capsys):
     assert launch_args(["--model-path", "m", "--attention-backend", "triton"]).attention_backend == "triton"
     for parse in (launch_args, worker_args):
