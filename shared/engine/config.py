@@ -65,7 +65,8 @@ class EngineConfig:
     enable_pdl: bool = True
     # With PDL, the kernels of these families (comma-separated: attention, norm, rope, gemv) let the next
     # kernel launch before they wait on the previous one, not after: after the two decode-attention stages
-    # the o_proj GEMV then streams its first weights under both (kernels._utils.pdl_launch).
+    # the o_proj GEMV then streams its first weights under both (kernels._utils.pdl_launch). Off: no family
+    # made the batch-1 step shorter on the H200, all of them made it 3-4% longer (bench/RESULTS.md, 2026-12-04).
     pdl_early_trigger: str = ""
     # Split decode attention (small batches, the context cut into chunks) merges the chunks in the same
     # launch, in the last program to finish each request and KV head, instead of a second kernel per layer
