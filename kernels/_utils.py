@@ -45,8 +45,8 @@ PDL_FAMILIES = ("attention", "norm", "rope", "gemv")
 
 def set_pdl(enabled: bool, early_trigger: str | bool = "") -> None:
     """The process's choice for kernels launched without an explicit `pdl` (the engine sets it once, from
-    its config, before capturing CUDA graphs). early_trigger: the kernel families (comma-separated names of
-    PDL_FAMILIES, or True for all; "+" also separates) that let the next kernel launch before they wait; see pdl_launch."""
+    its config, before capturing CUDA graphs). early_trigger: the kernel families (names of PDL_FAMILIES
+    separated by "," or "+", or True for all) that let the next kernel launch before they wait (pdl_launch)."""
     global _pdl_default, _pdl_early
     early = parse_pdl_families(early_trigger)
     _pdl_default, _pdl_early = bool(enabled), early
@@ -62,7 +62,7 @@ def parse_pdl_families(text: str | bool) -> frozenset[str]:
     return names
 
 
-def pdl_launch(enabled: bool | None = None, family: str = "", early_trigger: bool | None = None) -> dict:
+def pdl_launch(enabled: bool | None = None, family: str = "") -> dict:
     """Launch options for a kernel compiled with a `PDL` constexpr: {PDL, launch_pdl} where programmatic
     dependent launch is asked for (explicitly, or by set_pdl) and possible (compute capability >= 9, not
     the interpreter). Such a kernel calls griddepcontrol.wait before it reads anything an earlier kernel
@@ -70,15 +70,14 @@ def pdl_launch(enabled: bool | None = None, family: str = "", early_trigger: boo
     graph a kernel boundary stops costing a launch gap, and a GEMV starts streaming its weights early.
 
     PDL is 1 (True) or 2. At 1 a kernel lets the next one launch once it has waited for the previous one;
-    at 2 (early trigger: set_pdl's families, or early_trigger) before it waits, so the kernel after it can
+    at 2 (early trigger, for set_pdl's families) before it waits, so the kernel after it can
     be resident sooner: after the two decode-attention stages, the o_proj GEMV streams its first weight
     tiles under both, not just the second. Either way a kernel's writes happen after its wait, so a kernel
     that completes has seen every earlier kernel complete: what a later one reads is written."""
     on = (_pdl_default if enabled is None else bool(enabled)) and pdl_supported()
     if not on:
         return {"PDL": False}
-    early = family in _pdl_early if early_trigger is None else bool(early_trigger)
-    return {"PDL": 2 if early else True, "launch_pdl": True}
+    return {"PDL": 2 if family in _pdl_early else True, "launch_pdl": True}
 
 
 @functools.lru_cache(maxsize=None)

@@ -750,7 +750,6 @@ def test_cuda_pdl_kernels_match_plain_launches_in_a_graph(one_launch):
     from kernels.norm import rms_norm
     from kernels.rope import apply_rope_and_store_kv
     assert pdl_launch(True) == {"PDL": True, "launch_pdl": True}
-    assert pdl_launch(True, early_trigger=True) == {"PDL": 2, "launch_pdl": True}
     dev, dt, d, hq, hkv, hidden = torch.device("cuda"), torch.bfloat16, 128, 8, 2, 1024
     k_buf, v_buf, r2t, req_idx, _ = _paged_setup(dev, dt, hkv, d, [300], [0], num_slots=600)
     seq = torch.tensor([300], dtype=torch.int32, device=dev)
@@ -806,7 +805,8 @@ def test_pdl_early_trigger_is_chosen_per_kernel_family(monkeypatch):
         assert ku.pdl_launch(family="rope")["PDL"] == 2
         assert ku.pdl_launch(family="gemv") == {"PDL": True, "launch_pdl": True}
         assert ku.pdl_launch(False, "attention") == {"PDL": False}
-        assert ku.pdl_launch(True, "gemv", early_trigger=True)["PDL"] == 2
+        ku.set_pdl(False, early_trigger="gemv")
+        assert ku.pdl_launch(True, "gemv") == {"PDL": 2, "launch_pdl": True}  # explicit pdl, process's families
         ku.set_pdl(True, early_trigger=True)
         assert all(ku.pdl_launch(family=f)["PDL"] == 2 for f in ku.PDL_FAMILIES)
         monkeypatch.setattr(ku, "pdl_supported", lambda: False)
