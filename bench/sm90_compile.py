@@ -62,23 +62,18 @@ def _compile(self: JITFunction, *args, grid, warmup, **kwargs):
     return kernel
 
 
+def _cuobjdump(kernel, flag: str) -> str:
+    """Triton's own cuobjdump run on the kernel's cubin."""
+    from triton.backends.nvidia import compiler as nv
+    cuobjdump = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([cuobjdump, flag, f.name], capture_output=True, text=True).stdout
+
+
 def _resources(kernel) -> str:
-    from triton.backends.nvidia import compiler as nv
-    cuobjdump = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    return " ".join(line.strip() for line in out.splitlines() if "REG" in line)
-
-
-def _sass(kernel) -> str:
-    from triton.backends.nvidia import compiler as nv
-    cuobjdump = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True).stdout
+    return " ".join(line.strip() for line in _cuobjdump(kernel, "--dump-resource-usage").splitlines() if "REG" in line)
 
 
 def decode_path(fp8: bool) -> None:
@@ -130,7 +125,7 @@ def main() -> None:
     for name, kernel in compiled:
         print(f"{name}: {_resources(kernel)}")
         if args.sass and args.sass in name:
-            print(_sass(kernel))
+            print(_cuobjdump(kernel, "--dump-sass"))
 
 
 if __name__ == "__main__":
