@@ -2,7 +2,7 @@
 Python wrappers the engine calls, and report registers, spills and shared memory per kernel (and the SASS
 with --sass). A kernel that does not compile for Hopper fails here, not in a device call.
 
-    PYTHONPATH=/tmp/t36 python -m bench.sm90_compile [--pdl 0|1|2] [--sass NAME] [--fp8]
+    PYTHONPATH=/tmp/t36 python -m bench.sm90_compile [--pdl 0|1|2] [--sass NAME] [--fp8] [--no-split-norms]
 
 Use the device's Triton version (3.6: `pip download --no-deps triton==3.6.0` and `pip install --no-deps
 --target /tmp/t36` the wheel) so ptxas and the compiler match what runs there. Nothing is launched: each
@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64", torch.int32: "i32",
            torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int8: "i8"}
 compiled: list[tuple[str, object]] = []
 
@@ -76,23 +76,30 @@ def _resources(kernel) -> str:
     return " ".join(line.strip() for line in _cuobjdump(kernel, "--dump-resource-usage").splitlines() if "REG" in line)
 
 
-def decode_path(fp8: bool) -> None:
-    """The kernels of one Llama-3.1-8B decode layer at batch 1, through the engine's wrappers."""
+def decode_path(fp8: bool, split_norms: bool) -> None:
+    """The kernels of one Llama-3.1-8B decode layer at batch 1, through the engine's wrappers (split_norms:
+    the residual norms split between the GEMVs around them, as the engine runs them by default)."""
     from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
     from kernels.gemv import gemv
     from kernels.norm import rms_norm
+    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
     from kernels.rope import apply_rope_and_store_kv
     bf = torch.bfloat16
     hidden, inter, hq, hkv, d = 4096, 14336, 32, 8, 128
     x = torch.zeros(1, hidden, dtype=bf)
+    sums = torch.zeros(63, NORM_SLOTS, dtype=torch.float64)
     rms_norm(x, torch.zeros(hidden, dtype=bf), 1e-5, torch.zeros(1, hidden, dtype=bf))
-    shapes = [("qkv", (hq + 2 * hkv) * d, hidden, False), ("o", hidden, hq * d, False),
-              ("gate_up", 2 * inter, hidden, False), ("down", hidden, inter, True)]
-    for _, n, k, silu in shapes:
+    if split_norms:
+        rms_norm(x, torch.zeros(hidden, dtype=bf), 1e-5, zero=sums)
+    norm = ResidualNorm(torch.zeros(1, hidden, dtype=bf), torch.zeros(hidden, dtype=bf), sums[0], 1e-5)
+    shapes = [("qkv", (hq + 2 * hkv) * d, hidden, False, "in"), ("o", hidden, hq * d, False, "add"),
+              ("gate_up", 2 * inter, hidden, False, "in"), ("down", hidden, inter, True, "add")]
+    for _, n, k, silu, role in shapes:
         wdt = torch.float8_e4m3fn if fp8 else bf
         w = torch.zeros(n, k, dtype=wdt)
         xin = torch.zeros(1, 2 * k if silu else k, dtype=bf)
-        gemv(xin, w, scale=torch.ones(n) if fp8 else None, silu_mul=silu)
+        norms = {("norm_in" if role == "in" else "add_norm"): norm} if split_norms else {}
+        gemv(xin, w, scale=torch.ones(n) if fp8 else None, silu_mul=silu, **norms)
     qkv = torch.zeros(1, (hq + 2 * hkv) * d, dtype=bf)
     q, k, v = qkv.view(1, -1, d).split([hq, hkv, hkv], dim=1)
     slots = 4096
@@ -110,6 +117,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pdl", type=int, default=2, help="0: off, 1: trigger after the wait, 2: before it")
     ap.add_argument("--fp8", action="store_true", help="FP8 weights in the GEMVs")
+    ap.add_argument("--no-split-norms", action="store_true", help="every norm its own kernel (--no-decode-norm-fusion)")
     ap.add_argument("--sass", default="", help="print the SASS of kernels whose name contains this")
     args = ap.parse_args()
     import kernels._utils as ku
@@ -121,7 +129,7 @@ def main() -> None:
     kg.num_sms = td.num_sms = ku.num_sms
     ku.set_pdl(args.pdl > 0, early_trigger=args.pdl == 2)
     JITFunction.run = _compile  # type: ignore[method-assign]
-    decode_path(args.fp8)
+    decode_path(args.fp8, not args.no_split_norms)
     for name, kernel in compiled:
         print(f"{name}: {_resources(kernel)}")
         if args.sass and args.sass in name:

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kernels._utils import dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue, pdl_trigger_early
 from kernels.activation import silu_mul_f32
+from kernels.residual_norm import NORM_SLOTS, ResidualNorm
 
 MAX_M = 4
 
@@ -40,6 +41,29 @@ def _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K: tl.constexpr, EVICT: tl.co
         w = tl.load(w_ptrs, mask=mask_n[:, None] & ((kbase + offs_k) < K)[None, :], other=0.0,
                     eviction_policy=EVICT)
     return w
+
+
+@triton.jit
+def _norm_in_scale(SQ, K, eps, NSLOT: tl.constexpr):
+    """Consumer of a split residual RMSNorm (kernels/residual_norm.py): rsqrt(mean(r^2) + eps) from the
+    producer's NSLOT fp64 partial sums (read after the PDL wait, like any earlier kernel's output)."""
+    total = tl.sum(tl.load(SQ + tl.arange(0, NSLOT)), axis=0)
+    return 1.0 / tl.sqrt(total.to(tl.float32) / K + eps)
+
+
+@triton.jit
+def _add_norm_epilogue(h, offs_n, mask_n, pid, R, GAMMA, G, SQ, NSLOT: tl.constexpr):
+    """Producer of a split residual RMSNorm: this program's outputs h (fp32 [BLOCK], rounded to the
+    activation dtype as the unfused layer's output is) added into the residual rows it owns, in place;
+    gamma * residual written for the consumer GEMV; the rows' sum of squares added into one of NSLOT
+    partials (programs spread over them: no queue on one address)."""
+    r = tl.load(R + offs_n, mask=mask_n, other=0.0)
+    r_new = (h.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+    tl.store(R + offs_n, r_new, mask=mask_n)
+    rf = r_new.to(tl.float32)
+    gamma = tl.load(GAMMA + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(G + offs_n, (rf * gamma).to(G.dtype.element_ty), mask=mask_n)
+    tl.atomic_add(SQ + pid % NSLOT, tl.sum(rf * rf, axis=0).to(tl.float64), sem="relaxed")
 
 
 @triton.jit
@@ -78,10 +102,11 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
+def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT, R, GAMMA, SQ, eps,
                  HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, SILU_MUL: tl.constexpr,
-                 PDL: tl.constexpr, PRE: tl.constexpr, F16: tl.constexpr = False):
+                 PDL: tl.constexpr, PRE: tl.constexpr, F16: tl.constexpr = False, NORM_IN: tl.constexpr = False,
+                 ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,8 +149,12 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         acc = tl.sum(acc, axis=1)[None, :]
     if HAS_SCALE:  # FP8 weights: one dequantization scale per output row (linear, so per split too)
         acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
+    if NORM_IN:  # linear in x: a split's partial takes the scale too
+        acc = acc * _norm_in_scale(SQ, K, eps, NSLOT)
     mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
+    if SPLIT_K == 1 and ADD_NORM:  # one row (the host checks): acc's other rows are zero
+        _add_norm_epilogue(tl.sum(acc, axis=0), offs_n, mask_n, pid_n, R, GAMMA, Y, SQ, NSLOT)
+    elif SPLIT_K == 1:
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
     else:
         tl.store(P + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
@@ -182,10 +211,11 @@ def _row_chunk(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                     PRE: tl.constexpr, FOLD: tl.constexpr, X_ROWS: tl.constexpr, NARROW: tl.constexpr,
-                     EVICT: tl.constexpr):
+def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                     PDL: tl.constexpr, PRE: tl.constexpr, FOLD: tl.constexpr, X_ROWS: tl.constexpr,
+                     NARROW: tl.constexpr, EVICT: tl.constexpr, NORM_IN: tl.constexpr = False,
+                     ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16):
     """y = x @ W^T for one row x and half- or full-precision W: each program streams BLOCK_N rows of W over
     its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end."""
     pid_n = tl.program_id(0)
@@ -224,15 +254,20 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, BLOCK_N: tl.const
         w_ptrs += FOLD * BLOCK_K
         x_ptrs += FOLD * BLOCK_K
     out = tl.sum(acc, axis=1)
-    if SPLIT_K == 1:
+    if NORM_IN:  # linear in x: a split's partial takes the scale too
+        out = out * _norm_in_scale(SQ, K, eps, NSLOT)
+    if SPLIT_K == 1 and ADD_NORM:
+        _add_norm_epilogue(out, offs_n, mask_n, pid_n, R, GAMMA, Y, SQ, NSLOT)
+    elif SPLIT_K == 1:
         tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=mask_n)
     else:
         tl.store(P + pid_k * N + offs_n, out, mask=mask_n)
 
 
 @triton.jit
-def _splitk_reduce_kernel(P, Y, N, stride_ym, M: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr):
+def _splitk_reduce_kernel(P, Y, N, stride_ym, R, GAMMA, SQ, M: tl.constexpr, SPLIT_K: tl.constexpr,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr, ADD_NORM: tl.constexpr = False,
+                          NSLOT: tl.constexpr = 16):
     pdl_prologue(PDL)
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -240,7 +275,10 @@ def _splitk_reduce_kernel(P, Y, N, stride_ym, M: tl.constexpr, SPLIT_K: tl.const
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(P + (s * M + m) * N + offs, mask=mask, other=0.0)
-    tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=mask)
+    if ADD_NORM:  # one row (the host checks)
+        _add_norm_epilogue(acc, offs, mask, tl.program_id(0), R, GAMMA, Y, SQ, NSLOT)
+    else:
+        tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +325,16 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, **extra)
 
 
-def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvConfig, silu_mul, pdl):
+def _norm_args(norm_in: ResidualNorm | None, add_norm: ResidualNorm | None, split_k: int, x: torch.Tensor) -> dict:
+    """The split residual norm's pointers and switches for the GEMV kernels (the producer's epilogue runs where
+    the output is complete: in the reduce kernel under split-K)."""
+    norm = norm_in or add_norm
+    return dict(R=add_norm.residual if add_norm is not None else x, GAMMA=add_norm.weight if add_norm is not None else x,
+                SQ=norm.sumsq if norm is not None else x, eps=norm.eps if norm is not None else 0.0,
+                NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None and split_k == 1, NSLOT=NORM_SLOTS)
+
+
+def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvConfig, silu_mul, pdl, norms):
     tiles = k_per_split // cfg.block_k
     # With PDL the first chunk is peeled to take the tiles loaded before the wait, so it holds pre_tiles (the
     # chunking does not depend on PDL: the same sums in the same order either way).
@@ -296,7 +343,7 @@ def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvC
         fold -= 1
     launch = pdl_launch(pdl, "gemv")
     _gemv_row_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, w, out, partial, N, K, w.stride(0), k_per_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        x, w, out, partial, N, K, w.stride(0), k_per_split, **norms, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=split_k, EVEN_K=even_k, SILU_MUL=silu_mul, PRE=min(cfg.pre_tiles, fold) if launch["PDL"] else 0,
         FOLD=fold, X_ROWS=cfg.block_k < 32 * cfg.num_warps * 16 // x.element_size(),
         NARROW=cfg.narrow and cfg.block_k % 8 == 0, EVICT="evict_first" if cfg.evict_first else "",
@@ -305,11 +352,15 @@ def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvC
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, scale: torch.Tensor | None = None,
-         tensor_cores: bool = False, silu_mul: bool = False, pdl: bool | None = None) -> torch.Tensor:
+         tensor_cores: bool = False, silu_mul: bool = False, pdl: bool | None = None,
+         norm_in: ResidualNorm | None = None, add_norm: ResidualNorm | None = None) -> torch.Tensor:
     """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype.
     `scale` (float32 [N]) dequantizes FP8 weights row by row (one row of x only: x is not quantized).
     silu_mul: x is [M, 2K] (gate | up) and y = silu_and_mul(x) @ w^T.
-    pdl: programmatic dependent launch (None: the process default; see kernels._utils.pdl_launch)."""
+    pdl: programmatic dependent launch (None: the process default; see kernels._utils.pdl_launch).
+    A residual RMSNorm split around this GEMV (one row; kernels/residual_norm.py): with `norm_in` x is the
+    producer's gamma * residual and y is scaled by the norm's rsqrt(mean(residual^2) + eps); with `add_norm`
+    y is added into add_norm.residual (in place) and the GEMV returns gamma * residual instead."""
     M, K = x.shape
     if silu_mul:
         assert K % 2 == 0
@@ -319,6 +370,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1
     assert scale is None or (scale.shape == (N,) and scale.dtype == torch.float32)
     assert scale is None or M == 1 or x.dtype == w.dtype, "FP8 weights take one unquantized row of x"
+    assert norm_in is None or add_norm is None, "a GEMV consumes one split norm or produces one, not both"
+    assert add_norm is None or (M == 1 and add_norm.size == N and add_norm.residual.dtype == x.dtype)
+    assert norm_in is None or (M == 1 and norm_in.size == K)
     cfg = config or default_config(M, N, K, w.element_size())
     dot = M > 1 or tensor_cores
     if dot and cfg.block_n < 16:  # tensor-core tile minimum
@@ -329,19 +383,21 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     split_k = triton.cdiv(K, k_per_split)
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
+    norms = _norm_args(norm_in, add_norm, split_k, x)
     if not dot and cfg.row_kernel and scale is None:
-        _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl)
+        _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms)
     else:
         _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
             x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
-            k_per_split, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
+            k_per_split, **norms, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
             F16=cfg.f16_math and w.element_size() == 1 and not dot and cfg.block_k >= 8,
             **pdl_launch(pdl, "gemv"))
     if split_k > 1:
         BLOCK = 1024
-        _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), M=M,
-                                                          SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4,
+        _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), norms["R"], norms["GAMMA"],
+                                                          norms["SQ"], M=M, SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4,
+                                                          ADD_NORM=add_norm is not None, NSLOT=NORM_SLOTS,
                                                           **pdl_launch(pdl, "gemv"))
     return out

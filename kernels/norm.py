@@ -9,10 +9,15 @@ from kernels._utils import next_pow2, pdl_launch, pdl_prologue
 
 
 @triton.jit
-def _rms_norm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(X, R, W, Y, Z, stride_x, stride_r, stride_y, N, eps, NZ,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ZERO_BLOCK: tl.constexpr = 0):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
+    if ZERO_BLOCK:  # partial sums the split norms of this pass add into (kernels/residual_norm.py), cleared
+        if row == 0:
+            for i in range(0, NZ, ZERO_BLOCK):
+                zo = i + tl.arange(0, ZERO_BLOCK)
+                tl.store(Z + zo, tl.zeros((ZERO_BLOCK,), dtype=Z.dtype.element_ty), mask=zo < NZ)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
@@ -27,9 +32,11 @@ def _rms_norm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, N, eps,
     tl.store(Y + row * stride_y + offs, (xf * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             zero: torch.Tensor | None = None):
     """x: [T, H]. Without residual returns y. With residual: residual <- x + residual (in place) and
-    returns (y, residual), y = rmsnorm(new residual)."""
+    returns (y, residual), y = rmsnorm(new residual). `zero`: a contiguous tensor this launch also fills
+    with zeros (the first norm of a pass clears the split norms' partial sums: no launch of its own)."""
     assert x.stride(-1) == 1 and x.dim() == 2, "rms_norm wants [T, H] with contiguous rows"
     T, H = x.shape
     y = torch.empty_like(x)
@@ -38,9 +45,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     BLOCK = next_pow2(H)
     num_warps = min(16, max(1, BLOCK // 512))
     if T:
+        assert zero is None or zero.is_contiguous()
         _rms_norm_kernel[(T,)](
-            x, residual if residual is not None else x, weight, y,
+            x, residual if residual is not None else x, weight, y, zero if zero is not None else x,
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), H, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=num_warps,
+            zero.numel() if zero is not None else 0, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
+            ZERO_BLOCK=min(1024, next_pow2(zero.numel())) if zero is not None else 0, num_warps=num_warps,
             **pdl_launch(family="norm"))
+    elif zero is not None:
+        zero.zero_()
     return (y, residual) if residual is not None else y

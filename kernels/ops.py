@@ -4,12 +4,15 @@ In-place contracts hold on both paths (apply_rope writes q and k; store_kv write
 apply_rope_and_store_kv does both).
 rms_norm with a residual returns (y, new_residual): use the returned residual, since only the Triton
 path also updates its argument in place.
+A residual RMSNorm split around two GEMVs (kernels/residual_norm.py) updates its residual in place on both
+paths: linear/silu_mul_linear with `add_norm` produce it, with `norm_in` consume it.
 """
 from __future__ import annotations
 
 import torch
 
 from kernels import reference as ref
+from kernels.residual_norm import ResidualNorm
 
 # Decode-time weight matmuls use the split-K GEMV only at these batch sizes, and only where it beat
 # cuBLAS in bench/kernels.py on H200.
@@ -20,10 +23,14 @@ def _on_gpu(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             zero: torch.Tensor | None = None):
+    """zero: a tensor also filled with zeros (the split norms' partial sums of the pass this norm starts)."""
     if _on_gpu(x):
         from kernels.norm import rms_norm as k
-        return k(x, weight, eps, residual)
+        return k(x, weight, eps, residual, zero)
+    if zero is not None:
+        zero.zero_()
     return ref.rms_norm_ref(x, weight, eps, residual)
 
 
@@ -70,9 +77,13 @@ def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+           weight_scale: torch.Tensor | None = None, norm_in: ResidualNorm | None = None,
+           add_norm: ResidualNorm | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias). With `weight_scale` (float32 [N]) the weight is FP8 e4m3 and
-    each row dequantizes by its scale."""
+    each row dequantizes by its scale. norm_in / add_norm: one row, a split residual RMSNorm's consumer
+    (x is gamma * residual; the output is scaled by the norm) or producer (returns gamma * residual)."""
+    if norm_in is not None or add_norm is not None:
+        return _split_norm_linear(x, weight, bias, weight_scale, norm_in, add_norm, gated=False)
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias)
     if _gemv_applies(x, weight, None):
@@ -90,10 +101,33 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
             and (weight_scale is not None or (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16)))
 
 
+def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | None, add_norm: ResidualNorm | None,
+                       gated: bool) -> torch.Tensor:
+    assert x.shape[0] == 1 and (add_norm is None or bias is None), "split norms: one row, a producer without bias"
+    if _gemv_applies(x, weight, weight_scale):
+        from kernels.gemv import gemv
+        y = gemv(x, weight, scale=weight_scale, silu_mul=gated, norm_in=norm_in, add_norm=add_norm)
+        return y + bias if bias is not None else y
+    if gated:
+        x = silu_and_mul(x)
+    if weight_scale is not None:
+        weight = (weight.to(torch.float32) * weight_scale.to(torch.float32)[:, None]).to(x.dtype)
+    y = x.float() @ weight.float().t()
+    if norm_in is not None:
+        y = y * ref.residual_norm_scale_ref(norm_in)
+    y = y.to(x.dtype)
+    if add_norm is not None:
+        return ref.residual_norm_produce_ref(y, add_norm)
+    return y + bias if bias is not None else y
+
+
 def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    weight_scale: torch.Tensor | None = None, add_norm: ResidualNorm | None = None) -> torch.Tensor:
     """linear(silu_and_mul(h), ...) for h [M, 2K] (gate | up). Where the GEMV takes the matmul the
-    activation is computed in its input load (no silu_and_mul launch); the result is the same bits."""
+    activation is computed in its input load (no silu_and_mul launch); the result is the same bits.
+    add_norm: as linear's."""
+    if add_norm is not None:
+        return _split_norm_linear(h, weight, bias, weight_scale, None, add_norm, gated=True)
     if _gemv_applies(h, weight, weight_scale):
         from kernels.gemv import gemv
         y = gemv(h, weight, scale=weight_scale, silu_mul=True)

@@ -41,6 +41,22 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return (y, new_residual) if residual is not None else y
 
 
+def residual_norm_produce_ref(h: torch.Tensor, norm) -> torch.Tensor:
+    """The producer side of a split residual RMSNorm (kernels/residual_norm.py): h [1, H] (the producer
+    GEMV's output, in the activation dtype) added into norm.residual in place, its sum of squares added to
+    norm.sumsq; returns g = gamma * residual."""
+    r = (h.float() + norm.residual.float()).to(norm.residual.dtype)
+    norm.residual.copy_(r)
+    rf = r.float()
+    norm.sumsq[0] += rf.pow(2).sum().double()
+    return (rf * norm.weight.float()).to(h.dtype)
+
+
+def residual_norm_scale_ref(norm) -> torch.Tensor:
+    """The consumer side: rsqrt(mean(residual^2) + eps) from the producer's partial sums (fp32 scalar)."""
+    return torch.rsqrt((norm.sumsq.sum() / norm.size).float() + norm.eps)
+
+
 def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
     """[max_positions, rotary_dim] fp32 table: cos in the first half of each row, sin in the second.
     inv_freq [rotary_dim / 2] already carries any rope scaling (Llama 3.1 etc.)."""

@@ -522,6 +522,28 @@ def test_one_launch_decode_attention_decodes_the_tokens_of_two_launches():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_norm_fusion_decodes_the_tokens_of_whole_norms(dtype):
+    """Batch-1 passes with the residual norms split between the GEMVs around them (bf16: the Triton
+    GEMVs' epilogues; fp32: the torch path) decode what whole norms decode, in CUDA graphs and eagerly:
+    one request alone (every step one token), then several together (the unsplit path)."""
+    ps = prompts(4, seed=59)
+    results = {}
+    for fused in (False, True):
+        for graphs in (True, False):
+            h = Harness(dtype=dtype, max_running_requests=8, decode_norm_fusion=fused, cuda_graph=graphs)
+            sums = h.engine.runner.model.model.row_norm_sums
+            assert h.engine.runner.decode_norm_fusion is fused and (sums is not None) is fused
+            alone = h.run([h.submit(ps[0], sampling={**GREEDY, "max_new_tokens": 24})])
+            if fused:
+                assert bool((sums.sum(1) > 0).all()), "the split norms did not run"
+            together = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 12}) for p in ps])
+            results[fused, graphs] = [r["ids"] for r in alone + together]
+            h.engine.stop()
+    assert results[True, True] == results[False, True] == results[True, False] == results[False, False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_short_extends_in_cuda_graphs_give_the_results_of_eager_extends():
     """Extend passes of a few tokens per request over cached prefixes (a second turn, jump-forward's
     catch-ups) replay a captured graph padded to their token bucket; tokens and input logprobs are those

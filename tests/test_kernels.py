@@ -275,6 +275,70 @@ def check_gemv_fp8_f16_math(device, dtype):
         torch.testing.assert_close(y, gemv(silu_and_mul(h), q, scale=s), rtol=0, atol=0)
 
 
+def check_gemv_split_norm(device, dtype):
+    """A residual RMSNorm split around two GEMVs (kernels/residual_norm.py) against its torch reference: the
+    producer's residual and gamma * residual (the same rounded output added as the unfused GEMV's) and its
+    partial sums; the consumer's outputs scaled by the norm. The row kernel, the general one, split K (the
+    producer's epilogue then in the reduce kernel), FP8 weights, the gated down projection; the first norm
+    of a pass clears the sums, more of them than one block."""
+    from kernels.gemv import GemvConfig, gemv
+    from kernels.norm import rms_norm
+    from kernels.reference import gemv_ref, residual_norm_produce_ref, residual_norm_scale_ref, rms_norm_ref
+    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
+    from shared.models.quantization import quantize_per_channel
+
+    def same(a, b):  # bit for bit where the interpreter runs; within an output rounding on a GPU
+        if device.type == "cpu":
+            assert torch.equal(a, b), (a - b).abs().max()
+        else:
+            torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-3)
+
+    H, N2 = (96, 40) if device.type == "cpu" else (4096, 6144)
+    producer_cfgs = [None, GemvConfig(8, 32, 1, 2), GemvConfig(4, 32, 3, 2), GemvConfig(16, 32, 1, 4, row_kernel=False)]
+    consumer_cfgs = [None, GemvConfig(8, 32, 2, 2), GemvConfig(8, 32, 1, 2, row_kernel=False)]
+    gamma = _rand(H, dtype=dtype, device=device)
+    for K in ((200,) if device.type == "cpu" else (4096, 14336)):
+        for gated in (False, True):
+            for fp8 in (False, True):
+                w = _rand(H, K, dtype=dtype, device=device) * 0.1
+                scale = None
+                if fp8:
+                    w, scale = (t.to(device) for t in quantize_per_channel(w.float().cpu()))
+                x = _rand(1, 2 * K if gated else K, dtype=dtype, device=device)
+                r0 = _rand(1, H, dtype=dtype, device=device)
+                for cfg in producer_cfgs:
+                    r, sums = r0.clone(), torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
+                    norm = ResidualNorm(r, gamma, sums, 1e-5)
+                    g = gemv(x, w, config=cfg, scale=scale, silu_mul=gated, add_norm=norm)
+                    r_ref, sums_ref = r0.clone(), torch.zeros_like(sums)
+                    g_ref = residual_norm_produce_ref(gemv(x, w, config=cfg, scale=scale, silu_mul=gated),
+                                                      ResidualNorm(r_ref, gamma, sums_ref, 1e-5))
+                    same(r, r_ref)
+                    same(g, g_ref)
+                    torch.testing.assert_close(sums.sum(), sums_ref.sum(), rtol=1e-6, atol=0)
+                    if cfg is None and not gated:  # the consumer, after each kind of producer weights
+                        for w2 in (_rand(N2, H, dtype=dtype, device=device),):
+                            for fp8_2 in (False, True):
+                                s2 = None
+                                if fp8_2:
+                                    w2, s2 = (t.to(device) for t in quantize_per_channel(w2.float().cpu()))
+                                rs = residual_norm_scale_ref(norm)
+                                ref = ((g.float() @ w2.float().t()) * rs).to(dtype)
+                                for cfg2 in consumer_cfgs:
+                                    y = gemv(g, w2, config=cfg2, scale=s2, norm_in=norm)
+                                    msg = f"K={K} {cfg} -> {cfg2} fp8={fp8_2}"
+                                    # The scale applied to the fp32 sums: the unscaled GEMV's output times it.
+                                    torch.testing.assert_close(
+                                        y, (gemv(g, w2, config=cfg2, scale=s2).float() * rs).to(dtype),
+                                        **_tol(dtype), msg=lambda m: f"{msg}: {m}")
+                                    if s2 is None:
+                                        torch.testing.assert_close(y, ref, **_tol(dtype), msg=lambda m: f"{msg}: {m}")
+    sums = torch.ones(2000, dtype=torch.float64, device=device)
+    x = _rand(1, H, dtype=dtype, device=device)
+    torch.testing.assert_close(rms_norm(x, gamma, 1e-5, zero=sums), rms_norm_ref(x, gamma, 1e-5), **_tol(dtype))
+    assert not sums.any()
+
+
 def _paged_setup(device, dtype, hkv, d, prefix_lens, extend_lens, num_slots=600):
     """A pool with shuffled slots and a req_to_token table for requests in rows 1..B (row 0 = padding)."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]

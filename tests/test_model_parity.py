@@ -95,3 +95,56 @@ def test_rope_writes_contiguous_qkv_only_for_a_backend_that_reads_them(mode):
         backend.forward_extend = backend.forward_decode = lambda q, *a, **kw: q
         backend.forward(q, kv, kv.clone(), 0, fb, rotary=Rotary())
     assert asked == [mode == ForwardMode.EXTEND, False]
+
+
+def test_split_row_norms_match_unsplit_passes(family):
+    """One-token passes with every residual norm after the first split between the GEMVs around it
+    (kernels/residual_norm.py, here its torch path): the same logits as the unsplit passes, step by step
+    through a prompt fed one token at a time then greedy decoding, and the same tokens as transformers."""
+    hf, ours, cfg, prompts = family
+    prompt = prompts[0]
+    if cfg.o_proj_bias or cfg.mlp_bias:  # a biased producer keeps its norms whole
+        assert not ours.model.split_row_norms(True) and ours.model.row_norm_sums is None
+        return
+    runs = {}
+    for split in (False, True):
+        assert ours.model.split_row_norms(split) == split
+        try:
+            h, logits = PagedHarness(ours, cfg), []
+            for t in prompt:  # EXTEND passes of one token
+                logits.append(h.step(ForwardMode.EXTEND, {0: [t]})[0][-1])
+            toks = [int(logits[-1].argmax())]
+            for _ in range(DECODE_STEPS):
+                logits.append(h.step(ForwardMode.DECODE, {0: toks[-1:]})[0][-1])
+                toks.append(int(logits[-1].argmax()))
+            runs[split] = torch.stack(logits), toks
+            if split:  # the split pass ran: its partial sums hold the last step's sums of squares
+                assert bool((ours.model.row_norm_sums.sum(1) > 0).all())
+        finally:
+            ours.model.split_row_norms(False)
+    assert rel_err(runs[True][0], runs[False][0]) < REL_TOL
+    assert runs[True][1] == runs[False][1]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=DECODE_STEPS + 1)
+    assert runs[True][1] == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_row_norms_on_cuda_in_bf16(tmp_path):
+    """The Triton path of the split norms (GEMV epilogues, the first norm clearing the sums) against whole
+    norms on the GPU, bf16, the Triton attention backend: one-token passes give the same logits to within
+    bf16's rounding, for plain and FP8 weights."""
+    from shared.models.attention import create_attention_backend
+    path = write_hf_checkpoint(make_hf_model("llama"), str(tmp_path))
+    for quant in ("none", "fp8"):
+        ours, cfg = load_model(path, dtype=torch.bfloat16, device=torch.device("cuda"), quantization=quant)
+        prompt = torch.randint(3, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+        runs = {}
+        for split in (False, True):
+            assert ours.model.split_row_norms(split) == split
+            backend = create_attention_backend("triton", cfg.num_attention_heads, cfg.num_key_value_heads,
+                                               cfg.head_dim, device=torch.device("cuda"))
+            h = PagedHarness(ours, cfg, backend=backend)
+            runs[split] = torch.stack([h.step(ForwardMode.EXTEND, {0: [t]})[0][-1] for t in prompt])
+        ours.model.split_row_norms(False)
+        assert rel_err(runs[True], runs[False]) < 2e-2, quant

@@ -116,6 +116,8 @@ _HELP = {
                                       "decode attention",
     "one_launch_decode_attention": "triton backend: split decode attention merges its chunks in a second kernel "
                                    "per layer, not in the last program of each request and KV head",
+    "decode_norm_fusion": "one-token passes run every residual RMSNorm as its own kernel, not folded into the "
+                          "GEMVs around it",
     "enable_overlap": "do not overlap the host's scheduling with the device's step",
     "disable_jump_forward": "decode grammar-forced tokens one by one (the ablation)",
     "jump_forward_mode": "retokenize: forced runs as the tokenizer's tokens (fastest); verify: forced "

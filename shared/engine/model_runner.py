@@ -186,6 +186,9 @@ class ModelRunner:
                                                    quantization=config.quantization)
         if self.tp is not None:
             self.tp.ready()  # every rank has its shard: collectives may start
+        split = getattr(getattr(self.model, "model", None), "split_row_norms", None)
+        # The split norms' kernels are Triton's; on CPU the torch path would gain nothing from them.
+        self.decode_norm_fusion = bool(split and split(config.decode_norm_fusion and self.device.type == "cuda"))
         mc = self.model_config
         # This rank's attention heads (tensor parallelism splits them; kv heads may be replicated).
         self.num_heads, self.num_kv_heads = local_heads(mc.num_attention_heads), local_kv_heads(mc.num_key_value_heads)

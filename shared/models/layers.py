@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from kernels.residual_norm import ResidualNorm
 from shared.models.parallel import Shard, all_reduce, even_shard, vocab_shard
 
 
@@ -88,9 +89,18 @@ class Linear(nn.Module):
         self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32, device=device),
                                          requires_grad=False)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False, norm_in: ResidualNorm | None = None,
+                add_norm: ResidualNorm | None = None) -> torch.Tensor:
         """gated: x is a gated MLP's [T, 2 * in_features] (gate | up) and the layer's input is
-        silu(gate) * up, computed inside the decode GEMV where ops can (silu_mul_linear)."""
+        silu(gate) * up, computed inside the decode GEMV where ops can (silu_mul_linear).
+        norm_in / add_norm: one row; this layer consumes or produces a residual RMSNorm split around it
+        (kernels/residual_norm.py; not under tensor parallelism)."""
+        if norm_in is not None or add_norm is not None:
+            assert self.shard is None, "split norms run without tensor parallelism"
+            if gated:
+                assert norm_in is None, "a gated input is not a norm's output"
+                return ops.silu_mul_linear(x, self.weight, self.bias, self.weight_scale, add_norm=add_norm)
+            return ops.linear(x, self.weight, self.bias, self.weight_scale, norm_in=norm_in, add_norm=add_norm)
         matmul = ops.silu_mul_linear if gated else ops.linear
         if self.parallel == "row" and self.shard is not None:
             y = all_reduce(matmul(x, self.weight, None, self.weight_scale))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import ops
+from kernels.residual_norm import NORM_SLOTS, ResidualNorm
 from shared.engine.forward_batch import ForwardBatch
 from shared.models.config import ModelConfig
 from shared.models.layers import Embedding, Linear, MergedLinear, RMSNorm, rms_norm
@@ -37,14 +39,16 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, fb: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, fb: ForwardBatch,
+                norm_in: ResidualNorm | None = None, add_norm: ResidualNorm | None = None) -> torch.Tensor:
+        """norm_in / add_norm: the split residual norms before qkv_proj and after o_proj (LlamaModel._forward_row)."""
+        q, k, v = self.qkv_proj(hidden, norm_in=norm_in).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = self._per_head_norm(q, self.q_norm)
             k = self._per_head_norm(k, self.k_norm)
         # Rope is applied by the backend, fused with the KV store.
         o = fb.attn_backend.forward(q, k, v, self.layer_id, fb, rotary=rotary)
-        return self.o_proj(o)
+        return self.o_proj(o, add_norm=add_norm)
 
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         T = x.shape[0]
@@ -59,8 +63,10 @@ class LlamaMLP(nn.Module):
                                          shards=[even_shard(cfg.intermediate_size)] * 2)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, parallel="row")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), gated=True)  # silu_and_mul inside
+    def forward(self, x: torch.Tensor, norm_in: ResidualNorm | None = None,
+                add_norm: ResidualNorm | None = None) -> torch.Tensor:
+        # silu_and_mul inside the down projection
+        return self.down_proj(self.gate_up_proj(x, norm_in=norm_in), gated=True, add_norm=add_norm)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -88,12 +94,48 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling)
+        self.cfg = cfg
+        # Set by split_row_norms: the partial sums of the split norms of a one-token pass.
+        self.row_norm_sums: torch.Tensor | None = None
+
+    def split_row_norms(self, enabled: bool) -> bool:
+        """One-token passes (decode at batch 1) split every residual norm after the first between the GEMVs
+        around it (_forward_row). Not where a producer GEMV has a bias or is row-parallel. Returns whether
+        it is on."""
+        cfg = self.cfg
+        from shared.models.parallel import tp_size
+
+        ok = enabled and not cfg.o_proj_bias and not cfg.mlp_bias and tp_size() == 1
+        self.row_norm_sums = None
+        if ok:
+            self.row_norm_sums = torch.zeros(2 * len(self.layers) - 1, NORM_SLOTS, dtype=torch.float64,
+                                             device=self.norm.weight.device)
+        return ok
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(fb.input_ids), None
+        if self.row_norm_sums is not None and hidden.shape[0] == 1:
+            return self._forward_row(hidden, fb)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, self.rotary_emb, fb)
         hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def _forward_row(self, residual: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """One token. The first norm runs as its own kernel (it also clears the partial sums); every later
+        residual add + RMSNorm is split between the GEMV that produces the residual's update (o_proj,
+        down_proj) and the one that consumes the norm (gate_up_proj, the next qkv_proj): kernels/residual_norm.py.
+        The final norm runs as its own kernel again (the lm_head is not a GEMV of ours)."""
+        sums, eps, layers = self.row_norm_sums, self.cfg.rms_norm_eps, self.layers
+        x = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps, zero=sums)
+        norm_in = None
+        for i, layer in enumerate(layers):
+            post = ResidualNorm(residual, layer.post_attention_layernorm.weight, sums[2 * i], eps)
+            x = layer.self_attn(x, self.rotary_emb, fb, norm_in=norm_in, add_norm=post)
+            norm_in = (ResidualNorm(residual, layers[i + 1].input_layernorm.weight, sums[2 * i + 1], eps)
+                       if i + 1 < len(layers) else None)
+            x = layer.mlp(x, norm_in=post, add_norm=norm_in)
+        hidden, _ = self.norm(x, residual)
         return hidden
 
 
