@@ -52,16 +52,22 @@ def _norm_in_scale(SQ, K, eps, NSLOT: tl.constexpr):
 
 
 @triton.jit
-def _add_norm_epilogue(h, offs_n, mask_n, pid, R, GAMMA, G, SQ, NSLOT: tl.constexpr):
+def _add_norm_inputs(R, GAMMA, offs_n, mask_n):
+    """The producer's residual rows and gammas, loaded once the previous kernel is waited for and well before
+    the epilogue needs them (no dependent round trip to memory in a program's tail)."""
+    return (tl.load(R + offs_n, mask=mask_n, other=0.0),
+            tl.load(GAMMA + offs_n, mask=mask_n, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _add_norm_epilogue(h, r, gamma, offs_n, mask_n, pid, R, G, SQ, NSLOT: tl.constexpr):
     """Producer of a split residual RMSNorm: this program's outputs h (fp32 [BLOCK], rounded to the
-    activation dtype as the unfused layer's output is) added into the residual rows it owns, in place;
+    activation dtype as the unfused layer's output is) added into the residual rows r it owns, in place;
     gamma * residual written for the consumer GEMV; the rows' sum of squares added into one of NSLOT
     partials (programs spread over them: no queue on one address)."""
-    r = tl.load(R + offs_n, mask=mask_n, other=0.0)
     r_new = (h.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
     tl.store(R + offs_n, r_new, mask=mask_n)
     rf = r_new.to(tl.float32)
-    gamma = tl.load(GAMMA + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(G + offs_n, (rf * gamma).to(G.dtype.element_ty), mask=mask_n)
     tl.atomic_add(SQ + pid % NSLOT, tl.sum(rf * rf, axis=0).to(tl.float64), sem="relaxed")
 
@@ -138,6 +144,11 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
             acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+    # The split norm's inputs (earlier kernels' outputs: after the wait), loaded ahead of the loop.
+    if NORM_IN:
+        rs = _norm_in_scale(SQ, K, eps, NSLOT)
+    if ADD_NORM and SPLIT_K == 1:
+        r_in, gamma = _add_norm_inputs(R, GAMMA, offs_n, mask_n)
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
         w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K, "evict_first")
         acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
@@ -150,10 +161,10 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     if HAS_SCALE:  # FP8 weights: one dequantization scale per output row (linear, so per split too)
         acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
     if NORM_IN:  # linear in x: a split's partial takes the scale too
-        acc = acc * _norm_in_scale(SQ, K, eps, NSLOT)
+        acc = acc * rs
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1 and ADD_NORM:  # one row (the host checks): acc's other rows are zero
-        _add_norm_epilogue(tl.sum(acc, axis=0), offs_n, mask_n, pid_n, R, GAMMA, Y, SQ, NSLOT)
+        _add_norm_epilogue(tl.sum(acc, axis=0), r_in, gamma, offs_n, mask_n, pid_n, R, Y, SQ, NSLOT)
     elif SPLIT_K == 1:
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
     else:
@@ -248,6 +259,11 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps
         w_ptrs += FOLD * BLOCK_K
         x_ptrs += FOLD * BLOCK_K
         start = FOLD * BLOCK_K
+    # The split norm's inputs (earlier kernels' outputs: after the wait), loaded ahead of the loop.
+    if NORM_IN:
+        rs = _norm_in_scale(SQ, K, eps, NSLOT)
+    if ADD_NORM and SPLIT_K == 1:
+        r_in, gamma = _add_norm_inputs(R, GAMMA, offs_n, mask_n)
     for kk in range(start, K_PER_SPLIT, FOLD * BLOCK_K):
         acc = _row_chunk(acc, w_ptrs, x_ptrs, k0 + kk, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K,
                          SILU_MUL, NARROW, EVICT)
@@ -255,9 +271,9 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps
         x_ptrs += FOLD * BLOCK_K
     out = tl.sum(acc, axis=1)
     if NORM_IN:  # linear in x: a split's partial takes the scale too
-        out = out * _norm_in_scale(SQ, K, eps, NSLOT)
+        out = out * rs
     if SPLIT_K == 1 and ADD_NORM:
-        _add_norm_epilogue(out, offs_n, mask_n, pid_n, R, GAMMA, Y, SQ, NSLOT)
+        _add_norm_epilogue(out, r_in, gamma, offs_n, mask_n, pid_n, R, Y, SQ, NSLOT)
     elif SPLIT_K == 1:
         tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=mask_n)
     else:
@@ -272,11 +288,13 @@ def _splitk_reduce_kernel(P, Y, N, stride_ym, R, GAMMA, SQ, M: tl.constexpr, SPL
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
+    if ADD_NORM:
+        r_in, gamma = _add_norm_inputs(R, GAMMA, offs, mask)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(P + (s * M + m) * N + offs, mask=mask, other=0.0)
     if ADD_NORM:  # one row (the host checks)
-        _add_norm_epilogue(acc, offs, mask, tl.program_id(0), R, GAMMA, Y, SQ, NSLOT)
+        _add_norm_epilogue(acc, r_in, gamma, offs, mask, tl.program_id(0), R, Y, SQ, NSLOT)
     else:
         tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=mask)
 
