@@ -110,6 +110,17 @@ def test_decode_attention_and_pdl_flags(capsys):
         assert says in capsys.readouterr().err
 
 
+def test_decode_norm_fusion_flag():
+    """Split residual norms are on by default; --no-decode-norm-fusion turns them off and the launcher passes
+    that on to its workers."""
+    from shared.engine.cli import engine_args_to_argv
+    assert launch_args(["--model-path", "m"]).decode_norm_fusion
+    args = launch_args(["--model-path", "m", "--no-decode-norm-fusion"])
+    assert not args.decode_norm_fusion
+    assert "--no-decode-norm-fusion" in engine_args_to_argv(args)
+    assert not worker_args(engine_args_to_argv(args)).decode_norm_fusion
+
+
 def test_attention_backend_choices_and_the_unsupported_flashinfer(capsys):
     assert launch_args(["--model-path", "m", "--attention-backend", "triton"]).attention_backend == "triton"
     for parse in (launch_args, worker_args):
