@@ -100,6 +100,8 @@ def decode_path(fp8: bool, split_norms: bool) -> None:
         xin = torch.zeros(1, 2 * k if silu else k, dtype=bf)
         norms = {("norm_in" if role == "in" else "add_norm"): norm} if split_norms else {}
         gemv(xin, w, scale=torch.ones(n) if fp8 else None, silu_mul=silu, **norms)
+    from kernels import prefetch
+    prefetch.launch(torch.zeros(hidden, hidden, dtype=bf))  # --decode-l2-prefetch
     qkv = torch.zeros(1, (hq + 2 * hkv) * d, dtype=bf)
     q, k, v = qkv.view(1, -1, d).split([hq, hkv, hkv], dim=1)
     slots = 4096

@@ -45,6 +45,14 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
     return q, k
 
 
+def l2_prefetch(t: torch.Tensor, pdl: bool | None = None) -> None:
+    """A hint that t will be read soon: on Hopper GPUs its bytes are brought into L2 (kernels/prefetch.py);
+    a no-op elsewhere."""
+    if _on_gpu(t):
+        from kernels.prefetch import l2_prefetch as kern
+        kern(t, pdl)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _on_gpu(x):
         from kernels.activation import silu_and_mul as kern

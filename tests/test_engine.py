@@ -544,6 +544,27 @@ def test_decode_norm_fusion_decodes_the_tokens_of_whole_norms(dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_l2_prefetch_decodes_the_tokens_without_it():
+    """bf16, CUDA graphs and eager steps, split and whole norms: asking o_proj's weights into L2 changes no
+    token (a hint only; on GPUs before Hopper it launches nothing)."""
+    ps = prompts(3, seed=61)
+    results = {}
+    for prefetch in (False, True):
+        for fused in (True, False):
+            for graphs in (True, False):
+                h = Harness(dtype="bfloat16", max_running_requests=8, decode_l2_prefetch=prefetch,
+                            decode_norm_fusion=fused, cuda_graph=graphs)
+                assert (h.engine.runner.model.model.row_prefetcher is not None) is prefetch
+                alone = h.run([h.submit(ps[0], sampling={**GREEDY, "max_new_tokens": 16})])
+                together = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 8}) for p in ps])
+                results[prefetch, fused, graphs] = [r["ids"] for r in alone + together]
+                h.engine.stop()
+    for fused in (True, False):
+        for graphs in (True, False):
+            assert results[True, fused, graphs] == results[False, fused, graphs], (fused, graphs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_short_extends_in_cuda_graphs_give_the_results_of_eager_extends():
     """Extend passes of a few tokens per request over cached prefixes (a second turn, jump-forward's
     catch-ups) replay a captured graph padded to their token bucket; tokens and input logprobs are those

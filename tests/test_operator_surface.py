@@ -110,15 +110,18 @@ def test_decode_attention_and_pdl_flags(capsys):
         assert says in capsys.readouterr().err
 
 
-def test_decode_norm_fusion_flag():
-    """Split residual norms are on by default; --no-decode-norm-fusion turns them off and the launcher passes
-    that on to its workers."""
+def test_decode_norm_fusion_and_l2_prefetch_flags():
+    """Split residual norms are on by default, --no-decode-norm-fusion turns them off; the L2 prefetch is off by
+    default, --decode-l2-prefetch turns it on; the launcher passes both on to its workers."""
     from shared.engine.cli import engine_args_to_argv
     assert launch_args(["--model-path", "m"]).decode_norm_fusion
     args = launch_args(["--model-path", "m", "--no-decode-norm-fusion"])
     assert not args.decode_norm_fusion
     assert "--no-decode-norm-fusion" in engine_args_to_argv(args)
     assert not worker_args(engine_args_to_argv(args)).decode_norm_fusion
+    assert not launch_args(["--model-path", "m"]).decode_l2_prefetch
+    args = launch_args(["--model-path", "m", "--decode-l2-prefetch"])
+    assert args.decode_l2_prefetch and worker_args(engine_args_to_argv(args)).decode_l2_prefetch
 
 
 def test_attention_backend_choices_and_the_unsupported_flashinfer(capsys):

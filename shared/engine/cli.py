@@ -118,6 +118,8 @@ _HELP = {
                                    "per layer, not in the last program of each request and KV head",
     "decode_norm_fusion": "one-token passes run every residual RMSNorm as its own kernel, not folded into the "
                           "GEMVs around it",
+    "decode_l2_prefetch": "one-token passes prefetch each layer's o_proj weight into L2 while rope and attention "
+                          "run (Hopper)",
     "enable_overlap": "do not overlap the host's scheduling with the device's step",
     "disable_jump_forward": "decode grammar-forced tokens one by one (the ablation)",
     "jump_forward_mode": "retokenize: forced runs as the tokenizer's tokens (fastest); verify: forced "

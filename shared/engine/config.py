@@ -82,6 +82,10 @@ class EngineConfig:
     # (qkv_proj, gate_up_proj) applies the norm's scale to its outputs (kernels/residual_norm.py). 63 fewer
     # launches a step on an 8B Llama. Not under tensor parallelism or with a biased producer.
     decode_norm_fusion: bool = True
+    # One-token passes ask each layer's o_proj weight into L2 (Hopper's bulk prefetch, kernels/prefetch.py)
+    # while rope and decode attention leave the memory system idle (~9 us a layer at batch 1), so that o_proj
+    # reads it from L2. Off until measured.
+    decode_l2_prefetch: bool = False
     enable_overlap: bool = True
     disable_jump_forward: bool = False
     # retokenize: forced runs go in as the tokenizer's own tokens (fastest; the model may have chosen

@@ -189,6 +189,10 @@ class ModelRunner:
         split = getattr(getattr(self.model, "model", None), "split_row_norms", None)
         # The split norms' kernels are Triton's; on CPU the torch path would gain nothing from them.
         self.decode_norm_fusion = bool(split and split(config.decode_norm_fusion and self.device.type == "cuda"))
+        if config.decode_l2_prefetch and self.device.type == "cuda" and hasattr(self.model.model, "row_prefetcher"):
+            from shared.models.weight_prefetch import WeightPrefetcher
+
+            self.model.model.row_prefetcher = WeightPrefetcher(self.device)
         mc = self.model_config
         # This rank's attention heads (tensor parallelism splits them; kv heads may be replicated).
         self.num_heads, self.num_kv_heads = local_heads(mc.num_attention_heads), local_kv_heads(mc.num_key_value_heads)

@@ -17,6 +17,7 @@ from shared.models.config import ModelConfig
 from shared.models.layers import Embedding, Linear, MergedLinear, RMSNorm, rms_norm
 from shared.models.parallel import all_gather_last, even_shard, head_shard, kv_shard, local_heads, local_kv_heads
 from shared.models.rope import RotaryEmbedding
+from shared.models.weight_prefetch import WeightPrefetcher
 
 
 class LlamaAttention(nn.Module):
@@ -40,9 +41,13 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, fb: ForwardBatch,
-                norm_in: ResidualNorm | None = None, add_norm: ResidualNorm | None = None) -> torch.Tensor:
-        """norm_in / add_norm: the split residual norms before qkv_proj and after o_proj (LlamaModel._forward_row)."""
+                norm_in: ResidualNorm | None = None, add_norm: ResidualNorm | None = None,
+                prefetch: WeightPrefetcher | None = None) -> torch.Tensor:
+        """norm_in / add_norm: the split residual norms before qkv_proj and after o_proj (LlamaModel._forward_row).
+        prefetch: o_proj's weight is asked into L2 beside rope and attention (shared/models/weight_prefetch.py)."""
         q, k, v = self.qkv_proj(hidden, norm_in=norm_in).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if prefetch is not None:
+            prefetch.prefetch(self.o_proj.weight)
         if self.q_norm is not None:
             q = self._per_head_norm(q, self.q_norm)
             k = self._per_head_norm(k, self.k_norm)
@@ -78,10 +83,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
-                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+                fb: ForwardBatch, prefetch: WeightPrefetcher | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried separately so each add fuses into the following norm.
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rotary, fb)
+        hidden = self.self_attn(hidden, rotary, fb, prefetch=prefetch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -97,6 +102,9 @@ class LlamaModel(nn.Module):
         self.cfg = cfg
         # Set by split_row_norms: the partial sums of the split norms of a one-token pass.
         self.row_norm_sums: torch.Tensor | None = None
+        # One-token passes ask each layer's o_proj weight into L2 beside rope and attention (the engine's
+        # --decode-l2-prefetch sets it).
+        self.row_prefetcher: WeightPrefetcher | None = None
 
     def split_row_norms(self, enabled: bool) -> bool:
         """One-token passes (decode at batch 1) split every residual norm after the first between the GEMVs
@@ -116,9 +124,12 @@ class LlamaModel(nn.Module):
         hidden, residual = self.embed_tokens(fb.input_ids), None
         if self.row_norm_sums is not None and hidden.shape[0] == 1:
             return self._forward_row(hidden, fb)
+        prefetch = self.row_prefetcher if hidden.shape[0] == 1 else None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, self.rotary_emb, fb)
+            hidden, residual = layer(hidden, residual, self.rotary_emb, fb, prefetch=prefetch)
         hidden, _ = self.norm(hidden, residual)
+        if prefetch is not None:
+            prefetch.join()
         return hidden
 
     def _forward_row(self, residual: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -131,11 +142,13 @@ class LlamaModel(nn.Module):
         norm_in = None
         for i, layer in enumerate(layers):
             post = ResidualNorm(residual, layer.post_attention_layernorm.weight, sums[2 * i], eps)
-            x = layer.self_attn(x, self.rotary_emb, fb, norm_in=norm_in, add_norm=post)
+            x = layer.self_attn(x, self.rotary_emb, fb, norm_in=norm_in, add_norm=post, prefetch=self.row_prefetcher)
             norm_in = (ResidualNorm(residual, layers[i + 1].input_layernorm.weight, sums[2 * i + 1], eps)
                        if i + 1 < len(layers) else None)
             x = layer.mlp(x, norm_in=post, add_norm=norm_in)
         hidden, _ = self.norm(x, residual)
+        if self.row_prefetcher is not None:
+            self.row_prefetcher.join()
         return hidden
 
 
