@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|tp|shared-prefix|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
@@ -88,6 +88,14 @@ if [[ $what == recheck ]]; then
   timeout 150 python3 -m bench.structured --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/structured.log" | tail -12
   timeout 270 python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream --batch1 16 --offline \
     --out "$OUT/interval16" -- --stream-interval 16 2>&1 | grep -v Capturing | tee "$OUT/serving_interval.log" | tail -12
+fi
+if [[ $what == l2-prefetch ]]; then
+  # --decode-l2-prefetch (issue 14, not measured when it landed): its GPU tests, the batch-1 A/B, the replay's kernels.
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+    -k "l2_prefetch" 2>&1 | tail -3
+  timeout 200 python3 -m bench.b1 --variants "base=;prefetch=decode_l2_prefetch=1" --rounds 2 --quantization none,fp8 2>&1 \
+    | grep "round" | tee "$OUT/b1_l2_prefetch.log"
+  timeout 120 python3 -m bench.probe trace_pdl_prefetch 2>&1 | grep -v "Capturing\|Warning" | tail -16
 fi
 if [[ $what == probes ]]; then
   # Where issue 14's batch-1, batch-256 and prefill time goes (bench/probe.py; 2026-12-01: ~3 min).
