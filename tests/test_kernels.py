@@ -955,6 +955,19 @@ def test_l2_prefetch_is_a_no_op_off_cuda():
     assert torch.equal(t, torch.arange(10.0))
 
 
+def test_triton_backend_defaults_are_the_engines():
+    """Direct users of the Triton backend (kernel tests, benches) get the decode attention the engine runs: the
+    engine's config module does not import the kernels, so the two hold their defaults apart."""
+    import inspect
+
+    from kernels.attention.triton_decode import MAX_KV_SPLITS
+    from shared.engine.config import EngineConfig
+    from shared.models.attention.triton_backend import TritonAttentionBackend
+    params = inspect.signature(TritonAttentionBackend.__init__).parameters
+    assert params["max_kv_splits"].default == MAX_KV_SPLITS == EngineConfig.triton_attention_num_kv_splits
+    assert params["one_launch_decode"].default is EngineConfig.one_launch_decode_attention is True
+
+
 def test_factory_choices():
     from shared.models.attention import TorchAttentionBackend, create_attention_backend
     assert isinstance(create_attention_backend("auto", 4, 2, 16, device="cpu"), TorchAttentionBackend)

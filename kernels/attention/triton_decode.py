@@ -206,7 +206,9 @@ def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, KV_START, O, stride_ob, stride_oh
 
 
 MIN_TOKENS_PER_SPLIT = 64
-MAX_KV_SPLITS = 64
+# Most chunks a request's context is cut into; the engine's --triton-attention-num-kv-splits default (32: fewer
+# idle programs at short contexts, bench/RESULTS.md 2026-12-04). A test holds the two equal.
+MAX_KV_SPLITS = 32
 
 
 def plan_max_kv_splits(batch_size: int, num_kv_heads: int, cap: int = MAX_KV_SPLITS) -> int:

@@ -47,13 +47,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None,
                  max_kv_splits: int = MAX_KV_SPLITS, min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
-                 one_launch_decode: bool = False):
+                 one_launch_decode: bool = True):
         super().__init__(num_heads, num_kv_heads, head_dim, scaling)
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
         self.max_kv_splits = max_kv_splits
         self.min_tokens_per_split = min_tokens_per_split
         # Split decode merged in the same launch (the last program per request and KV head) instead of by
-        # a second kernel; both are kept so they can be A/B'd (bench/b1_attn.py).
+        # a second kernel, as the engine runs it by default; both are kept so they can be A/B'd (bench/b1_attn.py).
         self.one_launch_decode = one_launch_decode
         self._tickets: torch.Tensor | None = None
         self._retired_tickets: list[torch.Tensor] = []
