@@ -10,6 +10,10 @@ With silu_mul=True the input is a gated MLP's [M, 2K] gate|up activation and the
 silu(gate) * up, computed as it loads x (rounded to x's dtype, as the silu_and_mul kernel's output
 would be): the down projection without a separate activation launch.
 
+With norm_in / add_norm (one row) the GEMV is the consumer or the producer of a residual RMSNorm split
+around it (kernels/residual_norm.py): the consumer scales its sums by the norm, the producer's epilogue adds
+into the residual and writes the norm's input in place of y (in the reduce kernel where K is split).
+
 `python -m bench.kernels --tune` sweeps the block choices on the current GPU.
 """
 from __future__ import annotations
