@@ -7,7 +7,8 @@ engine. One JSON line per engine, so a shell loop can alternate code versions be
 
 --variants A/Bs engine settings in one process: NAME=FIELD=VALUE,... entries separated by ";", each an
 engine of those EngineConfig fields, alternated --rounds times (values parsed as Python literals where
-they parse, "1"/"0" as booleans for boolean fields).
+they parse, "1"/"0" as booleans for boolean fields). A FIELD of the form @module.NAME is a module-level knob
+instead (e.g. @kernels.gemv.PRODUCER_LATE_TRIGGER=1), set while that variant's engine is built and run.
 
 The figures are bench.offline's and bench.fp8's batch-1 figures (same drive, same replay timing) without
 their throughput runs; the floor and the goals stay theirs.
@@ -15,6 +16,8 @@ their throughput runs; the floor and the goals stay theirs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 
 from bench.common import engine_figures, log, model_dir
@@ -36,12 +39,30 @@ def main() -> None:
         for name, settings in variants.items():
             for q in args.quantization.split(","):
                 extra = {} if q == "none" else {"quantization": q}
-                fig = engine_figures(path, tok, True, 400, 0, args.steps, max_running_requests=8,
-                                     cuda_graph_max_bs=8, **extra, **settings)
+                fields = {k: v for k, v in settings.items() if not k.startswith("@")}
+                with module_knobs({k[1:]: v for k, v in settings.items() if k.startswith("@")}):
+                    fig = engine_figures(path, tok, True, 400, 0, args.steps, max_running_requests=8,
+                                         cuda_graph_max_bs=8, **extra, **fields)
                 log(f"{name} {q} round {r + 1}: step {fig['b1_step_ms']:.3f} ms, "
                     f"replay {fig.get('b1_graph_ms', 0):.3f} ms")
                 print(json.dumps({"label": name, "round": r + 1, "quantization": q, "settings": settings, **fig}),
                       flush=True)
+
+
+@contextlib.contextmanager
+def module_knobs(knobs: dict):
+    """{"package.module.NAME": value}: each module attribute set for the block, then restored."""
+    saved = []
+    try:
+        for dotted, value in knobs.items():
+            mod, _, name = dotted.rpartition(".")
+            module = importlib.import_module(mod)
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
 
 
 def parse_variants(text: str) -> dict[str, dict]:
@@ -57,6 +78,20 @@ def parse_variants(text: str) -> dict[str, dict]:
         settings = {}
         for item in filter(None, (i.strip() for i in rest.split(","))):
             key, _, value = item.partition("=")
+            if key.startswith("@"):
+                mod, _, attr = key[1:].rpartition(".")
+                try:
+                    default = getattr(importlib.import_module(mod), attr)
+                except (ImportError, AttributeError, ValueError):
+                    raise SystemExit(f"--variants: {key[1:]!r} is not a module attribute") from None
+                if isinstance(default, bool):
+                    settings[key] = value.lower() in ("1", "true", "yes")
+                else:
+                    try:
+                        settings[key] = ast.literal_eval(value)
+                    except (ValueError, SyntaxError):
+                        settings[key] = value
+                continue
             if key not in types:
                 raise SystemExit(f"--variants: {key!r} is not an EngineConfig field")
             if types[key] in (bool, "bool"):

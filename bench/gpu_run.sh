@@ -90,11 +90,12 @@ if [[ $what == recheck ]]; then
     --out "$OUT/interval16" -- --stream-interval 16 2>&1 | grep -v Capturing | tee "$OUT/serving_interval.log" | tail -12
 fi
 if [[ $what == l2-prefetch ]]; then
-  # --decode-l2-prefetch (issue 14, not measured when it landed): its GPU tests, the batch-1 A/B, the replay's kernels.
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "l2_prefetch" 2>&1 | tail -3
-  timeout 200 python3 -m bench.b1 --variants "base=;prefetch=decode_l2_prefetch=1" --rounds 2 --quantization none,fp8 2>&1 \
-    | grep "round" | tee "$OUT/b1_l2_prefetch.log"
+  # Issue 14's two batch-1 ideas not measured when they landed (2026-12-04): --decode-l2-prefetch and the split
+  # norm producers' late trigger (kernels.gemv.PRODUCER_LATE_TRIGGER). Their GPU tests, one A/B, the kernel trace.
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+    -k "l2_prefetch or late_trigger" 2>&1 | tail -3
+  timeout 300 python3 -m bench.b1 --variants "base=;prefetch=decode_l2_prefetch=1;late=@kernels.gemv.PRODUCER_LATE_TRIGGER=1" \
+    --rounds 2 --quantization none,fp8 2>&1 | grep "round" | tee "$OUT/b1_next14.log"
   timeout 120 python3 -m bench.probe trace_pdl_prefetch 2>&1 | grep -v "Capturing\|Warning" | tail -16
 fi
 if [[ $what == probes ]]; then

@@ -107,3 +107,16 @@ def pdl_prologue(PDL: tl.constexpr, TRIGGERED: tl.constexpr = False):
     elif PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """pdl_prologue's wait alone, for a kernel that lets the next one launch later (pdl_trigger), not at once."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_trigger(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()

@@ -24,11 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue, pdl_trigger_early
+from kernels._utils import (dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue, pdl_trigger, pdl_trigger_early,
+                            pdl_wait)
 from kernels.activation import silu_mul_f32
 from kernels.residual_norm import NORM_SLOTS, ResidualNorm
 
 MAX_M = 4
+# A split norm's producer (one-row kernel, PDL at 1) lets the next kernel launch only after its K loop rather than
+# right after its wait: the consumer GEMV's programs then do not prefetch under the producer's last wave. An A/B
+# knob (`python -m bench.b1 --variants "base=;late=@kernels.gemv.PRODUCER_LATE_TRIGGER=1"`), read when a GEMV is
+# launched (a CUDA graph keeps what it captured); off until measured (bench/RESULTS.md, 2026-12-04).
+PRODUCER_LATE_TRIGGER = False
 
 
 @triton.jit
@@ -230,7 +236,7 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
                      PDL: tl.constexpr, PRE: tl.constexpr, FOLD: tl.constexpr, X_ROWS: tl.constexpr,
                      NARROW: tl.constexpr, EVICT: tl.constexpr, NORM_IN: tl.constexpr = False,
-                     ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16):
+                     ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, LATE: tl.constexpr = False):
     """y = x @ W^T for one row x and half- or full-precision W: each program streams BLOCK_N rows of W over
     its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end."""
     pid_n = tl.program_id(0)
@@ -257,7 +263,10 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps
             w1 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K, EVICT)
         else:
             w1 = w0
-        pdl_prologue(PDL, True)
+        if LATE:  # the next kernel launches after this one's K loop (pdl_trigger below)
+            pdl_wait(PDL)
+        else:
+            pdl_prologue(PDL, True)
         acc = _row_chunk(acc, w_ptrs, x_ptrs, k0, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K, SILU_MUL,
                          NARROW, EVICT, PRE, w0, w1)
         w_ptrs += FOLD * BLOCK_K
@@ -273,6 +282,8 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps
                          SILU_MUL, NARROW, EVICT)
         w_ptrs += FOLD * BLOCK_K
         x_ptrs += FOLD * BLOCK_K
+    if LATE:
+        pdl_trigger(PDL)
     out = tl.sum(acc, axis=1)
     if NORM_IN:  # linear in x: a split's partial takes the scale too
         out = out * rs
@@ -364,10 +375,11 @@ def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvC
     while tiles % fold:
         fold -= 1
     launch = pdl_launch(pdl, "gemv")
+    late = PRODUCER_LATE_TRIGGER and norms["ADD_NORM"] and launch["PDL"] is True
     _gemv_row_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
         x, w, out, partial, N, K, w.stride(0), k_per_split, **norms, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=split_k, EVEN_K=even_k, SILU_MUL=silu_mul, PRE=min(cfg.pre_tiles, fold) if launch["PDL"] else 0,
-        FOLD=fold, X_ROWS=cfg.block_k < 32 * cfg.num_warps * 16 // x.element_size(),
+        FOLD=fold, LATE=late, X_ROWS=cfg.block_k < 32 * cfg.num_warps * 16 // x.element_size(),
         NARROW=cfg.narrow and cfg.block_k % 8 == 0, EVICT="evict_first" if cfg.evict_first else "",
         num_warps=cfg.num_warps, **launch)
 

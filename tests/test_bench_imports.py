@@ -12,3 +12,18 @@ BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 @pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__"))
 def test_bench_module_imports(name):
     importlib.import_module(f"bench.{name}")
+
+
+def test_b1_variants_take_engine_fields_and_module_knobs():
+    """bench.b1 --variants: EngineConfig fields, and @module.NAME knobs set only while their variant runs."""
+    import kernels.gemv as kg
+    from bench.b1 import module_knobs, parse_variants
+    v = parse_variants("base=;late=@kernels.gemv.PRODUCER_LATE_TRIGGER=1,decode_norm_fusion=0")
+    assert v == {"base": {}, "late": {"@kernels.gemv.PRODUCER_LATE_TRIGGER": True, "decode_norm_fusion": False}}
+    assert kg.PRODUCER_LATE_TRIGGER is False
+    with module_knobs({"kernels.gemv.PRODUCER_LATE_TRIGGER": True}):
+        assert kg.PRODUCER_LATE_TRIGGER is True
+    assert kg.PRODUCER_LATE_TRIGGER is False
+    for bad in ("x=@kernels.gemv.NO_SUCH=1", "x=@no_such_module.X=1", "x=no_such_field=1"):
+        with pytest.raises(SystemExit):
+            parse_variants(bad)

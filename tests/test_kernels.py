@@ -721,6 +721,55 @@ def test_cuda_bf16(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability >= 9")
+def test_cuda_split_norm_producer_late_trigger_in_a_pdl_graph(monkeypatch):
+    """A split norm's producer that lets the consumer launch only after its K loop (PRODUCER_LATE_TRIGGER) gives
+    the bits of the producer that lets it launch at once: producer, consumer, producer, replayed in a CUDA graph
+    under PDL with fresh inputs each time."""
+    import kernels.gemv as kg
+    from kernels._utils import set_pdl
+    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
+    torch.manual_seed(0)
+    H = 4096
+    o = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    wo = torch.randn(H, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    wg = torch.randn(2 * 14336, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    wd = torch.randn(H, 14336, device="cuda", dtype=torch.bfloat16) * 0.02
+    gamma = torch.rand(H, device="cuda", dtype=torch.bfloat16) + 0.5
+    r0 = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+
+    def run(late):
+        monkeypatch.setattr(kg, "PRODUCER_LATE_TRIGGER", late)
+        r, sums = r0.clone(), torch.zeros(2, NORM_SLOTS, dtype=torch.float64, device="cuda")
+        a, b = ResidualNorm(r, gamma, sums[0], 1e-5), ResidualNorm(r, gamma, sums[1], 1e-5)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            kg.gemv(kg.gemv(kg.gemv(o, wo, add_norm=a), wg, norm_in=a), wd, silu_mul=True, add_norm=b)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = kg.gemv(kg.gemv(kg.gemv(o, wo, add_norm=a), wg, norm_in=a), wd, silu_mul=True, add_norm=b)
+        outs = []
+        for i in range(5):
+            torch.manual_seed(i)
+            o.copy_(torch.randn_like(o))
+            r.copy_(r0)
+            sums.zero_()
+            g.replay()
+            outs.append((out.clone(), r.clone()))
+        return outs
+
+    try:
+        set_pdl(True)
+        late, early = run(True), run(False)
+    finally:
+        set_pdl(False)
+    for (y1, r1), (y2, r2) in zip(late, early):
+        assert torch.equal(r1, r2) and torch.equal(y1, y2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="bulk L2 prefetch needs compute capability >= 9")
 @pytest.mark.parametrize("pdl", [False, True])
 def test_cuda_l2_prefetch_between_dependent_kernels_changes_nothing(pdl):
