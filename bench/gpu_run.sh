@@ -92,7 +92,7 @@ fi
 if [[ $what == l2-prefetch ]]; then
   # Issue 14's two batch-1 ideas not measured when they landed (2026-12-04): --decode-l2-prefetch and the split
   # norm producers' late trigger (kernels.gemv.PRODUCER_LATE_TRIGGER). Their GPU tests, one A/B, the kernel trace.
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
     -k "l2_prefetch or late_trigger" 2>&1 | tail -3
   timeout 300 python3 -m bench.b1 --variants "base=;prefetch=decode_l2_prefetch=1;late=@kernels.gemv.PRODUCER_LATE_TRIGGER=1" \
     --rounds 2 --quantization none,fp8 2>&1 | grep "round" | tee "$OUT/b1_next14.log"
