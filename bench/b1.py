@@ -67,7 +67,6 @@ def module_knobs(knobs: dict):
 
 def parse_variants(text: str) -> dict[str, dict]:
     """"base=;early=pdl_early_trigger=1,max_kv_splits=32" -> {"base": {}, "early": {...}}."""
-    import ast
     import dataclasses
 
     from shared.engine.config import EngineConfig
@@ -84,26 +83,26 @@ def parse_variants(text: str) -> dict[str, dict]:
                     default = getattr(importlib.import_module(mod), attr)
                 except (ImportError, AttributeError, ValueError):
                     raise SystemExit(f"--variants: {key[1:]!r} is not a module attribute") from None
-                if isinstance(default, bool):
-                    settings[key] = value.lower() in ("1", "true", "yes")
-                else:
-                    try:
-                        settings[key] = ast.literal_eval(value)
-                    except (ValueError, SyntaxError):
-                        settings[key] = value
-                continue
-            if key not in types:
-                raise SystemExit(f"--variants: {key!r} is not an EngineConfig field")
-            if types[key] in (bool, "bool"):
-                settings[key] = value.lower() in ("1", "true", "yes")
+                is_bool = isinstance(default, bool)
+            elif key in types:
+                is_bool = types[key] in (bool, "bool")
             else:
-                try:
-                    settings[key] = ast.literal_eval(value)
-                except (ValueError, SyntaxError):
-                    settings[key] = value
+                raise SystemExit(f"--variants: {key!r} is not an EngineConfig field")
+            settings[key] = _parse_value(value, is_bool)
         out[name] = settings
     return out
 
+
+def _parse_value(value: str, is_bool: bool):
+    """"1"/"true"/"yes" for booleans; otherwise a Python literal where it parses, else the string."""
+    import ast
+
+    if is_bool:
+        return value.lower() in ("1", "true", "yes")
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return value
 
 if __name__ == "__main__":
     main()
