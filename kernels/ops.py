@@ -119,7 +119,7 @@ def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | No
     if gated:
         x = silu_and_mul(x)
     if weight_scale is not None:
-        weight = (weight.to(torch.float32) * weight_scale.to(torch.float32)[:, None]).to(x.dtype)
+        weight = ref.dequantize_rows_ref(weight, weight_scale, x.dtype)
     y = x.float() @ weight.float().t()
     if norm_in is not None:
         y = y * ref.residual_norm_scale_ref(norm_in)

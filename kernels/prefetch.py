@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import interpreting, pdl_launch
+from kernels._utils import interpreting, pdl_launch, pdl_trigger, pdl_wait
 
 CHUNK = 8192  # bytes a prefetch instruction covers (a multiple of 16)
 PER_PROGRAM = 128  # chunks a program issues: one a thread at four warps
@@ -23,15 +23,13 @@ PER_PROGRAM = 128  # chunks a program issues: one a thread at four warps
 
 @triton.jit
 def _l2_prefetch_kernel(P, nbytes, CHUNK: tl.constexpr, PER_PROGRAM: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger(PDL)
     offs = (tl.program_id(0) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)).to(tl.int64) * CHUNK
     size = tl.minimum(tl.maximum(nbytes - offs, 0), CHUNK).to(tl.int32)
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [P + offs, size], dtype=tl.int32, is_pure=False, pack=1)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    pdl_wait(PDL)
 
 
 @functools.lru_cache(maxsize=None)

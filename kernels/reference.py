@@ -191,5 +191,9 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ (weight * scale[:, None])^T in x's dtype, the weight dequantized first (weight-only FP8)."""
-    w = (weight.to(torch.float32) * weight_scale.to(torch.float32)[:, None]).to(x.dtype)
-    return torch.nn.functional.linear(x, w, bias)
+    return torch.nn.functional.linear(x, dequantize_rows_ref(weight, weight_scale, x.dtype), bias)
+
+
+def dequantize_rows_ref(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 weight [N, K] with one scale per row -> the weight in `dtype`."""
+    return (weight.to(torch.float32) * weight_scale.to(torch.float32)[:, None]).to(dtype)

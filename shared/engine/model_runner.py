@@ -186,10 +186,10 @@ class ModelRunner:
                                                    quantization=config.quantization)
         if self.tp is not None:
             self.tp.ready()  # every rank has its shard: collectives may start
-        split = getattr(getattr(self.model, "model", None), "split_row_norms", None)
-        # The split norms' kernels are Triton's; on CPU the torch path would gain nothing from them.
-        self.decode_norm_fusion = bool(split and split(config.decode_norm_fusion and self.device.type == "cuda"))
-        if config.decode_l2_prefetch and self.device.type == "cuda" and hasattr(self.model.model, "row_prefetcher"):
+        # The split norms' kernels and the prefetch are the GPU's; on CPU the torch path would gain nothing.
+        on_gpu = self.device.type == "cuda"
+        self.decode_norm_fusion = self.model.model.split_row_norms(config.decode_norm_fusion and on_gpu)
+        if config.decode_l2_prefetch and on_gpu:
             from shared.models.weight_prefetch import WeightPrefetcher
 
             self.model.model.row_prefetcher = WeightPrefetcher(self.device)
