@@ -3,6 +3,7 @@ Python wrappers the engine calls, and report registers, spills and shared memory
 with --sass). A kernel that does not compile for Hopper fails here, not in a device call.
 
     PYTHONPATH=/tmp/t36 python -m bench.sm90_compile [--pdl 0|1|2] [--sass NAME] [--fp8] [--no-split-norms]
+                                                     [--rope-fusion]
 
 Use the device's Triton version (3.6: `pip download --no-deps triton==3.6.0` and `pip install --no-deps
 --target /tmp/t36` the wheel) so ptxas and the compiler match what runs there. Nothing is launched: each
@@ -76,16 +77,21 @@ def _resources(kernel) -> str:
     return " ".join(line.strip() for line in _cuobjdump(kernel, "--dump-resource-usage").splitlines() if "REG" in line)
 
 
-def decode_path(fp8: bool, split_norms: bool) -> None:
+def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False) -> None:
     """The kernels of one Llama-3.1-8B decode layer at batch 1, through the engine's wrappers (split_norms:
-    the residual norms split between the GEMVs around them, as the engine runs them by default)."""
+    the residual norms split between the GEMVs around them, as the engine runs them by default; rope_fusion:
+    rope and the KV store in the qkv GEMV's epilogue, --decode-rope-fusion)."""
     from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
     from kernels.gemv import gemv
     from kernels.norm import rms_norm
     from kernels.residual_norm import NORM_SLOTS, ResidualNorm
     from kernels.rope import apply_rope_and_store_kv
+    from kernels.rope_store import RopeStore
     bf = torch.bfloat16
     hidden, inter, hq, hkv, d = 4096, 14336, 32, 8, 128
+    slots = 4096
+    k_buf, v_buf = torch.zeros(slots, hkv, d, dtype=bf), torch.zeros(slots, hkv, d, dtype=bf)
+    pos, loc, table = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(4096, d)
     x = torch.zeros(1, hidden, dtype=bf)
     sums = torch.zeros(63, NORM_SLOTS, dtype=torch.float64)
     rms_norm(x, torch.zeros(hidden, dtype=bf), 1e-5, torch.zeros(1, hidden, dtype=bf))
@@ -99,15 +105,15 @@ def decode_path(fp8: bool, split_norms: bool) -> None:
         w = torch.zeros(n, k, dtype=wdt)
         xin = torch.zeros(1, 2 * k if silu else k, dtype=bf)
         norms = {("norm_in" if role == "in" else "add_norm"): norm} if split_norms else {}
+        if rope_fusion and n == (hq + 2 * hkv) * d:
+            norms["rope"] = RopeStore(pos, table, k_buf, v_buf, loc, hq * d, hkv * d, d)
         gemv(xin, w, scale=torch.ones(n) if fp8 else None, silu_mul=silu, **norms)
     from kernels import prefetch
     prefetch.launch(torch.zeros(hidden, hidden, dtype=bf))  # --decode-l2-prefetch
     qkv = torch.zeros(1, (hq + 2 * hkv) * d, dtype=bf)
     q, k, v = qkv.view(1, -1, d).split([hq, hkv, hkv], dim=1)
-    slots = 4096
-    k_buf, v_buf = torch.zeros(slots, hkv, d, dtype=bf), torch.zeros(slots, hkv, d, dtype=bf)
-    apply_rope_and_store_kv(q, k, v, torch.zeros(1, dtype=torch.int64), torch.zeros(4096, d), d, k_buf, v_buf,
-                            torch.zeros(1, dtype=torch.int64))
+    if not rope_fusion:
+        apply_rope_and_store_kv(q, k, v, pos, table, d, k_buf, v_buf, loc)
     seq = torch.full((1,), 768, dtype=torch.int32)
     ms = plan_max_kv_splits(1, hkv, 32)  # the engine's default cap (--triton-attention-num-kv-splits)
     decode_attention(torch.zeros(1, hq, d, dtype=bf), k_buf, v_buf, torch.zeros(2, 4096, dtype=torch.int32),
@@ -120,6 +126,7 @@ def main() -> None:
     ap.add_argument("--pdl", type=int, default=2, help="0: off, 1: trigger after the wait, 2: before it")
     ap.add_argument("--fp8", action="store_true", help="FP8 weights in the GEMVs")
     ap.add_argument("--no-split-norms", action="store_true", help="every norm its own kernel (--no-decode-norm-fusion)")
+    ap.add_argument("--rope-fusion", action="store_true", help="rope and the KV store in the qkv GEMV (--decode-rope-fusion)")
     ap.add_argument("--sass", default="", help="print the SASS of kernels whose name contains this")
     args = ap.parse_args()
     import kernels._utils as ku
@@ -131,7 +138,7 @@ def main() -> None:
     kg.num_sms = td.num_sms = ku.num_sms
     ku.set_pdl(args.pdl > 0, early_trigger=args.pdl == 2)
     JITFunction.run = _compile  # type: ignore[method-assign]
-    decode_path(args.fp8, not args.no_split_norms)
+    decode_path(args.fp8, not args.no_split_norms, args.rope_fusion)
     for name, kernel in compiled:
         print(f"{name}: {_resources(kernel)}")
         if args.sass and args.sass in name:

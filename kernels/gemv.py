@@ -13,6 +13,8 @@ would be): the down projection without a separate activation launch.
 With norm_in / add_norm (one row) the GEMV is the consumer or the producer of a residual RMSNorm split
 around it (kernels/residual_norm.py): the consumer scales its sums by the norm, the producer's epilogue adds
 into the residual and writes the norm's input in place of y (in the reduce kernel where K is split).
+With rope (one row; kernels/rope_store.py) the qkv projection's epilogue rotates q and k and stores k and v in
+the KV pool: each program then owns whole rotary pairs of rows.
 
 `python -m bench.kernels --tune` sweeps the block choices on the current GPU.
 """
@@ -28,6 +30,7 @@ from kernels._utils import (dot_precision, next_pow2, num_sms, pdl_launch, pdl_p
                             pdl_wait)
 from kernels.activation import silu_mul_f32
 from kernels.residual_norm import NORM_SLOTS, ResidualNorm
+from kernels.rope_store import RopeStore, rope_args, rope_rows, rope_store_epilogue, rope_store_inputs
 
 MAX_M = 4
 # A split norm's producer (one-row kernel, PDL at 1) lets the next kernel launch only after its K loop rather than
@@ -35,6 +38,11 @@ MAX_M = 4
 # knob (`python -m bench.b1 --variants "base=;late=@kernels.gemv.PRODUCER_LATE_TRIGGER=1"`), read when a GEMV is
 # launched (a CUDA graph keeps what it captured); off until measured (bench/RESULTS.md, 2026-12-04).
 PRODUCER_LATE_TRIGGER = False
+# Rope in the qkv GEMV's epilogue (kernels/rope_store.py): its inputs (position, cos/sin, slot) loaded ahead of the K
+# loop (True) or in the program's tail. Ahead costs registers (sm_90 compile of Llama-8B's qkv: bf16 row kernel 80
+# -> 96, FP8 general kernel 79 -> 110, which at 4 warps fits 4 programs an SM rather than 6); in the tail, a
+# dependent round trip to memory. An A/B knob (@kernels.gemv.ROPE_INPUTS_AHEAD=0), read at launch.
+ROPE_INPUTS_AHEAD = True
 
 
 @triton.jit
@@ -119,14 +127,19 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
 
 @triton.jit
 def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT, R, GAMMA, SQ, eps,
+                 POS, CS, stride_cs, LOC, KB, VB, stride_bs, QS, KVS,
                  HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, SILU_MUL: tl.constexpr,
                  PDL: tl.constexpr, PRE: tl.constexpr, F16: tl.constexpr = False, NORM_IN: tl.constexpr = False,
-                 ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16):
+                 ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
+                 HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    if ROPE:  # whole rotary pairs a program (one row, no split: the host checks)
+        offs_n, mask_n = rope_rows(pid_n, BLOCK_N, N, HALF)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
     offs_m = tl.arange(0, M_PAD)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
@@ -159,6 +172,8 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         rs = _norm_in_scale(SQ, K, eps, NSLOT)
     if ADD_NORM and SPLIT_K == 1:
         r_in, gamma = _add_norm_inputs(R, GAMMA, offs_n, mask_n)
+    if ROPE and ROPE_AHEAD:
+        cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
         w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K, "evict_first")
         acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
@@ -175,6 +190,11 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1 and ADD_NORM:  # one row (the host checks): acc's other rows are zero
         _add_norm_epilogue(tl.sum(acc, axis=0), r_in, gamma, offs_n, mask_n, pid_n, R, Y, SQ, NSLOT)
+    elif ROPE:
+        if not ROPE_AHEAD:
+            cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
+        rope_store_epilogue(tl.sum(acc, axis=0), cos, sin, slot, pid_n, N, Y, KB, VB, stride_bs, QS, KVS, BLOCK_N,
+                            HALF)
     elif SPLIT_K == 1:
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
     else:
@@ -232,17 +252,22 @@ def _row_chunk(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps, BLOCK_N: tl.constexpr,
+def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps, POS, CS, stride_cs, LOC, KB, VB, stride_bs, QS, KVS,
+                     BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
                      PDL: tl.constexpr, PRE: tl.constexpr, FOLD: tl.constexpr, X_ROWS: tl.constexpr,
                      NARROW: tl.constexpr, EVICT: tl.constexpr, NORM_IN: tl.constexpr = False,
-                     ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, LATE: tl.constexpr = False):
+                     ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, LATE: tl.constexpr = False,
+                     ROPE: tl.constexpr = False, HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True):
     """y = x @ W^T for one row x and half- or full-precision W: each program streams BLOCK_N rows of W over
     its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    if ROPE:  # whole rotary pairs a program (no split: the host checks)
+        offs_n, mask_n = rope_rows(pid_n, BLOCK_N, N, HALF)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     k0 = pid_k * K_PER_SPLIT
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
@@ -277,6 +302,8 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps
         rs = _norm_in_scale(SQ, K, eps, NSLOT)
     if ADD_NORM and SPLIT_K == 1:
         r_in, gamma = _add_norm_inputs(R, GAMMA, offs_n, mask_n)
+    if ROPE and ROPE_AHEAD:
+        cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
     for kk in range(start, K_PER_SPLIT, FOLD * BLOCK_K):
         acc = _row_chunk(acc, w_ptrs, x_ptrs, k0 + kk, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K,
                          SILU_MUL, NARROW, EVICT)
@@ -289,6 +316,10 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps
         out = out * rs
     if SPLIT_K == 1 and ADD_NORM:
         _add_norm_epilogue(out, r_in, gamma, offs_n, mask_n, pid_n, R, Y, SQ, NSLOT)
+    elif ROPE:
+        if not ROPE_AHEAD:
+            cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
+        rope_store_epilogue(out, cos, sin, slot, pid_n, N, Y, KB, VB, stride_bs, QS, KVS, BLOCK_N, HALF)
     elif SPLIT_K == 1:
         tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=mask_n)
     else:
@@ -296,20 +327,27 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps
 
 
 @triton.jit
-def _splitk_reduce_kernel(P, Y, N, stride_ym, R, GAMMA, SQ, M: tl.constexpr, SPLIT_K: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr, ADD_NORM: tl.constexpr = False,
-                          NSLOT: tl.constexpr = 16):
+def _splitk_reduce_kernel(P, Y, N, stride_ym, R, GAMMA, SQ, POS, CS, stride_cs, LOC, KB, VB, stride_bs, QS, KVS, M: tl.constexpr,
+                          SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ADD_NORM: tl.constexpr = False,
+                          NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1):
     pdl_prologue(PDL)
     m = tl.program_id(1)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
+    if ROPE:  # one row (the host checks)
+        offs, mask = rope_rows(tl.program_id(0), BLOCK, N, HALF)
+    else:
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
     if ADD_NORM:
         r_in, gamma = _add_norm_inputs(R, GAMMA, offs, mask)
+    if ROPE:
+        cos, sin, slot = rope_store_inputs(tl.program_id(0), N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK, HALF)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(P + (s * M + m) * N + offs, mask=mask, other=0.0)
     if ADD_NORM:  # one row (the host checks)
         _add_norm_epilogue(acc, r_in, gamma, offs, mask, tl.program_id(0), R, Y, SQ, NSLOT)
+    elif ROPE:
+        rope_store_epilogue(acc, cos, sin, slot, tl.program_id(0), N, Y, KB, VB, stride_bs, QS, KVS, BLOCK, HALF)
     else:
         tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=mask)
 
@@ -367,7 +405,7 @@ def _norm_args(norm_in: ResidualNorm | None, add_norm: ResidualNorm | None, spli
                 NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None and split_k == 1, NSLOT=NORM_SLOTS)
 
 
-def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvConfig, silu_mul, pdl, norms):
+def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvConfig, silu_mul, pdl, norms, ropes):
     tiles = k_per_split // cfg.block_k
     # With PDL the first chunk is peeled to take the tiles loaded before the wait, so it holds pre_tiles (the
     # chunking does not depend on PDL: the same sums in the same order either way).
@@ -377,7 +415,7 @@ def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvC
     launch = pdl_launch(pdl, "gemv")
     late = PRODUCER_LATE_TRIGGER and norms["ADD_NORM"] and launch["PDL"] is True
     _gemv_row_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, w, out, partial, N, K, w.stride(0), k_per_split, **norms, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        x, w, out, partial, N, K, w.stride(0), k_per_split, **norms, **ropes, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=split_k, EVEN_K=even_k, SILU_MUL=silu_mul, PRE=min(cfg.pre_tiles, fold) if launch["PDL"] else 0,
         FOLD=fold, LATE=late, X_ROWS=cfg.block_k < 32 * cfg.num_warps * 16 // x.element_size(),
         NARROW=cfg.narrow and cfg.block_k % 8 == 0, EVICT="evict_first" if cfg.evict_first else "",
@@ -387,14 +425,17 @@ def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvC
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, scale: torch.Tensor | None = None,
          tensor_cores: bool = False, silu_mul: bool = False, pdl: bool | None = None,
-         norm_in: ResidualNorm | None = None, add_norm: ResidualNorm | None = None) -> torch.Tensor:
+         norm_in: ResidualNorm | None = None, add_norm: ResidualNorm | None = None,
+         rope: RopeStore | None = None) -> torch.Tensor:
     """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype.
     `scale` (float32 [N]) dequantizes FP8 weights row by row (one row of x only: x is not quantized).
     silu_mul: x is [M, 2K] (gate | up) and y = silu_and_mul(x) @ w^T.
     pdl: programmatic dependent launch (None: the process default; see kernels._utils.pdl_launch).
     A residual RMSNorm split around this GEMV (one row; kernels/residual_norm.py): with `norm_in` x is the
     producer's gamma * residual and y is scaled by the norm's rsqrt(mean(residual^2) + eps); with `add_norm`
-    y is added into add_norm.residual (in place) and the GEMV returns gamma * residual instead."""
+    y is added into add_norm.residual (in place) and the GEMV returns gamma * residual instead.
+    rope (one row; kernels/rope_store.py): w is a qkv projection; y's q and k come out rotated at the token's
+    position and k, v are also written to its pool slot."""
     M, K = x.shape
     if silu_mul:
         assert K % 2 == 0
@@ -407,10 +448,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert norm_in is None or add_norm is None, "a GEMV consumes one split norm or produces one, not both"
     assert add_norm is None or (M == 1 and add_norm.size == N and add_norm.residual.dtype == x.dtype)
     assert norm_in is None or (M == 1 and norm_in.size == K)
+    assert rope is None or (M == 1 and rope.size == N and add_norm is None and not silu_mul)
     cfg = config or default_config(M, N, K, w.element_size())
     dot = M > 1 or tensor_cores
     if dot and cfg.block_n < 16:  # tensor-core tile minimum
         cfg = dataclasses.replace(cfg, block_n=16)
+    assert rope is None or cfg.block_n % 2 == 0, "rope: a program owns whole rotary pairs"
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -418,12 +461,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
     norms = _norm_args(norm_in, add_norm, split_k, x)
+    ropes = dict(rope_args(rope, x, split_k == 1), ROPE_AHEAD=bool(ROPE_INPUTS_AHEAD))
     if not dot and cfg.row_kernel and scale is None:
-        _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms)
+        _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms, ropes)
     else:
         _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
             x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
-            k_per_split, **norms, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
+            k_per_split, **norms, **ropes, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
             F16=cfg.f16_math and w.element_size() == 1 and not dot and cfg.block_k >= 8,
@@ -431,7 +475,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if split_k > 1:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), norms["R"], norms["GAMMA"],
-                                                          norms["SQ"], M=M, SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4,
+                                                          norms["SQ"], **rope_args(rope, x, True), M=M, SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4,
                                                           ADD_NORM=add_norm is not None, NSLOT=NORM_SLOTS,
                                                           **pdl_launch(pdl, "gemv"))
     return out

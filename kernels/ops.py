@@ -6,6 +6,8 @@ rms_norm with a residual returns (y, new_residual): use the returned residual, s
 path also updates its argument in place.
 A residual RMSNorm split around two GEMVs (kernels/residual_norm.py) updates its residual in place on both
 paths: linear/silu_mul_linear with `add_norm` produce it, with `norm_in` consume it.
+linear with `rope` (one row, a qkv projection; kernels/rope_store.py) returns q and k rotated and writes k, v
+to the token's pool slot, on both paths.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from kernels import reference as ref
 from kernels.residual_norm import ResidualNorm
+from kernels.rope_store import RopeStore
 
 # Decode-time weight matmuls use the split-K GEMV only at these batch sizes, and only where it beat
 # cuBLAS in bench/kernels.py on H200.
@@ -86,12 +89,13 @@ def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight_scale: torch.Tensor | None = None, norm_in: ResidualNorm | None = None,
-           add_norm: ResidualNorm | None = None) -> torch.Tensor:
+           add_norm: ResidualNorm | None = None, rope: RopeStore | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias). With `weight_scale` (float32 [N]) the weight is FP8 e4m3 and
     each row dequantizes by its scale. norm_in / add_norm: one row, a split residual RMSNorm's consumer
-    (x is gamma * residual; the output is scaled by the norm) or producer (returns gamma * residual)."""
-    if norm_in is not None or add_norm is not None:
-        return _split_norm_linear(x, weight, bias, weight_scale, norm_in, add_norm, gated=False)
+    (x is gamma * residual; the output is scaled by the norm) or producer (returns gamma * residual).
+    rope: one row of a qkv projection without bias; q and k come out rotated, k and v also go to the pool."""
+    if norm_in is not None or add_norm is not None or rope is not None:
+        return _split_norm_linear(x, weight, bias, weight_scale, norm_in, add_norm, gated=False, rope=rope)
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias)
     if _gemv_applies(x, weight, None):
@@ -110,11 +114,13 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 
 def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | None, add_norm: ResidualNorm | None,
-                       gated: bool) -> torch.Tensor:
+                       gated: bool, rope: RopeStore | None = None) -> torch.Tensor:
+    """One row: the GEMV's epilogues (split norms, rope + KV store) or their torch equivalents."""
     assert x.shape[0] == 1 and (add_norm is None or bias is None), "split norms: one row, a producer without bias"
+    assert rope is None or bias is None, "rope in the epilogue: a qkv projection without bias"
     if _gemv_applies(x, weight, weight_scale):
         from kernels.gemv import gemv
-        y = gemv(x, weight, scale=weight_scale, silu_mul=gated, norm_in=norm_in, add_norm=add_norm)
+        y = gemv(x, weight, scale=weight_scale, silu_mul=gated, norm_in=norm_in, add_norm=add_norm, rope=rope)
         return y + bias if bias is not None else y
     if gated:
         x = silu_and_mul(x)
@@ -126,6 +132,8 @@ def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | No
     y = y.to(x.dtype)
     if add_norm is not None:
         return ref.residual_norm_produce_ref(y, add_norm)
+    if rope is not None:
+        return ref.rope_store_ref(y, rope)
     return y + bias if bias is not None else y
 
 

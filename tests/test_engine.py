@@ -565,6 +565,29 @@ def test_decode_l2_prefetch_decodes_the_tokens_without_it():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_rope_fusion_decodes_the_tokens_of_the_rope_kernel(dtype):
+    """Batch-1 decode with rope and the KV store in the qkv GEMV's epilogue (bf16: the Triton epilogue; fp32:
+    the torch path) decodes what the rope + KV-store kernel does, in CUDA graphs and eagerly, with split and
+    whole norms: one request alone (every step one token), then several together (the unfused path)."""
+    ps = prompts(4, seed=67)
+    results = {}
+    for fused in (False, True):
+        for norms in (True, False):
+            for graphs in (True, False):
+                h = Harness(dtype=dtype, max_running_requests=8, decode_rope_fusion=fused, decode_norm_fusion=norms,
+                            cuda_graph=graphs)
+                assert h.engine.runner.decode_rope_fusion is fused
+                alone = h.run([h.submit(ps[0], sampling={**GREEDY, "max_new_tokens": 24})])
+                together = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 12}) for p in ps])
+                results[fused, norms, graphs] = [r["ids"] for r in alone + together]
+                h.engine.stop()
+    for norms in (True, False):
+        for graphs in (True, False):
+            assert results[True, norms, graphs] == results[False, norms, graphs], (norms, graphs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_short_extends_in_cuda_graphs_give_the_results_of_eager_extends():
     """Extend passes of a few tokens per request over cached prefixes (a second turn, jump-forward's
     catch-ups) replay a captured graph padded to their token bucket; tokens and input logprobs are those

@@ -339,6 +339,79 @@ def check_gemv_split_norm(device, dtype):
     assert not sums.any()
 
 
+def check_gemv_rope_store(device, dtype):
+    """Rope and the KV store in the qkv GEMV's epilogue (kernels/rope_store.py) against the GEMV followed by
+    the rope + KV-store kernel (bit for bit where the interpreter runs) and the torch reference: q and k
+    rotated in the output, k and v in the token's pool slot and nowhere else. The row kernel, the general
+    one, split K (the epilogue then in the reduce kernel), FP8 weights, a split norm's consumer; head dims
+    whose half is not a power of two."""
+    import kernels.gemv as kg
+    from kernels.gemv import GemvConfig, gemv
+    from kernels.reference import rope_cos_sin_cache, rope_store_ref
+    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
+    from kernels.rope import apply_rope_and_store_kv
+    from kernels.rope_store import RopeStore
+    from shared.models.quantization import quantize_per_channel
+
+    def same(a, b, msg):  # bit for bit where the interpreter runs; within an output rounding on a GPU
+        if device.type == "cpu":
+            assert torch.equal(a, b), f"{msg}: {(a.float() - b.float()).abs().max()}"
+        else:
+            torch.testing.assert_close(a, b, rtol=8e-3, atol=8e-3, msg=lambda m: f"{msg}: {m}")
+
+    shapes = [(4, 2, 16, 96), (3, 1, 24, 200)] if device.type == "cpu" else [(32, 8, 128, 4096), (28, 4, 128, 3584)]
+    # (FP8 weights, tiles, a split norm's consumer): row kernel, split K (row and general), general kernel.
+    cases = ([(False, None, False), (False, GemvConfig(8, 32, 1, 2), True), (False, GemvConfig(2, 64, 1, 2), False),
+              (False, GemvConfig(4, 32, 3, 2), True), (False, GemvConfig(16, 32, 1, 4, row_kernel=False), False),
+              (True, None, True), (True, GemvConfig(8, 32, 2, 4, row_kernel=False), False)]
+             if device.type == "cpu" else
+             [(False, None, False), (False, None, True), (False, GemvConfig(8, 512, 4, 2), True), (True, None, True)])
+    for hq, hkv, d, K in shapes:
+        qs, kvs = hq * d, hkv * d
+        N = qs + 2 * kvs
+        inv_freq = 1.0 / (500000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+        cache = rope_cos_sin_cache(inv_freq, 4096)
+        x = _rand(1, K, dtype=dtype, device=device)
+        pos = torch.tensor([3001], device=device)
+        loc = torch.tensor([5], device=device)
+        w0 = _rand(N, K, dtype=dtype, device=device) * 0.1
+        w8, s8 = (t.to(device) for t in quantize_per_channel(w0.float().cpu()))
+        for fp8, cfg, norm in cases:
+            w, scale = (w8, s8) if fp8 else (w0, None)
+            msg = f"hq={hq} hkv={hkv} d={d} fp8={fp8} {cfg} norm_in={norm}"
+            sums = torch.full((NORM_SLOTS,), 7.5 * K / NORM_SLOTS, dtype=torch.float64, device=device)
+            norm_in = ResidualNorm(x, x[0], sums, 1e-5) if norm else None
+            pools = [tuple(torch.zeros(9, hkv, d, dtype=dtype, device=device) for _ in range(2))
+                     for _ in range(3)]
+            ropes = [RopeStore(pos, cache, kb, vb, loc, qs, kvs, d) for kb, vb in pools]
+            y = gemv(x, w, config=cfg, scale=scale, norm_in=norm_in, rope=ropes[0])
+            if cfg is None:  # the epilogue's inputs loaded in the program's tail instead: the same bits
+                kg.ROPE_INPUTS_AHEAD = False
+                try:
+                    pool = tuple(torch.zeros(9, hkv, d, dtype=dtype, device=device) for _ in range(2))
+                    y_tail = gemv(x, w, scale=scale, norm_in=norm_in, rope=RopeStore(pos, cache, *pool, loc, qs, kvs, d))
+                finally:
+                    kg.ROPE_INPUTS_AHEAD = True
+                assert torch.equal(y_tail, y) and torch.equal(pool[0], pools[0][0]) and torch.equal(pool[1], pools[0][1])
+            plain = gemv(x, w, config=cfg, scale=scale, norm_in=norm_in)
+            want = rope_store_ref(plain, ropes[1])  # torch
+            q, k, v = (t.clone() for t in plain.split([qs, kvs, kvs], dim=-1))
+            kb, vb = pools[2]
+            q, k, v = apply_rope_and_store_kv(q, k.view(1, hkv, d), v.view(1, hkv, d), pos, cache, d, kb, vb,
+                                              loc)
+            unfused = torch.cat([q.reshape(1, -1), k.reshape(1, -1), v.reshape(1, -1)], dim=-1)
+            same(y, unfused, msg + " (output against GEMV + rope kernel)")
+            torch.testing.assert_close(y, want, **_tol(dtype), msg=lambda m: f"{msg} (output): {m}")
+            for i, name in ((0, "k"), (1, "v")):
+                same(pools[0][i], pools[2][i], f"{msg} ({name} pool)")
+                torch.testing.assert_close(pools[0][i], pools[1][i], **_tol(dtype),
+                                           msg=lambda m: f"{msg} ({name} pool): {m}")
+                others = torch.ones(9, dtype=torch.bool, device=device)
+                others[5] = False
+                assert not pools[0][i][others].any(), f"{msg}: {name} written outside its slot"
+                assert pools[0][i][5].abs().sum() > 0, f"{msg}: {name} not written"
+
+
 def _paged_setup(device, dtype, hkv, d, prefix_lens, extend_lens, num_slots=600):
     """A pool with shuffled slots and a req_to_token table for requests in rows 1..B (row 0 = padding)."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]

@@ -129,6 +129,68 @@ def test_split_row_norms_match_unsplit_passes(family):
     assert runs[True][1] == ref[0, len(prompt):].tolist()
 
 
+def _one_token_run(ours, cfg, prompt, backend=None):
+    """A prompt fed one token a pass (extend passes), then greedy decode passes: (logits, tokens)."""
+    h, logits = PagedHarness(ours, cfg, backend=backend), []
+    for t in prompt:
+        logits.append(h.step(ForwardMode.EXTEND, {0: [t]})[0][-1])
+    toks = [int(logits[-1].argmax())]
+    for _ in range(DECODE_STEPS):
+        logits.append(h.step(ForwardMode.DECODE, {0: toks[-1:]})[0][-1])
+        toks.append(int(logits[-1].argmax()))
+    return torch.stack(logits), toks
+
+
+def test_rope_in_the_qkv_epilogue_matches_the_rope_kernel(family, monkeypatch):
+    """One-token decode passes with rope and the KV store in qkv_proj's epilogue (kernels/rope_store.py, here
+    its torch path), with whole and split norms: the logits and tokens of the backend's rope + KV-store step,
+    which then runs only in the extend passes; refused where q/k norms or a qkv bias come between."""
+    hf, ours, cfg, prompts = family
+    if cfg.qk_norm or cfg.attention_bias:
+        assert not ours.model.fuse_row_rope(True)
+        return
+    rotations = []
+    rotate = ours.model.rotary_emb.rotate_and_store
+    monkeypatch.setattr(ours.model.rotary_emb, "rotate_and_store",
+                        lambda positions, *a, **kw: rotations.append(positions.shape[0]) or rotate(positions, *a, **kw))
+    runs = {}
+    for split in (False, True):
+        for fused in (False, True):
+            assert ours.model.fuse_row_rope(fused) == fused and ours.model.split_row_norms(split) == split
+            rotations.clear()
+            try:
+                runs[split, fused] = _one_token_run(ours, cfg, prompts[1])
+            finally:
+                ours.model.fuse_row_rope(False)
+                ours.model.split_row_norms(False)
+            passes = len(prompts[1]) + (0 if fused else DECODE_STEPS)
+            assert len(rotations) == passes * cfg.num_hidden_layers, "rope ran where the epilogue should have"
+    for split in (False, True):
+        assert rel_err(runs[split, True][0], runs[split, False][0]) < REL_TOL
+        assert runs[split, True][1] == runs[split, False][1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rope_in_the_qkv_epilogue_on_cuda_in_bf16(tmp_path):
+    """The Triton path of rope + KV store in the qkv GEMV's epilogue against the rope kernel, bf16, the Triton
+    attention backend, split norms on and off: decode logits to within bf16's rounding, plain and FP8 weights."""
+    from shared.models.attention import create_attention_backend
+    for name, quant in (("llama31", "none"), ("llama31", "fp8")):
+        path = write_hf_checkpoint(make_hf_model(name), str(tmp_path / name))
+        ours, cfg = load_model(path, dtype=torch.bfloat16, device=torch.device("cuda"), quantization=quant)
+        prompt = torch.randint(3, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+        for split in (False, True):
+            runs = {}
+            for fused in (False, True):
+                assert ours.model.fuse_row_rope(fused) == fused and ours.model.split_row_norms(split) == split
+                backend = create_attention_backend("triton", cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                   cfg.head_dim, device=torch.device("cuda"))
+                runs[fused] = _one_token_run(ours, cfg, prompt, backend=backend)
+            ours.model.fuse_row_rope(False)
+            ours.model.split_row_norms(False)
+            assert rel_err(runs[True][0], runs[False][0]) < 2e-2, (name, quant, split)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_split_row_norms_on_cuda_in_bf16(tmp_path):
     """The Triton path of the split norms (GEMV epilogues, the first norm clearing the sums) against whole

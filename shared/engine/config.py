@@ -86,6 +86,10 @@ class EngineConfig:
     # while rope and decode attention leave the memory system idle (~9 us a layer at batch 1), so that o_proj
     # reads it from L2. Off until measured.
     decode_l2_prefetch: bool = False
+    # One-token decode passes rotate q and k and write k, v to the pool in the qkv GEMV's epilogue
+    # (kernels/rope_store.py) instead of a rope + KV-store kernel a layer (~1.9 us a layer charged on the H200's
+    # batch-1 trace). Not with q/k norms, a qkv bias, partial rotary or tensor parallelism. Off until measured.
+    decode_rope_fusion: bool = False
     enable_overlap: bool = True
     disable_jump_forward: bool = False
     # retokenize: forced runs go in as the tokenizer's own tokens (fastest; the model may have chosen

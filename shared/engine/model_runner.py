@@ -189,6 +189,7 @@ class ModelRunner:
         # The split norms' kernels and the prefetch are the GPU's; on CPU the torch path would gain nothing.
         on_gpu = self.device.type == "cuda"
         self.decode_norm_fusion = self.model.model.split_row_norms(config.decode_norm_fusion and on_gpu)
+        self.decode_rope_fusion = self.model.model.fuse_row_rope(config.decode_rope_fusion and on_gpu)
         if config.decode_l2_prefetch and on_gpu:
             from shared.models.weight_prefetch import WeightPrefetcher
 

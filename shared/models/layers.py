@@ -12,6 +12,7 @@ from torch import nn
 
 from kernels import ops
 from kernels.residual_norm import ResidualNorm
+from kernels.rope_store import RopeStore
 from shared.models.parallel import Shard, all_reduce, even_shard, vocab_shard
 
 
@@ -90,17 +91,20 @@ class Linear(nn.Module):
                                          requires_grad=False)
 
     def forward(self, x: torch.Tensor, gated: bool = False, norm_in: ResidualNorm | None = None,
-                add_norm: ResidualNorm | None = None) -> torch.Tensor:
+                add_norm: ResidualNorm | None = None, rope: RopeStore | None = None) -> torch.Tensor:
         """gated: x is a gated MLP's [T, 2 * in_features] (gate | up) and the layer's input is
         silu(gate) * up, computed inside the decode GEMV where ops can (silu_mul_linear).
         norm_in / add_norm: one row; this layer consumes or produces a residual RMSNorm split around it
-        (kernels/residual_norm.py; not under tensor parallelism)."""
-        if norm_in is not None or add_norm is not None:
-            assert self.shard is None, "split norms run without tensor parallelism"
+        (kernels/residual_norm.py; not under tensor parallelism).
+        rope: one decode row of a qkv projection; rope and the KV store run in the GEMV's epilogue
+        (kernels/rope_store.py)."""
+        if norm_in is not None or add_norm is not None or rope is not None:
+            assert self.shard is None, "split norms and rope in the epilogue run without tensor parallelism"
             if gated:
-                assert norm_in is None, "a gated input is not a norm's output"
+                assert norm_in is None and rope is None, "a gated input is not a norm's output"
                 return ops.silu_mul_linear(x, self.weight, self.bias, self.weight_scale, add_norm=add_norm)
-            return ops.linear(x, self.weight, self.bias, self.weight_scale, norm_in=norm_in, add_norm=add_norm)
+            return ops.linear(x, self.weight, self.bias, self.weight_scale, norm_in=norm_in, add_norm=add_norm,
+                              rope=rope)
         matmul = ops.silu_mul_linear if gated else ops.linear
         if self.parallel == "row" and self.shard is not None:
             y = all_reduce(matmul(x, self.weight, None, self.weight_scale))

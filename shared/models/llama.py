@@ -12,7 +12,8 @@ from torch import nn
 
 from kernels import ops
 from kernels.residual_norm import NORM_SLOTS, ResidualNorm
-from shared.engine.forward_batch import ForwardBatch
+from kernels.rope_store import RopeStore
+from shared.engine.forward_batch import ForwardBatch, ForwardMode
 from shared.models.config import ModelConfig
 from shared.models.layers import Embedding, Linear, MergedLinear, RMSNorm, rms_norm
 from shared.models.parallel import all_gather_last, even_shard, head_shard, kv_shard, local_heads, local_kv_heads
@@ -42,17 +43,26 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, fb: ForwardBatch,
                 norm_in: ResidualNorm | None = None, add_norm: ResidualNorm | None = None,
-                prefetch: WeightPrefetcher | None = None) -> torch.Tensor:
+                prefetch: WeightPrefetcher | None = None, fuse_rope: bool = False) -> torch.Tensor:
         """norm_in / add_norm: the split residual norms before qkv_proj and after o_proj (LlamaModel._forward_row).
-        prefetch: o_proj's weight is asked into L2 beside rope and attention (shared/models/weight_prefetch.py)."""
-        q, k, v = self.qkv_proj(hidden, norm_in=norm_in).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        prefetch: o_proj's weight is asked into L2 beside rope and attention (shared/models/weight_prefetch.py).
+        fuse_rope: one decode token; rope and the KV store run in qkv_proj's epilogue (kernels/rope_store.py)
+        instead of the backend's rope + KV-store kernel (LlamaModel.fuse_row_rope says where it applies)."""
+        rope = None
+        if fuse_rope:
+            k_buf, v_buf = fb.kv_pool.get_kv(self.layer_id)
+            rope = RopeStore(fb.positions, rotary.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc, self.q_size,
+                             self.kv_size, self.head_dim)
+        q, k, v = self.qkv_proj(hidden, norm_in=norm_in, rope=rope).split([self.q_size, self.kv_size, self.kv_size],
+                                                                         dim=-1)
         if prefetch is not None:
             prefetch.prefetch(self.o_proj.weight)
         if self.q_norm is not None:
             q = self._per_head_norm(q, self.q_norm)
             k = self._per_head_norm(k, self.k_norm)
-        # Rope is applied by the backend, fused with the KV store.
-        o = fb.attn_backend.forward(q, k, v, self.layer_id, fb, rotary=rotary)
+        # Rope is applied by the backend, fused with the KV store (or was, in qkv_proj's epilogue).
+        o = fb.attn_backend.forward(q, k, v, self.layer_id, fb, rotary=None if fuse_rope else rotary,
+                                    stored=fuse_rope)
         return self.o_proj(o, add_norm=add_norm)
 
     def _per_head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -83,10 +93,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
-                fb: ForwardBatch, prefetch: WeightPrefetcher | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                fb: ForwardBatch, prefetch: WeightPrefetcher | None = None,
+                fuse_rope: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried separately so each add fuses into the following norm.
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rotary, fb, prefetch=prefetch)
+        hidden = self.self_attn(hidden, rotary, fb, prefetch=prefetch, fuse_rope=fuse_rope)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -105,6 +116,19 @@ class LlamaModel(nn.Module):
         # One-token passes ask each layer's o_proj weight into L2 beside rope and attention (the engine's
         # --decode-l2-prefetch sets it).
         self.row_prefetcher: WeightPrefetcher | None = None
+        # Set by fuse_row_rope: one-token decode passes run rope and the KV store in qkv_proj's epilogue.
+        self.row_rope = False
+
+    def fuse_row_rope(self, enabled: bool) -> bool:
+        """One-token decode passes rotate q and k and store k, v in the qkv GEMV's epilogue instead of a rope +
+        KV-store kernel a layer (kernels/rope_store.py). Not with q/k norms (they come between), a qkv bias
+        (added after the GEMV), partial rotary or tensor parallelism. Returns whether it is on."""
+        from shared.models.parallel import tp_size
+
+        cfg = self.cfg
+        self.row_rope = bool(enabled and not cfg.qk_norm and not cfg.attention_bias and tp_size() == 1
+                             and self.rotary_emb.cos_sin_cache.shape[1] == cfg.head_dim)
+        return self.row_rope
 
     def split_row_norms(self, enabled: bool) -> bool:
         """One-token passes (decode at batch 1) split every residual norm after the first between the GEMVs
@@ -125,12 +149,18 @@ class LlamaModel(nn.Module):
         if self.row_norm_sums is not None and hidden.shape[0] == 1:
             return self._forward_row(hidden, fb)
         prefetch = self.row_prefetcher if hidden.shape[0] == 1 else None
+        fuse_rope = self._rope_in_qkv(fb)
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, self.rotary_emb, fb, prefetch=prefetch)
+            hidden, residual = layer(hidden, residual, self.rotary_emb, fb, prefetch=prefetch, fuse_rope=fuse_rope)
         hidden, _ = self.norm(hidden, residual)
         if prefetch is not None:
             prefetch.join()
         return hidden
+
+    def _rope_in_qkv(self, fb: ForwardBatch) -> bool:
+        """Whether this pass runs rope and the KV store in qkv_proj's epilogue: one decode token (an extend
+        pass's attention reads the new k and v as the backend's rope kernel lays them out)."""
+        return self.row_rope and fb.mode == ForwardMode.DECODE and fb.input_ids.shape[0] == 1
 
     def _forward_row(self, residual: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """One token. The first norm runs as its own kernel (it also clears the partial sums); every later
@@ -140,9 +170,11 @@ class LlamaModel(nn.Module):
         sums, eps, layers = self.row_norm_sums, self.cfg.rms_norm_eps, self.layers
         x = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps, zero=sums)
         norm_in = None
+        fuse_rope = self._rope_in_qkv(fb)
         for i, layer in enumerate(layers):
             post = ResidualNorm(residual, layer.post_attention_layernorm.weight, sums[2 * i], eps)
-            x = layer.self_attn(x, self.rotary_emb, fb, norm_in=norm_in, add_norm=post, prefetch=self.row_prefetcher)
+            x = layer.self_attn(x, self.rotary_emb, fb, norm_in=norm_in, add_norm=post, prefetch=self.row_prefetcher,
+                                fuse_rope=fuse_rope)
             norm_in = (ResidualNorm(residual, layers[i + 1].input_layernorm.weight, sums[2 * i + 1], eps)
                        if i + 1 < len(layers) else None)
             x = layer.mlp(x, norm_in=post, add_norm=norm_in)

@@ -92,18 +92,21 @@ class AttentionBackend(ABC):
         """Called once per forward before layer 0: precompute what every layer shares."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                fb: ForwardBatch, rotary=None) -> torch.Tensor:
+                fb: ForwardBatch, rotary=None, stored: bool = False) -> torch.Tensor:
         """q: [T, num_heads*head_dim]; k, v: [T, num_kv_heads*head_dim] for the new tokens.
 
         With `rotary` (a RotaryEmbedding) q and k are rotated in place at fb.positions first, in the
         same kernel as the KV store. Stores k/v into the pool at fb.out_cache_loc, then attends each
         new token to its request's full causal context. Returns [T, num_heads*head_dim].
+        stored: q is rotated and k, v are in the pool already (the qkv GEMV's epilogue did both).
         """
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if rotary is None:
+        if stored:
+            assert rotary is None
+        elif rotary is None:
             fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         else:
             k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
