@@ -7,6 +7,8 @@ neighbours and the best tile alone is not the best tile in the chain.
 
 --pre-tiles-study: only the chain at the default tiles with 1 and 2 weight tiles loaded before the PDL wait,
 alternated 1, 2, 1, 2.
+--fp8-row-study: FP8 weights in the one-row kernel (kernels.gemv.FP8_ROW_KERNEL) against the general kernel,
+then the row kernel's FP8 tiles swept shape by shape.
 """
 from __future__ import annotations
 
@@ -189,6 +191,72 @@ def row_study(budget: float, t0: float) -> dict:
             "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
 
 
+# FP8 weights in the one-row kernel (f16 math, 8 weights a thread a load): (block_n, block_k, warps, pre, fold).
+FP8_ROW_CANDIDATES = [(8, 2048, 4, 1, 1), (8, 2048, 4, 2, 1), (8, 1024, 2, 2, 1), (4, 2048, 2, 2, 1),
+                      (4, 4096, 4, 1, 1), (2, 4096, 2, 2, 1), (16, 1024, 4, 2, 1), (16, 2048, 8, 1, 1),
+                      (8, 4096, 8, 1, 1), (4, 1024, 1, 2, 1), (8, 512, 2, 2, 2), (16, 512, 4, 2, 1),
+                      (2, 2048, 1, 2, 1), (4, 2048, 4, 2, 1)]
+
+
+def fp8_row_study(budget: float, t0: float) -> dict:
+    """FP8 weights: the one-row kernel (x and w in one register layout) at the general kernel's tiles against
+    the general kernel (the engine's FP8 path), accuracy per shape and the 32-layer chain alternated; then the
+    row kernel's tiles swept shape by shape (the others at the row kernel's defaults) and the picks alternated
+    against both."""
+    from kernels.reference import fp8_linear_ref
+    layers = build("fp8")
+    nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
+    general = {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
+    assert not any(c.row_kernel for c in general.values()), "FP8_ROW_KERNEL is on: the general kernel is the baseline"
+    row = {nm: dataclasses.replace(c, row_kernel=True) for nm, c in general.items()}
+    check = {}
+    for name, (n, k) in SHAPES.items():
+        w, sc = layers[0][name]
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        ref = fp8_linear_ref(x.float(), w, sc)
+        check[name] = {key: float((gemv(x, w, scale=sc, config=cfg[name]).float() - ref).abs().max() / ref.abs().max())
+                       for key, cfg in (("general", general), ("row", row))}
+    print(f"accuracy (max error / max output): {json.dumps(check)}", flush=True)
+    times = {"general": [], "row": []}
+    for _ in range(2):
+        times["general"].append(chain_ms(layers, general) * 1e3)
+        times["row"].append(chain_ms(layers, row) * 1e3)
+    print(f"fp8 chain alternated, us: {json.dumps(times)} ({nbytes / min(times['general']) / 1e3:.0f} vs "
+          f"{nbytes / min(times['row']) / 1e3:.0f} GB/s)", flush=True)
+    base = min(times["row"]) / 1e3
+    best, rows = {nm: (base, row[nm]) for nm in SHAPES}, []
+    share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
+    for name, (n, k) in SHAPES.items():
+        t_shape = time.time()
+        for bn, bk, warps, pre, fold in FP8_ROW_CANDIDATES:
+            if time.time() - t_shape > share:
+                break
+            cfg = GemvConfig(bn, bk, 1, warps, pre_tiles=pre, fold=fold, f16_math=True)
+            if bk > k or cfg == row[name]:
+                continue
+            try:
+                t = chain_ms(layers, {**row, name: cfg})
+            except Exception as e:  # a tile that does not compile or fit
+                print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
+                continue
+            rows.append({"shape": name, "cfg": dataclasses.asdict(cfg), "chain_us": t * 1e3})
+            if t < best[name][0]:
+                best[name] = (t, cfg)
+        print(f"  {name}: row default {row[name]} -> best {best[name][1]} chain {best[name][0] * 1e3:.0f} us "
+              f"({(base - best[name][0]) / LAYERS * 1e3:+.2f} us per layer)", flush=True)
+    picks = {nm: b[1] for nm, b in best.items()}
+    final = {"general": [], "row": [], "picks": []}
+    for _ in range(2):
+        for key, cfgs in (("general", general), ("row", row), ("picks", picks)):
+            final[key].append(chain_ms(layers, cfgs) * 1e3)
+    print(f"fp8 picks alternated with the general kernel and the row kernel's defaults, us: {json.dumps(final)} "
+          f"({', '.join(f'{k} {nbytes / min(v) / 1e3:.0f}' for k, v in final.items())} GB/s)", flush=True)
+    del layers
+    torch.cuda.empty_cache()
+    return {"check": check, "times": times, "rows": rows, "final": final,
+            "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bf16,fp8")
@@ -199,6 +267,8 @@ def main() -> int:
                          "accuracy per shape, the chain alternated, then its tiles swept shape by shape")
     ap.add_argument("--row-study", action="store_true",
                     help="bf16: the one-row kernel against the general one (chain alternated), then its tiles swept")
+    ap.add_argument("--fp8-row-study", action="store_true",
+                    help="FP8: the one-row kernel against the general one (chain alternated), then its tiles swept")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     set_pdl(True)
@@ -223,7 +293,9 @@ def main() -> int:
         result["runs"]["f16_math"] = f16_math_study(args.budget, t0)
     if args.row_study:
         result["runs"]["row"] = row_study(args.budget, t0)
-    studies = args.pre_tiles_study or args.f16_math_study or args.row_study
+    if args.fp8_row_study:
+        result["runs"]["fp8_row"] = fp8_row_study(args.budget, t0)
+    studies = args.pre_tiles_study or args.f16_math_study or args.row_study or args.fp8_row_study
     for dtype in ([] if studies else args.dtypes.split(",")):
         layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|rope-fusion|tp|shared-prefix|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|rope-fusion|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
@@ -106,6 +106,15 @@ if [[ $what == rope-fusion ]]; then
   timeout 300 python3 -m bench.b1 --variants "base=;rope=decode_rope_fusion=1;tail=decode_rope_fusion=1,@kernels.gemv.ROPE_INPUTS_AHEAD=0" \
     --rounds 2 --quantization none,fp8 2>&1 | grep "round" | tee "$OUT/b1_rope.log"
   timeout 120 python3 -m bench.probe trace_pdl trace_pdl_rope 2>&1 | grep -v "Capturing\|Warning" | tail -30
+fi
+if [[ $what == fp8-row ]]; then
+  # Issue 14 item 3: FP8 weights in the one-row GEMV (kernels.gemv.FP8_ROW_KERNEL, 2026-12-04, never run on a GPU): its
+  # GPU tests, the 32-layer chain against the general kernel and its tiles swept, a batch-1 FP8 A/B.
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_model_parity.py \
+    -k "not interpreted and (gemv_fp8 or fp8_rows_in_the_row_kernel)" 2>&1 | tail -3
+  timeout 260 python3 -m bench.gemv_chain_sweep --fp8-row-study --budget 200 2>&1 | tee "$OUT/fp8_row_study.log" | tail -12
+  timeout 120 python3 -m bench.b1 --variants "general=;row=@kernels.gemv.FP8_ROW_KERNEL=1" --rounds 2 --quantization fp8 \
+    2>&1 | grep "round" | tee "$OUT/b1_fp8_row.log"
 fi
 if [[ $what == probes ]]; then
   # Where issue 14's batch-1, batch-256 and prefill time goes (bench/probe.py; 2026-12-01: ~3 min).

@@ -43,6 +43,11 @@ PRODUCER_LATE_TRIGGER = False
 # -> 96, FP8 general kernel 79 -> 110, which at 4 warps fits 4 programs an SM rather than 6); in the tail, a
 # dependent round trip to memory. An A/B knob (@kernels.gemv.ROPE_INPUTS_AHEAD=0), read at launch.
 ROPE_INPUTS_AHEAD = True
+# FP8 weights, one row: the one-row kernel (x read in w's register layout: the general kernel converts x's layout
+# through shared memory, four CTA barriers a loop step in its sm_90 SASS) at the general kernel's tiles. An A/B
+# knob (@kernels.gemv.FP8_ROW_KERNEL=1; `python -m bench.gemv_chain_sweep --fp8-row-study` sweeps its tiles), read
+# by default_config; off until measured.
+FP8_ROW_KERNEL = False
 
 
 @triton.jit
@@ -203,7 +208,8 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
 
 @triton.jit
 def _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NARROW: tl.constexpr, EVICT: tl.constexpr, w=None):
+              EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NARROW: tl.constexpr, EVICT: tl.constexpr, w=None,
+              F16: tl.constexpr = False):
     """One [BLOCK_N, BLOCK_K] weight tile of a one-row GEMV added into acc. x is read through a pointer tile
     of w's shape or, where every warp spans K, one broadcast row (_gemv_row_kernel): either way it arrives
     in w's register layout, with no layout conversion through shared memory in the loop."""
@@ -222,18 +228,21 @@ def _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.constex
         else:
             up = tl.load(x_ptrs + K, mask=xm, other=0.0)
         x = _silu_mul(x, up)
-    p = w.to(tl.float32) * x.to(tl.float32)
-    if NARROW:  # each thread's eight neighbouring products summed first: an eighth of the accumulators
+    if F16:  # FP8 weights multiplied in f16, eight products summed there (as _accumulate's F16 path)
+        p = w.to(tl.float16) * (x.to(tl.float32) * 0.00390625).to(tl.float16)
+        acc += _pair_sum(_pair_sum(_pair_sum(p))).to(tl.float32)
+    elif NARROW:  # each thread's eight neighbouring products summed first: an eighth of the accumulators
+        p = w.to(tl.float32) * x.to(tl.float32)
         acc += tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // 8, 8)), axis=2)
     else:
-        acc += p
+        acc += w.to(tl.float32) * x.to(tl.float32)
     return acc
 
 
 @triton.jit
 def _row_chunk(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                FOLD: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NARROW: tl.constexpr,
-               EVICT: tl.constexpr, PRE: tl.constexpr = 0, w0=None, w1=None):
+               EVICT: tl.constexpr, PRE: tl.constexpr = 0, w0=None, w1=None, F16: tl.constexpr = False):
     """FOLD consecutive tiles, unrolled (their loads issue together); the first PRE of them already loaded
     (w0, w1)."""
     for j in tl.static_range(FOLD):
@@ -244,7 +253,7 @@ def _row_chunk(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.conste
         else:
             w = None
         acc = _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N, BLOCK_K, EVEN_K, SILU_MUL, NARROW,
-                        EVICT, w)
+                        EVICT, w, F16)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         kbase += BLOCK_K
@@ -252,15 +261,17 @@ def _row_chunk(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps, POS, CS, stride_cs, LOC, KB, VB, stride_bs, QS, KVS,
-                     BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
-                     PDL: tl.constexpr, PRE: tl.constexpr, FOLD: tl.constexpr, X_ROWS: tl.constexpr,
-                     NARROW: tl.constexpr, EVICT: tl.constexpr, NORM_IN: tl.constexpr = False,
+def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps,
+                     POS, CS, stride_cs, LOC, KB, VB, stride_bs, QS, KVS,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     SILU_MUL: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr, FOLD: tl.constexpr,
+                     X_ROWS: tl.constexpr, NARROW: tl.constexpr, EVICT: tl.constexpr, NORM_IN: tl.constexpr = False,
                      ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, LATE: tl.constexpr = False,
-                     ROPE: tl.constexpr = False, HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True):
-    """y = x @ W^T for one row x and half- or full-precision W: each program streams BLOCK_N rows of W over
-    its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end."""
+                     ROPE: tl.constexpr = False, HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True,
+                     HAS_SCALE: tl.constexpr = False, F16: tl.constexpr = False, W_VEC: tl.constexpr = 0):
+    """y = x @ W^T for one row x and half-, full-precision or FP8 W (HAS_SCALE: one dequantization scale per
+    output row; F16: multiplied in f16, eight products summed there): each program streams BLOCK_N rows of W
+    over its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (no split: the host checks)
@@ -270,12 +281,15 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps
         mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     k0 = pid_k * K_PER_SPLIT
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+    # FP8 weights: 8 bytes a thread a row (W_VEC = 8), so that w and the bf16 x row take the same register layout and
+    # the weights are not converted to x's through shared memory (the widest loads, 16 fp8 a thread, would be).
+    offs_kw = tl.max_contiguous(offs_k, W_VEC) if W_VEC else offs_k
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_kw)[None, :]
     if X_ROWS:  # x through a pointer tile of w's shape: w's layout whatever the warps' placement
         x_ptrs = X + (k0 + offs_k)[None, :] + 0 * offs_n[:, None]
     else:  # one x row, broadcast: w's layout where every warp spans K (then x is converted once a tile)
         x_ptrs = X + (k0 + offs_k)[None, :]
-    if NARROW:
+    if NARROW or F16:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -293,7 +307,7 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps
         else:
             pdl_prologue(PDL, True)
         acc = _row_chunk(acc, w_ptrs, x_ptrs, k0, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K, SILU_MUL,
-                         NARROW, EVICT, PRE, w0, w1)
+                         NARROW, EVICT, PRE, w0, w1, F16)
         w_ptrs += FOLD * BLOCK_K
         x_ptrs += FOLD * BLOCK_K
         start = FOLD * BLOCK_K
@@ -306,12 +320,16 @@ def _gemv_row_kernel(X, W, Y, P, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, eps
         cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
     for kk in range(start, K_PER_SPLIT, FOLD * BLOCK_K):
         acc = _row_chunk(acc, w_ptrs, x_ptrs, k0 + kk, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K,
-                         SILU_MUL, NARROW, EVICT)
+                         SILU_MUL, NARROW, EVICT, F16=F16)
         w_ptrs += FOLD * BLOCK_K
         x_ptrs += FOLD * BLOCK_K
     if LATE:
         pdl_trigger(PDL)
     out = tl.sum(acc, axis=1)
+    if F16:
+        out = out * 256.0
+    if HAS_SCALE:  # linear, so per split too
+        out = out * tl.load(S + offs_n, mask=mask_n, other=0.0)
     if NORM_IN:  # linear in x: a split's partial takes the scale too
         out = out * rs
     if SPLIT_K == 1 and ADD_NORM:
@@ -376,7 +394,7 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
         # FP8 rows with f16 math (--f16-math-study, 2026-12-02: 2,095 us against 2,196 for fp32 math at its own
         # tiles), one tile before the PDL wait.
         block_n, block_k, warps = (16, 1024, 8) if N <= 4096 else (8, 2048, 4) if N <= 8192 else (8, 512, 4)
-        extra = dict(f16_math=True)
+        extra = dict(f16_math=True, row_kernel=bool(FP8_ROW_KERNEL))
     elif M == 1:
         # The one-row kernel (--row-study, 2026-12-04): few rows and long K tiles a program, products summed
         # eight at a time before they are accumulated where registers are short, two tiles before the PDL
@@ -405,7 +423,12 @@ def _norm_args(norm_in: ResidualNorm | None, add_norm: ResidualNorm | None, spli
                 NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None and split_k == 1, NSLOT=NORM_SLOTS)
 
 
-def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvConfig, silu_mul, pdl, norms, ropes):
+def _f16_math(cfg: GemvConfig, w: torch.Tensor) -> bool:
+    return cfg.f16_math and w.element_size() == 1 and cfg.block_k >= 8
+
+
+def _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg: GemvConfig, silu_mul, pdl, norms,
+              ropes):
     tiles = k_per_split // cfg.block_k
     # With PDL the first chunk is peeled to take the tiles loaded before the wait, so it holds pre_tiles (the
     # chunking does not depend on PDL: the same sums in the same order either way).
@@ -414,12 +437,16 @@ def _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg: GemvC
         fold -= 1
     launch = pdl_launch(pdl, "gemv")
     late = PRODUCER_LATE_TRIGGER and norms["ADD_NORM"] and launch["PDL"] is True
+    # FP8 weights against a 16-bit x: 8 weights a thread a load, x's layout (_gemv_row_kernel's W_VEC).
+    w_vec = 8 if w.element_size() == 1 and x.element_size() == 2 else 0
     _gemv_row_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, w, out, partial, N, K, w.stride(0), k_per_split, **norms, **ropes, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=split_k, EVEN_K=even_k, SILU_MUL=silu_mul, PRE=min(cfg.pre_tiles, fold) if launch["PDL"] else 0,
-        FOLD=fold, LATE=late, X_ROWS=cfg.block_k < 32 * cfg.num_warps * 16 // x.element_size(),
+        x, w, out, partial, scale if scale is not None else w, N, K, w.stride(0), k_per_split, **norms, **ropes,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, SILU_MUL=silu_mul,
+        PRE=min(cfg.pre_tiles, fold) if launch["PDL"] else 0, FOLD=fold, LATE=late,
+        # Whether the CTA's threads, at one vector of w each, cover more than one tile row along K.
+        X_ROWS=cfg.block_k < 32 * cfg.num_warps * (w_vec or 16 // w.element_size()),
         NARROW=cfg.narrow and cfg.block_k % 8 == 0, EVICT="evict_first" if cfg.evict_first else "",
-        num_warps=cfg.num_warps, **launch)
+        HAS_SCALE=scale is not None, F16=_f16_math(cfg, w), W_VEC=w_vec, num_warps=cfg.num_warps, **launch)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -462,15 +489,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
     norms = _norm_args(norm_in, add_norm, split_k, x)
     ropes = dict(rope_args(rope, x, split_k == 1), ROPE_AHEAD=bool(ROPE_INPUTS_AHEAD))
-    if not dot and cfg.row_kernel and scale is None:
-        _gemv_row(x, w, out, partial, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms, ropes)
+    if not dot and cfg.row_kernel:
+        _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms, ropes)
     else:
         _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
             x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
             k_per_split, **norms, **ropes, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
-            F16=cfg.f16_math and w.element_size() == 1 and not dot and cfg.block_k >= 8,
+            F16=_f16_math(cfg, w) and not dot,
             **pdl_launch(pdl, "gemv"))
     if split_k > 1:
         BLOCK = 1024

@@ -240,11 +240,12 @@ def check_gemv_fp8_codes(device, dtype):
         w = torch.zeros(N, K, dtype=torch.uint8)
         w[:, col] = codes
         w8 = w.view(FP8_DTYPE).to(device)
-        x = torch.zeros(1, K, device=device)
+        x = torch.zeros(1, K, device=device, dtype=dtype)  # bf16 on a GPU: the row kernel's 8-byte weight loads
         x[0, col] = 1.0
-        for cfg in (None, GemvConfig(8, 32, 1, 2), GemvConfig(8, 16, 2, 1)):
+        for cfg in (None, GemvConfig(8, 32, 1, 2), GemvConfig(8, 16, 2, 1), GemvConfig(8, 32, 1, 2, f16_math=True),
+                    GemvConfig(8, 32, 1, 2, row_kernel=False), GemvConfig(8, 16, 2, 1, row_kernel=False)):
             y = gemv(x, w8, scale=s, config=cfg)[0]
-            assert torch.equal(y, w8.float()[:, col] * s), f"column {col} {cfg}"
+            assert torch.equal(y, (w8.float()[:, col] * s).to(dtype)), f"column {col} {cfg}"
 
 
 def check_gemv_fp8_f16_math(device, dtype):
@@ -255,8 +256,15 @@ def check_gemv_fp8_f16_math(device, dtype):
     from kernels.gemv import GemvConfig, default_config, gemv
     from kernels.reference import fp8_linear_ref
     from shared.models.quantization import quantize_per_channel
+    import kernels.gemv as kg
     gen = torch.Generator().manual_seed(1)
     assert default_config(1, 4096, 4096, 1).f16_math and not default_config(1, 4096, 4096, 2).f16_math
+    assert not default_config(1, 4096, 4096, 1).row_kernel  # FP8 rows: the general kernel until measured
+    kg.FP8_ROW_KERNEL = True
+    try:
+        assert default_config(1, 4096, 4096, 1).row_kernel and default_config(1, 4096, 4096, 1).f16_math
+    finally:
+        kg.FP8_ROW_KERNEL = False
     for K, N in [(256, 48), (200, 40), (1024, 24)]:
         q, s = quantize_per_channel(torch.randn(N, K, generator=gen) * 0.02)
         q, s = q.to(device), s.to(device)
@@ -264,15 +272,19 @@ def check_gemv_fp8_f16_math(device, dtype):
             x = (torch.randn(1, K, generator=gen) * mag).to(device=device, dtype=dtype)
             ref = fp8_linear_ref(x.float(), q, s)
             for bn, bk, split in [(8, 64, 1), (16, 32, 3), (8, 256, 2)]:
-                f16 = gemv(x, q, scale=s, config=GemvConfig(bn, bk, split, 2, f16_math=True)).float()
-                f32 = gemv(x, q, scale=s, config=GemvConfig(bn, bk, split, 2)).float()
-                # Within the output's rounding (bf16's half-ulp is 2^-9 of a value) plus f16 math's own error.
-                tol = (2e-3 if dtype == torch.float32 else 6e-3) * float(ref.abs().max())
-                assert float((f16 - ref).abs().max()) < tol, (K, N, mag, bn, bk, split)
-                assert float((f16 - f32).abs().max()) < tol, (K, N, mag, bn, bk, split)
+                for row in (True, False):  # the one-row kernel and the general one
+                    f16 = gemv(x, q, scale=s, config=GemvConfig(bn, bk, split, 2, f16_math=True, row_kernel=row)).float()
+                    f32 = gemv(x, q, scale=s, config=GemvConfig(bn, bk, split, 2, row_kernel=row)).float()
+                    # Within the output's rounding (bf16's half-ulp is 2^-9 of a value) plus f16 math's own error.
+                    tol = (2e-3 if dtype == torch.float32 else 6e-3) * float(ref.abs().max())
+                    assert float((f16 - ref).abs().max()) < tol, (K, N, mag, bn, bk, split, row)
+                    assert float((f16 - f32).abs().max()) < tol, (K, N, mag, bn, bk, split, row)
         h = _rand(1, 2 * K, dtype=dtype, device=device)
         y = gemv(h, q, scale=s, silu_mul=True)
         torch.testing.assert_close(y, gemv(silu_and_mul(h), q, scale=s), rtol=0, atol=0)
+        row = GemvConfig(8, 64, 1, 2, f16_math=True, pre_tiles=2, fold=2)
+        torch.testing.assert_close(gemv(h, q, scale=s, silu_mul=True, config=row),
+                                   gemv(silu_and_mul(h), q, scale=s, config=row), rtol=0, atol=0)
 
 
 def check_gemv_split_norm(device, dtype):

@@ -192,6 +192,28 @@ def test_rope_in_the_qkv_epilogue_on_cuda_in_bf16(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_rows_in_the_row_kernel_on_cuda(tmp_path, monkeypatch):
+    """FP8 weights at batch 1 in the one-row GEMV (kernels.gemv.FP8_ROW_KERNEL) against the general kernel: the
+    same logits to within bf16's rounding, split norms and rope in the epilogue on and off."""
+    import kernels.gemv as kg
+    from shared.models.attention import create_attention_backend
+    path = write_hf_checkpoint(make_hf_model("llama31"), str(tmp_path / "llama31"))
+    ours, cfg = load_model(path, dtype=torch.bfloat16, device=torch.device("cuda"), quantization="fp8")
+    prompt = torch.randint(3, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(9)).tolist()
+    for fused in (False, True):
+        runs = {}
+        for row in (False, True):
+            monkeypatch.setattr(kg, "FP8_ROW_KERNEL", row)
+            assert ours.model.split_row_norms(fused) == fused and ours.model.fuse_row_rope(fused) == fused
+            backend = create_attention_backend("triton", cfg.num_attention_heads, cfg.num_key_value_heads,
+                                               cfg.head_dim, device=torch.device("cuda"))
+            runs[row] = _one_token_run(ours, cfg, prompt, backend=backend)
+        ours.model.split_row_norms(False)
+        ours.model.fuse_row_rope(False)
+        assert rel_err(runs[True][0], runs[False][0]) < 2e-2, fused
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_split_row_norms_on_cuda_in_bf16(tmp_path):
     """The Triton path of the split norms (GEMV epilogues, the first norm clearing the sums) against whole
     norms on the GPU, bf16, the Triton attention backend: one-token passes give the same logits to within
