@@ -136,17 +136,52 @@ def row_study(budget: float, t0: float) -> dict:
     kernel's tiles swept shape by shape (the others at their defaults), and the best picks alternated against
     the general kernel and the defaults."""
     layers = build("bf16")
-    nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
     former = {"qkv": GemvConfig(8, 512, 1, 4, pre_tiles=2), "o": GemvConfig(4, 2048, 1, 2, pre_tiles=2),
               "gate_up": GemvConfig(16, 256, 1, 4, pre_tiles=2), "down": GemvConfig(8, 1024, 1, 2, pre_tiles=2)}
     general = {nm: dataclasses.replace(c, row_kernel=False) for nm, c in former.items()}
     row = {nm: default_config(1, n, k, 2) for nm, (n, k) in SHAPES.items()}
+
+    def cands(name: str, k: int) -> list[GemvConfig]:
+        return [dataclasses.replace(row[name], evict_first=False)] + [
+            GemvConfig(bn, bk, 1, warps, pre_tiles=pre, fold=fold, narrow=narrow)
+            for bn, bk, warps, narrow, pre, fold in ROW_CANDIDATES if bk <= k]
+    return _general_against_row(layers, general, row, cands, budget, t0)
+
+
+# FP8 weights in the one-row kernel (f16 math, 8 weights a thread a load): (block_n, block_k, warps, pre, fold).
+FP8_ROW_CANDIDATES = [(8, 2048, 4, 1, 1), (8, 2048, 4, 2, 1), (8, 1024, 2, 2, 1), (4, 2048, 2, 2, 1),
+                      (4, 4096, 4, 1, 1), (2, 4096, 2, 2, 1), (16, 1024, 4, 2, 1), (16, 2048, 8, 1, 1),
+                      (8, 4096, 8, 1, 1), (4, 1024, 1, 2, 1), (8, 512, 2, 2, 2), (16, 512, 4, 2, 1),
+                      (2, 2048, 1, 2, 1), (4, 2048, 4, 2, 1)]
+
+
+def fp8_row_study(budget: float, t0: float) -> dict:
+    """FP8 weights: the one-row kernel (x and w in one register layout) at the general kernel's tiles against
+    the general kernel (the engine's FP8 path), then the row kernel's tiles swept shape by shape and the picks
+    alternated against both."""
+    layers = build("fp8")
+    general = {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
+    assert not any(c.row_kernel for c in general.values()), "FP8_ROW_KERNEL is on: the general kernel is the baseline"
+    row = {nm: dataclasses.replace(c, row_kernel=True) for nm, c in general.items()}
+
+    def cands(name: str, k: int) -> list[GemvConfig]:
+        return [GemvConfig(bn, bk, 1, warps, pre_tiles=pre, fold=fold, f16_math=True)
+                for bn, bk, warps, pre, fold in FP8_ROW_CANDIDATES if bk <= k]
+    return _general_against_row(layers, general, row, cands, budget, t0)
+
+
+def _general_against_row(layers, general: dict, row: dict, cands, budget: float, t0: float) -> dict:
+    """Accuracy per shape against the dequantized weights, the chain with every shape on the general kernel and
+    on the row kernel alternated, then cands(name, k) tried one shape at a time (the others at `row`), the best
+    picks alternated against both."""
+    from kernels.reference import fp8_linear_ref
+    nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
     check = {}
     for name, (n, k) in SHAPES.items():
-        w, _ = layers[0][name]
+        w, sc = layers[0][name]
         x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
-        ref = x.float() @ w.float().t()
-        check[name] = {key: float((gemv(x, w, config=cfg[name]).float() - ref).abs().max() / ref.abs().max())
+        ref = fp8_linear_ref(x.float(), w, sc) if sc is not None else x.float() @ w.float().t()
+        check[name] = {key: float((gemv(x, w, scale=sc, config=cfg[name]).float() - ref).abs().max() / ref.abs().max())
                        for key, cfg in (("general", general), ("row", row))}
     print(f"accuracy (max error / max output): {json.dumps(check)}", flush=True)
     times = {"general": [], "row": []}
@@ -160,10 +195,7 @@ def row_study(budget: float, t0: float) -> dict:
     share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
     for name, (n, k) in SHAPES.items():
         t_shape = time.time()
-        cands = [dataclasses.replace(row[name], evict_first=False)]
-        cands += [GemvConfig(bn, bk, 1, warps, pre_tiles=pre, fold=fold, narrow=narrow)
-                  for bn, bk, warps, narrow, pre, fold in ROW_CANDIDATES if bk <= k]
-        for cfg in cands:
+        for cfg in cands(name, k):
             if time.time() - t_shape > share:
                 break
             if cfg == row[name]:
@@ -184,72 +216,6 @@ def row_study(budget: float, t0: float) -> dict:
         for key, cfgs in (("general", general), ("row", row), ("picks", picks)):
             final[key].append(chain_ms(layers, cfgs) * 1e3)
     print(f"best picks alternated with the general kernel and the defaults, us: {json.dumps(final)} "
-          f"({', '.join(f'{k} {nbytes / min(v) / 1e3:.0f}' for k, v in final.items())} GB/s)", flush=True)
-    del layers
-    torch.cuda.empty_cache()
-    return {"check": check, "times": times, "rows": rows, "final": final,
-            "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
-
-
-# FP8 weights in the one-row kernel (f16 math, 8 weights a thread a load): (block_n, block_k, warps, pre, fold).
-FP8_ROW_CANDIDATES = [(8, 2048, 4, 1, 1), (8, 2048, 4, 2, 1), (8, 1024, 2, 2, 1), (4, 2048, 2, 2, 1),
-                      (4, 4096, 4, 1, 1), (2, 4096, 2, 2, 1), (16, 1024, 4, 2, 1), (16, 2048, 8, 1, 1),
-                      (8, 4096, 8, 1, 1), (4, 1024, 1, 2, 1), (8, 512, 2, 2, 2), (16, 512, 4, 2, 1),
-                      (2, 2048, 1, 2, 1), (4, 2048, 4, 2, 1)]
-
-
-def fp8_row_study(budget: float, t0: float) -> dict:
-    """FP8 weights: the one-row kernel (x and w in one register layout) at the general kernel's tiles against
-    the general kernel (the engine's FP8 path), accuracy per shape and the 32-layer chain alternated; then the
-    row kernel's tiles swept shape by shape (the others at the row kernel's defaults) and the picks alternated
-    against both."""
-    from kernels.reference import fp8_linear_ref
-    layers = build("fp8")
-    nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
-    general = {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
-    assert not any(c.row_kernel for c in general.values()), "FP8_ROW_KERNEL is on: the general kernel is the baseline"
-    row = {nm: dataclasses.replace(c, row_kernel=True) for nm, c in general.items()}
-    check = {}
-    for name, (n, k) in SHAPES.items():
-        w, sc = layers[0][name]
-        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
-        ref = fp8_linear_ref(x.float(), w, sc)
-        check[name] = {key: float((gemv(x, w, scale=sc, config=cfg[name]).float() - ref).abs().max() / ref.abs().max())
-                       for key, cfg in (("general", general), ("row", row))}
-    print(f"accuracy (max error / max output): {json.dumps(check)}", flush=True)
-    times = {"general": [], "row": []}
-    for _ in range(2):
-        times["general"].append(chain_ms(layers, general) * 1e3)
-        times["row"].append(chain_ms(layers, row) * 1e3)
-    print(f"fp8 chain alternated, us: {json.dumps(times)} ({nbytes / min(times['general']) / 1e3:.0f} vs "
-          f"{nbytes / min(times['row']) / 1e3:.0f} GB/s)", flush=True)
-    base = min(times["row"]) / 1e3
-    best, rows = {nm: (base, row[nm]) for nm in SHAPES}, []
-    share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
-    for name, (n, k) in SHAPES.items():
-        t_shape = time.time()
-        for bn, bk, warps, pre, fold in FP8_ROW_CANDIDATES:
-            if time.time() - t_shape > share:
-                break
-            cfg = GemvConfig(bn, bk, 1, warps, pre_tiles=pre, fold=fold, f16_math=True)
-            if bk > k or cfg == row[name]:
-                continue
-            try:
-                t = chain_ms(layers, {**row, name: cfg})
-            except Exception as e:  # a tile that does not compile or fit
-                print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
-                continue
-            rows.append({"shape": name, "cfg": dataclasses.asdict(cfg), "chain_us": t * 1e3})
-            if t < best[name][0]:
-                best[name] = (t, cfg)
-        print(f"  {name}: row default {row[name]} -> best {best[name][1]} chain {best[name][0] * 1e3:.0f} us "
-              f"({(base - best[name][0]) / LAYERS * 1e3:+.2f} us per layer)", flush=True)
-    picks = {nm: b[1] for nm, b in best.items()}
-    final = {"general": [], "row": [], "picks": []}
-    for _ in range(2):
-        for key, cfgs in (("general", general), ("row", row), ("picks", picks)):
-            final[key].append(chain_ms(layers, cfgs) * 1e3)
-    print(f"fp8 picks alternated with the general kernel and the row kernel's defaults, us: {json.dumps(final)} "
           f"({', '.join(f'{k} {nbytes / min(v) / 1e3:.0f}' for k, v in final.items())} GB/s)", flush=True)
     del layers
     torch.cuda.empty_cache()

@@ -170,47 +170,44 @@ def test_rope_in_the_qkv_epilogue_matches_the_rope_kernel(family, monkeypatch):
         assert runs[split, True][1] == runs[split, False][1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_rope_in_the_qkv_epilogue_on_cuda_in_bf16(tmp_path):
-    """The Triton path of rope + KV store in the qkv GEMV's epilogue against the rope kernel, bf16, the Triton
-    attention backend, split norms on and off: decode logits to within bf16's rounding, plain and FP8 weights."""
-    from shared.models.attention import create_attention_backend
-    for name, quant in (("llama31", "none"), ("llama31", "fp8")):
-        path = write_hf_checkpoint(make_hf_model(name), str(tmp_path / name))
-        ours, cfg = load_model(path, dtype=torch.bfloat16, device=torch.device("cuda"), quantization=quant)
-        prompt = torch.randint(3, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).tolist()
-        for split in (False, True):
-            runs = {}
-            for fused in (False, True):
-                assert ours.model.fuse_row_rope(fused) == fused and ours.model.split_row_norms(split) == split
-                backend = create_attention_backend("triton", cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                   cfg.head_dim, device=torch.device("cuda"))
-                runs[fused] = _one_token_run(ours, cfg, prompt, backend=backend)
-            ours.model.fuse_row_rope(False)
-            ours.model.split_row_norms(False)
-            assert rel_err(runs[True][0], runs[False][0]) < 2e-2, (name, quant, split)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp8_rows_in_the_row_kernel_on_cuda(tmp_path, monkeypatch):
-    """FP8 weights at batch 1 in the one-row GEMV (kernels.gemv.FP8_ROW_KERNEL) against the general kernel: the
-    same logits to within bf16's rounding, split norms and rope in the epilogue on and off."""
+def _cuda_one_token_runs(tmp_path, quant: str, seed: int, settings: dict) -> dict:
+    """bf16 llama31 on the GPU with the Triton attention backend: _one_token_run under each of `settings`
+    ({key: (split norms, rope in the epilogue, kernels.gemv.FP8_ROW_KERNEL)})."""
     import kernels.gemv as kg
     from shared.models.attention import create_attention_backend
-    path = write_hf_checkpoint(make_hf_model("llama31"), str(tmp_path / "llama31"))
-    ours, cfg = load_model(path, dtype=torch.bfloat16, device=torch.device("cuda"), quantization="fp8")
-    prompt = torch.randint(3, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(9)).tolist()
-    for fused in (False, True):
-        runs = {}
-        for row in (False, True):
-            monkeypatch.setattr(kg, "FP8_ROW_KERNEL", row)
-            assert ours.model.split_row_norms(fused) == fused and ours.model.fuse_row_rope(fused) == fused
+    path = write_hf_checkpoint(make_hf_model("llama31"), str(tmp_path / f"llama31-{quant}"))
+    ours, cfg = load_model(path, dtype=torch.bfloat16, device=torch.device("cuda"), quantization=quant)
+    prompt = torch.randint(3, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+    runs = {}
+    try:
+        for key, (split, rope, fp8_row) in settings.items():
+            kg.FP8_ROW_KERNEL = fp8_row
+            assert ours.model.split_row_norms(split) == split and ours.model.fuse_row_rope(rope) == rope
             backend = create_attention_backend("triton", cfg.num_attention_heads, cfg.num_key_value_heads,
                                                cfg.head_dim, device=torch.device("cuda"))
-            runs[row] = _one_token_run(ours, cfg, prompt, backend=backend)
-        ours.model.split_row_norms(False)
-        ours.model.fuse_row_rope(False)
-        assert rel_err(runs[True][0], runs[False][0]) < 2e-2, fused
+            runs[key] = _one_token_run(ours, cfg, prompt, backend=backend)
+    finally:
+        kg.FP8_ROW_KERNEL = False
+    return runs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", ["none", "fp8"])
+def test_rope_in_the_qkv_epilogue_on_cuda_in_bf16(tmp_path, quant):
+    """The Triton path of rope + KV store in the qkv GEMV's epilogue against the rope kernel, bf16, the Triton
+    attention backend, split norms on and off: decode logits to within bf16's rounding, plain and FP8 weights."""
+    runs = _cuda_one_token_runs(tmp_path, quant, 5, {(s, r): (s, r, False) for s in (False, True) for r in (False, True)})
+    for split in (False, True):
+        assert rel_err(runs[split, True][0], runs[split, False][0]) < 2e-2, split
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_rows_in_the_row_kernel_on_cuda(tmp_path):
+    """FP8 weights at batch 1 in the one-row GEMV (kernels.gemv.FP8_ROW_KERNEL) against the general kernel: the
+    same logits to within bf16's rounding, split norms and rope in the epilogue on and off."""
+    runs = _cuda_one_token_runs(tmp_path, "fp8", 9, {(f, row): (f, f, row) for f in (False, True) for row in (False, True)})
+    for fused in (False, True):
+        assert rel_err(runs[fused, True][0], runs[fused, False][0]) < 2e-2, fused
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
