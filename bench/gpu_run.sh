@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|rope-fusion|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
@@ -98,14 +98,21 @@ if [[ $what == l2-prefetch ]]; then
     --rounds 2 --quantization none,fp8 2>&1 | grep "round" | tee "$OUT/b1_next14.log"
   timeout 120 python3 -m bench.probe trace_pdl_prefetch 2>&1 | grep -v "Capturing\|Warning" | tail -16
 fi
-if [[ $what == rope-fusion ]]; then
-  # Issue 14: rope and the KV store in the qkv GEMV's epilogue (--decode-rope-fusion, 2026-12-04, never run on a GPU):
-  # its GPU tests, a batch-1 A/B (its inputs loaded ahead of the K loop or in the tail), the kernel trace.
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py tests/test_model_parity.py \
-    -k "not interpreted and (gemv_rope_store or rope_fusion or rope_in_the_qkv)" 2>&1 | tail -3
-  timeout 300 python3 -m bench.b1 --variants "base=;rope=decode_rope_fusion=1;tail=decode_rope_fusion=1,@kernels.gemv.ROPE_INPUTS_AHEAD=0" \
-    --rounds 2 --quantization none,fp8 2>&1 | grep "round" | tee "$OUT/b1_rope.log"
-  timeout 120 python3 -m bench.probe trace_pdl trace_pdl_rope 2>&1 | grep -v "Capturing\|Warning" | tail -30
+if [[ $what == batch1-next ]]; then
+  # Issue 14, batch 1, two ideas of 2026-12-04 never run on a GPU: rope and the KV store in the qkv GEMV's epilogue
+  # (--decode-rope-fusion) and decode attention's first k/v tile loaded before its PDL wait
+  # (kernels.attention.triton_decode.KV_BEFORE_WAIT). Their GPU tests, then one A/B of both, alone and together.
+  timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py tests/test_model_parity.py \
+    -k "not interpreted and (gemv_rope_store or rope_fusion or rope_in_the_qkv or kv_before_wait)" 2>&1 | tail -3
+  kv=@kernels.attention.triton_decode.KV_BEFORE_WAIT=1
+  timeout 400 python3 -m bench.b1 --variants "base=;rope=decode_rope_fusion=1;kv=$kv;both=decode_rope_fusion=1,$kv" \
+    --rounds 2 --quantization none,fp8 2>&1 | grep "round" | tee "$OUT/b1_next.log"
+fi
+if [[ $what == batch1-next-trace ]]; then
+  # The kernel traces of the two (after batch1-next), and the rope epilogue's inputs in the program's tail.
+  timeout 200 python3 -m bench.b1 --variants "rope=decode_rope_fusion=1;tail=decode_rope_fusion=1,@kernels.gemv.ROPE_INPUTS_AHEAD=0" \
+    --rounds 2 2>&1 | grep "round" | tee "$OUT/b1_rope_tail.log"
+  timeout 150 python3 -m bench.probe trace_pdl trace_pdl_rope trace_pdl_kv 2>&1 | grep -v "Capturing\|Warning" | tail -40
 fi
 if [[ $what == fp8-row ]]; then
   # Issue 14 item 3: FP8 weights in the one-row GEMV (kernels.gemv.FP8_ROW_KERNEL, 2026-12-04, never run on a GPU): its

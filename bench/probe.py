@@ -369,6 +369,16 @@ def probe_trace_pdl_rope(res: dict) -> None:
     _probe_trace(res, True, "trace_pdl_rope", decode_rope_fusion=True)
 
 
+def probe_trace_pdl_kv(res: dict) -> None:
+    """The batch-1 replay with decode attention's first k/v tile loaded before its PDL wait."""
+    import kernels.attention.triton_decode as td
+    td.KV_BEFORE_WAIT = True
+    try:
+        _probe_trace(res, True, "trace_pdl_kv")
+    finally:
+        td.KV_BEFORE_WAIT = False
+
+
 def probe_trace_pdl_early(res: dict) -> None:
     """The same with the decode-attention stages letting o_proj launch before they wait."""
     _probe_trace(res, True, "trace_pdl_early", pdl_early_trigger="attention")
@@ -750,7 +760,7 @@ def main() -> int:
             {"pdl": probe_pdl, "extend": probe_extend, "trace": probe_trace, "b1": probe_b1,
              "trace_pdl": probe_trace_pdl, "trace_pdl_early": probe_trace_pdl_early,
              "trace_pdl_whole": probe_trace_pdl_whole, "trace_pdl_prefetch": probe_trace_pdl_prefetch,
-             "trace_pdl_rope": probe_trace_pdl_rope,
+             "trace_pdl_rope": probe_trace_pdl_rope, "trace_pdl_kv": probe_trace_pdl_kv,
              "trace_pdl_fp8": probe_trace_pdl_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
              "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,

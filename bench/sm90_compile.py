@@ -3,7 +3,7 @@ Python wrappers the engine calls, and report registers, spills and shared memory
 with --sass). A kernel that does not compile for Hopper fails here, not in a device call.
 
     PYTHONPATH=/tmp/t36 python -m bench.sm90_compile [--pdl 0|1|2] [--sass NAME] [--fp8] [--no-split-norms]
-                                                     [--rope-fusion] [--fp8-row]
+                                                     [--rope-fusion] [--fp8-row] [--kv-before-wait]
 
 Use the device's Triton version (3.6: `pip download --no-deps triton==3.6.0` and `pip install --no-deps
 --target /tmp/t36` the wheel) so ptxas and the compiler match what runs there. Nothing is launched: each
@@ -126,6 +126,8 @@ def main() -> None:
     ap.add_argument("--pdl", type=int, default=2, help="0: off, 1: trigger after the wait, 2: before it")
     ap.add_argument("--fp8", action="store_true", help="FP8 weights in the GEMVs")
     ap.add_argument("--no-split-norms", action="store_true", help="every norm its own kernel (--no-decode-norm-fusion)")
+    ap.add_argument("--kv-before-wait", action="store_true",
+                    help="decode attention's first k/v tile before its PDL wait (kernels.attention.triton_decode.KV_BEFORE_WAIT)")
     ap.add_argument("--fp8-row", action="store_true", help="FP8 rows in the one-row kernel (kernels.gemv.FP8_ROW_KERNEL)")
     ap.add_argument("--rope-fusion", action="store_true", help="rope and the KV store in the qkv GEMV (--decode-rope-fusion)")
     ap.add_argument("--sass", default="", help="print the SASS of kernels whose name contains this")
@@ -138,6 +140,7 @@ def main() -> None:
     import kernels.gemv as kg
     kg.num_sms = td.num_sms = ku.num_sms
     kg.FP8_ROW_KERNEL = args.fp8_row
+    td.KV_BEFORE_WAIT = args.kv_before_wait
     ku.set_pdl(args.pdl > 0, early_trigger=args.pdl == 2)
     JITFunction.run = _compile  # type: ignore[method-assign]
     decode_path(args.fp8, not args.no_split_norms, args.rope_fusion)

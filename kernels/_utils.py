@@ -52,6 +52,11 @@ def set_pdl(enabled: bool, early_trigger: str | bool = "") -> None:
     _pdl_default, _pdl_early = bool(enabled), early
 
 
+def pdl_early_families() -> frozenset[str]:
+    """The kernel families set_pdl lets trigger the next launch before their wait."""
+    return _pdl_early
+
+
 def parse_pdl_families(text: str | bool) -> frozenset[str]:
     if text is True:
         return frozenset(PDL_FAMILIES)

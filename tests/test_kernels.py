@@ -520,6 +520,45 @@ def check_decode_attention_one_launch(device, dtype):
                     assert torch.equal(out[lens.index(0)], torch.zeros_like(out[0])), what
 
 
+def check_decode_attention_kv_before_wait(device, dtype):
+    """Stage 1 with its chunk's first tile of k and v loaded before the PDL wait and the new token's row after
+    it (kernels.attention.triton_decode.KV_BEFORE_WAIT): the same bits as without, one launch and two, a
+    single stage, a shared prefix's kv_start, long chunks (more tiles than the first), empty chunks and a
+    zero-length padding request; and the reference."""
+    import kernels.attention.triton_decode as td
+    from kernels.reference import decode_attention_ref
+    for lens, (hq, hkv), max_splits, min_tok in [([1, 7, 33, 130, 0], (4, 2), 4, 16), ([200], (8, 2), 16, 1),
+                                                 ([300, 65], (8, 1), 2, 64), ([150, 9], (4, 4), 1, 256)]:
+        d = _head_dims(device)[len(lens) % 2]
+        B = len(lens)
+        k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, dtype, hkv, d, [max(0, n - 1) for n in lens],
+                                                     [min(1, n) for n in lens])
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        live = [i for i, n in enumerate(lens) if n]
+        q = _rand(B, hq, d, dtype=dtype, device=device)
+        ref = decode_attention_ref(q[live], k_buf, v_buf, r2t, req_idx[live], seq_lens[live], d ** -0.5)
+        splits = td.num_kv_splits_for(seq_lens, max_splits, min_tok)
+        for how in ("one launch", "two launches", "kv_start"):
+            outs = []
+            for early in (False, True):
+                td.KV_BEFORE_WAIT = early
+                try:
+                    kw = {}
+                    if how == "one launch":
+                        kw = dict(tickets=torch.zeros(B * hkv, dtype=torch.int32, device=device))
+                    elif how == "kv_start":  # no prefix partials (kv_start 0): the HAS_START kernel
+                        kw = dict(kv_start=torch.zeros_like(seq_lens),
+                                  mid_o=torch.empty((B, hq, max_splits + 1, d), device=device),
+                                  mid_lse=torch.full((B, hq, max_splits + 1), float("-inf"), device=device))
+                    outs.append(td.decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, splits, max_splits,
+                                                    d ** -0.5, **kw))
+                finally:
+                    td.KV_BEFORE_WAIT = False
+            what = f"lens={lens} hq={hq} hkv={hkv} splits={splits.tolist()} {how}"
+            assert torch.equal(outs[0], outs[1]), what
+            torch.testing.assert_close(outs[1][live], ref, **_tol(dtype), msg=lambda m: f"{what}: {m}")
+
+
 def check_cascade_decode_attention(device, dtype):
     """Shared-prefix decode: groups whose rows begin with the same slots; the torch cascade reference
     equals plain decode attention, and the Triton kernel equals both (big groups are cut in blocks)."""

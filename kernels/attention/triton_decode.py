@@ -27,37 +27,52 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue
+from kernels._utils import dot_precision, next_pow2, num_sms, pdl_early_families, pdl_launch, pdl_prologue
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tile_scores(q, k, mask_n, m_i, l_i, sm_scale_log2, DOT_PREC: tl.constexpr):
+    """The online softmax's step for one tile of keys k [BLOCK_N, BLOCK_D] (mask_n the valid positions):
+    (new running max, probabilities, rescale of the old sums, new running sum)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+    s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, p, alpha, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def attend_chunk(q, KB, VB, ROW, start, end, kv_base, stride_bs, offs_d, mask_d, sm_scale_log2,
-                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                 FIRST: tl.constexpr = False, k_first=None, v_first=None):
     """Online-softmax attention of query rows q [ROWS, BLOCK_D] (in the KV dtype) over positions [start,
     end) of one req_to_token row (ROW points at it), KV head at kv_base: the normalised partial output
     [ROWS, BLOCK_D] fp32 and its log2-sum-exp [ROWS] (-inf, and an output of 0, for an empty chunk).
-    The decode and shared-prefix kernels' one inner loop."""
+    FIRST: the first tile's k and v are already loaded (k_first, v_first: the decode kernel's, before its
+    PDL wait). The decode and shared-prefix kernels' one inner loop."""
     m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((ROWS,), dtype=tl.float32)
     acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    first = start
+    if FIRST:
+        if start < end:  # an empty chunk takes no tile (all of its scores would be -inf)
+            m_i, p, alpha, l_i = _tile_scores(q, k_first, (start + tl.arange(0, BLOCK_N)) < end, m_i, l_i,
+                                              sm_scale_log2, DOT_PREC)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v_first.dtype), v_first, input_precision=DOT_PREC)
+        first = start + BLOCK_N
+    for n0 in range(first, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slots = tl.load(ROW + offs_n, mask=mask_n, other=0).to(tl.int64)
         kv_off = kv_base + slots[:, None] * stride_bs + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(KB + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i, p, alpha, l_i = _tile_scores(q, k, mask_n, m_i, l_i, sm_scale_log2, DOT_PREC)
         v = tl.load(VB + kv_off, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(start >= end, float("-inf"), m_i + tl.log2(l_safe))
     return acc / l_safe[:, None], lse
@@ -109,12 +124,28 @@ def merge_rows(MID_O, MID_LSE, rows, mask_r, n_splits, has_prefix, extra_from, t
 
 
 @triton.jit
+def _chunk(SEQ_LENS, NUM_SPLITS, KV_START, REQ_IDX, b, split, stride_rt, BLOCK_N: tl.constexpr, HAS_START: tl.constexpr):
+    """Request b's context length and split count, and chunk `split`'s positions [start, end) out of
+    [kv_start, seq_len) (kv_start > 0: a shared prefix attended by the cascade kernel), with the offset of the
+    request's req_to_token row. Chunks are whole BLOCK_N tiles so only the context's last tile needs masking."""
+    seq_len = tl.load(SEQ_LENS + b)
+    n_splits = tl.load(NUM_SPLITS + b)
+    kv_start = 0
+    if HAS_START:
+        kv_start = tl.load(KV_START + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, n_splits), BLOCK_N) * BLOCK_N
+    start = kv_start + split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    return seq_len, n_splits, kv_start, start, end, tl.load(REQ_IDX + b).to(tl.int64) * stride_rt
+
+
+@triton.jit
 def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O, MID_LSE, KV_START, TICKETS, O,
                    sm_scale_log2, stride_qb, stride_qh, stride_bs, stride_bh, stride_rt, stride_ob, stride_oh,
                    HQ, TOTAL, EXTRA_FROM, GROUP, D,
                    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    CHUNK: tl.constexpr, DOT_PREC: tl.constexpr, HAS_START: tl.constexpr, FINAL: tl.constexpr,
-                   TICKETED: tl.constexpr, PDL: tl.constexpr):
+                   TICKETED: tl.constexpr, PDL: tl.constexpr, KV_EARLY: tl.constexpr = False):
     """Without FINAL: partial output and log-sum-exp of one chunk into the scratch, for stage 2.
     FINAL: stage 1 writes the output itself, in O's dtype. A request's lone chunk (one split, no shared
     prefix) is final as it is (a lone split merges to itself exactly). Otherwise every chunk's partial
@@ -122,36 +153,47 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
     prefix's columns included: with TICKETED, the one whose increment of the pair's ticket counter
     returns n_splits - 1 (it then puts the counter back to 0 for the next launch); without, every
     request has one split (max_kv_splits == 1), so its program is the last."""
-    pdl_prologue(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SEQ_LENS + b)
-    n_splits = tl.load(NUM_SPLITS + b)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    if KV_EARLY:
+        # The step's inputs and the context's k, v up to the new token were written by kernels that finished
+        # before the previous kernel's wait, so before this launch (the host checks that no kernel lets the
+        # next launch before its wait): the chunk's first tile is loaded under the previous kernel's tail.
+        seq_len, n_splits, kv_start, start, end, row = _chunk(SEQ_LENS, NUM_SPLITS, KV_START, REQ_IDX, b, split,
+                                                              stride_rt, BLOCK_N, HAS_START)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n < end) & (split < n_splits)
+        slots = tl.load(REQ_TO_TOKEN + row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_off = kvh * stride_bh + slots[:, None] * stride_bs + offs_d[None, :]
+        old = (mask_n & (offs_n < seq_len - 1))[:, None] & mask_d[None, :]
+        k_first = tl.load(KB + kv_off, mask=old, other=0.0)
+        v_first = tl.load(VB + kv_off, mask=old, other=0.0)
+    pdl_prologue(PDL)
+    if not KV_EARLY:
+        seq_len, n_splits, kv_start, start, end, row = _chunk(SEQ_LENS, NUM_SPLITS, KV_START, REQ_IDX, b, split,
+                                                              stride_rt, BLOCK_N, HAS_START)
     # Programs past the request's own split count (the grid is fixed per graph) take no part, not even
     # in the ticket count.
     if split < n_splits:
-        # Positions [kv_start, seq_len) (kv_start > 0: a shared prefix attended by the cascade kernel).
-        kv_start = 0
-        if HAS_START:
-            kv_start = tl.load(KV_START + b)
-        # Chunks are whole BLOCK_N tiles so only the context's last tile needs masking.
-        split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, n_splits), BLOCK_N) * BLOCK_N
-        start = kv_start + split * split_len
-        end = tl.minimum(start + split_len, seq_len)
-
         offs_g = tl.arange(0, BLOCK_H)
         heads = kvh * GROUP + offs_g
         mask_h = offs_g < GROUP
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
         mask_hd = mask_h[:, None] & mask_d[None, :]
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0)
         q = q.to(KB.dtype.element_ty)
-        row = tl.load(REQ_IDX + b).to(tl.int64) * stride_rt
         # A chunk past the end of a short context is empty: weight 0 in the merge (lse -inf, o 0).
-        o, lse = attend_chunk(q, KB, VB, REQ_TO_TOKEN + row, start, end, kvh * stride_bh, stride_bs, offs_d, mask_d,
-                              sm_scale_log2, BLOCK_H, BLOCK_D, BLOCK_N, DOT_PREC)
+        if KV_EARLY:  # the new token's k and v are the previous kernel's: read after the wait
+            new = (mask_n & (offs_n == seq_len - 1))[:, None] & mask_d[None, :]
+            k_first = tl.where(new, tl.load(KB + kv_off, mask=new, other=0.0), k_first)
+            v_first = tl.where(new, tl.load(VB + kv_off, mask=new, other=0.0), v_first)
+            o, lse = attend_chunk(q, KB, VB, REQ_TO_TOKEN + row, start, end, kvh * stride_bh, stride_bs, offs_d,
+                                  mask_d, sm_scale_log2, BLOCK_H, BLOCK_D, BLOCK_N, DOT_PREC, True, k_first, v_first)
+        else:
+            o, lse = attend_chunk(q, KB, VB, REQ_TO_TOKEN + row, start, end, kvh * stride_bh, stride_bs, offs_d,
+                                  mask_d, sm_scale_log2, BLOCK_H, BLOCK_D, BLOCK_N, DOT_PREC)
         if FINAL and not (TICKETED or HAS_START):
             lone = True  # max_kv_splits == 1, no shared prefix: every request is one chunk (no merge compiled)
         elif FINAL:
@@ -204,6 +246,12 @@ def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, KV_START, O, stride_ob, stride_oh
                      offs_d, mask_d, D, 1, BLOCK_D, CHUNK)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=mask_d[None, :])
 
+
+# Stage 1 loads its chunk's first tile of k and v (all but the new token's) before its PDL wait, under the previous
+# kernel's tail: safe while every kernel lets the next launch only after its own wait (then whatever a kernel
+# before the previous one wrote is complete when this one launches), so off whenever a family triggers early. An
+# A/B knob (@kernels.attention.triton_decode.KV_BEFORE_WAIT=1), read at launch; off until measured.
+KV_BEFORE_WAIT = False
 
 MIN_TOKENS_PER_SPLIT = 64
 # Most chunks a request's context is cut into; the engine's --triton-attention-num-kv-splits default (32: fewer
@@ -274,7 +322,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         BLOCK_H=max(16, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         CHUNK=merge_chunk(group, BLOCK_D, widest), DOT_PREC=dot_precision(q.dtype), num_warps=4,
         num_stages=2, HAS_START=kv_start is not None, FINAL=final, TICKETED=ticketed,
-        **pdl_launch(family="attention"))
+        KV_EARLY=bool(KV_BEFORE_WAIT) and not pdl_early_families(), **pdl_launch(family="attention"))
     if final:
         return out
     _decode_stage2[(B, HQ)](
