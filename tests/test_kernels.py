@@ -481,25 +481,32 @@ def check_decode_attention_single_stage(device, dtype):
             torch.testing.assert_close(out[:3], ref, **_tol(dtype))
 
 
+def _decode_case(device, dtype, lens, hq, hkv, d):
+    """One decode batch over a shuffled pool (a zero length: a padding request): (k_buf, v_buf, req_to_token,
+    req_idx, seq_lens, the live rows, q, the reference output of the live rows)."""
+    from kernels.reference import decode_attention_ref
+    k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, dtype, hkv, d, [max(0, n - 1) for n in lens],
+                                                 [min(1, n) for n in lens])
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    live = [i for i, n in enumerate(lens) if n]
+    q = _rand(len(lens), hq, d, dtype=dtype, device=device)
+    ref = decode_attention_ref(q[live], k_buf, v_buf, r2t, req_idx[live], seq_lens[live], d ** -0.5)
+    return k_buf, v_buf, r2t, req_idx, seq_lens, live, q, ref
+
+
 def check_decode_attention_one_launch(device, dtype):
     """Split decode merged by the last program of each (request, KV head) in the same launch: equal to the
     reference and to the two-launch merge, for batches with uneven per-request split counts (fewer than
     the grid's), contexts shorter than a chunk, a zero-length padding request, and scratch left full of
     NaN by a previous batch; the counters are back at zero after every call, so repeated calls agree."""
     from kernels.attention.triton_decode import decode_attention, num_kv_splits_for
-    from kernels.reference import decode_attention_ref
     gen = torch.Generator().manual_seed(11)
     near = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)  # a bf16 ulp
     for lens, (hq, hkv), max_splits in [([1, 7, 33, 130, 0], (4, 2), 4), ([200], (8, 2), 16),
                                         ([65, 3, 129], (8, 1), 8)]:
         d = _head_dims(device)[len(lens) % 2]
         B = len(lens)
-        k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, dtype, hkv, d, [max(0, n - 1) for n in lens],
-                                                     [min(1, n) for n in lens])
-        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-        live = [i for i, n in enumerate(lens) if n]
-        q = _rand(B, hq, d, dtype=dtype, device=device)
-        ref = decode_attention_ref(q[live], k_buf, v_buf, r2t, req_idx[live], seq_lens[live], d ** -0.5)
+        k_buf, v_buf, r2t, req_idx, seq_lens, live, q, ref = _decode_case(device, dtype, lens, hq, hkv, d)
         tickets = torch.zeros(B * hkv + 5, dtype=torch.int32, device=device)
         mid_o = torch.empty((B, hq, max_splits, d), device=device)
         mid_lse = torch.full((B, hq, max_splits), float("nan"), device=device)
@@ -526,17 +533,11 @@ def check_decode_attention_kv_before_wait(device, dtype):
     single stage, a shared prefix's kv_start, long chunks (more tiles than the first), empty chunks and a
     zero-length padding request; and the reference."""
     import kernels.attention.triton_decode as td
-    from kernels.reference import decode_attention_ref
     for lens, (hq, hkv), max_splits, min_tok in [([1, 7, 33, 130, 0], (4, 2), 4, 16), ([200], (8, 2), 16, 1),
                                                  ([300, 65], (8, 1), 2, 64), ([150, 9], (4, 4), 1, 256)]:
         d = _head_dims(device)[len(lens) % 2]
         B = len(lens)
-        k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, dtype, hkv, d, [max(0, n - 1) for n in lens],
-                                                     [min(1, n) for n in lens])
-        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-        live = [i for i, n in enumerate(lens) if n]
-        q = _rand(B, hq, d, dtype=dtype, device=device)
-        ref = decode_attention_ref(q[live], k_buf, v_buf, r2t, req_idx[live], seq_lens[live], d ** -0.5)
+        k_buf, v_buf, r2t, req_idx, seq_lens, live, q, ref = _decode_case(device, dtype, lens, hq, hkv, d)
         splits = td.num_kv_splits_for(seq_lens, max_splits, min_tok)
         for how in ("one launch", "two launches", "kv_start"):
             outs = []
