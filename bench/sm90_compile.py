@@ -3,7 +3,7 @@ Python wrappers the engine calls, and report registers, spills and shared memory
 with --sass). A kernel that does not compile for Hopper fails here, not in a device call.
 
     PYTHONPATH=/tmp/t36 python -m bench.sm90_compile [--pdl 0|1|2] [--sass NAME] [--fp8] [--no-split-norms]
-                                                     [--rope-fusion] [--fp8-row] [--kv-before-wait]
+                                                     [--rope-fusion] [--fp8-row] [--kv-before-wait] [--loops]
 
 Use the device's Triton version (3.6: `pip download --no-deps triton==3.6.0` and `pip install --no-deps
 --target /tmp/t36` the wheel) so ptxas and the compiler match what runs there. Nothing is launched: each
@@ -77,6 +77,21 @@ def _resources(kernel) -> str:
     return " ".join(line.strip() for line in _cuobjdump(kernel, "--dump-resource-usage").splitlines() if "REG" in line)
 
 
+def loop_report(kernel) -> str:
+    """Each backward branch of the kernel's SASS (a loop): its instructions, global loads, CTA barriers and spills
+    (local memory), the per-iteration costs a GEMV's weight stream pays in instruction issue and stalls."""
+    import re
+    ins = {int(a, 16): t.strip() for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(kernel, "--dump-sass"))}
+    rows = []
+    for at, text in sorted(ins.items()):
+        m = re.match(r"(@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if m and int(m.group(2), 16) < at:
+            body = [t for a, t in ins.items() if int(m.group(2), 16) <= a <= at]
+            rows.append(f"loop {len(body)} instructions, {sum('LDG' in t for t in body)} LDG, "
+                        f"{sum('BAR.SYNC' in t for t in body)} BAR.SYNC, {sum('LDL' in t or 'STL' in t for t in body)} LDL/STL")
+    return "; ".join(rows) or "no loop"
+
+
 def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False) -> None:
     """The kernels of one Llama-3.1-8B decode layer at batch 1, through the engine's wrappers (split_norms:
     the residual norms split between the GEMVs around them, as the engine runs them by default; rope_fusion:
@@ -131,6 +146,7 @@ def main() -> None:
     ap.add_argument("--fp8-row", action="store_true", help="FP8 rows in the one-row kernel (kernels.gemv.FP8_ROW_KERNEL)")
     ap.add_argument("--rope-fusion", action="store_true", help="rope and the KV store in the qkv GEMV (--decode-rope-fusion)")
     ap.add_argument("--sass", default="", help="print the SASS of kernels whose name contains this")
+    ap.add_argument("--loops", action="store_true", help="each kernel's loops: instructions, global loads, barriers")
     args = ap.parse_args()
     import kernels._utils as ku
     ku.pdl_supported = lambda: True  # type: ignore[assignment]
@@ -146,6 +162,8 @@ def main() -> None:
     decode_path(args.fp8, not args.no_split_norms, args.rope_fusion)
     for name, kernel in compiled:
         print(f"{name}: {_resources(kernel)}")
+        if args.loops:
+            print(f"    {loop_report(kernel)}")
         if args.sass and args.sass in name:
             print(_cuobjdump(kernel, "--dump-sass"))
 
