@@ -81,7 +81,8 @@ def loop_report(kernel) -> str:
     """Each backward branch of the kernel's SASS (a loop): its instructions, global loads, CTA barriers and spills
     (local memory), the per-iteration costs a GEMV's weight stream pays in instruction issue and stalls."""
     import re
-    ins = {int(a, 16): t.strip() for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(kernel, "--dump-sass"))}
+    sass = _cuobjdump(kernel, "--dump-sass")
+    ins = {int(a, 16): t.strip() for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)}
     rows = []
     for at, text in sorted(ins.items()):
         m = re.match(r"(@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)

@@ -345,9 +345,10 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
 
 
 @triton.jit
-def _splitk_reduce_kernel(P, Y, N, stride_ym, R, GAMMA, SQ, POS, CS, stride_cs, LOC, KB, VB, stride_bs, QS, KVS, M: tl.constexpr,
-                          SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ADD_NORM: tl.constexpr = False,
-                          NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1):
+def _splitk_reduce_kernel(P, Y, N, stride_ym, R, GAMMA, SQ, POS, CS, stride_cs, LOC, KB, VB, stride_bs, QS, KVS,
+                          M: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                          ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
+                          HALF: tl.constexpr = 1):
     pdl_prologue(PDL)
     m = tl.program_id(1)
     if ROPE:  # one row (the host checks)
@@ -501,8 +502,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
             **pdl_launch(pdl, "gemv"))
     if split_k > 1:
         BLOCK = 1024
-        _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](partial, out, N, out.stride(0), norms["R"], norms["GAMMA"],
-                                                          norms["SQ"], **rope_args(rope, x, True), M=M, SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4,
-                                                          ADD_NORM=add_norm is not None, NSLOT=NORM_SLOTS,
-                                                          **pdl_launch(pdl, "gemv"))
+        _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](
+            partial, out, N, out.stride(0), norms["R"], norms["GAMMA"], norms["SQ"], **rope_args(rope, x, True), M=M,
+            SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4, ADD_NORM=add_norm is not None, NSLOT=NORM_SLOTS,
+            **pdl_launch(pdl, "gemv"))
     return out
