@@ -149,24 +149,30 @@ def row_study(budget: float, t0: float) -> dict:
 
 
 # FP8 weights in the one-row kernel (f16 math, 8 weights a thread a load): (block_n, block_k, warps, pre, fold).
-FP8_ROW_CANDIDATES = [(8, 2048, 4, 1, 1), (8, 2048, 4, 2, 1), (8, 1024, 2, 2, 1), (4, 2048, 2, 2, 1),
+FP8_ROW_CANDIDATES = [(8, 2048, 4, 2, 1), (8, 1024, 2, 2, 1), (8, 1024, 2, 2, 2), (4, 2048, 2, 2, 1),
                       (4, 4096, 4, 1, 1), (2, 4096, 2, 2, 1), (16, 1024, 4, 2, 1), (16, 2048, 8, 1, 1),
                       (8, 4096, 8, 1, 1), (4, 1024, 1, 2, 1), (8, 512, 2, 2, 2), (16, 512, 4, 2, 1),
                       (2, 2048, 1, 2, 1), (4, 2048, 4, 2, 1)]
 
 
 def fp8_row_study(budget: float, t0: float) -> dict:
-    """FP8 weights: the one-row kernel (x and w in one register layout) at the general kernel's tiles against
-    the general kernel (the engine's FP8 path), then the row kernel's tiles swept shape by shape and the picks
-    alternated against both."""
+    """FP8 weights: the one-row kernel (x and w in one register layout) at its default tiles against the general
+    kernel (the engine's FP8 path), then the row kernel's tiles swept shape by shape (the general kernel's among
+    them) and the picks alternated against both."""
+    import kernels.gemv as kg
     layers = build("fp8")
     general = {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
     assert not any(c.row_kernel for c in general.values()), "FP8_ROW_KERNEL is on: the general kernel is the baseline"
-    row = {nm: dataclasses.replace(c, row_kernel=True) for nm, c in general.items()}
+    kg.FP8_ROW_KERNEL = True
+    try:
+        row = {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
+    finally:
+        kg.FP8_ROW_KERNEL = False
 
-    def cands(name: str, k: int) -> list[GemvConfig]:
-        return [GemvConfig(bn, bk, 1, warps, pre_tiles=pre, fold=fold, f16_math=True)
-                for bn, bk, warps, pre, fold in FP8_ROW_CANDIDATES if bk <= k]
+    def cands(name: str, k: int) -> list[GemvConfig]:  # the general kernel's tiles in the row kernel first
+        return [dataclasses.replace(general[name], row_kernel=True)] + [
+            GemvConfig(bn, bk, 1, warps, pre_tiles=pre, fold=fold, f16_math=True)
+            for bn, bk, warps, pre, fold in FP8_ROW_CANDIDATES if bk <= k]
     return _general_against_row(layers, general, row, cands, budget, t0)
 
 

@@ -44,9 +44,9 @@ PRODUCER_LATE_TRIGGER = False
 # dependent round trip to memory. An A/B knob (@kernels.gemv.ROPE_INPUTS_AHEAD=0), read at launch.
 ROPE_INPUTS_AHEAD = True
 # FP8 weights, one row: the one-row kernel (x read in w's register layout: the general kernel converts x's layout
-# through shared memory, four CTA barriers a loop step in its sm_90 SASS) at the general kernel's tiles. An A/B
-# knob (@kernels.gemv.FP8_ROW_KERNEL=1; `python -m bench.gemv_chain_sweep --fp8-row-study` sweeps its tiles), read
-# by default_config; off until measured.
+# through shared memory, four CTA barriers a loop step in its sm_90 SASS) at tiles of its own (default_config). An
+# A/B knob (@kernels.gemv.FP8_ROW_KERNEL=1; `python -m bench.gemv_chain_sweep --fp8-row-study` sweeps its tiles),
+# read by default_config; off until measured.
 FP8_ROW_KERNEL = False
 
 
@@ -391,11 +391,19 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     where a kernel's neighbours overlap it under PDL. K is split only when N is too short to put two programs
     on every SM. Several rows run on tensor cores, which want >= 16 output columns per program."""
     extra = {}
-    if M == 1 and weight_bytes == 1:
+    if M == 1 and weight_bytes == 1 and FP8_ROW_KERNEL:
+        # FP8 rows in the one-row kernel, not yet swept: the bf16 row tiles' bytes a thread a loop step (256 on
+        # o_proj, down_proj and qkv, 128 on gate_up) at twice the elements, two tiles before the PDL wait.
+        if N <= 4096:
+            block_n, block_k, warps = (4, 4096, 2) if K <= 4096 else (8, 2048, 2)
+        else:
+            block_n, block_k, warps = (8, 1024, 2) if N <= 8192 else (2, 4096, 2)
+        extra = dict(f16_math=True, pre_tiles=2, fold=2 if 4096 < N <= 8192 else 1)
+    elif M == 1 and weight_bytes == 1:
         # FP8 rows with f16 math (--f16-math-study, 2026-12-02: 2,095 us against 2,196 for fp32 math at its own
         # tiles), one tile before the PDL wait.
         block_n, block_k, warps = (16, 1024, 8) if N <= 4096 else (8, 2048, 4) if N <= 8192 else (8, 512, 4)
-        extra = dict(f16_math=True, row_kernel=bool(FP8_ROW_KERNEL))
+        extra = dict(f16_math=True, row_kernel=False)
     elif M == 1:
         # The one-row kernel (--row-study, 2026-12-04): few rows and long K tiles a program, products summed
         # eight at a time before they are accumulated where registers are short, two tiles before the PDL
