@@ -99,29 +99,32 @@ if [[ $what == l2-prefetch ]]; then
   timeout 120 python3 -m bench.probe trace_pdl_prefetch 2>&1 | grep -v "Capturing\|Warning" | tail -16
 fi
 if [[ $what == batch1-next ]]; then
-  # Issue 14, batch 1, two ideas of 2026-12-04 never run on a GPU: rope and the KV store in the qkv GEMV's epilogue
-  # (--decode-rope-fusion) and decode attention's first k/v tile loaded before its PDL wait
-  # (kernels.attention.triton_decode.KV_BEFORE_WAIT). Their GPU tests, then one A/B of both, alone and together.
-  timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py tests/test_model_parity.py \
-    -k "not interpreted and (gemv_rope_store or rope_fusion or rope_in_the_qkv or kv_before_wait)" 2>&1 | tail -3
-  kv=@kernels.attention.triton_decode.KV_BEFORE_WAIT=1
-  timeout 400 python3 -m bench.b1 --variants "base=;rope=decode_rope_fusion=1;kv=$kv;both=decode_rope_fusion=1,$kv" \
-    --rounds 2 --quantization none,fp8 2>&1 | grep "round" | tee "$OUT/b1_next.log"
+  # Issue 14, batch 1, ideas of 2026-12-04 never run on a GPU: rope and the KV store in the qkv GEMV's epilogue
+  # (--decode-rope-fusion), decode attention's first k/v tile before its PDL wait
+  # (kernels.attention.triton_decode.KV_BEFORE_WAIT), the final norm split into the lm_head GEMV
+  # (shared.models.llama.FOLD_FINAL_NORM). Their GPU tests, then one bf16 A/B: each alone and all three.
+  timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py tests/test_model_parity.py \
+    -k "not interpreted and (gemv_rope_store or rope_fusion or rope_in_the_qkv or kv_before_wait or final_norm)" 2>&1 | tail -3
+  kv=@kernels.attention.triton_decode.KV_BEFORE_WAIT=1; fold=@shared.models.llama.FOLD_FINAL_NORM=1
+  timeout 400 python3 -m bench.b1 --variants "base=;rope=decode_rope_fusion=1;kv=$kv;fold=$fold;all=decode_rope_fusion=1,$kv,$fold" \
+    --rounds 2 2>&1 | grep "round" | tee "$OUT/b1_next.log"
 fi
 if [[ $what == batch1-next-trace ]]; then
-  # The kernel traces of the two (after batch1-next), and the rope epilogue's inputs in the program's tail.
+  # The kernel traces (after batch1-next), and the rope epilogue's inputs in the program's tail.
   timeout 200 python3 -m bench.b1 --variants "rope=decode_rope_fusion=1;tail=decode_rope_fusion=1,@kernels.gemv.ROPE_INPUTS_AHEAD=0" \
     --rounds 2 2>&1 | grep "round" | tee "$OUT/b1_rope_tail.log"
   timeout 150 python3 -m bench.probe trace_pdl trace_pdl_rope trace_pdl_kv 2>&1 | grep -v "Capturing\|Warning" | tail -40
 fi
 if [[ $what == fp8-row ]]; then
   # Issue 14 item 3: FP8 weights in the one-row GEMV (kernels.gemv.FP8_ROW_KERNEL, 2026-12-04, never run on a GPU): its
-  # GPU tests, the 32-layer chain against the general kernel and its tiles swept, a batch-1 FP8 A/B.
+  # GPU tests, the 32-layer chain against the general kernel and its tiles swept, then a batch-1 FP8 A/B, alone and
+  # with batch1-next's three ideas.
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_model_parity.py \
     -k "not interpreted and (gemv_fp8 or fp8_rows_in_the_row_kernel)" 2>&1 | tail -3
-  timeout 260 python3 -m bench.gemv_chain_sweep --fp8-row-study --budget 200 2>&1 | tee "$OUT/fp8_row_study.log" | tail -12
-  timeout 120 python3 -m bench.b1 --variants "general=;row=@kernels.gemv.FP8_ROW_KERNEL=1" --rounds 2 --quantization fp8 \
-    2>&1 | grep "round" | tee "$OUT/b1_fp8_row.log"
+  timeout 230 python3 -m bench.gemv_chain_sweep --fp8-row-study --budget 170 2>&1 | tee "$OUT/fp8_row_study.log" | tail -12
+  kv=@kernels.attention.triton_decode.KV_BEFORE_WAIT=1; fold=@shared.models.llama.FOLD_FINAL_NORM=1
+  timeout 150 python3 -m bench.b1 --variants "general=;row=@kernels.gemv.FP8_ROW_KERNEL=1;all=@kernels.gemv.FP8_ROW_KERNEL=1,decode_rope_fusion=1,$kv,$fold" \
+    --rounds 2 --quantization fp8 2>&1 | grep "round" | tee "$OUT/b1_fp8_row.log"
 fi
 if [[ $what == probes ]]; then
   # Where issue 14's batch-1, batch-256 and prefill time goes (bench/probe.py; 2026-12-01: ~3 min).

@@ -57,6 +57,13 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
+def _out(acc, X, Y):
+    """fp32 sums as stored: rounded to the activation dtype, as a GEMM of that dtype would return them, then held
+    in Y's (the same where they match; an fp32 Y gets the rounded logits widened, as the unfused lm_head's)."""
+    return acc.to(X.dtype.element_ty).to(Y.dtype.element_ty)
+
+
+@triton.jit
 def _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
     if EVEN_K:
         w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy=EVICT)
@@ -201,7 +208,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         rope_store_epilogue(tl.sum(acc, axis=0), cos, sin, slot, pid_n, N, Y, KB, VB, stride_bs, QS, KVS, BLOCK_N,
                             HALF)
     elif SPLIT_K == 1:
-        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], _out(acc, X, Y), mask=mask)
     else:
         tl.store(P + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
 
@@ -339,13 +346,13 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
             cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
         rope_store_epilogue(out, cos, sin, slot, pid_n, N, Y, KB, VB, stride_bs, QS, KVS, BLOCK_N, HALF)
     elif SPLIT_K == 1:
-        tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=mask_n)
+        tl.store(Y + offs_n, _out(out, X, Y), mask=mask_n)
     else:
         tl.store(P + pid_k * N + offs_n, out, mask=mask_n)
 
 
 @triton.jit
-def _splitk_reduce_kernel(P, Y, N, stride_ym, R, GAMMA, SQ, POS, CS, stride_cs, LOC, KB, VB, stride_bs, QS, KVS,
+def _splitk_reduce_kernel(X, P, Y, N, stride_ym, R, GAMMA, SQ, POS, CS, stride_cs, LOC, KB, VB, stride_bs, QS, KVS,
                           M: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
                           ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
                           HALF: tl.constexpr = 1):
@@ -368,7 +375,7 @@ def _splitk_reduce_kernel(P, Y, N, stride_ym, R, GAMMA, SQ, POS, CS, stride_cs, 
     elif ROPE:
         rope_store_epilogue(acc, cos, sin, slot, tl.program_id(0), N, Y, KB, VB, stride_bs, QS, KVS, BLOCK, HALF)
     else:
-        tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + m * stride_ym + offs, _out(acc, X, Y), mask=mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -463,7 +470,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
          tensor_cores: bool = False, silu_mul: bool = False, pdl: bool | None = None,
          norm_in: ResidualNorm | None = None, add_norm: ResidualNorm | None = None,
          rope: RopeStore | None = None) -> torch.Tensor:
-    """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype.
+    """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype (or in `out`'s: x's
+    rounding held in a wider dtype, as the lm_head's fp32 logits).
     `scale` (float32 [N]) dequantizes FP8 weights row by row (one row of x only: x is not quantized).
     silu_mul: x is [M, 2K] (gate | up) and y = silu_and_mul(x) @ w^T.
     pdl: programmatic dependent launch (None: the process default; see kernels._utils.pdl_launch).
@@ -511,7 +519,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if split_k > 1:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](
-            partial, out, N, out.stride(0), norms["R"], norms["GAMMA"], norms["SQ"], **rope_args(rope, x, True), M=M,
+            x, partial, out, N, out.stride(0), norms["R"], norms["GAMMA"], norms["SQ"], **rope_args(rope, x, True), M=M,
             SPLIT_K=split_k, BLOCK=BLOCK, num_warps=4, ADD_NORM=add_norm is not None, NSLOT=NORM_SLOTS,
             **pdl_launch(pdl, "gemv"))
     return out

@@ -89,13 +89,16 @@ def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight_scale: torch.Tensor | None = None, norm_in: ResidualNorm | None = None,
-           add_norm: ResidualNorm | None = None, rope: RopeStore | None = None) -> torch.Tensor:
+           add_norm: ResidualNorm | None = None, rope: RopeStore | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias). With `weight_scale` (float32 [N]) the weight is FP8 e4m3 and
     each row dequantizes by its scale. norm_in / add_norm: one row, a split residual RMSNorm's consumer
     (x is gamma * residual; the output is scaled by the norm) or producer (returns gamma * residual).
-    rope: one row of a qkv projection without bias; q and k come out rotated, k and v also go to the pool."""
+    rope: one row of a qkv projection without bias; q and k come out rotated, k and v also go to the pool.
+    out (with norm_in): the output buffer, of any float dtype (the GEMV writes its fp32 sums in it)."""
     if norm_in is not None or add_norm is not None or rope is not None:
-        return _split_norm_linear(x, weight, bias, weight_scale, norm_in, add_norm, gated=False, rope=rope)
+        return _split_norm_linear(x, weight, bias, weight_scale, norm_in, add_norm, gated=False, rope=rope, out=out)
+    assert out is None, "linear writes into `out` only as a split norm's consumer"
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias)
     if _gemv_applies(x, weight, None):
@@ -114,13 +117,14 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 
 def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | None, add_norm: ResidualNorm | None,
-                       gated: bool, rope: RopeStore | None = None) -> torch.Tensor:
+                       gated: bool, rope: RopeStore | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One row: the GEMV's epilogues (split norms, rope + KV store) or their torch equivalents."""
     assert x.shape[0] == 1 and (add_norm is None or bias is None), "split norms: one row, a producer without bias"
     assert rope is None or bias is None, "rope in the epilogue: a qkv projection without bias"
+    assert out is None or (norm_in is not None and bias is None and rope is None)
     if _gemv_applies(x, weight, weight_scale):
         from kernels.gemv import gemv
-        y = gemv(x, weight, scale=weight_scale, silu_mul=gated, norm_in=norm_in, add_norm=add_norm, rope=rope)
+        y = gemv(x, weight, out=out, scale=weight_scale, silu_mul=gated, norm_in=norm_in, add_norm=add_norm, rope=rope)
         return y + bias if bias is not None else y
     if gated:
         x = silu_and_mul(x)
@@ -134,6 +138,8 @@ def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | No
         return ref.residual_norm_produce_ref(y, add_norm)
     if rope is not None:
         return ref.rope_store_ref(y, rope)
+    if out is not None:
+        return out.copy_(y)
     return y + bias if bias is not None else y
 
 

@@ -116,7 +116,10 @@ class PagedHarness:
                                 self.kv, self.backend, self.device)
         with torch.inference_mode():
             self.backend.init_forward_metadata(fb)
-            logits = self.model.compute_logits(self.model(fb))
+            # As the CUDA-graph runner runs a decode step (forward_logits: compute_logits(forward) unless the
+            # final norm is folded into the lm_head).
+            out = torch.empty(len(ids), self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+            logits = self.model.forward_logits(fb, out=out)
         return dict(zip(keys, logits.split(ext)))
 
 

@@ -588,6 +588,27 @@ def test_decode_rope_fusion_decodes_the_tokens_of_the_rope_kernel(dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_final_norm_in_the_lm_head_decodes_the_tokens_of_the_norm_kernel(dtype, monkeypatch):
+    """Batch-1 graphs with the final norm split into the last down_proj and the lm_head GEMV
+    (shared.models.llama.FOLD_FINAL_NORM; bf16: the Triton GEMV writing the rounded logits in fp32, fp32: the
+    torch path) decode what the final norm kernel and cuBLAS's lm_head do, alone and with others."""
+    import shared.models.llama as llama
+    ps = prompts(3, seed=71)
+    results = {}
+    for fold in (False, True):
+        monkeypatch.setattr(llama, "FOLD_FINAL_NORM", fold)
+        h = Harness(dtype=dtype, max_running_requests=8)
+        sums = h.engine.runner.model.model.row_norm_sums
+        alone = h.run([h.submit(ps[0], sampling={**GREEDY, "max_new_tokens": 24})])
+        assert bool(sums[-1].sum() > 0) == fold, "the final norm's split did not run" if fold else "it ran unasked"
+        together = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 12}) for p in ps])
+        results[fold] = [r["ids"] for r in alone + together]
+        h.engine.stop()
+    assert results[True] == results[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_short_extends_in_cuda_graphs_give_the_results_of_eager_extends():
     """Extend passes of a few tokens per request over cached prefixes (a second turn, jump-forward's
     catch-ups) replay a captured graph padded to their token bucket; tokens and input logprobs are those

@@ -97,15 +97,19 @@ def test_rope_writes_contiguous_qkv_only_for_a_backend_that_reads_them(mode):
     assert asked == [mode == ForwardMode.EXTEND, False]
 
 
-def test_split_row_norms_match_unsplit_passes(family):
+@pytest.mark.parametrize("fold_final", [False, True])
+def test_split_row_norms_match_unsplit_passes(family, fold_final, monkeypatch):
     """One-token passes with every residual norm after the first split between the GEMVs around it
-    (kernels/residual_norm.py, here its torch path): the same logits as the unsplit passes, step by step
-    through a prompt fed one token at a time then greedy decoding, and the same tokens as transformers."""
+    (kernels/residual_norm.py, here its torch path), the final one too with fold_final (into the lm_head:
+    shared.models.llama.FOLD_FINAL_NORM): the same logits as the unsplit passes, step by step through a
+    prompt fed one token at a time then greedy decoding, and the same tokens as transformers."""
+    import shared.models.llama as llama
     hf, ours, cfg, prompts = family
     prompt = prompts[0]
     if cfg.o_proj_bias or cfg.mlp_bias:  # a biased producer keeps its norms whole
         assert not ours.model.split_row_norms(True) and ours.model.row_norm_sums is None
         return
+    monkeypatch.setattr(llama, "FOLD_FINAL_NORM", fold_final)
     runs = {}
     for split in (False, True):
         assert ours.model.split_row_norms(split) == split
@@ -119,7 +123,8 @@ def test_split_row_norms_match_unsplit_passes(family):
                 toks.append(int(logits[-1].argmax()))
             runs[split] = torch.stack(logits), toks
             if split:  # the split pass ran: its partial sums hold the last step's sums of squares
-                assert bool((ours.model.row_norm_sums.sum(1) > 0).all())
+                sums = ours.model.row_norm_sums.sum(1)
+                assert bool((sums[:-1] > 0).all()) and bool(sums[-1] > 0) == fold_final
         finally:
             ours.model.split_row_norms(False)
     assert rel_err(runs[True][0], runs[False][0]) < REL_TOL
@@ -172,22 +177,23 @@ def test_rope_in_the_qkv_epilogue_matches_the_rope_kernel(family, monkeypatch):
 
 def _cuda_one_token_runs(tmp_path, quant: str, seed: int, settings: dict) -> dict:
     """bf16 llama31 on the GPU with the Triton attention backend: _one_token_run under each of `settings`
-    ({key: (split norms, rope in the epilogue, kernels.gemv.FP8_ROW_KERNEL)})."""
+    ({key: (split norms, rope in the epilogue, kernels.gemv.FP8_ROW_KERNEL[, shared.models.llama.FOLD_FINAL_NORM])})."""
     import kernels.gemv as kg
+    import shared.models.llama as llama
     from shared.models.attention import create_attention_backend
     path = write_hf_checkpoint(make_hf_model("llama31"), str(tmp_path / f"llama31-{quant}"))
     ours, cfg = load_model(path, dtype=torch.bfloat16, device=torch.device("cuda"), quantization=quant)
     prompt = torch.randint(3, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
     runs = {}
     try:
-        for key, (split, rope, fp8_row) in settings.items():
-            kg.FP8_ROW_KERNEL = fp8_row
+        for key, (split, rope, fp8_row, *fold) in settings.items():
+            kg.FP8_ROW_KERNEL, llama.FOLD_FINAL_NORM = fp8_row, bool(fold and fold[0])
             assert ours.model.split_row_norms(split) == split and ours.model.fuse_row_rope(rope) == rope
             backend = create_attention_backend("triton", cfg.num_attention_heads, cfg.num_key_value_heads,
                                                cfg.head_dim, device=torch.device("cuda"))
             runs[key] = _one_token_run(ours, cfg, prompt, backend=backend)
     finally:
-        kg.FP8_ROW_KERNEL = False
+        kg.FP8_ROW_KERNEL = llama.FOLD_FINAL_NORM = False
     return runs
 
 
@@ -199,6 +205,16 @@ def test_rope_in_the_qkv_epilogue_on_cuda_in_bf16(tmp_path, quant):
     runs = _cuda_one_token_runs(tmp_path, quant, 5, {(s, r): (s, r, False) for s in (False, True) for r in (False, True)})
     for split in (False, True):
         assert rel_err(runs[split, True][0], runs[split, False][0]) < 2e-2, split
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", ["none", "fp8"])
+def test_final_norm_in_the_lm_head_on_cuda(tmp_path, quant):
+    """The final norm split into the last down_proj and the lm_head GEMV (shared.models.llama.FOLD_FINAL_NORM),
+    fp32 logits from the GEMV's sums, against the final norm kernel and cuBLAS's lm_head: the same logits to
+    within bf16's rounding of them."""
+    runs = _cuda_one_token_runs(tmp_path, quant, 13, {fold: (True, False, False, fold) for fold in (False, True)})
+    assert rel_err(runs[True][0], runs[False][0]) < 2e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -100,7 +100,7 @@ class CudaGraphRunner:
                              self.seq_lens[:bs], self.prefix_lens[:bs])
         fb = self._batch(bs, cascade)
         self.attn_backend.init_forward_metadata(fb)
-        return self.model.compute_logits(self.model.forward(fb), out=self.logits[:bs])
+        return self.model.forward_logits(fb, out=self.logits[:bs])
 
     def _capture_all(self, progress: bool) -> None:
         t0 = time.monotonic()

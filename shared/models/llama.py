@@ -21,6 +21,12 @@ from shared.models.rope import RotaryEmbedding
 from shared.models.weight_prefetch import WeightPrefetcher
 
 
+# One-token passes with split norms split the final norm too, into the lm_head GEMV
+# (LlamaForCausalLM.forward_logits). An A/B knob (@shared.models.llama.FOLD_FINAL_NORM=1), read when the CUDA
+# graphs are captured; off until measured.
+FOLD_FINAL_NORM = False
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -139,8 +145,8 @@ class LlamaModel(nn.Module):
 
         ok = enabled and not cfg.o_proj_bias and not cfg.mlp_bias and tp_size() == 1
         self.row_norm_sums = None
-        if ok:
-            self.row_norm_sums = torch.zeros(2 * len(self.layers) - 1, NORM_SLOTS, dtype=torch.float64,
+        if ok:  # one row of partial sums a split norm, the final norm's last (forward_split_final)
+            self.row_norm_sums = torch.zeros(2 * len(self.layers), NORM_SLOTS, dtype=torch.float64,
                                              device=self.norm.weight.device)
         return ok
 
@@ -162,11 +168,20 @@ class LlamaModel(nn.Module):
         pass's attention reads the new k and v as the backend's rope kernel lays them out)."""
         return self.row_rope and fb.mode == ForwardMode.DECODE and fb.input_ids.shape[0] == 1
 
-    def _forward_row(self, residual: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward_split_final(self, fb: ForwardBatch) -> tuple[torch.Tensor, ResidualNorm] | None:
+        """A one-token pass with split norms whose final norm is split too: (gamma * residual, the norm) for a
+        consumer GEMV (the lm_head: LlamaForCausalLM.forward_logits) to scale; None where the pass is not a
+        split one-token pass (the caller runs forward)."""
+        if self.row_norm_sums is None or fb.input_ids.shape[0] != 1:
+            return None
+        return self._forward_row(self.embed_tokens(fb.input_ids), fb, split_final=True)
+
+    def _forward_row(self, residual: torch.Tensor, fb: ForwardBatch, split_final: bool = False):
         """One token. The first norm runs as its own kernel (it also clears the partial sums); every later
         residual add + RMSNorm is split between the GEMV that produces the residual's update (o_proj,
         down_proj) and the one that consumes the norm (gate_up_proj, the next qkv_proj): kernels/residual_norm.py.
-        The final norm runs as its own kernel again (the lm_head is not a GEMV of ours)."""
+        The final norm runs as its own kernel again, or with split_final is split as well: the last down_proj
+        produces it and (gamma * residual, the norm) is returned for the lm_head to consume."""
         sums, eps, layers = self.row_norm_sums, self.cfg.rms_norm_eps, self.layers
         x = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps, zero=sums)
         norm_in = None
@@ -175,12 +190,15 @@ class LlamaModel(nn.Module):
             post = ResidualNorm(residual, layer.post_attention_layernorm.weight, sums[2 * i], eps)
             x = layer.self_attn(x, self.rotary_emb, fb, norm_in=norm_in, add_norm=post, prefetch=self.row_prefetcher,
                                 fuse_rope=fuse_rope)
-            norm_in = (ResidualNorm(residual, layers[i + 1].input_layernorm.weight, sums[2 * i + 1], eps)
-                       if i + 1 < len(layers) else None)
+            gamma = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.norm.weight
+            norm_in = (ResidualNorm(residual, gamma, sums[2 * i + 1], eps)
+                       if i + 1 < len(layers) or split_final else None)
             x = layer.mlp(x, norm_in=post, add_norm=norm_in)
-        hidden, _ = self.norm(x, residual)
         if self.row_prefetcher is not None:
             self.row_prefetcher.join()
+        if split_final:
+            return x, norm_in
+        hidden, _ = self.norm(x, residual)
         return hidden
 
 
@@ -205,6 +223,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb)
+
+    def forward_logits(self, fb: ForwardBatch, out: torch.Tensor) -> torch.Tensor:
+        """compute_logits(forward(fb), out) for every token of the pass (the CUDA-graph runner's decode step).
+        With FOLD_FINAL_NORM a one-token pass with split norms splits the final norm as well: the last
+        down_proj produces it and the lm_head GEMV consumes it, writing fp32 logits straight from its sums (one
+        norm kernel and the widening copy fewer; cuBLAS's lm_head would not chain under PDL)."""
+        if FOLD_FINAL_NORM and self.lm_head.shard is None:
+            split = self.model.forward_split_final(fb)
+            if split is not None:
+                return ops.linear(split[0], self.lm_head.weight, norm_in=split[1], out=out)
+        return self.compute_logits(self.model(fb), out=out)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [N, hidden_size] -> fp32 logits [N, vocab_size], the same on every rank. out: an fp32
