@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         With FOLD_FINAL_NORM a one-token pass with split norms splits the final norm as well: the last
         down_proj produces it and the lm_head GEMV consumes it, writing fp32 logits straight from its sums (one
         norm kernel and the widening copy fewer; cuBLAS's lm_head would not chain under PDL)."""
-        if FOLD_FINAL_NORM and self.lm_head.shard is None:
+        if FOLD_FINAL_NORM and self.lm_head.shard is None and self.lm_head.weight.shape[0] == out.shape[1]:
             split = self.model.forward_split_final(fb)
             if split is not None:
                 return ops.linear(split[0], self.lm_head.weight, norm_in=split[1], out=out)
