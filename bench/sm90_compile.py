@@ -111,8 +111,10 @@ def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False) -> None
     x = torch.zeros(1, hidden, dtype=bf)
     sums = torch.zeros(63, NORM_SLOTS, dtype=torch.float64)
     rms_norm(x, torch.zeros(hidden, dtype=bf), 1e-5, torch.zeros(1, hidden, dtype=bf))
-    if split_norms:
-        rms_norm(x, torch.zeros(hidden, dtype=bf), 1e-5, zero=sums)
+    if split_norms:  # the embedding lookup and the first norm (LlamaModel._forward_row)
+        from kernels.norm import embed_rms_norm
+        embed_rms_norm(torch.zeros(1, dtype=torch.int64), torch.empty(128256, hidden, dtype=bf),
+                       torch.zeros(hidden, dtype=bf), 1e-5, zero=sums)
     norm = ResidualNorm(torch.zeros(1, hidden, dtype=bf), torch.zeros(hidden, dtype=bf), sums[0], 1e-5)
     shapes = [("qkv", (hq + 2 * hkv) * d, hidden, False, "in"), ("o", hidden, hq * d, False, "add"),
               ("gate_up", 2 * inter, hidden, False, "in"), ("down", hidden, inter, True, "add")]

@@ -1,4 +1,6 @@
-"""Fused RMSNorm, optionally adding the residual first (one read of x and residual, one write each)."""
+"""Fused RMSNorm, optionally adding the residual first (one read of x and residual, one write each), or
+gathering x from an embedding table first (embed_rms_norm: the lookup and the first norm of a pass in one
+launch)."""
 from __future__ import annotations
 
 import torch
@@ -9,8 +11,9 @@ from kernels._utils import next_pow2, pdl_launch, pdl_prologue
 
 
 @triton.jit
-def _rms_norm_kernel(X, R, W, Y, Z, stride_x, stride_r, stride_y, N, eps, NZ,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ZERO_BLOCK: tl.constexpr = 0):
+def _rms_norm_kernel(X, R, W, Y, Z, IDS, stride_x, stride_r, stride_y, N, eps, NZ,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ZERO_BLOCK: tl.constexpr = 0,
+                     GATHER: tl.constexpr = False):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     if ZERO_BLOCK:  # partial sums the split norms of this pass add into (kernels/residual_norm.py), cleared
@@ -20,7 +23,11 @@ def _rms_norm_kernel(X, R, W, Y, Z, stride_x, stride_r, stride_y, N, eps, NZ,
                 tl.store(Z + zo, tl.zeros((ZERO_BLOCK,), dtype=Z.dtype.element_ty), mask=zo < NZ)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if GATHER:  # X is an embedding table: row IDS[row] of it, also written to R (the pass's residual)
+        x = tl.load(X + tl.load(IDS + row).to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
+        tl.store(R + row * stride_r + offs, x, mask=mask)
+    else:
+        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # The sum is rounded to the activation dtype before normalising, as the unfused model does.
         x = (x.to(tl.float32) + tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32))
@@ -47,7 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if T:
         assert zero is None or zero.is_contiguous()
         _rms_norm_kernel[(T,)](
-            x, residual if residual is not None else x, weight, y, zero if zero is not None else x,
+            x, residual if residual is not None else x, weight, y, zero if zero is not None else x, x,
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), H, eps,
             zero.numel() if zero is not None else 0, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
             ZERO_BLOCK=min(1024, next_pow2(zero.numel())) if zero is not None else 0, num_warps=num_warps,
@@ -55,3 +62,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     elif zero is not None:
         zero.zero_()
     return (y, residual) if residual is not None else y
+
+
+def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
+                   zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(e), e) for e = table[ids] ([T, H]), in one launch; `zero` as rms_norm's."""
+    assert ids.dim() == 1 and table.stride(-1) == 1 and table.dim() == 2
+    T, H = ids.shape[0], table.shape[1]
+    e = torch.empty((T, H), dtype=table.dtype, device=table.device)
+    y = torch.empty_like(e)
+    BLOCK = next_pow2(H)
+    if T:
+        assert zero is None or zero.is_contiguous()
+        _rms_norm_kernel[(T,)](
+            table, e, weight, y, zero if zero is not None else e, ids, table.stride(0), e.stride(0), y.stride(0), H,
+            eps, zero.numel() if zero is not None else 0, HAS_RESIDUAL=False, BLOCK=BLOCK,
+            ZERO_BLOCK=min(1024, next_pow2(zero.numel())) if zero is not None else 0, GATHER=True,
+            num_warps=min(16, max(1, BLOCK // 512)), **pdl_launch(family="norm"))
+    elif zero is not None:
+        zero.zero_()
+    return y, e

@@ -37,6 +37,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return ref.rms_norm_ref(x, weight, eps, residual)
 
 
+def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
+                   zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(table[ids]), table[ids]): the embedding lookup and the first norm of a pass (one launch on
+    CUDA); zero: as rms_norm's."""
+    if _on_gpu(table):
+        from kernels.norm import embed_rms_norm as k
+        return k(ids, table, weight, eps, zero)
+    if zero is not None:
+        zero.zero_()
+    e = torch.nn.functional.embedding(ids, table)
+    return ref.rms_norm_ref(e, weight, eps), e
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     if _on_gpu(q):

@@ -47,6 +47,23 @@ def check_rms_norm(device, dtype):
         assert r_out.data_ptr() == r_in.data_ptr(), "residual must be updated in place"
 
 
+def check_embed_rms_norm(device, dtype):
+    """The embedding lookup and the first norm of a pass in one launch: the looked-up rows bit for bit, the norm
+    the same bits as rms_norm on them, the partial sums cleared; no rows, only the clearing."""
+    from kernels.norm import embed_rms_norm, rms_norm
+    table = _rand(50, 130, dtype=dtype, device=device)
+    w = _rand(130, dtype=dtype, device=device)
+    for ids in ([7], [0, 49, 7, 7]):
+        ids = torch.tensor(ids, device=device)
+        sums = torch.ones(40, dtype=torch.float64, device=device)
+        y, e = embed_rms_norm(ids, table, w, 1e-5, zero=sums)
+        assert torch.equal(e, table[ids]) and torch.equal(y, rms_norm(table[ids], w, 1e-5))
+        assert not sums.any()
+    sums = torch.ones(3, dtype=torch.float64, device=device)
+    y, e = embed_rms_norm(torch.zeros(0, dtype=torch.int64, device=device), table, w, 1e-5, zero=sums)
+    assert y.shape == (0, 130) and not sums.any()
+
+
 def check_rope(device, dtype):
     from kernels.reference import rope_cos_sin_cache, rope_ref
     from kernels.rope import apply_rope

@@ -151,9 +151,9 @@ class LlamaModel(nn.Module):
         return ok
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        if self.row_norm_sums is not None and fb.input_ids.shape[0] == 1:
+            return self._forward_row(fb)
         hidden, residual = self.embed_tokens(fb.input_ids), None
-        if self.row_norm_sums is not None and hidden.shape[0] == 1:
-            return self._forward_row(hidden, fb)
         prefetch = self.row_prefetcher if hidden.shape[0] == 1 else None
         fuse_rope = self._rope_in_qkv(fb)
         for layer in self.layers:
@@ -174,16 +174,18 @@ class LlamaModel(nn.Module):
         split one-token pass (the caller runs forward)."""
         if self.row_norm_sums is None or fb.input_ids.shape[0] != 1:
             return None
-        return self._forward_row(self.embed_tokens(fb.input_ids), fb, split_final=True)
+        return self._forward_row(fb, split_final=True)
 
-    def _forward_row(self, residual: torch.Tensor, fb: ForwardBatch, split_final: bool = False):
-        """One token. The first norm runs as its own kernel (it also clears the partial sums); every later
+    def _forward_row(self, fb: ForwardBatch, split_final: bool = False):
+        """One token. The embedding lookup and the first norm run as one kernel (it also clears the partial
+        sums; the embedding is not sharded here: split norms are off under tensor parallelism); every later
         residual add + RMSNorm is split between the GEMV that produces the residual's update (o_proj,
         down_proj) and the one that consumes the norm (gate_up_proj, the next qkv_proj): kernels/residual_norm.py.
         The final norm runs as its own kernel again, or with split_final is split as well: the last down_proj
         produces it and (gamma * residual, the norm) is returned for the lm_head to consume."""
         sums, eps, layers = self.row_norm_sums, self.cfg.rms_norm_eps, self.layers
-        x = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps, zero=sums)
+        x, residual = ops.embed_rms_norm(fb.input_ids, self.embed_tokens.weight, layers[0].input_layernorm.weight, eps,
+                                         zero=sums)
         norm_in = None
         fuse_rope = self._rope_in_qkv(fb)
         for i, layer in enumerate(layers):
