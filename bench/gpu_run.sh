@@ -104,7 +104,7 @@ if [[ $what == batch1-next ]]; then
   # (kernels.attention.triton_decode.KV_BEFORE_WAIT), the final norm split into the lm_head GEMV
   # (shared.models.llama.FOLD_FINAL_NORM). Their GPU tests, then one bf16 A/B: each alone and all three.
   timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py tests/test_model_parity.py \
-    -k "not interpreted and (gemv_rope_store or rope_fusion or rope_in_the_qkv or kv_before_wait or final_norm)" 2>&1 | tail -3
+    -k "not interpreted and (gemv_rope_store or rope_fusion or rope_in_the_qkv or kv_before_wait or final_norm or embed_rms_norm or decode_norm_fusion)" 2>&1 | tail -3
   kv=@kernels.attention.triton_decode.KV_BEFORE_WAIT=1; fold=@shared.models.llama.FOLD_FINAL_NORM=1
   timeout 400 python3 -m bench.b1 --variants "base=;rope=decode_rope_fusion=1;kv=$kv;fold=$fold;all=decode_rope_fusion=1,$kv,$fold" \
     --rounds 2 2>&1 | grep "round" | tee "$OUT/b1_next.log"
