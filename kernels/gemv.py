@@ -103,6 +103,23 @@ def _add_norm_epilogue(h, r, gamma, offs_n, mask_n, pid, R, G, SQ, NSLOT: tl.con
 
 
 @triton.jit
+def _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS, stride_cs, LOC, QS, KVS,
+                     NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, NSLOT: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """The epilogues' inputs that earlier kernels wrote (after the wait), loaded ahead of the K loop so that no
+    dependent round trip to memory sits in a program's tail: a split norm's scale (consumer) or residual rows
+    and gammas (producer), rope's cos, sin and slot. Placeholders for the epilogues a kernel does not run."""
+    rs, r_in, gamma, cos, sin, slot = 1.0, 0.0, 0.0, 1.0, 0.0, 0
+    if NORM_IN:
+        rs = _norm_in_scale(SQ, K, eps, NSLOT)
+    if ADD_NORM:
+        r_in, gamma = _add_norm_inputs(R, GAMMA, offs_n, mask_n)
+    if ROPE:
+        cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
+    return rs, r_in, gamma, cos, sin, slot
+
+
+@triton.jit
 def _pair_sum(p):
     """[R, C] -> [R, C / 2]: neighbouring columns added."""
     a, b = tl.split(tl.reshape(p, (p.shape[0], p.shape[1] // 2, 2)))
@@ -179,13 +196,9 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
             acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-    # The split norm's inputs (earlier kernels' outputs: after the wait), loaded ahead of the loop.
-    if NORM_IN:
-        rs = _norm_in_scale(SQ, K, eps, NSLOT)
-    if ADD_NORM and SPLIT_K == 1:
-        r_in, gamma = _add_norm_inputs(R, GAMMA, offs_n, mask_n)
-    if ROPE and ROPE_AHEAD:
-        cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
+    rs, r_in, gamma, cos, sin, slot = _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS,
+                                                       stride_cs, LOC, QS, KVS, NORM_IN, ADD_NORM and SPLIT_K == 1,
+                                                       ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
         w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K, "evict_first")
         acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
@@ -318,13 +331,9 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
         w_ptrs += FOLD * BLOCK_K
         x_ptrs += FOLD * BLOCK_K
         start = FOLD * BLOCK_K
-    # The split norm's inputs (earlier kernels' outputs: after the wait), loaded ahead of the loop.
-    if NORM_IN:
-        rs = _norm_in_scale(SQ, K, eps, NSLOT)
-    if ADD_NORM and SPLIT_K == 1:
-        r_in, gamma = _add_norm_inputs(R, GAMMA, offs_n, mask_n)
-    if ROPE and ROPE_AHEAD:
-        cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
+    rs, r_in, gamma, cos, sin, slot = _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS,
+                                                       stride_cs, LOC, QS, KVS, NORM_IN, ADD_NORM and SPLIT_K == 1,
+                                                       ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
     for kk in range(start, K_PER_SPLIT, FOLD * BLOCK_K):
         acc = _row_chunk(acc, w_ptrs, x_ptrs, k0 + kk, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K,
                          SILU_MUL, NARROW, EVICT, F16=F16)
