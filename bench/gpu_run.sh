@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
@@ -108,6 +108,15 @@ if [[ $what == batch1-next ]]; then
   kv=@kernels.attention.triton_decode.KV_BEFORE_WAIT=1; fold=@shared.models.llama.FOLD_FINAL_NORM=1
   timeout 400 python3 -m bench.b1 --variants "base=;rope=decode_rope_fusion=1;kv=$kv;fold=$fold;all=decode_rope_fusion=1,$kv,$fold" \
     --rounds 2 2>&1 | grep "round" | tee "$OUT/b1_next.log"
+fi
+if [[ $what == batch1-all ]]; then
+  # batch1-next and l2-prefetch in one call (one machine start): every unmeasured batch-1 idea's GPU tests, then one
+  # bf16 A/B of each alone and of the 2026-12-04 three together (2 rounds; ~8 min on a fresh machine by estimate).
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py tests/test_model_parity.py \
+    -k "not interpreted and (gemv_rope_store or rope_fusion or rope_in_the_qkv or kv_before_wait or final_norm or embed_rms_norm or decode_norm_fusion or l2_prefetch or late_trigger)" 2>&1 | tail -3
+  kv=@kernels.attention.triton_decode.KV_BEFORE_WAIT=1; fold=@shared.models.llama.FOLD_FINAL_NORM=1
+  timeout 380 python3 -m bench.b1 --variants "base=;rope=decode_rope_fusion=1;kv=$kv;fold=$fold;all=decode_rope_fusion=1,$kv,$fold;prefetch=decode_l2_prefetch=1;late=@kernels.gemv.PRODUCER_LATE_TRIGGER=1" \
+    --rounds 2 2>&1 | grep "round" | tee "$OUT/b1_all.log"
 fi
 if [[ $what == batch1-next-trace ]]; then
   # The kernel traces (after batch1-next), and the rope epilogue's inputs in the program's tail.
