@@ -39,6 +39,21 @@ def _rms_norm_kernel(X, R, W, Y, Z, IDS, stride_x, stride_r, stride_y, N, eps, N
     tl.store(Y + row * stride_y + offs, (xf * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
 
+def _launch(x, residual, weight, y, zero, ids, stride_x, T, H, eps, has_residual: bool, gather: bool) -> None:
+    """T programs of _rms_norm_kernel; `zero` (or None) cleared by the same launch, or alone when T is 0."""
+    if not T:
+        if zero is not None:
+            zero.zero_()
+        return
+    assert zero is None or zero.is_contiguous()
+    BLOCK = next_pow2(H)
+    _rms_norm_kernel[(T,)](
+        x, residual, weight, y, zero if zero is not None else y, ids, stride_x, residual.stride(0), y.stride(0), H,
+        eps, zero.numel() if zero is not None else 0, HAS_RESIDUAL=has_residual, BLOCK=BLOCK,
+        ZERO_BLOCK=min(1024, next_pow2(zero.numel())) if zero is not None else 0, GATHER=gather,
+        num_warps=min(16, max(1, BLOCK // 512)), **pdl_launch(family="norm"))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              zero: torch.Tensor | None = None):
     """x: [T, H]. Without residual returns y. With residual: residual <- x + residual (in place) and
@@ -49,18 +64,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     y = torch.empty_like(x)
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(-1) == 1
-    BLOCK = next_pow2(H)
-    num_warps = min(16, max(1, BLOCK // 512))
-    if T:
-        assert zero is None or zero.is_contiguous()
-        _rms_norm_kernel[(T,)](
-            x, residual if residual is not None else x, weight, y, zero if zero is not None else x, x,
-            x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), H, eps,
-            zero.numel() if zero is not None else 0, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
-            ZERO_BLOCK=min(1024, next_pow2(zero.numel())) if zero is not None else 0, num_warps=num_warps,
-            **pdl_launch(family="norm"))
-    elif zero is not None:
-        zero.zero_()
+    _launch(x, residual if residual is not None else x, weight, y, zero, x, x.stride(0), T, H, eps,
+            has_residual=residual is not None, gather=False)
     return (y, residual) if residual is not None else y
 
 
@@ -71,14 +76,5 @@ def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
     T, H = ids.shape[0], table.shape[1]
     e = torch.empty((T, H), dtype=table.dtype, device=table.device)
     y = torch.empty_like(e)
-    BLOCK = next_pow2(H)
-    if T:
-        assert zero is None or zero.is_contiguous()
-        _rms_norm_kernel[(T,)](
-            table, e, weight, y, zero if zero is not None else e, ids, table.stride(0), e.stride(0), y.stride(0), H,
-            eps, zero.numel() if zero is not None else 0, HAS_RESIDUAL=False, BLOCK=BLOCK,
-            ZERO_BLOCK=min(1024, next_pow2(zero.numel())) if zero is not None else 0, GATHER=True,
-            num_warps=min(16, max(1, BLOCK // 512)), **pdl_launch(family="norm"))
-    elif zero is not None:
-        zero.zero_()
+    _launch(table, e, weight, y, zero, ids, table.stride(0), T, H, eps, has_residual=False, gather=True)
     return y, e
