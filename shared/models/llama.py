@@ -16,7 +16,8 @@ from kernels.rope_store import RopeStore
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
 from shared.models.config import ModelConfig
 from shared.models.layers import Embedding, Linear, MergedLinear, RMSNorm, rms_norm
-from shared.models.parallel import all_gather_last, even_shard, head_shard, kv_shard, local_heads, local_kv_heads
+from shared.models.parallel import (all_gather_last, even_shard, head_shard, kv_shard, local_heads, local_kv_heads,
+                                    tp_size)
 from shared.models.rope import RotaryEmbedding
 from shared.models.weight_prefetch import WeightPrefetcher
 
@@ -129,8 +130,6 @@ class LlamaModel(nn.Module):
         """One-token decode passes rotate q and k and store k, v in the qkv GEMV's epilogue instead of a rope +
         KV-store kernel a layer (kernels/rope_store.py). Not with q/k norms (they come between), a qkv bias
         (added after the GEMV), partial rotary or tensor parallelism. Returns whether it is on."""
-        from shared.models.parallel import tp_size
-
         cfg = self.cfg
         self.row_rope = bool(enabled and not cfg.qk_norm and not cfg.attention_bias and tp_size() == 1
                              and self.rotary_emb.cos_sin_cache.shape[1] == cfg.head_dim)
@@ -141,8 +140,6 @@ class LlamaModel(nn.Module):
         around it (_forward_row). Not where a producer GEMV has a bias or is row-parallel. Returns whether
         it is on."""
         cfg = self.cfg
-        from shared.models.parallel import tp_size
-
         ok = enabled and not cfg.o_proj_bias and not cfg.mlp_bias and tp_size() == 1
         self.row_norm_sums = None
         if ok:  # one row of partial sums a split norm, the final norm's last (forward_split_final)
