@@ -9,6 +9,8 @@ what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [[ -d .whl ]] || { echo "gpu_run.sh: no .whl here (bench/fetch_wheels.sh, then carry it)" >&2; exit 1; }
 source bench/device_env.sh || exit 1
+# Module knobs of the unmeasured batch-1 ideas, as bench.b1 --variants takes them.
+KV=@kernels.attention.triton_decode.KV_BEFORE_WAIT=1; FOLD=@shared.models.llama.FOLD_FINAL_NORM=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $what == all || $what == tests ]]; then
   # A fresh machine compiles every kernel first: 240 s stopped the run after 20 tests (2026-12-04).
@@ -98,25 +100,20 @@ if [[ $what == l2-prefetch ]]; then
     --rounds 2 --quantization none,fp8 2>&1 | grep "round" | tee "$OUT/b1_next14.log"
   timeout 120 python3 -m bench.probe trace_pdl_prefetch 2>&1 | grep -v "Capturing\|Warning" | tail -16
 fi
-if [[ $what == batch1-next ]]; then
+if [[ $what == batch1-next || $what == batch1-all ]]; then
   # Issue 14, batch 1, ideas of 2026-12-04 never run on a GPU: rope and the KV store in the qkv GEMV's epilogue
-  # (--decode-rope-fusion), decode attention's first k/v tile before its PDL wait
-  # (kernels.attention.triton_decode.KV_BEFORE_WAIT), the final norm split into the lm_head GEMV
-  # (shared.models.llama.FOLD_FINAL_NORM). Their GPU tests, then one bf16 A/B: each alone and all three.
-  timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py tests/test_model_parity.py \
-    -k "not interpreted and (gemv_rope_store or rope_fusion or rope_in_the_qkv or kv_before_wait or final_norm or embed_rms_norm or decode_norm_fusion)" 2>&1 | tail -3
-  kv=@kernels.attention.triton_decode.KV_BEFORE_WAIT=1; fold=@shared.models.llama.FOLD_FINAL_NORM=1
-  timeout 400 python3 -m bench.b1 --variants "base=;rope=decode_rope_fusion=1;kv=$kv;fold=$fold;all=decode_rope_fusion=1,$kv,$fold" \
-    --rounds 2 2>&1 | grep "round" | tee "$OUT/b1_next.log"
-fi
-if [[ $what == batch1-all ]]; then
-  # batch1-next and l2-prefetch in one call (one machine start): every unmeasured batch-1 idea's GPU tests, then one
-  # bf16 A/B of each alone and of the 2026-12-04 three together (2 rounds; ~8 min on a fresh machine by estimate).
+  # (--decode-rope-fusion), decode attention's first k/v tile before its PDL wait ($KV), the final norm split into
+  # the lm_head GEMV ($FOLD). Their GPU tests, then one bf16 A/B (2 rounds): each alone and all three.
+  # batch1-all adds l2-prefetch's two ideas to both (one machine start; ~8 min on a fresh machine by estimate).
+  tests="gemv_rope_store or rope_fusion or rope_in_the_qkv or kv_before_wait or final_norm or embed_rms_norm or decode_norm_fusion"
+  variants="base=;rope=decode_rope_fusion=1;kv=$KV;fold=$FOLD;all=decode_rope_fusion=1,$KV,$FOLD"
+  if [[ $what == batch1-all ]]; then
+    tests="$tests or l2_prefetch or late_trigger"
+    variants="$variants;prefetch=decode_l2_prefetch=1;late=@kernels.gemv.PRODUCER_LATE_TRIGGER=1"
+  fi
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py tests/test_model_parity.py \
-    -k "not interpreted and (gemv_rope_store or rope_fusion or rope_in_the_qkv or kv_before_wait or final_norm or embed_rms_norm or decode_norm_fusion or l2_prefetch or late_trigger)" 2>&1 | tail -3
-  kv=@kernels.attention.triton_decode.KV_BEFORE_WAIT=1; fold=@shared.models.llama.FOLD_FINAL_NORM=1
-  timeout 380 python3 -m bench.b1 --variants "base=;rope=decode_rope_fusion=1;kv=$kv;fold=$fold;all=decode_rope_fusion=1,$kv,$fold;prefetch=decode_l2_prefetch=1;late=@kernels.gemv.PRODUCER_LATE_TRIGGER=1" \
-    --rounds 2 2>&1 | grep "round" | tee "$OUT/b1_all.log"
+    -k "not interpreted and ($tests)" 2>&1 | tail -3
+  timeout 380 python3 -m bench.b1 --variants "$variants" --rounds 2 2>&1 | grep "round" | tee "$OUT/b1_$what.log"
 fi
 if [[ $what == batch1-next-trace ]]; then
   # The kernel traces (after batch1-next), and the rope epilogue's inputs in the program's tail.
@@ -131,8 +128,7 @@ if [[ $what == fp8-row ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_model_parity.py \
     -k "not interpreted and (gemv_fp8 or fp8_rows_in_the_row_kernel)" 2>&1 | tail -3
   timeout 230 python3 -m bench.gemv_chain_sweep --fp8-row-study --budget 170 2>&1 | tee "$OUT/fp8_row_study.log" | tail -12
-  kv=@kernels.attention.triton_decode.KV_BEFORE_WAIT=1; fold=@shared.models.llama.FOLD_FINAL_NORM=1
-  timeout 150 python3 -m bench.b1 --variants "general=;row=@kernels.gemv.FP8_ROW_KERNEL=1;all=@kernels.gemv.FP8_ROW_KERNEL=1,decode_rope_fusion=1,$kv,$fold" \
+  timeout 150 python3 -m bench.b1 --variants "general=;row=@kernels.gemv.FP8_ROW_KERNEL=1;all=@kernels.gemv.FP8_ROW_KERNEL=1,decode_rope_fusion=1,$KV,$FOLD" \
     --rounds 2 --quantization fp8 2>&1 | grep "round" | tee "$OUT/b1_fp8_row.log"
 fi
 if [[ $what == probes ]]; then
