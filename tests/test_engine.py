@@ -38,16 +38,53 @@ def test_info_counts_passes_by_mode(h):
     before = h.engine.info()["passes"]
     h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 5}) for p in ps])
     after = h.engine.info()["passes"]
-    # Four decode passes make the other four tokens; with overlap scheduling a fifth is launched before the
-    # fourth's tokens say the requests ended.
-    assert after["extend"] - before["extend"] == 1 and 4 <= after["decode"] - before["decode"] <= 5
+    # Four decode passes make the other four tokens (with overlap the fifth token is still in flight when
+    # the next pass is scheduled, but it is the last max_new_tokens allows: no pass is launched for nothing).
+    assert after["extend"] - before["extend"] == 1 and after["decode"] - before["decode"] == 4
     assert after["extend_tokens"] - before["extend_tokens"] == sum(len(p) for p in ps)
     # Each pass's time runs to the next launch; the last before the engine ran out of work is not timed.
     passes = after["extend"] + after["decode"] - before["extend"] - before["decode"]
     assert after["busy_timed"] - before["busy_timed"] == passes - 1
-    # Decode steps are timed from the third decode launch in a row on: E D D D (D) -> launches 4 (and 5).
+    # Decode steps are timed from the third decode launch in a row on: E D D D D -> launch 4 (the 5th pass).
     assert after["decode_timed"] - before["decode_timed"] == passes - 3
     assert after["busy_s"] - before["busy_s"] > after["decode_s"] - before["decode_s"] > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_no_decode_row_for_a_request_whose_last_token_is_in_flight(overlap):
+    """A request's budget is known on the host: once the pass in flight makes its last allowed token
+    (max_new_tokens, or the context's end), no further decode row is computed for it. Overlap scheduling
+    used to launch one more pass for such requests (a decode after every prefill of max_new_tokens=1
+    requests, and one wasted row per request at its end). Outputs are unchanged."""
+    h = Harness(enable_overlap=overlap, max_context_len=64)
+    launched = []
+    launch = h.engine.runner.launch
+
+    def record(batch):
+        launched.append((batch.mode.name, sorted(r.rid for r in batch.reqs)))
+        return launch(batch)
+    h.engine.runner.launch = record
+    free_before = h.free_tokens()
+    ps = prompts(4, seed=21, lo=10, hi=20)
+    # max_new_tokens 1 (the prefill's token only), 0 (no token), 3 and 6; one prompt ends at the context.
+    budgets = [1, 0, 3, 6]
+    rids = [h.submit(p, sampling={**GREEDY, "max_new_tokens": n}) for p, n in zip(ps, budgets)]
+    long_prompt = prompts(1, seed=22, lo=60, hi=61)[0]
+    rids.append(h.submit(long_prompt, sampling={**GREEDY, "max_new_tokens": 20}))
+    res = h.run(rids)
+    assert [len(r["ids"]) for r in res] == [1, 0, 3, 6, 64 - 60]
+    decode_rows = {}
+    for mode, batch in launched:
+        if mode == "DECODE":
+            for rid in batch:
+                decode_rows[rid] = decode_rows.get(rid, 0) + 1
+    # Every decode row makes a token the request returns: its tokens after the prefill's one.
+    assert decode_rows == {rids[2]: 2, rids[3]: 5, rids[4]: 3}
+    # Same tokens as each request alone without overlap.
+    solo = Harness(enable_overlap=False, max_context_len=64)
+    for p, n, r in zip(ps + [long_prompt], budgets + [20], res):
+        assert solo.generate(p, sampling={**GREEDY, "max_new_tokens": n})["ids"] == r["ids"]
+    assert h.free_tokens() == free_before  # no slot of a skipped row leaked
 
 
 def test_seed_reproducible_and_distinct(h):

@@ -111,7 +111,8 @@ class Scheduler:
         self._cache_extended()
         # Interleave: after a prefill pass, give running requests a decode step before the next prefill,
         # so a stream of arrivals cannot stall token generation.
-        if not (self._last_was_prefill and self.running) or any(r.seq_len - r.kv_len > 1 for r in self.running):
+        if (not (self._last_was_prefill and any(map(self._needs_decode, self.running)))
+                or any(r.seq_len - r.kv_len > 1 for r in self.running)):
             batch = self._schedule_prefill()
             if batch is not None:
                 self._last_was_prefill = True
@@ -302,25 +303,37 @@ class Scheduler:
         self.running.append(req)
         self.cache_computed(req)  # the received prompt serves later requests on this worker too
 
+    def _needs_decode(self, req: Req) -> bool:
+        """Whether a running request has a token left to compute. With overlap the tokens of the pass in
+        flight are placeholders in output_ids: a request whose placeholder is its last allowed token (by
+        max_new_tokens or the context) ends when that pass is processed, whatever the token, so a decode row
+        for it would be computed and thrown away."""
+        n = len(req.output_ids)
+        return n < req.params.max_new_tokens and len(req.input_ids) + n < self.max_context_len
+
     def _schedule_decode(self) -> ScheduleBatch | None:
         if not self.running or any(r.seq_len - r.kv_len > 1 for r in self.running):
             return None  # a jump-forward extend goes first (prefill path); decode resumes after it
+        reqs = [r for r in self.running if self._needs_decode(r)]
+        if not reqs:
+            return None  # every running request ends with the pass in flight
         self.new_token_ratio = max(self.config.min_new_token_ratio,
                                    self.new_token_ratio - self.config.new_token_ratio_decay)
         while True:
-            need = self._decode_slots_needed()
+            need = self._decode_slots_needed(reqs)
             if self.allocator.available_size() < need:
                 self.cache.evict(need - self.allocator.available_size())
             if self.allocator.available_size() >= need:
                 break
-            if len(self.running) == 1:
-                victim = self.running[0]
+            if len(reqs) == 1:
+                victim = reqs[0]
                 self.remove(victim)
                 self.stats.oom_aborts += 1
                 self.failed.append(victim)
                 return None
-            self._retract(self._pick_victim())
-        reqs = list(self.running)
+            victim = self._pick_victim(reqs)
+            self._retract(victim)
+            reqs.remove(victim)
         locs = self.allocator.alloc_next([req.slots[-1] if req.slots else -1 for req in reqs])
         assert locs is not None
         for req, slot in zip(reqs, locs.tolist()):
@@ -334,16 +347,16 @@ class Scheduler:
         return ScheduleBatch(ForwardMode.DECODE, reqs, prefix_lens, [1] * n, [True] * n, input_ids, locs,
                              prefix_groups=groups)
 
-    def _decode_slots_needed(self) -> int:
+    def _decode_slots_needed(self, reqs: list[Req]) -> int:
         if self.page_size == 1:
-            return len(self.running)
+            return len(reqs)
         # Only requests whose last slot ends a page need a fresh page.
-        return sum(self.page_size for r in self.running if (r.slots[-1] + 1) % self.page_size == 0)
+        return sum(self.page_size for r in reqs if (r.slots[-1] + 1) % self.page_size == 0)
 
     # ------------------------------------------------------------------ retraction
-    def _pick_victim(self) -> Req:
+    def _pick_victim(self, reqs: list[Req]) -> Req:
         # The youngest request loses least work and lets older ones finish.
-        return max(self.running, key=lambda r: r.arrival_time)
+        return max(reqs, key=lambda r: r.arrival_time)
 
     def _retract(self, req: Req) -> None:
         self.running.remove(req)
@@ -374,7 +387,7 @@ class Scheduler:
     def _retract_for(self, tokens: int) -> None:
         """The chunked request cannot get its next chunk: retract others until it can (or give up)."""
         while self.running and self._free_tokens() < tokens:
-            self._retract(self._pick_victim())
+            self._retract(self._pick_victim(self.running))
 
     def truncate_kv(self, req: Req, kv_len: int) -> None:
         """Forget KV past kv_len (rejected proposals): free the pages wholly beyond it; slots left in
