@@ -117,9 +117,9 @@ class PagedHarness:
         with torch.inference_mode():
             self.backend.init_forward_metadata(fb)
             # As the CUDA-graph runner runs a decode step (forward_logits: compute_logits(forward) unless the
-            # final norm is folded into the lm_head).
-            out = torch.empty(len(ids), self.cfg.vocab_size, dtype=torch.float32, device=self.device)
-            logits = self.model.forward_logits(fb, out=out)
+            # final norm is folded into the lm_head), into a buffer of the lm_head's dtype.
+            out = torch.empty(len(ids), self.cfg.vocab_size, dtype=self.model.logits_dtype, device=self.device)
+            logits = self.model.forward_logits(fb, out=out).float()
         return dict(zip(keys, logits.split(ext)))
 
 

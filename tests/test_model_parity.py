@@ -54,6 +54,23 @@ def test_prefill_logits_match(family):
         assert rel_err(logits[i], hf_logits(hf, p)) < REL_TOL
 
 
+def test_logits_into_a_model_dtype_buffer_are_the_gemms_own(tmp_path):
+    """The CUDA-graph runner's logits buffer has the lm_head's dtype: the GEMM writes it directly, the
+    same values as the fresh (widened) logits, rounded as the GEMM rounds them; other dtypes and TP still
+    take the copy."""
+    path = write_hf_checkpoint(make_hf_model("llama31"), str(tmp_path / "m"))
+    ours, cfg = load_model(path, dtype=torch.bfloat16)
+    assert ours.logits_dtype == torch.bfloat16
+    h = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    fresh = ours.compute_logits(h)
+    assert fresh.dtype == torch.float32
+    into = torch.full((5, cfg.vocab_size), float("nan"), dtype=torch.bfloat16)
+    assert ours.compute_logits(h, out=into) is into
+    assert torch.equal(into.float(), fresh)
+    wide = torch.empty(5, cfg.vocab_size, dtype=torch.float32)
+    assert torch.equal(ours.compute_logits(h, out=wide), fresh)
+
+
 def test_extend_over_cached_prefix_matches(family):
     hf, ours, cfg, prompts = family
     h = PagedHarness(ours, cfg)

@@ -324,6 +324,43 @@ def test_bf16_logits_and_padded_vocab():
     assert out.logprobs.dtype == torch.float32
 
 
+def test_model_dtype_logits_sample_as_their_fp32_widening(monkeypatch):
+    """The CUDA-graph runner hands the sampler its lm_head's bf16 logits, not a widened fp32 copy: every
+    path (greedy with ties and padding, masked greedy, penalties, random, logprobs) gives what the fp32
+    widening of the same logits gives, and a plain greedy argmax reads the bf16 tensor without widening it."""
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(6, V + 8, generator=g) * 3).bfloat16()
+    x[:, V:] = 100.0  # lm_head padding
+    x[0, 5] = x[0, 17] = x[0, :V].max() + 1  # an exact tie: the first index wins in both
+    x[1, :V] = 0.5  # all equal
+    mask = torch.rand(6, V, generator=g) < 0.5
+    mask[:, 3] = True
+    cases = [
+        ([SP(temperature=0.0)] * 6, None, False),
+        ([SP(temperature=0.0)] * 6, mask, False),
+        ([SP(temperature=0.0)] * 6, None, True),
+        ([SP(temperature=0.0, frequency_penalty=1.0)] * 6, mask, False),
+        ([SP(temperature=0.9), SP(temperature=0.0), SP(top_k=3), SP(top_p=0.8), SP(min_p=0.1), SP()], mask, True),
+    ]
+    kw = dict(seeds=list(range(6)), steps=[3] * 6, output_ids=[[1, 2, 2]] * 6)
+    for params, m, lp in cases:
+        a = sample(x, build(params, **kw), vocab_mask=m, logprobs=lp, top_logprobs_num=2 if lp else 0)
+        b = sample(x.float(), build(params, **kw), vocab_mask=m, logprobs=lp, top_logprobs_num=2 if lp else 0)
+        assert torch.equal(a.next_token_ids, b.next_token_ids), params
+        if lp:
+            assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.top_logprobs_ids, b.top_logprobs_ids)
+    assert sample(x, build([SP(temperature=0.0)] * 6), logprobs=False).next_token_ids[0] == 5
+    # The plain greedy path never widens.
+    widened = []
+    real_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: widened.append(t.dtype) or real_float(t))
+    sample(x, build([SP(temperature=0.0)] * 6), logprobs=False)
+    sample(x, build([SP(temperature=0.0)] * 6), vocab_mask=mask, logprobs=False)
+    assert widened == []
+    sample(x, build([SP(temperature=0.0)] * 6), logprobs=True)
+    assert widened == [torch.bfloat16]
+
+
 # ---- grammar hook ----
 def test_vocab_mask_respected_for_greedy_and_random():
     x = torch.randn(V, generator=torch.Generator().manual_seed(9))

@@ -76,10 +76,11 @@ class CudaGraphRunner:
         self.staged = torch.zeros(n, 4, **i64)
         self.staged[:, SEQ] = 1
         # One logits buffer every graph writes its rows into: per-graph outputs would each hold their own
-        # [bs, vocab] fp32 tensor for the runner's life (~18 GB over the sizes to 1,024 with the
+        # [bs, vocab] tensor for the runner's life (~9 GB in bf16 over the sizes to 1,024 with the
         # shared-prefix variants). Sharing is safe because replays run in stream order and each step's
-        # sampling is enqueued before the next step launches (shared/engine/engine.py, step).
-        self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
+        # sampling is enqueued before the next step launches (shared/engine/engine.py, step). In the
+        # lm_head's own dtype: the GEMM writes it directly and the sampler widens only what needs fp32.
+        self.logits = torch.empty(n, model.config.vocab_size, dtype=model.logits_dtype, device=device)
         # (batch size, shared-prefix variant) -> graph
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None

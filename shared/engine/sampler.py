@@ -147,7 +147,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, top_logprobs_num: int = 0
     `logprobs`: False when no row asked for them: the log-partition (two passes over [B, V]) and the
     chosen tokens' logprobs are skipped (SampleOutput.logprobs is None; top_logprobs_num must be 0).
     """
-    raw = logits[:, :batch.vocab_size].float()  # drop lm_head padding columns, if any
+    raw = logits[:, :batch.vocab_size]  # drop lm_head padding columns, if any
+    if raw.dtype != torch.float32 and (logprobs or not batch.all_greedy or batch.penalties is not None):
+        # Logprobs, penalties and the random race compute in fp32. A greedy argmax (masked or not) reads the
+        # model's logits as they are: the same values, so the same token, without a widened copy.
+        raw = raw.float()
     work = raw
     if batch.penalties is not None or vocab_mask is not None:
         work = raw.clone()  # raw must survive for logprobs (and may alias the caller's tensor)

@@ -226,17 +226,27 @@ class LlamaForCausalLM(nn.Module):
     def forward_logits(self, fb: ForwardBatch, out: torch.Tensor) -> torch.Tensor:
         """compute_logits(forward(fb), out) for every token of the pass (the CUDA-graph runner's decode step).
         With FOLD_FINAL_NORM a one-token pass with split norms splits the final norm as well: the last
-        down_proj produces it and the lm_head GEMV consumes it, writing fp32 logits straight from its sums (one
-        norm kernel and the widening copy fewer; cuBLAS's lm_head would not chain under PDL)."""
+        down_proj produces it and the lm_head GEMV consumes it, writing the logits straight from its sums (one
+        norm kernel fewer; cuBLAS's lm_head would not chain under PDL)."""
         if FOLD_FINAL_NORM and self.lm_head.shard is None and self.lm_head.weight.shape[0] == out.shape[1]:
             split = self.model.forward_split_final(fb)
             if split is not None:
                 return ops.linear(split[0], self.lm_head.weight, norm_in=split[1], out=out)
         return self.compute_logits(self.model(fb), out=out)
 
+    @property
+    def logits_dtype(self) -> torch.dtype:
+        """The dtype the lm_head's GEMM produces logits in (the model's activation dtype)."""
+        return self.lm_head.weight.dtype
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: [N, hidden_size] -> fp32 logits [N, vocab_size], the same on every rank. out: an fp32
-        [N, vocab_size] buffer to write them to (the widening copy a fresh result would make anyway)."""
+        """hidden: [N, hidden_size] -> logits [N, vocab_size], the same on every rank: fp32 when out is None
+        (a fresh result), else written to out, [N, vocab_size] of any float dtype. An out of logits_dtype takes
+        the GEMM's result directly (the CUDA-graph runner's buffer: no widening copy, which at batch 256 and a
+        128k vocabulary moved ~200 MB a step; the sampler widens only where it needs fp32)."""
+        if out is not None and out.dtype == self.logits_dtype and self.lm_head.shard is None \
+                and hidden.dtype == out.dtype and out.shape[1] == self.lm_head.weight.shape[0]:
+            return torch.mm(hidden, self.lm_head.weight.t(), out=out)
         logits = torch.nn.functional.linear(hidden, self.lm_head.weight)
         if self.lm_head.shard is not None:
             logits = all_gather_last(logits)
