@@ -87,6 +87,28 @@ def test_no_decode_row_for_a_request_whose_last_token_is_in_flight(overlap):
     assert h.free_tokens() == free_before  # no slot of a skipped row leaked
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mixed_chunks_change_no_token(overlap):
+    """--enable-mixed-chunk through the real engine: requests arriving while others decode, prompts chunked
+    over several passes, seeded sampling and a stop: the same tokens as without mixing, fewer decode passes,
+    and every slot back."""
+    ps = prompts(8, seed=31, lo=20, hi=70)
+    sampling = [{**GREEDY, "max_new_tokens": 12}, {"temperature": 0.8, "seed": 5, "max_new_tokens": 9, "ignore_eos": True}]
+    results, passes = {}, {}
+    for mixed in (False, True):
+        h = Harness(enable_overlap=overlap, enable_mixed_chunk=mixed, max_prefill_tokens=64, chunked_prefill_size=48)
+        free = h.free_tokens()
+        rids = [h.submit(p, sampling=sampling[i % 2]) for i, p in enumerate(ps[:3])]
+        for _ in range(3):
+            h.engine.step()
+        rids += [h.submit(p, sampling=sampling[i % 2]) for i, p in enumerate(ps[3:])]
+        results[mixed] = [r["ids"] for r in h.run(rids)]
+        passes[mixed] = h.engine.info()["passes"]
+        assert h.free_tokens() == free
+    assert results[True] == results[False]
+    assert passes[True]["decode"] < passes[False]["decode"]
+
+
 def test_seed_reproducible_and_distinct(h):
     p = prompts(1, seed=2)[0]
     s = {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True}

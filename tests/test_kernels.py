@@ -744,6 +744,65 @@ def check_backend_end_to_end(device, dtype):
             assert torch.equal(worlds[0][1].k_buffers[layer], w[1].k_buffers[layer])
 
 
+def check_backend_extend_decode_tail(device, dtype):
+    """An extend pass ending in one-token rows (mixed chunks' riders, catch-up riders): the Triton backend
+    runs them with the decode kernel (split or not, merged in one launch or two) where that saves enough of
+    the extend grid's empty programs; the same attention as the extend kernel for every row and as the
+    torch backend."""
+    import shared.models.attention.triton_backend as tb
+    from shared.cache.kv_pool import KVPool, ReqToTokenPool
+    from shared.engine.forward_batch import ForwardBatch, ForwardMode
+    from shared.models.attention import create_attention_backend
+    hq, hkv, d = 4, 2, 16
+    gen = torch.Generator().manual_seed(3)
+    rows = [1, 2, 3, 4, 5, 6, 7]
+    prefix = [0, 9, 30, 5, 17, 64, 1]
+    ext = [37, 21, 1, 1, 1, 1, 1]  # two prompts, then five riders
+    T = sum(ext)
+    q = torch.randn(T, hq * d, generator=gen).to(device, dtype)
+    k = torch.randn(T, hkv * d, generator=gen).to(device, dtype)
+    v = torch.randn(T, hkv * d, generator=gen).to(device, dtype)
+    cached = sum(prefix)
+    ck = torch.randn(cached, hkv, d, generator=gen).to(device, dtype)
+    cv = torch.randn(cached, hkv, d, generator=gen).to(device, dtype)
+    outs = []
+    saved = tb.DECODE_TAIL_MIN_EMPTY_PROGRAMS
+    try:
+        for name, min_empty, splits, one in (("torch", 0, 4, False), ("triton", 1 << 30, 4, False),
+                                             ("triton", 0, 4, False), ("triton", 0, 4, True), ("triton", 0, 1, False)):
+            tb.DECODE_TAIL_MIN_EMPTY_PROGRAMS = min_empty
+            be = create_attention_backend(name, hq, hkv, d, device=device, max_kv_splits=splits,
+                                          min_tokens_per_split=8, one_launch_decode=one)
+            pool = KVPool(1, hkv, d, num_pages=64, page_size=4, dtype=dtype, device=device)
+            r2t = ReqToTokenPool(8, 128, device)
+            slot, c = 4, 0
+            for row, p in zip(rows, prefix):  # the cached prefixes
+                locs = torch.arange(slot, slot + p)
+                pool.k_buffers[0][locs.to(device)] = ck[c:c + p]
+                pool.v_buffers[0][locs.to(device)] = cv[c:c + p]
+                r2t.write(row, 0, locs.to(device))
+                slot, c = slot + p, c + p
+            new = torch.arange(slot, slot + T)
+            off = 0
+            for row, p, e in zip(rows, prefix, ext):
+                r2t.write(row, p, new[off:off + e].to(device))
+                off += e
+            fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * T, rows, prefix, ext, new, r2t.req_to_token, pool, be,
+                                    device)
+            be.init_forward_metadata(fb)
+            if name == "triton":
+                assert (be._meta.tail is not None) == (min_empty == 0), min_empty
+                if be._meta.tail is not None:
+                    assert (be._meta.head, be._meta.head_tokens) == (2, 58)
+            outs.append(be.forward(q, k, v, 0, fb))
+            if getattr(be, "_tickets", None) is not None:
+                assert not be._tickets.any()
+    finally:
+        tb.DECODE_TAIL_MIN_EMPTY_PROGRAMS = saved
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], **_tol(dtype))
+
+
 def check_backend_cascade_decode(device, dtype):
     """A decode batch with prefix groups through the Triton backend equals the torch backend's plain
     decode on the same pool."""

@@ -191,11 +191,12 @@ def test_request_larger_than_pool_fails_cleanly():
     assert s.allocator.available_size() == 32
 
 
+@pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize("page_size,radix", [(1, True), (4, True), (1, False), (4, False)])
-def test_random_workload_never_leaks(page_size, radix):
+def test_random_workload_never_leaks(page_size, radix, mixed):
     rng = random.Random(page_size * 10 + radix)
     s = make_sched(pool_tokens=256, page_size=page_size, radix=radix, max_prefill_tokens=64,
-                   chunked_prefill_size=32)
+                   chunked_prefill_size=32, enable_mixed_chunk=mixed)
     total = s.allocator.available_size()
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(4, 40))] for _ in range(5)]
     done, live = [], []
@@ -633,3 +634,57 @@ def test_catch_up_rows_taken_at_once_equal_taken_one_by_one(page_size, pool, mon
                     r.output_ids.extend([7] * rng.randint(2, 8))
         runs.append((log, len(done), s.stats.retractions, s.allocator.free_pages().tolist()))
     assert runs[0] == runs[1] and runs[0][1] == 12
+
+
+def test_mixed_chunks_running_requests_ride_in_prefill_passes():
+    """--enable-mixed-chunk: while prompts are being prefilled, every running request gains its token in
+    the prefill pass itself (at the batch's end, one token each, counted against the budget): no decode
+    pass between prefill passes. Without it a decode pass follows every prefill pass."""
+    for mixed in (False, True):
+        s = make_sched(pool_tokens=4096, max_prefill_tokens=64, chunked_prefill_size=64, enable_mixed_chunk=mixed)
+        reqs = [make_req(range(100 * i + 1, 100 * i + 41), max_new=6) for i in range(6)]
+        for r in reqs:
+            s.add(r)
+        done, modes = [], []
+        while not s.is_idle():
+            b = step(s, done)
+            modes.append((b.mode, [(r.rid, e) for r, e in zip(b.reqs, b.extend_lens)]))
+        assert len(done) == 6 and all(len(r.output_ids) == 6 for r in done)
+        kinds = "".join("E" if m is ForwardMode.EXTEND else "D" for m, _ in modes)
+        # Each request's passes from its prompt's last chunk on: one token each, none skipped with mixed chunks.
+        token_passes = {}
+        for i, (_, rows) in enumerate(modes):
+            for rid, e in rows:
+                if e == 1 or rid in token_passes:
+                    token_passes.setdefault(rid, []).append(i)
+        gapless = all(p == list(range(p[0], p[0] + len(p))) for p in token_passes.values())
+        assert gapless == mixed
+        if not mixed:
+            assert "EE" not in kinds  # a decode pass after each prefill pass
+            continue
+        # 6 prompts of 40 tokens through a 64-token budget: prefill passes back to back, then decode.
+        assert kinds.startswith("EEEE") and "DE" not in kinds, kinds
+        for mode, rows in modes[1:]:
+            if mode is ForwardMode.EXTEND:
+                ones = [e == 1 for _, e in rows]
+                # the riders come last, after every prompt row
+                assert ones == sorted(ones) and sum(e for _, e in rows) <= 64
+
+
+def test_mixed_chunks_never_ride_alone_nor_with_a_solo_request():
+    """Riders alone are a decode pass (the CUDA graph's), and a request suspected of failing a step runs
+    alone: nobody rides with it."""
+    s = make_sched(max_prefill_tokens=64, chunked_prefill_size=64, enable_mixed_chunk=True)
+    a = make_req(range(1, 11), max_new=8)
+    s.add(a)
+    done = []
+    step(s, done)
+    b = step(s, done)
+    assert b.mode is ForwardMode.DECODE and b.reqs == [a]
+    solo = make_req(range(1, 21), max_new=2)
+    solo.solo = True
+    s.add(solo)
+    b = step(s, done)
+    assert b.mode is ForwardMode.EXTEND and b.reqs == [solo]
+    b = step(s, done)
+    assert b.mode is ForwardMode.DECODE and set(map(id, b.reqs)) == {id(a), id(solo)}

@@ -10,6 +10,8 @@ from shared.engine.config import ATTENTION_BACKENDS, EngineConfig, unsupported_a
 _CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
     "attention_backend": list(ATTENTION_BACKENDS),
+    "enable_mixed_chunk": "running requests decode inside prefill passes (their token counts against "
+                          "--max-prefill-tokens) instead of in a decode pass between them",
     "schedule_policy": ["lpm", "fcfs"],
     "load_format": ["auto", "dummy"],
     "quantization": ["none", "fp8"],
@@ -95,6 +97,8 @@ _HELP = {
     "max_context_len": "longest prompt + output (default: the model's max_position_embeddings)",
     "chunked_prefill_size": "new tokens of one request per prefill pass (longer prompts take several)",
     "max_prefill_tokens": "new tokens of all requests in one prefill pass",
+    "enable_mixed_chunk": "running requests decode inside prefill passes (their token counts against "
+                          "--max-prefill-tokens) instead of in a decode pass between them",
     "schedule_policy": "lpm: longest cached prefix first; fcfs: arrival order",
     "lpm_queue_limit": "above this queue length LPM falls back to FCFS (0: LPM at any length)",
     "max_skipped_rounds": "a request passed over this many times goes first (no starvation)",

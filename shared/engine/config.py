@@ -36,6 +36,10 @@ class EngineConfig:
     max_context_len: int | None = None  # default: the model's max_position_embeddings
     chunked_prefill_size: int = 4096  # max new tokens of one request per prefill pass
     max_prefill_tokens: int = 8192  # max new tokens of all requests in one prefill pass
+    # Running requests ride along in prefill passes with their one decode token (SGLang's
+    # --enable-mixed-chunk): no decode pass between prefill passes, each running request still gains a token
+    # a pass. Their tokens count against max_prefill_tokens. Off by default, as in SGLang, until measured.
+    enable_mixed_chunk: bool = False
     schedule_policy: str = "lpm"  # lpm (longest prefix match) | fcfs
     # Above this queue length LPM falls back to FCFS (SGLang's threshold too); 0: never. Match lengths are
     # kept incrementally, so ordering a long queue is cheap; what decides is the order itself. On the

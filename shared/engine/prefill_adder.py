@@ -160,6 +160,27 @@ class PrefillAdder:
                     s._retract(max(victims, key=lambda r: r.arrival_time))
                 break
 
+    def reserve_riders(self, riders: list[Req]) -> list[Req]:
+        """Mixed chunks: the running requests' decode tokens are taken out of the round's budget before
+        anything else (add_riders takes them at the end). Returns the riders reserved for: none where they
+        would take half the budget or more."""
+        if 2 * len(riders) >= self.budget:
+            return []
+        self.budget -= len(riders)
+        return riders
+
+    def add_riders(self, riders: list[Req]) -> list[Req]:
+        """Mixed chunks: the reserved riders not already in the batch (a catch-up pass takes every running
+        request) ride along with their one decode token, at the batch's end (the attention backend can run
+        them as decode rows). Only where the pass computes prompt tokens: riders alone make a decode pass.
+        Returns the riders taken (none where the pool is short: they decode in a pass of their own)."""
+        self.budget += len(riders)
+        taken = set(map(id, self.reqs))
+        rows = [r for r in riders if id(r) not in taken]
+        if not rows or not self.reqs:
+            return []
+        return rows if self._take_all(rows, [1] * len(rows)) else []
+
     def _next_tokens_key(self, req: Req, start: int, node) -> tuple | None:
         """What identifies the tokens a request computes next: where its cached prefix ends (the tree
         node and length: one path) and the next INBATCH_SHARE_TOKENS tokens; None when too few are left

@@ -66,6 +66,9 @@ class Scheduler:
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
         self._last_was_prefill = False
+        # Mixed chunks: every running request that had a token to make rode in the last prefill pass (none
+        # needs a decode pass before the next prefill; the ones it admitted ride in that one).
+        self._all_rode = False
         # Requests the engine must finish with an error (e.g. cannot fit the pool at all).
         self.failed: list[Req] = []
         self._extended: list[Req] = []  # the last EXTEND batch: its computed KV enters the tree next round
@@ -110,15 +113,16 @@ class Scheduler:
         launched (before the next call)."""
         self._cache_extended()
         # Interleave: after a prefill pass, give running requests a decode step before the next prefill,
-        # so a stream of arrivals cannot stall token generation.
-        if (not (self._last_was_prefill and any(map(self._needs_decode, self.running)))
+        # so a stream of arrivals cannot stall token generation. Requests that rode along in it (mixed
+        # chunks) had theirs.
+        if (not (self._last_was_prefill and not self._all_rode and any(map(self._needs_decode, self.running)))
                 or any(r.seq_len - r.kv_len > 1 for r in self.running)):
             batch = self._schedule_prefill()
             if batch is not None:
                 self._last_was_prefill = True
                 self._extended = list(batch.reqs)
                 return batch
-        self._last_was_prefill = False
+        self._last_was_prefill = self._all_rode = False
         return self._schedule_decode()
 
     def _order_waiting(self) -> list[Req]:
@@ -248,6 +252,11 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduleBatch | None:
         adder = PrefillAdder(self)
+        # 0. Mixed chunks: the running requests' decode tokens are set aside first (taken at 4).
+        eligible = ([r for r in self.running if self._needs_decode(r)] if self.config.enable_mixed_chunk
+                    else [])
+        riders = adder.reserve_riders([r for r in eligible if r.seq_len - r.kv_len == 1])
+        solo_pass = False
         # 1. Continue the chunked request first.
         if self.chunked is not None and not adder.add_chunk(self.chunked):
             self._retract_for(adder.last_need)
@@ -265,12 +274,20 @@ class Scheduler:
                     break
                 if solo and req in adder.reqs:
                     req.solo = False
+                    solo_pass = True
                     break  # nothing joins its pass
         for r in self.waiting:
             if adder.admitted or self.running:
                 r.skipped_rounds += 1
         self.stats.last_round_admitted = adder.admitted
-        return adder.batch()
+        # 4. The riders, after every prompt row: with the batch's end all one-token rows, the backend may
+        #    run them with its decode kernel.
+        adder.add_riders([] if solo_pass else riders)
+        batch = adder.batch()
+        if batch is not None:
+            rows = set(map(id, batch.reqs))
+            self._all_rode = self.config.enable_mixed_chunk and all(id(r) in rows for r in eligible)
+        return batch
 
     def _mark_admitted(self, req: Req, cached: int) -> None:
         """Out of the queue; the first admission counts its prompt and cache hit (re-admissions after a

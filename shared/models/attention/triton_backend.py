@@ -10,7 +10,7 @@ from kernels.attention.triton_cascade import (CascadePlan, CascadeShape, cascade
                                              plan_cascade_host)
 from kernels.attention.triton_decode import (MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, decode_attention,
                                              num_kv_splits_for, plan_max_kv_splits)
-from kernels.attention.triton_extend import extend_attention
+from kernels.attention.triton_extend import extend_attention, extend_pack
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
 from shared.models.attention.base import AttentionBackend
 from shared.models.attention.torch_backend import TorchAttentionBackend
@@ -32,9 +32,21 @@ class _DecodeMetadata:
     tickets: torch.Tensor | None = None
 
 
+# An extend pass whose last requests compute one token each (decode rows riding along: mixed chunks,
+# jump-forward catch-up) runs them with the decode kernel when that saves at least this many of the extend
+# grid's empty programs: its grid covers the longest request's query blocks for every request, so each
+# one-token row leaves all its blocks but the first to start and exit. Not yet measured on a GPU.
+DECODE_TAIL_MIN_EMPTY_PROGRAMS = 4096
+
+
 @dataclass
 class _ExtendMetadata:
     max_extend_len: int
+    # The decode tail: requests [head, B) compute one token each, tokens [head_tokens, T), run by the decode
+    # kernel with this metadata; None: the extend kernel runs every request.
+    head: int = 0
+    head_tokens: int = 0
+    tail: _DecodeMetadata | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -109,32 +121,52 @@ class TritonAttentionBackend(AttentionBackend):
         if self.fallback is not None:
             return
         if fb.mode == ForwardMode.DECODE:
-            B = fb.batch_size
-            splits = plan_max_kv_splits(B, self.num_kv_heads, self.max_kv_splits)
-            dev = fb.seq_lens.device
             plan = None
             if fb.graph_cascade:
-                plan = self._graph_plan(B, dev)
+                plan = self._graph_plan(fb.batch_size, fb.seq_lens.device)
             elif fb.prefix_groups:
-                plan = plan_cascade(fb.prefix_groups, fb.req_pool_indices_cpu, B, self.num_kv_heads,
-                                    self.num_heads // self.num_kv_heads, dev)
-            kv_lens = fb.seq_lens if plan is None else fb.seq_lens - plan.kv_start
-            cols = splits + (plan.prefix_splits if plan is not None else 0)
-            scratch = cols > 1
-            self._meta = _DecodeMetadata(
-                max_kv_splits=splits,
-                num_kv_splits=num_kv_splits_for(kv_lens, splits, self.min_tokens_per_split),
-                mid_o=(torch.empty((B, self.num_heads, cols, self.head_dim), dtype=torch.float32, device=dev)
-                       if scratch else None),
-                mid_lse=torch.empty((B, self.num_heads, cols), dtype=torch.float32, device=dev) if scratch else None,
-                cascade=plan,
-                tickets=(self._decode_tickets(B * self.num_kv_heads, dev) if self.one_launch_decode and splits > 1
-                         else None))
+                plan = plan_cascade(fb.prefix_groups, fb.req_pool_indices_cpu, fb.batch_size, self.num_kv_heads,
+                                    self.num_heads // self.num_kv_heads, fb.seq_lens.device)
+            self._meta = self._decode_metadata(fb.seq_lens, plan)
         else:
             lens = fb.extend_seq_lens_cpu
             # Without host copies the packed token count bounds every request's length.
             bound = fb.max_extend_len if fb.max_extend_len is not None else max(lens) if lens else fb.num_tokens
-            self._meta = _ExtendMetadata(bound)
+            self._meta = self._extend_metadata(fb, bound)
+
+    def _decode_metadata(self, seq_lens: torch.Tensor, plan: CascadePlan | None) -> _DecodeMetadata:
+        B = seq_lens.shape[0]
+        splits = plan_max_kv_splits(B, self.num_kv_heads, self.max_kv_splits)
+        dev = seq_lens.device
+        kv_lens = seq_lens if plan is None else seq_lens - plan.kv_start
+        cols = splits + (plan.prefix_splits if plan is not None else 0)
+        scratch = cols > 1
+        return _DecodeMetadata(
+            max_kv_splits=splits,
+            num_kv_splits=num_kv_splits_for(kv_lens, splits, self.min_tokens_per_split),
+            mid_o=(torch.empty((B, self.num_heads, cols, self.head_dim), dtype=torch.float32, device=dev)
+                   if scratch else None),
+            mid_lse=torch.empty((B, self.num_heads, cols), dtype=torch.float32, device=dev) if scratch else None,
+            cascade=plan,
+            tickets=(self._decode_tickets(B * self.num_kv_heads, dev) if self.one_launch_decode and splits > 1
+                     else None))
+
+    def _extend_metadata(self, fb: ForwardBatch, bound: int) -> _ExtendMetadata:
+        """The extend kernel's grid bound, and a decode tail where it pays (DECODE_TAIL_MIN_EMPTY_PROGRAMS);
+        only with the lengths on the host (not in an extend graph, whose grid is fixed)."""
+        lens = fb.extend_seq_lens_cpu
+        if fb.max_extend_len is not None or not lens or lens[-1] != 1:
+            return _ExtendMetadata(bound)
+        head = len(lens)
+        while head and lens[head - 1] == 1:
+            head -= 1
+        longest = max(lens[:head], default=1)
+        pack = extend_pack(self.num_heads, self.num_kv_heads)
+        # A program's query rows hold at least 16 // pack tokens (extend_block_sizes's smallest tile).
+        blocks = -(-longest // max(1, 16 // pack))
+        if (len(lens) - head) * (blocks - 1) * (self.num_heads // pack) < DECODE_TAIL_MIN_EMPTY_PROGRAMS:
+            return _ExtendMetadata(bound)
+        return _ExtendMetadata(longest, head, sum(lens[:head]), self._decode_metadata(fb.seq_lens[head:], None))
 
     def _metadata(self, fb: ForwardBatch):
         if self._meta_batch is not fb or self._meta is None:
@@ -146,9 +178,21 @@ class TritonAttentionBackend(AttentionBackend):
             return self.fallback.forward_extend(q, k, v, layer_id, fb)
         meta = self._metadata(fb)
         k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
-        return extend_attention(q, k, v, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices,
-                                fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc,
-                                meta.max_extend_len, self.scaling)
+        if meta.tail is None:
+            return extend_attention(q, k, v, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices,
+                                    fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc,
+                                    meta.max_extend_len, self.scaling)
+        # The one-token rows at the end: their k/v are in the pool already, so they are decode rows.
+        h, t0, tail = meta.head, meta.head_tokens, meta.tail
+        out = torch.empty_like(q)
+        if h:
+            extend_attention(q, k, v, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices[:h],
+                             fb.extend_prefix_lens[:h], fb.extend_seq_lens[:h], fb.extend_start_loc[:h],
+                             meta.max_extend_len, self.scaling, out=out)
+        decode_attention(q[t0:], k_buf, v_buf, fb.req_to_token, fb.req_pool_indices[h:], fb.seq_lens[h:],
+                         tail.num_kv_splits, tail.max_kv_splits, self.scaling, out=out[t0:], mid_o=tail.mid_o,
+                         mid_lse=tail.mid_lse, tickets=tail.tickets)
+        return out
 
     def forward_decode(self, q, layer_id, fb: ForwardBatch):
         if self.fallback is not None:
