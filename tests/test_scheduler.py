@@ -688,3 +688,24 @@ def test_mixed_chunks_never_ride_alone_nor_with_a_solo_request():
     assert b.mode is ForwardMode.EXTEND and b.reqs == [solo]
     b = step(s, done)
     assert b.mode is ForwardMode.DECODE and set(map(id, b.reqs)) == {id(a), id(solo)}
+
+
+def test_a_rider_retracted_during_the_round_does_not_ride():
+    """A catch-up pass short of memory retracts running requests during the admission round: a request
+    set aside as a rider before that must not be taken (its KV is gone, it waits to be readmitted)."""
+    from shared.engine.prefill_adder import PrefillAdder
+    s = make_sched(max_prefill_tokens=64, chunked_prefill_size=64, enable_mixed_chunk=True)
+    a, b = make_req(range(1, 11), max_new=8), make_req(range(20, 31), max_new=8)
+    s.add(a)
+    s.add(b)
+    done = []
+    step(s, done)  # both prefilled, running
+    adder = PrefillAdder(s)
+    riders = adder.reserve_riders(list(s.running))
+    assert riders == [a, b]
+    s.add(c := make_req(range(40, 51), max_new=2))
+    assert adder.add_waiting(c)
+    s._retract(b)
+    assert adder.add_riders(riders) == [a]
+    batch = adder.batch()
+    assert [r.rid for r in batch.reqs] == [c.rid, a.rid] and batch.extend_lens == [11, 1]

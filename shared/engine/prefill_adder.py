@@ -176,7 +176,8 @@ class PrefillAdder:
         Returns the riders taken (none where the pool is short: they decode in a pass of their own)."""
         self.budget += len(riders)
         taken = set(map(id, self.reqs))
-        rows = [r for r in riders if id(r) not in taken]
+        running = set(map(id, self.s.running))  # a catch-up pass short of memory may have retracted some
+        rows = [r for r in riders if id(r) not in taken and id(r) in running]
         if not rows or not self.reqs:
             return []
         return rows if self._take_all(rows, [1] * len(rows)) else []
