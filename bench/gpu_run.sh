@@ -83,9 +83,13 @@ fi
 if [[ $what == recheck ]]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py -k gpu 2>&1 | tail -3
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv" 2>&1 | tail -3
+  # 2026-12-05's engine changes (bf16 graph logits, mixed chunks and the decode tail), never run on a GPU before.
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_kernels.py \
+    -k "not interpreted and (bf16_graph or mixed_chunk or decode_tail or no_decode_row)" 2>&1 | tail -3
   # Eight cache off/on pairs: the zero-reuse overhead's goal (0.3%) is below one run's spread; with three
   # pairs it read 0.66% and 0.31% where ten read 0.21% (2026-12-04).
-  timeout 200 python3 -m bench.offline --out "$OUT" --skip-hf --reuse-pairs 8 2>&1 | tee "$OUT/offline.log" | tail -11
+  # With the mixed-chunk A/B (two pairs of throughput runs, 2026-12-05): one more info line.
+  timeout 240 python3 -m bench.offline --out "$OUT" --skip-hf --reuse-pairs 8 2>&1 | tee "$OUT/offline.log" | tail -12
   timeout 150 python3 -m bench.fp8 --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/fp8.log" | tail -7
   timeout 150 python3 -m bench.structured --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/structured.log" | tail -12
   timeout 270 python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream --batch1 16 --offline \
@@ -106,6 +110,7 @@ if [[ $what == batch1-next || $what == batch1-all ]]; then
   # the lm_head GEMV ($FOLD). Their GPU tests, then one bf16 A/B (2 rounds): each alone and all three.
   # batch1-all adds l2-prefetch's two ideas to both (one machine start; ~8 min on a fresh machine by estimate).
   tests="gemv_rope_store or rope_fusion or rope_in_the_qkv or kv_before_wait or final_norm or embed_rms_norm or decode_norm_fusion"
+  tests="$tests or bf16_graph or mixed_chunk or decode_tail"
   variants="base=;rope=decode_rope_fusion=1;kv=$KV;fold=$FOLD;all=decode_rope_fusion=1,$KV,$FOLD"
   if [[ $what == batch1-all ]]; then
     tests="$tests or l2_prefetch or late_trigger"

@@ -515,6 +515,53 @@ def test_decode_in_cuda_graphs_gives_the_tokens_of_eager_decode():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_graph_logits_sample_as_their_fp32_widening(monkeypatch):
+    """In bf16 the graphs' logits buffer is bf16, written by the lm_head's GEMM itself, and a greedy batch's
+    argmax reads it unwidened. Every sampling call of a bf16 run with graphs (greedy, seeded, logprobs in the
+    same batches) gives what it gives on the fp32 widening of the same logits."""
+    import shared.engine.model_runner as mr
+    real, calls = mr.sample, []
+
+    def checked(logits, sb, **kw):
+        got = real(logits, sb, **kw)
+        ref = real(logits.float(), sb, **kw)
+        calls.append(logits.dtype)
+        assert torch.equal(got.next_token_ids, ref.next_token_ids)
+        assert (got.logprobs is None) == (ref.logprobs is None)
+        if got.logprobs is not None:
+            assert torch.equal(got.logprobs, ref.logprobs)
+        return got
+    monkeypatch.setattr(mr, "sample", checked)
+    h = Harness(dtype="bfloat16", max_running_requests=8)
+    assert h.engine.runner.graph_runner.logits.dtype == torch.bfloat16
+    sampling = [{**GREEDY, "max_new_tokens": 10}, {"temperature": 0.7, "seed": 3, "max_new_tokens": 10, "ignore_eos": True}]
+    greedy = h.run([h.submit(p, sampling=sampling[0]) for p in prompts(4, seed=43)])
+    mixed = h.run([h.submit(p, sampling=sampling[i % 2], return_logprob=i % 3 == 0)
+                   for i, p in enumerate(prompts(8, seed=44))])
+    assert all(len(r["ids"]) == 10 for r in greedy + mixed)
+    assert torch.bfloat16 in calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("decode_tail", [False, True])
+def test_mixed_chunks_on_cuda_change_no_token(decode_tail, monkeypatch):
+    """--enable-mixed-chunk on the GPU (Triton backend, graphs for the decode passes, fp32): the tokens of
+    runs without it; with decode_tail the riders always go through the decode kernel."""
+    import shared.models.attention.triton_backend as tb
+    monkeypatch.setattr(tb, "DECODE_TAIL_MIN_EMPTY_PROGRAMS", 0 if decode_tail else 1 << 30)
+    ps = prompts(12, seed=45, lo=40, hi=120)
+    out = {}
+    for mixed in (False, True):
+        h = Harness(enable_mixed_chunk=mixed, max_prefill_tokens=128, chunked_prefill_size=96, max_running_requests=16)
+        rids = [h.submit(p, sampling={**GREEDY, "max_new_tokens": 14}) for p in ps[:4]]
+        for _ in range(4):
+            h.engine.step()
+        rids += [h.submit(p, sampling={**GREEDY, "max_new_tokens": 14}) for p in ps[4:]]
+        out[mixed] = [r["ids"] for r in h.run(rids)]
+    assert out[True] == out[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_neutralized_bare_replay_leaves_the_kv_pool_and_slot_table_as_they_are():
     """Benchmarks time bare replays of the last step's graph. The graph gathers its inputs from the last
     samples and writes the slot table and the new token's K/V itself, so a bare replay would overwrite a
