@@ -83,9 +83,6 @@ fi
 if [[ $what == recheck ]]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py -k gpu 2>&1 | tail -3
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv" 2>&1 | tail -3
-  # 2026-12-05's engine changes (bf16 graph logits, mixed chunks and the decode tail), never run on a GPU before.
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_kernels.py \
-    -k "not interpreted and (bf16_graph or mixed_chunk or decode_tail or no_decode_row)" 2>&1 | tail -3
   # Eight cache off/on pairs: the zero-reuse overhead's goal (0.3%) is below one run's spread; with three
   # pairs it read 0.66% and 0.31% where ten read 0.21% (2026-12-04).
   # With the mixed-chunk A/B (two pairs of throughput runs, 2026-12-05): one more info line.
