@@ -57,6 +57,16 @@ def test_every_flag_has_help_and_shows_its_default(service):
         assert "(default: 0.85)" in text and "(default: lpm)" in text  # engine flags too
 
 
+def test_enable_mixed_chunk_reaches_the_worker_and_choices_are_lists():
+    """SGLang's --enable-mixed-chunk: off by default, on when given, passed by the launcher to its workers.
+    Every engine flag's choices are a list (a help string there once went unnoticed on a boolean flag)."""
+    from shared.engine.cli import _CHOICES, engine_args_to_argv
+    assert all(isinstance(v, list) for v in _CHOICES.values()), _CHOICES
+    assert not launch_args(["--model-path", "m"]).enable_mixed_chunk
+    args = launch_args(["--model-path", "m", "--enable-mixed-chunk"])
+    assert args.enable_mixed_chunk and worker_args(engine_args_to_argv(args)).enable_mixed_chunk
+
+
 def test_sglang_flag_names_and_old_aliases():
     for flag in ("--context-length", "--max-context-len"):
         assert launch_args(["--model-path", "m", flag, "512"]).max_context_len == 512

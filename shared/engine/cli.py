@@ -10,8 +10,6 @@ from shared.engine.config import ATTENTION_BACKENDS, EngineConfig, unsupported_a
 _CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
     "attention_backend": list(ATTENTION_BACKENDS),
-    "enable_mixed_chunk": "running requests decode inside prefill passes (their token counts against "
-                          "--max-prefill-tokens) instead of in a decode pass between them",
     "schedule_policy": ["lpm", "fcfs"],
     "load_format": ["auto", "dummy"],
     "quantization": ["none", "fp8"],
