@@ -10,7 +10,7 @@ from kernels.attention.triton_cascade import (CascadePlan, CascadeShape, cascade
                                              plan_cascade_host)
 from kernels.attention.triton_decode import (MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, decode_attention,
                                              num_kv_splits_for, plan_max_kv_splits)
-from kernels.attention.triton_extend import extend_attention, extend_pack
+from kernels.attention.triton_extend import extend_attention, extend_block_sizes, extend_pack
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
 from shared.models.attention.base import AttentionBackend
 from shared.models.attention.torch_backend import TorchAttentionBackend
@@ -162,8 +162,10 @@ class TritonAttentionBackend(AttentionBackend):
             head -= 1
         longest = max(lens[:head], default=1)
         pack = extend_pack(self.num_heads, self.num_kv_heads)
-        # A program's query rows hold at least 16 // pack tokens (extend_block_sizes's smallest tile).
-        blocks = -(-longest // max(1, 16 // pack))
+        # The extend grid extend_attention would launch: query blocks of the longest request, for every one.
+        block_m = extend_block_sizes(next_pow2(self.head_dim), fb.kv_pool.dtype,
+                                     longest * pack if pack > 1 else None)[0]
+        blocks = -(-longest // max(1, block_m // pack))
         if (len(lens) - head) * (blocks - 1) * (self.num_heads // pack) < DECODE_TAIL_MIN_EMPTY_PROGRAMS:
             return _ExtendMetadata(bound)
         return _ExtendMetadata(longest, head, sum(lens[:head]), self._decode_metadata(fb.seq_lens[head:], None))
