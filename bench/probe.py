@@ -434,12 +434,37 @@ def probe_tput_breakdown(res: dict) -> None:
 
 
 def probe_trace256(res: dict) -> None:
-    """The batch-256 decode graph kernel by kernel, at the workload's end (256 requests of 512 + 128
-    tokens: the graph's inputs still hold the last step, so a replay attends over ~640 tokens a row)."""
+    """The batch-256 decode graph kernel by kernel with 256 live rows at ~640 tokens of context (the throughput
+    workload's late steps). Until 2026-12-05 this traced the graph after the workload had ended, whose last
+    step held only the last admission round's 16 requests (the other 240 rows padding, one token of context
+    each): its GEMMs were the batch-256 ones, its attention was not."""
+    from shared.engine.forward_batch import ForwardMode
     eng = _tput_engine()
-    drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
-    eng.runner.graph_runner.neutralize(256)
-    g = eng.runner.graph_runner.graphs[256, False]
+    live: list[int] = []
+    launch = eng.runner.launch
+
+    def count(batch):
+        if batch.mode == ForwardMode.DECODE:
+            live.append(batch.batch_size)
+        return launch(batch)
+    eng.runner.launch = count
+    eng.on_output = lambda outs: None
+    from shared.protocol import GenerateRequest
+    from shared.sampling_params import SamplingParams
+    for i, p in enumerate(random_prompts(256, 512, 400, 5)):
+        eng.submit(GenerateRequest(rid=f"t256-{i}", input_ids=p, sampling=SamplingParams(**GREEDY, max_new_tokens=256),
+                                   stream=False))
+    while sum(1 for b in live if b == 256) < 128:  # ~128 steps at batch 256: contexts ~512 + 128..143
+        eng.step()
+    eng.runner.launch = launch
+    eng.step()  # the pass in flight resolves; its graph's inputs are a full batch's
+    torch.cuda.synchronize()
+    gr = eng.runner.graph_runner
+    from kernels.decode_inputs import SEQ
+    res["trace256_live_rows"] = int((gr.staged[:256, SEQ] > 1).sum())  # padding rows hold 1
+    res["trace256_mean_context"] = float(gr.staged[:256, SEQ].float().mean())
+    gr.neutralize(256)
+    g = gr.graphs[256, False]
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
