@@ -199,7 +199,8 @@ def _pool(batch: int, ctx: int, copies: int):
 def bench_decode(rep: Report):
     from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
     F = torch.nn.functional
-    for B, ctx in [(1, 1024), (1, 8192), (64, 1024), (64, 8192)]:
+    # (256, 640): the throughput workload's late decode steps (256 rows of 512 + 128 tokens).
+    for B, ctx in [(1, 1024), (1, 8192), (64, 1024), (64, 8192), (256, 640)]:
         kv_bytes = 2 * B * ctx * HKV * D * 2
         kbs, vbs, r2t, req = _pool(B, ctx, copies_for(kv_bytes))
         seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
