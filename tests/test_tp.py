@@ -126,6 +126,35 @@ def test_tp_retokenized_jumps_under_overlap_match_single_rank():
     assert results[0] == results[1] and riders[1] > 0, riders
 
 
+def test_tp_mixed_chunks_match_single_rank():
+    """--enable-mixed-chunk under TP=2: riders in prefill passes carry their pending token on every rank
+    (substituted from each rank's own copy of rank 0's samples); the tokens of TP=1 without mixing."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("TP=2 on the GPU needs 2 GPUs")
+    from shared.engine.forward_batch import ForwardMode
+    from shared.engine.request import PENDING_TOKEN
+
+    prompts = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(6)]
+    results, riders = [], [0]
+    for tp, mixed in ((1, False), (2, True)):
+        h = Harness(tp_size=tp, enable_mixed_chunk=mixed, max_prefill_tokens=48, chunked_prefill_size=32)
+        launch = h.engine.runner.launch
+
+        def counting(batch, launch=launch):
+            riders[0] += batch.mode == ForwardMode.EXTEND and PENDING_TOKEN in batch.input_ids
+            return launch(batch)
+        h.engine.runner.launch = counting
+        try:
+            rids = [h.submit(p, sampling={**GREEDY, "max_new_tokens": 10}) for p in prompts[:2]]
+            for _ in range(3):
+                h.engine.step()
+            rids += [h.submit(p, sampling=SEEDED if i % 2 else GREEDY) for i, p in enumerate(prompts[2:])]
+            results.append([r["ids"] for r in h.run(rids)])
+        finally:
+            h.engine.stop()
+    assert results[0] == results[1] and riders[0] > 0
+
+
 @pytest.mark.parametrize("family", ["llama_bias", "qwen2", "tied"])
 def test_tp_families_match_single_rank(family, tmp_path):
     """Row-parallel biases added once, one kv head replicated on both ranks (qwen2), a vocab-parallel
