@@ -301,9 +301,9 @@ def test_scheduling_machinery_does_not_change_greedy_output(h, cfg):
 
 
 
-def _stress(overlap: bool, seed: int):
+def _stress(overlap: bool, seed: int, **cfg):
     """Requests arriving at random steps with mixed options, some aborted mid-way."""
-    h = Harness(enable_overlap=overlap, max_total_tokens=2048)
+    h = Harness(enable_overlap=overlap, max_total_tokens=2048, **cfg)
     rng = random.Random(seed)
     plan = []
     for k in range(24):
@@ -343,6 +343,20 @@ def test_overlap_scheduling_changes_nothing(seed):
             continue
         assert on[rid]["ids"] == off[rid]["ids"], rid
         assert on[rid]["finish"] == off[rid]["finish"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mixed_chunks_under_the_stress_change_nothing(seed):
+    """Mixed chunks with overlap, small prefill passes (prompts chunked, riders competing for the budget),
+    arrivals, aborts, stops and penalties: the tokens of plain sequential steps, and every slot back."""
+    small = {"max_prefill_tokens": 48, "chunked_prefill_size": 32}
+    mixed, aborted = _stress(True, seed, enable_mixed_chunk=True, **small)
+    plain, _ = _stress(False, seed, **small)
+    for rid in mixed:
+        if rid in aborted:
+            continue
+        assert mixed[rid]["ids"] == plain[rid]["ids"], rid
+        assert mixed[rid]["finish"] == plain[rid]["finish"]
 
 
 def test_siblings_arriving_while_the_first_decodes_hit_its_prefix():
