@@ -372,11 +372,11 @@ def probe_trace_pdl_rope(res: dict) -> None:
 def probe_trace_pdl_kv(res: dict) -> None:
     """The batch-1 replay with decode attention's first k/v tile loaded before its PDL wait."""
     import kernels.attention.triton_decode as td
-    td.KV_BEFORE_WAIT = True
+    saved, td.KV_BEFORE_WAIT = td.KV_BEFORE_WAIT, True
     try:
         _probe_trace(res, True, "trace_pdl_kv")
     finally:
-        td.KV_BEFORE_WAIT = False
+        td.KV_BEFORE_WAIT = saved
 
 
 def probe_trace_pdl_early(res: dict) -> None:

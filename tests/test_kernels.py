@@ -556,6 +556,7 @@ def check_decode_attention_kv_before_wait(device, dtype):
         B = len(lens)
         k_buf, v_buf, r2t, req_idx, seq_lens, live, q, ref = _decode_case(device, dtype, lens, hq, hkv, d)
         splits = td.num_kv_splits_for(seq_lens, max_splits, min_tok)
+        saved = td.KV_BEFORE_WAIT
         for how in ("one launch", "two launches", "kv_start"):
             outs = []
             for early in (False, True):
@@ -571,7 +572,7 @@ def check_decode_attention_kv_before_wait(device, dtype):
                     outs.append(td.decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, splits, max_splits,
                                                     d ** -0.5, **kw))
                 finally:
-                    td.KV_BEFORE_WAIT = False
+                    td.KV_BEFORE_WAIT = saved
             what = f"lens={lens} hq={hq} hkv={hkv} splits={splits.tolist()} {how}"
             assert torch.equal(outs[0], outs[1]), what
             torch.testing.assert_close(outs[1][live], ref, **_tol(dtype), msg=lambda m: f"{what}: {m}")

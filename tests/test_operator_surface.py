@@ -121,9 +121,9 @@ def test_decode_attention_and_pdl_flags(capsys):
 
 
 def test_decode_norm_fusion_l2_prefetch_and_rope_fusion_flags():
-    """Split residual norms are on by default, --no-decode-norm-fusion turns them off; the L2 prefetch and rope in
-    the qkv epilogue are off by default, --decode-l2-prefetch and --decode-rope-fusion turn them on; the launcher
-    passes them on to its workers."""
+    """Split residual norms and rope in the qkv epilogue are on by default, --no-decode-norm-fusion and
+    --no-decode-rope-fusion turn them off; the L2 prefetch is off by default, --decode-l2-prefetch turns it on; the
+    launcher passes them on to its workers."""
     from shared.engine.cli import engine_args_to_argv
     assert launch_args(["--model-path", "m"]).decode_norm_fusion
     args = launch_args(["--model-path", "m", "--no-decode-norm-fusion"])
@@ -133,9 +133,9 @@ def test_decode_norm_fusion_l2_prefetch_and_rope_fusion_flags():
     assert not launch_args(["--model-path", "m"]).decode_l2_prefetch
     args = launch_args(["--model-path", "m", "--decode-l2-prefetch"])
     assert args.decode_l2_prefetch and worker_args(engine_args_to_argv(args)).decode_l2_prefetch
-    assert not launch_args(["--model-path", "m"]).decode_rope_fusion
-    args = launch_args(["--model-path", "m", "--decode-rope-fusion"])
-    assert args.decode_rope_fusion and worker_args(engine_args_to_argv(args)).decode_rope_fusion
+    assert launch_args(["--model-path", "m"]).decode_rope_fusion
+    args = launch_args(["--model-path", "m", "--no-decode-rope-fusion"])
+    assert not args.decode_rope_fusion and not worker_args(engine_args_to_argv(args)).decode_rope_fusion
 
 
 def test_attention_backend_choices_and_the_unsupported_flashinfer(capsys):

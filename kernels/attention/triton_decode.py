@@ -250,8 +250,9 @@ def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, KV_START, O, stride_ob, stride_oh
 # Stage 1 loads its chunk's first tile of k and v (all but the new token's) before its PDL wait, under the previous
 # kernel's tail: safe while every kernel lets the next launch only after its own wait (then whatever a kernel
 # before the previous one wrote is complete when this one launches), so off whenever a family triggers early. An
-# A/B knob (@kernels.attention.triton_decode.KV_BEFORE_WAIT=1), read at launch; off until measured.
-KV_BEFORE_WAIT = False
+# A/B knob (@kernels.attention.triton_decode.KV_BEFORE_WAIT=0), read at launch. On since the H200's batch-1 A/B
+# of 2026-12-05 (bf16 step -0.6%, FP8 unchanged; bench/RESULTS.md).
+KV_BEFORE_WAIT = True
 
 MIN_TOKENS_PER_SPLIT = 64
 # Most chunks a request's context is cut into; the engine's --triton-attention-num-kv-splits default (32: fewer

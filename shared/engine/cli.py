@@ -122,8 +122,8 @@ _HELP = {
                           "GEMVs around it",
     "decode_l2_prefetch": "one-token passes prefetch each layer's o_proj weight into L2 while rope and attention "
                           "run (Hopper)",
-    "decode_rope_fusion": "one-token decode passes run rope and the KV store in the qkv GEMV's epilogue, not in a "
-                          "kernel of their own",
+    "decode_rope_fusion": "one-token decode passes run rope and the KV store in a kernel of their own, not in the "
+                          "qkv GEMV's epilogue",
     "enable_overlap": "do not overlap the host's scheduling with the device's step",
     "disable_jump_forward": "decode grammar-forced tokens one by one (the ablation)",
     "jump_forward_mode": "retokenize: forced runs as the tokenizer's tokens (fastest); verify: forced "

@@ -92,8 +92,10 @@ class EngineConfig:
     decode_l2_prefetch: bool = False
     # One-token decode passes rotate q and k and write k, v to the pool in the qkv GEMV's epilogue
     # (kernels/rope_store.py) instead of a rope + KV-store kernel a layer (~1.9 us a layer charged on the H200's
-    # batch-1 trace). Not with q/k norms, a qkv bias, partial rotary or tensor parallelism. Off until measured.
-    decode_rope_fusion: bool = False
+    # batch-1 trace). Not with q/k norms, a qkv bias, partial rotary, tensor parallelism or FP8 qkv weights (where
+    # the epilogue's registers cost the GEMV more than the kernel it saves: +2.2% on the FP8 step). On since the
+    # H200's batch-1 A/B of 2026-12-05: with the two knobs above, bf16 step -2.3% (bench/RESULTS.md).
+    decode_rope_fusion: bool = True
     enable_overlap: bool = True
     disable_jump_forward: bool = False
     # retokenize: forced runs go in as the tokenizer's own tokens (fastest; the model may have chosen
