@@ -9,7 +9,9 @@ what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [[ -d .whl ]] || { echo "gpu_run.sh: no .whl here (bench/fetch_wheels.sh, then carry it)" >&2; exit 1; }
 source bench/device_env.sh || exit 1
-# Module knobs of the unmeasured batch-1 ideas, as bench.b1 --variants takes them.
+# Module knobs of the batch-1 ideas, as bench.b1 --variants takes them. Since 2026-12-05 both (and
+# --decode-rope-fusion) are the defaults: batch1-next/batch1-all then compare them against themselves; A/B them
+# with =0 (bench/RESULTS.md, "Batch-1 ideas measured, three adopted").
 KV=@kernels.attention.triton_decode.KV_BEFORE_WAIT=1; FOLD=@shared.models.llama.FOLD_FINAL_NORM=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $what == all || $what == tests ]]; then
