@@ -12,6 +12,7 @@
     python -m bench.probe trace_prefill  # its prefill passes (8k-token chunks, eager), kernel by kernel
     python -m bench.probe extend_pack    # extend attention, one query head per program vs a KV group's heads packed
     python -m bench.probe prefill_attn   # no-prefix prefill attention: our tiles vs cuDNN SDPA per sequence
+    python -m bench.probe decode256  # decode attention at 256 x 640 tokens, 1-8 splits, against the copy rate
     python -m bench.probe trace_prefill4k  # bench.offline's prefill passes (2 x 4096 tokens), kernel by kernel
     python -m bench.probe prefill_tiles  # bench.offline's prefill rate with the long-prompt extend tile varied in the engine
     python -m bench.probe extend_layout  # extend attention on the engine's qkv views vs contiguous, alone and after a GEMM
@@ -472,6 +473,34 @@ def probe_trace256(res: dict) -> None:
     eng.stop()
 
 
+def probe_decode256(res: dict) -> None:
+    """Decode attention at the throughput workload's late steps (256 rows x 640 tokens, Llama-8B heads), alone in
+    CUDA graphs with the KV out of L2, at 1 to 8 splits a request (the one-launch merge where split), against the
+    copy rate: where the batch-256 step's half (trace256: 0.77 of copy bandwidth with one split) can go."""
+    from bench.kernels import D, HKV, HQ, DT, _pool, copies_for, graph_time_ms
+    from bench.common import measure_copy_bandwidth
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for
+    B, ctx = 256, 640
+    kv_bytes = 2 * B * ctx * HKV * D * 2
+    kbs, vbs, r2t, req = _pool(B, ctx, copies_for(kv_bytes))
+    seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, dtype=DT, device="cuda")
+    out = torch.empty_like(q)
+    n = len(kbs)
+    bw = measure_copy_bandwidth()
+    rows = []
+    for ms in (1, 2, 4, 8):
+        splits = num_kv_splits_for(seq, ms)
+        mid_o = torch.empty(B, HQ, ms, D, dtype=torch.float32, device="cuda") if ms > 1 else None
+        mid_lse = torch.empty(B, HQ, ms, dtype=torch.float32, device="cuda") if ms > 1 else None
+        tickets = torch.zeros(B * HKV, dtype=torch.int32, device="cuda") if ms > 1 else None
+        t = graph_time_ms(lambda i: decode_attention(q, kbs[i % n], vbs[i % n], r2t, req, seq, splits, ms, D ** -0.5,
+                                                     out=out, mid_o=mid_o, mid_lse=mid_lse, tickets=tickets))
+        rows.append({"max_kv_splits": ms, "us": t * 1e3, "TBps": kv_bytes / t / 1e9, "of_copy": kv_bytes / t * 1e3 / bw})
+        log(rows[-1])
+    res["decode256"] = {"rows": rows, "copy_GBps": bw / 1e9, "kv_bytes": kv_bytes}
+
+
 def probe_trace_prefill(res: dict) -> None:
     """The workload's prefill (256 x 512 tokens in 8k-token extend passes, eager) kernel by kernel: where
     the time that is not GEMM goes, and how long the device waits between kernels."""
@@ -788,7 +817,7 @@ def main() -> int:
              "trace_pdl_rope": probe_trace_pdl_rope, "trace_pdl_kv": probe_trace_pdl_kv,
              "trace_pdl_fp8": probe_trace_pdl_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
-             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
+             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "decode256": probe_decode256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune}[w](res)
