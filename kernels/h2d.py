@@ -17,10 +17,12 @@ _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_, to
 
 
 def _host(values, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values
     np_dtype = _NUMPY.get(dtype)
-    if np_dtype is None or isinstance(values, torch.Tensor):
-        return values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    return torch.from_numpy(np.array(values, dtype=np_dtype))
+    if np_dtype is None:
+        return torch.tensor(values, dtype=dtype)
+    return torch.from_numpy(np.array(values, dtype=np_dtype))  # a copy: never the caller's array
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

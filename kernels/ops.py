@@ -108,7 +108,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     each row dequantizes by its scale. norm_in / add_norm: one row, a split residual RMSNorm's consumer
     (x is gamma * residual; the output is scaled by the norm) or producer (returns gamma * residual).
     rope: one row of a qkv projection without bias; q and k come out rotated, k and v also go to the pool.
-    out (with norm_in): the output buffer, of any float dtype (the GEMV writes its fp32 sums in it)."""
+    out (with norm_in): the output buffer, of any float dtype (the GEMV writes its sums rounded to x's dtype)."""
     if norm_in is not None or add_norm is not None or rope is not None:
         return _split_norm_linear(x, weight, bias, weight_scale, norm_in, add_norm, gated=False, rope=rope, out=out)
     assert out is None, "linear writes into `out` only as a split norm's consumer"

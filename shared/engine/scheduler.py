@@ -325,8 +325,7 @@ class Scheduler:
         flight are placeholders in output_ids: a request whose placeholder is its last allowed token (by
         max_new_tokens or the context) ends when that pass is processed, whatever the token, so a decode row
         for it would be computed and thrown away."""
-        n = len(req.output_ids)
-        return n < req.params.max_new_tokens and len(req.input_ids) + n < self.max_context_len
+        return req.remaining_new_tokens() > 0 and req.seq_len < self.max_context_len
 
     def _schedule_decode(self) -> ScheduleBatch | None:
         if not self.running or any(r.seq_len - r.kv_len > 1 for r in self.running):
