@@ -12,7 +12,7 @@
     python -m bench.probe trace_prefill  # its prefill passes (8k-token chunks, eager), kernel by kernel
     python -m bench.probe extend_pack    # extend attention, one query head per program vs a KV group's heads packed
     python -m bench.probe prefill_attn   # no-prefix prefill attention: our tiles vs cuDNN SDPA per sequence
-    python -m bench.probe decode256  # decode attention at 256 x 640 tokens, 1-8 splits, against the copy rate
+    python -m bench.probe decode256  # decode attention at 256 x 640 tokens: splits x tiles x grid order, against the copy rate
     python -m bench.probe trace_prefill4k  # bench.offline's prefill passes (2 x 4096 tokens), kernel by kernel
     python -m bench.probe prefill_tiles  # bench.offline's prefill rate with the long-prompt extend tile varied in the engine
     python -m bench.probe extend_layout  # extend attention on the engine's qkv views vs contiguous, alone and after a GEMM
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import statistics
 import sys
@@ -475,11 +476,12 @@ def probe_trace256(res: dict) -> None:
 
 def probe_decode256(res: dict) -> None:
     """Decode attention at the throughput workload's late steps (256 rows x 640 tokens, Llama-8B heads), alone in
-    CUDA graphs with the KV out of L2, at 1 to 8 splits a request (the one-launch merge where split), against the
-    copy rate: where the batch-256 step's half (trace256: 0.77 of copy bandwidth with one split) can go."""
+    CUDA graphs with the KV out of L2, against the copy rate: 1 to 4 splits a request (the one-launch merge where
+    split) x stage 1's tiles (BLOCK_N, warps, stages), then the best few with the grid head-major. Where the
+    batch-256 step's half (trace256: 0.77 of copy bandwidth with one split at the default tile) can go."""
     from bench.kernels import D, HKV, HQ, DT, _pool, copies_for, graph_time_ms
     from bench.common import measure_copy_bandwidth
-    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, stage1_tile
     B, ctx = 256, 640
     kv_bytes = 2 * B * ctx * HKV * D * 2
     kbs, vbs, r2t, req = _pool(B, ctx, copies_for(kv_bytes))
@@ -488,17 +490,82 @@ def probe_decode256(res: dict) -> None:
     out = torch.empty_like(q)
     n = len(kbs)
     bw = measure_copy_bandwidth()
+    default = stage1_tile(D)
+    tiles = [default] + [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)
+                         if (bn, w, st) != default]
     rows = []
-    for ms in (1, 2, 4, 8):
+
+    def run(ms, tile, head_major):
         splits = num_kv_splits_for(seq, ms)
         mid_o = torch.empty(B, HQ, ms, D, dtype=torch.float32, device="cuda") if ms > 1 else None
         mid_lse = torch.empty(B, HQ, ms, dtype=torch.float32, device="cuda") if ms > 1 else None
         tickets = torch.zeros(B * HKV, dtype=torch.int32, device="cuda") if ms > 1 else None
-        t = graph_time_ms(lambda i: decode_attention(q, kbs[i % n], vbs[i % n], r2t, req, seq, splits, ms, D ** -0.5,
-                                                     out=out, mid_o=mid_o, mid_lse=mid_lse, tickets=tickets))
-        rows.append({"max_kv_splits": ms, "us": t * 1e3, "TBps": kv_bytes / t / 1e9, "of_copy": kv_bytes / t * 1e3 / bw})
+        try:
+            t = graph_time_ms(lambda i: decode_attention(q, kbs[i % n], vbs[i % n], r2t, req, seq, splits, ms,
+                                                         D ** -0.5, out=out, mid_o=mid_o, mid_lse=mid_lse,
+                                                         tickets=tickets, tile=tile, head_major=head_major))
+        except Exception as e:  # a tile that does not fit (shared memory) is skipped, not fatal
+            log(f"splits {ms} tile {tile} head_major {head_major}: {type(e).__name__}: {str(e)[:120]}")
+            return
+        rows.append({"max_kv_splits": ms, "tile": list(tile), "head_major": head_major, "us": t * 1e3,
+                     "TBps": kv_bytes / t / 1e9, "of_copy": kv_bytes / t * 1e3 / bw})
         log(rows[-1])
-    res["decode256"] = {"rows": rows, "copy_GBps": bw / 1e9, "kv_bytes": kv_bytes}
+
+    for ms in (1, 2, 4):
+        for tile in tiles:
+            run(ms, tile, False)
+    best = sorted(rows, key=lambda r: r["us"])[:4]
+    for r in best:
+        run(r["max_kv_splits"], tuple(r["tile"]), True)
+    run(1, default, False)  # the default again, last: drift over the sweep
+    top = sorted(rows, key=lambda r: r["us"])[:8]
+    for r in top:
+        log(f"top: {r}")
+    res["decode256"] = {"rows": rows, "copy_GBps": bw / 1e9, "kv_bytes": kv_bytes, "default_tile": list(default)}
+
+
+def probe_decode256_ab(res: dict) -> None:
+    """The throughput workload (256 x (512, 128), bench.offline's engine settings) with decode attention at its
+    defaults against decode256's fastest configuration (tile, splits at batch 256 through PROGRAMS_PER_SM, grid
+    order; the default when decode256 did not run first), a fresh engine per run (graphs keep the tile they were
+    captured with), alternated twice: whether the kernel's gain reaches the workload."""
+    import kernels.attention.triton_decode as td
+    from kernels._utils import num_sms
+    rows = res.get("decode256", {}).get("rows") or []
+    best = min(rows, key=lambda r: r["us"]) if rows else None
+    knobs = {"STAGE1_TILE": None, "PROGRAMS_PER_SM": 4, "HEAD_MAJOR": False}
+    variants = [("default", dict(knobs))]
+    if best is not None:
+        # splits s at batch 256 with 8 KV heads: s * 2048 programs wanted, so PROGRAMS_PER_SM = s * 2048 / SMs
+        pps = 4 if best["max_kv_splits"] == 1 else math.ceil(best["max_kv_splits"] * 256 * HKV / num_sms())
+        variants.append(("best", {"STAGE1_TILE": tuple(best["tile"]), "PROGRAMS_PER_SM": pps,
+                                  "HEAD_MAJOR": best["head_major"]}))
+    saved = {k: getattr(td, k) for k in knobs}
+    out = []
+    try:
+        for rnd in range(2):
+            for name, kn in variants:
+                for k, v in kn.items():
+                    setattr(td, k, v)
+                eng = _tput_engine()
+                drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
+                for rep in range(2):
+                    st = drive(eng, random_prompts(256, 512, 400, 6 + rep), {**GREEDY, "max_new_tokens": 128})
+                    out.append({"variant": name, "knobs": {k: v for k, v in kn.items()}, "round": rnd,
+                                "tok_s": 256 * 128 / st.wall_s, "wall_s": st.wall_s})
+                    log(out[-1])
+                eng.stop()
+                del eng
+                import gc
+                gc.collect()
+                torch.cuda.empty_cache()
+    finally:
+        for k, v in saved.items():
+            setattr(td, k, v)
+    for name, _ in variants:
+        vals = [r["tok_s"] for r in out if r["variant"] == name]
+        log(f"decode256_ab {name}: median {statistics.median(vals):.0f} tok/s of {[round(v) for v in vals]}")
+    res["decode256_ab"] = out
 
 
 def probe_trace_prefill(res: dict) -> None:
@@ -817,7 +884,7 @@ def main() -> int:
              "trace_pdl_rope": probe_trace_pdl_rope, "trace_pdl_kv": probe_trace_pdl_kv,
              "trace_pdl_fp8": probe_trace_pdl_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
-             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "decode256": probe_decode256, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
+             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune}[w](res)

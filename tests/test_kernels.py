@@ -578,6 +578,30 @@ def check_decode_attention_kv_before_wait(device, dtype):
             torch.testing.assert_close(outs[1][live], ref, **_tol(dtype), msg=lambda m: f"{what}: {m}")
 
 
+def check_decode_attention_grid_and_tiles(device, dtype):
+    """Stage 1's grid in head-major order (`head_major`, HEAD_MAJOR) gives the same bits as request-major, in one
+    launch (the ticket counters index by request and KV head either way), two launches and a single stage; other
+    tiles (BLOCK_N 32 and 128, more warps and stages: the sweep's) match the reference."""
+    import kernels.attention.triton_decode as td
+    for lens, (hq, hkv), max_splits, min_tok in [([1, 7, 33, 130, 0], (4, 2), 4, 16), ([300, 65], (8, 1), 2, 64),
+                                                 ([150, 9, 270], (4, 4), 1, 256)]:
+        d = _head_dims(device)[len(lens) % 2]
+        B = len(lens)
+        k_buf, v_buf, r2t, req_idx, seq_lens, live, q, ref = _decode_case(device, dtype, lens, hq, hkv, d)
+        splits = td.num_kv_splits_for(seq_lens, max_splits, min_tok)
+        for how in ("one launch", "two launches"):
+            outs = []
+            for head_major, tile in [(False, None), (True, None), (False, (32, 4, 3)), (True, (128, 8, 2))]:
+                kw = dict(tickets=torch.zeros(B * hkv, dtype=torch.int32, device=device)) if how == "one launch" else {}
+                outs.append(td.decode_attention(q, k_buf, v_buf, r2t, req_idx, seq_lens, splits, max_splits,
+                                                d ** -0.5, tile=tile, head_major=head_major, **kw))
+                what = f"lens={lens} hq={hq} hkv={hkv} splits={splits.tolist()} {how} head_major={head_major} {tile}"
+                if "tickets" in kw:
+                    assert not kw["tickets"].any(), what
+                torch.testing.assert_close(outs[-1][live], ref, **_tol(dtype), msg=lambda m: f"{what}: {m}")
+            assert torch.equal(outs[0], outs[1]), f"lens={lens} {how}: head-major order changed the bits"
+
+
 def check_cascade_decode_attention(device, dtype):
     """Shared-prefix decode: groups whose rows begin with the same slots; the torch cascade reference
     equals plain decode attention, and the Triton kernel equals both (big groups are cut in blocks)."""

@@ -145,16 +145,25 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
                    HQ, TOTAL, EXTRA_FROM, GROUP, D,
                    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    CHUNK: tl.constexpr, DOT_PREC: tl.constexpr, HAS_START: tl.constexpr, FINAL: tl.constexpr,
-                   TICKETED: tl.constexpr, PDL: tl.constexpr, KV_EARLY: tl.constexpr = False):
+                   TICKETED: tl.constexpr, PDL: tl.constexpr, KV_EARLY: tl.constexpr = False,
+                   HEAD_MAJOR: tl.constexpr = False):
     """Without FINAL: partial output and log-sum-exp of one chunk into the scratch, for stage 2.
     FINAL: stage 1 writes the output itself, in O's dtype. A request's lone chunk (one split, no shared
     prefix) is final as it is (a lone split merges to itself exactly). Otherwise every chunk's partial
     goes to the scratch, and the last program of the (request, KV head) to finish merges them, a shared
     prefix's columns included: with TICKETED, the one whose increment of the pair's ticket counter
     returns n_splits - 1 (it then puts the counter back to 0 for the next launch); without, every
-    request has one split (max_kv_splits == 1), so its program is the last."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    request has one split (max_kv_splits == 1), so its program is the last.
+    HEAD_MAJOR: the grid is (KV heads, requests, splits), so a request's KV heads, which share each token's
+    pool rows, run next to each other; otherwise (requests, KV heads, splits)."""
+    if HEAD_MAJOR:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        n_kvh = tl.num_programs(0)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        n_kvh = tl.num_programs(1)
     split = tl.program_id(2)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
@@ -214,7 +223,7 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
                 tl.debug_barrier()
                 last = True
                 if TICKETED:
-                    ticket = TICKETS + b * tl.num_programs(1) + kvh
+                    ticket = TICKETS + b * n_kvh + kvh
                     last = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == n_splits - 1
                 if last:
                     offs_r = tl.arange(0, BLOCK_G)
@@ -254,16 +263,38 @@ def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, KV_START, O, stride_ob, stride_oh
 # of 2026-12-05 (bf16 step -0.6%, FP8 unchanged; bench/RESULTS.md).
 KV_BEFORE_WAIT = True
 
+# Stage 1's grid: (KV heads, requests, splits) where true, else (requests, KV heads, splits). An A/B knob, read at
+# launch.
+HEAD_MAJOR = False
+
+
+# Stage 1's (BLOCK_N, warps, stages) in place of `stage1_tile`'s where set: an A/B knob, read at launch (a captured
+# graph keeps the tile it was captured with).
+STAGE1_TILE: tuple[int, int, int] | None = None
+
+
+def stage1_tile(block_d: int) -> tuple[int, int, int]:
+    """Stage 1's (BLOCK_N, warps, pipeline stages) for a head dim padded to block_d."""
+    if STAGE1_TILE is not None:
+        return tuple(STAGE1_TILE)
+    return (64 if block_d <= 128 else 32), 4, 2
+
+
 MIN_TOKENS_PER_SPLIT = 64
 # Most chunks a request's context is cut into; the engine's --triton-attention-num-kv-splits default (32: fewer
 # idle programs at short contexts, bench/RESULTS.md 2026-12-04). A test holds the two equal.
 MAX_KV_SPLITS = 32
 
 
+# Stage-1 programs per SM that plan_max_kv_splits aims for: an A/B knob, read when a batch size's plan is made
+# (graph capture).
+PROGRAMS_PER_SM = 4
+
+
 def plan_max_kv_splits(batch_size: int, num_kv_heads: int, cap: int = MAX_KV_SPLITS) -> int:
-    """Splits per request so that batch * kv_heads * splits fills the GPU ~4 programs per SM.
+    """Splits per request so that batch * kv_heads * splits fills the GPU ~PROGRAMS_PER_SM programs per SM.
     A host int of the batch size alone, hence fixed for a captured graph."""
-    want = math.ceil(4 * num_sms() / max(1, batch_size * num_kv_heads))
+    want = math.ceil(PROGRAMS_PER_SM * num_sms() / max(1, batch_size * num_kv_heads))
     return max(1, min(cap, next_pow2(want)))
 
 
@@ -284,7 +315,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, num_kv_splits: torch.Tensor,
                      max_kv_splits: int, scaling: float, out: torch.Tensor | None = None,
                      mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
-                     kv_start: torch.Tensor | None = None, tickets: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_start: torch.Tensor | None = None, tickets: torch.Tensor | None = None,
+                     tile: tuple[int, int, int] | None = None, head_major: bool | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; pool buffers [slots, Hkv, D]; returns [B, Hq, D] in q's dtype.
     mid_o [B, Hq, S, D] / mid_lse [B, Hq, S] fp32 scratch (S >= max_kv_splits) may be passed in so all
     layers reuse one allocation. With kv_start [B] int32, only positions [kv_start, seq_len) are read
@@ -293,7 +325,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     One launch writes `out` where max_kv_splits == 1 (without kv_start no scratch is needed then), or
     where `tickets` is given: [>= B * Hkv] int32 counters, zero, and left zero (one buffer for every call
     of a process, allocated once: a captured graph keeps its address); the last program to finish
-    each (request, KV head) merges its chunks. Otherwise a second launch (stage 2) merges them."""
+    each (request, KV head) merges its chunks. Otherwise a second launch (stage 2) merges them.
+    tile (BLOCK_N, warps, stages) and head_major override stage 1's defaults (`stage1_tile`, HEAD_MAJOR): for
+    sweeps (bench.probe decode256)."""
     B, HQ, D = q.shape
     HKV = k_buf.shape[1]
     assert HQ % HKV == 0 and q.stride(-1) == 1 and k_buf.is_contiguous() and v_buf.is_contiguous()
@@ -312,18 +346,20 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     total_splits = mid_lse.shape[2] if mid_lse is not None else 1
     assert total_splits == max_kv_splits or kv_start is not None
     BLOCK_D = max(16, next_pow2(D))
-    BLOCK_N = 64 if BLOCK_D <= 128 else 32
+    BLOCK_N, warps, stages = tile if tile is not None else stage1_tile(BLOCK_D)
+    head_major = HEAD_MAJOR if head_major is None else head_major
     widest = max(max_kv_splits, total_splits - max_kv_splits)  # a merge's own columns, or a shared prefix's
-    _decode_stage1[(B, HKV, max_kv_splits)](
+    _decode_stage1[(HKV, B, max_kv_splits) if head_major else (B, HKV, max_kv_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
         mid_o if mid_o is not None else out, mid_lse if mid_lse is not None else out,
         kv_start if kv_start is not None else seq_lens, tickets if ticketed else seq_lens, out,
         scaling * LOG2E, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1), HQ, total_splits, max_kv_splits, group, D,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        CHUNK=merge_chunk(group, BLOCK_D, widest), DOT_PREC=dot_precision(q.dtype), num_warps=4,
-        num_stages=2, HAS_START=kv_start is not None, FINAL=final, TICKETED=ticketed,
-        KV_EARLY=bool(KV_BEFORE_WAIT) and not pdl_early_families(), **pdl_launch(family="attention"))
+        CHUNK=merge_chunk(group, BLOCK_D, widest), DOT_PREC=dot_precision(q.dtype), num_warps=warps,
+        num_stages=stages, HAS_START=kv_start is not None, FINAL=final, TICKETED=ticketed,
+        KV_EARLY=bool(KV_BEFORE_WAIT) and not pdl_early_families(), HEAD_MAJOR=bool(head_major),
+        **pdl_launch(family="attention"))
     if final:
         return out
     _decode_stage2[(B, HQ)](
