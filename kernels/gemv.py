@@ -402,6 +402,14 @@ class GemvConfig:
     evict_first: bool = True  # weight loads marked evict-first (W is read once)
 
 
+# K is split (a reduce kernel after) while the output's programs number fewer than this many per SM. An A/B knob,
+# read when a config is made (graph capture): at 2.0 FP8's o_proj and down_proj (256 programs of 16 rows on 132
+# SMs) split in two.
+SPLIT_K_MIN_PROGRAMS = 2.0
+# Rows a program of FP8's N <= 4096 GEMVs (o_proj, down_proj) takes: an A/B knob, read as above.
+FP8_SMALL_N_BLOCK_N = 16
+
+
 def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     """Tiles from sweeps on H200 in the 32-layer chain of Llama-8B's decode GEMVs (bench/gemv_chain_sweep.py),
     where a kernel's neighbours overlap it under PDL. K is split only when N is too short to put two programs
@@ -418,7 +426,8 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     elif M == 1 and weight_bytes == 1:
         # FP8 rows with f16 math (--f16-math-study, 2026-12-02: 2,095 us against 2,196 for fp32 math at its own
         # tiles), one tile before the PDL wait.
-        block_n, block_k, warps = (16, 1024, 8) if N <= 4096 else (8, 2048, 4) if N <= 8192 else (8, 512, 4)
+        block_n, block_k, warps = ((FP8_SMALL_N_BLOCK_N, 1024, 8) if N <= 4096 else (8, 2048, 4) if N <= 8192
+                                   else (8, 512, 4))
         extra = dict(f16_math=True, row_kernel=False)
     elif M == 1:
         # The one-row kernel (--row-study, 2026-12-04): few rows and long K tiles a program, products summed
@@ -434,7 +443,8 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     block_k = min(block_k, max(16, next_pow2(K)))
     split_k = 1
     k_steps = triton.cdiv(K, block_k)
-    while triton.cdiv(N, block_n) * split_k < 2 * num_sms() and split_k * 2 <= k_steps and split_k < 16:
+    while (triton.cdiv(N, block_n) * split_k < SPLIT_K_MIN_PROGRAMS * num_sms() and split_k * 2 <= k_steps
+           and split_k < 16):
         split_k *= 2
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, **extra)
 
