@@ -536,8 +536,9 @@ def probe_decode256_ab(res: dict) -> None:
     knobs = {"STAGE1_TILE": None, "PROGRAMS_PER_SM": 4, "HEAD_MAJOR": False}
     variants = [("default", dict(knobs))]
     if best is not None:
-        # splits s at batch 256 with 8 KV heads: s * 2048 programs wanted, so PROGRAMS_PER_SM = s * 2048 / SMs
-        pps = 4 if best["max_kv_splits"] == 1 else math.ceil(best["max_kv_splits"] * 256 * HKV / num_sms())
+        # s splits at batch 256 with 8 KV heads: plan_max_kv_splits rounds PROGRAMS_PER_SM * SMs / 2048 up to a
+        # power of two, so PROGRAMS_PER_SM = floor(s * 2048 / SMs) plans s (checked below)
+        pps = 4 if best["max_kv_splits"] == 1 else best["max_kv_splits"] * 256 * HKV // num_sms()
         variants.append(("best", {"STAGE1_TILE": tuple(best["tile"]), "PROGRAMS_PER_SM": pps,
                                   "HEAD_MAJOR": best["head_major"]}))
     saved = {k: getattr(td, k) for k in knobs}
@@ -547,6 +548,8 @@ def probe_decode256_ab(res: dict) -> None:
             for name, kn in variants:
                 for k, v in kn.items():
                     setattr(td, k, v)
+                planned = td.plan_max_kv_splits(256, HKV)
+                assert name == "default" or planned == best["max_kv_splits"], (planned, best)
                 eng = _tput_engine()
                 drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
                 for rep in range(2):
