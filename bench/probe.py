@@ -12,6 +12,7 @@
     python -m bench.probe trace_prefill  # its prefill passes (8k-token chunks, eager), kernel by kernel
     python -m bench.probe extend_pack    # extend attention, one query head per program vs a KV group's heads packed
     python -m bench.probe prefill_attn   # no-prefix prefill attention: our tiles vs cuDNN SDPA per sequence
+    python -m bench.probe tput_clocks  # SM clock, power and limit reasons during the throughput workload, by phase
     python -m bench.probe decode256  # decode attention at 256 x 640 tokens: splits x tiles x grid order, against the copy rate
     python -m bench.probe trace_prefill4k  # bench.offline's prefill passes (2 x 4096 tokens), kernel by kernel
     python -m bench.probe prefill_tiles  # bench.offline's prefill rate with the long-prompt extend tile varied in the engine
@@ -571,6 +572,83 @@ def probe_decode256_ab(res: dict) -> None:
     res["decode256_ab"] = out
 
 
+def probe_tput_clocks(res: dict) -> None:
+    """The GPU's SM clock, power draw and clock-limit reasons (nvidia-smi sampled every 50 ms) while the throughput
+    workload runs (256 x (512, 128), bench.offline's engine settings, three runs after a warm one), split by the
+    mode of the pass last launched (prefill or decode), and during the matmul reference's burst: whether the
+    workload's device time is set by power-limited clocks (the 12-02 finding: decode passes 12.3 ms free-running
+    against 10.4 replayed cool)."""
+    import datetime
+    import subprocess
+    import tempfile
+    from bench.common import measure_matmul_tflops
+    path = tempfile.mktemp(suffix=".csv")
+    known = subprocess.run(["nvidia-smi", "--help-query-gpu"], capture_output=True, text=True).stdout
+    reason = "clocks_event_reasons.active" if "clocks_event_reasons.active" in known else "clocks_throttle_reasons.active"
+    fields = f"timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,{reason}"
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "50",
+                            "-f", path])
+    marks = []  # (time, phase)
+
+    def mark(phase):
+        torch.cuda.synchronize()
+        marks.append((datetime.datetime.now(), phase))
+    try:
+        time.sleep(1.0)
+        mark("idle")
+        time.sleep(1.0)
+        mark("matmul")
+        tf = [measure_matmul_tflops() for _ in range(3)]
+        mark("idle")
+        eng = _tput_engine()
+        launch = eng.runner.launch
+
+        def timed_launch(batch):
+            marks.append((datetime.datetime.now(), "prefill" if batch.mode.name == "EXTEND" else "decode"))
+            return launch(batch)
+        drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
+        walls = []
+        eng.runner.launch = timed_launch
+        for rep in range(3):
+            st = drive(eng, random_prompts(256, 512, 400, 6 + rep), {**GREEDY, "max_new_tokens": 128})
+            walls.append(st.wall_s)
+        eng.runner.launch = launch
+        mark("idle")
+        time.sleep(1.0)
+        eng.stop()
+    finally:
+        smi.terminate()
+        smi.wait()
+    samples = []
+    for line in open(path):
+        parts = [x.strip() for x in line.split(",")]
+        try:
+            t = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+            samples.append((t, float(parts[1]), float(parts[2]), float(parts[3]), float(parts[4]), parts[5]))
+        except (ValueError, IndexError):
+            continue
+    by = collections.defaultdict(list)
+    for t, *vals in samples:
+        phase = None
+        for mt, ph in marks:
+            if mt <= t:
+                phase = ph
+            else:
+                break
+        if phase is not None:
+            by[phase].append(vals)
+    out = {"tflops": tf, "tput_tok_s": [256 * 128 / w for w in walls], "phases": {}}
+    for ph, vals in by.items():
+        reasons = collections.Counter(v[4] for v in vals)
+        out["phases"][ph] = {"samples": len(vals), "sm_mhz": statistics.median(v[0] for v in vals),
+                             "mem_mhz": statistics.median(v[1] for v in vals),
+                             "power_w": statistics.median(v[2] for v in vals),
+                             "temp_c": max(v[3] for v in vals), "reasons": dict(reasons.most_common(4))}
+        log(f"tput_clocks {ph}: {out['phases'][ph]}")
+    log(f"tput_clocks matmul {[round(x) for x in tf]} TFLOP/s, workload {[round(x) for x in out['tput_tok_s']]} tok/s")
+    res["tput_clocks"] = out
+
+
 def probe_trace_prefill(res: dict) -> None:
     """The workload's prefill (256 x 512 tokens in 8k-token extend passes, eager) kernel by kernel: where
     the time that is not GEMM goes, and how long the device waits between kernels."""
@@ -887,7 +965,7 @@ def main() -> int:
              "trace_pdl_rope": probe_trace_pdl_rope, "trace_pdl_kv": probe_trace_pdl_kv,
              "trace_pdl_fp8": probe_trace_pdl_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
-             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
+             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "tput_clocks": probe_tput_clocks, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune}[w](res)
