@@ -387,14 +387,14 @@ def probe_trace_pdl_early(res: dict) -> None:
     _probe_trace(res, True, "trace_pdl_early", pdl_early_trigger="attention")
 
 
-def _tput_engine():
+def _tput_engine(**extra):
     """The throughput workload's engine (batch 256, 8k-token prefill chunks, graphs to batch 256)."""
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.tokenizer import Tokenizer
     path = model_dir("llama-3.1-8b")
     ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=8192, max_running_requests=256,
-                      chunked_prefill_size=8192, max_prefill_tokens=8192, cuda_graph=True)
+                      chunked_prefill_size=8192, max_prefill_tokens=8192, cuda_graph=True, **extra)
     eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
     drive(eng, random_prompts(8, 64, 400, 0), {**GREEDY, "max_new_tokens": 8})
     return eng
@@ -647,6 +647,20 @@ def probe_tput_clocks(res: dict) -> None:
         log(f"tput_clocks {ph}: {out['phases'][ph]}")
     log(f"tput_clocks matmul {[round(x) for x in tf]} TFLOP/s, workload {[round(x) for x in out['tput_tok_s']]} tok/s")
     res["tput_clocks"] = out
+
+
+def probe_mixed_first(res: dict) -> None:
+    """--enable-mixed-chunk's first runs in a fresh engine (its warm-up now runs mixed passes): the throughput
+    workload three times, each run's tok/s. On 12-05 (before that warm-up) the first mixed run of a process was
+    ~35% slower than the next (kernel variants compiled in live passes)."""
+    eng = _tput_engine(enable_mixed_chunk=True)
+    out = []
+    for rep in range(3):
+        st = drive(eng, random_prompts(256, 512, 400, 20 + rep), {**GREEDY, "max_new_tokens": 128})
+        out.append(256 * 128 / st.wall_s)
+        log(f"mixed_first run {rep + 1}: {out[-1]:.0f} tok/s")
+    eng.stop()
+    res["mixed_first"] = out
 
 
 def probe_trace_prefill(res: dict) -> None:
@@ -965,7 +979,7 @@ def main() -> int:
              "trace_pdl_rope": probe_trace_pdl_rope, "trace_pdl_kv": probe_trace_pdl_kv,
              "trace_pdl_fp8": probe_trace_pdl_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
-             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "tput_clocks": probe_tput_clocks, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
+             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune}[w](res)

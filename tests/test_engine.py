@@ -3,6 +3,7 @@ scheduling machinery (chunking, retraction, cache on/off) never changes what gre
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 import torch
@@ -109,6 +110,60 @@ def test_mixed_chunks_change_no_token(overlap):
     assert passes[True]["decode"] < passes[False]["decode"]
 
 
+
+
+def test_mixed_chunk_warmup_runs_the_passes_mixed_chunks_form():
+    """With --enable-mixed-chunk the warm-up runs a prefill pass with a full batch of riders behind a chunk-sized
+    prompt, and a small one (their kernels compile there, not in the first live mixed pass); without the flag it
+    runs none. The warm-up leaves nothing behind: the tokens afterwards are those of an engine that never ran it,
+    and every slot is free."""
+    ps = prompts(3, seed=36, lo=20, hi=60)
+    runs = {}
+    for mixed in (False, True):
+        h = Harness(enable_mixed_chunk=mixed, max_prefill_tokens=64, chunked_prefill_size=48, max_running_requests=8)
+        runner = h.engine.runner
+        seen = []
+        forward = runner.model.forward
+
+        def spy(fb, *a, **kw):
+            if fb.mode.name == "EXTEND":
+                seen.append((list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)))
+            return forward(fb, *a, **kw)
+        runner.model.forward = spy
+        free = h.free_tokens()
+        runner.warmup()
+        runner.model.forward = forward
+        riders = [lens for prefix, lens in seen if len(lens) > 1 and set(lens[1:]) == {1} and prefix[1] > 0]
+        if mixed:
+            # 8 riders (max_running_requests) reserved from 64 tokens, then a prompt of one chunk (48); then 2 behind 48.
+            assert riders == [[48] + [1] * 8, [48, 1, 1]], seen
+        else:
+            assert riders == [], seen
+        assert h.free_tokens() == free
+        runs[mixed] = [r["ids"] for r in h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 8}) for p in ps])]
+    assert runs[True] == runs[False]
+
+
+def test_mixed_chunk_warmup_reaches_the_triton_decode_tail():
+    """At the engine's defaults and Llama-8B's heads, the warm-up's large mixed pass is one where the Triton backend
+    runs the riders with its decode kernel (the tail), so that variant is compiled before serving too."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.forward_batch import ForwardBatch, ForwardMode
+    from shared.engine.model_runner import mixed_warmup_passes
+    from shared.models.attention.triton_backend import TritonAttentionBackend
+    cfg = EngineConfig(model_path="tiny-random", enable_mixed_chunk=True)
+    passes = mixed_warmup_passes(cfg, 8192)
+    be = TritonAttentionBackend(32, 8, 128)  # the plan is host arithmetic: no kernel runs here
+    pool = types.SimpleNamespace(dtype=torch.bfloat16)  # what the plan reads of the KV pool
+    tails = []
+    for prompt, riders, ctx in passes:
+        lens = [prompt] + [1] * riders
+        pool_rows = torch.zeros(1, 8192, dtype=torch.int32)
+        fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * sum(lens), [0] * len(lens), [0] + [ctx] * riders, lens,
+                                torch.zeros(sum(lens), dtype=torch.int64), pool_rows, pool, be, torch.device("cpu"))
+        be.init_forward_metadata(fb)
+        tails.append(be._meta.tail is not None)
+    assert tails == [True, False], (passes, tails)
 def test_seed_reproducible_and_distinct(h):
     p = prompts(1, seed=2)[0]
     s = {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True}

@@ -137,6 +137,19 @@ class ForwardPlan:
         self.__dict__.update(state, out_cache_loc=torch.from_numpy(state["out_cache_loc"]))
 
 
+def mixed_warmup_passes(config: EngineConfig, max_context_len: int) -> list[tuple[int, int, int]]:
+    """(prompt tokens, riders, the riders' context) of the prefill passes with running requests riding along
+    that the warm-up runs under --enable-mixed-chunk: the largest the scheduler forms (riders are reserved from
+    the pass's budget first, a prompt takes at most a chunk of the rest), where a backend that runs riders with
+    its decode kernel does so, and a small one, where it does not. None where the context is too short."""
+    riders = max(1, min(config.max_running_requests, config.max_prefill_tokens // 2))
+    ctx = min(32, max_context_len - 2)
+    prompt = min(config.chunked_prefill_size, config.max_prefill_tokens - riders, max_context_len - 1)
+    if ctx < 1 or prompt < 1:
+        return []
+    return [(prompt, riders, ctx), (min(64, prompt), min(2, riders), ctx)]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp=None, tp_rank: int = 0):
         """With config.tp_size > 1, rank 0 (tp None) spawns the other ranks (shared/engine/tp.py); each
@@ -280,9 +293,24 @@ class ModelRunner:
                                      output_ids=[[]], prompt_ids=None, vocab_size=self.vocab_size,
                                      device=self.device)
             sample(logits, sb, top_logprobs_num=1)
+        if self.config.enable_mixed_chunk:
+            self._warmup_mixed()
         self._warmup_shared_prefix()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _warmup_mixed(self) -> None:
+        """--enable-mixed-chunk: the prefill passes with riders of `mixed_warmup_passes`, run once so their kernel
+        variants compile here instead of in the first live mixed pass (the H200's first mixed run of a process
+        was ~35% slower, 2026-12-05). Dummy tokens use request row 0 and the padding slot 0."""
+        for prompt, riders, ctx in mixed_warmup_passes(self.config, self.max_context_len):
+            lens = [prompt] + [1] * riders
+            fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * sum(lens), [0] * len(lens), [0] + [ctx] * riders, lens,
+                                    torch.zeros(sum(lens), dtype=torch.int64), self.req_pool.req_to_token,
+                                    self.kv_pool, self.attn_backend, self.device)
+            self.attn_backend.init_forward_metadata(fb)
+            hidden = self.model.forward(fb)
+            self.model.compute_logits(hidden[to_device(np.cumsum(lens) - 1, torch.int64, self.device)])
 
     def _warmup_shared_prefix(self) -> None:
         """Compile the shared-prefix decode path for the group-size blocks it uses (eager batches, so
