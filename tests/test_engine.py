@@ -144,6 +144,25 @@ def test_mixed_chunk_warmup_runs_the_passes_mixed_chunks_form():
     assert runs[True] == runs[False]
 
 
+def test_mixed_chunk_warmup_covers_every_decode_tail_plan(monkeypatch):
+    """On the H200 (132 SMs) the decode tail's split plan, which picks the compiled kernel variant, takes six values
+    over 1..256 riders: the warm-up runs one mixed pass at the largest rider count of each (the first live mixed
+    run compiled two variants the single large pass had not, 2026-12-05), each with the longest prompt it leaves
+    room for, then the small pass."""
+    import shared.models.attention.triton_backend as tb
+    from shared.engine.config import EngineConfig
+    from shared.engine.model_runner import mixed_warmup_passes
+    import kernels.attention.triton_decode as td
+    monkeypatch.setattr(td, "num_sms", lambda: 132)
+    be = tb.TritonAttentionBackend(32, 8, 128)
+    counts = be.rider_counts(256)
+    assert counts == [256, 65, 32, 16, 8, 4], counts
+    assert {tb.plan_max_kv_splits(r, 8) for r in counts} == {tb.plan_max_kv_splits(r, 8) for r in range(1, 257)}
+    cfg = EngineConfig(model_path="tiny-random", enable_mixed_chunk=True)
+    passes = mixed_warmup_passes(cfg, 8192, be.rider_counts)
+    assert passes == [(4096, r, 32) for r in counts] + [(64, 2, 32)], passes
+
+
 def test_mixed_chunk_warmup_reaches_the_triton_decode_tail():
     """At the engine's defaults and Llama-8B's heads, the warm-up's large mixed pass is one where the Triton backend
     runs the riders with its decode kernel (the tail), so that variant is compiled before serving too."""
@@ -152,7 +171,7 @@ def test_mixed_chunk_warmup_reaches_the_triton_decode_tail():
     from shared.engine.model_runner import mixed_warmup_passes
     from shared.models.attention.triton_backend import TritonAttentionBackend
     cfg = EngineConfig(model_path="tiny-random", enable_mixed_chunk=True)
-    passes = mixed_warmup_passes(cfg, 8192)
+    passes = mixed_warmup_passes(cfg, 8192)  # the largest pass, then the small one
     be = TritonAttentionBackend(32, 8, 128)  # the plan is host arithmetic: no kernel runs here
     pool = types.SimpleNamespace(dtype=torch.bfloat16)  # what the plan reads of the KV pool
     tails = []

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -137,17 +138,23 @@ class ForwardPlan:
         self.__dict__.update(state, out_cache_loc=torch.from_numpy(state["out_cache_loc"]))
 
 
-def mixed_warmup_passes(config: EngineConfig, max_context_len: int) -> list[tuple[int, int, int]]:
+def mixed_warmup_passes(config: EngineConfig, max_context_len: int,
+                        rider_counts: Callable[[int], list[int]] | None = None) -> list[tuple[int, int, int]]:
     """(prompt tokens, riders, the riders' context) of the prefill passes with running requests riding along
-    that the warm-up runs under --enable-mixed-chunk: the largest the scheduler forms (riders are reserved from
-    the pass's budget first, a prompt takes at most a chunk of the rest), where a backend that runs riders with
-    its decode kernel does so, and a small one, where it does not. None where the context is too short."""
-    riders = max(1, min(config.max_running_requests, config.max_prefill_tokens // 2))
+    that the warm-up runs under --enable-mixed-chunk: for each rider count (an attention backend's
+    `rider_counts` of the most the scheduler forms; that most alone without one) the longest prompt it leaves
+    room for (riders are reserved from the pass's budget first, a prompt takes at most a chunk of the rest),
+    then a small pass. None where the context is too short."""
+    most = max(1, min(config.max_running_requests, config.max_prefill_tokens // 2))
     ctx = min(32, max_context_len - 2)
-    prompt = min(config.chunked_prefill_size, config.max_prefill_tokens - riders, max_context_len - 1)
-    if ctx < 1 or prompt < 1:
-        return []
-    return [(prompt, riders, ctx), (min(64, prompt), min(2, riders), ctx)]
+    passes = []
+    for riders in sorted({min(r, most) for r in (rider_counts(most) if rider_counts else [most])}, reverse=True):
+        prompt = min(config.chunked_prefill_size, config.max_prefill_tokens - riders, max_context_len - 1)
+        if ctx >= 1 and prompt >= 1:
+            passes.append((prompt, riders, ctx))
+    if passes:
+        passes.append((min(64, passes[0][0]), min(2, most), ctx))
+    return passes
 
 
 class ModelRunner:
@@ -300,10 +307,12 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def _warmup_mixed(self) -> None:
-        """--enable-mixed-chunk: the prefill passes with riders of `mixed_warmup_passes`, run once so their kernel
-        variants compile here instead of in the first live mixed pass (the H200's first mixed run of a process
-        was ~35% slower, 2026-12-05). Dummy tokens use request row 0 and the padding slot 0."""
-        for prompt, riders, ctx in mixed_warmup_passes(self.config, self.max_context_len):
+        """--enable-mixed-chunk: the prefill passes with riders of `mixed_warmup_passes`, one for each rider count
+        the backend runs with a kernel variant of its own, run once so those variants compile here instead of in
+        the first live mixed pass (the H200's first mixed run of a process was ~35% slower, 2026-12-05: two
+        decode-kernel variants compiled in it). Dummy tokens use request row 0 and the padding slot 0."""
+        for prompt, riders, ctx in mixed_warmup_passes(self.config, self.max_context_len,
+                                                       self.attn_backend.rider_counts):
             lens = [prompt] + [1] * riders
             fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * sum(lens), [0] * len(lens), [0] + [ctx] * riders, lens,
                                     torch.zeros(sum(lens), dtype=torch.int64), self.req_pool.req_to_token,

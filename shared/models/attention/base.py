@@ -88,6 +88,11 @@ class AttentionBackend(ABC):
         """Put a plan_graph_cascade result where the graph of this batch size reads it."""
         raise NotImplementedError
 
+    def rider_counts(self, max_riders: int) -> list[int]:
+        """Numbers of one-token rows (riders of a mixed prefill pass) whose passes between them use every kernel
+        variant this backend runs riders with: what a warm-up runs (largest first)."""
+        return [max_riders]
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Called once per forward before layer 0: precompute what every layer shares."""
 

@@ -151,6 +151,15 @@ class TritonAttentionBackend(AttentionBackend):
             tickets=(self._decode_tickets(B * self.num_kv_heads, dev) if self.one_launch_decode and splits > 1
                      else None))
 
+    def rider_counts(self, max_riders: int) -> list[int]:
+        """The largest rider count of each split plan the decode tail can have (the plan sets the kernel's
+        compiled variant): the largest, since a tail is taken where riders times the prompt's query blocks pass
+        DECODE_TAIL_MIN_EMPTY_PROGRAMS, so a plan's tail exists somewhere only if it does at its largest count."""
+        largest: dict[int, int] = {}
+        for r in range(1, max_riders + 1):
+            largest[plan_max_kv_splits(r, self.num_kv_heads, self.max_kv_splits)] = r
+        return sorted(largest.values(), reverse=True)
+
     def _extend_metadata(self, fb: ForwardBatch, bound: int) -> _ExtendMetadata:
         """The extend kernel's grid bound, and a decode tail where it pays (DECODE_TAIL_MIN_EMPTY_PROGRAMS);
         only with the lengths on the host (not in an extend graph, whose grid is fixed)."""
