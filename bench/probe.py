@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import math
 import os
@@ -241,8 +242,6 @@ def probe_prefill_attn(res: dict) -> None:
 def probe_b1(res: dict) -> None:
     """Batch-1 decode with PDL off / on, alternating engines in one process: step wall time, graph replay,
     and the greedy tokens (must be the same)."""
-    import gc
-
     rows = []
     tokens = {}
     for quant in (None, "fp8"):
@@ -555,13 +554,12 @@ def probe_decode256_ab(res: dict) -> None:
                 drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
                 for rep in range(2):
                     st = drive(eng, random_prompts(256, 512, 400, 6 + rep), {**GREEDY, "max_new_tokens": 128})
-                    out.append({"variant": name, "knobs": {k: v for k, v in kn.items()}, "round": rnd,
+                    out.append({"variant": name, "knobs": dict(kn), "round": rnd,
                                 "tok_s": 256 * 128 / st.wall_s, "wall_s": st.wall_s})
                     log(out[-1])
                 eng.stop()
                 del eng
-                import gc
-                gc.collect()
+                gc.collect()  # the engine sits in reference cycles: free its KV pool before the next one's
                 torch.cuda.empty_cache()
     finally:
         for k, v in saved.items():
@@ -578,11 +576,13 @@ def probe_tput_clocks(res: dict) -> None:
     mode of the pass last launched (prefill or decode), and during the matmul reference's burst: whether the
     workload's device time is set by power-limited clocks (the 12-02 finding: decode passes 12.3 ms free-running
     against 10.4 replayed cool)."""
+    import bisect
     import datetime
     import subprocess
     import tempfile
     from bench.common import measure_matmul_tflops
-    path = tempfile.mktemp(suffix=".csv")
+    fd, path = tempfile.mkstemp(suffix=".csv")
+    os.close(fd)
     known = subprocess.run(["nvidia-smi", "--help-query-gpu"], capture_output=True, text=True).stdout
     reason = "clocks_event_reasons.active" if "clocks_event_reasons.active" in known else "clocks_throttle_reasons.active"
     fields = f"timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,{reason}"
@@ -627,16 +627,13 @@ def probe_tput_clocks(res: dict) -> None:
             samples.append((t, float(parts[1]), float(parts[2]), float(parts[3]), float(parts[4]), parts[5]))
         except (ValueError, IndexError):
             continue
+    os.unlink(path)
     by = collections.defaultdict(list)
+    mark_times = [mt for mt, _ in marks]
     for t, *vals in samples:
-        phase = None
-        for mt, ph in marks:
-            if mt <= t:
-                phase = ph
-            else:
-                break
-        if phase is not None:
-            by[phase].append(vals)
+        i = bisect.bisect_right(mark_times, t)  # the phase of the latest mark at or before the sample
+        if i:
+            by[marks[i - 1][1]].append(vals)
     out = {"tflops": tf, "tput_tok_s": [256 * 128 / w for w in walls], "phases": {}}
     for ph, vals in by.items():
         reasons = collections.Counter(v[4] for v in vals)
@@ -987,7 +984,6 @@ def main() -> int:
             import traceback
             traceback.print_exc()
             res[w + "_error"] = repr(e)[:300]
-        import gc
         gc.collect()  # the probe's engine sits in reference cycles: free its KV pool before the next one's
         torch.cuda.empty_cache()
     if os.environ.get("OUT"):

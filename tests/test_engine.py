@@ -110,8 +110,6 @@ def test_mixed_chunks_change_no_token(overlap):
     assert passes[True]["decode"] < passes[False]["decode"]
 
 
-
-
 def test_mixed_chunk_warmup_runs_the_passes_mixed_chunks_form():
     """With --enable-mixed-chunk the warm-up runs a prefill pass with a full batch of riders behind a chunk-sized
     prompt, and a small one (their kernels compile there, not in the first live mixed pass); without the flag it
@@ -183,6 +181,8 @@ def test_mixed_chunk_warmup_reaches_the_triton_decode_tail():
         be.init_forward_metadata(fb)
         tails.append(be._meta.tail is not None)
     assert tails == [True, False], (passes, tails)
+
+
 def test_seed_reproducible_and_distinct(h):
     p = prompts(1, seed=2)[0]
     s = {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True}
