@@ -4,6 +4,7 @@ with --sass). A kernel that does not compile for Hopper fails here, not in a dev
 
     PYTHONPATH=/tmp/t36 python -m bench.sm90_compile [--pdl 0|1|2] [--sass NAME] [--fp8] [--no-split-norms]
                                                      [--rope-fusion] [--fp8-row] [--kv-before-wait] [--loops]
+                                                     [--kv-cache-dtype fp8_e4m3|fp8_e5m2]
 
 Use the device's Triton version (3.6: `pip download --no-deps triton==3.6.0` and `pip install --no-deps
 --target /tmp/t36` the wheel) so ptxas and the compiler match what runs there. Nothing is launched: each
@@ -25,7 +26,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64", torch.int32: "i32",
-           torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int8: "i8"}
+           torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.uint8: "u8", torch.int8: "i8"}
 compiled: list[tuple[str, object]] = []
 
 
@@ -93,10 +94,11 @@ def loop_report(kernel) -> str:
     return "; ".join(rows) or "no loop"
 
 
-def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False) -> None:
+def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False, kv_dtype: torch.dtype = torch.bfloat16) -> None:
     """The kernels of one Llama-3.1-8B decode layer at batch 1, through the engine's wrappers (split_norms:
     the residual norms split between the GEMVs around them, as the engine runs them by default; rope_fusion:
-    rope and the KV store in the qkv GEMV's epilogue, --decode-rope-fusion)."""
+    rope and the KV store in the qkv GEMV's epilogue, --decode-rope-fusion; kv_dtype: the pool's,
+    --kv-cache-dtype)."""
     from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
     from kernels.gemv import gemv
     from kernels.norm import rms_norm
@@ -106,7 +108,7 @@ def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False) -> None
     bf = torch.bfloat16
     hidden, inter, hq, hkv, d = 4096, 14336, 32, 8, 128
     slots = 4096
-    k_buf, v_buf = torch.zeros(slots, hkv, d, dtype=bf), torch.zeros(slots, hkv, d, dtype=bf)
+    k_buf, v_buf = torch.zeros(slots, hkv, d, dtype=kv_dtype), torch.zeros(slots, hkv, d, dtype=kv_dtype)
     pos, loc, table = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(4096, d)
     x = torch.zeros(1, hidden, dtype=bf)
     sums = torch.zeros(63, NORM_SLOTS, dtype=torch.float64)
@@ -137,6 +139,36 @@ def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False) -> None
     decode_attention(torch.zeros(1, hq, d, dtype=bf), k_buf, v_buf, torch.zeros(2, 4096, dtype=torch.int32),
                      torch.zeros(1, dtype=torch.int32), seq, num_kv_splits_for(seq, ms), ms, d ** -0.5,
                      tickets=torch.zeros(hkv, dtype=torch.int32))  # the engine's default: merged in one launch
+    if kv_dtype.itemsize == 1:
+        pool_path(kv_dtype)
+
+
+def pool_path(kv_dtype: torch.dtype) -> None:
+    """The other kernels that read or write an FP8 pool (--kv-cache-dtype), at Llama-3.1-8B shapes: the KV store,
+    decode attention at batch 256 (one split), shared-prefix decode and extend attention over a cached prefix."""
+    from kernels.attention.triton_cascade import cascade_decode_attention, plan_cascade
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for
+    from kernels.attention.triton_extend import extend_attention
+    from kernels.kv_store import store_kv
+    bf, i32 = torch.bfloat16, torch.int32
+    hq, hkv, d, slots = 32, 8, 128, 4096
+    k_buf, v_buf = torch.zeros(slots, hkv, d, dtype=kv_dtype), torch.zeros(slots, hkv, d, dtype=kv_dtype)
+    kv = torch.zeros(256, 2, hkv, d, dtype=bf)
+    store_kv(k_buf, v_buf, torch.zeros(256, dtype=torch.int64), kv[:, 0], kv[:, 1], 0.5, 0.5)
+    table, rows = torch.zeros(257, 4096, dtype=i32), torch.arange(1, 257, dtype=i32)
+    seq = torch.full((256,), 640, dtype=i32)
+    decode_attention(torch.zeros(256, hq, d, dtype=bf), k_buf, v_buf, table, rows, seq, num_kv_splits_for(seq, 1), 1,
+                     d ** -0.5, k_scale=0.5, v_scale=0.5)
+    plan = plan_cascade([(512, list(range(16)))], list(range(1, 17)), 16, hkv, hq // hkv, "cpu")
+    seq = torch.full((16,), 640, dtype=i32)
+    cascade_decode_attention(torch.zeros(16, hq, d, dtype=bf), k_buf, v_buf, table, rows[:16], seq, plan,
+                             num_kv_splits_for(seq - plan.kv_start, 4), 4, d ** -0.5,
+                             tickets=torch.zeros(16 * hkv, dtype=i32), k_scale=0.5, v_scale=0.5)
+    T = 4 * 512
+    q, k, v = torch.zeros(T, hq, d, dtype=bf), torch.zeros(T, hkv, d, dtype=bf), torch.zeros(T, hkv, d, dtype=bf)
+    lens = torch.full((4,), 512, dtype=i32)
+    extend_attention(q, k, v, k_buf, v_buf, table, rows[:4], lens, lens, torch.arange(0, T, 512, dtype=i32), 512,
+                     d ** -0.5, k_scale=0.5, v_scale=0.5)
 
 
 def main() -> None:
@@ -148,6 +180,8 @@ def main() -> None:
                     help="decode attention's first k/v tile before its PDL wait (kernels.attention.triton_decode.KV_BEFORE_WAIT)")
     ap.add_argument("--fp8-row", action="store_true", help="FP8 rows in the one-row kernel (kernels.gemv.FP8_ROW_KERNEL)")
     ap.add_argument("--rope-fusion", action="store_true", help="rope and the KV store in the qkv GEMV (--decode-rope-fusion)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                    help="the KV pool's dtype; FP8 also compiles the other kernels that touch the pool")
     ap.add_argument("--sass", default="", help="print the SASS of kernels whose name contains this")
     ap.add_argument("--loops", action="store_true", help="each kernel's loops: instructions, global loads, barriers")
     args = ap.parse_args()
@@ -162,7 +196,9 @@ def main() -> None:
     td.KV_BEFORE_WAIT = args.kv_before_wait
     ku.set_pdl(args.pdl > 0, early_trigger=args.pdl == 2)
     JITFunction.run = _compile  # type: ignore[method-assign]
-    decode_path(args.fp8, not args.no_split_norms, args.rope_fusion)
+    from shared.cache.kv_pool import kv_cache_dtype
+    decode_path(args.fp8, not args.no_split_norms, args.rope_fusion and args.kv_cache_dtype == "auto",
+                kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16))
     for name, kernel in compiled:
         print(f"{name}: {_resources(kernel)}")
         if args.loops:

@@ -77,26 +77,29 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
+             v: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k_scale, v_scale: an FP8 pool's (kernels/kv_store.py)."""
     if _on_gpu(k):
         from kernels.kv_store import store_kv as kern
-        kern(k_buf, v_buf, loc, k, v)
+        kern(k_buf, v_buf, loc, k, v, k_scale, v_scale)
     else:
-        ref.store_kv_ref(k_buf, v_buf, loc, k, v)
+        ref.store_kv_ref(k_buf, v_buf, loc, k, v, k_scale, v_scale)
 
 
 def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                             cos_sin_cache: torch.Tensor, head_dim: int, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                            loc: torch.Tensor, out: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            loc: torch.Tensor, out: bool = False, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """apply_rope then store_kv; one kernel on CUDA (k, v: [T, Hkv, D]). Returns (q, k, v): rotated in
     place, or with `out` new contiguous [T, H, D] tensors (kernels.rope.apply_rope_and_store_kv)."""
     if _on_gpu(q):
         from kernels.rope import apply_rope_and_store_kv as kern
-        return kern(q, k, v, positions, cos_sin_cache, head_dim, k_buf, v_buf, loc, out=out)
+        return kern(q, k, v, positions, cos_sin_cache, head_dim, k_buf, v_buf, loc, out=out, k_scale=k_scale,
+                    v_scale=v_scale)
     if out:
         q, k, v = (x.reshape(x.shape[0], -1, head_dim).clone(memory_format=torch.contiguous_format) for x in (q, k, v))
     q, k = apply_rope(q, k, positions, cos_sin_cache, head_dim)
-    store_kv(k_buf, v_buf, loc, k, v)
+    store_kv(k_buf, v_buf, loc, k, v, k_scale, v_scale)
     return q, k, v
 
 

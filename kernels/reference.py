@@ -9,12 +9,18 @@ import torch
 
 
 def paged_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
-                        prefix_len: int, scaling: float) -> torch.Tensor:
+                        prefix_len: int, scaling: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q: [n, Hq, D] new tokens at positions prefix_len..prefix_len+n-1; slots: [prefix_len + n] pool
-    slots of the whole context. Causal. Returns [n, Hq, D] in q's dtype (computed in fp32)."""
+    slots of the whole context. Causal. Returns [n, Hq, D] in q's dtype (computed in fp32).
+    k_scale, v_scale: an FP8 pool's (from_pool_ref). new_kv: the new tokens' own k, v [n, Hkv, D] as computed,
+    read in place of their pool rows (what extend attention does: an FP8 pool's rounding then only touches the
+    cached prefix)."""
     n, hq, d = q.shape
-    k = k_buf[slots].float()  # [L, Hkv, D]
-    v = v_buf[slots].float()
+    k = from_pool_ref(k_buf[slots], k_scale)  # [L, Hkv, D]
+    v = from_pool_ref(v_buf[slots], v_scale)
+    if new_kv is not None and n:
+        k[-n:], v[-n:] = new_kv[0].float(), new_kv[1].float()
     group = hq // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
@@ -101,10 +107,26 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def to_pool_ref(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x as a KV pool of `dtype` stores it (kernels.kv_store.to_pool): a cast, or for FP8 x / scale (times the
+    fp32 inverse) saturated to the format's finite range and rounded to nearest even."""
+    if dtype.itemsize != 1:
+        return x.to(dtype)
+    from kernels.kv_store import inverse_scale
+
+    fmax = torch.finfo(dtype).max
+    return (x.to(torch.float32) * inverse_scale(scale)).clamp(-fmax, fmax).to(dtype)
+
+
+def from_pool_ref(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Pool values [..] as fp32: an FP8 pool's times its scale."""
+    return x.float() * scale if x.dtype.itemsize == 1 else x.float()
+
+
 def store_kv_ref(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> None:
-    k_buf[loc.long()] = k.to(k_buf.dtype)
-    v_buf[loc.long()] = v.to(v_buf.dtype)
+                 v: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    k_buf[loc.long()] = to_pool_ref(k, k_scale, k_buf.dtype)
+    v_buf[loc.long()] = to_pool_ref(v, v_scale, v_buf.dtype)
 
 
 def decode_inputs_ref(staged: torch.Tensor, token_buf: torch.Tensor, req_to_token: torch.Tensor):
@@ -124,22 +146,24 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def decode_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                          req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                         seq_lens: torch.Tensor, scaling: float) -> torch.Tensor:
+                         seq_lens: torch.Tensor, scaling: float, k_scale: float = 1.0,
+                         v_scale: float = 1.0) -> torch.Tensor:
     """q: [B, Hq, D], one token per request at the last position of its context."""
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
         n = int(seq_lens[i])
         slots = req_to_token[req_pool_indices[i], :n].long()
-        out[i:i + 1] = paged_attention_ref(q[i:i + 1], k_buf, v_buf, slots, n - 1, scaling)
+        out[i:i + 1] = paged_attention_ref(q[i:i + 1], k_buf, v_buf, slots, n - 1, scaling, k_scale, v_scale)
     return out
 
 
-def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
-    """q [n, Hq, D] against k/v [L, Hkv, D] (no mask): normalised output [n, Hq, D] and natural-log
+def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, k_scale: float = 1.0,
+                     v_scale: float = 1.0):
+    """q [n, Hq, D] against pool rows k/v [L, Hkv, D] (no mask): normalised output [n, Hq, D] and natural-log
     log-sum-exp [n, Hq], in fp32."""
     group = q.shape[1] // k.shape[1]
-    k = k.float().repeat_interleave(group, dim=1)
-    v = v.float().repeat_interleave(group, dim=1)
+    k = from_pool_ref(k, k_scale).repeat_interleave(group, dim=1)
+    v = from_pool_ref(v, v_scale).repeat_interleave(group, dim=1)
     s = torch.einsum("nhd,lhd->nhl", q.float(), k) * scaling
     lse = torch.logsumexp(s, dim=-1)
     return torch.einsum("nhl,lhd->nhd", torch.exp(s - lse[..., None]), v), lse
@@ -148,7 +172,7 @@ def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
 def cascade_decode_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                                  req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                                  seq_lens: torch.Tensor, groups: list[tuple[int, list[int]]],
-                                 scaling: float) -> torch.Tensor:
+                                 scaling: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Decode attention computed the cascade way: each group's shared prefix (prefix_len, member batch
     indices; the members' first prefix_len slots are the same) attended once for all its members' query
     rows, each request's suffix on its own, the two merged through the log-sum-exp. Equals
@@ -160,14 +184,14 @@ def cascade_decode_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: to
     lse_pre = torch.full(q.shape[:2], float("-inf"), device=q.device)
     for plen, members in groups:
         slots = req_to_token[rows[members[0]], :plen].long()
-        o, lse = _attend_with_lse(q[members], k_buf[slots], v_buf[slots], scaling)
+        o, lse = _attend_with_lse(q[members], k_buf[slots], v_buf[slots], scaling, k_scale, v_scale)
         o_pre[members], lse_pre[members] = o, lse
         for b in members:
             start[b] = plen
     out = torch.empty_like(q)
     for b in range(B):
         slots = req_to_token[rows[b], start[b]:int(seq_lens[b])].long()
-        o_suf, lse_suf = _attend_with_lse(q[b:b + 1], k_buf[slots], v_buf[slots], scaling)
+        o_suf, lse_suf = _attend_with_lse(q[b:b + 1], k_buf[slots], v_buf[slots], scaling, k_scale, v_scale)
         m = torch.maximum(lse_pre[b], lse_suf[0])
         w_pre, w_suf = torch.exp(lse_pre[b] - m), torch.exp(lse_suf[0] - m)
         merged = (w_pre[:, None] * o_pre[b] + w_suf[:, None] * o_suf[0]) / (w_pre + w_suf)[:, None]
@@ -177,13 +201,18 @@ def cascade_decode_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: to
 
 def extend_attention_ref(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                          req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                         prefix_lens: list[int], extend_lens: list[int], scaling: float) -> torch.Tensor:
-    """q: [T, Hq, D] packed new tokens; each request's new K/V must already be in the pool."""
+                         prefix_lens: list[int], extend_lens: list[int], scaling: float, k_scale: float = 1.0,
+                         v_scale: float = 1.0, k: torch.Tensor | None = None,
+                         v: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, Hq, D] packed new tokens; each request's new K/V must already be in the pool. k, v [T, Hkv, D]:
+    the new tokens' own, read in place of their pool rows (paged_attention_ref's new_kv)."""
     out = torch.empty_like(q)
     start = 0
     for i, (p, n) in enumerate(zip(prefix_lens, extend_lens)):
         slots = req_to_token[req_pool_indices[i], :p + n].long()
-        out[start:start + n] = paged_attention_ref(q[start:start + n], k_buf, v_buf, slots, p, scaling)
+        new_kv = (k[start:start + n], v[start:start + n]) if k is not None else None
+        out[start:start + n] = paged_attention_ref(q[start:start + n], k_buf, v_buf, slots, p, scaling, k_scale,
+                                                   v_scale, new_kv)
         start += n
     return out
 

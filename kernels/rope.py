@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels._utils import next_pow2, pdl_launch, pdl_prologue
+from kernels.kv_store import inverse_scale, to_pool
 
 
 @triton.jit
@@ -65,13 +66,14 @@ def _rope_kernel(Q, K, POS, CS, stride_qt, stride_qh, stride_kt, stride_kh, stri
 
 
 @triton.jit
-def _rope_store_kv_kernel(Q, K, V, POS, CS, KB, VB, LOC, QO, KO, VO, stride_qt, stride_qh, stride_kt, stride_kh,
+def _rope_store_kv_kernel(Q, K, V, POS, CS, KB, VB, LOC, QO, KO, VO, inv_k_scale, inv_v_scale, stride_qt, stride_qh, stride_kt, stride_kh,
                           stride_vt, stride_vh, stride_cs, stride_bs, stride_bh, stride_ot, stride_okt, HQ, HK,
                           HALF, D, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HAS_PASS: tl.constexpr,
                           OUT: tl.constexpr, PDL: tl.constexpr):
     """One token per program: rope on q and k exactly as _rope_kernel does (k rounded to its own dtype,
-    then cast to the pool's, as rope followed by store_kv would), and k, v written to the token's slot.
+    then converted to the pool's by kv_store.to_pool, as rope followed by store_kv would), and k, v written to
+    the token's slot.
     OUT: q, k, v written to the contiguous [T, H, D] tensors QO, KO, VO (whole heads, the unrotated tail
     too), Q and K left as they were; else q and k rotated in place."""
     pdl_prologue(PDL)
@@ -88,20 +90,20 @@ def _rope_store_kv_kernel(Q, K, V, POS, CS, KB, VB, LOC, QO, KO, VO, stride_qt, 
     mask_h = offs_h[:, None] < HK
     dst = slot * stride_bs + offs_h[:, None] * stride_bh
     mask = mask_h & (offs_r[None, :] < HALF)
-    tl.store(KB + dst + offs_r[None, :], y1.to(KB.dtype.element_ty), mask=mask)
-    tl.store(KB + dst + HALF + offs_r[None, :], y2.to(KB.dtype.element_ty), mask=mask)
+    tl.store(KB + dst + offs_r[None, :], to_pool(y1, inv_k_scale, KB.dtype.element_ty), mask=mask)
+    tl.store(KB + dst + HALF + offs_r[None, :], to_pool(y2, inv_k_scale, KB.dtype.element_ty), mask=mask)
     if HAS_PASS:  # partial rotary: dims [2*HALF, D) are stored as they are
         offs_p = 2 * HALF + tl.arange(0, BLOCK_P)
         mask_p = mask_h & (offs_p[None, :] < D)
         kp = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_p[None, :], mask=mask_p)
-        tl.store(KB + dst + offs_p[None, :], kp.to(KB.dtype.element_ty), mask=mask_p)
+        tl.store(KB + dst + offs_p[None, :], to_pool(kp, inv_k_scale, KB.dtype.element_ty), mask=mask_p)
         if OUT:
             tl.store(KO + t * stride_okt + offs_h[:, None] * D + offs_p[None, :], kp, mask=mask_p)
             _copy_heads(Q + t * stride_qt, stride_qh, QO + t * stride_ot, D, HQ, 2 * HALF, D, BLOCK_HQ, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = mask_h & (offs_d[None, :] < D)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask_d)
-    tl.store(VB + dst + offs_d[None, :], v.to(VB.dtype.element_ty), mask=mask_d)
+    tl.store(VB + dst + offs_d[None, :], to_pool(v, inv_v_scale, VB.dtype.element_ty), mask=mask_d)
     if OUT:
         tl.store(VO + t * stride_okt + offs_h[:, None] * D + offs_d[None, :], v, mask=mask_d)
 
@@ -132,13 +134,15 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
 def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                             cos_sin_cache: torch.Tensor, head_dim: int, k_buf: torch.Tensor,
                             v_buf: torch.Tensor, loc: torch.Tensor,
-                            out: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            out: bool = False, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """apply_rope(q, k) then store_kv(k_buf, v_buf, loc, k, v) in one launch, with the same results bit
     for bit: the rotated k and v written to slots `loc` of the pool buffers [slots, Hkv, D]. q, k, v:
     [T, H*D] or [T, H, D] (strided views of a fused qkv output are fine). Returns (q, k, v): without
     `out`, q and k rotated in place and v itself; with it, new contiguous [T, H, D] tensors (q and k
     untouched), which extend attention reads faster than views whose rows lie a whole qkv row apart
-    (2 x 4096 tokens, Llama-8B heads, H200, the kernel alone: 730 -> 600 us)."""
+    (2 x 4096 tokens, Llama-8B heads, H200, the kernel alone: 730 -> 600 us). k_scale, v_scale: an FP8
+    pool's (kernels.kv_store.store_kv)."""
     sqt, sqh, hq = _head_strides(q, head_dim)
     skt, skh, hk = _head_strides(k, head_dim)
     svt, svh, hv = _head_strides(v, head_dim)
@@ -154,7 +158,8 @@ def apply_rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
         qo, ko, vo = q, k, v
     if T:
         _rope_store_kv_kernel[(T,)](
-            q, k, v, positions, cos_sin_cache, k_buf, v_buf, loc, qo, ko, vo, sqt, sqh, skt, skh, svt, svh,
+            q, k, v, positions, cos_sin_cache, k_buf, v_buf, loc, qo, ko, vo, inverse_scale(k_scale),
+            inverse_scale(v_scale), sqt, sqh, skt, skh, svt, svh,
             cos_sin_cache.stride(0), k_buf.stride(0), k_buf.stride(1), hq * head_dim, hk * head_dim, hq, hk, half,
             head_dim, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_R=next_pow2(half),
             BLOCK_D=next_pow2(head_dim), BLOCK_P=next_pow2(max(1, n_pass)), HAS_PASS=n_pass > 0, OUT=out,

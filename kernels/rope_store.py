@@ -43,6 +43,7 @@ class RopeStore:
         for buf in (self.k_buf, self.v_buf):
             assert buf.is_contiguous() and buf.shape[1] * buf.shape[2] == self.kv_size and buf.shape[2] == d
         assert self.k_buf.stride(0) == self.v_buf.stride(0)
+        assert self.k_buf.element_size() > 1, "an FP8 pool is written by kv_store.to_pool's kernels, not this epilogue"
 
     @property
     def size(self) -> int:

@@ -183,6 +183,96 @@ def check_store_kv(device, dtype):
         assert torch.equal(bufs[0], bufs[2]) and torch.equal(bufs[1], bufs[3])
 
 
+def check_store_kv_fp8(device, dtype):
+    """FP8 pools (e4m3 and e5m2, with and without per-layer scales): store_kv and the fused rope + KV store
+    write what kernels.reference.to_pool_ref does (x / scale saturated and rounded to nearest even; compared
+    as values, -0 == 0), including values past the format's range and in its subnormals."""
+    from kernels.kv_store import store_kv
+    from kernels.reference import rope_cos_sin_cache, rope_ref, to_pool_ref
+    from kernels.rope import apply_rope_and_store_kv
+    T, hq, hkv, d = 24, 4, 2, 16
+    mag = torch.logspace(-6, 3.5, T, device=device)[:, None, None]  # subnormal .. past e4m3's 448
+    for pool in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for ks, vs in [(1.0, 1.0), (0.37, 2.5)]:
+            kv = _rand(T, 2, hkv, d, dtype=torch.float32, device=device)
+            k, v = (kv[:, 0] * mag).to(dtype), (kv[:, 1] * mag).to(dtype)
+            loc = torch.randperm(64, device=device)[:T]
+            kb, vb = (torch.zeros(64, hkv, d, dtype=pool, device=device) for _ in range(2))
+            store_kv(kb, vb, loc, k, v, ks, vs)
+            assert torch.equal(kb[loc].float(), to_pool_ref(k, ks, pool).float()), f"{pool} k scale {ks}"
+            assert torch.equal(vb[loc].float(), to_pool_ref(v, vs, pool).float()), f"{pool} v scale {vs}"
+            assert not kb.float().isnan().any() and kb.float().abs().max() <= torch.finfo(pool).max
+            # The fused rope + store: the rotated k (as rope_ref rounds it) converted the same way.
+            inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+            cache = rope_cos_sin_cache(inv_freq, 300)
+            q = _rand(T, hq * d, dtype=dtype, device=device)
+            pos = torch.randint(0, 300, (T,), device=device)
+            kb2, vb2 = (torch.zeros(64, hkv, d, dtype=pool, device=device) for _ in range(2))
+            _, k_rot = rope_ref(q, k.reshape(T, -1).clone(), pos, cache, d)
+            apply_rope_and_store_kv(q.clone(), k.reshape(T, -1).clone(), v, pos, cache, d, kb2, vb2, loc, k_scale=ks,
+                                    v_scale=vs)
+            ref_k = to_pool_ref(k_rot.view(T, hkv, d), ks, pool).float()
+            # rope in the kernel and in rope_ref may differ in k's last bit, which can move an FP8 rounding by a step
+            torch.testing.assert_close(kb2[loc].float(), ref_k, rtol=0.13, atol=1e-6)
+            assert (kb2[loc].float() == ref_k).float().mean() > 0.95, f"{pool} rope+store"
+            assert torch.equal(vb2[loc].float(), to_pool_ref(v, vs, pool).float())
+
+
+def check_attention_fp8_pool(device, dtype):
+    """Decode (one and several splits, one- and two-launch merges), shared-prefix decode and extend attention over
+    FP8 pools with per-layer scales equal the references that read the same pool (its rows times the scales);
+    extend reads the new tokens' own k and v, unrounded."""
+    from kernels.attention.triton_cascade import cascade_decode_attention, plan_cascade
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for
+    from kernels.attention.triton_extend import extend_attention
+    from kernels.reference import (cascade_decode_attention_ref, decode_attention_ref, extend_attention_ref,
+                                   to_pool_ref)
+    d, hq, hkv = _head_dims(device)[1], 8, 2
+    ks, vs = 0.5, 1.7
+    for pool in (torch.float8_e4m3fn, torch.float8_e5m2):
+        lens = [1, 9, 70, 130]
+        k_buf, v_buf, r2t, req_idx, seq = _paged_setup(device, torch.float32, hkv, d, [n - 1 for n in lens],
+                                                       [1] * len(lens))
+        kb, vb = to_pool_ref(k_buf, ks, pool), to_pool_ref(v_buf, vs, pool)
+        seq_lens = torch.tensor(seq, dtype=torch.int32, device=device)
+        q = _rand(len(lens), hq, d, dtype=dtype, device=device)
+        ref = decode_attention_ref(q, kb, vb, r2t, req_idx, seq_lens, d ** -0.5, ks, vs)
+        tickets = torch.zeros(len(lens) * hkv, dtype=torch.int32, device=device)
+        for max_splits, tk in [(1, None), (4, None), (4, tickets)]:
+            splits = num_kv_splits_for(seq_lens, max_splits, 16)
+            out = decode_attention(q, kb, vb, r2t, req_idx, seq_lens, splits, max_splits, d ** -0.5, tickets=tk,
+                                   k_scale=ks, v_scale=vs)
+            torch.testing.assert_close(out, ref, **_tol(dtype), msg=lambda m: f"{pool} splits={max_splits}: {m}")
+        # Shared prefix: requests 1 and 3 share their first 9 slots.
+        r2t[4, :9] = r2t[2, :9]
+        groups = [(9, [1, 3])]
+        ref = cascade_decode_attention_ref(q, kb, vb, r2t, req_idx, seq_lens, groups, d ** -0.5, ks, vs)
+        torch.testing.assert_close(ref, decode_attention_ref(q, kb, vb, r2t, req_idx, seq_lens, d ** -0.5, ks, vs),
+                                   **_tol(dtype))
+        plan = plan_cascade(groups, [1, 2, 3, 4], len(lens), hkv, hq // hkv, device)
+        splits = num_kv_splits_for(seq_lens - plan.kv_start, 4, 16)
+        out = cascade_decode_attention(q, kb, vb, r2t, req_idx, seq_lens, plan, splits, 4, d ** -0.5,
+                                       tickets=tickets, k_scale=ks, v_scale=vs)
+        torch.testing.assert_close(out, ref, **_tol(dtype), msg=lambda m: f"{pool} cascade: {m}")
+        # Extend over a cached prefix: the new tokens' k, v passed in the activation dtype.
+        prefix, ext = [0, 40, 9], [7, 17, 5]
+        k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, torch.float32, hkv, d, prefix, ext)
+        kb, vb = to_pool_ref(k_buf, ks, pool), to_pool_ref(v_buf, vs, pool)
+        T = sum(ext)
+        slots = torch.cat([r2t[i + 1, p:p + e] for i, (p, e) in enumerate(zip(prefix, ext))]).long()
+        k, v = k_buf[slots].to(dtype), v_buf[slots].to(dtype)
+        q = _rand(T, hq, d, dtype=dtype, device=device)
+        i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+        starts = i32([sum(ext[:i]) for i in range(len(ext))])
+        ref = extend_attention_ref(q, kb, vb, r2t, req_idx, prefix, ext, d ** -0.5, ks, vs, k, v)
+        out = extend_attention(q, k, v, kb, vb, r2t, req_idx, i32(prefix), i32(ext), starts, max(ext), d ** -0.5,
+                               k_scale=ks, v_scale=vs)
+        torch.testing.assert_close(out, ref, **_tol(dtype), msg=lambda m: f"{pool} extend: {m}")
+        # The scales matter: without them the output differs.
+        off = extend_attention(q, k, v, kb, vb, r2t, req_idx, i32(prefix), i32(ext), starts, max(ext), d ** -0.5)
+        assert not torch.allclose(off, ref, **_tol(dtype))
+
+
 def check_gemv(device, dtype):
     from kernels.gemv import GemvConfig, gemv
     from kernels.reference import gemv_ref
@@ -724,7 +814,13 @@ def check_per_token_quant(device, dtype):
 
 def check_backend_end_to_end(device, dtype):
     """Extend two requests (one with a cached prefix), then decode two steps, through ForwardBatch,
-    with the Triton and torch backends on identical pools: outputs and pool contents must agree."""
+    with the Triton and torch backends on identical pools: outputs and pool contents must agree. Also over
+    FP8 pools with per-layer scales (--kv-cache-dtype fp8_e4m3)."""
+    for pool_dtype, scales in ((dtype, None), (torch.float8_e4m3fn, [(0.5, 1.3), (1.0, 0.8)])):
+        _backend_end_to_end(device, dtype, pool_dtype, scales)
+
+
+def _backend_end_to_end(device, dtype, pool_dtype, scales):
     from shared.models.attention import create_attention_backend
     from shared.cache.kv_pool import KVPool, ReqToTokenPool
     from shared.engine.forward_batch import ForwardBatch, ForwardMode
@@ -734,8 +830,8 @@ def check_backend_end_to_end(device, dtype):
     for name, splits, one in (("torch", 4, False), ("triton", 4, False), ("triton", 1, False), ("triton", 4, True)):
         be = create_attention_backend(name, hq, hkv, d, device=device, max_kv_splits=splits, min_tokens_per_split=8,
                                       one_launch_decode=one)
-        worlds.append((be, KVPool(layers, hkv, d, num_pages=64, page_size=4, dtype=dtype, device=device),
-                       ReqToTokenPool(4, 128, device)))
+        worlds.append((be, KVPool(layers, hkv, d, num_pages=64, page_size=4, dtype=pool_dtype, device=device,
+                                  scales=scales), ReqToTokenPool(4, 128, device)))
     gen = torch.Generator().manual_seed(0)
     rows = [1, 2]
     steps = [(ForwardMode.EXTEND, [0, 0], [11, 5]), (ForwardMode.EXTEND, [11, 5], [20, 3]),
@@ -763,10 +859,12 @@ def check_backend_end_to_end(device, dtype):
             if getattr(be, "_tickets", None) is not None:
                 assert not be._tickets.any()
         for out in outs[1:]:
-            torch.testing.assert_close(out, outs[0], **_tol(dtype), msg=lambda m: f"{mode} {prefix}: {m}")
+            torch.testing.assert_close(out, outs[0], **_tol(dtype),
+                                       msg=lambda m: f"{pool_dtype} {mode} {prefix}: {m}")
     for layer in range(layers):
         for w in worlds[1:]:
-            assert torch.equal(worlds[0][1].k_buffers[layer], w[1].k_buffers[layer])
+            assert torch.equal(worlds[0][1].k_buffers[layer].float(), w[1].k_buffers[layer].float())
+            assert torch.equal(worlds[0][1].v_buffers[layer].float(), w[1].v_buffers[layer].float())
 
 
 def check_backend_extend_decode_tail(device, dtype):

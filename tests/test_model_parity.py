@@ -101,11 +101,11 @@ def test_rope_writes_contiguous_qkv_only_for_a_backend_that_reads_them(mode):
     asked = []
 
     class Rotary:
-        def rotate_and_store(self, positions, q, k, v, k_buf, v_buf, loc, out=False):
+        def rotate_and_store(self, positions, q, k, v, k_buf, v_buf, loc, out=False, kv_scales=(1.0, 1.0)):
             asked.append(out)
             return q, k, v
     fb = SimpleNamespace(mode=mode, positions=None, out_cache_loc=None,
-                         kv_pool=SimpleNamespace(get_kv=lambda layer: (None, None)))
+                         kv_pool=SimpleNamespace(get_kv=lambda layer: (None, None), scales=[(1.0, 1.0)]))
     q, kv = torch.zeros(3, 4 * 8), torch.zeros(3, 2 * 8)
     for cls in (TritonAttentionBackend, TorchAttentionBackend):
         backend = cls(4, 2, 8)

@@ -344,6 +344,34 @@ def test_kv_pages_leave_whole_whatever_the_sharding():
     assert torch.allclose(bufs[0], bufs[1], atol=1e-4)
 
 
+def test_tp_fp8_kv_cache_decodes_and_gathers_what_one_rank_does():
+    """An FP8 KV pool sharded over two ranks: the tokens of one rank's FP8 pool, and the whole-model pages its ranks
+    gather (FP8 bytes through gloo's collectives) and scatter back are the same."""
+    from tests.engine_harness import tokenizer
+
+    ids = tokenizer().encode("fp8 kv pages across ranks")
+    got = []
+    for tp in (1, 2):
+        h = Harness(tp_size=tp, kv_cache_dtype="fp8_e4m3")
+        try:
+            assert h.engine.runner.kv_pool.k_buffers[0].dtype == torch.float8_e4m3fn
+            out = [r["ids"] for r in h.run([h.submit(p, sampling=GREEDY) for p in PROMPTS + [ids]])]
+            slots = h.engine.cache.match_prefix(ids, record=False).slots
+            runner = h.engine.runner
+            buf = runner.gather_kv(slots)
+            assert buf.dtype == torch.float8_e4m3fn and list(buf.shape) == [len(slots), *runner.kv_layout()]
+            if tp == 2:
+                runner.scatter_kv(slots, torch.zeros_like(buf))
+                assert runner.gather_kv(slots).float().abs().sum() == 0
+                runner.scatter_kv(slots, got[0][1])
+                assert torch.equal(runner.gather_kv(slots).float(), got[0][1].float())
+            got.append((out, buf.clone()))
+        finally:
+            h.engine.stop()
+    assert got[0][0] == got[1][0]
+    assert torch.equal(got[0][1].float(), got[1][1].float())
+
+
 # ------------------------------------------------------------------ end to end
 def _unsharded(prompt: str) -> dict:
     """What one unsharded engine generates for `prompt` (what _generate asks a stack for)."""

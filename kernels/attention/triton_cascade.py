@@ -31,10 +31,10 @@ MAX_PREFIX_SPLITS = 4  # chunks per group prefix: more only multiplies the parti
 
 @triton.jit
 def _prefix_stage1(Q, KB, VB, REQ_TO_TOKEN, G_ROW, G_LEN, G_START, G_SIZE, G_SPLITS, MEMBERS, MID_O, MID_LSE,
-                   sm_scale_log2, stride_qb, stride_qh, stride_bs, stride_bh, stride_rt,
+                   sm_scale_log2, v_scale, stride_qb, stride_qh, stride_bs, stride_bh, stride_rt,
                    HQ, TOTAL_SPLITS, FIRST_COL, GROUP, D,
                    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+                   BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr = False):
     gi = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -61,9 +61,12 @@ def _prefix_stage1(Q, KB, VB, REQ_TO_TOKEN, G_ROW, G_LEN, G_START, G_SIZE, G_SPL
         mask_d = offs_d < D
         mask_md = mask_m[:, None] & mask_d[None, :]
         q = tl.load(Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_md, other=0.0)
-        q = q.to(KB.dtype.element_ty)
+        if not KV_FP8:  # an FP8 pool's tiles are converted to q's dtype instead (decode's stage 1)
+            q = q.to(KB.dtype.element_ty)
         o, lse = attend_chunk(q, KB, VB, REQ_TO_TOKEN + row, start, end, kvh * stride_bh, stride_bs, offs_d, mask_d,
                               sm_scale_log2, BLOCK_M, BLOCK_D, BLOCK_N, DOT_PREC)
+        if KV_FP8:
+            o = o * v_scale
         idx = (b * HQ + heads) * TOTAL_SPLITS + FIRST_COL + split
         tl.store(MID_O + idx[:, None] * D + offs_d[None, :], o, mask=mask_md & (start < end))
         tl.store(MID_LSE + idx, lse, mask=mask_m)
@@ -199,10 +202,10 @@ def plan_cascade(groups: list[tuple[int, list[int]]], req_rows: list[int], batch
 
 def prefix_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      plan: CascadePlan, first_col: int, scaling: float, mid_o: torch.Tensor,
-                     mid_lse: torch.Tensor) -> None:
+                     mid_lse: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Each group's prefix attended once for all its members: partial outputs and log-sum-exps in scratch
     columns [first_col, first_col + plan.prefix_splits) of every member (other requests' columns are not
-    written: decode_attention's merge skips them by kv_start)."""
+    written: decode_attention's merge skips them by kv_start). k_scale, v_scale: an FP8 pool's."""
     B, HQ, D = q.shape
     HKV = k_buf.shape[1]
     group = HQ // HKV
@@ -213,11 +216,11 @@ def prefix_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     sh = plan.shape
     _prefix_stage1[(sh.max_groups, HKV, sh.max_splits)](
         q, k_buf, v_buf, req_to_token, plan.g_row, plan.g_len, plan.g_start, plan.g_size, plan.g_splits,
-        plan.members, mid_o, mid_lse, scaling * LOG2E, q.stride(0), q.stride(1), k_buf.stride(0),
+        plan.members, mid_o, mid_lse, scaling * k_scale * LOG2E, float(v_scale), q.stride(0), q.stride(1), k_buf.stride(0),
         k_buf.stride(1), req_to_token.stride(0), HQ, total, first_col, group, D,
         BLOCK_R=sh.block_r, BLOCK_G=next_pow2(group), BLOCK_M=sh.block_r * next_pow2(group),
         BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2)
+        DOT_PREC=dot_precision(q.dtype), KV_FP8=k_buf.element_size() == 1, num_warps=4, num_stages=2)
 
 
 def cascade_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -225,17 +228,18 @@ def cascade_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.
                              plan: CascadePlan, num_kv_splits: torch.Tensor, max_kv_splits: int,
                              scaling: float, mid_o: torch.Tensor | None = None,
                              mid_lse: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                             tickets: torch.Tensor | None = None) -> torch.Tensor:
+                             tickets: torch.Tensor | None = None, k_scale: float = 1.0,
+                             v_scale: float = 1.0) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D]: each group's prefix attended once, merged with every request's own
     suffix. num_kv_splits: per-request splits of the suffix (at most max_kv_splits). Scratch, if
     given: [B, Hq, max_kv_splits + plan.prefix_splits(, D)] fp32. tickets: decode_attention's (the
-    merge in the suffix kernel's launch)."""
+    merge in the suffix kernel's launch). k_scale, v_scale: an FP8 pool's."""
     B, HQ, D = q.shape
     total = max_kv_splits + plan.prefix_splits
     if mid_o is None:
         mid_o = torch.empty((B, HQ, total, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, HQ, total), dtype=torch.float32, device=q.device)
-    prefix_attention(q, k_buf, v_buf, req_to_token, plan, max_kv_splits, scaling, mid_o, mid_lse)
+    prefix_attention(q, k_buf, v_buf, req_to_token, plan, max_kv_splits, scaling, mid_o, mid_lse, k_scale, v_scale)
     return decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
                             max_kv_splits, scaling, out=out, mid_o=mid_o, mid_lse=mid_lse, kv_start=plan.kv_start,
-                            tickets=tickets)
+                            tickets=tickets, k_scale=k_scale, v_scale=v_scale)

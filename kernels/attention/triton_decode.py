@@ -48,7 +48,8 @@ def _tile_scores(q, k, mask_n, m_i, l_i, sm_scale_log2, DOT_PREC: tl.constexpr):
 def attend_chunk(q, KB, VB, ROW, start, end, kv_base, stride_bs, offs_d, mask_d, sm_scale_log2,
                  ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
                  FIRST: tl.constexpr = False, k_first=None, v_first=None):
-    """Online-softmax attention of query rows q [ROWS, BLOCK_D] (in the KV dtype) over positions [start,
+    """Online-softmax attention of query rows q [ROWS, BLOCK_D] (in the dtype attention computes in: the KV
+    pool's, or for an FP8 pool the query's own, each k/v tile converted to it) over positions [start,
     end) of one req_to_token row (ROW points at it), KV head at kv_base: the normalised partial output
     [ROWS, BLOCK_D] fp32 and its log2-sum-exp [ROWS] (-inf, and an output of 0, for an empty chunk).
     FIRST: the first tile's k and v are already loaded (k_first, v_first: the decode kernel's, before its
@@ -59,9 +60,9 @@ def attend_chunk(q, KB, VB, ROW, start, end, kv_base, stride_bs, offs_d, mask_d,
     first = start
     if FIRST:
         if start < end:  # an empty chunk takes no tile (all of its scores would be -inf)
-            m_i, p, alpha, l_i = _tile_scores(q, k_first, (start + tl.arange(0, BLOCK_N)) < end, m_i, l_i,
-                                              sm_scale_log2, DOT_PREC)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v_first.dtype), v_first, input_precision=DOT_PREC)
+            m_i, p, alpha, l_i = _tile_scores(q, k_first.to(q.dtype), (start + tl.arange(0, BLOCK_N)) < end, m_i,
+                                              l_i, sm_scale_log2, DOT_PREC)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v_first.to(q.dtype), input_precision=DOT_PREC)
         first = start + BLOCK_N
     for n0 in range(first, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -69,10 +70,10 @@ def attend_chunk(q, KB, VB, ROW, start, end, kv_base, stride_bs, offs_d, mask_d,
         slots = tl.load(ROW + offs_n, mask=mask_n, other=0).to(tl.int64)
         kv_off = kv_base + slots[:, None] * stride_bs + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(KB + kv_off, mask=kv_mask, other=0.0)
+        k = tl.load(KB + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         m_i, p, alpha, l_i = _tile_scores(q, k, mask_n, m_i, l_i, sm_scale_log2, DOT_PREC)
-        v = tl.load(VB + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        v = tl.load(VB + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(start >= end, float("-inf"), m_i + tl.log2(l_safe))
     return acc / l_safe[:, None], lse
@@ -141,12 +142,12 @@ def _chunk(SEQ_LENS, NUM_SPLITS, KV_START, REQ_IDX, b, split, stride_rt, BLOCK_N
 
 @triton.jit
 def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O, MID_LSE, KV_START, TICKETS, O,
-                   sm_scale_log2, stride_qb, stride_qh, stride_bs, stride_bh, stride_rt, stride_ob, stride_oh,
+                   sm_scale_log2, v_scale, stride_qb, stride_qh, stride_bs, stride_bh, stride_rt, stride_ob, stride_oh,
                    HQ, TOTAL, EXTRA_FROM, GROUP, D,
                    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    CHUNK: tl.constexpr, DOT_PREC: tl.constexpr, HAS_START: tl.constexpr, FINAL: tl.constexpr,
                    TICKETED: tl.constexpr, PDL: tl.constexpr, KV_EARLY: tl.constexpr = False,
-                   HEAD_MAJOR: tl.constexpr = False):
+                   HEAD_MAJOR: tl.constexpr = False, KV_FP8: tl.constexpr = False):
     """Without FINAL: partial output and log-sum-exp of one chunk into the scratch, for stage 2.
     FINAL: stage 1 writes the output itself, in O's dtype. A request's lone chunk (one split, no shared
     prefix) is final as it is (a lone split merges to itself exactly). Otherwise every chunk's partial
@@ -155,7 +156,9 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
     returns n_splits - 1 (it then puts the counter back to 0 for the next launch); without, every
     request has one split (max_kv_splits == 1), so its program is the last.
     HEAD_MAJOR: the grid is (KV heads, requests, splits), so a request's KV heads, which share each token's
-    pool rows, run next to each other; otherwise (requests, KV heads, splits)."""
+    pool rows, run next to each other; otherwise (requests, KV heads, splits).
+    KV_FP8: an FP8 pool; k and v tiles are converted to q's dtype, the keys' scale is in sm_scale_log2 and the
+    values' (v_scale) multiplies each chunk's output (the merge is linear in them)."""
     if HEAD_MAJOR:
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -192,7 +195,8 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
         mask_h = offs_g < GROUP
         mask_hd = mask_h[:, None] & mask_d[None, :]
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0)
-        q = q.to(KB.dtype.element_ty)
+        if not KV_FP8:
+            q = q.to(KB.dtype.element_ty)
         # A chunk past the end of a short context is empty: weight 0 in the merge (lse -inf, o 0).
         if KV_EARLY:  # the new token's k and v are the previous kernel's: read after the wait
             new = (mask_n & (offs_n == seq_len - 1))[:, None] & mask_d[None, :]
@@ -203,6 +207,8 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
         else:
             o, lse = attend_chunk(q, KB, VB, REQ_TO_TOKEN + row, start, end, kvh * stride_bh, stride_bs, offs_d,
                                   mask_d, sm_scale_log2, BLOCK_H, BLOCK_D, BLOCK_N, DOT_PREC)
+        if KV_FP8:
+            o = o * v_scale
         if FINAL and not (TICKETED or HAS_START):
             lone = True  # max_kv_splits == 1, no shared prefix: every request is one chunk (no merge compiled)
         elif FINAL:
@@ -316,7 +322,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      max_kv_splits: int, scaling: float, out: torch.Tensor | None = None,
                      mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
                      kv_start: torch.Tensor | None = None, tickets: torch.Tensor | None = None,
-                     tile: tuple[int, int, int] | None = None, head_major: bool | None = None) -> torch.Tensor:
+                     tile: tuple[int, int, int] | None = None, head_major: bool | None = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [B, Hq, D]; pool buffers [slots, Hkv, D]; returns [B, Hq, D] in q's dtype.
     mid_o [B, Hq, S, D] / mid_lse [B, Hq, S] fp32 scratch (S >= max_kv_splits) may be passed in so all
     layers reuse one allocation. With kv_start [B] int32, only positions [kv_start, seq_len) are read
@@ -327,7 +334,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     of a process, allocated once: a captured graph keeps its address); the last program to finish
     each (request, KV head) merges its chunks. Otherwise a second launch (stage 2) merges them.
     tile (BLOCK_N, warps, stages) and head_major override stage 1's defaults (`stage1_tile`, HEAD_MAJOR): for
-    sweeps (bench.probe decode256)."""
+    sweeps (bench.probe decode256). k_scale, v_scale: an FP8 pool's (what its rows are multiplied by)."""
     B, HQ, D = q.shape
     HKV = k_buf.shape[1]
     assert HQ % HKV == 0 and q.stride(-1) == 1 and k_buf.is_contiguous() and v_buf.is_contiguous()
@@ -353,13 +360,13 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
         mid_o if mid_o is not None else out, mid_lse if mid_lse is not None else out,
         kv_start if kv_start is not None else seq_lens, tickets if ticketed else seq_lens, out,
-        scaling * LOG2E, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), req_to_token.stride(0),
+        scaling * k_scale * LOG2E, float(v_scale), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1), HQ, total_splits, max_kv_splits, group, D,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         CHUNK=merge_chunk(group, BLOCK_D, widest), DOT_PREC=dot_precision(q.dtype), num_warps=warps,
         num_stages=stages, HAS_START=kv_start is not None, FINAL=final, TICKETED=ticketed,
         KV_EARLY=bool(KV_BEFORE_WAIT) and not pdl_early_families(), HEAD_MAJOR=bool(head_major),
-        **pdl_launch(family="attention"))
+        KV_FP8=k_buf.element_size() == 1, **pdl_launch(family="attention"))
     if final:
         return out
     _decode_stage2[(B, HQ)](

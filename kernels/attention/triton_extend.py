@@ -46,10 +46,12 @@ def _attend_block(acc, m_i, l_i, q, k, v, s_mask, sm_scale_log2, DOT_PREC: tl.co
 
 @triton.jit
 def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEND_LENS, START_LOC,
-                   sm_scale_log2, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   sm_scale_log2, k_scale, v_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_ot, stride_oh, stride_bs, stride_bh, stride_rt, GROUP, D,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PACK: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+                   DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr = False):
+    """KV_FP8: an FP8 pool. The prefix's k and v tiles are converted to q's dtype (v times v_scale first) and
+    its scores take k_scale; the new tokens' k and v are read as computed, unrounded."""
     # Longest-running (last, most causal work) query blocks launch first to shorten the tail.
     mblk = tl.num_programs(0) - 1 - tl.program_id(0)
     hp = tl.program_id(1)  # query heads hp * PACK .. hp * PACK + PACK - 1, one KV head (PACK divides GROUP)
@@ -69,7 +71,11 @@ def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEN
         mask_d = offs_d < D
         q_off = (tok0 + offs_m[:, None]) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(Q + q_off, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-        q = q.to(KB.dtype.element_ty)
+        if KV_FP8:
+            CDT: tl.constexpr = Q.dtype.element_ty  # what the dots take
+        else:
+            CDT: tl.constexpr = KB.dtype.element_ty
+        q = q.to(CDT)
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -85,8 +91,12 @@ def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEN
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(KB + kv_off, mask=kv_mask, other=0.0)
             v = tl.load(VB + kv_off, mask=kv_mask, other=0.0)
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, mask_n[None, :], sm_scale_log2, DOT_PREC,
-                                          True)
+            if KV_FP8:
+                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k.to(CDT), (v.to(tl.float32) * v_scale).to(CDT),
+                                              mask_n[None, :], sm_scale_log2 * k_scale, DOT_PREC, True)
+            else:
+                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, mask_n[None, :], sm_scale_log2, DOT_PREC,
+                                              True)
 
         # The request's own new tokens in whole key blocks before this query block: visible to every row.
         k_ptrs = K + tok0 * stride_kt + kvh * stride_kh + offs_d[None, :]
@@ -96,8 +106,8 @@ def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEN
             offs_n = n0 + tl.arange(0, BLOCK_N)
             k = tl.load(k_ptrs + offs_n[:, None] * stride_kt, mask=mask_d[None, :], other=0.0)
             v = tl.load(v_ptrs + offs_n[:, None] * stride_vt, mask=mask_d[None, :], other=0.0)
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k.to(KB.dtype.element_ty), v.to(VB.dtype.element_ty),
-                                          mask_m[:, None], sm_scale_log2, DOT_PREC, False)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k.to(CDT), v.to(CDT), mask_m[:, None], sm_scale_log2,
+                                          DOT_PREC, False)
         # The rest up to the block's last token: causal mask.
         n_end = tl.minimum(ext_len, m0 + TOK_M)
         for n0 in range(n_full, n_end, BLOCK_N):
@@ -107,8 +117,8 @@ def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEN
             k = tl.load(k_ptrs + offs_n[:, None] * stride_kt, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs + offs_n[:, None] * stride_vt, mask=kv_mask, other=0.0)
             causal = (offs_n[None, :] <= offs_m[:, None]) & mask_n[None, :]
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k.to(KB.dtype.element_ty), v.to(VB.dtype.element_ty),
-                                          causal, sm_scale_log2, DOT_PREC, True)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k.to(CDT), v.to(CDT), causal, sm_scale_log2, DOT_PREC,
+                                          True)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_off = (tok0 + offs_m[:, None]) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -147,11 +157,13 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
                      extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor,
                      extend_start_loc: torch.Tensor, max_extend_len: int, scaling: float,
                      out: torch.Tensor | None = None,
-                     config: tuple[int, int, int, int] | None = None, pack: int | None = None) -> torch.Tensor:
+                     config: tuple[int, int, int, int] | None = None, pack: int | None = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] of the new tokens (packed like q); prefixes come from the pool.
     max_extend_len: a host upper bound on any request's new-token count (sizes the grid).
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages) override. pack: query heads per program (a divisor
-    of the group size Hq / Hkv dividing BLOCK_M); None: extend_pack's."""
+    of the group size Hq / Hkv dividing BLOCK_M); None: extend_pack's. k_scale, v_scale: an FP8 pool's (its
+    prefix rows are multiplied by them; the new tokens' k, v are read as passed)."""
     T, HQ, D = q.shape
     HKV = k.shape[1]
     assert HQ % HKV == 0 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
@@ -170,9 +182,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
     grid = (triton.cdiv(max_extend_len, BLOCK_M // pack), HQ // pack, B)
     _extend_kernel[grid](
         q, k, v, out, k_buf, v_buf, req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens,
-        extend_start_loc, scaling * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        extend_start_loc, scaling * LOG2E, float(k_scale), float(v_scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1),
         req_to_token.stride(0), HQ // HKV, D,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PACK=pack, DOT_PREC=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages)
+        KV_FP8=k_buf.element_size() == 1, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -20,7 +20,7 @@ class KvReceive:
         runner = engine.runner
         staging = engine.config.kv_transfer_staging
         self.receiver = KvReceiver(
-            runner.kv_layout(), kv_pages.dtype_name(runner.dtype),
+            runner.kv_layout(), kv_pages.dtype_name(runner.kv_dtype),
             alloc=lambda n: runner.empty_kv_buffer(n, staging),
             on_arrival=engine.kv_arrived, on_failure=engine.kv_failed, on_offer=engine.kv_offered,
             expect_timeout=engine.config.kv_transfer_timeout, key=key)

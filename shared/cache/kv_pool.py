@@ -2,6 +2,10 @@
 
 Slot indices are global ints. Page 0 (slots 0..page_size-1) is never handed out: slot 0 is the padding
 target for dummy tokens (CUDA-graph padding), so writes there are harmless.
+
+The buffers hold the model's dtype, or FP8 (--kv-cache-dtype fp8_e4m3 / fp8_e5m2: half the bytes, twice the
+tokens). An FP8 pool stores k / k_scale and v / v_scale with one scale per layer (1.0 unless the checkpoint
+calibrated them); every reader multiplies them back in.
 """
 from __future__ import annotations
 
@@ -10,9 +14,23 @@ import torch
 from kernels.h2d import to_device
 
 
+# --kv-cache-dtype values other than auto (the model's dtype); "fp8" is vLLM's name for e4m3.
+FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type for --kv-cache-dtype `name`."""
+    if name in ("auto", "", None):
+        return model_dtype
+    if name not in FP8_KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r} is not supported: auto, {', '.join(FP8_KV_DTYPES)}")
+    return FP8_KV_DTYPES[name]
+
+
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
-                 page_size: int, dtype: torch.dtype, device: torch.device | str):
+                 page_size: int, dtype: torch.dtype, device: torch.device | str,
+                 scales: list[tuple[float, float]] | None = None):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -24,6 +42,11 @@ class KVPool:
         shape = (self.size, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # (k_scale, v_scale) of each layer: what an FP8 pool's rows are multiplied by when read.
+        if scales is not None and dtype.itemsize != 1 and any(s != (1.0, 1.0) for s in scales):
+            raise ValueError("KV scales apply to an FP8 pool only")
+        self.scales = [(float(k), float(v)) for k, v in scales] if scales is not None else [(1.0, 1.0)] * num_layers
+        assert len(self.scales) == num_layers
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -34,7 +57,7 @@ class KVPool:
         loc: [T] slot ids. One fused kernel on the GPU (decode is launch-bound)."""
         from kernels import ops
 
-        ops.store_kv(self.k_buffers[layer], self.v_buffers[layer], loc, k, v)
+        ops.store_kv(self.k_buffers[layer], self.v_buffers[layer], loc, k, v, *self.scales[layer])
 
     def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer], self.v_buffers[layer]

@@ -13,6 +13,7 @@ _CHOICES = {
     "schedule_policy": ["lpm", "fcfs"],
     "load_format": ["auto", "dummy"],
     "quantization": ["none", "fp8"],
+    "kv_cache_dtype": ["auto", "fp8_e4m3", "fp8_e5m2", "fp8"],
     "jump_forward_mode": ["retokenize", "verify"],
     "kv_transfer_staging": ["device", "host"],
 }
@@ -87,6 +88,8 @@ _HELP = {
     "quantization": "none: as the checkpoint says (its quantization_config is honoured or refused); fp8: "
                     "also quantize a float checkpoint's linear weights to FP8 at load",
     "dtype": "auto: bfloat16 on GPU, float32 on CPU",
+    "kv_cache_dtype": "auto: the model's dtype; fp8_e4m3 / fp8_e5m2 (fp8: e4m3): an FP8 KV cache, twice the tokens "
+                      "in the same memory, scaled by the checkpoint's per-layer k/v scales where it has them",
     "attention_backend": "auto picks per device (triton on GPU, torch on CPU)",
     "page_size": "tokens per KV page (radix matches are page-aligned)",
     "max_total_tokens": "KV pool size in tokens (default: --mem-fraction-static of free memory after weights)",

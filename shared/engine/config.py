@@ -27,6 +27,10 @@ class EngineConfig:
     # quantize a float checkpoint's linear weights to FP8 (per channel) at load.
     quantization: str = "none"
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
+    # KV cache element type: auto (the model's dtype) | fp8_e4m3 | fp8_e5m2 (| fp8, vLLM's name for e4m3). FP8 halves
+    # the pool's bytes a token (twice the tokens) and decode attention's reads; its values are rounded, with the
+    # checkpoint's per-layer k/v scales where it has them (shared/cache/kv_pool.py).
+    kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton (ATTENTION_BACKENDS)
     page_size: int = 1
     # KV pool size: explicit token count, else a fraction of free device memory after weights.

@@ -158,7 +158,7 @@ class PrefillSide:
             self.stages.open(req)
             self.on_transfer_open(req.transfer_id, {"host": req.transfer.host, "port": req.transfer.port},
                                   KvHeader(transfer_id=req.transfer_id, prompt_len=len(req.input_ids),
-                                           layout=runner.kv_layout(), dtype=kv_pages.dtype_name(runner.dtype)))
+                                           layout=runner.kv_layout(), dtype=kv_pages.dtype_name(runner.kv_dtype)))
         self.stages.admitted.clear()
 
     def on_launch(self, reqs: list["Req"], sample: list[bool]) -> None:

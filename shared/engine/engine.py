@@ -829,6 +829,7 @@ class Engine:
             "vocab_size": self.runner.vocab_size,
             "device": str(self.runner.device),
             "dtype": str(self.runner.dtype).replace("torch.", ""),
+            "kv_cache_dtype": str(self.runner.kv_dtype).replace("torch.", ""),
             "num_running": self.scheduler.num_running(),
             "num_waiting": len(self.scheduler.waiting),
             "kv_usage": round(1.0 - free / total, 6) if total else 0.0,

@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from shared.cache.kv_pool import KVPool, ReqToTokenPool
+from shared.cache.kv_pool import KVPool, ReqToTokenPool, kv_cache_dtype
 from shared.engine.config import EngineConfig
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
 from kernels.h2d import to_device
@@ -211,7 +211,16 @@ class ModelRunner:
         # The split norms' kernels and the prefetch are the GPU's; on CPU the torch path would gain nothing.
         on_gpu = self.device.type == "cuda"
         self.decode_norm_fusion = self.model.model.split_row_norms(config.decode_norm_fusion and on_gpu)
-        self.decode_rope_fusion = self.model.model.fuse_row_rope(config.decode_rope_fusion and on_gpu)
+        # The KV pool's element type: the model's, or FP8 (scaled by the checkpoint's per-layer k/v scales if any).
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        kv_scales = None
+        if self.kv_dtype.itemsize == 1:
+            from shared.models.loader import load_kv_scales
+
+            kv_scales = load_kv_scales(config.model_path, self.model_config.num_hidden_layers, config.load_format)
+        # The qkv GEMV's rope epilogue stores k, v in the model's dtype: not with an FP8 pool.
+        self.decode_rope_fusion = self.model.model.fuse_row_rope(config.decode_rope_fusion and on_gpu
+                                                                 and self.kv_dtype == self.dtype)
         if config.decode_l2_prefetch and on_gpu:
             from shared.models.weight_prefetch import WeightPrefetcher
 
@@ -232,7 +241,7 @@ class ModelRunner:
             num_tokens = all_reduce_min(num_tokens, self.device)
         num_pages = max(1, num_tokens // self.page_size)
         self.kv_pool = KVPool(mc.num_hidden_layers, self.num_kv_heads, mc.head_dim, num_pages,
-                              self.page_size, self.dtype, self.device)
+                              self.page_size, self.kv_dtype, self.device, kv_scales)
         self.max_total_tokens = num_pages * self.page_size
         self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
         if self.tp is not None and self.tp.is_leader:  # the scheduler's own writes (a prefix deduplicated)
@@ -254,8 +263,9 @@ class ModelRunner:
             head_dim=mc.head_dim, device=self.device, one_launch_decode=config.one_launch_decode_attention,
             max_kv_splits=config.triton_attention_num_kv_splits)
         self.attn_backend.cascade_enabled &= not config.disable_shared_prefix_attention
-        log.info("model %s on %s (%s): KV pool %d tokens, context %d", config.model_path, self.device,
-                 self.dtype, self.max_total_tokens, self.max_context_len)
+        log.info("model %s on %s (%s): KV pool %d tokens (%s%s), context %d", config.model_path, self.device,
+                 self.dtype, self.max_total_tokens, str(self.kv_dtype).replace("torch.", ""),
+                 ", the checkpoint's k/v scales" if kv_scales else "", self.max_context_len)
         if self.device.type == "cuda":
             self.warmup()
         self.graph_runner = None
@@ -347,7 +357,7 @@ class ModelRunner:
         if self.config.max_total_tokens:
             return self.config.max_total_tokens
         mc = self.model_config
-        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, self.num_kv_heads, mc.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, self.num_kv_heads, mc.head_dim, self.kv_dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Keep (1 - fraction) of the whole card for activations, graphs and the sampler.
@@ -510,7 +520,7 @@ class ModelRunner:
         """Where `tokens` positions of whole-model KV are received."""
         from shared.transfer import kv_pages
 
-        return kv_pages.empty_buffer(self.kv_layout(), self.dtype, self.device, tokens, staging)
+        return kv_pages.empty_buffer(self.kv_layout(), self.kv_dtype, self.device, tokens, staging)
 
     def gather_kv(self, slots: torch.Tensor, staging: str = "device") -> torch.Tensor:
         """Whole-model KV at `slots` -> one contiguous buffer (kv_pages' token-major layout). Under

@@ -17,8 +17,8 @@ from tqdm import tqdm
 from shared.models.config import ModelConfig
 from shared.models.llama import LlamaForCausalLM
 from shared.models.parallel import tp_rank
-from shared.models.quantization import (CheckpointReader, QuantSpec, fp8_weight_names, online_quantized,
-                                        parse_quantization, quantize_per_channel, quantized_tensors)
+from shared.models.quantization import (CheckpointReader, QuantSpec, fp8_weight_names, kv_cache_scales,
+                                        online_quantized, parse_quantization, quantize_per_channel, quantized_tensors)
 from shared.models.weights import build_empty_model, convert_linears_to_fp8, load_weights
 from shared.tokenizer import TINY_RANDOM, resolve_model_dir
 
@@ -134,6 +134,14 @@ def load_model(model_path: str, dtype: torch.dtype | None = None, device: torch.
     else:
         _load_checkpoint(model, safetensors_files(model_dir), spec)
     return model, cfg
+
+
+def load_kv_scales(model_path: str, num_layers: int, load_format: str = "auto") -> list[tuple[float, float]] | None:
+    """The checkpoint's per-layer (k_scale, v_scale) for an FP8 KV cache, or None where it has none (then every
+    scale is 1.0). Read only when the engine runs an FP8 cache; a bf16 cache needs none."""
+    if model_path == TINY_RANDOM or load_format == "dummy":
+        return None
+    return kv_cache_scales(CheckpointReader(safetensors_files(resolve_model_dir(model_path))), num_layers)
 
 
 def _load_checkpoint(model: LlamaForCausalLM, files: list[str], spec: QuantSpec | None) -> None:

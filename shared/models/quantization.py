@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 
 SUPPORTED = "fp8 (per-tensor, per-channel or block scales), fbgemm_fp8, compressed-tensors float8"
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
-# Checkpoint entries of quantized layers that the FP8 path does not need.
+# Checkpoint entries of quantized layers that the FP8 weight path does not need (an FP8 KV cache reads the k/v
+# scales apart: kv_cache_scales).
 DROPPED_SUFFIXES = (".input_scale", ".activation_scale_ub", ".input_zero_point", ".weight_zero_point",
-                    ".k_scale", ".v_scale", ".kv_scale")
+                    ".k_scale", ".v_scale", ".kv_scale", ".output_scale")
 
 
 class UnsupportedQuantization(ValueError):
@@ -209,3 +210,38 @@ def online_quantized(weights: Iterable[tuple[str, torch.Tensor]], keep_fp8: set[
             yield name[: -len(".weight")] + ".weight_scale", scale
         else:
             yield name, tensor
+
+
+# ------------------------------------------------------------------ KV cache scales
+# Per-layer scales an FP8 KV cache stores k / k_scale and v / v_scale with, as checkpoints calibrated for one write
+# them: `self_attn.k_scale` / `v_scale` (vLLM, ModelOpt, compressed-tensors), one `self_attn.kv_scale` for both
+# (AutoFP8), or `self_attn.k_proj.output_scale` / `v_proj.output_scale` (older compressed-tensors).
+_KV_SCALE_NAMES = ((".self_attn.k_scale", ".self_attn.v_scale"), (".self_attn.kv_scale", ".self_attn.kv_scale"),
+                   (".self_attn.k_proj.output_scale", ".self_attn.v_proj.output_scale"))
+
+
+def kv_cache_scales(reader: CheckpointReader, num_layers: int) -> list[tuple[float, float]] | None:
+    """(k_scale, v_scale) of every layer from the checkpoint, or None where it has none. A checkpoint with scales
+    for some layers only, or a scale that is not one positive finite number, is refused."""
+    names = set(reader.names())
+    for k_suffix, v_suffix in _KV_SCALE_NAMES:
+        found = [(f"model.layers.{i}{k_suffix}", f"model.layers.{i}{v_suffix}") for i in range(num_layers)]
+        have = [k in names and v in names for k, v in found]
+        if not any(have):
+            continue
+        if not all(have):
+            missing = [i for i, h in enumerate(have) if not h]
+            raise UnsupportedQuantization(f"the checkpoint has KV cache scales ({k_suffix[1:]}) for some layers "
+                                          f"but not for layers {missing[:8]}")
+        scales = []
+        for k_name, v_name in found:
+            pair = []
+            for name in (k_name, v_name):
+                t = reader.get(name).to(torch.float32).reshape(-1)
+                if t.numel() != 1 or not bool(torch.isfinite(t).all()) or float(t) <= 0:
+                    raise UnsupportedQuantization(f"KV cache scale '{name}' must be one positive number, got "
+                                                  f"shape {tuple(t.shape)}")
+                pair.append(float(t))
+            scales.append((pair[0], pair[1]))
+        return scales
+    return None

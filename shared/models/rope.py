@@ -102,9 +102,11 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim)
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, out: bool = False):
+                         k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, out: bool = False,
+                         kv_scales: tuple[float, float] = (1.0, 1.0)):
         """forward(positions, q, k), then the rotated k and v written to pool slots `loc` (k, v:
         [T, Hkv, D]); one kernel on CUDA. Every scaling type lives in the table, so all take this path.
-        Returns (q, k, v); `out`: as new contiguous tensors, the inputs untouched (kernels.ops)."""
+        Returns (q, k, v); `out`: as new contiguous tensors, the inputs untouched (kernels.ops).
+        kv_scales: an FP8 pool's (k_scale, v_scale) of this layer."""
         return ops.apply_rope_and_store_kv(q, k, v, positions, self.cos_sin_cache, self.head_dim, k_buf, v_buf, loc,
-                                           out=out)
+                                           out=out, k_scale=kv_scales[0], v_scale=kv_scales[1])

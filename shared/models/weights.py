@@ -21,7 +21,9 @@ from shared.models.parallel import Shard
 log = logging.getLogger(__name__)
 
 # Checkpoint entries that are derived state, not weights.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# KV cache scales are not weights: an FP8 KV cache reads them apart (quantization.kv_cache_scales).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
+                     "self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
 
 
 @dataclass

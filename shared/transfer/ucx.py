@@ -223,7 +223,7 @@ class KvReceiver:
         try:
             if header.layout != self.layout or header.dtype != self.dtype:
                 raise TransferError(f"KV layout {header.layout} {header.dtype} does not match this worker's "
-                                    f"{self.layout} {self.dtype} (a different model?)")
+                                    f"{self.layout} {self.dtype} (a different model, or another --kv-cache-dtype?)")
             self.on_offer(transfer_id)  # the engine may now reserve slots for it
             exp = await self._wait_expected(transfer_id)
             if header.prompt_len != exp.prompt_len:

@@ -116,7 +116,8 @@ class AttentionBackend(ABC):
         else:
             k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
             q, k, v = rotary.rotate_and_store(fb.positions, q, k, v, k_buf, v_buf, fb.out_cache_loc,
-                                              out=self.extend_contiguous_qkv and fb.mode != ForwardMode.DECODE)
+                                              out=self.extend_contiguous_qkv and fb.mode != ForwardMode.DECODE,
+                                              kv_scales=fb.kv_pool.scales[layer_id])
         if fb.mode == ForwardMode.DECODE:
             o = self.forward_decode(q, layer_id, fb)
         else:
@@ -126,8 +127,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                        fb: ForwardBatch) -> torch.Tensor:
-        """q: [T, Hq, D]; the new tokens' k/v are already in the pool (also passed, for backends that
-        read them directly). Returns [T, Hq, D]."""
+        """q: [T, Hq, D]; the new tokens' k/v are already in the pool (also passed: backends read them as passed,
+        which with an FP8 pool are the unrounded values). Returns [T, Hq, D]."""
 
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:

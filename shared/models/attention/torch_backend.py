@@ -13,14 +13,19 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward_extend(self, q, k, v, layer_id, fb: ForwardBatch):
         k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
+        k_scale, v_scale = fb.kv_pool.scales[layer_id]
         out = torch.empty_like(q)
         start = 0
         for i in range(fb.batch_size):
             n = fb.extend_seq_lens_cpu[i]
             seq_len = fb.seq_lens_cpu[i]
             slots = fb.req_to_token[fb.req_pool_indices[i], :seq_len].long()
+            # The new tokens' own k, v as computed (the Triton kernel's reading; an FP8 pool rounds them).
+            new_kv = (k[start:start + n].view(n, -1, self.head_dim), v[start:start + n].view(n, -1, self.head_dim)) \
+                if k is not None else None
             out[start:start + n] = paged_attention_ref(
-                q[start:start + n], k_buf, v_buf, slots, fb.extend_prefix_lens_cpu[i], self.scaling)
+                q[start:start + n], k_buf, v_buf, slots, fb.extend_prefix_lens_cpu[i], self.scaling, k_scale, v_scale,
+                new_kv)
             start += n
         return out
 
@@ -28,5 +33,5 @@ class TorchAttentionBackend(AttentionBackend):
         if fb.prefix_groups:
             k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
             return cascade_decode_attention_ref(q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices,
-                                                fb.seq_lens, fb.prefix_groups, self.scaling)
+                                                fb.seq_lens, fb.prefix_groups, self.scaling, *fb.kv_pool.scales[layer_id])
         return self.forward_extend(q, None, None, layer_id, fb)

@@ -189,20 +189,21 @@ class TritonAttentionBackend(AttentionBackend):
             return self.fallback.forward_extend(q, k, v, layer_id, fb)
         meta = self._metadata(fb)
         k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
+        k_scale, v_scale = fb.kv_pool.scales[layer_id]
         if meta.tail is None:
             return extend_attention(q, k, v, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices,
                                     fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc,
-                                    meta.max_extend_len, self.scaling)
+                                    meta.max_extend_len, self.scaling, k_scale=k_scale, v_scale=v_scale)
         # The one-token rows at the end: their k/v are in the pool already, so they are decode rows.
         h, t0, tail = meta.head, meta.head_tokens, meta.tail
         out = torch.empty_like(q)
         if h:
             extend_attention(q, k, v, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices[:h],
                              fb.extend_prefix_lens[:h], fb.extend_seq_lens[:h], fb.extend_start_loc[:h],
-                             meta.max_extend_len, self.scaling, out=out)
+                             meta.max_extend_len, self.scaling, out=out, k_scale=k_scale, v_scale=v_scale)
         decode_attention(q[t0:], k_buf, v_buf, fb.req_to_token, fb.req_pool_indices[h:], fb.seq_lens[h:],
                          tail.num_kv_splits, tail.max_kv_splits, self.scaling, out=out[t0:], mid_o=tail.mid_o,
-                         mid_lse=tail.mid_lse, tickets=tail.tickets)
+                         mid_lse=tail.mid_lse, tickets=tail.tickets, k_scale=k_scale, v_scale=v_scale)
         return out
 
     def forward_decode(self, q, layer_id, fb: ForwardBatch):
@@ -210,10 +211,13 @@ class TritonAttentionBackend(AttentionBackend):
             return self.fallback.forward_decode(q, layer_id, fb)
         meta = self._metadata(fb)
         k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
+        k_scale, v_scale = fb.kv_pool.scales[layer_id]
         if meta.cascade is not None:
             return cascade_decode_attention(q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                             meta.cascade, meta.num_kv_splits, meta.max_kv_splits, self.scaling,
-                                            mid_o=meta.mid_o, mid_lse=meta.mid_lse, tickets=meta.tickets)
+                                            mid_o=meta.mid_o, mid_lse=meta.mid_lse, tickets=meta.tickets,
+                                            k_scale=k_scale, v_scale=v_scale)
         return decode_attention(q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                 meta.num_kv_splits, meta.max_kv_splits, self.scaling,
-                                mid_o=meta.mid_o, mid_lse=meta.mid_lse, tickets=meta.tickets)
+                                mid_o=meta.mid_o, mid_lse=meta.mid_lse, tickets=meta.tickets,
+                                k_scale=k_scale, v_scale=v_scale)
