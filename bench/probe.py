@@ -570,6 +570,60 @@ def probe_decode256_ab(res: dict) -> None:
     res["decode256_ab"] = out
 
 
+def probe_kvfp8(res: dict) -> None:
+    """--kv-cache-dtype fp8_e4m3 against the model's bf16: (1) decode attention alone at the throughput workload's
+    late steps (256 rows x 640 tokens) and at batch 1 / 64 with long contexts, in CUDA graphs with the KV out of
+    L2, each at its own bytes against the copy rate; (2) the throughput workload (256 x (512, 128), bench.offline's
+    engine settings) on fresh engines of each, alternated twice, two runs each, with the pool each gets from the
+    same memory fraction."""
+    from bench.common import measure_copy_bandwidth
+    from bench.kernels import D, DT, _pool, copies_for
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
+    bw = measure_copy_bandwidth()
+    rows = []
+    for B, ctx in [(256, 640), (1, 8192), (64, 1024)]:
+        kv_bytes = 2 * B * ctx * HKV * D * 2
+        kbs, vbs, r2t, req = _pool(B, ctx, copies_for(kv_bytes))
+        seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(B, HQ, D, dtype=DT, device="cuda")
+        out = torch.empty_like(q)
+        ms = plan_max_kv_splits(B, HKV)
+        splits = num_kv_splits_for(seq, ms)
+        mid_o = torch.empty(B, HQ, ms, D, dtype=torch.float32, device="cuda") if ms > 1 else None
+        mid_lse = torch.empty(B, HQ, ms, dtype=torch.float32, device="cuda") if ms > 1 else None
+        tickets = torch.zeros(B * HKV, dtype=torch.int32, device="cuda") if ms > 1 else None
+        for name, dt in (("bf16", DT), ("fp8_e4m3", torch.float8_e4m3fn)):
+            ks = [k.to(dt) for k in kbs]
+            vs = [v.to(dt) for v in vbs]
+            n = len(ks)
+            t = graph_time_ms(lambda i: decode_attention(q, ks[i % n], vs[i % n], r2t, req, seq, splits, ms, D ** -0.5,
+                                                         out=out, mid_o=mid_o, mid_lse=mid_lse, tickets=tickets))
+            nbytes = kv_bytes // (2 // dt.itemsize)
+            rows.append({"batch": B, "ctx": ctx, "kv": name, "us": t * 1e3, "of_copy": nbytes / t * 1e3 / bw})
+            log(rows[-1])
+            del ks, vs
+        del kbs, vbs
+        torch.cuda.empty_cache()
+    out_runs = []
+    for rnd in range(2):
+        for name in ("auto", "fp8_e4m3"):
+            eng = _tput_engine(kv_cache_dtype=name)
+            drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
+            for rep in range(2):
+                st = drive(eng, random_prompts(256, 512, 400, 6 + rep), {**GREEDY, "max_new_tokens": 128})
+                out_runs.append({"kv": name, "round": rnd, "tok_s": 256 * 128 / st.wall_s, "wall_s": st.wall_s,
+                                 "pool_tokens": eng.runner.max_total_tokens})
+                log(out_runs[-1])
+            eng.stop()
+            del eng
+            gc.collect()  # the engine sits in reference cycles: free its KV pool before the next one's
+            torch.cuda.empty_cache()
+    for name in ("auto", "fp8_e4m3"):
+        vals = [r["tok_s"] for r in out_runs if r["kv"] == name]
+        log(f"kvfp8 {name}: median {statistics.median(vals):.0f} tok/s of {[round(v) for v in vals]}")
+    res["kvfp8"] = {"kernel": rows, "copy_GBps": bw / 1e9, "workload": out_runs}
+
+
 def probe_tput_clocks(res: dict) -> None:
     """The GPU's SM clock, power draw and clock-limit reasons (nvidia-smi sampled every 50 ms) while the throughput
     workload runs (256 x (512, 128), bench.offline's engine settings, three runs after a warm one), split by the
@@ -976,7 +1030,7 @@ def main() -> int:
              "trace_pdl_rope": probe_trace_pdl_rope, "trace_pdl_kv": probe_trace_pdl_kv,
              "trace_pdl_fp8": probe_trace_pdl_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
-             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
+             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "kvfp8": probe_kvfp8, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune}[w](res)
