@@ -601,6 +601,16 @@ def probe_kvfp8(res: dict) -> None:
             nbytes = kv_bytes // (2 // dt.itemsize)
             rows.append({"batch": B, "ctx": ctx, "kv": name, "us": t * 1e3, "of_copy": nbytes / t * 1e3 / bw})
             log(rows[-1])
+            if B == 256 and dt.itemsize == 1:
+                # FP8 tiles cost ~3x bf16's SASS instructions a byte (the 8-bit tile reaches the MMA through
+                # shared memory without ldmatrix; bench.sm90_compile): stage 1's tiles over the FP8 pool.
+                for tile in [(64, 4, 1), (64, 8, 1), (64, 8, 2), (128, 8, 1), (128, 8, 2), (32, 4, 2)]:
+                    t = graph_time_ms(lambda i: decode_attention(q, ks[i % n], vs[i % n], r2t, req, seq, splits, ms,
+                                                                 D ** -0.5, out=out, mid_o=mid_o, mid_lse=mid_lse,
+                                                                 tickets=tickets, tile=tile))
+                    rows.append({"batch": B, "ctx": ctx, "kv": name, "tile": list(tile), "us": t * 1e3,
+                                 "of_copy": nbytes / t * 1e3 / bw})
+                    log(rows[-1])
             del ks, vs
         del kbs, vbs
         torch.cuda.empty_cache()

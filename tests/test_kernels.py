@@ -243,6 +243,13 @@ def check_attention_fp8_pool(device, dtype):
             out = decode_attention(q, kb, vb, r2t, req_idx, seq_lens, splits, max_splits, d ** -0.5, tickets=tk,
                                    k_scale=ks, v_scale=vs)
             torch.testing.assert_close(out, ref, **_tol(dtype), msg=lambda m: f"{pool} splits={max_splits}: {m}")
+        # A 16-bit query meets the FP8 tiles in float16 (fp8_pool_query); on the CPU too.
+        qb = q.to(torch.bfloat16)
+        refb = decode_attention_ref(qb, kb, vb, r2t, req_idx, seq_lens, d ** -0.5, ks, vs)
+        out = decode_attention(qb, kb, vb, r2t, req_idx, seq_lens, num_kv_splits_for(seq_lens, 4, 16), 4, d ** -0.5,
+                               tickets=tickets, k_scale=ks, v_scale=vs)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, refb, **_tol(torch.bfloat16), msg=lambda m: f"{pool} bf16 query: {m}")
         # Shared prefix: requests 1 and 3 share their first 9 slots.
         r2t[4, :9] = r2t[2, :9]
         groups = [(9, [1, 3])]

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels._utils import dot_precision, next_pow2, num_sms
-from kernels.attention.triton_decode import LOG2E, attend_chunk, decode_attention
+from kernels.attention.triton_decode import LOG2E, attend_chunk, decode_attention, fp8_pool_query
 
 MAX_ROWS = 64  # members x query heads of one program's block
 MIN_TOKENS_PER_PREFIX_SPLIT = 256
@@ -63,6 +63,8 @@ def _prefix_stage1(Q, KB, VB, REQ_TO_TOKEN, G_ROW, G_LEN, G_START, G_SIZE, G_SPL
         q = tl.load(Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_md, other=0.0)
         if not KV_FP8:  # an FP8 pool's tiles are converted to q's dtype instead (decode's stage 1)
             q = q.to(KB.dtype.element_ty)
+        elif Q.dtype.element_ty != tl.float32:
+            q = fp8_pool_query(q)
         o, lse = attend_chunk(q, KB, VB, REQ_TO_TOKEN + row, start, end, kvh * stride_bh, stride_bs, offs_d, mask_d,
                               sm_scale_log2, BLOCK_M, BLOCK_D, BLOCK_N, DOT_PREC)
         if KV_FP8:

@@ -45,6 +45,14 @@ def _tile_scores(q, k, mask_n, m_i, l_i, sm_scale_log2, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def fp8_pool_query(q):
+    """A 16-bit query against an FP8 pool, as float16: FP8 converts to it in one instruction (to bfloat16 it goes
+    through fp32, which costs the decode kernel ~30 registers), and it holds every bfloat16 value of the range
+    attention sees exactly (saturated at float16's largest, 65504)."""
+    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
 def attend_chunk(q, KB, VB, ROW, start, end, kv_base, stride_bs, offs_d, mask_d, sm_scale_log2,
                  ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
                  FIRST: tl.constexpr = False, k_first=None, v_first=None):
@@ -157,8 +165,9 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
     request has one split (max_kv_splits == 1), so its program is the last.
     HEAD_MAJOR: the grid is (KV heads, requests, splits), so a request's KV heads, which share each token's
     pool rows, run next to each other; otherwise (requests, KV heads, splits).
-    KV_FP8: an FP8 pool; k and v tiles are converted to q's dtype, the keys' scale is in sm_scale_log2 and the
-    values' (v_scale) multiplies each chunk's output (the merge is linear in them)."""
+    KV_FP8: an FP8 pool; k and v tiles are converted to q's dtype (float16 for a 16-bit q: fp8_pool_query), the
+    keys' scale is in sm_scale_log2 and the values' (v_scale) multiplies each chunk's output (the merge is linear in
+    them)."""
     if HEAD_MAJOR:
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -197,6 +206,8 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0)
         if not KV_FP8:
             q = q.to(KB.dtype.element_ty)
+        elif Q.dtype.element_ty != tl.float32:
+            q = fp8_pool_query(q)
         # A chunk past the end of a short context is empty: weight 0 in the merge (lse -inf, o 0).
         if KV_EARLY:  # the new token's k and v are the previous kernel's: read after the wait
             new = (mask_n & (offs_n == seq_len - 1))[:, None] & mask_d[None, :]
