@@ -222,6 +222,9 @@ class PongResult(Message, tag="pong"):
     # goes out unasked), so every gateway, not just the one that asked for the flush, forgets what it
     # thought that worker held.
     cache_id: str = ""
+    # How the worker's KV pages look on the wire (one token's layout and the pool's dtype: ModelRunner.kv_format):
+    # a PD pair must agree on it, so the gateway pairs a prefill worker only with decode workers of its format.
+    kv_format: str = ""
 
 
 # ---------------------------------------------------------------- prefill worker <-> decode worker (UCX)

@@ -280,8 +280,9 @@ async def test_a_consumer_that_falls_behind_gets_the_queued_tokens_as_one_increm
 
 # ---------------------------------------------------------------- router
 class StubWorker:
-    def __init__(self, address, load=0, connected=True, role="unified"):
+    def __init__(self, address, load=0, connected=True, role="unified", kv_format=""):
         self.address, self.load, self.connected = address, load, connected
+        self.kv_format = kv_format
         self.responsive = True
         self.draining = False
         self.role = role

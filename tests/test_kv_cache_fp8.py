@@ -194,3 +194,25 @@ def test_pd_moves_fp8_pages_and_decodes_what_a_unified_fp8_engine_decodes():
         assert_no_kv_held(url)
     finally:
         stop(*procs)
+
+
+def test_pd_pools_of_different_kv_dtypes_are_not_paired():
+    """A prefill worker with an FP8 pool and a decode worker with a float32 one: the gateway never pairs them (their
+    formats differ in the pong), so the decode worker computes each request whole; no request fails and no page
+    is pushed to be refused."""
+    from tests.test_pd import assert_no_kv_held, worker_infos
+    from tests.test_worker_failures import stop
+
+    procs, url = _pd("fp8_e4m3", "auto")
+    try:
+        unified = Harness()
+        prompt = list(range(9, 70))
+        r = requests.post(url + "/generate", json={"input_ids": prompt, "sampling_params": GREEDY}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == unified.generate(prompt, sampling=GREEDY)["ids"]
+        infos = worker_infos(url)
+        assert infos["decode"]["kv_transfer"]["received_tokens"] == 0 and infos["decode"]["kv_transfer"]["refused"] == 0
+        assert infos["prefill"]["kv_transfer"]["transfers"] == 0
+        assert_no_kv_held(url)
+    finally:
+        stop(*procs)

@@ -54,6 +54,29 @@ def test_replacement_picks_skip_failed_and_disconnected_workers():
     assert router.pick_side("prefill", [1, 2, 3, 4], exclude={"p0:1", "p1:1"}) is None
 
 
+def test_pairs_only_workers_whose_kv_pages_fit(caplog):
+    """A prefill worker is paired only with decode workers of its KV format (layout and --kv-cache-dtype); a decode
+    worker no prefill worker fits computes its requests whole (one warning a pair of formats); replacement picks
+    keep to the other side's format, and a worker that does not say its format fits any."""
+    bf, f8 = "2x2x2x16 float32", "2x2x2x16 float8_e4m3fn"
+    ps = [StubWorker("p0:1", role="prefill", kv_format=bf), StubWorker("p1:1", role="prefill", kv_format=f8)]
+    ds = [StubWorker("d0:1", role="decode", kv_format=bf), StubWorker("d1:1", role="decode", kv_format=f8)]
+    router = Router([*ps, *ds], CacheAwarePolicy(block_tokens=4, slack=2))
+    for i in range(40):
+        p, d = router.pick_pair(list(range(i, i + 20)))
+        assert p.kv_format == d.kv_format
+    assert router.pick_side("prefill", [1, 2], peer=ds[1]) is ps[1]
+    assert router.pick_side("decode", [1, 2], peer=ps[0]) is ds[0]
+    assert router.pick_side("decode", [1, 2], exclude={"d0:1"}, peer=ps[0]) is None
+    only = Router([ps[0], ds[1]], CacheAwarePolicy(block_tokens=4, slack=2))
+    with caplog.at_level("WARNING", logger="services.gateway.router"):
+        assert only.pick_pair([5, 6, 7]) == (None, ds[1])
+        assert only.pick_pair([8, 9, 10]) == (None, ds[1])
+    assert sum("--kv-cache-dtype" in r.getMessage() for r in caplog.records) == 1
+    unknown = StubWorker("p2:1", role="prefill")
+    assert Router([unknown, ds[1]]).pick_pair([5, 6, 7]) == (unknown, ds[1])
+
+
 def test_remember_reuses_the_prompt_chain_and_matches_a_full_hash():
     """At a request's end the routing index takes prompt + output; the prompt's block names, computed
     when it was routed, are reused and only the output's blocks hashed: the same names as hashing it all."""

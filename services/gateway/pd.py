@@ -124,17 +124,20 @@ async def pd_serve(req: GenerateRequest, router, salt: str | None, prefill: Work
                 raise unavailable(f"prefill worker {prefill.address}: {e}") from None
             if not (prefill.connected and prefill.responsive):
                 failed.add(prefill.address)  # gone: another prefill worker, or the decode worker itself
-            prefill = router.pick_side("prefill", req.input_ids, salt, exclude=failed)
             if not decode.connected:  # the push failed because the decode worker died
                 failed.add(decode.address)
                 decode = router.pick_side("decode", req.input_ids, salt, exclude=failed)
                 if decode is None:
                     raise unavailable(f"no decode worker left: {e}") from None
+            prefill = router.pick_side("prefill", req.input_ids, salt, exclude=failed, peer=decode)
         except WorkerUnavailable:
             if started or attempt == MAX_ATTEMPTS - 1:
                 raise  # tokens went out already: the client's stream ends with the error
             failed.add(decode.address)
-            nxt = router.pick_side("decode", req.input_ids, salt, exclude=failed)
+            nxt = router.pick_side("decode", req.input_ids, salt, exclude=failed, peer=prefill)
+            if nxt is None and prefill is not None:  # none takes this prefill worker's pages: computed there whole
+                nxt = router.pick_side("decode", req.input_ids, salt, exclude=failed)
+                prefill = None
             if nxt is None:
                 raise
             decode = nxt

@@ -7,13 +7,20 @@ went where and prefers the worker holding the longest one, falling back to prefi
 from __future__ import annotations
 
 import asyncio
-
+import logging
 from typing import Sequence
 
 from services.gateway.affinity import RoutingPolicy
 from services.gateway.cache_aware import CacheAwarePolicy
 from services.gateway.errors import unavailable
 from services.gateway.worker_client import WorkerClient
+
+log = logging.getLogger(__name__)
+
+def kv_compatible(a: WorkerClient, b: WorkerClient) -> bool:
+    """Whether PD workers a and b can exchange KV pages: the same format, or one not known (a worker of an older
+    build; its receiver still checks the pages' header)."""
+    return not a.kv_format or not b.kv_format or a.kv_format == b.kv_format
 
 
 def _live(workers: list[WorkerClient]) -> list[WorkerClient]:
@@ -33,6 +40,7 @@ class Router:
         # trailing tokens extends it itself (no prefill worker, no transfer). 0 turns it off.
         self.pd_bypass_tokens = pd_bypass_tokens
         self._workers: list[WorkerClient] = list(workers)
+        self._kv_mismatch_seen: set[tuple[str, str]] = set()  # (prefill, decode) KV formats warned of
         for w in self._workers:
             w.on_cache_reset = self.forget_cache
 
@@ -94,13 +102,27 @@ class Router:
         held = getattr(self.policy, "last_match_tokens", 0)
         if self.pd_bypass_tokens > 0 and held > 0 and len(input_ids) - held <= self.pd_bypass_tokens:
             return None, d
-        return self.policy.pick(_live(prefill), input_ids, salt), d
+        fits = [w for w in prefill if kv_compatible(w, d)]
+        if not fits:  # no prefill worker sends pages this decode worker takes: it computes the prompt itself
+            self._warn_kv_mismatch(prefill[0], d)
+            return None, d
+        return self.policy.pick(_live(fits), input_ids, salt), d
+
+    def _warn_kv_mismatch(self, prefill: WorkerClient, decode: WorkerClient) -> None:
+        key = (prefill.kv_format, decode.kv_format)
+        if key not in self._kv_mismatch_seen:
+            self._kv_mismatch_seen.add(key)
+            log.warning("no prefill worker's KV pages (%s, e.g. %s) fit decode worker %s's (%s): its requests are "
+                        "computed there whole; give the PD pools the same model and --kv-cache-dtype",
+                        prefill.kv_format, prefill.address, decode.address, decode.kv_format)
 
     def pick_side(self, role: str, input_ids: Sequence[int], salt: str | None = None,
-                  exclude: set[str] = frozenset()) -> WorkerClient | None:
-        """A replacement PD worker of `role` (prefill|decode) not in `exclude`, or None."""
+                  exclude: set[str] = frozenset(), peer: WorkerClient | None = None) -> WorkerClient | None:
+        """A replacement PD worker of `role` (prefill|decode) not in `exclude` whose KV pages fit `peer`'s (the
+        other side of the pair, if any), or None."""
         ok = [w for w in self._workers if w.role == role and w.connected and not w.draining
-              and w.address not in exclude and (role != "decode" or w.transfer_addr)]
+              and w.address not in exclude and (role != "decode" or w.transfer_addr)
+              and (peer is None or kv_compatible(w, peer))]
         return self.policy.pick(_live(ok), input_ids, salt) if ok else None
 
     def remember(self, worker: WorkerClient, token_ids: Sequence[int], salt: str | None = None,

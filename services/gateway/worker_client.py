@@ -124,6 +124,7 @@ class WorkerClient:
         # listens: learned from the pong that opens every connection.
         self.role: str | None = None
         self.transfer_addr: tuple[str, int] | None = None
+        self.kv_format = ""  # PongResult.kv_format: PD pairs agree on it
         # Set by the worker's pongs (it sends one unasked when it starts to drain): take no new work.
         self.draining = False
         # The worker's cache identity (PongResult.cache_id) and who hears when it changes (a flush, a
@@ -239,6 +240,7 @@ class WorkerClient:
         if not isinstance(pong, PongResult):
             raise ProtocolError(f"expected a pong, got {pong.TYPE!r}")
         self.role = pong.role
+        self.kv_format = pong.kv_format
         self._take_pong(pong)
         self.transfer_addr = ((pong.transfer_host, pong.transfer_port)
                               if pong.transfer_host and pong.transfer_port else None)

@@ -52,6 +52,8 @@ class WorkerServer:
         self._request_ids: dict[str, str] = {}  # rid -> the client's X-Request-Id, for log lines
         self.draining = False
         self.cache_id = uuid.uuid4().hex  # PongResult.cache_id
+        runner = getattr(engine, "runner", None)  # (test doubles of the engine have none)
+        self.kv_format = runner.kv_format() if runner is not None else ""  # PongResult.kv_format
 
     def start_draining(self) -> None:
         """Not ready from now on: every gateway hears it at once (a pong it did not ask for) and stops
@@ -68,7 +70,7 @@ class WorkerServer:
         host, port = self.transfer_addr or (None, None)
         return PongResult(call_id=call_id, steps=self.engine.steps, num_running=self.engine.scheduler.num_running(),
                           role=self.role, transfer_host=host, transfer_port=port, draining=self.draining,
-                          cache_id=self.cache_id)
+                          cache_id=self.cache_id, kv_format=self.kv_format)
 
     async def start(self, host: str, port: int) -> int:
         self._loop = asyncio.get_running_loop()

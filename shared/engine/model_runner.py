@@ -516,6 +516,12 @@ class ModelRunner:
         mc = self.model_config
         return [mc.num_hidden_layers, 2, mc.num_key_value_heads, mc.head_dim]
 
+    def kv_format(self) -> str:
+        """kv_layout and the pool's dtype in one string, as PD workers compare them before pairing."""
+        from shared.transfer import kv_pages
+
+        return f"{'x'.join(map(str, self.kv_layout()))} {kv_pages.dtype_name(self.kv_dtype)}"
+
     def empty_kv_buffer(self, tokens: int, staging: str = "device") -> torch.Tensor:
         """Where `tokens` positions of whole-model KV are received."""
         from shared.transfer import kv_pages
