@@ -51,7 +51,7 @@ EXAMPLES = {
     "flush_cache_result": FlushCacheResult(call_id=3, ok=False, message="busy"),
     "info_result": InfoResult(call_id=4, info={"num_running": 2, "nested": {"a": [1, 2.5, None]}}),
     "pong": PongResult(call_id=5, steps=10, num_running=2, role="decode", transfer_host="h", transfer_port=7,
-                       draining=True, cache_id="c0ffee"),
+                       draining=True, cache_id="c0ffee", kv_format="2x2x4x8 bfloat16"),
     "kv_header": KvHeader(transfer_id="t", prompt_len=12, layout=[2, 2, 4, 8], dtype="bfloat16", key="k"),
     "kv_accept": KvAccept(transfer_id="t", start=4, error="no room"),
     "kv_done": KvDone(transfer_id="t", first_token=42, first_logprob=-0.5, first_top_logprobs=[[-0.5, 42]],
