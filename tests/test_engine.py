@@ -161,6 +161,23 @@ def test_mixed_chunk_warmup_covers_every_decode_tail_plan(monkeypatch):
     assert passes == [(4096, r, 32) for r in counts] + [(64, 2, 32)], passes
 
 
+def test_mixed_chunk_warmup_passes_are_passes_the_scheduler_forms():
+    """The warm-up's largest mixed pass has as many riders as PrefillAdder reserves for at most (one more and it
+    reserves none) and the prompt chunk the rest of the budget leaves: the two share prefill_adder's rules."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.model_runner import mixed_warmup_passes
+    from shared.engine.prefill_adder import PrefillAdder
+    for budget, chunk in [(64, 48), (65, 16), (8192, 4096)]:
+        cfg = EngineConfig(model_path="tiny-random", enable_mixed_chunk=True, max_prefill_tokens=budget,
+                           chunked_prefill_size=chunk, max_running_requests=4096)
+        prompt, riders, _ = mixed_warmup_passes(cfg, 8192)[0]
+        stub = types.SimpleNamespace(config=cfg, _reserved_tokens=lambda: 0)
+        adder = PrefillAdder(stub)
+        assert len(adder.reserve_riders([object()] * riders)) == riders
+        assert prompt == min(chunk, adder.budget), (budget, chunk, prompt, adder.budget)
+        assert PrefillAdder(stub).reserve_riders([object()] * (riders + 1)) == []
+
+
 def test_mixed_chunk_warmup_reaches_the_triton_decode_tail():
     """At the engine's defaults and Llama-8B's heads, the warm-up's large mixed pass is one where the Triton backend
     runs the riders with its decode kernel (the tail), so that variant is compiled before serving too."""

@@ -143,13 +143,15 @@ def mixed_warmup_passes(config: EngineConfig, max_context_len: int,
     """(prompt tokens, riders, the riders' context) of the prefill passes with running requests riding along
     that the warm-up runs under --enable-mixed-chunk: for each rider count (an attention backend's
     `rider_counts` of the most the scheduler forms; that most alone without one) the longest prompt it leaves
-    room for (riders are reserved from the pass's budget first, a prompt takes at most a chunk of the rest),
-    then a small pass. None where the context is too short."""
-    most = max(1, min(config.max_running_requests, config.max_prefill_tokens // 2))
+    room for (the scheduler's rules: prefill_adder.max_riders, riders reserved from the pass's budget first, then
+    prefill_adder.chunk_len of the rest), then a small pass. None where the context is too short."""
+    from shared.engine.prefill_adder import chunk_len, max_riders
+
+    most = max(1, min(config.max_running_requests, max_riders(config.max_prefill_tokens)))
     ctx = min(32, max_context_len - 2)
     passes = []
     for riders in sorted({min(r, most) for r in (rider_counts(most) if rider_counts else [most])}, reverse=True):
-        prompt = min(config.chunked_prefill_size, config.max_prefill_tokens - riders, max_context_len - 1)
+        prompt = chunk_len(max_context_len - 1, config.chunked_prefill_size, config.max_prefill_tokens - riders)
         if ctx >= 1 and prompt >= 1:
             passes.append((prompt, riders, ctx))
     if passes:

@@ -60,6 +60,16 @@ class Admitting(Protocol):
     def _retract(self, req: Req) -> None: ...
 
 
+def max_riders(budget: int) -> int:
+    """Most running requests that ride along (mixed chunks) in a pass of `budget` new tokens: under half of it."""
+    return max(0, (budget - 1) // 2)
+
+
+def chunk_len(remaining: int, chunk_size: int, budget: int) -> int:
+    """New tokens of one prompt a pass takes: the rest of it, at most a chunk and what the pass has left."""
+    return min(remaining, chunk_size, budget)
+
+
 class PrefillAdder:
     def __init__(self, sched: Admitting):
         self.s = sched
@@ -127,7 +137,7 @@ class PrefillAdder:
     def add_chunk(self, req: Req) -> bool:
         """The next chunk of the request being prefilled in pieces."""
         s = self.s
-        ext = min(req.seq_len - req.kv_len, s.config.chunked_prefill_size, self.budget)
+        ext = chunk_len(req.seq_len - req.kv_len, s.config.chunked_prefill_size, self.budget)
         if not self._take(req, ext):
             self.last_need = ext
             return False
@@ -164,7 +174,7 @@ class PrefillAdder:
         """Mixed chunks: the running requests' decode tokens are taken out of the round's budget before
         anything else (add_riders takes them at the end). Returns the riders reserved for: none where they
         would take half the budget or more."""
-        if 2 * len(riders) >= self.budget:
+        if len(riders) > max_riders(self.budget):
             return []
         self.budget -= len(riders)
         return riders
@@ -219,7 +229,7 @@ class PrefillAdder:
         if req.transfer_role == "decode":
             return self._reserve_for_transfer(req, match)
         ext_total = req.seq_len - match.length
-        ext = min(ext_total, s.config.chunked_prefill_size, self.budget)
+        ext = chunk_len(ext_total, s.config.chunked_prefill_size, self.budget)
         if not self.fits(req, ext) or (ext < ext_total and ext < s.page_size):
             s.cache.unlock(match.node)
             return False
