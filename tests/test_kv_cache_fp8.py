@@ -104,6 +104,19 @@ def test_engine_with_an_fp8_kv_cache_serves_and_frees_every_slot():
     assert fp8.free_tokens() == fp8.engine.runner.max_total_tokens
 
 
+def test_fp8_kv_cache_with_fp8_weights():
+    """FP8 weights (--quantization fp8) and an FP8 KV cache together, the usual Hopper deployment: served, with the
+    first token of the FP8-weight engine with a float32 pool."""
+    both = Harness(quantization="fp8", kv_cache_dtype="fp8_e5m2")
+    weights_only = Harness(quantization="fp8")
+    assert both.engine.runner.kv_pool.k_buffers[0].dtype == torch.float8_e5m2
+    prompts = [list(range(11 + i, 50 + i)) for i in range(3)]
+    got = both.run([both.submit(p, sampling=GREEDY) for p in prompts])
+    want = weights_only.run([weights_only.submit(p, sampling=GREEDY) for p in prompts])
+    assert all(len(r["ids"]) == 16 and r["error"] is None for r in got)
+    assert [r["ids"][0] for r in got] == [r["ids"][0] for r in want]
+
+
 def _checkpoint_with_kv_scales(tmp_path, names: dict[int, tuple[str, float, str, float]]) -> str:
     hf = make_hf_model("llama31")
     path = write_hf_checkpoint(hf, str(tmp_path / "ckpt"))
