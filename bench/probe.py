@@ -578,6 +578,7 @@ def probe_kvfp8(res: dict) -> None:
     same memory fraction."""
     from bench.common import measure_copy_bandwidth
     from bench.kernels import D, DT, _pool, copies_for
+    import kernels.attention.triton_decode as td
     from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
     bw = measure_copy_bandwidth()
     rows = []
@@ -601,6 +602,17 @@ def probe_kvfp8(res: dict) -> None:
             nbytes = kv_bytes // (2 // dt.itemsize)
             rows.append({"batch": B, "ctx": ctx, "kv": name, "us": t * 1e3, "of_copy": nbytes / t * 1e3 / bw})
             log(rows[-1])
+            if B == 256:  # stage 1 without its head-dim mask (triton_decode.EVEN_D_MASK), each pool
+                td.EVEN_D_MASK = True
+                try:
+                    t = graph_time_ms(lambda i: decode_attention(q, ks[i % n], vs[i % n], r2t, req, seq, splits, ms,
+                                                                 D ** -0.5, out=out, mid_o=mid_o, mid_lse=mid_lse,
+                                                                 tickets=tickets))
+                finally:
+                    td.EVEN_D_MASK = False
+                rows.append({"batch": B, "ctx": ctx, "kv": name, "even_d": True, "us": t * 1e3,
+                             "of_copy": nbytes / t * 1e3 / bw})
+                log(rows[-1])
             if B == 256 and dt.itemsize == 1:
                 # FP8 tiles cost ~3x bf16's SASS instructions a byte (the 8-bit tile reaches the MMA through
                 # shared memory without ldmatrix; bench.sm90_compile): stage 1's tiles over the FP8 pool.

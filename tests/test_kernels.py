@@ -243,6 +243,16 @@ def check_attention_fp8_pool(device, dtype):
             out = decode_attention(q, kb, vb, r2t, req_idx, seq_lens, splits, max_splits, d ** -0.5, tickets=tk,
                                    k_scale=ks, v_scale=vs)
             torch.testing.assert_close(out, ref, **_tol(dtype), msg=lambda m: f"{pool} splits={max_splits}: {m}")
+        # Without the head-dim mask (triton_decode.EVEN_D_MASK: D fills the tile here), the same bits.
+        import kernels.attention.triton_decode as td
+        splits = num_kv_splits_for(seq_lens, 4, 16)
+        masked = decode_attention(q, kb, vb, r2t, req_idx, seq_lens, splits, 4, d ** -0.5, k_scale=ks, v_scale=vs)
+        td.EVEN_D_MASK = True
+        try:
+            even = decode_attention(q, kb, vb, r2t, req_idx, seq_lens, splits, 4, d ** -0.5, k_scale=ks, v_scale=vs)
+        finally:
+            td.EVEN_D_MASK = False
+        assert torch.equal(masked, even)
         # A 16-bit query meets the FP8 tiles in float16 (fp8_pool_query); on the CPU too.
         qb = q.to(torch.bfloat16)
         refb = decode_attention_ref(qb, kb, vb, r2t, req_idx, seq_lens, d ** -0.5, ks, vs)
