@@ -616,12 +616,23 @@ def probe_kvfp8(res: dict) -> None:
             if B == 256 and dt.itemsize == 1:
                 # FP8 tiles cost ~3x bf16's SASS instructions a byte (the 8-bit tile reaches the MMA through
                 # shared memory without ldmatrix; bench.sm90_compile): stage 1's tiles over the FP8 pool.
-                for tile in [(64, 4, 1), (64, 8, 1), (64, 8, 2), (128, 8, 1), (128, 8, 2), (32, 4, 2)]:
-                    t = graph_time_ms(lambda i: decode_attention(q, ks[i % n], vs[i % n], r2t, req, seq, splits, ms,
-                                                                 D ** -0.5, out=out, mid_o=mid_o, mid_lse=mid_lse,
-                                                                 tickets=tickets, tile=tile))
-                    rows.append({"batch": B, "ctx": ctx, "kv": name, "tile": list(tile), "us": t * 1e3,
-                                 "of_copy": nbytes / t * 1e3 / bw})
+                # min_rows 64: Hopper's warpgroup MMA, no byte transpose of V (triton_decode.STAGE1_MIN_ROWS).
+                for tile, min_rows, even in [((64, 4, 1), 16, False), ((64, 8, 1), 16, False), ((64, 8, 2), 16, False),
+                                             ((128, 8, 1), 16, False), ((128, 8, 2), 16, False), ((32, 4, 2), 16, False),
+                                             ((64, 4, 2), 64, False), ((64, 4, 2), 64, True), ((128, 4, 2), 64, True),
+                                             ((64, 4, 3), 64, True)]:
+                    td.STAGE1_MIN_ROWS, td.EVEN_D_MASK = min_rows, even
+                    try:
+                        t = graph_time_ms(lambda i: decode_attention(q, ks[i % n], vs[i % n], r2t, req, seq, splits,
+                                                                     ms, D ** -0.5, out=out, mid_o=mid_o,
+                                                                     mid_lse=mid_lse, tickets=tickets, tile=tile))
+                    except Exception as e:  # a tile that does not fit (shared memory) is skipped, not fatal
+                        log(f"kvfp8 tile {tile} rows {min_rows}: {type(e).__name__}: {str(e)[:120]}")
+                        continue
+                    finally:
+                        td.STAGE1_MIN_ROWS, td.EVEN_D_MASK = 16, False
+                    rows.append({"batch": B, "ctx": ctx, "kv": name, "tile": list(tile), "min_rows": min_rows,
+                                 "even_d": even, "us": t * 1e3, "of_copy": nbytes / t * 1e3 / bw})
                     log(rows[-1])
             del ks, vs
         del kbs, vbs

@@ -253,6 +253,13 @@ def check_attention_fp8_pool(device, dtype):
         finally:
             td.EVEN_D_MASK = False
         assert torch.equal(masked, even)
+        # Query tiles padded to 64 rows (triton_decode.STAGE1_MIN_ROWS: Hopper's warpgroup MMA), the reference's output.
+        td.STAGE1_MIN_ROWS = 64
+        try:
+            wide = decode_attention(q, kb, vb, r2t, req_idx, seq_lens, splits, 4, d ** -0.5, k_scale=ks, v_scale=vs)
+        finally:
+            td.STAGE1_MIN_ROWS = 16
+        torch.testing.assert_close(wide, ref, **_tol(dtype), msg=lambda m: f"{pool} 64 query rows: {m}")
         # A 16-bit query meets the FP8 tiles in float16 (fp8_pool_query); on the CPU too.
         qb = q.to(torch.bfloat16)
         refb = decode_attention_ref(qb, kb, vb, r2t, req_idx, seq_lens, d ** -0.5, ks, vs)

@@ -288,6 +288,13 @@ KV_BEFORE_WAIT = True
 # instructions over a bf16 pool and from 763 to 628 over an FP8 one; not yet timed.
 EVEN_D_MASK = False
 
+# Query rows stage 1's score and output tiles have at least (a KV group's heads, padded: 16 is the smallest MMA).
+# At 64 the sm_90 compile takes Hopper's warpgroup MMA, which reads an FP8 V tile from shared memory without the 64
+# single-byte loads a step the 16-row MMA's transpose costs (bench.sm90_compile, 2026-12-05: 628 -> 579
+# instructions a step over an FP8 pool with EVEN_D_MASK; a bf16 pool goes from 391 to 595). An A/B knob, read at
+# launch; not yet timed.
+STAGE1_MIN_ROWS = 16
+
 # Stage 1's grid: (KV heads, requests, splits) where true, else (requests, KV heads, splits). An A/B knob, read at
 # launch.
 HEAD_MAJOR = False
@@ -381,7 +388,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         kv_start if kv_start is not None else seq_lens, tickets if ticketed else seq_lens, out,
         scaling * k_scale * LOG2E, float(v_scale), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1), HQ, total_splits, max_kv_splits, group, D,
-        BLOCK_H=max(16, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        BLOCK_H=max(STAGE1_MIN_ROWS, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         CHUNK=merge_chunk(group, BLOCK_D, widest), DOT_PREC=dot_precision(q.dtype), num_warps=warps,
         num_stages=stages, HAS_START=kv_start is not None, FINAL=final, TICKETED=ticketed,
         KV_EARLY=bool(KV_BEFORE_WAIT) and not pdl_early_families(), HEAD_MAJOR=bool(head_major),
