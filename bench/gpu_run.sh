@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh kv-fp8|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh kv-fp8|kv-fp8-tput|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
@@ -126,13 +126,18 @@ if [[ $what == batch1-next-trace ]]; then
   timeout 150 python3 -m bench.probe trace_pdl trace_pdl_rope trace_pdl_kv 2>&1 | grep -v "Capturing\|Warning" | tail -40
 fi
 if [[ $what == kv-fp8 ]]; then
-  # --kv-cache-dtype fp8_e4m3 (2026-12-05, built without a GPU): the FP8-pool kernel checks and the FP8-KV engine,
-  # PD-free tests on the GPU; decode attention alone and the throughput workload against a bf16 pool
-  # (bench.probe kvfp8); then the batch-1 step (512-token context) with each pool.
-  timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kv_cache_fp8.py \
+  # --kv-cache-dtype fp8_e4m3 (2026-12-05, built without a GPU), first call: the FP8-pool kernel checks and the
+  # FP8-KV engine tests on the GPU, then decode attention alone over bf16 and FP8 pools (tiles, 64-row query tiles,
+  # no head-dim mask: bench.probe kvfp8_kernel).
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kv_cache_fp8.py \
     -k "not interpreted and not pd and (fp8 or backend_end_to_end)" 2>&1 | tee "$OUT/kv_fp8_tests.log" | tail -4
-  timeout 300 python3 -m bench.probe kvfp8 2>&1 | grep -v Capturing | tee "$OUT/probe_kvfp8.log" | tail -12
-  timeout 110 python3 -m bench.b1 --variants "bf16kv=;fp8kv=kv_cache_dtype=fp8_e4m3" --rounds 2 2>&1 | grep "round" \
+  timeout 300 python3 -m bench.probe kvfp8_kernel 2>&1 | tee "$OUT/probe_kvfp8_kernel.log" | tail -40
+fi
+if [[ $what == kv-fp8-tput ]]; then
+  # Second call: the throughput workload with each pool (bench.probe kvfp8_tput), then the batch-1 step (512-token
+  # context) with each.
+  timeout 400 python3 -m bench.probe kvfp8_tput 2>&1 | grep -v Capturing | tee "$OUT/probe_kvfp8_tput.log" | tail -12
+  timeout 150 python3 -m bench.b1 --variants "bf16kv=;fp8kv=kv_cache_dtype=fp8_e4m3" --rounds 2 2>&1 | grep "round" \
     | tee "$OUT/b1_kvfp8.log"
 fi
 if [[ $what == fp8-row ]]; then

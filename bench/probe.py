@@ -571,11 +571,16 @@ def probe_decode256_ab(res: dict) -> None:
 
 
 def probe_kvfp8(res: dict) -> None:
-    """--kv-cache-dtype fp8_e4m3 against the model's bf16: (1) decode attention alone at the throughput workload's
-    late steps (256 rows x 640 tokens) and at batch 1 / 64 with long contexts, in CUDA graphs with the KV out of
-    L2, each at its own bytes against the copy rate; (2) the throughput workload (256 x (512, 128), bench.offline's
-    engine settings) on fresh engines of each, alternated twice, two runs each, with the pool each gets from the
-    same memory fraction."""
+    """--kv-cache-dtype fp8_e4m3 against the model's bf16: kvfp8_kernel, then kvfp8_tput."""
+    probe_kvfp8_kernel(res)
+    probe_kvfp8_tput(res)
+
+
+def probe_kvfp8_kernel(res: dict) -> None:
+    """Decode attention alone over a bf16 and an FP8 pool at the throughput workload's late steps (256 rows x 640
+    tokens) and at batch 1 / 64 with long contexts, in CUDA graphs with the KV out of L2, each at its own bytes
+    against the copy rate; at 256 x 640 also without the head-dim mask (EVEN_D_MASK), and over the FP8 pool stage 1's
+    tiles and 64-row query tiles (STAGE1_MIN_ROWS)."""
     from bench.common import measure_copy_bandwidth
     from bench.kernels import D, DT, _pool, copies_for
     import kernels.attention.triton_decode as td
@@ -637,6 +642,12 @@ def probe_kvfp8(res: dict) -> None:
             del ks, vs
         del kbs, vbs
         torch.cuda.empty_cache()
+    res["kvfp8_kernel"] = {"rows": rows, "copy_GBps": bw / 1e9}
+
+
+def probe_kvfp8_tput(res: dict) -> None:
+    """The throughput workload (256 x (512, 128), bench.offline's engine settings) with a bf16 and an FP8 pool, fresh
+    engines alternated twice, two runs each, with the pool each gets from the same memory fraction."""
     out_runs = []
     for rnd in range(2):
         for name in ("auto", "fp8_e4m3"):
@@ -654,7 +665,7 @@ def probe_kvfp8(res: dict) -> None:
     for name in ("auto", "fp8_e4m3"):
         vals = [r["tok_s"] for r in out_runs if r["kv"] == name]
         log(f"kvfp8 {name}: median {statistics.median(vals):.0f} tok/s of {[round(v) for v in vals]}")
-    res["kvfp8"] = {"kernel": rows, "copy_GBps": bw / 1e9, "workload": out_runs}
+    res["kvfp8_tput"] = out_runs
 
 
 def probe_tput_clocks(res: dict) -> None:
@@ -1063,7 +1074,7 @@ def main() -> int:
              "trace_pdl_rope": probe_trace_pdl_rope, "trace_pdl_kv": probe_trace_pdl_kv,
              "trace_pdl_fp8": probe_trace_pdl_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
-             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "kvfp8": probe_kvfp8, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
+             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "kvfp8": probe_kvfp8, "kvfp8_kernel": probe_kvfp8_kernel, "kvfp8_tput": probe_kvfp8_tput, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune}[w](res)
