@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import to_pool
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeStore:
@@ -43,7 +45,6 @@ class RopeStore:
         for buf in (self.k_buf, self.v_buf):
             assert buf.is_contiguous() and buf.shape[1] * buf.shape[2] == self.kv_size and buf.shape[2] == d
         assert self.k_buf.stride(0) == self.v_buf.stride(0)
-        assert self.k_buf.element_size() > 1, "an FP8 pool is written by kv_store.to_pool's kernels, not this epilogue"
 
     @property
     def size(self) -> int:
@@ -96,9 +97,10 @@ def rope_store_epilogue(out, cos, sin, slot, pid, N, Y, KB, VB, stride_bs, QS, K
     y = tl.reshape(tl.join(a2, b2), (BLOCK,))
     tl.store(Y + rows, y, mask=mask)
     is_k = (rows >= QS) & (rows < QS + KVS)
-    tl.store(KB + slot * stride_bs + (rows - QS), y.to(KB.dtype.element_ty), mask=mask & is_k)
+    # An FP8 pool's conversion (kv_store.to_pool) at unit scales: the epilogue runs only where a layer's are 1.0.
+    tl.store(KB + slot * stride_bs + (rows - QS), to_pool(y, 1.0, KB.dtype.element_ty), mask=mask & is_k)
     is_v = rows >= QS + KVS
-    tl.store(VB + slot * stride_bs + (rows - QS - KVS), y.to(VB.dtype.element_ty), mask=mask & is_v)
+    tl.store(VB + slot * stride_bs + (rows - QS - KVS), to_pool(y, 1.0, VB.dtype.element_ty), mask=mask & is_v)
 
 
 def rope_args(rope: RopeStore | None, x: torch.Tensor, epilogue_here: bool) -> dict:

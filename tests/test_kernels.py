@@ -7,6 +7,7 @@ in process in bf16 with wider tolerances.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -553,6 +554,30 @@ def check_gemv_rope_store(device, dtype):
                 others[5] = False
                 assert not pools[0][i][others].any(), f"{msg}: {name} written outside its slot"
                 assert pools[0][i][5].abs().sum() > 0, f"{msg}: {name} not written"
+    # An FP8 pool at unit scales (--kv-cache-dtype fp8 without checkpoint scales): the epilogue, in the GEMV and in
+    # the split-K reduce, converts k and v as the rope + KV-store kernel does (kv_store.to_pool).
+    hq, hkv, d, K = shapes[0]
+    qs, kvs = hq * d, hkv * d
+    inv_freq = 1.0 / (500000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    cache = rope_cos_sin_cache(inv_freq, 4096)
+    w = _rand(qs + 2 * kvs, K, dtype=dtype, device=device) * 0.3
+    loc = torch.tensor([2], device=device)
+    # Several rows: a few hundred values, so some round up into the next binade (what a truncating cast gets wrong).
+    configs = [None, GemvConfig(8, 32, 1, 2)] if device.type == "cpu" else [None, GemvConfig(8, 512, 4, 2)]
+    for trial, (cfg, pool_dtype) in enumerate(itertools.product(configs, [torch.float8_e4m3fn, torch.float8_e5m2] * 3)):
+        x = _rand(1, K, dtype=dtype, device=device)
+        pos = torch.tensor([77 + 300 * trial], device=device)
+        fused, unfused = (tuple(torch.zeros(4, hkv, d, dtype=pool_dtype, device=device) for _ in range(2))
+                          for _ in range(2))
+        gemv(x, w, config=cfg, rope=RopeStore(pos, cache, *fused, loc, qs, kvs, d))
+        q, k, v = (t.clone() for t in gemv(x, w, config=cfg).split([qs, kvs, kvs], dim=-1))
+        apply_rope_and_store_kv(q, k.view(1, hkv, d), v.view(1, hkv, d), pos, cache, d, *unfused, loc)
+        for i, name in ((0, "k"), (1, "v")):
+            if device.type == "cpu":
+                assert torch.equal(fused[i].float(), unfused[i].float()), f"{pool_dtype} {cfg} {name}"
+            else:  # (an output rounding apart on a GPU, so an FP8 step at most)
+                torch.testing.assert_close(fused[i].float(), unfused[i].float(), rtol=0.13, atol=1e-3)
+            assert fused[i][2].float().abs().sum() > 0
 
 
 def _paged_setup(device, dtype, hkv, d, prefix_lens, extend_lens, num_slots=600):

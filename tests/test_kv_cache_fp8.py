@@ -117,6 +117,18 @@ def test_fp8_kv_cache_with_fp8_weights():
     assert [r["ids"][0] for r in got] == [r["ids"][0] for r in want]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the rope epilogue is the GPU's)")
+def test_fp8_kv_cache_keeps_the_rope_epilogue_at_unit_scales():
+    """An FP8 pool without checkpoint scales keeps the qkv GEMV's rope + KV-store epilogue (it converts as the rope
+    kernel does) and decodes the tokens of the engine without it."""
+    fused = Harness(kv_cache_dtype="fp8_e4m3", dtype="bfloat16")
+    plain = Harness(kv_cache_dtype="fp8_e4m3", dtype="bfloat16", decode_rope_fusion=False)
+    assert fused.engine.runner.decode_rope_fusion and not plain.engine.runner.decode_rope_fusion
+    prompts = [list(range(11 + i, 50 + i)) for i in range(3)]
+    assert [r["ids"] for r in fused.run([fused.submit(p, sampling=GREEDY) for p in prompts])] == \
+        [r["ids"] for r in plain.run([plain.submit(p, sampling=GREEDY) for p in prompts])]
+
+
 def _checkpoint_with_kv_scales(tmp_path, names: dict[int, tuple[str, float, str, float]]) -> str:
     hf = make_hf_model("llama31")
     path = write_hf_checkpoint(hf, str(tmp_path / "ckpt"))
@@ -141,6 +153,7 @@ def test_checkpoint_kv_scales_scale_an_fp8_pool_and_nothing_else(tmp_path, k_nam
     fp8 = _runner(path, "fp8_e4m3")
     want = [(0.25, 0.5), (2.0, 4.0)] if k_name != "kv_scale" else [(0.5, 0.5), (4.0, 4.0)]
     assert fp8.kv_pool.scales == want
+    assert not fp8.decode_rope_fusion  # the qkv GEMV's rope epilogue writes FP8 at unit scales only
     # A bf16/fp32 pool needs no scales: the checkpoint loads as before, unscaled.
     assert _runner(path, "auto").kv_pool.scales == [(1.0, 1.0)] * 2
 

@@ -220,9 +220,9 @@ class ModelRunner:
             from shared.models.loader import load_kv_scales
 
             kv_scales = load_kv_scales(config.model_path, self.model_config.num_hidden_layers, config.load_format)
-        # The qkv GEMV's rope epilogue stores k, v in the model's dtype: not with an FP8 pool.
+        # The qkv GEMV's rope epilogue writes an FP8 pool only at unit k/v scales (kernels/rope_store.py).
         self.decode_rope_fusion = self.model.model.fuse_row_rope(config.decode_rope_fusion and on_gpu
-                                                                 and self.kv_dtype == self.dtype)
+                                                                 and not kv_scales)
         if config.decode_l2_prefetch and on_gpu:
             from shared.models.weight_prefetch import WeightPrefetcher
 

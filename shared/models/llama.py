@@ -58,6 +58,8 @@ class LlamaAttention(nn.Module):
         rope = None
         if fuse_rope:
             k_buf, v_buf = fb.kv_pool.get_kv(self.layer_id)
+            # The epilogue converts to an FP8 pool at unit scales only (ModelRunner turns the fusion off otherwise).
+            assert k_buf.element_size() > 1 or fb.kv_pool.scales[self.layer_id] == (1.0, 1.0)
             rope = RopeStore(fb.positions, rotary.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc, self.q_size,
                              self.kv_size, self.head_dim)
         q, k, v = self.qkv_proj(hidden, norm_in=norm_in, rope=rope).split([self.q_size, self.kv_size, self.kv_size],
