@@ -197,8 +197,7 @@ def main() -> None:
     ku.set_pdl(args.pdl > 0, early_trigger=args.pdl == 2)
     JITFunction.run = _compile  # type: ignore[method-assign]
     from shared.cache.kv_pool import kv_cache_dtype
-    decode_path(args.fp8, not args.no_split_norms, args.rope_fusion and args.kv_cache_dtype == "auto",
-                kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16))
+    decode_path(args.fp8, not args.no_split_norms, args.rope_fusion, kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16))
     for name, kernel in compiled:
         print(f"{name}: {_resources(kernel)}")
         if args.loops:
