@@ -7,13 +7,12 @@ the format's largest finite value and rounded to nearest even; attention multipl
 """
 from __future__ import annotations
 
-import struct
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels._utils import next_pow2
+from kernels.reference import inverse_scale
 
 
 @triton.jit
@@ -59,11 +58,6 @@ def _store_kv_kernel(K, V, KB, VB, LOC, inv_k_scale, inv_v_scale, stride_kt, str
     tl.store(KB + dst, to_pool(k, inv_k_scale, KB.dtype.element_ty), mask=mask)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     tl.store(VB + dst, to_pool(v, inv_v_scale, VB.dtype.element_ty), mask=mask)
-
-
-def inverse_scale(scale: float) -> float:
-    """What the store kernels multiply by: 1 / scale rounded to fp32 (kernels.reference.to_pool_ref uses the same)."""
-    return 1.0 if scale == 1.0 else struct.unpack("f", struct.pack("f", 1.0 / scale))[0]
 
 
 def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,

@@ -5,6 +5,8 @@ out-of-place references so tests can compare.
 """
 from __future__ import annotations
 
+import struct
+
 import torch
 
 
@@ -107,13 +109,16 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def inverse_scale(scale: float) -> float:
+    """What an FP8 pool's writers multiply by: 1 / scale rounded to fp32 (the store kernels and to_pool_ref)."""
+    return 1.0 if scale == 1.0 else struct.unpack("f", struct.pack("f", 1.0 / scale))[0]
+
+
 def to_pool_ref(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """x as a KV pool of `dtype` stores it (kernels.kv_store.to_pool): a cast, or for FP8 x / scale (times the
     fp32 inverse) saturated to the format's finite range and rounded to nearest even."""
     if dtype.itemsize != 1:
         return x.to(dtype)
-    from kernels.kv_store import inverse_scale
-
     fmax = torch.finfo(dtype).max
     return (x.to(torch.float32) * inverse_scale(scale)).clamp(-fmax, fmax).to(dtype)
 

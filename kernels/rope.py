@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from kernels._utils import next_pow2, pdl_launch, pdl_prologue
-from kernels.kv_store import inverse_scale, to_pool
+from kernels.kv_store import to_pool
+from kernels.reference import inverse_scale
 
 
 @triton.jit
@@ -66,9 +67,9 @@ def _rope_kernel(Q, K, POS, CS, stride_qt, stride_qh, stride_kt, stride_kh, stri
 
 
 @triton.jit
-def _rope_store_kv_kernel(Q, K, V, POS, CS, KB, VB, LOC, QO, KO, VO, inv_k_scale, inv_v_scale, stride_qt, stride_qh, stride_kt, stride_kh,
-                          stride_vt, stride_vh, stride_cs, stride_bs, stride_bh, stride_ot, stride_okt, HQ, HK,
-                          HALF, D, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
+def _rope_store_kv_kernel(Q, K, V, POS, CS, KB, VB, LOC, QO, KO, VO, inv_k_scale, inv_v_scale, stride_qt, stride_qh,
+                          stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_bs, stride_bh, stride_ot,
+                          stride_okt, HQ, HK, HALF, D, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HAS_PASS: tl.constexpr,
                           OUT: tl.constexpr, PDL: tl.constexpr):
     """One token per program: rope on q and k exactly as _rope_kernel does (k rounded to its own dtype,

@@ -261,7 +261,7 @@ def check_attention_fp8_pool(device, dtype):
         finally:
             td.STAGE1_MIN_ROWS = 16
         torch.testing.assert_close(wide, ref, **_tol(dtype), msg=lambda m: f"{pool} 64 query rows: {m}")
-        # A 16-bit query meets the FP8 tiles in float16 (fp8_pool_query); on the CPU too.
+        # A 16-bit query meets the FP8 tiles in float16 (pool_query); on the CPU too.
         qb = q.to(torch.bfloat16)
         refb = decode_attention_ref(qb, kb, vb, r2t, req_idx, seq_lens, d ** -0.5, ks, vs)
         out = decode_attention(qb, kb, vb, r2t, req_idx, seq_lens, num_kv_splits_for(seq_lens, 4, 16), 4, d ** -0.5,

@@ -170,26 +170,9 @@ def test_checkpoint_kv_scales_for_some_layers_only_or_not_positive_are_refused(t
 
 def _pd(prefill_kv: str, decode_kv: str):
     """A prefill and a decode worker process (each with its own --kv-cache-dtype) behind a gateway."""
-    from tests.conftest import free_port
-    from tests.test_redis_discovery import spawn, wait_for, wait_line
+    from tests.test_pd import start_pd_processes
 
-    prefill = spawn("services.prefill", "--model-path", "tiny-random", "--kv-cache-dtype", prefill_kv)
-    decode = spawn("services.decode", "--model-path", "tiny-random", "--kv-cache-dtype", decode_kv,
-                   "--kv-transfer-timeout", "8")
-    procs = [prefill, decode]
-    try:
-        addrs = [wait_line(p, "WORKER READY").split()[2] for p in (prefill, decode)]
-        port = free_port()
-        procs.append(spawn("services.gateway", "--model-path", "tiny-random", "--workers", ",".join(addrs),
-                           "--port", str(port)))
-        wait_line(procs[-1], "gateway ready")
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
-    except BaseException:
-        from tests.test_worker_failures import stop
-
-        stop(*procs)
-        raise
+    *procs, url = start_pd_processes(("--kv-cache-dtype", prefill_kv), ("--kv-cache-dtype", decode_kv))
     return procs, url
 
 

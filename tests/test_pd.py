@@ -155,17 +155,24 @@ def test_lm_programs_run_on_pd(pd, stack, remote):
     assert_no_kv_held(pd.url)
 
 
-def start_pd_processes():
-    prefill = spawn("services.prefill", "--model-path", "tiny-random")
-    decode = spawn("services.decode", "--model-path", "tiny-random", "--kv-transfer-timeout", "8")
-    addrs = [wait_line(p, "WORKER READY").split()[2] for p in (prefill, decode)]
-    port = free_port()
-    gateway = spawn("services.gateway", "--model-path", "tiny-random", "--workers", ",".join(addrs),
-                    "--port", str(port))
-    wait_line(gateway, "gateway ready")
-    url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
-    return prefill, decode, gateway, url
+def start_pd_processes(prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = ()):
+    """A prefill and a decode worker process (each with its extra flags) behind a gateway: (prefill, decode,
+    gateway, url). Whatever started is stopped if the rest does not come up."""
+    prefill = spawn("services.prefill", "--model-path", "tiny-random", *prefill_args)
+    decode = spawn("services.decode", "--model-path", "tiny-random", "--kv-transfer-timeout", "8", *decode_args)
+    procs = [prefill, decode]
+    try:
+        addrs = [wait_line(p, "WORKER READY").split()[2] for p in (prefill, decode)]
+        port = free_port()
+        procs.append(spawn("services.gateway", "--model-path", "tiny-random", "--workers", ",".join(addrs),
+                           "--port", str(port)))
+        wait_line(procs[-1], "gateway ready")
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
+    except BaseException:
+        stop(*procs)
+        raise
+    return prefill, decode, procs[-1], url
 
 
 def test_prefill_worker_killed_before_the_hand_over_the_decode_worker_computes_the_prompt(stack):

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels._utils import dot_precision, next_pow2, num_sms
-from kernels.attention.triton_decode import LOG2E, attend_chunk, decode_attention, fp8_pool_query
+from kernels.attention.triton_decode import LOG2E, attend_chunk, decode_attention, pool_query
 
 MAX_ROWS = 64  # members x query heads of one program's block
 MIN_TOKENS_PER_PREFIX_SPLIT = 256
@@ -61,10 +61,7 @@ def _prefix_stage1(Q, KB, VB, REQ_TO_TOKEN, G_ROW, G_LEN, G_START, G_SIZE, G_SPL
         mask_d = offs_d < D
         mask_md = mask_m[:, None] & mask_d[None, :]
         q = tl.load(Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_md, other=0.0)
-        if not KV_FP8:  # an FP8 pool's tiles are converted to q's dtype instead (decode's stage 1)
-            q = q.to(KB.dtype.element_ty)
-        elif Q.dtype.element_ty != tl.float32:
-            q = fp8_pool_query(q)
+        q = pool_query(q, KB, KV_FP8)
         o, lse = attend_chunk(q, KB, VB, REQ_TO_TOKEN + row, start, end, kvh * stride_bh, stride_bs, offs_d, mask_d,
                               sm_scale_log2, BLOCK_M, BLOCK_D, BLOCK_N, DOT_PREC)
         if KV_FP8:
@@ -218,8 +215,8 @@ def prefix_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     sh = plan.shape
     _prefix_stage1[(sh.max_groups, HKV, sh.max_splits)](
         q, k_buf, v_buf, req_to_token, plan.g_row, plan.g_len, plan.g_start, plan.g_size, plan.g_splits,
-        plan.members, mid_o, mid_lse, scaling * k_scale * LOG2E, float(v_scale), q.stride(0), q.stride(1), k_buf.stride(0),
-        k_buf.stride(1), req_to_token.stride(0), HQ, total, first_col, group, D,
+        plan.members, mid_o, mid_lse, scaling * k_scale * LOG2E, float(v_scale), q.stride(0), q.stride(1),
+        k_buf.stride(0), k_buf.stride(1), req_to_token.stride(0), HQ, total, first_col, group, D,
         BLOCK_R=sh.block_r, BLOCK_G=next_pow2(group), BLOCK_M=sh.block_r * next_pow2(group),
         BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         DOT_PREC=dot_precision(q.dtype), KV_FP8=k_buf.element_size() == 1, num_warps=4, num_stages=2)

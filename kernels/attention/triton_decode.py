@@ -45,11 +45,15 @@ def _tile_scores(q, k, mask_n, m_i, l_i, sm_scale_log2, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def fp8_pool_query(q):
-    """A 16-bit query against an FP8 pool, as float16: FP8 converts to it in one instruction (to bfloat16 it goes
-    through fp32, which costs the decode kernel ~30 registers), and it holds every bfloat16 value of the range
-    attention sees exactly (saturated at float16's largest, 65504)."""
-    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+def pool_query(q, KB, KV_FP8: tl.constexpr):
+    """q in the dtype attend_chunk computes in over pool KB: the pool's; over an FP8 pool a 16-bit query as float16
+    (FP8 converts to it in one instruction, to bfloat16 through fp32, which costs the decode kernel ~30 registers;
+    it holds every bfloat16 value of the range attention sees exactly, saturated at 65504), an fp32 one as it is."""
+    if not KV_FP8:
+        q = q.to(KB.dtype.element_ty)
+    elif q.dtype != tl.float32:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -165,7 +169,7 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
     request has one split (max_kv_splits == 1), so its program is the last.
     HEAD_MAJOR: the grid is (KV heads, requests, splits), so a request's KV heads, which share each token's
     pool rows, run next to each other; otherwise (requests, KV heads, splits).
-    KV_FP8: an FP8 pool; k and v tiles are converted to q's dtype (float16 for a 16-bit q: fp8_pool_query), the
+    KV_FP8: an FP8 pool; k and v tiles are converted to q's dtype (float16 for a 16-bit q: pool_query), the
     keys' scale is in sm_scale_log2 and the values' (v_scale) multiplies each chunk's output (the merge is linear in
     them)."""
     if HEAD_MAJOR:
@@ -207,10 +211,7 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
         mask_h = offs_g < GROUP
         mask_hd = mask_h[:, None] & mask_d[None, :]
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0)
-        if not KV_FP8:
-            q = q.to(KB.dtype.element_ty)
-        elif Q.dtype.element_ty != tl.float32:
-            q = fp8_pool_query(q)
+        q = pool_query(q, KB, KV_FP8)
         # A chunk past the end of a short context is empty: weight 0 in the merge (lse -inf, o 0).
         if KV_EARLY:  # the new token's k and v are the previous kernel's: read after the wait
             new = (mask_n & (offs_n == seq_len - 1))[:, None] & mask_d[None, :]
@@ -386,8 +387,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
         mid_o if mid_o is not None else out, mid_lse if mid_lse is not None else out,
         kv_start if kv_start is not None else seq_lens, tickets if ticketed else seq_lens, out,
-        scaling * k_scale * LOG2E, float(v_scale), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), req_to_token.stride(0),
-        out.stride(0), out.stride(1), HQ, total_splits, max_kv_splits, group, D,
+        scaling * k_scale * LOG2E, float(v_scale), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
+        req_to_token.stride(0), out.stride(0), out.stride(1), HQ, total_splits, max_kv_splits, group, D,
         BLOCK_H=max(STAGE1_MIN_ROWS, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         CHUNK=merge_chunk(group, BLOCK_D, widest), DOT_PREC=dot_precision(q.dtype), num_warps=warps,
         num_stages=stages, HAS_START=kv_start is not None, FINAL=final, TICKETED=ticketed,

@@ -182,8 +182,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
     grid = (triton.cdiv(max_extend_len, BLOCK_M // pack), HQ // pack, B)
     _extend_kernel[grid](
         q, k, v, out, k_buf, v_buf, req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens,
-        extend_start_loc, scaling * LOG2E, float(k_scale), float(v_scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1),
+        extend_start_loc, scaling * LOG2E, float(k_scale), float(v_scale), q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1),
         req_to_token.stride(0), HQ // HKV, D,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PACK=pack, DOT_PREC=dot_precision(q.dtype),
         KV_FP8=k_buf.element_size() == 1, num_warps=num_warps, num_stages=num_stages)

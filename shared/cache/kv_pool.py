@@ -18,6 +18,12 @@ from kernels.h2d import to_device
 FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor (an FP8 pool's buffers and pages) as its bytes, for indexing, copies and collectives: every torch
+    build and collective backend handles uint8 on every device, not every one float8. Any other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The pool's element type for --kv-cache-dtype `name`."""
     if name in ("auto", "", None):

@@ -14,6 +14,7 @@ import torch
 from shared.cache.kv_pool import KVPool, ReqToTokenPool, kv_cache_dtype
 from shared.engine.config import EngineConfig
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.engine.prefill_adder import chunk_len, max_riders
 from kernels.h2d import to_device
 from shared.engine.request import PENDING_TOKEN, Req
 from shared.engine.sampler import SamplingBatch, sample
@@ -145,8 +146,6 @@ def mixed_warmup_passes(config: EngineConfig, max_context_len: int,
     `rider_counts` of the most the scheduler forms; that most alone without one) the longest prompt it leaves
     room for (the scheduler's rules: prefill_adder.max_riders, riders reserved from the pass's budget first, then
     prefill_adder.chunk_len of the rest), then a small pass. None where the context is too short."""
-    from shared.engine.prefill_adder import chunk_len, max_riders
-
     most = max(1, min(config.max_running_requests, max_riders(config.max_prefill_tokens)))
     ctx = min(32, max_context_len - 2)
     passes = []

@@ -18,6 +18,8 @@ from typing import Iterator
 
 import torch
 
+from shared.cache.kv_pool import as_bytes
+
 MAX_TP_SIZE = 8  # one host's GPUs: the all-reduces run over NVLink, never across hosts
 
 
@@ -149,12 +151,6 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _as_collective(t: torch.Tensor) -> torch.Tensor:
-    """t as collectives move it: an FP8 tensor (an FP8 KV cache's pages) as its bytes, which gloo and older NCCL
-    builds cannot reduce-type but move all the same; any other tensor as it is."""
-    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
-
-
 def all_gather_kv_heads(local: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """Every rank's KV of the same positions ([..., its kv heads, head_dim]) -> the model's whole KV
     ([..., num_kv_heads, head_dim]); a replicated head is taken once."""
@@ -164,7 +160,7 @@ def all_gather_kv_heads(local: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
     local = local.contiguous()
     parts = [torch.empty_like(local) for _ in range(_state.size)]
-    dist.all_gather([_as_collective(p) for p in parts], _as_collective(local), group=_state.group)
+    dist.all_gather([as_bytes(p) for p in parts], as_bytes(local), group=_state.group)
     full = local.new_empty((*local.shape[:-2], num_kv_heads, local.shape[-1]))
     for rank, part in enumerate(parts):
         first, n = kv_head_range(num_kv_heads, rank)
@@ -184,7 +180,7 @@ def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
     if _state.size > 1:
         import torch.distributed as dist
 
-        dist.broadcast(_as_collective(x), src=src, group=_state.group)
+        dist.broadcast(as_bytes(x), src=src, group=_state.group)
     return x
 
 

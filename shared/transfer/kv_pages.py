@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.cache.kv_pool import KVPool
+from shared.cache.kv_pool import KVPool, as_bytes
 from kernels.h2d import to_device
 
 
@@ -20,12 +20,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """An FP8 pool's tensors as their bytes for indexing and copies (every torch build indexes uint8 on every
-    device; not every one indexes float8), anything else as it is."""
-    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
-
-
 def gather(pool: KVPool, slots: torch.Tensor, staging: str = "device") -> torch.Tensor:
     """KV at `slots` (one slot per position) -> a new contiguous buffer. `staging="host"` returns it in
     pinned host memory, for transports that cannot read device memory. Never waits for the GPU: the
@@ -34,11 +28,11 @@ def gather(pool: KVPool, slots: torch.Tensor, staging: str = "device") -> torch.
     loc = to_device(slots, torch.int64, pool.device)
     out = torch.empty((len(slots), pool.num_layers, 2, pool.num_kv_heads, pool.head_dim),
                       dtype=pool.dtype, device=pool.device)
-    raw = _bytes(out)
+    raw = as_bytes(out)
     for layer in range(pool.num_layers):
         k, v = pool.get_kv(layer)
-        raw[:, layer, 0].copy_(_bytes(k)[loc])
-        raw[:, layer, 1].copy_(_bytes(v)[loc])
+        raw[:, layer, 0].copy_(as_bytes(k)[loc])
+        raw[:, layer, 1].copy_(as_bytes(v)[loc])
     return staged(out, staging)
 
 
@@ -60,11 +54,11 @@ def scatter(pool: KVPool, slots: torch.Tensor, buf: torch.Tensor) -> None:
         raise ValueError(f"KV buffer of {dtype_name(buf.dtype)} does not fit this pool of {dtype_name(pool.dtype)}")
     buf = buf.to(pool.device, non_blocking=True)
     loc = to_device(slots, torch.int64, pool.device)  # (pinned: no wait for the step in flight)
-    raw = _bytes(buf)
+    raw = as_bytes(buf)
     for layer in range(pool.num_layers):
         k, v = pool.get_kv(layer)
-        _bytes(k)[loc] = raw[:, layer, 0]
-        _bytes(v)[loc] = raw[:, layer, 1]
+        as_bytes(k)[loc] = raw[:, layer, 0]
+        as_bytes(v)[loc] = raw[:, layer, 1]
 
 
 def empty_buffer(layout: list[int], dtype: torch.dtype, device: torch.device, tokens: int,

@@ -33,5 +33,6 @@ class TorchAttentionBackend(AttentionBackend):
         if fb.prefix_groups:
             k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
             return cascade_decode_attention_ref(q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices,
-                                                fb.seq_lens, fb.prefix_groups, self.scaling, *fb.kv_pool.scales[layer_id])
+                                                fb.seq_lens, fb.prefix_groups, self.scaling,
+                                                *fb.kv_pool.scales[layer_id])
         return self.forward_extend(q, None, None, layer_id, fb)
