@@ -29,12 +29,15 @@ TINY_WIDE = {**TINY, "vocab_size": LLAMA31_8B["vocab_size"]}
 SHAPES = {"llama-3.1-8b": LLAMA31_8B, "tiny": TINY, "tiny-wide": TINY_WIDE}
 
 
-def model_dir(shape: str, root: str = "/tmp/bench-models") -> str:
-    """config.json of the shape + a small tokenizer: loads with --load-format dummy (random weights)."""
-    path = os.path.join(root, shape)
+def model_dir(shape: str, root: str = "/tmp/bench-models", quantization_config: dict | None = None,
+              suffix: str = "") -> str:
+    """config.json of the shape + a small tokenizer: loads with --load-format dummy (random weights); with
+    `quantization_config` (in a directory named shape + suffix) the dummy weights take that checkpoint format."""
+    path = os.path.join(root, shape + suffix)
     os.makedirs(path, exist_ok=True)
+    config = dict(SHAPES[shape], **({"quantization_config": quantization_config} if quantization_config else {}))
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(SHAPES[shape], f)
+        json.dump(config, f)
     save_tiny_tokenizer(path)
     return path
 

@@ -1,8 +1,10 @@
 """FP8 weights vs bf16 on the same GPU in one run: batch-1 decode step (wall and graph replay), and a small
 throughput run. Random Llama-3.1-8B-shape weights; the FP8 engine
-quantizes the same shape per channel at load (`--quantization fp8`, what an FP8 checkpoint holds).
+quantizes the same shape per channel at load (`--quantization fp8`, what an FP8 checkpoint holds). With
+--block also block-scaled FP8 ([128, 128] blocks, a Qwen3-FP8 / DeepSeek-style config, dummy weights drawn
+per block): the block GEMV and GEMM.
 
-    python -m bench.fp8 [--shape llama-3.1-8b|tiny] [--out DIR]
+    python -m bench.fp8 [--shape llama-3.1-8b|tiny] [--block] [--out DIR]
 
 Goal (issue "GPU path, round two"): FP8 batch-1 step <= 0.6 x the bf16 step. Prints PASS/FAIL.
 """
@@ -27,6 +29,7 @@ def main():
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--reqs", type=int, default=128, help="requests of the throughput run (512 in, 128 out)")
     ap.add_argument("--steps", type=int, default=200, help="batch-1 decode steps")
+    ap.add_argument("--block", action="store_true", help="also block-scaled FP8 weights ([128, 128])")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -42,20 +45,26 @@ def main():
     kv = 600 * kv_bytes_per_token(cfg)
     res["floor_bf16_ms"] = (w + kv) / bw * 1e3
     res["floor_fp8_ms"] = ((w - lm_head) / 2 + lm_head + kv) / bw * 1e3  # lm_head stays bf16
-    for q in ("none", "fp8"):
-        log(f"engine quantization={q}")
-        res[q] = engine_figures(path, tok, cuda, 400, args.reqs, args.steps, quantization=q)
+    variants = {"none": (path, {"quantization": "none"}), "fp8": (path, {"quantization": "fp8"})}
+    if args.block:
+        block_dir = model_dir(args.shape, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                                "weight_block_size": [128, 128]}, suffix="-fp8-block")
+        variants["fp8-block"] = (block_dir, {})
+    for q, (where, extra) in variants.items():
+        log(f"engine {q}")
+        res[q] = engine_figures(where, tok, cuda, 400, args.reqs, args.steps, **extra)
         log(f"  {res[q]}"[:300])
     ratio = res["fp8"]["b1_step_ms"] / res["none"]["b1_step_ms"]
     res["b1_ratio"] = ratio
     with open(os.path.join(args.out, "fp8.json"), "w") as f:
         json.dump({k: v for k, v in res.items()}, f, indent=2, default=str)
     print(f"\n{res['gpu']}  copy {bw / 1e12:.2f} TB/s")
-    print(f"{'metric':28s} {'bf16':>10s} {'fp8':>10s} {'ratio':>7s}")
+    print(f"{'metric':28s} {'bf16':>10s} {'fp8':>10s} {'ratio':>7s}" + ("  fp8-block  ratio" if args.block else ""))
     for key in ("b1_step_ms", "b1_graph_ms", "tput_tok_s"):
         a, b = res["none"].get(key), res["fp8"].get(key)
         if a and b:
-            print(f"{key:28s} {a:10.2f} {b:10.2f} {b / a:7.3f}")
+            c = res.get("fp8-block", {}).get(key)
+            print(f"{key:28s} {a:10.2f} {b:10.2f} {b / a:7.3f}" + (f" {c:10.2f} {c / a:6.3f}" if c else ""))
     print(f"{'weight-stream floor ms':28s} {res['floor_bf16_ms']:10.2f} {res['floor_fp8_ms']:10.2f}")
     print(f"{'PASS' if ratio <= GOAL_RATIO else 'FAIL'}: fp8 batch-1 step {ratio:.3f} x bf16 (goal <= {GOAL_RATIO})")
 

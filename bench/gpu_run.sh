@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh kv-fp8|kv-fp8-tput|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh kv-fp8|kv-fp8-tput|fp8-block|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
@@ -139,6 +139,13 @@ if [[ $what == kv-fp8-tput ]]; then
   timeout 400 python3 -m bench.probe kvfp8_tput 2>&1 | grep -v Capturing | tee "$OUT/probe_kvfp8_tput.log" | tail -12
   timeout 150 python3 -m bench.b1 --variants "bf16kv=;fp8kv=kv_cache_dtype=fp8_e4m3" --rounds 2 2>&1 | grep "round" \
     | tee "$OUT/b1_kvfp8.log"
+fi
+if [[ $what == fp8-block ]]; then
+  # Block-scaled FP8 weights (2026-12-05, built without a GPU): the block GEMV and GEMM kernel checks and the model
+  # and ops tests on the GPU, then bench.fp8 with the block variant ([128, 128], Llama-3.1-8B shape, dummy weights).
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_quantization.py \
+    -k "not interpreted and (block or fp8_kernels)" 2>&1 | tee "$OUT/fp8_block_tests.log" | tail -4
+  timeout 400 python3 -m bench.fp8 --block --reqs 64 --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/fp8_block.log" | tail -8
 fi
 if [[ $what == fp8-row ]]; then
   # Issue 14 item 3: FP8 weights in the one-row GEMV (kernels.gemv.FP8_ROW_KERNEL, 2026-12-04, never run on a GPU): its

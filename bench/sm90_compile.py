@@ -4,7 +4,7 @@ with --sass). A kernel that does not compile for Hopper fails here, not in a dev
 
     PYTHONPATH=/tmp/t36 python -m bench.sm90_compile [--pdl 0|1|2] [--sass NAME] [--fp8] [--no-split-norms]
                                                      [--rope-fusion] [--fp8-row] [--kv-before-wait] [--loops]
-                                                     [--kv-cache-dtype fp8_e4m3|fp8_e5m2]
+                                                     [--kv-cache-dtype fp8_e4m3|fp8_e5m2] [--fp8 --fp8-blocks]
 
 Use the device's Triton version (3.6: `pip download --no-deps triton==3.6.0` and `pip install --no-deps
 --target /tmp/t36` the wheel) so ptxas and the compiler match what runs there. Nothing is launched: each
@@ -94,7 +94,8 @@ def loop_report(kernel) -> str:
     return "; ".join(rows) or "no loop"
 
 
-def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False, kv_dtype: torch.dtype = torch.bfloat16) -> None:
+def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False, kv_dtype: torch.dtype = torch.bfloat16,
+                fp8_blocks: bool = False) -> None:
     """The kernels of one Llama-3.1-8B decode layer at batch 1, through the engine's wrappers (split_norms:
     the residual norms split between the GEMVs around them, as the engine runs them by default; rope_fusion:
     rope and the KV store in the qkv GEMV's epilogue, --decode-rope-fusion; kv_dtype: the pool's,
@@ -127,7 +128,8 @@ def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False, kv_dtyp
         norms = {("norm_in" if role == "in" else "add_norm"): norm} if split_norms else {}
         if rope_fusion and n == (hq + 2 * hkv) * d:
             norms["rope"] = RopeStore(pos, table, k_buf, v_buf, loc, hq * d, hkv * d, d)
-        gemv(xin, w, scale=torch.ones(n) if fp8 else None, silu_mul=silu, **norms)
+        scale = (torch.ones(n // 128, k // 128) if fp8_blocks else torch.ones(n)) if fp8 else None
+        gemv(xin, w, scale=scale, silu_mul=silu, **norms)
     from kernels import prefetch
     prefetch.launch(torch.zeros(hidden, hidden, dtype=bf))  # --decode-l2-prefetch
     qkv = torch.zeros(1, (hq + 2 * hkv) * d, dtype=bf)
@@ -141,6 +143,20 @@ def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False, kv_dtyp
                      tickets=torch.zeros(hkv, dtype=torch.int32))  # the engine's default: merged in one launch
     if kv_dtype.itemsize == 1:
         pool_path(kv_dtype)
+    if fp8_blocks:
+        block_fp8_gemm_path()
+
+
+def block_fp8_gemm_path() -> None:
+    """Block-scaled FP8 weights ([128, 128] blocks) at more than one row: the per-group activation quantization
+    and the block GEMM at Llama-3.1-8B's gate_up shape, for each tile size default_tiles picks."""
+    from kernels.fp8_block_gemm import block_fp8_gemm
+    from kernels.quant import quantize_per_group
+    f8 = torch.float8_e4m3fn
+    quantize_per_group(torch.zeros(16, 4096, dtype=torch.bfloat16), 128)
+    for m in (16, 32, 64, 256):
+        block_fp8_gemm(torch.zeros(m, 4096, dtype=f8), torch.ones(m, 32), torch.zeros(28672, 4096, dtype=f8),
+                       torch.ones(224, 32), None, torch.bfloat16)
 
 
 def pool_path(kv_dtype: torch.dtype) -> None:
@@ -182,6 +198,8 @@ def main() -> None:
     ap.add_argument("--rope-fusion", action="store_true", help="rope and the KV store in the qkv GEMV (--decode-rope-fusion)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
                     help="the KV pool's dtype; FP8 also compiles the other kernels that touch the pool")
+    ap.add_argument("--fp8-blocks", action="store_true",
+                    help="with --fp8: block-scaled weights ([128, 128] blocks), and the block FP8 GEMM")
     ap.add_argument("--sass", default="", help="print the SASS of kernels whose name contains this")
     ap.add_argument("--loops", action="store_true", help="each kernel's loops: instructions, global loads, barriers")
     args = ap.parse_args()
@@ -197,7 +215,8 @@ def main() -> None:
     ku.set_pdl(args.pdl > 0, early_trigger=args.pdl == 2)
     JITFunction.run = _compile  # type: ignore[method-assign]
     from shared.cache.kv_pool import kv_cache_dtype
-    decode_path(args.fp8, not args.no_split_norms, args.rope_fusion, kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16))
+    decode_path(args.fp8, not args.no_split_norms, args.rope_fusion, kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16),
+                args.fp8 and args.fp8_blocks)
     for name, kernel in compiled:
         print(f"{name}: {_resources(kernel)}")
         if args.loops:

@@ -29,6 +29,7 @@ import triton.language as tl
 from kernels._utils import (dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue, pdl_trigger, pdl_trigger_early,
                             pdl_wait)
 from kernels.activation import silu_mul_f32
+from kernels.reference import scale_block
 from kernels.residual_norm import NORM_SLOTS, ResidualNorm
 from kernels.rope_store import RopeStore, rope_args, rope_rows, rope_store_epilogue, rope_store_inputs
 
@@ -127,10 +128,34 @@ def _pair_sum(p):
 
 
 @triton.jit
+def _block_scales(S, stride_s, offs_n, mask_n, kbase, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SBN: tl.constexpr, SBK: tl.constexpr, EVEN_K: tl.constexpr):
+    """Block-scaled FP8 weights (scales [N / SBN, K / SBK]): the scale of each eight-input lane of a tile's
+    [BLOCK_N, BLOCK_K / 8] sums (a lane lies in one block: SBK is a multiple of 8). Where SBN is a multiple of
+    BLOCK_N the tile lies in one block row: one row of scales, broadcast over the tile's rows."""
+    lane_k = kbase + tl.arange(0, BLOCK_K // 8) * 8
+    if SBN % BLOCK_N == 0:
+        ptrs = S + ((tl.program_id(0) * BLOCK_N) // SBN) * stride_s + lane_k // SBK
+        if EVEN_K:
+            scales = tl.load(ptrs)[None, :]
+        else:
+            scales = tl.load(ptrs, mask=lane_k < K, other=0.0)[None, :]
+    else:
+        ptrs = S + (offs_n // SBN)[:, None] * stride_s + (lane_k // SBK)[None, :]
+        if EVEN_K:
+            scales = tl.load(ptrs, mask=mask_n[:, None], other=0.0)
+        else:
+            scales = tl.load(ptrs, mask=mask_n[:, None] & (lane_k < K)[None, :], other=0.0)
+    return scales
+
+
+@triton.jit
 def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, EVEN_K: tl.constexpr,
-                SILU_MUL: tl.constexpr, DOT_PREC: tl.constexpr, F16: tl.constexpr = False):
+                SILU_MUL: tl.constexpr, DOT_PREC: tl.constexpr, F16: tl.constexpr = False, S=None, stride_s=0,
+                offs_n=None, mask_n=None, BLOCK_N: tl.constexpr = 1, SBN: tl.constexpr = 0, SBK: tl.constexpr = 0):
     """acc += x_tile . w_tile: a full-tile fp32 accumulator for one row (reduced once at the end, no
-    shuffles in the loop), a 16-row tensor-core tile for several (the MMA is free next to the W stream)."""
+    shuffles in the loop), a 16-row tensor-core tile for several (the MMA is free next to the W stream).
+    SBK > 0 (F16 only): block-scaled weights, each lane's sum multiplied by its block's scale (_block_scales)."""
     if EVEN_K:
         xm = mask_m[:, None]
     else:
@@ -146,7 +171,12 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
         # the largest weights and of one sign); x below ~0.016 is an f16 subnormal after the scaling, whose
         # precision loss only touches terms far below the sum's largest.
         p = w.to(tl.float16) * (x.to(tl.float32) * 0.00390625).to(tl.float16)
-        acc += _pair_sum(_pair_sum(_pair_sum(p))).to(tl.float32)
+        lanes = _pair_sum(_pair_sum(_pair_sum(p))).to(tl.float32)
+        if SBK:
+            acc += lanes * _block_scales(S, stride_s, offs_n, mask_n, kbase, K, BLOCK_N, offs_k.shape[0], SBN, SBK,
+                                         EVEN_K)
+        else:
+            acc += lanes
     elif M_PAD == 1:
         acc += w.to(tl.float32) * x.to(tl.float32)
     else:
@@ -161,7 +191,8 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, SILU_MUL: tl.constexpr,
                  PDL: tl.constexpr, PRE: tl.constexpr, F16: tl.constexpr = False, NORM_IN: tl.constexpr = False,
                  ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
-                 HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True):
+                 HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True, stride_s=0, SBN: tl.constexpr = 0,
+                 SBK: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (one row, no split: the host checks)
@@ -189,11 +220,13 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         if PRE == 2:
             w2 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K, "evict_first")
         pdl_prologue(PDL, True)
-        acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
+        acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S, stride_s,
+                          offs_n, mask_n, BLOCK_N, SBN, SBK)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         if PRE == 2:
-            acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
+            acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC,
+                              F16, S, stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
     rs, r_in, gamma, cos, sin, slot = _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS,
@@ -201,7 +234,8 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                                                        ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
         w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K, "evict_first")
-        acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16)
+        acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
+                          stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if F16:
@@ -491,7 +525,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
          rope: RopeStore | None = None) -> torch.Tensor:
     """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype (or in `out`'s: x's
     rounding held in a wider dtype, as the lm_head's fp32 logits).
-    `scale` (float32 [N]) dequantizes FP8 weights row by row (one row of x only: x is not quantized).
+    `scale` (float32 [N]) dequantizes FP8 weights row by row (one row of x only: x is not quantized); a scale
+    [N / bn, K / bk] block by block (kernels.reference.scale_block).
     silu_mul: x is [M, 2K] (gate | up) and y = silu_and_mul(x) @ w^T.
     pdl: programmatic dependent launch (None: the process default; see kernels._utils.pdl_launch).
     A residual RMSNorm split around this GEMV (one row; kernels/residual_norm.py): with `norm_in` x is the
@@ -506,13 +541,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     N = w.shape[0]
     assert M <= MAX_M, "gemv is for decode batches of at most 4 rows; use a GEMM"
     assert w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1
-    assert scale is None or (scale.shape == (N,) and scale.dtype == torch.float32)
+    block = scale_block(w, scale) if scale is not None else None
+    assert scale is None or scale.dtype == torch.float32
+    assert block is not None or scale is None or scale.shape == (N,)
     assert scale is None or M == 1 or x.dtype == w.dtype, "FP8 weights take one unquantized row of x"
+    assert block is None or (M == 1 and not tensor_cores and block[1] % 8 == 0 and scale.stride(1) == 1), \
+        "block-scaled FP8 weights: one row, blocks of whole eight-input lanes"
     assert norm_in is None or add_norm is None, "a GEMV consumes one split norm or produces one, not both"
     assert add_norm is None or (M == 1 and add_norm.size == N and add_norm.residual.dtype == x.dtype)
     assert norm_in is None or (M == 1 and norm_in.size == K)
     assert rope is None or (M == 1 and rope.size == N and add_norm is None and not silu_mul)
     cfg = config or default_config(M, N, K, w.element_size())
+    if block is not None:  # the general kernel's f16 lanes take the block scales
+        cfg = dataclasses.replace(cfg, row_kernel=False, f16_math=True)
     dot = M > 1 or tensor_cores
     if dot and cfg.block_n < 16:  # tensor-core tile minimum
         cfg = dataclasses.replace(cfg, block_n=16)
@@ -530,7 +571,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     else:
         _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
             x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
-            k_per_split, **norms, **ropes, HAS_SCALE=scale is not None, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
+            k_per_split, **norms, **ropes, HAS_SCALE=scale is not None and block is None,
+            stride_s=scale.stride(0) if block is not None else 0, SBN=block[0] if block else 0,
+            SBK=block[1] if block else 0, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
             F16=_f16_math(cfg, w) and not dot,

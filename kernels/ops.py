@@ -107,8 +107,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            weight_scale: torch.Tensor | None = None, norm_in: ResidualNorm | None = None,
            add_norm: ResidualNorm | None = None, rope: RopeStore | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias). With `weight_scale` (float32 [N]) the weight is FP8 e4m3 and
-    each row dequantizes by its scale. norm_in / add_norm: one row, a split residual RMSNorm's consumer
+    """x [M, K] @ weight[N, K]^T (+ bias). With `weight_scale` the weight is FP8 e4m3 and each row (float32
+    [N]) or [bn, bk] block (float32 [N / bn, K / bk]) dequantizes by its scale. norm_in / add_norm: one row, a split residual RMSNorm's consumer
     (x is gamma * residual; the output is scaled by the norm) or producer (returns gamma * residual).
     rope: one row of a qkv projection without bias; q and k come out rotated, k and v also go to the pool.
     out (with norm_in): the output buffer, of any float dtype (the GEMV writes its sums rounded to x's dtype)."""
@@ -145,7 +145,7 @@ def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | No
     if gated:
         x = silu_and_mul(x)
     if weight_scale is not None:
-        weight = ref.dequantize_rows_ref(weight, weight_scale, x.dtype)
+        weight = ref.dequantize_fp8_ref(weight, weight_scale, x.dtype)
     y = x.float() @ weight.float().t()
     if norm_in is not None:
         y = y * ref.residual_norm_scale_ref(norm_in)
@@ -171,7 +171,13 @@ def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         y = gemv(h, weight, scale=weight_scale, silu_mul=True)
         return y + bias if bias is not None else y
     if weight_scale is not None and _fp8_gemm_applies(h, weight, h.shape[-1] // 2):
-        from kernels.quant import quantize_per_token  # the activation goes straight into the FP8 input
+        # The activation goes straight into the FP8 input.
+        block = ref.scale_block(weight, weight_scale)
+        if block is not None:
+            from kernels.quant import quantize_per_group
+            return _block_fp8_gemm(*quantize_per_group(h, block[1], silu_mul=True), weight, weight_scale, bias,
+                                   h.dtype)
+        from kernels.quant import quantize_per_token
         return _fp8_gemm(*quantize_per_token(h, silu_mul=True), weight, weight_scale, bias, h.dtype)
     return linear(silu_and_mul(h), weight, bias, weight_scale)
 
@@ -189,17 +195,29 @@ def _fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, wei
                             out_dtype=out_dtype, bias=bias)
 
 
+def _block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    from kernels.fp8_block_gemm import block_fp8_gemm
+    return block_fp8_gemm(xq, x_scale, weight, weight_scale, bias, out_dtype)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """FP8 weights [N, K] with per-row scales. On CUDA: one decode row -> the GEMV reading FP8 weights
-    (x stays in its dtype); more rows -> an FP8 GEMM with dynamic per-token activation scales. Elsewhere
-    (and for shapes the FP8 GEMM does not take) the weight is dequantized on the fly: the reference."""
+    """FP8 weights [N, K] with per-row scales ([N]) or per-block ones ([N / bn, K / bk]). On CUDA: one decode
+    row -> the GEMV reading FP8 weights (x stays in its dtype); more rows -> an FP8 GEMM with dynamic
+    activation scales, per token (torch._scaled_mm) or per token and group of bk inputs for block scales
+    (kernels/fp8_block_gemm.py). Elsewhere (and for shapes the FP8 GEMMs do not take) the weight is dequantized
+    on the fly: the reference."""
     if _on_gpu(x) and x.dim() == 2:
         if _gemv_applies(x, weight, weight_scale):
             from kernels.gemv import gemv
             y = gemv(x, weight, scale=weight_scale)
             return y + bias if bias is not None else y
         if _fp8_gemm_applies(x, weight, x.shape[1]):
+            block = ref.scale_block(weight, weight_scale)
+            if block is not None:
+                from kernels.quant import quantize_per_group
+                return _block_fp8_gemm(*quantize_per_group(x, block[1]), weight, weight_scale, bias, x.dtype)
             from kernels.quant import quantize_per_token  # one launch: rows' max, scale, convert
             return _fp8_gemm(*quantize_per_token(x), weight, weight_scale, bias, x.dtype)
     return ref.fp8_linear_ref(x, weight, weight_scale, bias)

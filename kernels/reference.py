@@ -233,12 +233,53 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return q, scale
 
 
+def quantize_fp8_per_group_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of group) -> (fp8 e4m3 [M, K], float32 scale [M, K / group]): each row's
+    groups of `group` consecutive values quantized like quantize_fp8_per_token's rows (the activations of a
+    block-scaled FP8 GEMM)."""
+    M, K = x.shape
+    q, scale = quantize_fp8_per_token(x.reshape(M * (K // group), group))
+    return q.reshape(M, K), scale.reshape(M, K // group)
+
+
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ (weight * scale[:, None])^T in x's dtype, the weight dequantized first (weight-only FP8)."""
-    return torch.nn.functional.linear(x, dequantize_rows_ref(weight, weight_scale, x.dtype), bias)
+    """x @ dequantized(weight)^T in x's dtype, the weight dequantized first (weight-only FP8): one scale per
+    row (float32 [N]) or per block (float32 [N / bn, K / bk]; dequantize_fp8_ref)."""
+    return torch.nn.functional.linear(x, dequantize_fp8_ref(weight, weight_scale, x.dtype), bias)
 
 
-def dequantize_rows_ref(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 weight [N, K] with one scale per row -> the weight in `dtype`."""
-    return (weight.to(torch.float32) * weight_scale.to(torch.float32)[:, None]).to(dtype)
+def scale_block(weight: torch.Tensor, weight_scale: torch.Tensor) -> tuple[int, int] | None:
+    """The (bn, bk) block of a block-scaled FP8 weight [N, K] whose scale is [N / bn, K / bk] (the blocks
+    tile the weight exactly: the engine keeps block scales only then); None for one scale per row."""
+    if weight_scale.dim() == 1:
+        return None
+    (n, k), (sn, sk) = weight.shape, weight_scale.shape
+    assert n % sn == 0 and k % sk == 0, f"block scales {tuple(weight_scale.shape)} do not tile a weight {n}x{k}"
+    return n // sn, k // sk
+
+
+def dequantize_fp8_ref(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 weight [N, K] with one scale per row ([N]) or per [bn, bk] block ([N / bn, K / bk]) -> the weight
+    in `dtype`."""
+    block = scale_block(weight, weight_scale)
+    scale = weight_scale.to(torch.float32)
+    if block is None:
+        return (weight.to(torch.float32) * scale[:, None]).to(dtype)
+    bn, bk = block
+    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+    return (weight.to(torch.float32) * full).to(dtype)
+
+
+def block_fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """What the block-scaled FP8 GEMM computes: x quantized per token and group of bk inputs, each group's
+    products summed in fp32 and scaled by the activation's and the weight block's scales, the sum rounded to
+    out_dtype (x's by default)."""
+    bn, bk = scale_block(weight, weight_scale)
+    xq, xs = quantize_fp8_per_group_ref(x, bk)
+    xd = xq.to(torch.float32) * xs.repeat_interleave(bk, 1)
+    y = xd @ dequantize_fp8_ref(weight, weight_scale, torch.float32).t()
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(out_dtype or x.dtype)

@@ -419,6 +419,84 @@ def check_gemv_fp8_f16_math(device, dtype):
                                    gemv(silu_and_mul(h), q, scale=s, config=row), rtol=0, atol=0)
 
 
+def _block_fp8(N, K, block, gen, device):
+    """A random FP8 weight [N, K] with float32 scales [N / bn, K / bk] spread over two decades."""
+    from kernels.reference import FP8_DTYPE
+    bn, bk = block
+    q = (torch.randn(N, K, generator=gen) * 60).clamp(-448, 448).to(FP8_DTYPE)
+    s = torch.rand(N // bn, K // bk, generator=gen) * 1e-3 + 1e-5
+    return q.to(device), s.to(device)
+
+
+def check_gemv_fp8_blocks(device, dtype):
+    """Block-scaled FP8 weights (scales [N / bn, K / bk]) in the one-row GEMV against the weights dequantized
+    block by block: tiles inside one block row and tiles spanning several, blocks narrower and wider than a
+    tile along K, split K, a ragged last tile, the gated down projection and a split norm's consumer."""
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import GemvConfig, gemv
+    from kernels.reference import fp8_linear_ref
+    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
+    gen = torch.Generator().manual_seed(5)
+    tol = 2e-3 if dtype == torch.float32 else 6e-3
+    for N, K, block in [(64, 256, (16, 32)), (96, 384, (32, 128)), (48, 192, (8, 16)), (128, 1024, (128, 128))]:
+        q, s = _block_fp8(N, K, block, gen, device)
+        for mag in (0.05, 1.0, 100.0):
+            x = (torch.randn(1, K, generator=gen) * mag).to(device=device, dtype=dtype)
+            ref = fp8_linear_ref(x.float(), q, s)
+            for cfg in (None, GemvConfig(8, 64, 1, 2, f16_math=True, row_kernel=False),
+                        GemvConfig(16, 32, 3, 2, f16_math=True, row_kernel=False),
+                        GemvConfig(32, 128, 2, 4, f16_math=True, row_kernel=False),
+                        GemvConfig(8, 256, 1, 2, f16_math=True, row_kernel=False), GemvConfig(8, 64, 1, 2)):
+                y = gemv(x, q, scale=s, config=cfg).float()
+                err = float((y - ref).abs().max())
+                assert err < tol * float(ref.abs().max()), (N, K, block, mag, cfg, err)
+        h = _rand(1, 2 * K, dtype=dtype, device=device)
+        torch.testing.assert_close(gemv(h, q, scale=s, silu_mul=True), gemv(silu_and_mul(h), q, scale=s), rtol=0,
+                                   atol=0)
+        sums = torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
+        resid = _rand(1, K, dtype=dtype, device=device)
+        sums[0] = float((resid.double() ** 2).sum())
+        norm = ResidualNorm(resid, torch.ones(K, dtype=dtype, device=device), sums, 1e-6)
+        scaled = gemv(resid, q, scale=s, norm_in=norm).float()
+        plain = fp8_linear_ref(resid.float(), q, s) / float(torch.sqrt(sums.sum() / K + 1e-6))
+        assert float((scaled - plain).abs().max()) < tol * float(plain.abs().max()), (N, K, block)
+
+
+def check_fp8_block_gemm(device, dtype):
+    """The block-scaled FP8 GEMM (kernels/fp8_block_gemm.py) after its per-group activation quantization:
+    scales and scaled values exactly the reference's (on a GPU the FP8 bits too), and the product against
+    block_fp8_linear_ref (same quantized inputs, fp32 sums) to fp32 rounding, with and without bias, row counts
+    across the tile sizes, block rows narrower and wider than a tile."""
+    from kernels.activation import silu_and_mul
+    from kernels.fp8_block_gemm import block_fp8_gemm
+    from kernels.quant import quantize_per_group
+    from kernels.reference import FP8_DTYPE, FP8_MAX, block_fp8_linear_ref, quantize_fp8_per_group_ref
+    gen = torch.Generator().manual_seed(6)
+    for M, N, K, block in [(3, 96, 64, (32, 16)), (40, 64, 128, (16, 32)), (17, 256, 256, (128, 128)),
+                           (70, 192, 128, (64, 64))]:
+        q, s = _block_fp8(N, K, block, gen, device)
+        x = (torch.randn(M, K, generator=gen) * 3).to(device, dtype)
+        h = (torch.randn(M, 2 * K, generator=gen) * 2).to(device, dtype)
+        x[-1] = 0  # an all-zero row: the floor on its scales, zeros out
+        for inp, gated, ref_in in ((x, False, x), (h, True, silu_and_mul(h))):
+            rq, rs = quantize_fp8_per_group_ref(ref_in, block[1])
+            v, vs = quantize_per_group(inp, block[1], silu_mul=gated, out_dtype=torch.float32)
+            assert torch.equal(vs, rs), (M, K, gated)
+            want = (ref_in.float().reshape(M, -1, block[1]) / rs[..., None]).clamp(-FP8_MAX, FP8_MAX)
+            assert torch.equal(v, want.reshape(M, K)), (M, K, gated)
+            if device.type == "cuda":
+                q8, s8 = quantize_per_group(inp, block[1], silu_mul=gated)
+                assert q8.dtype == FP8_DTYPE and torch.equal(q8.float(), rq.float()) and torch.equal(s8, rs)
+        bias = torch.randn(N, generator=gen).to(device, dtype)
+        xq, xs = quantize_fp8_per_group_ref(x, block[1])
+        for b in (None, bias):
+            y = block_fp8_gemm(xq, xs, q, s, b, torch.float32)
+            ref = block_fp8_linear_ref(x, q, s, b, torch.float32)
+            torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+        y = block_fp8_gemm(xq, xs, q, s, None, dtype)
+        assert y.dtype == dtype and y.shape == (M, N)
+
+
 def check_gemv_split_norm(device, dtype):
     """A residual RMSNorm split around two GEMVs (kernels/residual_norm.py) against its torch reference: the
     producer's residual and gamma * residual (the same rounded output added as the unfused GEMV's) and its

@@ -62,6 +62,9 @@ FORMATS = {
         "ignore": ["lm_head"]}, "channel", "weight_scale", False),
     "fp8-block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}, "block",
                   "weight_scale_inv", False),
+    # k_proj and v_proj have 16 rows: [32, 16] blocks do not tile them, so the weights are dequantized at load.
+    "fp8-block-untiled": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 16]},
+                          "block", "weight_scale_inv", False),
 }
 
 
@@ -78,12 +81,13 @@ def write_fp8_checkpoint(hf, path: str, fmt: str):
         for name, p in hf.state_dict().items():
             mod = name.rsplit(".", 2)
             if name.endswith(".weight") and len(mod) == 3 and mod[1] in LINEARS:
-                q, s = _quantize(p.float(), granularity)
+                block = tuple(qconfig.get("weight_block_size", (16, 16)))
+                q, s = _quantize(p.float(), granularity, block)
                 tensors[name] = q
                 tensors[name[: -len("weight")] + suffix] = s
                 if input_scales:
                     tensors[name[: -len("weight")] + "input_scale"] = torch.tensor(0.05)
-                hf.get_parameter(name).copy_(_dequantize(q, s, granularity))
+                hf.get_parameter(name).copy_(_dequantize(q, s, granularity, block))
             else:
                 tensors[name] = p.contiguous()
     save_file(tensors, os.path.join(path, "model.safetensors"))
@@ -101,11 +105,16 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fmt, tmp_pat
     path = write_fp8_checkpoint(hf, str(tmp_path / fmt), fmt)
     ours, cfg = load_model(path)
     layer = ours.model.layers[0]
-    if FORMATS[fmt][1] == "block":  # no block-scaled GEMM: dequantized at load, runs in the model dtype
+    qkv_rows = cfg.q_size + 2 * cfg.kv_size
+    if fmt == "fp8-block-untiled":  # blocks that do not tile the layers: dequantized at load, model dtype
         assert layer.mlp.down_proj.weight.dtype == torch.float32 and layer.mlp.down_proj.weight_scale is None
+    elif fmt == "fp8-block":  # FP8 with the checkpoint's block scales, stacked across the fused projections
+        assert layer.self_attn.qkv_proj.weight.dtype == FP8 and layer.self_attn.qkv_proj.weight_block == (16, 16)
+        assert layer.self_attn.qkv_proj.weight_scale.shape == (qkv_rows // 16, cfg.hidden_size // 16)
+        assert layer.mlp.down_proj.weight_scale.shape == (cfg.hidden_size // 16, cfg.intermediate_size // 16)
     else:
         assert layer.self_attn.qkv_proj.weight.dtype == FP8
-        assert layer.self_attn.qkv_proj.weight_scale.shape == (cfg.q_size + 2 * cfg.kv_size,)
+        assert layer.self_attn.qkv_proj.weight_scale.shape == (qkv_rows,)
     prompt = torch.randint(3, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(3)).tolist()
     logits = PagedHarness(ours, cfg).step(ForwardMode.EXTEND, {0: prompt})[0]
     with torch.no_grad():
@@ -206,3 +215,63 @@ def test_fp8_kernels_on_gpu():
         ref = fp8_linear_ref(silu_and_mul_ref(h).float(), q, s)
         y = silu_mul_linear(h, q, None, s).float()
         assert float((y - ref).abs().max() / ref.abs().max()) < 0.05, ("silu_mul", m, n, k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="block FP8 GEMM and GEMV need a GPU")
+def test_block_fp8_kernels_on_gpu():
+    """Block-scaled FP8 weights ([128, 128]) through ops on the GPU: one row in the GEMV, more in the block GEMM
+    after per-group activation quantization, the gated down projection's input quantized in the same kernel."""
+    from kernels.ops import fp8_linear, silu_mul_linear
+    from kernels.reference import silu_and_mul_ref
+    from shared.models.quantization import quantize_blocks
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m, n, k in [(1, 4096, 4096), (1, 1024, 4096), (7, 512, 256), (64, 4096, 1024), (300, 1024, 512)]:
+        q, s = quantize_blocks(torch.randn(n, k, device="cuda", generator=gen) * 0.02, (128, 128))
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        ref = fp8_linear_ref(x.float(), q, s)
+        y = fp8_linear(x, q, s).float()
+        assert float((y - ref).abs().max() / ref.abs().max()) < 0.05, (m, n, k)
+        h = torch.randn(m, 2 * k, device="cuda", generator=gen).to(torch.bfloat16)
+        ref = fp8_linear_ref(silu_and_mul_ref(h).float(), q, s)
+        y = silu_mul_linear(h, q, None, s).float()
+        assert float((y - ref).abs().max() / ref.abs().max()) < 0.05, ("silu_mul", m, n, k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_block_fp8_checkpoint_on_gpu_matches_the_cpu_reference(tmp_path):
+    """A block-scaled FP8 checkpoint on the GPU in bf16 (block GEMM for the prompt, the GEMV for one decode
+    token) against the same checkpoint on the CPU (weights dequantized, fp32): logits to within W8A8's and
+    bf16's rounding, and the same greedy tokens as transformers on the dequantized weights."""
+    hf = make_hf_model("qwen2")
+    path = write_fp8_checkpoint(hf, str(tmp_path / "block"), "fp8-block")
+    cpu, cfg = load_model(path)
+    gpu, _ = load_model(path, dtype=torch.bfloat16, device="cuda")
+    assert gpu.model.layers[0].mlp.gate_up_proj.weight_block == (16, 16)
+    prompt = torch.randint(3, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(3)).tolist()
+    runs = []
+    for model in (cpu, gpu):
+        h = PagedHarness(model, cfg)
+        logits = h.step(ForwardMode.EXTEND, {0: prompt})[0]
+        runs.append((logits, h.step(ForwardMode.DECODE, {0: [int(logits[-1].argmax())]})[0]))
+    for want, got in zip(runs[0], runs[1]):
+        assert float((got.cpu() - want).abs().max() / want.abs().max()) < 5e-2
+    with torch.no_grad():
+        hf_out = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):].tolist()
+    assert paged_greedy(gpu, cfg, [prompt], steps=3)[0] == hf_out
+
+
+def test_block_fp8_dummy_weights_keep_blocks(tmp_path):
+    """--load-format dummy on a block-scaled FP8 config (how a benchmark runs one without its checkpoint):
+    FP8 layers with block scales, drawn through quantize_blocks, so the dequantized weights are the draw's."""
+    from shared.models.quantization import quantize_blocks
+
+    hf = make_hf_model("qwen2")
+    path = write_fp8_checkpoint(hf, str(tmp_path / "block"), "fp8-block")
+    model, cfg = load_model(path, load_format="dummy")
+    down = model.model.layers[1].mlp.down_proj
+    assert down.weight.dtype == FP8 and down.weight_scale.shape == (cfg.hidden_size // 16, cfg.intermediate_size // 16)
+    deq = fp8_linear_ref(torch.eye(cfg.intermediate_size), down.weight, down.weight_scale).t()
+    q, s = quantize_blocks(deq, (16, 16))
+    assert float((_dequantize(q, s, "block") - deq).abs().max()) <= 1e-3 * float(deq.abs().max())
+    assert 0.005 < float(deq.std()) < 0.05  # the draw's scale (normal, std 0.02)

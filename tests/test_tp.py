@@ -173,13 +173,15 @@ def test_tp_families_match_single_rank(family, tmp_path):
     assert results[0] == results[1]
 
 
-def test_tp_fp8_checkpoint_matches_single_rank(tmp_path):
+@pytest.mark.parametrize("fmt", ["fbgemm-per-channel", "fp8-block"])
+def test_tp_fp8_checkpoint_matches_single_rank(fmt, tmp_path):
     """FP8 weights with per-row scales: a column-parallel layer takes its rows' scales, a row-parallel
-    one keeps every row's scale."""
+    one keeps every row's scale. With block scales both split with the weight, in blocks: a column-parallel
+    layer's block rows, a row-parallel one's block columns (the replicated k/v projection's whole)."""
     from tests.conftest_models import make_hf_model
     from tests.test_quantization import write_fp8_checkpoint
 
-    path = write_fp8_checkpoint(make_hf_model("qwen2"), str(tmp_path), "fbgemm-per-channel")
+    path = write_fp8_checkpoint(make_hf_model("qwen2"), str(tmp_path), fmt)
     results = []
     for tp in (1, 2):
         h = Harness(model_path=path, tp_size=tp)
@@ -269,6 +271,36 @@ def test_sharded_load_reads_only_this_ranks_slices(tmp_path, monkeypatch):
     assert torch.equal(mlp.down_proj.weight, full[L + "mlp.down_proj.weight"][:, 64:])
     assert torch.equal(mlp.gate_up_proj.weight[64:], full[L + "mlp.up_proj.weight"][64:])
     assert torch.equal(model.lm_head.weight, full["lm_head.weight"][256:])
+
+
+def test_block_fp8_scales_split_with_their_weights(tmp_path):
+    """Rank 1 of 2 loading a block-scaled FP8 checkpoint ([16, 16] blocks) keeps FP8 weights with the block
+    scales of exactly its part: a column-parallel layer's block rows (per fused projection, the replicated
+    k/v whole), a row-parallel one's block columns."""
+    from tests.conftest_models import make_hf_model
+    from tests.test_quantization import write_fp8_checkpoint
+    from shared.models import loader
+    from safetensors.torch import load_file
+
+    path = write_fp8_checkpoint(make_hf_model("qwen2"), str(tmp_path), "fp8-block")
+    full = load_file(os.path.join(path, "model.safetensors"))
+    parallel.set_tp(1, 2)
+    try:
+        model, cfg = loader.load_model(path, dtype=torch.float32, device="cpu")
+    finally:
+        parallel.set_tp(0, 1)
+    L = "model.layers.0."
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.qkv_proj.weight.dtype == torch.float8_e4m3fn and attn.qkv_proj.weight_block == (16, 16)
+    sq, sk, sv = attn.qkv_proj.weight_scale.split([2, 1, 1])  # q: 32 of 64 rows; k, v: 16 rows, replicated
+    assert torch.equal(sq, full[L + "self_attn.q_proj.weight_scale_inv"][2:])
+    assert torch.equal(sk, full[L + "self_attn.k_proj.weight_scale_inv"])
+    assert torch.equal(sv, full[L + "self_attn.v_proj.weight_scale_inv"])
+    assert torch.equal(attn.o_proj.weight_scale, full[L + "self_attn.o_proj.weight_scale_inv"][:, 2:])
+    assert torch.equal(mlp.down_proj.weight_scale, full[L + "mlp.down_proj.weight_scale_inv"][:, 4:])
+    assert torch.equal(mlp.gate_up_proj.weight_scale[4:], full[L + "mlp.up_proj.weight_scale_inv"][4:])
+    assert torch.equal(mlp.down_proj.weight.view(torch.uint8),
+                       full[L + "mlp.down_proj.weight"][:, 64:].view(torch.uint8))
 
 
 def test_kv_heads_replicate_and_vocab_pads_when_ranks_do_not_divide():

@@ -13,7 +13,7 @@ from torch import nn
 from kernels import ops
 from kernels.residual_norm import ResidualNorm
 from kernels.rope_store import RopeStore
-from shared.models.parallel import Shard, all_reduce, even_shard, vocab_shard
+from shared.models.parallel import Shard, all_reduce, even_shard, in_blocks, vocab_shard
 
 
 # ------------------------------------------------------------------ ops
@@ -72,23 +72,37 @@ class Linear(nn.Module):
         self.weight = _param(rows, cols)
         self.bias = _param(rows) if bias else None
         self.weight_scale: nn.Parameter | None = None  # set by to_fp8()
+        self.weight_block: tuple[int, int] | None = None  # (bn, bk) of block scales, set by to_fp8()
 
     def leaf_shard(self, leaf: str) -> Shard | None:
         """How the checkpoint tensor `<name>.<leaf>` splits on this rank (None: this rank holds it whole).
-        A row-parallel layer's bias and per-output-row scales are whole on every rank."""
+        A row-parallel layer's bias and per-output-row scales are whole on every rank; block scales split as
+        the weight does, in blocks."""
+        if leaf == "weight_scale" and self.weight_block is not None:
+            return self.shard and in_blocks(self.shard, self.weight_block[self.shard.dim])
         if self.shard is None or (self.shard.dim == 1 and leaf != "weight"):
             return None
         return self.shard
 
-    def to_fp8(self) -> None:
-        """Hold the weight as FP8 e4m3 with one float32 dequantization scale per output row; the loader
-        fills both (`<name>.weight`, `<name>.weight_scale`)."""
+    def block_aligned(self, block: tuple[int, int]) -> bool:
+        """Whether [bn, bk] blocks tile this rank's weight exactly: its rows and columns, and where its shard
+        starts (block scales then split and stack with it)."""
+        rows, cols = self.weight.shape
+        shard_ok = self.shard is None or self.shard.start % block[self.shard.dim] == 0
+        return rows % block[0] == 0 and cols % block[1] == 0 and shard_ok
+
+    def to_fp8(self, block: tuple[int, int] | None = None) -> None:
+        """Hold the weight as FP8 e4m3 with float32 dequantization scales: one per output row, or with `block`
+        one per [bn, bk] block (which must tile the weight: block_aligned); the loader fills both
+        (`<name>.weight`, `<name>.weight_scale`)."""
         out_features, in_features = self.weight.shape
         device = self.weight.device
+        assert block is None or self.block_aligned(block)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn,
                                                device=device), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32, device=device),
-                                         requires_grad=False)
+        shape = (out_features,) if block is None else (out_features // block[0], in_features // block[1])
+        self.weight_scale = nn.Parameter(torch.ones(shape, dtype=torch.float32, device=device), requires_grad=False)
+        self.weight_block = block
 
     def forward(self, x: torch.Tensor, gated: bool = False, norm_in: ResidualNorm | None = None,
                 add_norm: ResidualNorm | None = None, rope: RopeStore | None = None) -> torch.Tensor:
@@ -129,14 +143,27 @@ class MergedLinear(Linear):
         self.shard_names = list(shard_names)
         self.shards = list(shards)
 
-    def shard_rows(self, shard_name: str) -> tuple[int, int]:
-        """(row offset, rows) of one checkpoint projection inside the fused weight."""
+    def shard_rows(self, shard_name: str, leaf: str = "weight") -> tuple[int, int]:
+        """(row offset, rows) of one checkpoint projection inside the fused weight (of its block scales' rows
+        for leaf "weight_scale" with block scales)."""
         i = self.shard_names.index(shard_name)
-        return sum(self.output_sizes[:i]), self.output_sizes[i]
+        offset, rows = sum(self.output_sizes[:i]), self.output_sizes[i]
+        if leaf == "weight_scale" and self.weight_block is not None:
+            return offset // self.weight_block[0], rows // self.weight_block[0]
+        return offset, rows
 
-    def projection_shard(self, shard_name: str) -> Shard | None:
-        """This rank's rows of the checkpoint projection (every leaf: weight, bias, scales)."""
-        return self.shards[self.shard_names.index(shard_name)]
+    def projection_shard(self, shard_name: str, leaf: str = "weight") -> Shard | None:
+        """This rank's rows of the checkpoint projection (every leaf: weight, bias, scales; block scales in
+        blocks)."""
+        shard = self.shards[self.shard_names.index(shard_name)]
+        if shard is not None and leaf == "weight_scale" and self.weight_block is not None:
+            return in_blocks(shard, self.weight_block[0])
+        return shard
+
+    def block_aligned(self, block: tuple[int, int]) -> bool:
+        """Linear's, and every projection's rows and this rank's part of it start on a block."""
+        return super().block_aligned(block) and all(
+            n % block[0] == 0 and (s is None or s.start % block[0] == 0) for n, s in zip(self.output_sizes, self.shards))
 
 
 class Embedding(nn.Module):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from typing import Iterator
 
@@ -18,9 +19,12 @@ from shared.models.config import ModelConfig
 from shared.models.llama import LlamaForCausalLM
 from shared.models.parallel import tp_rank
 from shared.models.quantization import (CheckpointReader, QuantSpec, fp8_weight_names, kv_cache_scales,
-                                        online_quantized, parse_quantization, quantize_per_channel, quantized_tensors)
+                                        online_quantized, parse_quantization, quantize_blocks, quantize_per_channel,
+                                        quantized_tensors)
 from shared.models.weights import build_empty_model, convert_linears_to_fp8, load_weights
 from shared.tokenizer import TINY_RANDOM, resolve_model_dir
+
+log = logging.getLogger(__name__)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -95,7 +99,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             if param.dtype == torch.float8_e4m3fn:  # quantize a float draw, scales alongside
                 draw = torch.empty(param.shape, dtype=torch.float32, device=param.device).normal_(
                     0.0, 0.02, generator=gen)
-                q, scale = quantize_per_channel(draw)
+                block = model.get_submodule(name.rsplit(".", 1)[0]).weight_block
+                q, scale = quantize_per_channel(draw) if block is None else quantize_blocks(draw, block)
                 param.copy_(q)
                 model.get_parameter(name[: -len("weight")] + "weight_scale").copy_(scale)
             else:
@@ -128,8 +133,8 @@ def load_model(model_path: str, dtype: torch.dtype | None = None, device: torch.
     spec = parse_quantization(hf_config, quantization)  # before any allocation: refusals are cheap
     model = build_empty_model(cfg, dtype, device)
     if load_format == "dummy":
-        if spec is not None and spec.block_size is None:
-            convert_linears_to_fp8(model, None)
+        if spec is not None:
+            convert_linears_to_fp8(model, None, spec.block_size)
         init_dummy_weights(model)
     else:
         _load_checkpoint(model, safetensors_files(model_dir), spec)
@@ -155,7 +160,11 @@ def _load_checkpoint(model: LlamaForCausalLM, files: list[str], spec: QuantSpec 
         fp8_names = fp8_weight_names(reader)
         if not fp8_names:
             raise ValueError(f"quantization_config says {spec.method} but no weight is stored as fp8")
-        kept = convert_linears_to_fp8(model, fp8_names) if spec.block_size is None else set()
+        kept = convert_linears_to_fp8(model, fp8_names, spec.block_size)
+        if kept is None:
+            log.warning("fp8 blocks %s do not tile every layer of this model (or its tensor-parallel shards): "
+                        "the weights are dequantized at load and run in the model dtype", list(spec.block_size))
+            kept = set()
         load_weights(model, quantized_tensors(reader, spec, kept))
 
 

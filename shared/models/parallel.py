@@ -70,6 +70,13 @@ class Shard:
     full: int
 
 
+def in_blocks(shard: Shard, block: int) -> Shard:
+    """The same part of a tensor counted in blocks of `block` along its dim (a block-scaled FP8 weight's scales:
+    the part starts on a block and covers whole ones, the tensor's last block possibly partial)."""
+    assert shard.start % block == 0, f"a shard starting at {shard.start} is not on a block of {block}"
+    return Shard(shard.dim, shard.start // block, -(-shard.length // block), -(-shard.full // block))
+
+
 def even_shard(n: int, dim: int = 0) -> Shard | None:
     """n split evenly (validate_tp checked it divides); None with one rank."""
     if _state.size == 1:

@@ -11,7 +11,11 @@ In every family the stored scale multiplies: real weight = fp8 weight * scale.
 
 Per-tensor and per-channel weights stay FP8 in memory (half the bytes of bf16) and run as FP8 GEMMs
 with dynamic per-token activation scales (static `input_scale`s are not needed for that and are
-ignored). Block-scaled weights are dequantized at load and run in the model dtype: correct, not faster.
+ignored). Block-scaled weights stay FP8 with their block scales where the blocks tile every layer (each
+projection's rows and this rank's shard on block boundaries, bk a power of two of at least 16: Qwen3-FP8 and
+DeepSeek's [128, 128] on their models) and run as block FP8 GEMMs with activations scaled per token and
+group of bk inputs (kernels/fp8_block_gemm.py; one decode row: the GEMV applies the block scales). Where
+they do not tile, they are dequantized at load and run in the model dtype: correct, not faster.
 Anything else (AWQ, GPTQ, bitsandbytes, int8, 4-bit floats...) is refused at load with a message saying
 so: a checkpoint must never load with its scales dropped.
 
@@ -44,7 +48,7 @@ class UnsupportedQuantization(ValueError):
 @dataclass(frozen=True)
 class QuantSpec:
     method: str  # the checkpoint's quant_method, or "fp8-online" for --quantization fp8
-    block_size: tuple[int, int] | None = None  # set: block scales, dequantized at load
+    block_size: tuple[int, int] | None = None  # set: block scales (kept where they tile the weights)
 
     @property
     def online(self) -> bool:
@@ -123,15 +127,33 @@ def per_channel_scale(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor
                                   f"per-channel for {rows} rows")
 
 
-def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
-    """fp8 [N, K] with one scale per [bn, bk] block ([ceil(N/bn), ceil(K/bk)]) -> float32 [N, K]."""
+def block_scale(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
+    """A stored block scale of fp8 [N, K] checked to be [ceil(N/bn), ceil(K/bk)], as float32."""
     n, k = w.shape
     bn, bk = block
     want = (-(-n // bn), -(-k // bk))
     if tuple(scale.shape) != want:
         raise UnsupportedQuantization(f"block scale of '{name}' has shape {tuple(scale.shape)}, expected {want}")
-    s = scale.to(torch.float32).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return scale.to(torch.float32)
+
+
+def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
+    """fp8 [N, K] with one scale per [bn, bk] block ([ceil(N/bn), ceil(K/bk)]) -> float32 [N, K]."""
+    n, k = w.shape
+    bn, bk = block
+    s = block_scale(w, scale, block, name).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return w.to(torch.float32) * s
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] (blocks tiling it) -> (fp8 [N, K], float32 scale [N / bn, K / bk]) with each
+    block's max mapped to FP8_MAX: what block-scaled checkpoints hold."""
+    n, k = w.shape
+    bn, bk = block
+    tiles = w.detach().to(torch.float32).reshape(n // bn, bn, k // bk, bk)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(n, k), scale
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +212,10 @@ def quantized_tensors(reader: CheckpointReader, spec: QuantSpec, keep_fp8: set[s
         if scale_name is None:
             raise UnsupportedQuantization(f"fp8 weight '{name}' has no weight_scale / weight_scale_inv")
         scale = reader.get(scale_name)
-        if spec.block_size is not None:
+        if spec.block_size is not None and name in keep_fp8:
+            yield name, tensor.to(FP8_DTYPE)
+            yield base + ".weight_scale", block_scale(tensor, scale, spec.block_size, scale_name)
+        elif spec.block_size is not None:
             yield name, dequantize_blocks(tensor, scale, spec.block_size, name)
         elif name in keep_fp8:
             yield name, tensor.to(FP8_DTYPE)

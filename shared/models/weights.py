@@ -75,19 +75,35 @@ def checkpoint_layout(model: nn.Module) -> dict[str, WeightSlot]:
         if isinstance(module, MergedLinear):
             parent = mod_name.rsplit(".", 1)[0]
             for shard in module.shard_names:
-                off, rows = module.shard_rows(shard)
-                layout[f"{parent}.{shard}.{leaf}"] = WeightSlot(param, off, rows, module.projection_shard(shard))
+                off, rows = module.shard_rows(shard, leaf)
+                layout[f"{parent}.{shard}.{leaf}"] = WeightSlot(param, off, rows, module.projection_shard(shard, leaf))
         else:
             leaf_shard = getattr(module, "leaf_shard", None)
             layout[pname] = WeightSlot(param, 0, param.shape[0], leaf_shard(leaf) if leaf_shard else None)
     return layout
 
 
-def convert_linears_to_fp8(model: nn.Module, fp8_names: set[str] | None) -> set[str]:
+def convert_linears_to_fp8(model: nn.Module, fp8_names: set[str] | None,
+                           block: tuple[int, int] | None = None) -> set[str] | None:
     """Turn the decoder's linear layers whose checkpoint weights are in `fp8_names` (None: every one, for
-    --quantization fp8) into FP8 layers. Returns the checkpoint weight names now held in FP8. The lm_head
-    stays in the model dtype (logits want the precision; a quantized one is dequantized at load)."""
+    --quantization fp8) into FP8 layers, with one scale per output row or, with `block`, per [bn, bk] block.
+    Returns the checkpoint weight names now held in FP8; None (nothing converted) where block scales do not
+    tile every such layer (block_aligned) or the kernels do not take the block (bk a power of two >= 16). The
+    lm_head stays in the model dtype (logits want the precision; a quantized one is dequantized at load)."""
+    chosen = list(_fp8_linears(model, fp8_names))
+    if block is not None:
+        bk = block[1]
+        if bk < 16 or bk & (bk - 1) or not all(module.block_aligned(block) for module, _ in chosen):
+            return None
     kept: set[str] = set()
+    for module, names in chosen:
+        module.to_fp8(block)
+        kept.update(names)
+    return kept
+
+
+def _fp8_linears(model: nn.Module, fp8_names: set[str] | None) -> Iterator[tuple[Linear, list[str]]]:
+    """The decoder's linear layers whose checkpoint weights are in fp8_names (None: all), with those names."""
     for mod_name, module in model.named_modules():
         if not isinstance(module, Linear) or mod_name == "lm_head":
             continue
@@ -102,9 +118,7 @@ def convert_linears_to_fp8(model: nn.Module, fp8_names: set[str] | None) -> set[
         if len(quantized) != len(names):
             raise ValueError(f"checkpoint stores {quantized} in fp8 but not {sorted(set(names) - set(quantized))}: "
                              "projections fused into one layer must share a precision")
-        module.to_fp8()
-        kept.update(names)
-    return kept
+        yield module, names
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> None:
