@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh kv-fp8|kv-fp8-tput|fp8-block|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
@@ -141,11 +141,18 @@ if [[ $what == kv-fp8-tput ]]; then
     | tee "$OUT/b1_kvfp8.log"
 fi
 if [[ $what == fp8-block ]]; then
-  # Block-scaled FP8 weights (2026-12-05, built without a GPU): the block GEMV and GEMM kernel checks and the model
-  # and ops tests on the GPU, then bench.fp8 with the block variant ([128, 128], Llama-3.1-8B shape, dummy weights).
+  # Block-scaled FP8 weights (2026-12-05, built without a GPU), first call: the block GEMV and GEMM kernel checks and
+  # the model and ops tests on the GPU, then the block linears alone against bf16 and per-channel FP8 at Llama-8B's
+  # shapes, the GEMM's tiles and K splits swept (bench.fp8_block_gemm --sweep).
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_quantization.py \
     -k "not interpreted and (block or fp8_kernels)" 2>&1 | tee "$OUT/fp8_block_tests.log" | tail -4
-  timeout 400 python3 -m bench.fp8 --block --reqs 64 --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/fp8_block.log" | tail -8
+  timeout 420 python3 -m bench.fp8_block_gemm --sweep --out "$OUT" 2>&1 | tee "$OUT/fp8_block_gemm.log" | tail -45
+fi
+if [[ $what == fp8-block-e2e ]]; then
+  # Second call: bench.fp8 with the block variant ([128, 128], Llama-3.1-8B shape, dummy weights drawn per block):
+  # batch-1 step, graph replay and a 64-request throughput run against bf16 and per-channel FP8.
+  timeout 540 python3 -m bench.fp8 --block --reqs 64 --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/fp8_block.log" \
+    | tail -8
 fi
 if [[ $what == fp8-row ]]; then
   # Issue 14 item 3: FP8 weights in the one-row GEMV (kernels.gemv.FP8_ROW_KERNEL, 2026-12-04, never run on a GPU): its

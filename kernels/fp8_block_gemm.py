@@ -4,7 +4,9 @@ of bk inputs (kernels.quant.quantize_per_group).
 
 Each K step of BLOCK_K = bk inputs is one FP8 tensor-core product per tile, whose fp32 result is scaled by
 the rows' activation scales and the columns' weight-block scales before it is added into the accumulator: the
-scales of a step are the same for all its products, which is what makes the blocks exact.
+scales of a step are the same for all its products, which is what makes the blocks exact. Small batches
+(decode) split K when the output tiles alone cannot give every SM work, partial sums added by a second kernel
+in a fixed order (deterministic, as the GEMV's split K).
 """
 from __future__ import annotations
 
@@ -12,11 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._utils import num_sms
+
 
 @triton.jit
-def _block_fp8_gemm_kernel(A, AS, B, BS, C, BIAS, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
-                           SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _block_fp8_gemm_kernel(A, AS, B, BS, C, BIAS, M, N, K_STEPS, stride_am, stride_asm, stride_bn, stride_bsn,
+                           stride_cm, SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           SPLIT_K: tl.constexpr):
+    """K_STEPS blocks of K a program; with SPLIT_K > 1 program_id(1) picks its share of K and C is an fp32
+    [SPLIT_K, M, N] workspace of partial sums (_split_sum_kernel adds them in a fixed order)."""
     # Programs ordered in groups of GROUP_M row tiles, so that a wave shares its weight tiles in L2.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -32,12 +39,13 @@ def _block_fp8_gemm_kernel(A, AS, B, BS, C, BIAS, M, N, K, stride_am, stride_asm
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    a_ptrs = A + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = B + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
-    as_ptrs = AS + offs_m * stride_asm
-    bs_ptrs = BS + (offs_n // SCALE_N) * stride_bsn
+    first = tl.program_id(1) * K_STEPS  # this split's first block of K
+    a_ptrs = A + offs_m[:, None].to(tl.int64) * stride_am + first * BLOCK_K + offs_k[None, :]
+    b_ptrs = B + offs_n[None, :].to(tl.int64) * stride_bn + first * BLOCK_K + offs_k[:, None]
+    as_ptrs = AS + offs_m * stride_asm + first
+    bs_ptrs = BS + (offs_n // SCALE_N) * stride_bsn + first
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, K // BLOCK_K):  # K is a multiple of BLOCK_K (the host checks)
+    for kb in range(0, K_STEPS):  # K is a multiple of BLOCK_K (the host checks)
         a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
         b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
         a_s = tl.load(as_ptrs + kb, mask=mask_m, other=0.0)
@@ -48,10 +56,25 @@ def _block_fp8_gemm_kernel(A, AS, B, BS, C, BIAS, M, N, K, stride_am, stride_asm
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if HAS_BIAS:
+    if HAS_BIAS and SPLIT_K == 1:
         acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if SPLIT_K > 1:
+        C += tl.program_id(1).to(tl.int64) * M * N
     tl.store(C + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(P, C, BIAS, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """C (contiguous [M, N]) = the SPLIT_K partial sums of P [SPLIT_K, M, N], added in split order (+ bias)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(P + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(C + offs, acc.to(C.dtype.element_ty), mask=mask)
 
 
 def default_tiles(M: int) -> tuple[int, int, int, int]:
@@ -66,10 +89,27 @@ def default_tiles(M: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
+# K is split while the grid has fewer programs than this many an SM (split_k). Not yet measured: an A/B knob
+# (@kernels.fp8_block_gemm.MIN_PROGRAMS_PER_SM=0 turns splitting off), read at launch (graph capture).
+MIN_PROGRAMS_PER_SM = 2.0
+
+
+def split_k(tiles: int, k_steps: int, sms: int) -> int:
+    """Splits of K (a power of two) for a grid of `tiles` output tiles: doubled while the grid gives fewer than
+    MIN_PROGRAMS_PER_SM programs an SM and each split keeps at least four blocks of K (small batches against
+    o_proj or down_proj's 4,096 output columns would otherwise leave SMs without work; the weight stream wants
+    them all)."""
+    split = 1
+    while tiles * split < MIN_PROGRAMS_PER_SM * sms and k_steps // (split * 2) >= 4 and split < 16:
+        split *= 2
+    return split
+
+
 def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+                   bias: torch.Tensor | None, out_dtype: torch.dtype, splits: int | None = None) -> torch.Tensor:
     """xq FP8 [M, K] with x_scale float32 [M, K / bk] (quantize_per_group(x, bk)) against weight FP8 [N, K] with
-    weight_scale float32 [N / bn, K / bk] -> [M, N] in out_dtype (+ bias)."""
+    weight_scale float32 [N / bn, K / bk] -> [M, N] in out_dtype (+ bias). splits: of K (None: split_k's choice;
+    K / bk must divide by it)."""
     M, K = xq.shape
     N = weight.shape[0]
     sn, sk = weight_scale.shape
@@ -82,9 +122,19 @@ def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     if M == 0:
         return out
     block_m, block_n, warps, stages = default_tiles(M)
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
-    _block_fp8_gemm_kernel[grid](
-        xq, x_scale, weight, weight_scale, out, bias if bias is not None else out, M, N, K, xq.stride(0),
-        x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), SCALE_N=bn, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=8, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages)
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    if splits is None:
+        splits = split_k(tiles, sk, num_sms())
+    assert sk % splits == 0, f"{sk} blocks of K in {splits} splits"
+    dst = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=xq.device)
+    _block_fp8_gemm_kernel[(tiles, splits)](
+        xq, x_scale, weight, weight_scale, dst, bias if bias is not None else out, M, N, sk // splits, xq.stride(0),
+        x_scale.stride(0), weight.stride(0), weight_scale.stride(0), N if splits > 1 else out.stride(0),
+        SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=8, HAS_BIAS=bias is not None,
+        SPLIT_K=splits, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        BLOCK = 1024
+        _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](dst, out, bias if bias is not None else out, M * N, N,
+                                                        SPLIT_K=splits, HAS_BIAS=bias is not None, BLOCK=BLOCK,
+                                                        num_warps=4)
     return out

@@ -468,7 +468,7 @@ def check_fp8_block_gemm(device, dtype):
     block_fp8_linear_ref (same quantized inputs, fp32 sums) to fp32 rounding, with and without bias, row counts
     across the tile sizes, block rows narrower and wider than a tile."""
     from kernels.activation import silu_and_mul
-    from kernels.fp8_block_gemm import block_fp8_gemm
+    from kernels.fp8_block_gemm import block_fp8_gemm, split_k
     from kernels.quant import quantize_per_group
     from kernels.reference import FP8_DTYPE, FP8_MAX, block_fp8_linear_ref, quantize_fp8_per_group_ref
     gen = torch.Generator().manual_seed(6)
@@ -490,11 +490,16 @@ def check_fp8_block_gemm(device, dtype):
         bias = torch.randn(N, generator=gen).to(device, dtype)
         xq, xs = quantize_fp8_per_group_ref(x, block[1])
         for b in (None, bias):
-            y = block_fp8_gemm(xq, xs, q, s, b, torch.float32)
             ref = block_fp8_linear_ref(x, q, s, b, torch.float32)
-            torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
-        y = block_fp8_gemm(xq, xs, q, s, None, dtype)
+            for splits in (None, 1, 2, 4):  # K split over programs, partial sums added by a second kernel
+                if splits and (K // block[1]) % splits:
+                    continue
+                y = block_fp8_gemm(xq, xs, q, s, b, torch.float32, splits=splits)
+                torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+        y = block_fp8_gemm(xq, xs, q, s, None, dtype, splits=2 if K // block[1] % 2 == 0 else 1)
         assert y.dtype == dtype and y.shape == (M, N)
+    assert split_k(64, 32, 132) == 8 and split_k(64, 8, 132) == 2 and split_k(448, 32, 132) == 1
+    assert split_k(16, 8, 132) == 2  # four blocks of K a split at least
 
 
 def check_gemv_split_norm(device, dtype):

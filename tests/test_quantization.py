@@ -275,3 +275,21 @@ def test_block_fp8_dummy_weights_keep_blocks(tmp_path):
     q, s = quantize_blocks(deq, (16, 16))
     assert float((_dequantize(q, s, "block") - deq).abs().max()) <= 1e-3 * float(deq.abs().max())
     assert 0.005 < float(deq.std()) < 0.05  # the draw's scale (normal, std 0.02)
+
+
+@pytest.mark.parametrize("fmt,want", [("fp8-block", "fp8_e4m3, a scale per [16, 16] block"),
+                                      ("fp8-block-untiled", "float32"),
+                                      ("fbgemm-per-channel", "fp8_e4m3, a scale per row")])
+def test_engine_info_says_how_the_weights_are_held(fmt, want, tmp_path):
+    """engine.info()'s weight_format: whether a block-scaled checkpoint kept its blocks (an operator's check that
+    the FP8 path is the one running), and the engine serves from the checkpoint either way."""
+    from tests.engine_harness import Harness
+
+    path = write_fp8_checkpoint(make_hf_model("qwen2"), str(tmp_path / fmt), fmt)
+    h = Harness(model_path=path)
+    try:
+        assert h.engine.info()["weight_format"] == want
+        out = h.run([h.submit([5, 6, 7], sampling={"temperature": 0, "max_new_tokens": 3, "ignore_eos": True})])
+        assert len(out[0]["ids"]) == 3
+    finally:
+        h.engine.stop()

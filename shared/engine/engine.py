@@ -830,6 +830,7 @@ class Engine:
             "device": str(self.runner.device),
             "dtype": str(self.runner.dtype).replace("torch.", ""),
             "kv_cache_dtype": str(self.runner.kv_dtype).replace("torch.", ""),
+            "weight_format": self.runner.weight_format(),
             "num_running": self.scheduler.num_running(),
             "num_waiting": len(self.scheduler.waiting),
             "kv_usage": round(1.0 - free / total, 6) if total else 0.0,

@@ -517,6 +517,20 @@ class ModelRunner:
         mc = self.model_config
         return [mc.num_hidden_layers, 2, mc.num_key_value_heads, mc.head_dim]
 
+    def weight_format(self) -> str:
+        """How the decoder's linear weights are held: the model dtype, or FP8 e4m3 with scales per row or per
+        [bn, bk] block (engine.info's `weight_format`: whether a block-scaled checkpoint kept its blocks)."""
+        from shared.models.layers import Linear
+
+        for name, module in self.model.named_modules():
+            if isinstance(module, Linear) and name != "lm_head":
+                if module.weight_scale is None:
+                    return str(module.weight.dtype).replace("torch.", "")
+                if module.weight_block is None:
+                    return "fp8_e4m3, a scale per row"
+                return "fp8_e4m3, a scale per [{}, {}] block".format(*module.weight_block)
+        return str(self.dtype).replace("torch.", "")
+
     def kv_format(self) -> str:
         """kv_layout and the pool's dtype in one string, as PD workers compare them before pairing."""
         from shared.transfer import kv_pages
