@@ -62,6 +62,14 @@ FORMATS = {
         "ignore": ["lm_head"]}, "channel", "weight_scale", False),
     "fp8-block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}, "block",
                   "weight_scale_inv", False),
+    # llm-compressor's FP8_BLOCK scheme, with the "mixed-precision" top-level format it may write.
+    "compressed-tensors-block": ({
+        "quant_method": "compressed-tensors", "format": "mixed-precision",
+        "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized", "weights": {
+            "type": "float", "num_bits": 8, "strategy": "block", "block_structure": [16, 16], "symmetric": True},
+            "input_activations": {"type": "float", "num_bits": 8, "strategy": "group", "group_size": 16,
+                                  "dynamic": True}}},
+        "ignore": ["lm_head"]}, "block", "weight_scale", False),
     # k_proj and v_proj have 16 rows: [32, 16] blocks do not tile them, so the weights are dequantized at load.
     "fp8-block-untiled": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 16]},
                           "block", "weight_scale_inv", False),
@@ -108,7 +116,7 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fmt, tmp_pat
     qkv_rows = cfg.q_size + 2 * cfg.kv_size
     if fmt == "fp8-block-untiled":  # blocks that do not tile the layers: dequantized at load, model dtype
         assert layer.mlp.down_proj.weight.dtype == torch.float32 and layer.mlp.down_proj.weight_scale is None
-    elif fmt == "fp8-block":  # FP8 with the checkpoint's block scales, stacked across the fused projections
+    elif FORMATS[fmt][1] == "block":  # FP8 with the checkpoint's block scales, stacked across fused projections
         assert layer.self_attn.qkv_proj.weight.dtype == FP8 and layer.self_attn.qkv_proj.weight_block == (16, 16)
         assert layer.self_attn.qkv_proj.weight_scale.shape == (qkv_rows // 16, cfg.hidden_size // 16)
         assert layer.mlp.down_proj.weight_scale.shape == (cfg.hidden_size // 16, cfg.intermediate_size // 16)
@@ -159,6 +167,23 @@ def test_unknown_quantization_flag_is_refused():
 def test_fp8_block_config_is_validated():
     with pytest.raises(UnsupportedQuantization, match="weight_block_size"):
         parse_quantization({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}})
+
+    def ct(*weights):
+        return {"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                        "config_groups": {f"g{i}": {"weights": {"type": "float", "num_bits": 8, **w}}
+                                                          for i, w in enumerate(weights)}}}
+    block = {"strategy": "block", "block_structure": [128, 128]}
+    assert parse_quantization(ct(block)).block_size == (128, 128)
+    assert parse_quantization(ct({"strategy": "block", "block_structure": "64x128"})).block_size == (64, 128)
+    assert parse_quantization(ct({"strategy": "channel"})).block_size is None
+    with pytest.raises(UnsupportedQuantization, match="block_structure"):
+        parse_quantization(ct({"strategy": "block", "block_structure": [128]}))
+    with pytest.raises(UnsupportedQuantization, match="mix weight strategies"):
+        parse_quantization(ct(block, {"strategy": "channel"}))
+    mixed = ct(block)
+    mixed["quantization_config"]["format"] = "mixed-precision"  # groups without a format of their own
+    with pytest.raises(UnsupportedQuantization, match="format"):
+        parse_quantization(mixed)
 
 
 def test_online_fp8_quantization_of_a_float_checkpoint(tmp_path):

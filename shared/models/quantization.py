@@ -6,7 +6,8 @@ checkpoints write them:
   or static), or `weight_block_size` with `weight_scale_inv` per block (DeepSeek-V3 / Qwen3-FP8 style);
 - `quant_method: fbgemm_fp8` — per-channel `weight_scale` [N, 1];
 - `quant_method: compressed-tensors` with a `float-quantized` / `naive-quantized` format whose weights
-  are 8-bit floats, tensor or channel strategy.
+  are 8-bit floats, tensor, channel or block strategy (llm-compressor's FP8_BLOCK: `block_structure`
+  [128, 128], `weight_scale` per block).
 In every family the stored scale multiplies: real weight = fp8 weight * scale.
 
 Per-tensor and per-channel weights stay FP8 in memory (half the bytes of bf16) and run as FP8 GEMMs
@@ -33,7 +34,7 @@ from kernels.reference import FP8_DTYPE, FP8_MAX
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = "fp8 (per-tensor, per-channel or block scales), fbgemm_fp8, compressed-tensors float8"
+SUPPORTED = "fp8 (per-tensor, per-channel or block scales), fbgemm_fp8, compressed-tensors float8 (tensor, channel or block)"
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
 # Checkpoint entries of quantized layers that the FP8 weight path does not need (an FP8 KV cache reads the k/v
 # scales apart: kv_cache_scales).
@@ -86,29 +87,54 @@ def parse_quantization(hf_config: dict[str, Any], requested: str | None = None) 
         "Serve an unquantized (bf16) checkpoint of the model instead")
 
 
+_CT_FLOAT_FORMATS = ("float-quantized", "naive-quantized")
+
+
 def _parse_compressed_tensors(qc: dict[str, Any]) -> QuantSpec:
     fmt = qc.get("format") or qc.get("quantization_format")
-    if fmt not in ("float-quantized", "naive-quantized"):
+    groups = qc.get("config_groups") or {}
+    # "mixed-precision": each group names its own format (llm-compressor writes it even when all are fp8).
+    formats = ({(g or {}).get("format") for g in groups.values()} if fmt == "mixed-precision" else {fmt})
+    if not formats or not formats <= set(_CT_FLOAT_FORMATS):
         raise UnsupportedQuantization(f"compressed-tensors format {fmt!r} is not supported; supported: "
                                       "float-quantized (fp8 weights)")
-    groups = qc.get("config_groups") or {}
     if not groups:
         raise UnsupportedQuantization("compressed-tensors config has no config_groups")
+    blocks = set()
     for name, group in groups.items():
         w = (group or {}).get("weights") or {}
         if w.get("type") != "float" or w.get("num_bits") != 8:
             raise UnsupportedQuantization(
                 f"compressed-tensors group {name!r}: weights {w.get('type')}{w.get('num_bits')} are not "
                 "supported (8-bit float only)")
-        if w.get("strategy") not in ("tensor", "channel"):
+        if w.get("strategy") not in ("tensor", "channel", "block"):
             raise UnsupportedQuantization(
                 f"compressed-tensors group {name!r}: weight strategy {w.get('strategy')!r} is not "
-                "supported (tensor or channel)")
+                "supported (tensor, channel or block)")
+        blocks.add(_block_structure(name, w) if w.get("strategy") == "block" else None)
         act = (group or {}).get("input_activations")
         if act and (act.get("type") != "float" or act.get("num_bits") != 8):
             raise UnsupportedQuantization(f"compressed-tensors group {name!r}: activations "
                                           f"{act.get('type')}{act.get('num_bits')} are not supported")
-    return QuantSpec("compressed-tensors")
+    if len(blocks) > 1:
+        raise UnsupportedQuantization(f"compressed-tensors groups mix weight strategies or block sizes "
+                                      f"({sorted(map(str, blocks))}): one per checkpoint is supported")
+    return QuantSpec("compressed-tensors", blocks.pop())
+
+
+def _block_structure(name: str, weights: dict[str, Any]) -> tuple[int, int]:
+    """A compressed-tensors block strategy's [bn, bk] (a list, or the older "NxM" string)."""
+    block = weights.get("block_structure")
+    if isinstance(block, str) and "x" in block:
+        block = block.split("x")
+    try:
+        bn, bk = (int(b) for b in block)
+    except (TypeError, ValueError):
+        bn = bk = 0
+    if bn <= 0 or bk <= 0:
+        raise UnsupportedQuantization(f"compressed-tensors group {name!r}: block_structure {block!r} is not two "
+                                      "positive ints")
+    return bn, bk
 
 
 # ------------------------------------------------------------------ checkpoint tensors
