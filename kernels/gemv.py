@@ -65,8 +65,10 @@ def _out(acc, X, Y):
 
 
 @triton.jit
-def _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
-    if EVEN_K:
+def _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K: tl.constexpr, EVICT: tl.constexpr, EVEN_N: tl.constexpr = False):
+    if EVEN_K and EVEN_N:
+        w = tl.load(w_ptrs, eviction_policy=EVICT)
+    elif EVEN_K:
         w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy=EVICT)
     else:
         w = tl.load(w_ptrs, mask=mask_n[:, None] & ((kbase + offs_k) < K)[None, :], other=0.0,
@@ -192,7 +194,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                  PDL: tl.constexpr, PRE: tl.constexpr, F16: tl.constexpr = False, NORM_IN: tl.constexpr = False,
                  ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
                  HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True, stride_s=0, SBN: tl.constexpr = 0,
-                 SBK: tl.constexpr = 0):
+                 SBK: tl.constexpr = 0, EVEN_N: tl.constexpr = False, W_EVICT: tl.constexpr = "evict_first"):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (one row, no split: the host checks)
@@ -216,9 +218,9 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         # The weights are nobody's output: the first PRE tiles stream in while the previous kernel drains
         # (PRE = 2 only where this split has two tiles or more: the host checks).
         pdl_trigger_early(PDL)
-        w = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K, "evict_first")
+        w = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K, W_EVICT, EVEN_N)
         if PRE == 2:
-            w2 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K, "evict_first")
+            w2 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K, W_EVICT, EVEN_N)
         pdl_prologue(PDL, True)
         acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S, stride_s,
                           offs_n, mask_n, BLOCK_N, SBN, SBK)
@@ -233,7 +235,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                                                        stride_cs, LOC, QS, KVS, NORM_IN, ADD_NORM and SPLIT_K == 1,
                                                        ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
-        w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K, "evict_first")
+        w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K, W_EVICT, EVEN_N)
         acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
                           stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
         w_ptrs += BLOCK_K
@@ -492,6 +494,24 @@ def _norm_args(norm_in: ResidualNorm | None, add_norm: ResidualNorm | None, spli
                 NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None and split_k == 1, NSLOT=NORM_SLOTS)
 
 
+# FP8 rows in the general kernel with fewer instructions a loop step (the 12-02 study found this GEMV bound by issue),
+# each an A/B knob read at launch, off until measured. FP8_EVEN_N: no row mask on the weight loads where the tiles
+# cover N exactly (no zero-fill of the load registers); FP8_NO_EVICT_HINT: plain weight loads (Triton builds the
+# evict-first hint's cache-policy register anew for each load). sm_90 compile of Llama-8B's loops (qkv / o / gate_up /
+# down): 419 / 220 / 120 / 289 instructions a step, 387 / 203 / 111 / 276 with the first, 382 / 198 / 111 / 271 with
+# both (qkv's registers 79 -> 88: 5 programs an SM at 4 warps, not 6). Summing each lane as odd and even halves of
+# four (no cross-register shuffles, on paper) compiled worse: 427 / 364 / 193 / 428, with layout conversions.
+FP8_EVEN_N = False
+FP8_NO_EVICT_HINT = False
+
+
+def _fp8_lean(cfg: GemvConfig, w: torch.Tensor, N: int, dot: bool) -> dict:
+    if dot or not _f16_math(cfg, w):
+        return {}
+    return dict(EVEN_N=bool(FP8_EVEN_N) and N % cfg.block_n == 0,
+                W_EVICT="" if FP8_NO_EVICT_HINT else "evict_first")
+
+
 def _f16_math(cfg: GemvConfig, w: torch.Tensor) -> bool:
     return cfg.f16_math and w.element_size() == 1 and cfg.block_k >= 8
 
@@ -576,7 +596,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
             SBK=block[1] if block else 0, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
-            F16=_f16_math(cfg, w) and not dot,
+            F16=_f16_math(cfg, w) and not dot, **_fp8_lean(cfg, w, N, dot),
             **pdl_launch(pdl, "gemv"))
     if split_k > 1:
         BLOCK = 1024

@@ -419,6 +419,37 @@ def check_gemv_fp8_f16_math(device, dtype):
                                    gemv(silu_and_mul(h), q, scale=s, config=row), rtol=0, atol=0)
 
 
+def check_gemv_fp8_lean_knobs(device, dtype):
+    """kernels.gemv.FP8_EVEN_N and FP8_NO_EVICT_HINT (fewer instructions a step, A/B knobs) change no bit of the FP8
+    GEMV's output: per-row and block scales, N a multiple of the tile's rows and not (the row mask stays there),
+    split K and the gated input."""
+    import kernels.gemv as kg
+    from kernels.gemv import GemvConfig, gemv
+    from shared.models.quantization import quantize_per_channel
+    gen = torch.Generator().manual_seed(8)
+    cases = []
+    for N, K in [(64, 256), (40, 256)]:
+        q, s = quantize_per_channel(torch.randn(N, K, generator=gen) * 0.02)
+        cases.append((q.to(device), s.to(device)))
+    cases.append(_block_fp8(64, 256, (16, 32), gen, device))
+    saved = kg.FP8_EVEN_N, kg.FP8_NO_EVICT_HINT
+    try:
+        for q, s in cases:
+            K = q.shape[1]
+            x = _rand(1, K, dtype=dtype, device=device)
+            h = _rand(1, 2 * K, dtype=dtype, device=device)
+            for cfg in (GemvConfig(16, 64, 1, 2, f16_math=True, row_kernel=False),
+                        GemvConfig(8, 32, 2, 2, f16_math=True, row_kernel=False, pre_tiles=2)):
+                outs = []
+                for knobs in ((False, False), (True, False), (True, True)):
+                    kg.FP8_EVEN_N, kg.FP8_NO_EVICT_HINT = knobs
+                    outs.append((gemv(x, q, scale=s, config=cfg), gemv(h, q, scale=s, config=cfg, silu_mul=True)))
+                for got in outs[1:]:
+                    assert torch.equal(got[0], outs[0][0]) and torch.equal(got[1], outs[0][1]), (q.shape, cfg)
+    finally:
+        kg.FP8_EVEN_N, kg.FP8_NO_EVICT_HINT = saved
+
+
 def _block_fp8(N, K, block, gen, device):
     """A random FP8 weight [N, K] with float32 scales [N / bn, K / bk] spread over two decades."""
     from kernels.reference import FP8_DTYPE
