@@ -526,7 +526,9 @@ def check_fp8_block_gemm(device, dtype):
                 if splits and (K // block[1]) % splits:
                     continue
                 y = block_fp8_gemm(xq, xs, q, s, b, torch.float32, splits=splits)
-                torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+                # Hopper's FP8 tensor cores keep fewer accumulator bits than fp32 within a product.
+                tol = 1e-4 if device.type == "cpu" else 2e-3
+                torch.testing.assert_close(y, ref, rtol=tol, atol=tol * float(ref.abs().max()))
         y = block_fp8_gemm(xq, xs, q, s, None, dtype, splits=2 if K // block[1] % 2 == 0 else 1)
         assert y.dtype == dtype and y.shape == (M, N)
     assert split_k(64, 32, 132) == 8 and split_k(64, 8, 132) == 2 and split_k(448, 32, 132) == 1
