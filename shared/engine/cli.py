@@ -87,6 +87,8 @@ _HELP = {
     "device": "auto (cuda if present, else cpu) | cpu | cuda | cuda:N",
     "quantization": "none: as the checkpoint says (its quantization_config is honoured or refused); fp8: "
                     "also quantize a float checkpoint's linear weights to FP8 at load",
+    "dequantize_fp8_blocks": "block-scaled FP8 checkpoints (weight_block_size): dequantize the weights at load and "
+                             "run them in the model dtype, not as FP8 with their block scales",
     "dtype": "auto: bfloat16 on GPU, float32 on CPU",
     "kv_cache_dtype": "auto: the model's dtype; fp8_e4m3 / fp8_e5m2 (fp8: e4m3): an FP8 KV cache, twice the tokens "
                       "in the same memory, scaled by the checkpoint's per-layer k/v scales where it has them",

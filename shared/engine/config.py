@@ -26,6 +26,9 @@ class EngineConfig:
     # none: as the checkpoint says (its quantization_config is honoured or refused at load); fp8: also
     # quantize a float checkpoint's linear weights to FP8 (per channel) at load.
     quantization: str = "none"
+    # Block-scaled FP8 checkpoints (weight_block_size, compressed-tensors block): dequantized at load and run in the
+    # model dtype, instead of FP8 weights through the block GEMV and GEMM (the default where the blocks tile).
+    dequantize_fp8_blocks: bool = False
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
     # KV cache element type: auto (the model's dtype) | fp8_e4m3 | fp8_e5m2 (| fp8, vLLM's name for e4m3). FP8 halves
     # the pool's bytes a token (twice the tokens) and decode attention's reads; its values are rounded, with the

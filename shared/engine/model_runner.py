@@ -206,7 +206,8 @@ class ModelRunner:
         torch.manual_seed(config.random_seed)
         self.model, self.model_config = load_model(config.model_path, dtype=self.dtype, device=self.device,
                                                    load_format=config.load_format,
-                                                   quantization=config.quantization)
+                                                   quantization=config.quantization,
+                                                   keep_fp8_blocks=not config.dequantize_fp8_blocks)
         if self.tp is not None:
             self.tp.ready()  # every rank has its shard: collectives may start
         # The split norms' kernels and the prefetch are the GPU's; on CPU the torch path would gain nothing.

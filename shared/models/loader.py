@@ -5,6 +5,7 @@ target dtype, so peak host memory is one tensor, never the model.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import logging
@@ -111,11 +112,13 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def load_model(model_path: str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-               load_format: str = "auto", quantization: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               load_format: str = "auto", quantization: str | None = None,
+               keep_fp8_blocks: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Model in eval mode (no grads) and its config. dtype defaults to bf16 on CUDA, fp32 elsewhere.
     load_format "dummy" reads only config.json and fills random weights. A checkpoint's
     quantization_config is honoured or refused (shared/models/quantization.py); `quantization="fp8"`
-    quantizes a float checkpoint's linear weights at load."""
+    quantizes a float checkpoint's linear weights at load. keep_fp8_blocks=False: block-scaled FP8 weights are
+    dequantized at load (--dequantize-fp8-blocks) even where their blocks tile the layers."""
     dtype = dtype or default_dtype(device)
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load format {load_format!r} (auto | dummy)")
@@ -131,9 +134,11 @@ def load_model(model_path: str, dtype: torch.dtype | None = None, device: torch.
     hf_config = read_hf_config(model_dir)
     cfg = ModelConfig.from_hf(hf_config)
     spec = parse_quantization(hf_config, quantization)  # before any allocation: refusals are cheap
+    if spec is not None and spec.block_size is not None and not keep_fp8_blocks:
+        spec = dataclasses.replace(spec, keep_blocks=False)
     model = build_empty_model(cfg, dtype, device)
     if load_format == "dummy":
-        if spec is not None:
+        if spec is not None and spec.keep_blocks:
             convert_linears_to_fp8(model, None, spec.block_size)
         init_dummy_weights(model)
     else:
@@ -160,7 +165,7 @@ def _load_checkpoint(model: LlamaForCausalLM, files: list[str], spec: QuantSpec 
         fp8_names = fp8_weight_names(reader)
         if not fp8_names:
             raise ValueError(f"quantization_config says {spec.method} but no weight is stored as fp8")
-        kept = convert_linears_to_fp8(model, fp8_names, spec.block_size)
+        kept = convert_linears_to_fp8(model, fp8_names, spec.block_size) if spec.keep_blocks else set()
         if kept is None:
             log.warning("fp8 blocks %s do not tile every layer of this model (or its tensor-parallel shards): "
                         "the weights are dequantized at load and run in the model dtype", list(spec.block_size))
