@@ -171,14 +171,7 @@ def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         y = gemv(h, weight, scale=weight_scale, silu_mul=True)
         return y + bias if bias is not None else y
     if weight_scale is not None and _fp8_gemm_applies(h, weight, h.shape[-1] // 2):
-        # The activation goes straight into the FP8 input.
-        block = ref.scale_block(weight, weight_scale)
-        if block is not None:
-            from kernels.quant import quantize_per_group
-            return _block_fp8_gemm(*quantize_per_group(h, block[1], silu_mul=True), weight, weight_scale, bias,
-                                   h.dtype)
-        from kernels.quant import quantize_per_token
-        return _fp8_gemm(*quantize_per_token(h, silu_mul=True), weight, weight_scale, bias, h.dtype)
+        return _fp8_gemm(h, weight, weight_scale, bias, silu_mul=True)  # the activation straight into the FP8 input
     return linear(silu_and_mul(h), weight, bias, weight_scale)
 
 
@@ -189,16 +182,21 @@ def _fp8_gemm_applies(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16))
 
 
-def _fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+def _fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+              silu_mul: bool = False) -> torch.Tensor:
+    """x (silu_mul: gate | up) quantized in one launch and multiplied by FP8 weights in x's dtype: per token
+    through torch._scaled_mm for per-row scales, per token and group of bk inputs through the block GEMM
+    (kernels/fp8_block_gemm.py) for block scales."""
+    block = ref.scale_block(weight, weight_scale)
+    if block is not None:
+        from kernels.fp8_block_gemm import block_fp8_gemm
+        from kernels.quant import quantize_per_group
+        return block_fp8_gemm(*quantize_per_group(x, block[1], silu_mul=silu_mul), weight, weight_scale, bias,
+                              x.dtype)
+    from kernels.quant import quantize_per_token  # one launch: rows' max, scale, convert
+    xq, x_scale = quantize_per_token(x, silu_mul=silu_mul)
     return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, weight.shape[0]),
-                            out_dtype=out_dtype, bias=bias)
-
-
-def _block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    from kernels.fp8_block_gemm import block_fp8_gemm
-    return block_fp8_gemm(xq, x_scale, weight, weight_scale, bias, out_dtype)
+                            out_dtype=x.dtype, bias=bias)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -214,10 +212,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
             y = gemv(x, weight, scale=weight_scale)
             return y + bias if bias is not None else y
         if _fp8_gemm_applies(x, weight, x.shape[1]):
-            block = ref.scale_block(weight, weight_scale)
-            if block is not None:
-                from kernels.quant import quantize_per_group
-                return _block_fp8_gemm(*quantize_per_group(x, block[1]), weight, weight_scale, bias, x.dtype)
-            from kernels.quant import quantize_per_token  # one launch: rows' max, scale, convert
-            return _fp8_gemm(*quantize_per_token(x), weight, weight_scale, bias, x.dtype)
+            return _fp8_gemm(x, weight, weight_scale, bias)
     return ref.fp8_linear_ref(x, weight, weight_scale, bias)

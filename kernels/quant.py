@@ -35,6 +35,18 @@ def _row_values(x_row, offs, mask, K, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
+def _store_scaled(q_ptrs, x, scale, mask, fp8_max, FP8_OUT: tl.constexpr):
+    """x / scale (correctly rounded), saturated to the FP8 range, stored rounded to nearest even in FP8, or with
+    FP8_OUT off as it is before that rounding (CPU tests: the interpreter truncates to FP8)."""
+    v = tl.math.div_rn(x, scale)
+    v = tl.minimum(tl.maximum(v, -fp8_max), fp8_max)
+    if FP8_OUT:
+        tl.store(q_ptrs, v.to(q_ptrs.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    else:
+        tl.store(q_ptrs, v, mask=mask)
+
+
+@triton.jit
 def _per_token_quant_kernel(X, Q, S, K, stride_xm, stride_qm, fp8_max, eps, SILU_MUL: tl.constexpr,
                             FP8_OUT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -48,12 +60,8 @@ def _per_token_quant_kernel(X, Q, S, K, stride_xm, stride_qm, fp8_max, eps, SILU
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         mask = offs < K
-        v = tl.math.div_rn(_row_values(x_row, offs, mask, K, SILU_MUL), scale)
-        v = tl.minimum(tl.maximum(v, -fp8_max), fp8_max)
-        if FP8_OUT:
-            tl.store(Q + row * stride_qm + offs, v.to(Q.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-        else:  # the scaled values before the FP8 rounding (CPU tests: the interpreter truncates to FP8)
-            tl.store(Q + row * stride_qm + offs, v, mask=mask)
+        _store_scaled(Q + row * stride_qm + offs, _row_values(x_row, offs, mask, K, SILU_MUL), scale, mask, fp8_max,
+                      FP8_OUT)
 
 
 def quantize_per_token(x: torch.Tensor, silu_mul: bool = False,
@@ -85,12 +93,7 @@ def _per_group_quant_kernel(X, Q, S, K, groups, stride_xm, stride_qm, stride_sm,
     x = _row_values(X + row * stride_xm, offs, mask, K, SILU_MUL)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) / fp8_max
     tl.store(S + row * stride_sm + g, scale, mask=gmask)
-    v = tl.math.div_rn(x, scale[:, None])
-    v = tl.minimum(tl.maximum(v, -fp8_max), fp8_max)
-    if FP8_OUT:
-        tl.store(Q + row * stride_qm + offs, v.to(Q.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-    else:
-        tl.store(Q + row * stride_qm + offs, v, mask=mask)
+    _store_scaled(Q + row * stride_qm + offs, x, scale[:, None], mask, fp8_max, FP8_OUT)
 
 
 def quantize_per_group(x: torch.Tensor, group: int, silu_mul: bool = False,

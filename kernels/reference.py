@@ -263,11 +263,17 @@ def dequantize_fp8_ref(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: 
     """FP8 weight [N, K] with one scale per row ([N]) or per [bn, bk] block ([N / bn, K / bk]) -> the weight
     in `dtype`."""
     block = scale_block(weight, weight_scale)
-    scale = weight_scale.to(torch.float32)
     if block is None:
-        return (weight.to(torch.float32) * scale[:, None]).to(dtype)
-    bn, bk = block
-    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+        return (weight.to(torch.float32) * weight_scale.to(torch.float32)[:, None]).to(dtype)
+    return dequantize_blocks_ref(weight, weight_scale, block, dtype)
+
+
+def dequantize_blocks_ref(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                          dtype: torch.dtype) -> torch.Tensor:
+    """FP8 weight [N, K] with one scale per [bn, bk] block ([ceil(N / bn), ceil(K / bk)]: the last blocks may be
+    partial) -> the weight in `dtype`."""
+    (n, k), (bn, bk) = weight.shape, block
+    full = scale.to(torch.float32).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return (weight.to(torch.float32) * full).to(dtype)
 
 

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from kernels.reference import FP8_DTYPE, FP8_MAX
+from kernels.reference import FP8_DTYPE, FP8_MAX, dequantize_blocks_ref
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +166,7 @@ def block_scale(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], na
 
 def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
     """fp8 [N, K] with one scale per [bn, bk] block ([ceil(N/bn), ceil(K/bk)]) -> float32 [N, K]."""
-    n, k = w.shape
-    bn, bk = block
-    s = block_scale(w, scale, block, name).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return w.to(torch.float32) * s
+    return dequantize_blocks_ref(w, block_scale(w, scale, block, name), block, torch.float32)
 
 
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
