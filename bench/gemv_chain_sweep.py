@@ -9,6 +9,8 @@ neighbours and the best tile alone is not the best tile in the chain.
 alternated 1, 2, 1, 2.
 --fp8-row-study: FP8 weights in the one-row kernel (kernels.gemv.FP8_ROW_KERNEL) against the general kernel,
 then the row kernel's FP8 tiles swept shape by shape.
+--fp8-packed-study: FP8 rows on packed registers (kernels.gemv.FP8_PACKED, with and without the lean knobs) against
+the engine's FP8 path, then the packed path's tiles swept shape by shape.
 """
 from __future__ import annotations
 
@@ -176,6 +178,84 @@ def fp8_row_study(budget: float, t0: float) -> dict:
     return _general_against_row(layers, general, row, cands, budget, t0)
 
 
+# FP8 rows on packed registers: (block_n, block_k, split_k, warps, tiles before the PDL wait).
+FP8_PACKED_CANDIDATES = [(8, 2048, 1, 4, 2), (16, 1024, 1, 4, 2), (16, 2048, 1, 8, 1), (8, 1024, 1, 2, 2),
+                         (8, 1024, 1, 4, 2), (16, 512, 1, 2, 2), (8, 512, 1, 2, 2), (4, 2048, 1, 4, 2),
+                         (32, 1024, 1, 8, 1), (16, 1024, 2, 4, 2), (8, 2048, 2, 4, 1), (16, 2048, 1, 4, 1),
+                         (8, 4096, 1, 8, 1), (4, 4096, 1, 8, 1)]
+
+
+def fp8_packed_study(budget: float, t0: float) -> dict:
+    """FP8 rows: the engine's path (f16 math in the general kernel) against the packed path (kernels.gemv.FP8_PACKED)
+    at the same tiles, with and without FP8_EVEN_N + FP8_NO_EVICT_HINT, accuracy per shape, the chain alternated;
+    then the packed path's tiles swept shape by shape (lean knobs on), the picks alternated against the engine's."""
+    import kernels.gemv as kg
+    from kernels.reference import fp8_linear_ref
+    layers = build("fp8")
+    nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
+    base = {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
+    modes = {"engine": (False, False), "lean": (False, True), "packed": (True, False), "packed_lean": (True, True)}
+
+    def run(mode: str, cfgs: dict) -> float:
+        kg.FP8_PACKED, lean = modes[mode]
+        kg.FP8_EVEN_N = kg.FP8_NO_EVICT_HINT = lean
+        try:
+            return chain_ms(layers, cfgs) * 1e3
+        finally:
+            kg.FP8_PACKED = kg.FP8_EVEN_N = kg.FP8_NO_EVICT_HINT = False
+
+    check = {}
+    for name, (n, k) in SHAPES.items():
+        w, sc = layers[0][name]
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        ref = fp8_linear_ref(x.float(), w, sc)
+        check[name] = {}
+        for mode in ("engine", "packed"):
+            kg.FP8_PACKED = modes[mode][0]
+            check[name][mode] = float((gemv(x, w, scale=sc).float() - ref).abs().max() / ref.abs().max())
+        kg.FP8_PACKED = False
+    print(f"accuracy (max error / max output): {json.dumps(check)}", flush=True)
+    times = {m: [] for m in modes}
+    for _ in range(2):
+        for m in modes:
+            times[m].append(run(m, base))
+    print(f"chain alternated, us: {json.dumps(times)} "
+          f"({', '.join(f'{m} {nbytes / min(v) / 1e3:.0f}' for m, v in times.items())} GB/s)", flush=True)
+    ref_us = min(times["packed_lean"])
+    best, rows = {nm: (ref_us, base[nm]) for nm in SHAPES}, []
+    share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
+    for name, (n, k) in SHAPES.items():
+        t_shape = time.time()
+        for bn, bk, split, warps, pre in FP8_PACKED_CANDIDATES:
+            if time.time() - t_shape > share:
+                break
+            cfg = GemvConfig(bn, bk, split, warps, pre_tiles=pre, f16_math=True, row_kernel=False)
+            if bk > k or cfg == base[name]:
+                continue
+            try:
+                t = run("packed_lean", {**base, name: cfg})
+            except Exception as e:  # a tile that does not compile or fit
+                print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
+                continue
+            rows.append({"shape": name, "cfg": dataclasses.asdict(cfg), "chain_us": t})
+            if t < best[name][0]:
+                best[name] = (t, cfg)
+        print(f"  {name}: default {base[name]} -> best {best[name][1]} chain {best[name][0]:.0f} us "
+              f"({(ref_us - best[name][0]) / LAYERS:+.2f} us per layer)", flush=True)
+    picks = {nm: b[1] for nm, b in best.items()}
+    final = {"engine": [], "packed_lean": [], "picks": []}
+    for _ in range(2):
+        final["engine"].append(run("engine", base))
+        final["packed_lean"].append(run("packed_lean", base))
+        final["picks"].append(run("packed_lean", picks))
+    print(f"picks alternated with the engine's path, us: {json.dumps(final)} "
+          f"({', '.join(f'{k} {nbytes / min(v) / 1e3:.0f}' for k, v in final.items())} GB/s)", flush=True)
+    del layers
+    torch.cuda.empty_cache()
+    return {"check": check, "times": times, "rows": rows, "final": final,
+            "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
+
+
 def _general_against_row(layers, general: dict, row: dict, cands, budget: float, t0: float) -> dict:
     """Accuracy per shape against the dequantized weights, the chain with every shape on the general kernel and
     on the row kernel alternated, then cands(name, k) tried one shape at a time (the others at `row`), the best
@@ -241,6 +321,8 @@ def main() -> int:
                     help="bf16: the one-row kernel against the general one (chain alternated), then its tiles swept")
     ap.add_argument("--fp8-row-study", action="store_true",
                     help="FP8: the one-row kernel against the general one (chain alternated), then its tiles swept")
+    ap.add_argument("--fp8-packed-study", action="store_true",
+                    help="FP8: the packed-register path (kernels.gemv.FP8_PACKED) against the engine's, then its tiles")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     set_pdl(True)
@@ -267,7 +349,9 @@ def main() -> int:
         result["runs"]["row"] = row_study(args.budget, t0)
     if args.fp8_row_study:
         result["runs"]["fp8_row"] = fp8_row_study(args.budget, t0)
-    studies = args.pre_tiles_study or args.f16_math_study or args.row_study or args.fp8_row_study
+    if args.fp8_packed_study:
+        result["runs"]["fp8_packed"] = fp8_packed_study(args.budget, t0)
+    studies = args.pre_tiles_study or args.f16_math_study or args.row_study or args.fp8_row_study or args.fp8_packed_study
     for dtype in ([] if studies else args.dtypes.split(",")):
         layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2

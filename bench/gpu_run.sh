@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|fp8-lean|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh fp8-packed|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|fp8-lean|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
@@ -161,6 +161,16 @@ if [[ $what == fp8-lean ]]; then
   timeout 420 python3 -m bench.b1 --quantization fp8 --rounds 3 --variants \
     "base=;even=@kernels.gemv.FP8_EVEN_N=1;lean=@kernels.gemv.FP8_EVEN_N=1,@kernels.gemv.FP8_NO_EVICT_HINT=1" 2>&1 \
     | grep "round" | tee "$OUT/b1_fp8_lean.log"
+fi
+if [[ $what == fp8-packed ]]; then
+  # FP8 rows on packed registers (kernels.gemv.FP8_PACKED, inline PTX; 2026-12-05, compiled only): the GPU checks, the
+  # FP8 batch-1 step A/B (engine path, lean knobs, packed, packed + lean), then the 32-layer chain study and tiles.
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and (fp8_packed or fp8_lean)" \
+    2>&1 | tail -3
+  timeout 260 python3 -m bench.b1 --quantization fp8 --rounds 2 --variants \
+    "base=;lean=@kernels.gemv.FP8_EVEN_N=1,@kernels.gemv.FP8_NO_EVICT_HINT=1;packed=@kernels.gemv.FP8_PACKED=1;packed_lean=@kernels.gemv.FP8_PACKED=1,@kernels.gemv.FP8_EVEN_N=1,@kernels.gemv.FP8_NO_EVICT_HINT=1" \
+    2>&1 | grep "round" | tee "$OUT/b1_fp8_packed.log"
+  timeout 170 python3 -m bench.gemv_chain_sweep --fp8-packed-study --budget 120 2>&1 | tee "$OUT/fp8_packed_study.log" | tail -12
 fi
 if [[ $what == fp8-row ]]; then
   # Issue 14 item 3: FP8 weights in the one-row GEMV (kernels.gemv.FP8_ROW_KERNEL, 2026-12-04, never run on a GPU): its

@@ -26,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import (dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue, pdl_trigger, pdl_trigger_early,
-                            pdl_wait)
+from kernels._utils import (dot_precision, interpreting, next_pow2, num_sms, pdl_launch, pdl_prologue, pdl_trigger,
+                            pdl_trigger_early, pdl_wait)
 from kernels.activation import silu_mul_f32
+from kernels.fp8_dot import dot_accumulate, x_fields
 from kernels.reference import scale_block
 from kernels.residual_norm import NORM_SLOTS, ResidualNorm
 from kernels.rope_store import RopeStore, rope_args, rope_rows, rope_store_epilogue, rope_store_inputs
@@ -187,6 +188,22 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
 
 
 @triton.jit
+def _accumulate_packed(acc, w, x_ptrs, kbase, K, offs_k4, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                       XDT: tl.constexpr, ASM: tl.constexpr):
+    """FP8 rows on packed registers (kernels/fp8_dot.py): w [BLOCK_N, BLOCK_K / 4] int32 of four e4m3, x read
+    as int64 of four 16-bit values (the gated input's up half K / 4 int64 on)."""
+    if EVEN_K:
+        x = tl.load(x_ptrs, eviction_policy="evict_last")
+        up = tl.load(x_ptrs + K // 4, eviction_policy="evict_last") if SILU_MUL else x
+    else:
+        xm = (kbase + 4 * offs_k4)[None, :] < K
+        x = tl.load(x_ptrs, mask=xm, other=0, eviction_policy="evict_last")
+        up = tl.load(x_ptrs + K // 4, mask=xm, other=0, eviction_policy="evict_last") if SILU_MUL else x
+    x0, x1, x2, x3 = x_fields(x, up, XDT, SILU_MUL)
+    return dot_accumulate(acc, w, x0, x1, x2, x3, ASM)
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT, R, GAMMA, SQ, eps,
                  POS, CS, stride_cs, LOC, KB, VB, stride_bs, QS, KVS,
                  HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -194,7 +211,8 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                  PDL: tl.constexpr, PRE: tl.constexpr, F16: tl.constexpr = False, NORM_IN: tl.constexpr = False,
                  ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
                  HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True, stride_s=0, SBN: tl.constexpr = 0,
-                 SBK: tl.constexpr = 0, EVEN_N: tl.constexpr = False, W_EVICT: tl.constexpr = "evict_first"):
+                 SBK: tl.constexpr = 0, EVEN_N: tl.constexpr = False, W_EVICT: tl.constexpr = "evict_first",
+                 WP=None, XP=None, PACKED: tl.constexpr = False, ASM: tl.constexpr = True):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (one row, no split: the host checks)
@@ -204,43 +222,64 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         mask_n = offs_n < N
     offs_m = tl.arange(0, M_PAD)
     mask_m = offs_m < M
-    offs_k = tl.arange(0, BLOCK_K)
     k0 = pid_k * K_PER_SPLIT
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
-    x_ptrs = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
-    if F16:
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    elif M_PAD == 1:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if PACKED:  # FP8 rows on packed registers: int32 columns of four weights, int64 of four x (_accumulate_packed)
+        step = BLOCK_K // 4
+        offs_k = tl.arange(0, BLOCK_K // 4)
+        offs_kl = 4 * offs_k  # each column's first k, for the masks
+        # Two columns a thread (8-byte weight loads), so that w's layout is the int64 x row's (16-byte loads).
+        w_ptrs = WP + offs_n[:, None].to(tl.int64) * stride_wn + (k0 // 4 + tl.max_contiguous(offs_k, 2))[None, :]
+        x_ptrs = XP + (k0 // 4 + offs_k)[None, :] + 0 * offs_n[:, None]
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
     else:
-        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        step = BLOCK_K
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_kl = offs_k
+        w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+        x_ptrs = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+        if F16:
+            acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        elif M_PAD == 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        else:
+            acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     if PDL:
         # The weights are nobody's output: the first PRE tiles stream in while the previous kernel drains
         # (PRE = 2 only where this split has two tiles or more: the host checks).
         pdl_trigger_early(PDL)
-        w = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K, W_EVICT, EVEN_N)
+        w = _load_w(w_ptrs, k0, K, mask_n, offs_kl, EVEN_K, W_EVICT, EVEN_N)
         if PRE == 2:
-            w2 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K, W_EVICT, EVEN_N)
+            w2 = _load_w(w_ptrs + step, k0 + BLOCK_K, K, mask_n, offs_kl, EVEN_K, W_EVICT, EVEN_N)
         pdl_prologue(PDL, True)
-        acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S, stride_s,
-                          offs_n, mask_n, BLOCK_N, SBN, SBK)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+        if PACKED:
+            acc = _accumulate_packed(acc, w, x_ptrs, k0, K, offs_k, EVEN_K, SILU_MUL, X.dtype.element_ty, ASM)
+        else:
+            acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
+                              stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
+        w_ptrs += step
+        x_ptrs += step
         if PRE == 2:
-            acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC,
-                              F16, S, stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
+            if PACKED:
+                acc = _accumulate_packed(acc, w2, x_ptrs, k0 + BLOCK_K, K, offs_k, EVEN_K, SILU_MUL,
+                                         X.dtype.element_ty, ASM)
+            else:
+                acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL,
+                                  DOT_PREC, F16, S, stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
+            w_ptrs += step
+            x_ptrs += step
     rs, r_in, gamma, cos, sin, slot = _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS,
                                                        stride_cs, LOC, QS, KVS, NORM_IN, ADD_NORM and SPLIT_K == 1,
                                                        ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
-        w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K, W_EVICT, EVEN_N)
-        acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
-                          stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if F16:
+        w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_kl, EVEN_K, W_EVICT, EVEN_N)
+        if PACKED:
+            acc = _accumulate_packed(acc, w, x_ptrs, k0 + kk, K, offs_k, EVEN_K, SILU_MUL, X.dtype.element_ty, ASM)
+        else:
+            acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
+                              stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
+        w_ptrs += step
+        x_ptrs += step
+    if F16 or PACKED:
         acc = tl.sum(acc, axis=1)[None, :] * 256.0
     elif M_PAD == 1:
         acc = tl.sum(acc, axis=1)[None, :]
@@ -459,6 +498,13 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
         else:
             block_n, block_k, warps = (8, 1024, 2) if N <= 8192 else (2, 4096, 2)
         extra = dict(f16_math=True, pre_tiles=2, fold=2 if 4096 < N <= 8192 else 1)
+    elif M == 1 and weight_bytes == 1 and FP8_PACKED:
+        # FP8 rows on packed registers (not yet swept: `bench.gemv_chain_sweep --fp8-packed-study`): the f16 path's
+        # rows and bytes in flight, at warps for which every thread holds all of a tile's rows (block_k = 256 *
+        # warps): x's fields (and the gated activation) are then computed once a thread, not once a row group.
+        block_n, block_k, warps = ((FP8_SMALL_N_BLOCK_N, 1024, 4) if N <= 4096 else (8, 2048, 4) if N <= 8192
+                                   else (8, 512, 2))
+        extra = dict(f16_math=True, row_kernel=False)
     elif M == 1 and weight_bytes == 1:
         # FP8 rows with f16 math (--f16-math-study, 2026-12-02: 2,095 us against 2,196 for fp32 math at its own
         # tiles), one tile before the PDL wait.
@@ -510,6 +556,31 @@ def _fp8_lean(cfg: GemvConfig, w: torch.Tensor, N: int, dot: bool) -> dict:
         return {}
     return dict(EVEN_N=bool(FP8_EVEN_N) and N % cfg.block_n == 0,
                 W_EVICT="" if FP8_NO_EVICT_HINT else "evict_first")
+
+
+# FP8 rows on packed registers (kernels/fp8_dot.py: the weights as int32 of four e4m3, x as int64 of four, multiplied
+# as f16 pairs in inline PTX): no layout conversion through shared memory and ~35% fewer instructions a loop step
+# (sm_90 compile). An A/B knob read at launch (@kernels.gemv.FP8_PACKED=1), off until measured on the GPU.
+FP8_PACKED = False
+
+
+def _fp8_packed(cfg: GemvConfig, x: torch.Tensor, w: torch.Tensor, K: int, block, dot: bool) -> dict:
+    """The packed FP8 path's views and switches where it applies (per-row scales, one 16-bit row of x, K and the
+    views' offsets in whole columns, inline PTX for e4m3 on sm_89+ or the interpreter's emulation); {} elsewhere."""
+    if not FP8_PACKED or dot or block is not None or not _f16_math(cfg, w) or x.dtype not in (torch.bfloat16,
+                                                                                              torch.float16):
+        return {}
+    if K % 8 or cfg.block_k % 8 or w.stride(0) % 4 or w.storage_offset() % 4 or x.storage_offset() % 4:
+        return {}
+    asm = not interpreting()
+    if asm and not e4m3_pairs(w.device):
+        return {}
+    return dict(WP=w.view(torch.int32), XP=x[0].view(torch.int64), PACKED=True, ASM=asm)
+
+
+def e4m3_pairs(device: torch.device) -> bool:
+    """Whether the GPU converts e4m3 pairs to f16 in one instruction (cvt.rn.f16x2.e4m3x2: sm_89 and newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _f16_math(cfg: GemvConfig, w: torch.Tensor) -> bool:
@@ -589,14 +660,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if not dot and cfg.row_kernel:
         _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms, ropes)
     else:
+        packed = _fp8_packed(cfg, x, w, K, block, dot)
         _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-            x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
+            x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0),
+            packed["WP"].stride(0) if packed else w.stride(0), out.stride(0),
             k_per_split, **norms, **ropes, HAS_SCALE=scale is not None and block is None,
             stride_s=scale.stride(0) if block is not None else 0, SBN=block[0] if block else 0,
             SBK=block[1] if block else 0, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
-            F16=_f16_math(cfg, w) and not dot, **_fp8_lean(cfg, w, N, dot),
+            F16=_f16_math(cfg, w) and not dot, **_fp8_lean(cfg, w, N, dot), **packed,
             **pdl_launch(pdl, "gemv"))
     if split_k > 1:
         BLOCK = 1024

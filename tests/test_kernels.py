@@ -450,6 +450,82 @@ def check_gemv_fp8_lean_knobs(device, dtype):
         kg.FP8_EVEN_N, kg.FP8_NO_EVICT_HINT = saved
 
 
+def check_gemv_fp8_packed(device, dtype):
+    """FP8 rows on packed registers (kernels.gemv.FP8_PACKED: int32 of four e4m3 against int64 of four x, PTX on
+    the GPU, its fp32 emulation in the interpreter) against the dequantized reference and the f16 path, for bf16
+    and f16 x: every e4m3 code at every byte of a column exactly, split K, a ragged last tile, two tiles before the
+    PDL wait, the gated down projection (bit for bit against the activation applied first) and a split norm."""
+    import kernels.gemv as kg
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import GemvConfig, gemv
+    from kernels.reference import FP8_DTYPE, fp8_linear_ref
+    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
+    from shared.models.quantization import quantize_per_channel
+    gen = torch.Generator().manual_seed(11)
+    cfgs = (GemvConfig(8, 64, 1, 2, f16_math=True, row_kernel=False),
+            GemvConfig(16, 32, 3, 2, f16_math=True, row_kernel=False),
+            GemvConfig(8, 128, 2, 2, f16_math=True, row_kernel=False, pre_tiles=2))
+    saved = kg.FP8_PACKED
+    try:
+        for xdt in (torch.bfloat16, torch.float16):
+            # Every code (NaN left out) at byte positions 0-3 of an int32 column and in both columns of a pair.
+            codes = torch.arange(256, dtype=torch.int32)
+            codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)
+            N, K = len(codes), 64
+            s = (torch.rand(N, generator=gen) + 0.5).to(device)
+            for col in ((0, 1, 2, 3, 5, 62) if xdt == torch.bfloat16 else (2, 5)):
+                w = torch.zeros(N, K, dtype=torch.uint8)
+                w[:, col] = codes
+                w8 = w.view(FP8_DTYPE).to(device)
+                x = torch.zeros(1, K, device=device, dtype=xdt)
+                x[0, col] = 1.0
+                kg.FP8_PACKED = True
+                assert kg._fp8_packed(cfgs[0], x, w8, K, None, False).get("PACKED"), "the packed path must apply"
+                y = gemv(x, w8, scale=s, config=cfgs[0])[0]
+                kg.FP8_PACKED = False
+                assert torch.equal(y, gemv(x, w8, scale=s, config=cfgs[0])[0]), f"column {col} {xdt}"
+                ref = (w8.float()[:, col] * s).to(xdt)
+                if device.type == "cuda":
+                    assert torch.equal(y, ref), f"column {col} {xdt}"
+                else:  # the interpreter rounds fp32 to 16 bits its own way: within one ulp
+                    torch.testing.assert_close(y, ref, rtol=2 ** -7, atol=0, msg=f"column {col} {xdt}")
+            for N, K in [(40, 264), (24, 1024)]:
+                q, s = quantize_per_channel(torch.randn(N, K, generator=gen) * 0.02)
+                q, s = q.to(device), s.to(device)
+                for mag in (0.01, 300.0):
+                    x = (torch.randn(1, K, generator=gen) * mag).to(device=device, dtype=xdt)
+                    ref = fp8_linear_ref(x.float(), q, s)
+                    tol = 8e-3 * float(ref.abs().max())
+                    for cfg in cfgs:
+                        kg.FP8_PACKED = False
+                        f16 = gemv(x, q, scale=s, config=cfg).float()
+                        kg.FP8_PACKED = True
+                        got = gemv(x, q, scale=s, config=cfg).float()
+                        assert float((got - ref).abs().max()) < tol, (xdt, K, N, mag, cfg)
+                        assert float((got - f16).abs().max()) < tol, (xdt, K, N, mag, cfg)
+                kg.FP8_PACKED = True
+                h = (torch.randn(1, 2 * K, generator=gen)).to(device=device, dtype=xdt)
+                for cfg in cfgs:
+                    torch.testing.assert_close(gemv(h, q, scale=s, silu_mul=True, config=cfg),
+                                               gemv(silu_and_mul(h), q, scale=s, config=cfg), rtol=0, atol=0)
+                # A split norm's consumer: x is gamma * residual, the sums scaled by the residual's rsqrt.
+                r = torch.randn(1, K, generator=gen).to(device=device, dtype=xdt)
+                g = (torch.rand(K, generator=gen) + 0.5).to(device=device, dtype=xdt)
+                sums = torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
+                sums[0] = float((r.double() ** 2).sum())
+                norm = ResidualNorm(r, g, sums, 1e-6)
+                y = gemv(r * g, q, scale=s, config=cfgs[0], norm_in=norm).float()
+                ref = fp8_linear_ref((r.float() * g.float()) * torch.rsqrt((r.float() ** 2).mean() + 1e-6), q, s)
+                assert float((y - ref).abs().max()) < 1e-2 * float(ref.abs().max()), (xdt, K, N)
+        # Not applicable (fp32 x; block scales): the f16 path, unchanged.
+        q, s = quantize_per_channel(torch.randn(32, 128, generator=gen) * 0.02)
+        x = torch.randn(1, 128, generator=gen).to(device)
+        assert not kg._fp8_packed(cfgs[0], x, q.to(device), 128, None, False)
+        assert not kg._fp8_packed(cfgs[0], x.to(torch.bfloat16), q.to(device), 128, (16, 32), False)
+    finally:
+        kg.FP8_PACKED = saved
+
+
 def _block_fp8(N, K, block, gen, device):
     """A random FP8 weight [N, K] with float32 scales [N / bn, K / bk] spread over two decades."""
     from kernels.reference import FP8_DTYPE
