@@ -32,11 +32,12 @@ _PACK_F16X4 = tl.constexpr("""{
 }""")
 
 # Two neighbouring elements (pack=2): acc0 += w0 . x0 + w1 . x1 (eight products), acc1 passed through.
-# $0 $1: acc out; $2 $3: acc in; $4 $5: int32 of four e4m3 weights each; $6 $7: int64 of four f16 x each.
+# $0 $1: acc out; $2 $3: acc in; $4 $5: int32 of four e4m3 weights each; $6 $7: int64 of four f16 x each. Every
+# input is read before an output is written (no assumption about which registers the outputs share with inputs).
 _DOT8 = tl.constexpr("""{
  .reg .b32 a0, a1, a2, a3, x0, x1, x2, x3, p;
  .reg .b16 h0, h1, h2, h3, lo, hi;
- .reg .f32 f;
+ .reg .f32 f, t;
  mov.b32 {h0, h1}, $4;
  mov.b32 {h2, h3}, $5;
  cvt.rn.f16x2.e4m3x2 a0, h0;
@@ -52,8 +53,10 @@ _DOT8 = tl.constexpr("""{
  mov.b32 {lo, hi}, p;
  add.rn.f16 lo, lo, hi;
  cvt.f32.f16 f, lo;
- add.f32 $0, $2, f;
- mov.b32 $1, $3;
+ add.f32 f, $2, f;
+ mov.b32 t, $3;
+ mov.b32 $0, f;
+ mov.b32 $1, t;
 }""")
 
 X_SCALE = 0.00390625  # 2^-8; the sums come out times this
