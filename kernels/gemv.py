@@ -212,7 +212,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                  ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
                  HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True, stride_s=0, SBN: tl.constexpr = 0,
                  SBK: tl.constexpr = 0, EVEN_N: tl.constexpr = False, W_EVICT: tl.constexpr = "evict_first",
-                 WP=None, XP=None, PACKED: tl.constexpr = False, ASM: tl.constexpr = True):
+                 WP=None, XP=None, PACKED: tl.constexpr = False, ASM: tl.constexpr = True, W_STRIDE: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (one row, no split: the host checks)
@@ -228,7 +228,12 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         offs_k = tl.arange(0, BLOCK_K // 4)
         offs_kl = 4 * offs_k  # each column's first k, for the masks
         # Two columns a thread (8-byte weight loads), so that w's layout is the int64 x row's (16-byte loads).
-        w_ptrs = WP + offs_n[:, None].to(tl.int64) * stride_wn + (k0 // 4 + tl.max_contiguous(offs_k, 2))[None, :]
+        # The row stride a constant (W_STRIDE): one base pointer a step, the rows at immediate offsets from it.
+        if ROPE:
+            w_rows = offs_n[:, None].to(tl.int64) * W_STRIDE
+        else:
+            w_rows = (pid_n * BLOCK_N).to(tl.int64) * W_STRIDE + (tl.arange(0, BLOCK_N) * W_STRIDE)[:, None]
+        w_ptrs = WP + w_rows + (k0 // 4 + tl.max_contiguous(offs_k, 2))[None, :]
         x_ptrs = XP + (k0 // 4 + offs_k)[None, :] + 0 * offs_n[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
     else:
@@ -575,7 +580,7 @@ def _fp8_packed(cfg: GemvConfig, x: torch.Tensor, w: torch.Tensor, K: int, block
     asm = not interpreting()
     if asm and not e4m3_pairs(w.device):
         return {}
-    return dict(WP=w.view(torch.int32), XP=x[0].view(torch.int64), PACKED=True, ASM=asm)
+    return dict(WP=w.view(torch.int32), XP=x[0].view(torch.int64), PACKED=True, ASM=asm, W_STRIDE=w.stride(0) // 4)
 
 
 def e4m3_pairs(device: torch.device) -> bool:

@@ -517,6 +517,24 @@ def check_gemv_fp8_packed(device, dtype):
                 y = gemv(r * g, q, scale=s, config=cfgs[0], norm_in=norm).float()
                 ref = fp8_linear_ref((r.float() * g.float()) * torch.rsqrt((r.float() ** 2).mean() + 1e-6), q, s)
                 assert float((y - ref).abs().max()) < 1e-2 * float(ref.abs().max()), (xdt, K, N)
+        # Rope + KV store in the qkv epilogue (each program's rows are whole rotary pairs, not a contiguous run):
+        # the packed path against the f16 path, output and pool slots.
+        from kernels.reference import rope_cos_sin_cache
+        from kernels.rope_store import RopeStore
+        hq, hkv, d, K = 4, 2, 16, 96
+        q, s = quantize_per_channel(torch.randn((hq + 2 * hkv) * d, K, generator=gen) * 0.1)
+        q, s = q.to(device), s.to(device)
+        cache = rope_cos_sin_cache(1.0 / (1e4 ** (torch.arange(0, d, 2, device=device) / d)), 4096)
+        x = torch.randn(1, K, generator=gen).to(device=device, dtype=torch.bfloat16)
+        outs = []
+        for on in (False, True):
+            kg.FP8_PACKED = on
+            kb, vb = (torch.zeros(4, hkv, d, dtype=torch.bfloat16, device=device) for _ in range(2))
+            rope = RopeStore(torch.tensor([77], device=device), cache, kb, vb, torch.tensor([2], device=device),
+                             hq * d, hkv * d, d)
+            outs.append((gemv(x, q, scale=s, config=cfgs[0], rope=rope), kb, vb))
+        for a, b in zip(*outs):
+            torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)
         # Not applicable (fp32 x; block scales): the f16 path, unchanged.
         q, s = quantize_per_channel(torch.randn(32, 128, generator=gen) * 0.02)
         x = torch.randn(1, 128, generator=gen).to(device)
