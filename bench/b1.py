@@ -38,11 +38,14 @@ def main() -> None:
     for r in range(args.rounds):
         for name, settings in variants.items():
             for q in args.quantization.split(","):
-                extra = {} if q == "none" else {"quantization": q}
-                fields = {k: v for k, v in settings.items() if not k.startswith("@")}
+                # A variant's own quantization (e.g. "bf16=quantization=none") overrides --quantization.
+                fields = {"quantization": q, **{k: v for k, v in settings.items() if not k.startswith("@")}}
+                q = fields["quantization"]
+                if q == "none":
+                    del fields["quantization"]
                 with module_knobs({k[1:]: v for k, v in settings.items() if k.startswith("@")}):
                     fig = engine_figures(path, tok, True, 400, 0, args.steps, max_running_requests=8,
-                                         cuda_graph_max_bs=8, **extra, **fields)
+                                         cuda_graph_max_bs=8, **fields)
                 log(f"{name} {q} round {r + 1}: step {fig['b1_step_ms']:.3f} ms, "
                     f"replay {fig.get('b1_graph_ms', 0):.3f} ms")
                 print(json.dumps({"label": name, "round": r + 1, "quantization": q, "settings": settings, **fig}),

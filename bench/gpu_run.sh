@@ -164,12 +164,13 @@ if [[ $what == fp8-lean ]]; then
 fi
 if [[ $what == fp8-packed ]]; then
   # FP8 rows on packed registers (kernels.gemv.FP8_PACKED, inline PTX; 2026-12-05, compiled only): the GPU checks, the
-  # FP8 batch-1 step A/B (engine path, lean knobs, packed, packed + lean), then the 32-layer chain study and tiles.
+  # batch-1 step A/B (bf16 for the FP8 ratio goal; FP8: engine path, lean knobs, packed + lean), then the 32-layer
+  # chain study and the packed tiles.
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_quantization.py \
     tests/test_model_parity.py -k "(cuda_bf16 and (fp8_packed or fp8_lean)) or fp8_kernels_on_gpu or packed_registers" \
     2>&1 | tail -3
-  timeout 260 python3 -m bench.b1 --quantization fp8 --rounds 2 --variants \
-    "base=;lean=@kernels.gemv.FP8_EVEN_N=1,@kernels.gemv.FP8_NO_EVICT_HINT=1;packed=@kernels.gemv.FP8_PACKED=1;packed_lean=@kernels.gemv.FP8_PACKED=1,@kernels.gemv.FP8_EVEN_N=1,@kernels.gemv.FP8_NO_EVICT_HINT=1" \
+  timeout 250 python3 -m bench.b1 --quantization fp8 --rounds 2 --variants \
+    "bf16=quantization=none;base=;lean=@kernels.gemv.FP8_EVEN_N=1,@kernels.gemv.FP8_NO_EVICT_HINT=1;packed_lean=@kernels.gemv.FP8_PACKED=1,@kernels.gemv.FP8_EVEN_N=1,@kernels.gemv.FP8_NO_EVICT_HINT=1" \
     2>&1 | grep "round" | tee "$OUT/b1_fp8_packed.log"
   timeout 170 python3 -m bench.gemv_chain_sweep --fp8-packed-study --budget 120 2>&1 | tee "$OUT/fp8_packed_study.log" | tail -12
 fi
