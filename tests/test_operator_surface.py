@@ -120,6 +120,20 @@ def test_decode_attention_and_pdl_flags(capsys):
         assert says in capsys.readouterr().err
 
 
+def test_fp8_block_flags():
+    """Block-scaled FP8 checkpoints are dequantized at load by default (their block GEMM lost to bf16 on the H200);
+    --fp8-block-kernels (or --no-dequantize-fp8-blocks) keeps the blocks, the former opt-in spelling
+    --dequantize-fp8-blocks still parses; the launcher passes the choice on to its workers."""
+    from shared.engine.cli import engine_args_to_argv
+    assert launch_args(["--model-path", "m"]).dequantize_fp8_blocks
+    assert launch_args(["--model-path", "m", "--dequantize-fp8-blocks"]).dequantize_fp8_blocks
+    for flag in ("--fp8-block-kernels", "--no-dequantize-fp8-blocks"):
+        args = launch_args(["--model-path", "m", flag])
+        assert not args.dequantize_fp8_blocks
+        assert "--fp8-block-kernels" in engine_args_to_argv(args)
+        assert not worker_args(engine_args_to_argv(args)).dequantize_fp8_blocks
+
+
 def test_decode_norm_fusion_l2_prefetch_and_rope_fusion_flags():
     """Split residual norms and rope in the qkv epilogue are on by default, --no-decode-norm-fusion and
     --no-decode-rope-fusion turn them off; the L2 prefetch is off by default, --decode-l2-prefetch turns it on; the

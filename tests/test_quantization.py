@@ -291,15 +291,15 @@ def test_block_fp8_dummy_weights_keep_blocks(tmp_path):
     assert 0.005 < float(deq.std()) < 0.05  # the draw's scale (normal, std 0.02)
 
 
-@pytest.mark.parametrize("fmt,flags,want", [("fp8-block", {}, "fp8_e4m3, a scale per [16, 16] block"),
-                                            ("fp8-block", {"dequantize_fp8_blocks": True}, "float32"),
-                                            ("fp8-block-untiled", {}, "float32"),
-                                            ("fbgemm-per-channel", {"dequantize_fp8_blocks": True},
-                                             "fp8_e4m3, a scale per row")])
+@pytest.mark.parametrize("fmt,flags,want", [("fp8-block", {}, "float32"),
+                                            ("fp8-block", {"dequantize_fp8_blocks": False},
+                                             "fp8_e4m3, a scale per [16, 16] block"),
+                                            ("fp8-block-untiled", {"dequantize_fp8_blocks": False}, "float32"),
+                                            ("fbgemm-per-channel", {}, "fp8_e4m3, a scale per row")])
 def test_engine_info_says_how_the_weights_are_held(fmt, flags, want, tmp_path):
-    """engine.info()'s weight_format: whether a block-scaled checkpoint kept its blocks (an operator's check that
-    the FP8 path is the one running; --dequantize-fp8-blocks turns it off, and touches no other format), and the
-    engine serves from the checkpoint either way."""
+    """engine.info()'s weight_format: whether a block-scaled checkpoint kept its blocks (an operator's check of
+    which path runs: dequantized at load by default, FP8 blocks with --fp8-block-kernels where they tile; per-row
+    scales are not touched by either), and the engine serves from the checkpoint either way."""
     from tests.engine_harness import Harness
 
     path = write_fp8_checkpoint(make_hf_model("qwen2"), str(tmp_path / fmt), fmt)
