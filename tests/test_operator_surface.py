@@ -121,7 +121,7 @@ def test_decode_attention_and_pdl_flags(capsys):
 
 
 def test_fp8_block_flags():
-    """Block-scaled FP8 checkpoints are dequantized at load by default (their block GEMM lost to bf16 on the H200);
+    """Block-scaled FP8 checkpoints are dequantized at load by default (their block GEMM never beat bf16 on the H200);
     --fp8-block-kernels (or --no-dequantize-fp8-blocks) keeps the blocks, the former opt-in spelling
     --dequantize-fp8-blocks still parses; the launcher passes the choice on to its workers."""
     from shared.engine.cli import engine_args_to_argv

@@ -27,9 +27,9 @@ class EngineConfig:
     # quantize a float checkpoint's linear weights to FP8 (per channel) at load.
     quantization: str = "none"
     # Block-scaled FP8 checkpoints (weight_block_size, compressed-tensors block): dequantized at load and run in the
-    # model dtype (the default: on the H200 the block FP8 GEMM measured 1.3-1.9x slower than bf16 at every batch
-    # above one row, bench/RESULTS.md 2026-12-05), or, with False (--fp8-block-kernels), kept as FP8 weights through
-    # the block GEMV and GEMM where the blocks tile: half the weight memory.
+    # model dtype (the default: on the H200 the block FP8 GEMM was never faster than bf16 at a batch above one row,
+    # 1.2-1.7x slower at 2,048-8,192; bench/RESULTS.md 2026-12-05), or, with False (--fp8-block-kernels), kept as FP8
+    # weights through the block GEMV and GEMM where the blocks tile: half the weight memory.
     dequantize_fp8_blocks: bool = True
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
     # KV cache element type: auto (the model's dtype) | fp8_e4m3 | fp8_e5m2 (| fp8, vLLM's name for e4m3). FP8 halves
