@@ -545,8 +545,9 @@ def _norm_args(norm_in: ResidualNorm | None, add_norm: ResidualNorm | None, spli
                 NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None and split_k == 1, NSLOT=NORM_SLOTS)
 
 
-# FP8 rows in the general kernel with fewer instructions a loop step (the 12-02 study found this GEMV bound by issue),
-# each an A/B knob read at launch, off until measured. FP8_EVEN_N: no row mask on the weight loads where the tiles
+# FP8 rows in the general kernel with fewer instructions a loop step, each an A/B knob read at launch, off: on the H200
+# (2026-12-05) both together cost the FP8 batch-1 step 3.5% (the evict-first hint matters; the GEMV is not bound by
+# instruction issue, as the 12-02 study read it). FP8_EVEN_N: no row mask on the weight loads where the tiles
 # cover N exactly (no zero-fill of the load registers); FP8_NO_EVICT_HINT: plain weight loads (Triton builds the
 # evict-first hint's cache-policy register anew for each load). sm_90 compile of Llama-8B's loops (qkv / o / gate_up /
 # down): 419 / 220 / 120 / 289 instructions a step, 387 / 203 / 111 / 276 with the first, 382 / 198 / 111 / 271 with
@@ -564,8 +565,9 @@ def _fp8_lean(cfg: GemvConfig, w: torch.Tensor, N: int, dot: bool) -> dict:
 
 
 # FP8 rows on packed registers (kernels/fp8_dot.py: the weights as int32 of four e4m3, x as int64 of four, multiplied
-# as f16 pairs in inline PTX): no layout conversion through shared memory and ~35% fewer instructions a loop step
-# (sm_90 compile). An A/B knob read at launch (@kernels.gemv.FP8_PACKED=1), off until measured on the GPU.
+# as f16 pairs in inline PTX): no layout conversion through shared memory and 30-40% fewer instructions a loop step
+# (sm_90 compile), yet slower on the H200 (2026-12-05: FP8 batch-1 step +1.5%, the 32-layer chain +1.3% at the best
+# tiles found; bench/RESULTS.md). An A/B knob read at launch (@kernels.gemv.FP8_PACKED=1), off.
 FP8_PACKED = False
 
 
