@@ -5,7 +5,8 @@ tiles and K splits at each shape (what default_tiles and MIN_PROGRAMS_PER_SM sho
 
     python -m bench.fp8_block_gemm [--sweep] [--out DIR]
 
-Each figure is the median of CUDA-event timings over repeated calls, weights cycled through more than L2 holds.
+Each figure is one call's median time from CUDA-graph replays of many calls (eager CUDA-event timing where a
+call cannot be captured), weights cycled through more than L2 holds.
 Prints the block path's time against bf16 and per-channel FP8 at each shape (no goal: it tells where the block
 path stands; the batch-1 and throughput goals are bench.fp8's).
 """
@@ -25,7 +26,15 @@ SWEEP_SHAPES, SWEEP_ROWS = ("gate_up", "down"), (8, 64, 2048)  # --sweep: ~200 c
 
 
 def _time(fn, reps: int = 30) -> float:
-    """Median µs of fn() (its own argument cycling inside), after a warm-up."""
+    """Median µs of one fn() call (its own argument cycling inside), from CUDA-graph replays of many calls
+    (bench.kernels.graph_time_ms): without the host's launch cost, which eager event timing adds to every small
+    batch (the 2026-12-05 run timed bf16 F.linear at 8 rows at 44 µs that way). A call that cannot be captured
+    is timed eagerly instead, and says so."""
+    from bench.kernels import graph_time_ms
+    try:
+        return graph_time_ms(lambda i: fn(), reps=max(5, reps // 3), target_ms=5.0) * 1e3
+    except RuntimeError as e:
+        print(f"    (not capturable, timed eagerly: {type(e).__name__}: {str(e)[:80]})", flush=True)
     for _ in range(3):
         fn()
     times = []
