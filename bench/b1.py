@@ -38,11 +38,8 @@ def main() -> None:
     for r in range(args.rounds):
         for name, settings in variants.items():
             for q in args.quantization.split(","):
-                # A variant's own quantization (e.g. "bf16=quantization=none") overrides --quantization.
-                fields = {"quantization": q, **{k: v for k, v in settings.items() if not k.startswith("@")}}
-                q = fields["quantization"]
-                if q == "none":
-                    del fields["quantization"]
+                fields = engine_fields(q, settings)
+                q = fields.get("quantization", "none")
                 with module_knobs({k[1:]: v for k, v in settings.items() if k.startswith("@")}):
                     fig = engine_figures(path, tok, True, 400, 0, args.steps, max_running_requests=8,
                                          cuda_graph_max_bs=8, **fields)
@@ -50,6 +47,15 @@ def main() -> None:
                     f"replay {fig.get('b1_graph_ms', 0):.3f} ms")
                 print(json.dumps({"label": name, "round": r + 1, "quantization": q, "settings": settings, **fig}),
                       flush=True)
+
+
+def engine_fields(quantization: str, settings: dict) -> dict:
+    """A variant's EngineConfig fields (its @module knobs left out) at --quantization `quantization`, which the
+    variant's own quantization (e.g. "bf16=quantization=none") overrides; "none" is the default's (no field)."""
+    fields = {"quantization": quantization, **{k: v for k, v in settings.items() if not k.startswith("@")}}
+    if fields["quantization"] == "none":
+        del fields["quantization"]
+    return fields
 
 
 @contextlib.contextmanager

@@ -24,8 +24,11 @@ def test_b1_variants_take_engine_fields_and_module_knobs():
     with module_knobs({"kernels.gemv.PRODUCER_LATE_TRIGGER": True}):
         assert kg.PRODUCER_LATE_TRIGGER is True
     assert kg.PRODUCER_LATE_TRIGGER is False
-    # A variant's own quantization (bf16 beside FP8 variants in one A/B) parses as an EngineConfig field.
-    assert parse_variants("bf16=quantization=none;fp8=") == {"bf16": {"quantization": "none"}, "fp8": {}}
+    # A variant's own quantization (bf16 beside FP8 variants in one A/B) overrides --quantization.
+    from bench.b1 import engine_fields
+    v = parse_variants("bf16=quantization=none;fp8=;knob=@kernels.gemv.FP8_PACKED=1,decode_norm_fusion=0")
+    assert engine_fields("fp8", v["bf16"]) == {} and engine_fields("fp8", v["fp8"]) == {"quantization": "fp8"}
+    assert engine_fields("none", v["knob"]) == {"decode_norm_fusion": False}
     for bad in ("x=@kernels.gemv.NO_SUCH=1", "x=@no_such_module.X=1", "x=no_such_field=1"):
         with pytest.raises(SystemExit):
             parse_variants(bad)
