@@ -1264,9 +1264,12 @@ def _run_worker(names):
     print("RESULTS " + json.dumps(results))
 
 
-# The interpreted checks run in two processes at once (CI has two cores): this one alone takes ~38 s of the
-# ~84 s they need serially (2026-12-02, 2-core box).
-_OWN_PROCESS = {"extend_attention"}
+# The interpreted checks run in two processes at once (CI has two cores). The first takes the heaviest: extend
+# attention ~38 s, the FP8 GEMV checks ~110 s together (2026-12-05, 2-core box); the rest had grown to ~300 s in one
+# process by then, at the limit below on a loaded machine.
+_OWN_PROCESS = {"extend_attention", "gemv_fp8_packed", "gemv_fp8_blocks", "gemv_fp8_codes", "gemv_fp8_f16_math",
+                "gemv_fp8_lean_knobs"}
+_INTERPRETED_TIMEOUT = 600  # seconds for both processes; test_interpreted_cpu's own limit is above it
 
 
 @pytest.fixture(scope="module")
@@ -1280,7 +1283,7 @@ def interpreted_results():
     results = {}
     for proc in procs:
         try:
-            out, err = proc.communicate(timeout=300)
+            out, err = proc.communicate(timeout=_INTERPRETED_TIMEOUT)
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
@@ -1291,6 +1294,7 @@ def interpreted_results():
     return results
 
 
+@pytest.mark.timeout(_INTERPRETED_TIMEOUT + 60)  # the first one waits for the module fixture's two processes
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_interpreted_cpu(name, interpreted_results):
     assert interpreted_results[name] == "ok", interpreted_results[name]
