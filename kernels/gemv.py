@@ -504,9 +504,10 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
             block_n, block_k, warps = (8, 1024, 2) if N <= 8192 else (2, 4096, 2)
         extra = dict(f16_math=True, pre_tiles=2, fold=2 if 4096 < N <= 8192 else 1)
     elif M == 1 and weight_bytes == 1 and FP8_PACKED:
-        # FP8 rows on packed registers (not yet swept: `bench.gemv_chain_sweep --fp8-packed-study`): the f16 path's
-        # rows and bytes in flight, at warps for which every thread holds all of a tile's rows (block_k = 256 *
-        # warps): x's fields (and the gated activation) are then computed once a thread, not once a row group.
+        # FP8 rows on packed registers: the f16 path's rows and bytes in flight, at warps for which every thread holds
+        # all of a tile's rows (block_k = 256 * warps): x's fields (and the gated activation) are then computed once a
+        # thread, not once a row group. `bench.gemv_chain_sweep --fp8-packed-study` (H200, 2026-12-05) found no tile
+        # at which the packed path beats the f16 one.
         block_n, block_k, warps = ((FP8_SMALL_N_BLOCK_N, 1024, 4) if N <= 4096 else (8, 2048, 4) if N <= 8192
                                    else (8, 512, 2))
         extra = dict(f16_math=True, row_kernel=False)
@@ -669,8 +670,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     else:
         packed = _fp8_packed(cfg, x, w, K, block, dot)
         _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-            x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0),
-            packed["WP"].stride(0) if packed else w.stride(0), out.stride(0),
+            x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
             k_per_split, **norms, **ropes, HAS_SCALE=scale is not None and block is None,
             stride_s=scale.stride(0) if block is not None else 0, SBN=block[0] if block else 0,
             SBK=block[1] if block else 0, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,

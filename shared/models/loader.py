@@ -118,7 +118,8 @@ def load_model(model_path: str, dtype: torch.dtype | None = None, device: torch.
     load_format "dummy" reads only config.json and fills random weights. A checkpoint's
     quantization_config is honoured or refused (shared/models/quantization.py); `quantization="fp8"`
     quantizes a float checkpoint's linear weights at load. keep_fp8_blocks=False: block-scaled FP8 weights are
-    dequantized at load (--dequantize-fp8-blocks) even where their blocks tile the layers."""
+    dequantized at load even where their blocks tile the layers (the engine's default; --fp8-block-kernels keeps
+    them)."""
     dtype = dtype or default_dtype(device)
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load format {load_format!r} (auto | dummy)")

@@ -50,7 +50,7 @@ class UnsupportedQuantization(ValueError):
 class QuantSpec:
     method: str  # the checkpoint's quant_method, or "fp8-online" for --quantization fp8
     block_size: tuple[int, int] | None = None  # set: block scales (kept where they tile the weights)
-    keep_blocks: bool = True  # False: block-scaled weights dequantized at load (--dequantize-fp8-blocks)
+    keep_blocks: bool = True  # False: block-scaled weights dequantized at load (the engine's default)
 
     @property
     def online(self) -> bool:
