@@ -17,9 +17,16 @@ protocol, result, prompt list...) alive until it ends, 17k for 256 streams. At 1
 requests set off a collection that walked all of them (~3 ms each, ~15 us a request on the bench's
 gateway); at 50,000 the in-flight set of several hundred streams fits below it, so young collections come
 from real growth (or cyclic garbage) and see mostly objects that are gone; cycles are still found, later.
+
+CUDA graph capture runs with automatic collection paused (`collections_paused`): since torch 2.9
+`torch.cuda.graph` no longer collects before capturing, so a collection that fires mid-capture can
+finalize an earlier graph (cudaGraphExecDestroy) or a discarded Triton kernel (cuModuleUnload), calls a
+capturing stream forbids: the capture is invalidated ("operation failed due to a previous error during
+capture"). Seen on the H200 when an FP8-KV runner was built in a process that had just dropped another.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 
 _frozen = 0  # objects frozen by this process's freeze_startup_heap
@@ -51,3 +58,19 @@ def space_young_collections(threshold: int = GATEWAY_YOUNG_THRESHOLD) -> None:
     ratios unchanged)."""
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(threshold, older, oldest)
+
+
+@contextlib.contextmanager
+def collections_paused(collect_first: bool = False):
+    """No automatic collection inside the block; the collector's state is restored after it (also on an
+    error). collect_first: one full collection before, so that garbage from before the block (stale graphs,
+    replaced kernels) is finalized now rather than after it."""
+    if collect_first:
+        gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -79,3 +79,122 @@ async def test_the_gateway_young_threshold_holds_hundreds_of_streams_in_flight()
         for _, writer in conns:
             writer.close()
     assert 20 < per_stream and 256 * per_stream < GATEWAY_YOUNG_THRESHOLD, per_stream
+
+
+def test_collections_paused_restores_the_collector_and_collects_first_when_asked():
+    from shared.gc_freeze import collections_paused
+
+    assert gc.isenabled()
+    node = _Node()
+    node.self = node
+    ref = weakref.ref(node)
+    del node
+    with collections_paused(collect_first=True):
+        assert ref() is None  # collected before the block
+        assert not gc.isenabled()
+        with collections_paused():  # nested: the outer pause survives the inner one
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    try:
+        with collections_paused():
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collections_paused():
+            pass
+        assert not gc.isenabled()  # a collector disabled before stays disabled
+    finally:
+        gc.enable()
+
+
+def test_capture_graph_captures_with_automatic_collection_paused(monkeypatch):
+    """Collections are allowed in the warm-up runs and paused in the capture (a finalizer of an earlier graph or
+    Triton kernel run mid-capture invalidates it); the collector is back on after, also when capture fails."""
+    import contextlib
+
+    import torch
+
+    from shared.engine import cuda_graph
+
+    seen = []
+    capturing = []
+
+    @contextlib.contextmanager
+    def fake_graph(g, pool=None, stream=None):
+        capturing.append(True)
+        try:
+            yield
+        finally:
+            capturing.pop()
+
+    class _Stream:
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+
+    def forward():
+        seen.append((bool(capturing), gc.isenabled()))
+
+    cuda_graph.capture_graph(forward, _Stream(), None)
+    assert seen == [(False, True), (False, True), (True, False)]
+    assert gc.isenabled()
+
+    def failing():
+        if capturing:
+            raise RuntimeError("capture invalidated")
+    try:
+        cuda_graph.capture_graph(failing, _Stream(), None)
+    except RuntimeError:
+        pass
+    assert gc.isenabled()
+
+
+def _collection_mid_capture(capture):
+    """Captures a graph with `capture(forward, stream)` while a collection falls due inside the capture with an
+    earlier graph in cyclic garbage (the young generation's threshold at 1); returns what the replay computed."""
+    import torch
+
+    x = torch.zeros(16, device="cuda")
+    stale = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(stale):
+        x.mul_(1)
+    stale_graphs = [stale]
+    del stale
+
+    def forward():
+        x.add_(1)
+        if torch.cuda.is_current_stream_capturing() and stale_graphs:
+            holder = _Node()
+            holder.graph, holder.self = stale_graphs.pop(), holder
+            del holder
+            for _ in range(100):  # container allocations: any of them may set off a young collection
+                _Node()
+
+    before = gc.get_threshold()
+    gc.set_threshold(1, before[1], before[2])
+    try:
+        g = capture(forward, torch.cuda.Stream())
+    finally:
+        gc.set_threshold(*before)
+    g.replay()
+    torch.cuda.synchronize()
+    return x[0].item()
+
+
+def test_a_collection_due_mid_capture_does_not_reach_the_capture():
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from shared.engine.cuda_graph import capture_graph
+
+    assert _collection_mid_capture(lambda f, s: capture_graph(f, s, None)) == 3.0  # two warm-ups, one replay
+    gc.collect()

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from kernels.decode_inputs import LOC, ROWS, SEQ, TABLE, unpack_decode_inputs
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.gc_freeze import collections_paused
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +34,15 @@ CASCADE_MIN_BS = 16  # smaller batches rarely share enough prefix to pay (and ru
 
 def capture_graph(forward, stream: torch.cuda.Stream, pool) -> torch.cuda.CUDAGraph:
     """forward() run twice on `stream` (compiles, autotuning and lazy allocations stay out of the graph),
-    then captured into a graph drawing on the memory pool `pool` (None: a new one)."""
+    then captured into a graph drawing on the memory pool `pool` (None: a new one). No automatic garbage
+    collection runs during the capture (shared/gc_freeze.py says why); callers capturing many graphs pause
+    it, after one collection, around the whole loop."""
     with torch.cuda.stream(stream):
         for _ in range(2):
             forward()
     stream.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool, stream=stream):
+    with collections_paused(), torch.cuda.graph(g, pool=pool, stream=stream):
         forward()
     return g
 
@@ -111,18 +114,19 @@ class CudaGraphRunner:
         cascade = self.attn_backend.graph_cascade()
         keys = [(bs, c) for bs in reversed(self.sizes) for c in ((False, True) if cascade and bs >= CASCADE_MIN_BS
                                                                   else (False,))]
-        for bs, c in tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress,
-                          dynamic_ncols=True):
-            try:
-                g = capture_graph(lambda: self._forward(bs, c), stream, self.pool)
-            except torch.OutOfMemoryError as e:
-                raise RuntimeError(
-                    f"out of GPU memory capturing the decode CUDA graph of batch size {bs}"
-                    f"{' (shared-prefix variant)' if c else ''} beside the KV pool; lower --cuda-graph-max-bs "
-                    f"(now {self.max_bs}) or --mem-fraction-static, or pass --disable-cuda-graph") from e
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[bs, c] = g
+        with collections_paused(collect_first=True):
+            for bs, c in tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress,
+                              dynamic_ncols=True):
+                try:
+                    g = capture_graph(lambda: self._forward(bs, c), stream, self.pool)
+                except torch.OutOfMemoryError as e:
+                    raise RuntimeError(
+                        f"out of GPU memory capturing the decode CUDA graph of batch size {bs}"
+                        f"{' (shared-prefix variant)' if c else ''} beside the KV pool; lower --cuda-graph-max-bs "
+                        f"(now {self.max_bs}) or --mem-fraction-static, or pass --disable-cuda-graph") from e
+                if self.pool is None:
+                    self.pool = g.pool()
+                self.graphs[bs, c] = g
         torch.cuda.synchronize(self.device)
         log.info("captured %d decode graphs in %.1fs", len(keys), time.monotonic() - t0)
 
