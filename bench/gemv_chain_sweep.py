@@ -69,6 +69,31 @@ def fits(bn, bk, warps) -> bool:
     return bn * bk // (32 * warps) <= 128
 
 
+def sweep_shapes(time_us, base: dict, ref_us: float, cands, share: float) -> tuple[dict, list]:
+    """Each shape's candidate tiles (cands(name, n, k)) timed in the chain one shape at a time, the others at `base`,
+    for at most `share` seconds a shape; time_us(cfgs) is the chain's time in µs and ref_us the time the picks must
+    beat. Returns the best tile per shape (its base tile where none beat ref_us) and every timing as rows."""
+    best, rows = {nm: (ref_us, base[nm]) for nm in SHAPES}, []
+    for name, (n, k) in SHAPES.items():
+        t_shape = time.time()
+        for cfg in cands(name, n, k):
+            if time.time() - t_shape > share:
+                break
+            if cfg == base[name]:
+                continue
+            try:
+                t = time_us({**base, name: cfg})
+            except Exception as e:  # a tile that does not compile or fit
+                print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
+                continue
+            rows.append({"shape": name, "cfg": dataclasses.asdict(cfg), "chain_us": t})
+            if t < best[name][0]:
+                best[name] = (t, cfg)
+        print(f"  {name}: default {base[name]} -> best {best[name][1]} chain {best[name][0]:.0f} us "
+              f"({(ref_us - best[name][0]) / LAYERS:+.2f} us per layer)", flush=True)
+    return {nm: b[1] for nm, b in best.items()}, rows
+
+
 def fp32_math_config(n: int, k: int) -> GemvConfig:
     """The FP8 one-row GEMV's tiles before f16 math (fp32 math, two tiles before the PDL wait), for comparison."""
     bn, bk, warps = (8, 1024, 4) if n <= 4096 else (8, 512, 4) if n <= 8192 else (8, 256, 2)
@@ -98,29 +123,16 @@ def f16_math_study(budget: float, t0: float) -> dict:
         times["f16_math"].append(chain_ms(layers, {}) * 1e3)
     print(f"fp8 chain, alternated, us: {json.dumps(times)} ({nbytes / min(times['fp32_math']) / 1e3:.0f} vs "
           f"{nbytes / min(times['f16_math']) / 1e3:.0f} GB/s)", flush=True)
-    base = min(times["f16_math"]) / 1e3
-    best, rows = {}, []
     cands = [(8, 512, 4), (8, 1024, 4), (8, 2048, 4), (16, 512, 4), (16, 1024, 4), (16, 1024, 8), (16, 2048, 8),
              (32, 1024, 8)]
-    per_shape = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
-    for name, (n, k) in SHAPES.items():
-        d = default_config(1, n, k, 1)
-        best[name] = (base, d)
-        t_shape = time.time()
-        for bn, bk, warps in cands:
-            if time.time() - t_shape > per_shape:
-                break
-            for split in (1, 2):
-                cfg = GemvConfig(bn, bk, split, warps, f16_math=True)
-                if bk > k or (split > 1 and n > 8192) or cfg == d:
-                    continue
-                t = chain_ms(layers, {name: cfg})
-                rows.append({"shape": name, "cfg": [bn, bk, split, warps], "chain_us": t * 1e3})
-                if t < best[name][0]:
-                    best[name] = (t, cfg)
-        print(f"  {name}: f16 math, default {d} -> best {best[name][1]} chain {best[name][0] * 1e3:.0f} us", flush=True)
+    defaults = {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
+    share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
+    picks, rows = sweep_shapes(lambda cfgs: chain_ms(layers, cfgs) * 1e3, defaults, min(times["f16_math"]),
+                               lambda name, n, k: [GemvConfig(bn, bk, split, warps, f16_math=True)
+                                                   for bn, bk, warps in cands for split in (1, 2)
+                                                   if bk <= k and not (split > 1 and n > 8192)], share)
     return {"check": check, "times": times, "rows": rows,
-            "picks": {nm: list(vars(b[1]).values()) for nm, b in best.items()}}
+            "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
 
 
 # The one-row kernel's tiles: (block_n, block_k, warps, narrow accumulators, tiles before the PDL wait, fold).
@@ -221,28 +233,12 @@ def fp8_packed_study(budget: float, t0: float) -> dict:
             times[m].append(run(m, base))
     print(f"chain alternated, us: {json.dumps(times)} "
           f"({', '.join(f'{m} {nbytes / min(v) / 1e3:.0f}' for m, v in times.items())} GB/s)", flush=True)
-    ref_us = min(times["packed_lean"])
-    best, rows = {nm: (ref_us, base[nm]) for nm in SHAPES}, []
     share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
-    for name, (n, k) in SHAPES.items():
-        t_shape = time.time()
-        for bn, bk, split, warps, pre in FP8_PACKED_CANDIDATES:
-            if time.time() - t_shape > share:
-                break
-            cfg = GemvConfig(bn, bk, split, warps, pre_tiles=pre, f16_math=True, row_kernel=False)
-            if bk > k or cfg == base[name]:
-                continue
-            try:
-                t = run("packed_lean", {**base, name: cfg})
-            except Exception as e:  # a tile that does not compile or fit
-                print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
-                continue
-            rows.append({"shape": name, "cfg": dataclasses.asdict(cfg), "chain_us": t})
-            if t < best[name][0]:
-                best[name] = (t, cfg)
-        print(f"  {name}: default {base[name]} -> best {best[name][1]} chain {best[name][0]:.0f} us "
-              f"({(ref_us - best[name][0]) / LAYERS:+.2f} us per layer)", flush=True)
-    picks = {nm: b[1] for nm, b in best.items()}
+    picks, rows = sweep_shapes(lambda cfgs: run("packed_lean", cfgs), base, min(times["packed_lean"]),
+                               lambda name, n, k: [GemvConfig(bn, bk, split, warps, pre_tiles=pre, f16_math=True,
+                                                              row_kernel=False)
+                                                   for bn, bk, split, warps, pre in FP8_PACKED_CANDIDATES if bk <= k],
+                               share)
     final = {"engine": [], "packed_lean": [], "picks": []}
     for _ in range(2):
         final["engine"].append(run("engine", base))
@@ -276,27 +272,9 @@ def _general_against_row(layers, general: dict, row: dict, cands, budget: float,
         times["row"].append(chain_ms(layers, row) * 1e3)
     print(f"chain alternated, us: {json.dumps(times)} ({nbytes / min(times['general']) / 1e3:.0f} vs "
           f"{nbytes / min(times['row']) / 1e3:.0f} GB/s)", flush=True)
-    base = min(times["row"]) / 1e3
-    best, rows = {nm: (base, row[nm]) for nm in SHAPES}, []
     share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
-    for name, (n, k) in SHAPES.items():
-        t_shape = time.time()
-        for cfg in cands(name, k):
-            if time.time() - t_shape > share:
-                break
-            if cfg == row[name]:
-                continue
-            try:
-                t = chain_ms(layers, {**row, name: cfg})
-            except Exception as e:  # a tile that does not compile or fit
-                print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
-                continue
-            rows.append({"shape": name, "cfg": dataclasses.asdict(cfg), "chain_us": t * 1e3})
-            if t < best[name][0]:
-                best[name] = (t, cfg)
-        print(f"  {name}: default {row[name]} -> best {best[name][1]} chain {best[name][0] * 1e3:.0f} us "
-              f"({(base - best[name][0]) / LAYERS * 1e3:+.2f} us per layer)", flush=True)
-    picks = {nm: b[1] for nm, b in best.items()}
+    picks, rows = sweep_shapes(lambda cfgs: chain_ms(layers, cfgs) * 1e3, row, min(times["row"]),
+                               lambda name, n, k: cands(name, k), share)
     final = {"general": [], "row": [], "picks": []}
     for _ in range(2):
         for key, cfgs in (("general", general), ("row", row), ("picks", picks)):
@@ -358,37 +336,20 @@ def main() -> int:
         nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
         base = chain_ms(layers, {})
         print(f"{dtype}: default tiles {base * 1e3:.0f} us for the chain ({nbytes / base / 1e6:.0f} GB/s)", flush=True)
-        best = {}
-        rows = []
-        for name, (n, k) in SHAPES.items():
-            d = default_config(1, n, k, wb)
-            best[name] = (base, d)
-            for bn, bk, warps in CANDIDATES:
-                for split in (1, 2):
-                    if not fits(bn, bk, warps) or bk > k or (split > 1 and n > 8192):
-                        continue
-                    if time.time() - t0 > args.budget:
-                        break
-                    # The tile varied, the rest as the default has it (pre-tiles, f16 math, narrow accumulators).
-                    cfg = dataclasses.replace(d, block_n=bn, block_k=bk, split_k=split, num_warps=warps)
-                    if cfg == d:
-                        continue
-                    try:
-                        t = chain_ms(layers, {name: cfg})
-                    except Exception as e:  # a tile that does not compile or fit
-                        print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
-                        continue
-                    rows.append({"shape": name, "cfg": [bn, bk, split, warps], "chain_us": t * 1e3})
-                    if t < best[name][0]:
-                        best[name] = (t, cfg)
-            print(f"  {name}: default {d} -> best {best[name][1]} chain {best[name][0] * 1e3:.0f} us "
-                  f"({(base - best[name][0]) / LAYERS * 1e3:+.2f} us per layer)", flush=True)
-        final = chain_ms(layers, {nm: b[1] for nm, b in best.items()})
+        defaults = {nm: default_config(1, n, k, wb) for nm, (n, k) in SHAPES.items()}
+
+        def cands(name, n, k):  # the tile varied, the rest as the default has it (pre-tiles, f16 math...)
+            return [dataclasses.replace(defaults[name], block_n=bn, block_k=bk, split_k=split, num_warps=warps)
+                    for bn, bk, warps in CANDIDATES for split in (1, 2)
+                    if fits(bn, bk, warps) and bk <= k and not (split > 1 and n > 8192)]
+        share = max(0.0, args.budget - (time.time() - t0)) / len(SHAPES)
+        picks, rows = sweep_shapes(lambda cfgs: chain_ms(layers, cfgs) * 1e3, defaults, base * 1e3, cands, share)
+        final = chain_ms(layers, picks)
         again = chain_ms(layers, {})
         print(f"{dtype}: all best {final * 1e3:.0f} us vs default {again * 1e3:.0f} us "
               f"({nbytes / final / 1e6:.0f} vs {nbytes / again / 1e6:.0f} GB/s)", flush=True)
         result["runs"][dtype] = {"default_us": [base * 1e3, again * 1e3], "best_us": final * 1e3,
-                                 "best": {nm: list(vars(b[1]).values()) for nm, b in best.items()}, "rows": rows}
+                                 "best": {nm: dataclasses.asdict(c) for nm, c in picks.items()}, "rows": rows}
         del layers
         torch.cuda.empty_cache()
     if args.out:

@@ -32,3 +32,30 @@ def test_b1_variants_take_engine_fields_and_module_knobs():
     for bad in ("x=@kernels.gemv.NO_SUCH=1", "x=@no_such_module.X=1", "x=no_such_field=1"):
         with pytest.raises(SystemExit):
             parse_variants(bad)
+
+
+def test_gemv_chain_sweep_keeps_each_shapes_fastest_tile_and_skips_the_base(capsys):
+    """bench.gemv_chain_sweep's shape-by-shape sweep (every study uses it): one shape varied at a time, a tile that
+    fails to compile skipped, the base never re-timed, a shape whose candidates all lose keeps its base tile."""
+    from bench.gemv_chain_sweep import SHAPES, sweep_shapes
+    from kernels.gemv import GemvConfig
+
+    base = {nm: GemvConfig(8, 512, 1, 4) for nm in SHAPES}
+    timed = []
+
+    def time_us(cfgs):
+        varied = [nm for nm in SHAPES if cfgs[nm] != base[nm]]
+        assert len(varied) == 1
+        cfg = cfgs[varied[0]]
+        timed.append((varied[0], cfg.block_n))
+        if cfg.block_n == 32:
+            raise RuntimeError("out of resources")
+        return 100.0 - cfg.block_n if varied[0] != "down" else 200.0
+
+    def cands(name, n, k):
+        return [GemvConfig(bn, 512, 1, 4) for bn in (8, 16, 32, 4)]
+    picks, rows = sweep_shapes(time_us, base, 100.0, cands, share=60.0)
+    assert picks["qkv"] == GemvConfig(16, 512, 1, 4) and picks["down"] == base["down"]
+    assert ("qkv", 8) not in timed and ("qkv", 32) in timed
+    assert len(rows) == 2 * len(SHAPES)  # 16 and 4 a shape: the base skipped, the failure not a row
+    assert "RuntimeError" in capsys.readouterr().out
