@@ -607,6 +607,13 @@ def probe_kvfp8_kernel(res: dict) -> None:
             nbytes = kv_bytes // (2 // dt.itemsize)
             rows.append({"batch": B, "ctx": ctx, "kv": name, "us": t * 1e3, "of_copy": nbytes / t * 1e3 / bw})
             log(rows[-1])
+            if dt.itemsize == 1:  # the FP8 pool at bf16's tile (two pipeline stages), its default before 2026-12-05
+                t = graph_time_ms(lambda i: decode_attention(q, ks[i % n], vs[i % n], r2t, req, seq, splits, ms,
+                                                             D ** -0.5, out=out, mid_o=mid_o, mid_lse=mid_lse,
+                                                             tickets=tickets, tile=(64, 4, 2)))
+                rows.append({"batch": B, "ctx": ctx, "kv": name, "tile": [64, 4, 2], "us": t * 1e3,
+                             "of_copy": nbytes / t * 1e3 / bw})
+                log(rows[-1])
             if B == 256:  # stage 1 without its head-dim mask (triton_decode.EVEN_D_MASK), each pool
                 td.EVEN_D_MASK = True
                 try:
@@ -647,11 +654,18 @@ def probe_kvfp8_kernel(res: dict) -> None:
 
 def probe_kvfp8_tput(res: dict) -> None:
     """The throughput workload (256 x (512, 128), bench.offline's engine settings) with a bf16 and an FP8 pool, fresh
-    engines alternated twice, two runs each, with the pool each gets from the same memory fraction."""
+    engines alternated twice, two runs each, with the pool each gets from the same memory fraction; the FP8 pool also
+    at bf16's decode-attention tile (two pipeline stages: its default before 2026-12-05)."""
+    import kernels.attention.triton_decode as td
+    variants = {"auto": ("auto", None), "fp8_e4m3": ("fp8_e4m3", None), "fp8_e4m3 two-stage": ("fp8_e4m3", (64, 4, 2))}
     out_runs = []
     for rnd in range(2):
-        for name in ("auto", "fp8_e4m3"):
-            eng = _tput_engine(kv_cache_dtype=name)
+        for name, (kv, tile) in variants.items():
+            td.STAGE1_TILE = tile  # read at capture: the engine's graphs keep it
+            try:
+                eng = _tput_engine(kv_cache_dtype=kv)
+            finally:
+                td.STAGE1_TILE = None
             drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
             for rep in range(2):
                 st = drive(eng, random_prompts(256, 512, 400, 6 + rep), {**GREEDY, "max_new_tokens": 128})
@@ -662,7 +676,7 @@ def probe_kvfp8_tput(res: dict) -> None:
             del eng
             gc.collect()  # the engine sits in reference cycles: free its KV pool before the next one's
             torch.cuda.empty_cache()
-    for name in ("auto", "fp8_e4m3"):
+    for name in variants:
         vals = [r["tok_s"] for r in out_runs if r["kv"] == name]
         log(f"kvfp8 {name}: median {statistics.median(vals):.0f} tok/s of {[round(v) for v in vals]}")
     res["kvfp8_tput"] = out_runs

@@ -1604,6 +1604,17 @@ def test_triton_backend_defaults_are_the_engines():
     assert params["one_launch_decode"].default is EngineConfig.one_launch_decode_attention is True
 
 
+def test_decode_stage1_tile_over_an_fp8_pool_is_unpipelined(monkeypatch):
+    """Stage 1 over an FP8 pool runs one pipeline stage (two: 38% slower at the throughput workload's batch-256
+    attention, bench/RESULTS.md 2026-12-05); a bf16 pool keeps two; the A/B knob still overrides both."""
+    import kernels.attention.triton_decode as td
+
+    assert td.stage1_tile(128) == (64, 4, 2) and td.stage1_tile(128, kv_fp8=True) == (64, 4, 1)
+    assert td.stage1_tile(256, kv_fp8=True) == (32, 4, 1)
+    monkeypatch.setattr(td, "STAGE1_TILE", (32, 8, 3))
+    assert td.stage1_tile(128, kv_fp8=True) == td.stage1_tile(128) == (32, 8, 3)
+
+
 def test_factory_choices():
     from shared.models.attention import TorchAttentionBackend, create_attention_backend
     assert isinstance(create_attention_backend("auto", 4, 2, 16, device="cpu"), TorchAttentionBackend)

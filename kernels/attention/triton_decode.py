@@ -306,11 +306,13 @@ HEAD_MAJOR = False
 STAGE1_TILE: tuple[int, int, int] | None = None
 
 
-def stage1_tile(block_d: int) -> tuple[int, int, int]:
-    """Stage 1's (BLOCK_N, warps, pipeline stages) for a head dim padded to block_d."""
+def stage1_tile(block_d: int, kv_fp8: bool = False) -> tuple[int, int, int]:
+    """Stage 1's (BLOCK_N, warps, pipeline stages) for a head dim padded to block_d. Over an FP8 pool without
+    software pipelining: at 256 rows x 640 tokens (head dim 128) one stage took 207 us a call against two stages'
+    286 (bf16 pool: 253), H100, `python -m bench.probe kvfp8_kernel`, 2026-12-05 (bench/RESULTS.md)."""
     if STAGE1_TILE is not None:
         return tuple(STAGE1_TILE)
-    return (64 if block_d <= 128 else 32), 4, 2
+    return (64 if block_d <= 128 else 32), 4, (1 if kv_fp8 else 2)
 
 
 MIN_TOKENS_PER_SPLIT = 64
@@ -380,7 +382,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     total_splits = mid_lse.shape[2] if mid_lse is not None else 1
     assert total_splits == max_kv_splits or kv_start is not None
     BLOCK_D = max(16, next_pow2(D))
-    BLOCK_N, warps, stages = tile if tile is not None else stage1_tile(BLOCK_D)
+    BLOCK_N, warps, stages = tile if tile is not None else stage1_tile(BLOCK_D, k_buf.element_size() == 1)
     head_major = HEAD_MAJOR if head_major is None else head_major
     widest = max(max_kv_splits, total_splits - max_kv_splits)  # a merge's own columns, or a shared prefix's
     _decode_stage1[(HKV, B, max_kv_splits) if head_major else (B, HKV, max_kv_splits)](
