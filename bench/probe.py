@@ -435,13 +435,15 @@ def probe_tput_breakdown(res: dict) -> None:
     eng.stop()
 
 
-def probe_trace256(res: dict) -> None:
+def probe_trace256(res: dict, kv_cache_dtype: str = "auto") -> None:
     """The batch-256 decode graph kernel by kernel with 256 live rows at ~640 tokens of context (the throughput
     workload's late steps). Until 2026-12-05 this traced the graph after the workload had ended, whose last
     step held only the last admission round's 16 requests (the other 240 rows padding, one token of context
-    each): its GEMMs were the batch-256 ones, its attention was not."""
+    each): its GEMMs were the batch-256 ones, its attention was not. kv_cache_dtype: the pool's (trace256_kvfp8
+    traces an FP8 pool's, under keys of that name)."""
     from shared.engine.forward_batch import ForwardMode
-    eng = _tput_engine()
+    key = "trace256" if kv_cache_dtype == "auto" else "trace256_kvfp8"
+    eng = _tput_engine(kv_cache_dtype=kv_cache_dtype)
     live: list[int] = []
     launch = eng.runner.launch
 
@@ -463,14 +465,14 @@ def probe_trace256(res: dict) -> None:
     torch.cuda.synchronize()
     gr = eng.runner.graph_runner
     from kernels.decode_inputs import SEQ
-    res["trace256_live_rows"] = int((gr.staged[:256, SEQ] > 1).sum())  # padding rows hold 1
-    res["trace256_mean_context"] = float(gr.staged[:256, SEQ].float().mean())
+    res[f"{key}_live_rows"] = int((gr.staged[:256, SEQ] > 1).sum())  # padding rows hold 1
+    res[f"{key}_mean_context"] = float(gr.staged[:256, SEQ].float().mean())
     gr.neutralize(256)
     g = gr.graphs[256, False]
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
-    _trace_graph(res, g, "trace256", reps=5)
+    _trace_graph(res, g, key, reps=5)
     eng.stop()
 
 
@@ -1088,7 +1090,7 @@ def main() -> int:
              "trace_pdl_rope": probe_trace_pdl_rope, "trace_pdl_kv": probe_trace_pdl_kv,
              "trace_pdl_fp8": probe_trace_pdl_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
-             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "kvfp8": probe_kvfp8, "kvfp8_kernel": probe_kvfp8_kernel, "kvfp8_tput": probe_kvfp8_tput, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
+             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "trace256_kvfp8": lambda res: probe_trace256(res, "fp8_e4m3"), "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "kvfp8": probe_kvfp8, "kvfp8_kernel": probe_kvfp8_kernel, "kvfp8_tput": probe_kvfp8_tput, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune}[w](res)
