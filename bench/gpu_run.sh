@@ -129,14 +129,17 @@ if [[ $what == kv-fp8 ]]; then
   # --kv-cache-dtype fp8_e4m3 (2026-12-05, built without a GPU), first call: the FP8-pool kernel checks and the
   # FP8-KV engine tests on the GPU, then decode attention alone over bf16 and FP8 pools (tiles, 64-row query tiles,
   # no head-dim mask: bench.probe kvfp8_kernel).
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kv_cache_fp8.py \
+  # 200 s stopped a fresh H100 compiling the kernel checks after the 11 engine tests (2026-12-05).
+  timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kv_cache_fp8.py \
     -k "not interpreted and not pd and (fp8 or backend_end_to_end)" 2>&1 | tee "$OUT/kv_fp8_tests.log" | tail -4
   timeout 300 python3 -m bench.probe kvfp8_kernel 2>&1 | tee "$OUT/probe_kvfp8_kernel.log" | tail -40
 fi
 if [[ $what == kv-fp8-tput ]]; then
-  # Second call: the throughput workload with each pool (bench.probe kvfp8_tput), then the batch-1 step (512-token
-  # context) with each.
+  # Second call: the throughput workload with each pool (bench.probe kvfp8_tput), the batch-256 graph traced with each,
+  # then the batch-1 step (512-token context) with each.
   timeout 400 python3 -m bench.probe kvfp8_tput 2>&1 | grep -v Capturing | tee "$OUT/probe_kvfp8_tput.log" | tail -12
+  timeout 200 python3 -m bench.probe trace256 trace256_kvfp8 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/trace256_kvfp8.log" \
+    | grep "charged\|span"
   timeout 150 python3 -m bench.b1 --variants "bf16kv=;fp8kv=kv_cache_dtype=fp8_e4m3" --rounds 2 2>&1 | grep "round" \
     | tee "$OUT/b1_kvfp8.log"
 fi
