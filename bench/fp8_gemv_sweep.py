@@ -9,6 +9,7 @@ import torch
 
 from kernels.gemv import GemvConfig, gemv
 from kernels.reference import quantize_fp8_per_token
+from shared.gc_freeze import collections_paused
 from shared.models.quantization import quantize_per_channel
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
@@ -23,7 +24,7 @@ def graph_time(fns) -> float:
             f()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with collections_paused(), torch.cuda.graph(g):  # a collection mid-capture can invalidate it (shared/gc_freeze.py)
         for _ in range(4):
             for f in fns:
                 f()

@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from shared.gc_freeze import collections_paused
+
 HQ, HKV, D, HIDDEN, INTER = 32, 8, 128, 4096, 14336
 DT = torch.bfloat16
 L2_FLUSH_BYTES = 256 << 20  # several times the H200's L2
@@ -43,7 +45,7 @@ def graph_time_ms(fn, reps: int = 15, target_ms: float = 3.0) -> float:
     per_call = max(start.elapsed_time(end) / 5, 1e-3)
     n_inner = int(min(500, max(1, target_ms / per_call)))
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with collections_paused(), torch.cuda.graph(g):  # a collection mid-capture can invalidate it (shared/gc_freeze.py)
         for i in range(n_inner):
             fn(i)
     g.replay()
