@@ -578,18 +578,18 @@ def probe_kvfp8(res: dict) -> None:
     probe_kvfp8_tput(res)
 
 
-def probe_kvfp8_kernel(res: dict) -> None:
-    """Decode attention alone over a bf16 and an FP8 pool at the throughput workload's late steps (256 rows x 640
-    tokens) and at batch 1 / 64 with long contexts, in CUDA graphs with the KV out of L2, each at its own bytes
-    against the copy rate; at 256 x 640 also without the head-dim mask (EVEN_D_MASK), and over the FP8 pool stage 1's
-    tiles and 64-row query tiles (STAGE1_MIN_ROWS)."""
+def _decode_attention_rows(shapes: list, variants) -> tuple[list, float]:
+    """Decode attention alone at each (batch, context) of `shapes`, in CUDA graphs with the KV out of L2, for each
+    variant of variants(batch): (pool name, stage-1 tile or None for the default, STAGE1_MIN_ROWS, EVEN_D_MASK).
+    Rows of µs a call and the share of the copy rate the variant's own bytes move at; the copy rate in bytes/s."""
     from bench.common import measure_copy_bandwidth
     from bench.kernels import D, DT, _pool, copies_for
     import kernels.attention.triton_decode as td
     from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
+    dtypes = {"bf16": DT, "fp8_e4m3": torch.float8_e4m3fn}
     bw = measure_copy_bandwidth()
     rows = []
-    for B, ctx in [(256, 640), (1, 8192), (64, 1024)]:
+    for B, ctx in shapes:
         kv_bytes = 2 * B * ctx * HKV * D * 2
         kbs, vbs, r2t, req = _pool(B, ctx, copies_for(kv_bytes))
         seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
@@ -600,66 +600,77 @@ def probe_kvfp8_kernel(res: dict) -> None:
         mid_o = torch.empty(B, HQ, ms, D, dtype=torch.float32, device="cuda") if ms > 1 else None
         mid_lse = torch.empty(B, HQ, ms, dtype=torch.float32, device="cuda") if ms > 1 else None
         tickets = torch.zeros(B * HKV, dtype=torch.int32, device="cuda") if ms > 1 else None
-        for name, dt in (("bf16", DT), ("fp8_e4m3", torch.float8_e4m3fn)):
-            ks = [k.to(dt) for k in kbs]
-            vs = [v.to(dt) for v in vbs]
+        pools = {}
+        for name, tile, min_rows, even in variants(B):
+            if name not in pools:
+                pools.clear()
+                torch.cuda.empty_cache()
+                pools[name] = ([k.to(dtypes[name]) for k in kbs], [v.to(dtypes[name]) for v in vbs])
+            ks, vs = pools[name]
             n = len(ks)
-            t = graph_time_ms(lambda i: decode_attention(q, ks[i % n], vs[i % n], r2t, req, seq, splits, ms, D ** -0.5,
-                                                         out=out, mid_o=mid_o, mid_lse=mid_lse, tickets=tickets))
-            nbytes = kv_bytes // (2 // dt.itemsize)
-            rows.append({"batch": B, "ctx": ctx, "kv": name, "us": t * 1e3, "of_copy": nbytes / t * 1e3 / bw})
-            log(rows[-1])
-            if dt.itemsize == 1:  # the FP8 pool at bf16's tile (two pipeline stages), its default before 2026-12-05
+            td.STAGE1_MIN_ROWS, td.EVEN_D_MASK = min_rows, even
+            try:
                 t = graph_time_ms(lambda i: decode_attention(q, ks[i % n], vs[i % n], r2t, req, seq, splits, ms,
                                                              D ** -0.5, out=out, mid_o=mid_o, mid_lse=mid_lse,
-                                                             tickets=tickets, tile=(64, 4, 2)))
-                rows.append({"batch": B, "ctx": ctx, "kv": name, "tile": [64, 4, 2], "us": t * 1e3,
-                             "of_copy": nbytes / t * 1e3 / bw})
-                log(rows[-1])
-            if B == 256:  # stage 1 without its head-dim mask (triton_decode.EVEN_D_MASK), each pool
-                td.EVEN_D_MASK = True
-                try:
-                    t = graph_time_ms(lambda i: decode_attention(q, ks[i % n], vs[i % n], r2t, req, seq, splits, ms,
-                                                                 D ** -0.5, out=out, mid_o=mid_o, mid_lse=mid_lse,
-                                                                 tickets=tickets))
-                finally:
-                    td.EVEN_D_MASK = False
-                rows.append({"batch": B, "ctx": ctx, "kv": name, "even_d": True, "us": t * 1e3,
-                             "of_copy": nbytes / t * 1e3 / bw})
-                log(rows[-1])
-            if B == 256 and dt.itemsize == 1:
-                # FP8 tiles cost ~3x bf16's SASS instructions a byte (the 8-bit tile reaches the MMA through
-                # shared memory without ldmatrix; bench.sm90_compile): stage 1's tiles over the FP8 pool.
-                # min_rows 64: Hopper's warpgroup MMA, no byte transpose of V (triton_decode.STAGE1_MIN_ROWS).
-                for tile, min_rows, even in [((64, 4, 1), 16, False), ((64, 8, 1), 16, False), ((64, 8, 2), 16, False),
-                                             ((128, 8, 1), 16, False), ((128, 8, 2), 16, False), ((32, 4, 2), 16, False),
-                                             ((64, 4, 2), 64, False), ((64, 4, 2), 64, True), ((128, 4, 2), 64, True),
-                                             ((64, 4, 3), 64, True)]:
-                    td.STAGE1_MIN_ROWS, td.EVEN_D_MASK = min_rows, even
-                    try:
-                        t = graph_time_ms(lambda i: decode_attention(q, ks[i % n], vs[i % n], r2t, req, seq, splits,
-                                                                     ms, D ** -0.5, out=out, mid_o=mid_o,
-                                                                     mid_lse=mid_lse, tickets=tickets, tile=tile))
-                    except Exception as e:  # a tile that does not fit (shared memory) is skipped, not fatal
-                        log(f"kvfp8 tile {tile} rows {min_rows}: {type(e).__name__}: {str(e)[:120]}")
-                        continue
-                    finally:
-                        td.STAGE1_MIN_ROWS, td.EVEN_D_MASK = 16, False
-                    rows.append({"batch": B, "ctx": ctx, "kv": name, "tile": list(tile), "min_rows": min_rows,
-                                 "even_d": even, "us": t * 1e3, "of_copy": nbytes / t * 1e3 / bw})
-                    log(rows[-1])
-            del ks, vs
+                                                             tickets=tickets, tile=tile))
+            except Exception as e:  # a tile that does not fit (shared memory) is skipped, not fatal
+                log(f"{name} tile {tile} rows {min_rows}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            finally:
+                td.STAGE1_MIN_ROWS, td.EVEN_D_MASK = 16, False
+            nbytes = kv_bytes // (2 // dtypes[name].itemsize)
+            rows.append({"batch": B, "ctx": ctx, "kv": name, "tile": list(tile) if tile else "default",
+                         "min_rows": min_rows, "even_d": even, "us": t * 1e3, "of_copy": nbytes / t * 1e3 / bw})
+            log(rows[-1])
+        pools.clear()
         del kbs, vbs
         torch.cuda.empty_cache()
+    return rows, bw
+
+
+def probe_kvfp8_kernel(res: dict) -> None:
+    """Decode attention alone over a bf16 and an FP8 pool at the throughput workload's late steps (256 rows x 640
+    tokens) and at batch 1 / 64 with long contexts, each at its own bytes against the copy rate; the FP8 pool also at
+    bf16's tile (two pipeline stages, its default before 2026-12-05); at 256 x 640 also without the head-dim mask
+    (EVEN_D_MASK), and over the FP8 pool stage 1's tiles and 64-row query tiles (STAGE1_MIN_ROWS)."""
+    def variants(B):
+        out = [("bf16", None, 16, False)] + ([("bf16", None, 16, True)] if B == 256 else [])
+        out += [("fp8_e4m3", None, 16, False), ("fp8_e4m3", (64, 4, 2), 16, False)]
+        if B == 256:
+            # FP8 tiles cost ~3x bf16's SASS instructions a byte (the 8-bit tile reaches the MMA through shared
+            # memory without ldmatrix; bench.sm90_compile): stage 1's tiles over the FP8 pool. min_rows 64: Hopper's
+            # warpgroup MMA, no byte transpose of V (triton_decode.STAGE1_MIN_ROWS).
+            out += [("fp8_e4m3", None, 16, True)] + [
+                ("fp8_e4m3", tile, rows, even) for tile, rows, even in
+                [((64, 8, 1), 16, False), ((64, 8, 2), 16, False), ((128, 8, 1), 16, False), ((128, 8, 2), 16, False),
+                 ((32, 4, 2), 16, False), ((64, 4, 2), 64, False), ((64, 4, 2), 64, True), ((128, 4, 2), 64, True),
+                 ((64, 4, 3), 64, True)]]
+        return out
+    rows, bw = _decode_attention_rows([(256, 640), (1, 8192), (64, 1024)], variants)
     res["kvfp8_kernel"] = {"rows": rows, "copy_GBps": bw / 1e9}
+
+
+def probe_kvfp8_tiles(res: dict) -> None:
+    """Stage 1 over an FP8 pool without software pipelining (its default since 2026-12-05: (64, 4, 1), 16-row query
+    tiles): block sizes, warps, 64-row query tiles and the mask-free head dim, at 256 x 640 and 64 x 1k, beside the
+    bf16 pool and the FP8 default, each timed twice (first and last)."""
+    sweep = [((64, 4, 1), 16, True), ((64, 4, 1), 64, False), ((64, 4, 1), 64, True), ((32, 4, 1), 16, False),
+             ((32, 2, 1), 16, False), ((64, 2, 1), 16, False), ((128, 4, 1), 16, False), ((128, 8, 1), 16, True),
+             ((64, 8, 1), 16, True), ((32, 4, 1), 16, True)]
+    rows, bw = _decode_attention_rows(
+        [(256, 640), (64, 1024)],
+        lambda B: [("bf16", None, 16, False), ("fp8_e4m3", None, 16, False)]
+        + [("fp8_e4m3", tile, r, even) for tile, r, even in sweep] + [("fp8_e4m3", None, 16, False)])
+    res["kvfp8_tiles"] = {"rows": rows, "copy_GBps": bw / 1e9}
 
 
 def probe_kvfp8_tput(res: dict) -> None:
     """The throughput workload (256 x (512, 128), bench.offline's engine settings) with a bf16 and an FP8 pool, fresh
     engines alternated twice, two runs each, with the pool each gets from the same memory fraction; the FP8 pool also
-    at bf16's decode-attention tile (two pipeline stages: its default before 2026-12-05)."""
+    at its decode-attention tile before the two-warp one (one stage, four warps: measured in the workload on
+    2026-12-05, the two-warp tile only alone)."""
     import kernels.attention.triton_decode as td
-    variants = {"auto": ("auto", None), "fp8_e4m3": ("fp8_e4m3", None), "fp8_e4m3 two-stage": ("fp8_e4m3", (64, 4, 2))}
+    variants = {"auto": ("auto", None), "fp8_e4m3": ("fp8_e4m3", None), "fp8_e4m3 4 warps": ("fp8_e4m3", (64, 4, 1))}
     out_runs = []
     for rnd in range(2):
         for name, (kv, tile) in variants.items():
@@ -1090,7 +1101,7 @@ def main() -> int:
              "trace_pdl_rope": probe_trace_pdl_rope, "trace_pdl_kv": probe_trace_pdl_kv,
              "trace_pdl_fp8": probe_trace_pdl_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
-             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "trace256_kvfp8": lambda res: probe_trace256(res, "fp8_e4m3"), "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "kvfp8": probe_kvfp8, "kvfp8_kernel": probe_kvfp8_kernel, "kvfp8_tput": probe_kvfp8_tput, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
+             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "trace256_kvfp8": lambda res: probe_trace256(res, "fp8_e4m3"), "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "kvfp8": probe_kvfp8, "kvfp8_kernel": probe_kvfp8_kernel, "kvfp8_tiles": probe_kvfp8_tiles, "kvfp8_tput": probe_kvfp8_tput, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune}[w](res)

@@ -1606,11 +1606,16 @@ def test_triton_backend_defaults_are_the_engines():
 
 def test_decode_stage1_tile_over_an_fp8_pool_is_unpipelined(monkeypatch):
     """Stage 1 over an FP8 pool runs one pipeline stage (two: 38% slower at the throughput workload's batch-256
-    attention, bench/RESULTS.md 2026-12-05); a bf16 pool keeps two; the A/B knob still overrides both."""
+    attention), on two warps up to 16 chunks a request and four past them (bench/RESULTS.md 2026-12-05); a bf16 pool
+    keeps (64, 4, 2) whatever the split; the A/B knob still overrides both."""
     import kernels.attention.triton_decode as td
 
-    assert td.stage1_tile(128) == (64, 4, 2) and td.stage1_tile(128, kv_fp8=True) == (64, 4, 1)
-    assert td.stage1_tile(256, kv_fp8=True) == (32, 4, 1)
+    assert td.stage1_tile(128) == td.stage1_tile(128, max_kv_splits=32) == (64, 4, 2)
+    assert td.stage1_tile(128, kv_fp8=True) == td.stage1_tile(128, True, 16) == (64, 2, 1)
+    monkeypatch.setattr(td, "num_sms", lambda: 132)  # an H100's, as the plans of the measured batches had them
+    assert [td.stage1_tile(128, True, td.plan_max_kv_splits(b, 8)) for b in (1, 8, 64, 256)] == \
+        [(64, 4, 1), (64, 2, 1), (64, 2, 1), (64, 2, 1)]
+    assert td.stage1_tile(256, kv_fp8=True) == (32, 2, 1)
     monkeypatch.setattr(td, "STAGE1_TILE", (32, 8, 3))
     assert td.stage1_tile(128, kv_fp8=True) == td.stage1_tile(128) == (32, 8, 3)
 

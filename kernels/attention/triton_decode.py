@@ -306,13 +306,19 @@ HEAD_MAJOR = False
 STAGE1_TILE: tuple[int, int, int] | None = None
 
 
-def stage1_tile(block_d: int, kv_fp8: bool = False) -> tuple[int, int, int]:
+def stage1_tile(block_d: int, kv_fp8: bool = False, max_kv_splits: int = 1) -> tuple[int, int, int]:
     """Stage 1's (BLOCK_N, warps, pipeline stages) for a head dim padded to block_d. Over an FP8 pool without
-    software pipelining: at 256 rows x 640 tokens (head dim 128) one stage took 207 us a call against two stages'
-    286 (bf16 pool: 253), H100, `python -m bench.probe kvfp8_kernel`, 2026-12-05 (bench/RESULTS.md)."""
+    software pipelining, and with two warps unless a request's context is cut into more than 16 chunks (small
+    batches, whose last program merges them all). H100, head dim 128, µs a call (`python -m bench.probe kvfp8_kernel`
+    and `kvfp8_tiles`, 2026-12-05, bench/RESULTS.md): at 256 x 640 two stages and 4 warps 286, one stage 207, one
+    stage and 2 warps 191 (bf16 pool: 253); at 64 x 1k 117 / 89-91 / 81; at 8 x 4k (16 chunks) 49 / 47 with 2 warps;
+    at 1 x 8k (32 chunks) 2 warps lose, 21 against 17."""
     if STAGE1_TILE is not None:
         return tuple(STAGE1_TILE)
-    return (64 if block_d <= 128 else 32), 4, (1 if kv_fp8 else 2)
+    block_n = 64 if block_d <= 128 else 32
+    if kv_fp8:
+        return block_n, (2 if max_kv_splits <= 16 else 4), 1
+    return block_n, 4, 2
 
 
 MIN_TOKENS_PER_SPLIT = 64
@@ -382,7 +388,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     total_splits = mid_lse.shape[2] if mid_lse is not None else 1
     assert total_splits == max_kv_splits or kv_start is not None
     BLOCK_D = max(16, next_pow2(D))
-    BLOCK_N, warps, stages = tile if tile is not None else stage1_tile(BLOCK_D, k_buf.element_size() == 1)
+    BLOCK_N, warps, stages = tile if tile is not None else stage1_tile(BLOCK_D, k_buf.element_size() == 1, max_kv_splits)
     head_major = HEAD_MAJOR if head_major is None else head_major
     widest = max(max_kv_splits, total_splits - max_kv_splits)  # a merge's own columns, or a shared prefix's
     _decode_stage1[(HKV, B, max_kv_splits) if head_major else (B, HKV, max_kv_splits)](
