@@ -239,7 +239,8 @@ def check_attention_fp8_pool(device, dtype):
         q = _rand(len(lens), hq, d, dtype=dtype, device=device)
         ref = decode_attention_ref(q, kb, vb, r2t, req_idx, seq_lens, d ** -0.5, ks, vs)
         tickets = torch.zeros(len(lens) * hkv, dtype=torch.int32, device=device)
-        for max_splits, tk in [(1, None), (4, None), (4, tickets)]:
+        # 32 chunks a request at most: stage 1 on four warps (two up to 16: triton_decode.stage1_tile).
+        for max_splits, tk in [(1, None), (4, None), (4, tickets), (32, None), (32, tickets)]:
             splits = num_kv_splits_for(seq_lens, max_splits, 16)
             out = decode_attention(q, kb, vb, r2t, req_idx, seq_lens, splits, max_splits, d ** -0.5, tickets=tk,
                                    k_scale=ks, v_scale=vs)
