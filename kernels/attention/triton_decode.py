@@ -286,14 +286,17 @@ KV_BEFORE_WAIT = True
 
 # Stage 1 drops its head-dim mask where the head fills the tile (D == BLOCK_D, as Llama's 128): an A/B knob, read at
 # launch. Compiled for sm_90 (bench.sm90_compile, 2026-12-05) the batch-256 loop step goes from 447 to 391 SASS
-# instructions over a bf16 pool and from 763 to 628 over an FP8 one; not yet timed.
+# instructions over a bf16 pool and from 763 to 628 over an FP8 one, but timed (H100, bench.probe kvfp8_kernel and
+# kvfp8_tiles, 2026-12-05) it is slower at 256 x 640: 282 against 253 us over a bf16 pool, 239 against 207 over an
+# FP8 one at the one-stage tile. Off.
 EVEN_D_MASK = False
 
 # Query rows stage 1's score and output tiles have at least (a KV group's heads, padded: 16 is the smallest MMA).
 # At 64 the sm_90 compile takes Hopper's warpgroup MMA, which reads an FP8 V tile from shared memory without the 64
 # single-byte loads a step the 16-row MMA's transpose costs (bench.sm90_compile, 2026-12-05: 628 -> 579
 # instructions a step over an FP8 pool with EVEN_D_MASK; a bf16 pool goes from 391 to 595). An A/B knob, read at
-# launch; not yet timed.
+# launch. Timed over an FP8 pool (H100, 2026-12-05) it loses to 16 rows: 236-240 against 207 us at 256 x 640 with one
+# stage, 103 against 89-91 at 64 x 1k. 16.
 STAGE1_MIN_ROWS = 16
 
 # Stage 1's grid: (KV heads, requests, splits) where true, else (requests, KV heads, splits). An A/B knob, read at
