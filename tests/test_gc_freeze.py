@@ -198,3 +198,39 @@ def test_a_collection_due_mid_capture_does_not_reach_the_capture():
 
     assert _collection_mid_capture(lambda f, s: capture_graph(f, s, None)) == 3.0  # two warm-ups, one replay
     gc.collect()
+
+
+def test_graph_runners_capture_every_graph_with_collection_paused(monkeypatch):
+    """The decode and extend runners capture their whole loop of graphs (warm-ups included) with automatic collection
+    paused, after one collection, and leave the collector on (checked without a GPU: capture_graph stubbed)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from shared.engine import cuda_graph, extend_graph
+
+    seen = []
+
+    class _Graph:
+        def pool(self):
+            return None
+
+    def capture(forward, stream, pool):
+        seen.append(gc.isenabled())
+        return _Graph()
+    for mod in (cuda_graph, extend_graph):
+        monkeypatch.setattr(mod, "capture_graph", capture)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    collected = []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(len(seen)) or real_collect(*a))
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=8, vocab_size=16), logits_dtype=torch.float32)
+    cpu = torch.device("cpu")
+    ext = extend_graph.ExtendGraphRunner(model, None, None, None, max_tokens=64, max_reqs=4, dtype=torch.float32,
+                                         device=cpu, progress=False)
+    dec = cuda_graph.CudaGraphRunner(model, None, None, None, SimpleNamespace(graph_cascade=lambda: False), max_bs=8,
+                                     device=cpu, progress=False)
+    assert len(seen) == len(ext.sizes) + len(dec.sizes) > 4
+    assert not any(seen) and gc.isenabled()
+    assert collected == [0, len(ext.sizes)]  # once before each runner's loop
