@@ -11,6 +11,8 @@ alternated 1, 2, 1, 2.
 then the row kernel's FP8 tiles swept shape by shape.
 --fp8-packed-study: FP8 rows on packed registers (kernels.gemv.FP8_PACKED, with and without the lean knobs) against
 the engine's FP8 path, then the packed path's tiles swept shape by shape.
+--fp8-wide-study: FP8 rows at 256 bytes a thread a step (kernels.gemv.FP8_WIDE_TILES) against the engine's tiles,
+then such tiles swept shape by shape.
 """
 from __future__ import annotations
 
@@ -132,6 +134,50 @@ def f16_math_study(budget: float, t0: float) -> dict:
                                                    for bn, bk, warps in cands for split in (1, 2)
                                                    if bk <= k and not (split > 1 and n > 8192)], share)
     return {"check": check, "times": times, "rows": rows,
+            "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
+
+
+# FP8 rows at 256 bytes a thread a step (the engine's tiles move 32-128; every sweep before 2026-12-05 stopped at
+# 128): (block_n, block_k, warps). sm_90 compile (Triton 3.6): 125-195 registers, no spills; (16, 2048, 4) at 125
+# (142 with the gated input) puts four programs and 128 KB of weights in flight on an SM, against 12-16 programs and
+# 48-64 KB for the engine's gate_up tile (8, 512, 4) at 38 registers.
+FP8_WIDE_CANDIDATES = [(16, 2048, 4), (16, 4096, 8), (8, 4096, 4), (8, 2048, 2), (32, 1024, 4), (32, 2048, 8)]
+
+
+def fp8_wide_study(budget: float, t0: float) -> dict:
+    """FP8 rows: the engine's tiles against kernels.gemv.FP8_WIDE_TILES (256 bytes a thread a step), the chain
+    alternated; then the 256-byte tiles swept shape by shape and the picks alternated against both."""
+    import kernels.gemv as kg
+    layers = build("fp8")
+    nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
+
+    def configs(wide: bool) -> dict:
+        kg.FP8_WIDE_TILES = wide
+        try:
+            return {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
+        finally:
+            kg.FP8_WIDE_TILES = False
+    engine, wide = configs(False), configs(True)
+    times = {"engine": [], "wide": []}
+    for _ in range(2):
+        times["engine"].append(chain_ms(layers, engine) * 1e3)
+        times["wide"].append(chain_ms(layers, wide) * 1e3)
+    print(f"fp8 chain alternated, us: {json.dumps(times)} "
+          f"({', '.join(f'{m} {nbytes / min(v) / 1e3:.0f}' for m, v in times.items())} GB/s)", flush=True)
+    share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
+    picks, rows = sweep_shapes(lambda cfgs: chain_ms(layers, cfgs) * 1e3, engine, min(times["engine"]),
+                               lambda name, n, k: [dataclasses.replace(engine[name], block_n=bn, block_k=bk,
+                                                                       num_warps=warps)
+                                                   for bn, bk, warps in FP8_WIDE_CANDIDATES if bk <= k], share)
+    final = {"engine": [], "wide": [], "picks": []}
+    for _ in range(2):
+        for key, cfgs in (("engine", engine), ("wide", wide), ("picks", picks)):
+            final[key].append(chain_ms(layers, cfgs) * 1e3)
+    print(f"picks alternated with the engine's tiles, us: {json.dumps(final)} "
+          f"({', '.join(f'{k} {nbytes / min(v) / 1e3:.0f}' for k, v in final.items())} GB/s)", flush=True)
+    del layers
+    torch.cuda.empty_cache()
+    return {"times": times, "rows": rows, "final": final,
             "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
 
 
@@ -301,6 +347,8 @@ def main() -> int:
                     help="FP8: the one-row kernel against the general one (chain alternated), then its tiles swept")
     ap.add_argument("--fp8-packed-study", action="store_true",
                     help="FP8: the packed-register path (kernels.gemv.FP8_PACKED) against the engine's, then its tiles")
+    ap.add_argument("--fp8-wide-study", action="store_true",
+                    help="FP8: 256 bytes a thread a step (kernels.gemv.FP8_WIDE_TILES) against the engine's tiles")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     set_pdl(True)
@@ -329,7 +377,10 @@ def main() -> int:
         result["runs"]["fp8_row"] = fp8_row_study(args.budget, t0)
     if args.fp8_packed_study:
         result["runs"]["fp8_packed"] = fp8_packed_study(args.budget, t0)
-    studies = args.pre_tiles_study or args.f16_math_study or args.row_study or args.fp8_row_study or args.fp8_packed_study
+    if args.fp8_wide_study:
+        result["runs"]["fp8_wide"] = fp8_wide_study(args.budget, t0)
+    studies = (args.pre_tiles_study or args.f16_math_study or args.row_study or args.fp8_row_study
+               or args.fp8_packed_study or args.fp8_wide_study)
     for dtype in ([] if studies else args.dtypes.split(",")):
         layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2

@@ -488,6 +488,10 @@ class GemvConfig:
 SPLIT_K_MIN_PROGRAMS = 2.0
 # Rows a program of FP8's N <= 4096 GEMVs (o_proj, down_proj) takes: an A/B knob, read as above.
 FP8_SMALL_N_BLOCK_N = 16
+# FP8 rows at 256 bytes a thread a loop step, (16, 2048, 4) on every shape, against the default tiles' 32-128: about
+# twice the weight bytes in flight on an SM (sm_90 compile: 125 registers, 142 with the gated input, no spills; four
+# programs an SM). Not yet timed (bench.gemv_chain_sweep --fp8-wide-study): an A/B knob, read as above.
+FP8_WIDE_TILES = False
 
 
 def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
@@ -514,8 +518,8 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     elif M == 1 and weight_bytes == 1:
         # FP8 rows with f16 math (--f16-math-study, 2026-12-02: 2,095 us against 2,196 for fp32 math at its own
         # tiles), one tile before the PDL wait.
-        block_n, block_k, warps = ((FP8_SMALL_N_BLOCK_N, 1024, 8) if N <= 4096 else (8, 2048, 4) if N <= 8192
-                                   else (8, 512, 4))
+        block_n, block_k, warps = ((16, 2048, 4) if FP8_WIDE_TILES else (FP8_SMALL_N_BLOCK_N, 1024, 8) if N <= 4096
+                                   else (8, 2048, 4) if N <= 8192 else (8, 512, 4))
         extra = dict(f16_math=True, row_kernel=False)
     elif M == 1:
         # The one-row kernel (--row-study, 2026-12-04): few rows and long K tiles a program, products summed

@@ -418,6 +418,19 @@ def check_gemv_fp8_f16_math(device, dtype):
         row = GemvConfig(8, 64, 1, 2, f16_math=True, pre_tiles=2, fold=2)
         torch.testing.assert_close(gemv(h, q, scale=s, silu_mul=True, config=row),
                                    gemv(silu_and_mul(h), q, scale=s, config=row), rtol=0, atol=0)
+    # kernels.gemv.FP8_WIDE_TILES (an A/B knob): 256 bytes a thread a step on every shape, the same products.
+    kg.FP8_WIDE_TILES = True
+    try:
+        wide = default_config(1, 28672, 4096, 1)
+        assert (wide.block_n, wide.block_k, wide.num_warps, wide.f16_math) == (16, 2048, 4, True)
+        q, s = quantize_per_channel(torch.randn(40, 4096, generator=gen) * 0.02)
+        q, s = q.to(device), s.to(device)
+        x = torch.randn(1, 4096, generator=gen).to(device=device, dtype=dtype)
+        ref = fp8_linear_ref(x.float(), q, s)
+        y = gemv(x, q, scale=s).float()
+        assert float((y - ref).abs().max()) < (2e-3 if dtype == torch.float32 else 6e-3) * float(ref.abs().max())
+    finally:
+        kg.FP8_WIDE_TILES = False
 
 
 def check_gemv_fp8_lean_knobs(device, dtype):
