@@ -296,7 +296,7 @@ EVEN_D_MASK = False
 # single-byte loads a step the 16-row MMA's transpose costs (bench.sm90_compile, 2026-12-05: 628 -> 579
 # instructions a step over an FP8 pool with EVEN_D_MASK; a bf16 pool goes from 391 to 595). An A/B knob, read at
 # launch. Timed over an FP8 pool (H100, 2026-12-05) it loses to 16 rows: 236-240 against 207 us at 256 x 640 with one
-# stage, 103 against 89-91 at 64 x 1k. 16.
+# stage, 103 against 89-91 at 64 x 1k. So it stays at 16.
 STAGE1_MIN_ROWS = 16
 
 # Stage 1's grid: (KV heads, requests, splits) where true, else (requests, KV heads, splits). An A/B knob, read at
@@ -391,7 +391,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     total_splits = mid_lse.shape[2] if mid_lse is not None else 1
     assert total_splits == max_kv_splits or kv_start is not None
     BLOCK_D = max(16, next_pow2(D))
-    BLOCK_N, warps, stages = tile if tile is not None else stage1_tile(BLOCK_D, k_buf.element_size() == 1, max_kv_splits)
+    BLOCK_N, warps, stages = (tile if tile is not None
+                              else stage1_tile(BLOCK_D, k_buf.element_size() == 1, max_kv_splits))
     head_major = HEAD_MAJOR if head_major is None else head_major
     widest = max(max_kv_splits, total_splits - max_kv_splits)  # a merge's own columns, or a shared prefix's
     _decode_stage1[(HKV, B, max_kv_splits) if head_major else (B, HKV, max_kv_splits)](
