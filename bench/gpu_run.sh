@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh fp8-wide|fp8-packed|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|fp8-lean|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh fp8-wide|fp8-ab|fp8-packed|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|fp8-lean|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 set -uo pipefail
@@ -126,13 +126,19 @@ if [[ $what == batch1-next-trace ]]; then
   timeout 150 python3 -m bench.probe trace_pdl trace_pdl_rope trace_pdl_kv 2>&1 | grep -v "Capturing\|Warning" | tail -40
 fi
 if [[ $what == fp8-wide ]]; then
-  # FP8 rows at 256 bytes a thread a step (kernels.gemv.FP8_WIDE_TILES; 2026-12-05, compiled only): the GPU check,
-  # the 32-layer chain study (the knob against the engine's tiles, then such tiles shape by shape), the batch-1 A/B.
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv_fp8_f16_math" 2>&1 | tail -2
+  # FP8 rows at 256 bytes a thread a step (kernels.gemv.FP8_WIDE_TILES) and split K reduced in the GEMV by per-tile
+  # tickets (kernels.gemv.SPLITK_TICKETS; both 2026-12-05, compiled only): their GPU checks, then the 32-layer chain
+  # study (the wide knob against the engine's tiles, then 256-byte tiles shape by shape). fp8-ab follows.
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+    -k "cuda_bf16 and (gemv_fp8_f16_math or gemv_splitk_tickets)" 2>&1 | tail -2
   timeout 280 python3 -m bench.gemv_chain_sweep --fp8-wide-study --budget 180 --out "$OUT" 2>&1 | tee "$OUT/fp8_wide.log" \
     | grep -v "^  .*: [A-Za-z]*Error"
-  timeout 150 python3 -m bench.b1 --variants "base=;wide=@kernels.gemv.FP8_WIDE_TILES=1" --rounds 2 --quantization fp8 \
-    2>&1 | grep "round" | tee "$OUT/b1_fp8_wide.log"
+fi
+if [[ $what == fp8-ab ]]; then
+  # The FP8 batch-1 step with each knob and both, and the bf16 step (three rounds, alternated: the ratio goal in one call).
+  W=@kernels.gemv.FP8_WIDE_TILES=1; T=@kernels.gemv.SPLITK_TICKETS=1
+  timeout 540 python3 -m bench.b1 --variants "bf16=quantization=none;base=;wide=$W;tickets=$T;both=$W,$T" --rounds 3 \
+    --quantization fp8 2>&1 | grep "round" | tee "$OUT/b1_fp8_wide_tickets.log"
 fi
 if [[ $what == kv-fp8 ]]; then
   # --kv-cache-dtype fp8_e4m3 (2026-12-05, built without a GPU), first call: the FP8-pool kernel checks and the

@@ -212,7 +212,8 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                  ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
                  HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True, stride_s=0, SBN: tl.constexpr = 0,
                  SBK: tl.constexpr = 0, EVEN_N: tl.constexpr = False, W_EVICT: tl.constexpr = "evict_first",
-                 WP=None, XP=None, PACKED: tl.constexpr = False, ASM: tl.constexpr = True, W_STRIDE: tl.constexpr = 0):
+                 WP=None, XP=None, PACKED: tl.constexpr = False, ASM: tl.constexpr = True, W_STRIDE: tl.constexpr = 0,
+                 TK=None, TICKETED: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (one row, no split: the host checks)
@@ -273,7 +274,8 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
             w_ptrs += step
             x_ptrs += step
     rs, r_in, gamma, cos, sin, slot = _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS,
-                                                       stride_cs, LOC, QS, KVS, NORM_IN, ADD_NORM and SPLIT_K == 1,
+                                                       stride_cs, LOC, QS, KVS, NORM_IN,
+                                                       ADD_NORM and (SPLIT_K == 1 or TICKETED),
                                                        ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
         w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_kl, EVEN_K, W_EVICT, EVEN_N)
@@ -304,6 +306,21 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], _out(acc, X, Y), mask=mask)
     else:
         tl.store(P + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+        if TICKETED:  # one row (the host checks): the tile's last split to finish sums them, as the reduce kernel
+            # Every thread's partial stored before one thread takes the ticket (acq_rel at GPU scope: a release of
+            # them, and for the last taker an acquire of the others'); the counter is put back to 0 for the next
+            # launch (a later layer, step or graph replay), which starts only after this grid completes.
+            tl.debug_barrier()
+            ticket = TK + pid_n
+            if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(P + s * M * N + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
+                if ADD_NORM:
+                    _add_norm_epilogue(total, r_in, gamma, offs_n, mask_n, pid_n, R, Y, SQ, NSLOT)
+                else:
+                    tl.store(Y + offs_n, _out(total, X, Y), mask=mask_n)
+                tl.store(ticket, 0)
 
 
 @triton.jit
@@ -412,7 +429,8 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
         x_ptrs += FOLD * BLOCK_K
         start = FOLD * BLOCK_K
     rs, r_in, gamma, cos, sin, slot = _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS,
-                                                       stride_cs, LOC, QS, KVS, NORM_IN, ADD_NORM and SPLIT_K == 1,
+                                                       stride_cs, LOC, QS, KVS, NORM_IN,
+                                                       ADD_NORM and (SPLIT_K == 1 or TICKETED),
                                                        ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
     for kk in range(start, K_PER_SPLIT, FOLD * BLOCK_K):
         acc = _row_chunk(acc, w_ptrs, x_ptrs, k0 + kk, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K,
@@ -492,6 +510,23 @@ FP8_SMALL_N_BLOCK_N = 16
 # twice the weight bytes in flight on an SM (sm_90 compile: 125 registers, 142 with the gated input, no spills; four
 # programs an SM). Not yet timed (bench.gemv_chain_sweep --fp8-wide-study): an A/B knob, read as above.
 FP8_WIDE_TILES = False
+# Split K without the reduce kernel (one row, the general kernel, no rope epilogue): each output tile's last split to
+# finish, by a per-tile ticket counter, sums the splits' partials and runs the epilogue, as the reduce kernel would,
+# bit for bit (a split norm's sum of squares is taken a tile at a time, as without split K: equal to fp32 rounding). FP8's o_proj and down_proj split in two at batch
+# 1: the 12-04 trace charged their 64 reduce launches 51 us a step. Not yet timed: an A/B knob, read at launch.
+SPLITK_TICKETS = False
+_TICKET_SLOTS = 65536  # output tiles one launch may ticket (more run the reduce kernel)
+_tickets: dict = {}
+
+
+def _ticket_counters(device: torch.device) -> torch.Tensor:
+    """One zeroed int32 counter a tile for every ticketed launch on the device, allocated once (a captured graph
+    keeps its address) and left zero by each launch. Launches share it safely: a GEMV takes tickets only after
+    its PDL wait, when the launch before it has completed."""
+    t = _tickets.get(device)
+    if t is None:
+        t = _tickets[device] = torch.zeros(_TICKET_SLOTS, dtype=torch.int32, device=device)
+    return t
 
 
 def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
@@ -667,7 +702,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     split_k = triton.cdiv(K, k_per_split)
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
-    norms = _norm_args(norm_in, add_norm, split_k, x)
+    ticketed = bool(SPLITK_TICKETS and split_k > 1 and M == 1 and not dot and not cfg.row_kernel and rope is None
+                    and triton.cdiv(N, cfg.block_n) <= _TICKET_SLOTS)
+    norms = _norm_args(norm_in, add_norm, 1 if ticketed else split_k, x)
     ropes = dict(rope_args(rope, x, split_k == 1), ROPE_AHEAD=bool(ROPE_INPUTS_AHEAD))
     if not dot and cfg.row_kernel:
         _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms, ropes)
@@ -681,8 +718,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
             F16=_f16_math(cfg, w) and not dot, **_fp8_lean(cfg, w, N, dot), **packed,
-            **pdl_launch(pdl, "gemv"))
-    if split_k > 1:
+            TK=_ticket_counters(x.device) if ticketed else partial, TICKETED=ticketed, **pdl_launch(pdl, "gemv"))
+    if split_k > 1 and not ticketed:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](
             x, partial, out, N, out.stride(0), norms["R"], norms["GAMMA"], norms["SQ"], **rope_args(rope, x, True), M=M,

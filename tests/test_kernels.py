@@ -464,6 +464,67 @@ def check_gemv_fp8_lean_knobs(device, dtype):
         kg.FP8_EVEN_N, kg.FP8_NO_EVICT_HINT = saved
 
 
+def check_gemv_splitk_tickets(device, dtype):
+    """kernels.gemv.SPLITK_TICKETS (an A/B knob): split K reduced by each tile's last split instead of a reduce
+    kernel gives the reduce kernel's output bit for bit (plain, gated input, a split norm's consumer and its
+    producer: the residual and gamma * residual the same; the norm's sum of squares equal to fp32 rounding, taken a
+    tile at a time as without split K), for FP8 and
+    16-bit weights, 2-4 splits and a ragged last tile; the counters are left zero and the reduce kernel does not
+    run."""
+    import kernels.gemv as kg
+    from kernels.gemv import GemvConfig, gemv
+    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
+    from shared.models.quantization import quantize_per_channel
+    gen = torch.Generator().manual_seed(21)
+    launched = []
+    real_reduce = kg._splitk_reduce_kernel
+    saved = kg.SPLITK_TICKETS
+
+    class _Count:  # counts reduce launches, then launches
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real_reduce[grid]
+    try:
+        for N, K, split in [(40, 256, 2), (64, 384, 3), (24, 512, 4)]:
+            w = torch.randn(N, K, generator=gen) * 0.02
+            q, sc = quantize_per_channel(w)
+            for wt, scale in ((q.to(device), sc.to(device)), (w.to(device=device, dtype=dtype), None)):
+                cfg = GemvConfig(16, 64, split, 2, f16_math=scale is not None, row_kernel=False)
+                x = _rand(1, K, dtype=dtype, device=device)
+                h = _rand(1, 2 * K, dtype=dtype, device=device)
+                r0 = _rand(1, N, dtype=dtype, device=device)
+                g = (torch.rand(N, generator=gen) + 0.5).to(device=device, dtype=dtype)
+                rk = _rand(1, K, dtype=dtype, device=device)
+                runs = []
+                for tickets in (False, True):
+                    kg.SPLITK_TICKETS = tickets
+                    kg._splitk_reduce_kernel = _Count()
+                    launched.clear()
+                    sums = torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
+                    r = r0.clone()
+                    produced = gemv(x, wt, scale=scale, config=cfg, add_norm=ResidualNorm(r, g, sums, 1e-6))
+                    csums = torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
+                    csums[3] = float((rk.double() ** 2).sum())
+                    consumed = gemv(x, wt, scale=scale, config=cfg, norm_in=ResidualNorm(rk, g[:K] if K <= N else
+                                                                                         torch.ones(K, device=device,
+                                                                                                    dtype=dtype),
+                                                                                         csums, 1e-6))
+                    runs.append((gemv(x, wt, scale=scale, config=cfg), gemv(h, wt, scale=scale, config=cfg,
+                                                                            silu_mul=True),
+                                 produced, r, float(sums.sum()), consumed, len(launched)))
+                    kg._splitk_reduce_kernel = real_reduce
+                (p, gp, pr, rr, ss, cs, nl), (t, gt, tr, rt, st, ct, tl_) = runs
+                what = (N, K, split, scale is not None)
+                assert nl == 4 and tl_ == 0, (what, nl, tl_)  # four split launches reduced, none with tickets
+                for a, b in ((p, t), (gp, gt), (pr, tr), (rr, rt), (cs, ct)):
+                    assert torch.equal(a, b), what
+                assert abs(ss - st) <= 1e-6 * abs(ss), what  # summed a tile at a time in fp32, as without a split
+                assert int(kg._ticket_counters(torch.device(device)).abs().sum()) == 0, what
+    finally:
+        kg.SPLITK_TICKETS = saved
+        kg._splitk_reduce_kernel = real_reduce
+
+
 def check_gemv_fp8_packed(device, dtype):
     """FP8 rows on packed registers (kernels.gemv.FP8_PACKED: int32 of four e4m3 against int64 of four x, PTX on
     the GPU, its fp32 emulation in the interpreter) against the dequantized reference and the f16 path, for bf16
