@@ -59,3 +59,26 @@ def test_gemv_chain_sweep_keeps_each_shapes_fastest_tile_and_skips_the_base(caps
     assert ("qkv", 8) not in timed and ("qkv", 32) in timed
     assert len(rows) == 2 * len(SHAPES)  # 16 and 4 a shape: the base skipped, the failure not a row
     assert "RuntimeError" in capsys.readouterr().out
+
+
+def test_gemv_chain_sweep_fp8_wide_study_runs_on_a_fake_chain(monkeypatch, capsys):
+    """The study that gpu_run.sh fp8-wide runs, end to end on the CPU with the chain timed by a stand-in: the knob's
+    tiles are what it compares, every 256-byte candidate is tried where it fits, and the knob is off after."""
+    import torch
+
+    import bench.gemv_chain_sweep as cs
+    import kernels.gemv as kg
+
+    monkeypatch.setattr(cs, "build", lambda dtype: [{nm: (torch.zeros(1, dtype=torch.uint8), None) for nm in cs.SHAPES}])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    seen = []
+
+    def chain_ms(layers, cfgs):
+        seen.append({nm: (c.block_n, c.block_k, c.num_warps) for nm, c in cfgs.items()})
+        return 1.0 - 0.001 * sum(c.block_k for c in cfgs.values()) / 1e4  # wider K tiles "faster"
+    monkeypatch.setattr(cs, "chain_ms", chain_ms)
+    out = cs.fp8_wide_study(budget=60, t0=__import__("time").time())
+    assert not kg.FP8_WIDE_TILES
+    assert seen[1] == {nm: (16, 2048, 4) for nm in cs.SHAPES}  # engine, wide, engine, wide
+    assert {r["shape"] for r in out["rows"]} == set(cs.SHAPES)
+    assert len(out["final"]["picks"]) == 2 and "picks alternated" in capsys.readouterr().out
