@@ -138,10 +138,13 @@ def f16_math_study(budget: float, t0: float) -> dict:
 
 
 # FP8 rows at 256 bytes a thread a step (the engine's tiles move 32-128; every sweep before 2026-12-05 stopped at
-# 128): (block_n, block_k, warps). sm_90 compile (Triton 3.6): 125-195 registers, no spills; (16, 2048, 4) at 125
-# (142 with the gated input) puts four programs and 128 KB of weights in flight on an SM, against 12-16 programs and
-# 48-64 KB for the engine's gate_up tile (8, 512, 4) at 38 registers.
-FP8_WIDE_CANDIDATES = [(16, 2048, 4), (16, 4096, 8), (8, 4096, 4), (8, 2048, 2), (32, 1024, 4), (32, 2048, 8)]
+# 128): (block_n, block_k, warps, the one-row kernel), most promising first (the sweep stops a shape at its time
+# share). sm_90 compile (Triton 3.6), no spills anywhere: the general kernel at (16, 2048, 4) 125 registers (142 with
+# the gated input), four programs and 128 KB of weights in flight on an SM against 12-16 programs and 48-64 KB for
+# the engine's gate_up tile (8, 512, 4) at 38 registers, 16 CTA barriers a step; the one-row kernel at (16, 2048, 4)
+# 109-124 registers and no barriers, but 8-byte weight loads (34-36 a step against 18).
+FP8_WIDE_CANDIDATES = [(16, 2048, 4, False), (16, 2048, 4, True), (16, 4096, 8, False), (8, 2048, 2, True),
+                       (8, 4096, 4, False), (8, 2048, 2, False), (32, 1024, 4, False), (32, 2048, 8, False)]
 
 
 def fp8_wide_study(budget: float, t0: float) -> dict:
@@ -167,8 +170,8 @@ def fp8_wide_study(budget: float, t0: float) -> dict:
     share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
     picks, rows = sweep_shapes(lambda cfgs: chain_ms(layers, cfgs) * 1e3, engine, min(times["engine"]),
                                lambda name, n, k: [dataclasses.replace(engine[name], block_n=bn, block_k=bk,
-                                                                       num_warps=warps)
-                                                   for bn, bk, warps in FP8_WIDE_CANDIDATES if bk <= k], share)
+                                                                       num_warps=warps, row_kernel=row)
+                                                   for bn, bk, warps, row in FP8_WIDE_CANDIDATES if bk <= k], share)
     final = {"engine": [], "wide": [], "picks": []}
     for _ in range(2):
         for key, cfgs in (("engine", engine), ("wide", wide), ("picks", picks)):

@@ -133,7 +133,7 @@ if [[ $what == fp8-wide ]]; then
   # study (the wide knob against the engine's tiles, then 256-byte tiles shape by shape). fp8-ab follows.
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
     -k "cuda_bf16 and (gemv_fp8_f16_math or gemv_splitk_tickets)" 2>&1 | tail -2
-  timeout 280 python3 -m bench.gemv_chain_sweep --fp8-wide-study --budget 180 --out "$OUT" 2>&1 | tee "$OUT/fp8_wide.log" \
+  timeout 380 python3 -m bench.gemv_chain_sweep --fp8-wide-study --budget 260 --out "$OUT" 2>&1 | tee "$OUT/fp8_wide.log" \
     | grep -v "^  .*: [A-Za-z]*Error"
 fi
 if [[ $what == fp8-ab ]]; then

@@ -81,4 +81,5 @@ def test_gemv_chain_sweep_fp8_wide_study_runs_on_a_fake_chain(monkeypatch, capsy
     assert not kg.FP8_WIDE_TILES
     assert seen[1] == {nm: (16, 2048, 4) for nm in cs.SHAPES}  # engine, wide, engine, wide
     assert {r["shape"] for r in out["rows"]} == set(cs.SHAPES)
+    assert {r["cfg"]["row_kernel"] for r in out["rows"]} == {True, False}  # both kernels among the candidates
     assert len(out["final"]["picks"]) == 2 and "picks alternated" in capsys.readouterr().out
