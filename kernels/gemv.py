@@ -429,8 +429,7 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
         x_ptrs += FOLD * BLOCK_K
         start = FOLD * BLOCK_K
     rs, r_in, gamma, cos, sin, slot = _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS,
-                                                       stride_cs, LOC, QS, KVS, NORM_IN,
-                                                       ADD_NORM and (SPLIT_K == 1 or TICKETED),
+                                                       stride_cs, LOC, QS, KVS, NORM_IN, ADD_NORM and SPLIT_K == 1,
                                                        ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
     for kk in range(start, K_PER_SPLIT, FOLD * BLOCK_K):
         acc = _row_chunk(acc, w_ptrs, x_ptrs, k0 + kk, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K,
@@ -512,8 +511,9 @@ FP8_SMALL_N_BLOCK_N = 16
 FP8_WIDE_TILES = False
 # Split K without the reduce kernel (one row, the general kernel, no rope epilogue): each output tile's last split to
 # finish, by a per-tile ticket counter, sums the splits' partials and runs the epilogue, as the reduce kernel would,
-# bit for bit (a split norm's sum of squares is taken a tile at a time, as without split K: equal to fp32 rounding). FP8's o_proj and down_proj split in two at batch
-# 1: the 12-04 trace charged their 64 reduce launches 51 us a step. Not yet timed: an A/B knob, read at launch.
+# bit for bit (a split norm's sum of squares is taken a tile at a time, as without split K: equal to fp32
+# rounding). FP8's o_proj and down_proj split in two at batch 1: the 12-04 trace charged their 64 reduce launches
+# 51 us a step. Not yet timed: an A/B knob, read at launch.
 SPLITK_TICKETS = False
 _TICKET_SLOTS = 65536  # output tiles one launch may ticket (more run the reduce kernel)
 _tickets: dict = {}
