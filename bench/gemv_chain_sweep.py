@@ -96,6 +96,31 @@ def sweep_shapes(time_us, base: dict, ref_us: float, cands, share: float) -> tup
     return {nm: b[1] for nm, b in best.items()}, rows
 
 
+def alternate_then_sweep(layers, named: dict, base: str, cands, budget: float, t0: float) -> dict:
+    """The chain at each of `named`'s tile sets ({label: {shape: GemvConfig}}) alternated twice; then cands(name, n, k)
+    swept shape by shape from named[base] (sweep_shapes), and the picks alternated twice against every set.
+    Returns the times, the sweep's rows, the final alternation and the picks."""
+    nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
+
+    def rates(runs: dict) -> str:
+        return ", ".join(f"{k} {nbytes / min(v) / 1e3:.0f}" for k, v in runs.items())
+    times = {key: [] for key in named}
+    for _ in range(2):
+        for key, cfgs in named.items():
+            times[key].append(chain_ms(layers, cfgs) * 1e3)
+    print(f"chain alternated, us: {json.dumps(times)} ({rates(times)} GB/s)", flush=True)
+    share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
+    picks, rows = sweep_shapes(lambda cfgs: chain_ms(layers, cfgs) * 1e3, named[base], min(times[base]), cands,
+                               share)
+    final = {key: [] for key in (*named, "picks")}
+    for _ in range(2):
+        for key, cfgs in (*named.items(), ("picks", picks)):
+            final[key].append(chain_ms(layers, cfgs) * 1e3)
+    print(f"picks alternated with {', '.join(named)}, us: {json.dumps(final)} ({rates(final)} GB/s)", flush=True)
+    return {"times": times, "rows": rows, "final": final,
+            "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
+
+
 def fp32_math_config(n: int, k: int) -> GemvConfig:
     """The FP8 one-row GEMV's tiles before f16 math (fp32 math, two tiles before the PDL wait), for comparison."""
     bn, bk, warps = (8, 1024, 4) if n <= 4096 else (8, 512, 4) if n <= 8192 else (8, 256, 2)
@@ -152,7 +177,6 @@ def fp8_wide_study(budget: float, t0: float) -> dict:
     alternated; then the 256-byte tiles swept shape by shape and the picks alternated against both."""
     import kernels.gemv as kg
     layers = build("fp8")
-    nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
 
     def configs(wide: bool) -> dict:
         kg.FP8_WIDE_TILES = wide
@@ -160,28 +184,15 @@ def fp8_wide_study(budget: float, t0: float) -> dict:
             return {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
         finally:
             kg.FP8_WIDE_TILES = False
-    engine, wide = configs(False), configs(True)
-    times = {"engine": [], "wide": []}
-    for _ in range(2):
-        times["engine"].append(chain_ms(layers, engine) * 1e3)
-        times["wide"].append(chain_ms(layers, wide) * 1e3)
-    print(f"fp8 chain alternated, us: {json.dumps(times)} "
-          f"({', '.join(f'{m} {nbytes / min(v) / 1e3:.0f}' for m, v in times.items())} GB/s)", flush=True)
-    share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
-    picks, rows = sweep_shapes(lambda cfgs: chain_ms(layers, cfgs) * 1e3, engine, min(times["engine"]),
+    engine = configs(False)
+    out = alternate_then_sweep(layers, {"engine": engine, "wide": configs(True)}, "engine",
                                lambda name, n, k: [dataclasses.replace(engine[name], block_n=bn, block_k=bk,
                                                                        num_warps=warps, row_kernel=row)
-                                                   for bn, bk, warps, row in FP8_WIDE_CANDIDATES if bk <= k], share)
-    final = {"engine": [], "wide": [], "picks": []}
-    for _ in range(2):
-        for key, cfgs in (("engine", engine), ("wide", wide), ("picks", picks)):
-            final[key].append(chain_ms(layers, cfgs) * 1e3)
-    print(f"picks alternated with the engine's tiles, us: {json.dumps(final)} "
-          f"({', '.join(f'{k} {nbytes / min(v) / 1e3:.0f}' for k, v in final.items())} GB/s)", flush=True)
+                                                   for bn, bk, warps, row in FP8_WIDE_CANDIDATES if bk <= k],
+                               budget, t0)
     del layers
     torch.cuda.empty_cache()
-    return {"times": times, "rows": rows, "final": final,
-            "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
+    return out
 
 
 # The one-row kernel's tiles: (block_n, block_k, warps, narrow accumulators, tiles before the PDL wait, fold).
@@ -306,7 +317,6 @@ def _general_against_row(layers, general: dict, row: dict, cands, budget: float,
     on the row kernel alternated, then cands(name, k) tried one shape at a time (the others at `row`), the best
     picks alternated against both."""
     from kernels.reference import fp8_linear_ref
-    nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
     check = {}
     for name, (n, k) in SHAPES.items():
         w, sc = layers[0][name]
@@ -315,25 +325,11 @@ def _general_against_row(layers, general: dict, row: dict, cands, budget: float,
         check[name] = {key: float((gemv(x, w, scale=sc, config=cfg[name]).float() - ref).abs().max() / ref.abs().max())
                        for key, cfg in (("general", general), ("row", row))}
     print(f"accuracy (max error / max output): {json.dumps(check)}", flush=True)
-    times = {"general": [], "row": []}
-    for _ in range(2):
-        times["general"].append(chain_ms(layers, general) * 1e3)
-        times["row"].append(chain_ms(layers, row) * 1e3)
-    print(f"chain alternated, us: {json.dumps(times)} ({nbytes / min(times['general']) / 1e3:.0f} vs "
-          f"{nbytes / min(times['row']) / 1e3:.0f} GB/s)", flush=True)
-    share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
-    picks, rows = sweep_shapes(lambda cfgs: chain_ms(layers, cfgs) * 1e3, row, min(times["row"]),
-                               lambda name, n, k: cands(name, k), share)
-    final = {"general": [], "row": [], "picks": []}
-    for _ in range(2):
-        for key, cfgs in (("general", general), ("row", row), ("picks", picks)):
-            final[key].append(chain_ms(layers, cfgs) * 1e3)
-    print(f"best picks alternated with the general kernel and the defaults, us: {json.dumps(final)} "
-          f"({', '.join(f'{k} {nbytes / min(v) / 1e3:.0f}' for k, v in final.items())} GB/s)", flush=True)
+    out = alternate_then_sweep(layers, {"general": general, "row": row}, "row", lambda name, n, k: cands(name, k),
+                               budget, t0)
     del layers
     torch.cuda.empty_cache()
-    return {"check": check, "times": times, "rows": rows, "final": final,
-            "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
+    return {"check": check, **out}
 
 
 def main() -> int:
