@@ -507,14 +507,19 @@ SPLIT_K_MIN_PROGRAMS = 2.0
 FP8_SMALL_N_BLOCK_N = 16
 # FP8 rows at 256 bytes a thread a loop step, (16, 2048, 4) on every shape, against the default tiles' 32-128: about
 # twice the weight bytes in flight on an SM (sm_90 compile: 125 registers, 142 with the gated input, no spills; four
-# programs an SM). Not yet timed (bench.gemv_chain_sweep --fp8-wide-study): an A/B knob, read as above.
+# programs an SM). Slower: the FP8 batch-1 step 3.546 ms against 3.353 (H100, 2026-12-05, bench.b1, two rounds
+# alternated; bench/RESULTS.md). An A/B knob, read as above, off.
 FP8_WIDE_TILES = False
 # Split K without the reduce kernel (one row, the general kernel, no rope epilogue): each output tile's last split to
 # finish, by a per-tile ticket counter, sums the splits' partials and runs the epilogue, as the reduce kernel would,
 # bit for bit (a split norm's sum of squares is taken a tile at a time, as without split K: equal to fp32
-# rounding). FP8's o_proj and down_proj split in two at batch 1: the 12-04 trace charged their 64 reduce launches
-# 51 us a step. Not yet timed: an A/B knob, read at launch.
-SPLITK_TICKETS = False
+# rounding). FP8's o_proj and down_proj split in two at batch 1, and their 64 reduce launches a step go: the FP8
+# batch-1 step 3.240 ms against 3.350 (-3.3%; H100, 2026-12-05, bench.b1, five rounds over two calls). On by
+# default; an A/B knob read at launch. The counters are one buffer a device: ticketed GEMVs must not run
+# concurrently on two streams of one device (the engine runs its forward passes on one stream).
+SPLITK_TICKETS = True
+# FP8's long-K rows (gate_up, down_proj) at the tiles the H100's chain sweep picked (default_config): an A/B knob.
+FP8_LONG_TILES = True
 _TICKET_SLOTS = 65536  # output tiles one launch may ticket (more run the reduce kernel)
 _tickets: dict = {}
 
@@ -533,7 +538,7 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     """Tiles from sweeps on H200 in the 32-layer chain of Llama-8B's decode GEMVs (bench/gemv_chain_sweep.py),
     where a kernel's neighbours overlap it under PDL. K is split only when N is too short to put two programs
     on every SM. Several rows run on tensor cores, which want >= 16 output columns per program."""
-    extra = {}
+    extra, no_split = {}, False
     if M == 1 and weight_bytes == 1 and FP8_ROW_KERNEL:
         # FP8 rows in the one-row kernel, not yet swept: the bf16 row tiles' bytes a thread a loop step (256 on
         # o_proj, down_proj and qkv, 128 on gate_up) at twice the elements, two tiles before the PDL wait.
@@ -555,6 +560,11 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
         # tiles), one tile before the PDL wait.
         block_n, block_k, warps = ((16, 2048, 4) if FP8_WIDE_TILES else (FP8_SMALL_N_BLOCK_N, 1024, 8) if N <= 4096
                                    else (8, 2048, 4) if N <= 8192 else (8, 512, 4))
+        if FP8_LONG_TILES and not FP8_WIDE_TILES and (N > 8192 or K > 4096):
+            # gate_up at (4, 2048, 2); down_proj at (16, 2048, 8), K unsplit (bench.gemv_chain_sweep --dtypes fp8,
+            # H100, 2026-12-05: the chain 2,638 us against 2,808 at the tiles above, with tickets).
+            block_n, block_k, warps = (4, 2048, 2) if N > 8192 else (16, 2048, 8)
+            no_split = N <= 8192
         extra = dict(f16_math=True, row_kernel=False)
     elif M == 1:
         # The one-row kernel (--row-study, 2026-12-04): few rows and long K tiles a program, products summed
@@ -570,7 +580,7 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     block_k = min(block_k, max(16, next_pow2(K)))
     split_k = 1
     k_steps = triton.cdiv(K, block_k)
-    while (triton.cdiv(N, block_n) * split_k < SPLIT_K_MIN_PROGRAMS * num_sms() and split_k * 2 <= k_steps
+    while (not no_split and triton.cdiv(N, block_n) * split_k < SPLIT_K_MIN_PROGRAMS * num_sms() and split_k * 2 <= k_steps
            and split_k < 16):
         split_k *= 2
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, **extra)

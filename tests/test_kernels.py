@@ -418,7 +418,24 @@ def check_gemv_fp8_f16_math(device, dtype):
         row = GemvConfig(8, 64, 1, 2, f16_math=True, pre_tiles=2, fold=2)
         torch.testing.assert_close(gemv(h, q, scale=s, silu_mul=True, config=row),
                                    gemv(silu_and_mul(h), q, scale=s, config=row), rtol=0, atol=0)
-    # kernels.gemv.FP8_WIDE_TILES (an A/B knob): 256 bytes a thread a step on every shape, the same products.
+    # kernels.gemv.FP8_LONG_TILES (on): gate_up and down_proj on 2,048-wide K tiles, down_proj unsplit; o_proj as before.
+    assert kg.FP8_LONG_TILES
+    tiles = {nk: default_config(1, *nk, 1) for nk in [(28672, 4096), (4096, 14336), (4096, 4096)]}
+    assert [(c.block_n, c.block_k, c.num_warps) for c in tiles.values()] == [(4, 2048, 2), (16, 2048, 8), (16, 1024, 8)]
+    assert tiles[(4096, 14336)].split_k == 1 and not tiles[(28672, 4096)].row_kernel
+    kg.FP8_LONG_TILES = False
+    try:
+        assert (default_config(1, 4096, 14336, 1).block_k, default_config(1, 28672, 4096, 1).block_n) == (1024, 8)
+    finally:
+        kg.FP8_LONG_TILES = True
+    q, s = quantize_per_channel(torch.randn(40, 4608, generator=gen) * 0.02)
+    q, s = q.to(device), s.to(device)
+    h = torch.randn(1, 2 * 4608, generator=gen).to(device=device, dtype=dtype)
+    ref = fp8_linear_ref(silu_and_mul(h).float(), q, s)
+    for cfg in tiles.values():  # the long tiles' products, on a ragged K and the gated input
+        y = gemv(h, q, scale=s, silu_mul=True, config=cfg).float()
+        assert float((y - ref).abs().max()) < (2e-3 if dtype == torch.float32 else 6e-3) * float(ref.abs().max()), cfg
+    # kernels.gemv.FP8_WIDE_TILES (an A/B knob, slower): 256 bytes a thread a step on every shape, the same products.
     kg.FP8_WIDE_TILES = True
     try:
         wide = default_config(1, 28672, 4096, 1)
@@ -465,7 +482,7 @@ def check_gemv_fp8_lean_knobs(device, dtype):
 
 
 def check_gemv_splitk_tickets(device, dtype):
-    """kernels.gemv.SPLITK_TICKETS (an A/B knob): split K reduced by each tile's last split instead of a reduce
+    """kernels.gemv.SPLITK_TICKETS (on by default): split K reduced by each tile's last split instead of a reduce
     kernel gives the reduce kernel's output bit for bit (plain, gated input, a split norm's consumer and its
     producer: the residual and gamma * residual the same; the norm's sum of squares equal to fp32 rounding, taken a
     tile at a time as without split K), for FP8 and
