@@ -4,8 +4,8 @@
 #   bash bench/gpu_run.sh fp8-wide|fp8-ab|fp8-packed|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|fp8-lean|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# Pending since 2026-12-05 (built, not yet timed): fp8-wide, then fp8-ab (issue 14's FP8 ratio), then kv-fp8-tput (the
-# FP8 pool's two-warp attention tile in the workload). Carry [".whl/xgr", ".whl/svc", ".whl/extra"] for these.
+# Pending: `recheck` on an H200 (FP8 split-K tickets and long-K tiles adopted on an H100, 2026-12-05 17:11; the FP8
+# ratio there 0.603). Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -138,8 +138,9 @@ if [[ $what == fp8-wide ]]; then
 fi
 if [[ $what == fp8-ab ]]; then
   # The FP8 batch-1 step with each knob and both, and the bf16 step (three rounds, alternated: the ratio goal in one call).
-  W=@kernels.gemv.FP8_WIDE_TILES=1; T=@kernels.gemv.SPLITK_TICKETS=1
-  timeout 540 python3 -m bench.b1 --variants "bf16=quantization=none;base=;wide=$W;tickets=$T;both=$W,$T" --rounds 3 \
+  # Since 2026-12-05 17:00 tickets are the default: "reduce" is the former path.
+  W=@kernels.gemv.FP8_WIDE_TILES=1; T=@kernels.gemv.SPLITK_TICKETS=0
+  timeout 540 python3 -m bench.b1 --variants "bf16=quantization=none;base=;wide=$W;reduce=$T;wide_reduce=$W,$T" --rounds 3 \
     --quantization fp8 2>&1 | grep "round" | tee "$OUT/b1_fp8_wide_tickets.log"
 fi
 if [[ $what == kv-fp8 ]]; then
