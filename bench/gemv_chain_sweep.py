@@ -13,6 +13,8 @@ then the row kernel's FP8 tiles swept shape by shape.
 the engine's FP8 path, then the packed path's tiles swept shape by shape.
 --fp8-wide-study: FP8 rows at 256 bytes a thread a step (kernels.gemv.FP8_WIDE_TILES) against the engine's tiles,
 then such tiles swept shape by shape.
+--fp8-tc-study: FP8 rows on tensor cores (kernels.gemv.FP8_TENSOR_CORES: weight loads pipelined through shared memory)
+against the engine's tiles, then tensor-core tiles, stages and orientations swept shape by shape.
 """
 from __future__ import annotations
 
@@ -204,6 +206,39 @@ ROW_CANDIDATES = [(4, 2048, 2, False, 2, 1), (8, 1024, 2, False, 2, 1), (8, 512,
                   (8, 1024, 2, False, 1, 1), (4, 1024, 2, True, 2, 2), (8, 512, 2, True, 2, 2)]
 
 
+# Tensor-core FP8 rows (kernels.gemv.FP8_TC_TILE): (block_n, block_k, warps, stages, tc), the engine's split rule on
+# each. sm_90 compile of (64, 256, 4, 3, 1): wgmma with the weights from registers, cp.async weight loads, 154-161
+# registers (three programs an SM), a loop step of 275 instructions for 16 KB of weights (the engine's FP8 tiles:
+# 105-120 a KB).
+FP8_TC_CANDIDATES = [(64, 256, 4, 3, 1), (64, 128, 4, 4, 1), (64, 256, 4, 4, 1), (64, 512, 4, 3, 1),
+                     (64, 256, 4, 2, 1), (128, 128, 4, 3, 1), (128, 256, 8, 3, 1), (32, 256, 4, 3, 2),
+                     (16, 512, 4, 3, 2), (32, 512, 4, 4, 2), (64, 128, 4, 3, 2), (16, 256, 2, 4, 2)]
+
+
+def fp8_tc_configs(tile: tuple) -> dict:
+    """Every shape's config with the tensor-core knob on at `tile` (the engine's split rule applied)."""
+    import kernels.gemv as kg
+    saved = kg.FP8_TENSOR_CORES, kg.FP8_TC_TILE
+    kg.FP8_TENSOR_CORES, kg.FP8_TC_TILE = True, tile
+    try:
+        return {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
+    finally:
+        kg.FP8_TENSOR_CORES, kg.FP8_TC_TILE = saved
+
+
+def fp8_tc_study(budget: float, t0: float) -> dict:
+    """FP8 rows: the engine's tiles against tensor-core rows at the knob's tile, the chain alternated; then the
+    tensor-core candidates swept shape by shape, and the picks alternated against both."""
+    layers = build("fp8")
+    engine = {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
+    by_tile = [fp8_tc_configs(t) for t in FP8_TC_CANDIDATES]
+    out = alternate_then_sweep(layers, {"engine": engine, "tc": by_tile[0]}, "engine",
+                               lambda name, n, k: [c[name] for c in by_tile if c[name].block_k <= k], budget, t0)
+    del layers
+    torch.cuda.empty_cache()
+    return out
+
+
 def row_study(budget: float, t0: float) -> dict:
     """bf16 weights: the one-row kernel (x in w's register layout, no shared-memory round trip a tile) at its
     default tiles against the general kernel at the tiles it had, the 32-layer chain alternated; then the row
@@ -348,6 +383,8 @@ def main() -> int:
                     help="FP8: the packed-register path (kernels.gemv.FP8_PACKED) against the engine's, then its tiles")
     ap.add_argument("--fp8-wide-study", action="store_true",
                     help="FP8: 256 bytes a thread a step (kernels.gemv.FP8_WIDE_TILES) against the engine's tiles")
+    ap.add_argument("--fp8-tc-study", action="store_true",
+                    help="FP8: rows on tensor cores (kernels.gemv.FP8_TENSOR_CORES) against the engine's tiles")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     set_pdl(True)
@@ -378,8 +415,10 @@ def main() -> int:
         result["runs"]["fp8_packed"] = fp8_packed_study(args.budget, t0)
     if args.fp8_wide_study:
         result["runs"]["fp8_wide"] = fp8_wide_study(args.budget, t0)
+    if args.fp8_tc_study:
+        result["runs"]["fp8_tc"] = fp8_tc_study(args.budget, t0)
     studies = (args.pre_tiles_study or args.f16_math_study or args.row_study or args.fp8_row_study
-               or args.fp8_packed_study or args.fp8_wide_study)
+               or args.fp8_packed_study or args.fp8_wide_study or args.fp8_tc_study)
     for dtype in ([] if studies else args.dtypes.split(",")):
         layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2

@@ -155,10 +155,14 @@ def _block_scales(S, stride_s, offs_n, mask_n, kbase, K, BLOCK_N: tl.constexpr, 
 @triton.jit
 def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, EVEN_K: tl.constexpr,
                 SILU_MUL: tl.constexpr, DOT_PREC: tl.constexpr, F16: tl.constexpr = False, S=None, stride_s=0,
-                offs_n=None, mask_n=None, BLOCK_N: tl.constexpr = 1, SBN: tl.constexpr = 0, SBK: tl.constexpr = 0):
+                offs_n=None, mask_n=None, BLOCK_N: tl.constexpr = 1, SBN: tl.constexpr = 0, SBK: tl.constexpr = 0,
+                TC: tl.constexpr = 0):
     """acc += x_tile . w_tile: a full-tile fp32 accumulator for one row (reduced once at the end, no
     shuffles in the loop), a 16-row tensor-core tile for several (the MMA is free next to the W stream).
-    SBK > 0 (F16 only): block-scaled weights, each lane's sum multiplied by its block's scale (_block_scales)."""
+    SBK > 0 (F16 only): block-scaled weights, each lane's sum multiplied by its block's scale (_block_scales).
+    TC (F16 only, per-row scales): FP8 rows on tensor cores, the weights converted to f16 and multiplied with x's
+    f16 row in a 16-wide operand (zeros elsewhere), fp32 sums: 1, w as the MMA's rows and x a column of a
+    [BLOCK_K, 16] operand (acc [BLOCK_N, 16]); 2, x the first of 16 rows (M_PAD = 16, acc [16, BLOCK_N])."""
     if EVEN_K:
         xm = mask_m[:, None]
     else:
@@ -166,7 +170,13 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
     x = tl.load(x_ptrs, mask=xm, other=0.0, eviction_policy="evict_last")
     if SILU_MUL:
         x = _silu_mul(x, tl.load(x_ptrs + K, mask=xm, other=0.0, eviction_policy="evict_last"))
-    if F16:
+    if F16 and TC == 1:
+        xs = tl.trans((x.to(tl.float32) * 0.00390625).to(tl.float16))  # [BLOCK_K, 1]
+        xt = tl.where(tl.arange(0, 16)[None, :] == 0, xs, 0.0).to(tl.float16)
+        acc = tl.dot(w.to(tl.float16), xt, acc)
+    elif F16 and TC == 2:  # x [16, BLOCK_K], rows past M zero (mask_m)
+        acc = tl.dot((x.to(tl.float32) * 0.00390625).to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+    elif F16:
         # FP8 rows: weights converted to f16 only (e4m3 is exact in f16), products with x * 2^-8 (so that
         # |w| <= 448 times x stays in f16's range) summed eight at a time in f16, then in fp32. About half
         # the conversion and FMA instructions of the fp32 path, which is what bounds this GEMV. Range: a
@@ -213,7 +223,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                  HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True, stride_s=0, SBN: tl.constexpr = 0,
                  SBK: tl.constexpr = 0, EVEN_N: tl.constexpr = False, W_EVICT: tl.constexpr = "evict_first",
                  WP=None, XP=None, PACKED: tl.constexpr = False, ASM: tl.constexpr = True, W_STRIDE: tl.constexpr = 0,
-                 TK=None, TICKETED: tl.constexpr = False):
+                 TK=None, TICKETED: tl.constexpr = False, TC: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (one row, no split: the host checks)
@@ -243,7 +253,9 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         offs_kl = offs_k
         w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
         x_ptrs = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
-        if F16:
+        if F16 and TC == 1:
+            acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+        elif F16 and TC == 0:
             acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         elif M_PAD == 1:
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -261,7 +273,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
             acc = _accumulate_packed(acc, w, x_ptrs, k0, K, offs_k, EVEN_K, SILU_MUL, X.dtype.element_ty, ASM)
         else:
             acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
-                              stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
+                              stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK, TC)
         w_ptrs += step
         x_ptrs += step
         if PRE == 2:
@@ -270,7 +282,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                                          X.dtype.element_ty, ASM)
             else:
                 acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL,
-                                  DOT_PREC, F16, S, stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
+                                  DOT_PREC, F16, S, stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK, TC)
             w_ptrs += step
             x_ptrs += step
     rs, r_in, gamma, cos, sin, slot = _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS,
@@ -283,10 +295,12 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
             acc = _accumulate_packed(acc, w, x_ptrs, k0 + kk, K, offs_k, EVEN_K, SILU_MUL, X.dtype.element_ty, ASM)
         else:
             acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
-                              stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
+                              stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK, TC)
         w_ptrs += step
         x_ptrs += step
-    if F16 or PACKED:
+    if F16 and TC == 2:  # [M_PAD, BLOCK_N]: x's row 0 (the others are zero)
+        acc = acc * 256.0
+    elif F16 or PACKED:  # (TC == 1: [BLOCK_N, 16], x in column 0, the others zero)
         acc = tl.sum(acc, axis=1)[None, :] * 256.0
     elif M_PAD == 1:
         acc = tl.sum(acc, axis=1)[None, :]
@@ -497,6 +511,10 @@ class GemvConfig:
     row_kernel: bool = True
     narrow: bool = False  # each thread's eight neighbouring products summed before they are accumulated
     evict_first: bool = True  # weight loads marked evict-first (W is read once)
+    # FP8 rows on tensor cores (the general kernel, per-row scales, one row; _accumulate's TC): 1, the weights as the
+    # MMA's rows; 2, x as the first of 16 rows. 0: CUDA-core FMAs.
+    tc: int = 0
+    stages: int = 0  # the K loop's software-pipeline stages (Triton's num_stages; 0: Triton's default)
 
 
 # K is split (a reduce kernel after) while the output's programs number fewer than this many per SM. An A/B knob,
@@ -518,6 +536,12 @@ FP8_WIDE_TILES = False
 # default; an A/B knob read at launch. The counters are one buffer a device: ticketed GEMVs must not run
 # concurrently on two streams of one device (the engine runs its forward passes on one stream).
 SPLITK_TICKETS = True
+# FP8 rows on tensor cores (GemvConfig.tc): the weights converted to f16 and fed to MMAs with x's row padded to 16, so
+# that the K loop is a tl.dot whose weight loads Triton software-pipelines through shared memory (cp.async, `stages`
+# deep) instead of holding them in registers. Not yet timed (bench.gemv_chain_sweep --fp8-tc-study): an A/B knob,
+# read as above, off.
+FP8_TENSOR_CORES = False
+FP8_TC_TILE = (64, 256, 4, 3, 1)  # block_n, block_k, warps, stages, tc: the knob's tile on every shape
 # FP8's long-K rows (gate_up, down_proj) at the tiles the H100's chain sweep picked (default_config): an A/B knob.
 FP8_LONG_TILES = True
 _TICKET_SLOTS = 65536  # output tiles one launch may ticket (more run the reduce kernel)
@@ -560,12 +584,15 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
         # tiles), one tile before the PDL wait.
         block_n, block_k, warps = ((16, 2048, 4) if FP8_WIDE_TILES else (FP8_SMALL_N_BLOCK_N, 1024, 8) if N <= 4096
                                    else (8, 2048, 4) if N <= 8192 else (8, 512, 4))
-        if FP8_LONG_TILES and not FP8_WIDE_TILES and (N > 8192 or K > 4096):
+        if FP8_TENSOR_CORES:
+            block_n, block_k, warps, stages, tc = FP8_TC_TILE
+            extra = dict(tc=tc, stages=stages)
+        elif FP8_LONG_TILES and not FP8_WIDE_TILES and (N > 8192 or K > 4096):
             # gate_up at (4, 2048, 2); down_proj at (16, 2048, 8), K unsplit (bench.gemv_chain_sweep --dtypes fp8,
             # H100, 2026-12-05: the chain 2,638 us against 2,808 at the tiles above, with tickets).
             block_n, block_k, warps = (4, 2048, 2) if N > 8192 else (16, 2048, 8)
             no_split = N <= 8192
-        extra = dict(f16_math=True, row_kernel=False)
+        extra = dict(f16_math=True, row_kernel=False, **extra)
     elif M == 1:
         # The one-row kernel (--row-study, 2026-12-04): few rows and long K tiles a program, products summed
         # eight at a time before they are accumulated where registers are short, two tiles before the PDL
@@ -720,15 +747,18 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms, ropes)
     else:
         packed = _fp8_packed(cfg, x, w, K, block, dot)
+        tc = cfg.tc if not (dot or packed or block is not None or M > 1) and _f16_math(cfg, w) else 0
+        assert not tc or (cfg.block_n >= 16 and cfg.block_k >= 16), "tensor-core FP8 rows: tiles of 16 at least"
         _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
             x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
             k_per_split, **norms, **ropes, HAS_SCALE=scale is not None and block is None,
             stride_s=scale.stride(0) if block is not None else 0, SBN=block[0] if block else 0,
-            SBK=block[1] if block else 0, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
+            SBK=block[1] if block else 0, M=M, M_PAD=16 if dot or tc == 2 else 1, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
             F16=_f16_math(cfg, w) and not dot, **_fp8_lean(cfg, w, N, dot), **packed,
-            TK=_ticket_counters(x.device) if ticketed else partial, TICKETED=ticketed, **pdl_launch(pdl, "gemv"))
+            TK=_ticket_counters(x.device) if ticketed else partial, TICKETED=ticketed, TC=tc,
+            **({"num_stages": cfg.stages} if cfg.stages else {}), **pdl_launch(pdl, "gemv"))
     if split_k > 1 and not ticketed:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](

@@ -450,6 +450,61 @@ def check_gemv_fp8_f16_math(device, dtype):
         kg.FP8_WIDE_TILES = False
 
 
+def check_gemv_fp8_tensor_cores(device, dtype):
+    """FP8 rows on tensor cores (GemvConfig.tc, kernels.gemv.FP8_TENSOR_CORES: the weights as the MMA's rows, or x as
+    the first of 16 rows) against the dequantized reference and the CUDA-core f16 path: small and large activations,
+    ragged K, the gated input, split K with and without tickets, a split norm's producer and a software pipeline's
+    stages; the knob's default tile."""
+    import kernels.gemv as kg
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import GemvConfig, default_config, gemv
+    from kernels.reference import fp8_linear_ref
+    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
+    from shared.models.quantization import quantize_per_channel
+    gen = torch.Generator().manual_seed(31)
+    kg.FP8_TENSOR_CORES = True
+    try:
+        cfg = default_config(1, 28672, 4096, 1)
+        assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.stages, cfg.tc) == kg.FP8_TC_TILE and cfg.f16_math
+    finally:
+        kg.FP8_TENSOR_CORES = False
+    assert default_config(1, 28672, 4096, 1).tc == 0
+    saved = kg.SPLITK_TICKETS
+    try:
+        for K, N in [(256, 48), (200, 40)]:
+            q, s = quantize_per_channel(torch.randn(N, K, generator=gen) * 0.02)
+            q, s = q.to(device), s.to(device)
+            h = _rand(1, 2 * K, dtype=dtype, device=device)
+            for mag in (0.01, 300.0):
+                x = (torch.randn(1, K, generator=gen) * mag).to(device=device, dtype=dtype)
+                ref = fp8_linear_ref(x.float(), q, s)
+                tol = (2e-3 if dtype == torch.float32 else 6e-3) * float(ref.abs().max())
+                for tc, (bn, bk, split, stages), tickets in itertools.product(
+                        (1, 2), [(16, 64, 1, 0), (32, 32, 3, 2), (16, 128, 2, 3)], (False, True)):
+                    kg.SPLITK_TICKETS = tickets
+                    c = GemvConfig(bn, bk, split, 2, f16_math=True, row_kernel=False, tc=tc, stages=stages)
+                    what = (K, N, mag, tc, bn, bk, split, tickets)
+                    y = gemv(x, q, scale=s, config=c).float()
+                    assert float((y - ref).abs().max()) < tol, what
+                    cuda_core = gemv(x, q, scale=s, config=GemvConfig(bn, bk, split, 2, f16_math=True,
+                                                                       row_kernel=False)).float()
+                    assert float((y - cuda_core).abs().max()) < tol, what
+                    g = gemv(h, q, scale=s, silu_mul=True, config=c).float()
+                    gref = fp8_linear_ref(silu_and_mul(h).float(), q, s)
+                    assert float((g - gref).abs().max()) < 6e-3 * float(gref.abs().max()) + 1e-6, what
+                    if N == 48:  # a split norm's producer: y added into the residual, gamma * residual returned
+                        r0 = _rand(1, N, dtype=dtype, device=device)
+                        gamma = (torch.rand(N, generator=gen) + 0.5).to(device=device, dtype=dtype)
+                        sums = torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
+                        r = r0.clone()
+                        gr = gemv(x, q, scale=s, config=c, add_norm=ResidualNorm(r, gamma, sums, 1e-6))
+                        want = (r0.float() + ref).to(dtype)
+                        assert float((r.float() - want.float()).abs().max()) < tol + 1e-2 * float(want.abs().max()), what
+                        torch.testing.assert_close(gr, (r.float() * gamma.float()).to(dtype), rtol=0, atol=0)
+    finally:
+        kg.SPLITK_TICKETS = saved
+
+
 def check_gemv_fp8_lean_knobs(device, dtype):
     """kernels.gemv.FP8_EVEN_N and FP8_NO_EVICT_HINT (fewer instructions a step, A/B knobs) change no bit of the FP8
     GEMV's output: per-row and block scales, N a multiple of the tile's rows and not (the row mask stays there),
