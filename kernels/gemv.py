@@ -538,8 +538,9 @@ FP8_WIDE_TILES = False
 SPLITK_TICKETS = True
 # FP8 rows on tensor cores (GemvConfig.tc): the weights converted to f16 and fed to MMAs with x's row padded to 16, so
 # that the K loop is a tl.dot whose weight loads Triton software-pipelines through shared memory (cp.async, `stages`
-# deep) instead of holding them in registers. Not yet timed (bench.gemv_chain_sweep --fp8-tc-study): an A/B knob,
-# read as above, off.
+# deep) instead of holding them in registers. Slower on every shape: the 32-layer FP8 chain 3,210 us against 2,646 at
+# the engine's tiles, and no tensor-core tile of twelve beat the engine's on any one shape (H100, 2026-12-05,
+# bench.gemv_chain_sweep --fp8-tc-study; bench/RESULTS.md). An A/B knob, read as above, off.
 FP8_TENSOR_CORES = False
 FP8_TC_TILE = (64, 256, 4, 3, 1)  # block_n, block_k, warps, stages, tc: the knob's tile on every shape
 # FP8's long-K rows (gate_up, down_proj) at the tiles the H100's chain sweep picked (default_config): an A/B knob.
