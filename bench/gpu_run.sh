@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh fp8-wide|fp8-ab|fp8-packed|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|fp8-lean|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh fp8-h200|fp8-wide|fp8-ab|fp8-packed|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|fp8-lean|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# Pending: `recheck` on an H200 (FP8 split-K tickets and long-K tiles adopted on an H100, 2026-12-05 17:11; the FP8
-# ratio there 0.603). Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
+# Pending: `fp8-h200`, then `recheck`, on an H200 (FP8 split-K tickets and long-K tiles adopted on an H100, 2026-12-05
+# 17:11; the FP8 ratio there 0.603; the long tiles were picked by the H100's sweep). Carry [".whl/xgr", ".whl/svc",
+# ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -142,6 +143,16 @@ if [[ $what == fp8-ab ]]; then
   W=@kernels.gemv.FP8_WIDE_TILES=1; T=@kernels.gemv.SPLITK_TICKETS=0
   timeout 540 python3 -m bench.b1 --variants "bf16=quantization=none;base=;wide=$W;reduce=$T;wide_reduce=$W,$T" --rounds 3 \
     --quantization fp8 2>&1 | grep "round" | tee "$OUT/b1_fp8_wide_tickets.log"
+fi
+if [[ $what == fp8-h200 ]]; then
+  # The two FP8 defaults adopted on an H100 (2026-12-05), A/B'd on this card: the bf16 step, the FP8 default, the
+  # former long-K tiles (FP8_LONG_TILES=0), the reduce kernel (SPLITK_TICKETS=0), and neither (three rounds, ~2 min).
+  L=@kernels.gemv.FP8_LONG_TILES=0; T=@kernels.gemv.SPLITK_TICKETS=0
+  timeout 300 python3 -m bench.b1 --variants "bf16=quantization=none;default=;former_tiles=$L;reduce=$T;neither=$L,$T" \
+    --rounds 3 --quantization fp8 2>&1 | grep "round" | grep -v '^{' | tee "$OUT/b1_fp8_h200_ab.log"
+  # If the former tiles win here: the chain sweep on this card (~5 min).
+  timeout 290 python3 -m bench.gemv_chain_sweep --dtypes fp8 --budget 200 --out "$OUT" 2>&1 \
+    | grep -v "^  .*: [A-Za-z]*Error" | tee "$OUT/chain_fp8.log" | tail -6
 fi
 if [[ $what == kv-fp8 ]]; then
   # --kv-cache-dtype fp8_e4m3 (2026-12-05, built without a GPU), first call: the FP8-pool kernel checks and the
