@@ -9,12 +9,7 @@ neighbours and the best tile alone is not the best tile in the chain.
 alternated 1, 2, 1, 2.
 --fp8-row-study: FP8 weights in the one-row kernel (kernels.gemv.FP8_ROW_KERNEL) against the general kernel,
 then the row kernel's FP8 tiles swept shape by shape.
---fp8-packed-study: FP8 rows on packed registers (kernels.gemv.FP8_PACKED, with and without the lean knobs) against
-the engine's FP8 path, then the packed path's tiles swept shape by shape.
---fp8-wide-study: FP8 rows at 256 bytes a thread a step (kernels.gemv.FP8_WIDE_TILES) against the engine's tiles,
-then such tiles swept shape by shape.
---fp8-tc-study: FP8 rows on tensor cores (kernels.gemv.FP8_TENSOR_CORES: weight loads pipelined through shared memory)
-against the engine's tiles, then tensor-core tiles, stages and orientations swept shape by shape.
+(The packed-register, 256-byte and tensor-core FP8 studies of 2026-12-05 went with their kernels: bench/RESULTS.md.)
 """
 from __future__ import annotations
 
@@ -164,39 +159,6 @@ def f16_math_study(budget: float, t0: float) -> dict:
             "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
 
 
-# FP8 rows at 256 bytes a thread a step (the engine's tiles move 32-128; every sweep before 2026-12-05 stopped at
-# 128): (block_n, block_k, warps, the one-row kernel), most promising first (the sweep stops a shape at its time
-# share). sm_90 compile (Triton 3.6), no spills anywhere: the general kernel at (16, 2048, 4) 125 registers (142 with
-# the gated input), four programs and 128 KB of weights in flight on an SM against 12-16 programs and 48-64 KB for
-# the engine's gate_up tile (8, 512, 4) at 38 registers, 16 CTA barriers a step; the one-row kernel at (16, 2048, 4)
-# 109-124 registers and no barriers, but 8-byte weight loads (34-36 a step against 18).
-FP8_WIDE_CANDIDATES = [(16, 2048, 4, False), (16, 2048, 4, True), (16, 4096, 8, False), (8, 2048, 2, True),
-                       (8, 4096, 4, False), (8, 2048, 2, False), (32, 1024, 4, False), (32, 2048, 8, False)]
-
-
-def fp8_wide_study(budget: float, t0: float) -> dict:
-    """FP8 rows: the engine's tiles against kernels.gemv.FP8_WIDE_TILES (256 bytes a thread a step), the chain
-    alternated; then the 256-byte tiles swept shape by shape and the picks alternated against both."""
-    import kernels.gemv as kg
-    layers = build("fp8")
-
-    def configs(wide: bool) -> dict:
-        kg.FP8_WIDE_TILES = wide
-        try:
-            return {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
-        finally:
-            kg.FP8_WIDE_TILES = False
-    engine = configs(False)
-    out = alternate_then_sweep(layers, {"engine": engine, "wide": configs(True)}, "engine",
-                               lambda name, n, k: [dataclasses.replace(engine[name], block_n=bn, block_k=bk,
-                                                                       num_warps=warps, row_kernel=row)
-                                                   for bn, bk, warps, row in FP8_WIDE_CANDIDATES if bk <= k],
-                               budget, t0)
-    del layers
-    torch.cuda.empty_cache()
-    return out
-
-
 # The one-row kernel's tiles: (block_n, block_k, warps, narrow accumulators, tiles before the PDL wait, fold).
 ROW_CANDIDATES = [(4, 2048, 2, False, 2, 1), (8, 1024, 2, False, 2, 1), (8, 512, 2, False, 2, 1),
                   (2, 4096, 2, False, 2, 1), (2, 2048, 1, False, 2, 1), (4, 1024, 1, False, 2, 1),
@@ -204,39 +166,6 @@ ROW_CANDIDATES = [(4, 2048, 2, False, 2, 1), (8, 1024, 2, False, 2, 1), (8, 512,
                   (4, 4096, 4, True, 2, 1), (8, 2048, 4, True, 2, 1), (16, 1024, 4, True, 2, 1),
                   (2, 4096, 2, True, 2, 1), (8, 1024, 2, True, 2, 1), (4, 2048, 2, False, 1, 1),
                   (8, 1024, 2, False, 1, 1), (4, 1024, 2, True, 2, 2), (8, 512, 2, True, 2, 2)]
-
-
-# Tensor-core FP8 rows (kernels.gemv.FP8_TC_TILE): (block_n, block_k, warps, stages, tc), the engine's split rule on
-# each. sm_90 compile of (64, 256, 4, 3, 1): wgmma with the weights from registers, cp.async weight loads, 154-161
-# registers (three programs an SM), a loop step of 275 instructions a warp for its 4 KB of weights (69 a KB; the
-# engine's FP8 tiles: 105-120). Measured (H100, 2026-12-05): every candidate slower than the engine's tile on every shape.
-FP8_TC_CANDIDATES = [(64, 256, 4, 3, 1), (64, 128, 4, 4, 1), (64, 256, 4, 4, 1), (64, 512, 4, 3, 1),
-                     (64, 256, 4, 2, 1), (128, 128, 4, 3, 1), (128, 256, 8, 3, 1), (32, 256, 4, 3, 2),
-                     (16, 512, 4, 3, 2), (32, 512, 4, 4, 2), (64, 128, 4, 3, 2), (16, 256, 2, 4, 2)]
-
-
-def fp8_tc_configs(tile: tuple) -> dict:
-    """Every shape's config with the tensor-core knob on at `tile` (the engine's split rule applied)."""
-    import kernels.gemv as kg
-    saved = kg.FP8_TENSOR_CORES, kg.FP8_TC_TILE
-    kg.FP8_TENSOR_CORES, kg.FP8_TC_TILE = True, tile
-    try:
-        return {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
-    finally:
-        kg.FP8_TENSOR_CORES, kg.FP8_TC_TILE = saved
-
-
-def fp8_tc_study(budget: float, t0: float) -> dict:
-    """FP8 rows: the engine's tiles against tensor-core rows at the knob's tile, the chain alternated; then the
-    tensor-core candidates swept shape by shape, and the picks alternated against both."""
-    layers = build("fp8")
-    engine = {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
-    by_tile = [fp8_tc_configs(t) for t in FP8_TC_CANDIDATES]
-    out = alternate_then_sweep(layers, {"engine": engine, "tc": by_tile[0]}, "engine",
-                               lambda name, n, k: [c[name] for c in by_tile if c[name].block_k <= k], budget, t0)
-    del layers
-    torch.cuda.empty_cache()
-    return out
 
 
 def row_study(budget: float, t0: float) -> dict:
@@ -285,68 +214,6 @@ def fp8_row_study(budget: float, t0: float) -> dict:
     return _general_against_row(layers, general, row, cands, budget, t0)
 
 
-# FP8 rows on packed registers: (block_n, block_k, split_k, warps, tiles before the PDL wait).
-FP8_PACKED_CANDIDATES = [(8, 2048, 1, 4, 2), (16, 1024, 1, 4, 2), (16, 2048, 1, 8, 1), (8, 1024, 1, 2, 2),
-                         (8, 1024, 1, 4, 2), (16, 512, 1, 2, 2), (8, 512, 1, 2, 2), (4, 2048, 1, 4, 2),
-                         (32, 1024, 1, 8, 1), (16, 1024, 2, 4, 2), (8, 2048, 2, 4, 1), (16, 2048, 1, 4, 1),
-                         (8, 4096, 1, 8, 1), (4, 4096, 1, 8, 1), (32, 1024, 1, 4, 1), (32, 512, 1, 2, 2)]
-
-
-def fp8_packed_study(budget: float, t0: float) -> dict:
-    """FP8 rows: the engine's path (f16 math in the general kernel) against the packed path (kernels.gemv.FP8_PACKED)
-    at the same tiles, with and without FP8_EVEN_N + FP8_NO_EVICT_HINT, accuracy per shape, the chain alternated;
-    then the packed path's tiles swept shape by shape (lean knobs on), the picks alternated against the engine's."""
-    import kernels.gemv as kg
-    from kernels.reference import fp8_linear_ref
-    layers = build("fp8")
-    nbytes = sum(w.numel() * w.element_size() for ws in layers for w, _ in ws.values())
-    base = {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
-    modes = {"engine": (False, False), "lean": (False, True), "packed": (True, False), "packed_lean": (True, True)}
-
-    def run(mode: str, cfgs: dict) -> float:
-        kg.FP8_PACKED, lean = modes[mode]
-        kg.FP8_EVEN_N = kg.FP8_NO_EVICT_HINT = lean
-        try:
-            return chain_ms(layers, cfgs) * 1e3
-        finally:
-            kg.FP8_PACKED = kg.FP8_EVEN_N = kg.FP8_NO_EVICT_HINT = False
-
-    check = {}
-    for name, (n, k) in SHAPES.items():
-        w, sc = layers[0][name]
-        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
-        ref = fp8_linear_ref(x.float(), w, sc)
-        check[name] = {}
-        for mode in ("engine", "packed"):
-            kg.FP8_PACKED = modes[mode][0]
-            check[name][mode] = float((gemv(x, w, scale=sc).float() - ref).abs().max() / ref.abs().max())
-        kg.FP8_PACKED = False
-    print(f"accuracy (max error / max output): {json.dumps(check)}", flush=True)
-    times = {m: [] for m in modes}
-    for _ in range(2):
-        for m in modes:
-            times[m].append(run(m, base))
-    print(f"chain alternated, us: {json.dumps(times)} "
-          f"({', '.join(f'{m} {nbytes / min(v) / 1e3:.0f}' for m, v in times.items())} GB/s)", flush=True)
-    share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
-    picks, rows = sweep_shapes(lambda cfgs: run("packed_lean", cfgs), base, min(times["packed_lean"]),
-                               lambda name, n, k: [GemvConfig(bn, bk, split, warps, pre_tiles=pre, f16_math=True,
-                                                              row_kernel=False)
-                                                   for bn, bk, split, warps, pre in FP8_PACKED_CANDIDATES if bk <= k],
-                               share)
-    final = {"engine": [], "packed_lean": [], "picks": []}
-    for _ in range(2):
-        final["engine"].append(run("engine", base))
-        final["packed_lean"].append(run("packed_lean", base))
-        final["picks"].append(run("packed_lean", picks))
-    print(f"picks alternated with the engine's path, us: {json.dumps(final)} "
-          f"({', '.join(f'{k} {nbytes / min(v) / 1e3:.0f}' for k, v in final.items())} GB/s)", flush=True)
-    del layers
-    torch.cuda.empty_cache()
-    return {"check": check, "times": times, "rows": rows, "final": final,
-            "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
-
-
 def _general_against_row(layers, general: dict, row: dict, cands, budget: float, t0: float) -> dict:
     """Accuracy per shape against the dequantized weights, the chain with every shape on the general kernel and
     on the row kernel alternated, then cands(name, k) tried one shape at a time (the others at `row`), the best
@@ -379,12 +246,6 @@ def main() -> int:
                     help="bf16: the one-row kernel against the general one (chain alternated), then its tiles swept")
     ap.add_argument("--fp8-row-study", action="store_true",
                     help="FP8: the one-row kernel against the general one (chain alternated), then its tiles swept")
-    ap.add_argument("--fp8-packed-study", action="store_true",
-                    help="FP8: the packed-register path (kernels.gemv.FP8_PACKED) against the engine's, then its tiles")
-    ap.add_argument("--fp8-wide-study", action="store_true",
-                    help="FP8: 256 bytes a thread a step (kernels.gemv.FP8_WIDE_TILES) against the engine's tiles")
-    ap.add_argument("--fp8-tc-study", action="store_true",
-                    help="FP8: rows on tensor cores (kernels.gemv.FP8_TENSOR_CORES) against the engine's tiles")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     set_pdl(True)
@@ -411,14 +272,7 @@ def main() -> int:
         result["runs"]["row"] = row_study(args.budget, t0)
     if args.fp8_row_study:
         result["runs"]["fp8_row"] = fp8_row_study(args.budget, t0)
-    if args.fp8_packed_study:
-        result["runs"]["fp8_packed"] = fp8_packed_study(args.budget, t0)
-    if args.fp8_wide_study:
-        result["runs"]["fp8_wide"] = fp8_wide_study(args.budget, t0)
-    if args.fp8_tc_study:
-        result["runs"]["fp8_tc"] = fp8_tc_study(args.budget, t0)
-    studies = (args.pre_tiles_study or args.f16_math_study or args.row_study or args.fp8_row_study
-               or args.fp8_packed_study or args.fp8_wide_study or args.fp8_tc_study)
+    studies = args.pre_tiles_study or args.f16_math_study or args.row_study or args.fp8_row_study
     for dtype in ([] if studies else args.dtypes.split(",")):
         layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2

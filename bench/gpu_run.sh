@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh fp8-h200|fp8-wide|fp8-ab|fp8-packed|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|fp8-lean|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh fp8-h200|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 # Pending: `fp8-h200`, then `recheck`, on an H200 (FP8 split-K tickets and long-K tiles adopted on an H100, 2026-12-05
@@ -128,22 +128,6 @@ if [[ $what == batch1-next-trace ]]; then
     --rounds 2 2>&1 | grep "round" | tee "$OUT/b1_rope_tail.log"
   timeout 150 python3 -m bench.probe trace_pdl trace_pdl_rope trace_pdl_kv 2>&1 | grep -v "Capturing\|Warning" | tail -40
 fi
-if [[ $what == fp8-wide ]]; then
-  # FP8 rows at 256 bytes a thread a step (kernels.gemv.FP8_WIDE_TILES) and split K reduced in the GEMV by per-tile
-  # tickets (kernels.gemv.SPLITK_TICKETS; both 2026-12-05, compiled only): their GPU checks, then the 32-layer chain
-  # study (the wide knob against the engine's tiles, then 256-byte tiles shape by shape). fp8-ab follows.
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-    -k "cuda_bf16 and (gemv_fp8_f16_math or gemv_splitk_tickets)" 2>&1 | tail -2
-  timeout 380 python3 -m bench.gemv_chain_sweep --fp8-wide-study --budget 260 --out "$OUT" 2>&1 | tee "$OUT/fp8_wide.log" \
-    | grep -v "^  .*: [A-Za-z]*Error"
-fi
-if [[ $what == fp8-ab ]]; then
-  # The FP8 batch-1 step with each knob and both, and the bf16 step (three rounds, alternated: the ratio goal in one call).
-  # Since 2026-12-05 17:00 tickets are the default: "reduce" is the former path.
-  W=@kernels.gemv.FP8_WIDE_TILES=1; T=@kernels.gemv.SPLITK_TICKETS=0
-  timeout 540 python3 -m bench.b1 --variants "bf16=quantization=none;base=;wide=$W;reduce=$T;wide_reduce=$W,$T" --rounds 3 \
-    --quantization fp8 2>&1 | grep "round" | tee "$OUT/b1_fp8_wide_tickets.log"
-fi
 if [[ $what == fp8-h200 ]]; then
   # The two FP8 defaults adopted on an H100 (2026-12-05), A/B'd on this card: the bf16 step, the FP8 default, the
   # former long-K tiles (FP8_LONG_TILES=0), the reduce kernel (SPLITK_TICKETS=0), and neither (three rounds, ~2 min).
@@ -185,26 +169,6 @@ if [[ $what == fp8-block-e2e ]]; then
   # batch-1 step, graph replay and a 64-request throughput run against bf16 and per-channel FP8.
   timeout 540 python3 -m bench.fp8 --block --reqs 64 --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/fp8_block.log" \
     | tail -8
-fi
-if [[ $what == fp8-lean ]]; then
-  # FP8 rows with fewer instructions a loop step (kernels.gemv.FP8_EVEN_N, FP8_NO_EVICT_HINT; 2026-12-05, compiled
-  # only): their bit-equality check on the GPU, then the FP8 batch-1 step A/B, three rounds.
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and fp8_lean" 2>&1 | tail -2
-  timeout 420 python3 -m bench.b1 --quantization fp8 --rounds 3 --variants \
-    "base=;even=@kernels.gemv.FP8_EVEN_N=1;lean=@kernels.gemv.FP8_EVEN_N=1,@kernels.gemv.FP8_NO_EVICT_HINT=1" 2>&1 \
-    | grep "round" | tee "$OUT/b1_fp8_lean.log"
-fi
-if [[ $what == fp8-packed ]]; then
-  # FP8 rows on packed registers (kernels.gemv.FP8_PACKED, inline PTX; 2026-12-05, compiled only): the GPU checks, the
-  # batch-1 step A/B (bf16 for the FP8 ratio goal; FP8: engine path, lean knobs, packed + lean), then the 32-layer
-  # chain study and the packed tiles.
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_quantization.py \
-    tests/test_model_parity.py -k "(cuda_bf16 and (fp8_packed or fp8_lean)) or fp8_kernels_on_gpu or packed_registers" \
-    2>&1 | tail -3
-  timeout 250 python3 -m bench.b1 --quantization fp8 --rounds 2 --variants \
-    "bf16=quantization=none;base=;lean=@kernels.gemv.FP8_EVEN_N=1,@kernels.gemv.FP8_NO_EVICT_HINT=1;packed_lean=@kernels.gemv.FP8_PACKED=1,@kernels.gemv.FP8_EVEN_N=1,@kernels.gemv.FP8_NO_EVICT_HINT=1" \
-    2>&1 | grep "round" | tee "$OUT/b1_fp8_packed.log"
-  timeout 170 python3 -m bench.gemv_chain_sweep --fp8-packed-study --budget 120 2>&1 | tee "$OUT/fp8_packed_study.log" | tail -12
 fi
 if [[ $what == fp8-row ]]; then
   # Issue 14 item 3: FP8 weights in the one-row GEMV (kernels.gemv.FP8_ROW_KERNEL, 2026-12-04, never run on a GPU): its

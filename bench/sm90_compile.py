@@ -4,7 +4,7 @@ with --sass). A kernel that does not compile for Hopper fails here, not in a dev
 
     PYTHONPATH=/tmp/t36 python -m bench.sm90_compile [--pdl 0|1|2] [--sass NAME] [--fp8] [--no-split-norms]
                                                      [--rope-fusion] [--fp8-row] [--kv-before-wait] [--loops]
-                                                     [--kv-cache-dtype fp8_e4m3|fp8_e5m2] [--fp8 --fp8-blocks --fp8-lean --fp8-packed]
+                                                     [--kv-cache-dtype fp8_e4m3|fp8_e5m2] [--fp8 --fp8-blocks]
 
 Use the device's Triton version (3.6: `pip download --no-deps triton==3.6.0` and `pip install --no-deps
 --target /tmp/t36` the wheel) so ptxas and the compiler match what runs there. Nothing is launched: each
@@ -198,10 +198,6 @@ def main() -> None:
     ap.add_argument("--rope-fusion", action="store_true", help="rope and the KV store in the qkv GEMV (--decode-rope-fusion)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
                     help="the KV pool's dtype; FP8 also compiles the other kernels that touch the pool")
-    ap.add_argument("--fp8-lean", action="store_true",
-                    help="with --fp8: kernels.gemv.FP8_EVEN_N and FP8_NO_EVICT_HINT on")
-    ap.add_argument("--fp8-packed", action="store_true",
-                    help="with --fp8: kernels.gemv.FP8_PACKED on (e4m3 and x on packed registers, inline PTX)")
     ap.add_argument("--fp8-blocks", action="store_true",
                     help="with --fp8: block-scaled weights ([128, 128] blocks), and the block FP8 GEMM")
     ap.add_argument("--sass", default="", help="print the SASS of kernels whose name contains this")
@@ -215,9 +211,6 @@ def main() -> None:
     import kernels.gemv as kg
     kg.num_sms = td.num_sms = ku.num_sms
     kg.FP8_ROW_KERNEL = args.fp8_row
-    kg.FP8_EVEN_N = kg.FP8_NO_EVICT_HINT = args.fp8_lean
-    kg.FP8_PACKED = args.fp8_packed
-    kg.e4m3_pairs = lambda device: True  # type: ignore[assignment]
     td.KV_BEFORE_WAIT = args.kv_before_wait
     ku.set_pdl(args.pdl > 0, early_trigger=args.pdl == 2)
     JITFunction.run = _compile  # type: ignore[method-assign]

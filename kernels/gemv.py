@@ -26,10 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import (dot_precision, interpreting, next_pow2, num_sms, pdl_launch, pdl_prologue, pdl_trigger,
+from kernels._utils import (dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue, pdl_trigger,
                             pdl_trigger_early, pdl_wait)
 from kernels.activation import silu_mul_f32
-from kernels.fp8_dot import dot_accumulate, x_fields
 from kernels.reference import scale_block
 from kernels.residual_norm import NORM_SLOTS, ResidualNorm
 from kernels.rope_store import RopeStore, rope_args, rope_rows, rope_store_epilogue, rope_store_inputs
@@ -66,10 +65,8 @@ def _out(acc, X, Y):
 
 
 @triton.jit
-def _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K: tl.constexpr, EVICT: tl.constexpr, EVEN_N: tl.constexpr = False):
-    if EVEN_K and EVEN_N:
-        w = tl.load(w_ptrs, eviction_policy=EVICT)
-    elif EVEN_K:
+def _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
+    if EVEN_K:
         w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy=EVICT)
     else:
         w = tl.load(w_ptrs, mask=mask_n[:, None] & ((kbase + offs_k) < K)[None, :], other=0.0,
@@ -155,14 +152,10 @@ def _block_scales(S, stride_s, offs_n, mask_n, kbase, K, BLOCK_N: tl.constexpr, 
 @triton.jit
 def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, EVEN_K: tl.constexpr,
                 SILU_MUL: tl.constexpr, DOT_PREC: tl.constexpr, F16: tl.constexpr = False, S=None, stride_s=0,
-                offs_n=None, mask_n=None, BLOCK_N: tl.constexpr = 1, SBN: tl.constexpr = 0, SBK: tl.constexpr = 0,
-                TC: tl.constexpr = 0):
+                offs_n=None, mask_n=None, BLOCK_N: tl.constexpr = 1, SBN: tl.constexpr = 0, SBK: tl.constexpr = 0):
     """acc += x_tile . w_tile: a full-tile fp32 accumulator for one row (reduced once at the end, no
     shuffles in the loop), a 16-row tensor-core tile for several (the MMA is free next to the W stream).
-    SBK > 0 (F16 only): block-scaled weights, each lane's sum multiplied by its block's scale (_block_scales).
-    TC (F16 only, per-row scales): FP8 rows on tensor cores, the weights converted to f16 and multiplied with x's
-    f16 row in a 16-wide operand (zeros elsewhere), fp32 sums: 1, w as the MMA's rows and x a column of a
-    [BLOCK_K, 16] operand (acc [BLOCK_N, 16]); 2, x the first of 16 rows (M_PAD = 16, acc [16, BLOCK_N])."""
+    SBK > 0 (F16 only): block-scaled weights, each lane's sum multiplied by its block's scale (_block_scales)."""
     if EVEN_K:
         xm = mask_m[:, None]
     else:
@@ -170,13 +163,7 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
     x = tl.load(x_ptrs, mask=xm, other=0.0, eviction_policy="evict_last")
     if SILU_MUL:
         x = _silu_mul(x, tl.load(x_ptrs + K, mask=xm, other=0.0, eviction_policy="evict_last"))
-    if F16 and TC == 1:
-        xs = tl.trans((x.to(tl.float32) * 0.00390625).to(tl.float16))  # [BLOCK_K, 1]
-        xt = tl.where(tl.arange(0, 16)[None, :] == 0, xs, 0.0).to(tl.float16)
-        acc = tl.dot(w.to(tl.float16), xt, acc)
-    elif F16 and TC == 2:  # x [16, BLOCK_K], rows past M zero (mask_m)
-        acc = tl.dot((x.to(tl.float32) * 0.00390625).to(tl.float16), tl.trans(w.to(tl.float16)), acc)
-    elif F16:
+    if F16:
         # FP8 rows: weights converted to f16 only (e4m3 is exact in f16), products with x * 2^-8 (so that
         # |w| <= 448 times x stays in f16's range) summed eight at a time in f16, then in fp32. About half
         # the conversion and FMA instructions of the fp32 path, which is what bounds this GEMV. Range: a
@@ -198,22 +185,6 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
 
 
 @triton.jit
-def _accumulate_packed(acc, w, x_ptrs, kbase, K, offs_k4, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
-                       XDT: tl.constexpr, ASM: tl.constexpr):
-    """FP8 rows on packed registers (kernels/fp8_dot.py): w [BLOCK_N, BLOCK_K / 4] int32 of four e4m3, x read
-    as int64 of four 16-bit values (the gated input's up half K / 4 int64 on)."""
-    if EVEN_K:
-        x = tl.load(x_ptrs, eviction_policy="evict_last")
-        up = tl.load(x_ptrs + K // 4, eviction_policy="evict_last") if SILU_MUL else x
-    else:
-        xm = (kbase + 4 * offs_k4)[None, :] < K
-        x = tl.load(x_ptrs, mask=xm, other=0, eviction_policy="evict_last")
-        up = tl.load(x_ptrs + K // 4, mask=xm, other=0, eviction_policy="evict_last") if SILU_MUL else x
-    x0, x1, x2, x3 = x_fields(x, up, XDT, SILU_MUL)
-    return dot_accumulate(acc, w, x0, x1, x2, x3, ASM)
-
-
-@triton.jit
 def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT, R, GAMMA, SQ, eps,
                  POS, CS, stride_cs, LOC, KB, VB, stride_bs, QS, KVS,
                  HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -221,9 +192,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                  PDL: tl.constexpr, PRE: tl.constexpr, F16: tl.constexpr = False, NORM_IN: tl.constexpr = False,
                  ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
                  HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True, stride_s=0, SBN: tl.constexpr = 0,
-                 SBK: tl.constexpr = 0, EVEN_N: tl.constexpr = False, W_EVICT: tl.constexpr = "evict_first",
-                 WP=None, XP=None, PACKED: tl.constexpr = False, ASM: tl.constexpr = True, W_STRIDE: tl.constexpr = 0,
-                 TK=None, TICKETED: tl.constexpr = False, TC: tl.constexpr = 0):
+                 SBK: tl.constexpr = 0, TK=None, TICKETED: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (one row, no split: the host checks)
@@ -234,73 +203,43 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     offs_m = tl.arange(0, M_PAD)
     mask_m = offs_m < M
     k0 = pid_k * K_PER_SPLIT
-    if PACKED:  # FP8 rows on packed registers: int32 columns of four weights, int64 of four x (_accumulate_packed)
-        step = BLOCK_K // 4
-        offs_k = tl.arange(0, BLOCK_K // 4)
-        offs_kl = 4 * offs_k  # each column's first k, for the masks
-        # Two columns a thread (8-byte weight loads), so that w's layout is the int64 x row's (16-byte loads).
-        # The row stride a constant (W_STRIDE): one base pointer a step, the rows at immediate offsets from it.
-        if ROPE:
-            w_rows = offs_n[:, None].to(tl.int64) * W_STRIDE
-        else:
-            w_rows = (pid_n * BLOCK_N).to(tl.int64) * W_STRIDE + (tl.arange(0, BLOCK_N) * W_STRIDE)[:, None]
-        w_ptrs = WP + w_rows + (k0 // 4 + tl.max_contiguous(offs_k, 2))[None, :]
-        x_ptrs = XP + (k0 // 4 + offs_k)[None, :] + 0 * offs_n[:, None]
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+    x_ptrs = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+    if F16:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    elif M_PAD == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
-        step = BLOCK_K
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_kl = offs_k
-        w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
-        x_ptrs = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
-        if F16 and TC == 1:
-            acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-        elif F16 and TC == 0:
-            acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        elif M_PAD == 1:
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        else:
-            acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     if PDL:
         # The weights are nobody's output: the first PRE tiles stream in while the previous kernel drains
         # (PRE = 2 only where this split has two tiles or more: the host checks).
         pdl_trigger_early(PDL)
-        w = _load_w(w_ptrs, k0, K, mask_n, offs_kl, EVEN_K, W_EVICT, EVEN_N)
+        w = _load_w(w_ptrs, k0, K, mask_n, offs_k, EVEN_K, "evict_first")
         if PRE == 2:
-            w2 = _load_w(w_ptrs + step, k0 + BLOCK_K, K, mask_n, offs_kl, EVEN_K, W_EVICT, EVEN_N)
+            w2 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K, "evict_first")
         pdl_prologue(PDL, True)
-        if PACKED:
-            acc = _accumulate_packed(acc, w, x_ptrs, k0, K, offs_k, EVEN_K, SILU_MUL, X.dtype.element_ty, ASM)
-        else:
-            acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
-                              stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK, TC)
-        w_ptrs += step
-        x_ptrs += step
+        acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
+                          stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
         if PRE == 2:
-            if PACKED:
-                acc = _accumulate_packed(acc, w2, x_ptrs, k0 + BLOCK_K, K, offs_k, EVEN_K, SILU_MUL,
-                                         X.dtype.element_ty, ASM)
-            else:
-                acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL,
-                                  DOT_PREC, F16, S, stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK, TC)
-            w_ptrs += step
-            x_ptrs += step
+            acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL,
+                              DOT_PREC, F16, S, stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
     rs, r_in, gamma, cos, sin, slot = _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS,
                                                        stride_cs, LOC, QS, KVS, NORM_IN,
                                                        ADD_NORM and (SPLIT_K == 1 or TICKETED),
                                                        ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
-        w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_kl, EVEN_K, W_EVICT, EVEN_N)
-        if PACKED:
-            acc = _accumulate_packed(acc, w, x_ptrs, k0 + kk, K, offs_k, EVEN_K, SILU_MUL, X.dtype.element_ty, ASM)
-        else:
-            acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
-                              stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK, TC)
-        w_ptrs += step
-        x_ptrs += step
-    if F16 and TC == 2:  # [M_PAD, BLOCK_N]: x's row 0 (the others are zero)
-        acc = acc * 256.0
-    elif F16 or PACKED:  # (TC == 1: [BLOCK_N, 16], x in column 0, the others zero)
+        w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K, "evict_first")
+        acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
+                          stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if F16:
         acc = tl.sum(acc, axis=1)[None, :] * 256.0
     elif M_PAD == 1:
         acc = tl.sum(acc, axis=1)[None, :]
@@ -511,10 +450,6 @@ class GemvConfig:
     row_kernel: bool = True
     narrow: bool = False  # each thread's eight neighbouring products summed before they are accumulated
     evict_first: bool = True  # weight loads marked evict-first (W is read once)
-    # FP8 rows on tensor cores (the general kernel, per-row scales, one row; _accumulate's TC): 1, the weights as the
-    # MMA's rows; 2, x as the first of 16 rows. 0: CUDA-core FMAs.
-    tc: int = 0
-    stages: int = 0  # the K loop's software-pipeline stages (Triton's num_stages; 0: Triton's default)
 
 
 # K is split (a reduce kernel after) while the output's programs number fewer than this many per SM. An A/B knob,
@@ -523,27 +458,20 @@ class GemvConfig:
 SPLIT_K_MIN_PROGRAMS = 2.0
 # Rows a program of FP8's N <= 4096 GEMVs (o_proj, down_proj) takes: an A/B knob, read as above.
 FP8_SMALL_N_BLOCK_N = 16
-# FP8 rows at 256 bytes a thread a loop step, (16, 2048, 4) on every shape, against the default tiles' 32-128: about
-# twice the weight bytes in flight on an SM (sm_90 compile: 125 registers, 142 with the gated input, no spills; four
-# programs an SM). Slower: the FP8 batch-1 step 3.546 ms against 3.353 (H100, 2026-12-05, bench.b1, two rounds
-# alternated; bench/RESULTS.md). An A/B knob, read as above, off.
-FP8_WIDE_TILES = False
 # Split K without the reduce kernel (one row, the general kernel, no rope epilogue): each output tile's last split to
 # finish, by a per-tile ticket counter, sums the splits' partials and runs the epilogue, as the reduce kernel would,
 # bit for bit (a split norm's sum of squares is taken a tile at a time, as without split K: equal to fp32
-# rounding). FP8's o_proj and down_proj split in two at batch 1, and their 64 reduce launches a step go: the FP8
-# batch-1 step 3.240 ms against 3.350 (-3.3%; H100, 2026-12-05, bench.b1, five rounds over two calls). On by
+# rounding). At batch 1 FP8's o_proj splits in two (down_proj did too, before FP8_LONG_TILES), without its reduce
+# launch: the FP8 batch-1 step 3.240 ms against 3.350 (-3.3%; H100, 2026-12-05, bench.b1, five rounds over two
+# calls, 64 reduce launches a step gone at the tiles of then). On by
 # default; an A/B knob read at launch. The counters are one buffer a device: ticketed GEMVs must not run
 # concurrently on two streams of one device (the engine runs its forward passes on one stream).
 SPLITK_TICKETS = True
-# FP8 rows on tensor cores (GemvConfig.tc): the weights converted to f16 and fed to MMAs with x's row padded to 16, so
-# that the K loop is a tl.dot whose weight loads Triton software-pipelines through shared memory (cp.async, `stages`
-# deep) instead of holding them in registers. Slower on every shape: the 32-layer FP8 chain 3,210 us against 2,646 at
-# the engine's tiles, and no tensor-core tile of twelve beat the engine's on any one shape (H100, 2026-12-05,
-# bench.gemv_chain_sweep --fp8-tc-study; bench/RESULTS.md). An A/B knob, read as above, off.
-FP8_TENSOR_CORES = False
-FP8_TC_TILE = (64, 256, 4, 3, 1)  # block_n, block_k, warps, stages, tc: the knob's tile on every shape
 # FP8's long-K rows (gate_up, down_proj) at the tiles the H100's chain sweep picked (default_config): an A/B knob.
+# Measured and removed (bench/RESULTS.md, 2026-12-05; the code is in git history): FP8 rows at 256 bytes a thread
+# (FP8_WIDE_TILES, batch-1 step +6%, H100), on tensor cores with cp.async-pipelined weights (FP8_TENSOR_CORES,
+# 32-layer chain +21%, H100, at 3009671), on packed registers with inline PTX (FP8_PACKED, kernels/fp8_dot.py, +1.5%,
+# H200) and with fewer instructions a loop step (FP8_EVEN_N, FP8_NO_EVICT_HINT, +3.5%, H200).
 FP8_LONG_TILES = True
 _TICKET_SLOTS = 65536  # output tiles one launch may ticket (more run the reduce kernel)
 _tickets: dict = {}
@@ -572,28 +500,17 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
         else:
             block_n, block_k, warps = (8, 1024, 2) if N <= 8192 else (2, 4096, 2)
         extra = dict(f16_math=True, pre_tiles=2, fold=2 if 4096 < N <= 8192 else 1)
-    elif M == 1 and weight_bytes == 1 and FP8_PACKED:
-        # FP8 rows on packed registers: the f16 path's rows and bytes in flight, at warps for which every thread holds
-        # all of a tile's rows (block_k = 256 * warps): x's fields (and the gated activation) are then computed once a
-        # thread, not once a row group. `bench.gemv_chain_sweep --fp8-packed-study` (H200, 2026-12-05) found no tile
-        # at which the packed path beats the f16 one.
-        block_n, block_k, warps = ((FP8_SMALL_N_BLOCK_N, 1024, 4) if N <= 4096 else (8, 2048, 4) if N <= 8192
-                                   else (8, 512, 2))
-        extra = dict(f16_math=True, row_kernel=False)
     elif M == 1 and weight_bytes == 1:
         # FP8 rows with f16 math (--f16-math-study, 2026-12-02: 2,095 us against 2,196 for fp32 math at its own
         # tiles), one tile before the PDL wait.
-        block_n, block_k, warps = ((16, 2048, 4) if FP8_WIDE_TILES else (FP8_SMALL_N_BLOCK_N, 1024, 8) if N <= 4096
-                                   else (8, 2048, 4) if N <= 8192 else (8, 512, 4))
-        if FP8_TENSOR_CORES:
-            block_n, block_k, warps, stages, tc = FP8_TC_TILE
-            extra = dict(tc=tc, stages=stages)
-        elif FP8_LONG_TILES and not FP8_WIDE_TILES and (N > 8192 or K > 4096):
+        block_n, block_k, warps = ((FP8_SMALL_N_BLOCK_N, 1024, 8) if N <= 4096 else (8, 2048, 4) if N <= 8192
+                                   else (8, 512, 4))
+        if FP8_LONG_TILES and (N > 8192 or K > 4096):
             # gate_up at (4, 2048, 2); down_proj at (16, 2048, 8), K unsplit (bench.gemv_chain_sweep --dtypes fp8,
             # H100, 2026-12-05: the chain 2,638 us against 2,808 at the tiles above, with tickets).
             block_n, block_k, warps = (4, 2048, 2) if N > 8192 else (16, 2048, 8)
             no_split = N <= 8192
-        extra = dict(f16_math=True, row_kernel=False, **extra)
+        extra = dict(f16_math=True, row_kernel=False)
     elif M == 1:
         # The one-row kernel (--row-study, 2026-12-04): few rows and long K tiles a program, products summed
         # eight at a time before they are accumulated where registers are short, two tiles before the PDL
@@ -621,51 +538,6 @@ def _norm_args(norm_in: ResidualNorm | None, add_norm: ResidualNorm | None, spli
     return dict(R=add_norm.residual if add_norm is not None else x, GAMMA=add_norm.weight if add_norm is not None else x,
                 SQ=norm.sumsq if norm is not None else x, eps=norm.eps if norm is not None else 0.0,
                 NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None and split_k == 1, NSLOT=NORM_SLOTS)
-
-
-# FP8 rows in the general kernel with fewer instructions a loop step, each an A/B knob read at launch, off: on the H200
-# (2026-12-05) both together cost the FP8 batch-1 step 3.5% (the evict-first hint matters; the GEMV is not bound by
-# instruction issue, as the 12-02 study read it). FP8_EVEN_N: no row mask on the weight loads where the tiles
-# cover N exactly (no zero-fill of the load registers); FP8_NO_EVICT_HINT: plain weight loads (Triton builds the
-# evict-first hint's cache-policy register anew for each load). sm_90 compile of Llama-8B's loops (qkv / o / gate_up /
-# down): 419 / 220 / 120 / 289 instructions a step, 387 / 203 / 111 / 276 with the first, 382 / 198 / 111 / 271 with
-# both (qkv's registers 79 -> 88: 5 programs an SM at 4 warps, not 6). Summing each lane as odd and even halves of
-# four (no cross-register shuffles, on paper) compiled worse: 427 / 364 / 193 / 428, with layout conversions.
-FP8_EVEN_N = False
-FP8_NO_EVICT_HINT = False
-
-
-def _fp8_lean(cfg: GemvConfig, w: torch.Tensor, N: int, dot: bool) -> dict:
-    if dot or not _f16_math(cfg, w):
-        return {}
-    return dict(EVEN_N=bool(FP8_EVEN_N) and N % cfg.block_n == 0,
-                W_EVICT="" if FP8_NO_EVICT_HINT else "evict_first")
-
-
-# FP8 rows on packed registers (kernels/fp8_dot.py: the weights as int32 of four e4m3, x as int64 of four, multiplied
-# as f16 pairs in inline PTX): no layout conversion through shared memory and 30-40% fewer instructions a loop step
-# (sm_90 compile), yet slower on the H200 (2026-12-05: FP8 batch-1 step +1.5%, the 32-layer chain +1.3% at the best
-# tiles found; bench/RESULTS.md). An A/B knob read at launch (@kernels.gemv.FP8_PACKED=1), off.
-FP8_PACKED = False
-
-
-def _fp8_packed(cfg: GemvConfig, x: torch.Tensor, w: torch.Tensor, K: int, block, dot: bool) -> dict:
-    """The packed FP8 path's views and switches where it applies (per-row scales, one 16-bit row of x, K and the
-    views' offsets in whole columns, inline PTX for e4m3 on sm_89+ or the interpreter's emulation); {} elsewhere."""
-    if not FP8_PACKED or dot or block is not None or not _f16_math(cfg, w) or x.dtype not in (torch.bfloat16,
-                                                                                              torch.float16):
-        return {}
-    if K % 8 or cfg.block_k % 8 or w.stride(0) % 4 or w.storage_offset() % 4 or x.storage_offset() % 4:
-        return {}
-    asm = not interpreting()
-    if asm and not e4m3_pairs(w.device):
-        return {}
-    return dict(WP=w.view(torch.int32), XP=x[0].view(torch.int64), PACKED=True, ASM=asm, W_STRIDE=w.stride(0) // 4)
-
-
-def e4m3_pairs(device: torch.device) -> bool:
-    """Whether the GPU converts e4m3 pairs to f16 in one instruction (cvt.rn.f16x2.e4m3x2: sm_89 and newer)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _f16_math(cfg: GemvConfig, w: torch.Tensor) -> bool:
@@ -747,19 +619,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if not dot and cfg.row_kernel:
         _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms, ropes)
     else:
-        packed = _fp8_packed(cfg, x, w, K, block, dot)
-        tc = cfg.tc if not (dot or packed or block is not None or M > 1) and _f16_math(cfg, w) else 0
-        assert not tc or (cfg.block_n >= 16 and cfg.block_k >= 16), "tensor-core FP8 rows: tiles of 16 at least"
         _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
             x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
             k_per_split, **norms, **ropes, HAS_SCALE=scale is not None and block is None,
             stride_s=scale.stride(0) if block is not None else 0, SBN=block[0] if block else 0,
-            SBK=block[1] if block else 0, M=M, M_PAD=16 if dot or tc == 2 else 1, BLOCK_N=cfg.block_n,
+            SBK=block[1] if block else 0, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
-            F16=_f16_math(cfg, w) and not dot, **_fp8_lean(cfg, w, N, dot), **packed,
-            TK=_ticket_counters(x.device) if ticketed else partial, TICKETED=ticketed, TC=tc,
-            **({"num_stages": cfg.stages} if cfg.stages else {}), **pdl_launch(pdl, "gemv"))
+            F16=_f16_math(cfg, w) and not dot, TK=_ticket_counters(x.device) if ticketed else partial,
+            TICKETED=ticketed, **pdl_launch(pdl, "gemv"))
     if split_k > 1 and not ticketed:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](

@@ -26,7 +26,7 @@ def test_b1_variants_take_engine_fields_and_module_knobs():
     assert kg.PRODUCER_LATE_TRIGGER is False
     # A variant's own quantization (bf16 beside FP8 variants in one A/B) overrides --quantization.
     from bench.b1 import engine_fields
-    v = parse_variants("bf16=quantization=none;fp8=;knob=@kernels.gemv.FP8_PACKED=1,decode_norm_fusion=0")
+    v = parse_variants("bf16=quantization=none;fp8=;knob=@kernels.gemv.SPLITK_TICKETS=0,decode_norm_fusion=0")
     assert engine_fields("fp8", v["bf16"]) == {} and engine_fields("fp8", v["fp8"]) == {"quantization": "fp8"}
     assert engine_fields("none", v["knob"]) == {"decode_norm_fusion": False}
     for bad in ("x=@kernels.gemv.NO_SUCH=1", "x=@no_such_module.X=1", "x=no_such_field=1"):
@@ -61,25 +61,31 @@ def test_gemv_chain_sweep_keeps_each_shapes_fastest_tile_and_skips_the_base(caps
     assert "RuntimeError" in capsys.readouterr().out
 
 
-def test_gemv_chain_sweep_fp8_wide_study_runs_on_a_fake_chain(monkeypatch, capsys):
-    """The study that gpu_run.sh fp8-wide runs, end to end on the CPU with the chain timed by a stand-in: the knob's
-    tiles are what it compares, every 256-byte candidate is tried where it fits, and the knob is off after."""
+def test_gemv_chain_sweep_alternate_then_sweep_on_a_fake_chain(monkeypatch, capsys):
+    """The studies' common driver (bench.gemv_chain_sweep.alternate_then_sweep), end to end on the CPU with the
+    chain timed by a stand-in: each named tile set alternated twice, every shape's candidates tried from the base set,
+    and the picks (the fastest candidate of each shape) alternated twice against every set."""
     import torch
 
     import bench.gemv_chain_sweep as cs
-    import kernels.gemv as kg
+    from kernels.gemv import GemvConfig
 
-    monkeypatch.setattr(cs, "build", lambda dtype: [{nm: (torch.zeros(1, dtype=torch.uint8), None) for nm in cs.SHAPES}])
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    layers = [{nm: (torch.zeros(1, dtype=torch.uint8), None) for nm in cs.SHAPES}]
     seen = []
 
     def chain_ms(layers, cfgs):
-        seen.append({nm: (c.block_n, c.block_k, c.num_warps) for nm, c in cfgs.items()})
+        seen.append({nm: c.block_k for nm, c in cfgs.items()})
         return 1.0 - 0.001 * sum(c.block_k for c in cfgs.values()) / 1e4  # wider K tiles "faster"
     monkeypatch.setattr(cs, "chain_ms", chain_ms)
-    out = cs.fp8_wide_study(budget=60, t0=__import__("time").time())
-    assert not kg.FP8_WIDE_TILES
-    assert seen[1] == {nm: (16, 2048, 4) for nm in cs.SHAPES}  # engine, wide, engine, wide
-    assert {r["shape"] for r in out["rows"]} == set(cs.SHAPES)
-    assert {r["cfg"]["row_kernel"] for r in out["rows"]} == {True, False}  # both kernels among the candidates
-    assert len(out["final"]["picks"]) == 2 and "picks alternated" in capsys.readouterr().out
+    engine = {nm: GemvConfig(8, 512, 1, 4) for nm in cs.SHAPES}
+    other = {nm: GemvConfig(8, 1024, 1, 4) for nm in cs.SHAPES}
+    out = cs.alternate_then_sweep(layers, {"engine": engine, "other": other}, "engine",
+                                  lambda name, n, k: [GemvConfig(8, bk, 1, 4) for bk in (256, 2048)],
+                                  budget=60, t0=__import__("time").time())
+    assert seen[:4] == [{nm: bk for nm in cs.SHAPES} for bk in (512, 1024, 512, 1024)]
+    assert len(out["times"]["engine"]) == len(out["times"]["other"]) == 2
+    tried = {(r["shape"], r["cfg"]["block_k"]) for r in out["rows"]}
+    assert tried == {(nm, bk) for nm in cs.SHAPES for bk in (256, 2048)}
+    assert all(v == 2 for v in map(len, out["final"].values())) and set(out["final"]) == {"engine", "other", "picks"}
+    assert seen[-1] == {nm: 2048 for nm in cs.SHAPES}  # the picks: each shape's fastest candidate
+    assert "picks alternated" in capsys.readouterr().out

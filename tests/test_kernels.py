@@ -435,105 +435,6 @@ def check_gemv_fp8_f16_math(device, dtype):
     for cfg in tiles.values():  # the long tiles' products, on a ragged K and the gated input
         y = gemv(h, q, scale=s, silu_mul=True, config=cfg).float()
         assert float((y - ref).abs().max()) < (2e-3 if dtype == torch.float32 else 6e-3) * float(ref.abs().max()), cfg
-    # kernels.gemv.FP8_WIDE_TILES (an A/B knob, slower): 256 bytes a thread a step on every shape, the same products.
-    kg.FP8_WIDE_TILES = True
-    try:
-        wide = default_config(1, 28672, 4096, 1)
-        assert (wide.block_n, wide.block_k, wide.num_warps, wide.f16_math) == (16, 2048, 4, True)
-        q, s = quantize_per_channel(torch.randn(40, 4096, generator=gen) * 0.02)
-        q, s = q.to(device), s.to(device)
-        x = torch.randn(1, 4096, generator=gen).to(device=device, dtype=dtype)
-        ref = fp8_linear_ref(x.float(), q, s)
-        y = gemv(x, q, scale=s).float()
-        assert float((y - ref).abs().max()) < (2e-3 if dtype == torch.float32 else 6e-3) * float(ref.abs().max())
-    finally:
-        kg.FP8_WIDE_TILES = False
-
-
-def check_gemv_fp8_tensor_cores(device, dtype):
-    """FP8 rows on tensor cores (GemvConfig.tc, kernels.gemv.FP8_TENSOR_CORES: the weights as the MMA's rows, or x as
-    the first of 16 rows) against the dequantized reference and the CUDA-core f16 path: small and large activations,
-    ragged K, the gated input, split K with and without tickets, a split norm's producer and a software pipeline's
-    stages; the knob's default tile."""
-    import kernels.gemv as kg
-    from kernels.activation import silu_and_mul
-    from kernels.gemv import GemvConfig, default_config, gemv
-    from kernels.reference import fp8_linear_ref
-    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
-    from shared.models.quantization import quantize_per_channel
-    gen = torch.Generator().manual_seed(31)
-    kg.FP8_TENSOR_CORES = True
-    try:
-        cfg = default_config(1, 28672, 4096, 1)
-        assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.stages, cfg.tc) == kg.FP8_TC_TILE and cfg.f16_math
-    finally:
-        kg.FP8_TENSOR_CORES = False
-    assert default_config(1, 28672, 4096, 1).tc == 0
-    saved = kg.SPLITK_TICKETS
-    try:
-        for K, N in [(256, 48), (200, 40)]:
-            q, s = quantize_per_channel(torch.randn(N, K, generator=gen) * 0.02)
-            q, s = q.to(device), s.to(device)
-            h = _rand(1, 2 * K, dtype=dtype, device=device)
-            for mag in (0.01, 300.0):
-                x = (torch.randn(1, K, generator=gen) * mag).to(device=device, dtype=dtype)
-                ref = fp8_linear_ref(x.float(), q, s)
-                tol = (2e-3 if dtype == torch.float32 else 6e-3) * float(ref.abs().max())
-                for tc, (bn, bk, split, stages), tickets in itertools.product(
-                        (1, 2), [(16, 64, 1, 0), (32, 32, 3, 2), (16, 128, 2, 3)], (False, True)):
-                    kg.SPLITK_TICKETS = tickets
-                    c = GemvConfig(bn, bk, split, 2, f16_math=True, row_kernel=False, tc=tc, stages=stages)
-                    what = (K, N, mag, tc, bn, bk, split, tickets)
-                    y = gemv(x, q, scale=s, config=c).float()
-                    assert float((y - ref).abs().max()) < tol, what
-                    cuda_core = gemv(x, q, scale=s, config=GemvConfig(bn, bk, split, 2, f16_math=True,
-                                                                       row_kernel=False)).float()
-                    assert float((y - cuda_core).abs().max()) < tol, what
-                    g = gemv(h, q, scale=s, silu_mul=True, config=c).float()
-                    gref = fp8_linear_ref(silu_and_mul(h).float(), q, s)
-                    assert float((g - gref).abs().max()) < 6e-3 * float(gref.abs().max()) + 1e-6, what
-                    if N == 48:  # a split norm's producer: y added into the residual, gamma * residual returned
-                        r0 = _rand(1, N, dtype=dtype, device=device)
-                        gamma = (torch.rand(N, generator=gen) + 0.5).to(device=device, dtype=dtype)
-                        sums = torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
-                        r = r0.clone()
-                        gr = gemv(x, q, scale=s, config=c, add_norm=ResidualNorm(r, gamma, sums, 1e-6))
-                        want = (r0.float() + ref).to(dtype)
-                        assert float((r.float() - want.float()).abs().max()) < tol + 1e-2 * float(want.abs().max()), what
-                        torch.testing.assert_close(gr, (r.float() * gamma.float()).to(dtype), rtol=0, atol=0)
-    finally:
-        kg.SPLITK_TICKETS = saved
-
-
-def check_gemv_fp8_lean_knobs(device, dtype):
-    """kernels.gemv.FP8_EVEN_N and FP8_NO_EVICT_HINT (fewer instructions a step, A/B knobs) change no bit of the FP8
-    GEMV's output: per-row and block scales, N a multiple of the tile's rows and not (the row mask stays there),
-    split K and the gated input."""
-    import kernels.gemv as kg
-    from kernels.gemv import GemvConfig, gemv
-    from shared.models.quantization import quantize_per_channel
-    gen = torch.Generator().manual_seed(8)
-    cases = []
-    for N, K in [(64, 256), (40, 256)]:
-        q, s = quantize_per_channel(torch.randn(N, K, generator=gen) * 0.02)
-        cases.append((q.to(device), s.to(device)))
-    cases.append(_block_fp8(64, 256, (16, 32), gen, device))
-    saved = kg.FP8_EVEN_N, kg.FP8_NO_EVICT_HINT
-    try:
-        for q, s in cases:
-            K = q.shape[1]
-            x = _rand(1, K, dtype=dtype, device=device)
-            h = _rand(1, 2 * K, dtype=dtype, device=device)
-            for cfg in (GemvConfig(16, 64, 1, 2, f16_math=True, row_kernel=False),
-                        GemvConfig(8, 32, 2, 2, f16_math=True, row_kernel=False, pre_tiles=2)):
-                outs = []
-                for knobs in ((False, False), (True, False), (True, True)):
-                    kg.FP8_EVEN_N, kg.FP8_NO_EVICT_HINT = knobs
-                    outs.append((gemv(x, q, scale=s, config=cfg), gemv(h, q, scale=s, config=cfg, silu_mul=True)))
-                for got in outs[1:]:
-                    assert torch.equal(got[0], outs[0][0]) and torch.equal(got[1], outs[0][1]), (q.shape, cfg)
-    finally:
-        kg.FP8_EVEN_N, kg.FP8_NO_EVICT_HINT = saved
 
 
 def check_gemv_splitk_tickets(device, dtype):
@@ -595,100 +496,6 @@ def check_gemv_splitk_tickets(device, dtype):
     finally:
         kg.SPLITK_TICKETS = saved
         kg._splitk_reduce_kernel = real_reduce
-
-
-def check_gemv_fp8_packed(device, dtype):
-    """FP8 rows on packed registers (kernels.gemv.FP8_PACKED: int32 of four e4m3 against int64 of four x, PTX on
-    the GPU, its fp32 emulation in the interpreter) against the dequantized reference and the f16 path, for bf16
-    and f16 x: every e4m3 code at every byte of a column exactly, split K, a ragged last tile, two tiles before the
-    PDL wait, the gated down projection (bit for bit against the activation applied first) and a split norm."""
-    import kernels.gemv as kg
-    from kernels.activation import silu_and_mul
-    from kernels.gemv import GemvConfig, gemv
-    from kernels.reference import FP8_DTYPE, fp8_linear_ref
-    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
-    from shared.models.quantization import quantize_per_channel
-    gen = torch.Generator().manual_seed(11)
-    cfgs = (GemvConfig(8, 64, 1, 2, f16_math=True, row_kernel=False),
-            GemvConfig(16, 32, 3, 2, f16_math=True, row_kernel=False),
-            GemvConfig(8, 128, 2, 2, f16_math=True, row_kernel=False, pre_tiles=2))
-    saved = kg.FP8_PACKED
-    try:
-        for xdt in (torch.bfloat16, torch.float16):
-            # Every code (NaN left out) at byte positions 0-3 of an int32 column and in both columns of a pair.
-            codes = torch.arange(256, dtype=torch.int32)
-            codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)
-            N, K = len(codes), 64
-            s = (torch.rand(N, generator=gen) + 0.5).to(device)
-            for col in ((0, 1, 2, 3, 5, 62) if xdt == torch.bfloat16 else (2, 5)):
-                w = torch.zeros(N, K, dtype=torch.uint8)
-                w[:, col] = codes
-                w8 = w.view(FP8_DTYPE).to(device)
-                x = torch.zeros(1, K, device=device, dtype=xdt)
-                x[0, col] = 1.0
-                kg.FP8_PACKED = True
-                assert kg._fp8_packed(cfgs[0], x, w8, K, None, False).get("PACKED"), "the packed path must apply"
-                y = gemv(x, w8, scale=s, config=cfgs[0])[0]
-                kg.FP8_PACKED = False
-                assert torch.equal(y, gemv(x, w8, scale=s, config=cfgs[0])[0]), f"column {col} {xdt}"
-                ref = (w8.float()[:, col] * s).to(xdt)
-                if device.type == "cuda":
-                    assert torch.equal(y, ref), f"column {col} {xdt}"
-                else:  # the interpreter rounds fp32 to 16 bits its own way: within one ulp
-                    torch.testing.assert_close(y, ref, rtol=2 ** -7, atol=0, msg=f"column {col} {xdt}")
-            for N, K in [(40, 264), (24, 1024)]:
-                q, s = quantize_per_channel(torch.randn(N, K, generator=gen) * 0.02)
-                q, s = q.to(device), s.to(device)
-                for mag in (0.01, 300.0):
-                    x = (torch.randn(1, K, generator=gen) * mag).to(device=device, dtype=xdt)
-                    ref = fp8_linear_ref(x.float(), q, s)
-                    tol = 8e-3 * float(ref.abs().max())
-                    for cfg in cfgs:
-                        kg.FP8_PACKED = False
-                        f16 = gemv(x, q, scale=s, config=cfg).float()
-                        kg.FP8_PACKED = True
-                        got = gemv(x, q, scale=s, config=cfg).float()
-                        assert float((got - ref).abs().max()) < tol, (xdt, K, N, mag, cfg)
-                        assert float((got - f16).abs().max()) < tol, (xdt, K, N, mag, cfg)
-                kg.FP8_PACKED = True
-                h = (torch.randn(1, 2 * K, generator=gen)).to(device=device, dtype=xdt)
-                for cfg in cfgs:
-                    torch.testing.assert_close(gemv(h, q, scale=s, silu_mul=True, config=cfg),
-                                               gemv(silu_and_mul(h), q, scale=s, config=cfg), rtol=0, atol=0)
-                # A split norm's consumer: x is gamma * residual, the sums scaled by the residual's rsqrt.
-                r = torch.randn(1, K, generator=gen).to(device=device, dtype=xdt)
-                g = (torch.rand(K, generator=gen) + 0.5).to(device=device, dtype=xdt)
-                sums = torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
-                sums[0] = float((r.double() ** 2).sum())
-                norm = ResidualNorm(r, g, sums, 1e-6)
-                y = gemv(r * g, q, scale=s, config=cfgs[0], norm_in=norm).float()
-                ref = fp8_linear_ref((r.float() * g.float()) * torch.rsqrt((r.float() ** 2).mean() + 1e-6), q, s)
-                assert float((y - ref).abs().max()) < 1e-2 * float(ref.abs().max()), (xdt, K, N)
-        # Rope + KV store in the qkv epilogue (each program's rows are whole rotary pairs, not a contiguous run):
-        # the packed path against the f16 path, output and pool slots.
-        from kernels.reference import rope_cos_sin_cache
-        from kernels.rope_store import RopeStore
-        hq, hkv, d, K = 4, 2, 16, 96
-        q, s = quantize_per_channel(torch.randn((hq + 2 * hkv) * d, K, generator=gen) * 0.1)
-        q, s = q.to(device), s.to(device)
-        cache = rope_cos_sin_cache(1.0 / (1e4 ** (torch.arange(0, d, 2, device=device) / d)), 4096)
-        x = torch.randn(1, K, generator=gen).to(device=device, dtype=torch.bfloat16)
-        outs = []
-        for on in (False, True):
-            kg.FP8_PACKED = on
-            kb, vb = (torch.zeros(4, hkv, d, dtype=torch.bfloat16, device=device) for _ in range(2))
-            rope = RopeStore(torch.tensor([77], device=device), cache, kb, vb, torch.tensor([2], device=device),
-                             hq * d, hkv * d, d)
-            outs.append((gemv(x, q, scale=s, config=cfgs[0], rope=rope), kb, vb))
-        for a, b in zip(*outs):
-            torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)
-        # Not applicable (fp32 x; block scales): the f16 path, unchanged.
-        q, s = quantize_per_channel(torch.randn(32, 128, generator=gen) * 0.02)
-        x = torch.randn(1, 128, generator=gen).to(device)
-        assert not kg._fp8_packed(cfgs[0], x, q.to(device), 128, None, False)
-        assert not kg._fp8_packed(cfgs[0], x.to(torch.bfloat16), q.to(device), 128, (16, 32), False)
-    finally:
-        kg.FP8_PACKED = saved
 
 
 def _block_fp8(N, K, block, gen, device):
@@ -1414,8 +1221,7 @@ def _run_worker(names):
 # The interpreted checks run in two processes at once (CI has two cores). The first takes the heaviest: extend
 # attention ~38 s, the FP8 GEMV checks ~110 s together (2026-12-05, 2-core box); the rest had grown to ~300 s in one
 # process by then, at the limit below on a loaded machine.
-_OWN_PROCESS = {"extend_attention", "gemv_fp8_packed", "gemv_fp8_blocks", "gemv_fp8_codes", "gemv_fp8_f16_math",
-                "gemv_fp8_lean_knobs"}
+_OWN_PROCESS = {"extend_attention", "gemv_fp8_blocks", "gemv_fp8_codes", "gemv_fp8_f16_math"}
 _INTERPRETED_TIMEOUT = 600  # seconds for both processes; test_interpreted_cpu's own limit is above it
 
 

@@ -257,20 +257,6 @@ def test_fp8_rows_in_the_row_kernel_on_cuda(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp8_rows_on_packed_registers_on_cuda(tmp_path, monkeypatch):
-    """FP8 weights at batch 1 on packed registers (kernels.gemv.FP8_PACKED, inline PTX) against the engine's f16
-    path: the same logits to within bf16's rounding, split norms on and off (the norms' consumer and producer
-    epilogues after the packed loop)."""
-    import kernels.gemv as kg
-    settings = {split: (split, False, False) for split in (False, True)}
-    base = _cuda_one_token_runs(tmp_path / "base", "fp8", 9, settings)
-    monkeypatch.setattr(kg, "FP8_PACKED", True)
-    packed = _cuda_one_token_runs(tmp_path / "packed", "fp8", 9, settings)
-    for split in (False, True):
-        assert rel_err(packed[split][0], base[split][0]) < 2e-2, split
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_split_row_norms_on_cuda_in_bf16(tmp_path):
     """The Triton path of the split norms (GEMV epilogues, the first norm clearing the sums) against whole
     norms on the GPU, bf16, the Triton attention backend: one-token passes give the same logits to within

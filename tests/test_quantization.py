@@ -223,18 +223,15 @@ def test_fp8_linear_reference_and_activation_quantization():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 GEMM and GEMV need a GPU")
-@pytest.mark.parametrize("scales", ["per_channel", "blocks", "per_channel_packed"])
-def test_fp8_kernels_on_gpu(scales, monkeypatch):
-    """FP8 weights through ops on the GPU, per-row scales or [128, 128] block scales: one row in the GEMV (per-row
-    scales also on packed registers, kernels.gemv.FP8_PACKED, at its default tiles), more in the FP8 GEMM
-    (torch._scaled_mm per token; the block GEMM after per-group activation quantization), the gated down
-    projection's input quantized in the same kernel."""
-    import kernels.gemv as kg
+@pytest.mark.parametrize("scales", ["per_channel", "blocks"])
+def test_fp8_kernels_on_gpu(scales):
+    """FP8 weights through ops on the GPU, per-row scales or [128, 128] block scales: one row in the GEMV, more in
+    the FP8 GEMM (torch._scaled_mm per token; the block GEMM after per-group activation quantization), the gated
+    down projection's input quantized in the same kernel."""
     from kernels.ops import fp8_linear, silu_mul_linear
     from kernels.reference import silu_and_mul_ref
     from shared.models.quantization import quantize_blocks
 
-    monkeypatch.setattr(kg, "FP8_PACKED", scales.endswith("_packed"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     for m, n, k in [(1, 4096, 4096), (1, 1024, 4096), (7, 512, 256), (64, 4096, 1024), (300, 1024, 512)]:
         w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
