@@ -437,6 +437,79 @@ def check_gemv_fp8_f16_math(device, dtype):
         assert float((y - ref).abs().max()) < (2e-3 if dtype == torch.float32 else 6e-3) * float(ref.abs().max()), cfg
 
 
+def _a8_reference(x, q, s, bk):
+    """W8A8 as _accumulate_a8 computes it: x quantized to e4m3 a bk-wide K tile at a time (scale amax / 448, torch's
+    round to nearest even), each tile's products in fp32 scaled back, the rows' scales last."""
+    K = x.shape[-1]
+    acc = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device)
+    xf = x.float().reshape(-1)
+    for k0 in range(0, K, bk):
+        t = xf[k0:k0 + bk]
+        sx = torch.clamp(t.abs().max(), min=1e-30) / 448.0
+        tq = (t / sx).to(torch.float8_e4m3fn).double()
+        acc += (q[:, k0:k0 + bk].double() @ tq) * float(sx)
+    return (acc * s.double()).float()[None, :]
+
+
+def check_gemv_fp8_a8(device, dtype):
+    """FP8 rows on tensor cores with x quantized to e4m3 a K tile at a time (GemvConfig.a8, kernels.gemv.FP8_A8):
+    against the same W8A8 arithmetic in torch (per-tile scales, round to nearest even) and, within W8A8's
+    rounding, the dequantized reference; ragged K, the gated input, split K with tickets, a split norm's consumer
+    and producer; the interpreter's exact e4m3 rounding helper against torch's conversion; the knob's tile."""
+    import kernels.gemv as kg
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import GemvConfig, default_config, gemv
+    from kernels.reference import fp8_linear_ref
+    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
+    from shared.models.quantization import quantize_per_channel
+    gen = torch.Generator().manual_seed(41)
+    kg.FP8_A8 = True
+    try:
+        c = default_config(1, 28672, 4096, 1)
+        assert (c.block_n, c.block_k, c.num_warps, c.stages, c.a8) == (*kg.FP8_A8_TILE, True) and not c.row_kernel
+    finally:
+        kg.FP8_A8 = False
+    assert not default_config(1, 28672, 4096, 1).a8
+    saved = kg.SPLITK_TICKETS
+    try:
+        for K, N in [(256, 48), (200, 40)]:
+            q, s = quantize_per_channel(torch.randn(N, K, generator=gen) * 0.02)
+            q, s = q.to(device), s.to(device)
+            h = _rand(1, 2 * K, dtype=dtype, device=device)
+            for mag in (0.01, 300.0):
+                x = (torch.randn(1, K, generator=gen) * mag).to(device=device, dtype=dtype)
+                deq = fp8_linear_ref(x.float(), q, s)
+                for (bn, bk, split, stages), tickets in itertools.product(
+                        [(16, 64, 1, 0), (32, 32, 3, 2), (16, 128, 2, 3)], (False, True)):
+                    kg.SPLITK_TICKETS = tickets
+                    c = GemvConfig(bn, bk, split, 2, a8=True, stages=stages)
+                    what = (K, N, mag, bn, bk, split, tickets)
+                    y = gemv(x, q, scale=s, config=c)
+                    ref = _a8_reference(x, q, s, bk).to(dtype).float()
+                    tol = (1e-5 if dtype == torch.float32 else 8e-3) * float(ref.abs().max())
+                    assert float((y.float() - ref).abs().max()) <= tol, what
+                    assert float((y.float() - deq).abs().max()) < 0.06 * float(deq.abs().max()), what
+                    g = gemv(h, q, scale=s, silu_mul=True, config=c).float()
+                    gref = _a8_reference(silu_and_mul(h), q, s, bk)
+                    assert float((g - gref).abs().max()) <= 1e-2 * float(gref.abs().max()) + 1e-6, what
+                    if N == 48 and mag == 300.0:  # a split norm's producer, then a consumer with a norm scale
+                        r0 = _rand(1, N, dtype=dtype, device=device)
+                        gamma = (torch.rand(N, generator=gen) + 0.5).to(device=device, dtype=dtype)
+                        sums = torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
+                        r = r0.clone()
+                        gr = gemv(x, q, scale=s, config=c, add_norm=ResidualNorm(r, gamma, sums, 1e-6))
+                        assert torch.equal(r, (r0.float() + y.to(dtype).float()).to(dtype)), what
+                        torch.testing.assert_close(gr, (r.float() * gamma.float()).to(dtype), rtol=0, atol=0)
+                        csums = torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
+                        csums[0] = 4.0 * K  # mean square 4: the consumer's outputs halved
+                        half = gemv(x, q, scale=s, config=c,
+                                    norm_in=ResidualNorm(x, torch.ones(K, device=device, dtype=dtype), csums, 0.0))
+                        torch.testing.assert_close(half.float(), (y.float() * 0.5).to(dtype).float(), rtol=1e-2,
+                                                   atol=1e-3 * float(y.abs().max()))
+    finally:
+        kg.SPLITK_TICKETS = saved
+
+
 def check_gemv_splitk_tickets(device, dtype):
     """kernels.gemv.SPLITK_TICKETS (on by default): split K reduced by each tile's last split instead of a reduce
     kernel gives the reduce kernel's output bit for bit (plain, gated input, a split norm's consumer and its
