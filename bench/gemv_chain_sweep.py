@@ -179,11 +179,12 @@ FP8_A8_CANDIDATES = [(64, 256, 4, 3), (64, 512, 4, 3), (64, 256, 4, 4), (128, 25
                      (128, 256, 4, 3), (64, 512, 4, 2), (128, 512, 8, 2), (64, 1024, 4, 2), (32, 256, 4, 4)]
 
 
-def fp8_a8_configs(tile: tuple) -> dict:
-    """Every shape's config with the W8A8 knob on at `tile` (the engine's split rule applied)."""
+def fp8_a8_configs(tile: tuple, mode: int = 1) -> dict:
+    """Every shape's config with the W8A8 knob at `mode` (1: a scale a K tile, 2: a row) and `tile` (the engine's split
+    rule applied)."""
     import kernels.gemv as kg
     saved = kg.FP8_A8, kg.FP8_A8_TILE
-    kg.FP8_A8, kg.FP8_A8_TILE = True, tile
+    kg.FP8_A8, kg.FP8_A8_TILE = mode, tile
     try:
         return {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
     finally:
@@ -191,21 +192,22 @@ def fp8_a8_configs(tile: tuple) -> dict:
 
 
 def fp8_a8_study(budget: float, t0: float) -> dict:
-    """FP8 rows: the engine's tiles against W8A8 rows at the knob's tile, accuracy per shape against the dequantized
-    weights, the chain alternated; then the W8A8 candidates swept shape by shape, the picks alternated against both."""
+    """FP8 rows: the engine's tiles against W8A8 rows at the knob's tile, a scale a K tile and a scale a row, accuracy
+    per shape against the dequantized weights, the chain alternated; then the W8A8 candidates in both modes swept shape
+    by shape, the picks alternated against the three."""
     from kernels.reference import fp8_linear_ref
     layers = build("fp8")
     engine = {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
-    by_tile = [fp8_a8_configs(t) for t in FP8_A8_CANDIDATES]
+    by_tile = [fp8_a8_configs(t, mode) for t in FP8_A8_CANDIDATES for mode in (1, 2)]
     check = {}
     for name, (n, k) in SHAPES.items():
         w, sc = layers[0][name]
         x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
         ref = fp8_linear_ref(x.float(), w, sc)
         check[name] = {key: float((gemv(x, w, scale=sc, config=cfg[name]).float() - ref).abs().max() / ref.abs().max())
-                       for key, cfg in (("engine", engine), ("a8", by_tile[0]))}
+                       for key, cfg in (("engine", engine), ("a8_tile", by_tile[0]), ("a8_row", by_tile[1]))}
     print(f"accuracy (max error / max output): {json.dumps(check)}", flush=True)
-    out = alternate_then_sweep(layers, {"engine": engine, "a8": by_tile[0]}, "engine",
+    out = alternate_then_sweep(layers, {"engine": engine, "a8_tile": by_tile[0], "a8_row": by_tile[1]}, "engine",
                                lambda name, n, k: [c[name] for c in by_tile if c[name].block_k <= k], budget, t0)
     del layers
     torch.cuda.empty_cache()

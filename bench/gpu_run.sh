@@ -143,7 +143,7 @@ if [[ $what == fp8-a8 ]]; then
   # bf16 and the engine's FP8 path (three rounds), then the chain study (accuracy, alternation, tiles by shape).
   timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_model_parity.py \
     -k "(cuda_bf16 and gemv_fp8_a8) or fp8_a8_rows" 2>&1 | tail -3
-  timeout 120 python3 -m bench.b1 --variants "bf16=quantization=none;default=;a8=@kernels.gemv.FP8_A8=1" --rounds 3 \
+  timeout 150 python3 -m bench.b1 --variants "bf16=quantization=none;default=;a8_tile=@kernels.gemv.FP8_A8=1;a8_row=@kernels.gemv.FP8_A8=2" --rounds 3 \
     --quantization fp8 2>&1 | grep "round" | grep -v '^{' | tee "$OUT/b1_fp8_a8.log"
   timeout 290 python3 -m bench.gemv_chain_sweep --fp8-a8-study --budget 180 --out "$OUT" 2>&1 \
     | grep -v "^  .*: [A-Za-z]*Error" | tee "$OUT/fp8_a8_study.log" | tail -8

@@ -161,11 +161,26 @@ def _e4m3_grid(v):
 
 
 @triton.jit
+def _row_scale(X, K, SILU_MUL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x's e4m3 scale over its whole row (amax / 448), the gated activation's where SILU_MUL: the per-token
+    scale of A8 == 2, taken by every program (whatever its K split) in one pass over x before its K loop."""
+    offs = tl.arange(0, BLOCK_K)
+    m = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        msk = (k0 + offs) < K
+        x = tl.load(X + k0 + offs, mask=msk, other=0.0, eviction_policy="evict_last")
+        if SILU_MUL:
+            x = _silu_mul(x, tl.load(X + K + k0 + offs, mask=msk, other=0.0, eviction_policy="evict_last"))
+        m = tl.maximum(m, tl.abs(x.to(tl.float32)))
+    return tl.maximum(tl.max(m, axis=0), 1e-30) / 448.0
+
+
+@triton.jit
 def _accumulate_a8(acc, w, x_ptrs, kbase, K, mask_m, offs_k, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
-                   EXACT: tl.constexpr):
-    """acc [BLOCK_N, 16] += (w . x) for FP8 (e4m3) rows w [BLOCK_N, BLOCK_K] on tensor cores with x quantized to e4m3
-    over this K tile (its own scale: amax / 448), x a column of a [BLOCK_K, 16] operand (zeros elsewhere); the
-    product is scaled back by the tile's scale before it is accumulated (fp32)."""
+                   EXACT: tl.constexpr, ROW_SX=None, PER_ROW: tl.constexpr = False):
+    """acc [BLOCK_N, 16] += (w . x) for FP8 (e4m3) rows w [BLOCK_N, BLOCK_K] on tensor cores with x quantized to e4m3,
+    x a column of a [BLOCK_K, 16] operand (zeros elsewhere); the product is scaled back before it is accumulated
+    (fp32). The scale: this K tile's own (amax / 448), or with PER_ROW the row's (ROW_SX, _row_scale)."""
     if EVEN_K:
         xm = mask_m[:, None]
     else:
@@ -174,12 +189,15 @@ def _accumulate_a8(acc, w, x_ptrs, kbase, K, mask_m, offs_k, EVEN_K: tl.constexp
     if SILU_MUL:
         x = _silu_mul(x, tl.load(x_ptrs + K, mask=xm, other=0.0, eviction_policy="evict_last"))
     xf = tl.reshape(x.to(tl.float32), (offs_k.shape[0], 1))  # one row (M_PAD = 1): [BLOCK_K, 1]
-    sx = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-30) / 448.0  # [1]
-    v = xf / sx[None, :]
+    if PER_ROW:
+        sx = ROW_SX  # a scalar
+    else:
+        sx = (tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-30) / 448.0)[None, :]  # [1, 1]
+    v = xf / sx
     if EXACT:
         v = _e4m3_grid(v)
     xt = tl.where(tl.arange(0, 16)[None, :] == 0, v, 0.0).to(tl.float8e4nv)
-    return acc + tl.dot(w, xt) * sx[None, :]
+    return acc + tl.dot(w, xt) * sx
 
 
 @triton.jit
@@ -225,7 +243,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                  PDL: tl.constexpr, PRE: tl.constexpr, F16: tl.constexpr = False, NORM_IN: tl.constexpr = False,
                  ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
                  HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True, stride_s=0, SBN: tl.constexpr = 0,
-                 SBK: tl.constexpr = 0, TK=None, TICKETED: tl.constexpr = False, A8: tl.constexpr = False,
+                 SBK: tl.constexpr = 0, TK=None, TICKETED: tl.constexpr = False, A8: tl.constexpr = 0,
                  EXACT_E4M3: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -240,6 +258,9 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+    sx_row = 1.0
+    if A8 == 2 and not PDL:
+        sx_row = _row_scale(X, K, SILU_MUL, BLOCK_K)
     if A8:
         acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     elif F16:
@@ -256,8 +277,10 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         if PRE == 2:
             w2 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K, "evict_first")
         pdl_prologue(PDL, True)
+        if A8 == 2:
+            sx_row = _row_scale(X, K, SILU_MUL, BLOCK_K)
         if A8:
-            acc = _accumulate_a8(acc, w, x_ptrs, k0, K, mask_m, offs_k, EVEN_K, SILU_MUL, EXACT_E4M3)
+            acc = _accumulate_a8(acc, w, x_ptrs, k0, K, mask_m, offs_k, EVEN_K, SILU_MUL, EXACT_E4M3, sx_row, A8 == 2)
         else:
             acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
                               stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
@@ -265,7 +288,8 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         x_ptrs += BLOCK_K
         if PRE == 2:
             if A8:
-                acc = _accumulate_a8(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, EVEN_K, SILU_MUL, EXACT_E4M3)
+                acc = _accumulate_a8(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, EVEN_K, SILU_MUL, EXACT_E4M3,
+                                     sx_row, A8 == 2)
             else:
                 acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL,
                                   DOT_PREC, F16, S, stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
@@ -278,7 +302,8 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
         w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K, "evict_first")
         if A8:
-            acc = _accumulate_a8(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, EVEN_K, SILU_MUL, EXACT_E4M3)
+            acc = _accumulate_a8(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, EVEN_K, SILU_MUL, EXACT_E4M3, sx_row,
+                                 A8 == 2)
         else:
             acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
                               stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
@@ -497,9 +522,10 @@ class GemvConfig:
     row_kernel: bool = True
     narrow: bool = False  # each thread's eight neighbouring products summed before they are accumulated
     evict_first: bool = True  # weight loads marked evict-first (W is read once)
-    # FP8 (e4m3) rows, one row of x, per-row scales: x quantized to e4m3 a K tile at a time, the products on tensor
-    # cores (the general kernel's _accumulate_a8); `stages` deep software pipeline for the weight loads (0: Triton's).
-    a8: bool = False
+    # FP8 (e4m3) rows, one row of x, per-row scales: x quantized to e4m3, the products on tensor cores (the general
+    # kernel's _accumulate_a8), with a scale a K tile (1) or one a row (2, per token, as the FP8 GEMM at several rows);
+    # `stages` deep software pipeline for the weight loads (0: Triton's).
+    a8: int = 0
     stages: int = 0
 
 
@@ -528,7 +554,7 @@ FP8_LONG_TILES = True
 # streamed through shared memory into the MMA with no conversion instruction, against f16 math's one a weight pair).
 # Changes the numerics to W8A8 (x's tile scales are finer than the per-token scale of the FP8 GEMM at several rows).
 # Not yet timed (bench.gemv_chain_sweep --fp8-a8-study): an A/B knob, read as above, off.
-FP8_A8 = False
+FP8_A8 = 0  # GemvConfig.a8 for FP8 rows: 0 off, 1 a scale a K tile, 2 a scale a row
 FP8_A8_TILE = (64, 256, 4, 3)  # block_n, block_k, warps, stages: the knob's tile on every shape
 _TICKET_SLOTS = 65536  # output tiles one launch may ticket (more run the reduce kernel)
 _tickets: dict = {}
@@ -564,7 +590,7 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
                                    else (8, 512, 4))
         if FP8_A8:
             block_n, block_k, warps, stages = FP8_A8_TILE
-            extra = dict(a8=True, stages=stages)
+            extra = dict(a8=int(FP8_A8), stages=stages)
         elif FP8_LONG_TILES and (N > 8192 or K > 4096):
             # gate_up at (4, 2048, 2); down_proj at (16, 2048, 8), K unsplit (bench.gemv_chain_sweep --dtypes fp8,
             # H100, 2026-12-05: the chain 2,638 us against 2,808 at the tiles above, with tickets).
@@ -672,7 +698,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     split_k = triton.cdiv(K, k_per_split)
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
-    a8 = bool(cfg.a8 and not dot and block is None and scale is not None and w.dtype == torch.float8_e4m3fn)
+    a8 = cfg.a8 if not dot and block is None and scale is not None and w.dtype == torch.float8_e4m3fn else 0
     assert not a8 or (cfg.block_n >= 16 and cfg.block_k >= 32), "A8 rows: tensor-core tiles (16 rows, 32 of K)"
     ticketed = bool(SPLITK_TICKETS and split_k > 1 and M == 1 and not dot and (a8 or not cfg.row_kernel)
                     and rope is None and triton.cdiv(N, cfg.block_n) <= _TICKET_SLOTS)
@@ -689,7 +715,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
             F16=_f16_math(cfg, w) and not dot and not a8, TK=_ticket_counters(x.device) if ticketed else partial,
-            TICKETED=ticketed, A8=a8, EXACT_E4M3=a8 and interpreting(),
+            TICKETED=ticketed, A8=a8, EXACT_E4M3=bool(a8) and interpreting(),
             **({"num_stages": cfg.stages} if cfg.stages else {}), **pdl_launch(pdl, "gemv"))
     if split_k > 1 and not ticketed:
         BLOCK = 1024

@@ -452,10 +452,10 @@ def _a8_reference(x, q, s, bk):
 
 
 def check_gemv_fp8_a8(device, dtype):
-    """FP8 rows on tensor cores with x quantized to e4m3 a K tile at a time (GemvConfig.a8, kernels.gemv.FP8_A8):
-    against the same W8A8 arithmetic in torch (per-tile scales, round to nearest even) and, within W8A8's
-    rounding, the dequantized reference; ragged K, the gated input, split K with tickets, a split norm's consumer
-    and producer; the interpreter's exact e4m3 rounding helper against torch's conversion; the knob's tile."""
+    """FP8 rows on tensor cores with x quantized to e4m3 (GemvConfig.a8, kernels.gemv.FP8_A8), a scale a K tile (1)
+    or one a row (2): against the same W8A8 arithmetic in torch (those scales, round to nearest even) and, within
+    W8A8's rounding, the dequantized reference; ragged K, the gated input, split K with tickets, a split norm's
+    consumer and producer; the interpreter's exact e4m3 rounding helper against torch's conversion; the knob."""
     import kernels.gemv as kg
     from kernels.activation import silu_and_mul
     from kernels.gemv import GemvConfig, default_config, gemv
@@ -463,12 +463,13 @@ def check_gemv_fp8_a8(device, dtype):
     from kernels.residual_norm import NORM_SLOTS, ResidualNorm
     from shared.models.quantization import quantize_per_channel
     gen = torch.Generator().manual_seed(41)
-    kg.FP8_A8 = True
     try:
-        c = default_config(1, 28672, 4096, 1)
-        assert (c.block_n, c.block_k, c.num_warps, c.stages, c.a8) == (*kg.FP8_A8_TILE, True) and not c.row_kernel
+        for mode in (1, 2):
+            kg.FP8_A8 = mode
+            c = default_config(1, 28672, 4096, 1)
+            assert (c.block_n, c.block_k, c.num_warps, c.stages, c.a8) == (*kg.FP8_A8_TILE, mode) and not c.row_kernel
     finally:
-        kg.FP8_A8 = False
+        kg.FP8_A8 = 0
     assert not default_config(1, 28672, 4096, 1).a8
     saved = kg.SPLITK_TICKETS
     try:
@@ -479,18 +480,19 @@ def check_gemv_fp8_a8(device, dtype):
             for mag in (0.01, 300.0):
                 x = (torch.randn(1, K, generator=gen) * mag).to(device=device, dtype=dtype)
                 deq = fp8_linear_ref(x.float(), q, s)
-                for (bn, bk, split, stages), tickets in itertools.product(
-                        [(16, 64, 1, 0), (32, 32, 3, 2), (16, 128, 2, 3)], (False, True)):
+                for mode, (bn, bk, split, stages), tickets in itertools.product(
+                        (1, 2), [(16, 64, 1, 0), (32, 32, 3, 2), (16, 128, 2, 3)], (False, True)):
                     kg.SPLITK_TICKETS = tickets
-                    c = GemvConfig(bn, bk, split, 2, a8=True, stages=stages)
-                    what = (K, N, mag, bn, bk, split, tickets)
+                    c = GemvConfig(bn, bk, split, 2, a8=mode, stages=stages)
+                    group = bk if mode == 1 else K  # the scale's span: a K tile, or the row
+                    what = (K, N, mag, mode, bn, bk, split, tickets)
                     y = gemv(x, q, scale=s, config=c)
-                    ref = _a8_reference(x, q, s, bk).to(dtype).float()
+                    ref = _a8_reference(x, q, s, group).to(dtype).float()
                     tol = (1e-5 if dtype == torch.float32 else 8e-3) * float(ref.abs().max())
                     assert float((y.float() - ref).abs().max()) <= tol, what
                     assert float((y.float() - deq).abs().max()) < 0.06 * float(deq.abs().max()), what
                     g = gemv(h, q, scale=s, silu_mul=True, config=c).float()
-                    gref = _a8_reference(silu_and_mul(h), q, s, bk)
+                    gref = _a8_reference(silu_and_mul(h), q, s, group)
                     assert float((g - gref).abs().max()) <= 1e-2 * float(gref.abs().max()) + 1e-6, what
                     if N == 48 and mag == 300.0:  # a split norm's producer, then a consumer with a norm scale
                         r0 = _rand(1, N, dtype=dtype, device=device)

@@ -264,10 +264,11 @@ def test_fp8_a8_rows_on_cuda(tmp_path, monkeypatch):
     import kernels.gemv as kg
     settings = {split: (split, False, False) for split in (False, True)}
     base = _cuda_one_token_runs(tmp_path / "base", "fp8", 9, settings)
-    monkeypatch.setattr(kg, "FP8_A8", True)
-    a8 = _cuda_one_token_runs(tmp_path / "a8", "fp8", 9, settings)
-    for split in (False, True):
-        assert rel_err(a8[split][0], base[split][0]) < 0.1, split
+    for mode in (1, 2):  # a scale a K tile, one a row
+        monkeypatch.setattr(kg, "FP8_A8", mode)
+        a8 = _cuda_one_token_runs(tmp_path / f"a8-{mode}", "fp8", 9, settings)
+        for split in (False, True):
+            assert rel_err(a8[split][0], base[split][0]) < 0.1, (mode, split)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
