@@ -150,6 +150,20 @@ def _block_scales(S, stride_s, offs_n, mask_n, kbase, K, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
+def _load_x(x_ptrs, kbase, K, mask_m, offs_k, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    """x's [M_PAD, BLOCK_K] tile at kbase (rows past M and columns past K zero), the gated activation where SILU_MUL
+    (x_ptrs then points into the gate half, the up half K on)."""
+    if EVEN_K:
+        xm = mask_m[:, None]
+    else:
+        xm = mask_m[:, None] & ((kbase + offs_k) < K)[None, :]
+    x = tl.load(x_ptrs, mask=xm, other=0.0, eviction_policy="evict_last")
+    if SILU_MUL:
+        x = _silu_mul(x, tl.load(x_ptrs + K, mask=xm, other=0.0, eviction_policy="evict_last"))
+    return x
+
+
+@triton.jit
 def _e4m3_grid(v):
     """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the interpreter's own
     fp32 -> e4m3 conversion drops the carry where rounding crosses a power of two (31.4 -> 16), so under
@@ -181,13 +195,7 @@ def _accumulate_a8(acc, w, x_ptrs, kbase, K, mask_m, offs_k, EVEN_K: tl.constexp
     """acc [BLOCK_N, 16] += (w . x) for FP8 (e4m3) rows w [BLOCK_N, BLOCK_K] on tensor cores with x quantized to e4m3,
     x a column of a [BLOCK_K, 16] operand (zeros elsewhere); the product is scaled back before it is accumulated
     (fp32). The scale: this K tile's own (amax / 448), or with PER_ROW the row's (ROW_SX, _row_scale)."""
-    if EVEN_K:
-        xm = mask_m[:, None]
-    else:
-        xm = mask_m[:, None] & ((kbase + offs_k) < K)[None, :]
-    x = tl.load(x_ptrs, mask=xm, other=0.0, eviction_policy="evict_last")
-    if SILU_MUL:
-        x = _silu_mul(x, tl.load(x_ptrs + K, mask=xm, other=0.0, eviction_policy="evict_last"))
+    x = _load_x(x_ptrs, kbase, K, mask_m, offs_k, EVEN_K, SILU_MUL)
     xf = tl.reshape(x.to(tl.float32), (offs_k.shape[0], 1))  # one row (M_PAD = 1): [BLOCK_K, 1]
     if PER_ROW:
         sx = ROW_SX  # a scalar
@@ -207,13 +215,7 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
     """acc += x_tile . w_tile: a full-tile fp32 accumulator for one row (reduced once at the end, no
     shuffles in the loop), a 16-row tensor-core tile for several (the MMA is free next to the W stream).
     SBK > 0 (F16 only): block-scaled weights, each lane's sum multiplied by its block's scale (_block_scales)."""
-    if EVEN_K:
-        xm = mask_m[:, None]
-    else:
-        xm = mask_m[:, None] & ((kbase + offs_k) < K)[None, :]
-    x = tl.load(x_ptrs, mask=xm, other=0.0, eviction_policy="evict_last")
-    if SILU_MUL:
-        x = _silu_mul(x, tl.load(x_ptrs + K, mask=xm, other=0.0, eviction_policy="evict_last"))
+    x = _load_x(x_ptrs, kbase, K, mask_m, offs_k, EVEN_K, SILU_MUL)
     if F16:
         # FP8 rows: weights converted to f16 only (e4m3 is exact in f16), products with x * 2^-8 (so that
         # |w| <= 448 times x stays in f16's range) summed eight at a time in f16, then in fp32. About half
