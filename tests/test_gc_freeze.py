@@ -218,8 +218,7 @@ def test_graph_runners_capture_every_graph_with_collection_paused(monkeypatch):
     def capture(forward, stream, pool):
         seen.append(gc.isenabled())
         return _Graph()
-    for mod in (cuda_graph, extend_graph):
-        monkeypatch.setattr(mod, "capture_graph", capture)
+    monkeypatch.setattr(cuda_graph, "capture_graph", capture)  # both runners capture through cuda_graph.capture_graphs
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     collected = []
@@ -234,3 +233,30 @@ def test_graph_runners_capture_every_graph_with_collection_paused(monkeypatch):
     assert len(seen) == len(ext.sizes) + len(dec.sizes) > 4
     assert not any(seen) and gc.isenabled()
     assert collected == [0, len(ext.sizes)]  # once before each runner's loop
+
+
+def test_graph_runners_name_their_limit_when_a_capture_runs_out_of_memory(monkeypatch):
+    """A capture that runs out of GPU memory stops start-up with the runner's own message: the decode runner names
+    the batch size and --cuda-graph-max-bs, the extend runner the token count and --cuda-graph-max-extend-tokens
+    (checked without a GPU: capture_graph stubbed to fail); the collector is left on."""
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from shared.engine import cuda_graph, extend_graph
+
+    def capture(forward, stream, pool):
+        raise torch.OutOfMemoryError("stub")
+    monkeypatch.setattr(cuda_graph, "capture_graph", capture)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=8, vocab_size=16), logits_dtype=torch.float32)
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError, match=r"extend CUDA graph of 64 tokens.*--cuda-graph-max-extend-tokens"):
+        extend_graph.ExtendGraphRunner(model, None, None, None, max_tokens=64, max_reqs=4, dtype=torch.float32,
+                                       device=cpu, progress=False)
+    with pytest.raises(RuntimeError, match=r"decode CUDA graph of batch size 8 beside.*--cuda-graph-max-bs \(now 8\)"):
+        cuda_graph.CudaGraphRunner(model, None, None, None, SimpleNamespace(graph_cascade=lambda: False), max_bs=8,
+                                   device=cpu, progress=False)
+    assert gc.isenabled()

@@ -47,6 +47,27 @@ def capture_graph(forward, stream: torch.cuda.Stream, pool) -> torch.cuda.CUDAGr
     return g
 
 
+def capture_graphs(keys: list, forward, device: torch.device, pool, desc: str, progress: bool, out_of_memory):
+    """forward(key) captured for each key, in the order given (largest first, so that the later graphs reuse the
+    memory pool the first reserved), on one side stream and the pool `pool` (None: the first graph's), with
+    automatic collection paused for the whole loop after one collection. out_of_memory(key): the message of the
+    RuntimeError a capture that runs out of GPU memory raises. The bar goes to stderr (the launcher relays it,
+    prefixed with the worker's name). Returns ({key: graph}, the pool)."""
+    stream = torch.cuda.Stream(device)
+    graphs = {}
+    with collections_paused(collect_first=True):
+        for key in tqdm(keys, desc=desc, unit="graph", disable=not progress, dynamic_ncols=True):
+            try:
+                g = capture_graph(lambda: forward(key), stream, pool)
+            except torch.OutOfMemoryError as e:
+                raise RuntimeError(out_of_memory(key)) from e
+            if pool is None:
+                pool = g.pool()
+            graphs[key] = g
+    torch.cuda.synchronize(device)
+    return graphs, pool
+
+
 def capture_sizes(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 8)) + list(range(272, 1025, 16))
     return [s for s in sizes if s <= max_bs] or [1]
@@ -108,26 +129,15 @@ class CudaGraphRunner:
 
     def _capture_all(self, progress: bool) -> None:
         t0 = time.monotonic()
-        stream = torch.cuda.Stream(self.device)
-        # Largest first, so smaller graphs reuse the memory pool the largest one reserved. The bar goes to
-        # stderr (the launcher relays it, prefixed with the worker's name).
         cascade = self.attn_backend.graph_cascade()
         keys = [(bs, c) for bs in reversed(self.sizes) for c in ((False, True) if cascade and bs >= CASCADE_MIN_BS
                                                                   else (False,))]
-        with collections_paused(collect_first=True):
-            for bs, c in tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress,
-                              dynamic_ncols=True):
-                try:
-                    g = capture_graph(lambda: self._forward(bs, c), stream, self.pool)
-                except torch.OutOfMemoryError as e:
-                    raise RuntimeError(
-                        f"out of GPU memory capturing the decode CUDA graph of batch size {bs}"
-                        f"{' (shared-prefix variant)' if c else ''} beside the KV pool; lower --cuda-graph-max-bs "
-                        f"(now {self.max_bs}) or --mem-fraction-static, or pass --disable-cuda-graph") from e
-                if self.pool is None:
-                    self.pool = g.pool()
-                self.graphs[bs, c] = g
-        torch.cuda.synchronize(self.device)
+        graphs, self.pool = capture_graphs(
+            keys, lambda key: self._forward(*key), self.device, self.pool, "Capturing CUDA graphs", progress,
+            lambda key: f"out of GPU memory capturing the decode CUDA graph of batch size {key[0]}"
+                        f"{' (shared-prefix variant)' if key[1] else ''} beside the KV pool; lower --cuda-graph-max-bs "
+                        f"(now {self.max_bs}) or --mem-fraction-static, or pass --disable-cuda-graph")
+        self.graphs.update(graphs)
         log.info("captured %d decode graphs in %.1fs", len(keys), time.monotonic() - t0)
 
     def can_run(self, bs: int) -> bool:

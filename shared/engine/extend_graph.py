@@ -21,9 +21,8 @@ import time
 
 import torch
 
-from shared.engine.cuda_graph import capture_graph
+from shared.engine.cuda_graph import capture_graphs
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
-from shared.gc_freeze import collections_paused
 
 log = logging.getLogger(__name__)
 
@@ -85,23 +84,13 @@ class ExtendGraphRunner:
         self.hidden[:tokens].copy_(self.model.forward(fb))
 
     def _capture_all(self, progress: bool) -> None:
-        from tqdm import tqdm
-
         t0 = time.monotonic()
-        stream = torch.cuda.Stream(self.device)
-        with collections_paused(collect_first=True):
-            for tokens in tqdm(list(reversed(self.sizes)), desc="Capturing extend CUDA graphs", unit="graph",
-                               disable=not progress, dynamic_ncols=True):
-                try:
-                    g = capture_graph(lambda: self._forward(tokens), stream, self.pool)
-                except torch.OutOfMemoryError as e:
-                    raise RuntimeError(
-                        f"out of GPU memory capturing the extend CUDA graph of {tokens} tokens beside the KV "
-                        f"pool; lower --cuda-graph-max-extend-tokens (0: none) or --mem-fraction-static") from e
-                if self.pool is None:
-                    self.pool = g.pool()
-                self.graphs[tokens] = g
-        torch.cuda.synchronize(self.device)
+        graphs, self.pool = capture_graphs(
+            list(reversed(self.sizes)), self._forward, self.device, self.pool, "Capturing extend CUDA graphs",
+            progress, lambda tokens: f"out of GPU memory capturing the extend CUDA graph of {tokens} tokens beside "
+                                     f"the KV pool; lower --cuda-graph-max-extend-tokens (0: none) or "
+                                     f"--mem-fraction-static")
+        self.graphs.update(graphs)
         log.info("captured %d extend graphs (to %d tokens) in %.1fs", len(self.sizes), self.sizes[-1],
                  time.monotonic() - t0)
 
