@@ -179,14 +179,11 @@ def _row_scale(X, K, SILU_MUL: tl.constexpr, BLOCK_K: tl.constexpr):
     """x's e4m3 scale over its whole row (amax / 448), the gated activation's where SILU_MUL: the per-token
     scale of A8 == 2, taken by every program (whatever its K split) in one pass over x before its K loop."""
     offs = tl.arange(0, BLOCK_K)
-    m = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    one_row = tl.arange(0, 1) < 1
+    m = tl.zeros((1, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        msk = (k0 + offs) < K
-        x = tl.load(X + k0 + offs, mask=msk, other=0.0, eviction_policy="evict_last")
-        if SILU_MUL:
-            x = _silu_mul(x, tl.load(X + K + k0 + offs, mask=msk, other=0.0, eviction_policy="evict_last"))
-        m = tl.maximum(m, tl.abs(x.to(tl.float32)))
-    return tl.maximum(tl.max(m, axis=0), 1e-30) / 448.0
+        m = tl.maximum(m, tl.abs(_load_x(X + k0 + offs[None, :], k0, K, one_row, offs, False, SILU_MUL).to(tl.float32)))
+    return tl.maximum(tl.max(tl.max(m, axis=1), axis=0), 1e-30) / 448.0
 
 
 @triton.jit
@@ -542,9 +539,9 @@ FP8_SMALL_N_BLOCK_N = 16
 # bit for bit (a split norm's sum of squares is taken a tile at a time, as without split K: equal to fp32
 # rounding). At batch 1 FP8's o_proj splits in two (down_proj did too, before FP8_LONG_TILES), without its reduce
 # launch: the FP8 batch-1 step 3.240 ms against 3.350 (-3.3%; H100, 2026-12-05, bench.b1, five rounds over two
-# calls, 64 reduce launches a step gone at the tiles of then). On by
-# default; an A/B knob read at launch. The counters are one buffer a device: ticketed GEMVs must not run
-# concurrently on two streams of one device (the engine runs its forward passes on one stream).
+# calls, 64 reduce launches a step gone at the tiles of then). On by default; an A/B knob read at launch. The
+# counters are one buffer a device: ticketed GEMVs must not run concurrently on two streams of one device (the
+# engine runs its forward passes on one stream).
 SPLITK_TICKETS = True
 # FP8's long-K rows (gate_up, down_proj) at the tiles the H100's chain sweep picked (default_config): an A/B knob.
 # Measured and removed (bench/RESULTS.md, 2026-12-05; the code is in git history): FP8 rows at 256 bytes a thread
@@ -552,9 +549,9 @@ SPLITK_TICKETS = True
 # 32-layer chain +21%, H100, at 3009671), on packed registers with inline PTX (FP8_PACKED, kernels/fp8_dot.py, +1.5%,
 # H200) and with fewer instructions a loop step (FP8_EVEN_N, FP8_NO_EVICT_HINT, +3.5%, H200).
 FP8_LONG_TILES = True
-# FP8 rows multiplied on tensor cores with x quantized to e4m3 a K tile at a time (GemvConfig.a8: W8A8, the weights
-# streamed through shared memory into the MMA with no conversion instruction, against f16 math's one a weight pair).
-# Changes the numerics to W8A8 (x's tile scales are finer than the per-token scale of the FP8 GEMM at several rows).
+# FP8 rows multiplied on tensor cores with x quantized to e4m3 (GemvConfig.a8: W8A8, the weights streamed through
+# shared memory into the MMA with no conversion instruction, against f16 math's one a weight pair), a scale a K tile
+# (finer than the FP8 GEMM's at several rows) or one a row (its per-token scale). Changes the numerics to W8A8.
 # Not yet timed (bench.gemv_chain_sweep --fp8-a8-study): an A/B knob, read as above, off.
 FP8_A8 = 0  # GemvConfig.a8 for FP8 rows: 0 off, 1 a scale a K tile, 2 a scale a row
 FP8_A8_TILE = (64, 256, 4, 3)  # block_n, block_k, warps, stages: the knob's tile on every shape
@@ -613,8 +610,8 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     block_k = min(block_k, max(16, next_pow2(K)))
     split_k = 1
     k_steps = triton.cdiv(K, block_k)
-    while (not no_split and triton.cdiv(N, block_n) * split_k < SPLIT_K_MIN_PROGRAMS * num_sms() and split_k * 2 <= k_steps
-           and split_k < 16):
+    while (not no_split and triton.cdiv(N, block_n) * split_k < SPLIT_K_MIN_PROGRAMS * num_sms()
+           and split_k * 2 <= k_steps and split_k < 16):
         split_k *= 2
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, **extra)
 
