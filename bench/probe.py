@@ -667,8 +667,8 @@ def probe_kvfp8_tiles(res: dict) -> None:
 def probe_kvfp8_tput(res: dict) -> None:
     """The throughput workload (256 x (512, 128), bench.offline's engine settings) with a bf16 and an FP8 pool, fresh
     engines alternated twice, two runs each, with the pool each gets from the same memory fraction; the FP8 pool also
-    at its decode-attention tile before the two-warp one (one stage, four warps: measured in the workload on
-    2026-12-05, the two-warp tile only alone)."""
+    at its decode-attention tile before the two-warp one (one stage, four warps; H100, 2026-12-05: 6,682 tok/s against
+    6,769 for two warps and 6,535 for a bf16 pool)."""
     import kernels.attention.triton_decode as td
     variants = {"auto": ("auto", None), "fp8_e4m3": ("fp8_e4m3", None), "fp8_e4m3 4 warps": ("fp8_e4m3", (64, 4, 1))}
     out_runs = []

@@ -438,16 +438,15 @@ def check_gemv_fp8_f16_math(device, dtype):
 
 
 def _a8_reference(x, q, s, bk):
-    """W8A8 as _accumulate_a8 computes it: x quantized to e4m3 a bk-wide K tile at a time (scale amax / 448, torch's
-    round to nearest even), each tile's products in fp32 scaled back, the rows' scales last."""
+    """W8A8 as _accumulate_a8 computes it: x quantized to e4m3 a bk-wide K tile at a time (each tile as
+    kernels.reference.quantize_fp8_per_token quantizes a row: amax / 448, torch's round to nearest even), each
+    tile's products scaled back, the rows' scales last."""
+    from kernels.reference import quantize_fp8_per_token
     K = x.shape[-1]
     acc = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device)
-    xf = x.float().reshape(-1)
     for k0 in range(0, K, bk):
-        t = xf[k0:k0 + bk]
-        sx = torch.clamp(t.abs().max(), min=1e-30) / 448.0
-        tq = (t / sx).to(torch.float8_e4m3fn).double()
-        acc += (q[:, k0:k0 + bk].double() @ tq) * float(sx)
+        tq, sx = quantize_fp8_per_token(x.float()[:, k0:k0 + bk])
+        acc += (q[:, k0:k0 + bk].double() @ tq[0].double()) * float(sx)
     return (acc * s.double()).float()[None, :]
 
 
