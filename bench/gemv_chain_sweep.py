@@ -9,9 +9,8 @@ neighbours and the best tile alone is not the best tile in the chain.
 alternated 1, 2, 1, 2.
 --fp8-row-study: FP8 weights in the one-row kernel (kernels.gemv.FP8_ROW_KERNEL) against the general kernel,
 then the row kernel's FP8 tiles swept shape by shape.
---fp8-a8-study: FP8 rows on tensor cores with x quantized to e4m3 a K tile at a time (kernels.gemv.FP8_A8, W8A8)
-against the engine's tiles, then A8 tiles and pipeline depths swept shape by shape.
-(The packed-register, 256-byte and f16 tensor-core FP8 studies of 2026-12-05 went with their kernels: bench/RESULTS.md.)
+(The packed-register, 256-byte, f16 tensor-core and W8A8 FP8 studies of 2026-12-05 went with their kernels:
+bench/RESULTS.md.)
 """
 from __future__ import annotations
 
@@ -170,50 +169,6 @@ ROW_CANDIDATES = [(4, 2048, 2, False, 2, 1), (8, 1024, 2, False, 2, 1), (8, 512,
                   (8, 1024, 2, False, 1, 1), (4, 1024, 2, True, 2, 2), (8, 512, 2, True, 2, 2)]
 
 
-# W8A8 rows (kernels.gemv.FP8_A8_TILE): (block_n, block_k, warps, stages), the engine's split rule on each. sm_90
-# compile (Triton 3.6): QGMMA.64x16x32 E4M3 x E4M3 from shared memory, cp.async (LDGSTS.BYPASS.128) weight loads, no
-# conversion of the weights; (64, 256, 4, 3) 64-72 registers and 175 instructions a warp a step for its 4 KB (44 a KB;
-# the engine's FP8 tiles 105-120), 6 CTA barriers a step (x's tile scale and operand); (64, 512, 4, 3) 94 registers,
-# 32 a KB.
-FP8_A8_CANDIDATES = [(64, 256, 4, 3), (64, 512, 4, 3), (64, 256, 4, 4), (128, 256, 8, 3), (64, 128, 4, 4),
-                     (128, 256, 4, 3), (64, 512, 4, 2), (128, 512, 8, 2), (64, 1024, 4, 2), (32, 256, 4, 4)]
-
-
-def fp8_a8_configs(tile: tuple, mode: int = 1) -> dict:
-    """Every shape's config with the W8A8 knob at `mode` (1: a scale a K tile, 2: a row) and `tile` (the engine's split
-    rule applied)."""
-    import kernels.gemv as kg
-    saved = kg.FP8_A8, kg.FP8_A8_TILE
-    kg.FP8_A8, kg.FP8_A8_TILE = mode, tile
-    try:
-        return {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
-    finally:
-        kg.FP8_A8, kg.FP8_A8_TILE = saved
-
-
-def fp8_a8_study(budget: float, t0: float) -> dict:
-    """FP8 rows: the engine's tiles against W8A8 rows at the knob's tile, a scale a K tile and a scale a row, accuracy
-    per shape against the dequantized weights, the chain alternated; then the W8A8 candidates in both modes swept shape
-    by shape, the picks alternated against the three."""
-    from kernels.reference import fp8_linear_ref
-    layers = build("fp8")
-    engine = {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
-    by_tile = [fp8_a8_configs(t, mode) for t in FP8_A8_CANDIDATES for mode in (1, 2)]
-    check = {}
-    for name, (n, k) in SHAPES.items():
-        w, sc = layers[0][name]
-        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
-        ref = fp8_linear_ref(x.float(), w, sc)
-        check[name] = {key: float((gemv(x, w, scale=sc, config=cfg[name]).float() - ref).abs().max() / ref.abs().max())
-                       for key, cfg in (("engine", engine), ("a8_tile", by_tile[0]), ("a8_row", by_tile[1]))}
-    print(f"accuracy (max error / max output): {json.dumps(check)}", flush=True)
-    out = alternate_then_sweep(layers, {"engine": engine, "a8_tile": by_tile[0], "a8_row": by_tile[1]}, "engine",
-                               lambda name, n, k: [c[name] for c in by_tile if c[name].block_k <= k], budget, t0)
-    del layers
-    torch.cuda.empty_cache()
-    return {"check": check, **out}
-
-
 def row_study(budget: float, t0: float) -> dict:
     """bf16 weights: the one-row kernel (x in w's register layout, no shared-memory round trip a tile) at its
     default tiles against the general kernel at the tiles it had, the 32-layer chain alternated; then the row
@@ -293,8 +248,6 @@ def main() -> int:
     ap.add_argument("--fp8-row-study", action="store_true",
                     help="FP8: the one-row kernel against the general one (chain alternated), then its tiles swept")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
-    ap.add_argument("--fp8-a8-study", action="store_true",
-                    help="FP8: W8A8 rows on tensor cores (kernels.gemv.FP8_A8) against the engine's tiles, then its tiles")
     args = ap.parse_args()
     set_pdl(True)
     t0 = time.time()
@@ -320,9 +273,7 @@ def main() -> int:
         result["runs"]["row"] = row_study(args.budget, t0)
     if args.fp8_row_study:
         result["runs"]["fp8_row"] = fp8_row_study(args.budget, t0)
-    if args.fp8_a8_study:
-        result["runs"]["fp8_a8"] = fp8_a8_study(args.budget, t0)
-    studies = args.pre_tiles_study or args.f16_math_study or args.row_study or args.fp8_row_study or args.fp8_a8_study
+    studies = args.pre_tiles_study or args.f16_math_study or args.row_study or args.fp8_row_study
     for dtype in ([] if studies else args.dtypes.split(",")):
         layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2

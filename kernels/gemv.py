@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import (dot_precision, interpreting, next_pow2, num_sms, pdl_launch, pdl_prologue, pdl_trigger,
+from kernels._utils import (dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue, pdl_trigger,
                             pdl_trigger_early, pdl_wait)
 from kernels.activation import silu_mul_f32
 from kernels.reference import scale_block
@@ -164,48 +164,6 @@ def _load_x(x_ptrs, kbase, K, mask_m, offs_k, EVEN_K: tl.constexpr, SILU_MUL: tl
 
 
 @triton.jit
-def _e4m3_grid(v):
-    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the interpreter's own
-    fp32 -> e4m3 conversion drops the carry where rounding crosses a power of two (31.4 -> 16), so under
-    TRITON_INTERPRET the A8 path rounds here first and converts exact values. The GPU converts in hardware."""
-    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # |v|'s binary exponent
-    step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits; subnormals below 2^-6
-    q = v / step
-    return ((q + 12582912.0) - 12582912.0) * step  # q + 1.5 * 2^23 rounds q to an integer, ties to even
-
-
-@triton.jit
-def _row_scale(X, K, SILU_MUL: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x's e4m3 scale over its whole row (amax / 448), the gated activation's where SILU_MUL: the per-token
-    scale of A8 == 2, taken by every program (whatever its K split) in one pass over x before its K loop."""
-    offs = tl.arange(0, BLOCK_K)
-    one_row = tl.arange(0, 1) < 1
-    m = tl.zeros((1, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        m = tl.maximum(m, tl.abs(_load_x(X + k0 + offs[None, :], k0, K, one_row, offs, False, SILU_MUL).to(tl.float32)))
-    return tl.maximum(tl.max(tl.max(m, axis=1), axis=0), 1e-30) / 448.0
-
-
-@triton.jit
-def _accumulate_a8(acc, w, x_ptrs, kbase, K, mask_m, offs_k, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
-                   EXACT: tl.constexpr, ROW_SX=None, PER_ROW: tl.constexpr = False):
-    """acc [BLOCK_N, 16] += (w . x) for FP8 (e4m3) rows w [BLOCK_N, BLOCK_K] on tensor cores with x quantized to e4m3,
-    x a column of a [BLOCK_K, 16] operand (zeros elsewhere); the product is scaled back before it is accumulated
-    (fp32). The scale: this K tile's own (amax / 448), or with PER_ROW the row's (ROW_SX, _row_scale)."""
-    x = _load_x(x_ptrs, kbase, K, mask_m, offs_k, EVEN_K, SILU_MUL)
-    xf = tl.reshape(x.to(tl.float32), (offs_k.shape[0], 1))  # one row (M_PAD = 1): [BLOCK_K, 1]
-    if PER_ROW:
-        sx = ROW_SX  # a scalar
-    else:
-        sx = (tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-30) / 448.0)[None, :]  # [1, 1]
-    v = xf / sx
-    if EXACT:
-        v = _e4m3_grid(v)
-    xt = tl.where(tl.arange(0, 16)[None, :] == 0, v, 0.0).to(tl.float8e4nv)
-    return acc + tl.dot(w, xt) * sx
-
-
-@triton.jit
 def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, EVEN_K: tl.constexpr,
                 SILU_MUL: tl.constexpr, DOT_PREC: tl.constexpr, F16: tl.constexpr = False, S=None, stride_s=0,
                 offs_n=None, mask_n=None, BLOCK_N: tl.constexpr = 1, SBN: tl.constexpr = 0, SBK: tl.constexpr = 0):
@@ -242,8 +200,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                  PDL: tl.constexpr, PRE: tl.constexpr, F16: tl.constexpr = False, NORM_IN: tl.constexpr = False,
                  ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
                  HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True, stride_s=0, SBN: tl.constexpr = 0,
-                 SBK: tl.constexpr = 0, TK=None, TICKETED: tl.constexpr = False, A8: tl.constexpr = 0,
-                 EXACT_E4M3: tl.constexpr = False):
+                 SBK: tl.constexpr = 0, TK=None, TICKETED: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (one row, no split: the host checks)
@@ -257,12 +214,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
-    sx_row = 1.0
-    if A8 == 2 and not PDL:
-        sx_row = _row_scale(X, K, SILU_MUL, BLOCK_K)
-    if A8:
-        acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    elif F16:
+    if F16:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     elif M_PAD == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -276,22 +228,13 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         if PRE == 2:
             w2 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K, "evict_first")
         pdl_prologue(PDL, True)
-        if A8 == 2:
-            sx_row = _row_scale(X, K, SILU_MUL, BLOCK_K)
-        if A8:
-            acc = _accumulate_a8(acc, w, x_ptrs, k0, K, mask_m, offs_k, EVEN_K, SILU_MUL, EXACT_E4M3, sx_row, A8 == 2)
-        else:
-            acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
-                              stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
+        acc = _accumulate(acc, w, x_ptrs, k0, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
+                          stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         if PRE == 2:
-            if A8:
-                acc = _accumulate_a8(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, EVEN_K, SILU_MUL, EXACT_E4M3,
-                                     sx_row, A8 == 2)
-            else:
-                acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL,
-                                  DOT_PREC, F16, S, stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
+            acc = _accumulate(acc, w2, x_ptrs, k0 + BLOCK_K, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL,
+                              DOT_PREC, F16, S, stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
     rs, r_in, gamma, cos, sin, slot = _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS,
@@ -300,17 +243,11 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                                                        ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
         w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K, "evict_first")
-        if A8:
-            acc = _accumulate_a8(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, EVEN_K, SILU_MUL, EXACT_E4M3, sx_row,
-                                 A8 == 2)
-        else:
-            acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
-                              stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
+        acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
+                          stride_s, offs_n, mask_n, BLOCK_N, SBN, SBK)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if A8:  # [BLOCK_N, 16]: x in column 0, the others zero
-        acc = tl.sum(acc, axis=1)[None, :]
-    elif F16:
+    if F16:
         acc = tl.sum(acc, axis=1)[None, :] * 256.0
     elif M_PAD == 1:
         acc = tl.sum(acc, axis=1)[None, :]
@@ -521,11 +458,6 @@ class GemvConfig:
     row_kernel: bool = True
     narrow: bool = False  # each thread's eight neighbouring products summed before they are accumulated
     evict_first: bool = True  # weight loads marked evict-first (W is read once)
-    # FP8 (e4m3) rows, one row of x, per-row scales: x quantized to e4m3, the products on tensor cores (the general
-    # kernel's _accumulate_a8), with a scale a K tile (1) or one a row (2, per token, as the FP8 GEMM at several rows);
-    # `stages` deep software pipeline for the weight loads (0: Triton's).
-    a8: int = 0
-    stages: int = 0
 
 
 # K is split (a reduce kernel after) while the output's programs number fewer than this many per SM. An A/B knob,
@@ -547,14 +479,9 @@ SPLITK_TICKETS = True
 # Measured and removed (bench/RESULTS.md, 2026-12-05; the code is in git history): FP8 rows at 256 bytes a thread
 # (FP8_WIDE_TILES, batch-1 step +6%, H100), on tensor cores with cp.async-pipelined weights (FP8_TENSOR_CORES,
 # 32-layer chain +21%, H100, at 3009671), on packed registers with inline PTX (FP8_PACKED, kernels/fp8_dot.py, +1.5%,
-# H200) and with fewer instructions a loop step (FP8_EVEN_N, FP8_NO_EVICT_HINT, +3.5%, H200).
+# H200), with fewer instructions a loop step (FP8_EVEN_N, FP8_NO_EVICT_HINT, +3.5%, H200), and as W8A8 on tensor
+# cores, x quantized to e4m3 a K tile or a row at a time (FP8_A8, step +9% / +37%, H100, at 6950003).
 FP8_LONG_TILES = True
-# FP8 rows multiplied on tensor cores with x quantized to e4m3 (GemvConfig.a8: W8A8, the weights streamed through
-# shared memory into the MMA with no conversion instruction, against f16 math's one a weight pair), a scale a K tile
-# (finer than the FP8 GEMM's at several rows) or one a row (its per-token scale). Changes the numerics to W8A8.
-# Not yet timed (bench.gemv_chain_sweep --fp8-a8-study): an A/B knob, read as above, off.
-FP8_A8 = 0  # GemvConfig.a8 for FP8 rows: 0 off, 1 a scale a K tile, 2 a scale a row
-FP8_A8_TILE = (64, 256, 4, 3)  # block_n, block_k, warps, stages: the knob's tile on every shape
 _TICKET_SLOTS = 65536  # output tiles one launch may ticket (more run the reduce kernel)
 _tickets: dict = {}
 
@@ -587,10 +514,7 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
         # tiles), one tile before the PDL wait.
         block_n, block_k, warps = ((FP8_SMALL_N_BLOCK_N, 1024, 8) if N <= 4096 else (8, 2048, 4) if N <= 8192
                                    else (8, 512, 4))
-        if FP8_A8:
-            block_n, block_k, warps, stages = FP8_A8_TILE
-            extra = dict(a8=int(FP8_A8), stages=stages)
-        elif FP8_LONG_TILES and (N > 8192 or K > 4096):
+        if FP8_LONG_TILES and (N > 8192 or K > 4096):
             # gate_up at (4, 2048, 2); down_proj at (16, 2048, 8), K unsplit (bench.gemv_chain_sweep --dtypes fp8,
             # H100, 2026-12-05: the chain 2,638 us against 2,808 at the tiles above, with tickets).
             block_n, block_k, warps = (4, 2048, 2) if N > 8192 else (16, 2048, 8)
@@ -697,13 +621,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     split_k = triton.cdiv(K, k_per_split)
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
-    a8 = cfg.a8 if not dot and block is None and scale is not None and w.dtype == torch.float8_e4m3fn else 0
-    assert not a8 or (cfg.block_n >= 16 and cfg.block_k >= 32), "A8 rows: tensor-core tiles (16 rows, 32 of K)"
-    ticketed = bool(SPLITK_TICKETS and split_k > 1 and M == 1 and not dot and (a8 or not cfg.row_kernel)
+    ticketed = bool(SPLITK_TICKETS and split_k > 1 and M == 1 and not dot and not cfg.row_kernel
                     and rope is None and triton.cdiv(N, cfg.block_n) <= _TICKET_SLOTS)
     norms = _norm_args(norm_in, add_norm, 1 if ticketed else split_k, x)
     ropes = dict(rope_args(rope, x, split_k == 1), ROPE_AHEAD=bool(ROPE_INPUTS_AHEAD))
-    if not dot and cfg.row_kernel and not a8:
+    if not dot and cfg.row_kernel:
         _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms, ropes)
     else:
         _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
@@ -713,9 +635,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
             SBK=block[1] if block else 0, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
-            F16=_f16_math(cfg, w) and not dot and not a8, TK=_ticket_counters(x.device) if ticketed else partial,
-            TICKETED=ticketed, A8=a8, EXACT_E4M3=bool(a8) and interpreting(),
-            **({"num_stages": cfg.stages} if cfg.stages else {}), **pdl_launch(pdl, "gemv"))
+            F16=_f16_math(cfg, w) and not dot, TK=_ticket_counters(x.device) if ticketed else partial,
+            TICKETED=ticketed, **pdl_launch(pdl, "gemv"))
     if split_k > 1 and not ticketed:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](

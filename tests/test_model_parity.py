@@ -257,21 +257,6 @@ def test_fp8_rows_in_the_row_kernel_on_cuda(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp8_a8_rows_on_cuda(tmp_path, monkeypatch):
-    """FP8 weights at batch 1 as W8A8 on tensor cores (kernels.gemv.FP8_A8: x quantized to e4m3 a K tile at a time)
-    against the engine's f16 path: the same logits to within W8A8's rounding (wrong scales are off by far more),
-    split norms on and off (the norms' consumer and producer epilogues after the MMA loop)."""
-    import kernels.gemv as kg
-    settings = {split: (split, False, False) for split in (False, True)}
-    base = _cuda_one_token_runs(tmp_path / "base", "fp8", 9, settings)
-    for mode in (1, 2):  # a scale a K tile, one a row
-        monkeypatch.setattr(kg, "FP8_A8", mode)
-        a8 = _cuda_one_token_runs(tmp_path / f"a8-{mode}", "fp8", 9, settings)
-        for split in (False, True):
-            assert rel_err(a8[split][0], base[split][0]) < 0.1, (mode, split)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_split_row_norms_on_cuda_in_bf16(tmp_path):
     """The Triton path of the split norms (GEMV epilogues, the first norm clearing the sums) against whole
     norms on the GPU, bf16, the Triton attention backend: one-token passes give the same logits to within
