@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh fp8-h200|fp8-a8|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh fp8-h200|fp8-rope|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# Pending: `fp8-a8` (W8A8 rows, built 2026-12-05, not timed), `fp8-h200`, then `recheck`, on an H200 (FP8 split-K tickets and long-K tiles adopted on an H100, 2026-12-05
-# 17:11; the FP8 ratio there 0.603; the long tiles were picked by the H100's sweep). Carry [".whl/xgr", ".whl/svc",
-# ".whl/extra"].
+# Pending, on an H200 (the H100 came for every call of 2026-12-05): `fp8-h200` (FP8 split-K tickets and long-K tiles,
+# adopted on an H100, A/B'd there; the long tiles were picked by the H100's sweep), `fp8-rope` (FP8 qkv with the rope
+# epilogue: -0.5% replay on the H100, +2.2% on the H200 at older code), then `recheck`. Carry [".whl/xgr",
+# ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -128,6 +129,15 @@ if [[ $what == batch1-next-trace ]]; then
     --rounds 2 2>&1 | grep "round" | tee "$OUT/b1_rope_tail.log"
   timeout 150 python3 -m bench.probe trace_pdl trace_pdl_rope trace_pdl_kv 2>&1 | grep -v "Capturing\|Warning" | tail -40
 fi
+if [[ $what == fp8-rope ]]; then
+  # FP8 qkv weights with rope + the KV store in the GEMV's epilogue (shared.models.llama.FP8_ROPE_EPILOGUE, off): the
+  # GPU checks, then five rounds against the default and bf16 (~2 min).
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_model_parity.py \
+    -k "(cuda_bf16 and gemv_rope_store) or rope_in_the_qkv_epilogue_on_cuda or fp8_rows_in_the_row_kernel" 2>&1 | tail -3
+  R=@shared.models.llama.FP8_ROPE_EPILOGUE=1
+  timeout 200 python3 -m bench.b1 --variants "bf16=quantization=none;default=;rope=$R" --rounds 5 --quantization fp8 \
+    2>&1 | grep "round" | grep -v '^{' | tee "$OUT/b1_fp8_rope.log"
+fi
 if [[ $what == fp8-h200 ]]; then
   # The two FP8 defaults adopted on an H100 (2026-12-05), A/B'd on this card: the bf16 step, the FP8 default, the
   # former long-K tiles (FP8_LONG_TILES=0), the reduce kernel (SPLITK_TICKETS=0), and neither (three rounds, ~2 min).
@@ -137,16 +147,6 @@ if [[ $what == fp8-h200 ]]; then
   # If the former tiles win here: the chain sweep on this card (~5 min).
   timeout 290 python3 -m bench.gemv_chain_sweep --dtypes fp8 --budget 200 --out "$OUT" 2>&1 \
     | grep -v "^  .*: [A-Za-z]*Error" | tee "$OUT/chain_fp8.log" | tail -6
-fi
-if [[ $what == fp8-a8 ]]; then
-  # W8A8 rows on tensor cores (kernels.gemv.FP8_A8, 2026-12-05, compiled only): the GPU checks, the batch-1 A/B against
-  # bf16 and the engine's FP8 path (three rounds), then the chain study (accuracy, alternation, tiles by shape).
-  timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_model_parity.py \
-    -k "(cuda_bf16 and gemv_fp8_a8) or fp8_a8_rows" 2>&1 | tail -3
-  timeout 150 python3 -m bench.b1 --variants "bf16=quantization=none;default=;a8_tile=@kernels.gemv.FP8_A8=1;a8_row=@kernels.gemv.FP8_A8=2" --rounds 3 \
-    --quantization fp8 2>&1 | grep "round" | grep -v '^{' | tee "$OUT/b1_fp8_a8.log"
-  timeout 290 python3 -m bench.gemv_chain_sweep --fp8-a8-study --budget 180 --out "$OUT" 2>&1 \
-    | grep -v "^  .*: [A-Za-z]*Error" | tee "$OUT/fp8_a8_study.log" | tail -8
 fi
 if [[ $what == kv-fp8 ]]; then
   # --kv-cache-dtype fp8_e4m3 (2026-12-05, built without a GPU), first call: the FP8-pool kernel checks and the

@@ -192,12 +192,17 @@ def test_rope_in_the_qkv_epilogue_matches_the_rope_kernel(family, monkeypatch):
         assert runs[split, True][1] == runs[split, False][1]
 
 
-def test_fp8_qkv_weights_refuse_the_rope_epilogue(tmp_path):
+def test_fp8_qkv_weights_refuse_the_rope_epilogue(tmp_path, monkeypatch):
     """--decode-rope-fusion is on by default; with FP8 qkv weights the model keeps the rope kernel (on the
-    H200 the FP8 GEMV with the epilogue cost more than the kernel it saved), with bf16 or fp32 ones it fuses."""
+    H200 the FP8 GEMV with the epilogue cost more than the kernel it saved) unless the A/B knob
+    shared.models.llama.FP8_ROPE_EPILOGUE asks for it; with bf16 or fp32 ones it fuses."""
+    import shared.models.llama as llama
     path = write_hf_checkpoint(make_hf_model("llama31"), str(tmp_path / "m"))
     fp8, _ = load_model(path, quantization="fp8")
     assert fp8.model.fuse_row_rope(True) is False
+    monkeypatch.setattr(llama, "FP8_ROPE_EPILOGUE", True)
+    assert fp8.model.fuse_row_rope(True) is True and fp8.model.fuse_row_rope(False) is False
+    monkeypatch.setattr(llama, "FP8_ROPE_EPILOGUE", False)
     plain, _ = load_model(path)
     assert plain.model.fuse_row_rope(True) is True
 
@@ -212,18 +217,20 @@ def _cuda_one_token_runs(tmp_path, quant: str, seed: int, settings: dict) -> dic
     ours, cfg = load_model(path, dtype=torch.bfloat16, device=torch.device("cuda"), quantization=quant)
     prompt = torch.randint(3, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
     runs = {}
-    saved = kg.FP8_ROW_KERNEL, llama.FOLD_FINAL_NORM
+    saved = kg.FP8_ROW_KERNEL, llama.FOLD_FINAL_NORM, llama.FP8_ROPE_EPILOGUE
     try:
         for key, (split, rope, fp8_row, *fold) in settings.items():
             kg.FP8_ROW_KERNEL, llama.FOLD_FINAL_NORM = fp8_row, bool(fold and fold[0])
-            # FP8 qkv weights refuse the rope epilogue (it lost on the H200): both settings run the rope kernel.
+            # FP8 qkv weights refuse the rope epilogue by default (it lost on the H200); its A/B knob puts it in the
+            # general FP8 kernel here, so that the FP8 runs compare the epilogue with the rope kernel too.
+            llama.FP8_ROPE_EPILOGUE = not fp8_row
             assert ours.model.split_row_norms(split) == split
-            assert ours.model.fuse_row_rope(rope) == (rope and quant == "none")
+            assert ours.model.fuse_row_rope(rope) == (rope and (quant == "none" or not fp8_row))
             backend = create_attention_backend("triton", cfg.num_attention_heads, cfg.num_key_value_heads,
                                                cfg.head_dim, device=torch.device("cuda"))
             runs[key] = _one_token_run(ours, cfg, prompt, backend=backend)
     finally:
-        kg.FP8_ROW_KERNEL, llama.FOLD_FINAL_NORM = saved
+        kg.FP8_ROW_KERNEL, llama.FOLD_FINAL_NORM, llama.FP8_ROPE_EPILOGUE = saved
     return runs
 
 
@@ -231,7 +238,7 @@ def _cuda_one_token_runs(tmp_path, quant: str, seed: int, settings: dict) -> dic
 @pytest.mark.parametrize("quant", ["none", "fp8"])
 def test_rope_in_the_qkv_epilogue_on_cuda_in_bf16(tmp_path, quant):
     """The Triton path of rope + KV store in the qkv GEMV's epilogue against the rope kernel, bf16, the Triton
-    attention backend, split norms on and off: decode logits to within bf16's rounding, plain and FP8 weights."""
+    attention backend, split norms on and off: decode logits to within bf16's rounding, plain and FP8 weights (FP8 through its A/B knob)."""
     runs = _cuda_one_token_runs(tmp_path, quant, 5, {(s, r): (s, r, False) for s in (False, True) for r in (False, True)})
     for split in (False, True):
         assert rel_err(runs[split, True][0], runs[split, False][0]) < 2e-2, split

@@ -26,6 +26,10 @@ from shared.models.weight_prefetch import WeightPrefetcher
 # (LlamaForCausalLM.forward_logits). An A/B knob (@shared.models.llama.FOLD_FINAL_NORM=0), read when the CUDA
 # graphs are captured. On since the H200's batch-1 A/B of 2026-12-05 (bf16 step -0.4%, FP8 unchanged).
 FOLD_FINAL_NORM = True
+# FP8 qkv weights take the rope + KV-store epilogue too (A/B knob, @shared.models.llama.FP8_ROPE_EPILOGUE=1, read
+# when the model runner starts). Off: on the H200 it cost the FP8 step 2.2% (2026-12-05 02:12, older tiles); on an H100
+# at today's tiles it saves 0.5% of the replay, 0.2% of the step (five rounds, 2026-12-05 19:00): the H200 decides.
+FP8_ROPE_EPILOGUE = False
 
 
 class LlamaAttention(nn.Module):
@@ -131,11 +135,12 @@ class LlamaModel(nn.Module):
     def fuse_row_rope(self, enabled: bool) -> bool:
         """One-token decode passes rotate q and k and store k, v in the qkv GEMV's epilogue instead of a rope +
         KV-store kernel a layer (kernels/rope_store.py). Not with q/k norms (they come between), a qkv bias
-        (added after the GEMV), partial rotary, tensor parallelism or FP8 qkv weights (on the H200 the FP8 GEMV
-        with the epilogue lost more than the kernel it saves). Returns whether it is on."""
+        (added after the GEMV), partial rotary, tensor parallelism or, unless FP8_ROPE_EPILOGUE, FP8 qkv weights
+        (on the H200 the FP8 GEMV with the epilogue lost more than the kernel it saves). Returns whether it is on."""
         cfg = self.cfg
         fp8 = self.layers[0].self_attn.qkv_proj.weight.element_size() == 1 if self.layers else False
-        self.row_rope = bool(enabled and not cfg.qk_norm and not cfg.attention_bias and tp_size() == 1 and not fp8
+        self.row_rope = bool(enabled and not cfg.qk_norm and not cfg.attention_bias and tp_size() == 1
+                             and (not fp8 or FP8_ROPE_EPILOGUE)
                              and self.rotary_emb.cos_sin_cache.shape[1] == cfg.head_dim)
         return self.row_rope
 
