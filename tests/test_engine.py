@@ -200,50 +200,6 @@ def test_mixed_chunk_warmup_reaches_the_triton_decode_tail():
     assert tails == [True, False], (passes, tails)
 
 
-def test_mixed_chunk_warmup_compiles_the_tail_at_every_pointer_alignment():
-    """The decode tail reads req_pool_indices and seq_lens from the first rider on, and Triton compiles a kernel
-    variant per 16-byte alignment of each pointer: the warm-up runs every pass with its prompt over 1, 2 and 4
-    requests, so the tails it launches cover the three classes live passes have (their head's request count modulo
-    4), each taking the tail at the largest pass; ModelRunner._warmup_mixed runs exactly those batches."""
-    from shared.engine.config import EngineConfig
-    from shared.engine.forward_batch import ForwardBatch, ForwardMode
-    from shared.engine.model_runner import MIXED_WARMUP_HEADS, ModelRunner, mixed_warmup_lens, mixed_warmup_passes
-    from shared.models.attention.triton_backend import TritonAttentionBackend
-    cfg = EngineConfig(model_path="tiny-random", enable_mixed_chunk=True)
-    pool = types.SimpleNamespace(dtype=torch.bfloat16)
-    be = TritonAttentionBackend(32, 8, 128)
-    prompt, riders, ctx = mixed_warmup_passes(cfg, 8192)[0]
-    classes = set()
-    for heads in MIXED_WARMUP_HEADS:
-        lens, prefix = mixed_warmup_lens(prompt, riders, ctx, heads)
-        assert sum(lens) == prompt + riders and lens[heads:] == [1] * riders and min(lens[:heads]) >= 2
-        fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * sum(lens), [0] * len(lens), prefix, lens,
-                                torch.zeros(sum(lens), dtype=torch.int64), torch.zeros(1, 8192, dtype=torch.int32),
-                                pool, be, torch.device("cpu"))
-        be.init_forward_metadata(fb)
-        assert be._meta.tail is not None and be._meta.head == heads, heads
-        classes.add(tuple(t[heads:].data_ptr() % 16 == 0 for t in (fb.req_pool_indices, fb.seq_lens)))
-    assert classes == {(False, False), (True, False), (True, True)}, classes
-
-    seen = []  # the batches the runner's own warm-up builds
-
-    class Model:
-        def forward(self, fb):
-            seen.append(fb.extend_seq_lens_cpu)
-            return torch.zeros(fb.input_ids.shape[0], 4)
-
-        def compute_logits(self, hidden):
-            return hidden
-
-    runner = types.SimpleNamespace(config=cfg, max_context_len=8192, attn_backend=be, model=Model(), kv_pool=pool,
-                                   req_pool=types.SimpleNamespace(req_to_token=torch.zeros(1, 8192, dtype=torch.int32)),
-                                   device=torch.device("cpu"))
-    ModelRunner._warmup_mixed(runner)
-    want = [mixed_warmup_lens(*p, heads)[0] for p in mixed_warmup_passes(cfg, 8192, be.rider_counts)
-            for heads in MIXED_WARMUP_HEADS]
-    assert seen == want
-
-
 def test_seed_reproducible_and_distinct(h):
     p = prompts(1, seed=2)[0]
     s = {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True}

@@ -158,22 +158,6 @@ def mixed_warmup_passes(config: EngineConfig, max_context_len: int,
     return passes
 
 
-# Prompts a warm-up mixed pass splits its prompt tokens among. The decode tail reads req_pool_indices (int64) and
-# seq_lens (int32) from the pass's first rider on, and Triton compiles a variant per pointer alignment (16 bytes or
-# not): the head's request count modulo 4 sets both, three classes. With one head request only, the H100's first
-# live mixed run still compiled new variants (2026-12-05 18:54: 4,233 tok/s, then 6,386).
-MIXED_WARMUP_HEADS = (1, 2, 4)
-
-
-def mixed_warmup_lens(prompt: int, riders: int, ctx: int, heads: int) -> tuple[list[int], list[int]]:
-    """(extend lens, prefix lens) of a warm-up mixed pass: `prompt` tokens over `heads` requests (the first the
-    longest, so the pass takes the decode tail where the single prompt would), then `riders` one-token rows on
-    `ctx` cached tokens each."""
-    heads = max(1, min(heads, prompt // 2))
-    rest = [2] * (heads - 1)
-    return [prompt - sum(rest)] + rest + [1] * riders, [0] * heads + [ctx] * riders
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp=None, tp_rank: int = 0):
         """With config.tp_size > 1, rank 0 (tp None) spawns the other ranks (shared/engine/tp.py); each
@@ -338,12 +322,11 @@ class ModelRunner:
         """--enable-mixed-chunk: the prefill passes with riders of `mixed_warmup_passes`, one for each rider count
         the backend runs with a kernel variant of its own, run once so those variants compile here instead of in
         the first live mixed pass (the H200's first mixed run of a process was ~35% slower, 2026-12-05: two
-        decode-kernel variants compiled in it), each with its prompt over 1, 2 and 4 requests (MIXED_WARMUP_HEADS: the
-        tail's pointer alignments). Dummy tokens use request row 0 and the padding slot 0."""
-        passes = mixed_warmup_passes(self.config, self.max_context_len, self.attn_backend.rider_counts)
-        for (prompt, riders, ctx), heads in itertools.product(passes, MIXED_WARMUP_HEADS):
-            lens, prefix = mixed_warmup_lens(prompt, riders, ctx, heads)
-            fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * sum(lens), [0] * len(lens), prefix, lens,
+        decode-kernel variants compiled in it). Dummy tokens use request row 0 and the padding slot 0."""
+        for prompt, riders, ctx in mixed_warmup_passes(self.config, self.max_context_len,
+                                                       self.attn_backend.rider_counts):
+            lens = [prompt] + [1] * riders
+            fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * sum(lens), [0] * len(lens), [0] + [ctx] * riders, lens,
                                     torch.zeros(sum(lens), dtype=torch.int64), self.req_pool.req_to_token,
                                     self.kv_pool, self.attn_backend, self.device)
             self.attn_backend.init_forward_metadata(fb)
