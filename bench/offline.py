@@ -189,6 +189,10 @@ def main():
     if args.mixed_pairs:
         eng_mixed = Engine(EngineConfig(**{**ec.__dict__, "enable_mixed_chunk": True}), tok, on_output=lambda o: None,
                            runner=eng.runner)
+        # The shared runner was built, and warmed up, without mixed chunks: its first mixed run compiled the decode
+        # tail's variants live (4,233 tok/s, then 6,386; H100, 2026-12-05), where an engine of its own compiles them in
+        # its warm-up (bench.probe mixed_first: no kernel compiled in the first run).
+        eng.runner.warmup_mixed()
         mixed_runs, plain_runs = [], []
         for k in range(args.mixed_pairs):
             for e, runs in ((eng_mixed, mixed_runs), (eng, plain_runs)):

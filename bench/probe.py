@@ -773,16 +773,25 @@ def probe_tput_clocks(res: dict) -> None:
 
 def probe_mixed_first(res: dict) -> None:
     """--enable-mixed-chunk's first runs in a fresh engine (its warm-up now runs mixed passes): the throughput
-    workload three times, each run's tok/s. On 12-05 (before that warm-up) the first mixed run of a process was
+    workload three times, each run's tok/s and the kernels Triton compiled during it. On 12-05 (before that warm-up) the first mixed run of a process was
     ~35% slower than the next (kernel variants compiled in live passes)."""
+    cache = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+
+    def compiled() -> set:  # the kernels Triton has written to its cache (a variant each)
+        return {os.path.join(d, f) for d, _, fs in os.walk(cache) for f in fs if f.endswith(".json")
+                and not f.startswith("__grp__")}
+
     eng = _tput_engine(enable_mixed_chunk=True)
-    out = []
+    out, new = [], []
     for rep in range(3):
+        before = compiled()
         st = drive(eng, random_prompts(256, 512, 400, 20 + rep), {**GREEDY, "max_new_tokens": 128})
         out.append(256 * 128 / st.wall_s)
-        log(f"mixed_first run {rep + 1}: {out[-1]:.0f} tok/s")
+        new.append(sorted(os.path.basename(f) for f in compiled() - before))
+        log(f"mixed_first run {rep + 1}: {out[-1]:.0f} tok/s; kernels compiled in it: {new[-1]}")
     eng.stop()
     res["mixed_first"] = out
+    res["mixed_first_compiled"] = new
 
 
 def probe_trace_prefill(res: dict) -> None:
