@@ -9,6 +9,7 @@ neighbours and the best tile alone is not the best tile in the chain.
 alternated 1, 2, 1, 2.
 --fp8-row-study: FP8 weights in the one-row kernel (kernels.gemv.FP8_ROW_KERNEL) against the general kernel,
 then the row kernel's FP8 tiles swept shape by shape.
+--fp8-down-study: FP8 down_proj's tiles alone, the whole budget on that shape; the pick for kernels.gemv.FP8_DOWN_TILE.
 (The packed-register, 256-byte, f16 tensor-core and W8A8 FP8 studies of 2026-12-05 went with their kernels:
 bench/RESULTS.md.)
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -25,7 +27,7 @@ import torch
 
 from bench.kernels import graph_time_ms
 from kernels._utils import set_pdl
-from kernels.gemv import GemvConfig, default_config, gemv
+from kernels.gemv import GemvConfig, default_config, fp8_tile, gemv
 from kernels.norm import rms_norm
 
 HIDDEN, INTER, QKV = 4096, 14336, 6144
@@ -117,6 +119,51 @@ def alternate_then_sweep(layers, named: dict, base: str, cands, budget: float, t
     print(f"picks alternated with {', '.join(named)}, us: {json.dumps(final)} ({rates(final)} GB/s)", flush=True)
     return {"times": times, "rows": rows, "final": final,
             "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
+
+
+def fp8_down_candidates() -> list[str]:
+    """FP8 down_proj tiles for --fp8-down-study (kernels.gemv.fp8_tile specs), the engine's (16, 2048, 8 warps, K
+    unsplit) neighbourhood first: the general kernel at 32-128 weights a thread a loop step, K unsplit or split in 2
+    or 4 (tickets), one or two tiles before the PDL wait; then the one-row kernel's FP8 tiles."""
+    general = [f"{bn}:{bk}:{warps}:{split}:{pre}:0"
+               for bn, bk, warps in itertools.product((16, 8, 32), (2048, 1024, 4096), (8, 4, 16))
+               if 32 <= bn * bk // (32 * warps) <= 128
+               for split, pre in itertools.product((1, 2, 4), (1, 2))]
+    row = [f"{bn}:{bk}:{warps}:{split}:2:1" for bn, bk, warps in ((8, 2048, 2), (4, 4096, 2), (8, 1024, 2),
+                                                                  (16, 1024, 4), (4, 2048, 2)) for split in (1, 2)]
+    return general + row
+
+
+def fp8_down_study(budget: float, t0: float, out_dir: str) -> dict:
+    """FP8's down_proj, the laggard of the H100's 12-05 trace (2.59 TB/s where bf16's reads 2.99): the chain with
+    fp8_down_candidates() swept on that shape alone (the whole budget), the three fastest alternated twice with the
+    engine's tiles, and the winner (by its best time, if it beats the engine's by 0.5%) written to
+    OUT/fp8_down_pick.txt for the batch-1 A/B (kernels.gemv.FP8_DOWN_TILE)."""
+    layers = build("fp8")
+    engine = {nm: default_config(1, n, k, 1) for nm, (n, k) in SHAPES.items()}
+    spec_of = {fp8_tile(s): s for s in fp8_down_candidates()}
+    base = min(chain_ms(layers, engine) * 1e3 for _ in range(2))
+    print(f"engine tiles: chain {base:.0f} us; {len(spec_of)} down_proj tiles to try", flush=True)
+    share = max(0.0, budget - (time.time() - t0) - 30)  # the final alternation's time kept back
+    _, rows = sweep_shapes(lambda cfgs: chain_ms(layers, cfgs) * 1e3, engine, base,
+                           lambda name, n, k: list(spec_of) if name == "down" else [], share)
+    top = [spec_of[GemvConfig(**r["cfg"])] for r in sorted(rows, key=lambda r: r["chain_us"])[:3]]
+    final = {key: [] for key in ("engine", *top)}
+    for _ in range(2):
+        for key in final:
+            cfgs = engine if key == "engine" else {**engine, "down": fp8_tile(key)}
+            final[key].append(chain_ms(layers, cfgs) * 1e3)
+    print(f"fastest down_proj tiles alternated with the engine's, us: {json.dumps(final)}", flush=True)
+    best = min(top, key=lambda k: min(final[k]), default="")
+    pick = best if best and min(final[best]) < 0.995 * min(final["engine"]) else ""
+    print(f"pick: {pick or 'none (the engine tile stays)'}", flush=True)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "fp8_down_pick.txt"), "w") as f:
+            f.write(pick)
+    del layers
+    torch.cuda.empty_cache()
+    return {"rows": rows, "final": final, "pick": pick}
 
 
 def fp32_math_config(n: int, k: int) -> GemvConfig:
@@ -247,6 +294,9 @@ def main() -> int:
                     help="bf16: the one-row kernel against the general one (chain alternated), then its tiles swept")
     ap.add_argument("--fp8-row-study", action="store_true",
                     help="FP8: the one-row kernel against the general one (chain alternated), then its tiles swept")
+    ap.add_argument("--fp8-down-study", action="store_true",
+                    help="FP8: down_proj's tiles swept in the chain (general and one-row kernels, split K, tiles "
+                         "before the PDL wait); the pick written to OUT/fp8_down_pick.txt")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     set_pdl(True)
@@ -273,7 +323,9 @@ def main() -> int:
         result["runs"]["row"] = row_study(args.budget, t0)
     if args.fp8_row_study:
         result["runs"]["fp8_row"] = fp8_row_study(args.budget, t0)
-    studies = args.pre_tiles_study or args.f16_math_study or args.row_study or args.fp8_row_study
+    if args.fp8_down_study:
+        result["runs"]["fp8_down"] = fp8_down_study(args.budget, t0, args.out)
+    studies = args.pre_tiles_study or args.f16_math_study or args.row_study or args.fp8_row_study or args.fp8_down_study
     for dtype in ([] if studies else args.dtypes.split(",")):
         layers = build(dtype)
         wb = 1 if dtype == "fp8" else 2

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh fp8-h200|fp8-rope|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh fp8-h200|fp8-down|fp8-rope|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# Pending, on an H200 (the H100 came for every call of 2026-12-05): `fp8-h200` (FP8 split-K tickets and long-K tiles,
+# Pending: `fp8-down` (FP8 down_proj's tiles, on any card: the H100's trace found it the laggard), then, on an H200
+# (the H100 came for every call of 2026-12-05): `fp8-h200` (FP8 split-K tickets and long-K tiles,
 # adopted on an H100, A/B'd there; the long tiles were picked by the H100's sweep), `fp8-rope` (FP8 qkv with the rope
 # epilogue: -0.5% replay on the H100, +2.2% on the H200 at older code), then `recheck`. Carry [".whl/xgr",
 # ".whl/svc", ".whl/extra"].
@@ -128,6 +129,19 @@ if [[ $what == batch1-next-trace ]]; then
   timeout 200 python3 -m bench.b1 --variants "rope=decode_rope_fusion=1;tail=decode_rope_fusion=1,@kernels.gemv.ROPE_INPUTS_AHEAD=0" \
     --rounds 2 2>&1 | grep "round" | tee "$OUT/b1_rope_tail.log"
   timeout 150 python3 -m bench.probe trace_pdl trace_pdl_rope trace_pdl_kv 2>&1 | grep -v "Capturing\|Warning" | tail -40
+fi
+if [[ $what == fp8-down ]]; then
+  # FP8 down_proj, the laggard of the H100's 12-05 trace (2.59 TB/s, bf16's 2.99 on the shape): its tiles swept in the
+  # 32-layer chain (~4 min), then the pick, if any, A/B'd in the batch-1 step against the default and bf16 (~2 min).
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv_fp8_down_tiles" \
+    2>&1 | tail -2
+  timeout 320 python3 -m bench.gemv_chain_sweep --fp8-down-study --budget 240 --out "$OUT" 2>&1 \
+    | grep -v "^  .*: [A-Za-z]*Error" | tee "$OUT/fp8_down_study.log" | tail -5
+  P=$(cat "$OUT/fp8_down_pick.txt" 2>/dev/null)
+  if [[ -n $P ]]; then
+    timeout 150 python3 -m bench.b1 --variants "bf16=quantization=none;default=;pick=@kernels.gemv.FP8_DOWN_TILE=$P" \
+      --rounds 4 --quantization fp8 2>&1 | grep "round" | grep -v '^{' | tee "$OUT/b1_fp8_down.log"
+  fi
 fi
 if [[ $what == fp8-rope ]]; then
   # FP8 qkv weights with rope + the KV store in the GEMV's epilogue (shared.models.llama.FP8_ROPE_EPILOGUE, off): the

@@ -482,6 +482,10 @@ SPLITK_TICKETS = True
 # H200), with fewer instructions a loop step (FP8_EVEN_N, FP8_NO_EVICT_HINT, +3.5%, H200), and as W8A8 on tensor
 # cores, x quantized to e4m3 a K tile or a row at a time (FP8_A8, step +9% / +37%, H100, at 6950003).
 FP8_LONG_TILES = True
+# FP8 down_proj's tile (one row, N <= 8192, K > 4096) as "block_n:block_k:warps:split_k:pre_tiles:row_kernel" (fp8_tile),
+# an A/B knob for bench.gemv_chain_sweep --fp8-down-study's pick, read as above ("": FP8_LONG_TILES's). In the H100's
+# 12-05 trace this GEMV read its weights at 2.59 TB/s, bf16's on the same shape at 2.99.
+FP8_DOWN_TILE = ""
 _TICKET_SLOTS = 65536  # output tiles one launch may ticket (more run the reduce kernel)
 _tickets: dict = {}
 
@@ -494,6 +498,16 @@ def _ticket_counters(device: torch.device) -> torch.Tensor:
     if t is None:
         t = _tickets[device] = torch.zeros(_TICKET_SLOTS, dtype=torch.int32, device=device)
     return t
+
+
+def fp8_tile(spec: str) -> GemvConfig:
+    """A one-row FP8 GemvConfig (f16 math) from "block_n:block_k:warps:split_k:pre_tiles:row_kernel"."""
+    try:
+        bn, bk, warps, split, pre, row = (int(v) for v in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"an FP8 tile is block_n:block_k:warps:split_k:pre_tiles:row_kernel, not {spec!r}") from None
+    return GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps, pre_tiles=pre, f16_math=True,
+                      row_kernel=bool(row))
 
 
 def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
@@ -509,6 +523,8 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
         else:
             block_n, block_k, warps = (8, 1024, 2) if N <= 8192 else (2, 4096, 2)
         extra = dict(f16_math=True, pre_tiles=2, fold=2 if 4096 < N <= 8192 else 1)
+    elif M == 1 and weight_bytes == 1 and FP8_DOWN_TILE and N <= 8192 and K > 4096:
+        return fp8_tile(FP8_DOWN_TILE)
     elif M == 1 and weight_bytes == 1:
         # FP8 rows with f16 math (--f16-math-study, 2026-12-02: 2,095 us against 2,196 for fp32 math at its own
         # tiles), one tile before the PDL wait.

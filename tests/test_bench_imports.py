@@ -89,3 +89,38 @@ def test_gemv_chain_sweep_alternate_then_sweep_on_a_fake_chain(monkeypatch, caps
     assert all(v == 2 for v in map(len, out["final"].values())) and set(out["final"]) == {"engine", "other", "picks"}
     assert seen[-1] == {nm: 2048 for nm in cs.SHAPES}  # the picks: each shape's fastest candidate
     assert "picks alternated" in capsys.readouterr().out
+
+
+def test_gemv_chain_sweep_fp8_down_study_picks_a_tile_only_where_it_beats_the_engine(tmp_path, monkeypatch):
+    """--fp8-down-study (a stand-in chain, no GPU): every candidate parses into a one-row FP8 config and the engine's
+    own down_proj tile is among them (the sweep skips it); the fastest tile is picked and written for the batch-1
+    A/B; where none beats the engine's by 0.5%, the pick is empty; kernels.gemv.FP8_DOWN_TILE puts a pick on
+    down_proj's shape only, and a malformed one is a clear error."""
+    import time
+
+    import bench.gemv_chain_sweep as cs
+    import kernels.gemv as kg
+    from kernels.gemv import default_config, fp8_tile
+
+    specs = cs.fp8_down_candidates()
+    assert len(set(specs)) == len(specs) and {fp8_tile(s) for s in specs} >= {default_config(1, 4096, 14336, 1)}
+    assert {fp8_tile(s).row_kernel for s in specs} == {False, True} and {fp8_tile(s).split_k for s in specs} == {1, 2, 4}
+    monkeypatch.setattr(cs, "build", lambda dtype: [])
+    monkeypatch.setattr(cs.torch.cuda, "empty_cache", lambda: None)
+    fast = fp8_tile("8:1024:4:2:2:0")
+    monkeypatch.setattr(cs, "chain_ms", lambda layers, cfgs: 2.0 if cfgs["down"] == fast else 2.6)
+    assert cs.fp8_down_study(60, time.time(), str(tmp_path))["pick"] == "8:1024:4:2:2:0"
+    assert (tmp_path / "fp8_down_pick.txt").read_text() == "8:1024:4:2:2:0"
+    monkeypatch.setattr(cs, "chain_ms", lambda layers, cfgs: 2.599 if cfgs["down"] == fast else 2.6)
+    assert cs.fp8_down_study(60, time.time(), str(tmp_path))["pick"] == ""
+    assert (tmp_path / "fp8_down_pick.txt").read_text() == ""
+
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    before = [default_config(1, n, k, 1) for n, k in shapes]
+    bf16_down = default_config(1, 4096, 14336, 2)
+    monkeypatch.setattr(kg, "FP8_DOWN_TILE", "8:1024:4:2:2:0")
+    assert [default_config(1, n, k, 1) for n, k in shapes] == before[:3] + [fast]
+    assert default_config(1, 4096, 14336, 2) == bf16_down != fast
+    monkeypatch.setattr(kg, "FP8_DOWN_TILE", "8:1024")
+    with pytest.raises(ValueError, match="block_n:block_k:warps:split_k:pre_tiles:row_kernel"):
+        default_config(1, 4096, 14336, 1)

@@ -437,6 +437,30 @@ def check_gemv_fp8_f16_math(device, dtype):
         assert float((y - ref).abs().max()) < (2e-3 if dtype == torch.float32 else 6e-3) * float(ref.abs().max()), cfg
 
 
+def check_gemv_fp8_down_tiles(device, dtype):
+    """FP8 down_proj tiles bench.gemv_chain_sweep --fp8-down-study may pick (kernels.gemv.fp8_tile specs: the general
+    kernel unsplit and split in 2 and 4 with tickets, one or two tiles before the PDL wait, the one-row kernel split
+    and not) on down_proj's K with the gated input, against the dequantized reference."""
+    from bench.gemv_chain_sweep import fp8_down_candidates
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import fp8_tile, gemv
+    from kernels.reference import fp8_linear_ref
+    from shared.models.quantization import quantize_per_channel
+    gen = torch.Generator().manual_seed(17)
+    N, K = (64 if device.type == "cpu" else 4096), 14336
+    q, s = quantize_per_channel(torch.randn(N, K, generator=gen) * 0.02)
+    q, s = q.to(device), s.to(device)
+    h = torch.randn(1, 2 * K, generator=gen).to(device=device, dtype=dtype)
+    ref = fp8_linear_ref(silu_and_mul(h).float(), q, s)
+    specs = fp8_down_candidates()
+    for spec in ("16:2048:8:1:1:0", "16:2048:8:4:2:0", "32:1024:16:2:1:0", "8:4096:16:4:2:0", "8:2048:2:2:2:1",
+                 "16:1024:4:1:2:1", "4:4096:2:2:2:1"):
+        assert spec in specs, spec
+        y = gemv(h, q, scale=s, silu_mul=True, config=fp8_tile(spec)).float()
+        tol = 2e-3 if dtype == torch.float32 else 8e-3
+        assert float((y - ref).abs().max()) < tol * float(ref.abs().max()), spec
+
+
 def check_gemv_splitk_tickets(device, dtype):
     """kernels.gemv.SPLITK_TICKETS (on by default): split K reduced by each tile's last split instead of a reduce
     kernel gives the reduce kernel's output bit for bit (plain, gated input, a split norm's consumer and its
