@@ -124,14 +124,18 @@ def alternate_then_sweep(layers, named: dict, base: str, cands, budget: float, t
 def fp8_down_candidates() -> list[str]:
     """FP8 down_proj tiles for --fp8-down-study (kernels.gemv.fp8_tile specs), the engine's (16, 2048, 8 warps, K
     unsplit) neighbourhood first: the general kernel at 32-128 weights a thread a loop step, K unsplit or split in 2
-    or 4 (tickets), one or two tiles before the PDL wait; then the one-row kernel's FP8 tiles."""
-    general = [f"{bn}:{bk}:{warps}:{split}:{pre}:0"
-               for bn, bk, warps in itertools.product((16, 8, 32), (2048, 1024, 4096), (8, 4, 16))
-               if 32 <= bn * bk // (32 * warps) <= 128
-               for split, pre in itertools.product((1, 2, 4), (1, 2))]
-    row = [f"{bn}:{bk}:{warps}:{split}:2:1" for bn, bk, warps in ((8, 2048, 2), (4, 4096, 2), (8, 1024, 2),
-                                                                  (16, 1024, 4), (4, 2048, 2)) for split in (1, 2)]
-    return general + row
+    (tickets), one or two tiles before the PDL wait; the one-row kernel's FP8 tiles; the general kernel split in 4. (sm_90: the engine's
+    tile takes 108 registers, two programs an SM.)"""
+    def general(splits):
+        return [f"{bn}:{bk}:{warps}:{split}:{pre}:0"
+                for bn, bk, warps in itertools.product((16, 8, 32), (2048, 1024, 4096), (8, 4, 16))
+                if 32 <= bn * bk // (32 * warps) <= 128
+                for split, pre in itertools.product(splits, (1, 2))]
+    # The row kernel at 128 weights a thread a loop step (two tiles in flight: sm_90 compiles (8, 1024, 2) to 157
+    # registers, (8, 2048, 4) to 202, (4, 4096, 4) to 255; the 256-weight (8, 2048, 2) spills).
+    row = [f"{bn}:{bk}:{warps}:{split}:2:1" for bn, bk, warps in ((8, 1024, 2), (4, 2048, 2), (16, 1024, 4),
+                                                                  (8, 2048, 4), (4, 4096, 4)) for split in (1, 2)]
+    return general((1, 2)) + row + general((4,))  # four splits last: the sweep may run out of budget first
 
 
 def fp8_down_study(budget: float, t0: float, out_dir: str) -> dict:
