@@ -193,6 +193,17 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
 
 
 @triton.jit
+def _sum_splits(P, m, N, offs, mask, M: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                CACHE: tl.constexpr):
+    """Row m's split-K partials (P: [SPLIT_K, M, N] fp32) at offs, summed in split order. CACHE ".cg" where other
+    programs of the running grid wrote them (the ticketed GEMV's last split): read from L2, not a stale L1."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(P + (s * M + m) * N + offs, mask=mask, other=0.0, cache_modifier=CACHE)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT, R, GAMMA, SQ, eps,
                  POS, CS, stride_cs, LOC, KB, VB, stride_bs, QS, KVS,
                  HAS_SCALE: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -274,9 +285,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
             tl.debug_barrier()
             ticket = TK + pid_n
             if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):
-                    total += tl.load(P + s * M * N + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
+                total = _sum_splits(P, 0, N, offs_n, mask_n, M, SPLIT_K, BLOCK_N, ".cg")
                 if ADD_NORM:
                     _add_norm_epilogue(total, r_in, gamma, offs_n, mask_n, pid_n, R, Y, SQ, NSLOT)
                 else:
@@ -434,9 +443,7 @@ def _splitk_reduce_kernel(X, P, Y, N, stride_ym, R, GAMMA, SQ, POS, CS, stride_c
         r_in, gamma = _add_norm_inputs(R, GAMMA, offs, mask)
     if ROPE:
         cos, sin, slot = rope_store_inputs(tl.program_id(0), N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK, HALF)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(P + (s * M + m) * N + offs, mask=mask, other=0.0)
+    acc = _sum_splits(P, m, N, offs, mask, M, SPLIT_K, BLOCK, "")
     if ADD_NORM:  # one row (the host checks)
         _add_norm_epilogue(acc, r_in, gamma, offs, mask, tl.program_id(0), R, Y, SQ, NSLOT)
     elif ROPE:
