@@ -530,18 +530,19 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
         else:
             block_n, block_k, warps = (8, 1024, 2) if N <= 8192 else (2, 4096, 2)
         extra = dict(f16_math=True, pre_tiles=2, fold=2 if 4096 < N <= 8192 else 1)
-    elif M == 1 and weight_bytes == 1 and FP8_DOWN_TILE and N <= 8192 and K > 4096:
-        return fp8_tile(FP8_DOWN_TILE)
     elif M == 1 and weight_bytes == 1:
+        down = N <= 8192 and K > 4096  # down_proj's shape (long K)
+        if down and FP8_DOWN_TILE:
+            return fp8_tile(FP8_DOWN_TILE)
         # FP8 rows with f16 math (--f16-math-study, 2026-12-02: 2,095 us against 2,196 for fp32 math at its own
         # tiles), one tile before the PDL wait.
         block_n, block_k, warps = ((FP8_SMALL_N_BLOCK_N, 1024, 8) if N <= 4096 else (8, 2048, 4) if N <= 8192
                                    else (8, 512, 4))
-        if FP8_LONG_TILES and (N > 8192 or K > 4096):
+        if FP8_LONG_TILES and (N > 8192 or down):
             # gate_up at (4, 2048, 2); down_proj at (16, 2048, 8), K unsplit (bench.gemv_chain_sweep --dtypes fp8,
             # H100, 2026-12-05: the chain 2,638 us against 2,808 at the tiles above, with tickets).
             block_n, block_k, warps = (4, 2048, 2) if N > 8192 else (16, 2048, 8)
-            no_split = N <= 8192
+            no_split = down
         extra = dict(f16_math=True, row_kernel=False, **extra)
     elif M == 1:
         # The one-row kernel (--row-study, 2026-12-04): few rows and long K tiles a program, products summed
