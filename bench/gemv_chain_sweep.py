@@ -96,6 +96,16 @@ def sweep_shapes(time_us, base: dict, ref_us: float, cands, share: float) -> tup
     return {nm: b[1] for nm, b in best.items()}, rows
 
 
+def alternate(layers, named: dict, rounds: int = 2) -> dict:
+    """The chain at each of `named`'s tile sets ({label: {shape: GemvConfig}}) in turn, `rounds` times:
+    {label: [us]}."""
+    times = {key: [] for key in named}
+    for _ in range(rounds):
+        for key, cfgs in named.items():
+            times[key].append(chain_ms(layers, cfgs) * 1e3)
+    return times
+
+
 def alternate_then_sweep(layers, named: dict, base: str, cands, budget: float, t0: float) -> dict:
     """The chain at each of `named`'s tile sets ({label: {shape: GemvConfig}}) alternated twice; then cands(name, n, k)
     swept shape by shape from named[base] (sweep_shapes), and the picks alternated twice against every set.
@@ -104,18 +114,12 @@ def alternate_then_sweep(layers, named: dict, base: str, cands, budget: float, t
 
     def rates(runs: dict) -> str:
         return ", ".join(f"{k} {nbytes / min(v) / 1e3:.0f}" for k, v in runs.items())
-    times = {key: [] for key in named}
-    for _ in range(2):
-        for key, cfgs in named.items():
-            times[key].append(chain_ms(layers, cfgs) * 1e3)
+    times = alternate(layers, named)
     print(f"chain alternated, us: {json.dumps(times)} ({rates(times)} GB/s)", flush=True)
     share = max(0.0, budget - (time.time() - t0)) / len(SHAPES)
     picks, rows = sweep_shapes(lambda cfgs: chain_ms(layers, cfgs) * 1e3, named[base], min(times[base]), cands,
                                share)
-    final = {key: [] for key in (*named, "picks")}
-    for _ in range(2):
-        for key, cfgs in (*named.items(), ("picks", picks)):
-            final[key].append(chain_ms(layers, cfgs) * 1e3)
+    final = alternate(layers, {**named, "picks": picks})
     print(f"picks alternated with {', '.join(named)}, us: {json.dumps(final)} ({rates(final)} GB/s)", flush=True)
     return {"times": times, "rows": rows, "final": final,
             "picks": {nm: dataclasses.asdict(c) for nm, c in picks.items()}}
@@ -124,8 +128,8 @@ def alternate_then_sweep(layers, named: dict, base: str, cands, budget: float, t
 def fp8_down_candidates() -> list[str]:
     """FP8 down_proj tiles for --fp8-down-study (kernels.gemv.fp8_tile specs), the engine's (16, 2048, 8 warps, K
     unsplit) neighbourhood first: the general kernel at 32-128 weights a thread a loop step, K unsplit or split in 2
-    (tickets), one or two tiles before the PDL wait; the one-row kernel's FP8 tiles; the general kernel split in 4. (sm_90: the engine's
-    tile takes 108 registers, two programs an SM.)"""
+    (tickets), one or two tiles before the PDL wait; the one-row kernel's FP8 tiles; the general kernel split in 4.
+    (sm_90: the engine's tile takes 108 registers, two programs an SM.)"""
     def general(splits):
         return [f"{bn}:{bk}:{warps}:{split}:{pre}:0"
                 for bn, bk, warps in itertools.product((16, 8, 32), (2048, 1024, 4096), (8, 4, 16))
@@ -152,11 +156,7 @@ def fp8_down_study(budget: float, t0: float, out_dir: str) -> dict:
     _, rows = sweep_shapes(lambda cfgs: chain_ms(layers, cfgs) * 1e3, engine, base,
                            lambda name, n, k: list(spec_of) if name == "down" else [], share)
     top = [spec_of[GemvConfig(**r["cfg"])] for r in sorted(rows, key=lambda r: r["chain_us"])[:3]]
-    final = {key: [] for key in ("engine", *top)}
-    for _ in range(2):
-        for key in final:
-            cfgs = engine if key == "engine" else {**engine, "down": fp8_tile(key)}
-            final[key].append(chain_ms(layers, cfgs) * 1e3)
+    final = alternate(layers, {"engine": engine, **{key: {**engine, "down": fp8_tile(key)} for key in top}})
     print(f"fastest down_proj tiles alternated with the engine's, us: {json.dumps(final)}", flush=True)
     best = min(top, key=lambda k: min(final[k]), default="")
     pick = best if best and min(final[best]) < 0.995 * min(final["engine"]) else ""

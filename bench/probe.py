@@ -773,8 +773,8 @@ def probe_tput_clocks(res: dict) -> None:
 
 def probe_mixed_first(res: dict) -> None:
     """--enable-mixed-chunk's first runs in a fresh engine (its warm-up now runs mixed passes): the throughput
-    workload three times, each run's tok/s and the kernels Triton compiled during it. On 12-05 (before that warm-up) the first mixed run of a process was
-    ~35% slower than the next (kernel variants compiled in live passes)."""
+    workload three times, each run's tok/s and the kernels Triton compiled during it. On 12-05 (before that warm-up)
+    the first mixed run of a process was ~35% slower than the next (kernel variants compiled in live passes)."""
     cache = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
 
     def compiled() -> set:  # the kernels Triton has written to its cache (a variant each)
