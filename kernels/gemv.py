@@ -489,9 +489,9 @@ SPLITK_TICKETS = True
 # H200), with fewer instructions a loop step (FP8_EVEN_N, FP8_NO_EVICT_HINT, +3.5%, H200), and as W8A8 on tensor
 # cores, x quantized to e4m3 a K tile or a row at a time (FP8_A8, step +9% / +37%, H100, at 6950003).
 FP8_LONG_TILES = True
-# FP8 down_proj's tile (one row, N <= 8192, K > 4096) as "block_n:block_k:warps:split_k:pre_tiles:row_kernel" (fp8_tile),
-# an A/B knob for bench.gemv_chain_sweep --fp8-down-study's pick, read as above ("": FP8_LONG_TILES's). In the H100's
-# 12-05 trace this GEMV read its weights at 2.59 TB/s, bf16's on the same shape at 2.99.
+# FP8 down_proj's tile (one row, N <= 8192, K > 4096) as "block_n:block_k:warps:split_k:pre_tiles:row_kernel"
+# (fp8_tile), an A/B knob for bench.gemv_chain_sweep --fp8-down-study's pick, read as above ("": FP8_LONG_TILES's). In
+# the H100's 12-05 trace this GEMV read its weights at 2.59 TB/s, bf16's on the same shape at 2.99.
 FP8_DOWN_TILE = ""
 _TICKET_SLOTS = 65536  # output tiles one launch may ticket (more run the reduce kernel)
 _tickets: dict = {}

@@ -104,7 +104,8 @@ def test_gemv_chain_sweep_fp8_down_study_picks_a_tile_only_where_it_beats_the_en
 
     specs = cs.fp8_down_candidates()
     assert len(set(specs)) == len(specs) and {fp8_tile(s) for s in specs} >= {default_config(1, 4096, 14336, 1)}
-    assert {fp8_tile(s).row_kernel for s in specs} == {False, True} and {fp8_tile(s).split_k for s in specs} == {1, 2, 4}
+    assert {fp8_tile(s).row_kernel for s in specs} == {False, True}
+    assert {fp8_tile(s).split_k for s in specs} == {1, 2, 4}
     monkeypatch.setattr(cs, "build", lambda dtype: [])
     monkeypatch.setattr(cs.torch.cuda, "empty_cache", lambda: None)
     fast = fp8_tile("8:1024:4:2:2:0")

@@ -202,7 +202,6 @@ def test_fp8_qkv_weights_refuse_the_rope_epilogue(tmp_path, monkeypatch):
     assert fp8.model.fuse_row_rope(True) is False
     monkeypatch.setattr(llama, "FP8_ROPE_EPILOGUE", True)
     assert fp8.model.fuse_row_rope(True) is True and fp8.model.fuse_row_rope(False) is False
-    monkeypatch.setattr(llama, "FP8_ROPE_EPILOGUE", False)
     plain, _ = load_model(path)
     assert plain.model.fuse_row_rope(True) is True
 
@@ -238,7 +237,8 @@ def _cuda_one_token_runs(tmp_path, quant: str, seed: int, settings: dict) -> dic
 @pytest.mark.parametrize("quant", ["none", "fp8"])
 def test_rope_in_the_qkv_epilogue_on_cuda_in_bf16(tmp_path, quant):
     """The Triton path of rope + KV store in the qkv GEMV's epilogue against the rope kernel, bf16, the Triton
-    attention backend, split norms on and off: decode logits to within bf16's rounding, plain and FP8 weights (FP8 through its A/B knob)."""
+    attention backend, split norms on and off: decode logits to within bf16's rounding, plain and FP8 weights (FP8
+    through its A/B knob)."""
     runs = _cuda_one_token_runs(tmp_path, quant, 5, {(s, r): (s, r, False) for s in (False, True) for r in (False, True)})
     for split in (False, True):
         assert rel_err(runs[split, True][0], runs[split, False][0]) < 2e-2, split
