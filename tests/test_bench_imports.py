@@ -125,3 +125,18 @@ def test_gemv_chain_sweep_fp8_down_study_picks_a_tile_only_where_it_beats_the_en
     monkeypatch.setattr(kg, "FP8_DOWN_TILE", "8:1024")
     with pytest.raises(ValueError, match="block_n:block_k:warps:split_k:pre_tiles:row_kernel"):
         default_config(1, 4096, 14336, 1)
+
+
+def test_offline_roofline_counts_decode_gemm_flops_only_when_asked():
+    """bench.offline's throughput roofline: the goal's model (decode as a weight + KV stream) unchanged without a
+    decode rate; with one, a batch-256 step on the 8B shape is priced at its GEMMs' FLOPs (compute-bound), a batch-1
+    step still at the stream."""
+    from bench.common import SHAPES
+    from bench.offline import throughput_roofline
+    cfg = SHAPES["llama-3.1-8b"]
+    tok_s, t_pf, t_dec = throughput_roofline(cfg, 256, 512, 128, 4.2e12, 780)
+    assert 8500 < tok_s < 9500 and t_pf > 1 and 0.9 < t_dec < 1.2
+    c_tok_s, c_pf, c_dec = throughput_roofline(cfg, 256, 512, 128, 4.2e12, 780, decode_tflops=780)
+    assert c_pf == t_pf and c_dec > t_dec + 0.1 and c_tok_s < tok_s
+    assert throughput_roofline(cfg, 1, 512, 128, 4.2e12, 780, decode_tflops=780) == \
+        throughput_roofline(cfg, 1, 512, 128, 4.2e12, 780)
