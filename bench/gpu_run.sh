@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh fp8-h200|fp8-down|fp8-rope|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# Pending: `fp8-down` (FP8 down_proj's tiles, on any card: the H100's trace found it the laggard), then, on an H200
+# Pending: `fp8-down` (FP8 down_proj's tiles, on any card: the H100's trace found it the laggard), `tput-layout` (the
+# batch-256 attention by the pool's slot order; page size 16 in the workload; any card), then, on an H200
 # (the H100 came for every call of 2026-12-05): `fp8-h200` (FP8 split-K tickets and long-K tiles,
 # adopted on an H100, A/B'd there; the long tiles were picked by the H100's sweep), `fp8-rope` (FP8 qkv with the rope
 # epilogue: -0.5% replay on the H100, +2.2% on the H200 at older code), then `recheck`. Carry [".whl/xgr",
@@ -142,6 +143,13 @@ if [[ $what == fp8-down ]]; then
     timeout 150 python3 -m bench.b1 --variants "bf16=quantization=none;default=;pick=@kernels.gemv.FP8_DOWN_TILE=$P" \
       --rounds 4 --quantization fp8 2>&1 | grep "round" | grep -v '^{' | tee "$OUT/b1_fp8_down.log"
   fi
+fi
+if [[ $what == tput-layout ]]; then
+  # Issue 14's throughput: decode attention at batch 256 reads 0.84 of copy alone and 0.77 inside the step (H200,
+  # 12-05). Alone, by the pool's slot order (each request's tokens in one run, as benchmarked; page size 1's decode
+  # tokens a step apart, as the workload runs; pages of 16; random), then the workload at page size 1 and 16 (~5 min).
+  timeout 480 python3 -m bench.probe decode256_layout tput_page 2>&1 | grep "decode256_layout\|tput_page\|Error" \
+    | tee "$OUT/tput_layout.log"
 fi
 if [[ $what == fp8-rope ]]; then
   # FP8 qkv weights with rope + the KV store in the GEMV's epilogue (shared.models.llama.FP8_ROPE_EPILOGUE, off): the

@@ -189,12 +189,41 @@ def bench_gemv(rep: Report):
     return results
 
 
-def _pool(batch: int, ctx: int, copies: int):
-    slots = batch * ctx + 16
+def slot_layout(batch: int, ctx: int, layout: str = "contiguous", decode: int = 0, page: int = 16) -> torch.Tensor:
+    """[batch, ctx] pool slots (from 0) of each request's tokens, in one of the orders the engine's allocator leaves:
+    contiguous: each request's tokens in one run (a fresh pool's prefill);
+    engine: the first ctx - decode tokens so, the last `decode` one step at a time for the whole batch (page size 1:
+        a step's batch of new slots is one run, so a request's decode tokens sit `batch` slots apart);
+    paged: the same decode tokens in pages of `page` slots of the request's own (page size `page`);
+    shuffled: every token at a random slot (a pool fragmented by eviction, as a worst case)."""
+    pre = ctx - decode
+    if layout == "contiguous" or (decode == 0 and layout in ("engine", "paged")):
+        return torch.arange(batch * ctx, dtype=torch.int64).view(batch, ctx)
+    if layout == "shuffled":
+        return torch.randperm(batch * ctx, generator=torch.Generator().manual_seed(0)).view(batch, ctx)
+    out = torch.empty(batch, ctx, dtype=torch.int64)
+    out[:, :pre] = torch.arange(batch * pre, dtype=torch.int64).view(batch, pre)
+    base = batch * pre
+    if layout == "engine":
+        out[:, pre:] = base + torch.arange(decode * batch, dtype=torch.int64).view(decode, batch).t()
+    elif layout == "paged":
+        pages = -(-decode // page)
+        own = base + torch.arange(batch * pages * page, dtype=torch.int64).view(pages, batch, page)  # a step's pages
+        out[:, pre:] = own.permute(1, 0, 2).reshape(batch, pages * page)[:, :decode]
+    else:
+        raise ValueError(f"unknown slot layout {layout!r}")
+    return out
+
+
+def _pool(batch: int, ctx: int, copies: int, layout: str = "contiguous", decode: int = 0):
+    """KV pools (copies of K and V, [slots, HKV, D]) and the req_to_token table of `batch` requests of `ctx` tokens
+    at the slots slot_layout(layout, decode) gives (slot 0..15 left out: padding)."""
+    order = slot_layout(batch, ctx, layout, decode)
+    slots = int(order.max()) + 1 + 16
     kbs = [torch.randn(slots, HKV, D, dtype=DT, device="cuda") for _ in range(copies)]
     vbs = [torch.randn(slots, HKV, D, dtype=DT, device="cuda") for _ in range(copies)]
     r2t = torch.zeros(batch + 1, ctx, dtype=torch.int32, device="cuda")
-    r2t[1:] = (torch.arange(batch * ctx, device="cuda", dtype=torch.int32) + 16).view(batch, ctx)
+    r2t[1:] = (order + 16).to(device="cuda", dtype=torch.int32)
     return kbs, vbs, r2t, torch.arange(1, batch + 1, device="cuda")
 
 

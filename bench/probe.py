@@ -399,6 +399,33 @@ def _tput_engine(**extra):
     return eng
 
 
+def _tput_alternated(variants: dict, key: str, rounds: int = 2, reps: int = 2) -> list[dict]:
+    """The throughput workload (256 x (512, 128), bench.offline's engine settings) on each variant, {name: (engine
+    fields, {"package.module.NAME": value} set while its engine is built and runs)}: a fresh engine per variant and
+    round (graphs keep the kernels they were captured with), a warm run, then `reps` timed runs; the variants
+    alternated `rounds` times. Logs each variant's median; returns the runs."""
+    from bench.b1 import module_knobs
+    out = []
+    for rnd in range(rounds):
+        for name, (fields, knobs) in variants.items():
+            with module_knobs(knobs):
+                eng = _tput_engine(**fields)
+                drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
+                for rep in range(reps):
+                    st = drive(eng, random_prompts(256, 512, 400, 6 + rep), {**GREEDY, "max_new_tokens": 128})
+                    out.append({"variant": name, "round": rnd, "tok_s": 256 * 128 / st.wall_s, "wall_s": st.wall_s,
+                                "pool_tokens": eng.runner.max_total_tokens})
+                    log(out[-1])
+                eng.stop()
+            del eng
+            gc.collect()  # the engine sits in reference cycles: free its KV pool before the next one's
+            torch.cuda.empty_cache()
+    for name in variants:
+        vals = [r["tok_s"] for r in out if r["variant"] == name]
+        log(f"{key} {name}: median {statistics.median(vals):.0f} tok/s of {[round(v) for v in vals]}")
+    return out
+
+
 def probe_b1phases(res: dict) -> None:
     """Batch-1 decode through the engine loop with bench/pass_breakdown's per-pass phases (host ms by
     phase, device ms per pass): whether the ~0.2 ms between a graph replay and an engine step is host work
@@ -526,6 +553,44 @@ def probe_decode256(res: dict) -> None:
     res["decode256"] = {"rows": rows, "copy_GBps": bw / 1e9, "kv_bytes": kv_bytes, "default_tile": list(default)}
 
 
+def probe_decode256_layout(res: dict) -> None:
+    """Decode attention alone at the throughput workload's late steps (256 rows x 640 tokens, the default tile and
+    plan) over the pool orders the engine leaves (bench.kernels.slot_layout): each request's tokens in one run (how
+    decode256 and bench.kernels time it: 188 us on the H200, 12-05), 512 prompt tokens in a run and 128 decode
+    tokens a step apart (page size 1, as the workload runs: 210 us a layer inside the step), those in pages of 16
+    of their own (--page-size 16), every token at a random slot. Whether the slot order is the 12% between them."""
+    from bench.common import measure_copy_bandwidth
+    from bench.kernels import D, HKV, HQ, DT, _pool, copies_for
+    from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
+    B, ctx, dec = 256, 640, 128
+    kv_bytes = 2 * B * ctx * HKV * D * 2
+    bw = measure_copy_bandwidth()
+    ms = plan_max_kv_splits(B, HKV)
+    seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    splits = num_kv_splits_for(seq, ms)
+    q = torch.randn(B, HQ, D, dtype=DT, device="cuda")
+    out = torch.empty_like(q)
+    mid_o = torch.empty(B, HQ, ms, D, dtype=torch.float32, device="cuda")
+    mid_lse = torch.empty(B, HQ, ms, dtype=torch.float32, device="cuda")
+    rows = []
+    for layout in ("contiguous", "engine", "paged", "shuffled", "contiguous"):  # the first again last: drift
+        kbs, vbs, r2t, req = _pool(B, ctx, copies_for(kv_bytes), layout, dec)
+        n = len(kbs)
+        t = graph_time_ms(lambda i: decode_attention(q, kbs[i % n], vbs[i % n], r2t, req, seq, splits, ms, D ** -0.5,
+                                                     out=out, mid_o=mid_o, mid_lse=mid_lse))
+        rows.append({"layout": layout, "us": t * 1e3, "of_copy": kv_bytes / t * 1e3 / bw})
+        log(f"decode256_layout {layout}: {rows[-1]['us']:.1f} us, {rows[-1]['of_copy']:.3f} of copy")
+        del kbs, vbs
+        torch.cuda.empty_cache()
+    res["decode256_layout"] = {"rows": rows, "copy_GBps": bw / 1e9, "kv_bytes": kv_bytes, "max_kv_splits": ms}
+
+
+def probe_tput_page(res: dict) -> None:
+    """The throughput workload at page size 1 (the default, SGLang's) against 16 (a request's decode tokens in runs
+    of its own; the radix tree then matches whole pages): the engine side of decode256_layout."""
+    res["tput_page"] = _tput_alternated({"page 1": ({}, {}), "page 16": ({"page_size": 16}, {})}, "tput_page")
+
+
 def probe_decode256_ab(res: dict) -> None:
     """The throughput workload (256 x (512, 128), bench.offline's engine settings) with decode attention at its
     defaults against decode256's fastest configuration (tile, splits at batch 256 through PROGRAMS_PER_SM, grid
@@ -538,37 +603,18 @@ def probe_decode256_ab(res: dict) -> None:
     knobs = {"STAGE1_TILE": None, "PROGRAMS_PER_SM": 4, "HEAD_MAJOR": False}
     variants = [("default", dict(knobs))]
     if best is not None:
-        # s splits at batch 256 with 8 KV heads: plan_max_kv_splits rounds PROGRAMS_PER_SM * SMs / 2048 up to a
-        # power of two, so PROGRAMS_PER_SM = floor(s * 2048 / SMs) plans s (checked below)
         pps = 4 if best["max_kv_splits"] == 1 else best["max_kv_splits"] * 256 * HKV // num_sms()
         variants.append(("best", {"STAGE1_TILE": tuple(best["tile"]), "PROGRAMS_PER_SM": pps,
                                   "HEAD_MAJOR": best["head_major"]}))
-    saved = {k: getattr(td, k) for k in knobs}
-    out = []
-    try:
-        for rnd in range(2):
-            for name, kn in variants:
-                for k, v in kn.items():
-                    setattr(td, k, v)
-                planned = td.plan_max_kv_splits(256, HKV)
-                assert name == "default" or planned == best["max_kv_splits"], (planned, best)
-                eng = _tput_engine()
-                drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
-                for rep in range(2):
-                    st = drive(eng, random_prompts(256, 512, 400, 6 + rep), {**GREEDY, "max_new_tokens": 128})
-                    out.append({"variant": name, "knobs": dict(kn), "round": rnd,
-                                "tok_s": 256 * 128 / st.wall_s, "wall_s": st.wall_s})
-                    log(out[-1])
-                eng.stop()
-                del eng
-                gc.collect()  # the engine sits in reference cycles: free its KV pool before the next one's
-                torch.cuda.empty_cache()
-    finally:
-        for k, v in saved.items():
-            setattr(td, k, v)
-    for name, _ in variants:
-        vals = [r["tok_s"] for r in out if r["variant"] == name]
-        log(f"decode256_ab {name}: median {statistics.median(vals):.0f} tok/s of {[round(v) for v in vals]}")
+        # s splits at batch 256 with 8 KV heads: plan_max_kv_splits rounds PROGRAMS_PER_SM * SMs / 2048 up to a
+        # power of two, so PROGRAMS_PER_SM = floor(s * 2048 / SMs) plans s (checked here)
+        from bench.b1 import module_knobs
+        with module_knobs({f"kernels.attention.triton_decode.{k}": v for k, v in variants[-1][1].items()}):
+            assert td.plan_max_kv_splits(256, HKV) == best["max_kv_splits"], best
+    out = _tput_alternated({name: ({}, {f"kernels.attention.triton_decode.{k}": v for k, v in kn.items()})
+                            for name, kn in variants}, "decode256_ab")
+    for r in out:
+        r["knobs"] = dict(variants)[r["variant"]]
     res["decode256_ab"] = out
 
 
@@ -669,29 +715,12 @@ def probe_kvfp8_tput(res: dict) -> None:
     engines alternated twice, two runs each, with the pool each gets from the same memory fraction; the FP8 pool also
     at its decode-attention tile before the two-warp one (one stage, four warps; H100, 2026-12-05: 6,682 tok/s against
     6,769 for two warps and 6,535 for a bf16 pool)."""
-    import kernels.attention.triton_decode as td
-    variants = {"auto": ("auto", None), "fp8_e4m3": ("fp8_e4m3", None), "fp8_e4m3 4 warps": ("fp8_e4m3", (64, 4, 1))}
-    out_runs = []
-    for rnd in range(2):
-        for name, (kv, tile) in variants.items():
-            td.STAGE1_TILE = tile  # read at capture: the engine's graphs keep it
-            try:
-                eng = _tput_engine(kv_cache_dtype=kv)
-            finally:
-                td.STAGE1_TILE = None
-            drive(eng, random_prompts(256, 512, 400, 5), {**GREEDY, "max_new_tokens": 128})
-            for rep in range(2):
-                st = drive(eng, random_prompts(256, 512, 400, 6 + rep), {**GREEDY, "max_new_tokens": 128})
-                out_runs.append({"kv": name, "round": rnd, "tok_s": 256 * 128 / st.wall_s, "wall_s": st.wall_s,
-                                 "pool_tokens": eng.runner.max_total_tokens})
-                log(out_runs[-1])
-            eng.stop()
-            del eng
-            gc.collect()  # the engine sits in reference cycles: free its KV pool before the next one's
-            torch.cuda.empty_cache()
-    for name in variants:
-        vals = [r["tok_s"] for r in out_runs if r["kv"] == name]
-        log(f"kvfp8 {name}: median {statistics.median(vals):.0f} tok/s of {[round(v) for v in vals]}")
+    tile = "kernels.attention.triton_decode.STAGE1_TILE"  # read at capture: the engine's graphs keep it
+    variants = {"auto": ({"kv_cache_dtype": "auto"}, {}), "fp8_e4m3": ({"kv_cache_dtype": "fp8_e4m3"}, {}),
+                "fp8_e4m3 4 warps": ({"kv_cache_dtype": "fp8_e4m3"}, {tile: (64, 4, 1)})}
+    out_runs = _tput_alternated(variants, "kvfp8")
+    for r in out_runs:
+        r["kv"] = r["variant"]
     res["kvfp8_tput"] = out_runs
 
 
@@ -1110,7 +1139,7 @@ def main() -> int:
              "trace_pdl_rope": probe_trace_pdl_rope, "trace_pdl_kv": probe_trace_pdl_kv,
              "trace_pdl_fp8": probe_trace_pdl_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
-             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "trace256_kvfp8": lambda res: probe_trace256(res, "fp8_e4m3"), "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "kvfp8": probe_kvfp8, "kvfp8_kernel": probe_kvfp8_kernel, "kvfp8_tiles": probe_kvfp8_tiles, "kvfp8_tput": probe_kvfp8_tput, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
+             "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "trace256_kvfp8": lambda res: probe_trace256(res, "fp8_e4m3"), "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "decode256_layout": probe_decode256_layout, "tput_page": probe_tput_page, "kvfp8": probe_kvfp8, "kvfp8_kernel": probe_kvfp8_kernel, "kvfp8_tiles": probe_kvfp8_tiles, "kvfp8_tput": probe_kvfp8_tput, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune}[w](res)

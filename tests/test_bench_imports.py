@@ -140,3 +140,25 @@ def test_offline_roofline_counts_decode_gemm_flops_only_when_asked():
     assert c_pf == t_pf and c_dec > t_dec + 0.1 and c_tok_s < tok_s
     assert throughput_roofline(cfg, 1, 512, 128, 4.2e12, 780, decode_tflops=780) == \
         throughput_roofline(cfg, 1, 512, 128, 4.2e12, 780)
+
+
+def test_slot_layouts_are_the_pool_orders_the_allocator_leaves():
+    """bench.kernels.slot_layout (bench.probe decode256_layout): every order puts each token at its own slot; page size
+    1's decode tokens sit a batch apart, step by step; paged ones run in pages of the request's own."""
+    import torch
+
+    from bench.kernels import slot_layout
+    B, ctx, dec, page = 4, 12, 5, 2
+    for layout in ("contiguous", "engine", "paged", "shuffled"):
+        o = slot_layout(B, ctx, layout, dec, page)
+        assert o.shape == (B, ctx) and o.unique().numel() == B * ctx, layout
+    pre = ctx - dec
+    c, e, p = (slot_layout(B, ctx, x, dec, page) for x in ("contiguous", "engine", "paged"))
+    assert torch.equal(c, torch.arange(B * ctx).view(B, ctx))
+    assert torch.equal(e[:, :pre], torch.arange(B * pre).view(B, pre)) and torch.equal(p[:, :pre], e[:, :pre])
+    assert (e[:, pre + 1:] - e[:, pre:-1] == B).all() and torch.equal(e[:, pre], B * pre + torch.arange(B))
+    steps = p[:, pre:].diff(dim=1)
+    assert (steps[:, 0::2] == 1).all() and (steps[:, 1::2] == B * page - 1).all()
+    assert not torch.equal(slot_layout(B, ctx, "shuffled"), c)
+    with pytest.raises(ValueError):
+        slot_layout(B, ctx, "striped", dec)
