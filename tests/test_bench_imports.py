@@ -162,3 +162,26 @@ def test_slot_layouts_are_the_pool_orders_the_allocator_leaves():
     assert not torch.equal(slot_layout(B, ctx, "shuffled"), c)
     with pytest.raises(ValueError):
         slot_layout(B, ctx, "striped", dec)
+
+
+def test_tput_alternated_builds_a_fresh_engine_per_variant_under_its_knobs(monkeypatch):
+    """bench.probe._tput_alternated (tput_page, decode256_ab, kvfp8_tput): variants alternated round by round, each
+    engine built with its fields while its module knobs are set, the knobs restored after."""
+    import types
+
+    import bench.probe as bp
+    import kernels.attention.triton_decode as td
+    built = []
+
+    def fake_engine(**fields):
+        built.append((fields, td.STAGE1_TILE))
+        return types.SimpleNamespace(runner=types.SimpleNamespace(max_total_tokens=1000), stop=lambda: None)
+    walls = iter([2.0, 4.0, 4.0] * 4)
+    monkeypatch.setattr(bp, "_tput_engine", fake_engine)
+    monkeypatch.setattr(bp, "drive", lambda eng, prompts, params: types.SimpleNamespace(wall_s=next(walls)))
+    monkeypatch.setattr(bp, "random_prompts", lambda *a: [])
+    out = bp._tput_alternated({"a": ({}, {}), "b": ({"page_size": 16},
+                                                    {"kernels.attention.triton_decode.STAGE1_TILE": (32, 4, 3)})}, "t")
+    assert built == [({}, None), ({"page_size": 16}, (32, 4, 3))] * 2 and td.STAGE1_TILE is None
+    assert [r["variant"] for r in out] == ["a", "a", "b", "b"] * 2 and {r["round"] for r in out} == {0, 1}
+    assert all(r["tok_s"] == 256 * 128 / 4.0 for r in out)  # the warm run (2.0 s) is not counted
