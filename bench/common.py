@@ -293,3 +293,12 @@ def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+async def sse_events(resp):
+    """The JSON events of a streamed HTTP response (aiohttp's), in order: its `data:` lines, the [DONE] sentinel
+    and anything else left out."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            yield json.loads(line[6:])

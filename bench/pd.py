@@ -33,21 +33,10 @@ sys.path.insert(0, ROOT)
 import aiohttp  # noqa: E402
 import requests  # noqa: E402
 
-from bench.common import SHAPES, model_dir  # noqa: E402
+from bench.common import SHAPES, log, model_dir, pct, sse_events  # noqa: E402
 from bench.profile import profile_process  # noqa: E402
 from bench.stack import start_stack, stop_stack  # noqa: E402
 from shared import procfs  # noqa: E402
-
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, ids: list[int], out_len: int) -> dict:
@@ -58,11 +47,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, ids: list[int], 
     async with session.post(url + "/generate", json=body) as resp:
         if resp.status != 200:
             return {"error": f"{resp.status}: {await resp.text()}"}
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
+        async for ev in sse_events(resp):
             if "error" in ev:
                 return {"error": str(ev["error"])}
             n = ev["meta_info"]["completion_tokens"]

@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 
 import aiohttp  # noqa: E402
 
-from bench.common import SHAPES, log, model_dir, pct  # noqa: E402
+from bench.common import SHAPES, log, model_dir, pct, sse_events  # noqa: E402
 from shared import procfs  # noqa: E402
 from shared.gc_freeze import freeze_startup_heap, space_young_collections  # noqa: E402
 
@@ -162,11 +162,7 @@ async def one(session, url: str, route: str, path: str, body: bytes, n_in: int, 
                     n = data["usage"]["completion_tokens"]
                 return {"ttft": e2e, "e2e": e2e, "itl": [], "out": n, "in": n_in, "t_start": t0,
                         "t_end": t0 + e2e}
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
+            async for ev in sse_events(resp):
                 if "error" in ev:
                     return {"error": str(ev["error"])[:200]}
                 new_n = _count(route, ev, n)

@@ -185,3 +185,20 @@ def test_tput_alternated_builds_a_fresh_engine_per_variant_under_its_knobs(monke
     assert built == [({}, None), ({"page_size": 16}, (32, 4, 3))] * 2 and td.STAGE1_TILE is None
     assert [r["variant"] for r in out] == ["a", "a", "b", "b"] * 2 and {r["round"] for r in out} == {0, 1}
     assert all(r["tok_s"] == 256 * 128 / 4.0 for r in out)  # the warm run (2.0 s) is not counted
+
+
+def test_sse_events_yields_the_data_lines_json_and_stops_at_done():
+    """bench.common.sse_events (bench.serving and bench.pd read streams through it): `data:` lines parsed, blank lines,
+    comments and the [DONE] sentinel left out."""
+    import asyncio
+    import types
+
+    from bench.common import sse_events
+
+    async def content():
+        for line in (b'data: {"a": 1}\n', b"\n", b": keep-alive\n", b'data: {"error": "x"}\r\n', b"data: [DONE]\n"):
+            yield line
+
+    async def collect():
+        return [ev async for ev in sse_events(types.SimpleNamespace(content=content()))]
+    assert asyncio.run(collect()) == [{"a": 1}, {"error": "x"}]
