@@ -7,8 +7,8 @@
 # Pending: `fp8-down` (FP8 down_proj's tiles, on any card: the H100's trace found it the laggard), `tput-layout` (the
 # batch-256 attention by the pool's slot order; page size 16 in the workload; any card), then, on an H200
 # (the H100 came for every call of 2026-12-05): `fp8-h200` (FP8 split-K tickets and long-K tiles,
-# adopted on an H100, A/B'd there; the long tiles were picked by the H100's sweep), `fp8-rope` (FP8 qkv with the rope
-# epilogue: -0.5% replay on the H100, +2.2% on the H200 at older code), then `recheck`. Carry [".whl/xgr",
+# adopted on an H100, A/B'd there, and the rope epilogue, -0.5% replay on the H100 and +2.2% on the H200 at older
+# code; the chain sweep only if the former tiles win), then `recheck`. Carry [".whl/xgr",
 # ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
@@ -161,14 +161,21 @@ if [[ $what == fp8-rope ]]; then
     2>&1 | grep "round" | grep -v '^{' | tee "$OUT/b1_fp8_rope.log"
 fi
 if [[ $what == fp8-h200 ]]; then
-  # The two FP8 defaults adopted on an H100 (2026-12-05), A/B'd on this card: the bf16 step, the FP8 default, the
-  # former long-K tiles (FP8_LONG_TILES=0), the reduce kernel (SPLITK_TICKETS=0), and neither (three rounds, ~2 min).
-  L=@kernels.gemv.FP8_LONG_TILES=0; T=@kernels.gemv.SPLITK_TICKETS=0
-  timeout 300 python3 -m bench.b1 --variants "bf16=quantization=none;default=;former_tiles=$L;reduce=$T;neither=$L,$T" \
+  # The FP8 defaults adopted on an H100 (2026-12-05), A/B'd on this card in one call: the bf16 step, the FP8 default,
+  # the former long-K tiles (FP8_LONG_TILES=0), the reduce kernel (SPLITK_TICKETS=0), neither, and the rope epilogue
+  # (FP8_ROPE_EPILOGUE=1; fp8-rope's A/B, +2.2% on the H200 at older tiles), three rounds (~3 min).
+  L=@kernels.gemv.FP8_LONG_TILES=0; T=@kernels.gemv.SPLITK_TICKETS=0; R=@shared.models.llama.FP8_ROPE_EPILOGUE=1
+  timeout 300 python3 -m bench.b1 --variants "bf16=quantization=none;default=;former_tiles=$L;reduce=$T;neither=$L,$T;rope=$R" \
     --rounds 3 --quantization fp8 2>&1 | grep "round" | grep -v '^{' | tee "$OUT/b1_fp8_h200_ab.log"
-  # If the former tiles win here: the chain sweep on this card (~5 min).
-  timeout 290 python3 -m bench.gemv_chain_sweep --dtypes fp8 --budget 200 --out "$OUT" 2>&1 \
-    | grep -v "^  .*: [A-Za-z]*Error" | tee "$OUT/chain_fp8.log" | tail -6
+  # Only if the former tiles' median step beats the default's: the chain sweep on this card (~5 min).
+  if python3 -c "import re,statistics as s,sys
+t={}
+for m in re.finditer(r'(\S+) \S+ round \d+: step ([0-9.]+) ms', open('$OUT/b1_fp8_h200_ab.log').read()):
+    t.setdefault(m[1], []).append(float(m[2]))
+sys.exit(0 if t.get('former_tiles') and s.median(t['former_tiles']) < s.median(t['default']) else 1)"; then
+    timeout 290 python3 -m bench.gemv_chain_sweep --dtypes fp8 --budget 200 --out "$OUT" 2>&1 \
+      | grep -v "^  .*: [A-Za-z]*Error" | tee "$OUT/chain_fp8.log" | tail -6
+  fi
 fi
 if [[ $what == kv-fp8 ]]; then
   # --kv-cache-dtype fp8_e4m3 (2026-12-05, built without a GPU), first call: the FP8-pool kernel checks and the
