@@ -543,7 +543,7 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
             # H100, 2026-12-05: the chain 2,638 us against 2,808 at the tiles above, with tickets).
             block_n, block_k, warps = (4, 2048, 2) if N > 8192 else (16, 2048, 8)
             no_split = down
-        extra = dict(f16_math=True, row_kernel=False, **extra)
+        extra = dict(f16_math=True, row_kernel=False)
     elif M == 1:
         # The one-row kernel (--row-study, 2026-12-04): few rows and long K tiles a program, products summed
         # eight at a time before they are accumulated where registers are short, two tiles before the PDL
