@@ -597,24 +597,25 @@ def probe_decode256_ab(res: dict) -> None:
     order; the default when decode256 did not run first), a fresh engine per run (graphs keep the tile they were
     captured with), alternated twice: whether the kernel's gain reaches the workload."""
     import kernels.attention.triton_decode as td
+    from bench.b1 import module_knobs
     from kernels._utils import num_sms
     rows = res.get("decode256", {}).get("rows") or []
     best = min(rows, key=lambda r: r["us"]) if rows else None
-    knobs = {"STAGE1_TILE": None, "PROGRAMS_PER_SM": 4, "HEAD_MAJOR": False}
-    variants = [("default", dict(knobs))]
+
+    def dotted(kn: dict) -> dict:
+        return {f"kernels.attention.triton_decode.{k}": v for k, v in kn.items()}
+    variants = {"default": {"STAGE1_TILE": None, "PROGRAMS_PER_SM": 4, "HEAD_MAJOR": False}}
     if best is not None:
-        pps = 4 if best["max_kv_splits"] == 1 else best["max_kv_splits"] * 256 * HKV // num_sms()
-        variants.append(("best", {"STAGE1_TILE": tuple(best["tile"]), "PROGRAMS_PER_SM": pps,
-                                  "HEAD_MAJOR": best["head_major"]}))
         # s splits at batch 256 with 8 KV heads: plan_max_kv_splits rounds PROGRAMS_PER_SM * SMs / 2048 up to a
         # power of two, so PROGRAMS_PER_SM = floor(s * 2048 / SMs) plans s (checked here)
-        from bench.b1 import module_knobs
-        with module_knobs({f"kernels.attention.triton_decode.{k}": v for k, v in variants[-1][1].items()}):
+        pps = 4 if best["max_kv_splits"] == 1 else best["max_kv_splits"] * 256 * HKV // num_sms()
+        variants["best"] = {"STAGE1_TILE": tuple(best["tile"]), "PROGRAMS_PER_SM": pps,
+                            "HEAD_MAJOR": best["head_major"]}
+        with module_knobs(dotted(variants["best"])):
             assert td.plan_max_kv_splits(256, HKV) == best["max_kv_splits"], best
-    out = _tput_alternated({name: ({}, {f"kernels.attention.triton_decode.{k}": v for k, v in kn.items()})
-                            for name, kn in variants}, "decode256_ab")
+    out = _tput_alternated({name: ({}, dotted(kn)) for name, kn in variants.items()}, "decode256_ab")
     for r in out:
-        r["knobs"] = dict(variants)[r["variant"]]
+        r["knobs"] = variants[r["variant"]]
     res["decode256_ab"] = out
 
 
