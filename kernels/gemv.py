@@ -539,9 +539,11 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
         block_n, block_k, warps = ((FP8_SMALL_N_BLOCK_N, 1024, 8) if N <= 4096 else (8, 2048, 4) if N <= 8192
                                    else (8, 512, 4))
         if FP8_LONG_TILES and (N > 8192 or down):
-            # gate_up at (4, 2048, 2); down_proj at (16, 2048, 8), K unsplit (bench.gemv_chain_sweep --dtypes fp8,
-            # H100, 2026-12-05: the chain 2,638 us against 2,808 at the tiles above, with tickets).
-            block_n, block_k, warps = (4, 2048, 2) if N > 8192 else (16, 2048, 8)
+            # gate_up at (4, 2048, 2); down_proj at (16, 2048, 16), K unsplit (bench.gemv_chain_sweep --dtypes fp8,
+            # H100, 2026-12-05: the chain 2,638 us against 2,808 at the tiles above, with tickets; down_proj's 16
+            # warps from --fp8-down-study, H100, 12-05 21:35: chain 2,611 us against 2,631 at 8 warps, batch-1 FP8
+            # step 3.146 ms against 3.157, four rounds of four).
+            block_n, block_k, warps = (4, 2048, 2) if N > 8192 else (16, 2048, 16)
             no_split = down
         extra = dict(f16_math=True, row_kernel=False)
     elif M == 1:
