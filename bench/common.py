@@ -280,6 +280,9 @@ def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int
         drive(eng, random_prompts(4, 64, vocab, 0), {**greedy, "max_new_tokens": 8})
         st = drive(eng, random_prompts(1, 512, vocab, 2), {**greedy, "max_new_tokens": steps})
         out["b1_step_ms"] = st.wall_s / max(1, st.steps) * 1e3
+        periods = st.decode_periods(1)  # the decode step alone: the prompt's prefill not spread over the steps
+        if periods:
+            out["b1_period_ms"] = median(periods) * 1e3
         gr = eng.runner.graph_runner
         if gr is not None:
             out["b1_graph_ms"] = graph_replay_ms(gr, reps=50)
