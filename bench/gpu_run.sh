@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh gate-up|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 # Pending, on an H200 (an H100 came for every call of 2026-12-05; fp8-down and tput-layout ran on it at 21:35):
@@ -140,6 +140,16 @@ if [[ $what == fp8-down ]]; then
     timeout 150 python3 -m bench.b1 --variants "bf16=quantization=none;default=;pick=@kernels.gemv.FP8_DOWN_TILE=$P" \
       --rounds 4 --quantization fp8 2>&1 | grep "round" | grep -v '^{' | tee "$OUT/b1_fp8_down.log"
   fi
+fi
+if [[ $what == gate-up ]]; then
+  # The MLP gated in gate_up_proj's epilogue (shared.models.llama.GATE_UP_EPILOGUE, off; 2026-12-05, built without a
+  # GPU): down_proj then reads I values, not 2I with silu * up in its load. The GPU checks, then three rounds of the
+  # batch-1 step, bf16 and FP8, each with and without (~4 min on a fresh machine).
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_model_parity.py \
+    -k "(cuda_bf16 and gemv_gated_out) or gate_up_epilogue_on_cuda" 2>&1 | tail -3
+  G=@shared.models.llama.GATE_UP_EPILOGUE=1
+  timeout 200 python3 -m bench.b1 --variants "base=;gated=$G" --rounds 3 --quantization none,fp8 2>&1 | grep "round" \
+    | grep -v '^{' | tee "$OUT/b1_gate_up.log"
 fi
 if [[ $what == tput-layout ]]; then
   # Issue 14's throughput: decode attention at batch 256 reads 0.84 of copy alone and 0.77 inside the step (H200,

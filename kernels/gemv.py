@@ -10,6 +10,11 @@ With silu_mul=True the input is a gated MLP's [M, 2K] gate|up activation and the
 silu(gate) * up, computed as it loads x (rounded to x's dtype, as the silu_and_mul kernel's output
 would be): the down projection without a separate activation launch.
 
+With gated_out=True (one row) w is a gated MLP's gate|up projection [2I, K] and the kernel returns
+silu(gate) * up [1, I]: each program takes BLOCK_N / 2 gate rows and the matching up rows, and its epilogue
+rounds both as the projection's output would be, then gates them (the bits of silu_and_mul of that output). The
+down projection then reads I values, not 2I with the activation computed in its load.
+
 With norm_in / add_norm (one row) the GEMV is the consumer or the producer of a residual RMSNorm split
 around it (kernels/residual_norm.py): the consumer scales its sums by the norm, the producer's epilogue adds
 into the residual and writes the norm's input in place of y (in the reduce kernel where K is split).
@@ -62,6 +67,26 @@ def _out(acc, X, Y):
     """fp32 sums as stored: rounded to the activation dtype, as a GEMM of that dtype would return them, then held
     in Y's (the same where they match; an fp32 Y gets the rounded logits widened, as the unfused lm_head's)."""
     return acc.to(X.dtype.element_ty).to(Y.dtype.element_ty)
+
+
+@triton.jit
+def _gated_rows(pid_n, N, BLOCK_N: tl.constexpr):
+    """A gated program's rows (gated_out): BLOCK_N / 2 gate rows, then the up rows I = N / 2 further on."""
+    H: tl.constexpr = BLOCK_N // 2
+    j = tl.arange(0, BLOCK_N)
+    i = pid_n * H + j % H
+    return i + (j // H) * (N // 2), i < N // 2
+
+
+@triton.jit
+def _gated_epilogue(out, pid_n, N, X, Y, BLOCK_N: tl.constexpr):
+    """out: a gated program's fp32 sums in _gated_rows' order. Rounded as the projection's output would be
+    stored, split into gate and up, gated: silu(gate) * up (rounded as silu_and_mul's) at the program's I rows."""
+    H: tl.constexpr = BLOCK_N // 2
+    v = out.to(X.dtype.element_ty)
+    gate, up = tl.split(tl.trans(tl.reshape(v, (2, H))))
+    offs = pid_n * H + tl.arange(0, H)
+    tl.store(Y + offs, _silu_mul(gate, up).to(Y.dtype.element_ty), mask=offs < N // 2)
 
 
 @triton.jit
@@ -211,11 +236,13 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                  PDL: tl.constexpr, PRE: tl.constexpr, F16: tl.constexpr = False, NORM_IN: tl.constexpr = False,
                  ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
                  HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True, stride_s=0, SBN: tl.constexpr = 0,
-                 SBK: tl.constexpr = 0, TK=None, TICKETED: tl.constexpr = False):
+                 SBK: tl.constexpr = 0, TK=None, TICKETED: tl.constexpr = False, GATED: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (one row, no split: the host checks)
         offs_n, mask_n = rope_rows(pid_n, BLOCK_N, N, HALF)
+    elif GATED:  # gate rows and their up rows (one row, no split, no block scales: the host checks)
+        offs_n, mask_n = _gated_rows(pid_n, N, BLOCK_N)
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -274,6 +301,8 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
             cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
         rope_store_epilogue(tl.sum(acc, axis=0), cos, sin, slot, pid_n, N, Y, KB, VB, stride_bs, QS, KVS, BLOCK_N,
                             HALF)
+    elif GATED:
+        _gated_epilogue(tl.sum(acc, axis=0), pid_n, N, X, Y, BLOCK_N)
     elif SPLIT_K == 1:
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], _out(acc, X, Y), mask=mask)
     else:
@@ -355,7 +384,8 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
                      X_ROWS: tl.constexpr, NARROW: tl.constexpr, EVICT: tl.constexpr, NORM_IN: tl.constexpr = False,
                      ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, LATE: tl.constexpr = False,
                      ROPE: tl.constexpr = False, HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True,
-                     HAS_SCALE: tl.constexpr = False, F16: tl.constexpr = False, W_VEC: tl.constexpr = 0):
+                     HAS_SCALE: tl.constexpr = False, F16: tl.constexpr = False, W_VEC: tl.constexpr = 0,
+                     GATED: tl.constexpr = False):
     """y = x @ W^T for one row x and half-, full-precision or FP8 W (HAS_SCALE: one dequantization scale per
     output row; F16: multiplied in f16, eight products summed there): each program streams BLOCK_N rows of W
     over its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end."""
@@ -363,6 +393,8 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (no split: the host checks)
         offs_n, mask_n = rope_rows(pid_n, BLOCK_N, N, HALF)
+    elif GATED:  # gate rows and their up rows (no split: the host checks)
+        offs_n, mask_n = _gated_rows(pid_n, N, BLOCK_N)
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -421,6 +453,8 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
         if not ROPE_AHEAD:
             cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
         rope_store_epilogue(out, cos, sin, slot, pid_n, N, Y, KB, VB, stride_bs, QS, KVS, BLOCK_N, HALF)
+    elif GATED:
+        _gated_epilogue(out, pid_n, N, X, Y, BLOCK_N)
     elif SPLIT_K == 1:
         tl.store(Y + offs_n, _out(out, X, Y), mask=mask_n)
     else:
@@ -575,12 +609,17 @@ def _norm_args(norm_in: ResidualNorm | None, add_norm: ResidualNorm | None, spli
                 NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None and split_k == 1, NSLOT=NORM_SLOTS)
 
 
+def _programs_n(N: int, block_n: int, gated_out: bool) -> int:
+    """Programs along N: gated ones take block_n / 2 of the I = N / 2 gate rows (and as many up rows) each."""
+    return triton.cdiv(N // 2, block_n // 2) if gated_out else triton.cdiv(N, block_n)
+
+
 def _f16_math(cfg: GemvConfig, w: torch.Tensor) -> bool:
     return cfg.f16_math and w.element_size() == 1 and cfg.block_k >= 8
 
 
 def _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg: GemvConfig, silu_mul, pdl, norms,
-              ropes):
+              ropes, gated_out=False):
     tiles = k_per_split // cfg.block_k
     # With PDL the first chunk is peeled to take the tiles loaded before the wait, so it holds pre_tiles (the
     # chunking does not depend on PDL: the same sums in the same order either way).
@@ -591,21 +630,22 @@ def _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg
     late = PRODUCER_LATE_TRIGGER and norms["ADD_NORM"] and launch["PDL"] is True
     # FP8 weights against a 16-bit x: 8 weights a thread a load, x's layout (_gemv_row_kernel's W_VEC).
     w_vec = 8 if w.element_size() == 1 and x.element_size() == 2 else 0
-    _gemv_row_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
+    _gemv_row_kernel[(_programs_n(N, cfg.block_n, gated_out), split_k)](
         x, w, out, partial, scale if scale is not None else w, N, K, w.stride(0), k_per_split, **norms, **ropes,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, SILU_MUL=silu_mul,
         PRE=min(cfg.pre_tiles, fold) if launch["PDL"] else 0, FOLD=fold, LATE=late,
         # Whether the CTA's threads, at one vector of w each, cover more than one tile row along K.
         X_ROWS=cfg.block_k < 32 * cfg.num_warps * (w_vec or 16 // w.element_size()),
         NARROW=cfg.narrow and cfg.block_k % 8 == 0, EVICT="evict_first" if cfg.evict_first else "",
-        HAS_SCALE=scale is not None, F16=_f16_math(cfg, w), W_VEC=w_vec, num_warps=cfg.num_warps, **launch)
+        HAS_SCALE=scale is not None, F16=_f16_math(cfg, w), W_VEC=w_vec, GATED=gated_out, num_warps=cfg.num_warps,
+        **launch)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, scale: torch.Tensor | None = None,
          tensor_cores: bool = False, silu_mul: bool = False, pdl: bool | None = None,
          norm_in: ResidualNorm | None = None, add_norm: ResidualNorm | None = None,
-         rope: RopeStore | None = None) -> torch.Tensor:
+         rope: RopeStore | None = None, gated_out: bool = False) -> torch.Tensor:
     """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype (or in `out`'s: x's
     rounding held in a wider dtype, as the lm_head's fp32 logits).
     `scale` (float32 [N]) dequantizes FP8 weights row by row (one row of x only: x is not quantized); a scale
@@ -616,7 +656,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     producer's gamma * residual and y is scaled by the norm's rsqrt(mean(residual^2) + eps); with `add_norm`
     y is added into add_norm.residual (in place) and the GEMV returns gamma * residual instead.
     rope (one row; kernels/rope_store.py): w is a qkv projection; y's q and k come out rotated at the token's
-    position and k, v are also written to its pool slot."""
+    position and k, v are also written to its pool slot.
+    gated_out (one row): w is a gated MLP's gate | up projection [2I, K]; returns silu_and_mul(y) [1, I], the
+    gating in the GEMV's epilogue (K unsplit; no split norm's producer, rope or block scales)."""
     M, K = x.shape
     if silu_mul:
         assert K % 2 == 0
@@ -634,7 +676,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert add_norm is None or (M == 1 and add_norm.size == N and add_norm.residual.dtype == x.dtype)
     assert norm_in is None or (M == 1 and norm_in.size == K)
     assert rope is None or (M == 1 and rope.size == N and add_norm is None and not silu_mul)
+    assert not gated_out or (M == 1 and N % 2 == 0 and block is None and add_norm is None and rope is None
+                             and not silu_mul and not tensor_cores), \
+        "gated_out: one row of a gate | up projection, per-row scales, no producer epilogue"
     cfg = config or default_config(M, N, K, w.element_size())
+    if gated_out:  # a program owns whole gate/up pairs, over all of K (the epilogue needs complete sums)
+        cfg = dataclasses.replace(cfg, block_n=max(2, cfg.block_n), split_k=1)
     if block is not None:  # the general kernel's f16 lanes take the block scales
         cfg = dataclasses.replace(cfg, row_kernel=False, f16_math=True)
     dot = M > 1 or tensor_cores
@@ -642,7 +689,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         cfg = dataclasses.replace(cfg, block_n=16)
     assert rope is None or cfg.block_n % 2 == 0, "rope: a program owns whole rotary pairs"
     if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        out = torch.empty((M, N // 2 if gated_out else N), dtype=x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0
@@ -652,9 +699,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     norms = _norm_args(norm_in, add_norm, 1 if ticketed else split_k, x)
     ropes = dict(rope_args(rope, x, split_k == 1), ROPE_AHEAD=bool(ROPE_INPUTS_AHEAD))
     if not dot and cfg.row_kernel:
-        _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms, ropes)
+        _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms, ropes,
+                  gated_out)
     else:
-        _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
+        _gemv_kernel[(_programs_n(N, cfg.block_n, gated_out), split_k)](
             x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
             k_per_split, **norms, **ropes, HAS_SCALE=scale is not None and block is None,
             stride_s=scale.stride(0) if block is not None else 0, SBN=block[0] if block else 0,
@@ -662,7 +710,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
             F16=_f16_math(cfg, w) and not dot, TK=_ticket_counters(x.device) if ticketed else partial,
-            TICKETED=ticketed, **pdl_launch(pdl, "gemv"))
+            TICKETED=ticketed, GATED=gated_out, **pdl_launch(pdl, "gemv"))
     if split_k > 1 and not ticketed:
         BLOCK = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, BLOCK), M)](

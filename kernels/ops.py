@@ -159,6 +159,18 @@ def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | No
     return y + bias if bias is not None else y
 
 
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 weight_scale: torch.Tensor | None = None, norm_in: ResidualNorm | None = None) -> torch.Tensor:
+    """silu_and_mul(linear(x, ...)) for a gated MLP's gate | up projection (weight [2I, K]): [M, I]. One row
+    without bias or block scales goes through the GEMV with the gating in its epilogue (the bits of the two
+    steps, no [1, 2I] output written and read back); anything else runs the two. norm_in: as linear's."""
+    if (x.dim() == 2 and x.shape[0] == 1 and bias is None and _gemv_applies(x, weight, weight_scale)
+            and (weight_scale is None or ref.scale_block(weight, weight_scale) is None)):
+        from kernels.gemv import gemv
+        return gemv(x, weight, scale=weight_scale, norm_in=norm_in, gated_out=True)
+    return silu_and_mul(linear(x, weight, bias, weight_scale, norm_in=norm_in))
+
+
 def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     weight_scale: torch.Tensor | None = None, add_norm: ResidualNorm | None = None) -> torch.Tensor:
     """linear(silu_and_mul(h), ...) for h [M, 2K] (gate | up). Where the GEMV takes the matmul the

@@ -360,6 +360,50 @@ def check_gemv_silu_mul(device, dtype):
                 torch.testing.assert_close(y, gemv_ref(silu_and_mul_ref(h), w), **_tol(dtype))
 
 
+def check_gemv_gated_out(device, dtype):
+    """gated_out: the gate | up projection's GEMV returning silu(gate) * up from its epilogue gives the bits of
+    silu_and_mul of the plain GEMV's output at the same tile unsplit (each row's sums in the same order, rounded
+    the same): the row kernel and the general one, one-row tiles widened to a pair, ragged I, FP8 weights with
+    per-row scales, a split norm's consumer. Refused where the epilogue cannot run."""
+    import dataclasses
+
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import GemvConfig, default_config, gemv
+    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
+    from shared.models.quantization import quantize_per_channel
+    shapes = [(96, 2 * 20), (130, 2 * 37)] + ([(4096, 2 * 14336)] if device.type == "cuda" else [])
+    cfgs = [None, GemvConfig(2, 32, 1, 1), GemvConfig(1, 32, 1, 1), GemvConfig(4, 64, 1, 2, pre_tiles=2, fold=2),
+            GemvConfig(8, 32, 2, 2, row_kernel=False), GemvConfig(4, 32, 2, 2, pre_tiles=2, f16_math=True)]
+    for K, N in shapes:
+        w = _rand(N, K, dtype=dtype, device=device) * 0.1
+        x = _rand(1, K, dtype=dtype, device=device)
+        r = _rand(1, K, dtype=dtype, device=device)
+        sums = torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
+        sums[0] = (r.double() ** 2).sum()
+        norm = ResidualNorm(r, _rand(K, dtype=dtype, device=device), sums, 1e-5)
+        for fp8 in (False, True):
+            wq, scale = (w, None)
+            if fp8:
+                wq, scale = (t.to(device) for t in quantize_per_channel(w.float().cpu()))
+            for cfg in cfgs:
+                base = cfg or default_config(1, N, K, wq.element_size())
+                unsplit = dataclasses.replace(base, block_n=max(2, base.block_n), split_k=1)
+                for norm_in in (None, norm):
+                    y = gemv(x, wq, config=cfg, scale=scale, norm_in=norm_in, gated_out=True)
+                    ref = silu_and_mul(gemv(x, wq, config=unsplit, scale=scale, norm_in=norm_in))
+                    assert y.shape == (1, N // 2)
+                    assert torch.equal(y, ref), (K, N, fp8, cfg, norm_in is not None, (y - ref).abs().max())
+    w = _rand(40, 96, dtype=dtype, device=device)
+    for x, extra in ((_rand(2, 96, dtype=dtype, device=device), {}),  # two rows
+                     (_rand(1, 192, dtype=dtype, device=device), {"silu_mul": True})):  # a gated input as well
+        try:
+            gemv(x, w, gated_out=True, **extra)
+        except AssertionError as e:
+            assert "gated_out" in str(e)
+        else:
+            raise AssertionError(f"gated_out accepted {tuple(x.shape)} {extra}")
+
+
 def check_gemv_fp8_codes(device, dtype):
     """The FP8 GEMV reads every e4m3 code exactly (subnormals, both zeros, +-448; NaN left out), at every
     byte position of a 16-byte load: a one-hot x returns the weight column times its scale bit for bit."""

@@ -206,6 +206,61 @@ def test_fp8_qkv_weights_refuse_the_rope_epilogue(tmp_path, monkeypatch):
     assert plain.model.fuse_row_rope(True) is True
 
 
+def test_mlp_gated_in_the_gate_up_epilogue_matches(family, monkeypatch):
+    """One-token passes with the MLP gated in gate_up_proj's epilogue (shared.models.llama.GATE_UP_EPILOGUE; here
+    ops.gated_linear's torch path), whole and split norms: the logits and tokens of silu_and_mul in down_proj's
+    input, and the epilogue's op called once a layer a pass where the knob is on."""
+    import kernels.ops as ops
+    import shared.models.llama as llama
+    hf, ours, cfg, prompts = family
+    calls = []
+    gated_linear = ops.gated_linear
+    monkeypatch.setattr(ops, "gated_linear", lambda x, *a, **kw: calls.append(x.shape[0]) or gated_linear(x, *a, **kw))
+    splits = (False,) if cfg.o_proj_bias or cfg.mlp_bias else (False, True)
+    runs = {}
+    for split in splits:
+        for gated in (False, True):
+            monkeypatch.setattr(llama, "GATE_UP_EPILOGUE", gated)
+            assert ours.model.split_row_norms(split) == split
+            calls.clear()
+            try:
+                runs[split, gated] = _one_token_run(ours, cfg, prompts[0])
+            finally:
+                ours.model.split_row_norms(False)
+            dense = sum(isinstance(layer.mlp, llama.LlamaMLP) for layer in ours.model.layers)
+            assert calls == ([1] * dense * (len(prompts[0]) + DECODE_STEPS) if gated else []), (split, gated)
+    for split in splits:
+        assert rel_err(runs[split, True][0], runs[split, False][0]) < REL_TOL
+        assert runs[split, True][1] == runs[split, False][1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", ["none", "fp8"])
+def test_mlp_gated_in_the_gate_up_epilogue_on_cuda(tmp_path, quant, monkeypatch):
+    """The Triton path of the gate | up GEMV's gating epilogue (GATE_UP_EPILOGUE) against silu_and_mul in
+    down_proj's load, bf16 and FP8 weights, whole and split norms: the same logits to within bf16's rounding and the
+    same tokens."""
+    import shared.models.llama as llama
+    from shared.models.attention import create_attention_backend
+    path = write_hf_checkpoint(make_hf_model("llama31"), str(tmp_path / f"llama31-{quant}"))
+    ours, cfg = load_model(path, dtype=torch.bfloat16, device=torch.device("cuda"), quantization=quant)
+    prompt = torch.randint(3, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(21)).tolist()
+    runs = {}
+    for split in (False, True):
+        for gated in (False, True):
+            monkeypatch.setattr(llama, "GATE_UP_EPILOGUE", gated)
+            assert ours.model.split_row_norms(split) == split
+            backend = create_attention_backend("triton", cfg.num_attention_heads, cfg.num_key_value_heads,
+                                               cfg.head_dim, device=torch.device("cuda"))
+            try:
+                runs[split, gated] = _one_token_run(ours, cfg, prompt, backend=backend)
+            finally:
+                ours.model.split_row_norms(False)
+    for split in (False, True):
+        assert rel_err(runs[split, True][0], runs[split, False][0]) < 2e-2, split
+        assert runs[split, True][1] == runs[split, False][1], split
+
+
 def _cuda_one_token_runs(tmp_path, quant: str, seed: int, settings: dict) -> dict:
     """bf16 llama31 on the GPU with the Triton attention backend: _one_token_run under each of `settings`
     ({key: (split norms, rope in the epilogue, kernels.gemv.FP8_ROW_KERNEL[, shared.models.llama.FOLD_FINAL_NORM])})."""

@@ -105,15 +105,23 @@ class Linear(nn.Module):
         self.weight_block = block
 
     def forward(self, x: torch.Tensor, gated: bool = False, norm_in: ResidualNorm | None = None,
-                add_norm: ResidualNorm | None = None, rope: RopeStore | None = None) -> torch.Tensor:
+                add_norm: ResidualNorm | None = None, rope: RopeStore | None = None,
+                gated_out: bool = False) -> torch.Tensor:
         """gated: x is a gated MLP's [T, 2 * in_features] (gate | up) and the layer's input is
         silu(gate) * up, computed inside the decode GEMV where ops can (silu_mul_linear).
         norm_in / add_norm: one row; this layer consumes or produces a residual RMSNorm split around it
         (kernels/residual_norm.py; not under tensor parallelism).
         rope: one decode row of a qkv projection; rope and the KV store run in the GEMV's epilogue
-        (kernels/rope_store.py)."""
+        (kernels/rope_store.py).
+        gated_out: this layer is a gated MLP's gate | up projection and returns silu(gate) * up, in the decode
+        GEMV's epilogue where ops can (gated_linear); under tensor parallelism each rank gates its own rows."""
         if norm_in is not None or add_norm is not None or rope is not None:
             assert self.shard is None, "split norms and rope in the epilogue run without tensor parallelism"
+        if gated_out:
+            assert not gated and add_norm is None and rope is None and self.parallel != "row", \
+                "gated_out: a column-parallel gate | up projection, no producer epilogue"
+            return ops.gated_linear(x, self.weight, self.bias, self.weight_scale, norm_in=norm_in)
+        if norm_in is not None or add_norm is not None or rope is not None:
             if gated:
                 assert norm_in is None and rope is None, "a gated input is not a norm's output"
                 return ops.silu_mul_linear(x, self.weight, self.bias, self.weight_scale, add_norm=add_norm)
