@@ -4,7 +4,7 @@ with --sass). A kernel that does not compile for Hopper fails here, not in a dev
 
     PYTHONPATH=/tmp/t36 python -m bench.sm90_compile [--pdl 0|1|2] [--sass NAME] [--fp8] [--no-split-norms]
                                                      [--rope-fusion] [--fp8-row] [--kv-before-wait] [--loops]
-                                                     [--kv-cache-dtype fp8_e4m3|fp8_e5m2] [--fp8 --fp8-blocks]
+                                                     [--kv-cache-dtype fp8_e4m3|fp8_e5m2] [--fp8 --fp8-blocks] [--gate-up-epilogue]
 
 Use the device's Triton version (3.6: `pip download --no-deps triton==3.6.0` and `pip install --no-deps
 --target /tmp/t36` the wheel) so ptxas and the compiler match what runs there. Nothing is launched: each
@@ -95,11 +95,11 @@ def loop_report(kernel) -> str:
 
 
 def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False, kv_dtype: torch.dtype = torch.bfloat16,
-                fp8_blocks: bool = False) -> None:
+                fp8_blocks: bool = False, gate_up_epilogue: bool = False) -> None:
     """The kernels of one Llama-3.1-8B decode layer at batch 1, through the engine's wrappers (split_norms:
     the residual norms split between the GEMVs around them, as the engine runs them by default; rope_fusion:
     rope and the KV store in the qkv GEMV's epilogue, --decode-rope-fusion; kv_dtype: the pool's,
-    --kv-cache-dtype)."""
+    --kv-cache-dtype; gate_up_epilogue: the MLP gated in gate_up_proj's epilogue, GATE_UP_EPILOGUE)."""
     from kernels.attention.triton_decode import decode_attention, num_kv_splits_for, plan_max_kv_splits
     from kernels.gemv import gemv
     from kernels.norm import rms_norm
@@ -121,7 +121,8 @@ def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False, kv_dtyp
     norm = ResidualNorm(torch.zeros(1, hidden, dtype=bf), torch.zeros(hidden, dtype=bf), sums[0], 1e-5)
     shapes = [("qkv", (hq + 2 * hkv) * d, hidden, False, "in"), ("o", hidden, hq * d, False, "add"),
               ("gate_up", 2 * inter, hidden, False, "in"), ("down", hidden, inter, True, "add")]
-    for _, n, k, silu, role in shapes:
+    for name, n, k, silu, role in shapes:
+        silu = silu and not gate_up_epilogue
         wdt = torch.float8_e4m3fn if fp8 else bf
         w = torch.zeros(n, k, dtype=wdt)
         xin = torch.zeros(1, 2 * k if silu else k, dtype=bf)
@@ -129,7 +130,8 @@ def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False, kv_dtyp
         if rope_fusion and n == (hq + 2 * hkv) * d:
             norms["rope"] = RopeStore(pos, table, k_buf, v_buf, loc, hq * d, hkv * d, d)
         scale = (torch.ones(n // 128, k // 128) if fp8_blocks else torch.ones(n)) if fp8 else None
-        gemv(xin, w, scale=scale, silu_mul=silu, **norms)
+        gemv(xin, w, scale=scale, silu_mul=silu, **norms, **({"gated_out": True} if gate_up_epilogue and name == "gate_up"
+                                                            else {}))
     from kernels import prefetch
     prefetch.launch(torch.zeros(hidden, hidden, dtype=bf))  # --decode-l2-prefetch
     qkv = torch.zeros(1, (hq + 2 * hkv) * d, dtype=bf)
@@ -200,6 +202,8 @@ def main() -> None:
                     help="the KV pool's dtype; FP8 also compiles the other kernels that touch the pool")
     ap.add_argument("--fp8-blocks", action="store_true",
                     help="with --fp8: block-scaled weights ([128, 128] blocks), and the block FP8 GEMM")
+    ap.add_argument("--gate-up-epilogue", action="store_true",
+                    help="the MLP gated in gate_up_proj's epilogue (shared.models.llama.GATE_UP_EPILOGUE)")
     ap.add_argument("--sass", default="", help="print the SASS of kernels whose name contains this")
     ap.add_argument("--loops", action="store_true", help="each kernel's loops: instructions, global loads, barriers")
     args = ap.parse_args()
@@ -216,7 +220,7 @@ def main() -> None:
     JITFunction.run = _compile  # type: ignore[method-assign]
     from shared.cache.kv_pool import kv_cache_dtype
     decode_path(args.fp8, not args.no_split_norms, args.rope_fusion, kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16),
-                args.fp8 and args.fp8_blocks)
+                args.fp8 and args.fp8_blocks, args.gate_up_epilogue)
     for name, kernel in compiled:
         print(f"{name}: {_resources(kernel)}")
         if args.loops:
