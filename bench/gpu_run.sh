@@ -4,9 +4,11 @@
 #   bash bench/gpu_run.sh gate-up|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# Pending, on an H200 (an H100 came for every call of 2026-12-05; fp8-down and tput-layout ran on it at 21:35):
-# `fp8-h200` (the FP8 defaults and the rope epilogue, A/B'd on the H100 at 21:31; the chain sweep only if the former
-# tiles win), then `recheck`. Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
+# Pending: `gate-up` (the MLP gated in gate_up_proj's epilogue, built 2026-12-05 22:00 without a GPU; any card, ~4 min),
+# then on an H200 (an H100 came for every call of 2026-12-05; fp8-down and tput-layout ran on it at 21:35): `fp8-h200`
+# (the FP8 defaults and the rope epilogue, A/B'd on the H100 at 21:31; the chain sweep only if the former tiles win),
+# then `recheck` (bench.fp8 now also prints the decode step without the prefill). Carry [".whl/xgr", ".whl/svc",
+# ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
