@@ -7,8 +7,8 @@
 # Pending: `gate-up` (the MLP gated in gate_up_proj's epilogue, built 2026-12-05 22:00 without a GPU; any card, ~4 min),
 # then on an H200 (an H100 came for every call of 2026-12-05; fp8-down and tput-layout ran on it at 21:35): `fp8-h200`
 # (the FP8 defaults and the rope epilogue, A/B'd on the H100 at 21:31; the chain sweep only if the former tiles win),
-# then `recheck` (bench.fp8 now also prints the decode step without the prefill). Carry [".whl/xgr", ".whl/svc",
-# ".whl/extra"].
+# then `recheck` (bench.fp8 now takes the medians of three alternated rounds, and prints the decode step without the
+# prefill too). Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -94,7 +94,7 @@ if [[ $what == recheck ]]; then
   # pairs it read 0.66% and 0.31% where ten read 0.21% (2026-12-04).
   # With the mixed-chunk A/B (two pairs of throughput runs, 2026-12-05): one more info line.
   timeout 240 python3 -m bench.offline --out "$OUT" --skip-hf --reuse-pairs 8 2>&1 | tee "$OUT/offline.log" | tail -12
-  timeout 150 python3 -m bench.fp8 --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/fp8.log" | tail -7
+  timeout 200 python3 -m bench.fp8 --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/fp8.log" | tail -8
   timeout 150 python3 -m bench.structured --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/structured.log" | tail -12
   timeout 270 python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream --batch1 16 --offline \
     --out "$OUT/interval16" -- --stream-interval 16 2>&1 | grep -v Capturing | tee "$OUT/serving_interval.log" | tail -12

@@ -205,8 +205,9 @@ def test_sse_events_yields_the_data_lines_json_and_stops_at_done():
 
 
 def test_fp8_bench_reports_the_decode_step_without_the_prefill(tmp_path, monkeypatch, capsys):
-    """bench.fp8 on the tiny shape (CPU): the goal's line, and beside it each engine's decode step alone (the median
-    period between decode launches, the prompt's prefill not spread over it) and their ratio."""
+    """bench.fp8 on the tiny shape (CPU): the goal's line from the medians of alternated rounds (the throughput run in
+    the first only), and beside it each engine's decode step alone (the median period between decode launches, the
+    prompt's prefill not spread over it) and their ratio."""
     import functools
     import json
     import sys
@@ -214,12 +215,15 @@ def test_fp8_bench_reports_the_decode_step_without_the_prefill(tmp_path, monkeyp
     import bench.common
     import bench.fp8
     monkeypatch.setattr(bench.fp8, "model_dir", functools.partial(bench.common.model_dir, root=str(tmp_path / "m")))
-    monkeypatch.setattr(sys, "argv", ["fp8", "--shape", "tiny", "--reqs", "2", "--steps", "6", "--out",
+    monkeypatch.setattr(sys, "argv", ["fp8", "--shape", "tiny", "--reqs", "2", "--steps", "6", "--rounds", "2", "--out",
                                       str(tmp_path / "out")])
     bench.fp8.main()
     out = capsys.readouterr().out
     res = json.loads((tmp_path / "out" / "fp8.json").read_text())
     a, b = res["none"]["b1_period_ms"], res["fp8"]["b1_period_ms"]
     assert 0 < a and 0 < b
-    assert "fp8 batch-1 step" in out
+    assert [("tput_tok_s" in f) for f in res["fp8"]["rounds"]] == [True, False]
+    steps = sorted(f["b1_step_ms"] for f in res["none"]["rounds"])
+    assert res["none"]["b1_step_ms"] == steps[1]  # bench.common.median: the upper of two
+    assert "fp8 batch-1 step" in out and "medians of 2 alternated rounds" in out
     assert f"fp8 {b:.3f} ms, bf16 {a:.3f} ms, {b / a:.3f} x" in out
