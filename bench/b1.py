@@ -44,7 +44,8 @@ def main() -> None:
                     fig = engine_figures(path, tok, True, 400, 0, args.steps, max_running_requests=8,
                                          cuda_graph_max_bs=8, **fields)
                 log(f"{name} {q} round {r + 1}: step {fig['b1_step_ms']:.3f} ms, "
-                    f"replay {fig.get('b1_graph_ms', 0):.3f} ms, decode alone {fig.get('b1_period_ms', 0):.3f} ms")
+                    f"replay {fig.get('b1_graph_ms', 0):.3f} ms, decode alone {fig.get('b1_period_ms', 0):.3f} ms, "
+                    f"prefill ~{fig.get('b1_prefill_ms', 0):.1f} ms")
                 print(json.dumps({"label": name, "round": r + 1, "quantization": q, "settings": settings, **fig}),
                       flush=True)
 

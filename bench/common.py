@@ -283,6 +283,8 @@ def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int
         periods = st.decode_periods(1)  # the decode step alone: the prompt's prefill not spread over the steps
         if periods:
             out["b1_period_ms"] = median(periods) * 1e3
+            # What the run took beyond its decode steps at that period: the prompt's prefill, mostly.
+            out["b1_prefill_ms"] = st.wall_s * 1e3 - st.steps * out["b1_period_ms"]
         gr = eng.runner.graph_runner
         if gr is not None:
             out["b1_graph_ms"] = graph_replay_ms(gr, reps=50)

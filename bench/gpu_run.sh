@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh gate-up|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# Pending: `gate-up` (the MLP gated in gate_up_proj's epilogue, built 2026-12-05 22:00 without a GPU; any card, ~4 min),
-# then on an H200 (an H100 came for every call of 2026-12-05; fp8-down and tput-layout ran on it at 21:35): `fp8-h200`
-# (the FP8 defaults and the rope epilogue, A/B'd on the H100 at 21:31; the chain sweep only if the former tiles win),
-# then `recheck` (bench.fp8 now takes the medians of three alternated rounds, and prints the decode step without the
-# prefill too). Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
+# Pending, any card: `gate-up` (the MLP gated in gate_up_proj's epilogue, ~4 min) and `long-extend` (long-extend CUDA
+# graphs, ~5 min), both built 2026-12-05 without a GPU. Then on an H200 (an H100 came for every call of 2026-12-05):
+# `fp8-h200` (the FP8 defaults and the rope epilogue, A/B'd on the H100 at 21:31; the chain sweep only if the former
+# tiles win), then `recheck` (bench.fp8 now takes the medians of three alternated rounds, and prints the decode step
+# without the prefill too). Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -152,6 +152,15 @@ if [[ $what == gate-up ]]; then
   G=@shared.models.llama.GATE_UP_EPILOGUE=1
   timeout 200 python3 -m bench.b1 --variants "base=;gated=$G" --rounds 3 --quantization none,fp8 2>&1 | grep "round" \
     | grep -v '^{' | tee "$OUT/b1_gate_up.log"
+fi
+if [[ $what == long-extend ]]; then
+  # Long-extend CUDA graphs (shared.engine.extend_graph.LONG_MAX_TOKENS, off; 2026-12-05, built without a GPU): a
+  # prompt of 65-512 new tokens in few requests replays a graph instead of ~300 launches from Python. The GPU test, then
+  # three rounds of the batch-1 run (a 512-token prompt) with and without, bf16 and FP8: its "prefill ~" figure.
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k "extends_in_cuda_graphs" 2>&1 | tail -3
+  L=@shared.engine.extend_graph.LONG_MAX_TOKENS=512
+  timeout 300 python3 -m bench.b1 --variants "base=;long=$L" --rounds 3 --quantization none,fp8 2>&1 | grep "round" \
+    | grep -v '^{' | tee "$OUT/b1_long_extend.log"
 fi
 if [[ $what == tput-layout ]]; then
   # Issue 14's throughput: decode attention at batch 256 reads 0.84 of copy alone and 0.77 inside the step (H200,

@@ -852,6 +852,73 @@ def test_short_extends_in_cuda_graphs_give_the_results_of_eager_extends():
     assert any(len(lens) > 1 for lens in replays)  # several requests in one captured pass
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_long_extends_in_cuda_graphs_give_the_results_of_eager_extends(monkeypatch):
+    """With the long-extend graphs (shared.engine.extend_graph.LONG_MAX_TOKENS) prompts of 65 to 500 new tokens,
+    alone and a few at a time, and second turns beyond 64 new tokens over cached prefixes replay graphs padded to
+    their bucket: the tokens and input logprobs of eager passes."""
+    from shared.engine import extend_graph
+
+    monkeypatch.setattr(extend_graph, "LONG_MAX_TOKENS", 512)
+    graphs = Harness(max_running_requests=16, cuda_graph_max_extend_tokens=512)
+    monkeypatch.setattr(extend_graph, "LONG_MAX_TOKENS", 0)
+    eager = Harness(max_running_requests=16, cuda_graph_max_extend_tokens=0)
+    eg = graphs.engine.runner.extend_graphs
+    assert sorted(eg.long_graphs) == [s for s in eg.sizes if s > extend_graph.MAX_EXTEND_LEN]
+    replays, run = [], eg.run
+    eg.run = lambda fb: replays.append(eg.pick(fb.extend_seq_lens_cpu)) or run(fb)
+    first = prompts(6, seed=47, lo=65, hi=500)
+    results = []
+    for h in (graphs, eager):
+        alone = [h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 6}, return_logprob=True,
+                                 logprob_start_len=len(p) - 4)])[0] for p in first[:3]]
+        together = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 6}) for p in first[3:]])
+        rng = random.Random(48)
+        turns = [p + r["ids"] + [rng.randrange(3, 400) for _ in range(rng.randrange(65, 200))]
+                 for p, r in zip(first[:3], alone)]
+        second = [h.run([h.submit(t, sampling={**GREEDY, "max_new_tokens": 4})])[0] for t in turns]
+        results.append(([r["ids"] for r in alone + together + second], [r["cached"] for r in second],
+                        [r["input_logprobs"] for r in alone]))
+    assert results[0][:2] == results[1][:2]
+    assert all(c > 0 for c in results[0][1])  # the second turns extended cached prefixes
+    for a, b in zip(results[0][2], results[1][2]):
+        assert [t for _, t in a] == [t for _, t in b]
+        torch.testing.assert_close([lp for lp, _ in a], [lp for lp, _ in b], rtol=1e-4, atol=1e-4)
+    longs = [p for p in replays if p is not None and p[1]]
+    assert len(longs) >= 6  # three prompts alone, their second turns; the three together in one or more passes
+
+
+def test_long_extend_graphs_are_captured_with_their_own_rows_and_attention_bound(monkeypatch):
+    """LONG_MAX_TOKENS: after the short family, one long-extend graph a bucket above MAX_EXTEND_LEN up to it, each
+    traced with long_reqs request rows and the attention grid bounded by the whole bucket (checked without a GPU:
+    capture_graph stubbed to run the pass once); off (0), none; clear() drops both families."""
+    from types import SimpleNamespace
+
+    from shared.engine import cuda_graph, extend_graph
+
+    class _Graph:
+        def pool(self):
+            return None
+    monkeypatch.setattr(cuda_graph, "capture_graph", lambda forward, stream, pool: forward() or _Graph())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    traced = []
+    backend = SimpleNamespace(init_forward_metadata=lambda fb: traced.append((fb.num_tokens, fb.batch_size,
+                                                                               fb.max_extend_len)))
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=8),
+                            forward=lambda fb: torch.zeros(fb.num_tokens, 8))
+    for long_max, expect in ((256, [96, 128, 160, 192, 256]), (0, [])):
+        monkeypatch.setattr(extend_graph, "LONG_MAX_TOKENS", long_max)
+        traced.clear()
+        r = extend_graph.ExtendGraphRunner(model, None, None, backend, max_tokens=512, max_reqs=16,
+                                           dtype=torch.float32, device=torch.device("cpu"), progress=False)
+        assert sorted(r.graphs) == r.sizes and sorted(r.long_graphs) == expect
+        assert traced[:len(r.sizes)] == [(t, min(t, 16), min(t, extend_graph.MAX_EXTEND_LEN)) for t in reversed(r.sizes)]
+        assert traced[len(r.sizes):] == [(t, 4, t) for t in reversed(expect)]
+        r.clear()
+        assert not r.graphs and not r.long_graphs
+
+
 def test_extend_graph_eligibility_bounds_tokens_requests_and_new_tokens_per_request():
     """Which extend passes a captured graph takes (the padded bucket must hold every token, every request
     row and each request's new tokens); checked without capturing (no GPU needed)."""
@@ -859,8 +926,8 @@ def test_extend_graph_eligibility_bounds_tokens_requests_and_new_tokens_per_requ
 
     assert capture_sizes(15) == [] and capture_sizes(512)[-1] == 512 and capture_sizes(2048)[-1] == 2048
     r = object.__new__(ExtendGraphRunner)
-    r.sizes, r.req_cap = capture_sizes(512), 16
-    r.graphs = dict.fromkeys(r.sizes)
+    r.sizes, r.req_cap, r.long_reqs = capture_sizes(512), 16, 4
+    r.graphs, r.long_graphs = dict.fromkeys(r.sizes), {}
     assert r.bucket(1) == 16 and r.bucket(17) == 32 and r.bucket(512) == 512 and r.bucket(513) is None
     assert r.max_reqs(16) == 16 and r.max_reqs(512) == 16
     assert r.can_run([17] * 10) and r.can_run([MAX_EXTEND_LEN] * 8) and r.can_run([1] * 16)
@@ -868,5 +935,12 @@ def test_extend_graph_eligibility_bounds_tokens_requests_and_new_tokens_per_requ
     assert not r.can_run([1] * 17)  # more request rows than the bucket has
     assert not r.can_run([64] * 9)  # 576 tokens: beyond the largest bucket
     assert not r.can_run([])
+    # The long-extend family (LONG_MAX_TOKENS): up to long_reqs requests of any length within its buckets.
+    r.long_graphs = dict.fromkeys(s for s in r.sizes if MAX_EXTEND_LEN < s <= 384)
+    assert r.pick([MAX_EXTEND_LEN + 1]) == (96, True) and r.pick([300]) == (320, True)
+    assert r.pick([100, 100, 100, 60]) == (384, True)  # four requests, one bucket of 384
+    assert r.pick([17] * 10) == (192, False)  # short passes keep the short family
+    assert r.pick([65, 1, 1, 1, 1]) is None  # five request rows: more than long_reqs
+    assert r.pick([385]) is None and r.pick([200, 200]) is None  # 385 and 400 tokens: beyond the long buckets
     r.graphs = {}
     assert not r.can_run([5])  # nothing captured

@@ -12,6 +12,13 @@ padded batch has `max_reqs(bucket)` request rows and bounds every request at MAX
 slot 0 at position 0; padding request rows have no new tokens, so attention skips them, and their hidden
 rows are never read. The graph stops at the final hidden states: the caller picks the rows it samples
 (last tokens, proposal positions, input logprobs) as after an eager pass.
+
+A second family, the long-extend graphs (LONG_MAX_TOKENS, off until measured), takes passes of at most LONG_REQS
+requests with more new tokens each: a few-shot prompt or a document appended to a program's cached state, alone or
+with a fork's siblings. One graph per bucket above MAX_EXTEND_LEN, its attention grid bounded by the whole bucket a
+request. Eagerly these passes are host-bound too while the device time is short (a few hundred tokens at the 8B
+shape; further with FP8 weights, whose GEMMs halve the device time while their activation quantization adds a
+launch a linear).
 """
 from __future__ import annotations
 
@@ -28,6 +35,10 @@ log = logging.getLogger(__name__)
 
 MAX_EXTEND_LEN = 64  # new tokens of one request a captured pass holds
 MAX_REQS = 256  # request rows of the largest buckets (empty rows still launch attention programs)
+# The long-extend graphs: buckets above MAX_EXTEND_LEN up to this many tokens (0: none), LONG_REQS request rows each.
+# An A/B knob (@shared.engine.extend_graph.LONG_MAX_TOKENS=512), read when the graphs are captured.
+LONG_MAX_TOKENS = 0
+LONG_REQS = 4
 _SIZES = [16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536,
           1792, 2048, 2560, 3072, 3584, 4096]
 
@@ -47,6 +58,8 @@ class ExtendGraphRunner:
         self.device = device
         self.sizes = capture_sizes(max_tokens)
         self.req_cap = max(1, min(max_reqs, MAX_REQS))
+        self.long_reqs = min(LONG_REQS, self.req_cap)
+        self.long_sizes = [s for s in self.sizes if MAX_EXTEND_LEN < s <= LONG_MAX_TOKENS]
         n, r = self.sizes[-1], self.req_cap
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
@@ -62,24 +75,28 @@ class ExtendGraphRunner:
         # output alive in the pool (the graphs' intermediates share the same memory).
         self.hidden = torch.empty(n, model.config.hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.long_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by bucket: the long-extend family
         self.pool = pool
         self._capture_all(progress)
 
     def max_reqs(self, tokens: int) -> int:
         return min(tokens, self.req_cap)
 
-    def _batch(self, tokens: int) -> ForwardBatch:
-        r = self.max_reqs(tokens)
+    def _rows(self, tokens: int, long: bool) -> int:
+        return self.long_reqs if long else self.max_reqs(tokens)
+
+    def _batch(self, tokens: int, long: bool = False) -> ForwardBatch:
+        r = self._rows(tokens, long)
         return ForwardBatch(
             mode=ForwardMode.EXTEND, batch_size=r, input_ids=self.input_ids[:tokens],
             positions=self.positions[:tokens], req_pool_indices=self.req_pool_indices[:r],
             seq_lens=self.seq_lens[:r], extend_prefix_lens=self.prefix_lens[:r],
             extend_seq_lens=self.extend_lens[:r], extend_start_loc=self.start_loc[:r],
             out_cache_loc=self.out_cache_loc[:tokens], req_to_token=self.req_to_token, kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend, max_extend_len=min(tokens, MAX_EXTEND_LEN))
+            attn_backend=self.attn_backend, max_extend_len=tokens if long else min(tokens, MAX_EXTEND_LEN))
 
-    def _forward(self, tokens: int) -> None:
-        fb = self._batch(tokens)
+    def _forward(self, tokens: int, long: bool = False) -> None:
+        fb = self._batch(tokens, long)
         self.attn_backend.init_forward_metadata(fb)
         self.hidden[:tokens].copy_(self.model.forward(fb))
 
@@ -91,27 +108,50 @@ class ExtendGraphRunner:
                                      f"the KV pool; lower --cuda-graph-max-extend-tokens (0: none) or "
                                      f"--mem-fraction-static")
         self.graphs.update(graphs)
-        log.info("captured %d extend graphs (to %d tokens) in %.1fs", len(self.sizes), self.sizes[-1],
-                 time.monotonic() - t0)
+        if self.long_sizes:
+            graphs, self.pool = capture_graphs(
+                list(reversed(self.long_sizes)), lambda tokens: self._forward(tokens, long=True), self.device,
+                self.pool, "Capturing long-extend CUDA graphs", progress,
+                lambda tokens: f"out of GPU memory capturing the long-extend CUDA graph of {tokens} tokens beside the "
+                               f"KV pool; lower --cuda-graph-max-extend-tokens or --mem-fraction-static")
+            self.long_graphs.update(graphs)
+        log.info("captured %d extend graphs (to %d tokens) and %d long-extend graphs in %.1fs", len(self.sizes),
+                 self.sizes[-1], len(self.long_sizes), time.monotonic() - t0)
+
+    def clear(self) -> None:
+        """Destroy every captured graph."""
+        self.graphs.clear()
+        self.long_graphs.clear()
 
     def bucket(self, tokens: int) -> int | None:
         i = bisect.bisect_left(self.sizes, tokens)
         return self.sizes[i] if i < len(self.sizes) else None
 
+    def pick(self, extend_lens: list[int]) -> tuple[int, bool] | None:
+        """The captured graph an extend pass of these per-request new-token counts fits: (its token bucket,
+        whether it is a long-extend graph), or None."""
+        if not extend_lens:
+            return None
+        tokens = self.bucket(sum(extend_lens))
+        if tokens is None:
+            return None
+        if tokens in self.graphs and len(extend_lens) <= self.max_reqs(tokens) and max(extend_lens) <= MAX_EXTEND_LEN:
+            return tokens, False
+        if tokens in self.long_graphs and len(extend_lens) <= self.long_reqs:
+            return tokens, True
+        return None
+
     def can_run(self, extend_lens: list[int]) -> bool:
         """Whether an extend pass of these per-request new-token counts fits a captured graph."""
-        if not extend_lens or not self.graphs:
-            return False
-        tokens = self.bucket(sum(extend_lens))
-        return tokens is not None and len(extend_lens) <= self.max_reqs(tokens) and max(extend_lens) <= MAX_EXTEND_LEN
+        return self.pick(extend_lens) is not None
 
     def run(self, fb: ForwardBatch) -> torch.Tensor:
         """The pass of an eagerly built batch (device tensors, can_run true) through its bucket's graph:
         final hidden states [fb.num_tokens, hidden]. They live in the runner's output buffer: enqueue
         what reads them before the next pass is launched (the next replay overwrites them)."""
         t, b = fb.num_tokens, fb.batch_size
-        tokens = self.bucket(t)
-        r = self.max_reqs(tokens)
+        tokens, long = self.pick(fb.extend_seq_lens_cpu)
+        r = self._rows(tokens, long)
         for buf, src, pad in ((self.input_ids, fb.input_ids, 0), (self.positions, fb.positions, 0),
                               (self.out_cache_loc, fb.out_cache_loc, 0)):
             buf[:t].copy_(src)
@@ -123,5 +163,5 @@ class ExtendGraphRunner:
             buf[:b].copy_(src)
             if b < r:
                 buf[b:r].zero_()
-        self.graphs[tokens].replay()
+        (self.long_graphs if long else self.graphs)[tokens].replay()
         return self.hidden[:t]

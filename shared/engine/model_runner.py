@@ -392,7 +392,7 @@ class ModelRunner:
             self.graph_runner.graphs.clear()
             self.graph_runner = None
         if getattr(self, "extend_graphs", None) is not None:
-            self.extend_graphs.graphs.clear()
+            self.extend_graphs.clear()
             self.extend_graphs = None
 
     @staticmethod
