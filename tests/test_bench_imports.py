@@ -227,3 +227,5 @@ def test_fp8_bench_reports_the_decode_step_without_the_prefill(tmp_path, monkeyp
     assert res["none"]["b1_step_ms"] == steps[1]  # bench.common.median: the upper of two
     assert "fp8 batch-1 step" in out and "medians of 2 alternated rounds" in out
     assert f"fp8 {b:.3f} ms, bf16 {a:.3f} ms, {b / a:.3f} x" in out
+    pa, pb = res["none"]["b1_prefill_ms"], res["fp8"]["b1_prefill_ms"]
+    assert f"prefill, beyond the decode steps: fp8 ~{pb:.1f} ms, bf16 ~{pa:.1f} ms" in out
