@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# Pending, any card: `gate-up` (the MLP gated in gate_up_proj's epilogue, ~4 min) and `long-extend` (long-extend CUDA
-# graphs, ~5 min), both built 2026-12-05 without a GPU. Then on an H200 (an H100 came for every call of 2026-12-05):
-# `fp8-h200` (the FP8 defaults and the rope epilogue, A/B'd on the H100 at 21:31; the chain sweep only if the former
-# tiles win), then `recheck` (bench.fp8 now takes the medians of three alternated rounds, and prints the decode step
-# without the prefill too). Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
+# Pending, any card: `ideas` (~6 min: the GPU tests and one A/B of `gate-up`, the MLP gated in gate_up_proj's
+# epilogue, and `long-extend`, long-extend CUDA graphs; both built 2026-12-05 without a GPU; each target alone also
+# exists). Then on an H200 (an H100 came for every call of 2026-12-05): `fp8-h200` (the FP8 defaults and the rope
+# epilogue, A/B'd on the H100 at 21:31; the chain sweep only if the former tiles win), then `recheck` (bench.fp8 now
+# takes the medians of three alternated rounds, and prints the decode step without the prefill too). Carry
+# [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -142,6 +143,15 @@ if [[ $what == fp8-down ]]; then
     timeout 150 python3 -m bench.b1 --variants "bf16=quantization=none;default=;pick=@kernels.gemv.FP8_DOWN_TILE=$P" \
       --rounds 4 --quantization fp8 2>&1 | grep "round" | grep -v '^{' | tee "$OUT/b1_fp8_down.log"
   fi
+fi
+if [[ $what == ideas ]]; then
+  # gate-up and long-extend in one call (~6 min on a fresh machine by estimate): both ideas' GPU tests, then one
+  # alternated batch-1 A/B, bf16 and FP8, three rounds: each knob alone and both.
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_model_parity.py tests/test_engine.py \
+    -k "(cuda_bf16 and gemv_gated_out) or gate_up_epilogue_on_cuda or extends_in_cuda_graphs" 2>&1 | tail -3
+  G=@shared.models.llama.GATE_UP_EPILOGUE=1; L=@shared.engine.extend_graph.LONG_MAX_TOKENS=512
+  timeout 270 python3 -m bench.b1 --variants "base=;gated=$G;long=$L;both=$G,$L" --rounds 3 --quantization none,fp8 \
+    2>&1 | grep "round" | grep -v '^{' | tee "$OUT/b1_ideas.log"
 fi
 if [[ $what == gate-up ]]; then
   # The MLP gated in gate_up_proj's epilogue (shared.models.llama.GATE_UP_EPILOGUE, off; 2026-12-05, built without a
