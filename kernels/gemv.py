@@ -680,7 +680,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                              and not silu_mul and not tensor_cores), \
         "gated_out: one row of a gate | up projection, per-row scales, no producer epilogue"
     cfg = config or default_config(M, N, K, w.element_size())
-    if gated_out:  # a program owns whole gate/up pairs, over all of K (the epilogue needs complete sums)
+    if gated_out:  # a program owns whole gate/up pairs, over all of K (the epilogue needs complete sums; a tile that
+        # would split K, none of Llama-8B's gate_up tiles at batch 1, gives up that parallelism here)
         cfg = dataclasses.replace(cfg, block_n=max(2, cfg.block_n), split_k=1)
     if block is not None:  # the general kernel's f16 lanes take the block scales
         cfg = dataclasses.replace(cfg, row_kernel=False, f16_math=True)
@@ -690,6 +691,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert rope is None or cfg.block_n % 2 == 0, "rope: a program owns whole rotary pairs"
     if out is None:
         out = torch.empty((M, N // 2 if gated_out else N), dtype=x.dtype, device=x.device)
+    assert not gated_out or (out.shape == (1, N // 2) and out.stride(1) == 1), "gated_out: out is [1, N / 2]"
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0

@@ -389,9 +389,11 @@ def check_gemv_gated_out(device, dtype):
                 base = cfg or default_config(1, N, K, wq.element_size())
                 unsplit = dataclasses.replace(base, block_n=max(2, base.block_n), split_k=1)
                 for norm_in in (None, norm):
-                    y = gemv(x, wq, config=cfg, scale=scale, norm_in=norm_in, gated_out=True)
+                    # Written into a row with sentinels past I: a store beyond the gate rows would show there.
+                    buf = torch.full((1, N // 2 + 8), 7.0, dtype=dtype, device=device)
+                    y = gemv(x, wq, out=buf[:, :N // 2], config=cfg, scale=scale, norm_in=norm_in, gated_out=True)
                     ref = silu_and_mul(gemv(x, wq, config=unsplit, scale=scale, norm_in=norm_in))
-                    assert y.shape == (1, N // 2)
+                    assert y.shape == (1, N // 2) and bool((buf[:, N // 2:] == 7.0).all())
                     assert torch.equal(y, ref), (K, N, fp8, cfg, norm_in is not None, (y - ref).abs().max())
     w = _rand(40, 96, dtype=dtype, device=device)
     for x, extra in ((_rand(2, 96, dtype=dtype, device=device), {}),  # two rows

@@ -150,7 +150,9 @@ class ExtendGraphRunner:
         final hidden states [fb.num_tokens, hidden]. They live in the runner's output buffer: enqueue
         what reads them before the next pass is launched (the next replay overwrites them)."""
         t, b = fb.num_tokens, fb.batch_size
-        tokens, long = self.pick(fb.extend_seq_lens_cpu)
+        picked = self.pick(fb.extend_seq_lens_cpu)
+        assert picked is not None, f"no captured extend graph takes new-token counts {fb.extend_seq_lens_cpu}"
+        tokens, long = picked
         r = self._rows(tokens, long)
         for buf, src, pad in ((self.input_ids, fb.input_ids, 0), (self.positions, fb.positions, 0),
                               (self.out_cache_loc, fb.out_cache_loc, 0)):
