@@ -126,10 +126,11 @@ def alternate_then_sweep(layers, named: dict, base: str, cands, budget: float, t
 
 
 def fp8_down_candidates() -> list[str]:
-    """FP8 down_proj tiles for --fp8-down-study (kernels.gemv.fp8_tile specs), the engine's (16, 2048, 8 warps, K
-    unsplit) neighbourhood first: the general kernel at 32-128 weights a thread a loop step, K unsplit or split in 2
-    (tickets), one or two tiles before the PDL wait; the one-row kernel's FP8 tiles; the general kernel split in 4.
-    (sm_90: the engine's tile takes 108 registers, two programs an SM.)"""
+    """FP8 down_proj tiles for --fp8-down-study (kernels.gemv.fp8_tile specs), the neighbourhood of (16, 2048, 8 warps,
+    K unsplit) first (the engine's tile when the study was written; 16 warps since its 12-05 run): the general kernel
+    at 32-128 weights a thread a loop step, K unsplit or split in 2 (tickets), one or two tiles before the PDL wait;
+    the one-row kernel's FP8 tiles; the general kernel split in 4. (sm_90: at 8 warps that tile takes 108 registers,
+    two programs an SM; at 16 warps 64.)"""
     def general(splits):
         return [f"{bn}:{bk}:{warps}:{split}:{pre}:0"
                 for bn, bk, warps in itertools.product((16, 8, 32), (2048, 1024, 4096), (8, 4, 16))

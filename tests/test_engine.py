@@ -832,7 +832,7 @@ def test_short_extends_in_cuda_graphs_give_the_results_of_eager_extends():
     eg = graphs.engine.runner.extend_graphs
     assert eg is not None and eager.engine.runner.extend_graphs is None and eg.sizes[-1] == 512
     replays, run = [], eg.run
-    eg.run = lambda fb: replays.append(fb.extend_seq_lens_cpu) or run(fb)
+    eg.run = lambda fb, graph: replays.append(fb.extend_seq_lens_cpu) or run(fb, graph)
     rng = random.Random(43)
     first = prompts(10, seed=43, lo=5, hi=120)  # some beyond MAX_EXTEND_LEN: eager
     results = []
@@ -866,7 +866,7 @@ def test_long_extends_in_cuda_graphs_give_the_results_of_eager_extends(monkeypat
     eg = graphs.engine.runner.extend_graphs
     assert sorted(eg.long_graphs) == [s for s in eg.sizes if s > extend_graph.MAX_EXTEND_LEN]
     replays, run = [], eg.run
-    eg.run = lambda fb: replays.append(eg.pick(fb.extend_seq_lens_cpu)) or run(fb)
+    eg.run = lambda fb, graph: replays.append(graph) or run(fb, graph)
     first = prompts(6, seed=47, lo=65, hi=500)
     results = []
     for h in (graphs, eager):
@@ -930,11 +930,11 @@ def test_extend_graph_eligibility_bounds_tokens_requests_and_new_tokens_per_requ
     r.graphs, r.long_graphs = dict.fromkeys(r.sizes), {}
     assert r.bucket(1) == 16 and r.bucket(17) == 32 and r.bucket(512) == 512 and r.bucket(513) is None
     assert r.max_reqs(16) == 16 and r.max_reqs(512) == 16
-    assert r.can_run([17] * 10) and r.can_run([MAX_EXTEND_LEN] * 8) and r.can_run([1] * 16)
-    assert not r.can_run([MAX_EXTEND_LEN + 1])  # one request too long for the attention grid's bound
-    assert not r.can_run([1] * 17)  # more request rows than the bucket has
-    assert not r.can_run([64] * 9)  # 576 tokens: beyond the largest bucket
-    assert not r.can_run([])
+    assert r.pick([17] * 10) is not None and r.pick([MAX_EXTEND_LEN] * 8) is not None and r.pick([1] * 16) is not None
+    assert r.pick([MAX_EXTEND_LEN + 1]) is None  # one request too long for the attention grid's bound
+    assert r.pick([1] * 17) is None  # more request rows than the bucket has
+    assert r.pick([64] * 9) is None  # 576 tokens: beyond the largest bucket
+    assert r.pick([]) is None
     # The long-extend family (LONG_MAX_TOKENS): up to long_reqs requests of any length within its buckets.
     r.long_graphs = dict.fromkeys(s for s in r.sizes if MAX_EXTEND_LEN < s <= 384)
     assert r.pick([MAX_EXTEND_LEN + 1]) == (96, True) and r.pick([300]) == (320, True)
@@ -943,4 +943,4 @@ def test_extend_graph_eligibility_bounds_tokens_requests_and_new_tokens_per_requ
     assert r.pick([65, 1, 1, 1, 1]) is None  # five request rows: more than long_reqs
     assert r.pick([385]) is None and r.pick([200, 200]) is None  # 385 and 400 tokens: beyond the long buckets
     r.graphs = {}
-    assert not r.can_run([5])  # nothing captured
+    assert r.pick([5]) is None  # nothing captured

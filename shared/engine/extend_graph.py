@@ -141,18 +141,12 @@ class ExtendGraphRunner:
             return tokens, True
         return None
 
-    def can_run(self, extend_lens: list[int]) -> bool:
-        """Whether an extend pass of these per-request new-token counts fits a captured graph."""
-        return self.pick(extend_lens) is not None
-
-    def run(self, fb: ForwardBatch) -> torch.Tensor:
-        """The pass of an eagerly built batch (device tensors, can_run true) through its bucket's graph:
+    def run(self, fb: ForwardBatch, graph: tuple[int, bool]) -> torch.Tensor:
+        """The pass of an eagerly built batch (device tensors) through the graph pick chose for it:
         final hidden states [fb.num_tokens, hidden]. They live in the runner's output buffer: enqueue
         what reads them before the next pass is launched (the next replay overwrites them)."""
         t, b = fb.num_tokens, fb.batch_size
-        picked = self.pick(fb.extend_seq_lens_cpu)
-        assert picked is not None, f"no captured extend graph takes new-token counts {fb.extend_seq_lens_cpu}"
-        tokens, long = picked
+        tokens, long = graph
         r = self._rows(tokens, long)
         for buf, src, pad in ((self.input_ids, fb.input_ids, 0), (self.positions, fb.positions, 0),
                               (self.out_cache_loc, fb.out_cache_loc, 0)):

@@ -126,7 +126,9 @@ class ForwardPlan:
     table_writes: tuple  # req_to_token rows, columns, slots: lists (decode) or int64 arrays (extend)
     prefix_groups: list | None = None
     use_graph: bool = False
-    extend_graph: bool = False  # an extend pass replayed from shared/engine/extend_graph.py
+    # An extend pass replayed from shared/engine/extend_graph.py: the graph ExtendGraphRunner.pick chose (bucket,
+    # long-extend family); None: eager.
+    extend_graph: tuple[int, bool] | None = None
     # With use_graph and prefix_groups: their layout for the batch size's shared-prefix graph (rank 0
     # decides; every rank loads the same).
     graph_cascade: object = None
@@ -437,7 +439,8 @@ class ModelRunner:
         if use_graph and groups:
             cascade = self.graph_runner.plan_cascade(groups, rows)
             use_graph = cascade is not None
-        extend_graph = not decode and self.extend_graphs is not None and self.extend_graphs.can_run(batch.extend_lens)
+        extend_graph = (self.extend_graphs.pick(batch.extend_lens)
+                        if not decode and self.extend_graphs is not None else None)
         return ForwardPlan(
             batch.mode, [] if decode else batch.input_ids, rows, batch.prefix_lens, batch.extend_lens,
             batch.out_cache_loc, self._table_writes(batch), groups, use_graph=use_graph, graph_cascade=cascade,
@@ -468,8 +471,8 @@ class ModelRunner:
             at = [j for j, t in enumerate(plan.input_ids) if t == PENDING_TOKEN]
             fb.input_ids[to_device(at, torch.int64, dev)] = self.token_buf[to_device([rows[j] for j in at],
                                                                                      torch.int64, dev)]
-        if plan.extend_graph:
-            return fb.req_pool_indices, self.extend_graphs.run(fb)
+        if plan.extend_graph is not None:
+            return fb.req_pool_indices, self.extend_graphs.run(fb, plan.extend_graph)
         self.attn_backend.init_forward_metadata(fb)
         return fb.req_pool_indices, self.model.forward(fb)
 

@@ -115,13 +115,14 @@ class Linear(nn.Module):
         (kernels/rope_store.py).
         gated_out: this layer is a gated MLP's gate | up projection and returns silu(gate) * up, in the decode
         GEMV's epilogue where ops can (gated_linear); under tensor parallelism each rank gates its own rows."""
-        if norm_in is not None or add_norm is not None or rope is not None:
+        epilogue = norm_in is not None or add_norm is not None or rope is not None
+        if epilogue:
             assert self.shard is None, "split norms and rope in the epilogue run without tensor parallelism"
         if gated_out:
             assert not gated and add_norm is None and rope is None and self.parallel != "row", \
                 "gated_out: a column-parallel gate | up projection, no producer epilogue"
             return ops.gated_linear(x, self.weight, self.bias, self.weight_scale, norm_in=norm_in)
-        if norm_in is not None or add_norm is not None or rope is not None:
+        if epilogue:
             if gated:
                 assert norm_in is None and rope is None, "a gated input is not a norm's output"
                 return ops.silu_mul_linear(x, self.weight, self.bias, self.weight_scale, add_norm=add_norm)
