@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import gc
 import json
-import math
 import os
 import statistics
 import sys
