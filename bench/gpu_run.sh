@@ -146,11 +146,11 @@ if [[ $what == fp8-down ]]; then
 fi
 if [[ $what == ideas ]]; then
   # gate-up and long-extend in one call (~6 min on a fresh machine by estimate): both ideas' GPU tests, then one
-  # alternated batch-1 A/B, bf16 and FP8, three rounds: each knob alone and both.
+  # alternated batch-1 A/B, bf16 and FP8, three rounds (ROUNDS=2 when device time is short): each knob alone and both.
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_model_parity.py tests/test_engine.py \
     -k "(cuda_bf16 and gemv_gated_out) or gate_up_epilogue_on_cuda or extends_in_cuda_graphs" 2>&1 | tail -3
   G=@shared.models.llama.GATE_UP_EPILOGUE=1; L=@shared.engine.extend_graph.LONG_MAX_TOKENS=512
-  timeout 270 python3 -m bench.b1 --variants "base=;gated=$G;long=$L;both=$G,$L" --rounds 3 --quantization none,fp8 \
+  timeout 270 python3 -m bench.b1 --variants "base=;gated=$G;long=$L;both=$G,$L" --rounds "${ROUNDS:-3}" --quantization none,fp8 \
     2>&1 | grep "round" | grep -v '^{' | tee "$OUT/b1_ideas.log"
 fi
 if [[ $what == gate-up ]]; then
