@@ -160,7 +160,7 @@ if [[ $what == gate-up ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_model_parity.py \
     -k "(cuda_bf16 and gemv_gated_out) or gate_up_epilogue_on_cuda" 2>&1 | tail -3
   G=@shared.models.llama.GATE_UP_EPILOGUE=1
-  timeout 200 python3 -m bench.b1 --variants "base=;gated=$G" --rounds 3 --quantization none,fp8 2>&1 | grep "round" \
+  timeout 200 python3 -m bench.b1 --variants "base=;gated=$G" --rounds "${ROUNDS:-3}" --quantization none,fp8 2>&1 | grep "round" \
     | grep -v '^{' | tee "$OUT/b1_gate_up.log"
 fi
 if [[ $what == long-extend ]]; then
@@ -169,7 +169,7 @@ if [[ $what == long-extend ]]; then
   # three rounds of the batch-1 run (a 512-token prompt) with and without, bf16 and FP8: its "prefill ~" figure.
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k "extends_in_cuda_graphs" 2>&1 | tail -3
   L=@shared.engine.extend_graph.LONG_MAX_TOKENS=512
-  timeout 300 python3 -m bench.b1 --variants "base=;long=$L" --rounds 3 --quantization none,fp8 2>&1 | grep "round" \
+  timeout 300 python3 -m bench.b1 --variants "base=;long=$L" --rounds "${ROUNDS:-3}" --quantization none,fp8 2>&1 | grep "round" \
     | grep -v '^{' | tee "$OUT/b1_long_extend.log"
 fi
 if [[ $what == tput-layout ]]; then
