@@ -203,7 +203,8 @@ def main() -> None:
     ap.add_argument("--fp8-blocks", action="store_true",
                     help="with --fp8: block-scaled weights ([128, 128] blocks), and the block FP8 GEMM")
     ap.add_argument("--gate-up-epilogue", action="store_true",
-                    help="the MLP gated in gate_up_proj's epilogue (shared.models.llama.GATE_UP_EPILOGUE)")
+                    help="the MLP gated in gate_up_proj's epilogue (shared.models.llama.GATE_UP_EPILOGUE: the "
+                         "engine's default for bf16 weights since 2026-12-06; GATE_UP_EPILOGUE_FP8, off, for FP8)")
     ap.add_argument("--sass", default="", help="print the SASS of kernels whose name contains this")
     ap.add_argument("--loops", action="store_true", help="each kernel's loops: instructions, global loads, barriers")
     args = ap.parse_args()

@@ -821,12 +821,14 @@ def test_final_norm_in_the_lm_head_decodes_the_tokens_of_the_norm_kernel(dtype, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_short_extends_in_cuda_graphs_give_the_results_of_eager_extends():
+def test_short_extends_in_cuda_graphs_give_the_results_of_eager_extends(monkeypatch):
     """Extend passes of a few tokens per request over cached prefixes (a second turn, jump-forward's
     catch-ups) replay a captured graph padded to their token bucket; tokens and input logprobs are those
     of eager passes, and passes beyond the graphs' bounds (a request with > 64 new tokens) run eagerly."""
+    from shared.engine import extend_graph
     from shared.engine.extend_graph import MAX_EXTEND_LEN
 
+    monkeypatch.setattr(extend_graph, "LONG_MAX_TOKENS", 0)  # the short family alone (the long one: the next test)
     graphs = Harness(max_running_requests=16, cuda_graph_max_extend_tokens=512)
     eager = Harness(max_running_requests=16, cuda_graph_max_extend_tokens=0)
     eg = graphs.engine.runner.extend_graphs

@@ -238,7 +238,7 @@ def test_mlp_gated_in_the_gate_up_epilogue_matches(family, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("quant", ["none", "fp8"])
 def test_mlp_gated_in_the_gate_up_epilogue_on_cuda(tmp_path, quant, monkeypatch):
-    """The Triton path of the gate | up GEMV's gating epilogue (GATE_UP_EPILOGUE) against silu_and_mul in
+    """The Triton path of the gate | up GEMV's gating epilogue (GATE_UP_EPILOGUE, GATE_UP_EPILOGUE_FP8) against silu_and_mul in
     down_proj's load, bf16 and FP8 weights, whole and split norms: the same logits bit for bit (the tiny model's
     gate_up is unsplit either way, and down_proj reads the same activation bits) and the same tokens."""
     import shared.models.llama as llama
@@ -250,6 +250,7 @@ def test_mlp_gated_in_the_gate_up_epilogue_on_cuda(tmp_path, quant, monkeypatch)
     for split in (False, True):
         for gated in (False, True):
             monkeypatch.setattr(llama, "GATE_UP_EPILOGUE", gated)
+            monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_FP8", gated)
             assert ours.model.split_row_norms(split) == split
             backend = create_attention_backend("triton", cfg.num_attention_heads, cfg.num_key_value_heads,
                                                cfg.head_dim, device=torch.device("cuda"))

@@ -209,6 +209,34 @@ def test_online_fp8_dummy_weights_and_tiny_random():
     assert qkv.weight.dtype == FP8 and torch.all(qkv.weight_scale > 0)
 
 
+@pytest.mark.parametrize("quant", ["none", "fp8"])
+def test_the_mlp_gates_in_the_gate_up_epilogue_by_its_weights_dtype(quant, monkeypatch):
+    """One-row MLP passes gate in gate_up_proj's epilogue under GATE_UP_EPILOGUE for float weights and under
+    GATE_UP_EPILOGUE_FP8 for FP8 ones (measured apart: on for bf16, a wash for FP8), with the same output."""
+    import kernels.ops as ops
+    import shared.models.llama as llama
+    model, cfg = load_model("tiny-random", quantization=quant)
+    mlp = model.model.layers[0].mlp
+    calls = []
+    gated_linear = ops.gated_linear
+    monkeypatch.setattr(ops, "gated_linear", lambda x, *a, **kw: calls.append(x.shape[0]) or gated_linear(x, *a, **kw))
+    x = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(model.lm_head.weight.dtype)
+    outs = {}
+    for knob, knob_fp8 in ((False, False), (True, False), (False, True)):
+        monkeypatch.setattr(llama, "GATE_UP_EPILOGUE", knob)
+        monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_FP8", knob_fp8)
+        calls.clear()
+        outs[knob, knob_fp8] = mlp(x)
+        assert calls == ([1] if (knob_fp8 if quant == "fp8" else knob) else []), (knob, knob_fp8)
+    monkeypatch.setattr(llama, "GATE_UP_EPILOGUE", True)
+    monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_FP8", True)
+    calls.clear()
+    mlp(x.expand(2, -1).contiguous())
+    assert calls == []  # two rows: never the epilogue
+    for out in outs.values():
+        torch.testing.assert_close(out, outs[False, False])
+
+
 def test_fp8_linear_reference_and_activation_quantization():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 32, generator=gen)

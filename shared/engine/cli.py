@@ -115,9 +115,10 @@ _HELP = {
                                        "once per group (the cascade-attention ablation)",
     "cuda_graph": "run decode without CUDA graphs",
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
-    "cuda_graph_max_extend_tokens": "largest extend pass (tokens, up to 4096; at most 64 new per request) captured "
-                                    "in a CUDA graph: jump-forward catch-up passes, short turns on cached prefixes; "
-                                    "0: none",
+    "cuda_graph_max_extend_tokens": "largest extend pass (tokens, up to 4096) captured in a CUDA graph: any number "
+                                    "of requests of at most 64 new tokens each (jump-forward catch-up passes, short "
+                                    "turns on cached prefixes), or up to 4 longer ones within 512 tokens (a prompt, "
+                                    "a few-shot or document chunk); 0: none",
     "enable_pdl": "launch the Triton kernels without programmatic dependent launch (Hopper and newer)",
     "pdl_early_trigger": "with PDL, kernels of these families (comma-separated: attention, norm, rope, gemv) let "
                          "the next kernel launch before they wait on the previous one",

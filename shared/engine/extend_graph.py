@@ -13,7 +13,7 @@ slot 0 at position 0; padding request rows have no new tokens, so attention skip
 rows are never read. The graph stops at the final hidden states: the caller picks the rows it samples
 (last tokens, proposal positions, input logprobs) as after an eager pass.
 
-A second family, the long-extend graphs (LONG_MAX_TOKENS, off until measured), takes passes of at most LONG_REQS
+A second family, the long-extend graphs (LONG_MAX_TOKENS, 512), takes passes of at most LONG_REQS
 requests with more new tokens each: a few-shot prompt or a document appended to a program's cached state, alone or
 with a fork's siblings. One graph per bucket above MAX_EXTEND_LEN, its attention grid bounded by the whole bucket a
 request. Eagerly these passes are host-bound too while the device time is short (a few hundred tokens at the 8B
@@ -35,9 +35,11 @@ log = logging.getLogger(__name__)
 
 MAX_EXTEND_LEN = 64  # new tokens of one request a captured pass holds
 MAX_REQS = 256  # request rows of the largest buckets (empty rows still launch attention programs)
-# The long-extend graphs: buckets above MAX_EXTEND_LEN up to this many tokens (0: none), LONG_REQS request rows each.
-# An A/B knob (@shared.engine.extend_graph.LONG_MAX_TOKENS=512), read when the graphs are captured.
-LONG_MAX_TOKENS = 0
+# The long-extend graphs: buckets above MAX_EXTEND_LEN up to this many tokens (0: none; --cuda-graph-max-extend-tokens
+# bounds them too), LONG_REQS request rows each. An A/B knob (@shared.engine.extend_graph.LONG_MAX_TOKENS=0), read when
+# the graphs are captured. On since an H100's batch-1 A/B of 2026-12-06 01:30: a 512-token prompt's prefill ~5.5 ms
+# against 16-29 (FP8) and 7-14 (bf16) eagerly; the FP8 step with it -0.9%, bf16's -0.2% (bench/RESULTS.md).
+LONG_MAX_TOKENS = 512
 LONG_REQS = 4
 _SIZES = [16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536,
           1792, 2048, 2560, 3072, 3584, 4096]

@@ -31,11 +31,12 @@ FOLD_FINAL_NORM = True
 # at today's tiles it saves 0.5% of the replay, 0.2% of the step (five rounds, 2026-12-05 19:00): the H200 decides.
 FP8_ROPE_EPILOGUE = False
 # One-row passes gate the MLP in gate_up_proj's GEMV epilogue (kernels.gemv gated_out): down_proj then reads I
-# values instead of 2I with silu(gate) * up computed in its load, the same bits either way. FP8's down_proj read its
-# weights 13% below bf16's rate on the same shape (H100 trace, 2026-12-05), the gated load's doubled x bytes a weight
-# byte the suspect. An A/B knob (@shared.models.llama.GATE_UP_EPILOGUE=1), read when a pass is traced (graph
-# capture); off until measured.
-GATE_UP_EPILOGUE = False
+# values instead of 2I with silu(gate) * up computed in its load, the same bits either way. A/B knobs, read when a pass
+# is traced (graph capture): @shared.models.llama.GATE_UP_EPILOGUE=0 for bf16/f16 weights, GATE_UP_EPILOGUE_FP8=1 for
+# FP8 ones. Measured on an H100, 2026-12-06 01:30 (bench/RESULTS.md): the bf16 decode step -0.5% (every round), so
+# on; the FP8 step unchanged (the suspect, FP8 down_proj's gated load, was not its lag), so off there.
+GATE_UP_EPILOGUE = True
+GATE_UP_EPILOGUE_FP8 = False
 
 
 class LlamaAttention(nn.Module):
@@ -99,7 +100,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm_in: ResidualNorm | None = None,
                 add_norm: ResidualNorm | None = None) -> torch.Tensor:
-        if GATE_UP_EPILOGUE and x.shape[0] == 1:  # silu_and_mul in the gate | up GEMV's epilogue
+        fp8 = self.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+        if x.shape[0] == 1 and (GATE_UP_EPILOGUE_FP8 if fp8 else GATE_UP_EPILOGUE):  # silu_and_mul in its epilogue
             return self.down_proj(self.gate_up_proj(x, norm_in=norm_in, gated_out=True), add_norm=add_norm)
         # silu_and_mul inside the down projection
         return self.down_proj(self.gate_up_proj(x, norm_in=norm_in), gated=True, add_norm=add_norm)
