@@ -4,12 +4,10 @@
 #   bash bench/gpu_run.sh ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# Pending, any card: `ideas` (~6 min: the GPU tests and one A/B of `gate-up`, the MLP gated in gate_up_proj's
-# epilogue, and `long-extend`, long-extend CUDA graphs; both built 2026-12-05 without a GPU; each target alone also
-# exists). Then on an H200 (an H100 came for every call of 2026-12-05): `fp8-h200` (the FP8 defaults and the rope
-# epilogue, A/B'd on the H100 at 21:31; the chain sweep only if the former tiles win), then `recheck` (bench.fp8 now
-# takes the medians of three alternated rounds, and prints the decode step without the prefill too). Carry
-# [".whl/xgr", ".whl/svc", ".whl/extra"].
+# Pending, any card: `recheck` at the defaults adopted 2026-12-06 (the long-extend graphs; the gated MLP epilogue for
+# bf16 weights; measured only in bench.b1, FP8 / bf16 0.598 there). Then on an H200 (an H100 came for every call of
+# 2026-12-05 and -06): `fp8-h200` (the FP8 defaults and the rope epilogue; the chain sweep only if the former tiles
+# win), then `recheck` again. Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -145,8 +143,10 @@ if [[ $what == fp8-down ]]; then
   fi
 fi
 if [[ $what == ideas ]]; then
-  # gate-up and long-extend in one call (~6 min on a fresh machine by estimate): both ideas' GPU tests, then one
-  # alternated batch-1 A/B, bf16 and FP8, three rounds (ROUNDS=2 when device time is short): each knob alone and both.
+  # gate-up and long-extend in one call (~4 min on a fresh H100 with ROUNDS=2, 2026-12-06): both ideas' GPU tests, then
+  # one alternated batch-1 A/B, bf16 and FP8, three rounds (ROUNDS=2 when device time is short): each knob alone and
+  # both. Since 2026-12-06 both are defaults (GATE_UP_EPILOGUE for bf16 weights only): "base" now has them; A/B with
+  # =0 (LONG_MAX_TOKENS=0, GATE_UP_EPILOGUE=0) or GATE_UP_EPILOGUE_FP8=1.
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_model_parity.py tests/test_engine.py \
     -k "(cuda_bf16 and gemv_gated_out) or gate_up_epilogue_on_cuda or extends_in_cuda_graphs" 2>&1 | tail -3
   G=@shared.models.llama.GATE_UP_EPILOGUE=1; L=@shared.engine.extend_graph.LONG_MAX_TOKENS=512
