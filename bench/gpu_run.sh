@@ -154,22 +154,22 @@ if [[ $what == ideas ]]; then
     2>&1 | grep "round" | grep -v '^{' | tee "$OUT/b1_ideas.log"
 fi
 if [[ $what == gate-up ]]; then
-  # The MLP gated in gate_up_proj's epilogue (shared.models.llama.GATE_UP_EPILOGUE, off; 2026-12-05, built without a
-  # GPU): down_proj then reads I values, not 2I with silu * up in its load. The GPU checks, then three rounds of the
-  # batch-1 step, bf16 and FP8, each with and without (~4 min on a fresh machine).
+  # The MLP gated in gate_up_proj's epilogue (shared.models.llama.GATE_UP_EPILOGUE, on for bf16 weights since
+  # 2026-12-06; GATE_UP_EPILOGUE_FP8, off): down_proj then reads I values, not 2I with silu * up in its load. The GPU
+  # checks, then three rounds of the batch-1 step, bf16 and FP8: the defaults, the epilogue off, on for FP8 too.
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_model_parity.py \
     -k "(cuda_bf16 and gemv_gated_out) or gate_up_epilogue_on_cuda" 2>&1 | tail -3
-  G=@shared.models.llama.GATE_UP_EPILOGUE=1
-  timeout 200 python3 -m bench.b1 --variants "base=;gated=$G" --rounds "${ROUNDS:-3}" --quantization none,fp8 2>&1 | grep "round" \
+  G=@shared.models.llama.GATE_UP_EPILOGUE; G8=@shared.models.llama.GATE_UP_EPILOGUE_FP8
+  timeout 240 python3 -m bench.b1 --variants "base=;off=$G=0;fp8_on=$G8=1" --rounds "${ROUNDS:-3}" --quantization none,fp8 2>&1 | grep "round" \
     | grep -v '^{' | tee "$OUT/b1_gate_up.log"
 fi
 if [[ $what == long-extend ]]; then
-  # Long-extend CUDA graphs (shared.engine.extend_graph.LONG_MAX_TOKENS, off; 2026-12-05, built without a GPU): a
-  # prompt of 65-512 new tokens in few requests replays a graph instead of ~300 launches from Python. The GPU test, then
-  # three rounds of the batch-1 run (a 512-token prompt) with and without, bf16 and FP8: its "prefill ~" figure.
+  # Long-extend CUDA graphs (shared.engine.extend_graph.LONG_MAX_TOKENS, 512 since 2026-12-06): a prompt of 65-512
+  # new tokens in few requests replays a graph instead of ~300 launches from Python. The GPU tests, then three rounds
+  # of the batch-1 run (a 512-token prompt) with and without, bf16 and FP8: its "prefill ~" figure.
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k "extends_in_cuda_graphs" 2>&1 | tail -3
-  L=@shared.engine.extend_graph.LONG_MAX_TOKENS=512
-  timeout 300 python3 -m bench.b1 --variants "base=;long=$L" --rounds "${ROUNDS:-3}" --quantization none,fp8 2>&1 | grep "round" \
+  L=@shared.engine.extend_graph.LONG_MAX_TOKENS=0
+  timeout 300 python3 -m bench.b1 --variants "base=;eager=$L" --rounds "${ROUNDS:-3}" --quantization none,fp8 2>&1 | grep "round" \
     | grep -v '^{' | tee "$OUT/b1_long_extend.log"
 fi
 if [[ $what == tput-layout ]]; then
