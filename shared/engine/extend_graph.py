@@ -37,8 +37,9 @@ MAX_EXTEND_LEN = 64  # new tokens of one request a captured pass holds
 MAX_REQS = 256  # request rows of the largest buckets (empty rows still launch attention programs)
 # The long-extend graphs: buckets above MAX_EXTEND_LEN up to this many tokens (0: none; --cuda-graph-max-extend-tokens
 # bounds them too), LONG_REQS request rows each. An A/B knob (@shared.engine.extend_graph.LONG_MAX_TOKENS=0), read when
-# the graphs are captured. On since an H100's batch-1 A/B of 2026-12-06 01:30: a 512-token prompt's prefill ~5.5 ms
-# against 16-29 (FP8) and 7-14 (bf16) eagerly; the FP8 step with it -0.9%, bf16's -0.2% (bench/RESULTS.md).
+# the graphs are captured. On since an H100's batch-1 A/B of 2026-12-06 01:30: a 512-token prompt's prefill 3-6 ms
+# against 18-29 (FP8) and 8-12 (bf16) eagerly; the batch-1 step -1.0 to -1.6% (FP8), -0.15 to -0.4% (bf16)
+# (bench/RESULTS.md).
 LONG_MAX_TOKENS = 512
 LONG_REQS = 4
 _SIZES = [16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536,

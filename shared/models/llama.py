@@ -18,6 +18,7 @@ from shared.models.config import ModelConfig
 from shared.models.layers import Embedding, Linear, MergedLinear, RMSNorm, rms_norm
 from shared.models.parallel import (all_gather_last, even_shard, head_shard, kv_shard, local_heads, local_kv_heads,
                                     tp_size)
+from shared.models.quantization import is_fp8
 from shared.models.rope import RotaryEmbedding
 from shared.models.weight_prefetch import WeightPrefetcher
 
@@ -33,8 +34,8 @@ FP8_ROPE_EPILOGUE = False
 # One-row passes gate the MLP in gate_up_proj's GEMV epilogue (kernels.gemv gated_out): down_proj then reads I
 # values instead of 2I with silu(gate) * up computed in its load, the same bits either way. A/B knobs, read when a pass
 # is traced (graph capture): @shared.models.llama.GATE_UP_EPILOGUE=0 for bf16/f16 weights, GATE_UP_EPILOGUE_FP8=1 for
-# FP8 ones. Measured on an H100, 2026-12-06 01:30 (bench/RESULTS.md): the bf16 decode step -0.5% (every round), so
-# on; the FP8 step unchanged (the suspect, FP8 down_proj's gated load, was not its lag), so off there.
+# FP8 ones. Measured on an H100, 2026-12-06 01:30 (bench/RESULTS.md): bf16 decode alone -0.3 to -0.5% (every round),
+# so on; the FP8 step unchanged (the suspect, FP8 down_proj's gated load, was not its lag), so off there.
 GATE_UP_EPILOGUE = True
 GATE_UP_EPILOGUE_FP8 = False
 
@@ -100,8 +101,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm_in: ResidualNorm | None = None,
                 add_norm: ResidualNorm | None = None) -> torch.Tensor:
-        fp8 = self.gate_up_proj.weight.dtype == torch.float8_e4m3fn
-        if x.shape[0] == 1 and (GATE_UP_EPILOGUE_FP8 if fp8 else GATE_UP_EPILOGUE):  # silu_and_mul in its epilogue
+        if x.shape[0] == 1 and (GATE_UP_EPILOGUE_FP8 if is_fp8(self.gate_up_proj.weight) else GATE_UP_EPILOGUE):  # silu_and_mul in its epilogue
             return self.down_proj(self.gate_up_proj(x, norm_in=norm_in, gated_out=True), add_norm=add_norm)
         # silu_and_mul inside the down projection
         return self.down_proj(self.gate_up_proj(x, norm_in=norm_in), gated=True, add_norm=add_norm)
@@ -148,7 +148,7 @@ class LlamaModel(nn.Module):
         (added after the GEMV), partial rotary, tensor parallelism or, unless FP8_ROPE_EPILOGUE, FP8 qkv weights
         (on the H200 the FP8 GEMV with the epilogue lost more than the kernel it saves). Returns whether it is on."""
         cfg = self.cfg
-        fp8 = self.layers[0].self_attn.qkv_proj.weight.element_size() == 1 if self.layers else False
+        fp8 = is_fp8(self.layers[0].self_attn.qkv_proj.weight) if self.layers else False
         self.row_rope = bool(enabled and not cfg.qk_norm and not cfg.attention_bias and tp_size() == 1
                              and (not fp8 or FP8_ROPE_EPILOGUE)
                              and self.rotary_emb.cos_sin_cache.shape[1] == cfg.head_dim)
