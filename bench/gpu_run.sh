@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh fp8-rows|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 # Pending, any card: `recheck` at the defaults adopted 2026-12-06 (the long-extend graphs; the gated MLP epilogue for
@@ -97,6 +97,13 @@ if [[ $what == recheck ]]; then
   timeout 150 python3 -m bench.structured --out "$OUT" 2>&1 | grep -v Capturing | tee "$OUT/structured.log" | tail -12
   timeout 270 python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream --batch1 16 --offline \
     --out "$OUT/interval16" -- --stream-interval 16 2>&1 | grep -v Capturing | tee "$OUT/serving_interval.log" | tail -12
+fi
+if [[ $what == fp8-rows ]]; then
+  # FP8 weights at decode batches of 2..64 (2026-12-06): the GEMV's several-row tensor-core tile with FP8 weights
+  # widened to bf16 (weight-only) against the engine's W8A8 path (per-token quantization + torch._scaled_mm), per
+  # linear and as decode steps at batch 1..64. Its CUDA checks first.
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and (gemv_fp8_rows or gemv_fp8_codes)" 2>&1 | tail -3
+  timeout 430 python3 -m bench.probe fp8_small_m fp8_batches 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/fp8_rows.log" | tail -40
 fi
 if [[ $what == l2-prefetch ]]; then
   # Issue 14's two batch-1 ideas not measured when they landed (2026-12-04): --decode-l2-prefetch and the split

@@ -17,6 +17,8 @@
     python -m bench.probe trace_prefill4k  # bench.offline's prefill passes (2 x 4096 tokens), kernel by kernel
     python -m bench.probe prefill_tiles  # bench.offline's prefill rate with the long-prompt extend tile varied in the engine
     python -m bench.probe extend_layout  # extend attention on the engine's qkv views vs contiguous, alone and after a GEMM
+    python -m bench.probe fp8_small_m  # FP8 linears at 1..64 rows: bf16, W8A8 (_scaled_mm), weight-only on the GEMV's MMA
+    python -m bench.probe fp8_batches  # decode steps at batch 1..64: bf16, FP8 today, FP8 weight-only up to 16 rows
 """
 from __future__ import annotations
 
@@ -823,6 +825,114 @@ def probe_mixed_first(res: dict) -> None:
     res["mixed_first_compiled"] = new
 
 
+LLAMA8B_LINEARS = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+
+
+def _splits_for(n: int, block_n: int, k: int, block_k: int) -> int:
+    """kernels.gemv.default_config's split rule: K halved until the grid holds two programs an SM."""
+    from kernels._utils import num_sms
+    split, steps = 1, -(-k // block_k)
+    while -(-n // block_n) * split < 2 * num_sms() and split * 2 <= steps and split < 16:
+        split *= 2
+    return split
+
+
+def probe_fp8_small_m(res: dict) -> None:
+    """FP8 weights (per-row scales) at decode batches of 1..64 rows, each Llama-8B linear alone in CUDA graphs with
+    the weights out of L2: bf16 weights (cuBLAS past one row), FP8 as the engine runs them past one row today
+    (per-token quantization + torch._scaled_mm, W8A8), and FP8 weight-only on the GEMV's tensor-core tile (<= 16
+    rows; kernels.ops.GEMV_MAX_M_FP8), at its default tiles and at the best of a small sweep at 8 rows."""
+    import kernels.ops as ops
+    from bench.kernels import copies_for
+    from kernels.gemv import GemvConfig, gemv
+    from shared.models.quantization import quantize_per_channel
+    rows, best = [], {}
+    for name, (n, k) in LLAMA8B_LINEARS.items():
+        w = torch.randn(n, k, dtype=DT, device="cuda") * 0.02
+        ws = [w] + [w.clone() for _ in range(copies_for(n * k * 2, cap=8) - 1)]
+        q0, s0 = quantize_per_channel(w)
+        qs = [(q0, s0)] + [(q0.clone(), s0) for _ in range(copies_for(n * k, cap=8) - 1)]
+        sweep = {}
+        x8 = torch.randn(8, k, dtype=DT, device="cuda")
+        for bn, bk in ((16, 512), (16, 1024), (32, 256), (32, 512), (32, 1024), (64, 256), (64, 512)):
+            for warps in (4, 8):
+                cfg = GemvConfig(bn, bk, _splits_for(n, bn, k, bk), warps)
+                try:
+                    sweep[bn, bk, warps] = graph_time_ms(lambda i: gemv(x8, qs[i % len(qs)][0], scale=qs[i % len(qs)][1],
+                                                                          config=cfg)) * 1e3
+                except Exception as e:  # noqa: BLE001  (a tile the compiler refuses: out of resources)
+                    log(f"{name} {bn, bk, warps}: {repr(e)[:120]}")
+        tile = min(sweep, key=sweep.get)
+        best[name] = {"tile": list(tile), "us_at_8": sweep[tile], "sweep": {str(t): v for t, v in sweep.items()}}
+        log(f"{name}: best W8A16 tile at 8 rows {tile}: {sweep[tile]:.1f} us (sweep {len(sweep)})")
+        cfg_best = GemvConfig(tile[0], tile[1], _splits_for(n, tile[0], k, tile[1]), tile[2])
+        for m in (1, 2, 4, 8, 16, 32, 64):
+            x = torch.randn(m, k, dtype=DT, device="cuda")
+            row = {"shape": name, "M": m,
+                   "bf16_us": graph_time_ms(lambda i: ops.linear(x, ws[i % len(ws)])) * 1e3,
+                   "fp8_w8a8_us": graph_time_ms(lambda i: ops.fp8_linear(x, *qs[i % len(qs)])) * 1e3}
+            if 2 <= m <= 16:
+                row["fp8_w8a16_us"] = graph_time_ms(lambda i: gemv(x, qs[i % len(qs)][0], scale=qs[i % len(qs)][1])) * 1e3
+                row["fp8_w8a16_best_us"] = graph_time_ms(
+                    lambda i: gemv(x, qs[i % len(qs)][0], scale=qs[i % len(qs)][1], config=cfg_best)) * 1e3
+            rows.append(row)
+            log(" ".join(f"{k_}={v:.1f}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()))
+        del ws, qs
+        torch.cuda.empty_cache()
+    for m in (1, 2, 4, 8, 16, 32, 64):
+        at_m = [r for r in rows if r["M"] == m]
+        layer = {key: sum(r[key] for r in at_m) for key in at_m[0] if key.endswith("_us")}
+        log(f"a layer's four linears at M={m}: " + ", ".join(f"{k_[:-3]} {v:.0f} us" for k_, v in layer.items())
+            + f"; fp8 W8A8 / bf16 {layer['fp8_w8a8_us'] / layer['bf16_us']:.3f}"
+            + (f", W8A16 best / bf16 {layer['fp8_w8a16_best_us'] / layer['bf16_us']:.3f}" if 2 <= m <= 16 else ""))
+    res["fp8_small_m"] = {"rows": rows, "best_tiles": best}
+
+
+def probe_fp8_batches(res: dict) -> None:
+    """Decode steps at batch 1..64 (the engine loop, graphs to 64, 256-token prompts, Llama-8B shape): bf16 weights,
+    FP8 as today (W8A8 past one row) and FP8 with GEMV_MAX_M_FP8 = 16 (weight-only on the GEMV up to 16 rows).
+    Median period between decode launches at each batch, and each captured graph's replay."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.tokenizer import Tokenizer
+    from bench.b1 import module_knobs
+    path = model_dir("llama-3.1-8b")
+    batches = (1, 2, 4, 8, 16, 32, 64)
+    variants = {"bf16": (None, {}), "fp8": ("fp8", {}), "fp8_rows16": ("fp8", {"kernels.ops.GEMV_MAX_M_FP8": 16})}
+    swept = res.get("fp8_small_m", {}).get("best_tiles")
+    if swept:  # fp8_small_m ran first in this process: its best tiles at 8 rows as well
+        tiles = {LLAMA8B_LINEARS[name]: tuple(b["tile"]) for name, b in swept.items()}
+        variants["fp8_rows16_swept"] = ("fp8", {"kernels.ops.GEMV_MAX_M_FP8": 16, "kernels.gemv.FP8_ROWS_TILES": tiles})
+        log(f"fp8_batches: the swept tiles {tiles}")
+    out: dict = {}
+    for name, (quant, knobs) in variants.items():
+        with module_knobs(knobs):
+            extra = {"quantization": quant} if quant else {}
+            ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=100_000,
+                              max_running_requests=64, cuda_graph=True, cuda_graph_max_bs=64, enable_pdl=True, **extra)
+            eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
+            drive(eng, random_prompts(4, 64, 400, 0), {**GREEDY, "max_new_tokens": 8})
+            fig = {}
+            for bs in batches:
+                st = drive(eng, random_prompts(bs, 256, 400, 40 + bs), {**GREEDY, "max_new_tokens": 48})
+                period = statistics.median(st.decode_periods(bs)) * 1e3
+                gr = eng.runner.graph_runner
+                replay = graph_replay_ms(gr, bs=bs, reps=30) if gr is not None and (bs, False) in gr.graphs else float("nan")
+                fig[bs] = {"period_ms": period, "replay_ms": replay}
+                log(f"{name} batch {bs}: period {period:.3f} ms, replay {replay:.3f} ms")
+            eng.stop()
+            out[name] = fig
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    for bs in batches:
+        b = out["bf16"][bs]["period_ms"]
+        log(f"batch {bs}: bf16 {b:.3f} ms; " + "; ".join(
+            f"{name} {out[name][bs]['period_ms']:.3f} ({out[name][bs]['period_ms'] / b:.3f}x)" for name in out
+            if name != "bf16"))
+    res["fp8_batches"] = out
+
+
 def probe_trace_prefill(res: dict) -> None:
     """The workload's prefill (256 x 512 tokens in 8k-token extend passes, eager) kernel by kernel: where
     the time that is not GEMM goes, and how long the device waits between kernels."""
@@ -1142,7 +1252,8 @@ def main() -> int:
              "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "trace256_kvfp8": lambda res: probe_trace256(res, "fp8_e4m3"), "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "decode256_layout": probe_decode256_layout, "tput_page": probe_tput_page, "kvfp8": probe_kvfp8, "kvfp8_kernel": probe_kvfp8_kernel, "kvfp8_tiles": probe_kvfp8_tiles, "kvfp8_tput": probe_kvfp8_tput, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
-             "gemm_tune": probe_gemm_tune}[w](res)
+             "gemm_tune": probe_gemm_tune,
+             "fp8_small_m": probe_fp8_small_m, "fp8_batches": probe_fp8_batches}[w](res)
         except Exception as e:
             import traceback
             traceback.print_exc()

@@ -1,10 +1,13 @@
-"""Split-K GEMV for decode-time weight matmuls: y = x @ W^T with x [M <= 4, K], W [N, K].
+"""Split-K GEMV for decode-time weight matmuls: y = x @ W^T with x [M <= 16, K], W [N, K].
 
 At batch 1 a linear layer is a pure stream of W through memory, so the kernel is shaped for
 bandwidth: each program streams a [BLOCK_N, BLOCK_K] tile per step with 16-byte loads marked
 evict-first (W is read once), and K is split across programs when N alone gives too few programs
 to keep every SM's memory pipe busy. Split partials go to an fp32 workspace and a second small kernel
 sums them, which keeps the result deterministic.
+
+Several rows (2..16) run on tensor cores, x padded to one 16-row tile; FP8 weights with per-row scales are then
+widened to x's dtype tile by tile (weight-only: the weights stream at one byte each, x is not quantized).
 
 With silu_mul=True the input is a gated MLP's [M, 2K] gate|up activation and the kernel multiplies by
 silu(gate) * up, computed as it loads x (rounded to x's dtype, as the silu_and_mul kernel's output
@@ -38,7 +41,8 @@ from kernels.reference import scale_block
 from kernels.residual_norm import NORM_SLOTS, ResidualNorm
 from kernels.rope_store import RopeStore, rope_args, rope_rows, rope_store_epilogue, rope_store_inputs
 
-MAX_M = 4
+# Rows of x a launch takes: one on the row kernels, up to 16 in one 16-row tensor-core tile (M_PAD).
+MAX_M = 16
 # A split norm's producer (one-row kernel, PDL at 1) lets the next kernel launch only after its K loop rather than
 # right after its wait: the consumer GEMV's programs then do not prefetch under the producer's last wave. An A/B
 # knob (`python -m bench.b1 --variants "base=;late=@kernels.gemv.PRODUCER_LATE_TRIGGER=1"`), read when a GEMV is
@@ -54,6 +58,9 @@ ROPE_INPUTS_AHEAD = True
 # A/B knob (@kernels.gemv.FP8_ROW_KERNEL=1; `python -m bench.gemv_chain_sweep --fp8-row-study` sweeps its tiles),
 # read by default_config; off until measured.
 FP8_ROW_KERNEL = False
+# FP8 weights at several rows (weight-only, on the 16-row tensor-core tile): (block_n, block_k, num_warps) by the
+# weight's (N, K), as `python -m bench.probe fp8_small_m` sweeps them; shapes not listed take the bf16 tiles.
+FP8_ROWS_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
 
 
 @triton.jit
@@ -212,6 +219,9 @@ def _accumulate(acc, w, x_ptrs, kbase, K, mask_m, offs_k, M_PAD: tl.constexpr, E
             acc += lanes
     elif M_PAD == 1:
         acc += w.to(tl.float32) * x.to(tl.float32)
+    elif w.dtype.is_fp8():  # FP8 weights, several rows: weight-only, each tile widened to x's dtype for the MMA (e4m3
+        # is exact in bf16 and f16); the per-row scale multiplies the sums after the K loop
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PREC)
     else:
         acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=DOT_PREC)
     return acc
@@ -589,6 +599,8 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
         else:  # qkv; gate_up
             block_n, block_k, warps, narrow = (8, 512, 2, True) if N <= 8192 else (2, 2048, 2, False)
         extra = dict(pre_tiles=2, fold=2 if 4096 < N <= 8192 else 1, narrow=narrow)
+    elif weight_bytes == 1 and (N, K) in FP8_ROWS_TILES:
+        block_n, block_k, warps = FP8_ROWS_TILES[N, K]
     else:
         block_n, block_k, warps = (32, 512, 4) if N <= 4096 else (64, 512, 4) if N <= 8192 else (64, 256, 4)
     block_k = min(block_k, max(16, next_pow2(K)))
@@ -646,10 +658,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
          tensor_cores: bool = False, silu_mul: bool = False, pdl: bool | None = None,
          norm_in: ResidualNorm | None = None, add_norm: ResidualNorm | None = None,
          rope: RopeStore | None = None, gated_out: bool = False) -> torch.Tensor:
-    """y = x @ w^T for x [M, K] (M <= 4), w [N, K] with contiguous rows; y in x's dtype (or in `out`'s: x's
+    """y = x @ w^T for x [M, K] (M <= MAX_M), w [N, K] with contiguous rows; y in x's dtype (or in `out`'s: x's
     rounding held in a wider dtype, as the lm_head's fp32 logits).
-    `scale` (float32 [N]) dequantizes FP8 weights row by row (one row of x only: x is not quantized); a scale
-    [N / bn, K / bk] block by block (kernels.reference.scale_block).
+    `scale` (float32 [N]) dequantizes FP8 weights row by row (x is not quantized: several rows multiply the weight
+    tiles widened to x's dtype on tensor cores); a scale [N / bn, K / bk] block by block (one row;
+    kernels.reference.scale_block).
     silu_mul: x is [M, 2K] (gate | up) and y = silu_and_mul(x) @ w^T.
     pdl: programmatic dependent launch (None: the process default; see kernels._utils.pdl_launch).
     A residual RMSNorm split around this GEMV (one row; kernels/residual_norm.py): with `norm_in` x is the
@@ -664,12 +677,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         assert K % 2 == 0
         K //= 2
     N = w.shape[0]
-    assert M <= MAX_M, "gemv is for decode batches of at most 4 rows; use a GEMM"
+    assert M <= MAX_M, f"gemv is for decode batches of at most {MAX_M} rows; use a GEMM"
     assert w.shape[1] == K and w.stride(1) == 1 and x.stride(1) == 1
     block = scale_block(w, scale) if scale is not None else None
     assert scale is None or scale.dtype == torch.float32
     assert block is not None or scale is None or scale.shape == (N,)
-    assert scale is None or M == 1 or x.dtype == w.dtype, "FP8 weights take one unquantized row of x"
+    assert scale is None or x.dtype in (torch.bfloat16, torch.float16, torch.float32), \
+        "FP8 weights multiply an unquantized x of a float dtype"
     assert block is None or (M == 1 and not tensor_cores and block[1] % 8 == 0 and scale.stride(1) == 1), \
         "block-scaled FP8 weights: one row, blocks of whole eight-input lanes"
     assert norm_in is None or add_norm is None, "a GEMV consumes one split norm or produces one, not both"

@@ -20,6 +20,10 @@ from kernels.rope_store import RopeStore
 # Decode-time weight matmuls use the split-K GEMV only at these batch sizes, and only where it beat
 # cuBLAS in bench/kernels.py on H200.
 GEMV_MAX_M = 1
+# FP8 weights with per-row scales: up to this many rows take the GEMV (weight-only, rows on tensor cores past one),
+# more take quantize + torch._scaled_mm (W8A8). An A/B knob (`python -m bench.probe fp8_small_m`), read when a
+# linear is called (a CUDA graph keeps what it captured); 1 until measured.
+GEMV_MAX_M_FP8 = 1
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -125,11 +129,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
-    """The decode-time GEMV takes this matmul: CUDA, at most GEMV_MAX_M rows with contiguous rows, and
-    bf16 weights (FP8 ones with their scales)."""
-    return (_on_gpu(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M and x.stride(1) == 1
-            and weight.stride(1) == 1
-            and (weight_scale is not None or (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16)))
+    """The decode-time GEMV takes this matmul: CUDA, contiguous rows, and bf16 weights at most GEMV_MAX_M rows or
+    FP8 ones with their scales at one row, or at most GEMV_MAX_M_FP8 rows where the scales are per row."""
+    if not (_on_gpu(x) and x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1):
+        return False
+    if weight_scale is None:
+        return x.shape[0] <= GEMV_MAX_M and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
+    rows = GEMV_MAX_M_FP8 if weight_scale.dim() == 1 else 1
+    return x.shape[0] <= max(GEMV_MAX_M, rows)
 
 
 def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | None, add_norm: ResidualNorm | None,

@@ -483,6 +483,32 @@ def check_gemv_fp8_f16_math(device, dtype):
         assert float((y - ref).abs().max()) < (2e-3 if dtype == torch.float32 else 6e-3) * float(ref.abs().max()), cfg
 
 
+def check_gemv_fp8_rows(device, dtype):
+    """FP8 weights with per-row scales against several rows of x (2..16, one 16-row tensor-core tile): the weight
+    tiles widened to x's dtype (weight-only, x not quantized) equal the dequantized reference to within the
+    output's rounding, with split K, ragged K, partial tiles and the gated down projection."""
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import MAX_M, GemvConfig, gemv
+    from kernels.reference import fp8_linear_ref
+    from shared.models.quantization import quantize_per_channel
+    gen = torch.Generator().manual_seed(3)
+    assert MAX_M == 16
+    for K, N in [(256, 48), (200, 40)]:
+        q, s = quantize_per_channel(torch.randn(N, K, generator=gen) * 0.02)
+        q, s = q.to(device), s.to(device)
+        for M in (2, 5, 16):
+            x = torch.randn(M, K, generator=gen).to(device=device, dtype=dtype)
+            ref = fp8_linear_ref(x.float(), q, s)
+            tol = (2e-3 if dtype == torch.float32 else 6e-3) * float(ref.abs().max())
+            for cfg in (None, GemvConfig(16, 64, 1, 4), GemvConfig(32, 32, 3, 4)):
+                y = gemv(x, q, scale=s, config=cfg)
+                assert y.shape == (M, N) and y.dtype == dtype
+                assert float((y.float() - ref).abs().max()) < tol, (K, N, M, cfg)
+        h = torch.randn(3, 2 * K, generator=gen).to(device=device, dtype=dtype)
+        torch.testing.assert_close(gemv(h, q, scale=s, silu_mul=True), gemv(silu_and_mul(h), q, scale=s), rtol=0,
+                                   atol=0)
+
+
 def check_gemv_fp8_down_tiles(device, dtype):
     """FP8 down_proj tiles bench.gemv_chain_sweep --fp8-down-study may pick (kernels.gemv.fp8_tile specs: the general
     kernel unsplit and split in 2 and 4 with tickets, one or two tiles before the PDL wait, the one-row kernel split

@@ -237,6 +237,24 @@ def test_the_mlp_gates_in_the_gate_up_epilogue_by_its_weights_dtype(quant, monke
         torch.testing.assert_close(out, outs[False, False])
 
 
+def test_fp8_rows_take_the_gemv_up_to_gemv_max_m_fp8_and_only_with_per_row_scales(monkeypatch):
+    """kernels.ops' dispatch on a (pretended) GPU: bf16 weights take the GEMV at GEMV_MAX_M rows; FP8 weights with
+    per-row scales up to GEMV_MAX_M_FP8 rows, block-scaled ones at one row; the rest go to the GEMMs."""
+    import kernels.ops as ops
+    monkeypatch.setattr(ops, "_on_gpu", lambda x: True)
+    w = torch.zeros(64, 32, dtype=torch.bfloat16)
+    q, row_scale = quantize_per_channel(w.float())
+    block_scale = torch.ones(1, 1)
+    for knob in (1, 8):
+        monkeypatch.setattr(ops, "GEMV_MAX_M_FP8", knob)
+        for m in (1, 2, 8, 9):
+            x = torch.zeros(m, 32, dtype=torch.bfloat16)
+            assert ops._gemv_applies(x, w, None) == (m <= ops.GEMV_MAX_M)
+            assert ops._gemv_applies(x, q, row_scale) == (m <= knob), (knob, m)
+            assert ops._gemv_applies(x, q, block_scale) == (m == 1)
+    assert not ops._gemv_applies(torch.zeros(2, 64, dtype=torch.bfloat16)[:, ::2], q, row_scale)  # strided rows
+
+
 def test_fp8_linear_reference_and_activation_quantization():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 32, generator=gen)
