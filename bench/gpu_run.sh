@@ -105,6 +105,11 @@ if [[ $what == fp8-rows ]]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and (gemv_fp8_rows or gemv_fp8_codes)" 2>&1 | tail -3
   timeout 430 python3 -m bench.probe fp8_small_m fp8_batches 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/fp8_rows.log" | tail -40
 fi
+if [[ $what == fp8-rows-pdl ]]; then
+  # The several-row FP8 GEMV in the engine at its swept tiles, PDL on and off (fp8-rows, 12-06: 2x slower in the engine
+  # than its kernels alone predicted).
+  timeout 400 python3 -m bench.probe fp8_batches_pdl 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/fp8_rows_pdl.log" | tail -30
+fi
 if [[ $what == l2-prefetch ]]; then
   # Issue 14's two batch-1 ideas not measured when they landed (2026-12-04): --decode-l2-prefetch and the split
   # norm producers' late trigger (kernels.gemv.PRODUCER_LATE_TRIGGER). Their GPU tests, one A/B, the kernel trace.

@@ -888,7 +888,17 @@ def probe_fp8_small_m(res: dict) -> None:
     res["fp8_small_m"] = {"rows": rows, "best_tiles": best}
 
 
-def probe_fp8_batches(res: dict) -> None:
+def probe_fp8_batches_pdl(res: dict) -> None:
+    """fp8_batches' engines at kernels.gemv.FP8_ROWS_TILES (its 12-06 sweep) with the several-row GEMV launched with
+    and without programmatic dependent launch (kernels.gemv.SEVERAL_ROWS_PDL)."""
+    rows = {"kernels.ops.GEMV_MAX_M_FP8": 16}
+    probe_fp8_batches(res, variants={"bf16": (None, {}), "fp8": ("fp8", {}), "fp8_rows16": ("fp8", rows),
+                                     "fp8_rows16_nopdl": ("fp8", {**rows, "kernels.gemv.SEVERAL_ROWS_PDL": False})},
+                      batches=(1, 2, 8, 16, 32), key="fp8_batches_pdl")
+
+
+def probe_fp8_batches(res: dict, variants: dict | None = None, batches: tuple = (1, 2, 4, 8, 16, 32, 64),
+                      key: str = "fp8_batches") -> None:
     """Decode steps at batch 1..64 (the engine loop, graphs to 64, 256-token prompts, Llama-8B shape): bf16 weights,
     FP8 as today (W8A8 past one row) and FP8 with GEMV_MAX_M_FP8 = 16 (weight-only on the GEMV up to 16 rows).
     Median period between decode launches at each batch, and each captured graph's replay."""
@@ -897,8 +907,8 @@ def probe_fp8_batches(res: dict) -> None:
     from shared.tokenizer import Tokenizer
     from bench.b1 import module_knobs
     path = model_dir("llama-3.1-8b")
-    batches = (1, 2, 4, 8, 16, 32, 64)
-    variants = {"bf16": (None, {}), "fp8": ("fp8", {}), "fp8_rows16": ("fp8", {"kernels.ops.GEMV_MAX_M_FP8": 16})}
+    variants = variants or {"bf16": (None, {}), "fp8": ("fp8", {}),
+                            "fp8_rows16": ("fp8", {"kernels.ops.GEMV_MAX_M_FP8": 16})}
     swept = res.get("fp8_small_m", {}).get("best_tiles")
     if swept:  # fp8_small_m ran first in this process: its best tiles at 8 rows as well
         tiles = {LLAMA8B_LINEARS[name]: tuple(b["tile"]) for name, b in swept.items()}
@@ -930,7 +940,7 @@ def probe_fp8_batches(res: dict) -> None:
         log(f"batch {bs}: bf16 {b:.3f} ms; " + "; ".join(
             f"{name} {out[name][bs]['period_ms']:.3f} ({out[name][bs]['period_ms'] / b:.3f}x)" for name in out
             if name != "bf16"))
-    res["fp8_batches"] = out
+    res[key] = out
 
 
 def probe_trace_prefill(res: dict) -> None:
@@ -1253,7 +1263,8 @@ def main() -> int:
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune,
-             "fp8_small_m": probe_fp8_small_m, "fp8_batches": probe_fp8_batches}[w](res)
+             "fp8_small_m": probe_fp8_small_m, "fp8_batches": probe_fp8_batches,
+             "fp8_batches_pdl": probe_fp8_batches_pdl}[w](res)
         except Exception as e:
             import traceback
             traceback.print_exc()

@@ -60,7 +60,12 @@ ROPE_INPUTS_AHEAD = True
 FP8_ROW_KERNEL = False
 # FP8 weights at several rows (weight-only, on the 16-row tensor-core tile): (block_n, block_k, num_warps) by the
 # weight's (N, K), as `python -m bench.probe fp8_small_m` sweeps them; shapes not listed take the bf16 tiles.
-FP8_ROWS_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
+# Swept at 8 rows on an H200, each linear alone (2026-12-06 03:00; raw bench/probe_fp8_rows_1206_h200.json).
+FP8_ROWS_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
+    (6144, 4096): (64, 256, 8), (4096, 4096): (32, 256, 4), (28672, 4096): (32, 256, 4), (4096, 14336): (64, 256, 8)}
+# Several rows (the tensor-core tile) launched with programmatic dependent launch where the process has it on. An A/B
+# knob (`python -m bench.probe fp8_batches_pdl`), read at launch.
+SEVERAL_ROWS_PDL = True
 
 
 @triton.jit
@@ -700,6 +705,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if block is not None:  # the general kernel's f16 lanes take the block scales
         cfg = dataclasses.replace(cfg, row_kernel=False, f16_math=True)
     dot = M > 1 or tensor_cores
+    if M > 1 and not SEVERAL_ROWS_PDL:
+        pdl = False
     if dot and cfg.block_n < 16:  # tensor-core tile minimum
         cfg = dataclasses.replace(cfg, block_n=16)
     assert rope is None or cfg.block_n % 2 == 0, "rope: a program owns whole rotary pairs"
