@@ -891,6 +891,19 @@ def probe_fp8_small_m(res: dict) -> None:
 def probe_fp8_batches_pdl(res: dict) -> None:
     """fp8_batches' engines at kernels.gemv.FP8_ROWS_TILES (its 12-06 sweep) with the several-row GEMV launched with
     and without programmatic dependent launch (kernels.gemv.SEVERAL_ROWS_PDL)."""
+    from bench.kernels import copies_for
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import gemv
+    from shared.models.quantization import quantize_per_channel
+    n, k = LLAMA8B_LINEARS["down"]  # down_proj alone at 8 rows, its gated input computed in the load or before
+    q0, s0 = quantize_per_channel(torch.randn(n, k, dtype=DT, device="cuda") * 0.02)
+    qs = [q0] + [q0.clone() for _ in range(copies_for(n * k, cap=8) - 1)]
+    h = torch.randn(8, 2 * k, dtype=DT, device="cuda")
+    fused = graph_time_ms(lambda i: gemv(h, qs[i % len(qs)], scale=s0, silu_mul=True)) * 1e3
+    apart = graph_time_ms(lambda i: gemv(silu_and_mul(h), qs[i % len(qs)], scale=s0)) * 1e3
+    log(f"down_proj at 8 rows, FP8 weight-only: gated in the load {fused:.1f} us, silu_and_mul then GEMV {apart:.1f} us")
+    res["fp8_down_silu_us"] = {"fused": fused, "apart": apart}
+    del qs
     rows = {"kernels.ops.GEMV_MAX_M_FP8": 16}
     probe_fp8_batches(res, variants={"bf16": (None, {}), "fp8": ("fp8", {}), "fp8_rows16": ("fp8", rows),
                                      "fp8_rows16_nopdl": ("fp8", {**rows, "kernels.gemv.SEVERAL_ROWS_PDL": False})},
