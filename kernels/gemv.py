@@ -1,4 +1,4 @@
-"""Split-K GEMV for decode-time weight matmuls: y = x @ W^T with x [M <= 16, K], W [N, K].
+"""Split-K GEMV for decode-time weight matmuls: y = x @ W^T with x [M <= 64, K], W [N, K].
 
 At batch 1 a linear layer is a pure stream of W through memory, so the kernel is shaped for
 bandwidth: each program streams a [BLOCK_N, BLOCK_K] tile per step with 16-byte loads marked
@@ -6,8 +6,9 @@ evict-first (W is read once), and K is split across programs when N alone gives 
 to keep every SM's memory pipe busy. Split partials go to an fp32 workspace and a second small kernel
 sums them, which keeps the result deterministic.
 
-Several rows (2..16) run on tensor cores, x padded to one 16-row tile; FP8 weights with per-row scales are then
-widened to x's dtype tile by tile (weight-only: the weights stream at one byte each, x is not quantized).
+Several rows (2..64) run on tensor cores, x padded to one tile of 16, 32 or 64 rows; FP8 weights with per-row
+scales are then widened to x's dtype tile by tile (weight-only: the weights stream at one byte each, x is not
+quantized).
 
 With silu_mul=True the input is a gated MLP's [M, 2K] gate|up activation and the kernel multiplies by
 silu(gate) * up, computed as it loads x (rounded to x's dtype, as the silu_and_mul kernel's output
@@ -41,8 +42,8 @@ from kernels.reference import scale_block
 from kernels.residual_norm import NORM_SLOTS, ResidualNorm
 from kernels.rope_store import RopeStore, rope_args, rope_rows, rope_store_epilogue, rope_store_inputs
 
-# Rows of x a launch takes: one on the row kernels, up to 16 in one 16-row tensor-core tile (M_PAD).
-MAX_M = 16
+# Rows of x a launch takes: one on the row kernels, up to 64 on tensor cores (one tile of M_PAD = 16, 32 or 64 rows).
+MAX_M = 64
 # A split norm's producer (one-row kernel, PDL at 1) lets the next kernel launch only after its K loop rather than
 # right after its wait: the consumer GEMV's programs then do not prefetch under the producer's last wave. An A/B
 # knob (`python -m bench.b1 --variants "base=;late=@kernels.gemv.PRODUCER_LATE_TRIGGER=1"`), read when a GEMV is
@@ -729,7 +730,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
             x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),
             k_per_split, **norms, **ropes, HAS_SCALE=scale is not None and block is None,
             stride_s=scale.stride(0) if block is not None else 0, SBN=block[0] if block else 0,
-            SBK=block[1] if block else 0, M=M, M_PAD=16 if dot else 1, BLOCK_N=cfg.block_n,
+            SBK=block[1] if block else 0, M=M, M_PAD=max(16, next_pow2(M)) if dot else 1, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, DOT_PREC=dot_precision(x.dtype), SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, PRE=2 if cfg.pre_tiles >= 2 and k_per_split >= 2 * cfg.block_k else 1,
             F16=_f16_math(cfg, w) and not dot, TK=_ticket_counters(x.device) if ticketed else partial,
