@@ -609,6 +609,8 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
         block_n, block_k, warps = FP8_ROWS_TILES[N, K]
     else:
         block_n, block_k, warps = (32, 512, 4) if N <= 4096 else (64, 512, 4) if N <= 8192 else (64, 256, 4)
+        if M > 16:  # a 32- or 64-row x tile: 512-wide K tiles would take 260-330 KB of shared memory (sm_90 compile)
+            block_k = 256
     block_k = min(block_k, max(16, next_pow2(K)))
     split_k = 1
     k_steps = triton.cdiv(K, block_k)

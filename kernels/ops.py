@@ -21,9 +21,10 @@ from kernels.rope_store import RopeStore
 # cuBLAS in bench/kernels.py on H200.
 GEMV_MAX_M = 1
 # FP8 weights with per-row scales: up to this many rows take the GEMV (weight-only, rows on tensor cores past one),
-# more take quantize + torch._scaled_mm (W8A8). An A/B knob (`python -m bench.probe fp8_small_m`), read when a
-# linear is called (a CUDA graph keeps what it captured); 1 until measured.
-GEMV_MAX_M_FP8 = 1
+# more take quantize + torch._scaled_mm (W8A8). Read when a linear is called (a CUDA graph keeps what it captured).
+# 16: decode steps at batch 2-16 at 0.72-0.76 of bf16's against W8A8's 0.90-0.93 (H100, `python -m bench.probe
+# fp8_batches`, 2026-12-06; bench/RESULTS.md). The GEMV takes up to kernels.gemv.MAX_M (64) rows; 17-64 unmeasured.
+GEMV_MAX_M_FP8 = 16
 
 
 def _on_gpu(x: torch.Tensor) -> bool:

@@ -488,7 +488,7 @@ def check_gemv_fp8_rows(device, dtype):
     tiles widened to x's dtype (weight-only, x not quantized) equal the dequantized reference to within the
     output's rounding, with split K, ragged K, partial tiles and the gated down projection."""
     from kernels.activation import silu_and_mul
-    from kernels.gemv import MAX_M, GemvConfig, gemv
+    from kernels.gemv import MAX_M, GemvConfig, default_config, gemv
     from kernels.reference import fp8_linear_ref
     from shared.models.quantization import quantize_per_channel
     gen = torch.Generator().manual_seed(3)
@@ -507,6 +507,20 @@ def check_gemv_fp8_rows(device, dtype):
         h = torch.randn(3, 2 * K, generator=gen).to(device=device, dtype=dtype)
         torch.testing.assert_close(gemv(h, q, scale=s, silu_mul=True), gemv(silu_and_mul(h), q, scale=s), rtol=0,
                                    atol=0)
+    # Past 16 rows the x tile is 32 or 64 rows, and K tiles stay 256 wide (shared memory on sm_90).
+    assert [default_config(m, 3072, 5120, 1).block_k for m in (8, 17, 64)] == [512, 256, 256]  # (a shape not swept)
+    # kernels.ops' path for a gated MLP's down projection at several FP8 rows: the activation first, then the GEMV.
+    import kernels.ops as ops
+    on_gpu, max_m = ops._on_gpu, ops.GEMV_MAX_M_FP8
+    ops._on_gpu, ops.GEMV_MAX_M_FP8 = (lambda t: True), 16
+    try:
+        q, s = quantize_per_channel(torch.randn(40, 128, generator=gen) * 0.02)
+        q, s = q.to(device), s.to(device)
+        h = torch.randn(6, 256, generator=gen).to(device=device, dtype=dtype)
+        torch.testing.assert_close(ops.silu_mul_linear(h, q, weight_scale=s), gemv(silu_and_mul(h), q, scale=s),
+                                   rtol=0, atol=0)
+    finally:
+        ops._on_gpu, ops.GEMV_MAX_M_FP8 = on_gpu, max_m
 
 
 def check_gemv_fp8_down_tiles(device, dtype):
