@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh fp8-rows|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# Pending, any card: `recheck` at the defaults adopted 2026-12-06 (the long-extend graphs; the gated MLP epilogue for
-# bf16 weights; measured only in bench.b1, FP8 / bf16 0.598 there). Then on an H200 (an H100 came for every call of
-# 2026-12-05 and -06): `fp8-h200` (the FP8 defaults and the rope epilogue; the chain sweep only if the former tiles
-# win), then `recheck` again. Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
+# Pending (2026-12-06): on an H200 (an H100 came for every call but one since 12-05), `recheck`, then `fp8-h200`
+# (the FP8 defaults and the rope epilogue; the chain sweep only if the former tiles win) and `fp8-rows-64` (FP8
+# weight-only GEMVs past 16 rows; built at 4528fe7, never run). `recheck` ran on an H100 at 303936c (12-06 02:44).
+# Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -99,11 +99,21 @@ if [[ $what == recheck ]]; then
     --out "$OUT/interval16" -- --stream-interval 16 2>&1 | grep -v Capturing | tee "$OUT/serving_interval.log" | tail -12
 fi
 if [[ $what == fp8-rows ]]; then
-  # FP8 weights at decode batches of 2..64 (2026-12-06): the GEMV's several-row tensor-core tile with FP8 weights
-  # widened to bf16 (weight-only) against the engine's W8A8 path (per-token quantization + torch._scaled_mm), per
-  # linear and as decode steps at batch 1..64. Its CUDA checks first.
+  # FP8 weights at decode batches of 2..64: the GEMV's several-row tensor-core tile with FP8 weights widened to bf16
+  # (weight-only; the default up to 16 rows since 2026-12-06) against W8A8 (per-token quantization +
+  # torch._scaled_mm), per linear (with a tile sweep at 8 rows) and as decode steps at batch 1..64. CUDA checks first.
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and (gemv_fp8_rows or gemv_fp8_codes)" 2>&1 | tail -3
   timeout 430 python3 -m bench.probe fp8_small_m fp8_batches 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/fp8_rows.log" | tail -40
+fi
+if [[ $what == fp8-rows-64 ]]; then
+  # FP8 weight-only GEMVs past 16 rows (tensor-core tiles of 32 and 64 rows; GEMV_MAX_M_FP8 = 64) against the default
+  # (16: W8A8 past it), decode steps at batch 16..64, and the batch table at the defaults on this card. ~3 min.
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv_fp8_rows" 2>&1 | tail -2
+  timeout 300 python3 -c "
+import bench.probe as P
+P.probe_fp8_batches({}, variants={'bf16': (None, {}), 'fp8': ('fp8', {}), 'fp8_64': ('fp8', {'kernels.ops.GEMV_MAX_M_FP8': 64}),
+                        'fp8_w8a8': ('fp8', {'kernels.ops.GEMV_MAX_M_FP8': 1})}, batches=(1, 2, 8, 16, 24, 32, 48, 64))
+" 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/fp8_rows_64.log" | tail -10
 fi
 if [[ $what == fp8-rows-pdl ]]; then
   # The several-row FP8 GEMV in the engine at its swept tiles, PDL on and off (fp8-rows, 12-06: 2x slower in the engine

@@ -18,7 +18,7 @@
     python -m bench.probe prefill_tiles  # bench.offline's prefill rate with the long-prompt extend tile varied in the engine
     python -m bench.probe extend_layout  # extend attention on the engine's qkv views vs contiguous, alone and after a GEMM
     python -m bench.probe fp8_small_m  # FP8 linears at 1..64 rows: bf16, W8A8 (_scaled_mm), weight-only on the GEMV's MMA
-    python -m bench.probe fp8_batches  # decode steps at batch 1..64: bf16, FP8 today, FP8 weight-only up to 16 rows
+    python -m bench.probe fp8_batches  # decode steps at batch 1..64: bf16, FP8 at the defaults, FP8 W8A8 past one row
 """
 from __future__ import annotations
 
@@ -913,7 +913,8 @@ def probe_fp8_batches_pdl(res: dict) -> None:
 def probe_fp8_batches(res: dict, variants: dict | None = None, batches: tuple = (1, 2, 4, 8, 16, 32, 64),
                       key: str = "fp8_batches") -> None:
     """Decode steps at batch 1..64 (the engine loop, graphs to 64, 256-token prompts, Llama-8B shape): bf16 weights,
-    FP8 as today (W8A8 past one row) and FP8 with GEMV_MAX_M_FP8 = 16 (weight-only on the GEMV up to 16 rows).
+    FP8 at the defaults (weight-only GEMVs up to kernels.ops.GEMV_MAX_M_FP8 rows since 2026-12-06) and FP8 with W8A8
+    past one row (the former path).
     Median period between decode launches at each batch, and each captured graph's replay."""
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
@@ -921,11 +922,11 @@ def probe_fp8_batches(res: dict, variants: dict | None = None, batches: tuple = 
     from bench.b1 import module_knobs
     path = model_dir("llama-3.1-8b")
     variants = variants or {"bf16": (None, {}), "fp8": ("fp8", {}),
-                            "fp8_rows16": ("fp8", {"kernels.ops.GEMV_MAX_M_FP8": 16})}
+                            "fp8_w8a8": ("fp8", {"kernels.ops.GEMV_MAX_M_FP8": 1})}
     swept = res.get("fp8_small_m", {}).get("best_tiles")
     if swept:  # fp8_small_m ran first in this process: its best tiles at 8 rows as well
         tiles = {LLAMA8B_LINEARS[name]: tuple(b["tile"]) for name, b in swept.items()}
-        variants["fp8_rows16_swept"] = ("fp8", {"kernels.ops.GEMV_MAX_M_FP8": 16, "kernels.gemv.FP8_ROWS_TILES": tiles})
+        variants["fp8_swept"] = ("fp8", {"kernels.gemv.FP8_ROWS_TILES": tiles})
         log(f"fp8_batches: the swept tiles {tiles}")
     out: dict = {}
     for name, (quant, knobs) in variants.items():
