@@ -6,7 +6,7 @@
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 # Pending (2026-12-06): on an H200 (an H100 came for every call but one since 12-05), `recheck`, then `fp8-h200`
 # (the FP8 defaults and the rope epilogue; the chain sweep only if the former tiles win) and `fp8-rows-64` (FP8
-# weight-only GEMVs past 16 rows; built at 4528fe7, never run). `recheck` ran on an H100 at 303936c (12-06 02:44).
+# weight-only GEMVs past 16 rows, bf16 on the several-row GEMV; built at 4528fe7, never run). `recheck` ran on an H100 at 303936c (12-06 02:44).
 # Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
@@ -107,11 +107,13 @@ if [[ $what == fp8-rows ]]; then
 fi
 if [[ $what == fp8-rows-64 ]]; then
   # FP8 weight-only GEMVs past 16 rows (tensor-core tiles of 32 and 64 rows; GEMV_MAX_M_FP8 = 64) against the default
-  # (16: W8A8 past it), decode steps at batch 16..64, and the batch table at the defaults on this card. ~3 min.
+  # (16: W8A8 past it); bf16 weights on the same several-row GEMV up to 16 rows (GEMV_MAX_M = 16: cuBLAS past one
+  # row by default, a batch-2 step 1.20x batch 1's on an H100, 12-06); decode steps at batch 1..64 on this card. ~4 min.
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv_fp8_rows" 2>&1 | tail -2
-  timeout 300 python3 -c "
+  timeout 360 python3 -c "
 import bench.probe as P
-P.probe_fp8_batches({}, variants={'bf16': (None, {}), 'fp8': ('fp8', {}), 'fp8_64': ('fp8', {'kernels.ops.GEMV_MAX_M_FP8': 64}),
+P.probe_fp8_batches({}, variants={'bf16': (None, {}), 'bf16_rows16': (None, {'kernels.ops.GEMV_MAX_M': 16}),
+                        'fp8': ('fp8', {}), 'fp8_64': ('fp8', {'kernels.ops.GEMV_MAX_M_FP8': 64}),
                         'fp8_w8a8': ('fp8', {'kernels.ops.GEMV_MAX_M_FP8': 1})}, batches=(1, 2, 8, 16, 24, 32, 48, 64))
 " 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/fp8_rows_64.log" | tail -10
 fi
