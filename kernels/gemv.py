@@ -59,7 +59,7 @@ ROPE_INPUTS_AHEAD = True
 # A/B knob (@kernels.gemv.FP8_ROW_KERNEL=1; `python -m bench.gemv_chain_sweep --fp8-row-study` sweeps its tiles),
 # read by default_config; off until measured.
 FP8_ROW_KERNEL = False
-# FP8 weights at several rows (weight-only, on the 16-row tensor-core tile): (block_n, block_k, num_warps) by the
+# FP8 weights at several rows (weight-only, on the tensor-core tile): (block_n, block_k, num_warps) by the
 # weight's (N, K), as `python -m bench.probe fp8_small_m` sweeps them; shapes not listed take the bf16 tiles.
 # Swept at 8 rows on an H200, each linear alone (2026-12-06 03:00; raw bench/probe_fp8_rows_1206_h200.json).
 FP8_ROWS_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
