@@ -828,15 +828,6 @@ def probe_mixed_first(res: dict) -> None:
 LLAMA8B_LINEARS = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
 
 
-def _splits_for(n: int, block_n: int, k: int, block_k: int) -> int:
-    """kernels.gemv.default_config's split rule: K halved until the grid holds two programs an SM."""
-    from kernels._utils import num_sms
-    split, steps = 1, -(-k // block_k)
-    while -(-n // block_n) * split < 2 * num_sms() and split * 2 <= steps and split < 16:
-        split *= 2
-    return split
-
-
 def probe_fp8_small_m(res: dict) -> None:
     """FP8 weights (per-row scales) at decode batches of 1..64 rows, each Llama-8B linear alone in CUDA graphs with
     the weights out of L2: bf16 weights (cuBLAS past one row), FP8 as the engine runs them past one row today
@@ -844,7 +835,7 @@ def probe_fp8_small_m(res: dict) -> None:
     rows; kernels.ops.GEMV_MAX_M_FP8), at its default tiles and at the best of a small sweep at 8 rows."""
     import kernels.ops as ops
     from bench.kernels import copies_for
-    from kernels.gemv import GemvConfig, gemv
+    from kernels.gemv import GemvConfig, gemv, split_k_for
     from shared.models.quantization import quantize_per_channel
     rows, best = [], {}
     for name, (n, k) in LLAMA8B_LINEARS.items():
@@ -856,7 +847,7 @@ def probe_fp8_small_m(res: dict) -> None:
         x8 = torch.randn(8, k, dtype=DT, device="cuda")
         for bn, bk in ((16, 512), (16, 1024), (32, 256), (32, 512), (32, 1024), (64, 256), (64, 512)):
             for warps in (4, 8):
-                cfg = GemvConfig(bn, bk, _splits_for(n, bn, k, bk), warps)
+                cfg = GemvConfig(bn, bk, split_k_for(n, bn, k, bk), warps)
                 try:
                     sweep[bn, bk, warps] = graph_time_ms(lambda i: gemv(x8, qs[i % len(qs)][0], scale=qs[i % len(qs)][1],
                                                                           config=cfg)) * 1e3
@@ -865,7 +856,7 @@ def probe_fp8_small_m(res: dict) -> None:
         tile = min(sweep, key=sweep.get)
         best[name] = {"tile": list(tile), "us_at_8": sweep[tile], "sweep": {str(t): v for t, v in sweep.items()}}
         log(f"{name}: best W8A16 tile at 8 rows {tile}: {sweep[tile]:.1f} us (sweep {len(sweep)})")
-        cfg_best = GemvConfig(tile[0], tile[1], _splits_for(n, tile[0], k, tile[1]), tile[2])
+        cfg_best = GemvConfig(tile[0], tile[1], split_k_for(n, tile[0], k, tile[1]), tile[2])
         for m in (1, 2, 4, 8, 16, 32, 64):
             x = torch.randn(m, k, dtype=DT, device="cuda")
             row = {"shape": name, "M": m,

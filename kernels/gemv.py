@@ -612,12 +612,18 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
         if M > 16:  # a 32- or 64-row x tile: 512-wide K tiles would take 260-330 KB of shared memory (sm_90 compile)
             block_k = 256
     block_k = min(block_k, max(16, next_pow2(K)))
-    split_k = 1
-    k_steps = triton.cdiv(K, block_k)
-    while (not no_split and triton.cdiv(N, block_n) * split_k < SPLIT_K_MIN_PROGRAMS * num_sms()
-           and split_k * 2 <= k_steps and split_k < 16):
-        split_k *= 2
+    split_k = 1 if no_split else split_k_for(N, block_n, K, block_k)
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, **extra)
+
+
+def split_k_for(N: int, block_n: int, K: int, block_k: int) -> int:
+    """default_config's split of K for a tile: halved until the output's programs number SPLIT_K_MIN_PROGRAMS an SM,
+    while each split keeps one K tile or more (at most 16 splits)."""
+    split_k, k_steps = 1, triton.cdiv(K, block_k)
+    while (triton.cdiv(N, block_n) * split_k < SPLIT_K_MIN_PROGRAMS * num_sms() and split_k * 2 <= k_steps
+           and split_k < 16):
+        split_k *= 2
+    return split_k
 
 
 def _norm_args(norm_in: ResidualNorm | None, add_norm: ResidualNorm | None, split_k: int, x: torch.Tensor) -> dict:
