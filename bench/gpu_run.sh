@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 # Pending (2026-12-06): on an H200 (an H100 came for every call but one since 12-05), `recheck`, then `fp8-h200`
@@ -10,7 +10,7 @@
 # Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
 [[ -d .whl ]] || { echo "gpu_run.sh: no .whl here (bench/fetch_wheels.sh, then carry it)" >&2; exit 1; }
 source bench/device_env.sh || exit 1
 # Module knobs of the batch-1 ideas, as bench.b1 --variants takes them. Since 2026-12-05 both (and
@@ -116,6 +116,25 @@ P.probe_fp8_batches({}, variants={'bf16': (None, {}), 'bf16_rows16': (None, {'ke
                         'fp8': ('fp8', {}), 'fp8_64': ('fp8', {'kernels.ops.GEMV_MAX_M_FP8': 64}),
                         'fp8_w8a8': ('fp8', {'kernels.ops.GEMV_MAX_M_FP8': 1})}, batches=(1, 2, 8, 16, 24, 32, 48, 64))
 " 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/fp8_rows_64.log" | tail -10
+fi
+if [[ $what == bf16-rows ]]; then
+  # bf16 weights at decode batches of 2-16 on the several-row GEMV (kernels.ops.GEMV_MAX_M = 16) against cuBLAS (the
+  # default past one row; a batch-2 step 1.20x batch 1's on an H100, 12-06): the tiles swept per linear at 8 rows
+  # (bench.probe bf16_small_m), then decode steps at batch 1..64 in the engine at the default tiles and the swept ones;
+  # FP8 weight-only past 16 rows (GEMV_MAX_M_FP8 = 64) in the same run. ~8 min.
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and (gemv_rows or gemv_fp8_rows)" 2>&1 | tail -2
+  timeout 450 python3 -c "
+import json, os
+import bench.probe as P
+res = {}
+P.probe_bf16_small_m(res)
+json.dump(res, open(os.environ['OUT'] + '/probe_bf16_rows.json', 'w'), indent=1)
+P.probe_fp8_batches(res, variants={'bf16': (None, {}), 'bf16_rows16': (None, {'kernels.ops.GEMV_MAX_M': 16}),
+                                   **P.swept_variants(res), 'fp8': ('fp8', {}),
+                                   'fp8_64': ('fp8', {'kernels.ops.GEMV_MAX_M_FP8': 64})},
+                    batches=(1, 2, 4, 8, 16, 32, 64), swept=False)
+json.dump(res, open(os.environ['OUT'] + '/probe_bf16_rows.json', 'w'), indent=1)
+" 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/bf16_rows.log" | tail -40
 fi
 if [[ $what == fp8-rows-pdl ]]; then
   # The several-row FP8 GEMV in the engine at its swept tiles, PDL on and off (fp8-rows, 12-06: 2x slower in the engine

@@ -18,6 +18,7 @@
     python -m bench.probe prefill_tiles  # bench.offline's prefill rate with the long-prompt extend tile varied in the engine
     python -m bench.probe extend_layout  # extend attention on the engine's qkv views vs contiguous, alone and after a GEMM
     python -m bench.probe fp8_small_m  # FP8 linears at 1..64 rows: bf16, W8A8 (_scaled_mm), weight-only on the GEMV's MMA
+    python -m bench.probe bf16_small_m  # bf16 linears at 1..16 rows: cuBLAS against the GEMV's tensor-core tile, swept
     python -m bench.probe fp8_batches  # decode steps at batch 1..64: bf16, FP8 at the defaults, FP8 W8A8 past one row
 """
 from __future__ import annotations
@@ -828,14 +829,46 @@ def probe_mixed_first(res: dict) -> None:
 LLAMA8B_LINEARS = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
 
 
+def _rows_tile_sweep(name: str, n: int, k: int, launch, tiles) -> tuple[tuple, dict]:
+    """The several-row GEMV's (block_n, block_k, num_warps) tiles for one linear, each timed at 8 rows in CUDA
+    graphs: launch(i, config) runs it on the i-th weight copy. Returns the fastest tile and every time (us)."""
+    from kernels.gemv import GemvConfig, split_k_for
+    sweep = {}
+    for bn, bk in tiles:
+        for warps in (4, 8):
+            cfg = GemvConfig(bn, bk, split_k_for(n, bn, k, bk), warps)
+            try:
+                sweep[bn, bk, warps] = graph_time_ms(lambda i: launch(i, cfg)) * 1e3
+            except Exception as e:  # noqa: BLE001  (a tile the compiler refuses: out of resources)
+                log(f"{name} {bn, bk, warps}: {repr(e)[:120]}")
+    tile = min(sweep, key=sweep.get)
+    log(f"{name}: best tile at 8 rows {tile}: {sweep[tile]:.1f} us (sweep {len(sweep)})")
+    return tile, sweep
+
+
+def _tile_config(n: int, k: int, tile: tuple):
+    from kernels.gemv import GemvConfig, split_k_for
+    return GemvConfig(tile[0], tile[1], split_k_for(n, tile[0], k, tile[1]), tile[2])
+
+
+def _layer_lines(rows: list, keys_at: dict, base: str = "bf16_us") -> None:
+    """Each M's four linears summed (a layer), against `base`."""
+    for m in sorted({r["M"] for r in rows}):
+        at_m = [r for r in rows if r["M"] == m]
+        layer = {key: sum(r[key] for r in at_m) for key in at_m[0] if key.endswith("_us")}
+        log(f"a layer's four linears at M={m}: " + ", ".join(f"{k_[:-3]} {v:.0f} us" for k_, v in layer.items())
+            + "".join(f"; {key[:-3]} / {base[:-3]} {layer[key] / layer[base]:.3f}" for key in keys_at.get(m, ())
+                      if key in layer))
+
+
 def probe_fp8_small_m(res: dict) -> None:
     """FP8 weights (per-row scales) at decode batches of 1..64 rows, each Llama-8B linear alone in CUDA graphs with
-    the weights out of L2: bf16 weights (cuBLAS past one row), FP8 as the engine runs them past one row today
-    (per-token quantization + torch._scaled_mm, W8A8), and FP8 weight-only on the GEMV's tensor-core tile (<= 16
-    rows; kernels.ops.GEMV_MAX_M_FP8), at its default tiles and at the best of a small sweep at 8 rows."""
+    the weights out of L2: bf16 weights (cuBLAS past one row), FP8 as W8A8 (per-token quantization +
+    torch._scaled_mm) and FP8 weight-only on the GEMV's tensor-core tile (2-16 rows), at its default tiles and at
+    the best of a small sweep at 8 rows."""
     import kernels.ops as ops
     from bench.kernels import copies_for
-    from kernels.gemv import GemvConfig, gemv, split_k_for
+    from kernels.gemv import gemv
     from shared.models.quantization import quantize_per_channel
     rows, best = [], {}
     for name, (n, k) in LLAMA8B_LINEARS.items():
@@ -843,20 +876,12 @@ def probe_fp8_small_m(res: dict) -> None:
         ws = [w] + [w.clone() for _ in range(copies_for(n * k * 2, cap=8) - 1)]
         q0, s0 = quantize_per_channel(w)
         qs = [(q0, s0)] + [(q0.clone(), s0) for _ in range(copies_for(n * k, cap=8) - 1)]
-        sweep = {}
         x8 = torch.randn(8, k, dtype=DT, device="cuda")
-        for bn, bk in ((16, 512), (16, 1024), (32, 256), (32, 512), (32, 1024), (64, 256), (64, 512)):
-            for warps in (4, 8):
-                cfg = GemvConfig(bn, bk, split_k_for(n, bn, k, bk), warps)
-                try:
-                    sweep[bn, bk, warps] = graph_time_ms(lambda i: gemv(x8, qs[i % len(qs)][0], scale=qs[i % len(qs)][1],
-                                                                          config=cfg)) * 1e3
-                except Exception as e:  # noqa: BLE001  (a tile the compiler refuses: out of resources)
-                    log(f"{name} {bn, bk, warps}: {repr(e)[:120]}")
-        tile = min(sweep, key=sweep.get)
+        tile, sweep = _rows_tile_sweep(
+            name, n, k, lambda i, cfg: gemv(x8, qs[i % len(qs)][0], scale=qs[i % len(qs)][1], config=cfg),
+            ((16, 512), (16, 1024), (32, 256), (32, 512), (32, 1024), (64, 256), (64, 512)))
         best[name] = {"tile": list(tile), "us_at_8": sweep[tile], "sweep": {str(t): v for t, v in sweep.items()}}
-        log(f"{name}: best W8A16 tile at 8 rows {tile}: {sweep[tile]:.1f} us (sweep {len(sweep)})")
-        cfg_best = GemvConfig(tile[0], tile[1], split_k_for(n, tile[0], k, tile[1]), tile[2])
+        cfg_best = _tile_config(n, k, tile)
         for m in (1, 2, 4, 8, 16, 32, 64):
             x = torch.randn(m, k, dtype=DT, device="cuda")
             row = {"shape": name, "M": m,
@@ -870,13 +895,38 @@ def probe_fp8_small_m(res: dict) -> None:
             log(" ".join(f"{k_}={v:.1f}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()))
         del ws, qs
         torch.cuda.empty_cache()
-    for m in (1, 2, 4, 8, 16, 32, 64):
-        at_m = [r for r in rows if r["M"] == m]
-        layer = {key: sum(r[key] for r in at_m) for key in at_m[0] if key.endswith("_us")}
-        log(f"a layer's four linears at M={m}: " + ", ".join(f"{k_[:-3]} {v:.0f} us" for k_, v in layer.items())
-            + f"; fp8 W8A8 / bf16 {layer['fp8_w8a8_us'] / layer['bf16_us']:.3f}"
-            + (f", W8A16 best / bf16 {layer['fp8_w8a16_best_us'] / layer['bf16_us']:.3f}" if 2 <= m <= 16 else ""))
+    _layer_lines(rows, {m: ("fp8_w8a8_us", "fp8_w8a16_best_us") for m in (1, 2, 4, 8, 16, 32, 64)})
     res["fp8_small_m"] = {"rows": rows, "best_tiles": best}
+
+
+def probe_bf16_small_m(res: dict) -> None:
+    """bf16 weights at decode batches of 1..16 rows, each Llama-8B linear alone in CUDA graphs with the weights out of
+    L2: cuBLAS (the default past one row, kernels.ops.GEMV_MAX_M = 1) against the GEMV's tensor-core tile at its
+    default tiles and at the best of a sweep at 8 rows; the one-row GEMV at M = 1 for reference."""
+    import kernels.ops as ops
+    from bench.kernels import copies_for
+    from kernels.gemv import gemv
+    rows, best = [], {}
+    for name, (n, k) in LLAMA8B_LINEARS.items():
+        ws = [torch.randn(n, k, dtype=DT, device="cuda") * 0.02 for _ in range(copies_for(n * k * 2, cap=8))]
+        x8 = torch.randn(8, k, dtype=DT, device="cuda")
+        tile, sweep = _rows_tile_sweep(
+            name, n, k, lambda i, cfg: gemv(x8, ws[i % len(ws)], config=cfg),
+            ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128)))
+        best[name] = {"tile": list(tile), "us_at_8": sweep[tile], "sweep": {str(t): v for t, v in sweep.items()}}
+        cfg_best = _tile_config(n, k, tile)
+        for m in (1, 2, 4, 8, 16):
+            x = torch.randn(m, k, dtype=DT, device="cuda")
+            row = {"shape": name, "M": m, "bf16_us": graph_time_ms(lambda i: x @ ws[i % len(ws)].t()) * 1e3,
+                   "gemv_us": graph_time_ms(lambda i: gemv(x, ws[i % len(ws)])) * 1e3}
+            if m > 1:
+                row["gemv_best_us"] = graph_time_ms(lambda i: gemv(x, ws[i % len(ws)], config=cfg_best)) * 1e3
+            rows.append(row)
+            log(" ".join(f"{k_}={v:.1f}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()))
+        del ws
+        torch.cuda.empty_cache()
+    _layer_lines(rows, {m: ("gemv_us", "gemv_best_us") for m in (1, 2, 4, 8, 16)})
+    res["bf16_small_m"] = {"rows": rows, "best_tiles": best, "gemv_max_m": ops.GEMV_MAX_M}
 
 
 def probe_fp8_batches_pdl(res: dict) -> None:
@@ -901,8 +951,23 @@ def probe_fp8_batches_pdl(res: dict) -> None:
                       batches=(1, 2, 8, 16, 32), key="fp8_batches_pdl")
 
 
+def swept_variants(res: dict) -> dict:
+    """probe_fp8_batches' variants at the tiles fp8_small_m / bf16_small_m found best at 8 rows, where that sweep ran
+    first in this process (bf16 on the several-row GEMV up to 16 rows)."""
+    out = {}
+    for sweep_key, name, quant, knobs in (("fp8_small_m", "fp8_swept", "fp8", {}),
+                                          ("bf16_small_m", "bf16_rows16_swept", None, {"kernels.ops.GEMV_MAX_M": 16})):
+        swept = res.get(sweep_key, {}).get("best_tiles")
+        if swept:
+            tiles = {LLAMA8B_LINEARS[n_]: tuple(b["tile"]) for n_, b in swept.items()}
+            table = "FP8_ROWS_TILES" if quant else "BF16_ROWS_TILES"
+            out[name] = (quant, {**knobs, f"kernels.gemv.{table}": tiles})
+            log(f"{name}: the swept tiles {tiles}")
+    return out
+
+
 def probe_fp8_batches(res: dict, variants: dict | None = None, batches: tuple = (1, 2, 4, 8, 16, 32, 64),
-                      key: str = "fp8_batches") -> None:
+                      key: str = "fp8_batches", swept: bool = True) -> None:
     """Decode steps at batch 1..64 (the engine loop, graphs to 64, 256-token prompts, Llama-8B shape): bf16 weights,
     FP8 at the defaults (weight-only GEMVs up to kernels.ops.GEMV_MAX_M_FP8 rows since 2026-12-06) and FP8 with W8A8
     past one row (the former path).
@@ -914,11 +979,8 @@ def probe_fp8_batches(res: dict, variants: dict | None = None, batches: tuple = 
     path = model_dir("llama-3.1-8b")
     variants = variants or {"bf16": (None, {}), "fp8": ("fp8", {}),
                             "fp8_w8a8": ("fp8", {"kernels.ops.GEMV_MAX_M_FP8": 1})}
-    swept = res.get("fp8_small_m", {}).get("best_tiles")
-    if swept:  # fp8_small_m ran first in this process: its best tiles at 8 rows as well
-        tiles = {LLAMA8B_LINEARS[name]: tuple(b["tile"]) for name, b in swept.items()}
-        variants["fp8_swept"] = ("fp8", {"kernels.gemv.FP8_ROWS_TILES": tiles})
-        log(f"fp8_batches: the swept tiles {tiles}")
+    if swept:
+        variants.update(swept_variants(res))
     out: dict = {}
     for name, (quant, knobs) in variants.items():
         with module_knobs(knobs):
@@ -1268,7 +1330,7 @@ def main() -> int:
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune,
-             "fp8_small_m": probe_fp8_small_m, "fp8_batches": probe_fp8_batches,
+             "fp8_small_m": probe_fp8_small_m, "fp8_batches": probe_fp8_batches, "bf16_small_m": probe_bf16_small_m,
              "fp8_batches_pdl": probe_fp8_batches_pdl}[w](res)
         except Exception as e:
             import traceback

@@ -324,6 +324,33 @@ def check_gemv(device, dtype):
                                            msg=lambda m: f"K={K} N={N} M={M} {cfg}: {m}")
 
 
+def check_gemv_rows(device, dtype):
+    """Several rows of unquantized weights on the tensor-core tile (kernels.ops.GEMV_MAX_M past one row), at the tile
+    shapes `bench.probe bf16_small_m` sweeps, with ragged N and split K; kernels.gemv.BF16_ROWS_TILES overrides the
+    default tile of the shapes it lists, and only at several rows."""
+    import kernels.gemv as g
+    from kernels.reference import gemv_ref
+    shapes = [(256, 130)] + ([(4096, 6144), (14336, 4096)] if device.type == "cuda" else [])
+    for K, N in shapes:
+        w = _rand(N, K, dtype=dtype, device=device)
+        for M in (5, 16):
+            x = _rand(M, K, dtype=dtype, device=device)
+            for cfg in (g.GemvConfig(64, 128, 1, 8), g.GemvConfig(128, 128, 2, 8), g.GemvConfig(16, 256, 1, 4)):
+                torch.testing.assert_close(g.gemv(x, w, config=cfg), gemv_ref(x, w), **_tol(dtype),
+                                           msg=lambda m: f"K={K} N={N} M={M} {cfg}: {m}")
+    saved = dict(g.BF16_ROWS_TILES)
+    try:
+        g.BF16_ROWS_TILES[130, 256] = (32, 64, 4)
+        cfg = g.default_config(8, 130, 256)
+        assert (cfg.block_n, cfg.block_k, cfg.num_warps) == (32, 64, 4)
+        assert g.default_config(1, 130, 256) != cfg and g.default_config(8, 130, 256, 1) != cfg
+        w, x = _rand(130, 256, dtype=dtype, device=device), _rand(8, 256, dtype=dtype, device=device)
+        torch.testing.assert_close(g.gemv(x, w), gemv_ref(x, w), **_tol(dtype))
+    finally:
+        g.BF16_ROWS_TILES.clear()
+        g.BF16_ROWS_TILES.update(saved)
+
+
 def check_gemv_row_kernel(device, dtype):
     """The one-row kernel and the general kernel compute the same fp32 sums in other orders: equal to well
     inside the output's rounding, at every tile shape (x in w's layout either way) and with the gated input."""
