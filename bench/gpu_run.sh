@@ -4,7 +4,8 @@
 #   bash bench/gpu_run.sh bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# Pending (2026-12-06): on an H200 (an H100 came for every call but one since 12-05), `recheck`, then `fp8-h200`
+# bf16-rows ran on an H100 at 63f53e8 (12-06 04:40): adopted GEMV_MAX_M = 16 at its swept tiles; FP8 weight-only past 16 rows
+# lost (fp8-rows-64 is that half). Pending (2026-12-06): on an H200 (an H100 came for every call but one since 12-05), `recheck`, then `fp8-h200`
 # (the FP8 defaults and the rope epilogue; the chain sweep only if the former tiles win) and `fp8-rows-64` (FP8
 # weight-only GEMVs past 16 rows, bf16 on the several-row GEMV; built at 4528fe7, never run). `recheck` ran on an H100 at 303936c (12-06 02:44).
 # Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
@@ -89,6 +90,7 @@ fi
 if [[ $what == recheck ]]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py -k gpu 2>&1 | tail -3
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv" 2>&1 | tail -3
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k "bf16 or cuda_graphs" 2>&1 | tail -3
   # Eight cache off/on pairs: the zero-reuse overhead's goal (0.3%) is below one run's spread; with three
   # pairs it read 0.66% and 0.31% where ten read 0.21% (2026-12-04).
   # With the mixed-chunk A/B (two pairs of throughput runs, 2026-12-05): one more info line.

@@ -293,7 +293,7 @@ def bench_extend(rep: Report):
 def bench_fusions(rep: Report):
     """The decode fusions against the launches they replace, at Llama-3.1-8B decode shapes (batch 1
     and 64): rope + KV store in one kernel vs rope then store_kv; the down GEMV reading gate|up vs
-    silu_and_mul then the GEMV (the GEMV serves batch 1 only, ops.GEMV_MAX_M); single-launch decode
+    silu_and_mul then the GEMV (the gated load serves one row; several rows run silu_and_mul first); single-launch decode
     attention vs the same one split merged by stage 2 (the backend uses it when max_kv_splits == 1)."""
     from kernels.activation import silu_and_mul
     from kernels.attention.triton_decode import decode_attention, num_kv_splits_for

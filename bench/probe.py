@@ -901,8 +901,8 @@ def probe_fp8_small_m(res: dict) -> None:
 
 def probe_bf16_small_m(res: dict) -> None:
     """bf16 weights at decode batches of 1..16 rows, each Llama-8B linear alone in CUDA graphs with the weights out of
-    L2: cuBLAS (the default past one row, kernels.ops.GEMV_MAX_M = 1) against the GEMV's tensor-core tile at its
-    default tiles and at the best of a sweep at 8 rows; the one-row GEMV at M = 1 for reference."""
+    L2: cuBLAS (the default past one row until 2026-12-06) against the GEMV's tensor-core tile at its default
+    tiles (kernels.gemv.BF16_ROWS_TILES) and at the best of a sweep at 8 rows; the one-row GEMV at M = 1 for reference."""
     import kernels.ops as ops
     from bench.kernels import copies_for
     from kernels.gemv import gemv

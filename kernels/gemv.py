@@ -64,9 +64,12 @@ FP8_ROW_KERNEL = False
 # Swept at 8 rows on an H200, each linear alone (2026-12-06 03:00; raw bench/probe_fp8_rows_1206_h200.json).
 FP8_ROWS_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (6144, 4096): (64, 256, 8), (4096, 4096): (32, 256, 4), (28672, 4096): (32, 256, 4), (4096, 14336): (64, 256, 8)}
-# bf16 weights at several rows (where kernels.ops.GEMV_MAX_M lets the GEMV take them): the same form, swept by
-# `python -m bench.probe bf16_small_m`; shapes not listed take the default tiles below. Empty until measured.
-BF16_ROWS_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
+# bf16 weights at several rows (up to kernels.ops.GEMV_MAX_M): the same form, swept by `python -m bench.probe
+# bf16_small_m` at 8 rows on an H100, each linear alone (2026-12-06 04:40; raw bench/probe_bf16_rows_1206_h100.json).
+# In the engine the former default tiles, FP8's (32|64, 512|256, 4), were 3-5% slower than cuBLAS, these 2.4-3.6%
+# faster; shapes not listed take (32, 128, 4) (default_config).
+BF16_ROWS_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
+    (6144, 4096): (16, 256, 4), (4096, 4096): (32, 128, 4), (28672, 4096): (32, 128, 4), (4096, 14336): (32, 128, 4)}
 # Several rows (the tensor-core tile) launched with programmatic dependent launch where the process has it on. An A/B
 # knob (`python -m bench.probe fp8_batches_pdl`), read at launch.
 SEVERAL_ROWS_PDL = True
@@ -609,9 +612,11 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
             block_n, block_k, warps, narrow = (8, 512, 2, True) if N <= 8192 else (2, 2048, 2, False)
         extra = dict(pre_tiles=2, fold=2 if 4096 < N <= 8192 else 1, narrow=narrow)
     else:
-        rows_tiles = FP8_ROWS_TILES if weight_bytes == 1 else BF16_ROWS_TILES
-        block_n, block_k, warps = rows_tiles.get((N, K)) or (
-            (32, 512, 4) if N <= 4096 else (64, 512, 4) if N <= 8192 else (64, 256, 4))
+        if weight_bytes == 1:
+            block_n, block_k, warps = FP8_ROWS_TILES.get((N, K)) or (
+                (32, 512, 4) if N <= 4096 else (64, 512, 4) if N <= 8192 else (64, 256, 4))
+        else:  # (32, 128, 4): the sweep's best on three of Llama-8B's four shapes, within 8% on the fourth
+            block_n, block_k, warps = BF16_ROWS_TILES.get((N, K), (32, 128, 4))
         if M > 16:  # a 32- or 64-row x tile: 512-wide K tiles would take 260-330 KB of shared memory (sm_90 compile)
             block_k = min(block_k, 256)
     block_k = min(block_k, max(16, next_pow2(K)))

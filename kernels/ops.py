@@ -17,9 +17,11 @@ from kernels import reference as ref
 from kernels.residual_norm import ResidualNorm
 from kernels.rope_store import RopeStore
 
-# Decode-time weight matmuls use the split-K GEMV only at these batch sizes, and only where it beat
-# cuBLAS in bench/kernels.py on H200.
-GEMV_MAX_M = 1
+# bf16 weights: up to this many rows take the GEMV (one row on its row kernel, several on its tensor-core tile at
+# kernels.gemv.BF16_ROWS_TILES), more take cuBLAS. Read when a linear is called (a CUDA graph keeps what it captured).
+# 16: decode steps at batch 2-16 at 0.964-0.976 of cuBLAS's (H100, `bash bench/gpu_run.sh bf16-rows`, 2026-12-06;
+# bench/RESULTS.md); at the GEMV's default tiles instead of the swept ones they were 1.04x.
+GEMV_MAX_M = 16
 # FP8 weights with per-row scales: up to this many rows take the GEMV (weight-only, rows on tensor cores past one),
 # more take quantize + torch._scaled_mm (W8A8). Read when a linear is called (a CUDA graph keeps what it captured).
 # 16: decode steps at batch 2-16 at 0.72-0.76 of bf16's against W8A8's 0.90-0.93 (H100, `python -m bench.probe
@@ -136,8 +138,7 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         return False
     if weight_scale is None:
         return x.shape[0] <= GEMV_MAX_M and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
-    rows = GEMV_MAX_M_FP8 if weight_scale.dim() == 1 else 1
-    return x.shape[0] <= max(GEMV_MAX_M, rows)
+    return x.shape[0] <= (GEMV_MAX_M_FP8 if weight_scale.dim() == 1 else 1)  # block scales: one row
 
 
 def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | None, add_norm: ResidualNorm | None,

@@ -620,6 +620,33 @@ def test_decode_in_cuda_graphs_gives_the_tokens_of_eager_decode():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(monkeypatch):
+    """bf16 batches of 2-16 rows (here decode steps of 8 in graphs) take the GEMV's tensor-core tile up to
+    kernels.ops.GEMV_MAX_M rows: each step's top logprob equals cuBLAS's (GEMV_MAX_M = 1) to bf16's rounding, and so
+    does the greedy token wherever cuBLAS's top two are not a near tie."""
+    import kernels.gemv as kg
+    import kernels.ops as ops
+    real, rows = kg.gemv, []
+    monkeypatch.setattr(kg, "gemv", lambda x, w, *a, **kw: rows.append(x.shape[0]) or real(x, w, *a, **kw))
+    ps = prompts(8, seed=46, lo=6, hi=14)
+    out = {}
+    for max_m in (16, 1):
+        monkeypatch.setattr(ops, "GEMV_MAX_M", max_m)
+        h = Harness(dtype="bfloat16", max_running_requests=8)
+        out[max_m] = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 6}, return_logprob=True,
+                                     top_logprobs_num=2) for p in ps])
+        if max_m == 16:
+            assert any(1 < m <= 16 for m in rows), rows  # the several-row GEMV ran (prefill and decode)
+    for got, ref in zip(out[16], out[1]):
+        for t, (top_g, top_r) in enumerate(zip(got["top"], ref["top"])):
+            assert abs(top_g[0][0] - top_r[0][0]) < 0.05, (t, top_g, top_r)
+            if top_r[0][0] - top_r[1][0] > 0.05:
+                assert top_g[0][1] == top_r[0][1], (t, top_g, top_r)
+            else:
+                break  # a near tie may pick either token; the sequences part from here
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_graph_logits_sample_as_their_fp32_widening(monkeypatch):
     """In bf16 the graphs' logits buffer is bf16, written by the lm_head's GEMM itself, and a greedy batch's
     argmax reads it unwidened. Every sampling call of a bf16 run with graphs (greedy, seeded, logprobs in the

@@ -245,8 +245,9 @@ def test_fp8_rows_take_the_gemv_up_to_gemv_max_m_fp8_and_only_with_per_row_scale
     w = torch.zeros(64, 32, dtype=torch.bfloat16)
     q, row_scale = quantize_per_channel(w.float())
     block_scale = torch.ones(1, 1)
-    for knob in (1, 8):
+    for knob, bf16_rows in ((1, 16), (8, 1)):  # each limit alone: neither widens the other's
         monkeypatch.setattr(ops, "GEMV_MAX_M_FP8", knob)
+        monkeypatch.setattr(ops, "GEMV_MAX_M", bf16_rows)
         for m in (1, 2, 8, 9):
             x = torch.zeros(m, 32, dtype=torch.bfloat16)
             assert ops._gemv_applies(x, w, None) == (m <= ops.GEMV_MAX_M)
