@@ -5,9 +5,9 @@
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 # bf16-rows ran on an H100 at 63f53e8 (12-06 04:40): adopted GEMV_MAX_M = 16 at its swept tiles; FP8 weight-only past 16 rows
-# lost (fp8-rows-64 is that half). Pending (2026-12-06): on an H200 (an H100 came for every call but one since 12-05), `recheck`, then `fp8-h200`
-# (the FP8 defaults and the rope epilogue; the chain sweep only if the former tiles win) and `fp8-rows-64` (FP8
-# weight-only GEMVs past 16 rows, bf16 on the several-row GEMV; built at 4528fe7, never run). `recheck` ran on an H100 at 303936c (12-06 02:44).
+# lost (fp8-rows-64 measured the same); recheck ran at 00cdb8a on an H100. Pending: on an H200 (an H100 came for every call but one since 12-05), `recheck`, then `fp8-h200`
+# (the FP8 defaults and the rope epilogue; the chain sweep only if the former tiles win) and `bf16-rows` (the
+# several-row bf16 tiles were swept on an H100 only).
 # Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
