@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 # bf16-rows ran on an H100 at 63f53e8 (12-06 04:40): adopted GEMV_MAX_M = 16 at its swept tiles; FP8 weight-only past 16 rows
@@ -118,6 +118,12 @@ P.probe_fp8_batches({}, variants={'bf16': (None, {}), 'bf16_rows16': (None, {'ke
                         'fp8': ('fp8', {}), 'fp8_64': ('fp8', {'kernels.ops.GEMV_MAX_M_FP8': 64}),
                         'fp8_w8a8': ('fp8', {'kernels.ops.GEMV_MAX_M_FP8': 1})}, batches=(1, 2, 8, 16, 24, 32, 48, 64))
 " 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/fp8_rows_64.log" | tail -10
+fi
+if [[ $what == lm-head-rows ]]; then
+  # The lm_head at decode batches of 2-16 on the GEMV (shared.models.llama.LM_HEAD_ROWS_GEMV) against cuBLAS: alone with
+  # a tile sweep, then decode steps at batch 1-16 alternated twice. ~3 min.
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k "bf16_rows" 2>&1 | tail -2
+  timeout 300 python3 -m bench.probe lm_head_rows 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/lm_head_rows.log" | tail -16
 fi
 if [[ $what == bf16-rows ]]; then
   # bf16 weights at decode batches of 2-16 on the several-row GEMV (kernels.ops.GEMV_MAX_M = 16) against cuBLAS (the

@@ -19,6 +19,7 @@
     python -m bench.probe extend_layout  # extend attention on the engine's qkv views vs contiguous, alone and after a GEMM
     python -m bench.probe fp8_small_m  # FP8 linears at 1..64 rows: bf16, W8A8 (_scaled_mm), weight-only on the GEMV's MMA
     python -m bench.probe bf16_small_m  # bf16 linears at 1..16 rows: cuBLAS against the GEMV's tensor-core tile, swept
+    python -m bench.probe lm_head_rows  # the lm_head at 2..16 rows: cuBLAS against the GEMV, alone and in the engine
     python -m bench.probe fp8_batches  # decode steps at batch 1..64: bf16, FP8 at the defaults, FP8 W8A8 past one row
 """
 from __future__ import annotations
@@ -951,6 +952,38 @@ def probe_fp8_batches_pdl(res: dict) -> None:
                       batches=(1, 2, 8, 16, 32), key="fp8_batches_pdl")
 
 
+def probe_lm_head_rows(res: dict) -> None:
+    """Llama-8B's lm_head (128256 x 4096, bf16) at decode batches of 2-16 rows in CUDA graphs: cuBLAS writing the
+    logits buffer (the default) against the GEMV's tensor-core tile at its default tile and the best of a sweep at
+    8 rows; then decode steps in the engine with the logits on the GEMV (shared.models.llama.LM_HEAD_ROWS_GEMV) at
+    that tile, alternated twice with the default."""
+    from kernels.gemv import gemv
+    n, k = 128256, HIDDEN
+    w = torch.randn(n, k, dtype=DT, device="cuda") * 0.02
+    x8, out8 = torch.randn(8, k, dtype=DT, device="cuda"), torch.empty(8, n, dtype=DT, device="cuda")
+    tile, sweep = _rows_tile_sweep("lm_head", n, k, lambda i, cfg: gemv(x8, w, out=out8, config=cfg),
+                                   ((16, 256), (32, 128), (32, 256), (64, 128), (64, 256), (128, 128)))
+    cfg_best = _tile_config(n, k, tile)
+    rows = []
+    for m in (1, 2, 4, 8, 16):
+        x, out = torch.randn(m, k, dtype=DT, device="cuda"), torch.empty(m, n, dtype=DT, device="cuda")
+        row = {"M": m, "cublas_us": graph_time_ms(lambda i: torch.mm(x, w.t(), out=out)) * 1e3,
+               "gemv_us": graph_time_ms(lambda i: gemv(x, w, out=out)) * 1e3}
+        if m > 1:
+            row["gemv_best_us"] = graph_time_ms(lambda i: gemv(x, w, out=out, config=cfg_best)) * 1e3
+        rows.append(row)
+        log(" ".join(f"{k_}={v:.1f}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()))
+    res["lm_head_rows"] = {"rows": rows, "tile": list(tile), "sweep": {str(t): v for t, v in sweep.items()}}
+    del w
+    torch.cuda.empty_cache()
+    import kernels.gemv as kg
+    on = {"shared.models.llama.LM_HEAD_ROWS_GEMV": True,
+          "kernels.gemv.BF16_ROWS_TILES": {**kg.BF16_ROWS_TILES, (n, k): tuple(tile)}}
+    probe_fp8_batches(res, variants={"bf16": (None, {}), "lm_gemv": (None, on), "bf16_again": (None, {}),
+                                     "lm_gemv_again": (None, on)}, batches=(1, 2, 4, 8, 16), key="lm_head_batches",
+                      swept=False)
+
+
 def swept_variants(res: dict) -> dict:
     """probe_fp8_batches' variants at the tiles fp8_small_m / bf16_small_m found best at 8 rows, where that sweep ran
     first in this process (bf16 on the several-row GEMV up to 16 rows)."""
@@ -1331,6 +1364,7 @@ def main() -> int:
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune,
              "fp8_small_m": probe_fp8_small_m, "fp8_batches": probe_fp8_batches, "bf16_small_m": probe_bf16_small_m,
+             "lm_head_rows": probe_lm_head_rows,
              "fp8_batches_pdl": probe_fp8_batches_pdl}[w](res)
         except Exception as e:
             import traceback

@@ -141,6 +141,15 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     return x.shape[0] <= (GEMV_MAX_M_FP8 if weight_scale.dim() == 1 else 1)  # block scales: one row
 
 
+def gemv_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    """x @ weight^T (unquantized) written into out ([M, N] of x's dtype or wider) by the GEMV, where the GEMV takes
+    this matmul (CUDA, bf16, at most GEMV_MAX_M rows); None where it does not."""
+    if not _gemv_applies(x, weight, None):
+        return None
+    from kernels.gemv import gemv
+    return gemv(x, weight, out=out)
+
+
 def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | None, add_norm: ResidualNorm | None,
                        gated: bool, rope: RopeStore | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One row: the GEMV's epilogues (split norms, rope + KV store) or their torch equivalents."""

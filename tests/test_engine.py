@@ -622,16 +622,19 @@ def test_decode_in_cuda_graphs_gives_the_tokens_of_eager_decode():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(monkeypatch):
     """bf16 batches of 2-16 rows (here decode steps of 8 in graphs) take the GEMV's tensor-core tile up to
-    kernels.ops.GEMV_MAX_M rows: each step's top logprob equals cuBLAS's (GEMV_MAX_M = 1) to bf16's rounding, and so
-    does the greedy token wherever cuBLAS's top two are not a near tie."""
+    kernels.ops.GEMV_MAX_M rows, their logits too with shared.models.llama.LM_HEAD_ROWS_GEMV: each step's top logprob
+    equals cuBLAS's (GEMV_MAX_M = 1) to bf16's rounding, and so does the greedy token wherever cuBLAS's top two are
+    not a near tie."""
     import kernels.gemv as kg
     import kernels.ops as ops
+    import shared.models.llama as llama
     real, rows = kg.gemv, []
     monkeypatch.setattr(kg, "gemv", lambda x, w, *a, **kw: rows.append(x.shape[0]) or real(x, w, *a, **kw))
     ps = prompts(8, seed=46, lo=6, hi=14)
     out = {}
     for max_m in (16, 1):
         monkeypatch.setattr(ops, "GEMV_MAX_M", max_m)
+        monkeypatch.setattr(llama, "LM_HEAD_ROWS_GEMV", max_m > 1)  # the logits on the GEMV too (an A/B knob)
         h = Harness(dtype="bfloat16", max_running_requests=8)
         out[max_m] = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 6}, return_logprob=True,
                                      top_logprobs_num=2) for p in ps])

@@ -38,6 +38,10 @@ FP8_ROPE_EPILOGUE = False
 # so on; the FP8 step unchanged (the suspect, FP8 down_proj's gated load, was not its lag), so off there.
 GATE_UP_EPILOGUE = True
 GATE_UP_EPILOGUE_FP8 = False
+# Decode batches of 2..kernels.ops.GEMV_MAX_M rows compute their logits on the GEMV's tensor-core tile (batch 1 always
+# does, through the folded final norm) instead of cuBLAS, written straight into the graph's logits buffer. An A/B knob
+# (@shared.models.llama.LM_HEAD_ROWS_GEMV=1), read when a pass is traced; off until measured.
+LM_HEAD_ROWS_GEMV = False
 
 
 class LlamaAttention(nn.Module):
@@ -265,6 +269,8 @@ class LlamaForCausalLM(nn.Module):
         128k vocabulary moved ~200 MB a step; the sampler widens only where it needs fp32)."""
         if out is not None and out.dtype == self.logits_dtype and self.lm_head.shard is None \
                 and hidden.dtype == out.dtype and out.shape[1] == self.lm_head.weight.shape[0]:
+            if LM_HEAD_ROWS_GEMV and (logits := ops.gemv_into(hidden, self.lm_head.weight, out)) is not None:
+                return logits
             return torch.mm(hidden, self.lm_head.weight.t(), out=out)
         logits = torch.nn.functional.linear(hidden, self.lm_head.weight)
         if self.lm_head.shard is not None:
