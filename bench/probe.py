@@ -955,8 +955,8 @@ def probe_fp8_batches_pdl(res: dict) -> None:
 def probe_lm_head_rows(res: dict) -> None:
     """Llama-8B's lm_head (128256 x 4096, bf16) at decode batches of 2-16 rows in CUDA graphs: cuBLAS writing the
     logits buffer (the default) against the GEMV's tensor-core tile at its default tile and the best of a sweep at
-    8 rows; then decode steps in the engine with the logits on the GEMV (shared.models.llama.LM_HEAD_ROWS_GEMV) at
-    that tile, alternated twice with the default."""
+    8 rows; then decode steps in the engine with the logits on the GEMV (shared.models.llama.LM_HEAD_ROWS_GEMV, the
+    default since 2026-12-06) at that tile, alternated twice with cuBLAS ("bf16", the knob off)."""
     from kernels.gemv import gemv
     n, k = 128256, HIDDEN
     w = torch.randn(n, k, dtype=DT, device="cuda") * 0.02
@@ -979,7 +979,8 @@ def probe_lm_head_rows(res: dict) -> None:
     import kernels.gemv as kg
     on = {"shared.models.llama.LM_HEAD_ROWS_GEMV": True,
           "kernels.gemv.BF16_ROWS_TILES": {**kg.BF16_ROWS_TILES, (n, k): tuple(tile)}}
-    probe_fp8_batches(res, variants={"bf16": (None, {}), "lm_gemv": (None, on), "bf16_again": (None, {}),
+    off = {"shared.models.llama.LM_HEAD_ROWS_GEMV": False}
+    probe_fp8_batches(res, variants={"bf16": (None, off), "lm_gemv": (None, on), "bf16_again": (None, off),
                                      "lm_gemv_again": (None, on)}, batches=(1, 2, 4, 8, 16), key="lm_head_batches",
                       swept=False)
 

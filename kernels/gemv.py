@@ -69,7 +69,8 @@ FP8_ROWS_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
 # In the engine the former default tiles, FP8's (32|64, 512|256, 4), were 3-5% slower than cuBLAS, these 2.4-3.6%
 # faster; shapes not listed take (32, 128, 4) (default_config).
 BF16_ROWS_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
-    (6144, 4096): (16, 256, 4), (4096, 4096): (32, 128, 4), (28672, 4096): (32, 128, 4), (4096, 14336): (32, 128, 4)}
+    (6144, 4096): (16, 256, 4), (4096, 4096): (32, 128, 4), (28672, 4096): (32, 128, 4), (4096, 14336): (32, 128, 4),
+    (128256, 4096): (32, 256, 4)}  # the lm_head (bench.probe lm_head_rows, H100, 05:00; raw probe_lm_head_rows_1206_h100)
 # Several rows (the tensor-core tile) launched with programmatic dependent launch where the process has it on. An A/B
 # knob (`python -m bench.probe fp8_batches_pdl`), read at launch.
 SEVERAL_ROWS_PDL = True
