@@ -19,8 +19,8 @@ from kernels.rope_store import RopeStore
 
 # bf16 weights: up to this many rows take the GEMV (one row on its row kernel, several on its tensor-core tile at
 # kernels.gemv.BF16_ROWS_TILES), more take cuBLAS. Read when a linear is called (a CUDA graph keeps what it captured).
-# 16: decode steps at batch 2-16 at 0.964-0.976 of cuBLAS's (H100, `bash bench/gpu_run.sh bf16-rows`, 2026-12-06;
-# bench/RESULTS.md); at the GEMV's default tiles instead of the swept ones they were 1.04x.
+# 16: decode steps at batch 2-16 at 0.951-0.973 of cuBLAS's (H100, `bash bench/gpu_run.sh bf16-rows`, 2026-12-06;
+# bench/RESULTS.md), at FP8's tiles instead of the swept ones 1.04x; past 16 rows 1.01-1.09x.
 GEMV_MAX_M = 16
 # FP8 weights with per-row scales: up to this many rows take the GEMV (weight-only, rows on tensor cores past one),
 # more take quantize + torch._scaled_mm (W8A8). Read when a linear is called (a CUDA graph keeps what it captured).
