@@ -126,21 +126,22 @@ if [[ $what == lm-head-rows ]]; then
   timeout 300 python3 -m bench.probe lm_head_rows 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/lm_head_rows.log" | tail -16
 fi
 if [[ $what == bf16-rows ]]; then
-  # bf16 weights at decode batches of 2-16 on the several-row GEMV (kernels.ops.GEMV_MAX_M = 16) against cuBLAS (the
-  # default past one row; a batch-2 step 1.20x batch 1's on an H100, 12-06): the tiles swept per linear at 8 rows
-  # (bench.probe bf16_small_m), then decode steps at batch 1..64 in the engine at the default tiles and the swept ones;
-  # FP8 weight-only past 16 rows (GEMV_MAX_M_FP8 = 64) in the same run. ~8 min.
-  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and (gemv_rows or gemv_fp8_rows)" 2>&1 | tail -2
+  # bf16 weights at decode batches of 2-16 on the several-row GEMV (kernels.ops.GEMV_MAX_M = 16 and the lm_head,
+  # shared.models.llama.LM_HEAD_ROWS_GEMV, since 2026-12-06) against cuBLAS past one row (the former default): the
+  # tiles swept per linear at 8 rows (bench.probe bf16_small_m), then decode steps at batch 1..32 in the engine at the
+  # table's tiles (kernels.gemv.BF16_ROWS_TILES, swept on an H100) and at this card's sweep, alternated twice. ~5 min.
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv_rows" 2>&1 | tail -2
   timeout 450 python3 -c "
 import json, os
 import bench.probe as P
 res = {}
 P.probe_bf16_small_m(res)
 json.dump(res, open(os.environ['OUT'] + '/probe_bf16_rows.json', 'w'), indent=1)
-P.probe_fp8_batches(res, variants={'bf16': (None, {}), 'bf16_rows16': (None, {'kernels.ops.GEMV_MAX_M': 16}),
-                                   **P.swept_variants(res), 'fp8': ('fp8', {}),
-                                   'fp8_64': ('fp8', {'kernels.ops.GEMV_MAX_M_FP8': 64})},
-                    batches=(1, 2, 4, 8, 16, 32, 64), swept=False)
+cublas = (None, {'kernels.ops.GEMV_MAX_M': 1, 'shared.models.llama.LM_HEAD_ROWS_GEMV': False})
+swept = P.swept_variants(res)
+P.probe_fp8_batches(res, variants={'bf16': (None, {}), 'bf16_cublas': cublas, **swept, 'bf16_again': (None, {}),
+                                   'bf16_cublas_again': cublas, **{k + '_again': v for k, v in swept.items()}},
+                    batches=(1, 2, 4, 8, 16, 32), swept=False)
 json.dump(res, open(os.environ['OUT'] + '/probe_bf16_rows.json', 'w'), indent=1)
 " 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/bf16_rows.log" | tail -40
 fi

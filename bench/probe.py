@@ -993,9 +993,10 @@ def swept_variants(res: dict) -> dict:
                                           ("bf16_small_m", "bf16_rows16_swept", None, {"kernels.ops.GEMV_MAX_M": 16})):
         swept = res.get(sweep_key, {}).get("best_tiles")
         if swept:
+            import kernels.gemv as kg
             tiles = {LLAMA8B_LINEARS[n_]: tuple(b["tile"]) for n_, b in swept.items()}
-            table = "FP8_ROWS_TILES" if quant else "BF16_ROWS_TILES"
-            out[name] = (quant, {**knobs, f"kernels.gemv.{table}": tiles})
+            table = "FP8_ROWS_TILES" if quant else "BF16_ROWS_TILES"  # the swept shapes replaced, the rest kept
+            out[name] = (quant, {**knobs, f"kernels.gemv.{table}": {**getattr(kg, table), **tiles}})
             log(f"{name}: the swept tiles {tiles}")
     return out
 
