@@ -229,3 +229,22 @@ def test_fp8_bench_reports_the_decode_step_without_the_prefill(tmp_path, monkeyp
     assert f"fp8 {b:.3f} ms, bf16 {a:.3f} ms, {b / a:.3f} x" in out
     pa, pb = res["none"]["b1_prefill_ms"], res["fp8"]["b1_prefill_ms"]
     assert f"prefill, beyond the decode steps: fp8 ~{pb:.1f} ms, bf16 ~{pa:.1f} ms" in out
+
+
+def test_probe_swept_variants_replace_the_swept_shapes_and_keep_the_tables_others():
+    """bench.probe's engine A/Bs at a sweep's tiles (bf16_small_m, fp8_small_m): the swept Llama-8B shapes take the
+    sweep's best tile, every other shape of the table (the lm_head's) keeps its own, and bf16's variant runs the
+    several-row GEMV to 16 rows."""
+    import kernels.gemv as kg
+    from bench.probe import LLAMA8B_LINEARS, swept_variants
+    assert swept_variants({}) == {}
+    best = {name: {"tile": [16, 64, 8]} for name in LLAMA8B_LINEARS}
+    v = swept_variants({"bf16_small_m": {"best_tiles": best}, "fp8_small_m": {"best_tiles": {"o": {"tile": [64, 64, 4]}}}})
+    quant, knobs = v["bf16_rows16_swept"]
+    table = knobs["kernels.gemv.BF16_ROWS_TILES"]
+    assert quant is None and knobs["kernels.ops.GEMV_MAX_M"] == 16
+    assert all(table[shape] == (16, 64, 8) for shape in LLAMA8B_LINEARS.values())
+    assert {s: t for s, t in table.items() if s not in LLAMA8B_LINEARS.values()} == \
+        {s: t for s, t in kg.BF16_ROWS_TILES.items() if s not in LLAMA8B_LINEARS.values()} != {}
+    fp8 = v["fp8_swept"][1]["kernels.gemv.FP8_ROWS_TILES"]
+    assert v["fp8_swept"][0] == "fp8" and fp8 == {**kg.FP8_ROWS_TILES, LLAMA8B_LINEARS["o"]: (64, 64, 4)}
