@@ -256,6 +256,32 @@ def test_fp8_rows_take_the_gemv_up_to_gemv_max_m_fp8_and_only_with_per_row_scale
     assert not ops._gemv_applies(torch.zeros(2, 64, dtype=torch.bfloat16)[:, ::2], q, row_scale)  # strided rows
 
 
+def test_logits_of_2_to_16_bf16_rows_come_from_the_gemv_into_the_graph_buffer(monkeypatch):
+    """LlamaForCausalLM.compute_logits on a (pretended) GPU, into a logits buffer of the model's dtype: bf16 rows up to
+    kernels.ops.GEMV_MAX_M go to the GEMV with the buffer as its output (shared.models.llama.LM_HEAD_ROWS_GEMV), more
+    rows, another dtype or the knob off go to torch.mm."""
+    import types
+
+    import kernels.gemv as kg
+    import kernels.ops as ops
+    import shared.models.llama as llama
+    calls = []
+    monkeypatch.setattr(ops, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(kg, "gemv", lambda x, w, out=None, **kw: calls.append(x.shape[0]) or out.fill_(7))
+    for dtype in (torch.bfloat16, torch.float32):
+        w = torch.randn(40, 16).to(dtype)
+        model = types.SimpleNamespace(lm_head=types.SimpleNamespace(weight=w, shard=None), logits_dtype=dtype)
+        for on in (True, False):
+            monkeypatch.setattr(llama, "LM_HEAD_ROWS_GEMV", on)
+            for m in (1, 2, 16, 17):
+                calls.clear()
+                x, out = torch.randn(m, 16).to(dtype), torch.empty(m, 40, dtype=dtype)
+                got = llama.LlamaForCausalLM.compute_logits(model, x, out=out)
+                gemv = on and dtype == torch.bfloat16 and m <= ops.GEMV_MAX_M
+                assert got.data_ptr() == out.data_ptr() and calls == ([m] if gemv else [])
+                assert torch.equal(got, torch.full_like(out, 7)) if gemv else torch.equal(got, x @ w.t())
+
+
 def test_fp8_linear_reference_and_activation_quantization():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 32, generator=gen)
