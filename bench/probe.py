@@ -4,6 +4,7 @@
     python -m bench.probe extend     # extend attention: our tiles, torch's flash varlen and SDPA backends
     python -m bench.probe trace      # the engine's batch-1 decode graph, kernel by kernel (torch.profiler)
     python -m bench.probe trace_pdl  # the same with PDL (kernels overlap, so spans, not per-kernel times)
+    python -m bench.probe trace_pdl_b2  # batch 2's replay kernel by kernel beside batch 1's (what only batch 1 fuses)
     python -m bench.probe b1         # batch-1 step and replay, bf16 and FP8, engines with PDL off / on
     python -m bench.probe steps      # what the GPU runs between two batch-1 graph replays, host ops
     python -m bench.probe tput       # the throughput workload, prefill and decode against the roofline model
@@ -335,11 +336,11 @@ def probe_eager_host(res: dict) -> None:
     eng.stop()
 
 
-def _probe_trace(res: dict, pdl: bool, key: str, **config) -> None:
+def _probe_trace(res: dict, pdl: bool, key: str, bs: int = 1, **config) -> None:
     eng = b1_engine(pdl, **config)
-    drive(eng, random_prompts(1, 512, 400, 2), {**GREEDY, "max_new_tokens": 64})
-    eng.runner.graph_runner.neutralize(1)
-    g = eng.runner.graph_runner.graphs[1, False]
+    drive(eng, random_prompts(bs, 512, 400, 2), {**GREEDY, "max_new_tokens": 64})
+    eng.runner.graph_runner.neutralize(bs)
+    g = eng.runner.graph_runner.graphs[bs, False]
     for _ in range(20):
         g.replay()
     torch.cuda.synchronize()
@@ -353,6 +354,13 @@ def probe_trace(res: dict) -> None:
 
 def probe_trace_pdl(res: dict) -> None:
     _probe_trace(res, True, "trace_pdl")
+
+
+def probe_trace_pdl_b2(res: dict) -> None:
+    """The batch-2 replay, kernel by kernel, beside batch 1's: what a second row costs where only batch 1 fuses the
+    residual norms, rope and the gated MLP into its GEMVs (bf16 batch 2 at 1.13x batch 1's step, H100, 2026-12-06)."""
+    _probe_trace(res, True, "trace_pdl_b1")
+    _probe_trace(res, True, "trace_pdl_b2", bs=2)
 
 
 def probe_trace_pdl_fp8(res: dict) -> None:
@@ -1359,7 +1367,7 @@ def main() -> int:
              "trace_pdl": probe_trace_pdl, "trace_pdl_early": probe_trace_pdl_early,
              "trace_pdl_whole": probe_trace_pdl_whole, "trace_pdl_prefetch": probe_trace_pdl_prefetch,
              "trace_pdl_rope": probe_trace_pdl_rope, "trace_pdl_kv": probe_trace_pdl_kv,
-             "trace_pdl_fp8": probe_trace_pdl_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
+             "trace_pdl_fp8": probe_trace_pdl_fp8, "trace_pdl_b2": probe_trace_pdl_b2, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
              "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "trace256_kvfp8": lambda res: probe_trace256(res, "fp8_e4m3"), "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "decode256_layout": probe_decode256_layout, "tput_page": probe_tput_page, "kvfp8": probe_kvfp8, "kvfp8_kernel": probe_kvfp8_kernel, "kvfp8_tiles": probe_kvfp8_tiles, "kvfp8_tput": probe_kvfp8_tput, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
