@@ -359,8 +359,8 @@ def probe_trace_pdl(res: dict) -> None:
 def probe_trace_pdl_b2(res: dict) -> None:
     """The batch-2 replay, kernel by kernel, beside batch 1's: what a second row costs where only batch 1 fuses the
     residual norms, rope and the gated MLP into its GEMVs (bf16 batch 2 at 1.13x batch 1's step, H100, 2026-12-06)."""
-    _probe_trace(res, True, "trace_pdl_b1")
     _probe_trace(res, True, "trace_pdl_b2", bs=2)
+    _probe_trace(res, True, "trace_pdl_b1")
 
 
 def probe_trace_pdl_fp8(res: dict) -> None:
