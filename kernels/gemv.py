@@ -14,8 +14,8 @@ With silu_mul=True the input is a gated MLP's [M, 2K] gate|up activation and the
 silu(gate) * up, computed as it loads x (rounded to x's dtype, as the silu_and_mul kernel's output
 would be): the down projection without a separate activation launch.
 
-With gated_out=True (one row) w is a gated MLP's gate|up projection [2I, K] and the kernel returns
-silu(gate) * up [1, I]: each program takes BLOCK_N / 2 gate rows and the matching up rows, and its epilogue
+With gated_out=True w is a gated MLP's gate|up projection [2I, K] and the kernel returns
+silu(gate) * up [M, I]: each program takes BLOCK_N / 2 gate rows and the matching up rows, and its epilogue
 rounds both as the projection's output would be, then gates them (the bits of silu_and_mul of that output). The
 down projection then reads I values, not 2I with the activation computed in its load.
 
@@ -107,6 +107,17 @@ def _gated_epilogue(out, pid_n, N, X, Y, BLOCK_N: tl.constexpr):
     gate, up = tl.split(tl.trans(tl.reshape(v, (2, H))))
     offs = pid_n * H + tl.arange(0, H)
     tl.store(Y + offs, _silu_mul(gate, up).to(Y.dtype.element_ty), mask=offs < N // 2)
+
+
+@triton.jit
+def _gated_rows_epilogue(acc, offs_m, mask_m, pid_n, N, X, Y, stride_ym, BLOCK_N: tl.constexpr):
+    """_gated_epilogue for several rows: acc [M_PAD, BLOCK_N], each row's sums in _gated_rows' order."""
+    H: tl.constexpr = BLOCK_N // 2
+    v = tl.reshape(acc.to(X.dtype.element_ty), (acc.shape[0], 2, H))
+    gate, up = tl.split(tl.permute(v, (0, 2, 1)))
+    offs = pid_n * H + tl.arange(0, H)
+    tl.store(Y + offs_m[:, None] * stride_ym + offs[None, :], _silu_mul(gate, up).to(Y.dtype.element_ty),
+             mask=mask_m[:, None] & (offs < N // 2)[None, :])
 
 
 @triton.jit
@@ -264,7 +275,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (one row, no split: the host checks)
         offs_n, mask_n = rope_rows(pid_n, BLOCK_N, N, HALF)
-    elif GATED:  # gate rows and their up rows (one row, no split, no block scales: the host checks)
+    elif GATED:  # gate rows and their up rows (no split, no block scales: the host checks)
         offs_n, mask_n = _gated_rows(pid_n, N, BLOCK_N)
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -324,24 +335,27 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
             cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
         rope_store_epilogue(tl.sum(acc, axis=0), cos, sin, slot, pid_n, N, Y, KB, VB, stride_bs, QS, KVS, BLOCK_N,
                             HALF)
-    elif GATED:
+    elif GATED and M == 1:
         _gated_epilogue(tl.sum(acc, axis=0), pid_n, N, X, Y, BLOCK_N)
+    elif GATED:
+        _gated_rows_epilogue(acc, offs_m, mask_m, pid_n, N, X, Y, stride_ym, BLOCK_N)
     elif SPLIT_K == 1:
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], _out(acc, X, Y), mask=mask)
     else:
         tl.store(P + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
-        if TICKETED:  # one row (the host checks): the tile's last split to finish sums them, as the reduce kernel
+        if TICKETED:  # the tile's last split to finish sums them, row by row, as the reduce kernel
             # Every thread's partial stored before one thread takes the ticket (acq_rel at GPU scope: a release of
             # them, and for the last taker an acquire of the others'); the counter is put back to 0 for the next
             # launch (a later layer, step or graph replay), which starts only after this grid completes.
             tl.debug_barrier()
             ticket = TK + pid_n
             if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                total = _sum_splits(P, 0, N, offs_n, mask_n, M, SPLIT_K, BLOCK_N, ".cg")
-                if ADD_NORM:
-                    _add_norm_epilogue(total, r_in, gamma, offs_n, mask_n, pid_n, R, Y, SQ, NSLOT)
-                else:
-                    tl.store(Y + offs_n, _out(total, X, Y), mask=mask_n)
+                for m in tl.static_range(M):
+                    total = _sum_splits(P, m, N, offs_n, mask_n, M, SPLIT_K, BLOCK_N, ".cg")
+                    if ADD_NORM:  # one row (the host checks)
+                        _add_norm_epilogue(total, r_in, gamma, offs_n, mask_n, pid_n, R, Y, SQ, NSLOT)
+                    else:
+                        tl.store(Y + m * stride_ym + offs_n, _out(total, X, Y), mask=mask_n)
                 tl.store(ticket, 0)
 
 
@@ -539,6 +553,10 @@ FP8_SMALL_N_BLOCK_N = 16
 # counters are one buffer a device: ticketed GEMVs must not run concurrently on two streams of one device (the
 # engine runs its forward passes on one stream).
 SPLITK_TICKETS = True
+# The same at several rows (the tensor-core tile; the last split sums each row's partials): at batch 2-16 bf16's o_proj
+# and down_proj split K in two at their swept tiles, 64 reduce launches a step, 67 us of batch 2's replay charged to
+# them (H100 trace, 2026-12-06: bench.probe trace_pdl_b2). An A/B knob read at launch; off until measured.
+SPLITK_TICKETS_ROWS = False
 # FP8's long-K rows (gate_up, down_proj) at the tiles the H100's chain sweep picked (default_config): an A/B knob.
 # Measured and removed (bench/RESULTS.md, 2026-12-05; the code is in git history): FP8 rows at 256 bytes a thread
 # (FP8_WIDE_TILES, batch-1 step +6%, H100), on tensor cores with cp.async-pipelined weights (FP8_TENSOR_CORES,
@@ -693,8 +711,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     y is added into add_norm.residual (in place) and the GEMV returns gamma * residual instead.
     rope (one row; kernels/rope_store.py): w is a qkv projection; y's q and k come out rotated at the token's
     position and k, v are also written to its pool slot.
-    gated_out (one row): w is a gated MLP's gate | up projection [2I, K]; returns silu_and_mul(y) [1, I], the
-    gating in the GEMV's epilogue (K unsplit; no split norm's producer, rope or block scales)."""
+    gated_out: w is a gated MLP's gate | up projection [2I, K]; returns silu_and_mul(y) [M, I], the gating in the
+    GEMV's epilogue (K unsplit; no split norm's producer, rope or block scales)."""
     M, K = x.shape
     if silu_mul:
         assert K % 2 == 0
@@ -713,9 +731,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert add_norm is None or (M == 1 and add_norm.size == N and add_norm.residual.dtype == x.dtype)
     assert norm_in is None or (M == 1 and norm_in.size == K)
     assert rope is None or (M == 1 and rope.size == N and add_norm is None and not silu_mul)
-    assert not gated_out or (M == 1 and N % 2 == 0 and block is None and add_norm is None and rope is None
-                             and not silu_mul and not tensor_cores), \
-        "gated_out: one row of a gate | up projection, per-row scales, no producer epilogue"
+    assert not gated_out or (N % 2 == 0 and block is None and add_norm is None and rope is None and not silu_mul
+                             and not tensor_cores), \
+        "gated_out: a gate | up projection, per-row scales, no producer epilogue"
     cfg = config or default_config(M, N, K, w.element_size())
     if gated_out:  # a program owns whole gate/up pairs, over all of K (the epilogue needs complete sums; a tile that
         # would split K, none of Llama-8B's gate_up tiles at batch 1, gives up that parallelism here)
@@ -730,13 +748,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert rope is None or cfg.block_n % 2 == 0, "rope: a program owns whole rotary pairs"
     if out is None:
         out = torch.empty((M, N // 2 if gated_out else N), dtype=x.dtype, device=x.device)
-    assert not gated_out or (out.shape == (1, N // 2) and out.stride(1) == 1), "gated_out: out is [1, N / 2]"
+    assert not gated_out or (out.shape == (M, N // 2) and out.stride(1) == 1), "gated_out: out is [M, N / 2]"
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
-    ticketed = bool(SPLITK_TICKETS and split_k > 1 and M == 1 and not dot and not cfg.row_kernel
-                    and rope is None and triton.cdiv(N, cfg.block_n) <= _TICKET_SLOTS)
+    ticketed = bool(SPLITK_TICKETS and split_k > 1 and rope is None and triton.cdiv(N, cfg.block_n) <= _TICKET_SLOTS
+                    and ((M == 1 and not dot and not cfg.row_kernel) or (M > 1 and SPLITK_TICKETS_ROWS)))
     norms = _norm_args(norm_in, add_norm, 1 if ticketed else split_k, x)
     ropes = dict(rope_args(rope, x, split_k == 1), ROPE_AHEAD=bool(ROPE_INPUTS_AHEAD))
     if not dot and cfg.row_kernel:

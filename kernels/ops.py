@@ -141,6 +141,11 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     return x.shape[0] <= (GEMV_MAX_M_FP8 if weight_scale.dim() == 1 else 1)  # block scales: one row
 
 
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> bool:
+    """Whether linear(x, weight, ..., weight_scale) runs on the decode GEMV (and gated_linear's epilogue with it)."""
+    return _gemv_applies(x, weight, weight_scale)
+
+
 def gemv_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
     """x @ weight^T (unquantized) written into out ([M, N] of x's dtype or wider) by the GEMV, where the GEMV takes
     this matmul (CUDA, bf16, at most GEMV_MAX_M rows); None where it does not."""
@@ -179,10 +184,11 @@ def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | No
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  weight_scale: torch.Tensor | None = None, norm_in: ResidualNorm | None = None) -> torch.Tensor:
-    """silu_and_mul(linear(x, ...)) for a gated MLP's gate | up projection (weight [2I, K]): [M, I]. One row
-    without bias or block scales goes through the GEMV with the gating in its epilogue (the bits of the two
-    steps, no [1, 2I] output written and read back); anything else runs the two. norm_in: as linear's."""
-    if (x.dim() == 2 and x.shape[0] == 1 and bias is None and _gemv_applies(x, weight, weight_scale)
+    """silu_and_mul(linear(x, ...)) for a gated MLP's gate | up projection (weight [2I, K]): [M, I]. Rows the GEMV
+    takes (gemv_applies), without bias or block scales, go through it with the gating in its epilogue (the bits of
+    the two steps, no [M, 2I] output written and read back); anything else runs the two. norm_in: as linear's
+    (one row)."""
+    if (x.dim() == 2 and bias is None and gemv_applies(x, weight, weight_scale)
             and (weight_scale is None or ref.scale_block(weight, weight_scale) is None)):
         from kernels.gemv import gemv
         return gemv(x, weight, scale=weight_scale, norm_in=norm_in, gated_out=True)

@@ -391,7 +391,8 @@ def check_gemv_gated_out(device, dtype):
     """gated_out: the gate | up projection's GEMV returning silu(gate) * up from its epilogue gives the bits of
     silu_and_mul of the plain GEMV's output at the same tile unsplit (each row's sums in the same order, rounded
     the same): the row kernel and the general one, one-row tiles widened to a pair, ragged I, FP8 weights with
-    per-row scales, a split norm's consumer. Refused where the epilogue cannot run."""
+    per-row scales, a split norm's consumer; several rows on the tensor-core tile. Refused where the epilogue cannot
+    run."""
     import dataclasses
 
     from kernels.activation import silu_and_mul
@@ -422,9 +423,22 @@ def check_gemv_gated_out(device, dtype):
                     ref = silu_and_mul(gemv(x, wq, config=unsplit, scale=scale, norm_in=norm_in))
                     assert y.shape == (1, N // 2) and bool((buf[:, N // 2:] == 7.0).all())
                     assert torch.equal(y, ref), (K, N, fp8, cfg, norm_in is not None, (y - ref).abs().max())
+        # Several rows (the tensor-core tile, kernels.ops.gated_linear's rows): silu_and_mul of the plain GEMV's
+        # output, to its rounding (the MMA's sums for a gate row sit in another column there).
+        for fp8 in (False, True):
+            wq, scale = (w, None)
+            if fp8:
+                wq, scale = (t.to(device) for t in quantize_per_channel(w.float().cpu()))
+            for M in (3, 16):
+                xm = _rand(M, K, dtype=dtype, device=device)
+                buf = torch.full((M, N // 2 + 8), 7.0, dtype=dtype, device=device)
+                for cfg in (None, GemvConfig(16, 32, 1, 4)):
+                    y = gemv(xm, wq, out=buf[:, :N // 2], config=cfg, scale=scale, gated_out=True)
+                    ref = silu_and_mul(gemv(xm, wq, config=cfg, scale=scale))
+                    assert y.shape == (M, N // 2) and bool((buf[:, N // 2:] == 7.0).all())
+                    torch.testing.assert_close(y, ref, **_tol(dtype), msg=lambda m: f"{K, N, fp8, M, cfg}: {m}")
     w = _rand(40, 96, dtype=dtype, device=device)
-    for x, extra in ((_rand(2, 96, dtype=dtype, device=device), {}),  # two rows
-                     (_rand(1, 192, dtype=dtype, device=device), {"silu_mul": True})):  # a gated input as well
+    for x, extra in ((_rand(1, 192, dtype=dtype, device=device), {"silu_mul": True}),):  # a gated input
         try:
             gemv(x, w, gated_out=True, **extra)
         except AssertionError as e:
@@ -632,6 +646,46 @@ def check_gemv_splitk_tickets(device, dtype):
                 assert int(kg._ticket_counters(x.device).abs().sum()) == 0, what  # the launches' own buffer
     finally:
         kg.SPLITK_TICKETS = saved
+        kg._splitk_reduce_kernel = real_reduce
+
+
+def check_gemv_splitk_tickets_rows(device, dtype):
+    """kernels.gemv.SPLITK_TICKETS_ROWS: several rows on the tensor-core tile (bf16 weights and FP8 ones with per-row
+    scales) with K split, each tile's last split summing every row's partials instead of the reduce kernel: the reduce
+    kernel's output bit for bit, 2-3 splits, a ragged last tile, 3 and 16 rows; the counters left zero and no reduce
+    launch."""
+    import kernels.gemv as kg
+    from kernels.gemv import GemvConfig, gemv
+    from shared.models.quantization import quantize_per_channel
+    gen = torch.Generator().manual_seed(22)
+    launched, real_reduce, saved = [], kg._splitk_reduce_kernel, kg.SPLITK_TICKETS_ROWS
+
+    class _Count:  # counts reduce launches, then launches
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real_reduce[grid]
+    try:
+        for N, K, split in [(40, 256, 2), (48, 384, 3)]:
+            w = torch.randn(N, K, generator=gen) * 0.02
+            q, sc = quantize_per_channel(w)
+            for wt, scale in ((q.to(device), sc.to(device)), (w.to(device=device, dtype=dtype), None)):
+                cfg = GemvConfig(16, 64, split, 4)
+                for M in (3, 16):
+                    x = _rand(M, K, dtype=dtype, device=device)
+                    runs = []
+                    for tickets in (False, True):
+                        kg.SPLITK_TICKETS_ROWS = tickets
+                        kg._splitk_reduce_kernel = _Count()
+                        launched.clear()
+                        runs.append((gemv(x, wt, scale=scale, config=cfg), len(launched)))
+                        kg._splitk_reduce_kernel = real_reduce
+                    (reduced, n_reduced), (ticketed, n_ticketed) = runs
+                    what = (N, K, split, M, scale is not None)
+                    assert n_reduced == 1 and n_ticketed == 0, (what, n_reduced, n_ticketed)
+                    assert torch.equal(reduced, ticketed), what
+                    assert int(kg._ticket_counters(x.device).abs().sum()) == 0, what
+    finally:
+        kg.SPLITK_TICKETS_ROWS = saved
         kg._splitk_reduce_kernel = real_reduce
 
 

@@ -212,7 +212,8 @@ def test_online_fp8_dummy_weights_and_tiny_random():
 @pytest.mark.parametrize("quant", ["none", "fp8"])
 def test_the_mlp_gates_in_the_gate_up_epilogue_by_its_weights_dtype(quant, monkeypatch):
     """One-row MLP passes gate in gate_up_proj's epilogue under GATE_UP_EPILOGUE for float weights and under
-    GATE_UP_EPILOGUE_FP8 for FP8 ones (measured apart: on for bf16, a wash for FP8), with the same output."""
+    GATE_UP_EPILOGUE_FP8 for FP8 ones (measured apart: on for bf16, a wash for FP8), with the same output; passes of
+    rows the GEMV takes too under GATE_UP_EPILOGUE_ROWS."""
     import kernels.ops as ops
     import shared.models.llama as llama
     model, cfg = load_model("tiny-random", quantization=quant)
@@ -231,10 +232,18 @@ def test_the_mlp_gates_in_the_gate_up_epilogue_by_its_weights_dtype(quant, monke
     monkeypatch.setattr(llama, "GATE_UP_EPILOGUE", True)
     monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_FP8", True)
     calls.clear()
-    mlp(x.expand(2, -1).contiguous())
-    assert calls == []  # two rows: never the epilogue
+    x2 = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(x.dtype)
+    plain = mlp(x2)
+    assert calls == []  # two rows: not the epilogue, unless GATE_UP_EPILOGUE_ROWS and the GEMV takes them
     for out in outs.values():
         torch.testing.assert_close(out, outs[False, False])
+    monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS", True)
+    monkeypatch.setattr(ops, "gemv_applies", lambda x, w, s=None: x.shape[0] <= 16)  # as on a GPU
+    monkeypatch.setattr(ops, "gated_linear", lambda x, w, b=None, s=None, norm_in=None:
+                        calls.append(x.shape[0]) or ops.silu_and_mul(ops.linear(x, w, b, s)))
+    torch.testing.assert_close(mlp(x2), plain)
+    mlp(torch.randn(17, cfg.hidden_size).to(x.dtype))
+    assert calls == [2]  # 17 rows: past the GEMV
 
 
 def test_fp8_rows_take_the_gemv_up_to_gemv_max_m_fp8_and_only_with_per_row_scales(monkeypatch):

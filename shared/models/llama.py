@@ -38,6 +38,11 @@ FP8_ROPE_EPILOGUE = False
 # so on; the FP8 step unchanged (the suspect, FP8 down_proj's gated load, was not its lag), so off there.
 GATE_UP_EPILOGUE = True
 GATE_UP_EPILOGUE_FP8 = False
+# The same for passes of 2..16 rows where the GEMV takes them (kernels.ops.gemv_applies; its tensor-core tile): at bf16
+# batch 2 the silu_and_mul launches were 47 us of the replay (H100 trace, 2026-12-06). An A/B knob
+# (@shared.models.llama.GATE_UP_EPILOGUE_ROWS=1; the dtype knobs above apply too), read when a pass is traced; off
+# until measured.
+GATE_UP_EPILOGUE_ROWS = False
 # Decode batches of 2..kernels.ops.GEMV_MAX_M rows compute their logits on the GEMV's tensor-core tile (batch 1 always
 # does, through the folded final norm) instead of cuBLAS, written straight into the graph's logits buffer. An A/B knob
 # (@shared.models.llama.LM_HEAD_ROWS_GEMV=0), read when a pass is traced. On since an H100's A/B of 2026-12-06 05:00
@@ -107,7 +112,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm_in: ResidualNorm | None = None,
                 add_norm: ResidualNorm | None = None) -> torch.Tensor:
-        if x.shape[0] == 1 and (GATE_UP_EPILOGUE_FP8 if is_fp8(self.gate_up_proj.weight) else GATE_UP_EPILOGUE):  # silu_and_mul in its epilogue
+        w = self.gate_up_proj.weight
+        rows = x.shape[0] == 1 or (GATE_UP_EPILOGUE_ROWS and ops.gemv_applies(x, w, self.gate_up_proj.weight_scale))
+        if rows and (GATE_UP_EPILOGUE_FP8 if is_fp8(w) else GATE_UP_EPILOGUE):  # silu_and_mul in its epilogue
             return self.down_proj(self.gate_up_proj(x, norm_in=norm_in, gated_out=True), add_norm=add_norm)
         # silu_and_mul inside the down projection
         return self.down_proj(self.gate_up_proj(x, norm_in=norm_in), gated=True, add_norm=add_norm)
