@@ -7,7 +7,7 @@
 # bf16-rows ran on an H100 at 63f53e8 (12-06 04:40): adopted GEMV_MAX_M = 16 at its swept tiles; FP8 weight-only past 16 rows
 # lost (fp8-rows-64 measured the same); recheck ran at 00cdb8a on an H100. Pending: on an H200 (an H100 came for every call but one since 12-05), `recheck`, then `fp8-h200`
 # (the FP8 defaults and the rope epilogue; the chain sweep only if the former tiles win) and `bf16-rows` (the
-# several-row bf16 tiles were swept on an H100 only); on any card, `rows-next` (two several-row fusions, built
+# several-row bf16 tiles were swept on an H100 only); on any card, `rows-next` (three several-row fusions, built
 # 12-06 without a GPU, knobs off).
 # Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
@@ -121,19 +121,22 @@ P.probe_fp8_batches({}, variants={'bf16': (None, {}), 'bf16_rows16': (None, {'ke
 " 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/fp8_rows_64.log" | tail -10
 fi
 if [[ $what == rows-next ]]; then
-  # Two of batch 2's costs beyond batch 1 (trace-b2, H100 12-06: 64 split-K reduce launches, 67 us; 32 silu_and_mul,
-  # 47 us), built as knobs: split K reduced by tickets at several rows (kernels.gemv.SPLITK_TICKETS_ROWS) and the MLP
-  # gated in gate_up_proj's epilogue at several rows (shared.models.llama.GATE_UP_EPILOGUE_ROWS). CUDA checks, then
-  # decode steps at batch 1-16, bf16 and FP8, each alternated twice with the defaults. ~5 min.
+  # Three of batch 2's costs beyond batch 1 (trace-b2, H100 12-06: 64 split-K reduce launches, 67 us; 32 silu_and_mul,
+  # 47 us; 32 rope + KV store, 74 us), built as knobs: split K reduced by tickets at several rows
+  # (kernels.gemv.SPLITK_TICKETS_ROWS), the MLP gated in gate_up_proj's epilogue at several rows
+  # (shared.models.llama.GATE_UP_EPILOGUE_ROWS), rope + KV store in qkv_proj's (ROPE_EPILOGUE_ROWS). CUDA checks, then
+  # decode steps at batch 1-16, bf16 and FP8, each alternated twice with the defaults. ~6 min.
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "(cuda_bf16 and (gemv_gated_out or splitk_tickets or gemv_rows)) or bf16_rows" 2>&1 | tail -2
-  timeout 400 python3 -c "
+    -k "(cuda_bf16 and (gemv_gated_out or splitk_tickets or gemv_rows or gemv_rope_store)) or bf16_rows" 2>&1 | tail -2
+  timeout 450 python3 -c "
 import bench.probe as P
 t, g = {'kernels.gemv.SPLITK_TICKETS_ROWS': True}, {'shared.models.llama.GATE_UP_EPILOGUE_ROWS': True}
+rp = {'shared.models.llama.ROPE_EPILOGUE_ROWS': True}
 v = {}
 for r in ('', '_again'):
-    v.update({'bf16' + r: (None, {}), 'tickets' + r: (None, t), 'gated' + r: (None, g), 'both' + r: (None, {**t, **g}),
-              'fp8' + r: ('fp8', {}), 'fp8_both' + r: ('fp8', {**t, **g, 'shared.models.llama.GATE_UP_EPILOGUE_FP8': True})})
+    v.update({'bf16' + r: (None, {}), 'tickets' + r: (None, t), 'gated' + r: (None, g), 'rope' + r: (None, rp),
+              'all3' + r: (None, {**t, **g, **rp}),
+              'fp8' + r: ('fp8', {}), 'fp8_tg' + r: ('fp8', {**t, **g, 'shared.models.llama.GATE_UP_EPILOGUE_FP8': True})})
 P.probe_fp8_batches({}, variants=v, batches=(1, 2, 4, 8, 16), swept=False)
 " 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/rows_next.log" | tail -8
 fi

@@ -22,7 +22,7 @@ down projection then reads I values, not 2I with the activation computed in its 
 With norm_in / add_norm (one row) the GEMV is the consumer or the producer of a residual RMSNorm split
 around it (kernels/residual_norm.py): the consumer scales its sums by the norm, the producer's epilogue adds
 into the residual and writes the norm's input in place of y (in the reduce kernel where K is split).
-With rope (one row; kernels/rope_store.py) the qkv projection's epilogue rotates q and k and stores k and v in
+With rope (kernels/rope_store.py) the qkv projection's epilogue rotates q and k and stores k and v in
 the KV pool: each program then owns whole rotary pairs of rows.
 
 `python -m bench.kernels --tune` sweeps the block choices on the current GPU.
@@ -40,7 +40,7 @@ from kernels._utils import (dot_precision, next_pow2, num_sms, pdl_launch, pdl_p
 from kernels.activation import silu_mul_f32
 from kernels.reference import scale_block
 from kernels.residual_norm import NORM_SLOTS, ResidualNorm
-from kernels.rope_store import RopeStore, rope_args, rope_rows, rope_store_epilogue, rope_store_inputs
+from kernels.rope_store import RopeStore, rope_args, rope_rows, rope_store_epilogue, rope_store_inputs, rope_store_rows
 
 # Rows of x a launch takes: one on the row kernels, up to 64 on tensor cores (one tile of M_PAD = 16, 32 or 64 rows).
 MAX_M = 64
@@ -312,7 +312,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     rs, r_in, gamma, cos, sin, slot = _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS,
                                                        stride_cs, LOC, QS, KVS, NORM_IN,
                                                        ADD_NORM and (SPLIT_K == 1 or TICKETED),
-                                                       ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
+                                                       ROPE and ROPE_AHEAD and M == 1, NSLOT, BLOCK_N, HALF)
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
         w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K, "evict_first")
         acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
@@ -330,11 +330,14 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1 and ADD_NORM:  # one row (the host checks): acc's other rows are zero
         _add_norm_epilogue(tl.sum(acc, axis=0), r_in, gamma, offs_n, mask_n, pid_n, R, Y, SQ, NSLOT)
-    elif ROPE:
+    elif ROPE and M == 1:
         if not ROPE_AHEAD:
             cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
         rope_store_epilogue(tl.sum(acc, axis=0), cos, sin, slot, pid_n, N, Y, KB, VB, stride_bs, QS, KVS, BLOCK_N,
                             HALF)
+    elif ROPE:  # several rows (unsplit: the host checks), each at its own position and slot
+        rope_store_rows(acc, offs_m, mask_m, pid_n, N, POS, CS, stride_cs, LOC, Y, stride_ym, KB, VB, stride_bs, QS,
+                        KVS, BLOCK_N, HALF)
     elif GATED and M == 1:
         _gated_epilogue(tl.sum(acc, axis=0), pid_n, N, X, Y, BLOCK_N)
     elif GATED:
@@ -709,8 +712,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     A residual RMSNorm split around this GEMV (one row; kernels/residual_norm.py): with `norm_in` x is the
     producer's gamma * residual and y is scaled by the norm's rsqrt(mean(residual^2) + eps); with `add_norm`
     y is added into add_norm.residual (in place) and the GEMV returns gamma * residual instead.
-    rope (one row; kernels/rope_store.py): w is a qkv projection; y's q and k come out rotated at the token's
-    position and k, v are also written to its pool slot.
+    rope (kernels/rope_store.py): w is a qkv projection; y's q and k come out rotated at each token's position and
+    k, v are also written to its pool slot.
     gated_out: w is a gated MLP's gate | up projection [2I, K]; returns silu_and_mul(y) [M, I], the gating in the
     GEMV's epilogue (K unsplit; no split norm's producer, rope or block scales)."""
     M, K = x.shape
@@ -730,7 +733,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert norm_in is None or add_norm is None, "a GEMV consumes one split norm or produces one, not both"
     assert add_norm is None or (M == 1 and add_norm.size == N and add_norm.residual.dtype == x.dtype)
     assert norm_in is None or (M == 1 and norm_in.size == K)
-    assert rope is None or (M == 1 and rope.size == N and add_norm is None and not silu_mul)
+    assert rope is None or (rope.size == N and add_norm is None and not silu_mul
+                            and rope.positions.shape[0] == M == rope.loc.shape[0])
     assert not gated_out or (N % 2 == 0 and block is None and add_norm is None and rope is None and not silu_mul
                              and not tensor_cores), \
         "gated_out: a gate | up projection, per-row scales, no producer epilogue"
@@ -738,6 +742,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if gated_out:  # a program owns whole gate/up pairs, over all of K (the epilogue needs complete sums; a tile that
         # would split K, none of Llama-8B's gate_up tiles at batch 1, gives up that parallelism here)
         cfg = dataclasses.replace(cfg, block_n=max(2, cfg.block_n), split_k=1)
+    if rope is not None and M > 1:  # several rows rotate in the GEMV's own epilogue (the reduce kernel's is one row)
+        cfg = dataclasses.replace(cfg, split_k=1)
     if block is not None:  # the general kernel's f16 lanes take the block scales
         cfg = dataclasses.replace(cfg, row_kernel=False, f16_math=True)
     dot = M > 1 or tensor_cores

@@ -157,8 +157,10 @@ def gemv_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch
 
 def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | None, add_norm: ResidualNorm | None,
                        gated: bool, rope: RopeStore | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One row: the GEMV's epilogues (split norms, rope + KV store) or their torch equivalents."""
-    assert x.shape[0] == 1 and (add_norm is None or bias is None), "split norms: one row, a producer without bias"
+    """The GEMV's epilogues (split norms: one row; rope + KV store: the rows the GEMV takes) or their torch
+    equivalents."""
+    assert (x.shape[0] == 1 or (norm_in is None and add_norm is None)) and (add_norm is None or bias is None), \
+        "split norms: one row, a producer without bias"
     assert rope is None or bias is None, "rope in the epilogue: a qkv projection without bias"
     assert out is None or (norm_in is not None and bias is None and rope is None)
     if _gemv_applies(x, weight, weight_scale):

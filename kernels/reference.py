@@ -93,13 +93,13 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_
 
 
 def rope_store_ref(y: torch.Tensor, rope) -> torch.Tensor:
-    """The qkv GEMV's rope epilogue (kernels/rope_store.py) after the fact: y [1, q + 2 kv] (the GEMV's output,
+    """The qkv GEMV's rope epilogue (kernels/rope_store.py) after the fact: y [M, q + 2 kv] (the GEMV's output,
     in the activation dtype) with q and k rotated at rope.positions, k and v written to slots rope.loc of the
     pool. Returns a new tensor."""
     qs, kvs, d = rope.q_size, rope.kv_size, rope.head_dim
     q, k = rope_ref(y[:, :qs], y[:, qs:qs + kvs], rope.positions, rope.cos_sin_cache, d)
     v = y[:, qs + kvs:]
-    store_kv_ref(rope.k_buf, rope.v_buf, rope.loc, k.view(1, -1, d), v.reshape(1, -1, d))
+    store_kv_ref(rope.k_buf, rope.v_buf, rope.loc, k.view(y.shape[0], -1, d), v.reshape(y.shape[0], -1, d))
     return torch.cat([q, k, v], dim=-1)
 
 

@@ -1,4 +1,4 @@
-"""Rope and the KV store in the qkv GEMV's epilogue, for one row (decode at batch 1).
+"""Rope and the KV store in the qkv GEMV's epilogue, for one row (decode at batch 1) or several (the tensor-core tile).
 
 Unfused, a one-token layer runs qkv_proj, then a rope + KV-store kernel (kernels/rope.py) that reads q and k
 back, rotates them and writes k and v into the pool: a short launch on the chain between two GEMVs. Fused,
@@ -24,9 +24,9 @@ from kernels.kv_store import to_pool
 
 @dataclasses.dataclass(frozen=True)
 class RopeStore:
-    """One layer's rope + KV store for a one-token qkv GEMV: the output's first q_size rows are q, the next
-    kv_size k, the last kv_size v. positions / loc: the token's position and pool slot ([1] device tensors,
-    read by the kernel, so a CUDA graph may capture them); cos_sin_cache [max_pos, head_dim] fp32 (cos
+    """One layer's rope + KV store for a decode pass's qkv GEMV: the output's first q_size rows are q, the next
+    kv_size k, the last kv_size v. positions / loc: each token's position and pool slot ([M] device tensors, one a
+    row of x, read by the kernel, so a CUDA graph may capture them); cos_sin_cache [max_pos, head_dim] fp32 (cos
     half, then sin half); k_buf / v_buf: the layer's pool buffers [slots, Hkv, head_dim], contiguous."""
     positions: torch.Tensor
     cos_sin_cache: torch.Tensor
@@ -101,6 +101,33 @@ def rope_store_epilogue(out, cos, sin, slot, pid, N, Y, KB, VB, stride_bs, QS, K
     tl.store(KB + slot * stride_bs + (rows - QS), to_pool(y, 1.0, KB.dtype.element_ty), mask=mask & is_k)
     is_v = rows >= QS + KVS
     tl.store(VB + slot * stride_bs + (rows - QS - KVS), to_pool(y, 1.0, VB.dtype.element_ty), mask=mask & is_v)
+
+
+@triton.jit
+def rope_store_rows(out, offs_m, mask_m, pid, N, POS, CS, stride_cs, LOC, Y, stride_ym, KB, VB, stride_bs, QS, KVS,
+                    BLOCK: tl.constexpr, HALF: tl.constexpr):
+    """rope_store_epilogue for several rows (the tensor-core tile): out fp32 [M_PAD, BLOCK], row m the token of
+    POS[m] and pool slot LOC[m] (their inputs loaded here, in the program's tail)."""
+    dt = Y.dtype.element_ty
+    rows, mask = rope_rows(pid, BLOCK, N, HALF)
+    j, rot = _pairs(pid, N, QS, KVS, BLOCK, HALF)
+    pos = tl.load(POS + offs_m, mask=mask_m, other=0).to(tl.int64)
+    at = mask_m[:, None] & rot[None, :]
+    cos = tl.load(CS + pos[:, None] * stride_cs + j[None, :], mask=at, other=1.0)
+    sin = tl.load(CS + pos[:, None] * stride_cs + HALF + j[None, :], mask=at, other=0.0)
+    slot = tl.load(LOC + offs_m, mask=mask_m, other=0).to(tl.int64)
+    a, b = tl.split(tl.reshape(out.to(dt).to(tl.float32), (out.shape[0], BLOCK // 2, 2)))
+    a2 = tl.where(rot[None, :], (a * cos - b * sin).to(dt), a.to(dt))
+    b2 = tl.where(rot[None, :], (b * cos + a * sin).to(dt), b.to(dt))
+    y = tl.reshape(tl.join(a2, b2), (out.shape[0], BLOCK))
+    valid = mask_m[:, None] & mask[None, :]
+    tl.store(Y + offs_m[:, None] * stride_ym + rows[None, :], y, mask=valid)
+    is_k = ((rows >= QS) & (rows < QS + KVS))[None, :]
+    tl.store(KB + slot[:, None] * stride_bs + (rows - QS)[None, :], to_pool(y, 1.0, KB.dtype.element_ty),
+             mask=valid & is_k)
+    is_v = (rows >= QS + KVS)[None, :]
+    tl.store(VB + slot[:, None] * stride_bs + (rows - QS - KVS)[None, :], to_pool(y, 1.0, VB.dtype.element_ty),
+             mask=valid & is_v)
 
 
 def rope_args(rope: RopeStore | None, x: torch.Tensor, epilogue_here: bool) -> dict:

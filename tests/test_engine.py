@@ -626,12 +626,13 @@ def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(fusions, monkeypatch):
     kernels.ops.GEMV_MAX_M rows, their logits too with shared.models.llama.LM_HEAD_ROWS_GEMV: each step's top logprob
     equals cuBLAS's (GEMV_MAX_M = 1) to bf16's rounding, and so does the greedy token wherever cuBLAS's top two are
     not a near tie. fusions: the several-row A/B knobs on (split K reduced by tickets, the MLP gated in gate_up_proj's
-    epilogue)."""
+    epilogue, rope and the KV store in qkv_proj's)."""
     import kernels.gemv as kg
     import kernels.ops as ops
     import shared.models.llama as llama
     monkeypatch.setattr(kg, "SPLITK_TICKETS_ROWS", fusions)
     monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS", fusions)
+    monkeypatch.setattr(llama, "ROPE_EPILOGUE_ROWS", fusions)
     real, rows = kg.gemv, []
     monkeypatch.setattr(kg, "gemv", lambda x, w, *a, **kw: rows.append(x.shape[0]) or real(x, w, *a, **kw))
     ps = prompts(8, seed=46, lo=6, hi=14)

@@ -935,6 +935,56 @@ def check_gemv_rope_store(device, dtype):
             assert fused[i][2].float().abs().sum() > 0
 
 
+def check_gemv_rope_store_rows(device, dtype):
+    """Rope and the KV store in the qkv GEMV's epilogue at several rows (the tensor-core tile), each row at its own
+    position and pool slot: the output and the pool are those of the plain GEMV (unsplit, at the same tile) followed by
+    the rope + KV-store kernel, bit for bit where the interpreter runs; bf16 and FP8 weights, 3 and 16 rows, a tile
+    that would split K (several rows rotate unsplit); nothing written outside the rows' slots."""
+    import dataclasses
+
+    from kernels.gemv import GemvConfig, default_config, gemv
+    from kernels.reference import rope_cos_sin_cache
+    from kernels.rope import apply_rope_and_store_kv
+    from kernels.rope_store import RopeStore
+    from shared.models.quantization import quantize_per_channel
+    gen = torch.Generator().manual_seed(23)
+    hq, hkv, d, K = (4, 2, 16, 96) if device.type == "cpu" else (32, 8, 128, 4096)
+    qs, kvs = hq * d, hkv * d
+    N = qs + 2 * kvs
+    inv_freq = 1.0 / (500000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    cache = rope_cos_sin_cache(inv_freq, 4096)
+    w0 = _rand(N, K, dtype=dtype, device=device) * 0.1
+    w8, s8 = (t.to(device) for t in quantize_per_channel(w0.float().cpu()))
+    for fp8 in (False, True):
+        w, scale = (w8, s8) if fp8 else (w0, None)
+        for M in (3, 16):
+            x = _rand(M, K, dtype=dtype, device=device)
+            pos = torch.randint(0, 4096, (M,), generator=gen).to(device)
+            loc = (torch.randperm(40, generator=gen)[:M] + 1).to(device)
+            for cfg in (None, GemvConfig(16, 32, 1, 4), GemvConfig(32, 32, 2, 4)):
+                msg = f"fp8={fp8} M={M} {cfg}"
+                fused, unfused = (tuple(torch.zeros(41, hkv, d, dtype=dtype, device=device) for _ in range(2))
+                                  for _ in range(2))
+                y = gemv(x, w, config=cfg, scale=scale, rope=RopeStore(pos, cache, *fused, loc, qs, kvs, d))
+                base = cfg or default_config(M, N, K, w.element_size())
+                plain = gemv(x, w, config=dataclasses.replace(base, split_k=1), scale=scale)
+                q, k, v = (t.clone() for t in plain.split([qs, kvs, kvs], dim=-1))
+                q, k, v = apply_rope_and_store_kv(q, k.reshape(M, hkv, d), v.reshape(M, hkv, d), pos, cache, d,
+                                                  *unfused, loc)
+                want = torch.cat([q.reshape(M, -1), k.reshape(M, -1), v.reshape(M, -1)], dim=-1)
+                if device.type == "cpu":
+                    assert torch.equal(y, want), msg
+                    assert all(torch.equal(a, b) for a, b in zip(fused, unfused)), msg
+                else:
+                    torch.testing.assert_close(y, want, rtol=8e-3, atol=8e-3, msg=lambda m: f"{msg}: {m}")
+                    for a, b in zip(fused, unfused):
+                        torch.testing.assert_close(a, b, rtol=8e-3, atol=8e-3, msg=lambda m: f"{msg}: {m}")
+                others = torch.ones(41, dtype=torch.bool, device=device)
+                others[loc] = False
+                assert not any(buf[others].any() for buf in fused), f"{msg}: written outside the rows' slots"
+                assert all(bool(buf[loc].abs().sum(dim=(1, 2)).gt(0).all()) for buf in fused), f"{msg}: a slot not written"
+
+
 def _paged_setup(device, dtype, hkv, d, prefix_lens, extend_lens, num_slots=600):
     """A pool with shuffled slots and a req_to_token table for requests in rows 1..B (row 0 = padding)."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]

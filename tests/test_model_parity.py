@@ -192,6 +192,45 @@ def test_rope_in_the_qkv_epilogue_matches_the_rope_kernel(family, monkeypatch):
         assert runs[split, True][1] == runs[split, False][1]
 
 
+def test_rope_in_the_qkv_epilogue_at_several_rows_matches_the_rope_kernel(family, monkeypatch):
+    """Decode passes of two rows with rope and the KV store in qkv_proj's epilogue (shared.models.llama.
+    ROPE_EPILOGUE_ROWS, on a pretended GPU whose GEMV takes the rows; the epilogue's torch path here), each row at its
+    own position and slot: the logits and tokens of the backend's rope + KV-store step, which then runs only in the
+    extend passes."""
+    import kernels.ops as ops
+    import shared.models.llama as llama
+    hf, ours, cfg, prompts = family
+    if cfg.qk_norm or cfg.attention_bias:
+        pytest.skip("q/k norms or a qkv bias: fuse_row_rope refuses (test_rope_in_the_qkv_epilogue_matches_...)")
+    monkeypatch.setattr(ops, "gemv_applies", lambda x, w, s=None: x.shape[0] <= 16)
+    rotations = []
+    rotate = ours.model.rotary_emb.rotate_and_store
+    monkeypatch.setattr(ours.model.rotary_emb, "rotate_and_store",
+                        lambda positions, *a, **kw: rotations.append(positions.shape[0]) or rotate(positions, *a, **kw))
+    a, b = prompts[0], prompts[1]
+    runs = {}
+    for rows in (False, True):
+        monkeypatch.setattr(llama, "ROPE_EPILOGUE_ROWS", rows)
+        assert ours.model.fuse_row_rope(True)
+        rotations.clear()
+        try:
+            h, logits = PagedHarness(ours, cfg), []
+            first = h.step(ForwardMode.EXTEND, {0: a, 1: b})
+            toks = {0: [int(first[0][-1].argmax())], 1: [int(first[1][-1].argmax())]}
+            for _ in range(DECODE_STEPS):
+                out = h.step(ForwardMode.DECODE, {r: t[-1:] for r, t in toks.items()})
+                logits.append(torch.stack([out[0][-1], out[1][-1]]))
+                for r in toks:
+                    toks[r].append(int(out[r][-1].argmax()))
+        finally:
+            ours.model.fuse_row_rope(False)
+        runs[rows] = torch.stack(logits), toks
+        # The rope kernel: once a layer in the extend pass, and in the decode passes only without the knob.
+        assert len(rotations) == (1 + (0 if rows else DECODE_STEPS)) * cfg.num_hidden_layers, rotations
+    assert rel_err(runs[True][0], runs[False][0]) < REL_TOL
+    assert runs[True][1] == runs[False][1]
+
+
 def test_fp8_qkv_weights_refuse_the_rope_epilogue(tmp_path, monkeypatch):
     """--decode-rope-fusion is on by default; with FP8 qkv weights the model keeps the rope kernel (on the
     H200 the FP8 GEMV with the epilogue cost more than the kernel it saved) unless the A/B knob

@@ -43,6 +43,11 @@ GATE_UP_EPILOGUE_FP8 = False
 # (@shared.models.llama.GATE_UP_EPILOGUE_ROWS=1; the dtype knobs above apply too), read when a pass is traced; off
 # until measured.
 GATE_UP_EPILOGUE_ROWS = False
+# Decode passes of 2..16 rows where the GEMV takes them rotate q, k and store k, v in qkv_proj's epilogue too, each row
+# at its position and slot (where --decode-rope-fusion has it at one row): at bf16 batch 2 the rope + KV-store launches
+# were 74 us of the replay (H100 trace, 2026-12-06). An A/B knob (@shared.models.llama.ROPE_EPILOGUE_ROWS=1), read when
+# a pass is traced; off until measured.
+ROPE_EPILOGUE_ROWS = False
 # Decode batches of 2..kernels.ops.GEMV_MAX_M rows compute their logits on the GEMV's tensor-core tile (batch 1 always
 # does, through the folded final norm) instead of cuBLAS, written straight into the graph's logits buffer. An A/B knob
 # (@shared.models.llama.LM_HEAD_ROWS_GEMV=0), read when a pass is traced. On since an H100's A/B of 2026-12-06 05:00
@@ -76,9 +81,12 @@ class LlamaAttention(nn.Module):
                 prefetch: WeightPrefetcher | None = None, fuse_rope: bool = False) -> torch.Tensor:
         """norm_in / add_norm: the split residual norms before qkv_proj and after o_proj (LlamaModel._forward_row).
         prefetch: o_proj's weight is asked into L2 beside rope and attention (shared/models/weight_prefetch.py).
-        fuse_rope: one decode token; rope and the KV store run in qkv_proj's epilogue (kernels/rope_store.py)
-        instead of the backend's rope + KV-store kernel (LlamaModel.fuse_row_rope says where it applies)."""
+        fuse_rope: a decode pass; rope and the KV store run in qkv_proj's epilogue (kernels/rope_store.py) instead
+        of the backend's rope + KV-store kernel (LlamaModel.fuse_row_rope and _rope_in_qkv say where it applies;
+        several rows only where the GEMV takes them)."""
         rope = None
+        if fuse_rope and hidden.shape[0] > 1:  # several rows: only on the GEMV's tile (_rope_in_qkv's knob)
+            fuse_rope = ops.gemv_applies(hidden, self.qkv_proj.weight, self.qkv_proj.weight_scale)
         if fuse_rope:
             k_buf, v_buf = fb.kv_pool.get_kv(self.layer_id)
             # The epilogue converts to an FP8 pool at unit scales only (ModelRunner turns the fusion off otherwise).
@@ -193,9 +201,11 @@ class LlamaModel(nn.Module):
         return hidden
 
     def _rope_in_qkv(self, fb: ForwardBatch) -> bool:
-        """Whether this pass runs rope and the KV store in qkv_proj's epilogue: one decode token (an extend
-        pass's attention reads the new k and v as the backend's rope kernel lays them out)."""
-        return self.row_rope and fb.mode == ForwardMode.DECODE and fb.input_ids.shape[0] == 1
+        """Whether this pass runs rope and the KV store in qkv_proj's epilogue: one decode token, or with
+        ROPE_EPILOGUE_ROWS a decode pass of rows the GEMV takes (LlamaAttention checks; an extend pass's attention
+        reads the new k and v as the backend's rope kernel lays them out)."""
+        return (self.row_rope and fb.mode == ForwardMode.DECODE
+                and (fb.input_ids.shape[0] == 1 or ROPE_EPILOGUE_ROWS))
 
     def forward_split_final(self, fb: ForwardBatch) -> tuple[torch.Tensor, ResidualNorm] | None:
         """A one-token pass with split norms whose final norm is split too: (gamma * residual, the norm) for a
