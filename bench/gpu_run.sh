@@ -7,8 +7,8 @@
 # bf16-rows ran on an H100 at 63f53e8 (12-06 04:40): adopted GEMV_MAX_M = 16 at its swept tiles; FP8 weight-only past 16 rows
 # lost (fp8-rows-64 measured the same); recheck ran at 00cdb8a on an H100. Pending: on an H200 (an H100 came for every call but one since 12-05), `recheck`, then `fp8-h200`
 # (the FP8 defaults and the rope epilogue; the chain sweep only if the former tiles win) and `bf16-rows` (the
-# several-row bf16 tiles were swept on an H100 only); on any card, `rows-next` (three several-row fusions, built
-# 12-06 without a GPU, knobs off).
+# several-row bf16 tiles were swept on an H100 only); on any card, `rows-next` (four several-row knobs, built
+# 12-06 without a GPU, off).
 # Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
@@ -121,21 +121,23 @@ P.probe_fp8_batches({}, variants={'bf16': (None, {}), 'bf16_rows16': (None, {'ke
 " 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/fp8_rows_64.log" | tail -10
 fi
 if [[ $what == rows-next ]]; then
-  # Three of batch 2's costs beyond batch 1 (trace-b2, H100 12-06: 64 split-K reduce launches, 67 us; 32 silu_and_mul,
-  # 47 us; 32 rope + KV store, 74 us), built as knobs: split K reduced by tickets at several rows
-  # (kernels.gemv.SPLITK_TICKETS_ROWS), the MLP gated in gate_up_proj's epilogue at several rows
-  # (shared.models.llama.GATE_UP_EPILOGUE_ROWS), rope + KV store in qkv_proj's (ROPE_EPILOGUE_ROWS). CUDA checks, then
-  # decode steps at batch 1-16, bf16 and FP8, each alternated twice with the defaults. ~6 min.
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "(cuda_bf16 and (gemv_gated_out or splitk_tickets or gemv_rows or gemv_rope_store)) or bf16_rows" 2>&1 | tail -2
-  timeout 450 python3 -c "
+  # Four of batch 2's costs beyond batch 1 (trace-b2, H100 12-06: 64 split-K reduce launches, 67 us; 32 silu_and_mul,
+  # 47 us; 32 rope + KV store, 74 us; the GEMVs' tensor-core tile, +327 us), built as knobs: split K reduced by tickets
+  # at several rows (kernels.gemv.SPLITK_TICKETS_ROWS), the MLP gated in gate_up_proj's epilogue at several rows
+  # (shared.models.llama.GATE_UP_EPILOGUE_ROWS), rope + KV store in qkv_proj's (ROPE_EPILOGUE_ROWS), two rows on the
+  # one-row kernel (kernels.gemv.TWO_ROW_KERNEL, tiles not swept). CUDA checks, then decode steps at batch 1-16, bf16
+  # and FP8, each alternated twice with the defaults (round 1 alone is a complete comparison). ~9 min.
+  timeout 130 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+    -k "(cuda_bf16 and (gemv_gated_out or splitk_tickets or gemv_rows or gemv_rope_store or gemv_two_rows)) or bf16_rows" 2>&1 | tail -2
+  timeout 440 python3 -c "
 import bench.probe as P
 t, g = {'kernels.gemv.SPLITK_TICKETS_ROWS': True}, {'shared.models.llama.GATE_UP_EPILOGUE_ROWS': True}
 rp = {'shared.models.llama.ROPE_EPILOGUE_ROWS': True}
+two = {'kernels.gemv.TWO_ROW_KERNEL': True}
 v = {}
 for r in ('', '_again'):
     v.update({'bf16' + r: (None, {}), 'tickets' + r: (None, t), 'gated' + r: (None, g), 'rope' + r: (None, rp),
-              'all3' + r: (None, {**t, **g, **rp}),
+              'two_rows' + r: (None, two), 'all4' + r: (None, {**t, **g, **rp, **two}),
               'fp8' + r: ('fp8', {}), 'fp8_tg' + r: ('fp8', {**t, **g, 'shared.models.llama.GATE_UP_EPILOGUE_FP8': True})})
 P.probe_fp8_batches({}, variants=v, batches=(1, 2, 4, 8, 16), swept=False)
 " 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/rows_next.log" | tail -8

@@ -363,14 +363,8 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
 
 
 @triton.jit
-def _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NARROW: tl.constexpr, EVICT: tl.constexpr, w=None,
-              F16: tl.constexpr = False):
-    """One [BLOCK_N, BLOCK_K] weight tile of a one-row GEMV added into acc. x is read through a pointer tile
-    of w's shape or, where every warp spans K, one broadcast row (_gemv_row_kernel): either way it arrives
-    in w's register layout, with no layout conversion through shared memory in the loop."""
-    if w is None:
-        w = _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K, EVICT)
+def _row_x(x_ptrs, kbase, K, offs_k, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    """One row of x for a weight tile, in w's register layout (_row_tile)."""
     # Plain loads (no cache-policy hint, which Triton emits as inline assembly): the compiler then sees the
     # rows' x loads as one and converts each x element once, not once per row a thread holds.
     if EVEN_K:
@@ -384,6 +378,11 @@ def _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.constex
         else:
             up = tl.load(x_ptrs + K, mask=xm, other=0.0)
         x = _silu_mul(x, up)
+    return x
+
+
+@triton.jit
+def _row_acc(acc, w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NARROW: tl.constexpr, F16: tl.constexpr):
     if F16:  # FP8 weights multiplied in f16, eight products summed there (as _accumulate's F16 path)
         p = w.to(tl.float16) * (x.to(tl.float32) * 0.00390625).to(tl.float16)
         acc += _pair_sum(_pair_sum(_pair_sum(p))).to(tl.float32)
@@ -396,11 +395,29 @@ def _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NARROW: tl.constexpr, EVICT: tl.constexpr, w=None,
+              F16: tl.constexpr = False, acc2=None, XS=0, ROWS: tl.constexpr = 1):
+    """One [BLOCK_N, BLOCK_K] weight tile of a one-row GEMV added into acc (and with ROWS = 2 into acc2 for x's
+    second row, XS elements further on: the tile read once for both). x is read through a pointer tile of w's
+    shape or, where every warp spans K, one broadcast row (_gemv_row_kernel): either way it arrives in w's
+    register layout, with no layout conversion through shared memory in the loop."""
+    if w is None:
+        w = _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K, EVICT)
+    acc = _row_acc(acc, w, _row_x(x_ptrs, kbase, K, offs_k, EVEN_K, SILU_MUL), BLOCK_N, BLOCK_K, NARROW, F16)
+    if ROWS == 2:
+        acc2 = _row_acc(acc2, w, _row_x(x_ptrs + XS, kbase, K, offs_k, EVEN_K, SILU_MUL), BLOCK_N, BLOCK_K, NARROW,
+                        F16)
+    return acc, acc2
+
+
+@triton.jit
 def _row_chunk(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                FOLD: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NARROW: tl.constexpr,
-               EVICT: tl.constexpr, PRE: tl.constexpr = 0, w0=None, w1=None, F16: tl.constexpr = False):
+               EVICT: tl.constexpr, PRE: tl.constexpr = 0, w0=None, w1=None, F16: tl.constexpr = False, acc2=None,
+               XS=0, ROWS: tl.constexpr = 1):
     """FOLD consecutive tiles, unrolled (their loads issue together); the first PRE of them already loaded
-    (w0, w1)."""
+    (w0, w1). Returns (acc, acc2)."""
     for j in tl.static_range(FOLD):
         if j == 0 and PRE >= 1:
             w = w0
@@ -408,12 +425,12 @@ def _row_chunk(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.conste
             w = w1
         else:
             w = None
-        acc = _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N, BLOCK_K, EVEN_K, SILU_MUL, NARROW,
-                        EVICT, w, F16)
+        acc, acc2 = _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N, BLOCK_K, EVEN_K, SILU_MUL,
+                              NARROW, EVICT, w, F16, acc2, XS, ROWS)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         kbase += BLOCK_K
-    return acc
+    return acc, acc2
 
 
 @triton.jit
@@ -425,10 +442,12 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
                      ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, LATE: tl.constexpr = False,
                      ROPE: tl.constexpr = False, HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True,
                      HAS_SCALE: tl.constexpr = False, F16: tl.constexpr = False, W_VEC: tl.constexpr = 0,
-                     GATED: tl.constexpr = False):
+                     GATED: tl.constexpr = False, ROWS: tl.constexpr = 1, stride_xm=0, stride_ym=0):
     """y = x @ W^T for one row x and half-, full-precision or FP8 W (HAS_SCALE: one dequantization scale per
     output row; F16: multiplied in f16, eight products summed there): each program streams BLOCK_N rows of W
-    over its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end."""
+    over its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end.
+    ROWS = 2: two rows of x (stride_xm apart; y's stride_ym) against each weight tile, a second accumulator, no
+    epilogue (the host checks)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (no split: the host checks)
@@ -452,6 +471,10 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if ROWS == 2:
+        acc2 = tl.zeros(acc.shape, dtype=tl.float32)
+    else:
+        acc2 = tl.zeros((1,), dtype=tl.float32)  # carried, unused
     start = 0
     if PDL:
         # The weights are nobody's output: the first PRE tiles stream in while the previous kernel drains.
@@ -465,8 +488,8 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
             pdl_wait(PDL)
         else:
             pdl_prologue(PDL, True)
-        acc = _row_chunk(acc, w_ptrs, x_ptrs, k0, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K, SILU_MUL,
-                         NARROW, EVICT, PRE, w0, w1, F16)
+        acc, acc2 = _row_chunk(acc, w_ptrs, x_ptrs, k0, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K, SILU_MUL,
+                               NARROW, EVICT, PRE, w0, w1, F16, acc2, stride_xm, ROWS)
         w_ptrs += FOLD * BLOCK_K
         x_ptrs += FOLD * BLOCK_K
         start = FOLD * BLOCK_K
@@ -474,8 +497,8 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
                                                        stride_cs, LOC, QS, KVS, NORM_IN, ADD_NORM and SPLIT_K == 1,
                                                        ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
     for kk in range(start, K_PER_SPLIT, FOLD * BLOCK_K):
-        acc = _row_chunk(acc, w_ptrs, x_ptrs, k0 + kk, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K,
-                         SILU_MUL, NARROW, EVICT, F16=F16)
+        acc, acc2 = _row_chunk(acc, w_ptrs, x_ptrs, k0 + kk, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K,
+                               SILU_MUL, NARROW, EVICT, F16=F16, acc2=acc2, XS=stride_xm, ROWS=ROWS)
         w_ptrs += FOLD * BLOCK_K
         x_ptrs += FOLD * BLOCK_K
     if LATE:
@@ -498,7 +521,17 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
     elif SPLIT_K == 1:
         tl.store(Y + offs_n, _out(out, X, Y), mask=mask_n)
     else:
-        tl.store(P + pid_k * N + offs_n, out, mask=mask_n)
+        tl.store(P + pid_k * ROWS * N + offs_n, out, mask=mask_n)
+    if ROWS == 2:  # no epilogue (the host checks): the second row's sums as the first's
+        out2 = tl.sum(acc2, axis=1)
+        if F16:
+            out2 = out2 * 256.0
+        if HAS_SCALE:
+            out2 = out2 * tl.load(S + offs_n, mask=mask_n, other=0.0)
+        if SPLIT_K == 1:
+            tl.store(Y + stride_ym + offs_n, _out(out2, X, Y), mask=mask_n)
+        else:
+            tl.store(P + (pid_k * ROWS + 1) * N + offs_n, out2, mask=mask_n)
 
 
 @triton.jit
@@ -560,6 +593,10 @@ SPLITK_TICKETS = True
 # and down_proj split K in two at their swept tiles, 64 reduce launches a step, 67 us of batch 2's replay charged to
 # them (H100 trace, 2026-12-06: bench.probe trace_pdl_b2). An A/B knob read at launch; off until measured.
 SPLITK_TICKETS_ROWS = False
+# Two rows (decode at batch 2, bf16 or FP8 weights on the row kernel) on the one-row kernel at its one-row tiles, each
+# weight tile multiplied by both rows, instead of the tensor-core tile: at bf16 batch 2 the GEMVs were 327 us of the
+# replay beyond batch 1's one-row kernel (H100 trace, 2026-12-06). An A/B knob read at launch; off until measured.
+TWO_ROW_KERNEL = False
 # FP8's long-K rows (gate_up, down_proj) at the tiles the H100's chain sweep picked (default_config): an A/B knob.
 # Measured and removed (bench/RESULTS.md, 2026-12-05; the code is in git history): FP8 rows at 256 bytes a thread
 # (FP8_WIDE_TILES, batch-1 step +6%, H100), on tensor cores with cp.async-pipelined weights (FP8_TENSOR_CORES,
@@ -646,6 +683,17 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, **extra)
 
 
+def two_row_config(N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
+    """TWO_ROW_KERNEL's tiles, not yet swept: the one-row kernel's with narrow accumulators and half the K tile (at
+    least 256), which keeps the two rows' registers near one row's (sm_90 compile of Llama-8B's shapes: o_proj 158,
+    gate_up 86, down_proj 94 registers, no spills; at the one-row tiles gate_up spilled at 255)."""
+    cfg = default_config(1, N, K, weight_bytes)
+    if not cfg.row_kernel:
+        return cfg
+    block_k = max(256, cfg.block_k // 2) if cfg.block_k > 256 else cfg.block_k
+    return dataclasses.replace(cfg, narrow=True, block_k=block_k, split_k=split_k_for(N, cfg.block_n, K, block_k))
+
+
 def split_k_for(N: int, block_n: int, K: int, block_k: int) -> int:
     """default_config's split of K for a tile: halved until the output's programs number SPLIT_K_MIN_PROGRAMS an SM,
     while each split keeps one K tile or more (at most 16 splits)."""
@@ -675,7 +723,7 @@ def _f16_math(cfg: GemvConfig, w: torch.Tensor) -> bool:
 
 
 def _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg: GemvConfig, silu_mul, pdl, norms,
-              ropes, gated_out=False):
+              ropes, gated_out=False, rows: int = 1):
     tiles = k_per_split // cfg.block_k
     # With PDL the first chunk is peeled to take the tiles loaded before the wait, so it holds pre_tiles (the
     # chunking does not depend on PDL: the same sums in the same order either way).
@@ -693,8 +741,8 @@ def _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg
         # Whether the CTA's threads, at one vector of w each, cover more than one tile row along K.
         X_ROWS=cfg.block_k < 32 * cfg.num_warps * (w_vec or 16 // w.element_size()),
         NARROW=cfg.narrow and cfg.block_k % 8 == 0, EVICT="evict_first" if cfg.evict_first else "",
-        HAS_SCALE=scale is not None, F16=_f16_math(cfg, w), W_VEC=w_vec, GATED=gated_out, num_warps=cfg.num_warps,
-        **launch)
+        HAS_SCALE=scale is not None, F16=_f16_math(cfg, w), W_VEC=w_vec, GATED=gated_out, ROWS=rows,
+        stride_xm=x.stride(0), stride_ym=out.stride(0), num_warps=cfg.num_warps, **launch)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -739,6 +787,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                              and not tensor_cores), \
         "gated_out: a gate | up projection, per-row scales, no producer epilogue"
     cfg = config or default_config(M, N, K, w.element_size())
+    # Two rows on the one-row kernel (TWO_ROW_KERNEL) at its one-row tiles (or a given row-kernel config): each weight
+    # tile read once for both, no epilogue.
+    two_rows = (TWO_ROW_KERNEL and M == 2 and not tensor_cores and block is None and norm_in is None and add_norm is None
+                and rope is None and not gated_out)
+    if two_rows:
+        row_cfg = config or two_row_config(N, K, w.element_size())
+        two_rows = row_cfg.row_kernel
+        cfg = row_cfg if two_rows else cfg
     if gated_out:  # a program owns whole gate/up pairs, over all of K (the epilogue needs complete sums; a tile that
         # would split K, none of Llama-8B's gate_up tiles at batch 1, gives up that parallelism here)
         cfg = dataclasses.replace(cfg, block_n=max(2, cfg.block_n), split_k=1)
@@ -746,7 +802,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         cfg = dataclasses.replace(cfg, split_k=1)
     if block is not None:  # the general kernel's f16 lanes take the block scales
         cfg = dataclasses.replace(cfg, row_kernel=False, f16_math=True)
-    dot = M > 1 or tensor_cores
+    dot = (M > 1 and not two_rows) or tensor_cores
     if M > 1 and not SEVERAL_ROWS_PDL:
         pdl = False
     if dot and cfg.block_n < 16:  # tensor-core tile minimum
@@ -760,12 +816,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
     ticketed = bool(SPLITK_TICKETS and split_k > 1 and rope is None and triton.cdiv(N, cfg.block_n) <= _TICKET_SLOTS
-                    and ((M == 1 and not dot and not cfg.row_kernel) or (M > 1 and SPLITK_TICKETS_ROWS)))
+                    and ((M == 1 and not dot and not cfg.row_kernel) or (M > 1 and dot and SPLITK_TICKETS_ROWS)))
     norms = _norm_args(norm_in, add_norm, 1 if ticketed else split_k, x)
     ropes = dict(rope_args(rope, x, split_k == 1), ROPE_AHEAD=bool(ROPE_INPUTS_AHEAD))
     if not dot and cfg.row_kernel:
         _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms, ropes,
-                  gated_out)
+                  gated_out, rows=M)
     else:
         _gemv_kernel[(_programs_n(N, cfg.block_n, gated_out), split_k)](
             x, w, out, partial, scale if scale is not None else w, N, K, x.stride(0), w.stride(0), out.stride(0),

@@ -626,25 +626,27 @@ def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(fusions, monkeypatch):
     kernels.ops.GEMV_MAX_M rows, their logits too with shared.models.llama.LM_HEAD_ROWS_GEMV: each step's top logprob
     equals cuBLAS's (GEMV_MAX_M = 1) to bf16's rounding, and so does the greedy token wherever cuBLAS's top two are
     not a near tie. fusions: the several-row A/B knobs on (split K reduced by tickets, the MLP gated in gate_up_proj's
-    epilogue, rope and the KV store in qkv_proj's)."""
+    epilogue, rope and the KV store in qkv_proj's, two rows on the one-row kernel)."""
     import kernels.gemv as kg
     import kernels.ops as ops
     import shared.models.llama as llama
     monkeypatch.setattr(kg, "SPLITK_TICKETS_ROWS", fusions)
     monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS", fusions)
     monkeypatch.setattr(llama, "ROPE_EPILOGUE_ROWS", fusions)
+    monkeypatch.setattr(kg, "TWO_ROW_KERNEL", fusions)
     real, rows = kg.gemv, []
     monkeypatch.setattr(kg, "gemv", lambda x, w, *a, **kw: rows.append(x.shape[0]) or real(x, w, *a, **kw))
     ps = prompts(8, seed=46, lo=6, hi=14)
+    lens = [3 if i < 6 else 6 for i in range(8)]  # six requests finish early: the last steps decode two rows
     out = {}
     for max_m in (16, 1):
         monkeypatch.setattr(ops, "GEMV_MAX_M", max_m)
         monkeypatch.setattr(llama, "LM_HEAD_ROWS_GEMV", max_m > 1)  # the logits on the GEMV too (an A/B knob)
         h = Harness(dtype="bfloat16", max_running_requests=8)
-        out[max_m] = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 6}, return_logprob=True,
-                                     top_logprobs_num=2) for p in ps])
+        out[max_m] = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": n}, return_logprob=True,
+                                     top_logprobs_num=2) for p, n in zip(ps, lens)])
         if max_m == 16:
-            assert any(1 < m <= 16 for m in rows), rows  # the several-row GEMV ran
+            assert 2 in rows and 8 in rows, rows  # the several-row GEMV ran, at 8 rows and at 2
     for got, ref in zip(out[16], out[1]):
         for t, (top_g, top_r) in enumerate(zip(got["top"], ref["top"])):
             assert abs(top_g[0][0] - top_r[0][0]) < 0.05, (t, top_g, top_r)

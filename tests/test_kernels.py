@@ -351,6 +351,58 @@ def check_gemv_rows(device, dtype):
         g.BF16_ROWS_TILES.update(saved)
 
 
+def check_gemv_two_rows(device, dtype):
+    """kernels.gemv.TWO_ROW_KERNEL: two rows on the one-row kernel (each weight tile against both) give each row's
+    one-row GEMV bit for bit: the row tiles' variants (x through w-shaped pointers or one broadcast row, folds, narrow
+    accumulators, two tiles before the PDL wait), split K, ragged K, the gated input, FP8 weights where the row kernel
+    takes them, and a strided x and output; without the knob, or with an epilogue, two rows take the tensor-core tile."""
+    import kernels.gemv as kg
+    from kernels.gemv import GemvConfig, gemv
+    from shared.models.quantization import quantize_per_channel
+    shapes = [(64, 48), (200, 37)] + ([(4096, 6144), (14336, 4096)] if device.type == "cuda" else [])
+    configs = [None, GemvConfig(16, 32, 1, 4), GemvConfig(2, 64, 1, 1, pre_tiles=2, narrow=True),
+               GemvConfig(4, 16, 1, 1, fold=3), GemvConfig(8, 16, 2, 2, fold=2, narrow=True),
+               GemvConfig(4, 256, 1, 2, narrow=True), GemvConfig(8, 32, 2, 2, pre_tiles=2, f16_math=True)]
+    saved, launched = kg.TWO_ROW_KERNEL, []
+    real = kg._gemv_row_kernel
+
+    class _Count:  # counts the row kernel's launches, then launches
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+    try:
+        kg._gemv_row_kernel = _Count()
+        for K, N in shapes:
+            w = _rand(N, K, dtype=dtype, device=device)
+            q, s = (t.to(device) for t in quantize_per_channel(w.float().cpu()))
+            xs = _rand(2, K + 8, dtype=dtype, device=device)[:, :K]  # rows K + 8 apart
+            h = _rand(2, 2 * K, dtype=dtype, device=device)
+            for cfg in configs:
+                for wt, scale in ((w, None), (q, s)):
+                    if scale is not None and cfg is not None and not cfg.f16_math:
+                        continue
+                    kg.TWO_ROW_KERNEL = True
+                    launched.clear()
+                    out = torch.full((2, N + 5), 7.0, dtype=dtype, device=device)[:, :N]
+                    y = gemv(xs, wt, out=out, config=cfg, scale=scale)
+                    yg = gemv(h, wt, config=cfg, scale=scale, silu_mul=True)
+                    on_row_kernel = bool(launched)
+                    kg.TWO_ROW_KERNEL = False
+                    # 16-bit weights always reach the row kernel; FP8 ones where their config is a row kernel's (their
+                    # default one-row config is the general kernel's, so two rows stay on the tensor-core tile)
+                    assert on_row_kernel == (scale is None or cfg is not None), (K, N, cfg, launched)
+                    for r in range(2 if on_row_kernel else 0):
+                        msg = f"K={K} N={N} {cfg} fp8={scale is not None} row {r}"
+                        assert torch.equal(y[r:r + 1], gemv(xs[r:r + 1], wt, config=cfg, scale=scale)), msg
+                        assert torch.equal(yg[r:r + 1], gemv(h[r:r + 1], wt, config=cfg, scale=scale, silu_mul=True)), msg
+        launched.clear()
+        gemv(_rand(2, 64, dtype=dtype, device=device), _rand(48, 64, dtype=dtype, device=device))
+        assert not launched  # the knob off: the tensor-core tile
+    finally:
+        kg.TWO_ROW_KERNEL = saved
+        kg._gemv_row_kernel = real
+
+
 def check_gemv_row_kernel(device, dtype):
     """The one-row kernel and the general kernel compute the same fp32 sums in other orders: equal to well
     inside the output's rounding, at every tile shape (x in w's layout either way) and with the gated input."""
