@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh rows-next|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh rows-next|two-row-tiles|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 # bf16-rows ran on an H100 at 63f53e8 (12-06 04:40): adopted GEMV_MAX_M = 16 at its swept tiles; FP8 weight-only past 16 rows
 # lost (fp8-rows-64 measured the same); recheck ran at 00cdb8a on an H100. Pending: on an H200 (an H100 came for every call but one since 12-05), `recheck`, then `fp8-h200`
 # (the FP8 defaults and the rope epilogue; the chain sweep only if the former tiles win) and `bf16-rows` (the
 # several-row bf16 tiles were swept on an H100 only); on any card, `rows-next` (four several-row knobs, built
-# 12-06 without a GPU, off).
+# 12-06 without a GPU, off), then `two-row-tiles` if the two-row kernel is close.
 # Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
@@ -141,6 +141,12 @@ for r in ('', '_again'):
               'fp8' + r: ('fp8', {}), 'fp8_tg' + r: ('fp8', {**t, **g, 'shared.models.llama.GATE_UP_EPILOGUE_FP8': True})})
 P.probe_fp8_batches({}, variants=v, batches=(1, 2, 4, 8, 16), swept=False)
 " 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/rows_next.log" | tail -8
+fi
+if [[ $what == two-row-tiles ]]; then
+  # kernels.gemv.TWO_ROW_KERNEL's tiles swept at 2 rows per linear (bench.probe two_row_tiles), then decode steps at
+  # batch 1-4 at two_row_config's rule and at the sweep's best against the default, alternated twice. ~5 min.
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv_two_rows" 2>&1 | tail -2
+  timeout 450 python3 -m bench.probe two_row_tiles 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/two_row_tiles.log" | tail -20
 fi
 if [[ $what == trace-b2 ]]; then
   # bf16 batch 2's decode replay kernel by kernel beside batch 1's (PDL on): where the second row's 0.68 ms goes

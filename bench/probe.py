@@ -20,6 +20,7 @@
     python -m bench.probe extend_layout  # extend attention on the engine's qkv views vs contiguous, alone and after a GEMM
     python -m bench.probe fp8_small_m  # FP8 linears at 1..64 rows: bf16, W8A8 (_scaled_mm), weight-only on the GEMV's MMA
     python -m bench.probe bf16_small_m  # bf16 linears at 1..16 rows: cuBLAS against the GEMV's tensor-core tile, swept
+    python -m bench.probe two_row_tiles  # the two-row kernel's tiles swept at 2 rows, then in the engine
     python -m bench.probe lm_head_rows  # the lm_head at 2..16 rows: cuBLAS against the GEMV, alone and in the engine
     python -m bench.probe fp8_batches  # decode steps at batch 1..64: bf16, FP8 at the defaults, FP8 W8A8 past one row
 """
@@ -960,6 +961,56 @@ def probe_fp8_batches_pdl(res: dict) -> None:
                       batches=(1, 2, 8, 16, 32), key="fp8_batches_pdl")
 
 
+def probe_two_row_tiles(res: dict) -> None:
+    """kernels.gemv.TWO_ROW_KERNEL's tiles at 2 rows, each Llama-8B linear alone in CUDA graphs with the weights out of
+    L2 (down_proj with its gated input, as the engine runs it there): a sweep of the one-row kernel's tile shapes at two
+    rows against the tensor-core tile (the default) and against one row; then decode steps in the engine at batch 1-4
+    with the two-row kernel at two_row_config's rule and at the sweep's best, alternated twice with the default."""
+    import dataclasses
+
+    import kernels.gemv as kg
+    from bench.b1 import module_knobs
+    from bench.kernels import copies_for
+    from kernels.gemv import gemv
+    rows, best = [], {}
+    for name, (n, k) in LLAMA8B_LINEARS.items():
+        ws = [torch.randn(n, k, dtype=DT, device="cuda") * 0.02 for _ in range(copies_for(n * k * 2, cap=8))]
+        silu = name == "down"
+        x1, x2 = (torch.randn(m, 2 * k if silu else k, dtype=DT, device="cuda") for m in (1, 2))
+        run = lambda x, cfg=None: (lambda i: gemv(x, ws[i % len(ws)], config=cfg, silu_mul=silu))  # noqa: E731
+        row = {"shape": name, "one_row_us": graph_time_ms(run(x1)) * 1e3, "tensor_cores_us": graph_time_ms(run(x2)) * 1e3}
+        sweep = {}
+        with module_knobs({"kernels.gemv.TWO_ROW_KERNEL": True}):
+            row["rule_us"] = graph_time_ms(run(x2)) * 1e3
+            base = kg.two_row_config(n, k)
+            for bn in (2, 4, 8):
+                for bk in (256, 512, 1024, 2048):
+                    for warps in (2, 4):
+                        cfg = dataclasses.replace(base, block_n=bn, block_k=bk, num_warps=warps, narrow=True, fold=1,
+                                                  split_k=kg.split_k_for(n, bn, k, bk))
+                        try:
+                            sweep[bn, bk, warps] = graph_time_ms(run(x2, cfg)) * 1e3
+                        except Exception as e:  # noqa: BLE001  (a tile the compiler refuses)
+                            log(f"{name} {bn, bk, warps}: {repr(e)[:120]}")
+        tile = min(sweep, key=sweep.get)
+        row["best_us"], best[name] = sweep[tile], {"tile": list(tile), "sweep": {str(t): v for t, v in sweep.items()}}
+        rows.append(row)
+        log(f"{name}: one row {row['one_row_us']:.1f} us; two rows: tensor cores {row['tensor_cores_us']:.1f}, two-row "
+            f"kernel at the rule {row['rule_us']:.1f}, at its best tile {tile} {row['best_us']:.1f}")
+        del ws
+        torch.cuda.empty_cache()
+    layer = {key: sum(r[key] for r in rows) for key in rows[0] if key.endswith("_us")}
+    log("a layer's four linears: " + ", ".join(f"{k_[:-3]} {v:.0f} us" for k_, v in layer.items()))
+    res["two_row_tiles"] = {"rows": rows, "best_tiles": best}
+    tiles = {LLAMA8B_LINEARS[name]: tuple(b["tile"]) for name, b in best.items()}
+    two, swept = {"kernels.gemv.TWO_ROW_KERNEL": True}, {"kernels.gemv.TWO_ROW_KERNEL": True,
+                                                         "kernels.gemv.TWO_ROW_TILES": tiles}
+    probe_fp8_batches(res, variants={"bf16": (None, {}), "two_rows": (None, two), "two_rows_swept": (None, swept),
+                                     "bf16_again": (None, {}), "two_rows_again": (None, two),
+                                     "two_rows_swept_again": (None, swept)},
+                      batches=(1, 2, 4), key="two_row_batches", swept=False)
+
+
 def probe_lm_head_rows(res: dict) -> None:
     """Llama-8B's lm_head (128256 x 4096, bf16) at decode batches of 2-16 rows in CUDA graphs: cuBLAS writing the
     logits buffer (the default) against the GEMV's tensor-core tile at its default tile and the best of a sweep at
@@ -1374,7 +1425,7 @@ def main() -> int:
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune,
              "fp8_small_m": probe_fp8_small_m, "fp8_batches": probe_fp8_batches, "bf16_small_m": probe_bf16_small_m,
-             "lm_head_rows": probe_lm_head_rows,
+             "lm_head_rows": probe_lm_head_rows, "two_row_tiles": probe_two_row_tiles,
              "fp8_batches_pdl": probe_fp8_batches_pdl}[w](res)
         except Exception as e:
             import traceback

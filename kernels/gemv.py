@@ -597,6 +597,9 @@ SPLITK_TICKETS_ROWS = False
 # weight tile multiplied by both rows, instead of the tensor-core tile: at bf16 batch 2 the GEMVs were 327 us of the
 # replay beyond batch 1's one-row kernel (H100 trace, 2026-12-06). An A/B knob read at launch; off until measured.
 TWO_ROW_KERNEL = False
+# Its (block_n, block_k, num_warps) by the weight's (N, K), as `python -m bench.probe two_row_tiles` sweeps them (narrow
+# accumulators, two tiles before the PDL wait); shapes not listed take two_row_config's rule. Empty until swept.
+TWO_ROW_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
 # FP8's long-K rows (gate_up, down_proj) at the tiles the H100's chain sweep picked (default_config): an A/B knob.
 # Measured and removed (bench/RESULTS.md, 2026-12-05; the code is in git history): FP8 rows at 256 bytes a thread
 # (FP8_WIDE_TILES, batch-1 step +6%, H100), on tensor cores with cp.async-pipelined weights (FP8_TENSOR_CORES,
@@ -684,12 +687,16 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
 
 
 def two_row_config(N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
-    """TWO_ROW_KERNEL's tiles, not yet swept: the one-row kernel's with narrow accumulators and half the K tile (at
-    least 256), which keeps the two rows' registers near one row's (sm_90 compile of Llama-8B's shapes: o_proj 158,
-    gate_up 86, down_proj 94 registers, no spills; at the one-row tiles gate_up spilled at 255)."""
+    """TWO_ROW_KERNEL's tiles: TWO_ROW_TILES' where listed, else the one-row kernel's with narrow accumulators and half
+    the K tile (at least 256), which keeps the two rows' registers near one row's (sm_90 compile of Llama-8B's shapes:
+    o_proj 158, gate_up 86, down_proj 94 registers, no spills; at the one-row tiles gate_up spilled at 255)."""
     cfg = default_config(1, N, K, weight_bytes)
     if not cfg.row_kernel:
         return cfg
+    if (N, K) in TWO_ROW_TILES:
+        block_n, block_k, warps = TWO_ROW_TILES[N, K]
+        return dataclasses.replace(cfg, block_n=block_n, block_k=block_k, num_warps=warps, narrow=True, fold=1,
+                                   split_k=split_k_for(N, block_n, K, block_k))
     block_k = max(256, cfg.block_k // 2) if cfg.block_k > 256 else cfg.block_k
     return dataclasses.replace(cfg, narrow=True, block_k=block_k, split_k=split_k_for(N, cfg.block_n, K, block_k))
 

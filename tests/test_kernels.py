@@ -398,8 +398,19 @@ def check_gemv_two_rows(device, dtype):
         launched.clear()
         gemv(_rand(2, 64, dtype=dtype, device=device), _rand(48, 64, dtype=dtype, device=device))
         assert not launched  # the knob off: the tensor-core tile
+        # kernels.gemv.TWO_ROW_TILES (a sweep's picks) override two_row_config's rule for the shapes they list
+        kg.TWO_ROW_TILES[48, 64] = (4, 32, 2)
+        cfg = kg.two_row_config(48, 64)
+        assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.narrow, cfg.row_kernel) == (4, 32, 2, True, True)
+        assert kg.two_row_config(40, 64) != cfg
+        kg.TWO_ROW_KERNEL = True
+        w, x = _rand(48, 64, dtype=dtype, device=device), _rand(2, 64, dtype=dtype, device=device)
+        y = gemv(x, w)
+        kg.TWO_ROW_KERNEL = False
+        assert all(torch.equal(y[r:r + 1], gemv(x[r:r + 1], w, config=cfg)) for r in range(2))
     finally:
         kg.TWO_ROW_KERNEL = saved
+        kg.TWO_ROW_TILES.pop((48, 64), None)
         kg._gemv_row_kernel = real
 
 
