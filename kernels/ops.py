@@ -205,12 +205,12 @@ def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if add_norm is not None:
         return _split_norm_linear(h, weight, bias, weight_scale, None, add_norm, gated=True)
     if _gemv_applies(h, weight, weight_scale):
-        from kernels.gemv import gemv
-        if h.shape[0] == 1:
-            y = gemv(h, weight, scale=weight_scale, silu_mul=True)
+        import kernels.gemv as kg
+        if h.shape[0] == 1 or (h.shape[0] == 2 and kg.TWO_ROW_KERNEL and weight_scale is None):
+            y = kg.gemv(h, weight, scale=weight_scale, silu_mul=True)  # the row kernel (one or two rows)
         else:  # several rows (the 16-row tensor-core tile): the activation in the load would be computed for all 16
             # padded rows by every program along N, 3.2x the GEMV's time at down_proj's shape (H100, 2026-12-06)
-            y = gemv(silu_and_mul(h), weight, scale=weight_scale)
+            y = kg.gemv(silu_and_mul(h), weight, scale=weight_scale)
         return y + bias if bias is not None else y
     if weight_scale is not None and _fp8_gemm_applies(h, weight, h.shape[-1] // 2):
         return _fp8_gemm(h, weight, weight_scale, bias, silu_mul=True)  # the activation straight into the FP8 input

@@ -398,6 +398,26 @@ def check_gemv_two_rows(device, dtype):
         launched.clear()
         gemv(_rand(2, 64, dtype=dtype, device=device), _rand(48, 64, dtype=dtype, device=device))
         assert not launched  # the knob off: the tensor-core tile
+        # kernels.ops' gated down projection at two rows on the row kernel: the activation in the load (no
+        # silu_and_mul launch), the bits of each row's one-row GEMV
+        import kernels.ops as ops
+        on_gpu, max_m, sm = ops._on_gpu, ops.GEMV_MAX_M, ops.silu_and_mul
+        acts = []
+        ops._on_gpu, ops.GEMV_MAX_M = (lambda t: True), 16
+        ops.silu_and_mul = lambda t: acts.append(t.shape[0]) or sm(t)
+        try:
+            bf = torch.bfloat16  # kernels.ops' GEMV takes bf16 weights and activations
+            w, h = _rand(40, 64, dtype=bf, device=device), _rand(2, 128, dtype=bf, device=device)
+            for two in (True, False):
+                kg.TWO_ROW_KERNEL = two
+                acts.clear()
+                y = ops.silu_mul_linear(h, w)
+                assert acts == ([] if two else [2]), (two, acts)
+                kg.TWO_ROW_KERNEL = False
+                if two:
+                    assert all(torch.equal(y[r:r + 1], gemv(h[r:r + 1], w, silu_mul=True)) for r in range(2))
+        finally:
+            ops._on_gpu, ops.GEMV_MAX_M, ops.silu_and_mul = on_gpu, max_m, sm
         # kernels.gemv.TWO_ROW_TILES (a sweep's picks) override two_row_config's rule for the shapes they list
         kg.TWO_ROW_TILES[48, 64] = (4, 32, 2)
         cfg = kg.two_row_config(48, 64)
