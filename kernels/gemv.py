@@ -395,6 +395,18 @@ def _row_acc(acc, w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NARROW: tl
 
 
 @triton.jit
+def _row_sums(acc, S, offs_n, mask_n, F16: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """A row's accumulators reduced across K: f16 products' 2^8 undone, FP8 rows' scales applied (linear, so per
+    split too)."""
+    out = tl.sum(acc, axis=1)
+    if F16:
+        out = out * 256.0
+    if HAS_SCALE:
+        out = out * tl.load(S + offs_n, mask=mask_n, other=0.0)
+    return out
+
+
+@triton.jit
 def _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NARROW: tl.constexpr, EVICT: tl.constexpr, w=None,
               F16: tl.constexpr = False, acc2=None, XS=0, ROWS: tl.constexpr = 1):
@@ -503,11 +515,7 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
         x_ptrs += FOLD * BLOCK_K
     if LATE:
         pdl_trigger(PDL)
-    out = tl.sum(acc, axis=1)
-    if F16:
-        out = out * 256.0
-    if HAS_SCALE:  # linear, so per split too
-        out = out * tl.load(S + offs_n, mask=mask_n, other=0.0)
+    out = _row_sums(acc, S, offs_n, mask_n, F16, HAS_SCALE)
     if NORM_IN:  # linear in x: a split's partial takes the scale too
         out = out * rs
     if SPLIT_K == 1 and ADD_NORM:
@@ -523,11 +531,7 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
     else:
         tl.store(P + pid_k * ROWS * N + offs_n, out, mask=mask_n)
     if ROWS == 2:  # no epilogue (the host checks): the second row's sums as the first's
-        out2 = tl.sum(acc2, axis=1)
-        if F16:
-            out2 = out2 * 256.0
-        if HAS_SCALE:
-            out2 = out2 * tl.load(S + offs_n, mask=mask_n, other=0.0)
+        out2 = _row_sums(acc2, S, offs_n, mask_n, F16, HAS_SCALE)
         if SPLIT_K == 1:
             tl.store(Y + stride_ym + offs_n, _out(out2, X, Y), mask=mask_n)
         else:
@@ -593,8 +597,8 @@ SPLITK_TICKETS = True
 # and down_proj split K in two at their swept tiles, 64 reduce launches a step, 67 us of batch 2's replay charged to
 # them (H100 trace, 2026-12-06: bench.probe trace_pdl_b2). An A/B knob read at launch; off until measured.
 SPLITK_TICKETS_ROWS = False
-# Two rows (decode at batch 2, bf16 or FP8 weights on the row kernel) on the one-row kernel at its one-row tiles, each
-# weight tile multiplied by both rows, instead of the tensor-core tile: at bf16 batch 2 the GEMVs were 327 us of the
+# Two rows (decode at batch 2, bf16 or FP8 weights on the row kernel) on the one-row kernel at two_row_config's tiles,
+# each weight tile multiplied by both rows, instead of the tensor-core tile: at bf16 batch 2 the GEMVs were 327 us of the
 # replay beyond batch 1's one-row kernel (H100 trace, 2026-12-06). An A/B knob read at launch; off until measured.
 TWO_ROW_KERNEL = False
 # Its (block_n, block_k, num_warps) by the weight's (N, K), as `python -m bench.probe two_row_tiles` sweeps them (narrow
@@ -793,15 +797,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert not gated_out or (N % 2 == 0 and block is None and add_norm is None and rope is None and not silu_mul
                              and not tensor_cores), \
         "gated_out: a gate | up projection, per-row scales, no producer epilogue"
-    cfg = config or default_config(M, N, K, w.element_size())
-    # Two rows on the one-row kernel (TWO_ROW_KERNEL) at its one-row tiles (or a given row-kernel config): each weight
-    # tile read once for both, no epilogue.
+    # Two rows on the one-row kernel (TWO_ROW_KERNEL) at two_row_config's tiles (or a given row-kernel config): each
+    # weight tile read once for both, no epilogue.
     two_rows = (TWO_ROW_KERNEL and M == 2 and not tensor_cores and block is None and norm_in is None and add_norm is None
                 and rope is None and not gated_out)
-    if two_rows:
-        row_cfg = config or two_row_config(N, K, w.element_size())
-        two_rows = row_cfg.row_kernel
-        cfg = row_cfg if two_rows else cfg
+    row_cfg = (config or two_row_config(N, K, w.element_size())) if two_rows else None
+    two_rows = two_rows and row_cfg.row_kernel
+    cfg = row_cfg if two_rows else config or default_config(M, N, K, w.element_size())
     if gated_out:  # a program owns whole gate/up pairs, over all of K (the epilogue needs complete sums; a tile that
         # would split K, none of Llama-8B's gate_up tiles at batch 1, gives up that parallelism here)
         cfg = dataclasses.replace(cfg, block_n=max(2, cfg.block_n), split_k=1)
