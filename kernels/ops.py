@@ -142,7 +142,9 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> bool:
-    """Whether linear(x, weight, ..., weight_scale) runs on the decode GEMV (and gated_linear's epilogue with it)."""
+    """Whether linear(x, weight, ..., weight_scale) runs on the decode GEMV (and gated_linear's epilogue with it): the
+    models' question. ops itself asks _gemv_applies, so that a test can pretend a GPU to a model (patching this one)
+    while ops still computes on the CPU."""
     return _gemv_applies(x, weight, weight_scale)
 
 
@@ -187,10 +189,10 @@ def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | No
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  weight_scale: torch.Tensor | None = None, norm_in: ResidualNorm | None = None) -> torch.Tensor:
     """silu_and_mul(linear(x, ...)) for a gated MLP's gate | up projection (weight [2I, K]): [M, I]. Rows the GEMV
-    takes (gemv_applies), without bias or block scales, go through it with the gating in its epilogue (the bits of
+    takes (_gemv_applies), without bias or block scales, go through it with the gating in its epilogue (the bits of
     the two steps, no [M, 2I] output written and read back); anything else runs the two. norm_in: as linear's
     (one row)."""
-    if (x.dim() == 2 and bias is None and gemv_applies(x, weight, weight_scale)
+    if (x.dim() == 2 and bias is None and _gemv_applies(x, weight, weight_scale)
             and (weight_scale is None or ref.scale_block(weight, weight_scale) is None)):
         from kernels.gemv import gemv
         return gemv(x, weight, scale=weight_scale, norm_in=norm_in, gated_out=True)
