@@ -351,6 +351,17 @@ def check_gemv_rows(device, dtype):
         g.BF16_ROWS_TILES.update(saved)
 
 
+class _Launches:
+    """Stands in for a Triton kernel (kernel[grid](...)): each launch's grid appended to `launched`, then launched."""
+
+    def __init__(self, kernel, launched: list):
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(grid)
+        return self.kernel[grid]
+
+
 def check_gemv_two_rows(device, dtype):
     """kernels.gemv.TWO_ROW_KERNEL: two rows on the one-row kernel (each weight tile against both) give each row's
     one-row GEMV bit for bit: the row tiles' variants (x through w-shaped pointers or one broadcast row, folds, narrow
@@ -365,13 +376,8 @@ def check_gemv_two_rows(device, dtype):
                GemvConfig(4, 256, 1, 2, narrow=True), GemvConfig(8, 32, 2, 2, pre_tiles=2, f16_math=True)]
     saved, launched = kg.TWO_ROW_KERNEL, []
     real = kg._gemv_row_kernel
-
-    class _Count:  # counts the row kernel's launches, then launches
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
     try:
-        kg._gemv_row_kernel = _Count()
+        kg._gemv_row_kernel = _Launches(real, launched)
         for K, N in shapes:
             w = _rand(N, K, dtype=dtype, device=device)
             q, s = (t.to(device) for t in quantize_per_channel(w.float().cpu()))
@@ -686,11 +692,6 @@ def check_gemv_splitk_tickets(device, dtype):
     launched = []
     real_reduce = kg._splitk_reduce_kernel
     saved = kg.SPLITK_TICKETS
-
-    class _Count:  # counts reduce launches, then launches
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real_reduce[grid]
     try:
         for N, K, split in [(40, 256, 2), (64, 384, 3), (24, 512, 4)]:
             w = torch.randn(N, K, generator=gen) * 0.02
@@ -705,7 +706,7 @@ def check_gemv_splitk_tickets(device, dtype):
                 runs = []
                 for tickets in (False, True):
                     kg.SPLITK_TICKETS = tickets
-                    kg._splitk_reduce_kernel = _Count()
+                    kg._splitk_reduce_kernel = _Launches(real_reduce, launched)
                     launched.clear()
                     sums = torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
                     r = r0.clone()
@@ -742,11 +743,6 @@ def check_gemv_splitk_tickets_rows(device, dtype):
     from shared.models.quantization import quantize_per_channel
     gen = torch.Generator().manual_seed(22)
     launched, real_reduce, saved = [], kg._splitk_reduce_kernel, kg.SPLITK_TICKETS_ROWS
-
-    class _Count:  # counts reduce launches, then launches
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real_reduce[grid]
     try:
         for N, K, split in [(40, 256, 2), (48, 384, 3)]:
             w = torch.randn(N, K, generator=gen) * 0.02
@@ -758,7 +754,7 @@ def check_gemv_splitk_tickets_rows(device, dtype):
                     runs = []
                     for tickets in (False, True):
                         kg.SPLITK_TICKETS_ROWS = tickets
-                        kg._splitk_reduce_kernel = _Count()
+                        kg._splitk_reduce_kernel = _Launches(real_reduce, launched)
                         launched.clear()
                         runs.append((gemv(x, wt, scale=scale, config=cfg), len(launched)))
                         kg._splitk_reduce_kernel = real_reduce
