@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh rows-next|rows-next2|two-row-tiles|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh rows-final|two-row-tiles|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 # bf16-rows ran on an H100 at 63f53e8 (12-06 04:40): adopted GEMV_MAX_M = 16 at its swept tiles; FP8 weight-only past 16 rows
@@ -120,46 +120,22 @@ P.probe_fp8_batches({}, variants={'bf16': (None, {}), 'bf16_rows16': (None, {'ke
                         'fp8_w8a8': ('fp8', {'kernels.ops.GEMV_MAX_M_FP8': 1})}, batches=(1, 2, 8, 16, 24, 32, 48, 64))
 " 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/fp8_rows_64.log" | tail -10
 fi
-if [[ $what == rows-next ]]; then
-  # Four of batch 2's costs beyond batch 1 (trace-b2, H100 12-06: 64 split-K reduce launches, 67 us; 32 silu_and_mul,
-  # 47 us; 32 rope + KV store, 74 us; the GEMVs' tensor-core tile, +327 us), built as knobs: split K reduced by tickets
-  # at several rows (kernels.gemv.SPLITK_TICKETS_ROWS), the MLP gated in gate_up_proj's epilogue at several rows
-  # (shared.models.llama.GATE_UP_EPILOGUE_ROWS), rope + KV store in qkv_proj's (ROPE_EPILOGUE_ROWS), two rows on the
-  # one-row kernel (kernels.gemv.TWO_ROW_KERNEL, tiles not swept). CUDA checks, then decode steps at batch 1-16, bf16
-  # and FP8, each alternated twice with the defaults (round 1 alone is a complete comparison). ~9 min.
-  timeout 130 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "(cuda_bf16 and (gemv_gated_out or splitk_tickets or gemv_rows or gemv_rope_store or gemv_two_rows)) or bf16_rows" 2>&1 | tail -2
-  timeout 440 python3 -c "
-import bench.probe as P
-t, g = {'kernels.gemv.SPLITK_TICKETS_ROWS': True}, {'shared.models.llama.GATE_UP_EPILOGUE_ROWS': True}
-rp = {'shared.models.llama.ROPE_EPILOGUE_ROWS': True}
-two = {'kernels.gemv.TWO_ROW_KERNEL': True}
-v = {}
-for r in ('', '_again'):
-    v.update({'bf16' + r: (None, {}), 'tickets' + r: (None, t), 'gated' + r: (None, g), 'rope' + r: (None, rp),
-              'two_rows' + r: (None, two), 'all4' + r: (None, {**t, **g, **rp, **two}),
-              'fp8' + r: ('fp8', {}), 'fp8_tg' + r: ('fp8', {**t, **g, 'shared.models.llama.GATE_UP_EPILOGUE_FP8': True})})
-P.probe_fp8_batches({}, variants=v, batches=(1, 2, 4, 8, 16), swept=False)
-" 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/rows_next.log" | tail -8
-fi
-if [[ $what == rows-next2 ]]; then
-  # rows-next's follow-up (H100, 12-06 07:05): two rows on the row kernel 0.951x at batch 2, rope + KV store in qkv's
-  # epilogue 0.983-0.994x at 2-8, both kept; tickets and the gated epilogue slower for bf16 (1.00-1.05x), but FP8 with
-  # both 0.73-0.74x of bf16 against 0.75-0.77x at 2-8 (0.796 against 0.788 at 16). Here: the CUDA checks rows-next's
-  # timeout cut off, then the bf16 pair together and FP8's knobs one at a time, alternated twice. ~7 min.
+if [[ $what == rows-final ]]; then
+  # rows-next / rows-next2's picks (H100, 12-06 07:05-07:15; bench/RESULTS.md) as the defaults: two rows on the one-row
+  # kernel, rope + KV store in qkv's epilogue at 2-16 rows (bf16), the MLP gated in gate_up's epilogue at 2-16 rows
+  # (FP8); split K by tickets at several rows removed. CUDA checks and the engine tests of the knobs, then decode steps
+  # at batch 1-16, bf16 and FP8, the defaults against the former ones (all three off), alternated twice. ~5 min.
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "(cuda_bf16 and (gemv_two_rows or gemv_rope_store_rows)) or bf16_rows" 2>&1 | tail -15
-  timeout 420 python3 -c "
+    -k "(cuda_bf16 and (gemv_two_rows or gemv_rope_store_rows or gemv_gated_out or splitk_tickets or gemv_rows)) or bf16_rows or fp8_rows_gated" 2>&1 | tail -4
+  timeout 280 python3 -c "
 import bench.probe as P
 L = 'shared.models.llama.'
-t, g = {'kernels.gemv.SPLITK_TICKETS_ROWS': True}, {L + 'GATE_UP_EPILOGUE_ROWS': True, L + 'GATE_UP_EPILOGUE_FP8': True}
-rp, two = {L + 'ROPE_EPILOGUE_ROWS': True}, {'kernels.gemv.TWO_ROW_KERNEL': True}
+off = {'kernels.gemv.TWO_ROW_KERNEL': False, L + 'ROPE_EPILOGUE_ROWS': False, L + 'GATE_UP_EPILOGUE_ROWS_FP8': False}
 v = {}
 for r in ('', '_again'):
-    v.update({'bf16' + r: (None, {}), 'rope_two' + r: (None, {**rp, **two}), 'fp8' + r: ('fp8', {}),
-              'fp8_t' + r: ('fp8', t), 'fp8_g' + r: ('fp8', g), 'fp8_rope' + r: ('fp8', {**rp, L + 'FP8_ROPE_EPILOGUE': True})})
+    v.update({'bf16' + r: (None, {}), 'bf16_former' + r: (None, off), 'fp8' + r: ('fp8', {}), 'fp8_former' + r: ('fp8', off)})
 P.probe_fp8_batches({}, variants=v, batches=(1, 2, 4, 8, 16), swept=False)
-" 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/rows_next2.log" | tail -6
+" 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/rows_final.log" | tail -6
 fi
 if [[ $what == two-row-tiles ]]; then
   # kernels.gemv.TWO_ROW_KERNEL's tiles swept at 2 rows per linear (bench.probe two_row_tiles), then decode steps at

@@ -978,7 +978,9 @@ def probe_two_row_tiles(res: dict) -> None:
         silu = name == "down"
         x1, x2 = (torch.randn(m, 2 * k if silu else k, dtype=DT, device="cuda") for m in (1, 2))
         run = lambda x, cfg=None: (lambda i: gemv(x, ws[i % len(ws)], config=cfg, silu_mul=silu))  # noqa: E731
-        row = {"shape": name, "one_row_us": graph_time_ms(run(x1)) * 1e3, "tensor_cores_us": graph_time_ms(run(x2)) * 1e3}
+        row = {"shape": name, "one_row_us": graph_time_ms(run(x1)) * 1e3}
+        with module_knobs({"kernels.gemv.TWO_ROW_KERNEL": False}):
+            row["tensor_cores_us"] = graph_time_ms(run(x2)) * 1e3
         sweep = {}
         with module_knobs({"kernels.gemv.TWO_ROW_KERNEL": True}):
             row["rule_us"] = graph_time_ms(run(x2)) * 1e3
@@ -1003,11 +1005,12 @@ def probe_two_row_tiles(res: dict) -> None:
     log("a layer's four linears: " + ", ".join(f"{k_[:-3]} {v:.0f} us" for k_, v in layer.items()))
     res["two_row_tiles"] = {"rows": rows, "best_tiles": best}
     tiles = {LLAMA8B_LINEARS[name]: tuple(b["tile"]) for name, b in best.items()}
-    two, swept = {"kernels.gemv.TWO_ROW_KERNEL": True}, {"kernels.gemv.TWO_ROW_KERNEL": True,
-                                                         "kernels.gemv.TWO_ROW_TILES": tiles}
-    probe_fp8_batches(res, variants={"bf16": (None, {}), "two_rows": (None, two), "two_rows_swept": (None, swept),
-                                     "bf16_again": (None, {}), "two_rows_again": (None, two),
-                                     "two_rows_swept_again": (None, swept)},
+    # the default (two rows on the row kernel at two_row_config's rule since 2026-12-06) against the sweep's tiles and
+    # the tensor-core tile
+    tc, swept = {"kernels.gemv.TWO_ROW_KERNEL": False}, {"kernels.gemv.TWO_ROW_TILES": tiles}
+    probe_fp8_batches(res, variants={"bf16": (None, {}), "two_rows_swept": (None, swept), "tensor_cores": (None, tc),
+                                     "bf16_again": (None, {}), "two_rows_swept_again": (None, swept),
+                                     "tensor_cores_again": (None, tc)},
                       batches=(1, 2, 4), key="two_row_batches", swept=False)
 
 

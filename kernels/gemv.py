@@ -346,19 +346,18 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], _out(acc, X, Y), mask=mask)
     else:
         tl.store(P + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
-        if TICKETED:  # the tile's last split to finish sums them, row by row, as the reduce kernel
+        if TICKETED:  # one row (the host checks): the tile's last split to finish sums them, as the reduce kernel
             # Every thread's partial stored before one thread takes the ticket (acq_rel at GPU scope: a release of
             # them, and for the last taker an acquire of the others'); the counter is put back to 0 for the next
             # launch (a later layer, step or graph replay), which starts only after this grid completes.
             tl.debug_barrier()
             ticket = TK + pid_n
             if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                for m in tl.static_range(M):
-                    total = _sum_splits(P, m, N, offs_n, mask_n, M, SPLIT_K, BLOCK_N, ".cg")
-                    if ADD_NORM:  # one row (the host checks)
-                        _add_norm_epilogue(total, r_in, gamma, offs_n, mask_n, pid_n, R, Y, SQ, NSLOT)
-                    else:
-                        tl.store(Y + m * stride_ym + offs_n, _out(total, X, Y), mask=mask_n)
+                total = _sum_splits(P, 0, N, offs_n, mask_n, M, SPLIT_K, BLOCK_N, ".cg")
+                if ADD_NORM:
+                    _add_norm_epilogue(total, r_in, gamma, offs_n, mask_n, pid_n, R, Y, SQ, NSLOT)
+                else:
+                    tl.store(Y + offs_n, _out(total, X, Y), mask=mask_n)
                 tl.store(ticket, 0)
 
 
@@ -593,14 +592,14 @@ FP8_SMALL_N_BLOCK_N = 16
 # counters are one buffer a device: ticketed GEMVs must not run concurrently on two streams of one device (the
 # engine runs its forward passes on one stream).
 SPLITK_TICKETS = True
-# The same at several rows (the tensor-core tile; the last split sums each row's partials): at batch 2-16 bf16's o_proj
-# and down_proj split K in two at their swept tiles, 64 reduce launches a step, 67 us of batch 2's replay charged to
-# them (H100 trace, 2026-12-06: bench.probe trace_pdl_b2). An A/B knob read at launch; off until measured.
-SPLITK_TICKETS_ROWS = False
-# Two rows (decode at batch 2, bf16 or FP8 weights on the row kernel) on the one-row kernel at two_row_config's tiles,
-# each weight tile multiplied by both rows, instead of the tensor-core tile: at bf16 batch 2 the GEMVs were 327 us of the
-# replay beyond batch 1's one-row kernel (H100 trace, 2026-12-06). An A/B knob read at launch; off until measured.
-TWO_ROW_KERNEL = False
+# Split K reduced by tickets at several rows too (the tensor-core tile) was measured slower and removed: the bf16 step
+# at batch 2-16 +0.2 to +3.1%, FP8's -0.4 to +4.8% (H100, 2026-12-06, rows-next / rows-next2; the code is in git history).
+# Two rows (decode at batch 2, bf16 weights on the row kernel) on the one-row kernel at two_row_config's tiles, each
+# weight tile multiplied by both rows, instead of the tensor-core tile: at bf16 batch 2 the GEMVs were 327 us of the
+# replay beyond batch 1's one-row kernel (H100 trace, 2026-12-06). An A/B knob read at launch
+# (@kernels.gemv.TWO_ROW_KERNEL=0). On since an H100's A/B of 2026-12-06 07:05 (`bash bench/gpu_run.sh rows-next`): the
+# batch-2 step 0.951-0.952x the tensor-core tile's, batches 1 and 4-16 unchanged (0.998-1.006x).
+TWO_ROW_KERNEL = True
 # Its (block_n, block_k, num_warps) by the weight's (N, K), as `python -m bench.probe two_row_tiles` sweeps them (narrow
 # accumulators, two tiles before the PDL wait); shapes not listed take two_row_config's rule. Empty until swept.
 TWO_ROW_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
@@ -825,7 +824,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
     ticketed = bool(SPLITK_TICKETS and split_k > 1 and rope is None and triton.cdiv(N, cfg.block_n) <= _TICKET_SLOTS
-                    and ((M == 1 and not dot and not cfg.row_kernel) or (M > 1 and dot and SPLITK_TICKETS_ROWS)))
+                    and M == 1 and not dot and not cfg.row_kernel)
     norms = _norm_args(norm_in, add_norm, 1 if ticketed else split_k, x)
     ropes = dict(rope_args(rope, x, split_k == 1), ROPE_AHEAD=bool(ROPE_INPUTS_AHEAD))
     if not dot and cfg.row_kernel:

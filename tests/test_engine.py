@@ -625,12 +625,11 @@ def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(fusions, monkeypatch):
     """bf16 batches of 2-16 rows (here decode steps of 8 in graphs) take the GEMV's tensor-core tile up to
     kernels.ops.GEMV_MAX_M rows, their logits too with shared.models.llama.LM_HEAD_ROWS_GEMV: each step's top logprob
     equals cuBLAS's (GEMV_MAX_M = 1) to bf16's rounding, and so does the greedy token wherever cuBLAS's top two are
-    not a near tie. fusions: the several-row A/B knobs on (split K reduced by tickets, the MLP gated in gate_up_proj's
-    epilogue, rope and the KV store in qkv_proj's, two rows on the one-row kernel)."""
+    not a near tie. fusions: the several-row knobs on (rope and the KV store in qkv_proj's epilogue and two rows on the
+    one-row kernel, the defaults; the MLP gated in gate_up_proj's epilogue, an A/B knob off for bf16), or all off."""
     import kernels.gemv as kg
     import kernels.ops as ops
     import shared.models.llama as llama
-    monkeypatch.setattr(kg, "SPLITK_TICKETS_ROWS", fusions)
     monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS", fusions)
     monkeypatch.setattr(llama, "ROPE_EPILOGUE_ROWS", fusions)
     monkeypatch.setattr(kg, "TWO_ROW_KERNEL", fusions)
@@ -654,6 +653,36 @@ def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(fusions, monkeypatch):
                 assert top_g[0][1] == top_r[0][1], (t, top_g, top_r)
             else:
                 break  # a near tie may pick either token; the sequences part from here
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_rows_gated_in_gate_up_decode_what_the_unfused_rows_decode(monkeypatch):
+    """FP8 weights (quantized at load, per row) at decode batches of 2-16 in graphs gate the MLP in gate_up_proj's
+    epilogue (shared.models.llama.GATE_UP_EPILOGUE_ROWS_FP8, the default) on the GEMV's tensor-core tile: each step's
+    top logprob equals the unfused rows' (silu_and_mul in down_proj's load) to bf16's rounding, and so does the greedy
+    token wherever their top two are not a near tie."""
+    import kernels.gemv as kg
+    import shared.models.llama as llama
+    real, gated = kg.gemv, []
+    monkeypatch.setattr(kg, "gemv", lambda x, w, *a, **kw: (kw.get("gated_out") and gated.append(x.shape[0]))
+                        or real(x, w, *a, **kw))
+    ps = prompts(8, seed=47, lo=6, hi=14)
+    lens = [3 if i < 6 else 6 for i in range(8)]  # the last steps decode two rows
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS_FP8", on)
+        gated.clear()
+        h = Harness(dtype="bfloat16", quantization="fp8", max_running_requests=8)
+        out[on] = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": n}, return_logprob=True,
+                                  top_logprobs_num=2) for p, n in zip(ps, lens)])
+        assert (2 in gated and 8 in gated) if on else not [m for m in gated if m > 1], gated
+    for got, ref in zip(out[True], out[False]):
+        for t, (top_g, top_r) in enumerate(zip(got["top"], ref["top"])):
+            assert abs(top_g[0][0] - top_r[0][0]) < 0.05, (t, top_g, top_r)
+            if top_r[0][0] - top_r[1][0] > 0.05:
+                assert top_g[0][1] == top_r[0][1], (t, top_g, top_r)
+            else:
+                break
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -736,41 +736,6 @@ def check_gemv_splitk_tickets(device, dtype):
         kg._splitk_reduce_kernel = real_reduce
 
 
-def check_gemv_splitk_tickets_rows(device, dtype):
-    """kernels.gemv.SPLITK_TICKETS_ROWS: several rows on the tensor-core tile (bf16 weights and FP8 ones with per-row
-    scales) with K split, each tile's last split summing every row's partials instead of the reduce kernel: the reduce
-    kernel's output bit for bit, 2-3 splits, a ragged last tile, 3 and 16 rows; the counters left zero and no reduce
-    launch."""
-    import kernels.gemv as kg
-    from kernels.gemv import GemvConfig, gemv
-    from shared.models.quantization import quantize_per_channel
-    gen = torch.Generator().manual_seed(22)
-    launched, real_reduce, saved = [], kg._splitk_reduce_kernel, kg.SPLITK_TICKETS_ROWS
-    try:
-        for N, K, split in [(40, 256, 2), (48, 384, 3)]:
-            w = torch.randn(N, K, generator=gen) * 0.02
-            q, sc = quantize_per_channel(w)
-            for wt, scale in ((q.to(device), sc.to(device)), (w.to(device=device, dtype=dtype), None)):
-                cfg = GemvConfig(16, 64, split, 4)
-                for M in (3, 16):
-                    x = _rand(M, K, dtype=dtype, device=device)
-                    runs = []
-                    for tickets in (False, True):
-                        kg.SPLITK_TICKETS_ROWS = tickets
-                        kg._splitk_reduce_kernel = _Launches(real_reduce, launched)
-                        launched.clear()
-                        runs.append((gemv(x, wt, scale=scale, config=cfg), len(launched)))
-                        kg._splitk_reduce_kernel = real_reduce
-                    (reduced, n_reduced), (ticketed, n_ticketed) = runs
-                    what = (N, K, split, M, scale is not None)
-                    assert n_reduced == 1 and n_ticketed == 0, (what, n_reduced, n_ticketed)
-                    assert torch.equal(reduced, ticketed), what
-                    assert int(kg._ticket_counters(x.device).abs().sum()) == 0, what
-    finally:
-        kg.SPLITK_TICKETS_ROWS = saved
-        kg._splitk_reduce_kernel = real_reduce
-
-
 def _block_fp8(N, K, block, gen, device):
     """A random FP8 weight [N, K] with float32 scales [N / bn, K / bk] spread over two decades."""
     from kernels.reference import FP8_DTYPE

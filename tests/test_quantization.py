@@ -213,7 +213,8 @@ def test_online_fp8_dummy_weights_and_tiny_random():
 def test_the_mlp_gates_in_the_gate_up_epilogue_by_its_weights_dtype(quant, monkeypatch):
     """One-row MLP passes gate in gate_up_proj's epilogue under GATE_UP_EPILOGUE for float weights and under
     GATE_UP_EPILOGUE_FP8 for FP8 ones (measured apart: on for bf16, a wash for FP8), with the same output; passes of
-    rows the GEMV takes too under GATE_UP_EPILOGUE_ROWS."""
+    rows the GEMV takes under GATE_UP_EPILOGUE_ROWS for float weights and GATE_UP_EPILOGUE_ROWS_FP8 for FP8 ones
+    (measured apart too: on for FP8, off for bf16)."""
     import kernels.ops as ops
     import shared.models.llama as llama
     model, cfg = load_model("tiny-random", quantization=quant)
@@ -234,16 +235,20 @@ def test_the_mlp_gates_in_the_gate_up_epilogue_by_its_weights_dtype(quant, monke
     calls.clear()
     x2 = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(x.dtype)
     plain = mlp(x2)
-    assert calls == []  # two rows: not the epilogue, unless GATE_UP_EPILOGUE_ROWS and the GEMV takes them
+    assert calls == []  # two rows: not the epilogue, unless the GEMV takes them (and the rows' knob of the dtype)
     for out in outs.values():
         torch.testing.assert_close(out, outs[False, False])
-    monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS", True)
     monkeypatch.setattr(ops, "gemv_applies", lambda x, w, s=None: x.shape[0] <= 16)  # as on a GPU
     monkeypatch.setattr(ops, "gated_linear", lambda x, w, b=None, s=None, norm_in=None:
                         calls.append(x.shape[0]) or ops.silu_and_mul(ops.linear(x, w, b, s)))
-    torch.testing.assert_close(mlp(x2), plain)
-    mlp(torch.randn(17, cfg.hidden_size).to(x.dtype))
-    assert calls == [2]  # 17 rows: past the GEMV
+    for rows, rows_fp8 in ((True, False), (False, True)):
+        monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS", rows)
+        monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS_FP8", rows_fp8)
+        calls.clear()
+        torch.testing.assert_close(mlp(x2), plain)
+        mlp(torch.randn(17, cfg.hidden_size).to(x.dtype))
+        want = rows_fp8 if quant == "fp8" else rows
+        assert calls == ([2] if want else []), (rows, rows_fp8, calls)  # 17 rows: past the GEMV
 
 
 def test_fp8_rows_take_the_gemv_up_to_gemv_max_m_fp8_and_only_with_per_row_scales(monkeypatch):

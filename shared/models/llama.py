@@ -38,16 +38,18 @@ FP8_ROPE_EPILOGUE = False
 # so on; the FP8 step unchanged (the suspect, FP8 down_proj's gated load, was not its lag), so off there.
 GATE_UP_EPILOGUE = True
 GATE_UP_EPILOGUE_FP8 = False
-# The same for passes of 2..16 rows where the GEMV takes them (kernels.ops.gemv_applies; its tensor-core tile): at bf16
-# batch 2 the silu_and_mul launches were 47 us of the replay (H100 trace, 2026-12-06). An A/B knob
-# (@shared.models.llama.GATE_UP_EPILOGUE_ROWS=1; the dtype knobs above apply too), read when a pass is traced; off
-# until measured.
+# The same for passes of 2..16 rows where the GEMV takes them (kernels.ops.gemv_applies; its tensor-core tile), by the
+# weights' dtype. A/B knobs (@shared.models.llama.GATE_UP_EPILOGUE_ROWS=1, GATE_UP_EPILOGUE_ROWS_FP8=0), read when a pass
+# is traced. Measured on an H100, 2026-12-06 07:10 (`bash bench/gpu_run.sh rows-next2`, bench/RESULTS.md): the FP8 step
+# at batch 2-16 -3.0 to -4.1% (0.722-0.764 of bf16's against 0.753-0.788), so on; bf16's +1.6 to +5.2%, so off.
 GATE_UP_EPILOGUE_ROWS = False
+GATE_UP_EPILOGUE_ROWS_FP8 = True
 # Decode passes of 2..16 rows where the GEMV takes them rotate q, k and store k, v in qkv_proj's epilogue too, each row
-# at its position and slot (where --decode-rope-fusion has it at one row): at bf16 batch 2 the rope + KV-store launches
-# were 74 us of the replay (H100 trace, 2026-12-06). An A/B knob (@shared.models.llama.ROPE_EPILOGUE_ROWS=1), read when
-# a pass is traced; off until measured.
-ROPE_EPILOGUE_ROWS = False
+# at its position and slot (where --decode-rope-fusion has it at one row; bf16 weights, as FP8 ones keep the rope
+# kernel: fuse_row_rope). An A/B knob (@shared.models.llama.ROPE_EPILOGUE_ROWS=0), read when a pass is traced. On since
+# an H100's A/B of 2026-12-06 (rows-next, rows-next2): with kernels.gemv.TWO_ROW_KERNEL the bf16 step at batch 2 /
+# 4 / 8 / 16 0.956 / 0.983 / 0.988 / 1.002x the former; the rope epilogue alone 0.983-0.994x at 2-8, 0.998-1.003x at 16.
+ROPE_EPILOGUE_ROWS = True
 # Decode batches of 2..kernels.ops.GEMV_MAX_M rows compute their logits on the GEMV's tensor-core tile (batch 1 always
 # does, through the folded final norm) instead of cuBLAS, written straight into the graph's logits buffer. An A/B knob
 # (@shared.models.llama.LM_HEAD_ROWS_GEMV=0), read when a pass is traced. On since an H100's A/B of 2026-12-06 05:00
@@ -121,8 +123,13 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, norm_in: ResidualNorm | None = None,
                 add_norm: ResidualNorm | None = None) -> torch.Tensor:
         w = self.gate_up_proj.weight
-        rows = x.shape[0] == 1 or (GATE_UP_EPILOGUE_ROWS and ops.gemv_applies(x, w, self.gate_up_proj.weight_scale))
-        if rows and (GATE_UP_EPILOGUE_FP8 if is_fp8(w) else GATE_UP_EPILOGUE):  # silu_and_mul in its epilogue
+        fp8 = is_fp8(w)
+        if x.shape[0] == 1:
+            gated = GATE_UP_EPILOGUE_FP8 if fp8 else GATE_UP_EPILOGUE
+        else:
+            gated = ((GATE_UP_EPILOGUE_ROWS_FP8 if fp8 else GATE_UP_EPILOGUE_ROWS)
+                     and ops.gemv_applies(x, w, self.gate_up_proj.weight_scale))
+        if gated:  # silu_and_mul in its epilogue
             return self.down_proj(self.gate_up_proj(x, norm_in=norm_in, gated_out=True), add_norm=add_norm)
         # silu_and_mul inside the down projection
         return self.down_proj(self.gate_up_proj(x, norm_in=norm_in), gated=True, add_norm=add_norm)
