@@ -964,8 +964,8 @@ def probe_fp8_batches_pdl(res: dict) -> None:
 def probe_two_row_tiles(res: dict) -> None:
     """kernels.gemv.TWO_ROW_KERNEL's tiles at 2 rows, each Llama-8B linear alone in CUDA graphs with the weights out of
     L2 (down_proj with its gated input, as the engine runs it there): a sweep of the one-row kernel's tile shapes at two
-    rows against the tensor-core tile (the default) and against one row; then decode steps in the engine at batch 1-4
-    with the two-row kernel at two_row_config's rule and at the sweep's best, alternated twice with the default."""
+    rows against the tensor-core tile and against one row; then decode steps in the engine at batch 1-4 at the defaults
+    (the two-row kernel at two_row_config's tiles), at the sweep's best and on the tensor-core tile, alternated twice."""
     import dataclasses
 
     import kernels.gemv as kg

@@ -601,8 +601,15 @@ SPLITK_TICKETS = True
 # batch-2 step 0.951-0.952x the tensor-core tile's, batches 1 and 4-16 unchanged (0.998-1.006x).
 TWO_ROW_KERNEL = True
 # Its (block_n, block_k, num_warps) by the weight's (N, K), as `python -m bench.probe two_row_tiles` sweeps them (narrow
-# accumulators, two tiles before the PDL wait); shapes not listed take two_row_config's rule. Empty until swept.
-TWO_ROW_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
+# accumulators, two tiles before the PDL wait); shapes not listed take two_row_config's rule. Llama-8B's four, swept on
+# an H100 2026-12-06 07:24 (`bash bench/gpu_run.sh two-row-tiles`): a layer's linears at two rows 149 us against 153 at
+# the rule (one row: 148; the tensor-core tile: 227), the batch-2 step 0.993-0.994x the rule's in two rounds.
+TWO_ROW_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
+    (6144, 4096): (8, 512, 4),  # qkv
+    (4096, 4096): (2, 256, 4),  # o_proj
+    (28672, 4096): (4, 1024, 4),  # gate_up_proj
+    (4096, 14336): (8, 1024, 4),  # down_proj, its gated input computed in the load
+}
 # FP8's long-K rows (gate_up, down_proj) at the tiles the H100's chain sweep picked (default_config): an A/B knob.
 # Measured and removed (bench/RESULTS.md, 2026-12-05; the code is in git history): FP8 rows at 256 bytes a thread
 # (FP8_WIDE_TILES, batch-1 step +6%, H100), on tensor cores with cp.async-pipelined weights (FP8_TENSOR_CORES,
