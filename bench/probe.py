@@ -364,6 +364,12 @@ def probe_trace_pdl_b2(res: dict) -> None:
     _probe_trace(res, True, "trace_pdl_b1")
 
 
+def probe_trace_pdl_b2_fp8(res: dict) -> None:
+    """probe_trace_pdl_b2 with FP8 weights (quantized at load, per row): batch 2's replay beside batch 1's."""
+    _probe_trace(res, True, "trace_pdl_fp8_b2", bs=2, quantization="fp8")
+    _probe_trace(res, True, "trace_pdl_fp8_b1", quantization="fp8")
+
+
 def probe_trace_pdl_fp8(res: dict) -> None:
     _probe_trace(res, True, "trace_pdl_fp8", quantization="fp8")
 
