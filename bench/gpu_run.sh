@@ -147,7 +147,7 @@ if [[ $what == trace-b2 ]]; then
   # bf16 batch 2's decode replay kernel by kernel beside batch 1's (PDL on): where the second row's 0.68 ms goes
   # (H100, 12-06: 5.87 against 5.19 ms), before any several-row fusion is built. ~2 min.
   # With FP8 too since 12-06 07:30 (after the several-row defaults: two-row kernel, rope and FP8 gating epilogues). ~4 min.
-  timeout 420 python3 -m bench.probe trace_pdl_b2 trace_pdl_b2_fp8 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/trace_b2.log" | tail -60
+  timeout 420 python3 -m bench.probe ${TRACE_B2:-trace_pdl_b2 trace_pdl_b2_fp8} 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/trace_b2.log" | tail -60
 fi
 if [[ $what == lm-head-rows ]]; then
   # The lm_head at decode batches of 2-16 on the GEMV (shared.models.llama.LM_HEAD_ROWS_GEMV) against cuBLAS: alone with

@@ -1427,7 +1427,7 @@ def main() -> int:
              "trace_pdl": probe_trace_pdl, "trace_pdl_early": probe_trace_pdl_early,
              "trace_pdl_whole": probe_trace_pdl_whole, "trace_pdl_prefetch": probe_trace_pdl_prefetch,
              "trace_pdl_rope": probe_trace_pdl_rope, "trace_pdl_kv": probe_trace_pdl_kv,
-             "trace_pdl_fp8": probe_trace_pdl_fp8, "trace_pdl_b2": probe_trace_pdl_b2, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
+             "trace_pdl_fp8": probe_trace_pdl_fp8, "trace_pdl_b2": probe_trace_pdl_b2, "trace_pdl_b2_fp8": probe_trace_pdl_b2_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
              "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "trace256_kvfp8": lambda res: probe_trace256(res, "fp8_e4m3"), "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "decode256_layout": probe_decode256_layout, "tput_page": probe_tput_page, "kvfp8": probe_kvfp8, "kvfp8_kernel": probe_kvfp8_kernel, "kvfp8_tiles": probe_kvfp8_tiles, "kvfp8_tput": probe_kvfp8_tput, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
