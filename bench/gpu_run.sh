@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh rows-final|two-row-tiles|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh two-row-next|rows-final|two-row-tiles|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# bf16-rows ran on an H100 at 63f53e8 (12-06 04:40): adopted GEMV_MAX_M = 16 at its swept tiles; FP8 weight-only past 16 rows
-# lost (fp8-rows-64 measured the same); recheck ran at 00cdb8a on an H100. Pending: on an H200 (an H100 came for every call but one since 12-05), `recheck`, then `fp8-h200`
-# (the FP8 defaults and the rope epilogue; the chain sweep only if the former tiles win) and `bf16-rows` (the
-# several-row bf16 tiles were swept on an H100 only); on any card, `rows-next` (four several-row knobs, built
-# 12-06 without a GPU, off), then `two-row-tiles` if the two-row kernel is close.
+# Pending (12-06 08:00): on any card, `two-row-next` (FP8 at two rows on the one-row kernel and the rope / gating
+# epilogues on it, knobs off, built without a GPU); on an H200 (an H100 came for every call since 12-05 but one),
+# `recheck`, `fp8-h200` and `bf16-rows` (the several-row bf16 tiles and the knobs rows-final adopted were measured on
+# an H100 only).
 # Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
@@ -136,6 +135,25 @@ for r in ('', '_again'):
     v.update({'bf16' + r: (None, {}), 'bf16_former' + r: (None, off), 'fp8' + r: ('fp8', {}), 'fp8_former' + r: ('fp8', off)})
 P.probe_fp8_batches({}, variants=v, batches=(1, 2, 4, 8, 16), swept=False)
 " 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/rows_final.log" | tail -6
+fi
+if [[ $what == two-row-next ]]; then
+  # Two rows on the one-row kernel, round two (built 12-06 08:00 without a GPU, knobs off; sm_90 compiles without
+  # spills): FP8 weights there too (kernels.gemv.TWO_ROW_KERNEL_FP8: FP8 batch 2 was 1.37x batch 1, the tensor-core
+  # tile's GEMVs +783 us and 96 reduce launches in the trace), and the rope / gating epilogues on it
+  # (TWO_ROW_EPILOGUES: bf16 batch 2's qkv left it for the rope epilogue). CUDA checks, then decode steps at batch 1,
+  # 2 and 4, alternated twice. ~6 min.
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+    -k "(cuda_bf16 and (gemv_two_rows or gemv_two_row_epilogues)) or bf16_rows or fp8_rows_gated" 2>&1 | tail -4
+  timeout 280 python3 -c "
+import bench.probe as P
+G, L = 'kernels.gemv.', 'shared.models.llama.'
+ep, f2 = {G + 'TWO_ROW_EPILOGUES': True}, {G + 'TWO_ROW_KERNEL_FP8': True}
+v = {}
+for r in ('', '_again'):
+    v.update({'bf16' + r: (None, {}), 'bf16_ep' + r: (None, ep), 'bf16_ep_gated' + r: (None, {**ep, L + 'GATE_UP_EPILOGUE_ROWS': True}),
+              'fp8' + r: ('fp8', {}), 'fp8_two' + r: ('fp8', f2), 'fp8_two_ep' + r: ('fp8', {**f2, **ep})})
+P.probe_fp8_batches({}, variants=v, batches=(1, 2, 4), swept=False)
+" 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/two_row_next.log" | tail -4
 fi
 if [[ $what == two-row-tiles ]]; then
   # kernels.gemv.TWO_ROW_KERNEL's tiles swept at 2 rows per linear (bench.probe two_row_tiles), then decode steps at

@@ -457,8 +457,8 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
     """y = x @ W^T for one row x and half-, full-precision or FP8 W (HAS_SCALE: one dequantization scale per
     output row; F16: multiplied in f16, eight products summed there): each program streams BLOCK_N rows of W
     over its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end.
-    ROWS = 2: two rows of x (stride_xm apart; y's stride_ym) against each weight tile, a second accumulator, no
-    epilogue (the host checks)."""
+    ROWS = 2: two rows of x (stride_xm apart; y's stride_ym) against each weight tile, a second accumulator; of the
+    epilogues only rope (each row at its own position and slot) and the gating (the host checks)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (no split: the host checks)
@@ -529,9 +529,15 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
         tl.store(Y + offs_n, _out(out, X, Y), mask=mask_n)
     else:
         tl.store(P + pid_k * ROWS * N + offs_n, out, mask=mask_n)
-    if ROWS == 2:  # no epilogue (the host checks): the second row's sums as the first's
+    if ROWS == 2:  # the second row's sums as the first's; its rope inputs (position, slot) in the tail
         out2 = _row_sums(acc2, S, offs_n, mask_n, F16, HAS_SCALE)
-        if SPLIT_K == 1:
+        if ROPE:
+            cos2, sin2, slot2 = rope_store_inputs(pid_n, N, POS + 1, CS, stride_cs, LOC + 1, QS, KVS, BLOCK_N, HALF)
+            rope_store_epilogue(out2, cos2, sin2, slot2, pid_n, N, Y + stride_ym, KB, VB, stride_bs, QS, KVS, BLOCK_N,
+                                HALF)
+        elif GATED:
+            _gated_epilogue(out2, pid_n, N, X, Y + stride_ym, BLOCK_N)
+        elif SPLIT_K == 1:
             tl.store(Y + stride_ym + offs_n, _out(out2, X, Y), mask=mask_n)
         else:
             tl.store(P + (pid_k * ROWS + 1) * N + offs_n, out2, mask=mask_n)
@@ -600,6 +606,17 @@ SPLITK_TICKETS = True
 # (@kernels.gemv.TWO_ROW_KERNEL=0). On since an H100's A/B of 2026-12-06 07:05 (`bash bench/gpu_run.sh rows-next`): the
 # batch-2 step 0.951-0.952x the tensor-core tile's, batches 1 and 4-16 unchanged (0.998-1.006x).
 TWO_ROW_KERNEL = True
+# The same for FP8 weights (per-row scales) at two rows: the one-row kernel with f16 math at FP8_ROW_KERNEL's tiles, K
+# tiles halved as two_row_config's rule does, instead of the tensor-core tile widening each FP8 tile to bf16. At FP8
+# batch 2 the GEMVs were 3,203 us of a 4,177 us replay against 2,420 of batch 1's 3,033 (H100 trace, 2026-12-06
+# 07:30), with 96 split-K reduce launches (148 us). An A/B knob read at launch; off until measured.
+TWO_ROW_KERNEL_FP8 = False
+# Two rows on the one-row kernel with the rope + KV-store or gating epilogue, each row at its own position and slot,
+# where two rows otherwise leave for the tensor-core tile to have them: bf16 batch 2's qkv_proj
+# (shared.models.llama.ROPE_EPILOGUE_ROWS) ran there at 22.7 us a layer against 18.9 for the two-row kernel without the
+# epilogue (H100, 2026-12-06), and FP8's gate_up_proj with GATE_UP_EPILOGUE_ROWS_FP8. An A/B knob read at launch; off
+# until measured.
+TWO_ROW_EPILOGUES = False
 # Its (block_n, block_k, num_warps) by the weight's (N, K), as `python -m bench.probe two_row_tiles` sweeps them (narrow
 # accumulators, two tiles before the PDL wait); shapes not listed take two_row_config's rule. Llama-8B's four, swept on
 # an H100 2026-12-06 07:24 (`bash bench/gpu_run.sh two-row-tiles`): a layer's linears at two rows 149 us against 153 at
@@ -645,12 +662,13 @@ def fp8_tile(spec: str) -> GemvConfig:
                       row_kernel=bool(row))
 
 
-def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
+def default_config(M: int, N: int, K: int, weight_bytes: int = 2, fp8_row: bool | None = None) -> GemvConfig:
     """Tiles from sweeps on H200 in the 32-layer chain of Llama-8B's decode GEMVs (bench/gemv_chain_sweep.py),
     where a kernel's neighbours overlap it under PDL. K is split only when N is too short to put two programs
-    on every SM. Several rows run on tensor cores, which want >= 16 output columns per program."""
+    on every SM. Several rows run on tensor cores, which want >= 16 output columns per program. fp8_row: one FP8 row
+    on the one-row kernel (None: FP8_ROW_KERNEL)."""
     extra, no_split = {}, False
-    if M == 1 and weight_bytes == 1 and FP8_ROW_KERNEL:
+    if M == 1 and weight_bytes == 1 and (FP8_ROW_KERNEL if fp8_row is None else fp8_row):
         # FP8 rows in the one-row kernel, not yet swept: the bf16 row tiles' bytes a thread a loop step (256 on
         # o_proj, down_proj and qkv, 128 on gate_up) at twice the elements, two tiles before the PDL wait.
         if N <= 4096:
@@ -697,18 +715,28 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
 
 
 def two_row_config(N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
-    """TWO_ROW_KERNEL's tiles: TWO_ROW_TILES' where listed, else the one-row kernel's with narrow accumulators and half
-    the K tile (at least 256), which keeps the two rows' registers near one row's (sm_90 compile of Llama-8B's shapes:
-    o_proj 158, gate_up 86, down_proj 94 registers, no spills; at the one-row tiles gate_up spilled at 255)."""
-    cfg = default_config(1, N, K, weight_bytes)
+    """TWO_ROW_KERNEL's tiles: TWO_ROW_TILES' where listed (16-bit weights), else the one-row kernel's with narrow
+    accumulators and half the K tile (at least 256), which keeps the two rows' registers near one row's (sm_90 compile
+    of Llama-8B's shapes: o_proj 158, gate_up 86, down_proj 94 registers, no spills; at the one-row tiles gate_up
+    spilled at 255). FP8 weights: FP8_ROW_KERNEL's tiles by the same rule with TWO_ROW_KERNEL_FP8, else their one-row
+    default (the general kernel: not a row kernel's, so two FP8 rows stay on the tensor-core tile)."""
+    cfg = default_config(1, N, K, weight_bytes, fp8_row=FP8_ROW_KERNEL or (weight_bytes == 1 and TWO_ROW_KERNEL_FP8))
     if not cfg.row_kernel:
         return cfg
-    if (N, K) in TWO_ROW_TILES:
+    if weight_bytes > 1 and (N, K) in TWO_ROW_TILES:
         block_n, block_k, warps = TWO_ROW_TILES[N, K]
         return dataclasses.replace(cfg, block_n=block_n, block_k=block_k, num_warps=warps, narrow=True, fold=1,
                                    split_k=split_k_for(N, block_n, K, block_k))
-    block_k = max(256, cfg.block_k // 2) if cfg.block_k > 256 else cfg.block_k
-    return dataclasses.replace(cfg, narrow=True, block_k=block_k, split_k=split_k_for(N, cfg.block_n, K, block_k))
+    block_k, warps = (max(256, cfg.block_k // 2) if cfg.block_k > 256 else cfg.block_k), cfg.num_warps
+    if weight_bytes == 1:  # FP8's row tiles hold twice the elements: at most 64 weights a thread a tile, by more warps
+        # (up to 4), then shorter K tiles (sm_90 compile of Llama-8B's shapes: o_proj at (4, 2048, 2) spilled at 255
+        # registers; the rule's (8, 512, 2) / (4, 2048, 4) / (2, 2048, 2) / (8, 1024, 4) take 72 / 143 / 164 / 96)
+        while cfg.block_n * block_k > 64 * 32 * warps and warps < 4:
+            warps *= 2
+        while cfg.block_n * block_k > 64 * 32 * warps and block_k > 256:
+            block_k //= 2
+    return dataclasses.replace(cfg, narrow=True, block_k=block_k, num_warps=warps,
+                               split_k=split_k_for(N, cfg.block_n, K, block_k))
 
 
 def split_k_for(N: int, block_n: int, K: int, block_k: int) -> int:
@@ -762,6 +790,24 @@ def _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg
         stride_xm=x.stride(0), stride_ym=out.stride(0), num_warps=cfg.num_warps, **launch)
 
 
+def _two_rows_admit(tensor_cores: bool, block, norm_in, add_norm, rope, gated_out: bool) -> bool:
+    """Whether gemv may run two rows on the one-row kernel (then if their tile is a row kernel's): TWO_ROW_KERNEL, no
+    block scales or split norms, the rope and gating epilogues only with TWO_ROW_EPILOGUES."""
+    return (TWO_ROW_KERNEL and not tensor_cores and block is None and norm_in is None and add_norm is None
+            and ((rope is None and not gated_out) or TWO_ROW_EPILOGUES))
+
+
+def on_tensor_cores(M: int, w: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """Whether gemv (no epilogue, default tiles) runs M rows against w on the tensor-core tile, where an activation
+    computed in the load (silu_mul) would be computed for all 16 padded rows by every program along N: not one row,
+    nor two that take the one-row kernel (kernels.ops.silu_mul_linear asks)."""
+    if M == 1:
+        return False
+    block = scale_block(w, scale) if scale is not None else None
+    return not (M == 2 and _two_rows_admit(False, block, None, None, None, False)
+                and two_row_config(w.shape[0], w.shape[1], w.element_size()).row_kernel)
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, scale: torch.Tensor | None = None,
          tensor_cores: bool = False, silu_mul: bool = False, pdl: bool | None = None,
@@ -804,9 +850,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                              and not tensor_cores), \
         "gated_out: a gate | up projection, per-row scales, no producer epilogue"
     # Two rows on the one-row kernel (TWO_ROW_KERNEL) at two_row_config's tiles (or a given row-kernel config): each
-    # weight tile read once for both, no epilogue.
-    two_rows = (TWO_ROW_KERNEL and M == 2 and not tensor_cores and block is None and norm_in is None and add_norm is None
-                and rope is None and not gated_out)
+    # weight tile read once for both; the rope and gating epilogues with TWO_ROW_EPILOGUES.
+    two_rows = M == 2 and _two_rows_admit(tensor_cores, block, norm_in, add_norm, rope, gated_out)
     row_cfg = (config or two_row_config(N, K, w.element_size())) if two_rows else None
     two_rows = two_rows and row_cfg.row_kernel
     cfg = row_cfg if two_rows else config or default_config(M, N, K, w.element_size())

@@ -208,8 +208,8 @@ def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return _split_norm_linear(h, weight, bias, weight_scale, None, add_norm, gated=True)
     if _gemv_applies(h, weight, weight_scale):
         import kernels.gemv as kg
-        if h.shape[0] == 1 or (h.shape[0] == 2 and kg.TWO_ROW_KERNEL and weight_scale is None):
-            y = kg.gemv(h, weight, scale=weight_scale, silu_mul=True)  # the row kernel (one or two rows)
+        if not kg.on_tensor_cores(h.shape[0], weight, weight_scale):
+            y = kg.gemv(h, weight, scale=weight_scale, silu_mul=True)  # one row, or two on the one-row kernel
         else:  # several rows (the 16-row tensor-core tile): the activation in the load would be computed for all 16
             # padded rows by every program along N, 3.2x the GEMV's time at down_proj's shape (H100, 2026-12-06)
             y = kg.gemv(silu_and_mul(h), weight, scale=weight_scale)

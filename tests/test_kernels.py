@@ -374,7 +374,7 @@ def check_gemv_two_rows(device, dtype):
     configs = [None, GemvConfig(16, 32, 1, 4), GemvConfig(2, 64, 1, 1, pre_tiles=2, narrow=True),
                GemvConfig(4, 16, 1, 1, fold=3), GemvConfig(8, 16, 2, 2, fold=2, narrow=True),
                GemvConfig(4, 256, 1, 2, narrow=True), GemvConfig(8, 32, 2, 2, pre_tiles=2, f16_math=True)]
-    saved, launched = kg.TWO_ROW_KERNEL, []
+    saved, saved_fp8, launched = kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8, []
     real = kg._gemv_row_kernel
     try:
         kg._gemv_row_kernel = _Launches(real, launched)
@@ -387,23 +387,27 @@ def check_gemv_two_rows(device, dtype):
                 for wt, scale in ((w, None), (q, s)):
                     if scale is not None and cfg is not None and not cfg.f16_math:
                         continue
-                    kg.TWO_ROW_KERNEL = True
-                    launched.clear()
-                    out = torch.full((2, N + 5), 7.0, dtype=dtype, device=device)[:, :N]
-                    y = gemv(xs, wt, out=out, config=cfg, scale=scale)
-                    yg = gemv(h, wt, config=cfg, scale=scale, silu_mul=True)
-                    on_row_kernel = bool(launched)
-                    kg.TWO_ROW_KERNEL = False
-                    # 16-bit weights always reach the row kernel; FP8 ones where their config is a row kernel's (their
-                    # default one-row config is the general kernel's, so two rows stay on the tensor-core tile)
-                    assert on_row_kernel == (scale is None or cfg is not None), (K, N, cfg, launched)
-                    # the reference: one row at the tile two rows took (two_row_config's where none is given: on
-                    # Llama's shapes its K tile is not the one-row default's, so the sums' order differs)
-                    ref = cfg or kg.two_row_config(N, K, wt.element_size())
-                    for r in range(2 if on_row_kernel else 0):
-                        msg = f"K={K} N={N} {cfg} fp8={scale is not None} row {r}"
-                        assert torch.equal(y[r:r + 1], gemv(xs[r:r + 1], wt, config=ref, scale=scale)), msg
-                        assert torch.equal(yg[r:r + 1], gemv(h[r:r + 1], wt, config=ref, scale=scale, silu_mul=True)), msg
+                    for fp8_rows in ((False, True) if scale is not None and cfg is None else (False,)):
+                        kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8 = True, fp8_rows
+                        launched.clear()
+                        out = torch.full((2, N + 5), 7.0, dtype=dtype, device=device)[:, :N]
+                        y = gemv(xs, wt, out=out, config=cfg, scale=scale)
+                        yg = gemv(h, wt, config=cfg, scale=scale, silu_mul=True)
+                        on_row_kernel = bool(launched)
+                        # the reference: one row at the tile two rows took (two_row_config's where none is given: on
+                        # Llama's shapes its K tile is not the one-row default's, so the sums' order differs)
+                        ref = cfg or kg.two_row_config(N, K, wt.element_size())
+                        assert on_row_kernel == (not kg.on_tensor_cores(2, wt, scale) or cfg is not None)
+                        kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8 = False, False
+                        # 16-bit weights always reach the row kernel; FP8 ones where their config is a row
+                        # kernel's (their default one-row config is the general kernel's, so two rows stay on the
+                        # tensor-core tile, unless TWO_ROW_KERNEL_FP8 gives them row tiles)
+                        assert on_row_kernel == (scale is None or cfg is not None or fp8_rows), (K, N, cfg, launched)
+                        for r in range(2 if on_row_kernel else 0):
+                            msg = f"K={K} N={N} {cfg} fp8={scale is not None} row {r}"
+                            assert torch.equal(y[r:r + 1], gemv(xs[r:r + 1], wt, config=ref, scale=scale)), msg
+                            assert torch.equal(yg[r:r + 1], gemv(h[r:r + 1], wt, config=ref, scale=scale,
+                                                                 silu_mul=True)), msg
         launched.clear()
         gemv(_rand(2, 64, dtype=dtype, device=device), _rand(48, 64, dtype=dtype, device=device))
         assert not launched  # the knob off: the tensor-core tile
@@ -417,14 +421,20 @@ def check_gemv_two_rows(device, dtype):
         try:
             bf = torch.bfloat16  # kernels.ops' GEMV takes bf16 weights and activations
             w, h = _rand(40, 64, dtype=bf, device=device), _rand(2, 128, dtype=bf, device=device)
-            for two in (True, False):
-                kg.TWO_ROW_KERNEL = two
-                acts.clear()
-                y = ops.silu_mul_linear(h, w)
-                assert acts == ([] if two else [2]), (two, acts)
-                kg.TWO_ROW_KERNEL = False
-                if two:
-                    assert all(torch.equal(y[r:r + 1], gemv(h[r:r + 1], w, silu_mul=True)) for r in range(2))
+            q, sq = (t.to(device) for t in quantize_per_channel(w.float().cpu()))
+            # bf16 weights, then FP8 ones (on the row kernel only with TWO_ROW_KERNEL_FP8)
+            for wt, scale, fp8_rows in ((w, None, False), (q, sq, False), (q, sq, True)):
+                for two in (True, False):
+                    kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8 = two, fp8_rows
+                    acts.clear()
+                    y = ops.silu_mul_linear(h, wt, None, scale)
+                    fused = two and (scale is None or fp8_rows)
+                    ref = kg.two_row_config(40, 64, wt.element_size())
+                    kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8 = False, False
+                    assert acts == ([] if fused else [2]), (two, scale is not None, fp8_rows, acts)
+                    if fused:
+                        assert all(torch.equal(y[r:r + 1], gemv(h[r:r + 1], wt, config=ref, scale=scale, silu_mul=True))
+                                   for r in range(2))
         finally:
             ops._on_gpu, ops.GEMV_MAX_M, ops.silu_and_mul = on_gpu, max_m, sm
         # kernels.gemv.TWO_ROW_TILES (a sweep's picks) override two_row_config's rule for the shapes they list
@@ -438,7 +448,7 @@ def check_gemv_two_rows(device, dtype):
         kg.TWO_ROW_KERNEL = False
         assert all(torch.equal(y[r:r + 1], gemv(x[r:r + 1], w, config=cfg)) for r in range(2))
     finally:
-        kg.TWO_ROW_KERNEL = saved
+        kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8 = saved, saved_fp8
         kg.TWO_ROW_TILES.pop((48, 64), None)
         kg._gemv_row_kernel = real
 
@@ -477,6 +487,77 @@ def check_gemv_silu_mul(device, dtype):
                 y = gemv(h, w, config=cfg, silu_mul=True)
                 assert torch.equal(y, gemv(silu_and_mul(h), w, config=cfg)), f"K={K} N={N} M={M} {cfg}"
                 torch.testing.assert_close(y, gemv_ref(silu_and_mul_ref(h), w), **_tol(dtype))
+
+
+def check_gemv_two_row_epilogues(device, dtype):
+    """kernels.gemv.TWO_ROW_EPILOGUES: two rows on the one-row kernel with the rope + KV-store epilogue (each row at its
+    own position and slot) or the gating one give each row's one-row GEMV with that epilogue, bit for bit: y and the
+    pool, bf16 weights and FP8 ones (TWO_ROW_KERNEL_FP8: FP8 rows at their own row tiles by default), tiles that would
+    split K; one launch of the row kernel, nothing on the tensor-core tile; nothing written outside the rows' slots.
+    Without the knob the epilogues keep two rows on the tensor-core tile."""
+    import dataclasses
+
+    import kernels.gemv as kg
+    from kernels.gemv import GemvConfig, gemv
+    from kernels.reference import rope_cos_sin_cache
+    from kernels.rope_store import RopeStore
+    from shared.models.quantization import quantize_per_channel
+    gen = torch.Generator().manual_seed(29)
+    hq, hkv, d, K = (4, 2, 16, 96) if device.type == "cpu" else (32, 8, 128, 4096)
+    qs, kvs = hq * d, hkv * d
+    N = qs + 2 * kvs
+    inv_freq = 1.0 / (500000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    cache = rope_cos_sin_cache(inv_freq, 4096)
+    wq = _rand(N, K, dtype=dtype, device=device) * 0.1
+    wg = _rand(2 * (40 if device.type == "cpu" else 14336), K, dtype=dtype, device=device) * 0.1
+    quant = [tuple(t.to(device) for t in quantize_per_channel(w.float().cpu())) for w in (wq, wg)]
+    x = _rand(2, K, dtype=dtype, device=device)
+    pos = torch.randint(0, 4096, (2,), generator=gen).to(device)
+    loc = (torch.randperm(40, generator=gen)[:2] + 1).to(device)
+    configs = [None, GemvConfig(4, 32, 2, 2, narrow=True), GemvConfig(2, 64, 1, 1, pre_tiles=2, fold=2)]
+    rows, general = [], []
+    saved = kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8, kg.TWO_ROW_EPILOGUES
+    real_row, real_general = kg._gemv_row_kernel, kg._gemv_kernel
+    pools = lambda: tuple(torch.zeros(41, hkv, d, dtype=dtype, device=device) for _ in range(2))  # noqa: E731
+    try:
+        kg._gemv_row_kernel, kg._gemv_kernel = _Launches(real_row, rows), _Launches(real_general, general)
+        for fp8 in (False, True):
+            (w_rope, s_rope), (w_gate, s_gate) = quant if fp8 else ((wq, None), (wg, None))
+            for cfg in configs:
+                if fp8 and cfg is not None:
+                    cfg = dataclasses.replace(cfg, f16_math=True)
+                kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8, kg.TWO_ROW_EPILOGUES = True, True, True
+                rows.clear(), general.clear()
+                fused = pools()
+                y = gemv(x, w_rope, config=cfg, scale=s_rope, rope=RopeStore(pos, cache, *fused, loc, qs, kvs, d))
+                yg = gemv(x, w_gate, config=cfg, scale=s_gate, gated_out=True)
+                msg = f"fp8={fp8} {cfg}"
+                assert len(rows) == 2 and not general, (msg, rows, general)
+                # each row alone at the tile two rows took (unsplit, as both epilogues run)
+                one = lambda w: dataclasses.replace(cfg or kg.two_row_config(*w.shape, w.element_size()),  # noqa
+                                                    split_k=1)
+                ref_rope, ref_gate = one(w_rope), one(w_gate)
+                kg.TWO_ROW_KERNEL = kg.TWO_ROW_KERNEL_FP8 = kg.TWO_ROW_EPILOGUES = False
+                for r in range(2):
+                    alone = pools()
+                    yr = gemv(x[r:r + 1], w_rope, config=ref_rope, scale=s_rope,
+                              rope=RopeStore(pos[r:r + 1], cache, *alone, loc[r:r + 1], qs, kvs, d))
+                    assert torch.equal(y[r:r + 1], yr), f"{msg} rope row {r}"
+                    assert all(torch.equal(a[loc[r]], b[loc[r]]) for a, b in zip(fused, alone)), f"{msg} pool row {r}"
+                    assert torch.equal(yg[r:r + 1], gemv(x[r:r + 1], w_gate, config=ref_gate, scale=s_gate,
+                                                         gated_out=True)), f"{msg} gated row {r}"
+                others = torch.ones(41, dtype=torch.bool, device=device)
+                others[loc] = False
+                assert not any(buf[others].any() for buf in fused), f"{msg}: written outside the rows' slots"
+        # without TWO_ROW_EPILOGUES both epilogues take two rows to the tensor-core tile
+        kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8 = True, True
+        rows.clear(), general.clear()
+        gemv(x, wq, rope=RopeStore(pos, cache, *pools(), loc, qs, kvs, d))
+        gemv(x, wg, gated_out=True)
+        assert not rows and len(general) == 2, (rows, general)
+    finally:
+        kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8, kg.TWO_ROW_EPILOGUES = saved
+        kg._gemv_row_kernel, kg._gemv_kernel = real_row, real_general
 
 
 def check_gemv_gated_out(device, dtype):
