@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh two-row-next|rows-final|two-row-tiles|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh two-row-next|rows-final|two-row-tiles|two-row-tiles-fp8|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 # Pending (12-06 08:00): on any card, `two-row-next` (FP8 at two rows on the one-row kernel and the rope / gating
@@ -160,6 +160,12 @@ if [[ $what == two-row-tiles ]]; then
   # batch 1-4 at two_row_config's rule and at the sweep's best against the default, alternated twice. ~5 min.
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv_two_rows" 2>&1 | tail -2
   timeout 450 python3 -m bench.probe two_row_tiles 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/two_row_tiles.log" | tail -20
+fi
+if [[ $what == two-row-tiles-fp8 ]]; then
+  # The same for FP8 weights under kernels.gemv.TWO_ROW_KERNEL_FP8 (off): its tiles swept at 2 rows per linear
+  # (bench.probe two_row_tiles_fp8), then decode steps at batch 1-4: the FP8 default, the knob at two_row_config's rule
+  # and at the sweep's best, alternated twice. ~5 min; after two-row-next, if the knob comes close.
+  timeout 450 python3 -m bench.probe two_row_tiles_fp8 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/two_row_tiles_fp8.log" | tail -20
 fi
 if [[ $what == trace-b2 ]]; then
   # bf16 batch 2's decode replay kernel by kernel beside batch 1's (PDL on): where the second row's 0.68 ms goes

@@ -967,30 +967,40 @@ def probe_fp8_batches_pdl(res: dict) -> None:
                       batches=(1, 2, 8, 16, 32), key="fp8_batches_pdl")
 
 
-def probe_two_row_tiles(res: dict) -> None:
+def probe_two_row_tiles(res: dict, fp8: bool = False) -> None:
     """kernels.gemv.TWO_ROW_KERNEL's tiles at 2 rows, each Llama-8B linear alone in CUDA graphs with the weights out of
     L2 (down_proj with its gated input, as the engine runs it there): a sweep of the one-row kernel's tile shapes at two
     rows against the tensor-core tile and against one row; then decode steps in the engine at batch 1-4 at the defaults
-    (the two-row kernel at two_row_config's tiles), at the sweep's best and on the tensor-core tile, alternated twice."""
+    (the two-row kernel at two_row_config's tiles), at the sweep's best and on the tensor-core tile, alternated twice.
+    fp8: FP8 weights (per-row scales) under TWO_ROW_KERNEL_FP8, their tiles for TWO_ROW_TILES_FP8; the engine's
+    variants are then the FP8 default (the tensor-core tile), the knob at the rule and at the sweep's best."""
     import dataclasses
 
     import kernels.gemv as kg
     from bench.b1 import module_knobs
     from bench.kernels import copies_for
     from kernels.gemv import gemv
+    from shared.models.quantization import quantize_per_channel
     rows, best = [], {}
+    knob = {"kernels.gemv.TWO_ROW_KERNEL": True, "kernels.gemv.TWO_ROW_KERNEL_FP8": fp8}
     for name, (n, k) in LLAMA8B_LINEARS.items():
-        ws = [torch.randn(n, k, dtype=DT, device="cuda") * 0.02 for _ in range(copies_for(n * k * 2, cap=8))]
+        if fp8:
+            q, scale = quantize_per_channel(torch.randn(n, k, dtype=DT, device="cuda") * 0.02)
+            ws = [q] + [q.clone() for _ in range(copies_for(n * k, cap=8) - 1)]
+        else:
+            scale = None
+            ws = [torch.randn(n, k, dtype=DT, device="cuda") * 0.02 for _ in range(copies_for(n * k * 2, cap=8))]
         silu = name == "down"
         x1, x2 = (torch.randn(m, 2 * k if silu else k, dtype=DT, device="cuda") for m in (1, 2))
-        run = lambda x, cfg=None: (lambda i: gemv(x, ws[i % len(ws)], config=cfg, silu_mul=silu))  # noqa: E731
+        run = lambda x, cfg=None: (lambda i: gemv(x, ws[i % len(ws)], config=cfg, scale=scale,  # noqa: E731
+                                                  silu_mul=silu))
         row = {"shape": name, "one_row_us": graph_time_ms(run(x1)) * 1e3}
-        with module_knobs({"kernels.gemv.TWO_ROW_KERNEL": False}):
+        with module_knobs({"kernels.gemv.TWO_ROW_KERNEL": False, "kernels.gemv.TWO_ROW_KERNEL_FP8": False}):
             row["tensor_cores_us"] = graph_time_ms(run(x2)) * 1e3
         sweep = {}
-        with module_knobs({"kernels.gemv.TWO_ROW_KERNEL": True}):
+        with module_knobs(knob):
             row["rule_us"] = graph_time_ms(run(x2)) * 1e3
-            base = kg.two_row_config(n, k)
+            base = kg.two_row_config(n, k, ws[0].element_size())
             for bn in (2, 4, 8):
                 for bk in (256, 512, 1024, 2048):
                     for warps in (2, 4):
@@ -1009,15 +1019,22 @@ def probe_two_row_tiles(res: dict) -> None:
         torch.cuda.empty_cache()
     layer = {key: sum(r[key] for r in rows) for key in rows[0] if key.endswith("_us")}
     log("a layer's four linears: " + ", ".join(f"{k_[:-3]} {v:.0f} us" for k_, v in layer.items()))
-    res["two_row_tiles"] = {"rows": rows, "best_tiles": best}
+    res["two_row_tiles_fp8" if fp8 else "two_row_tiles"] = {"rows": rows, "best_tiles": best}
     tiles = {LLAMA8B_LINEARS[name]: tuple(b["tile"]) for name, b in best.items()}
-    # the default (two rows on the row kernel at two_row_config's rule since 2026-12-06) against the sweep's tiles and
-    # the tensor-core tile
-    tc, swept = {"kernels.gemv.TWO_ROW_KERNEL": False}, {"kernels.gemv.TWO_ROW_TILES": tiles}
-    probe_fp8_batches(res, variants={"bf16": (None, {}), "two_rows_swept": (None, swept), "tensor_cores": (None, tc),
-                                     "bf16_again": (None, {}), "two_rows_swept_again": (None, swept),
-                                     "tensor_cores_again": (None, tc)},
-                      batches=(1, 2, 4), key="two_row_batches", swept=False)
+    if fp8:  # the default (the tensor-core tile) against the knob at the rule and at the sweep's tiles
+        rule, swept = knob, {**knob, "kernels.gemv.TWO_ROW_TILES_FP8": tiles}
+        v = {"fp8": ("fp8", {}), "fp8_two_rule": ("fp8", rule), "fp8_two_swept": ("fp8", swept)}
+    else:  # the default (two rows on the row kernel at two_row_config's rule since 2026-12-06) against the sweep's
+        # tiles and the tensor-core tile
+        tc, swept = {"kernels.gemv.TWO_ROW_KERNEL": False}, {"kernels.gemv.TWO_ROW_TILES": tiles}
+        v = {"bf16": (None, {}), "two_rows_swept": (None, swept), "tensor_cores": (None, tc)}
+    v.update({name + "_again": spec for name, spec in v.items()})
+    probe_fp8_batches(res, variants=v, batches=(1, 2, 4), key="two_row_batches_fp8" if fp8 else "two_row_batches",
+                      swept=False)
+
+
+def probe_two_row_tiles_fp8(res: dict) -> None:
+    probe_two_row_tiles(res, fp8=True)
 
 
 def probe_lm_head_rows(res: dict) -> None:
@@ -1427,7 +1444,7 @@ def main() -> int:
              "trace_pdl": probe_trace_pdl, "trace_pdl_early": probe_trace_pdl_early,
              "trace_pdl_whole": probe_trace_pdl_whole, "trace_pdl_prefetch": probe_trace_pdl_prefetch,
              "trace_pdl_rope": probe_trace_pdl_rope, "trace_pdl_kv": probe_trace_pdl_kv,
-             "trace_pdl_fp8": probe_trace_pdl_fp8, "trace_pdl_b2": probe_trace_pdl_b2, "trace_pdl_b2_fp8": probe_trace_pdl_b2_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
+             "trace_pdl_fp8": probe_trace_pdl_fp8, "trace_pdl_b2": probe_trace_pdl_b2, "trace_pdl_b2_fp8": probe_trace_pdl_b2_fp8, "two_row_tiles_fp8": probe_two_row_tiles_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
              "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "trace256_kvfp8": lambda res: probe_trace256(res, "fp8_e4m3"), "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "decode256_layout": probe_decode256_layout, "tput_page": probe_tput_page, "kvfp8": probe_kvfp8, "kvfp8_kernel": probe_kvfp8_kernel, "kvfp8_tiles": probe_kvfp8_tiles, "kvfp8_tput": probe_kvfp8_tput, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
              "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,

@@ -627,6 +627,8 @@ TWO_ROW_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (28672, 4096): (4, 1024, 4),  # gate_up_proj
     (4096, 14336): (8, 1024, 4),  # down_proj, its gated input computed in the load
 }
+# The same for FP8 weights under TWO_ROW_KERNEL_FP8 (`python -m bench.probe two_row_tiles_fp8`). Empty until swept.
+TWO_ROW_TILES_FP8: dict[tuple[int, int], tuple[int, int, int]] = {}
 # FP8's long-K rows (gate_up, down_proj) at the tiles the H100's chain sweep picked (default_config): an A/B knob.
 # Measured and removed (bench/RESULTS.md, 2026-12-05; the code is in git history): FP8 rows at 256 bytes a thread
 # (FP8_WIDE_TILES, batch-1 step +6%, H100), on tensor cores with cp.async-pipelined weights (FP8_TENSOR_CORES,
@@ -715,7 +717,7 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2, fp8_row: bool 
 
 
 def two_row_config(N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
-    """TWO_ROW_KERNEL's tiles: TWO_ROW_TILES' where listed (16-bit weights), else the one-row kernel's with narrow
+    """TWO_ROW_KERNEL's tiles: TWO_ROW_TILES' (TWO_ROW_TILES_FP8's) where listed, else the one-row kernel's with narrow
     accumulators and half the K tile (at least 256), which keeps the two rows' registers near one row's (sm_90 compile
     of Llama-8B's shapes: o_proj 158, gate_up 86, down_proj 94 registers, no spills; at the one-row tiles gate_up
     spilled at 255). FP8 weights: FP8_ROW_KERNEL's tiles by the same rule with TWO_ROW_KERNEL_FP8, else their one-row
@@ -723,8 +725,9 @@ def two_row_config(N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     cfg = default_config(1, N, K, weight_bytes, fp8_row=FP8_ROW_KERNEL or (weight_bytes == 1 and TWO_ROW_KERNEL_FP8))
     if not cfg.row_kernel:
         return cfg
-    if weight_bytes > 1 and (N, K) in TWO_ROW_TILES:
-        block_n, block_k, warps = TWO_ROW_TILES[N, K]
+    table = TWO_ROW_TILES if weight_bytes > 1 else TWO_ROW_TILES_FP8
+    if (N, K) in table:
+        block_n, block_k, warps = table[N, K]
         return dataclasses.replace(cfg, block_n=block_n, block_k=block_k, num_warps=warps, narrow=True, fold=1,
                                    split_k=split_k_for(N, block_n, K, block_k))
     block_k, warps = (max(256, cfg.block_k // 2) if cfg.block_k > 256 else cfg.block_k), cfg.num_warps
