@@ -489,6 +489,15 @@ def check_gemv_silu_mul(device, dtype):
                 torch.testing.assert_close(y, gemv_ref(silu_and_mul_ref(h), w), **_tol(dtype))
 
 
+def _qkv_heads(device):
+    """A qkv projection's heads for the rope epilogue checks (Llama-8B's on CUDA, a small set on the CPU):
+    (q heads, kv heads, head dim, K, q size, kv size, N, the rotary cos/sin cache)."""
+    from kernels.reference import rope_cos_sin_cache
+    hq, hkv, d, K = (4, 2, 16, 96) if device.type == "cpu" else (32, 8, 128, 4096)
+    inv_freq = 1.0 / (500000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    return hq, hkv, d, K, hq * d, hkv * d, (hq + 2 * hkv) * d, rope_cos_sin_cache(inv_freq, 4096)
+
+
 def check_gemv_two_row_epilogues(device, dtype):
     """kernels.gemv.TWO_ROW_EPILOGUES: two rows on the one-row kernel with the rope + KV-store epilogue (each row at its
     own position and slot) or the gating one give each row's one-row GEMV with that epilogue, bit for bit: y and the
@@ -499,15 +508,10 @@ def check_gemv_two_row_epilogues(device, dtype):
 
     import kernels.gemv as kg
     from kernels.gemv import GemvConfig, gemv
-    from kernels.reference import rope_cos_sin_cache
     from kernels.rope_store import RopeStore
     from shared.models.quantization import quantize_per_channel
     gen = torch.Generator().manual_seed(29)
-    hq, hkv, d, K = (4, 2, 16, 96) if device.type == "cpu" else (32, 8, 128, 4096)
-    qs, kvs = hq * d, hkv * d
-    N = qs + 2 * kvs
-    inv_freq = 1.0 / (500000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
-    cache = rope_cos_sin_cache(inv_freq, 4096)
+    hq, hkv, d, K, qs, kvs, N, cache = _qkv_heads(device)
     wq = _rand(N, K, dtype=dtype, device=device) * 0.1
     wg = _rand(2 * (40 if device.type == "cpu" else 14336), K, dtype=dtype, device=device) * 0.1
     quant = [tuple(t.to(device) for t in quantize_per_channel(w.float().cpu())) for w in (wq, wg)]
@@ -1071,16 +1075,11 @@ def check_gemv_rope_store_rows(device, dtype):
     import dataclasses
 
     from kernels.gemv import GemvConfig, default_config, gemv
-    from kernels.reference import rope_cos_sin_cache
     from kernels.rope import apply_rope_and_store_kv
     from kernels.rope_store import RopeStore
     from shared.models.quantization import quantize_per_channel
     gen = torch.Generator().manual_seed(23)
-    hq, hkv, d, K = (4, 2, 16, 96) if device.type == "cpu" else (32, 8, 128, 4096)
-    qs, kvs = hq * d, hkv * d
-    N = qs + 2 * kvs
-    inv_freq = 1.0 / (500000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
-    cache = rope_cos_sin_cache(inv_freq, 4096)
+    hq, hkv, d, K, qs, kvs, N, cache = _qkv_heads(device)
     w0 = _rand(N, K, dtype=dtype, device=device) * 0.1
     w8, s8 = (t.to(device) for t in quantize_per_channel(w0.float().cpu()))
     for fp8 in (False, True):
