@@ -137,21 +137,25 @@ P.probe_fp8_batches({}, variants=v, batches=(1, 2, 4, 8, 16), swept=False)
 " 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/rows_final.log" | tail -6
 fi
 if [[ $what == two-row-next ]]; then
-  # Two rows on the one-row kernel, round two (built 12-06 08:00 without a GPU, knobs off; sm_90 compiles without
-  # spills): FP8 weights there too (kernels.gemv.TWO_ROW_KERNEL_FP8: FP8 batch 2 was 1.37x batch 1, the tensor-core
-  # tile's GEMVs +783 us and 96 reduce launches in the trace), and the rope / gating epilogues on it
-  # (TWO_ROW_EPILOGUES: bf16 batch 2's qkv left it for the rope epilogue). CUDA checks, then decode steps at batch 1,
-  # 2 and 4, alternated twice. ~6 min.
+  # Two rows on the one-row kernel, round two (built 12-06 08:00-09:00 without a GPU, knobs off; sm_90 compiles
+  # without spills): FP8 weights there too (kernels.gemv.TWO_ROW_KERNEL_FP8: FP8 batch 2 was 1.38x batch 1, the
+  # tensor-core tile's GEMVs +784 us and 96 reduce launches in the trace), the rope / gating epilogues on it
+  # (TWO_ROW_EPILOGUES: bf16 batch 2's qkv left it for the rope epilogue) and the split residual norms
+  # (TWO_ROW_NORMS: bf16 batch 2's 65 norm launches, 232 us). CUDA checks, then decode steps at batch 1, 2 and 4,
+  # alternated twice. ~8 min.
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "(cuda_bf16 and (gemv_two_rows or gemv_two_row_epilogues)) or bf16_rows or fp8_rows_gated" 2>&1 | tail -4
-  timeout 280 python3 -c "
+    -k "(cuda_bf16 and (gemv_two_rows or gemv_two_row_epilogues or gemv_two_row_norms)) or bf16_rows or fp8_rows_gated" 2>&1 | tail -4
+  timeout 330 python3 -c "
 import bench.probe as P
 G, L = 'kernels.gemv.', 'shared.models.llama.'
-ep, f2 = {G + 'TWO_ROW_EPILOGUES': True}, {G + 'TWO_ROW_KERNEL_FP8': True}
+ep, f2, nm = {G + 'TWO_ROW_EPILOGUES': True}, {G + 'TWO_ROW_KERNEL_FP8': True}, {G + 'TWO_ROW_NORMS': True}
+gated = {L + 'GATE_UP_EPILOGUE_ROWS': True}
 v = {}
 for r in ('', '_again'):
-    v.update({'bf16' + r: (None, {}), 'bf16_ep' + r: (None, ep), 'bf16_ep_gated' + r: (None, {**ep, L + 'GATE_UP_EPILOGUE_ROWS': True}),
-              'fp8' + r: ('fp8', {}), 'fp8_two' + r: ('fp8', f2), 'fp8_two_ep' + r: ('fp8', {**f2, **ep})})
+    v.update({'bf16' + r: (None, {}), 'bf16_ep' + r: (None, ep), 'bf16_ep_norms' + r: (None, {**ep, **nm}),
+              'bf16_ep_norms_gated' + r: (None, {**ep, **nm, **gated}), 'fp8' + r: ('fp8', {}),
+              'fp8_two' + r: ('fp8', f2), 'fp8_two_ep' + r: ('fp8', {**f2, **ep}),
+              'fp8_two_ep_norms' + r: ('fp8', {**f2, **ep, **nm})})
 P.probe_fp8_batches({}, variants=v, batches=(1, 2, 4), swept=False)
 " 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/two_row_next.log" | tail -4
 fi

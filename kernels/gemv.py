@@ -457,8 +457,9 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
     """y = x @ W^T for one row x and half-, full-precision or FP8 W (HAS_SCALE: one dequantization scale per
     output row; F16: multiplied in f16, eight products summed there): each program streams BLOCK_N rows of W
     over its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end.
-    ROWS = 2: two rows of x (stride_xm apart; y's stride_ym) against each weight tile, a second accumulator; of the
-    epilogues only rope (each row at its own position and slot) and the gating (the host checks)."""
+    ROWS = 2: two rows of x (stride_xm apart; y's stride_ym) against each weight tile, a second accumulator; the rope
+    (each row at its own position and slot), gating and split-norm epilogues (each row its own partials), K unsplit
+    with any of them (the host checks)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (no split: the host checks)
@@ -529,9 +530,15 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
         tl.store(Y + offs_n, _out(out, X, Y), mask=mask_n)
     else:
         tl.store(P + pid_k * ROWS * N + offs_n, out, mask=mask_n)
-    if ROWS == 2:  # the second row's sums as the first's; its rope inputs (position, slot) in the tail
+    if ROWS == 2:  # the second row's sums as the first's; its epilogues' inputs (norm partials, residual rows,
+        # position, slot) in the tail: a row's split-norm partials NSLOT after the first's, its residual row N after
         out2 = _row_sums(acc2, S, offs_n, mask_n, F16, HAS_SCALE)
-        if ROPE:
+        if NORM_IN:
+            out2 = out2 * _norm_in_scale(SQ + NSLOT, K, eps, NSLOT)
+        if ADD_NORM:  # unsplit (the host checks)
+            r2, _ = _add_norm_inputs(R + N, GAMMA, offs_n, mask_n)
+            _add_norm_epilogue(out2, r2, gamma, offs_n, mask_n, pid_n, R + N, Y + stride_ym, SQ + NSLOT, NSLOT)
+        elif ROPE:
             cos2, sin2, slot2 = rope_store_inputs(pid_n, N, POS + 1, CS, stride_cs, LOC + 1, QS, KVS, BLOCK_N, HALF)
             rope_store_epilogue(out2, cos2, sin2, slot2, pid_n, N, Y + stride_ym, KB, VB, stride_bs, QS, KVS, BLOCK_N,
                                 HALF)
@@ -617,6 +624,12 @@ TWO_ROW_KERNEL_FP8 = False
 # epilogue (H100, 2026-12-06), and FP8's gate_up_proj with GATE_UP_EPILOGUE_ROWS_FP8. An A/B knob read at launch; off
 # until measured.
 TWO_ROW_EPILOGUES = False
+# The split residual norms (kernels/residual_norm.py) at two rows on the same kernel, each row its own partial sums:
+# bf16 batch 2 ran its 65 RMSNorm launches for 232 us of a 5,430 us replay where batch 1 splits them into its GEMVs
+# (6 us; H100 trace, 2026-12-06 07:29). Read by kernels.ops.two_row_norms_apply, which the model asks before it takes
+# a two-row pass down its one-token path (LlamaModel._forward_row); needs TWO_ROW_EPILOGUES. An A/B knob; off until
+# measured.
+TWO_ROW_NORMS = False
 # Its (block_n, block_k, num_warps) by the weight's (N, K), as `python -m bench.probe two_row_tiles` sweeps them (narrow
 # accumulators, two tiles before the PDL wait); shapes not listed take two_row_config's rule. Llama-8B's four, swept on
 # an H100 2026-12-06 07:24 (`bash bench/gpu_run.sh two-row-tiles`): a layer's linears at two rows 149 us against 153 at
@@ -795,8 +808,9 @@ def _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg
 
 def _two_rows_admit(tensor_cores: bool, block, norm_in, add_norm, rope, gated_out: bool) -> bool:
     """Whether gemv may run two rows on the one-row kernel (then if their tile is a row kernel's): TWO_ROW_KERNEL, no
-    block scales or split norms, the rope and gating epilogues only with TWO_ROW_EPILOGUES."""
-    return (TWO_ROW_KERNEL and not tensor_cores and block is None and norm_in is None and add_norm is None
+    block scales, the rope and gating epilogues only with TWO_ROW_EPILOGUES, split norms only with TWO_ROW_NORMS."""
+    return (TWO_ROW_KERNEL and not tensor_cores and block is None
+            and ((norm_in is None and add_norm is None) or TWO_ROW_NORMS)
             and ((rope is None and not gated_out) or TWO_ROW_EPILOGUES))
 
 
@@ -845,8 +859,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert block is None or (M == 1 and not tensor_cores and block[1] % 8 == 0 and scale.stride(1) == 1), \
         "block-scaled FP8 weights: one row, blocks of whole eight-input lanes"
     assert norm_in is None or add_norm is None, "a GEMV consumes one split norm or produces one, not both"
-    assert add_norm is None or (M == 1 and add_norm.size == N and add_norm.residual.dtype == x.dtype)
-    assert norm_in is None or (M == 1 and norm_in.size == K)
+    assert add_norm is None or (add_norm.rows == M and add_norm.size == N and add_norm.residual.dtype == x.dtype)
+    assert norm_in is None or (norm_in.rows == M and norm_in.size == K)
     assert rope is None or (rope.size == N and add_norm is None and not silu_mul
                             and rope.positions.shape[0] == M == rope.loc.shape[0])
     assert not gated_out or (N % 2 == 0 and block is None and add_norm is None and rope is None and not silu_mul
@@ -857,11 +871,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     two_rows = M == 2 and _two_rows_admit(tensor_cores, block, norm_in, add_norm, rope, gated_out)
     row_cfg = (config or two_row_config(N, K, w.element_size())) if two_rows else None
     two_rows = two_rows and row_cfg.row_kernel
+    assert M == 1 or two_rows or (norm_in is None and add_norm is None), \
+        "split norms: one row, or two on the two-row kernel (TWO_ROW_NORMS)"
     cfg = row_cfg if two_rows else config or default_config(M, N, K, w.element_size())
     if gated_out:  # a program owns whole gate/up pairs, over all of K (the epilogue needs complete sums; a tile that
         # would split K, none of Llama-8B's gate_up tiles at batch 1, gives up that parallelism here)
         cfg = dataclasses.replace(cfg, block_n=max(2, cfg.block_n), split_k=1)
-    if rope is not None and M > 1:  # several rows rotate in the GEMV's own epilogue (the reduce kernel's is one row)
+    if M > 1 and (rope is not None or norm_in is not None or add_norm is not None):  # several rows rotate, and two
+        # rows run their norms, in the GEMV's own epilogue (the reduce kernel's, and a split's scale, are one row's)
         cfg = dataclasses.replace(cfg, split_k=1)
     if block is not None:  # the general kernel's f16 lanes take the block scales
         cfg = dataclasses.replace(cfg, row_kernel=False, f16_math=True)

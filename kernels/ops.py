@@ -148,6 +148,15 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     return _gemv_applies(x, weight, weight_scale)
 
 
+def two_row_norms_apply(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> bool:
+    """Whether a two-row pass may split its residual norms into the GEMVs around them, as one row does
+    (kernels.gemv.TWO_ROW_NORMS): x [2, K] on the GEMV, and each (weight, scale) of a layer's linears on its two-row
+    kernel with the epilogues (TWO_ROW_EPILOGUES). The models' question, like gemv_applies."""
+    import kernels.gemv as kg
+    return (x.shape[0] == 2 and kg.TWO_ROW_NORMS and kg.TWO_ROW_EPILOGUES
+            and all(_gemv_applies(x, w, s) and not kg.on_tensor_cores(2, w, s) for w, s in weights))
+
+
 def gemv_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
     """x @ weight^T (unquantized) written into out ([M, N] of x's dtype or wider) by the GEMV, where the GEMV takes
     this matmul (CUDA, bf16, at most GEMV_MAX_M rows); None where it does not."""
@@ -161,8 +170,8 @@ def _split_norm_linear(x, weight, bias, weight_scale, norm_in: ResidualNorm | No
                        gated: bool, rope: RopeStore | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The GEMV's epilogues (split norms: one row; rope + KV store: the rows the GEMV takes) or their torch
     equivalents."""
-    assert (x.shape[0] == 1 or (norm_in is None and add_norm is None)) and (add_norm is None or bias is None), \
-        "split norms: one row, a producer without bias"
+    assert all(n is None or n.rows == x.shape[0] for n in (norm_in, add_norm)) and (add_norm is None or bias is None), \
+        "split norms: the rows of x (one, or two on the GEMV's two-row kernel), a producer without bias"
     assert rope is None or bias is None, "rope in the epilogue: a qkv projection without bias"
     assert out is None or (norm_in is not None and bias is None and rope is None)
     if _gemv_applies(x, weight, weight_scale):

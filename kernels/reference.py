@@ -50,19 +50,21 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def residual_norm_produce_ref(h: torch.Tensor, norm) -> torch.Tensor:
-    """The producer side of a split residual RMSNorm (kernels/residual_norm.py): h [1, H] (the producer
-    GEMV's output, in the activation dtype) added into norm.residual in place, its sum of squares added to
-    norm.sumsq; returns g = gamma * residual."""
+    """The producer side of a split residual RMSNorm (kernels/residual_norm.py): h [R, H] (the producer
+    GEMV's output, in the activation dtype; R = 1 or 2 rows) added into norm.residual in place, each row's sum of
+    squares added to its partials in norm.sumsq; returns g = gamma * residual."""
     r = (h.float() + norm.residual.float()).to(norm.residual.dtype)
     norm.residual.copy_(r)
     rf = r.float()
-    norm.sumsq[0] += rf.pow(2).sum().double()
+    norm.sumsq.view(r.shape[0], -1)[:, 0] += rf.pow(2).sum(dim=-1).double()
     return (rf * norm.weight.float()).to(h.dtype)
 
 
 def residual_norm_scale_ref(norm) -> torch.Tensor:
-    """The consumer side: rsqrt(mean(residual^2) + eps) from the producer's partial sums (fp32 scalar)."""
-    return torch.rsqrt((norm.sumsq.sum() / norm.size).float() + norm.eps)
+    """The consumer side: rsqrt(mean(residual^2) + eps) from the producer's partial sums, a row's each (fp32
+    [R, 1])."""
+    return torch.rsqrt((norm.sumsq.view(norm.residual.shape[0], -1).sum(dim=-1, keepdim=True) / norm.size).float()
+                       + norm.eps)
 
 
 def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:

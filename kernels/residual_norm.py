@@ -1,4 +1,5 @@
-"""A residual RMSNorm split across the two GEMVs around it, for one row (decode at batch 1).
+"""A residual RMSNorm split across the two GEMVs around it, for one row (decode at batch 1), or two on the GEMV's
+two-row kernel (kernels.gemv.TWO_ROW_NORMS: each row its own partial sums).
 
 Unfused, a decoder layer's `h = W_o o; r = r + h; x = rmsnorm(r) * gamma; y = W_qkv x` is three kernels, and
 the norm in the middle is a short launch whose only job is one reduction. Split, it costs no kernel:
@@ -26,16 +27,22 @@ NORM_SLOTS = 16
 @dataclasses.dataclass(frozen=True)
 class ResidualNorm:
     """One site: `residual` [1, H] (updated in place by the producer), `weight` the norm's gamma [H],
-    `sumsq` fp64 [NORM_SLOTS] partials, zero before the producer runs, `eps` the norm's epsilon."""
+    `sumsq` fp64 [NORM_SLOTS] partials, zero before the producer runs, `eps` the norm's epsilon. Two rows: residual
+    [2, H] and sumsq [2, NORM_SLOTS], a row's partials after the other's."""
     residual: torch.Tensor
     weight: torch.Tensor
     sumsq: torch.Tensor
     eps: float
 
     def __post_init__(self):
-        assert self.residual.dim() == 2 and self.residual.shape[0] == 1 and self.residual.is_contiguous()
+        assert self.residual.dim() == 2 and self.rows in (1, 2) and self.residual.is_contiguous()
         assert self.weight.shape == (self.residual.shape[1],)
-        assert self.sumsq.shape == (NORM_SLOTS,) and self.sumsq.dtype == torch.float64 and self.sumsq.is_contiguous()
+        assert self.sumsq.shape == ((NORM_SLOTS,) if self.rows == 1 else (self.rows, NORM_SLOTS))
+        assert self.sumsq.dtype == torch.float64 and self.sumsq.is_contiguous()
+
+    @property
+    def rows(self) -> int:
+        return self.residual.shape[0]
 
     @property
     def size(self) -> int:

@@ -235,18 +235,19 @@ def test_thread_cpu_names_the_main_thread_and_counts_a_busy_one():
 
     from shared import procfs
 
-    done = threading.Event()
+    spun, done = threading.Event(), threading.Event()
 
-    def spin():
-        t = time.perf_counter()
-        while time.perf_counter() - t < 0.2:
+    def spin():  # 0.2 s of this thread's own CPU time, however loaded the machine (a wall-clock spin got 0.14 s
+        # of CPU on a busy 2-core box)
+        while time.thread_time() < 0.2:
             pass
+        spun.set()
         done.wait()
 
     th = threading.Thread(target=spin)
     th.start()
     try:
-        time.sleep(0.3)
+        assert spun.wait(60)
         got = procfs.thread_run_seconds(os.getpid())
         assert f"main/{os.getpid()}" in got, got
         assert f"python/{th.native_id}" in got or any(k.endswith(f"/{th.native_id}") for k in got)

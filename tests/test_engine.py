@@ -626,13 +626,14 @@ def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(fusions, monkeypatch):
     kernels.ops.GEMV_MAX_M rows, their logits too with shared.models.llama.LM_HEAD_ROWS_GEMV: each step's top logprob
     equals cuBLAS's (GEMV_MAX_M = 1) to bf16's rounding, and so does the greedy token wherever cuBLAS's top two are
     not a near tie. fusions: the several-row knobs on (rope and the KV store in qkv_proj's epilogue and two rows on the
-    one-row kernel, the defaults; the MLP gated in gate_up_proj's epilogue and both epilogues on the two-row kernel,
-    A/B knobs off by default), or all off."""
+    one-row kernel, the defaults; the MLP gated in gate_up_proj's epilogue, both epilogues and the split norms on the
+    two-row kernel, A/B knobs off by default), or all off."""
     import kernels.gemv as kg
     import kernels.ops as ops
     import shared.models.llama as llama
     monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS", fusions)
     monkeypatch.setattr(kg, "TWO_ROW_EPILOGUES", fusions)
+    monkeypatch.setattr(kg, "TWO_ROW_NORMS", fusions)
     monkeypatch.setattr(llama, "ROPE_EPILOGUE_ROWS", fusions)
     monkeypatch.setattr(kg, "TWO_ROW_KERNEL", fusions)
     real, rows = kg.gemv, []
@@ -663,12 +664,13 @@ def test_fp8_rows_gated_in_gate_up_decode_what_the_unfused_rows_decode(two_rows,
     """FP8 weights (quantized at load, per row) at decode batches of 2-16 in graphs gate the MLP in gate_up_proj's
     epilogue (shared.models.llama.GATE_UP_EPILOGUE_ROWS_FP8, the default) on the GEMV's tensor-core tile: each step's
     top logprob equals the unfused rows' (silu_and_mul in down_proj's load) to bf16's rounding, and so does the greedy
-    token wherever their top two are not a near tie. two_rows: batch 2 on the one-row kernel with its epilogues
-    (kernels.gemv.TWO_ROW_KERNEL_FP8, TWO_ROW_EPILOGUES; A/B knobs, off by default)."""
+    token wherever their top two are not a near tie. two_rows: batch 2 on the one-row kernel with its epilogues and
+    split norms (kernels.gemv.TWO_ROW_KERNEL_FP8, TWO_ROW_EPILOGUES, TWO_ROW_NORMS; A/B knobs, off by default)."""
     import kernels.gemv as kg
     import shared.models.llama as llama
     monkeypatch.setattr(kg, "TWO_ROW_KERNEL_FP8", two_rows)
     monkeypatch.setattr(kg, "TWO_ROW_EPILOGUES", two_rows)
+    monkeypatch.setattr(kg, "TWO_ROW_NORMS", two_rows)
     real, gated = kg.gemv, []
     monkeypatch.setattr(kg, "gemv", lambda x, w, *a, **kw: (kw.get("gated_out") and gated.append(x.shape[0]))
                         or real(x, w, *a, **kw))

@@ -970,6 +970,91 @@ def check_gemv_split_norm(device, dtype):
     assert not sums.any()
 
 
+def check_gemv_two_row_norms(device, dtype):
+    """kernels.gemv.TWO_ROW_NORMS: split residual norms at two rows on the two-row kernel (each row its own partial
+    sums, a row after the other) give each row's one-row split norm at the same tile, bit for bit: the producer
+    (residual, gamma * residual, partial sums; its gated input too) and the consumer alone, with the gating epilogue
+    and with rope; bf16 and FP8 weights; one launch of the row kernel each. Without the knob two rows refuse them."""
+    import dataclasses
+
+    import kernels.gemv as kg
+    from kernels.gemv import GemvConfig, gemv
+    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
+    from kernels.rope_store import RopeStore
+    from shared.models.quantization import quantize_per_channel
+    gen = torch.Generator().manual_seed(31)
+    hq, hkv, d, H, qs, kvs, N, cache = _qkv_heads(device)
+    I = 40 if device.type == "cpu" else 14336  # noqa: E741
+    gamma = _rand(H, dtype=dtype, device=device)
+    r0 = _rand(2, H, dtype=dtype, device=device)
+    pos = torch.randint(0, 4096, (2,), generator=gen).to(device)
+    loc = (torch.randperm(40, generator=gen)[:2] + 1).to(device)
+    pools = lambda: tuple(torch.zeros(41, hkv, d, dtype=dtype, device=device) for _ in range(2))  # noqa: E731
+    weights = {name: _rand(n, k, dtype=dtype, device=device) * 0.1
+               for name, (n, k) in (("down", (H, I)), ("qkv", (N, H)), ("gate_up", (2 * I, H)))}
+    rows, general = [], []
+    saved = kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8, kg.TWO_ROW_EPILOGUES, kg.TWO_ROW_NORMS
+    real_row, real_general = kg._gemv_row_kernel, kg._gemv_kernel
+
+    def knobs(on: bool) -> None:  # two rows on the row kernel with FP8 weights, the epilogues and the norms, or plain
+        kg.TWO_ROW_KERNEL = True
+        kg.TWO_ROW_KERNEL_FP8 = kg.TWO_ROW_EPILOGUES = kg.TWO_ROW_NORMS = on
+    try:
+        kg._gemv_row_kernel, kg._gemv_kernel = _Launches(real_row, rows), _Launches(real_general, general)
+        for fp8 in (False, True):
+            ws = {k: ((tuple(t.to(device) for t in quantize_per_channel(w.float().cpu()))) if fp8 else (w, None))
+                  for k, w in weights.items()}
+            for cfg in (None, GemvConfig(4, 32, 2, 2, narrow=True)):
+                if fp8 and cfg is not None:
+                    cfg = dataclasses.replace(cfg, f16_math=True)
+
+                def lin(name, x, tiles=None, **kw):  # one of the layer's linears at cfg (or at tiles[name])
+                    w, scale = ws[name]
+                    return gemv(x, w, config=tiles[name] if tiles else cfg, scale=scale, **kw)
+                h = _rand(2, 2 * I, dtype=dtype, device=device)
+                knobs(True)
+                rows.clear(), general.clear()
+                sums = torch.zeros(2, NORM_SLOTS, dtype=torch.float64, device=device)
+                r = r0.clone()
+                g = lin("down", h, silu_mul=True, add_norm=ResidualNorm(r, gamma, sums, 1e-5))
+                norm = ResidualNorm(r, gamma, sums, 1e-5)
+                y, yg = lin("qkv", g, norm_in=norm), lin("gate_up", g, norm_in=norm, gated_out=True)
+                fused = pools()
+                yr = lin("qkv", g, norm_in=norm, rope=RopeStore(pos, cache, *fused, loc, qs, kvs, d))
+                msg = f"fp8={fp8} {cfg}"
+                assert len(rows) == 4 and not general, (msg, rows, general)
+                # each row alone at the tile two rows took (unsplit, as the epilogues run)
+                tiles = {k: dataclasses.replace(cfg or kg.two_row_config(*w.shape, w.element_size()), split_k=1)
+                         for k, (w, _) in ws.items()}
+                knobs(False)
+                for i in range(2):
+                    ri, si = r0[i:i + 1].clone(), torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
+                    gi = lin("down", h[i:i + 1], tiles, silu_mul=True, add_norm=ResidualNorm(ri, gamma, si, 1e-5))
+                    assert torch.equal(g[i:i + 1], gi) and torch.equal(r[i:i + 1], ri), f"{msg} producer row {i}"
+                    assert torch.equal(sums[i].sum(), si.sum()), f"{msg} sums row {i}"
+                    ni = ResidualNorm(ri, gamma, si, 1e-5)
+                    assert torch.equal(y[i:i + 1], lin("qkv", gi, tiles, norm_in=ni)), f"{msg} row {i}"
+                    assert torch.equal(yg[i:i + 1], lin("gate_up", gi, tiles, norm_in=ni, gated_out=True)), \
+                        f"{msg} gated row {i}"
+                    alone = pools()
+                    yri = lin("qkv", gi, tiles, norm_in=ni,
+                              rope=RopeStore(pos[i:i + 1], cache, *alone, loc[i:i + 1], qs, kvs, d))
+                    assert torch.equal(yr[i:i + 1], yri), f"{msg} rope row {i}"
+                    assert all(torch.equal(a[loc[i]], b[loc[i]]) for a, b in zip(fused, alone)), f"{msg} pool row {i}"
+        kg.TWO_ROW_KERNEL, kg.TWO_ROW_EPILOGUES = True, True  # without TWO_ROW_NORMS: refused
+        try:
+            gemv(_rand(2, H, dtype=dtype, device=device), weights["qkv"],
+                 norm_in=ResidualNorm(r0.clone(), gamma, torch.zeros(2, NORM_SLOTS, dtype=torch.float64,
+                                                                     device=device), 1e-5))
+        except AssertionError as e:
+            assert "split norms" in str(e)
+        else:
+            raise AssertionError("two rows took split norms without TWO_ROW_NORMS")
+    finally:
+        kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8, kg.TWO_ROW_EPILOGUES, kg.TWO_ROW_NORMS = saved
+        kg._gemv_row_kernel, kg._gemv_kernel = real_row, real_general
+
+
 def check_gemv_rope_store(device, dtype):
     """Rope and the KV store in the qkv GEMV's epilogue (kernels/rope_store.py) against the GEMV followed by
     the rope + KV-store kernel (bit for bit where the interpreter runs) and the torch reference: q and k

@@ -151,6 +151,49 @@ def test_split_row_norms_match_unsplit_passes(family, fold_final, monkeypatch):
     assert runs[True][1] == ref[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("rope", [False, True])
+def test_two_row_split_norms_match_unsplit_passes(family, rope, monkeypatch):
+    """Two-token passes down the one-token path with their residual norms split, each row its own partial sums
+    (kernels.gemv.TWO_ROW_NORMS, on a pretended GPU whose GEMV takes both rows on its two-row kernel; the torch path
+    here), rope and the KV store in qkv_proj's epilogue too with rope: two requests' prompt and greedy decode steps give
+    the logits and tokens of the unsplit passes."""
+    import kernels.ops as ops
+    import shared.models.llama as llama
+    hf, ours, cfg, prompts = family
+    if cfg.o_proj_bias or cfg.mlp_bias:
+        pytest.skip("a biased producer keeps its norms whole (test_split_row_norms_match_unsplit_passes)")
+    if rope and (cfg.qk_norm or cfg.attention_bias):
+        pytest.skip("q/k norms or a qkv bias: fuse_row_rope refuses")
+    asked = []
+    monkeypatch.setattr(ops, "two_row_norms_apply", lambda x, ws: asked.append(x.shape) or x.shape[0] == 2)
+    if rope:
+        monkeypatch.setattr(ops, "gemv_applies", lambda x, w, s=None: x.shape[0] <= 16)
+        monkeypatch.setattr(llama, "ROPE_EPILOGUE_ROWS", True)
+    a, b = prompts[0], prompts[1]
+    runs = {}
+    for split in (False, True):
+        assert ours.model.split_row_norms(split) == split
+        assert ours.model.fuse_row_rope(rope) == rope
+        try:
+            h, logits = PagedHarness(ours, cfg), []
+            first = h.step(ForwardMode.EXTEND, {0: a, 1: b})
+            toks = {0: [int(first[0][-1].argmax())], 1: [int(first[1][-1].argmax())]}
+            for _ in range(DECODE_STEPS):
+                out = h.step(ForwardMode.DECODE, {r: t[-1:] for r, t in toks.items()})
+                logits.append(torch.stack([out[0][-1], out[1][-1]]))
+                for r in toks:
+                    toks[r].append(int(out[r][-1].argmax()))
+            runs[split] = torch.stack(logits), toks
+            if split:  # the two-row passes ran: each row's partial sums hold its last step's sums of squares
+                assert bool((ours.model.row2_norm_sums[:-1].sum(-1) > 0).all())  # the last: the final norm's (one row)
+        finally:
+            ours.model.split_row_norms(False)
+            ours.model.fuse_row_rope(False)
+    assert asked and all(shape[0] == 2 for shape in asked)
+    assert rel_err(runs[True][0], runs[False][0]) < REL_TOL
+    assert runs[True][1] == runs[False][1]
+
+
 def _one_token_run(ours, cfg, prompt, backend=None):
     """A prompt fed one token a pass (extend passes), then greedy decode passes: (logits, tokens)."""
     h, logits = PagedHarness(ours, cfg, backend=backend), []

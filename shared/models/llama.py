@@ -162,8 +162,10 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling)
         self.cfg = cfg
-        # Set by split_row_norms: the partial sums of the split norms of a one-token pass.
+        # Set by split_row_norms: the partial sums of the split norms of a one-token pass, and of a two-token one
+        # (kernels.gemv.TWO_ROW_NORMS).
         self.row_norm_sums: torch.Tensor | None = None
+        self.row2_norm_sums: torch.Tensor | None = None
         # One-token passes ask each layer's o_proj weight into L2 beside rope and attention (the engine's
         # --decode-l2-prefetch sets it).
         self.row_prefetcher: WeightPrefetcher | None = None
@@ -188,14 +190,15 @@ class LlamaModel(nn.Module):
         it is on."""
         cfg = self.cfg
         ok = enabled and not cfg.o_proj_bias and not cfg.mlp_bias and tp_size() == 1
-        self.row_norm_sums = None
-        if ok:  # one row of partial sums a split norm, the final norm's last (forward_split_final)
-            self.row_norm_sums = torch.zeros(2 * len(self.layers), NORM_SLOTS, dtype=torch.float64,
-                                             device=self.norm.weight.device)
+        self.row_norm_sums = self.row2_norm_sums = None
+        if ok:  # one row of partial sums a split norm, the final norm's last (forward_split_final); two for two rows
+            dev, n = self.norm.weight.device, 2 * len(self.layers)
+            self.row_norm_sums = torch.zeros(n, NORM_SLOTS, dtype=torch.float64, device=dev)
+            self.row2_norm_sums = torch.zeros(n, 2, NORM_SLOTS, dtype=torch.float64, device=dev)
         return ok
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        if self.row_norm_sums is not None and fb.input_ids.shape[0] == 1:
+        if self.row_norm_sums is not None and (fb.input_ids.shape[0] == 1 or self._two_row_norms(fb)):
             return self._forward_row(fb)
         hidden, residual = self.embed_tokens(fb.input_ids), None
         prefetch = self.row_prefetcher if hidden.shape[0] == 1 else None
@@ -214,6 +217,16 @@ class LlamaModel(nn.Module):
         return (self.row_rope and fb.mode == ForwardMode.DECODE
                 and (fb.input_ids.shape[0] == 1 or ROPE_EPILOGUE_ROWS))
 
+    def _two_row_norms(self, fb: ForwardBatch) -> bool:
+        """A two-token pass whose GEMVs all take both rows on their two-row kernel with the split norms
+        (kernels.ops.two_row_norms_apply, asked of the first layer's linears with a [2, H] activation of the model's
+        dtype): it runs down the one-token path, its norms split as one row's are."""
+        if fb.input_ids.shape[0] != 2 or not self.layers:
+            return False
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return ops.two_row_norms_apply(self.embed_tokens.weight[:2], [(m.weight, m.weight_scale) for m in linears])
+
     def forward_split_final(self, fb: ForwardBatch) -> tuple[torch.Tensor, ResidualNorm] | None:
         """A one-token pass with split norms whose final norm is split too: (gamma * residual, the norm) for a
         consumer GEMV (the lm_head: LlamaForCausalLM.forward_logits) to scale; None where the pass is not a
@@ -223,13 +236,15 @@ class LlamaModel(nn.Module):
         return self._forward_row(fb, split_final=True)
 
     def _forward_row(self, fb: ForwardBatch, split_final: bool = False):
-        """One token. The embedding lookup and the first norm run as one kernel (it also clears the partial
+        """One token (or two, each with its own partial sums: _two_row_norms). The embedding lookup and the first
+        norm run as one kernel (it also clears the partial
         sums; the embedding is not sharded here: split norms are off under tensor parallelism); every later
         residual add + RMSNorm is split between the GEMV that produces the residual's update (o_proj,
         down_proj) and the one that consumes the norm (gate_up_proj, the next qkv_proj): kernels/residual_norm.py.
         The final norm runs as its own kernel again, or with split_final is split as well: the last down_proj
         produces it and (gamma * residual, the norm) is returned for the lm_head to consume."""
-        sums, eps, layers = self.row_norm_sums, self.cfg.rms_norm_eps, self.layers
+        sums = self.row_norm_sums if fb.input_ids.shape[0] == 1 else self.row2_norm_sums
+        eps, layers = self.cfg.rms_norm_eps, self.layers
         x, residual = ops.embed_rms_norm(fb.input_ids, self.embed_tokens.weight, layers[0].input_layernorm.weight, eps,
                                          zero=sums)
         norm_in = None
