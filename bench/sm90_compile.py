@@ -5,6 +5,7 @@ with --sass). A kernel that does not compile for Hopper fails here, not in a dev
     PYTHONPATH=/tmp/t36 python -m bench.sm90_compile [--pdl 0|1|2] [--sass NAME] [--fp8] [--no-split-norms]
                                                      [--rope-fusion] [--fp8-row] [--kv-before-wait] [--loops]
                                                      [--kv-cache-dtype fp8_e4m3|fp8_e5m2] [--fp8 --fp8-blocks] [--gate-up-epilogue]
+                                                     [--two-rows] [--hashes]
 
 Use the device's Triton version (3.6: `pip download --no-deps triton==3.6.0` and `pip install --no-deps
 --target /tmp/t36` the wheel) so ptxas and the compiler match what runs there. Nothing is launched: each
@@ -149,6 +150,46 @@ def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False, kv_dtyp
         block_fp8_gemm_path()
 
 
+def two_row_path(fp8: bool) -> None:
+    """Decode at batch 2 on the GEMV's two-row kernel with every two-row knob on (kernels.gemv.TWO_ROW_KERNEL,
+    TWO_ROW_KERNEL_FP8, TWO_ROW_EPILOGUES, TWO_ROW_NORMS), at Llama-3.1-8B's shapes: each linear plain, and as the
+    layer runs it with split norms (qkv with rope, o_proj and down_proj producing, gate_up gated)."""
+    import kernels.gemv as kg
+    from kernels.gemv import gemv
+    from kernels.residual_norm import NORM_SLOTS, ResidualNorm
+    from kernels.rope_store import RopeStore
+    bf = torch.bfloat16
+    hidden, inter, hq, hkv, d = 4096, 14336, 32, 8, 128
+    k_buf, v_buf = torch.zeros(4096, hkv, d, dtype=bf), torch.zeros(4096, hkv, d, dtype=bf)
+    pos, loc, table = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.zeros(4096, d)
+    kg.TWO_ROW_KERNEL = kg.TWO_ROW_KERNEL_FP8 = kg.TWO_ROW_EPILOGUES = kg.TWO_ROW_NORMS = True
+    norm = ResidualNorm(torch.zeros(2, hidden, dtype=bf), torch.zeros(hidden, dtype=bf),
+                        torch.zeros(2, NORM_SLOTS, dtype=torch.float64), 1e-5)
+    rope = RopeStore(pos, table, k_buf, v_buf, loc, hq * d, hkv * d, d)
+    wdt = torch.float8_e4m3fn if fp8 else bf
+    for n, k, silu, fused in [((hq + 2 * hkv) * d, hidden, False, dict(norm_in=norm, rope=rope)),
+                              (hidden, hq * d, False, dict(add_norm=norm)),
+                              (2 * inter, hidden, False, dict(norm_in=norm, gated_out=True)),
+                              (hidden, inter, True, dict(add_norm=norm))]:
+        w, scale = torch.zeros(n, k, dtype=wdt), (torch.ones(n) if fp8 else None)
+        x = torch.zeros(2, 2 * k if silu else k, dtype=bf)
+        gemv(x, w, scale=scale, silu_mul=silu)
+        gemv(x, w, scale=scale, silu_mul=silu, **fused)
+
+
+def sass_hashes(kernels) -> list[tuple[str, str]]:
+    """(name, a hash of its SASS without addresses) for each compiled kernel: two compiles that print the same hashes
+    in the same order built the same machine code (a before / after check of a change meant to leave them)."""
+    import hashlib
+    import re
+    out = []
+    for name, kernel in kernels:
+        body = "\n".join(re.sub(r"/\*[0-9a-f]+\*/", "", line) for line in _cuobjdump(kernel, "--dump-sass").splitlines()
+                         if "/*" in line)
+        out.append((name, hashlib.md5(body.encode()).hexdigest()[:12]))
+    return out
+
+
 def block_fp8_gemm_path() -> None:
     """Block-scaled FP8 weights ([128, 128] blocks) at more than one row: the per-group activation quantization
     and the block GEMM at Llama-3.1-8B's gate_up shape, for each tile size default_tiles picks."""
@@ -205,6 +246,10 @@ def main() -> None:
     ap.add_argument("--gate-up-epilogue", action="store_true",
                     help="the MLP gated in gate_up_proj's epilogue (shared.models.llama.GATE_UP_EPILOGUE: the "
                          "engine's default for bf16 weights since 2026-12-06; GATE_UP_EPILOGUE_FP8, off, for FP8)")
+    ap.add_argument("--two-rows", action="store_true",
+                    help="batch 2 on the two-row kernel with every two-row knob on (kernels.gemv.TWO_ROW_*), instead of "
+                         "the batch-1 path")
+    ap.add_argument("--hashes", action="store_true", help="each kernel's SASS hash (compare two compiles' lists)")
     ap.add_argument("--sass", default="", help="print the SASS of kernels whose name contains this")
     ap.add_argument("--loops", action="store_true", help="each kernel's loops: instructions, global loads, barriers")
     args = ap.parse_args()
@@ -220,10 +265,15 @@ def main() -> None:
     ku.set_pdl(args.pdl > 0, early_trigger=args.pdl == 2)
     JITFunction.run = _compile  # type: ignore[method-assign]
     from shared.cache.kv_pool import kv_cache_dtype
-    decode_path(args.fp8, not args.no_split_norms, args.rope_fusion, kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16),
-                args.fp8 and args.fp8_blocks, args.gate_up_epilogue)
-    for name, kernel in compiled:
-        print(f"{name}: {_resources(kernel)}")
+    if args.two_rows:
+        two_row_path(args.fp8)
+    else:
+        decode_path(args.fp8, not args.no_split_norms, args.rope_fusion,
+                    kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16), args.fp8 and args.fp8_blocks,
+                    args.gate_up_epilogue)
+    hashes = dict(enumerate(sass_hashes(compiled))) if args.hashes else {}
+    for i, (name, kernel) in enumerate(compiled):
+        print(f"{name}: {_resources(kernel)}" + (f" sass {hashes[i][1]}" if i in hashes else ""))
         if args.loops:
             print(f"    {loop_report(kernel)}")
         if args.sass and args.sass in name:
