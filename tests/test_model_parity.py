@@ -175,15 +175,7 @@ def test_two_row_split_norms_match_unsplit_passes(family, rope, monkeypatch):
         assert ours.model.split_row_norms(split) == split
         assert ours.model.fuse_row_rope(rope) == rope
         try:
-            h, logits = PagedHarness(ours, cfg), []
-            first = h.step(ForwardMode.EXTEND, {0: a, 1: b})
-            toks = {0: [int(first[0][-1].argmax())], 1: [int(first[1][-1].argmax())]}
-            for _ in range(DECODE_STEPS):
-                out = h.step(ForwardMode.DECODE, {r: t[-1:] for r, t in toks.items()})
-                logits.append(torch.stack([out[0][-1], out[1][-1]]))
-                for r in toks:
-                    toks[r].append(int(out[r][-1].argmax()))
-            runs[split] = torch.stack(logits), toks
+            runs[split] = _two_request_run(ours, cfg, a, b)
             if split:  # the two-row passes ran: each row's partial sums hold its last step's sums of squares
                 assert bool((ours.model.row2_norm_sums[:-1].sum(-1) > 0).all())  # the last: the final norm's (one row)
         finally:
@@ -192,6 +184,19 @@ def test_two_row_split_norms_match_unsplit_passes(family, rope, monkeypatch):
     assert asked and all(shape[0] == 2 for shape in asked)
     assert rel_err(runs[True][0], runs[False][0]) < REL_TOL
     assert runs[True][1] == runs[False][1]
+
+
+def _two_request_run(ours, cfg, a, b):
+    """Two prompts in one extend pass, then greedy decode passes of both rows: (logits [steps, 2, V], tokens)."""
+    h, logits = PagedHarness(ours, cfg), []
+    first = h.step(ForwardMode.EXTEND, {0: a, 1: b})
+    toks = {0: [int(first[0][-1].argmax())], 1: [int(first[1][-1].argmax())]}
+    for _ in range(DECODE_STEPS):
+        out = h.step(ForwardMode.DECODE, {r: t[-1:] for r, t in toks.items()})
+        logits.append(torch.stack([out[0][-1], out[1][-1]]))
+        for r in toks:
+            toks[r].append(int(out[r][-1].argmax()))
+    return torch.stack(logits), toks
 
 
 def _one_token_run(ours, cfg, prompt, backend=None):
@@ -257,17 +262,9 @@ def test_rope_in_the_qkv_epilogue_at_several_rows_matches_the_rope_kernel(family
         assert ours.model.fuse_row_rope(True)
         rotations.clear()
         try:
-            h, logits = PagedHarness(ours, cfg), []
-            first = h.step(ForwardMode.EXTEND, {0: a, 1: b})
-            toks = {0: [int(first[0][-1].argmax())], 1: [int(first[1][-1].argmax())]}
-            for _ in range(DECODE_STEPS):
-                out = h.step(ForwardMode.DECODE, {r: t[-1:] for r, t in toks.items()})
-                logits.append(torch.stack([out[0][-1], out[1][-1]]))
-                for r in toks:
-                    toks[r].append(int(out[r][-1].argmax()))
+            runs[rows] = _two_request_run(ours, cfg, a, b)
         finally:
             ours.model.fuse_row_rope(False)
-        runs[rows] = torch.stack(logits), toks
         # The rope kernel: once a layer in the extend pass, and in the decode passes only without the knob.
         assert len(rotations) == (1 + (0 if rows else DECODE_STEPS)) * cfg.num_hidden_layers, rotations
     assert rel_err(runs[True][0], runs[False][0]) < REL_TOL
