@@ -19,7 +19,7 @@ silu(gate) * up [M, I]: each program takes BLOCK_N / 2 gate rows and the matchin
 rounds both as the projection's output would be, then gates them (the bits of silu_and_mul of that output). The
 down projection then reads I values, not 2I with the activation computed in its load.
 
-With norm_in / add_norm (one row) the GEMV is the consumer or the producer of a residual RMSNorm split
+With norm_in / add_norm (one row, or two with TWO_ROW_NORMS) the GEMV is the consumer or the producer of a residual RMSNorm split
 around it (kernels/residual_norm.py): the consumer scales its sums by the norm, the producer's epilogue adds
 into the residual and writes the norm's input in place of y (in the reduce kernel where K is split).
 With rope (kernels/rope_store.py) the qkv projection's epilogue rotates q and k and stores k and v in
