@@ -616,20 +616,25 @@ TWO_ROW_KERNEL = True
 # The same for FP8 weights (per-row scales) at two rows: the one-row kernel with f16 math at FP8_ROW_KERNEL's tiles, K
 # tiles halved as two_row_config's rule does, instead of the tensor-core tile widening each FP8 tile to bf16. At FP8
 # batch 2 the GEMVs were 3,203 us of a 4,177 us replay against 2,420 of batch 1's 3,033 (H100 trace, 2026-12-06
-# 07:30), with 96 split-K reduce launches (148 us). An A/B knob read at launch; off until measured.
-TWO_ROW_KERNEL_FP8 = False
+# 07:30), with 96 split-K reduce launches (148 us). An A/B knob read at launch (@kernels.gemv.TWO_ROW_KERNEL_FP8=0). On
+# since an H100's A/B of 2026-12-06 09:33 (`bash bench/gpu_run.sh two-row-next`): the FP8 batch-2 step 3.957 / 3.950 ms
+# against 4.248 / 4.228 on the tensor-core tile (0.93x), 3.755 / 3.752 with TWO_ROW_EPILOGUES (0.88x); batches 1 and 4
+# unchanged.
+TWO_ROW_KERNEL_FP8 = True
 # Two rows on the one-row kernel with the rope + KV-store or gating epilogue, each row at its own position and slot,
 # where two rows otherwise leave for the tensor-core tile to have them: bf16 batch 2's qkv_proj
 # (shared.models.llama.ROPE_EPILOGUE_ROWS) ran there at 22.7 us a layer against 18.9 for the two-row kernel without the
-# epilogue (H100, 2026-12-06), and FP8's gate_up_proj with GATE_UP_EPILOGUE_ROWS_FP8. An A/B knob read at launch; off
-# until measured.
-TWO_ROW_EPILOGUES = False
+# epilogue (H100, 2026-12-06), and FP8's gate_up_proj with GATE_UP_EPILOGUE_ROWS_FP8. An A/B knob read at launch
+# (@kernels.gemv.TWO_ROW_EPILOGUES=0). On since two-row-next (H100, 2026-12-06 09:33): the bf16 batch-2 step 0.985 /
+# 0.987x without it, FP8's 0.949 / 0.950x of TWO_ROW_KERNEL_FP8's alone.
+TWO_ROW_EPILOGUES = True
 # The split residual norms (kernels/residual_norm.py) at two rows on the same kernel, each row its own partial sums:
 # bf16 batch 2 ran its 65 RMSNorm launches for 232 us of a 5,430 us replay where batch 1 splits them into its GEMVs
 # (6 us; H100 trace, 2026-12-06 07:29). Read by kernels.ops.two_row_norms_apply, which the model asks before it takes
-# a two-row pass down its one-token path (LlamaModel._forward_row); needs TWO_ROW_EPILOGUES. An A/B knob; off until
-# measured.
-TWO_ROW_NORMS = False
+# a two-row pass down its one-token path (LlamaModel._forward_row); needs TWO_ROW_EPILOGUES. An A/B knob
+# (@kernels.gemv.TWO_ROW_NORMS=0). On since two-row-next (H100, 2026-12-06 09:33): the bf16 batch-2 step 5.406 / 5.404 ms
+# against 5.475 / 5.484 with the epilogues alone (0.986x); FP8's unchanged (3.759 / 3.751 against 3.755 / 3.752).
+TWO_ROW_NORMS = True
 # Its (block_n, block_k, num_warps) by the weight's (N, K), as `python -m bench.probe two_row_tiles` sweeps them (narrow
 # accumulators, two tiles before the PDL wait); shapes not listed take two_row_config's rule. Llama-8B's four, swept on
 # an H100 2026-12-06 07:24 (`bash bench/gpu_run.sh two-row-tiles`): a layer's linears at two rows 149 us against 153 at
@@ -640,8 +645,16 @@ TWO_ROW_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (28672, 4096): (4, 1024, 4),  # gate_up_proj
     (4096, 14336): (8, 1024, 4),  # down_proj, its gated input computed in the load
 }
-# The same for FP8 weights under TWO_ROW_KERNEL_FP8 (`python -m bench.probe two_row_tiles_fp8`). Empty until swept.
-TWO_ROW_TILES_FP8: dict[tuple[int, int], tuple[int, int, int]] = {}
+# The same for FP8 weights under TWO_ROW_KERNEL_FP8 (`python -m bench.probe two_row_tiles_fp8`). Llama-8B's four, swept
+# on an H100 2026-12-06 09:38 (`bash bench/gpu_run.sh two-row-tiles-fp8`): a layer's linears at two rows 88 us against
+# 96 at the rule (one row: 83; the tensor-core tile: 180), the FP8 batch-2 step 3.456 / 3.460 ms against 3.746 / 3.723
+# at the rule (0.925x) and 4.238 / 4.231 on the tensor-core tile, in two rounds.
+TWO_ROW_TILES_FP8: dict[tuple[int, int], tuple[int, int, int]] = {
+    (6144, 4096): (2, 512, 2),  # qkv
+    (4096, 4096): (8, 1024, 4),  # o_proj
+    (28672, 4096): (8, 512, 2),  # gate_up_proj
+    (4096, 14336): (8, 1024, 4),  # down_proj, its gated input computed in the load
+}
 # FP8's long-K rows (gate_up, down_proj) at the tiles the H100's chain sweep picked (default_config): an A/B knob.
 # Measured and removed (bench/RESULTS.md, 2026-12-05; the code is in git history): FP8 rows at 256 bytes a thread
 # (FP8_WIDE_TILES, batch-1 step +6%, H100), on tensor cores with cp.async-pipelined weights (FP8_TENSOR_CORES,
@@ -814,14 +827,15 @@ def _two_rows_admit(tensor_cores: bool, block, norm_in, add_norm, rope, gated_ou
             and ((rope is None and not gated_out) or TWO_ROW_EPILOGUES))
 
 
-def on_tensor_cores(M: int, w: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
-    """Whether gemv (no epilogue, default tiles) runs M rows against w on the tensor-core tile, where an activation
-    computed in the load (silu_mul) would be computed for all 16 padded rows by every program along N: not one row,
-    nor two that take the one-row kernel (kernels.ops.silu_mul_linear asks)."""
+def on_tensor_cores(M: int, w: torch.Tensor, scale: torch.Tensor | None = None, gated_out: bool = False) -> bool:
+    """Whether gemv (no epilogue, or the gating one with gated_out; default tiles) runs M rows against w on the
+    tensor-core tile, where an activation computed in the load (silu_mul) would be computed for all 16 padded rows by
+    every program along N: not one row, nor two that take the one-row kernel (kernels.ops.silu_mul_linear and
+    two_row_gating_applies ask)."""
     if M == 1:
         return False
     block = scale_block(w, scale) if scale is not None else None
-    return not (M == 2 and _two_rows_admit(False, block, None, None, None, False)
+    return not (M == 2 and _two_rows_admit(False, block, None, None, None, gated_out)
                 and two_row_config(w.shape[0], w.shape[1], w.element_size()).row_kernel)
 
 

@@ -625,13 +625,14 @@ def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(fusions, monkeypatch):
     """bf16 batches of 2-16 rows (here decode steps of 8 in graphs) take the GEMV's tensor-core tile up to
     kernels.ops.GEMV_MAX_M rows, their logits too with shared.models.llama.LM_HEAD_ROWS_GEMV: each step's top logprob
     equals cuBLAS's (GEMV_MAX_M = 1) to bf16's rounding, and so does the greedy token wherever cuBLAS's top two are
-    not a near tie. fusions: the several-row knobs on (rope and the KV store in qkv_proj's epilogue and two rows on the
-    one-row kernel, the defaults; the MLP gated in gate_up_proj's epilogue, both epilogues and the split norms on the
-    two-row kernel, A/B knobs off by default), or all off."""
+    not a near tie. fusions: the several-row knobs on (rope and the KV store in qkv_proj's epilogue, two rows on the
+    one-row kernel with both epilogues and the split norms there, two rows gated there: the defaults; the MLP gated in
+    gate_up_proj's epilogue at every row count, an A/B knob off by default), or all off."""
     import kernels.gemv as kg
     import kernels.ops as ops
     import shared.models.llama as llama
     monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS", fusions)
+    monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_TWO_ROWS", fusions)
     monkeypatch.setattr(kg, "TWO_ROW_EPILOGUES", fusions)
     monkeypatch.setattr(kg, "TWO_ROW_NORMS", fusions)
     monkeypatch.setattr(llama, "ROPE_EPILOGUE_ROWS", fusions)
@@ -665,7 +666,8 @@ def test_fp8_rows_gated_in_gate_up_decode_what_the_unfused_rows_decode(two_rows,
     epilogue (shared.models.llama.GATE_UP_EPILOGUE_ROWS_FP8, the default) on the GEMV's tensor-core tile: each step's
     top logprob equals the unfused rows' (silu_and_mul in down_proj's load) to bf16's rounding, and so does the greedy
     token wherever their top two are not a near tie. two_rows: batch 2 on the one-row kernel with its epilogues and
-    split norms (kernels.gemv.TWO_ROW_KERNEL_FP8, TWO_ROW_EPILOGUES, TWO_ROW_NORMS; A/B knobs, off by default)."""
+    split norms (kernels.gemv.TWO_ROW_KERNEL_FP8, TWO_ROW_EPILOGUES, TWO_ROW_NORMS; the defaults since 2026-12-06), or
+    batch 2 on the tensor-core tile."""
     import kernels.gemv as kg
     import shared.models.llama as llama
     monkeypatch.setattr(kg, "TWO_ROW_KERNEL_FP8", two_rows)
