@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh two-row-next|rows-final|two-row-tiles|two-row-tiles-fp8|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh two-row-final|two-row-next|rows-final|two-row-tiles|two-row-tiles-fp8|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 # Pending (12-06 08:30): on any card, `two-row-next` (FP8 at two rows on the one-row kernel, the rope / gating
@@ -166,10 +166,28 @@ if [[ $what == two-row-tiles ]]; then
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv_two_rows" 2>&1 | tail -2
   timeout 450 python3 -m bench.probe two_row_tiles 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/two_row_tiles.log" | tail -20
 fi
+if [[ $what == two-row-final ]]; then
+  # two-row-next's picks (H100, 12-06 09:33; bench/RESULTS.md) as the defaults: FP8 two rows on the one-row kernel, the
+  # rope / gating epilogues and the split norms on it, bf16 two rows gated there. CUDA checks and the engine tests of
+  # the knobs, then decode steps at batch 1-16, bf16 and FP8, the defaults against the former ones (all five off),
+  # alternated twice. ~6 min.
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+    -k "(cuda_bf16 and (gemv_two_rows or gemv_two_row_epilogues or gemv_two_row_norms or gemv_gated_out)) or bf16_rows or fp8_rows_gated" 2>&1 | tail -4
+  timeout 280 python3 -c "
+import bench.probe as P
+G, L = 'kernels.gemv.', 'shared.models.llama.'
+off = {G + 'TWO_ROW_KERNEL_FP8': False, G + 'TWO_ROW_EPILOGUES': False, G + 'TWO_ROW_NORMS': False,
+       L + 'GATE_UP_EPILOGUE_TWO_ROWS': False}
+v = {}
+for r in ('', '_again'):
+    v.update({'bf16' + r: (None, {}), 'bf16_former' + r: (None, off), 'fp8' + r: ('fp8', {}), 'fp8_former' + r: ('fp8', off)})
+P.probe_fp8_batches({}, variants=v, batches=(1, 2, 4, 8, 16), swept=False)
+" 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/two_row_final.log" | tail -6
+fi
 if [[ $what == two-row-tiles-fp8 ]]; then
-  # The same for FP8 weights under kernels.gemv.TWO_ROW_KERNEL_FP8 (off): its tiles swept at 2 rows per linear
-  # (bench.probe two_row_tiles_fp8), then decode steps at batch 1-4: the FP8 default, the knob at two_row_config's rule
-  # and at the sweep's best, alternated twice. ~5 min; after two-row-next, if the knob comes close.
+  # The same for FP8 weights under kernels.gemv.TWO_ROW_KERNEL_FP8 (on since 12-06 09:33): its tiles swept at 2 rows per
+  # linear (bench.probe two_row_tiles_fp8), then decode steps at batch 1-4: the FP8 default (the knob at
+  # two_row_config's rule), the sweep's best and the tensor-core tile, alternated twice. ~5 min.
   timeout 450 python3 -m bench.probe two_row_tiles_fp8 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/two_row_tiles_fp8.log" | tail -20
 fi
 if [[ $what == trace-b2 ]]; then

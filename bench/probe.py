@@ -973,7 +973,8 @@ def probe_two_row_tiles(res: dict, fp8: bool = False) -> None:
     rows against the tensor-core tile and against one row; then decode steps in the engine at batch 1-4 at the defaults
     (the two-row kernel at two_row_config's tiles), at the sweep's best and on the tensor-core tile, alternated twice.
     fp8: FP8 weights (per-row scales) under TWO_ROW_KERNEL_FP8, their tiles for TWO_ROW_TILES_FP8; the engine's
-    variants are then the FP8 default (the tensor-core tile), the knob at the rule and at the sweep's best."""
+    variants are then the FP8 default (the knob at two_row_config's rule since 2026-12-06 09:33), the sweep's best and
+    the tensor-core tile (the knob off)."""
     import dataclasses
 
     import kernels.gemv as kg
@@ -1021,9 +1022,9 @@ def probe_two_row_tiles(res: dict, fp8: bool = False) -> None:
     log("a layer's four linears: " + ", ".join(f"{k_[:-3]} {v:.0f} us" for k_, v in layer.items()))
     res["two_row_tiles_fp8" if fp8 else "two_row_tiles"] = {"rows": rows, "best_tiles": best}
     tiles = {LLAMA8B_LINEARS[name]: tuple(b["tile"]) for name, b in best.items()}
-    if fp8:  # the default (the tensor-core tile) against the knob at the rule and at the sweep's tiles
-        rule, swept = knob, {**knob, "kernels.gemv.TWO_ROW_TILES_FP8": tiles}
-        v = {"fp8": ("fp8", {}), "fp8_two_rule": ("fp8", rule), "fp8_two_swept": ("fp8", swept)}
+    if fp8:  # the default (the knob at the rule) against the sweep's tiles and the tensor-core tile
+        tc, swept = {"kernels.gemv.TWO_ROW_KERNEL_FP8": False}, {"kernels.gemv.TWO_ROW_TILES_FP8": tiles}
+        v = {"fp8": ("fp8", {}), "fp8_two_swept": ("fp8", swept), "fp8_tensor_cores": ("fp8", tc)}
     else:  # the default (two rows on the row kernel at two_row_config's rule since 2026-12-06) against the sweep's
         # tiles and the tensor-core tile
         tc, swept = {"kernels.gemv.TWO_ROW_KERNEL": False}, {"kernels.gemv.TWO_ROW_TILES": tiles}
@@ -1122,11 +1123,12 @@ def probe_fp8_batches(res: dict, variants: dict | None = None, batches: tuple = 
         del eng
         gc.collect()
         torch.cuda.empty_cache()
+    ref = next(iter(out))  # the first variant ("bf16" where there is one) is the others' reference
     for bs in batches:
-        b = out["bf16"][bs]["period_ms"]
-        log(f"batch {bs}: bf16 {b:.3f} ms; " + "; ".join(
+        b = out[ref][bs]["period_ms"]
+        log(f"batch {bs}: {ref} {b:.3f} ms; " + "; ".join(
             f"{name} {out[name][bs]['period_ms']:.3f} ({out[name][bs]['period_ms'] / b:.3f}x)" for name in out
-            if name != "bf16"))
+            if name != ref))
     res[key] = out
 
 
