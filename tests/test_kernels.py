@@ -406,8 +406,14 @@ def check_gemv_two_rows(device, dtype):
                         for r in range(2 if on_row_kernel else 0):
                             msg = f"K={K} N={N} {cfg} fp8={scale is not None} row {r}"
                             assert torch.equal(y[r:r + 1], gemv(xs[r:r + 1], wt, config=ref, scale=scale)), msg
-                            assert torch.equal(yg[r:r + 1], gemv(h[r:r + 1], wt, config=ref, scale=scale,
-                                                                 silu_mul=True)), msg
+                            one = gemv(h[r:r + 1], wt, config=ref, scale=scale, silu_mul=True)
+                            if scale is not None and device.type == "cuda":  # FP8's f16 products of the activation
+                                # computed in the load: the compiled two-row and one-row kernels may round silu(g)·u
+                                # apart before its f16 cast (1 bf16 ulp at Llama's qkv shape, tile (2, 512, 2), H100
+                                # 2026-12-06); the interpreter computes both alike, and is held to the bits
+                                torch.testing.assert_close(yg[r:r + 1], one, rtol=2 ** -6, atol=0.125, msg=msg)
+                            else:
+                                assert torch.equal(yg[r:r + 1], one), msg
         launched.clear()
         gemv(_rand(2, 64, dtype=dtype, device=device), _rand(48, 64, dtype=dtype, device=device))
         assert not launched  # the knob off: the tensor-core tile
