@@ -4,11 +4,9 @@
 #   bash bench/gpu_run.sh two-row-final|two-row-next|rows-final|two-row-tiles|two-row-tiles-fp8|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# Pending (12-06 08:30): on any card, `two-row-next` (FP8 at two rows on the one-row kernel, the rope / gating
-# epilogues and the split norms on it: three knobs off, built without a GPU), then `two-row-tiles-fp8` if FP8's
-# two-row kernel comes close; on an H200 (an H100 came for every call since 12-05 but one),
-# `recheck`, `fp8-h200` and `bf16-rows` (the several-row bf16 tiles and the knobs rows-final adopted were measured on
-# an H100 only).
+# Done 12-06 09:30-10:00 (H100): two-row-next, two-row-tiles-fp8, two-row-final, recheck (bench/RESULTS.md). Pending:
+# on an H200 (an H100 came for every call since 12-05 but one), `recheck`, `fp8-h200`, `bf16-rows`, `two-row-tiles`
+# and `two-row-tiles-fp8` (the several-row tiles and knobs were measured on an H100 only).
 # Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
