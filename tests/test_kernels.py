@@ -570,6 +570,84 @@ def check_gemv_two_row_epilogues(device, dtype):
         kg._gemv_row_kernel, kg._gemv_kernel = real_row, real_general
 
 
+def check_gemv_row_kernel_rows(device, dtype):
+    """kernels.gemv.ROW_KERNEL_ROWS = 4: three and four rows on the one-row kernel (each weight tile against all) give
+    each row's one-row GEMV at the tile they took, bit for bit: plain (a tile that splits K: partials and the reduce
+    kernel), the gated input, FP8 rows, the rope + KV-store epilogue (each row at its own position and slot, nothing
+    written elsewhere) and the gating one; one launch of the row kernel, none on the tensor-core tile. At the default
+    (2) three rows take the tensor-core tile."""
+    import dataclasses
+
+    import kernels.gemv as kg
+    from kernels.gemv import GemvConfig, gemv
+    from kernels.rope_store import RopeStore
+    from shared.models.quantization import quantize_per_channel
+    gen = torch.Generator().manual_seed(31)
+    hq, hkv, d, K, qs, kvs, N, cache = _qkv_heads(device)
+    wq = _rand(N, K, dtype=dtype, device=device) * 0.1
+    wg = _rand(2 * (40 if device.type == "cpu" else 14336), K, dtype=dtype, device=device) * 0.1
+    quant = [tuple(t.to(device) for t in quantize_per_channel(w.float().cpu())) for w in (wq, wg)]
+    pools = lambda: tuple(torch.zeros(41, hkv, d, dtype=dtype, device=device) for _ in range(2))  # noqa: E731
+    saved = kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8, kg.TWO_ROW_EPILOGUES, kg.ROW_KERNEL_ROWS
+    rows, general = [], []
+    real_row, real_general = kg._gemv_row_kernel, kg._gemv_kernel
+    try:
+        kg._gemv_row_kernel, kg._gemv_kernel = _Launches(real_row, rows), _Launches(real_general, general)
+        for M in (3, 4):
+            x = _rand(M, K + 8, dtype=dtype, device=device)[:, :K]  # rows K + 8 apart
+            h = _rand(M, 2 * K, dtype=dtype, device=device)
+            pos = torch.randint(0, 4096, (M,), generator=gen).to(device)
+            loc = (torch.randperm(40, generator=gen)[:M] + 1).to(device)
+            for fp8 in (False, True) if M == 4 else (False,):  # three rows: bf16 at a tile that splits K
+                (w_rope, s_rope), (w_gate, s_gate) = quant if fp8 else ((wq, None), (wg, None))
+                split = GemvConfig(4, 32, 2, 2, narrow=True, f16_math=fp8)
+                for cfg in (None, split) if M == 4 else (split,):
+                    kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8, kg.TWO_ROW_EPILOGUES, kg.ROW_KERNEL_ROWS = (True, True,
+                                                                                                      True, 4)
+                    rows.clear(), general.clear()
+                    y = gemv(x, w_rope, config=cfg, scale=s_rope)
+                    yh = gemv(h, w_rope, config=cfg, scale=s_rope, silu_mul=True)
+                    fused = pools()
+                    yr = gemv(x, w_rope, config=cfg, scale=s_rope, rope=RopeStore(pos, cache, *fused, loc, qs, kvs, d))
+                    yg = gemv(x, w_gate, config=cfg, scale=s_gate, gated_out=True)
+                    msg = f"M={M} fp8={fp8} {cfg}"
+                    assert not general and len(rows) == 4, (msg, rows, general)
+                    # each row alone at the tile the rows took (taken while the knobs hold: without
+                    # TWO_ROW_KERNEL_FP8 FP8's tile is the general kernel's), unsplit where an epilogue runs
+                    tile = cfg or kg.two_row_config(*w_rope.shape, w_rope.element_size(), M)
+                    unsplit = {id(w): dataclasses.replace(cfg or kg.two_row_config(*w.shape, w.element_size(), M),
+                                                          split_k=1) for w in (w_rope, w_gate)}
+                    kg.TWO_ROW_KERNEL = kg.TWO_ROW_KERNEL_FP8 = kg.TWO_ROW_EPILOGUES = False
+                    kg.ROW_KERNEL_ROWS = 2
+                    for r in range(M):
+                        one = slice(r, r + 1)
+                        assert torch.equal(y[one], gemv(x[one], w_rope, config=tile, scale=s_rope)), f"{msg} row {r}"
+                        alone_h = gemv(h[one], w_rope, config=tile, scale=s_rope, silu_mul=True)
+                        if fp8 and device.type == "cuda":  # as check_gemv_two_rows: the compiled kernels may round
+                            # FP8's f16 products of the activation apart; the interpreter is held to the bits
+                            torch.testing.assert_close(yh[one], alone_h, rtol=2 ** -6, atol=0.125)
+                        else:
+                            assert torch.equal(yh[one], alone_h), f"{msg} gated input, row {r}"
+                        alone = pools()
+                        assert torch.equal(yr[one], gemv(x[one], w_rope, config=unsplit[id(w_rope)], scale=s_rope, rope=(
+                            RopeStore(pos[one], cache, *alone, loc[one], qs, kvs, d)))), f"{msg} rope row {r}"
+                        assert all(torch.equal(a[loc[r]], b[loc[r]]) for a, b in zip(fused, alone)), \
+                            f"{msg} pool row {r}"
+                        assert torch.equal(yg[one], gemv(x[one], w_gate, config=unsplit[id(w_gate)], scale=s_gate,
+                                                         gated_out=True)), f"{msg} gated row {r}"
+                    others = torch.ones(41, dtype=torch.bool, device=device)
+                    others[loc] = False
+                    assert not any(buf[others].any() for buf in fused), f"{msg}: written outside the rows' slots"
+        # the default: three rows on the tensor-core tile
+        kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8, kg.TWO_ROW_EPILOGUES, kg.ROW_KERNEL_ROWS = True, True, True, 2
+        rows.clear(), general.clear()
+        gemv(_rand(3, K, dtype=dtype, device=device), wq)
+        assert not rows and len(general) == 1, (rows, general)
+    finally:
+        kg.TWO_ROW_KERNEL, kg.TWO_ROW_KERNEL_FP8, kg.TWO_ROW_EPILOGUES, kg.ROW_KERNEL_ROWS = saved
+        kg._gemv_row_kernel, kg._gemv_kernel = real_row, real_general
+
+
 def check_gemv_gated_out(device, dtype):
     """gated_out: the gate | up projection's GEMV returning silu(gate) * up from its epilogue gives the bits of
     silu_and_mul of the plain GEMV's output at the same tile unsplit (each row's sums in the same order, rounded
