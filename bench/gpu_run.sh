@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh row-kernel-4|two-row-final|two-row-next|rows-final|two-row-tiles|two-row-tiles-fp8|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh two-row-final|two-row-next|rows-final|two-row-tiles|two-row-tiles-fp8|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 # Done 12-06 09:30-10:00 (H100): two-row-next, two-row-tiles-fp8, two-row-final, recheck (bench/RESULTS.md). Pending:
@@ -163,20 +163,6 @@ if [[ $what == two-row-tiles ]]; then
   # batch 1-4 at two_row_config's rule and at the sweep's best against the default, alternated twice. ~5 min.
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv_two_rows" 2>&1 | tail -2
   timeout 450 python3 -m bench.probe two_row_tiles 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/two_row_tiles.log" | tail -20
-fi
-if [[ $what == row-kernel-4 ]]; then
-  # Three and four rows on the one-row kernel (kernels.gemv.ROW_KERNEL_ROWS = 4, built 12-06 10:00-10:30 without a GPU:
-  # sm_90 compiles without spills) against the default (the tensor-core tile past two rows): its CUDA check, then
-  # decode steps at batch 2 (unchanged), 3 and 4, bf16 and FP8, alternated twice. ~4 min.
-  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and gemv_row_kernel_rows" 2>&1 | tail -2
-  timeout 170 python3 -c "
-import bench.probe as P
-r4 = {'kernels.gemv.ROW_KERNEL_ROWS': 4}
-v = {}
-for r in ('', '_again'):
-    v.update({'bf16' + r: (None, {}), 'bf16_rows4' + r: (None, r4), 'fp8' + r: ('fp8', {}), 'fp8_rows4' + r: ('fp8', r4)})
-P.probe_fp8_batches({}, variants=v, batches=(2, 3, 4), swept=False)
-" 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/row_kernel_4.log" | tail -4
 fi
 if [[ $what == two-row-final ]]; then
   # two-row-next's picks (H100, 12-06 09:33; bench/RESULTS.md) as the defaults: FP8 two rows on the one-row kernel, the

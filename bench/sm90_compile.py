@@ -150,12 +150,10 @@ def decode_path(fp8: bool, split_norms: bool, rope_fusion: bool = False, kv_dtyp
         block_fp8_gemm_path()
 
 
-def two_row_path(fp8: bool, rows: int = 2) -> None:
+def two_row_path(fp8: bool) -> None:
     """Decode at batch 2 on the GEMV's two-row kernel with every two-row knob on (kernels.gemv.TWO_ROW_KERNEL,
     TWO_ROW_KERNEL_FP8, TWO_ROW_EPILOGUES, TWO_ROW_NORMS), at Llama-3.1-8B's shapes: each linear plain, and as the
-    layer runs it with split norms (qkv with rope, o_proj and down_proj producing, gate_up gated). rows 3 or 4: that
-    batch on the same kernel (kernels.gemv.ROW_KERNEL_ROWS), each linear plain and with its epilogue (no split norms
-    past two rows)."""
+    layer runs it with split norms (qkv with rope, o_proj and down_proj producing, gate_up gated)."""
     import kernels.gemv as kg
     from kernels.gemv import gemv
     from kernels.residual_norm import NORM_SLOTS, ResidualNorm
@@ -163,12 +161,10 @@ def two_row_path(fp8: bool, rows: int = 2) -> None:
     bf = torch.bfloat16
     hidden, inter, hq, hkv, d = 4096, 14336, 32, 8, 128
     k_buf, v_buf = torch.zeros(4096, hkv, d, dtype=bf), torch.zeros(4096, hkv, d, dtype=bf)
-    pos, loc = torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
-    table = torch.zeros(4096, d)
+    pos, loc, table = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.zeros(4096, d)
     kg.TWO_ROW_KERNEL = kg.TWO_ROW_KERNEL_FP8 = kg.TWO_ROW_EPILOGUES = kg.TWO_ROW_NORMS = True
-    kg.ROW_KERNEL_ROWS = max(2, rows)
     norm = ResidualNorm(torch.zeros(2, hidden, dtype=bf), torch.zeros(hidden, dtype=bf),
-                        torch.zeros(2, NORM_SLOTS, dtype=torch.float64), 1e-5) if rows == 2 else None
+                        torch.zeros(2, NORM_SLOTS, dtype=torch.float64), 1e-5)
     rope = RopeStore(pos, table, k_buf, v_buf, loc, hq * d, hkv * d, d)
     wdt = torch.float8_e4m3fn if fp8 else bf
     for n, k, silu, fused in [((hq + 2 * hkv) * d, hidden, False, dict(norm_in=norm, rope=rope)),
@@ -176,12 +172,9 @@ def two_row_path(fp8: bool, rows: int = 2) -> None:
                               (2 * inter, hidden, False, dict(norm_in=norm, gated_out=True)),
                               (hidden, inter, True, dict(add_norm=norm))]:
         w, scale = torch.zeros(n, k, dtype=wdt), (torch.ones(n) if fp8 else None)
-        x = torch.zeros(rows, 2 * k if silu else k, dtype=bf)
+        x = torch.zeros(2, 2 * k if silu else k, dtype=bf)
         gemv(x, w, scale=scale, silu_mul=silu)
-        fused = {key: v for key, v in fused.items() if v is not None and key not in ("norm_in", "add_norm")} \
-            if rows > 2 else fused
-        if fused:
-            gemv(x, w, scale=scale, silu_mul=silu, **fused)
+        gemv(x, w, scale=scale, silu_mul=silu, **fused)
 
 
 def sass_hashes(kernels) -> list[tuple[str, str]]:
@@ -256,8 +249,6 @@ def main() -> None:
     ap.add_argument("--two-rows", action="store_true",
                     help="batch 2 on the two-row kernel with every two-row knob on (kernels.gemv.TWO_ROW_*), instead of "
                          "the batch-1 path")
-    ap.add_argument("--rows", type=int, default=2, choices=[2, 3, 4],
-                    help="with --two-rows: that decode batch on the one-row kernel (kernels.gemv.ROW_KERNEL_ROWS)")
     ap.add_argument("--hashes", action="store_true", help="each kernel's SASS hash (compare two compiles' lists)")
     ap.add_argument("--sass", default="", help="print the SASS of kernels whose name contains this")
     ap.add_argument("--loops", action="store_true", help="each kernel's loops: instructions, global loads, barriers")
@@ -275,7 +266,7 @@ def main() -> None:
     JITFunction.run = _compile  # type: ignore[method-assign]
     from shared.cache.kv_pool import kv_cache_dtype
     if args.two_rows:
-        two_row_path(args.fp8, args.rows)
+        two_row_path(args.fp8)
     else:
         decode_path(args.fp8, not args.no_split_norms, args.rope_fusion,
                     kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16), args.fp8 and args.fp8_blocks,

@@ -408,33 +408,27 @@ def _row_sums(acc, S, offs_n, mask_n, F16: tl.constexpr, HAS_SCALE: tl.constexpr
 @triton.jit
 def _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NARROW: tl.constexpr, EVICT: tl.constexpr, w=None,
-              F16: tl.constexpr = False, acc2=None, XS=0, ROWS: tl.constexpr = 1, acc3=None, acc4=None):
-    """One [BLOCK_N, BLOCK_K] weight tile of a one-row GEMV added into acc (and with ROWS = 2..4 into acc2..acc4 for
-    x's further rows, XS elements apart: the tile read once for all). x is read through a pointer tile of w's
+              F16: tl.constexpr = False, acc2=None, XS=0, ROWS: tl.constexpr = 1):
+    """One [BLOCK_N, BLOCK_K] weight tile of a one-row GEMV added into acc (and with ROWS = 2 into acc2 for x's
+    second row, XS elements further on: the tile read once for both). x is read through a pointer tile of w's
     shape or, where every warp spans K, one broadcast row (_gemv_row_kernel): either way it arrives in w's
     register layout, with no layout conversion through shared memory in the loop."""
     if w is None:
         w = _load_w(w_ptrs, kbase, K, mask_n, offs_k, EVEN_K, EVICT)
     acc = _row_acc(acc, w, _row_x(x_ptrs, kbase, K, offs_k, EVEN_K, SILU_MUL), BLOCK_N, BLOCK_K, NARROW, F16)
-    if ROWS >= 2:
+    if ROWS == 2:
         acc2 = _row_acc(acc2, w, _row_x(x_ptrs + XS, kbase, K, offs_k, EVEN_K, SILU_MUL), BLOCK_N, BLOCK_K, NARROW,
                         F16)
-    if ROWS >= 3:
-        acc3 = _row_acc(acc3, w, _row_x(x_ptrs + 2 * XS, kbase, K, offs_k, EVEN_K, SILU_MUL), BLOCK_N, BLOCK_K,
-                        NARROW, F16)
-    if ROWS >= 4:
-        acc4 = _row_acc(acc4, w, _row_x(x_ptrs + 3 * XS, kbase, K, offs_k, EVEN_K, SILU_MUL), BLOCK_N, BLOCK_K,
-                        NARROW, F16)
-    return acc, acc2, acc3, acc4
+    return acc, acc2
 
 
 @triton.jit
 def _row_chunk(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                FOLD: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NARROW: tl.constexpr,
                EVICT: tl.constexpr, PRE: tl.constexpr = 0, w0=None, w1=None, F16: tl.constexpr = False, acc2=None,
-               XS=0, ROWS: tl.constexpr = 1, acc3=None, acc4=None):
+               XS=0, ROWS: tl.constexpr = 1):
     """FOLD consecutive tiles, unrolled (their loads issue together); the first PRE of them already loaded
-    (w0, w1). Returns (acc, acc2, acc3, acc4)."""
+    (w0, w1). Returns (acc, acc2)."""
     for j in tl.static_range(FOLD):
         if j == 0 and PRE >= 1:
             w = w0
@@ -442,12 +436,12 @@ def _row_chunk(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N: tl.conste
             w = w1
         else:
             w = None
-        acc, acc2, acc3, acc4 = _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N, BLOCK_K, EVEN_K,
-                                          SILU_MUL, NARROW, EVICT, w, F16, acc2, XS, ROWS, acc3, acc4)
+        acc, acc2 = _row_tile(acc, w_ptrs, x_ptrs, kbase, K, mask_n, offs_k, BLOCK_N, BLOCK_K, EVEN_K, SILU_MUL,
+                              NARROW, EVICT, w, F16, acc2, XS, ROWS)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         kbase += BLOCK_K
-    return acc, acc2, acc3, acc4
+    return acc, acc2
 
 
 @triton.jit
@@ -463,9 +457,9 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
     """y = x @ W^T for one row x and half-, full-precision or FP8 W (HAS_SCALE: one dequantization scale per
     output row; F16: multiplied in f16, eight products summed there): each program streams BLOCK_N rows of W
     over its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end.
-    ROWS = 2..4: as many rows of x (stride_xm apart; y's stride_ym) against each weight tile, an accumulator each; the
-    rope (each row at its own position and slot) and gating epilogues, and at two rows the split-norm ones (each row
-    its own partials), K unsplit with any of them (the host checks)."""
+    ROWS = 2: two rows of x (stride_xm apart; y's stride_ym) against each weight tile, a second accumulator; the rope
+    (each row at its own position and slot), gating and split-norm epilogues (each row its own partials), K unsplit
+    with any of them (the host checks)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:  # whole rotary pairs a program (no split: the host checks)
@@ -489,18 +483,10 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if ROWS >= 2:
+    if ROWS == 2:
         acc2 = tl.zeros(acc.shape, dtype=tl.float32)
     else:
         acc2 = tl.zeros((1,), dtype=tl.float32)  # carried, unused
-    if ROWS >= 3:
-        acc3 = tl.zeros(acc.shape, dtype=tl.float32)
-    else:
-        acc3 = tl.zeros((1,), dtype=tl.float32)
-    if ROWS >= 4:
-        acc4 = tl.zeros(acc.shape, dtype=tl.float32)
-    else:
-        acc4 = tl.zeros((1,), dtype=tl.float32)
     start = 0
     if PDL:
         # The weights are nobody's output: the first PRE tiles stream in while the previous kernel drains.
@@ -514,9 +500,8 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
             pdl_wait(PDL)
         else:
             pdl_prologue(PDL, True)
-        acc, acc2, acc3, acc4 = _row_chunk(acc, w_ptrs, x_ptrs, k0, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K,
-                                           SILU_MUL, NARROW, EVICT, PRE, w0, w1, F16, acc2, stride_xm, ROWS, acc3,
-                                           acc4)
+        acc, acc2 = _row_chunk(acc, w_ptrs, x_ptrs, k0, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K, SILU_MUL,
+                               NARROW, EVICT, PRE, w0, w1, F16, acc2, stride_xm, ROWS)
         w_ptrs += FOLD * BLOCK_K
         x_ptrs += FOLD * BLOCK_K
         start = FOLD * BLOCK_K
@@ -524,9 +509,8 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
                                                        stride_cs, LOC, QS, KVS, NORM_IN, ADD_NORM and SPLIT_K == 1,
                                                        ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
     for kk in range(start, K_PER_SPLIT, FOLD * BLOCK_K):
-        acc, acc2, acc3, acc4 = _row_chunk(acc, w_ptrs, x_ptrs, k0 + kk, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD,
-                                           EVEN_K, SILU_MUL, NARROW, EVICT, F16=F16, acc2=acc2, XS=stride_xm,
-                                           ROWS=ROWS, acc3=acc3, acc4=acc4)
+        acc, acc2 = _row_chunk(acc, w_ptrs, x_ptrs, k0 + kk, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K,
+                               SILU_MUL, NARROW, EVICT, F16=F16, acc2=acc2, XS=stride_xm, ROWS=ROWS)
         w_ptrs += FOLD * BLOCK_K
         x_ptrs += FOLD * BLOCK_K
     if LATE:
@@ -546,18 +530,9 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
         tl.store(Y + offs_n, _out(out, X, Y), mask=mask_n)
     else:
         tl.store(P + pid_k * ROWS * N + offs_n, out, mask=mask_n)
-    # Each further row's sums as the first's; its epilogues' inputs (norm partials, residual row, position, slot) in
-    # the tail: row r's split-norm partials r * NSLOT after the first's, its residual row r * N after
-    if ROWS >= 2:
+    if ROWS == 2:  # the second row's sums and epilogue as the first's; its epilogues' inputs (norm partials, residual
+        # row, position, slot) in the tail: its split-norm partials NSLOT after the first's, its residual row N after
         _later_row(acc2, 1, S, offs_n, mask_n, N, K, eps, pid_n, pid_k, X, Y, P, R, GAMMA, gamma, SQ, POS, CS,
-                   stride_cs, LOC, KB, VB, stride_bs, QS, KVS, stride_ym, F16, HAS_SCALE, NORM_IN, ADD_NORM, ROPE,
-                   GATED, SPLIT_K, NSLOT, BLOCK_N, HALF, ROWS)
-    if ROWS >= 3:
-        _later_row(acc3, 2, S, offs_n, mask_n, N, K, eps, pid_n, pid_k, X, Y, P, R, GAMMA, gamma, SQ, POS, CS,
-                   stride_cs, LOC, KB, VB, stride_bs, QS, KVS, stride_ym, F16, HAS_SCALE, NORM_IN, ADD_NORM, ROPE,
-                   GATED, SPLIT_K, NSLOT, BLOCK_N, HALF, ROWS)
-    if ROWS >= 4:
-        _later_row(acc4, 3, S, offs_n, mask_n, N, K, eps, pid_n, pid_k, X, Y, P, R, GAMMA, gamma, SQ, POS, CS,
                    stride_cs, LOC, KB, VB, stride_bs, QS, KVS, stride_ym, F16, HAS_SCALE, NORM_IN, ADD_NORM, ROPE,
                    GATED, SPLIT_K, NSLOT, BLOCK_N, HALF, ROWS)
 
@@ -568,7 +543,8 @@ def _later_row(acc, r: tl.constexpr, S, offs_n, mask_n, N, K, eps, pid_n, pid_k,
                NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, GATED: tl.constexpr,
                SPLIT_K: tl.constexpr, NSLOT: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
                ROWS: tl.constexpr):
-    """Row r (>= 1) of a several-row _gemv_row_kernel: its sums and its epilogue, as the first row's."""
+    """Row r (>= 1) of a several-row _gemv_row_kernel: its sums and its epilogue, as the first row's (whose own ladder
+    takes the inputs loaded ahead and the split partials, and whose code batch 1's measured SASS pins)."""
     out = _row_sums(acc, S, offs_n, mask_n, F16, HAS_SCALE)
     if NORM_IN:
         out = out * _norm_in_scale(SQ + r * NSLOT, K, eps, NSLOT)
@@ -673,6 +649,9 @@ TWO_ROW_EPILOGUES = True
 # (@kernels.gemv.TWO_ROW_NORMS=0). On since two-row-next (H100, 2026-12-06 09:33): the bf16 batch-2 step 5.406 / 5.404 ms
 # against 5.475 / 5.484 with the epilogues alone (0.986x); FP8's unchanged (3.759 / 3.751 against 3.755 / 3.752).
 TWO_ROW_NORMS = True
+# Three and four rows on the one-row kernel too (ROW_KERNEL_ROWS = 4, their K tiles halved to 32 weights a thread) were
+# measured slower and removed: the batch-3 / 4 step 1.09x for bf16, 1.06x for FP8 against the tensor-core tile (H100,
+# 2026-12-06 10:20, `bash bench/gpu_run.sh row-kernel-4` at fc00b12; the code is in git history).
 # Its (block_n, block_k, num_warps) by the weight's (N, K), as `python -m bench.probe two_row_tiles` sweeps them (narrow
 # accumulators, two tiles before the PDL wait); shapes not listed take two_row_config's rule. Llama-8B's four, swept on
 # an H100 2026-12-06 07:24 (`bash bench/gpu_run.sh two-row-tiles`): a layer's linears at two rows 149 us against 153 at
@@ -683,12 +662,6 @@ TWO_ROW_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (28672, 4096): (4, 1024, 4),  # gate_up_proj
     (4096, 14336): (8, 1024, 4),  # down_proj, its gated input computed in the load
 }
-# Decode batches of three and four rows on the same kernel too (at most 4), at two rows' tiles with K tiles halved
-# to 32 weights a thread (_more_rows), with the rope and gating epilogues (TWO_ROW_EPILOGUES; the split norms stay at
-# two rows), instead of the tensor-core tile: FP8 batch 4 was 1.40x batch 1 there, bf16's 1.13x, where two rows on
-# this kernel had come to 1.12x and 1.03x (H100, 2026-12-06 09:42). An A/B knob read at launch
-# (@kernels.gemv.ROW_KERNEL_ROWS=4); 2 until measured.
-ROW_KERNEL_ROWS = 2
 # The same for FP8 weights under TWO_ROW_KERNEL_FP8 (`python -m bench.probe two_row_tiles_fp8`). Llama-8B's four, swept
 # on an H100 2026-12-06 09:38 (`bash bench/gpu_run.sh two-row-tiles-fp8`): a layer's linears at two rows 88 us against
 # 96 at the rule (one row: 83; the tensor-core tile: 180), the FP8 batch-2 step 3.456 / 3.460 ms against 3.746 / 3.723
@@ -786,7 +759,7 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2, fp8_row: bool 
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, **extra)
 
 
-def two_row_config(N: int, K: int, weight_bytes: int = 2, rows: int = 2) -> GemvConfig:
+def two_row_config(N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
     """TWO_ROW_KERNEL's tiles: TWO_ROW_TILES' (TWO_ROW_TILES_FP8's) where listed, else the one-row kernel's with narrow
     accumulators and half the K tile (at least 256), which keeps the two rows' registers near one row's (sm_90 compile
     of Llama-8B's shapes: o_proj 158, gate_up 86, down_proj 94 registers, no spills; at the one-row tiles gate_up
@@ -798,8 +771,8 @@ def two_row_config(N: int, K: int, weight_bytes: int = 2, rows: int = 2) -> Gemv
     table = TWO_ROW_TILES if weight_bytes > 1 else TWO_ROW_TILES_FP8
     if (N, K) in table:
         block_n, block_k, warps = table[N, K]
-        return _more_rows(dataclasses.replace(cfg, block_n=block_n, block_k=block_k, num_warps=warps, narrow=True,
-                                              fold=1, split_k=split_k_for(N, block_n, K, block_k)), N, K, rows)
+        return dataclasses.replace(cfg, block_n=block_n, block_k=block_k, num_warps=warps, narrow=True, fold=1,
+                                   split_k=split_k_for(N, block_n, K, block_k))
     block_k, warps = (max(256, cfg.block_k // 2) if cfg.block_k > 256 else cfg.block_k), cfg.num_warps
     if weight_bytes == 1:  # FP8's row tiles hold twice the elements: at most 64 weights a thread a tile, by more warps
         # (up to 4), then shorter K tiles (sm_90 compile of Llama-8B's shapes: o_proj at (4, 2048, 2) spilled at 255
@@ -808,19 +781,8 @@ def two_row_config(N: int, K: int, weight_bytes: int = 2, rows: int = 2) -> Gemv
             warps *= 2
         while cfg.block_n * block_k > 64 * 32 * warps and block_k > 256:
             block_k //= 2
-    return _more_rows(dataclasses.replace(cfg, narrow=True, block_k=block_k, num_warps=warps,
-                                          split_k=split_k_for(N, cfg.block_n, K, block_k)), N, K, rows)
-
-
-def _more_rows(cfg: GemvConfig, N: int, K: int, rows: int) -> GemvConfig:
-    """Three or four rows (ROW_KERNEL_ROWS) at two rows' tile, K tiles halved (to 256 at least) while a thread holds
-    more than 32 weights a tile: each row's x and accumulators take registers beside the weights."""
-    if rows <= 2:
-        return cfg
-    block_k = cfg.block_k
-    while cfg.block_n * block_k > 32 * 32 * cfg.num_warps and block_k > 256:
-        block_k //= 2
-    return dataclasses.replace(cfg, block_k=block_k, split_k=split_k_for(N, cfg.block_n, K, block_k))
+    return dataclasses.replace(cfg, narrow=True, block_k=block_k, num_warps=warps,
+                               split_k=split_k_for(N, cfg.block_n, K, block_k))
 
 
 def split_k_for(N: int, block_n: int, K: int, block_k: int) -> int:
@@ -874,25 +836,24 @@ def _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg
         stride_xm=x.stride(0), stride_ym=out.stride(0), num_warps=cfg.num_warps, **launch)
 
 
-def _rows_admit(M: int, tensor_cores: bool, block, norm_in, add_norm, rope, gated_out: bool) -> bool:
-    """Whether gemv may run M rows on the one-row kernel (then if their tile is a row kernel's): two, or up to
-    ROW_KERNEL_ROWS; TWO_ROW_KERNEL, no block scales, the rope and gating epilogues only with TWO_ROW_EPILOGUES, split
-    norms only at two rows with TWO_ROW_NORMS."""
-    return (2 <= M <= max(2, ROW_KERNEL_ROWS) and TWO_ROW_KERNEL and not tensor_cores and block is None
-            and ((norm_in is None and add_norm is None) or (TWO_ROW_NORMS and M == 2))
+def _two_rows_admit(tensor_cores: bool, block, norm_in, add_norm, rope, gated_out: bool) -> bool:
+    """Whether gemv may run two rows on the one-row kernel (then if their tile is a row kernel's): TWO_ROW_KERNEL, no
+    block scales, the rope and gating epilogues only with TWO_ROW_EPILOGUES, split norms only with TWO_ROW_NORMS."""
+    return (TWO_ROW_KERNEL and not tensor_cores and block is None
+            and ((norm_in is None and add_norm is None) or TWO_ROW_NORMS)
             and ((rope is None and not gated_out) or TWO_ROW_EPILOGUES))
 
 
 def on_tensor_cores(M: int, w: torch.Tensor, scale: torch.Tensor | None = None, gated_out: bool = False) -> bool:
     """Whether gemv (no epilogue, or the gating one with gated_out; default tiles) runs M rows against w on the
     tensor-core tile, where an activation computed in the load (silu_mul) would be computed for all 16 padded rows by
-    every program along N: not one row, nor two (up to ROW_KERNEL_ROWS) that take the one-row kernel
-    (kernels.ops.silu_mul_linear and row_kernel_gating_applies ask)."""
+    every program along N: not one row, nor two that take the one-row kernel (kernels.ops.silu_mul_linear and
+    two_row_gating_applies ask)."""
     if M == 1:
         return False
     block = scale_block(w, scale) if scale is not None else None
-    return not (_rows_admit(M, False, block, None, None, None, gated_out)
-                and two_row_config(w.shape[0], w.shape[1], w.element_size(), M).row_kernel)
+    return not (M == 2 and _two_rows_admit(False, block, None, None, None, gated_out)
+                and two_row_config(w.shape[0], w.shape[1], w.element_size()).row_kernel)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -936,12 +897,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert not gated_out or (N % 2 == 0 and block is None and add_norm is None and rope is None and not silu_mul
                              and not tensor_cores), \
         "gated_out: a gate | up projection, per-row scales, no producer epilogue"
-    # Two rows (up to ROW_KERNEL_ROWS) on the one-row kernel (TWO_ROW_KERNEL) at two_row_config's tiles (or a given
-    # row-kernel config): each weight tile read once for all; the rope and gating epilogues with TWO_ROW_EPILOGUES.
-    two_rows = _rows_admit(M, tensor_cores, block, norm_in, add_norm, rope, gated_out)
-    row_cfg = (config or two_row_config(N, K, w.element_size(), M)) if two_rows else None
+    # Two rows on the one-row kernel (TWO_ROW_KERNEL) at two_row_config's tiles (or a given row-kernel config): each
+    # weight tile read once for both; the rope and gating epilogues with TWO_ROW_EPILOGUES.
+    two_rows = M == 2 and _two_rows_admit(tensor_cores, block, norm_in, add_norm, rope, gated_out)
+    row_cfg = (config or two_row_config(N, K, w.element_size())) if two_rows else None
     two_rows = two_rows and row_cfg.row_kernel
-    assert M == 1 or (two_rows and M == 2) or (norm_in is None and add_norm is None), \
+    assert M == 1 or two_rows or (norm_in is None and add_norm is None), \
         "split norms: one row, or two on the two-row kernel (TWO_ROW_NORMS)"
     cfg = row_cfg if two_rows else config or default_config(M, N, K, w.element_size())
     if gated_out:  # a program owns whole gate/up pairs, over all of K (the epilogue needs complete sums; a tile that

@@ -157,13 +157,12 @@ def two_row_norms_apply(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch
             and all(_gemv_applies(x, w, s) and not kg.on_tensor_cores(2, w, s) for w, s in weights))
 
 
-def row_kernel_gating_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> bool:
-    """Whether a pass of several rows (two; up to kernels.gemv.ROW_KERNEL_ROWS) runs its gate_up projection on the
-    GEMV's one-row kernel with the gating epilogue (kernels.gemv.TWO_ROW_EPILOGUES), as one row does, rather than on
-    its tensor-core tile. The models' question."""
+def two_row_gating_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> bool:
+    """Whether a two-row pass's gate_up projection runs on the GEMV's one-row kernel with the gating epilogue
+    (kernels.gemv.TWO_ROW_EPILOGUES), as one row does, rather than on its tensor-core tile. The models' question."""
     import kernels.gemv as kg
-    return (x.shape[0] >= 2 and _gemv_applies(x, weight, weight_scale)
-            and not kg.on_tensor_cores(x.shape[0], weight, weight_scale, gated_out=True))
+    return (x.shape[0] == 2 and _gemv_applies(x, weight, weight_scale)
+            and not kg.on_tensor_cores(2, weight, weight_scale, gated_out=True))
 
 
 def gemv_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:

@@ -250,22 +250,20 @@ def test_the_mlp_gates_in_the_gate_up_epilogue_by_its_weights_dtype(quant, monke
         want = rows_fp8 if quant == "fp8" else rows
         assert calls == ([2] if want else []), (rows, rows_fp8, calls)  # 17 rows: past the GEMV
     # Float weights' two rows on the GEMV's one-row kernel gate there as one row does (GATE_UP_EPILOGUE_TWO_ROWS, where
-    # kernels.gemv.TWO_ROW_EPILOGUES takes the gating epilogue there); four rows on the tensor-core tile do not, on the
-    # one-row kernel (ROW_KERNEL_ROWS = 4) they do.
+    # kernels.gemv.TWO_ROW_EPILOGUES takes the gating epilogue there); four rows (the tensor-core tile) do not.
     import kernels.gemv as kg
     monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS", False)
     monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS_FP8", False)
-    monkeypatch.setattr(ops, "row_kernel_gating_applies", lambda x, w, s=None: not kg.on_tensor_cores(
-        x.shape[0], w, s, gated_out=True))  # as on a GPU
-    for two_rows, epilogues, rows in ((True, True, 2), (True, False, 2), (False, True, 2), (True, True, 4)):
+    monkeypatch.setattr(ops, "two_row_gating_applies", lambda x, w, s=None: x.shape[0] == 2 and not kg.on_tensor_cores(
+        2, w, s, gated_out=True))  # as on a GPU
+    for two_rows, epilogues in ((True, True), (True, False), (False, True)):
         monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_TWO_ROWS", two_rows)
         monkeypatch.setattr(kg, "TWO_ROW_EPILOGUES", epilogues)
-        monkeypatch.setattr(kg, "ROW_KERNEL_ROWS", rows)
         calls.clear()
         torch.testing.assert_close(mlp(x2), plain)
-        mlp(torch.randn(4, cfg.hidden_size).to(x.dtype))  # four rows: on the one-row kernel only with ROW_KERNEL_ROWS
+        mlp(torch.randn(4, cfg.hidden_size).to(x.dtype))
         want = quant != "fp8" and two_rows and epilogues
-        assert calls == ([2] + [4] * (rows == 4) if want else []), (two_rows, epilogues, rows, calls)
+        assert calls == ([2] if want else []), (two_rows, epilogues, calls)
 
 
 def test_fp8_rows_take_the_gemv_up_to_gemv_max_m_fp8_and_only_with_per_row_scales(monkeypatch):
@@ -287,27 +285,24 @@ def test_fp8_rows_take_the_gemv_up_to_gemv_max_m_fp8_and_only_with_per_row_scale
     assert not ops._gemv_applies(torch.zeros(2, 64, dtype=torch.bfloat16)[:, ::2], q, row_scale)  # strided rows
 
 
-def test_row_kernel_gating_applies_where_rows_take_the_one_row_kernel_with_the_epilogue(monkeypatch):
-    """kernels.ops.row_kernel_gating_applies on a (pretended) GPU: two rows of bf16 or per-row-scaled FP8 weights on
-    the GEMV's one-row kernel with the gating epilogue (kernels.gemv.TWO_ROW_EPILOGUES, TWO_ROW_KERNEL_FP8), three
-    with ROW_KERNEL_ROWS at 4; not one row, not block-scaled weights, not without the knobs."""
+def test_two_row_gating_applies_where_two_rows_take_the_one_row_kernel_with_the_epilogue(monkeypatch):
+    """kernels.ops.two_row_gating_applies on a (pretended) GPU: two rows of bf16 or per-row-scaled FP8 weights on the
+    GEMV's one-row kernel with the gating epilogue (kernels.gemv.TWO_ROW_EPILOGUES, TWO_ROW_KERNEL_FP8); not one or
+    three rows, not block-scaled weights, not without the knobs."""
     import kernels.gemv as kg
     import kernels.ops as ops
     w = torch.zeros(64, 32, dtype=torch.bfloat16)
     q, row_scale = quantize_per_channel(w.float())
     x = {m: torch.zeros(m, 32, dtype=torch.bfloat16) for m in (1, 2, 3)}
-    assert not ops.row_kernel_gating_applies(x[2], w)  # the CPU: no GEMV
+    assert not ops.two_row_gating_applies(x[2], w)  # the CPU: no GEMV
     monkeypatch.setattr(ops, "_on_gpu", lambda x: True)
     for epilogues, fp8_rows in ((True, True), (False, True), (True, False)):
         monkeypatch.setattr(kg, "TWO_ROW_EPILOGUES", epilogues)
         monkeypatch.setattr(kg, "TWO_ROW_KERNEL_FP8", fp8_rows)
-        assert ops.row_kernel_gating_applies(x[2], w) == epilogues
-        assert ops.row_kernel_gating_applies(x[2], q, row_scale) == (epilogues and fp8_rows)
-        assert not ops.row_kernel_gating_applies(x[2], q, torch.ones(1, 1))  # block scales
-        assert not ops.row_kernel_gating_applies(x[1], w)
-        for rows in (2, 4):
-            monkeypatch.setattr(kg, "ROW_KERNEL_ROWS", rows)
-            assert ops.row_kernel_gating_applies(x[3], w) == (epilogues and rows == 4)
+        assert ops.two_row_gating_applies(x[2], w) == epilogues
+        assert ops.two_row_gating_applies(x[2], q, row_scale) == (epilogues and fp8_rows)
+        assert not ops.two_row_gating_applies(x[2], q, torch.ones(1, 1))  # block scales
+        assert not ops.two_row_gating_applies(x[1], w) and not ops.two_row_gating_applies(x[3], w)
 
 
 def test_logits_of_2_to_16_bf16_rows_come_from_the_gemv_into_the_graph_buffer(monkeypatch):

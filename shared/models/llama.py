@@ -44,12 +44,11 @@ GATE_UP_EPILOGUE_FP8 = False
 # at batch 2-16 -3.0 to -4.1% (0.722-0.764 of bf16's against 0.753-0.788), so on; bf16's +1.6 to +5.2%, so off.
 GATE_UP_EPILOGUE_ROWS = False
 GATE_UP_EPILOGUE_ROWS_FP8 = True
-# bf16 passes of two rows (up to kernels.gemv.ROW_KERNEL_ROWS) whose gate_up_proj takes the GEMV's one-row kernel with
-# the gating epilogue (kernels.ops.row_kernel_gating_applies: kernels.gemv.TWO_ROW_EPILOGUES) gate there as one row
-# does, where rows on the tensor-core tile stay off (GATE_UP_EPILOGUE_ROWS). An A/B knob
-# (@shared.models.llama.GATE_UP_EPILOGUE_TWO_ROWS=0), read when a pass is traced. On since two-row-next (H100,
-# 2026-12-06 09:33): the bf16 batch-2 step 5.381 / 5.385 ms against 5.406 / 5.404 (0.996x), where gating 4 rows on
-# the tensor-core tile cost 1.029 / 1.034x.
+# bf16 passes of two rows whose gate_up_proj takes the GEMV's one-row kernel with the gating epilogue
+# (kernels.ops.two_row_gating_applies: kernels.gemv.TWO_ROW_EPILOGUES) gate there as one row does, where more rows stay
+# off (GATE_UP_EPILOGUE_ROWS). An A/B knob (@shared.models.llama.GATE_UP_EPILOGUE_TWO_ROWS=0), read when a pass is
+# traced. On since two-row-next (H100, 2026-12-06 09:33): the bf16 batch-2 step 5.381 / 5.385 ms against 5.406 / 5.404
+# (0.996x), where gating 4 rows on the tensor-core tile cost 1.029 / 1.034x.
 GATE_UP_EPILOGUE_TWO_ROWS = True
 # Decode passes of 2..16 rows where the GEMV takes them rotate q, k and store k, v in qkv_proj's epilogue too, each row
 # at its position and slot (where --decode-rope-fusion has it at one row; bf16 weights, as FP8 ones keep the rope
@@ -136,7 +135,7 @@ class LlamaMLP(nn.Module):
         else:
             scale = self.gate_up_proj.weight_scale
             gated = (((GATE_UP_EPILOGUE_ROWS_FP8 if fp8 else GATE_UP_EPILOGUE_ROWS) and ops.gemv_applies(x, w, scale))
-                     or (not fp8 and GATE_UP_EPILOGUE_TWO_ROWS and ops.row_kernel_gating_applies(x, w, scale)))
+                     or (not fp8 and GATE_UP_EPILOGUE_TWO_ROWS and ops.two_row_gating_applies(x, w, scale)))
         if gated:  # silu_and_mul in its epilogue
             return self.down_proj(self.gate_up_proj(x, norm_in=norm_in, gated_out=True), add_norm=add_norm)
         # silu_and_mul inside the down projection
