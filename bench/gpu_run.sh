@@ -141,7 +141,8 @@ if [[ $what == two-row-next ]]; then
   # tensor-core tile's GEMVs +784 us and 96 reduce launches in the trace), the rope / gating epilogues on it
   # (TWO_ROW_EPILOGUES: bf16 batch 2's qkv left it for the rope epilogue) and the split residual norms
   # (TWO_ROW_NORMS: bf16 batch 2's 65 norm launches, 232 us). CUDA checks, then decode steps at batch 1, 2 and 4,
-  # alternated twice. ~8 min.
+  # alternated twice. ~8 min. Since 2e77ff2 (12-06 09:45) all three are the defaults, so these variants compare the
+  # defaults with themselves: two-row-final A/Bs them against their former values.
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
     -k "(cuda_bf16 and (gemv_two_rows or gemv_two_row_epilogues or gemv_two_row_norms)) or bf16_rows or fp8_rows_gated" 2>&1 | tail -4
   timeout 330 python3 -c "
