@@ -844,6 +844,16 @@ def _two_rows_admit(tensor_cores: bool, block, norm_in, add_norm, rope, gated_ou
             and ((rope is None and not gated_out) or TWO_ROW_EPILOGUES))
 
 
+def _two_row_tile(M: int, N: int, K: int, weight_bytes: int, config: GemvConfig | None, tensor_cores: bool, block,
+                  norm_in=None, add_norm=None, rope=None, gated_out: bool = False) -> GemvConfig | None:
+    """The tile M rows take on the one-row kernel (config, or two_row_config's): two rows that _two_rows_admit, at a
+    row kernel's tile; None where they take another kernel."""
+    if not (M == 2 and _two_rows_admit(tensor_cores, block, norm_in, add_norm, rope, gated_out)):
+        return None
+    cfg = config or two_row_config(N, K, weight_bytes)
+    return cfg if cfg.row_kernel else None
+
+
 def on_tensor_cores(M: int, w: torch.Tensor, scale: torch.Tensor | None = None, gated_out: bool = False) -> bool:
     """Whether gemv (no epilogue, or the gating one with gated_out; default tiles) runs M rows against w on the
     tensor-core tile, where an activation computed in the load (silu_mul) would be computed for all 16 padded rows by
@@ -852,8 +862,7 @@ def on_tensor_cores(M: int, w: torch.Tensor, scale: torch.Tensor | None = None, 
     if M == 1:
         return False
     block = scale_block(w, scale) if scale is not None else None
-    return not (M == 2 and _two_rows_admit(False, block, None, None, None, gated_out)
-                and two_row_config(w.shape[0], w.shape[1], w.element_size()).row_kernel)
+    return _two_row_tile(M, w.shape[0], w.shape[1], w.element_size(), None, False, block, gated_out=gated_out) is None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -899,9 +908,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         "gated_out: a gate | up projection, per-row scales, no producer epilogue"
     # Two rows on the one-row kernel (TWO_ROW_KERNEL) at two_row_config's tiles (or a given row-kernel config): each
     # weight tile read once for both; the rope and gating epilogues with TWO_ROW_EPILOGUES.
-    two_rows = M == 2 and _two_rows_admit(tensor_cores, block, norm_in, add_norm, rope, gated_out)
-    row_cfg = (config or two_row_config(N, K, w.element_size())) if two_rows else None
-    two_rows = two_rows and row_cfg.row_kernel
+    row_cfg = _two_row_tile(M, N, K, w.element_size(), config, tensor_cores, block, norm_in, add_norm, rope, gated_out)
+    two_rows = row_cfg is not None
     assert M == 1 or two_rows or (norm_in is None and add_norm is None), \
         "split norms: one row, or two on the two-row kernel (TWO_ROW_NORMS)"
     cfg = row_cfg if two_rows else config or default_config(M, N, K, w.element_size())
