@@ -186,7 +186,7 @@ fi
 if [[ $what == two-row-tiles-fp8 ]]; then
   # The same for FP8 weights under kernels.gemv.TWO_ROW_KERNEL_FP8 (on since 12-06 09:33): its tiles swept at 2 rows per
   # linear (bench.probe two_row_tiles_fp8), then decode steps at batch 1-4: the FP8 default (the knob at
-  # two_row_config's rule), the sweep's best and the tensor-core tile, alternated twice. ~5 min.
+  # TWO_ROW_TILES_FP8's tiles, swept 12-06 09:38), the sweep's best and the tensor-core tile, alternated twice. ~5 min.
   timeout 450 python3 -m bench.probe two_row_tiles_fp8 2>&1 | grep -v "Capturing\|Warning\|warn" | tee "$OUT/two_row_tiles_fp8.log" | tail -20
 fi
 if [[ $what == trace-b2 ]]; then

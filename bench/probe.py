@@ -973,8 +973,8 @@ def probe_two_row_tiles(res: dict, fp8: bool = False) -> None:
     rows against the tensor-core tile and against one row; then decode steps in the engine at batch 1-4 at the defaults
     (the two-row kernel at two_row_config's tiles), at the sweep's best and on the tensor-core tile, alternated twice.
     fp8: FP8 weights (per-row scales) under TWO_ROW_KERNEL_FP8, their tiles for TWO_ROW_TILES_FP8; the engine's
-    variants are then the FP8 default (the knob at two_row_config's rule since 2026-12-06 09:33), the sweep's best and
-    the tensor-core tile (the knob off)."""
+    variants are then the FP8 default (the knob on, at TWO_ROW_TILES_FP8's tiles since 2026-12-06 09:45), the sweep's
+    best and the tensor-core tile (the knob off)."""
     import dataclasses
 
     import kernels.gemv as kg
@@ -1022,7 +1022,7 @@ def probe_two_row_tiles(res: dict, fp8: bool = False) -> None:
     log("a layer's four linears: " + ", ".join(f"{k_[:-3]} {v:.0f} us" for k_, v in layer.items()))
     res["two_row_tiles_fp8" if fp8 else "two_row_tiles"] = {"rows": rows, "best_tiles": best}
     tiles = {LLAMA8B_LINEARS[name]: tuple(b["tile"]) for name, b in best.items()}
-    if fp8:  # the default (the knob at the rule) against the sweep's tiles and the tensor-core tile
+    if fp8:  # the default (the knob at its table's tiles) against the sweep's tiles and the tensor-core tile
         tc, swept = {"kernels.gemv.TWO_ROW_KERNEL_FP8": False}, {"kernels.gemv.TWO_ROW_TILES_FP8": tiles}
         v = {"fp8": ("fp8", {}), "fp8_two_swept": ("fp8", swept), "fp8_tensor_cores": ("fp8", tc)}
     else:  # the default (two rows on the row kernel at two_row_config's rule since 2026-12-06) against the sweep's
