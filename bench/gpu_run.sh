@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, GPU smoke tests, then the benchmarks. Logs go to $OUT.
 # Usage (device tool, carry [".whl"], after bench/fetch_wheels.sh here):
-#   bash bench/gpu_run.sh two-row-final|two-row-next|rows-final|two-row-tiles|two-row-tiles-fp8|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
+#   bash bench/gpu_run.sh prefill-tma|two-row-final|two-row-next|rows-final|two-row-tiles|two-row-tiles-fp8|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
 # Done 12-06 09:30-10:00 (H100): two-row-next, two-row-tiles-fp8, two-row-final, recheck (bench/RESULTS.md). Pending:
@@ -85,6 +85,13 @@ if [[ $what == tp ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py -k "engine_matches or families or kv_pages_leave_whole" 2>&1 \
     | tee "$OUT/tp_tests.log" | tail -5
   timeout 300 python3 -m bench.tp --out "$OUT" 2>&1 | tee "$OUT/tp.log" | tail -8
+fi
+if [[ $what == prefill-tma ]]; then
+  # Prefill attention's new-token k/v by TMA and the warp-specialized key loop (kernels.attention.triton_extend's
+  # NEW_KV_TMA, KV_LOOP_WS): CUDA checks, the no-prefix sweep against cuDNN, then the prefill goal's workload in the
+  # engine, default against the sweep's best packed variant (~6 min on a fresh machine).
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and extend_attention" 2>&1 | tail -3
+  timeout 420 python3 -m bench.probe prefill_attn_tma 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/prefill_tma.log" | tail -60
 fi
 if [[ $what == recheck ]]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py -k gpu 2>&1 | tail -3

@@ -13,6 +13,7 @@
     python -m bench.probe trace_prefill  # its prefill passes (8k-token chunks, eager), kernel by kernel
     python -m bench.probe extend_pack    # extend attention, one query head per program vs a KV group's heads packed
     python -m bench.probe prefill_attn   # no-prefix prefill attention: our tiles vs cuDNN SDPA per sequence
+    python -m bench.probe prefill_attn_tma  # the same with the new tokens' k/v by TMA, warp-specialized; then in the engine
     python -m bench.probe tput_clocks  # SM clock, power and limit reasons during the throughput workload, by phase
     python -m bench.probe decode256  # decode attention at 256 x 640 tokens: splits x tiles x grid order, against the copy rate
     python -m bench.probe trace_prefill4k  # bench.offline's prefill passes (2 x 4096 tokens), kernel by kernel
@@ -242,6 +243,93 @@ def probe_prefill_attn(res: dict) -> None:
         del q, k, v
         torch.cuda.empty_cache()
     res["prefill_attn"] = rows
+
+
+def probe_prefill_attn_tma(res: dict) -> None:
+    """No-prefix prefill attention with the new tokens' k and v read by TMA (kernels.attention.triton_extend's
+    NEW_KV_TMA) and the whole-block loop warp-specialized (KV_LOOP_WS), against the pointer loads, at the default
+    and larger tiles, packed and one head per program, with cuDNN SDPA per sequence as the reference; then the
+    prefill goal's workload in the engine with the knobs off / on, alternated (inside a pass the inputs come cold)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import kernels.attention.triton_extend as te
+    F = torch.nn.functional
+    rows = []
+    # Triton 3.6 fails to warp-specialize the 4-warp tiles (an sm_90 compile here, 2026-12-06): WS only at 8 warps.
+    variants = [(None, None, False, False), (None, None, True, False), ((64, 64, 4, 2), None, True, False)]
+    for cfg in [(128, 64, 8, 3), (128, 128, 8, 3)]:
+        variants += [(cfg, None, False, False), (cfg, None, True, False), (cfg, None, True, True)]
+    variants += [((128, 64, 8, 2), None, True, False), ((128, 64, 8, 2), None, True, True),
+                 ((128, 128, 8, 2), None, True, True)]
+    for cfg in [(128, 128, 8, 3), (128, 64, 8, 3)]:  # one head per program, as FA's tutorial kernels run
+        variants += [(cfg, 1, False, False), (cfg, 1, True, False), (cfg, 1, True, True)]
+    for B, L in [(1, 8192), (2, 4096), (8, 1024), (1, 2048)]:
+        q, k, v, kb, r2t, req, zero, lens, starts, cu, flops, out = _packed_batch(B, L)
+        ref = None
+        for cfg, pack, tma, ws in variants:
+            name = f"{cfg or 'default'} pack={pack or 'auto'} tma={int(tma)} ws={int(ws)}"
+            try:
+                t = graph_time_ms(lambda i: te.extend_attention(q, k, v, kb, kb, r2t, req, zero, lens, starts, L,
+                                                                D ** -0.5, out=out, config=cfg, pack=pack, tma=tma,
+                                                                ws=ws), reps=7)
+                if ref is None:
+                    ref = out.clone()
+                rows.append({"case": f"{B}x{L}", "impl": name, "us": t * 1e3, "TFLOPs": flops / t / 1e9,
+                             "max_err": (out.float() - ref.float()).abs().max().item()})
+            except Exception as e:
+                rows.append({"case": f"{B}x{L}", "impl": name, "error": repr(e)[:300]})
+            log(rows[-1])
+
+        def cudnn(i):
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                for b in range(B):
+                    sl = slice(b * L, (b + 1) * L)
+                    o = F.scaled_dot_product_attention(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None],
+                                                       v[sl].transpose(0, 1)[None], is_causal=True, enable_gqa=True,
+                                                       scale=D ** -0.5)
+                    out[sl].copy_(o[0].transpose(0, 1))
+        try:
+            t = graph_time_ms(cudnn, reps=7)
+            rows.append({"case": f"{B}x{L}", "impl": "cuDNN SDPA per sequence + copy", "us": t * 1e3,
+                         "TFLOPs": flops / t / 1e9})
+        except Exception as e:
+            rows.append({"case": f"{B}x{L}", "impl": "cuDNN SDPA per sequence + copy", "error": repr(e)[:300]})
+        log(rows[-1])
+        del q, k, v
+        torch.cuda.empty_cache()
+    res["prefill_attn_tma"] = rows
+    # The engine: bench.offline's prefill measurement (16 x 4096 tokens in 8k-token passes), knobs off / on.
+    from bench.common import SHAPES, matmul_params
+    cfg_ = SHAPES["llama-3.1-8b"]
+    flops_tok = 2 * matmul_params(cfg_) + 2 * cfg_["num_hidden_layers"] * cfg_["num_attention_heads"] * cfg_["head_dim"] * 4096
+    # The packed variant with the least time over the two long cases, against the default, in the engine.
+    tot = collections.defaultdict(float)
+    for r in rows:
+        if r["case"] in ("1x8192", "2x4096") and "us" in r and "pack=auto" in r["impl"]:
+            tot[r["impl"]] += r["us"]
+    best = min((v for v in variants if v[1] is None and v != variants[0]),
+               key=lambda v: tot.get(f"{v[0] or 'default'} pack=auto tma={int(v[2])} ws={int(v[3])}", 1e18))
+    log(f"engine A/B: default against {best}")
+    default_sizes = te.extend_block_sizes
+    eng = _tput_engine()
+    erows = []
+    for cfg, _, tma, ws in [variants[0], best] * 2:
+        te.NEW_KV_TMA, te.KV_LOOP_WS = tma, ws
+        te.extend_block_sizes = default_sizes if cfg is None else (
+            lambda d, dt, r=None, t=cfg: t if r is not None and r >= 1024 else default_sizes(d, dt, r))
+        eng.cache.reset()
+        drive(eng, random_prompts(2, 4096, 400, 29), {**GREEDY, "max_new_tokens": 1})  # compile
+        eng.cache.reset()
+        st = drive(eng, random_prompts(16, 4096, 400, 30), {**GREEDY, "max_new_tokens": 1}, time_steps=True)
+        full = [(t, n) for t, n in zip(st.extend_step_s, st.extend_step_tokens) if n >= 8192]
+        tok_s = sum(n for _, n in full) / sum(t for t, _ in full)
+        erows.append({"tiles": str(cfg), "tma": tma, "ws": ws, "prefill_tflops": tok_s * flops_tok / 1e12,
+                      "pass_ms": 1e3 * sum(t for t, _ in full) / len(full)})
+        log(erows[-1])
+    te.NEW_KV_TMA = te.KV_LOOP_WS = False
+    te.extend_block_sizes = default_sizes
+    eng.stop()
+    res["prefill_attn_tma_engine"] = erows
 
 
 def probe_b1(res: dict) -> None:
@@ -1449,7 +1537,7 @@ def main() -> int:
              "trace_pdl_fp8": probe_trace_pdl_fp8, "trace_pdl_b2": probe_trace_pdl_b2, "trace_pdl_b2_fp8": probe_trace_pdl_b2_fp8, "two_row_tiles_fp8": probe_two_row_tiles_fp8, "steps": probe_steps, "eager_host": probe_eager_host, "trace_extend": probe_trace_extend,
              "extend_pack": probe_extend_pack, "prefill_attn": probe_prefill_attn,
              "tput": probe_tput, "tput_breakdown": probe_tput_breakdown, "trace256": probe_trace256, "trace256_kvfp8": lambda res: probe_trace256(res, "fp8_e4m3"), "decode256": probe_decode256, "decode256_ab": probe_decode256_ab, "decode256_layout": probe_decode256_layout, "tput_page": probe_tput_page, "kvfp8": probe_kvfp8, "kvfp8_kernel": probe_kvfp8_kernel, "kvfp8_tiles": probe_kvfp8_tiles, "kvfp8_tput": probe_kvfp8_tput, "tput_clocks": probe_tput_clocks, "mixed_first": probe_mixed_first, "b1phases": probe_b1phases, "trace_prefill": probe_trace_prefill,
-             "trace_prefill4k": probe_trace_prefill4k, "extend_layout": probe_extend_layout,
+             "trace_prefill4k": probe_trace_prefill4k, "prefill_attn_tma": probe_prefill_attn_tma, "extend_layout": probe_extend_layout,
              "prefill_tiles": probe_prefill_tiles,
              "gemm_tune": probe_gemm_tune,
              "fp8_small_m": probe_fp8_small_m, "fp8_batches": probe_fp8_batches, "bf16_small_m": probe_bf16_small_m,

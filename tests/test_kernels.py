@@ -1460,6 +1460,40 @@ def check_extend_attention(device, dtype):
                                                msg=lambda m: f"d={d} hq={hq} hkv={hkv} {prefix} {ext} pack={pack}: {m}")
 
 
+def check_extend_attention_tma(device, dtype):
+    """The new tokens' k and v read by TMA (NEW_KV_TMA), with and without the warp-specialized loop: the pointer
+    loads' output (bit for bit interpreted; on a GPU within the dtype's tolerance), and the reference's. Requests
+    side by side, so a tile read past one request's end holds the next one's rows, which the mask must hide."""
+    from kernels.attention.triton_extend import extend_attention, tma_applies
+    from kernels.reference import extend_attention_ref
+    d = 64
+    blk = 32 if device.type == "cpu" else 64  # the tile's key block here
+    cases = [([0, 0], [3 * blk + 5, 2 * blk - 3]), ([17, 0, 40], [blk + 1, 2 * blk + 9, 7])]
+    for hq, hkv in [(8, 2), (4, 4)]:
+        for prefix, ext in cases:
+            k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, dtype, hkv, d, prefix, ext)
+            T = sum(ext)
+            q = _rand(T, hq, d, dtype=dtype, device=device)
+            slots = torch.cat([r2t[i + 1, p:p + e] for i, (p, e) in enumerate(zip(prefix, ext))]).long()
+            k, v = k_buf[slots], v_buf[slots]
+            interpreted = device.type == "cpu"
+            assert tma_applies(k, v, d) == (interpreted or torch.cuda.get_device_capability(device)[0] >= 9)
+            starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))], dtype=torch.int32, device=device)
+            i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+            ref = extend_attention_ref(q, k_buf, v_buf, r2t, req_idx, prefix, ext, d ** -0.5)
+            base = extend_attention(q, k, v, k_buf, v_buf, r2t, req_idx, i32(prefix), i32(ext), starts, max(ext),
+                                    d ** -0.5, tma=False, ws=False)
+            for ws in (False, True):
+                out = extend_attention(q, k, v, k_buf, v_buf, r2t, req_idx, i32(prefix), i32(ext), starts, max(ext),
+                                       d ** -0.5, tma=True, ws=ws)
+                msg = f"hq={hq} hkv={hkv} {prefix} {ext} ws={ws}"
+                if interpreted:
+                    assert torch.equal(out, base), msg
+                else:
+                    torch.testing.assert_close(out, base, **_tol(dtype), msg=lambda m: f"{msg}: {m}")
+                torch.testing.assert_close(out, ref, **_tol(dtype), msg=lambda m: f"{msg}: {m}")
+
+
 def check_per_token_quant(device, dtype):
     """Activation quantization for the FP8 GEMM in one kernel: scales and scaled values exactly the
     reference's (the gated variant: of silu_and_mul's output); on a GPU the FP8 bits too (the

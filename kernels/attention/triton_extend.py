@@ -15,12 +15,25 @@ causal diagonal being finer (one 8k prompt: 1,226 -> 1,134 us; 16 x 512: 183 -> 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels._utils import dot_precision, next_pow2
 from kernels.attention.triton_decode import LOG2E
+
+try:  # triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+# The new tokens' k and v loaded by TMA (host tensor descriptors over [T, Hkv * D]) instead of pointer loads, on
+# Hopper and later; KV_LOOP_WS: the loop over whole key blocks warp-specialized (tl.range(warp_specialize=)).
+# A/B knobs, off until measured (bench.probe prefill_attn_tma).
+NEW_KV_TMA = False
+KV_LOOP_WS = False
 
 
 @triton.jit
@@ -49,9 +62,13 @@ def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEN
                    sm_scale_log2, k_scale, v_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_ot, stride_oh, stride_bs, stride_bh, stride_rt, GROUP, D,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PACK: tl.constexpr,
-                   DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr = False):
+                   DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr = False, KD=None, VD=None, TMA: tl.constexpr = False,
+                   WS: tl.constexpr = False):
     """KV_FP8: an FP8 pool. The prefix's k and v tiles are converted to q's dtype (v times v_scale first) and
-    its scores take k_scale; the new tokens' k and v are read as computed, unrounded."""
+    its scores take k_scale; the new tokens' k and v are read as computed, unrounded.
+    TMA: the new tokens' k and v come through KD, VD (tensor descriptors over [T, Hkv * D], blocks [BLOCK_N, D];
+    rows past the request are another request's or zeros, and the causal mask hides them). WS: the loop over
+    whole key blocks is warp-specialized."""
     # Longest-running (last, most causal work) query blocks launch first to shorten the tail.
     mblk = tl.num_programs(0) - 1 - tl.program_id(0)
     hp = tl.program_id(1)  # query heads hp * PACK .. hp * PACK + PACK - 1, one KV head (PACK divides GROUP)
@@ -102,10 +119,16 @@ def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEN
         k_ptrs = K + tok0 * stride_kt + kvh * stride_kh + offs_d[None, :]
         v_ptrs = V + tok0 * stride_vt + kvh * stride_vh + offs_d[None, :]
         n_full = (m0 // BLOCK_N) * BLOCK_N
-        for n0 in range(0, n_full, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            k = tl.load(k_ptrs + offs_n[:, None] * stride_kt, mask=mask_d[None, :], other=0.0)
-            v = tl.load(v_ptrs + offs_n[:, None] * stride_vt, mask=mask_d[None, :], other=0.0)
+        row0 = tok0.to(tl.int32)
+        col = kvh * D
+        for n0 in tl.range(0, n_full, BLOCK_N, warp_specialize=WS):
+            if TMA:
+                k = KD.load([row0 + n0, col])
+                v = VD.load([row0 + n0, col])
+            else:
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                k = tl.load(k_ptrs + offs_n[:, None] * stride_kt, mask=mask_d[None, :], other=0.0)
+                v = tl.load(v_ptrs + offs_n[:, None] * stride_vt, mask=mask_d[None, :], other=0.0)
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k.to(CDT), v.to(CDT), mask_m[:, None], sm_scale_log2,
                                           DOT_PREC, False)
         # The rest up to the block's last token: causal mask.
@@ -113,9 +136,13 @@ def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEN
         for n0 in range(n_full, n_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < n_end
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_ptrs + offs_n[:, None] * stride_kt, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs + offs_n[:, None] * stride_vt, mask=kv_mask, other=0.0)
+            if TMA:
+                k = KD.load([row0 + n0, col])
+                v = VD.load([row0 + n0, col])
+            else:
+                kv_mask = mask_n[:, None] & mask_d[None, :]
+                k = tl.load(k_ptrs + offs_n[:, None] * stride_kt, mask=kv_mask, other=0.0)
+                v = tl.load(v_ptrs + offs_n[:, None] * stride_vt, mask=kv_mask, other=0.0)
             causal = (offs_n[None, :] <= offs_m[:, None]) & mask_n[None, :]
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k.to(CDT), v.to(CDT), causal, sm_scale_log2, DOT_PREC,
                                           True)
@@ -158,12 +185,14 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
                      extend_start_loc: torch.Tensor, max_extend_len: int, scaling: float,
                      out: torch.Tensor | None = None,
                      config: tuple[int, int, int, int] | None = None, pack: int | None = None,
-                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                     k_scale: float = 1.0, v_scale: float = 1.0, tma: bool | None = None,
+                     ws: bool | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] of the new tokens (packed like q); prefixes come from the pool.
     max_extend_len: a host upper bound on any request's new-token count (sizes the grid).
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages) override. pack: query heads per program (a divisor
     of the group size Hq / Hkv dividing BLOCK_M); None: extend_pack's. k_scale, v_scale: an FP8 pool's (its
-    prefix rows are multiplied by them; the new tokens' k, v are read as passed)."""
+    prefix rows are multiplied by them; the new tokens' k, v are read as passed). tma, ws: NEW_KV_TMA's and
+    KV_LOOP_WS's A/B (None: the knobs); TMA applies where tma_applies says."""
     T, HQ, D = q.shape
     HKV = k.shape[1]
     assert HQ % HKV == 0 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
@@ -180,11 +209,38 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
         BLOCK_D, q.dtype, max_extend_len * pack if pack > 1 else None)
     assert (HQ // HKV) % pack == 0 and BLOCK_M % pack == 0, (HQ, HKV, pack, BLOCK_M)
     grid = (triton.cdiv(max_extend_len, BLOCK_M // pack), HQ // pack, B)
+    tma = (NEW_KV_TMA if tma is None else tma) and tma_applies(k, v, BLOCK_D)
+    descs = {}
+    if tma:
+        descs = {"KD": _kv_descriptor(k, BLOCK_N), "VD": _kv_descriptor(v, BLOCK_N), "TMA": True}
     _extend_kernel[grid](
         q, k, v, out, k_buf, v_buf, req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens,
         extend_start_loc, scaling * LOG2E, float(k_scale), float(v_scale), q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1),
         req_to_token.stride(0), HQ // HKV, D,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PACK=pack, DOT_PREC=dot_precision(q.dtype),
-        KV_FP8=k_buf.element_size() == 1, num_warps=num_warps, num_stages=num_stages)
+        KV_FP8=k_buf.element_size() == 1, WS=KV_LOOP_WS if ws is None else ws, num_warps=num_warps,
+        num_stages=num_stages, **descs)
     return out
+
+
+def tma_applies(k: torch.Tensor, v: torch.Tensor, block_d: int) -> bool:
+    """Whether the new tokens' k and v can be read by TMA: a descriptor library, a Hopper-or-later GPU (or the
+    interpreter), each token's heads side by side with a power-of-two head size (a block is one head's D), 16-byte
+    aligned rows and bases."""
+    if TensorDescriptor is None:
+        return False
+    for t in (k, v):
+        if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.shape[2] != block_d:
+            return False
+        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    if k.is_cuda:
+        return torch.cuda.get_device_capability(k.device)[0] >= 9
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kv_descriptor(t: torch.Tensor, block_n: int):
+    """[T, H, D] with heads side by side as a [T, H * D] tensor descriptor of [block_n, D] blocks."""
+    T, H, D = t.shape
+    return TensorDescriptor(t, [T, H * D], [t.stride(0), 1], [block_n, D])
