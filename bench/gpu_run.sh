@@ -90,8 +90,8 @@ if [[ $what == prefill-tma ]]; then
   # Prefill attention's new-token k/v by TMA and the warp-specialized key loop (kernels.attention.triton_extend's
   # NEW_KV_TMA, KV_LOOP_WS): CUDA checks, the no-prefix sweep against cuDNN, then the prefill goal's workload in the
   # engine, default against the sweep's best packed variant (~6 min on a fresh machine).
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and extend_attention" 2>&1 | tail -3
-  timeout 420 python3 -m bench.probe prefill_attn_tma 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/prefill_tma.log" | tail -60
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and extend_attention_tma" 2>&1 | tail -3
+  timeout 380 python3 -m bench.probe prefill_attn_tma 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/prefill_tma.log" | tail -60
 fi
 if [[ $what == recheck ]]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py -k gpu 2>&1 | tail -3
