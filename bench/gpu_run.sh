@@ -87,9 +87,9 @@ if [[ $what == tp ]]; then
   timeout 300 python3 -m bench.tp --out "$OUT" 2>&1 | tee "$OUT/tp.log" | tail -8
 fi
 if [[ $what == prefill-tma ]]; then
-  # Prefill attention's new-token k/v by TMA and the warp-specialized key loop (kernels.attention.triton_extend's
-  # NEW_KV_TMA, KV_LOOP_WS): CUDA checks, the no-prefix sweep against cuDNN, then the prefill goal's workload in the
-  # engine, default against the sweep's best packed variant (~6 min on a fresh machine).
+  # Prefill attention's new-token k/v by TMA (kernels.attention.triton_extend's NEW_KV_TMA, on since 2026-12-06):
+  # CUDA checks, the no-prefix sweep against cuDNN, then the prefill goal's workload in the engine, pointer loads
+  # against TMA (~2 min on a fresh machine).
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and extend_attention_tma" 2>&1 | tail -3
   timeout 380 python3 -m bench.probe prefill_attn_tma 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/prefill_tma.log" | tail -60
 fi

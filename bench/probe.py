@@ -13,7 +13,7 @@
     python -m bench.probe trace_prefill  # its prefill passes (8k-token chunks, eager), kernel by kernel
     python -m bench.probe extend_pack    # extend attention, one query head per program vs a KV group's heads packed
     python -m bench.probe prefill_attn   # no-prefix prefill attention: our tiles vs cuDNN SDPA per sequence
-    python -m bench.probe prefill_attn_tma  # the same with the new tokens' k/v by TMA, warp-specialized; then in the engine
+    python -m bench.probe prefill_attn_tma  # the same with the new tokens' k/v by TMA or pointer loads; then in the engine
     python -m bench.probe tput_clocks  # SM clock, power and limit reasons during the throughput workload, by phase
     python -m bench.probe decode256  # decode attention at 256 x 640 tokens: splits x tiles x grid order, against the copy rate
     python -m bench.probe trace_prefill4k  # bench.offline's prefill passes (2 x 4096 tokens), kernel by kernel
@@ -247,29 +247,28 @@ def probe_prefill_attn(res: dict) -> None:
 
 def probe_prefill_attn_tma(res: dict) -> None:
     """No-prefix prefill attention with the new tokens' k and v read by TMA (kernels.attention.triton_extend's
-    NEW_KV_TMA) and the whole-block loop warp-specialized (KV_LOOP_WS), against the pointer loads, at the default
-    and larger tiles, packed and one head per program, with cuDNN SDPA per sequence as the reference; then the
-    prefill goal's workload in the engine with the knobs off / on, alternated (inside a pass the inputs come cold)."""
+    NEW_KV_TMA) against the pointer loads, at the default and larger tiles, packed and one head per program, with
+    cuDNN SDPA per sequence as the reference; then the prefill goal's workload in the engine, pointer loads against
+    TMA at the default tile, alternated (inside a pass the inputs come cold). The first run (2026-12-06) also swept
+    the whole-block loop warp-specialized (tl.range(warp_specialize=True), 8 warps only in Triton 3.6): no gain, removed."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import kernels.attention.triton_extend as te
     F = torch.nn.functional
     rows = []
-    # Triton 3.6 fails to warp-specialize the 4-warp tiles (an sm_90 compile here, 2026-12-06): WS only at 8 warps.
-    variants = [(None, None, False, False), (None, None, True, False), ((64, 64, 4, 2), None, True, False)]
+    variants = [(None, None, False), (None, None, True), ((64, 64, 4, 2), None, True)]
     for cfg in [(128, 64, 8, 3), (128, 128, 8, 3)]:
-        variants += [(cfg, None, False, False), (cfg, None, True, False), (cfg, None, True, True)]
-    variants += [((128, 64, 8, 2), None, True, True),
-                 ((128, 128, 8, 3), 1, True, True)]  # one head per program, as FA's tutorial kernels run
+        variants += [(cfg, None, False), (cfg, None, True)]
+    variants += [((128, 128, 8, 3), 1, True)]  # one head per program, as FA's tutorial kernels run
     for B, L in [(1, 8192), (2, 4096), (8, 1024)]:
         q, k, v, kb, r2t, req, zero, lens, starts, cu, flops, out = _packed_batch(B, L)
         ref = None
-        for cfg, pack, tma, ws in variants:
-            name = f"{cfg or 'default'} pack={pack or 'auto'} tma={int(tma)} ws={int(ws)}"
+        for cfg, pack, tma in variants:
+            name = f"{cfg or 'default'} pack={pack or 'auto'} tma={int(tma)}"
             try:
                 t = graph_time_ms(lambda i: te.extend_attention(q, k, v, kb, kb, r2t, req, zero, lens, starts, L,
-                                                                D ** -0.5, out=out, config=cfg, pack=pack, tma=tma,
-                                                                ws=ws), reps=7)
+                                                                D ** -0.5, out=out, config=cfg, pack=pack, tma=tma),
+                                  reps=7)
                 if ref is None:
                     ref = out.clone()
                 rows.append({"case": f"{B}x{L}", "impl": name, "us": t * 1e3, "TFLOPs": flops / t / 1e9,
@@ -296,36 +295,25 @@ def probe_prefill_attn_tma(res: dict) -> None:
         del q, k, v
         torch.cuda.empty_cache()
     res["prefill_attn_tma"] = rows
-    # The engine: bench.offline's prefill measurement (16 x 4096 tokens in 8k-token passes), knobs off / on.
+    # The engine: bench.offline's prefill measurement (16 x 4096 tokens in 8k-token passes), pointer loads / TMA.
     from bench.common import SHAPES, matmul_params
     cfg_ = SHAPES["llama-3.1-8b"]
     flops_tok = 2 * matmul_params(cfg_) + 2 * cfg_["num_hidden_layers"] * cfg_["num_attention_heads"] * cfg_["head_dim"] * 4096
-    # The packed variant with the least time over the two long cases, against the default, in the engine.
-    tot = collections.defaultdict(float)
-    for r in rows:
-        if r["case"] in ("1x8192", "2x4096") and "us" in r and "pack=auto" in r["impl"]:
-            tot[r["impl"]] += r["us"]
-    best = min((v for v in variants if v[1] is None and v != variants[0]),
-               key=lambda v: tot.get(f"{v[0] or 'default'} pack=auto tma={int(v[2])} ws={int(v[3])}", 1e18))
-    log(f"engine A/B: default against {best}")
-    default_sizes = te.extend_block_sizes
+    knob = te.NEW_KV_TMA
     eng = _tput_engine()
     erows = []
-    for cfg, _, tma, ws in [variants[0], best, variants[0], best]:
-        te.NEW_KV_TMA, te.KV_LOOP_WS = tma, ws
-        te.extend_block_sizes = default_sizes if cfg is None else (
-            lambda d, dt, r=None, t=cfg: t if r is not None and r >= 1024 else default_sizes(d, dt, r))
+    for tma in (False, True, False, True):
+        te.NEW_KV_TMA = tma
         eng.cache.reset()
         drive(eng, random_prompts(2, 4096, 400, 29), {**GREEDY, "max_new_tokens": 1})  # compile
         eng.cache.reset()
         st = drive(eng, random_prompts(16, 4096, 400, 30), {**GREEDY, "max_new_tokens": 1}, time_steps=True)
         full = [(t, n) for t, n in zip(st.extend_step_s, st.extend_step_tokens) if n >= 8192]
         tok_s = sum(n for _, n in full) / sum(t for t, _ in full)
-        erows.append({"tiles": str(cfg), "tma": tma, "ws": ws, "prefill_tflops": tok_s * flops_tok / 1e12,
+        erows.append({"tma": tma, "prefill_tflops": tok_s * flops_tok / 1e12,
                       "pass_ms": 1e3 * sum(t for t, _ in full) / len(full)})
         log(erows[-1])
-    te.NEW_KV_TMA = te.KV_LOOP_WS = False
-    te.extend_block_sizes = default_sizes
+    te.NEW_KV_TMA = knob
     eng.stop()
     res["prefill_attn_tma_engine"] = erows
 

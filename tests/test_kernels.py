@@ -1161,7 +1161,7 @@ def check_gemv_rope_store(device, dtype):
 def check_gemv_rope_store_rows(device, dtype):
     """Rope and the KV store in the qkv GEMV's epilogue at several rows (the tensor-core tile), each row at its own
     position and pool slot: the output and the pool are those of the plain GEMV (unsplit, at the same tile) followed by
-    the rope + KV-store kernel, bit for bit where the interpreter runs; bf16 and FP8 weights, 3 and 16 rows, a tile
+    the rope + KV-store kernel, within an fp32 ulp where the interpreter runs; bf16 and FP8 weights, 3 and 16 rows, a tile
     that would split K (several rows rotate unsplit); nothing written outside the rows' slots."""
     import dataclasses
 
@@ -1190,9 +1190,12 @@ def check_gemv_rope_store_rows(device, dtype):
                 q, k, v = apply_rope_and_store_kv(q, k.reshape(M, hkv, d), v.reshape(M, hkv, d), pos, cache, d,
                                                   *unfused, loc)
                 want = torch.cat([q.reshape(M, -1), k.reshape(M, -1), v.reshape(M, -1)], dim=-1)
-                if device.type == "cpu":
-                    assert torch.equal(y, want), msg
-                    assert all(torch.equal(a, b) for a, b in zip(fused, unfused)), msg
+                if device.type == "cpu":  # an fp32 ulp apart on some CPUs (the interpreter's dots are numpy's BLAS,
+                    # whose kernel differs by CPU: bit for bit on the Intel boxes CI ran on until 12-06, one ulp on an
+                    # AMD EPYC's OpenBLAS)
+                    torch.testing.assert_close(y, want, rtol=2e-6, atol=2e-6, msg=lambda m: f"{msg}: {m}")
+                    for a, b in zip(fused, unfused):
+                        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, msg=lambda m: f"{msg}: {m}")
                 else:
                     torch.testing.assert_close(y, want, rtol=8e-3, atol=8e-3, msg=lambda m: f"{msg}: {m}")
                     for a, b in zip(fused, unfused):
@@ -1461,8 +1464,7 @@ def check_extend_attention(device, dtype):
 
 
 def check_extend_attention_tma(device, dtype):
-    """The new tokens' k and v read by TMA (NEW_KV_TMA), with and without the warp-specialized loop: the pointer
-    loads' output (bit for bit interpreted; on a GPU within the dtype's tolerance), and the reference's. Requests
+    """The new tokens' k and v read by TMA (NEW_KV_TMA): the pointer loads' output (bit for bit interpreted; on a GPU within the dtype's tolerance), and the reference's. Requests
     side by side, so a tile read past one request's end holds the next one's rows, which the mask must hide."""
     from kernels.attention.triton_extend import extend_attention, tma_applies
     from kernels.reference import extend_attention_ref
@@ -1482,16 +1484,15 @@ def check_extend_attention_tma(device, dtype):
             i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
             ref = extend_attention_ref(q, k_buf, v_buf, r2t, req_idx, prefix, ext, d ** -0.5)
             base = extend_attention(q, k, v, k_buf, v_buf, r2t, req_idx, i32(prefix), i32(ext), starts, max(ext),
-                                    d ** -0.5, tma=False, ws=False)
-            for ws in (False, True):
-                out = extend_attention(q, k, v, k_buf, v_buf, r2t, req_idx, i32(prefix), i32(ext), starts, max(ext),
-                                       d ** -0.5, tma=True, ws=ws)
-                msg = f"hq={hq} hkv={hkv} {prefix} {ext} ws={ws}"
-                if interpreted:
-                    assert torch.equal(out, base), msg
-                else:
-                    torch.testing.assert_close(out, base, **_tol(dtype), msg=lambda m: f"{msg}: {m}")
-                torch.testing.assert_close(out, ref, **_tol(dtype), msg=lambda m: f"{msg}: {m}")
+                                    d ** -0.5, tma=False)
+            out = extend_attention(q, k, v, k_buf, v_buf, r2t, req_idx, i32(prefix), i32(ext), starts, max(ext),
+                                   d ** -0.5, tma=True)
+            msg = f"hq={hq} hkv={hkv} {prefix} {ext}"
+            if interpreted:
+                assert torch.equal(out, base), msg
+            else:
+                torch.testing.assert_close(out, base, **_tol(dtype), msg=lambda m: f"{msg}: {m}")
+            torch.testing.assert_close(out, ref, **_tol(dtype), msg=lambda m: f"{msg}: {m}")
 
 
 def check_per_token_quant(device, dtype):

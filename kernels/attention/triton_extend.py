@@ -30,10 +30,14 @@ except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
 # The new tokens' k and v loaded by TMA (host tensor descriptors over [T, Hkv * D]) instead of pointer loads, on
-# Hopper and later; KV_LOOP_WS: the loop over whole key blocks warp-specialized (tl.range(warp_specialize=)).
-# A/B knobs, off until measured (bench.probe prefill_attn_tma).
-NEW_KV_TMA = False
-KV_LOOP_WS = False
+# Hopper and later, in passes whose longest request adds at least TMA_MIN_TOKENS (below that the loop over whole key
+# blocks barely runs, and each launch would encode two descriptors on the host for nothing). On an H100 (bench.probe
+# prefill_attn_tma, 2026-12-06) the default tile took 1 x 8192 causal tokens from 1,099 to 995 us, 2 x 4096 from 632
+# to 568 (cuDNN per sequence: 941 and 562), 8 x 1024 from 226 to 198; the prefill goal's passes 1.0-1.7% faster.
+# Larger tiles with TMA, and the whole-block loop warp-specialized (Triton 3.6 compiles that at 8 warps only), gained
+# nothing over it.
+NEW_KV_TMA = True
+TMA_MIN_TOKENS = 256
 
 
 @triton.jit
@@ -62,13 +66,11 @@ def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEN
                    sm_scale_log2, k_scale, v_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_ot, stride_oh, stride_bs, stride_bh, stride_rt, GROUP, D,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PACK: tl.constexpr,
-                   DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr = False, KD=None, VD=None, TMA: tl.constexpr = False,
-                   WS: tl.constexpr = False):
+                   DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr = False, KD=None, VD=None, TMA: tl.constexpr = False):
     """KV_FP8: an FP8 pool. The prefix's k and v tiles are converted to q's dtype (v times v_scale first) and
     its scores take k_scale; the new tokens' k and v are read as computed, unrounded.
     TMA: the new tokens' k and v come through KD, VD (tensor descriptors over [T, Hkv * D], blocks [BLOCK_N, D];
-    rows past the request are another request's or zeros, and the causal mask hides them). WS: the loop over
-    whole key blocks is warp-specialized."""
+    rows past the request are another request's or zeros, and the causal mask hides them)."""
     # Longest-running (last, most causal work) query blocks launch first to shorten the tail.
     mblk = tl.num_programs(0) - 1 - tl.program_id(0)
     hp = tl.program_id(1)  # query heads hp * PACK .. hp * PACK + PACK - 1, one KV head (PACK divides GROUP)
@@ -121,7 +123,7 @@ def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEN
         n_full = (m0 // BLOCK_N) * BLOCK_N
         row0 = tok0.to(tl.int32)
         col = kvh * D
-        for n0 in tl.range(0, n_full, BLOCK_N, warp_specialize=WS):
+        for n0 in range(0, n_full, BLOCK_N):
             if TMA:
                 k = KD.load([row0 + n0, col])
                 v = VD.load([row0 + n0, col])
@@ -185,14 +187,13 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
                      extend_start_loc: torch.Tensor, max_extend_len: int, scaling: float,
                      out: torch.Tensor | None = None,
                      config: tuple[int, int, int, int] | None = None, pack: int | None = None,
-                     k_scale: float = 1.0, v_scale: float = 1.0, tma: bool | None = None,
-                     ws: bool | None = None) -> torch.Tensor:
+                     k_scale: float = 1.0, v_scale: float = 1.0, tma: bool | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] of the new tokens (packed like q); prefixes come from the pool.
     max_extend_len: a host upper bound on any request's new-token count (sizes the grid).
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages) override. pack: query heads per program (a divisor
     of the group size Hq / Hkv dividing BLOCK_M); None: extend_pack's. k_scale, v_scale: an FP8 pool's (its
-    prefix rows are multiplied by them; the new tokens' k, v are read as passed). tma, ws: NEW_KV_TMA's and
-    KV_LOOP_WS's A/B (None: the knobs); TMA applies where tma_applies says."""
+    prefix rows are multiplied by them; the new tokens' k, v are read as passed). tma: the new tokens' k and v by
+    TMA where tma_applies says (None: NEW_KV_TMA, for passes of at least TMA_MIN_TOKENS a request)."""
     T, HQ, D = q.shape
     HKV = k.shape[1]
     assert HQ % HKV == 0 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
@@ -209,7 +210,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
         BLOCK_D, q.dtype, max_extend_len * pack if pack > 1 else None)
     assert (HQ // HKV) % pack == 0 and BLOCK_M % pack == 0, (HQ, HKV, pack, BLOCK_M)
     grid = (triton.cdiv(max_extend_len, BLOCK_M // pack), HQ // pack, B)
-    tma = (NEW_KV_TMA if tma is None else tma) and tma_applies(k, v, BLOCK_D)
+    if tma is None:
+        tma = NEW_KV_TMA and max_extend_len >= TMA_MIN_TOKENS
+    tma = tma and tma_applies(k, v, BLOCK_D)
     descs = {}
     if tma:
         descs = {"KD": _kv_descriptor(k, BLOCK_N), "VD": _kv_descriptor(v, BLOCK_N), "TMA": True}
@@ -219,8 +222,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1),
         req_to_token.stride(0), HQ // HKV, D,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, PACK=pack, DOT_PREC=dot_precision(q.dtype),
-        KV_FP8=k_buf.element_size() == 1, WS=KV_LOOP_WS if ws is None else ws, num_warps=num_warps,
-        num_stages=num_stages, **descs)
+        KV_FP8=k_buf.element_size() == 1, num_warps=num_warps, num_stages=num_stages, **descs)
     return out
 
 
