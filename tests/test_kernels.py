@@ -2067,6 +2067,54 @@ def test_decode_stage1_tile_over_an_fp8_pool_is_unpipelined(monkeypatch):
     assert td.stage1_tile(128, kv_fp8=True) == td.stage1_tile(128) == (32, 8, 3)
 
 
+def test_extend_reads_new_tokens_by_tma_from_256_tokens_a_request(monkeypatch):
+    """The prefill kernel takes the new tokens' k and v by TMA (NEW_KV_TMA) in passes whose longest request adds at
+    least TMA_MIN_TOKENS, where tma_applies (measured on an H100, bench/RESULTS.md 2026-12-06); shorter passes (the
+    short-extend graphs, jump-forward's catch-up) and layouts TMA cannot read keep the pointer loads; tma= overrides."""
+    import kernels.attention.triton_extend as te
+
+    launches = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw.get("TMA", False))
+
+    monkeypatch.setattr(te, "_extend_kernel", Launch())
+    monkeypatch.setattr(te, "_kv_descriptor", lambda t, block_n: ("desc", block_n))
+    hq, hkv, d = 8, 2, 64
+
+    def run(max_len, tma=None, kv=None):
+        T = max_len
+        q = torch.zeros(T, hq, d)
+        k = v = kv if kv is not None else torch.zeros(T, hkv, d)
+        one = torch.ones(1, dtype=torch.int32)
+        te.extend_attention(q, k, v, torch.zeros(4, hkv, d), torch.zeros(4, hkv, d), torch.zeros(2, 4, dtype=torch.int32),
+                            one, one * 0, one * T, one * 0, max_len, 0.125, tma=tma)
+        return launches.pop()
+
+    monkeypatch.setattr(te, "tma_applies", lambda k, v, block_d: True)
+    assert te.NEW_KV_TMA and te.TMA_MIN_TOKENS == 256
+    assert [run(n) for n in (64, 255, 256, 4096)] == [False, False, True, True]
+    assert run(64, tma=True) and not run(4096, tma=False)
+    monkeypatch.setattr(te, "NEW_KV_TMA", False)
+    assert not run(4096)
+    monkeypatch.setattr(te, "NEW_KV_TMA", True)
+    monkeypatch.setattr(te, "tma_applies", lambda k, v, block_d: False)
+    assert not run(4096) and not run(4096, tma=True)
+    # What TMA can read: heads side by side at a power-of-two head size, 16-byte rows; not a CPU tensor outside
+    # the interpreter.
+    monkeypatch.undo()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kv = torch.zeros(16, hkv, d, dtype=torch.bfloat16)
+    assert te.tma_applies(kv, kv, d)
+    assert not te.tma_applies(kv, kv, 128)  # a block wider than the head
+    assert not te.tma_applies(kv.transpose(0, 1).contiguous().transpose(0, 1), kv, d)  # heads not side by side
+    padded = torch.zeros(16, hkv * d + 4, dtype=torch.bfloat16)[:, :hkv * d].unflatten(1, (hkv, d))
+    assert te.tma_applies(kv, kv, d) and not te.tma_applies(padded, kv, d)  # token rows 8 bytes off 16
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not te.tma_applies(kv, kv, d)
+
+
 def test_factory_choices():
     from shared.models.attention import TorchAttentionBackend, create_attention_backend
     assert isinstance(create_attention_backend("auto", 4, 2, 16, device="cpu"), TorchAttentionBackend)
