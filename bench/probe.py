@@ -200,75 +200,44 @@ def probe_extend_pack(res: dict) -> None:
     res["extend_pack"] = rows
 
 
-def probe_prefill_attn(res: dict) -> None:
-    """No-prefix prefill attention, the prefill goal's open question: our packed kernel at larger tiles
-    against cuDNN SDPA run per sequence on views of the packed q/k/v (as the engine would call it), and what
-    cuDNN's first call at a new length costs (one plan per length unless lengths are bucketed)."""
+def _cudnn_row(q, k, v, out, B: int, L: int, flops: float, ref=None) -> dict:
+    """cuDNN SDPA run sequence by sequence on views of _packed_batch's q/k/v, each output copied into the packed out
+    (as the engine would call it: SDPA takes no ragged batch), timed in CUDA graphs; a result row (or its error)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from kernels.attention.triton_extend import extend_attention, extend_block_sizes
     F = torch.nn.functional
+
+    def cudnn(i):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            for b in range(B):
+                sl = slice(b * L, (b + 1) * L)
+                o = F.scaled_dot_product_attention(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None],
+                                                   v[sl].transpose(0, 1)[None], is_causal=True, enable_gqa=True,
+                                                   scale=D ** -0.5)
+                out[sl].copy_(o[0].transpose(0, 1))
+    row = {"case": f"{B}x{L}", "impl": "cuDNN SDPA per sequence + copy"}
+    try:
+        t = graph_time_ms(cudnn, reps=7)
+        row.update(us=t * 1e3, TFLOPs=flops / t / 1e9)
+        if ref is not None:
+            row["max_err"] = (out.float() - ref.float()).abs().max().item()
+    except Exception as e:
+        row["error"] = repr(e)[:300]
+    return row
+
+
+def _extend_sweep(cases, variants: dict) -> list[dict]:
+    """No-prefix causal extend attention over _packed_batch(B, L) for each (B, L) of cases: each variant (name ->
+    extend_attention keyword arguments) timed in CUDA graphs, its largest difference from the first variant's
+    output, then cuDNN SDPA per sequence (_cudnn_row)."""
+    from kernels.attention.triton_extend import extend_attention
     rows = []
-    for B, L in [(1, 1024), (4, 1024), (1, 2048), (2, 4096), (1, 8192)]:
+    for B, L in cases:
         q, k, v, kb, r2t, req, zero, lens, starts, cu, flops, out = _packed_batch(B, L)
         ref = None
-        for cfg in [None, (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)]:
-            name = f"ours packed {cfg or extend_block_sizes(D, DT, L * 4)}"
+        for name, kw in variants.items():
             try:
                 t = graph_time_ms(lambda i: extend_attention(q, k, v, kb, kb, r2t, req, zero, lens, starts, L,
-                                                             D ** -0.5, out=out, config=cfg), reps=7)
-                if ref is None:
-                    ref = out.clone()
-                rows.append({"case": f"{B}x{L}", "impl": name, "us": t * 1e3, "TFLOPs": flops / t / 1e9,
-                             "max_err": (out.float() - ref.float()).abs().max().item()})
-            except Exception as e:
-                rows.append({"case": f"{B}x{L}", "impl": name, "error": repr(e)[:200]})
-            log(rows[-1])
-
-        def cudnn(i):
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                for b in range(B):
-                    sl = slice(b * L, (b + 1) * L)
-                    o = F.scaled_dot_product_attention(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None],
-                                                       v[sl].transpose(0, 1)[None], is_causal=True, enable_gqa=True,
-                                                       scale=D ** -0.5)
-                    out[sl].copy_(o[0].transpose(0, 1))
-        try:
-            t = graph_time_ms(cudnn, reps=7)
-            rows.append({"case": f"{B}x{L}", "impl": "cuDNN SDPA per sequence + copy", "us": t * 1e3,
-                         "TFLOPs": flops / t / 1e9, "max_err": (out.float() - ref.float()).abs().max().item()})
-        except Exception as e:
-            rows.append({"case": f"{B}x{L}", "impl": "cuDNN SDPA per sequence + copy", "error": repr(e)[:300]})
-        log(rows[-1])
-        del q, k, v
-        torch.cuda.empty_cache()
-    res["prefill_attn"] = rows
-
-
-def probe_prefill_attn_tma(res: dict) -> None:
-    """No-prefix prefill attention with the new tokens' k and v read by TMA (kernels.attention.triton_extend's
-    NEW_KV_TMA) against the pointer loads, at the default and larger tiles, packed and one head per program, with
-    cuDNN SDPA per sequence as the reference; then the prefill goal's workload in the engine, pointer loads against
-    TMA at the default tile, alternated (inside a pass the inputs come cold). The first run (2026-12-06) also swept
-    the whole-block loop warp-specialized (tl.range(warp_specialize=True), 8 warps only in Triton 3.6): no gain, removed."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    import kernels.attention.triton_extend as te
-    F = torch.nn.functional
-    rows = []
-    variants = [(None, None, False), (None, None, True), ((64, 64, 4, 2), None, True)]
-    for cfg in [(128, 64, 8, 3), (128, 128, 8, 3)]:
-        variants += [(cfg, None, False), (cfg, None, True)]
-    variants += [((128, 128, 8, 3), 1, True)]  # one head per program, as FA's tutorial kernels run
-    for B, L in [(1, 8192), (2, 4096), (8, 1024)]:
-        q, k, v, kb, r2t, req, zero, lens, starts, cu, flops, out = _packed_batch(B, L)
-        ref = None
-        for cfg, pack, tma in variants:
-            name = f"{cfg or 'default'} pack={pack or 'auto'} tma={int(tma)}"
-            try:
-                t = graph_time_ms(lambda i: te.extend_attention(q, k, v, kb, kb, r2t, req, zero, lens, starts, L,
-                                                                D ** -0.5, out=out, config=cfg, pack=pack, tma=tma),
-                                  reps=7)
+                                                             D ** -0.5, out=out, **kw), reps=7)
                 if ref is None:
                     ref = out.clone()
                 rows.append({"case": f"{B}x{L}", "impl": name, "us": t * 1e3, "TFLOPs": flops / t / 1e9,
@@ -276,42 +245,47 @@ def probe_prefill_attn_tma(res: dict) -> None:
             except Exception as e:
                 rows.append({"case": f"{B}x{L}", "impl": name, "error": repr(e)[:300]})
             log(rows[-1])
-
-        def cudnn(i):
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                for b in range(B):
-                    sl = slice(b * L, (b + 1) * L)
-                    o = F.scaled_dot_product_attention(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None],
-                                                       v[sl].transpose(0, 1)[None], is_causal=True, enable_gqa=True,
-                                                       scale=D ** -0.5)
-                    out[sl].copy_(o[0].transpose(0, 1))
-        try:
-            t = graph_time_ms(cudnn, reps=7)
-            rows.append({"case": f"{B}x{L}", "impl": "cuDNN SDPA per sequence + copy", "us": t * 1e3,
-                         "TFLOPs": flops / t / 1e9})
-        except Exception as e:
-            rows.append({"case": f"{B}x{L}", "impl": "cuDNN SDPA per sequence + copy", "error": repr(e)[:300]})
+        rows.append(_cudnn_row(q, k, v, out, B, L, flops, ref))
         log(rows[-1])
         del q, k, v
         torch.cuda.empty_cache()
-    res["prefill_attn_tma"] = rows
+    return rows
+
+
+def probe_prefill_attn(res: dict) -> None:
+    """No-prefix prefill attention, the prefill goal's open question: our packed kernel at larger tiles
+    against cuDNN SDPA run per sequence on views of the packed q/k/v (as the engine would call it), and what
+    cuDNN's first call at a new length costs (one plan per length unless lengths are bucketed)."""
+    from kernels.attention.triton_extend import extend_block_sizes
+    res["prefill_attn"] = _extend_sweep(
+        [(1, 1024), (4, 1024), (1, 2048), (2, 4096), (1, 8192)],
+        {f"ours packed {cfg or extend_block_sizes(D, DT, 4096)}": {"config": cfg}
+         for cfg in [None, (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)]})
+
+
+def probe_prefill_attn_tma(res: dict) -> None:
+    """No-prefix prefill attention with the new tokens' k and v read by TMA (kernels.attention.triton_extend's
+    NEW_KV_TMA) against the pointer loads, at the default and larger tiles, packed and one head per program, with
+    cuDNN SDPA per sequence as the reference; then the prefill goal's workload in the engine, pointer loads against
+    TMA at the default tile, alternated (inside a pass the inputs come cold). The first run (2026-12-06) also swept
+    the whole-block loop warp-specialized (tl.range(warp_specialize=True), 8 warps only in Triton 3.6): no gain,
+    removed."""
+    import kernels.attention.triton_extend as te
+    variants = [(None, None, False), (None, None, True), ((64, 64, 4, 2), None, True)]
+    for cfg in [(128, 64, 8, 3), (128, 128, 8, 3)]:
+        variants += [(cfg, None, False), (cfg, None, True)]
+    variants += [((128, 128, 8, 3), 1, True)]  # one head per program, as FA's tutorial kernels run
+    res["prefill_attn_tma"] = _extend_sweep(
+        [(1, 8192), (2, 4096), (8, 1024)],
+        {f"{cfg or 'default'} pack={pack or 'auto'} tma={int(tma)}": {"config": cfg, "pack": pack, "tma": tma}
+         for cfg, pack, tma in variants})
     # The engine: bench.offline's prefill measurement (16 x 4096 tokens in 8k-token passes), pointer loads / TMA.
-    from bench.common import SHAPES, matmul_params
-    cfg_ = SHAPES["llama-3.1-8b"]
-    flops_tok = 2 * matmul_params(cfg_) + 2 * cfg_["num_hidden_layers"] * cfg_["num_attention_heads"] * cfg_["head_dim"] * 4096
     knob = te.NEW_KV_TMA
     eng = _tput_engine()
     erows = []
     for tma in (False, True, False, True):
         te.NEW_KV_TMA = tma
-        eng.cache.reset()
-        drive(eng, random_prompts(2, 4096, 400, 29), {**GREEDY, "max_new_tokens": 1})  # compile
-        eng.cache.reset()
-        st = drive(eng, random_prompts(16, 4096, 400, 30), {**GREEDY, "max_new_tokens": 1}, time_steps=True)
-        full = [(t, n) for t, n in zip(st.extend_step_s, st.extend_step_tokens) if n >= 8192]
-        tok_s = sum(n for _, n in full) / sum(t for t, _ in full)
-        erows.append({"tma": tma, "prefill_tflops": tok_s * flops_tok / 1e12,
-                      "pass_ms": 1e3 * sum(t for t, _ in full) / len(full)})
+        erows.append({"tma": tma, **_prefill_4k(eng)})
         log(erows[-1])
     te.NEW_KV_TMA = knob
     eng.stop()
@@ -1252,29 +1226,36 @@ def probe_extend_layout(res: dict) -> None:
     res["extend_layout"] = rows
 
 
+def _prefill_4k(eng) -> dict:
+    """bench.offline's prefill measurement on eng: 16 prompts of 4096 tokens in 8k-token passes, each pass synced and
+    timed (a compile pass of two prompts first, the cache reset around both): TFLOP/s (attention counted) and ms a
+    pass over the full passes."""
+    from bench.common import SHAPES, matmul_params
+    cfg = SHAPES["llama-3.1-8b"]
+    flops_tok = 2 * matmul_params(cfg) + 2 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * 4096
+    eng.cache.reset()
+    drive(eng, random_prompts(2, 4096, 400, 29), {**GREEDY, "max_new_tokens": 1})  # compile
+    eng.cache.reset()
+    st = drive(eng, random_prompts(16, 4096, 400, 30), {**GREEDY, "max_new_tokens": 1}, time_steps=True)
+    full = [(t, n) for t, n in zip(st.extend_step_s, st.extend_step_tokens) if n >= 8192]
+    tok_s = sum(n for _, n in full) / sum(t for t, _ in full)
+    return {"prefill_tflops": tok_s * flops_tok / 1e12, "pass_ms": 1e3 * sum(t for t, _ in full) / len(full)}
+
+
 def probe_prefill_tiles(res: dict) -> None:
     """bench.offline's prefill measurement (16 x 4096 tokens, 8k-token passes, each pass synced and timed)
     with the extend kernel's tile for long prompts varied in the engine itself (inside a pass its inputs
     come cold from HBM, so the tile that wins alone need not win there), alternated, with the matmul
     reference of the same call."""
     import kernels.attention.triton_extend as te
-    from bench.common import SHAPES, matmul_params, measure_matmul_tflops
-    cfg = SHAPES["llama-3.1-8b"]
-    flops_tok = 2 * matmul_params(cfg) + 2 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * 4096
+    from bench.common import measure_matmul_tflops
     default = te.extend_block_sizes
     eng = _tput_engine()
     rows = []
     for tiles in [None, (128, 64, 8, 3), (128, 128, 8, 3), None, (128, 64, 8, 3), (128, 128, 8, 3)]:
         te.extend_block_sizes = default if tiles is None else (
             lambda d, dt, r=None, t=tiles: t if r is not None and r >= 1024 else default(d, dt, r))
-        eng.cache.reset()
-        drive(eng, random_prompts(2, 4096, 400, 29), {**GREEDY, "max_new_tokens": 1})  # compile
-        eng.cache.reset()
-        st = drive(eng, random_prompts(16, 4096, 400, 30), {**GREEDY, "max_new_tokens": 1}, time_steps=True)
-        full = [(t, k) for t, k in zip(st.extend_step_s, st.extend_step_tokens) if k >= 8192]
-        tok_s = sum(k for _, k in full) / sum(t for t, _ in full)
-        rows.append({"tiles": str(tiles or "default"), "prefill_tflops": tok_s * flops_tok / 1e12,
-                     "pass_ms": 1e3 * sum(t for t, _ in full) / len(full)})
+        rows.append({"tiles": str(tiles or "default"), **_prefill_4k(eng)})
         log(rows[-1])
     te.extend_block_sizes = default
     eng.stop()

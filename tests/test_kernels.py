@@ -1435,23 +1435,27 @@ def check_cascade_decode_attention(device, dtype):
                 assert not tickets.any()
 
 
+def _extend_case(device, dtype, hq, hkv, d, prefix, ext):
+    """An extend pass over _paged_setup's pool: the pool, table, rows, q, the new tokens' k and v (in the pool, as the
+    backend guarantees, and passed packed), the requests' start offsets, and the reference's output."""
+    from kernels.reference import extend_attention_ref
+    k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, dtype, hkv, d, prefix, ext)
+    q = _rand(sum(ext), hq, d, dtype=dtype, device=device)
+    slots = torch.cat([r2t[i + 1, p:p + e] for i, (p, e) in enumerate(zip(prefix, ext))]).long()
+    starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))], dtype=torch.int32, device=device)
+    ref = extend_attention_ref(q, k_buf, v_buf, r2t, req_idx, prefix, ext, d ** -0.5)
+    return k_buf, v_buf, r2t, req_idx, q, k_buf[slots], v_buf[slots], starts, ref
+
+
 def check_extend_attention(device, dtype):
     from kernels.attention.triton_extend import extend_attention, extend_pack
-    from kernels.reference import extend_attention_ref
     # A request with no new tokens is a captured graph's padding row: it must write nothing.
     cases = [([0, 5, 33, 0], [7, 1, 30, 70]), ([130], [33]), ([40, 0, 9], [17, 0, 5])]
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     for d in _head_dims(device)[:2]:
         for hq, hkv in [(4, 4), (4, 2), (8, 2), (12, 2), (8, 1)]:  # groups 1, 2, 4, 6 (packs 2), 8
             for prefix, ext in cases:
-                k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, dtype, hkv, d, prefix, ext)
-                T = sum(ext)
-                q = _rand(T, hq, d, dtype=dtype, device=device)
-                # New tokens' K/V are in the pool (as the backend guarantees) and passed packed.
-                slots = torch.cat([r2t[i + 1, p:p + e] for i, (p, e) in enumerate(zip(prefix, ext))]).long()
-                k, v = k_buf[slots], v_buf[slots]
-                starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))], dtype=torch.int32, device=device)
-                i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-                ref = extend_attention_ref(q, k_buf, v_buf, r2t, req_idx, prefix, ext, d ** -0.5)
+                k_buf, v_buf, r2t, req_idx, q, k, v, starts, ref = _extend_case(device, dtype, hq, hkv, d, prefix, ext)
                 # pack: query heads per program (None: the kernel's choice); a grid bound above the
                 # longest request (as a captured graph has) changes nothing.
                 full = extend_pack(hq, hkv)
@@ -1464,25 +1468,19 @@ def check_extend_attention(device, dtype):
 
 
 def check_extend_attention_tma(device, dtype):
-    """The new tokens' k and v read by TMA (NEW_KV_TMA): the pointer loads' output (bit for bit interpreted; on a GPU within the dtype's tolerance), and the reference's. Requests
-    side by side, so a tile read past one request's end holds the next one's rows, which the mask must hide."""
+    """The new tokens' k and v read by TMA (NEW_KV_TMA): the pointer loads' output (bit for bit interpreted; on a GPU
+    within the dtype's tolerance), and the reference's. Requests side by side, so a tile read past one request's end
+    holds the next one's rows, which the mask must hide."""
     from kernels.attention.triton_extend import extend_attention, tma_applies
-    from kernels.reference import extend_attention_ref
     d = 64
     blk = 32 if device.type == "cpu" else 64  # the tile's key block here
     cases = [([0, 0], [3 * blk + 5, 2 * blk - 3]), ([17, 0, 40], [blk + 1, 2 * blk + 9, 7])]
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     for hq, hkv in [(8, 2), (4, 4)]:
         for prefix, ext in cases:
-            k_buf, v_buf, r2t, req_idx, _ = _paged_setup(device, dtype, hkv, d, prefix, ext)
-            T = sum(ext)
-            q = _rand(T, hq, d, dtype=dtype, device=device)
-            slots = torch.cat([r2t[i + 1, p:p + e] for i, (p, e) in enumerate(zip(prefix, ext))]).long()
-            k, v = k_buf[slots], v_buf[slots]
+            k_buf, v_buf, r2t, req_idx, q, k, v, starts, ref = _extend_case(device, dtype, hq, hkv, d, prefix, ext)
             interpreted = device.type == "cpu"
             assert tma_applies(k, v, d) == (interpreted or torch.cuda.get_device_capability(device)[0] >= 9)
-            starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))], dtype=torch.int32, device=device)
-            i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-            ref = extend_attention_ref(q, k_buf, v_buf, r2t, req_idx, prefix, ext, d ** -0.5)
             base = extend_attention(q, k, v, k_buf, v_buf, r2t, req_idx, i32(prefix), i32(ext), starts, max(ext),
                                     d ** -0.5, tma=False)
             out = extend_attention(q, k, v, k_buf, v_buf, r2t, req_idx, i32(prefix), i32(ext), starts, max(ext),
