@@ -62,6 +62,21 @@ def _attend_block(acc, m_i, l_i, q, k, v, s_mask, sm_scale_log2, DOT_PREC: tl.co
 
 
 @triton.jit
+def _new_kv(KD, VD, k_ptrs, v_ptrs, stride_kt, stride_vt, row0, col, n0, mask, BLOCK_N: tl.constexpr,
+            TMA: tl.constexpr):
+    """Key block n0 of the request's own new tokens, k and v [BLOCK_N, D]: by TMA from row row0 + n0, column col of
+    KD, VD, or by pointer loads (k_ptrs, v_ptrs at the request's first token) under mask."""
+    if TMA:
+        k = KD.load([row0 + n0, col])
+        v = VD.load([row0 + n0, col])
+    else:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_ptrs + offs_n[:, None] * stride_kt, mask=mask, other=0.0)
+        v = tl.load(v_ptrs + offs_n[:, None] * stride_vt, mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEND_LENS, START_LOC,
                    sm_scale_log2, k_scale, v_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_ot, stride_oh, stride_bs, stride_bh, stride_rt, GROUP, D,
@@ -124,13 +139,7 @@ def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEN
         row0 = tok0.to(tl.int32)
         col = kvh * D
         for n0 in range(0, n_full, BLOCK_N):
-            if TMA:
-                k = KD.load([row0 + n0, col])
-                v = VD.load([row0 + n0, col])
-            else:
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                k = tl.load(k_ptrs + offs_n[:, None] * stride_kt, mask=mask_d[None, :], other=0.0)
-                v = tl.load(v_ptrs + offs_n[:, None] * stride_vt, mask=mask_d[None, :], other=0.0)
+            k, v = _new_kv(KD, VD, k_ptrs, v_ptrs, stride_kt, stride_vt, row0, col, n0, mask_d[None, :], BLOCK_N, TMA)
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k.to(CDT), v.to(CDT), mask_m[:, None], sm_scale_log2,
                                           DOT_PREC, False)
         # The rest up to the block's last token: causal mask.
@@ -138,13 +147,8 @@ def _extend_kernel(Q, K, V, O, KB, VB, REQ_TO_TOKEN, REQ_IDX, PREFIX_LENS, EXTEN
         for n0 in range(n_full, n_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < n_end
-            if TMA:
-                k = KD.load([row0 + n0, col])
-                v = VD.load([row0 + n0, col])
-            else:
-                kv_mask = mask_n[:, None] & mask_d[None, :]
-                k = tl.load(k_ptrs + offs_n[:, None] * stride_kt, mask=kv_mask, other=0.0)
-                v = tl.load(v_ptrs + offs_n[:, None] * stride_vt, mask=kv_mask, other=0.0)
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k, v = _new_kv(KD, VD, k_ptrs, v_ptrs, stride_kt, stride_vt, row0, col, n0, kv_mask, BLOCK_N, TMA)
             causal = (offs_n[None, :] <= offs_m[:, None]) & mask_n[None, :]
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k.to(CDT), v.to(CDT), causal, sm_scale_log2, DOT_PREC,
                                           True)
