@@ -100,6 +100,34 @@ def measure_matmul_tflops(n: int = 8192) -> float:
     return 2 * n ** 3 / t / 1e12
 
 
+def measure_matmul_sustained(seconds: float = 3.0, n: int = 8192, group: int = 8) -> float:
+    """The bf16 matmul rate the board sustains: 8192^3 GEMMs back to back for `seconds` (the host keeps one group
+    queued ahead, so the GPU never waits on it), the rate over the second half. A prefill of seconds runs at these
+    clocks, not at the short-burst ones measure_matmul_tflops reads on a cool GPU (0.90-0.95 of them on H100 and
+    H200 boards, which cap their power: bench/RESULTS.md, 2026-12-02 and 2026-12-05)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    xs = [torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    w = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(n, n, dtype=torch.bfloat16, device="cuda")
+    marks = [torch.cuda.Event(enable_timing=True)]
+    marks[0].record()
+    t0 = time.perf_counter()
+    while True:
+        for i in range(group):
+            torch.mm(xs[i % 3], w, out=out)
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
+        if len(marks) > 2:
+            marks[-3].synchronize()  # one group in flight behind the one just queued
+        if time.perf_counter() - t0 > seconds:
+            break
+    marks[-1].synchronize()
+    ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    half = ms[len(ms) // 2:]
+    return 2 * n ** 3 * group * len(half) / (sum(half) / 1e3) / 1e12
+
+
 @dataclass
 class RunStats:
     wall_s: float = 0.0
