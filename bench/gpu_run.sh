@@ -97,9 +97,11 @@ fi
 # recheck = recheck-a then recheck-b. A fresh machine compiles every kernel first and the whole ran past one call's
 # 600 s (2026-12-06): on a fresh machine run the halves as two calls, back to back (the machine stays warm 30 s).
 if [[ $what == recheck || $what == recheck-a ]]; then
-  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py -k gpu 2>&1 | tail -3
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda_bf16 and (gemv or extend)" 2>&1 | tail -3
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k "bf16 or cuda_graphs" 2>&1 | tail -3
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_quantization.py -k gpu 2>&1 | tee "$OUT/recheck_tests.log" | tail -3
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels.py -k "cuda_bf16 and (gemv or extend)" 2>&1 \
+    | tee -a "$OUT/recheck_tests.log" | tail -3
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_engine.py -k "bf16 or cuda_graphs" 2>&1 \
+    | tee -a "$OUT/recheck_tests.log" | tail -3
   # Eight cache off/on pairs: the zero-reuse overhead's goal (0.3%) is below one run's spread; with three
   # pairs it read 0.66% and 0.31% where ten read 0.21% (2026-12-04).
   # With the mixed-chunk A/B (two pairs of throughput runs, 2026-12-05): one more info line.
