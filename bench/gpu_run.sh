@@ -4,10 +4,9 @@
 #   bash bench/gpu_run.sh prefill-tma|two-row-final|two-row-next|rows-final|two-row-tiles|two-row-tiles-fp8|trace-b2|lm-head-rows|bf16-rows|fp8-rows|fp8-rows-64|fp8-rows-pdl|ideas|gate-up|long-extend|fp8-h200|fp8-down|fp8-rope|tput-layout|kv-fp8|kv-fp8-tput|fp8-block|fp8-block-e2e|tests|offline|offline-nohf|kernels|structured|programs|workloads|pd|pd-decode-heavy|fp8|serving|serving-interval|serving-warm|serving-dp|serving-dp4|sync-audit|probes|b1-attn|recheck|recheck-a|recheck-b|l2-prefetch|batch1-next|batch1-all|batch1-next-trace|fp8-row|tp|shared-prefix|all
 # recheck: issues 12 and 14 single-GPU goals, FP8 and non-streaming serving included, in one call (~7 min; 2026-12-04), after a change to a measured path
 # (pd wants the nvidia-h200-x2 kind: one GPU per worker)
-# Done 12-06 09:30-10:00 (H100): two-row-next, two-row-tiles-fp8, two-row-final, recheck; 12-06 12:30 (H100):
-# prefill-tma (bench/RESULTS.md). Pending: `recheck` at NEW_KV_TMA's default (its GPU tests, `tests` or recheck's
-# test_engine line, have not run with it on: the device time ran out); on an H200 (an H100 came for every call since
-# 12-05 but one), `recheck`, `prefill-tma`, `fp8-h200`, `bf16-rows`, `two-row-tiles` and `two-row-tiles-fp8`.
+# Done 12-06 15:07-15:25 (H100): recheck-a twice, recheck-b, kernels at c0ab0f1 (NEW_KV_TMA on; every goal PASS against
+# the sustained matmul rate). Pending on an H200 (an H100 came for every call since 12-05 but one): `recheck`,
+# `prefill-tma`, `fp8-h200`, `bf16-rows`, `two-row-tiles` and `two-row-tiles-fp8`.
 # Carry [".whl/xgr", ".whl/svc", ".whl/extra"].
 set -uo pipefail
 what=${1:-all}
