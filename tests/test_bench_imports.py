@@ -128,9 +128,9 @@ def test_gemv_chain_sweep_fp8_down_study_picks_a_tile_only_where_it_beats_the_en
 
 
 def test_offline_roofline_counts_decode_gemm_flops_only_when_asked():
-    """bench.offline's throughput roofline: the goal's model (decode as a weight + KV stream) unchanged without a
-    decode rate; with one, a batch-256 step on the 8B shape is priced at its GEMMs' FLOPs (compute-bound), a batch-1
-    step still at the stream."""
+    """bench.offline's throughput roofline: without a decode rate each decode step is a weight + KV stream (the
+    burst info line's model); with one (the goal's since 2026-12-06), a batch-256 step on the 8B shape is priced at
+    its GEMMs' FLOPs (compute-bound), a batch-1 step still at the stream."""
     from bench.common import SHAPES
     from bench.offline import throughput_roofline
     cfg = SHAPES["llama-3.1-8b"]
