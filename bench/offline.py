@@ -4,7 +4,8 @@
     python bench/offline.py [--shape llama-3.1-8b|tiny] [--skip-hf] [--out DIR]
 
 Measures the device's copy bandwidth and bf16 matmul rate first (in bursts, and sustained for seconds: the goals'
-reference), and reports every figure next to its roofline from those measured ceilings. Prints a short table last; writes offline.json (+ a PNG) to --out.
+reference), and reports every figure next to its roofline from those measured ceilings. Prints a short table
+last; writes offline.json (+ a PNG) to --out.
 """
 from __future__ import annotations
 
