@@ -55,6 +55,21 @@ def matmul_params(cfg: dict) -> int:
     return param_bytes(cfg, 1) - cfg["vocab_size"] * cfg["hidden_size"]
 
 
+def prefill_flops_per_token(cfg: dict, prompt_len: int) -> float:
+    """FLOPs a prompt token of a prompt_len-token prompt costs: the matmuls, and causal attention's two matmuls
+    (on average half the prompt before each token)."""
+    return 2 * matmul_params(cfg) + 2 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * prompt_len
+
+
+def full_pass_rate(st: "RunStats", min_tokens: int) -> tuple[float, float]:
+    """Tokens a second over a timed run's (drive(time_steps=True)) extend passes of at least min_tokens, and their
+    mean seconds a pass; nan, nan where there is none."""
+    full = [(t, k) for t, k in zip(st.extend_step_s, st.extend_step_tokens) if k >= min_tokens]
+    if not full:
+        return float("nan"), float("nan")
+    return sum(k for _, k in full) / sum(t for t, _ in full), sum(t for t, _ in full) / len(full)
+
+
 def kv_bytes_per_token(cfg: dict, bytes_per=2) -> int:
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * bytes_per
 

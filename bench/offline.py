@@ -20,8 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import (SHAPES, drive, graph_replay_ms, kv_bytes_per_token, matmul_params, measure_copy_bandwidth,  # noqa: E402
-                          measure_matmul_sustained, measure_matmul_tflops, median, model_dir, param_bytes, random_prompts, sync)
+from bench.common import (SHAPES, drive, full_pass_rate, graph_replay_ms, kv_bytes_per_token, matmul_params,  # noqa: E402
+                          measure_copy_bandwidth, measure_matmul_sustained, measure_matmul_tflops, median, model_dir,
+                          param_bytes, prefill_flops_per_token, random_prompts, sync)
 from shared.engine.config import EngineConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
@@ -44,12 +45,10 @@ def log(msg):
 
 def throughput_roofline(cfg, n, prompt_len, out_len, bw, tflops, decode_tflops=None):
     """(output tok/s, prefill s, decode s) of n requests at the measured ceilings: prefill as FLOPs at the matmul
-    rate; each decode step as the weights and the KV streamed at copy bandwidth (the goal's model). With
-    decode_tflops, a step's weights cost max(stream, the GEMMs' 2 * params * n FLOPs at that rate): at n = 256 the
-    decode GEMMs are compute-bound, which the goal's model does not count."""
-    flops_prefill = n * prompt_len * (2 * matmul_params(cfg)
-                                      + 2 * cfg["num_hidden_layers"] * cfg["num_attention_heads"]
-                                      * cfg["head_dim"] * prompt_len)  # causal attention, both matmuls
+    rate; each decode step as the weights and the KV streamed at copy bandwidth (the burst info line's model). With
+    decode_tflops (the goal's model since 2026-12-06), a step's weights cost max(stream, the GEMMs' 2 * params * n
+    FLOPs at that rate): at n = 256 the decode GEMMs are compute-bound, which a pure stream does not count."""
+    flops_prefill = n * prompt_len * prefill_flops_per_token(cfg, prompt_len)
     t_prefill = flops_prefill / (tflops * 1e12)
     w = param_bytes(cfg) - cfg["vocab_size"] * cfg["hidden_size"] * 2  # the embedding is not streamed
     t_w = w / bw
@@ -230,11 +229,9 @@ def main():
     # 5. Prefill at 8k-token batches.
     log("prefill 8k-token batches")
     st = drive(eng, random_prompts(16, 4096, vocab, 30), {**GREEDY_FIXED, "max_new_tokens": 1}, time_steps=True)
-    full = [(t, k) for t, k in zip(st.extend_step_s, st.extend_step_tokens) if k >= 8192]
-    pf_tok_s = sum(k for _, k in full) / sum(t for t, _ in full) if full else float("nan")
-    flops_tok = 2 * matmul_params(cfg) + 2 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * 4096
+    pf_tok_s, _ = full_pass_rate(st, 8192)
     res["prefill_tok_s"] = pf_tok_s
-    res["prefill_tflops"] = pf_tok_s * flops_tok / 1e12
+    res["prefill_tflops"] = pf_tok_s * prefill_flops_per_token(cfg, 4096) / 1e12
     log(f"  {pf_tok_s:.0f} tok/s = {res['prefill_tflops']:.0f} TFLOP/s")
     eng.cache.reset()
     # The burst rate measured again right after the passes: a cross-check of the sustained reference (on the H200

@@ -1230,16 +1230,13 @@ def _prefill_4k(eng) -> dict:
     """bench.offline's prefill measurement on eng: 16 prompts of 4096 tokens in 8k-token passes, each pass synced and
     timed (a compile pass of two prompts first, the cache reset around both): TFLOP/s (attention counted) and ms a
     pass over the full passes."""
-    from bench.common import SHAPES, matmul_params
-    cfg = SHAPES["llama-3.1-8b"]
-    flops_tok = 2 * matmul_params(cfg) + 2 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * 4096
+    from bench.common import SHAPES, full_pass_rate, prefill_flops_per_token
     eng.cache.reset()
     drive(eng, random_prompts(2, 4096, 400, 29), {**GREEDY, "max_new_tokens": 1})  # compile
     eng.cache.reset()
     st = drive(eng, random_prompts(16, 4096, 400, 30), {**GREEDY, "max_new_tokens": 1}, time_steps=True)
-    full = [(t, n) for t, n in zip(st.extend_step_s, st.extend_step_tokens) if n >= 8192]
-    tok_s = sum(n for _, n in full) / sum(t for t, _ in full)
-    return {"prefill_tflops": tok_s * flops_tok / 1e12, "pass_ms": 1e3 * sum(t for t, _ in full) / len(full)}
+    tok_s, pass_s = full_pass_rate(st, 8192)
+    return {"prefill_tflops": tok_s * prefill_flops_per_token(SHAPES["llama-3.1-8b"], 4096) / 1e12, "pass_ms": 1e3 * pass_s}
 
 
 def probe_prefill_tiles(res: dict) -> None:
