@@ -4,7 +4,7 @@ as a number that does not move with the machine's load.
     python -m bench.gateway_cpu [--route completions|generate] [--streams 256] [--tokens 128]
                                 [--stream-interval 16] [--rounds 4] [--callgrind]
 
-The real front (services/gateway/front.py), routes, dispatcher and worker client run on fake transports:
+The gateway's aiohttp server protocol, routes, dispatcher and worker client run on fake transports:
 each round, `--streams` requests (the bench clients' bodies: 512 prompt ids) arrive on fresh connections,
 the worker client's read loop is fed TokenOutputs frames as the engine sends them (one per step, `--stream-
 interval` tokens an increment after the first), every stream ends and its connection closes. Printed: the
@@ -79,8 +79,9 @@ async def _settle(turns: int = 6) -> None:
 
 
 async def run(route: str, streams: int, tokens: int, interval: int, rounds: int, callgrind: bool) -> None:
-    from services.gateway.app import GENERATION_ROUTES
-    from services.gateway.front import FrontServer
+    from aiohttp import web
+
+    from services.gateway.app import create_app
     from services.gateway.router import Router
     from services.gateway.state import GatewayState
     from services.gateway.worker_client import WorkerClient
@@ -96,7 +97,11 @@ async def run(route: str, streams: int, tokens: int, interval: int, rounds: int,
     worker._task = asyncio.get_running_loop().create_task(worker._read_loop(reader))
     state = GatewayState(tokenizer=Tokenizer.load("tiny-random"), served_model_name="tiny-random",
                          model_path="tiny-random", router=Router([worker]), context_length=1 << 20)
-    front = FrontServer(None, state, GENERATION_ROUTES)
+    app = create_app(state)
+    app.on_startup.clear()  # the worker connection is this harness's, already "connected"
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    protocol = runner.server
     MODEL["id"] = "tiny-random"
     rng = random.Random(0)
     requests = []
@@ -110,7 +115,7 @@ async def run(route: str, streams: int, tokens: int, interval: int, rounds: int,
     async def one_round() -> None:
         conns = []
         for data in requests:
-            conn, transport = front(), _Transport()
+            conn, transport = protocol(), _Transport()
             conn.connection_made(transport)
             conn.data_received(data)
             conns.append((conn, transport))

@@ -149,8 +149,6 @@ def main():
     ap.add_argument("--gateway-processes", type=int, default=1,
                     help="gateway processes on the port (their CPU is summed); with --step-ms 0 this measures "
                          "whether the pool lifts the gateway's ceiling")
-    ap.add_argument("--disable-http-front", action="store_true",
-                    help="the gateway's --disable-http-front (aiohttp serves the generation routes too)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the load this many times against the same gateway, each reported (a cost that "
                          "grows from round to round is state the gateway keeps)")
@@ -177,8 +175,7 @@ def main():
         wport = int(_wait_line(worker, "FAKE WORKER").split()[-1])  # bound by the worker: no port race
         gateway = subprocess.Popen([sys.executable, "-m", "services.gateway", "--model-path", "tiny-random",
                                     "--workers", f"127.0.0.1:{wport}", "--port", str(gport), "--log-level", "warning",
-                                    "--gateway-processes", str(args.gateway_processes)]
-                                   + (["--disable-http-front"] if args.disable_http_front else []),
+                                    "--gateway-processes", str(args.gateway_processes)],
                                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    start_new_session=True)
         _wait_line(gateway, "gateway ready")

@@ -196,20 +196,6 @@ class FakeWorker:
         return [[fake_logprob(position) - j, (tid + j) % vocab] for j in range(k)]
 
 
-class GatewayTestServer(TestServer):
-    """A TestServer run as services.gateway runs the app: its GatewayRunner puts the generation routes'
-    front (services/gateway/front.py) before aiohttp."""
-
-    def __init__(self, app, *, front: bool = True, **kwargs):
-        super().__init__(app, **kwargs)
-        self.front = front  # False: aiohttp serves every route (the gateway's --disable-http-front)
-
-    async def _make_runner(self, **kwargs):
-        from services.gateway.app import GatewayRunner
-
-        return GatewayRunner(self.app, front=self.front, **kwargs)
-
-
 @dataclass
 class Stack:
     """A gateway over fake workers, served by a real TestServer."""
@@ -229,7 +215,7 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def gateway_stack(num_workers: int = 1, *, context_length: int | None = 256, wait_healthy: bool = True,
-                        token_delay: float = 0.0, tokenizer: Tokenizer | None = None, front: bool = True,
+                        token_delay: float = 0.0, tokenizer: Tokenizer | None = None,
                         **state_kwargs):
     from services.gateway.app import create_app
     from services.gateway.router import Router
@@ -244,7 +230,7 @@ async def gateway_stack(num_workers: int = 1, *, context_length: int | None = 25
     state = GatewayState(tokenizer=tok, served_model_name="tiny", model_path="tiny-random",
                          router=Router(clients), context_length=context_length, **state_kwargs)
     state.health.interval = 0.02
-    server = GatewayTestServer(create_app(state), front=front)
+    server = TestServer(create_app(state))
     client = TestClient(server)
     await client.start_server()
     try:

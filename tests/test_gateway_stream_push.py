@@ -35,11 +35,10 @@ def out(ids, text, finish=None, done=None, **kw) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def scripted_gateway(script: list, expect: int = 1, on_prepare=None, server=TestServer):
+async def scripted_gateway(script: list, expect: int = 1, on_prepare=None):
     """A gateway over a ScriptedWorker; yields (client, worker, state, writes): `writes` gets (task name,
     bytes) for every write to a client's transport that aiohttp prepared. `on_prepare(request)`: called as
-    each response starts. `server`: aiohttp's TestServer (every route through aiohttp) or tests.fake_worker's
-    GatewayTestServer (the generation routes on the front)."""
+    each response starts."""
     from services.gateway.app import create_app
     from services.gateway.router import Router
     from services.gateway.state import GatewayState
@@ -63,7 +62,7 @@ async def scripted_gateway(script: list, expect: int = 1, on_prepare=None, serve
             on_prepare(request)
 
     app.on_response_prepare.append(record_writes)
-    client = TestClient(server(app))
+    client = TestClient(TestServer(app))
     await client.start_server()
     try:
         for _ in range(250):
@@ -127,48 +126,6 @@ async def test_scripted_frames_give_the_exact_completion_chunks():
         assert writes[3][1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and b'"choices":[],"usage"' in writes[3][1]
         await asyncio.sleep(0.05)
         assert not worker.aborted and not state.dispatcher.inflight and state.router.load == 0
-
-
-class _Recording:
-    """A transport that records (task name, bytes) of every write."""
-
-    def __init__(self, transport, writes: list):
-        self._transport, self._writes = transport, writes
-
-    def write(self, data: bytes) -> None:
-        self._writes.append((asyncio.current_task().get_name(), bytes(data)))
-        self._transport.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self._transport, name)
-
-
-async def test_on_the_front_the_headers_go_with_the_first_event_from_the_read_loop(monkeypatch):
-    """The generation routes' front sends the held headers with the first event from the worker
-    connection's read loop (no wake-up of the response's task for it): the same bytes as through aiohttp."""
-    from services.gateway import front
-    from tests.fake_worker import GatewayTestServer
-
-    writes: list[tuple[str, bytes]] = []
-    opener = front.FrontRequest.open_event_stream
-
-    def open_event_stream(self, headers, hold_headers):
-        out = opener(self, headers, hold_headers)
-        out._transport = _Recording(out._transport, writes)
-        return out
-    monkeypatch.setattr(front.FrontRequest, "open_event_stream", open_event_stream)
-    monkeypatch.setattr(front.FrontProtocol, "write", lambda self, data: (
-        writes.append((asyncio.current_task().get_name(), bytes(data))), self.transport.write(data))[1])
-    async with scripted_gateway(COMPLETIONS_SCRIPT, expect=2, server=GatewayTestServer) as (client, *_):
-        body, head = await _completions(client)
-        assert body == _completions_expected(head)
-        # Each increment one write, as later on (choices 0 and 1 of the first frame: two); the end, the
-        # usage chunk and [DONE] in one write by the response's task.
-        tasks = [task.startswith("worker-") for task, _ in writes]
-        assert tasks == [True, True, True, True, False]
-        assert writes[0][1].startswith(b"HTTP/1.1 200 OK\r\n") and writes[0][1].endswith(
-            _chunk(body.split(b"\n\n")[0] + b"\n\n"))
-        assert writes[4][1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
 
 
 async def test_queued_increments_give_the_same_bytes(monkeypatch):

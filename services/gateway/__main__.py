@@ -12,7 +12,7 @@ import sys
 
 from aiohttp import web
 
-from services.gateway.app import GatewayRunner, create_app
+from services.gateway.app import create_app
 from services.gateway.cli import add_gateway_args
 from services.gateway.limits import Limits
 from services.gateway.program_limits import ProgramBudget
@@ -110,8 +110,7 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
         app.on_cleanup.append(_stop_discovery)
     # shutdown_timeout: on stop, requests in flight get this long to finish (a rolling restart loses
     # nothing accepted); only then are their handlers cancelled (and so aborted on the workers).
-    runner = GatewayRunner(app, front=not getattr(args, "disable_http_front", False),
-                           handler_cancellation=True, access_log=None,
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=getattr(args, "drain_timeout", 30.0))
     await runner.setup()
     listen_fd = getattr(args, "listen_fd", None)

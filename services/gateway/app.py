@@ -1,6 +1,5 @@
-"""The aiohttp application: route table, error and auth middlewares, start-up and shutdown, and the runner
-that puts the generation routes' front (front.py) before it. Routes only read the state and call the
-translator that owns the endpoint."""
+"""The aiohttp application: route table, error and auth middlewares, start-up and shutdown. Routes only
+read the state and call the translator that owns the endpoint."""
 from __future__ import annotations
 
 import asyncio
@@ -12,14 +11,13 @@ from services.gateway import admin_api, native_api, openai_api, programs_api, to
 from services.gateway.auth import authorize
 from services.gateway.access_log import access_middleware, add_request_id_header
 from services.gateway.errors import APIError, error_body, internal_error
-from services.gateway.front import FrontServer
 from services.gateway.json_out import json_response
 from services.gateway.openapi import build_spec
 from services.gateway.state import GatewayState
 from services.gateway.tenancy import CACHE_SALT
 from shared.errors import InvalidRequest
 
-__all__ = ["GatewayState", "GatewayRunner", "create_app", "STATE"]
+__all__ = ["GatewayState", "create_app", "STATE"]
 
 log = logging.getLogger(__name__)
 
@@ -29,31 +27,6 @@ _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "
                      413: "invalid_request_error"}
 # OpenAI's `code` is a string or null, never the HTTP status.
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-
-
-# The routes that carry generation traffic: POST translators taking (state, request), where request is
-# aiohttp's or the front's FrontRequest (services/gateway/front.py).
-GENERATION_ROUTES = {
-    "/v1/completions": openai_api.completions,
-    "/v1/chat/completions": openai_api.chat_completions,
-    "/generate": native_api.generate,
-}
-
-
-class GatewayRunner(web.AppRunner):
-    """aiohttp's AppRunner whose sites listen with the front (services/gateway/front.py): generation
-    requests are served from the socket, every other request (and connection) by the application."""
-
-    def __init__(self, app: web.Application, *, front: bool = True, keepalive_timeout: float = 3630.0,
-                 **kwargs):
-        super().__init__(app, keepalive_timeout=keepalive_timeout, **kwargs)
-        self._front, self._keepalive_timeout = front, keepalive_timeout
-
-    async def _make_server(self):
-        web_server = await super()._make_server()
-        if not self._front:
-            return web_server
-        return FrontServer(web_server, self.app[STATE], GENERATION_ROUTES, self._keepalive_timeout)
 
 
 def create_app(state: GatewayState) -> web.Application:
@@ -86,8 +59,9 @@ def create_app(state: GatewayState) -> web.Application:
     async def metrics(request):
         return await admin_api.metrics(s)
 
-    for path, translator in GENERATION_ROUTES.items():  # also served by the front (GatewayRunner)
-        app.router.add_post(path, _bound(s, translator))
+    app.router.add_post("/v1/completions", _bound(s, openai_api.completions))
+    app.router.add_post("/v1/chat/completions", _bound(s, openai_api.chat_completions))
+    app.router.add_post("/generate", _bound(s, native_api.generate))
     app.router.add_get("/v1/models", models)
     # {model_id:.+}: hub ids contain a slash (meta-llama/Llama-3.1-8B).
     app.router.add_get("/v1/models/{model_id:.+}", model)

@@ -1,6 +1,5 @@
-"""API keys: which routes need one and whether a request's Authorization header carries one. Shared by
-the aiohttp middleware (services/gateway/app.py) and the generation routes' front
-(services/gateway/front.py), so both paths refuse and admit the same requests."""
+"""API keys: which routes need one and whether a request's Authorization header carries one (the auth
+middleware of services/gateway/app.py asks)."""
 from __future__ import annotations
 
 import hmac

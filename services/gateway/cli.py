@@ -51,10 +51,6 @@ GATEWAY_FLAGS: tuple[tuple[str, dict], ...] = (
                                       "each a whole gateway with its own worker connections; /metrics covers "
                                       "them all; for data-parallel stacks whose token rate one Python process "
                                       "cannot carry")),
-    ("--disable-http-front", dict(action="store_true",
-                                  help="serve the generation routes through aiohttp's request handling too, "
-                                       "not the gateway's protocol-level front (services/gateway/front.py; "
-                                       "~100 us less CPU per request); for comparison")),
     ("--reasoning-parser", dict(default=None,
                                 help="split <think>...</think> into reasoning_content: qwen3, qwen3-thinking or "
                                      "deepseek-r1")),

@@ -15,8 +15,7 @@ take long for another reason than the model's first token (a program's) send the
 A generation stream (`GenerationStream`) is the consumer of its requests' Run: the worker connection's
 read loop hands it each increment, and while the client keeps up (nothing left in the transport's
 buffer) it formats, encodes and writes the event in that same call - no task wake-up and no generator
-chain per event; on the generation routes' front (front.py) that includes the first event, which carries
-the headers. Whenever the client falls behind (and, through aiohttp, before the first event), increments
+chain per event. Whenever the client falls behind (and before the first event), increments
 queue up instead and the response's own task writes them, with flow control (it waits while the
 transport is paused); what queued meanwhile is merged into one increment per choice, so a slow client
 gets fewer, larger events: no unbounded buffer, no lost token.
@@ -145,13 +144,8 @@ class _HeldHeadersResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
-async def _open(request: Any, headers: dict[str, str], hold_headers: bool) -> tuple[EventWriter, Any]:
-    """The request's SSE response: its writer, and what the route returns. aiohttp's request gets a
-    StreamResponse; the generation routes' front (services/gateway/front.py) brings its own
-    `open_event_stream`, which writes to the connection directly."""
-    opener = getattr(request, "open_event_stream", None)
-    if opener is not None:
-        return opener(headers, hold_headers), None
+async def _open(request: web.Request, headers: dict[str, str], hold_headers: bool) -> tuple[EventWriter, Any]:
+    """The request's SSE response: its writer, and the StreamResponse the route returns."""
     resp = (_HeldHeadersResponse if hold_headers else web.StreamResponse)(headers=headers)
     await resp.prepare(request)
     return _ChunkWriter(request, resp), resp
