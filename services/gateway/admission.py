@@ -13,18 +13,53 @@ from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from services.gateway.api.models import _OpenAIBody
     from services.gateway.state import GatewayState
 
 
-def check_model(state: "GatewayState", body: dict) -> None:
-    model = body.get("model")
+def check_model(state: "GatewayState", model: str | None) -> None:
     if model is None:
         return
-    if not isinstance(model, str):
-        raise bad_request("'model' must be a string", "model")
     if model not in state.model_names():
         raise APIError(404, f"The model '{model}' does not exist; this server serves "
                             f"'{state.served_model_name}'", param="model", code="model_not_found")
+
+
+# vLLM's extras that name features this server does not have: a 400 that says so, never silently ignored.
+_UNSUPPORTED = {
+    "use_beam_search": "beam search is not supported",
+    "bad_words": "bad_words is not supported",
+    "allowed_token_ids": "allowed_token_ids is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported; /v1/completions with echo and logprobs returns the "
+                       "prompt's logprobs",
+    "logits_processors": "logits_processors is not supported",
+}
+
+
+def check_openai(state: "GatewayState", body: "_OpenAIBody") -> None:
+    """What the OpenAI routes refuse beyond their types: another model, a feature we lack, too many
+    choices, best_of other than n, include_stop_str_in_output disagreeing with no_stop_trim."""
+    check_model(state, body.model)
+    for key, why in _UNSUPPORTED.items():
+        if getattr(body, key) not in (None, False, [], {}):
+            raise bad_request(why, key, code="unsupported_parameter")
+    if not 1 <= body.n <= state.limits.max_n:
+        raise bad_request(f"'n' must be in [1, {state.limits.max_n}], got {body.n}", "n")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of different from n is not supported", "best_of")
+    keep = body.include_stop_str_in_output
+    if keep is not None and body.no_stop_trim is not None and keep != body.no_stop_trim:
+        raise bad_request("include_stop_str_in_output and no_stop_trim disagree", "include_stop_str_in_output")
+    k = body.truncate_prompt_tokens
+    if k is not None and not (k >= 1 or k == -1):
+        raise bad_request("truncate_prompt_tokens must be an integer >= 1, or -1 (the context length)",
+                          "truncate_prompt_tokens")
+
+
+def kept_prompt_tokens(state: "GatewayState", body: "_OpenAIBody") -> int | None:
+    """How many of a prompt's last tokens vLLM's `truncate_prompt_tokens` keeps; None: all of them."""
+    k = body.truncate_prompt_tokens
+    return state.context_length if k == -1 else k
 
 
 def token_ids_in_vocab(state: "GatewayState", ids: Any) -> bool:

@@ -12,7 +12,7 @@ from services.gateway.auth import authorize
 from services.gateway.access_log import access_middleware, add_request_id_header
 from services.gateway.errors import APIError, error_body, internal_error
 from services.gateway.json_out import json_response
-from services.gateway.openapi import build_spec
+from services.gateway.http.openapi import build_spec
 from services.gateway.state import GatewayState
 from services.gateway.tenancy import CACHE_SALT
 from shared.errors import InvalidRequest
@@ -78,12 +78,11 @@ def create_app(state: GatewayState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/metrics", metrics)
-    spec = build_spec(state.limits)
-
     async def openapi(request):
         return json_response(spec)
 
     app.router.add_get("/openapi.json", openapi)
+    spec = build_spec(app)  # every route is in the table now
 
     app.on_response_prepare.append(add_request_id_header)
     app.on_startup.append(_on_startup)

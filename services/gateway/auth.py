@@ -6,12 +6,14 @@ import hmac
 from typing import TYPE_CHECKING
 
 from services.gateway.errors import APIError
-from services.gateway.openapi import OPEN_PATHS
 from services.gateway.tenancy import tenant_salt
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
 
+# Routes that answer without an API key even when --api-key is set (as SGLang: liveness and metrics
+# scrapers carry no key). Everything else needs one; /flush_cache needs the admin key when one is set.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 def unauthorized() -> APIError:

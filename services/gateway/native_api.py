@@ -3,6 +3,7 @@ streaming with cumulative text, logprob entries [logprob, token_id, text-or-null
 from __future__ import annotations
 
 import json
+import msgspec
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,10 +15,10 @@ from services.gateway.admission import (check_grammars, check_token_ids, child_r
                                        resolve_max_new_tokens, sampling_params, stamp_tenant,
                                        token_ids_in_vocab, unknown_sampling_keys)
 from services.gateway.dispatch import GenerationResult, new_rid
+from services.gateway.api.models import GenerateRequest as GenerateBody, NativeChoices
 from services.gateway.errors import bad_request
-from services.gateway.fields import get_bool, get_int, is_int, is_token_ids
+from services.gateway.http.body import invalid, read_body
 from services.gateway.json_out import json_response
-from services.gateway.limits import read_json
 from services.gateway.sse import encode_event, stream_generation
 from shared.protocol import GenerateRequest, TokenOutput
 
@@ -45,20 +46,24 @@ class NativeJob:
 
 
 async def generate(state: "GatewayState", request: web.Request) -> web.StreamResponse:
-    body = await read_json(request, state.limits)
+    body = await read_body(request, state.limits, GenerateBody)
     job = await _build(state, body)
     stamp_tenant(job.reqs, request_salt(request))
     state.dispatcher.check_rids([r.rid for r in job.reqs], request_salt(request))  # before any header goes out
     await check_grammars(state, job.reqs)
-    if get_bool(body, "stream"):
+    if body.stream:
         return await stream_generation(request, state.dispatcher, job.reqs, _NativeFormat(state, job),
                                        headers=job.headers())
     return json_response(await _run(state, job), headers=job.headers())
 
 
-async def generate_json(state: "GatewayState", body: Any, cache_salt: str | None = None) -> dict | list:
+async def generate_json(state: "GatewayState", body: dict, cache_salt: str | None = None) -> dict | list:
     """`/generate` in process, without streaming: what the server-side program executor calls."""
-    job = await _build(state, body)
+    try:
+        typed = msgspec.convert(body, GenerateBody)
+    except msgspec.ValidationError as e:
+        raise invalid(e) from None
+    job = await _build(state, typed)
     stamp_tenant(job.reqs, cache_salt)
     state.dispatcher.check_rids([r.rid for r in job.reqs], cache_salt)
     await check_grammars(state, job.reqs)
@@ -71,16 +76,14 @@ async def _run(state: "GatewayState", job: NativeJob) -> dict | list:
     return answers if job.batched else answers[0]
 
 
-async def _build(state: "GatewayState", body: Any) -> NativeJob:
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    text, input_ids = body.get("text"), body.get("input_ids")
+async def _build(state: "GatewayState", body: GenerateBody) -> NativeJob:
+    text, input_ids = body.text, body.input_ids
     if (text is None) == (input_ids is None):
         raise bad_request("exactly one of 'text' and 'input_ids' is required", "text")
     if text is not None:
         batched = isinstance(text, list)
         texts = text if batched else [text]
-        if not texts or not all(isinstance(t, str) for t in texts):
+        if not texts:
             raise bad_request("'text' must be a string or a non-empty list of strings", "text")
         if any(not t for t in texts):
             raise bad_request("the prompt is empty", "text")
@@ -88,13 +91,11 @@ async def _build(state: "GatewayState", body: Any) -> NativeJob:
             raise bad_request(f"at most {state.limits.max_batch} prompts per request", "text")
         prompts = [await encode_prompt(state, t, "text") for t in texts]
     else:
-        if not isinstance(input_ids, list):
-            raise bad_request("'input_ids' must be a list of token ids or a list of such lists", "input_ids")
         batched = bool(input_ids) and all(isinstance(x, list) for x in input_ids)
         prompts = input_ids if batched else [input_ids]
-        # The common case in one check a prompt; any other shape or error as before, below.
+        # The common case in one check a prompt; any other shape or error below.
         if not all(p and token_ids_in_vocab(state, p) for p in prompts):
-            if not all(is_token_ids(p) for p in prompts):
+            if not batched and not all(type(t) is int for t in input_ids):
                 raise bad_request("'input_ids' must be a list of token ids or a list of such lists", "input_ids")
             for p in prompts:
                 check_token_ids(state, p, "input_ids")
@@ -102,15 +103,11 @@ async def _build(state: "GatewayState", body: Any) -> NativeJob:
     if count > state.limits.max_batch:
         raise bad_request(f"at most {state.limits.max_batch} prompts per request", "text")
 
-    sps = _per_item(body, "sampling_params", count, lambda v: isinstance(v, dict), "an object")
-    rids = _per_item(body, "rid", count, lambda v: isinstance(v, str) and 0 < len(v) <= state.limits.max_rid_len,
-                     "a non-empty short string")
-    return_logprob = _per_item(body, "return_logprob", count, lambda v: isinstance(v, bool), "a boolean")
-    start_lens = _per_item(body, "logprob_start_len", count, lambda v: is_int(v) and v >= -1, "an integer >= -1")
-    max_top = state.limits.max_top_logprobs
-    top_nums = _per_item(body, "top_logprobs_num", count, lambda v: is_int(v) and 0 <= v <= max_top,
-                         f"an integer in [0, {max_top}]")
-    with_text = get_bool(body, "return_text_in_logprobs")
+    sps = _per_item(body.sampling_params, "sampling_params", count)
+    rids = _per_item(body.rid, "rid", count)
+    return_logprob = _per_item(body.return_logprob, "return_logprob", count)
+    start_lens = _per_item(body.logprob_start_len, "logprob_start_len", count)
+    top_nums = _per_item(body.top_logprobs_num, "top_logprobs_num", count)
 
     reqs: list[GenerateRequest] = []
     unknown: set[str] = set()
@@ -118,9 +115,14 @@ async def _build(state: "GatewayState", body: Any) -> NativeJob:
     for i, ids in enumerate(prompts):
         raw = dict(sps[i] or {})
         unknown |= unknown_sampling_keys(state, raw)
-        n = get_int(raw, "n", 1, lo=1, hi=state.limits.max_n)
-        any_n |= n > 1
-        requested = get_int(raw, "max_new_tokens", None, lo=0)
+        try:
+            choices = msgspec.convert(raw, NativeChoices)
+        except msgspec.ValidationError as e:
+            raise invalid(e) from None
+        if choices.n > state.limits.max_n:
+            raise bad_request(f"'n' must be <= {state.limits.max_n}, got {choices.n}", "n")
+        any_n |= choices.n > 1
+        requested = choices.max_new_tokens
         if requested is None:  # SGLang's default, shortened rather than refused near the context end
             requested = state.limits.default_native_max_new_tokens
             if state.context_length is not None:
@@ -130,26 +132,24 @@ async def _build(state: "GatewayState", body: Any) -> NativeJob:
         start = start_lens[i] if start_lens[i] is not None else -1
         if start >= len(ids):
             start = len(ids) - 1  # select() may ask from past a short prompt's end: keep the last position
-        reqs += child_requests(rids[i] or new_rid(), n, ids, params, return_logprob=bool(return_logprob[i]),
-                               logprob_start_len=start, top_logprobs_num=top_nums[i] or 0,
-                               return_text_in_logprobs=with_text)
+        reqs += child_requests(rids[i] or new_rid(), choices.n, ids, params,
+                               return_logprob=bool(return_logprob[i]), logprob_start_len=start,
+                               top_logprobs_num=top_nums[i] or 0,
+                               return_text_in_logprobs=body.return_text_in_logprobs)
     if len(reqs) > state.limits.max_batch:
         raise bad_request(f"at most {state.limits.max_batch} generations per request (prompts x n)", "n")
-    return NativeJob(reqs, batched or any_n, with_text, sorted(unknown))
+    return NativeJob(reqs, batched or any_n, body.return_text_in_logprobs, sorted(unknown))
 
 
-def _per_item(body: dict, name: str, count: int, ok, what: str) -> list:
-    """A top-level field given once for all items or as a list with one value per item; `ok(value)` for
-    each value given (None, or absent, always passes)."""
-    value = body.get(name)
+def _per_item(value: Any, name: str, count: int) -> list:
+    """A field given once for all inputs, or as a list of one value per input."""
     if value is None:
         return [None] * count
-    values = value if isinstance(value, list) else [value] * count
-    if len(values) != count:
-        raise bad_request(f"'{name}' has {len(values)} entries for {count} inputs", name)
-    if not all(v is None or ok(v) for v in values):
-        raise bad_request(f"'{name}' must be {what} (or a list of those, one per input)", name)
-    return values
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise bad_request(f"'{name}' has {len(value)} entries for {count} inputs", name)
+    return value
 
 
 def _answer(state: "GatewayState", job: NativeJob, req: GenerateRequest, res: GenerationResult) -> dict:

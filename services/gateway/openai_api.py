@@ -11,25 +11,25 @@ from aiohttp import web
 
 from services.gateway.tenancy import request_salt
 from services.gateway import logprobs as lp
+from services.gateway.api.models import ChatRequest, CompletionRequest, _OpenAIBody
 from services.gateway.chat_output import ChoiceOutput
 from services.gateway.chat_request import ChatSpec, parse_chat
-from services.gateway.admission import (check_grammars, check_model, stamp_tenant, check_token_ids, child_requests,
-                                        encode_prompt, resolve_max_new_tokens, sampling_params, token_ids_in_vocab)
+from services.gateway.admission import (check_grammars, check_openai, stamp_tenant, check_token_ids, child_requests,
+                                        encode_prompt, kept_prompt_tokens, resolve_max_new_tokens, sampling_params,
+                                        token_ids_in_vocab)
 from services.gateway.dispatch import GenerationResult, created_timestamp, new_rid
 from services.gateway.errors import APIError, bad_request
 from shared.errors import ContextLengthExceeded
-from services.gateway.fields import get_bool, get_dict, get_int, is_token_ids
 from services.gateway.grammar_fields import output_grammar
-from services.gateway.vllm_params import check_supported, kept_prompt_tokens, stop_trim_fields
+from services.gateway.http.body import read_body
 from services.gateway.json_out import json_response
-from services.gateway.limits import read_json
 from services.gateway.sse import Envelope, encode_event, stream_generation
 from shared.protocol import GenerateRequest, TokenOutput
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
 
-# OpenAI body keys passed to SamplingParams under SGLang's names (extensions included: vLLM/SGLang clients
+# OpenAI body fields passed to SamplingParams under SGLang's names (extensions included: vLLM/SGLang clients
 # send top_k, min_p, ignore_eos... through extra_body).
 _SAMPLING_KEYS = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -74,22 +74,13 @@ class Job:
 
 
 # ---------------------------------------------------------------- shared translation
-def _common(state: "GatewayState", body: Any) -> tuple[int, bool, bool]:
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    check_model(state, body)
-    check_supported(body)
-    n = get_int(body, "n", 1, lo=1, hi=state.limits.max_n)
-    best_of = get_int(body, "best_of", None, lo=1)
-    if best_of is not None and best_of != n:
-        raise bad_request("best_of different from n is not supported", "best_of")
-    stream = get_bool(body, "stream")
-    options = get_dict(body, "stream_options") or {}
-    include_usage = stream and get_bool(options, "include_usage")
-    return n, stream, include_usage
+def _common(state: "GatewayState", body: _OpenAIBody) -> tuple[int, bool, bool]:
+    check_openai(state, body)
+    include_usage = body.stream and body.stream_options is not None and body.stream_options.include_usage
+    return body.n, body.stream, include_usage
 
 
-def _fan_out(state: "GatewayState", body: dict, prompts: list[Prompt], n: int, max_tokens: int | None,
+def _fan_out(state: "GatewayState", body: _OpenAIBody, prompts: list[Prompt], n: int, max_tokens: int | None,
              prompt_param: str, max_param: str, rid_prefix: str, extra_sampling: dict | None = None,
              extra_param: str | None = None, **logprob_args: Any) -> tuple[str, list[GenerateRequest]]:
     """`extra_sampling`: sampling fields the route derived from the body (a grammar), named `extra_param`
@@ -100,8 +91,9 @@ def _fan_out(state: "GatewayState", body: dict, prompts: list[Prompt], n: int, m
     reqs = []
     for p_idx, prompt in enumerate(prompts):
         budget = resolve_max_new_tokens(state, len(prompt.ids), max_tokens, prompt_param, max_param)
-        raw = {ours: v for theirs, ours in _SAMPLING_KEYS.items() if (v := body.get(theirs)) is not None}
-        raw.update(stop_trim_fields(body))
+        raw = {ours: v for theirs, ours in _SAMPLING_KEYS.items() if (v := getattr(body, theirs)) is not None}
+        if body.include_stop_str_in_output is not None:
+            raw["no_stop_trim"] = body.include_stop_str_in_output
         raw.update(extra_sampling or {})
         raw["max_new_tokens"] = budget
         try:
@@ -133,14 +125,13 @@ def _finish(res_or_reason) -> str | None:
 
 # ---------------------------------------------------------------- /v1/completions
 async def completions(state: "GatewayState", request: web.Request) -> web.StreamResponse:
-    body = await read_json(request, state.limits)
+    body = await read_body(request, state.limits, CompletionRequest)
     n, stream, include_usage = _common(state, body)
-    prompts = _truncated(state, body, await _parse_prompts(state, body.get("prompt")))
-    echo = get_bool(body, "echo")
-    top_k = get_int(body, "logprobs", None, lo=0, hi=state.limits.max_top_logprobs)
-    if body.get("suffix") is not None:
+    if body.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
-    max_tokens = get_int(body, "max_tokens", state.limits.default_completion_max_tokens, lo=0)
+    prompts = _truncated(state, body, await _parse_prompts(state, body.prompt))
+    echo, top_k = body.echo, body.logprobs
+    max_tokens = state.limits.default_completion_max_tokens if body.max_tokens is None else body.max_tokens
     want_lp = top_k is not None
     extra, grammar_param = output_grammar(body)
     job_id, reqs = _fan_out(state, body, prompts, n, max_tokens, "prompt", "max_tokens", "cmpl-",
@@ -156,15 +147,15 @@ async def completions(state: "GatewayState", request: web.Request) -> web.Stream
     return json_response(fmt.response(results))
 
 
-async def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
+async def _parse_prompts(state: "GatewayState", prompt: str | list) -> list[Prompt]:
     tok = state.tokenizer
     if isinstance(prompt, list) and prompt and token_ids_in_vocab(state, prompt):
         return [Prompt(prompt, tokenizer=tok)]  # the common case in one check; any other shape or error below
     if isinstance(prompt, str):
         items: list = [prompt]
-    elif is_token_ids(prompt) and prompt:
+    elif prompt and all(type(p) is int for p in prompt):
         items = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_token_ids(p) for p in prompt):
+    elif prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
         items = prompt
     else:
         raise bad_request("prompt must be a non-empty string, list of strings, list of token ids or list of "
@@ -183,9 +174,9 @@ async def _parse_prompts(state: "GatewayState", prompt: Any) -> list[Prompt]:
     return out
 
 
-def _truncated(state: "GatewayState", body: dict, prompts: list[Prompt]) -> list[Prompt]:
+def _truncated(state: "GatewayState", body: _OpenAIBody, prompts: list[Prompt]) -> list[Prompt]:
     """Each prompt's last tokens where the body asks for vLLM's truncate_prompt_tokens."""
-    k = kept_prompt_tokens(body, state.context_length)
+    k = kept_prompt_tokens(state, body)
     if k is None:
         return prompts
     return [p if len(p.ids) <= k else Prompt(p.ids[-k:], tokenizer=state.tokenizer) for p in prompts]
@@ -270,17 +261,18 @@ class _CompletionFormat:
 
 # ---------------------------------------------------------------- /v1/chat/completions
 async def chat_completions(state: "GatewayState", request: web.Request) -> web.StreamResponse:
-    body = await read_json(request, state.limits)
+    body = await read_body(request, state.limits, ChatRequest)
     n, stream, include_usage = _common(state, body)
     # Off the event loop: tool_choice required / named converts every function's schema to a grammar.
     spec = await asyncio.to_thread(parse_chat, body, state.tool_parser, state.reasoning_parser)
     [prompt] = _truncated(state, body, [await render_chat(state, spec)])
-    want_lp = get_bool(body, "logprobs")
-    top_k = get_int(body, "top_logprobs", 0, lo=0, hi=state.limits.max_top_logprobs)
+    want_lp, top_k = body.logprobs, body.top_logprobs or 0
     if top_k and not want_lp:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = get_int(body, max_param, state.limits.default_chat_max_tokens, lo=0)
+    max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(body, max_param)
+    if max_tokens is None:
+        max_tokens = state.limits.default_chat_max_tokens
     extra, grammar_param = ({"ebnf": spec.tool_ebnf}, "tools") if spec.tool_ebnf else output_grammar(body)
     job_id, reqs = _fan_out(state, body, [prompt], n, max_tokens, "messages", max_param, "chatcmpl-",
                             extra_sampling=extra, extra_param=grammar_param, return_logprob=want_lp,

@@ -11,10 +11,11 @@ from aiohttp import web
 
 from services.gateway.tenancy import request_salt
 from services.gateway import native_api
+from services.gateway.api.models import ProgramRequest
 from services.gateway.errors import APIError
-from services.gateway.limits import read_json
+from services.gateway.http.body import read_body
 from services.gateway.program_limits import ProgramMeter
-from services.gateway.programs import ProgramError, execute_program, parse_program_request, stream_program
+from services.gateway.programs import ProgramError, execute_program, stream_program, validate_program
 from services.gateway.sse import stream_events
 
 if TYPE_CHECKING:
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
 
 
 async def run_program(state: "GatewayState", request: web.Request) -> web.StreamResponse:
-    body = await read_json(request, state.limits)
-    program, stream = parse_program_request(body)  # InvalidRequest -> 400 in the error middleware
+    body = await read_body(request, state.limits, ProgramRequest)
+    program, stream = validate_program(body.program, args=body.args), body.stream  # InvalidRequest -> 400
     salt = request_salt(request)
     meter = ProgramMeter(state.program_budget)  # work, time and answer bounds (program_limits.py)
     generate = meter.wrap(functools.partial(native_api.generate_json, state, cache_salt=salt))

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from services.gateway.admission import check_model, check_token_ids
+from services.gateway.api.models import DetokenizeRequest, TokenizeRequest
 from services.gateway.chat_request import parse_chat
 from services.gateway.errors import bad_request
-from services.gateway.fields import get_bool, is_token_ids
+from services.gateway.http.body import read_body
 from services.gateway.json_out import json_response
-from services.gateway.limits import read_json
 from services.gateway.openai_api import render_chat
 
 if TYPE_CHECKING:
@@ -35,23 +35,26 @@ INLINE_DECODE_TOKENS = 16 * 1024
 
 
 async def tokenize(state: "GatewayState", request: web.Request) -> web.Response:
-    body = await _body(state, request)
-    prompt, messages = body.get("prompt"), body.get("messages")
+    body = await read_body(request, state.limits, TokenizeRequest)
+    check_model(state, body.model)
+    prompt, messages = body.prompt, body.messages
     if (prompt is None) == (messages is None):
         raise bad_request("exactly one of 'prompt' and 'messages' is required", "prompt")
-    token_strs = get_bool(body, "return_token_strs", False)
+    token_strs = body.return_token_strs
     if messages is not None:
+        if not messages:
+            raise bad_request("messages must be a non-empty list", "messages")
         # Off the event loop, as the chat route: tool_choice required / named builds a grammar.
         spec = await asyncio.to_thread(parse_chat, body, state.tool_parser, None)
         rendered = await render_chat(state, spec)
         ids = rendered.ids
-        if get_bool(body, "add_special_tokens", False):
+        if body.add_special_tokens:
             ids = await state.cpu.encode(rendered.text, add_special_tokens=True)
         return json_response(_tokens_answer(state, ids, token_strs))
-    add_special = get_bool(body, "add_special_tokens", True)
+    add_special = body.add_special_tokens is not False
     if isinstance(prompt, str):
         return json_response(_tokens_answer(state, await state.cpu.encode(prompt, add_special), token_strs))
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) for p in prompt):
+    if not prompt:
         raise bad_request("'prompt' must be a string or a non-empty list of strings", "prompt")
     lists = [await state.cpu.encode(p, add_special) for p in prompt]
     out: dict[str, Any] = {"count": [len(ids) for ids in lists], "max_model_len": state.context_length,
@@ -62,15 +65,16 @@ async def tokenize(state: "GatewayState", request: web.Request) -> web.Response:
 
 
 async def detokenize(state: "GatewayState", request: web.Request) -> web.Response:
-    body = await _body(state, request)
-    tokens = body.get("tokens")
-    if is_token_ids(tokens):
+    body = await read_body(request, state.limits, DetokenizeRequest)
+    check_model(state, body.model)
+    tokens = body.tokens
+    if all(type(t) is int for t in tokens):
         batch = [tokens]
-    elif isinstance(tokens, list) and tokens and all(is_token_ids(t) for t in tokens):
+    elif tokens and all(isinstance(t, list) for t in tokens):
         batch = tokens
     else:
         raise bad_request("'tokens' must be a list of token ids or a non-empty list of such lists", "tokens")
-    skip = get_bool(body, "skip_special_tokens", True)
+    skip = body.skip_special_tokens
     for ids in batch:
         if ids:  # an empty list is the empty text here, not an empty prompt
             check_token_ids(state, ids, "tokens")
@@ -81,14 +85,6 @@ async def detokenize(state: "GatewayState", request: web.Request) -> web.Respons
         texts = await asyncio.to_thread(lambda: [decode(ids, skip_special_tokens=skip) for ids in batch])
     text: str | list[str] = texts if batch is tokens else texts[0]
     return json_response({"text": text, "prompt": text})
-
-
-async def _body(state: "GatewayState", request: web.Request) -> dict:
-    body = await read_json(request, state.limits)
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    check_model(state, body)
-    return body
 
 
 def _tokens_answer(state: "GatewayState", ids: list[int], token_strs: bool) -> dict:
