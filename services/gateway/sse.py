@@ -86,26 +86,8 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
                "X-Accel-Buffering": "no"}
 
 
-class EventWriter(Protocol):
-    """Where an SSE response's events go: HTTP/1.1 chunks on the client's connection."""
-
-    def ready(self) -> bool:
-        """`write_now` may write: the client has taken everything so far (and the headers are out, for a
-        writer that cannot send them itself)."""
-
-    def write_now(self, data: bytes) -> None:
-        """Only when `ready()`: one chunk (after the held headers, if any), written at once."""
-
-    async def write(self, data: bytes) -> None:
-        """One chunk (with the held headers first), waiting while the client is behind; ConnectionError
-        when it is gone."""
-
-    async def write_eof(self, data: bytes) -> None:
-        """The last chunk (may be b"") and the end of the body, in one write."""
-
-
 class _ChunkWriter:
-    """An EventWriter over an aiohttp StreamResponse. The first chunk goes through aiohttp (it carries the
+    """Where an SSE response's events go: HTTP/1.1 chunks of an aiohttp StreamResponse. The first chunk goes through aiohttp (it carries the
     held headers); later ones, while the client keeps up (`ready`: nothing left in the transport's
     buffer), may go to the transport at once, framed as aiohttp frames them: StreamResponse.write's four
     Python layers were ~1 us of every event. When the client falls behind, or the response is not plain
@@ -144,18 +126,13 @@ class _HeldHeadersResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
-async def _open(request: web.Request, headers: dict[str, str], hold_headers: bool) -> tuple[EventWriter, Any]:
-    """The request's SSE response: its writer, and the StreamResponse the route returns."""
-    resp = (_HeldHeadersResponse if hold_headers else web.StreamResponse)(headers=headers)
-    await resp.prepare(request)
-    return _ChunkWriter(request, resp), resp
-
-
-async def _respond(request: Any, produce: Callable[[EventWriter, list[bytes]], Awaitable[None]],
-                   headers: dict[str, str] | None, hold_headers: bool) -> Any:
+async def _respond(request: web.Request, produce: Callable[[_ChunkWriter, list[bytes]], Awaitable[None]],
+                   headers: dict[str, str] | None, hold_headers: bool) -> web.StreamResponse:
     """An SSE response whose events `produce(writer, held)` writes; `held`: encoded events that go out
     with the end (the end marker, or an error event in its place)."""
-    out, resp = await _open(request, {**SSE_HEADERS, **(headers or {})}, hold_headers)
+    resp = (_HeldHeadersResponse if hold_headers else web.StreamResponse)(headers={**SSE_HEADERS, **(headers or {})})
+    await resp.prepare(request)
+    out = _ChunkWriter(request, resp)
     held: list[bytes] = []
     try:
         await produce(out, held)
@@ -177,10 +154,10 @@ async def _respond(request: Any, produce: Callable[[EventWriter, list[bytes]], A
     return resp
 
 
-async def stream_events(request: Any, events: AsyncIterator[Any],
+async def stream_events(request: web.Request, events: AsyncIterator[Any],
                         headers: dict[str, str] | None = None, hold_headers: bool = True) -> Any:
     """An SSE response of an async iterator's events, each written as it comes."""
-    async def produce(out: EventWriter, held: list[bytes]) -> None:
+    async def produce(out: _ChunkWriter, held: list[bytes]) -> None:
         async with aclosing(events) as it:  # leaving early (client gone) closes, and so aborts, its source
             async for event in it:
                 await out.write(encode_event(event))
@@ -188,10 +165,10 @@ async def stream_events(request: Any, events: AsyncIterator[Any],
     return await _respond(request, produce, headers, hold_headers)
 
 
-async def stream_generation(request: Any, dispatcher: "Dispatcher", reqs: Sequence[GenerateRequest],
+async def stream_generation(request: web.Request, dispatcher: "Dispatcher", reqs: Sequence[GenerateRequest],
                             fmt: EventFormat, headers: dict[str, str] | None = None) -> Any:
     """An SSE response of the requests' increments as `fmt` formats them (see the module docstring)."""
-    async def produce(out: EventWriter, held: list[bytes]) -> None:
+    async def produce(out: _ChunkWriter, held: list[bytes]) -> None:
         stream = GenerationStream(out, fmt, len(reqs), held)
         run = dispatcher.run(reqs, stream)
         try:
@@ -212,7 +189,7 @@ class GenerationStream:
 
     __slots__ = ("_out", "_fmt", "_held", "_running", "_backlog", "_waiter", "_error")
 
-    def __init__(self, out: EventWriter, fmt: EventFormat, count: int, held: list[bytes]):
+    def __init__(self, out: _ChunkWriter, fmt: EventFormat, count: int, held: list[bytes]):
         self._out, self._fmt, self._held = out, fmt, held
         self._running = count  # requests that have not ended
         self._backlog: list[tuple["Generation", Any]] = []  # increments the task has yet to take, in order
