@@ -179,7 +179,7 @@ def test_set_node_validation():
     for bad, match in [({"op": "set", "name": "y"}, "either a value or parts"),
                        ({"op": "set", "name": "y", "value": "a", "parts": []}, "either a value or parts"),
                        ({"op": "set", "name": "y", "parts": [{"op": "gen", "name": "z"}]}, "text, var or arg"),
-                       ({"op": "set", "name": "y", "parts": "x"}, "list"),
+                       ({"op": "set", "name": "y", "parts": "x"}, "Expected `array`"),
                        ({"op": "set", "name": "y", "parts": [{"op": "var", "name": "q", "scope": ""}]},
                         "before it is defined"),
                        ({"op": "set", "name": "1y", "value": 1}, "must be a name")]:

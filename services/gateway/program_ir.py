@@ -1,25 +1,111 @@
-"""The server's form of a program (lang_client's IR, version 1, after validation) and its limits.
+"""A program as the request carries it (lang_client's IR, version 1: msgspec Structs, one per op, closed to
+unknown fields), the server's form of it after validation, and its limits.
 
-services/gateway/program_validate.py turns request JSON into these nodes; program_exec.py walks them.
+services/gateway/program_validate.py turns the first into the second; program_exec.py walks the second.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 IR_VERSION = 1
-ROLES = ("system", "user", "assistant")
 # Used when a role node carries no rendered text (the client normally sends its template's markers).
-CHATML_ROLES = {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ROLES}
-SELECT_METHODS = ("token_length_normalized", "greedy_token_selection")
-JOIN_MODES = ("gather_variable", "concate_and_append")
+CHATML_ROLES = {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ("system", "user", "assistant")}
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 SCOPE_RE = re.compile(r"^(|f\d+\.\d+)$")
-IF_TESTS = ("eq", "ne")
 # What an if may apply to the value before comparing (the tracer's `s["x"].strip().lower() == "yes"`).
 IF_TRANSFORMS = {"strip": str.strip, "lstrip": str.lstrip, "rstrip": str.rstrip, "lower": str.lower,
                  "upper": str.upper, "casefold": str.casefold}
+
+
+# ---- the request's IR ----
+class _Op(Struct, tag_field="op", forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class TextOp(_Op, tag="text"):
+    text: str
+
+
+class ArgOp(_Op, tag="arg"):
+    name: str  # bound to the request's args: becomes text
+
+
+class RoleBeginOp(_Op, tag="role_begin"):
+    role: Literal["system", "user", "assistant"]
+    text: str | None = None  # the template's marker (default: ChatML's)
+
+
+class RoleEndOp(_Op, tag="role_end"):
+    role: Literal["system", "user", "assistant"]
+    text: str | None = None
+
+
+class GenOp(_Op, tag="gen"):
+    name: str | None = None
+    sampling_params: dict[str, Any] = {}
+    return_logprob: bool | None = None
+    logprob_start_len: Annotated[int, Meta(ge=-1, le=1_000_000)] | None = None
+    top_logprobs_num: Annotated[int, Meta(ge=-1, le=1_000_000)] | None = None
+
+
+class SelectOp(_Op, tag="select"):
+    choices: list[str]
+    name: str | None = None
+    temperature: Annotated[float, Meta(ge=0)] = 0.0
+    method: Literal["token_length_normalized", "greedy_token_selection"] = "token_length_normalized"
+
+
+class ForkOp(_Op, tag="fork"):
+    id: Annotated[int, Meta(ge=0)]
+    n: int
+    branches: list[list[Op]]
+
+
+class JoinOp(_Op, tag="join"):
+    fork: int
+    mode: Literal["gather_variable", "concate_and_append"] = "gather_variable"
+
+
+class VarOp(_Op, tag="var"):
+    name: str
+    scope: str = ""
+
+
+class SetOp(_Op, tag="set"):
+    """Exactly one of `value` (JSON data) and `parts` (text, var and arg nodes joined)."""
+    name: str
+    value: Any = UNSET
+    parts: list[Op] | UnsetType = UNSET
+
+
+class Cond(Struct, kw_only=True, forbid_unknown_fields=True):
+    var: str
+    scope: str = ""
+    test: Literal["eq", "ne"]
+    value: str
+    transforms: Annotated[list[Literal["strip", "lstrip", "rstrip", "lower", "upper", "casefold"]],
+                          Meta(max_length=8)] = []
+
+
+class IfOp(_Op, tag="if"):
+    cond: Cond
+    then: list[Op]
+    orelse: list[Op] = msgspec.field(name="else")
+
+
+Op = Union[TextOp, ArgOp, RoleBeginOp, RoleEndOp, GenOp, SelectOp, ForkOp, JoinOp, VarOp, SetOp, IfOp]
+
+
+class ProgramIR(Struct, kw_only=True, forbid_unknown_fields=True):
+    version: int = 1
+    name: str = "program"
+    args: Any = None  # the tracer's declared argument names (the request's args bind them)
+    nodes: list[Op]
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Validation of `POST /v1/programs` bodies: lang_client's IR (version 1) checked node by node against a
-closed schema and ProgramLimits, `arg` nodes bound to the request's args, every variable read resolved to
-the definition it sees. The result (services/gateway/program_ir.py) is what program_exec.py runs.
+"""Validation of `POST /v1/programs` programs: lang_client's IR (version 1) decoded into its typed ops
+(program_ir.py: the closed schema), then checked against ProgramLimits, `arg` nodes bound to the request's
+args, every variable read resolved to the definition it sees. The result (program_ir.py's validated
+nodes) is what program_exec.py runs.
 """
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import json
 import math
 from typing import Any
 
-from services.gateway.program_ir import (CHATML_ROLES, IF_TESTS, IF_TRANSFORMS, IR_VERSION, JOIN_MODES, NAME_RE, ROLES, SCOPE_RE,
-                                         SELECT_METHODS, ForkNode, GenNode, IfNode, JoinNode, Program,
-                                         ProgramLimits, RoleNode, SelectNode, SetNode, TextNode, VarNode)
+import msgspec
+
+from services.gateway.program_ir import (CHATML_ROLES, IR_VERSION, NAME_RE, SCOPE_RE, ArgOp, ForkNode, ForkOp,
+                                         GenNode, GenOp, IfNode, IfOp, JoinNode, JoinOp, Program, ProgramIR,
+                                         ProgramLimits, RoleBeginOp, RoleEndOp, RoleNode, SelectNode, SelectOp,
+                                         SetNode, SetOp, TextNode, TextOp, VarNode, VarOp)
 from shared.errors import InvalidRequest
 from shared.sampling_params import SamplingParams
 
@@ -19,21 +23,26 @@ AMBIGUOUS = "ambiguous"  # a definition kind: the arms of an if defined this var
 
 def validate_program(ir: Any, limits: ProgramLimits | None = None,
                      args: dict[str, Any] | None = None) -> Program:
-    """Check an IR against the schema and the limits; bind `arg` nodes to `args` (they become text).
+    """Check an IR (a ProgramIR, or its JSON data) against the limits; bind `arg` nodes to `args` (they
+    become text).
 
     Raises InvalidRequest naming the offending node (param = its path) for anything malformed or over a
     limit. Variable reads must refer to a definition that comes earlier in walk order, which is also what
     makes execution free of deadlocks.
     """
     limits = limits or ProgramLimits()
-    if not isinstance(ir, dict):
-        raise InvalidRequest("program must be an object", "program")
-    _no_extra_keys(ir, {"version", "name", "args", "nodes"}, "program")
-    if ir.get("version", IR_VERSION) != IR_VERSION:
-        raise InvalidRequest(f"unsupported program version {ir.get('version')!r}; expected {IR_VERSION}",
-                             "program.version")
-    name = ir.get("name", "program")
-    if not isinstance(name, str) or len(name) > limits.max_name_chars:
+    if not isinstance(ir, ProgramIR):
+        try:
+            ir = msgspec.convert(ir, ProgramIR)
+        except msgspec.ValidationError as e:
+            text, _, at = str(e).partition(" - at `$")
+            param = "program" + at.rstrip("`")
+            if param.endswith(".op"):
+                text = text.replace("Invalid value", "unknown op")
+            raise InvalidRequest(f"{param}: {text}", param) from None
+    if ir.version != IR_VERSION:
+        raise InvalidRequest(f"unsupported program version {ir.version!r}; expected {IR_VERSION}", "program.version")
+    if len(ir.name) > limits.max_name_chars:
         raise InvalidRequest("program.name must be a short string", "program.name")
     if args is None:
         args = {}
@@ -47,14 +56,8 @@ def validate_program(ir: Any, limits: ProgramLimits | None = None,
     v = _Validator(limits, bound)
     v.text_chars = sum(len(k) + len(s) for k, s in bound.items())
     v.check_text_budget("args")
-    nodes = v.nodes(ir.get("nodes"), "program.nodes", scope="", depth=0, role=None)[0]
-    return Program(nodes, name, v.node_count, v.total_tokens)
-
-
-def _no_extra_keys(d: dict, allowed: set[str], path: str) -> None:
-    extra = set(d) - allowed
-    if extra:
-        raise InvalidRequest(f"{path}: unknown field(s) {sorted(extra)}", path)
+    nodes = v.nodes(ir.nodes, "program.nodes", scope="", depth=0, role=None)[0]
+    return Program(nodes, ir.name, v.node_count, v.total_tokens)
 
 
 class _Validator:
@@ -81,10 +84,8 @@ class _Validator:
         self.text_chars += len(s)
         self.check_text_budget(path)
 
-    def name(self, value: Any, path: str, optional: bool) -> str | None:
-        if value is None and optional:
-            return None
-        if not isinstance(value, str) or not NAME_RE.match(value) or len(value) > self.limits.max_name_chars:
+    def name(self, value: str | None, path: str) -> str | None:
+        if value is not None and (not NAME_RE.match(value) or len(value) > self.limits.max_name_chars):
             raise InvalidRequest(f"{path} must be a name (letters, digits, _ and -, at most "
                                  f"{self.limits.max_name_chars} characters)", path)
         return value
@@ -97,75 +98,50 @@ class _Validator:
         if name not in target:
             target.append(name)
 
-    def nodes(self, raw: Any, path: str, scope: str, depth: int, role: str | None,
-              only: tuple[str, ...] | None = None) -> tuple[list, str | None]:
+    def nodes(self, ops: list, path: str, scope: str, depth: int, role: str | None,
+              only: tuple[type, ...] | None = None) -> tuple[list, str | None]:
         """Validate a node list; `only`: the ops allowed in it (a set node's parts), else every op."""
-        if not isinstance(raw, list):
-            raise InvalidRequest(f"{path} must be a list of nodes", path)
         out = []
-        for i, node in enumerate(raw):
+        for i, node in enumerate(ops):
             p = f"{path}[{i}]"
             self.node_count += 1
             if self.node_count > self.limits.max_nodes:
                 raise InvalidRequest(f"program has more than {self.limits.max_nodes} nodes", p)
-            if not isinstance(node, dict) or not isinstance(node.get("op"), str):
-                raise InvalidRequest(f"{p} must be an object with an 'op'", p)
-            if only is not None and node["op"] not in only:
-                raise InvalidRequest(f"{p} must be a {', '.join(only[:-1])} or {only[-1]} node", f"{p}.op")
-            handler = self.ops.get(node["op"])
-            if handler is None:
-                raise InvalidRequest(f"{p}: unknown op {node['op']!r}", f"{p}.op")
-            if node["op"] == "if" and i != len(raw) - 1:
+            if only is not None and not isinstance(node, only):
+                raise InvalidRequest(f"{p} must be a text, var or arg node", f"{p}.op")
+            if isinstance(node, IfOp) and i != len(ops) - 1:
                 raise InvalidRequest(f"{p}: an if node must be the last of its list (the rest of the stream "
                                      "belongs inside both arms)", p)
-            result, role = handler(self, node, p, scope, depth, role)
+            result, role = self.ops[type(node)](self, node, p, scope, depth, role)
             if result is not None:
                 out.append(result)
         return out, role
 
     # one method per op; each returns (node or None, open role after it)
-    def op_text(self, n, p, scope, depth, role):
-        _no_extra_keys(n, {"op", "text"}, p)
-        if not isinstance(n.get("text"), str):
-            raise InvalidRequest(f"{p}.text must be a string", f"{p}.text")
-        self.add_text(n["text"], p)
-        return TextNode(n["text"]), role
+    def op_text(self, n: TextOp, p, scope, depth, role):
+        self.add_text(n.text, p)
+        return TextNode(n.text), role
 
-    def op_arg(self, n, p, scope, depth, role):
-        _no_extra_keys(n, {"op", "name"}, p)
-        name = self.name(n.get("name"), f"{p}.name", optional=False)
+    def op_arg(self, n: ArgOp, p, scope, depth, role):
+        name = self.name(n.name, f"{p}.name")
         if name not in self.args:
             raise InvalidRequest(f"{p}: argument {name!r} is not given in args", f"args.{name}")
         return TextNode(self.args[name]), role
 
-    def _role(self, n, p, begin: bool, role):
-        _no_extra_keys(n, {"op", "role", "text"}, p)
-        r = n.get("role")
-        if r not in ROLES:
-            raise InvalidRequest(f"{p}.role must be one of {list(ROLES)}", f"{p}.role")
-        text = n.get("text", CHATML_ROLES[r][0 if begin else 1])
-        if not isinstance(text, str):
-            raise InvalidRequest(f"{p}.text must be a string", f"{p}.text")
+    def op_role(self, n: RoleBeginOp | RoleEndOp, p, scope, depth, role):
+        begin = isinstance(n, RoleBeginOp)
+        text = CHATML_ROLES[n.role][0 if begin else 1] if n.text is None else n.text
         self.add_text(text, p)
         if begin and role is not None:
-            raise InvalidRequest(f"{p}: role {r!r} begins inside open role {role!r}", p)
-        if not begin and role != r:
-            raise InvalidRequest(f"{p}: role {r!r} ends but the open role is {role!r}", p)
-        return RoleNode(r, begin, text), (r if begin else None)
+            raise InvalidRequest(f"{p}: role {n.role!r} begins inside open role {role!r}", p)
+        if not begin and role != n.role:
+            raise InvalidRequest(f"{p}: role {n.role!r} ends but the open role is {role!r}", p)
+        return RoleNode(n.role, begin, text), (n.role if begin else None)
 
-    def op_role_begin(self, n, p, scope, depth, role):
-        return self._role(n, p, True, role)
-
-    def op_role_end(self, n, p, scope, depth, role):
-        return self._role(n, p, False, role)
-
-    def op_gen(self, n, p, scope, depth, role):
-        _no_extra_keys(n, {"op", "name", "sampling_params", "return_logprob", "logprob_start_len",
-                           "top_logprobs_num"}, p)
-        name = self.name(n.get("name"), f"{p}.name", optional=True)
-        raw = n.get("sampling_params", {})
+    def op_gen(self, n: GenOp, p, scope, depth, role):
+        name = self.name(n.name, f"{p}.name")
         try:
-            params = SamplingParams.from_dict(raw, strict=True)
+            params = SamplingParams.from_dict(n.sampling_params, strict=True)
         except InvalidRequest as e:
             raise InvalidRequest(f"{p}.sampling_params: {e.message}", f"{p}.sampling_params.{e.param}") from None
         if params.n != 1:
@@ -177,69 +153,47 @@ class _Validator:
         if self.total_tokens > self.limits.max_total_tokens:
             raise InvalidRequest(f"program asks for more than {self.limits.max_total_tokens} tokens in total "
                                  "(max_new_tokens summed over every gen)", f"{p}.sampling_params.max_new_tokens")
-        logprob = {}
-        if n.get("return_logprob") is not None:
-            if not isinstance(n["return_logprob"], bool):
-                raise InvalidRequest(f"{p}.return_logprob must be a boolean", f"{p}.return_logprob")
-            logprob["return_logprob"] = n["return_logprob"]
-        for key in ("logprob_start_len", "top_logprobs_num"):
-            if n.get(key) is not None:
-                if isinstance(n[key], bool) or not isinstance(n[key], int) or n[key] < -1 or n[key] > 1_000_000:
-                    raise InvalidRequest(f"{p}.{key} must be an integer", f"{p}.{key}")
-                logprob[key] = n[key]
+        logprob = {key: value for key, value in (("return_logprob", n.return_logprob),
+                                                 ("logprob_start_len", n.logprob_start_len),
+                                                 ("top_logprobs_num", n.top_logprobs_num)) if value is not None}
         self.define(scope, name)
-        return GenNode(name, dict(raw), logprob), role
+        return GenNode(name, dict(n.sampling_params), logprob), role
 
-    def op_select(self, n, p, scope, depth, role):
-        _no_extra_keys(n, {"op", "name", "choices", "temperature", "method"}, p)
-        name = self.name(n.get("name"), f"{p}.name", optional=True)
-        choices = n.get("choices")
-        if (not isinstance(choices, list) or not choices or len(choices) > self.limits.max_choices
-                or not all(isinstance(c, str) for c in choices)):
+    def op_select(self, n: SelectOp, p, scope, depth, role):
+        name = self.name(n.name, f"{p}.name")
+        if not n.choices or len(n.choices) > self.limits.max_choices:
             raise InvalidRequest(f"{p}.choices must be 1 to {self.limits.max_choices} strings", f"{p}.choices")
-        for c in choices:
+        for c in n.choices:
             self.add_text(c, f"{p}.choices")
-        temperature = n.get("temperature", 0.0)
-        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-                or not math.isfinite(temperature) or temperature < 0):
+        if not math.isfinite(n.temperature):
             raise InvalidRequest(f"{p}.temperature must be a number >= 0", f"{p}.temperature")
-        method = n.get("method", SELECT_METHODS[0])
-        if method not in SELECT_METHODS:
-            raise InvalidRequest(f"{p}.method must be one of {list(SELECT_METHODS)}", f"{p}.method")
         self.define(scope, name)
-        return SelectNode(name, list(choices), float(temperature), method), role
+        return SelectNode(name, list(n.choices), float(n.temperature), n.method), role
 
-    def op_fork(self, n, p, scope, depth, role):
-        _no_extra_keys(n, {"op", "id", "n", "branches"}, p)
-        fid, width, branches = n.get("id"), n.get("n"), n.get("branches")
-        if isinstance(fid, bool) or not isinstance(fid, int) or fid < 0 or fid in self.fork_ids:
+    def op_fork(self, n: ForkOp, p, scope, depth, role):
+        if n.id in self.fork_ids:
             raise InvalidRequest(f"{p}.id must be an integer unique in the program", f"{p}.id")
-        if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= self.limits.max_fork_width:
+        if not 1 <= n.n <= self.limits.max_fork_width:
             raise InvalidRequest(f"{p}.n must be between 1 and {self.limits.max_fork_width}", f"{p}.n")
-        if not isinstance(branches, list) or len(branches) != width:
-            raise InvalidRequest(f"{p}.branches must hold n={width} node lists", f"{p}.branches")
+        if len(n.branches) != n.n:
+            raise InvalidRequest(f"{p}.branches must hold n={n.n} node lists", f"{p}.branches")
         if depth + 1 > self.limits.max_depth:
             raise InvalidRequest(f"forks nest deeper than {self.limits.max_depth}", p)
-        scopes = [f"f{fid}.{i}" for i in range(width)]
-        self.fork_ids[fid] = (scope, scopes)
+        scopes = [f"f{n.id}.{i}" for i in range(n.n)]
+        self.fork_ids[n.id] = (scope, scopes)
         out = []
-        for i, (branch, bscope) in enumerate(zip(branches, scopes)):
+        for i, (branch, bscope) in enumerate(zip(n.branches, scopes)):
             self.scopes.add(bscope)
             self.defined_in[bscope] = []
-            nodes, _ = self.nodes(branch, f"{p}.branches[{i}]", bscope, depth + 1, role)
-            out.append(nodes)
-        return ForkNode(fid, out), role
+            out.append(self.nodes(branch, f"{p}.branches[{i}]", bscope, depth + 1, role)[0])
+        return ForkNode(n.id, out), role
 
-    def op_join(self, n, p, scope, depth, role):
-        _no_extra_keys(n, {"op", "fork", "mode"}, p)
-        fid, mode = n.get("fork"), n.get("mode", JOIN_MODES[0])
-        if fid not in self.fork_ids or self.fork_ids[fid][0] != scope:
+    def op_join(self, n: JoinOp, p, scope, depth, role):
+        if n.fork not in self.fork_ids or self.fork_ids[n.fork][0] != scope:
             raise InvalidRequest(f"{p}.fork must name an earlier fork of this stream", f"{p}.fork")
-        if mode not in JOIN_MODES:
-            raise InvalidRequest(f"{p}.mode must be one of {list(JOIN_MODES)}", f"{p}.mode")
         names, maybe = [], []
-        if mode == "gather_variable":
-            branches = self.fork_ids[fid][1]
+        if n.mode == "gather_variable":
+            branches = self.fork_ids[n.fork][1]
             names = gathered(self.defined_in, branches)
             possible = {b: self.defined_in[b] + self.maybe_in.get(b, []) for b in branches}
             maybe = [name for name in gathered(possible, branches) if name not in names]
@@ -247,13 +201,12 @@ class _Validator:
                 self.define(scope, name, kind="list")
             for name in maybe:  # gathered only when every branch's path defined it, as the interpreter does
                 self.define(scope, name, kind=AMBIGUOUS)
-        return JoinNode(fid, mode, names, maybe), role
+        return JoinNode(n.fork, n.mode, names, maybe), role
 
-    def read(self, name_raw: Any, scope_raw: Any, p: str, what: str) -> tuple[str, str, int]:
+    def read(self, name: str, vscope: str, p: str, what: str) -> tuple[str, str, int]:
         """A read of (scope, name) sees its latest definition so far in walk order: (name, scope, index)."""
-        name = self.name(name_raw, f"{p}.name" if what == "var" else f"{p}.cond.var", optional=False)
-        vscope = "" if scope_raw is None else scope_raw
-        if not isinstance(vscope, str) or not SCOPE_RE.match(vscope) or vscope not in self.scopes:
+        self.name(name, f"{p}.name" if what != "compared" else f"{p}.var")
+        if not SCOPE_RE.match(vscope) or vscope not in self.scopes:
             raise InvalidRequest(f"{p}.scope must name the main stream or an earlier fork branch", f"{p}.scope")
         kinds = self.defs.get((vscope, name))
         if not kinds:
@@ -266,58 +219,40 @@ class _Validator:
             raise InvalidRequest(f"{p}: variable {name!r} holds {holds} and cannot be {what}", f"{p}.name")
         return name, vscope, len(kinds) - 1
 
-    def op_var(self, n, p, scope, depth, role):
-        _no_extra_keys(n, {"op", "name", "scope"}, p)
-        name, vscope, index = self.read(n.get("name"), n.get("scope", ""), p, "appended as text")
-        return VarNode(name, vscope, index), role
+    def op_var(self, n: VarOp, p, scope, depth, role):
+        return VarNode(*self.read(n.name, n.scope, p, "appended as text")), role
 
-    def op_set(self, n, p, scope, depth, role):
-        _no_extra_keys(n, {"op", "name", "value", "parts"}, p)
-        name = self.name(n.get("name"), f"{p}.name", optional=False)
-        if ("value" in n) == ("parts" in n):
+    def op_set(self, n: SetOp, p, scope, depth, role):
+        name = self.name(n.name, f"{p}.name")
+        if (n.value is msgspec.UNSET) == (n.parts is msgspec.UNSET):
             raise InvalidRequest(f"{p} must have either a value or parts", p)
-        if "parts" in n:
-            parts, _ = self.nodes(n["parts"], f"{p}.parts", scope, depth, role, only=("text", "var", "arg"))
+        if n.parts is not msgspec.UNSET:
+            parts, _ = self.nodes(n.parts, f"{p}.parts", scope, depth, role, only=(TextOp, VarOp, ArgOp))
             self.define(scope, name)  # after its parts: `x = x + "!"` reads the previous x
             return SetNode(name, parts), role
-        value = n["value"]
         try:
-            encoded = json.dumps(value, allow_nan=False)
+            encoded = json.dumps(n.value, allow_nan=False)
         except (TypeError, ValueError):
             raise InvalidRequest(f"{p}.value must be JSON data", f"{p}.value") from None
         self.add_text(encoded, f"{p}.value")
-        self.define(scope, name, "str" if isinstance(value, str) else "data")
-        return SetNode(name, None, value), role
+        self.define(scope, name, "str" if isinstance(n.value, str) else "data")
+        return SetNode(name, None, n.value), role
 
-    def op_if(self, n, p, scope, depth, role):
-        _no_extra_keys(n, {"op", "cond", "then", "else"}, p)
-        cond = n.get("cond")
-        if not isinstance(cond, dict):
-            raise InvalidRequest(f"{p}.cond must be an object", f"{p}.cond")
-        _no_extra_keys(cond, {"var", "scope", "test", "value", "transforms"}, f"{p}.cond")
-        transforms = cond.get("transforms", [])
-        if (not isinstance(transforms, list) or len(transforms) > 8
-                or not all(isinstance(t, str) and t in IF_TRANSFORMS for t in transforms)):
-            raise InvalidRequest(f"{p}.cond.transforms must be a list of at most 8 of {sorted(IF_TRANSFORMS)}",
-                                 f"{p}.cond.transforms")
-        name, vscope, index = self.read(cond.get("var"), cond.get("scope", ""), f"{p}.cond", "compared")
-        test, value = cond.get("test"), cond.get("value")
-        if test not in IF_TESTS:
-            raise InvalidRequest(f"{p}.cond.test must be one of {list(IF_TESTS)}", f"{p}.cond.test")
-        if not isinstance(value, str):
-            raise InvalidRequest(f"{p}.cond.value must be a string", f"{p}.cond.value")
-        self.add_text(value, f"{p}.cond.value")
+    def op_if(self, n: IfOp, p, scope, depth, role):
+        cond = n.cond
+        name, vscope, index = self.read(cond.var, cond.scope, f"{p}.cond", "compared")
+        self.add_text(cond.value, f"{p}.cond.value")
         self.if_depth += 1
         if self.if_depth > self.limits.max_if_depth:
             raise InvalidRequest(f"if nodes nest deeper than {self.limits.max_if_depth}", p)
         before = self.snapshot()
-        then, role_then = self.nodes(n.get("then"), f"{p}.then", scope, depth, role)
+        then, role_then = self.nodes(n.then, f"{p}.then", scope, depth, role)
         after_then = self.snapshot()
         self.restore(before)
-        orelse, _ = self.nodes(n.get("else"), f"{p}.else", scope, depth, role)
+        orelse, _ = self.nodes(n.orelse, f"{p}.else", scope, depth, role)
         self.merge(after_then)
         self.if_depth -= 1
-        return IfNode(name, vscope, index, test, value, then, orelse, list(transforms)), role_then
+        return IfNode(name, vscope, index, cond.test, cond.value, then, orelse, list(cond.transforms)), role_then
 
     # Definitions made in an if's arms: each arm is walked from the same state; afterwards a definition
     # both arms made alike stays, one they made differently is AMBIGUOUS to readers in other streams.
@@ -345,9 +280,8 @@ class _Validator:
                 maybe = self.maybe_in.setdefault(scope, [])
                 maybe.extend(n for n in mine + theirs if n not in self.defined_in[scope] and n not in maybe)
 
-    ops = {"text": op_text, "arg": op_arg, "role_begin": op_role_begin, "role_end": op_role_end,
-           "gen": op_gen, "select": op_select, "fork": op_fork, "join": op_join, "var": op_var, "if": op_if,
-           "set": op_set}
+    ops = {TextOp: op_text, ArgOp: op_arg, RoleBeginOp: op_role, RoleEndOp: op_role, GenOp: op_gen,
+           SelectOp: op_select, ForkOp: op_fork, JoinOp: op_join, VarOp: op_var, IfOp: op_if, SetOp: op_set}
 
 
 def gathered(defined_in: dict[str, list[str]], branch_scopes: list[str]) -> list[str]:
@@ -357,11 +291,11 @@ def gathered(defined_in: dict[str, list[str]], branch_scopes: list[str]) -> list
 
 
 def parse_program_request(body: Any, limits: ProgramLimits | None = None) -> tuple[Program, bool]:
-    """Body of POST /v1/programs -> (validated program, stream?)."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be an object")
-    _no_extra_keys(body, {"program", "args", "stream"}, "body")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InvalidRequest("stream must be a boolean", "stream")
-    return validate_program(body.get("program"), limits, body.get("args")), stream
+    """Body of POST /v1/programs (as JSON data) -> (validated program, stream?)."""
+    from services.gateway.api.models import ProgramRequest
+
+    try:
+        req = msgspec.convert(body, ProgramRequest)
+    except msgspec.ValidationError as e:
+        raise InvalidRequest(f"request body: {e}") from None
+    return validate_program(req.program, limits, req.args), req.stream

@@ -57,7 +57,7 @@ _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
 # Lists whose items are named by index in `param` ("messages[0].role"); inside any other list the field
 # itself is named ("prompt", not "prompt[3]"), as the checks this replaced did.
-_INDEXED = {"messages", "tools", "tool_calls"}
+_INDEXED = {"messages", "tools", "tool_calls", "nodes", "branches", "then", "else", "parts"}
 
 
 def invalid(e: msgspec.ValidationError) -> APIError:
