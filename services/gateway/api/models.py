@@ -240,7 +240,3 @@ ROUTE_BODIES: dict[str, type] = {
     "/v1/programs": ProgramRequest,
 }
 
-
-def to_dict(s: Struct) -> dict[str, Any]:
-    """The fields a client gave (None and defaults left out), as plain JSON values."""
-    return msgspec.to_builtins(s)
