@@ -67,7 +67,7 @@ def invalid(e: msgspec.ValidationError) -> APIError:
     if m := _UNKNOWN.search(text):
         param = f"{param}.{m.group(1)}" if param else m.group(1)
     elif not param and (m := _MISSING.search(text)):
-        param = m.group(1)  # a required top-level field names itself
+        return bad_request(text, m.group(1))  # a required top-level field names itself
     return bad_request(f"{param}: {text}" if param else text, param or None)
 
 
