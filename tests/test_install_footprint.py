@@ -9,7 +9,7 @@ import textwrap
 
 import requests
 
-from tests.conftest import ROOT, free_port
+from tests.support.stack import ROOT, free_port
 
 # Makes ucxx and its RAPIDS wheels unimportable in this process and every child (workers inherit
 # PYTHONPATH): what a machine without the `pd` extra looks like.

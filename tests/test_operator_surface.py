@@ -22,7 +22,7 @@ from services.launch import parse_args as launch_args
 from services.output_relay import PrefixedRelay, _split
 from services.worker.__main__ import parse_args as worker_args
 from shared.protocol import TokenOutput
-from tests.conftest import ROOT, free_port
+from tests.support.stack import ROOT, free_port
 
 
 def _parser_of(parse) -> argparse.ArgumentParser:
@@ -204,7 +204,7 @@ def test_relay_prefixes_lines_and_progress_redraws():
 
 
 def test_weight_loading_progress_reaches_the_launchers_stderr(tmp_path):
-    from tests.conftest_models import make_hf_model, write_hf_checkpoint
+    from tests.support.hf_models import make_hf_model, write_hf_checkpoint
 
     model_dir = write_hf_checkpoint(make_hf_model("qwen2"), str(tmp_path / "ckpt"))
     port = free_port()

@@ -8,7 +8,7 @@ import time
 
 from shared.procfs import alive as _alive
 from shared.procfs import children as _children
-from tests.conftest import Stack
+from tests.support.stack import Stack
 
 
 def test_sigkilled_launcher_leaves_no_worker_running():

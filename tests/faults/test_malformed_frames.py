@@ -15,7 +15,7 @@ import requests
 from shared.protocol import FlushCacheRequest, GenerateRequest, Hello, InfoRequest, KvHeader, TokenOutputs
 from shared.sampling_params import SamplingParams
 from shared.wire import encode_frame, read_message
-from tests.conftest import free_port
+from tests.support.stack import free_port
 from tests.faults.procs import Proc, gateway, worker
 
 KEY = "fault-suite-key"
