@@ -117,7 +117,7 @@ def test_fp8_kv_cache_with_fp8_weights():
     assert [r["ids"][0] for r in got] == [r["ids"][0] for r in want]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the rope epilogue is the GPU's)")
+@pytest.mark.gpu  # the rope epilogue is the GPU's
 def test_fp8_kv_cache_keeps_the_rope_epilogue_at_unit_scales():
     """An FP8 pool without checkpoint scales keeps the qkv GEMV's rope + KV-store epilogue (it converts as the rope
     kernel does) and decodes the tokens of the engine without it."""

@@ -537,7 +537,7 @@ def test_shared_prefix_attention_groups_from_the_tree_keep_greedy_output():
     assert not be.cascade_enabled and be.select_prefix_groups([(64, [0, 1, 2, 3])]) is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_shared_prefix_attention_in_cuda_graphs_keeps_greedy_output():
     """On the GPU, decode batches with prefix groups replay the batch size's shared-prefix graph (groups
     staged into the backend's static plan), and groups that do not fit its capacities run eagerly; greedy
@@ -569,7 +569,7 @@ def test_shared_prefix_attention_in_cuda_graphs_keeps_greedy_output():
     assert [r["ids"] for r in ref.run([ref.submit(p, sampling=GREEDY) for p in pairs])] == got_pairs
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_graphs_write_one_logits_buffer_and_each_replay_gets_its_own_rows():
     """Every captured decode graph writes its logits into the runner's one buffer (per-graph outputs
     held ~18 GB at sizes to 1,024): replays of other sizes in between leave a replay's answer exactly
@@ -606,7 +606,7 @@ def test_cuda_graphs_write_one_logits_buffer_and_each_replay_gets_its_own_rows()
     assert not torch.allclose(full[0], full[1])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_decode_in_cuda_graphs_gives_the_tokens_of_eager_decode():
     """Graph replays (padded to their bucket, logits in the shared buffer) decode what eager passes
     decode: fp32, batches shrinking as requests of different lengths finish."""
@@ -619,7 +619,7 @@ def test_decode_in_cuda_graphs_gives_the_tokens_of_eager_decode():
     assert [r["ids"] for r in graphs.run(got)] == [r["ids"] for r in eager.run(ref)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("fusions", [False, True])
 def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(fusions, monkeypatch):
     """bf16 batches of 2-16 rows (here decode steps of 8 in graphs) take the GEMV's tensor-core tile up to
@@ -659,7 +659,7 @@ def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(fusions, monkeypatch):
                 break  # a near tie may pick either token; the sequences part from here
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("two_rows", [False, True])
 def test_fp8_rows_gated_in_gate_up_decode_what_the_unfused_rows_decode(two_rows, monkeypatch):
     """FP8 weights (quantized at load, per row) at decode batches of 2-16 in graphs gate the MLP in gate_up_proj's
@@ -695,7 +695,7 @@ def test_fp8_rows_gated_in_gate_up_decode_what_the_unfused_rows_decode(two_rows,
                 break
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_bf16_graph_logits_sample_as_their_fp32_widening(monkeypatch):
     """In bf16 the graphs' logits buffer is bf16, written by the lm_head's GEMM itself, and a greedy batch's
     argmax reads it unwidened. Every sampling call of a bf16 run with graphs (greedy, seeded, logprobs in the
@@ -723,7 +723,7 @@ def test_bf16_graph_logits_sample_as_their_fp32_widening(monkeypatch):
     assert torch.bfloat16 in calls
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("decode_tail", [False, True])
 def test_mixed_chunks_on_cuda_change_no_token(decode_tail, monkeypatch):
     """--enable-mixed-chunk on the GPU (Triton backend, graphs for the decode passes, fp32): the tokens of
@@ -742,7 +742,7 @@ def test_mixed_chunks_on_cuda_change_no_token(decode_tail, monkeypatch):
     assert out[True] == out[False]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_a_neutralized_bare_replay_leaves_the_kv_pool_and_slot_table_as_they_are():
     """Benchmarks time bare replays of the last step's graph. The graph gathers its inputs from the last
     samples and writes the slot table and the new token's K/V itself, so a bare replay would overwrite a
@@ -763,6 +763,7 @@ def test_a_neutralized_bare_replay_leaves_the_kv_pool_and_slot_table_as_they_are
         assert torch.equal(after[1:], before[1:]), "a bare replay wrote a real slot"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs compute capability >= 9")
 def test_pdl_launches_decode_the_tokens_of_plain_launches():
@@ -785,7 +786,7 @@ def test_pdl_launches_decode_the_tokens_of_plain_launches():
     assert results[True] == results[False] == results["early"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_one_launch_decode_attention_decodes_the_tokens_of_two_launches():
     """Split decode attention merged in its own launch (the last program per request and KV head) decodes
     what the two-launch merge decodes: CUDA graphs replayed step after step (the counters must be clean
@@ -808,7 +809,7 @@ def test_one_launch_decode_attention_decodes_the_tokens_of_two_launches():
     assert results[True, True] == results[False, True] == results[True, False] == results[False, False]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_norm_fusion_decodes_the_tokens_of_whole_norms(dtype):
     """Batch-1 passes with the residual norms split between the GEMVs around them (bf16: the Triton
@@ -831,7 +832,7 @@ def test_decode_norm_fusion_decodes_the_tokens_of_whole_norms(dtype):
     assert results[True, True] == results[False, True] == results[True, False] == results[False, False]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_decode_l2_prefetch_decodes_the_tokens_without_it():
     """bf16, CUDA graphs and eager steps, split and whole norms: asking o_proj's weights into L2 changes no
     token (a hint only; on GPUs before Hopper it launches nothing)."""
@@ -852,7 +853,7 @@ def test_decode_l2_prefetch_decodes_the_tokens_without_it():
             assert results[True, fused, graphs] == results[False, fused, graphs], (fused, graphs)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_rope_fusion_decodes_the_tokens_of_the_rope_kernel(dtype):
     """Batch-1 decode with rope and the KV store in the qkv GEMV's epilogue (bf16: the Triton epilogue; fp32:
@@ -875,7 +876,7 @@ def test_decode_rope_fusion_decodes_the_tokens_of_the_rope_kernel(dtype):
             assert results[True, norms, graphs] == results[False, norms, graphs], (norms, graphs)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_final_norm_in_the_lm_head_decodes_the_tokens_of_the_norm_kernel(dtype, monkeypatch):
     """Batch-1 graphs with the final norm split into the last down_proj and the lm_head GEMV
@@ -896,7 +897,7 @@ def test_final_norm_in_the_lm_head_decodes_the_tokens_of_the_norm_kernel(dtype, 
     assert results[True] == results[False]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_short_extends_in_cuda_graphs_give_the_results_of_eager_extends(monkeypatch):
     """Extend passes of a few tokens per request over cached prefixes (a second turn, jump-forward's
     catch-ups) replay a captured graph padded to their token bucket; tokens and input logprobs are those
@@ -930,7 +931,7 @@ def test_short_extends_in_cuda_graphs_give_the_results_of_eager_extends(monkeypa
     assert any(len(lens) > 1 for lens in replays)  # several requests in one captured pass
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_long_extends_in_cuda_graphs_give_the_results_of_eager_extends(monkeypatch):
     """With the long-extend graphs (shared.engine.extend_graph.LONG_MAX_TOKENS) prompts of 65 to 500 new tokens,
     alone and a few at a time, and second turns beyond 64 new tokens over cached prefixes replay graphs padded to

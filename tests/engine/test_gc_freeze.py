@@ -2,6 +2,8 @@
 import gc
 import weakref
 
+import pytest
+
 from shared.gc_freeze import freeze_startup_heap, frozen_count, space_young_collections
 
 
@@ -188,12 +190,8 @@ def _collection_mid_capture(capture):
     return x[0].item()
 
 
+@pytest.mark.gpu
 def test_a_collection_due_mid_capture_does_not_reach_the_capture():
-    import pytest
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from shared.engine.cuda_graph import capture_graph
 
     assert _collection_mid_capture(lambda f, s: capture_graph(f, s, None)) == 3.0  # two warm-ups, one replay

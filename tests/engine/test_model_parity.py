@@ -314,7 +314,7 @@ def test_mlp_gated_in_the_gate_up_epilogue_matches(family, monkeypatch):
         assert runs[split, True][1] == runs[split, False][1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["none", "fp8"])
 def test_mlp_gated_in_the_gate_up_epilogue_on_cuda(tmp_path, quant, monkeypatch):
     """The Triton path of the gate | up GEMV's gating epilogue (GATE_UP_EPILOGUE, GATE_UP_EPILOGUE_FP8) against silu_and_mul in
@@ -370,7 +370,7 @@ def _cuda_one_token_runs(tmp_path, quant: str, seed: int, settings: dict) -> dic
     return runs
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["none", "fp8"])
 def test_rope_in_the_qkv_epilogue_on_cuda_in_bf16(tmp_path, quant):
     """The Triton path of rope + KV store in the qkv GEMV's epilogue against the rope kernel, bf16, the Triton
@@ -381,7 +381,7 @@ def test_rope_in_the_qkv_epilogue_on_cuda_in_bf16(tmp_path, quant):
         assert rel_err(runs[split, True][0], runs[split, False][0]) < 2e-2, split
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["none", "fp8"])
 def test_final_norm_in_the_lm_head_on_cuda(tmp_path, quant):
     """The final norm split into the last down_proj and the lm_head GEMV (shared.models.llama.FOLD_FINAL_NORM),
@@ -391,7 +391,7 @@ def test_final_norm_in_the_lm_head_on_cuda(tmp_path, quant):
     assert rel_err(runs[True][0], runs[False][0]) < 2e-2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_fp8_rows_in_the_row_kernel_on_cuda(tmp_path):
     """FP8 weights at batch 1 in the one-row GEMV (kernels.gemv.FP8_ROW_KERNEL) against the general kernel: the
     same logits to within bf16's rounding, split norms and rope in the epilogue on and off."""
@@ -400,7 +400,7 @@ def test_fp8_rows_in_the_row_kernel_on_cuda(tmp_path):
         assert rel_err(runs[fused, True][0], runs[fused, False][0]) < 2e-2, fused
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_split_row_norms_on_cuda_in_bf16(tmp_path):
     """The Triton path of the split norms (GEMV epilogues, the first norm clearing the sums) against whole
     norms on the GPU, bf16, the Triton attention backend: one-token passes give the same logits to within

@@ -344,7 +344,7 @@ def test_fp8_linear_reference_and_activation_quantization():
     assert float((xq.float() * xs - x).abs().max() / x.abs().max()) < 0.07
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 GEMM and GEMV need a GPU")
+@pytest.mark.gpu  # FP8 GEMM and GEMV need a GPU
 @pytest.mark.parametrize("scales", ["per_channel", "blocks"])
 def test_fp8_kernels_on_gpu(scales):
     """FP8 weights through ops on the GPU, per-row scales or [128, 128] block scales: one row in the GEMV, more in
@@ -369,7 +369,7 @@ def test_fp8_kernels_on_gpu(scales):
         assert float((y - ref).abs().max() / ref.abs().max()) < 0.05, ("silu_mul", m, n, k)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_block_fp8_checkpoint_on_gpu_matches_the_cpu_reference(tmp_path):
     """A block-scaled FP8 checkpoint on the GPU in bf16 (block GEMM for the prompt, the GEMV for one decode
     token) against the same checkpoint on the CPU (weights dequantized, fp32): logits to within W8A8's and

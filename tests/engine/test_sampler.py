@@ -376,7 +376,7 @@ def test_vocab_mask_respected_for_greedy_and_random():
 
 
 # ---- devices ----
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True])
 def test_cuda_matches_cpu(compiled, monkeypatch):
     import shared.engine.sampler as sampler_mod
