@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
+
 from bench.serving import gsp_dataset, ideal_hit_rate, random_dataset, sharegpt_dataset, summarize
 
 
@@ -40,6 +42,7 @@ def test_summary_percentiles_and_errors():
     assert abs(s["tpot_p50_ms"] - 1000 / 9) < 1e-6
 
 
+@pytest.mark.e2e
 def test_gateway_overhead_bench_runs_end_to_end():
     """bench/gateway_overhead.py: the real gateway and worker server around a token-emitting engine; every
     stream completes with all its tokens, and the per-token CPU figures are printed."""
@@ -55,6 +58,7 @@ def test_gateway_overhead_bench_runs_end_to_end():
     assert "us/request" in r.stdout, r.stdout
 
 
+@pytest.mark.e2e
 def test_http_floor_bench_serves_every_stream_from_every_server():
     """bench/http_floor.py: the bare aiohttp servers and the bare protocol one each deliver every stream's tokens
     (the usage chunk's count) through the same client, with no errors, and print their CPU figures."""
@@ -72,6 +76,7 @@ def test_http_floor_bench_serves_every_stream_from_every_server():
     assert all("tokens 48, errors 0" in ln and "us/request" in ln for ln in lines), r.stdout
 
 
+@pytest.mark.e2e
 def test_gateway_overhead_bench_bounds_concurrency():
     """--concurrency: more requests than may be in flight at once all complete (the per-request figure)."""
     import subprocess
@@ -85,6 +90,7 @@ def test_gateway_overhead_bench_bounds_concurrency():
     assert "(3 at a time)" in r.stdout and "tokens 24, errors 0" in r.stdout, r.stdout
 
 
+@pytest.mark.e2e
 def test_serving_bench_runs_end_to_end_with_batch1(tmp_path):
     """bench/serving.py --launch on the tiny shape: a real stack, the offline reference and the batch-1
     comparison each print their verdict line (the numbers mean something only on the GPU)."""

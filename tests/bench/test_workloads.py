@@ -45,6 +45,7 @@ def test_driver_arguments_are_checked():
         parse_args([])
 
 
+@pytest.mark.e2e
 def test_driver_runs_every_workload_in_both_modes_on_the_tiny_stack(base_url, tmp_path):
     code = main(["--stack", base_url, "--parallel", "2", "--instances", "2", "--duration", "2", "--scale", "0.05",
                  "--out", str(tmp_path)])

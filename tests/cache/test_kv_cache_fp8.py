@@ -176,6 +176,7 @@ def _pd(prefill_kv: str, decode_kv: str):
     return procs, url
 
 
+@pytest.mark.e2e
 def test_pd_moves_fp8_pages_and_decodes_what_a_unified_fp8_engine_decodes():
     """KV pages of an FP8 pool cross between the PD workers over UCX as FP8 bytes, one a value: the decode
     worker's output equals a unified FP8 engine's, the decode side counts the transfer's bytes, and nothing is
@@ -205,6 +206,7 @@ def test_pd_moves_fp8_pages_and_decodes_what_a_unified_fp8_engine_decodes():
         stop(*procs)
 
 
+@pytest.mark.e2e
 def test_pd_pools_of_different_kv_dtypes_are_not_paired():
     """A prefill worker with an FP8 pool and a decode worker with a float32 one: the gateway never pairs them (their
     formats differ in the pong), so the decode worker computes each request whole; no request fails and no page

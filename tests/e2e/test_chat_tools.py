@@ -15,6 +15,8 @@ from shared.tokenizer import CHATML_TEMPLATE
 from tests.support.chat_templates import QWEN_STYLE, write_chat_model
 from tests.support.stack import Stack
 
+pytestmark = pytest.mark.e2e
+
 UNIT = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "exact": {"type": "boolean"}},
         "required": ["unit", "exact"]}
 TOOLS = [{"type": "function", "function": {"name": "get_temperature", "parameters": UNIT}},

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 import requests
+
+pytestmark = pytest.mark.e2e
 
 VALUES = [None, True, False, 0, -1, 1, 2 ** 40, 1.5, -0.5, 1e308, "", "x", "a" * 300, [], [1, 2], [[1]], {},
           {"a": 1}, [None], ["x"], {"type": "json_object"},

@@ -16,6 +16,8 @@ from lang_client.examples.multi_turn_chat import multi_turn_chat
 from lang_client.examples.tree_of_thought import best_solution, tree_search
 from shared.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.e2e
+
 MODES = [False, True]  # interpreter mode, program endpoint
 
 

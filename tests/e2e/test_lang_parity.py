@@ -10,6 +10,8 @@ from lang_client import RuntimeEndpoint
 from lang_client.examples import branch_solve_merge, few_shot_qa, json_extraction, multi_turn_chat, tree_of_thought
 from tests.support import seed_judge
 
+pytestmark = pytest.mark.e2e
+
 ESSAY = "The photo shows a crowded market; the essay argues that markets build trust between neighbours."
 
 @sgl.function

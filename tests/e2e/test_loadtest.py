@@ -11,6 +11,8 @@ import pytest
 
 from tests.support.stack import ROOT
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(params=["unified", "pd"])
 def target(request):

@@ -16,6 +16,8 @@ from tests.support.stack import ROOT, free_port, wait_for
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 
 def spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,

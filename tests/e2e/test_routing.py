@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 
+import pytest
 import requests
 
 from tests.support.stack import Stack
+
+pytestmark = pytest.mark.e2e
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite the passage. " * 3
 

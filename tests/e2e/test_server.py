@@ -6,10 +6,13 @@ import re
 import signal
 import time
 
+import pytest
 import requests
 from openai import OpenAI
 
 from tests.support.stack import Stack
+
+pytestmark = pytest.mark.e2e
 
 
 def post(url, path, body, **kw):

@@ -15,6 +15,8 @@ import pytest
 import lang_client
 import sglang
 
+pytestmark = pytest.mark.e2e
+
 PROGRAMS = {}
 
 

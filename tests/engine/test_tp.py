@@ -337,6 +337,7 @@ def test_cli_refuses_tp_size_out_of_range(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_worker_refuses_tp_size_not_dividing_the_heads():
     """Refused before any rank starts, as one `error:` line (no traceback)."""
     proc = subprocess.run([sys.executable, "-m", "services.worker", "--model-path", "tiny-random",
@@ -424,6 +425,7 @@ def _generate(url: str, prompt: str) -> dict:
         return json.loads(r.read())
 
 
+@pytest.mark.e2e
 def test_tp2_stack_serves_what_tp1_decodes():
     prompt = "tensor parallel hello"
     want = _unsharded(prompt)
@@ -440,6 +442,7 @@ def test_tp2_stack_serves_what_tp1_decodes():
     wait_for(lambda: not any(procfs.alive(p) for p in ranks), 15, "the worker's rank to exit")
 
 
+@pytest.mark.e2e
 def test_pd_with_tp2_on_both_sides_serves_what_tp1_decodes():
     """PD with tensor parallelism: a TP=2 prefill worker's ranks gather their kv heads, rank 0 sends the
     whole KV over UCX, the TP=2 decode worker's rank 0 broadcasts it and each rank keeps its heads; the
@@ -478,6 +481,7 @@ def test_launcher_gives_each_pd_pool_its_tp_size_and_gpus():
         parse_args(["--model-path", "tiny-random", "--prefill-tp-size", "2"])  # unified: no prefill pool
 
 
+@pytest.mark.e2e
 def test_pd_with_unequal_tp_serves_what_tp1_decodes():
     """A TP=2 prefill worker feeds an unsharded decode worker: the wire carries the model's whole KV."""
     prompt = "two ranks hand over to one"
@@ -507,6 +511,7 @@ def _tp2_worker() -> tuple[subprocess.Popen, int]:
     return proc, ranks[0]
 
 
+@pytest.mark.e2e
 def test_rank_dies_with_its_worker():
     """SIGKILL on the worker (no chance to stop its ranks): the kernel ends them (PR_SET_PDEATHSIG)."""
     proc, rank = _tp2_worker()
@@ -515,6 +520,7 @@ def test_rank_dies_with_its_worker():
     wait_for(lambda: not procfs.alive(rank), 15, "the orphaned rank to exit")
 
 
+@pytest.mark.e2e
 def test_worker_exits_when_a_rank_dies():
     """A dead rank would leave the worker's next collective waiting forever: the worker exits instead
     (its supervisor restarts the whole group)."""

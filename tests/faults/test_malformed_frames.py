@@ -18,6 +18,8 @@ from shared.wire import encode_frame, read_message
 from tests.support.stack import free_port
 from tests.faults.procs import Proc, gateway, worker
 
+pytestmark = pytest.mark.e2e
+
 KEY = "fault-suite-key"
 ENV = {"RADIXSERVE_INTERNAL_KEY": KEY}
 

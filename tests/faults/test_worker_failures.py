@@ -7,10 +7,13 @@ import os
 import signal
 import time
 
+import pytest
 import requests
 
 from tests.support.stack import free_port
 from tests.e2e.test_redis_discovery import spawn, wait_for, wait_line
+
+pytestmark = pytest.mark.e2e
 
 
 def start_pair():

@@ -90,6 +90,7 @@ async def test_bad_stop_regex_is_400(stop_regex):
 
 
 # ---------------------------------------------------------------- the real stack
+@pytest.mark.e2e
 def test_prefill_only_request_answers_the_next_positions_top_k(base_url):
     """SGLang's chain-of-thought decoding branches on this: max_new_tokens 0 still reports the top-k of
     the position after the prompt."""
@@ -110,6 +111,7 @@ def test_prefill_only_request_answers_the_next_positions_top_k(base_url):
     assert step["meta_info"]["output_top_logprobs"][0][0][0] == pytest.approx(tops[0][0], abs=1e-4)
 
 
+@pytest.mark.e2e
 def test_stop_regex_stops_at_the_first_match(base_url):
     prompt = "The stop_regex test prompt"
     free = post(base_url, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 24,
@@ -132,6 +134,7 @@ def test_stop_regex_stops_at_the_first_match(base_url):
     assert requests.models.complexjson.loads(events[-2])["text"] == text[:m.end()]
 
 
+@pytest.mark.e2e
 def test_openai_models_retrieve_through_the_stack(base_url):
     client = OpenAI(base_url=base_url + "/v1", api_key="none")
     assert client.models.retrieve("tiny-random").id == "tiny-random"

@@ -17,6 +17,8 @@ import pytest
 from shared import procfs
 from tests.support.stack import Stack, stop_process_group, wait_for
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def pool_stack():

@@ -19,6 +19,8 @@ from tests.support.stack import Stack, free_port
 from tests.e2e.test_redis_discovery import spawn, wait_for, wait_line
 from tests.faults.test_worker_failures import stop
 
+pytestmark = pytest.mark.e2e
+
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
 

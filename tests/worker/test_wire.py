@@ -60,6 +60,7 @@ async def _scenario(host: str, port: int) -> None:
     assert info["num_running"] == 0 and info["kv_usage"] == 0.0
 
 
+@pytest.mark.e2e
 def test_worker_survives_bad_frames_and_aborts_orphans():
     proc = spawn("services.worker", "--model-path", "tiny-random")
     try:
