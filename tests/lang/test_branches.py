@@ -317,7 +317,7 @@ def test_unbounded_data_dependent_loop_is_refused_naming_the_line(backend, serve
             step += 1
 
     before = len(server.requests)
-    with pytest.raises(sgl.TracingError, match=r"test_lang_branches.py:\d+.*loop.*without remote=True"):
+    with pytest.raises(sgl.TracingError, match=r"test_branches.py:\d+.*loop.*without remote=True"):
         agent.run(backend=backend, remote=True)
     assert len(server.requests) == before  # refused before anything was sent
     local = agent.run(backend=backend)      # interpreter mode still runs it

@@ -115,7 +115,7 @@ SPECIAL_TOKENS = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}
 
 
 def write_chat_model(path: str, template: str, family: str = "qwen3") -> str:
-    """A tiny random checkpoint (see conftest_models) whose tokenizer_config carries `template`."""
+    """A tiny random checkpoint (see hf_models) whose tokenizer_config carries `template`."""
     from tests.support.hf_models import make_hf_model, write_hf_checkpoint
 
     model = make_hf_model(family)
