@@ -182,7 +182,7 @@ def test_pd_moves_fp8_pages_and_decodes_what_a_unified_fp8_engine_decodes():
     worker's output equals a unified FP8 engine's, the decode side counts the transfer's bytes, and nothing is
     held after."""
     from tests.pd.test_pd import assert_no_kv_held, worker_infos
-    from tests.faults.test_worker_failures import stop
+    from tests.support.stack import kill_groups
 
     procs, url = _pd("fp8_e4m3", "fp8_e4m3")
     try:
@@ -203,7 +203,7 @@ def test_pd_moves_fp8_pages_and_decodes_what_a_unified_fp8_engine_decodes():
         assert received["received_bytes"] == received["received_tokens"] * per_token
         assert_no_kv_held(url)
     finally:
-        stop(*procs)
+        kill_groups(*procs)
 
 
 @pytest.mark.e2e
@@ -212,7 +212,7 @@ def test_pd_pools_of_different_kv_dtypes_are_not_paired():
     formats differ in the pong), so the decode worker computes each request whole; no request fails and no page
     is pushed to be refused."""
     from tests.pd.test_pd import assert_no_kv_held, worker_infos
-    from tests.faults.test_worker_failures import stop
+    from tests.support.stack import kill_groups
 
     procs, url = _pd("fp8_e4m3", "auto")
     try:
@@ -226,4 +226,4 @@ def test_pd_pools_of_different_kv_dtypes_are_not_paired():
         assert infos["prefill"]["kv_transfer"]["transfers"] == 0
         assert_no_kv_held(url)
     finally:
-        stop(*procs)
+        kill_groups(*procs)

@@ -5,34 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 
+import pytest
 import redis
 import requests
 
-from tests.support.stack import ROOT, free_port, wait_for
-
-import pytest
+from tests.support.stack import free_port, kill_groups, spawn, wait_for, wait_line
 
 pytestmark = pytest.mark.e2e
-
-
-def spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def wait_line(proc: subprocess.Popen, prefix: str, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"process exited (code {proc.poll()}) before printing {prefix!r}")
-        if line.startswith(prefix):
-            return line
-    raise TimeoutError(prefix)
 
 
 def workers_seen(url: str) -> set[str]:
@@ -55,13 +35,6 @@ def redis_gateway(procs: list, REDIS_URL: str) -> str:
     wait_line(gw, "gateway ready")
     wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
     return url
-
-
-def kill_all(procs: list) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def test_gateway_discovers_workers_and_drops_a_killed_one(REDIS_URL):
@@ -99,7 +72,7 @@ def test_gateway_discovers_workers_and_drops_a_killed_one(REDIS_URL):
                              timeout=30)
         assert resp.status_code == 503 and "error" in resp.json()
     finally:
-        kill_all(procs)
+        kill_groups(*procs)
 
 
 def test_pd_workers_found_through_redis_serve_requests_as_pairs(REDIS_URL):
@@ -122,4 +95,4 @@ def test_pd_workers_found_through_redis_serve_requests_as_pairs(REDIS_URL):
         infos = {w["info"]["role"]: w["info"] for w in requests.get(url + "/server_info", timeout=10).json()["workers"]}
         assert infos["prefill"]["kv_transfer"]["transfers"] >= 4
     finally:
-        kill_all(procs)
+        kill_groups(*procs)

@@ -10,8 +10,7 @@ import time
 import pytest
 import requests
 
-from tests.support.stack import free_port
-from tests.e2e.test_redis_discovery import spawn, wait_for, wait_line
+from tests.support.stack import free_port, kill_groups, spawn, wait_for, wait_line
 
 pytestmark = pytest.mark.e2e
 
@@ -25,13 +24,6 @@ def start_pair():
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
     return worker, gateway, url
-
-
-def stop(*procs):
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def interrupt_stream(url: str, worker, sig: int) -> tuple[list[dict], float]:
@@ -59,7 +51,7 @@ def test_worker_killed_mid_stream_ends_the_stream_with_an_error():
         r = requests.post(url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}}, timeout=30)
         assert r.status_code == 503 and "error" in r.json()
     finally:
-        stop(worker, gateway)
+        kill_groups(worker, gateway)
 
 
 def test_stopped_worker_fails_fast_and_recovers_after_sigcont():
@@ -76,4 +68,4 @@ def test_stopped_worker_fails_fast_and_recovers_after_sigcont():
     finally:
         if worker.poll() is None:
             os.killpg(worker.pid, signal.SIGCONT)
-        stop(worker, gateway)
+        kill_groups(worker, gateway)

@@ -15,9 +15,7 @@ import time
 import pytest
 import requests
 
-from tests.support.stack import Stack, free_port
-from tests.e2e.test_redis_discovery import spawn, wait_for, wait_line
-from tests.faults.test_worker_failures import stop
+from tests.support.stack import Stack, free_port, kill_groups, spawn, wait_for, wait_line
 
 pytestmark = pytest.mark.e2e
 
@@ -172,7 +170,7 @@ def start_pd_processes(prefill_args: tuple[str, ...] = (), decode_args: tuple[st
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
     except BaseException:
-        stop(*procs)
+        kill_groups(*procs)
         raise
     return prefill, decode, procs[-1], url
 
@@ -200,7 +198,7 @@ def test_prefill_worker_killed_before_the_hand_over_the_decode_worker_computes_t
         r = requests.post(url + "/generate", json={"text": "still served", "sampling_params": GREEDY}, timeout=60)
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 12
     finally:
-        stop(prefill, decode, gateway)
+        kill_groups(prefill, decode, gateway)
 
 
 def gateway_counter(url: str, name: str) -> float:
@@ -241,7 +239,7 @@ def test_decode_worker_dying_before_the_first_token_the_request_moves_to_another
                  if w["info"]}
         assert infos["prefill"]["kv_usage"] == 0.0 and infos["prefill"]["kv_transfer"]["in_flight"] == 0
     finally:
-        stop(*procs)
+        kill_groups(*procs)
 
 
 def test_prefill_worker_dying_its_requests_move_to_another_prefill_worker(stack):
@@ -276,7 +274,7 @@ def test_prefill_worker_dying_its_requests_move_to_another_prefill_worker(stack)
         assert infos["prefill"]["kv_transfer"]["transfers"] >= len(texts)  # the survivor computed them all
         assert_no_kv_held(url)
     finally:
-        stop(*procs)
+        kill_groups(*procs)
 
 
 def test_next_chat_turn_bypasses_the_prefill_worker(pd, stack):
@@ -348,7 +346,7 @@ def test_decode_worker_refuses_bad_transfers_and_times_out_missing_pages():
         host, port = wait_line(proc, "WORKER READY").split()[2].rsplit(":", 1)
         asyncio.run(_decode_worker_scenario(host, int(port)))
     finally:
-        stop(proc)
+        kill_groups(proc)
 
 
 def test_decode_worker_killed_mid_stream_ends_the_stream_and_prefill_keeps_serving():
@@ -370,7 +368,7 @@ def test_decode_worker_killed_mid_stream_ends_the_stream_and_prefill_keeps_servi
                     if w["info"] and w["info"]["role"] == "prefill")
         assert info["num_running"] == 0 and info["kv_usage"] == 0.0 and info["kv_transfer"]["in_flight"] == 0
     finally:
-        stop(prefill, decode, gateway)
+        kill_groups(prefill, decode, gateway)
 
 
 def test_pd_under_memory_pressure_queues_instead_of_failing_and_leaks_nothing():
@@ -421,4 +419,4 @@ def test_restarted_decode_worker_gets_a_fresh_endpoint_and_requests_keep_working
                     if w["info"] and w["info"]["role"] == "prefill")
         assert info["kv_transfer"]["connects"] >= 2  # the stale endpoint was replaced
     finally:
-        stop(*procs)
+        kill_groups(*procs)

@@ -62,6 +62,32 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
             proc.wait()
 
 
+def spawn(*args: str) -> subprocess.Popen:
+    """`python -m ARGS` from the repository root in a session of its own, stdout and stderr on one pipe."""
+    return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_line(proc: subprocess.Popen, prefix: str, timeout: float = 120) -> str:
+    """The first line of `proc`'s output that starts with `prefix` (the lines before it are read and dropped)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"process exited (code {proc.poll()}) before printing {prefix!r}")
+        if line.startswith(prefix):
+            return line
+    raise TimeoutError(prefix)
+
+
+def kill_groups(*procs: subprocess.Popen) -> None:
+    """SIGKILL to each process's group (no shutdown code runs), then reap it."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def wait_for(pred, timeout: float, what: str, interval: float = 0.1):
     """pred()'s first truthy value within `timeout` seconds, else an AssertionError naming `what`."""
     deadline = time.monotonic() + timeout

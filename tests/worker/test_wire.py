@@ -16,7 +16,7 @@ from services.worker.server import WorkerServer
 from shared.protocol import FinishLength, GenerateRequest, Hello, InfoRequest, TokenOutput, TokenOutputs
 from shared.sampling_params import SamplingParams
 from shared.wire import encode_frame, read_message
-from tests.e2e.test_redis_discovery import spawn, wait_line
+from tests.support.stack import spawn, wait_line
 
 
 async def _info(host: str, port: int) -> dict:
