@@ -26,7 +26,8 @@ GOAL_RATIO = 0.6
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m bench.fp8", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--reqs", type=int, default=128, help="requests of the throughput run (512 in, 128 out)")
     ap.add_argument("--steps", type=int, default=200, help="batch-1 decode steps")

@@ -137,7 +137,8 @@ def profile_decode_worker(stack_pid: int, out_dir: str, delay: float = 8.0, seco
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m bench.pd", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--rate", type=float, default=6.0, help="arrivals per second (Poisson)")
     ap.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per configuration")

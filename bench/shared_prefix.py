@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import drive, median, model_dir  # noqa: E402
+from bench.common import drive, log, median, model_dir  # noqa: E402
 from shared.engine.config import EngineConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
@@ -39,10 +39,6 @@ VOCAB = 400  # token ids in [3, VOCAB): inside every shape's and the tiny tokeni
 GOAL_HIT_OF_IDEAL = 0.95
 GOAL_RADIX_SPEEDUP = 4.0
 GOAL_STEP_RATIO = 1.3
-
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def workload(groups: int, per_group: int, system_len: int, question_len: int, seed: int) -> list[list[int]]:
@@ -183,7 +179,8 @@ def verdict(ok: bool, judged: bool) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.shared_prefix", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default=None, help="llama-3.1-8b (default) or tiny (default with --smoke)")
     ap.add_argument("--groups", type=int, default=64)
     ap.add_argument("--per-group", type=int, default=16)
