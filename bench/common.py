@@ -118,8 +118,8 @@ def measure_matmul_tflops(n: int = 8192) -> float:
 def measure_matmul_sustained(seconds: float = 3.0, n: int = 8192, group: int = 8) -> float:
     """The bf16 matmul rate the board sustains: 8192^3 GEMMs back to back for `seconds` (the host keeps one group
     queued ahead, so the GPU never waits on it), the rate over the second half. A prefill of seconds runs at these
-    clocks, not at the short-burst ones measure_matmul_tflops reads on a cool GPU (0.85-0.95 of them on the lent H100
-    and H200 boards, which cap their power: bench/RESULTS.md, 2026-12-02 and 2026-12-06)."""
+    clocks, not at the short-burst ones measure_matmul_tflops reads on a cool GPU (0.85-0.95 of them on H100 and H200
+    boards, which cap their power: docs/performance.md)."""
     if not torch.cuda.is_available():
         return float("nan")
     xs = [torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(3)]

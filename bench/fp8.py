@@ -7,7 +7,7 @@ per block): the block GEMV and GEMM.
     python -m bench.fp8 [--shape llama-3.1-8b|tiny] [--block] [--out DIR]
 
 Goal (issue "GPU path, round two"): FP8 batch-1 step <= 0.6 x the bf16 step, the medians of --rounds alternated
-engine builds (3; one build each until 2026-12-05). Prints PASS/FAIL.
+engine builds (3). Prints PASS/FAIL.
 """
 from __future__ import annotations
 

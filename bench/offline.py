@@ -33,7 +33,7 @@ from shared.tokenizer import Tokenizer  # noqa: E402
 GOAL_ZERO_REUSE_OVERHEAD = 0.003  # issue 11: the radix cache costs <= 0.3% when nothing is reused
 # Issue 14 ("GPU path, round two"), each a ratio to this run's own reference.
 GOAL_B1_OF_FLOOR = 0.9  # batch-1 decode step: floor / step
-# Since 2026-12-06 both against the matmul rate the board sustains (measure_matmul_sustained, in this run), and the
+# Both against the matmul rate the board sustains (measure_matmul_sustained, in this run), and the
 # throughput roofline prices each decode step at max(weight + KV stream, its GEMMs' FLOPs). The figures against the
 # short-burst rate of a cool GPU, the goals' first reference, are printed beside them as info lines.
 GOAL_TPUT_OF_ROOFLINE = 0.85
@@ -42,7 +42,7 @@ GOAL_PREFILL_OF_MATMUL = 0.88
 def throughput_roofline(cfg, n, prompt_len, out_len, bw, tflops, decode_tflops=None):
     """(output tok/s, prefill s, decode s) of n requests at the measured ceilings: prefill as FLOPs at the matmul
     rate; each decode step as the weights and the KV streamed at copy bandwidth (the burst info line's model). With
-    decode_tflops (the goal's model since 2026-12-06), a step's weights cost max(stream, the GEMMs' 2 * params * n
+    decode_tflops (the goal's model), a step's weights cost max(stream, the GEMMs' 2 * params * n
     FLOPs at that rate): at n = 256 the decode GEMMs are compute-bound, which a pure stream does not count."""
     flops_prefill = n * prompt_len * prefill_flops_per_token(cfg, prompt_len)
     t_prefill = flops_prefill / (tflops * 1e12)
@@ -199,9 +199,8 @@ def main():
     if args.mixed_pairs:
         eng_mixed = Engine(EngineConfig(**{**ec.__dict__, "enable_mixed_chunk": True}), tok, on_output=lambda o: None,
                            runner=eng.runner)
-        # The shared runner was built, and warmed up, without mixed chunks: its first mixed run compiled the decode
-        # tail's variants live (4,233 tok/s, then 6,386; H100, 2026-12-05), where an engine of its own compiles them in
-        # its warm-up (bench.probe mixed_first: no kernel compiled in the first run).
+        # The shared runner was built, and warmed up, without mixed chunks: its first mixed run would compile the
+        # decode tail's variants live, where an engine of its own compiles them in its warm-up.
         eng.runner.warmup_mixed()
         mixed_runs, plain_runs = [], []
         for k in range(args.mixed_pairs):
@@ -231,8 +230,8 @@ def main():
     res["prefill_tflops"] = pf_tok_s * prefill_flops_per_token(cfg, 4096) / 1e12
     log(f"  {pf_tok_s:.0f} tok/s = {res['prefill_tflops']:.0f} TFLOP/s")
     eng.cache.reset()
-    # The burst rate measured again right after the passes: a cross-check of the sustained reference (on the H200
-    # 696 against 731-737 cool, bench.probe prefill_tiles, 2026-12-02), printed beside it.
+    # The burst rate measured again right after the passes: a cross-check of the sustained reference, printed
+    # beside it.
     if cuda:
         res["matmul_tflops_after_prefill"] = measure_matmul_tflops()
 
@@ -274,7 +273,7 @@ def main():
         print(f"info  batch-1 decode step without the prompt's prefill: {per:.3f} ms between launches (median), "
               f"{res['b1_decode_floor_ms'] / per:.3f} of the floor (the goal's figure, {res['b1_decode_ms_step_wall']:.3f}"
               f" ms, spreads the prefill over the steps)")
-    # The goals' first reference, a cool GPU's burst rate, which no sustained run reaches (bench/RESULTS.md, 12-06).
+    # The goals' first reference, a cool GPU's burst rate, which no sustained run reaches (docs/performance.md).
     print(f"info  against the matmul rate in bursts on a cool GPU ({tflops:.0f} TFLOP/s): prefill at "
           f"{res['prefill_tflops'] / tflops:.3f}; 256x(512,128) at {res['tput_tok_s'] / res['tput_roofline_burst_stream_tok_s']:.3f}"
           f" of the roofline that prices each decode step as a weight + KV stream only "

@@ -11,8 +11,8 @@ the two configurations (same dummy weights). Prints a short table last; writes p
 
 Guard (prints PASS/FAIL lines; exit status 1 on a FAIL with --check): PD's ITL p99 at most half the
 unified stack's (what PD is for: decode never waits behind a prefill), and the PD decode worker's ITL
-p50 within 5% of the unified workers' (a decode worker that runs no prefill must not step slower; the
-2026-11-30 regression, an event loop spinning on UCX polls, made it 30-70% slower).
+p50 within 5% of the unified workers' (a decode worker that runs no prefill must not step slower; an event
+loop spinning on UCX polls once made it 30-70% slower).
 
 --profile: while PD runs under load, py-spy dumps of every decode-worker thread (GIL holder marked), a
 py-spy GIL-only record, and per-thread CPU of the decode worker, written to --out.
