@@ -16,19 +16,16 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bench.common import (GREEDY, SHAPES, drive, full_pass_rate, graph_replay_ms, kv_bytes_per_token, matmul_params,  # noqa: E402
+from bench.common import (GREEDY, SHAPES, drive, full_pass_rate, graph_replay_ms, kv_bytes_per_token, matmul_params,
                           measure_copy_bandwidth, measure_matmul_sustained, measure_matmul_tflops, median, model_dir,
                           log, param_bytes, prefill_flops_per_token, random_prompts, sync)
-from shared.engine.config import EngineConfig  # noqa: E402
-from shared.engine.engine import Engine  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.tokenizer import Tokenizer
 
 GOAL_ZERO_REUSE_OVERHEAD = 0.003  # issue 11: the radix cache costs <= 0.3% when nothing is reused
 # Issue 14 ("GPU path, round two"), each a ratio to this run's own reference.

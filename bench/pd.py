@@ -27,16 +27,13 @@ import random
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import aiohttp
+import requests
 
-import aiohttp  # noqa: E402
-import requests  # noqa: E402
-
-from bench.common import SHAPES, log, model_dir, pct, sse_events  # noqa: E402
-from bench.profile import profile_process  # noqa: E402
-from bench.stack import start_stack, stop_stack  # noqa: E402
-from shared import procfs  # noqa: E402
+from bench.common import SHAPES, log, model_dir, pct, sse_events
+from bench.profile import profile_process
+from bench.stack import start_stack, stop_stack
+from shared import procfs
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, ids: list[int], out_len: int) -> dict:

@@ -30,17 +30,13 @@ import json
 import math
 import os
 import random
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import aiohttp
 
-import aiohttp  # noqa: E402
-
-from bench.common import SHAPES, log, model_dir, pct, sse_events  # noqa: E402
-from shared import procfs  # noqa: E402
-from shared.gc_freeze import freeze_startup_heap, space_young_collections  # noqa: E402
+from bench.common import SHAPES, log, model_dir, pct, sse_events
+from shared import procfs
+from shared.gc_freeze import freeze_startup_heap, space_young_collections
 
 VOCAB = 400  # ids the random-weight tokenizers all have
 

@@ -20,18 +20,15 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bench.common import drive, log, median, model_dir  # noqa: E402
-from shared.engine.config import EngineConfig  # noqa: E402
-from shared.engine.engine import Engine  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
+from bench.common import drive, log, median, model_dir
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.tokenizer import Tokenizer
 
 GREEDY_FIXED = {"temperature": 0, "ignore_eos": True}
 VOCAB = 400  # token ids in [3, VOCAB): inside every shape's and the tiny tokenizer's vocabulary

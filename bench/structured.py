@@ -16,17 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bench.common import SHAPES, drive, log, median, model_dir, sync  # noqa: E402
-from shared.engine.config import EngineConfig  # noqa: E402
-from shared.engine.engine import Engine  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
+from bench.common import SHAPES, drive, log, median, model_dir, sync
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.tokenizer import Tokenizer
 
 # Extraction-style schema: many fixed keys, enums, bounded numbers, short strings.
 SCHEMA = {
