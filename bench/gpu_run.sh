@@ -61,7 +61,7 @@ case $kind in
     TAIL=60 run 580 workloads.log python3 -m bench.workloads --ablations --out "$OUT" --parallel 16 --instances 48 \
       --duration 5 --budget 540 "$@" ;;
   fp8)
-    gpu_tests 150 fp8_tests.log "quantization or fp8"
+    gpu_tests 150 fp8_tests.log "quantization"
     run 400 fp8.log python3 -m bench.fp8 --out "$OUT" "$@" ;;
   pd)
     run 330 pd.log python3 -m bench.pd --out "$OUT" --duration 30 "$@"
