@@ -27,8 +27,10 @@ EOF
 }
 set -uo pipefail
 kind=${1:-}
-[[ -n $kind && $kind != -h && $kind != --help ]] || { usage; exit 2; }
-shift
+case $kind in
+  tests|offline|kernels|structured|serving|serving-interval|shared-prefix|programs|fp8|pd|tp|ab) shift ;;
+  *) usage; exit 2 ;;
+esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
 [[ -d .whl ]] || { echo "gpu_run.sh: no .whl here (bench/fetch_wheels.sh, then carry it)" >&2; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*/*.whl \
@@ -72,6 +74,5 @@ case $kind in
   tp)
     gpu_tests 200 tp_tests.log "test_tp and (engine_matches or families or kv_pages_leave_whole)"
     run 300 tp.log python3 -m bench.tp --out "$OUT" "$@" ;;
-  ab) TAIL=40 run 590 ab.log python3 -m bench.ab --out "$OUT" "$@" ;;
-  *) usage; exit 2 ;;
+  ab) TAIL=40 run 560 ab.log python3 -m bench.ab --out "$OUT" "$@" ;;
 esac

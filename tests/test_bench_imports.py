@@ -40,6 +40,8 @@ def test_gpu_run_kinds_run_suite_benchmarks_only():
     kinds = re.findall(r"^  ([a-z0-9-]+)  ", r.stdout, flags=re.M)
     script = (BENCH / "gpu_run.sh").read_text()
     assert 8 <= len(kinds) <= 12 and all(re.search(rf"^  {k}\)", script, flags=re.M) for k in kinds), kinds
+    accepted = re.search(r"^  (tests\|[a-z0-9|-]+)\) shift ;;", script, flags=re.M)[1].split("|")
+    assert sorted(accepted) == sorted(kinds)
     assert set(re.findall(r"python3 -m bench\.(\w+)", script)) <= set(SUITE)
     docs = (ROOT / "docs" / "performance.md").read_text()
     assert all(f"bench.{name}" in docs for name in SUITE)
