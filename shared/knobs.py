@@ -4,8 +4,9 @@ A knob NAME is read from the environment variable RADIXSERVE_<NAME> (unset: its 
 it is imported, into a module constant of the same name (kernels.gemv.SPLIT_K_MIN_PROGRAMS, ...): a process
 started with `RADIXSERVE_SPLIT_K_MIN_PROGRAMS=1.5` runs with that value, and a test may still patch the module
 constant. A value that does not parse as the knob's type stops the import with an error naming the variable.
-`python -m shared.knobs` lists them all with their current values, and flags RADIXSERVE_ variables that name no
-knob (a deleted or misspelt one would otherwise be ignored without a word).
+`python -m shared.knobs` lists them all with their current values. A RADIXSERVE_ variable that names no knob (a
+deleted or misspelt one, which would otherwise change nothing without a word) is warned about when this module is
+first imported, and flagged by the listing.
 
 Engine settings a user picks (batch sizes, fusions, attention backend) are EngineConfig fields and CLI flags, not
 knobs; knobs are the thresholds a kernel or scheduler change is tuned by, left settable for the next measurement.
@@ -17,6 +18,7 @@ alone. Passing each value in from the callers instead would thread thresholds re
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 
@@ -108,6 +110,11 @@ def unknown_variables(environ=None) -> list[str]:
                   and v[len(PREFIX):] not in KNOBS)
 
 
+for _name in unknown_variables():
+    logging.getLogger(__name__).warning("$%s is set but names no knob: it is ignored (python -m shared.knobs lists "
+                                        "them)", _name)
+
+
 def main() -> int:
     rows = [("name", "type", "default", "value", "read by", "why")]
     bad = []
@@ -123,8 +130,6 @@ def main() -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5])
     for msg in bad:
         print("error: " + msg, file=sys.stderr)
-    for v in unknown_variables():
-        print(f"warning: ${v} is set but names no knob: it is ignored", file=sys.stderr)
     return 1 if bad else 0
 
 
