@@ -38,8 +38,10 @@ _CONFIGS = Path(__file__).resolve().parent / "configs"
 DEVICE_KEYS = ("H100", "H200")  # the GPUs a tile table may be keyed by (a substring of the device's name)
 
 
+@functools.lru_cache(maxsize=None)
 def device_key() -> str:
-    """The current GPU's key in the tile tables: one of DEVICE_KEYS where its name contains it, else "fallback"."""
+    """The GPU's key in the tile tables: one of DEVICE_KEYS where its name contains it, else "fallback" (one kind of
+    GPU a process: asked once)."""
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     return next((k for k in DEVICE_KEYS if k in name), "fallback")
 
