@@ -19,9 +19,9 @@ silu(gate) * up [M, I]: each program takes BLOCK_N / 2 gate rows and the matchin
 rounds both as the projection's output would be, then gates them (the bits of silu_and_mul of that output). The
 down projection then reads I values, not 2I with the activation computed in its load.
 
-With norm_in / add_norm (one row, or two on the one-row kernel) the GEMV is the consumer or the producer of a residual RMSNorm split
-around it (kernels/residual_norm.py): the consumer scales its sums by the norm, the producer's epilogue adds
-into the residual and writes the norm's input in place of y (in the reduce kernel where K is split).
+With norm_in / add_norm (one row, or two on the one-row kernel) the GEMV is the consumer or the producer of a
+residual RMSNorm split around it (kernels/residual_norm.py): the consumer scales its sums by the norm, the producer's
+epilogue adds into the residual and writes the norm's input in place of y (in the reduce kernel where K is split).
 With rope (kernels/rope_store.py) the qkv projection's epilogue rotates q and k and stores k and v in
 the KV pool: each program then owns whole rotary pairs of rows.
 
@@ -418,9 +418,10 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                      SILU_MUL: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr, FOLD: tl.constexpr,
                      X_ROWS: tl.constexpr, NARROW: tl.constexpr, EVICT: tl.constexpr, NORM_IN: tl.constexpr = False,
-                     ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16,
-                     ROPE: tl.constexpr = False, HALF: tl.constexpr = 1, HAS_SCALE: tl.constexpr = False, F16: tl.constexpr = False, W_VEC: tl.constexpr = 0,
-                     GATED: tl.constexpr = False, ROWS: tl.constexpr = 1, stride_xm=0, stride_ym=0):
+                     ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
+                     HALF: tl.constexpr = 1, HAS_SCALE: tl.constexpr = False, F16: tl.constexpr = False,
+                     W_VEC: tl.constexpr = 0, GATED: tl.constexpr = False, ROWS: tl.constexpr = 1, stride_xm=0,
+                     stride_ym=0):
     """y = x @ W^T for one row x and half-, full-precision or FP8 W (HAS_SCALE: one dequantization scale per
     output row; F16: multiplied in f16, eight products summed there): each program streams BLOCK_N rows of W
     over its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end.

@@ -156,7 +156,8 @@ def two_row_gating_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     """Whether a two-row pass's gate_up projection runs on the GEMV's one-row kernel with the gating epilogue, as one
     row does, rather than on its tensor-core tile. The models' question."""
     import kernels.gemv as kg
-    return x.shape[0] == 2 and _gemv_applies(x, weight, weight_scale) and not kg.on_tensor_cores(2, weight, weight_scale)
+    return (x.shape[0] == 2 and _gemv_applies(x, weight, weight_scale)
+            and not kg.on_tensor_cores(2, weight, weight_scale))
 
 
 def gemv_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:

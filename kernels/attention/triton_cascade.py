@@ -27,7 +27,7 @@ from shared.knobs import knob
 
 MAX_ROWS = 64  # members x query heads of one program's block
 MIN_TOKENS_PER_PREFIX_SPLIT = knob("MIN_TOKENS_PER_PREFIX_SPLIT")
-MAX_PREFIX_SPLITS = knob("MAX_PREFIX_SPLITS")  # chunks per group prefix: more only multiplies the partial outputs' traffic
+MAX_PREFIX_SPLITS = knob("MAX_PREFIX_SPLITS")  # chunks a group prefix: more only multiply the partials' traffic
 
 
 @triton.jit
