@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
         of the backend's rope + KV-store kernel (LlamaModel.fuse_row_rope and _rope_in_qkv say where it applies;
         several rows only where the GEMV takes them)."""
         rope = None
-        if fuse_rope and hidden.shape[0] > 1:  # several rows: only on the GEMV's tile (_rope_in_qkv's knob)
+        if fuse_rope and hidden.shape[0] > 1:  # several rows: only where the GEMV takes them
             fuse_rope = ops.gemv_applies(hidden, self.qkv_proj.weight, self.qkv_proj.weight_scale)
         if fuse_rope:
             k_buf, v_buf = fb.kv_pool.get_kv(self.layer_id)
