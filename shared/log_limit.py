@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-_MAX_KINDS = 256  # distinct kinds tracked at once; beyond, they share one window (a peer may vary the text)
+_MAX_KINDS = 16  # distinct kinds tracked at once; beyond, they share one window (a peer may vary the text)
 
 
 class LimitedWarning:
@@ -30,6 +30,6 @@ class LimitedWarning:
         left_out = window[1] if window is not None else 0
         self._kinds[kind] = [now + self.interval_s, 0]
         if left_out:
-            msg += " (and %d more like it in the last %.0f s, not logged)"
-            args = (*args, left_out, self.interval_s)
+            msg += " (and %d more like it since the last one logged)"
+            args = (*args, left_out)
         self.log.warning(msg, *args)
