@@ -14,8 +14,10 @@ import pytest
 import requests
 
 from shared import procfs
-from tests.conftest import Stack
 from tests.faults.procs import gateway, worker
+from tests.support.stack import Stack
+
+pytestmark = pytest.mark.e2e
 
 LONG_PROMPT = "ab " * 6000  # over the gateway's inline limit: tokenized in its pool of processes
 

@@ -10,10 +10,11 @@ import time
 import pytest
 import redis
 
-from tests.conftest import RedisServer
 from tests.faults.harness import Load, assert_no_bad, report, wait_for
 from tests.faults.procs import Proc, wait_healthy, worker
-from tests.conftest import free_port
+from tests.support.stack import RedisServer, free_port
+
+pytestmark = pytest.mark.e2e
 
 KEYS = "radixserve:worker:*"
 

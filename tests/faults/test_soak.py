@@ -8,11 +8,15 @@ import json
 import os
 import sys
 
-from tests.conftest import ROOT
+import pytest
+
+from tests.support.stack import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "loadtest"))
 
 import soak  # noqa: E402
+
+pytestmark = pytest.mark.e2e
 
 
 def test_short_soak_mixed_routes_no_errors_no_growth_kv_idle(tmp_path):

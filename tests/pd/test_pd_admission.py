@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 
+import pytest
 import requests
 
 from shared.protocol import Transfer
-from tests.conftest import Stack
-from tests.test_pd import assert_no_kv_held
-from tests.test_scheduler import make_req, make_sched, step
+from tests.engine.test_scheduler import make_req, make_sched, step
+from tests.pd.test_pd import assert_no_kv_held
+from tests.support.stack import Stack
 
 
 def decode_side_req(tokens, tid, max_new=200):
@@ -68,6 +69,7 @@ def test_admission_counts_the_decode_tokens_of_requests_whose_pages_are_on_the_w
     assert s.schedule() is None and s.waiting == [b] and s.decode_stages.holding() == [a]
 
 
+@pytest.mark.e2e
 def test_pd_with_a_512_token_pool_refuses_no_fitting_request():
     """64 concurrent requests of 100 prompt + 100 output tokens, 10 rounds, on a 512-token pool, with the
     reservation ratio where a long run decays it to (so admission is as optimistic as after warm-up):
