@@ -43,54 +43,6 @@ def test_summary_percentiles_and_errors():
 
 
 @pytest.mark.e2e
-def test_gateway_overhead_bench_runs_end_to_end():
-    """bench/gateway_overhead.py: the real gateway and worker server around a token-emitting engine; every
-    stream completes with all its tokens, and the per-token CPU figures are printed."""
-    import subprocess
-    import sys
-
-    from tests.support.stack import ROOT
-
-    r = subprocess.run([sys.executable, "-m", "bench.gateway_overhead", "--streams", "8", "--tokens", "6",
-                        "--step-ms", "2"], cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "tokens 48, errors 0" in r.stdout and "gateway" in r.stdout and "us/token" in r.stdout, r.stdout
-    assert "us/request" in r.stdout, r.stdout
-
-
-@pytest.mark.e2e
-def test_http_floor_bench_serves_every_stream_from_every_server():
-    """bench/http_floor.py: the bare aiohttp servers and the bare protocol one each deliver every stream's tokens
-    (the usage chunk's count) through the same client, with no errors, and print their CPU figures."""
-    import subprocess
-    import sys
-
-    from tests.support.stack import ROOT
-
-    r = subprocess.run([sys.executable, "-m", "bench.http_floor", "--streams", "8", "--concurrency", "4",
-                        "--tokens", "6", "--stream-interval", "2", "--step-ms", "2", "--rounds", "1"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("round 1")]
-    assert [ln.split(":")[0].split()[2] for ln in lines] == ["aiohttp", "aiohttp-lowlevel", "protocol"], r.stdout
-    assert all("tokens 48, errors 0" in ln and "us/request" in ln for ln in lines), r.stdout
-
-
-@pytest.mark.e2e
-def test_gateway_overhead_bench_bounds_concurrency():
-    """--concurrency: more requests than may be in flight at once all complete (the per-request figure)."""
-    import subprocess
-    import sys
-
-    from tests.support.stack import ROOT
-
-    r = subprocess.run([sys.executable, "-m", "bench.gateway_overhead", "--streams", "12", "--concurrency", "3",
-                        "--tokens", "2", "--step-ms", "1"], cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "(3 at a time)" in r.stdout and "tokens 24, errors 0" in r.stdout, r.stdout
-
-
-@pytest.mark.e2e
 def test_serving_bench_runs_end_to_end_with_batch1(tmp_path):
     """bench/serving.py --launch on the tiny shape: a real stack, the offline reference and the batch-1
     comparison each print their verdict line (the numbers mean something only on the GPU)."""
@@ -274,38 +226,3 @@ def test_edges_split_the_wall_around_the_busy_period():
     # A busy period from before the run (or another host's clock) is flagged, not taken for edges.
     assert not edges(results, {"start": 9.0, "end": 9.5, "count": 3}, periods0=3)["ordered"]
     assert edges(results, None) == {} and edges([{"error": "x"}], {"start": 1, "end": 2}) == {}
-
-
-def test_run_load_warm_connections_are_opened_before_the_clock_and_reused():
-    """--warm-connections: one keep-alive connection per request in flight is opened (GET /health) before
-    at_start and the clock; the requests then go out on those connections, none on a new one."""
-    import asyncio
-    import math
-
-    from aiohttp import web
-
-    from bench.serving import run_load
-
-    events = []
-
-    async def health(request):
-        events.append(("health", request.transport.get_extra_info("peername")[1]))
-        await asyncio.sleep(0.05)  # all of them in flight at once: one connection each
-        return web.Response(text="ok")
-
-    async def generate(request):
-        await request.read()
-        events.append(("generate", request.transport.get_extra_info("peername")[1]))
-        return web.json_response({"text": "x", "meta_info": {"completion_tokens": 2}})
-
-    async def main():
-        async with _test_server([("GET", "/health", health), ("POST", "/generate", generate)]) as url:
-            return await run_load(url, "generate", [([1, 2], 2)] * 4, False, math.inf, 0, warm=True,
-                                  at_start=lambda: events.append(("clock", None)))
-
-    results, _ = asyncio.run(main())
-    assert [r["out"] for r in results] == [2] * 4
-    kinds = [k for k, _ in events]
-    assert kinds == ["health"] * 4 + ["clock"] + ["generate"] * 4, kinds
-    warmed = {p for k, p in events if k == "health"}
-    assert len(warmed) == 4 and {p for k, p in events if k == "generate"} <= warmed

@@ -119,17 +119,3 @@ def test_every_workload_gives_the_same_answer_remotely(name):
             assert remote.text() == local.text()
             for var, value in local.variables().items():
                 assert remote[var] == value, var
-
-
-def test_jump_forward_probe_counts_catch_up_passes(tmp_path):
-    """bench.workloads.jump_forward_probe on the tiny shape: jump-forward off runs no catch-up pass; jumping
-    every forced run (threshold 0) adds catch-up passes and takes fewer steps."""
-    from bench.workloads.jump_forward_probe import main as probe
-
-    out = tmp_path / "probe.json"
-    results = probe(["--programs", "3", "--parallel", "3", "--stagger", "2", "--scale", "0.02", "--thresholds", "0",
-                     "--out", str(out)])
-    off, on = results["jump-forward off"], results["jump-forward on, threshold 0"]
-    assert off["extend_catchup_passes"] == 0 and off["forced_runs"] == 0
-    assert on["extend_catchup_passes"] > 0 and on["forced_tokens"] > 0 and on["steps"] < off["steps"]
-    assert json.loads(out.read_text())["results"].keys() == results.keys()
