@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from shared.protocol import GenerateRequest
-from tests.fake_worker import gateway_stack, sse_events
+from tests.support.fake_worker import gateway_stack, sse_events
 
 
 def _post(path: str, body, *, extra: bytes = b"", version: bytes = b"HTTP/1.1") -> bytes:
