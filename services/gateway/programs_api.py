@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import functools
 from contextlib import aclosing
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import orjson
 
 from aiohttp import web
 
@@ -30,20 +32,21 @@ async def run_program(state: "GatewayState", request: web.Request) -> web.Stream
     with state.program_slots.hold(salt):  # 429 when this key already runs its share
         if stream:
             # Headers at once: a program's first event may come only after whole generations.
-            return await stream_events(request, _events(stream_program(program, generate, state.fork_hint)),
-                                       hold_headers=False)
+            return await stream_events(request, _events(stream_program(program, generate, state.fork_hint, meter),
+                                                        meter), hold_headers=False)
         try:
-            result = await execute_program(program, generate, fork_hint=state.fork_hint)
+            result = await execute_program(program, generate, fork_hint=state.fork_hint, bounds=meter)
         except ProgramError as e:
             raise _failed(e) from None
         return web.Response(body=await meter.serialize(result), content_type="application/json")
 
 
-async def _events(events: AsyncIterator[dict]) -> AsyncIterator[dict]:
+async def _events(events: AsyncIterator[dict], meter: ProgramMeter) -> AsyncIterator[Any]:
     try:
         async with aclosing(events) as it:
             async for event in it:
-                yield event
+                # A variable or the whole answer may be megabytes: encoded a step at a time, size-checked.
+                yield orjson.Fragment(await meter.serialize(event))
     except ProgramError as e:
         raise _failed(e) from None
 
