@@ -8,8 +8,8 @@ lang_client's own (lang_client.wire, lang_client.choices), so a remote run asks 
 Nothing a program does may hold the event loop for long or grow without a bound: a stream's text is kept as
 parts (appending a long value to a long text by `+=` copies the whole text every time), every character the
 run would hold is announced to `bounds.add_text` before it is appended (the caller refuses past its answer
-bound), a select asks `bounds.prompt_room` before it builds its scoring batch, and the interpreter yields to
-the loop every few nodes (a read of a defined variable never waits, so a long list of them would not).
+bound), a select holds its scoring batch's least prompt tokens (`bounds.hold_prompt_tokens`) before it
+builds the batch's copies of the prompt, and the interpreter yields to the loop every few nodes (a read of a defined variable never waits, so a long list of them would not).
 """
 from __future__ import annotations
 
@@ -35,15 +35,16 @@ class Bounds(Protocol):
     def add_text(self, chars: int) -> None:
         """`chars` more characters of text are about to be held (a stream, a message or a variable)."""
 
-    def prompt_room(self, tokens: int) -> None:
-        """A generate call of at least `tokens` prompt tokens is about to be built."""
+    def hold_prompt_tokens(self, tokens: int) -> None:
+        """The calling task's next generate call needs at least `tokens` prompt tokens: hold them now,
+        before its body is built (the call's own reservation replaces the hold)."""
 
 
 class _Unbounded:
     def add_text(self, chars: int) -> None:
         pass
 
-    def prompt_room(self, tokens: int) -> None:
+    def hold_prompt_tokens(self, tokens: int) -> None:
         pass
 
 
@@ -260,7 +261,7 @@ class _Run:
         first = await self._call(wire.prefill_body(text))
         # Each scored text holds the prompt, bar the last tokens a choice's head may merge with: a batch
         # that cannot fit what the budget has left is refused before its len(choices) copies are made.
-        self.bounds.prompt_room(len(node.choices) * max(first["meta_info"]["prompt_tokens"] - 2, 0))
+        self.bounds.hold_prompt_tokens(len(node.choices) * max(first["meta_info"]["prompt_tokens"] - 2, 0))
         answers = await self._call(wire.choice_scoring_body(text, node.choices, node.temperature,
                                                             first["meta_info"]["prompt_tokens"]))
         try:

@@ -1,7 +1,11 @@
 """Bounds on what one `/v1/programs` request may cost, beyond the static checks of its IR (programs.py
-ProgramLimits): prompt tokens processed over all its generate calls, text generated, answer size, wall
-time, and how many programs one API key may run at once. A program over a bound ends with a 4xx that
-names the bound (429 for concurrency, 400 otherwise); its in-flight generations are aborted as usual."""
+ProgramLimits): tokens over all its generate calls, text generated, answer size, wall time, and how many
+programs one API key may run at once. A program over a bound ends with a 4xx that names the bound (429
+for concurrency, 400 otherwise); its in-flight generations are aborted as usual.
+
+Each bound refuses before the work that would cross it, not after: a generate call reserves its prompt
+and max_new_tokens once tokenized, before anything is sent (64 branches checking a running total only
+between calls once processed 2.5x their budget), and the text a program holds is counted as it grows."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +18,7 @@ from services.gateway.errors import APIError
 from services.gateway.json_out import dumps
 from shared.protocol import GenerateRequest
 
+# native_api.generate_json's shape: a /generate body and the admission hook it calls before dispatch.
 Generate = Callable[[dict, Callable[[list[GenerateRequest]], None]], Awaitable[Any]]
 
 
@@ -51,6 +56,7 @@ class ProgramMeter:
         self.tokens = 0  # used by finished calls plus reserved by running ones
         self.generated_chars = 0
         self.text_chars = 0
+        self._held: dict[asyncio.Task | None, int] = {}  # tokens held for a task's next call (hold_prompt_tokens)
 
     def _answer_limit(self) -> APIError:
         return _limit(f"program answer is larger than {self.budget.max_answer_bytes} bytes")
@@ -60,35 +66,44 @@ class ProgramMeter:
         if self.text_chars > self.budget.max_answer_bytes:  # a character is at least one byte of JSON
             raise self._answer_limit()
 
-    def prompt_room(self, tokens: int) -> None:
+    def _room(self, tokens: int) -> None:
         if self.tokens + tokens > self.budget.max_prompt_tokens:
             raise _limit(f"program would process more than {self.budget.max_prompt_tokens} prompt tokens "
                          "(each generate call's prompt and max_new_tokens count from when it is issued)")
 
-    def _reserve(self, reqs: list[GenerateRequest]) -> int:
-        need = sum(len(r.input_ids) + r.sampling.max_new_tokens for r in reqs)
-        self.prompt_room(need)
-        self.tokens += need
-        return need
+    def hold_prompt_tokens(self, tokens: int) -> None:
+        # Keyed by task: the call that follows runs in the same task, and its reservation takes the hold's place.
+        self._room(tokens)
+        task = asyncio.current_task()
+        self._held[task] = self._held.get(task, 0) + tokens
+        self.tokens += tokens
 
     def wrap(self, generate: Generate) -> Callable[[dict], Awaitable[Any]]:
         """`generate(body, admit)` calls `admit(requests)` once its prompts are tokenized, before any is
         sent: the reservation that may refuse them."""
         async def metered(body: dict) -> Any:
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
-                raise _limit(f"program ran longer than {self.budget.max_seconds:g} s")
+            held = self._held.pop(asyncio.current_task(), 0)
             reserved = 0
 
             def admit(reqs: list[GenerateRequest]) -> None:
-                nonlocal reserved
-                reserved = self._reserve(reqs)
+                nonlocal held, reserved
+                self.tokens -= held
+                held = 0
+                need = sum(len(r.input_ids) + r.sampling.max_new_tokens for r in reqs)
+                self._room(need)
+                self.tokens += need
+                reserved = need
 
+            remaining = self.deadline - time.monotonic()
             try:
+                if remaining <= 0:
+                    raise _limit(f"program ran longer than {self.budget.max_seconds:g} s")
                 async with asyncio.timeout(remaining):
                     answer = await generate(body, admit)
             except TimeoutError:
                 raise _limit(f"program ran longer than {self.budget.max_seconds:g} s") from None
+            finally:
+                self.tokens -= held  # a call that ended before its prompts were tokenized
             # A failed call keeps its reservation: what it cost is unknown, and the program ends anyway.
             self.tokens -= reserved
             for item in answer if isinstance(answer, list) else [answer]:

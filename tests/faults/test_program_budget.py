@@ -64,3 +64,20 @@ async def test_programs_per_key_bound():
         assert status == 200, body
         assert (await first)[0] == 200
         assert not s.state.program_slots.running
+
+
+async def test_doubling_a_variable_is_refused_before_it_grows():
+    """`x = x + x` thirty times would be 2^30 copies of a 1,000-character value: refused once the text it
+    holds passes the answer bound, before the join that would cross it."""
+    nodes = [{"op": "set", "name": "x", "value": "a" * 1000}]
+    nodes += [{"op": "set", "name": "x", "parts": [{"op": "var", "name": "x"}, {"op": "var", "name": "x"}]}] * 30
+    async with gateway_stack() as s:
+        status, body = await _post(s, {"program": {"version": 1, "nodes": nodes}})
+        assert status == 400 and "answer is larger" in body["error"]["message"], body
+
+
+async def test_streamed_answer_is_bounded_too():
+    async with gateway_stack(program_budget=ProgramBudget(max_answer_bytes=400)) as s:
+        r = await s.client.post("/v1/programs", json={**_fanout(8, "x "), "stream": True})
+        raw = await r.text()
+        assert r.status == 200 and "answer is larger" in raw and '"type":"result"' not in raw, raw[-500:]
