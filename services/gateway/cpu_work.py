@@ -29,6 +29,7 @@ INLINE_CHARS = 16 * 1024  # inputs up to this size are prepared on the loop (a f
 # when a burst has spent it, inputs go to the pool until the loop has had time for everything else.
 INLINE_SHARE = 0.25
 INLINE_BURST_S = 0.005
+ALWAYS_INLINE_CHARS = 2048  # smaller inputs stay inline whatever the credit: the hop would cost more
 
 _TOKENIZER: Tokenizer | None = None  # in a pool process
 
@@ -89,7 +90,7 @@ class CpuWork:
         now = time.monotonic()
         self._credit = min(INLINE_BURST_S, self._credit + (now - self._credit_at) * INLINE_SHARE)
         self._credit_at = now
-        return self._credit > 0
+        return self._credit > 0 or chars <= ALWAYS_INLINE_CHARS
 
     def _spent(self, since: float) -> None:
         now = time.monotonic()
