@@ -9,12 +9,12 @@ Nothing a program does may hold the event loop for long or grow without a bound:
 parts (appending a long value to a long text by `+=` copies the whole text every time), every character the
 run would hold is announced to `bounds.add_text` before it is appended (the caller refuses past its answer
 bound), a select holds its scoring batch's least prompt tokens (`bounds.hold_prompt_tokens`) before it
-builds the batch's copies of the prompt, and the interpreter yields to the loop every few nodes (a read of a defined variable never waits, so a long list of them would not).
+builds the batch's copies of the prompt, and the interpreter yields to the loop every few nodes (a read
+of a defined variable never waits, so a long list of them would not).
 """
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from lang_client import wire

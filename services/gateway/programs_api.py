@@ -8,7 +8,6 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import orjson
-
 from aiohttp import web
 
 from services.gateway.tenancy import request_salt
@@ -38,7 +37,8 @@ async def run_program(state: "GatewayState", request: web.Request) -> web.Stream
             result = await execute_program(program, generate, fork_hint=state.fork_hint, bounds=meter)
         except ProgramError as e:
             raise _failed(e) from None
-        return web.Response(body=await meter.serialize(result), content_type="application/json")
+        return web.Response(body=await meter.serialize(result), content_type="application/json",
+                            charset="utf-8")
 
 
 async def _events(events: AsyncIterator[dict], meter: ProgramMeter) -> AsyncIterator[Any]:

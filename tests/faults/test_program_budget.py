@@ -81,3 +81,13 @@ async def test_streamed_answer_is_bounded_too():
         r = await s.client.post("/v1/programs", json={**_fanout(8, "x "), "stream": True})
         raw = await r.text()
         assert r.status == 200 and "answer is larger" in raw and '"type":"result"' not in raw, raw[-500:]
+
+
+async def test_answer_encoded_in_steps_is_the_same_json():
+    from services.gateway.json_out import dumps
+    from services.gateway.program_limits import ENCODE_STEP, ProgramMeter
+
+    long = ('é"\\\n\u2028x' * ENCODE_STEP)[: 3 * ENCODE_STEP + 5]
+    answer = {"text": long, "messages": [{"role": "user", "content": long}], "variables": {"x": [long, "y"]},
+              "meta_info": {"x": None, "n": {}, "l": [], "f": [1.5, -2, [None, 3, "t"]], "k": {1: "a"}}}
+    assert await ProgramMeter(ProgramBudget()).serialize(answer) == dumps(answer)

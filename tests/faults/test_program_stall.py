@@ -149,7 +149,7 @@ def test_value_read_thousands_of_times_is_refused_at_once(stack, reads):
 def test_selected_choice_read_thousands_of_times_is_refused_at_once(stack, reads):
     """The issue's program: a select of one ~40k-character choice. Its scoring asks the worker for the
     logprobs of ~3.7k tokens (seconds on this CPU, and the bystander waits on the same worker), so the
-    time bound is on what the reads add to the select alone."""
+    time bound is on what the reads add to the select alone (before: ~2 minutes at 2,000 reads)."""
     g, url = stack
     _, alone = _post(url, _reads({"op": "select", "name": "x", "choices": [VALUE]}, 1))
     body = _reads({"op": "select", "name": "x", "choices": [VALUE]}, reads)
@@ -158,7 +158,7 @@ def test_selected_choice_read_thousands_of_times_is_refused_at_once(stack, reads
     report(f"program_stall_select_{reads}", body_kb=len(json.dumps(body)) // 1024, took_s=took,
            select_alone_s=alone, max_health_s=watch.health, rss_growth_mb=watch.rss_growth)
     _assert_answer_bound(r)
-    assert took <= alone + 1.0
+    assert took <= 1.5 * alone + 1.0  # the worker's select time alone varies by a second or two here
     assert watch.health <= 0.1 and not watch.failures
     assert watch.rss_growth <= 100
 
