@@ -1,10 +1,12 @@
 """A program cannot stall the gateway nor outgrow its bounds (issue 60, defects 1 and 2), against a real
 gateway and a tiny-random worker:
-- one ~40k-character value read back thousands of times (a 60-100 KB body) is refused as soon as its text
-  would pass the answer bound, in well under a second, while /health and a bystander stream keep going;
-- a 64-way fork of 16-choice selects over a long prefix is refused before it processes more than its
-  prompt-token budget (each call's tokens are reserved when it is issued), without the gateway's memory
-  growing with the fan-out or its branches' tokenizing holding the loop."""
+- one ~40k-character value read back thousands of times (a 94-151 KB body) is refused as soon as its
+  text would pass the answer bound, in well under a second, while /health and a bystander stream keep
+  going (before: 90-130 s of a frozen loop at 2,000 reads, +230 MB);
+- a 64-way fork of 256-choice selects over a ~3k-token prefix (a 136 KB body) is refused before it
+  processes more than its prompt-token budget (each call's tokens are reserved when it is issued), without
+  the gateway's memory growing with the fan-out or its branches' tokenizing holding the loop (before:
+  1.65 M tokens against 1 M, +1.86 GB, /health waiting over 60 s)."""
 from __future__ import annotations
 
 import json
@@ -178,7 +180,7 @@ def test_selected_choice_read_thousands_of_times_is_refused_at_once(stack, reads
     report(f"program_stall_select_{reads}", body_kb=len(json.dumps(body)) // 1024, took_s=took,
            select_alone_s=alone, max_health_s=watch.health, rss_growth_mb=watch.rss_growth)
     _assert_answer_bound(r)
-    assert took <= 1.5 * alone + 1.0  # the worker's select time alone varies by a second or two here
+    assert took <= 2 * alone + 2.0  # the worker's time for the select alone varies 1.5-5 s here
     assert watch.health <= 0.1 and not watch.failures
     assert watch.rss_growth <= 100
 
@@ -198,7 +200,7 @@ def _idle(url: str, timeout: float = 60.0) -> None:
 def test_fork_of_selects_is_refused_within_its_token_budget(stack):
     g, url = stack
     prefix = "The quick brown fox jumps over the lazy dog. Question: What is the capital of France? " * 150
-    choices = [f"Answer {i}: " + "Paris is the capital. " * 7 for i in range(16)]  # ~3k tokens each scored
+    choices = [f" {i}" for i in range(256)]  # each scored with the ~3k-token prefix
     branches = [[{"op": "select", "name": "s", "choices": choices}] for _ in range(64)]
     body = {"program": {"version": 1, "nodes": [{"op": "text", "text": prefix},
                                                 {"op": "fork", "id": 0, "n": 64, "branches": branches}]}}
@@ -216,5 +218,5 @@ def test_fork_of_selects_is_refused_within_its_token_budget(stack):
     assert processed <= 1.1 * budget
     assert watch.rss_growth <= 200
     # Not the issue's bound (that is for the program above) but its point: 64 branches each tokenizing
-    # 17 prompts of 13 KB inline held /health for ~3 s; a loaded 2-core machine needs the margin.
+    # their 13 KB prompts inline held /health for 1-3 s; a loaded 2-core machine needs the margin.
     assert watch.health <= 0.5 and not watch.failures
