@@ -118,8 +118,8 @@ def measure_matmul_tflops(n: int = 8192) -> float:
 def measure_matmul_sustained(seconds: float = 3.0, n: int = 8192, group: int = 8) -> float:
     """The bf16 matmul rate the board sustains: 8192^3 GEMMs back to back for `seconds` (the host keeps one group
     queued ahead, so the GPU never waits on it), the rate over the second half. A prefill of seconds runs at these
-    clocks, not at the short-burst ones measure_matmul_tflops reads on a cool GPU (0.85-0.95 of them on the lent H100
-    and H200 boards, which cap their power: bench/RESULTS.md, 2026-12-02 and 2026-12-06)."""
+    clocks, not at the short-burst ones measure_matmul_tflops reads on a cool GPU (0.85-0.95 of them on H100 and H200
+    boards, which cap their power: docs/performance.md)."""
     if not torch.cuda.is_available():
         return float("nan")
     xs = [torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
@@ -266,8 +266,6 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def log(msg: str) -> None:
-    import time
-
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
@@ -289,22 +287,6 @@ def graph_replay_ms(graph_runner, bs: int = 1, reps: int = 60, skip: int = 10) -
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def b1_engine(pdl: bool = True, quantization: str | None = None, **config):
-    """The 8B shape (random weights), graphs to batch 8, warmed up: the batch-1 probes' engine. `config`:
-    further EngineConfig fields."""
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.tokenizer import Tokenizer
-    path = model_dir("llama-3.1-8b")
-    extra = {"quantization": quantization} if quantization else {}
-    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=100_000,
-                      max_running_requests=8, cuda_graph=True, cuda_graph_max_bs=8, enable_pdl=pdl, **extra,
-                      **config)
-    eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
-    drive(eng, random_prompts(2, 64, 400, 0), {**GREEDY, "max_new_tokens": 8})
-    return eng
-
-
 def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int, **config) -> dict:
     """An engine of `config` (dummy weights): batch-1 decode ms/step over `steps` steps, its CUDA graph's
     replay, and the output tok/s of `reqs` × (512 in, 128 out) all at once (none for reqs=0). The engine is
@@ -314,14 +296,13 @@ def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
 
-    greedy = {"temperature": 0, "ignore_eos": True}
     ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=200_000,
                       cuda_graph=cuda, **{"max_running_requests": 128, "cuda_graph_max_bs": 128, **config})
     eng = Engine(ec, tok, on_output=lambda o: None)
     out: dict = {}
     try:
-        drive(eng, random_prompts(4, 64, vocab, 0), {**greedy, "max_new_tokens": 8})
-        st = drive(eng, random_prompts(1, 512, vocab, 2), {**greedy, "max_new_tokens": steps})
+        drive(eng, random_prompts(4, 64, vocab, 0), {**GREEDY, "max_new_tokens": 8})
+        st = drive(eng, random_prompts(1, 512, vocab, 2), {**GREEDY, "max_new_tokens": steps})
         out["b1_step_ms"] = st.wall_s / max(1, st.steps) * 1e3
         periods = st.decode_periods(1)  # the decode step alone: the prompt's prefill not spread over the steps
         if periods:
@@ -332,7 +313,7 @@ def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int
         if gr is not None:
             out["b1_graph_ms"] = graph_replay_ms(gr, reps=50)
         if reqs:
-            st = drive(eng, random_prompts(reqs, 512, vocab, 5), {**greedy, "max_new_tokens": 128})
+            st = drive(eng, random_prompts(reqs, 512, vocab, 5), {**GREEDY, "max_new_tokens": 128})
             out["tput_tok_s"] = st.output_tokens / st.wall_s
     finally:
         eng.stop()

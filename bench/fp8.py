@@ -7,7 +7,7 @@ per block): the block GEMV and GEMM.
     python -m bench.fp8 [--shape llama-3.1-8b|tiny] [--block] [--out DIR]
 
 Goal (issue "GPU path, round two"): FP8 batch-1 step <= 0.6 x the bf16 step, the medians of --rounds alternated
-engine builds (3; one build each until 2026-12-05). Prints PASS/FAIL.
+engine builds (3). Prints PASS/FAIL.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ GOAL_RATIO = 0.6
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m bench.fp8", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--reqs", type=int, default=128, help="requests of the throughput run (512 in, 128 out)")
     ap.add_argument("--steps", type=int, default=200, help="batch-1 decode steps")

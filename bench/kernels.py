@@ -1,7 +1,10 @@
 """GPU benchmark of the Triton kernels against their torch references and the machine's ceilings.
 
-    python -m bench.kernels            # H200: under 3 minutes; prints a table last; $OUT/kernels.json if OUT set
-    python -m bench.kernels fusions    # only the decode fusions, each against the launches it replaces
+    python -m bench.kernels [--out DIR] [--tune] [elementwise gemv decode extend fusions]
+
+Under 3 minutes on an H100 or H200; prints a table last and writes kernels.json to --out. Names pick parts
+(e.g. `fusions`: only the decode fusions, each against the launches it replaces); --tune sweeps the GEMV and
+extend-attention block choices on this GPU instead.
 
 Ceilings are measured first in the same run: device copy bandwidth (large D2D copy, bytes read +
 written) and bf16 matmul TFLOP/s. Every timing is the median over replays of a CUDA graph holding
@@ -189,41 +192,14 @@ def bench_gemv(rep: Report):
     return results
 
 
-def slot_layout(batch: int, ctx: int, layout: str = "contiguous", decode: int = 0, page: int = 16) -> torch.Tensor:
-    """[batch, ctx] pool slots (from 0) of each request's tokens, in one of the orders the engine's allocator leaves:
-    contiguous: each request's tokens in one run (a fresh pool's prefill);
-    engine: the first ctx - decode tokens so, the last `decode` one step at a time for the whole batch (page size 1:
-        a step's batch of new slots is one run, so a request's decode tokens sit `batch` slots apart);
-    paged: the same decode tokens in pages of `page` slots of the request's own (page size `page`);
-    shuffled: every token at a random slot (a pool fragmented by eviction, as a worst case)."""
-    pre = ctx - decode
-    if layout == "contiguous" or (decode == 0 and layout in ("engine", "paged")):
-        return torch.arange(batch * ctx, dtype=torch.int64).view(batch, ctx)
-    if layout == "shuffled":
-        return torch.randperm(batch * ctx, generator=torch.Generator().manual_seed(0)).view(batch, ctx)
-    out = torch.empty(batch, ctx, dtype=torch.int64)
-    out[:, :pre] = torch.arange(batch * pre, dtype=torch.int64).view(batch, pre)
-    base = batch * pre
-    if layout == "engine":
-        out[:, pre:] = base + torch.arange(decode * batch, dtype=torch.int64).view(decode, batch).t()
-    elif layout == "paged":
-        pages = -(-decode // page)
-        own = base + torch.arange(batch * pages * page, dtype=torch.int64).view(pages, batch, page)  # a step's pages
-        out[:, pre:] = own.permute(1, 0, 2).reshape(batch, pages * page)[:, :decode]
-    else:
-        raise ValueError(f"unknown slot layout {layout!r}")
-    return out
-
-
-def _pool(batch: int, ctx: int, copies: int, layout: str = "contiguous", decode: int = 0):
-    """KV pools (copies of K and V, [slots, HKV, D]) and the req_to_token table of `batch` requests of `ctx` tokens
-    at the slots slot_layout(layout, decode) gives (slot 0..15 left out: padding)."""
-    order = slot_layout(batch, ctx, layout, decode)
-    slots = int(order.max()) + 1 + 16
+def _pool(batch: int, ctx: int, copies: int):
+    """KV pools (copies of K and V, [slots, HKV, D]) and the req_to_token table of `batch` requests of `ctx` tokens,
+    each request's tokens in one run of slots (a fresh pool's prefill; slot 0..15 left out: padding)."""
+    slots = batch * ctx + 16
     kbs = [torch.randn(slots, HKV, D, dtype=DT, device="cuda") for _ in range(copies)]
     vbs = [torch.randn(slots, HKV, D, dtype=DT, device="cuda") for _ in range(copies)]
     r2t = torch.zeros(batch + 1, ctx, dtype=torch.int32, device="cuda")
-    r2t[1:] = (order + 16).to(device="cuda", dtype=torch.int32)
+    r2t[1:] = torch.arange(16, slots, dtype=torch.int32, device="cuda").view(batch, ctx)
     return kbs, vbs, r2t, torch.arange(1, batch + 1, device="cuda")
 
 
@@ -402,9 +378,21 @@ def tune(budget_s: float = 150.0) -> None:
             print(f"tune extend {cfg}: failed {type(e).__name__}", flush=True)
 
 
-def main() -> int:
+PARTS = ("elementwise", "gemv", "decode", "extend", "fusions")
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("parts", nargs="*", metavar="PART", help=f"any of {', '.join(PARTS)} (default: all)")
+    ap.add_argument("--tune", action="store_true", help="sweep block choices on this GPU instead")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
+    args = ap.parse_args(argv)
+    if set(args.parts) - set(PARTS):
+        ap.error(f"unknown part {sorted(set(args.parts) - set(PARTS))[0]!r}; parts: {', '.join(PARTS)}")
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU")
+        print("bench.kernels needs a CUDA GPU")
         return 1
     t0 = time.time()
     torch.manual_seed(0)
@@ -412,21 +400,20 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}: copy {ceil['copy_GBps']:.0f} GB/s, "
           f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
     rep = Report(ceil)
-    only = set(a for a in sys.argv[1:] if not a.startswith("--"))
-    if "--tune" in sys.argv:
+    if args.tune:
         tune()
         return 0
-    for name, fn in [("elementwise", bench_elementwise), ("gemv", bench_gemv), ("decode", bench_decode),
-                     ("extend", bench_extend), ("fusions", bench_fusions)]:
-        if not only or name in only:
-            fn(rep)
-            torch.cuda.empty_cache()
+    fns = {"elementwise": bench_elementwise, "gemv": bench_gemv, "decode": bench_decode, "extend": bench_extend,
+           "fusions": bench_fusions}
+    for name in args.parts or PARTS:
+        fns[name](rep)
+        torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d"),
               "ceilings": ceil, "rows": rep.rows, "seconds": time.time() - t0}
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "kernels.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+        json.dump(result, f, indent=1)
     print(f"\n# kernels on {result['device']} (copy {ceil['copy_GBps']:.0f} GB/s, "
           f"matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s), {result['seconds']:.0f} s")
     print(rep.table())

@@ -1,11 +1,14 @@
 """Offline engine benchmark (no HTTP): random-weight Llama-3.1-8B shape, bf16, through the real engine
-(scheduler, radix cache, sampler, CUDA graphs). Finishes inside 10 minutes on one H200.
+(scheduler, radix cache, sampler, CUDA graphs). Finishes inside 10 minutes on one H100 or H200.
 
-    python bench/offline.py [--shape llama-3.1-8b|tiny] [--skip-hf] [--out DIR]
+    python -m bench.offline [--shape llama-3.1-8b|tiny] [--skip-hf] [--reuse-pairs 8] [--out DIR]
 
 Measures the device's copy bandwidth and bf16 matmul rate first (in bursts, and sustained for seconds: the goals'
-reference), and reports every figure next to its roofline from those measured ceilings. Prints a short table
-last; writes offline.json (+ a PNG) to --out.
+reference), and reports every figure next to its roofline from those measured ceilings. Goals, each a PASS/FAIL
+line: batch-1 decode step >= 0.9 of the weight + KV stream floor; 256 x (512 in, 128 out) >= 0.85 of the
+roofline; prefill in 8k-token passes >= 0.88 of the sustained matmul rate; the radix cache's overhead on a
+zero-reuse workload <= 0.3% (medians of --reuse-pairs alternated on/off runs). Prints a short table last;
+writes offline.json and offline.png (a bar per goal's ratio) to --out.
 """
 from __future__ import annotations
 
@@ -13,40 +16,30 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bench.common import (SHAPES, drive, full_pass_rate, graph_replay_ms, kv_bytes_per_token, matmul_params,  # noqa: E402
+from bench.common import (GREEDY, SHAPES, drive, full_pass_rate, graph_replay_ms, kv_bytes_per_token, matmul_params,
                           measure_copy_bandwidth, measure_matmul_sustained, measure_matmul_tflops, median, model_dir,
-                          param_bytes, prefill_flops_per_token, random_prompts, sync)
-from shared.engine.config import EngineConfig  # noqa: E402
-from shared.engine.engine import Engine  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
+                          log, param_bytes, prefill_flops_per_token, random_prompts, sync)
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.tokenizer import Tokenizer
 
 GOAL_ZERO_REUSE_OVERHEAD = 0.003  # issue 11: the radix cache costs <= 0.3% when nothing is reused
 # Issue 14 ("GPU path, round two"), each a ratio to this run's own reference.
 GOAL_B1_OF_FLOOR = 0.9  # batch-1 decode step: floor / step
-# Since 2026-12-06 both against the matmul rate the board sustains (measure_matmul_sustained, in this run), and the
+# Both against the matmul rate the board sustains (measure_matmul_sustained, in this run), and the
 # throughput roofline prices each decode step at max(weight + KV stream, its GEMMs' FLOPs). The figures against the
 # short-burst rate of a cool GPU, the goals' first reference, are printed beside them as info lines.
 GOAL_TPUT_OF_ROOFLINE = 0.85
 GOAL_PREFILL_OF_MATMUL = 0.88
 
-GREEDY_FIXED = {"temperature": 0, "ignore_eos": True}
-
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 def throughput_roofline(cfg, n, prompt_len, out_len, bw, tflops, decode_tflops=None):
     """(output tok/s, prefill s, decode s) of n requests at the measured ceilings: prefill as FLOPs at the matmul
     rate; each decode step as the weights and the KV streamed at copy bandwidth (the burst info line's model). With
-    decode_tflops (the goal's model since 2026-12-06), a step's weights cost max(stream, the GEMMs' 2 * params * n
+    decode_tflops (the goal's model), a step's weights cost max(stream, the GEMMs' 2 * params * n
     FLOPs at that rate): at n = 256 the decode GEMMs are compute-bound, which a pure stream does not count."""
     flops_prefill = n * prompt_len * prefill_flops_per_token(cfg, prompt_len)
     t_prefill = flops_prefill / (tflops * 1e12)
@@ -82,7 +75,8 @@ def run_hf_peer(cfg_dict, prompts, out_len):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m bench.offline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--reuse-pairs", type=int, default=3, choices=range(1, 20), metavar="N",
@@ -138,14 +132,14 @@ def main():
         f"graphs={res['cuda_graphs']}")
 
     log("warm-up")
-    drive(eng, random_prompts(8, 64, vocab, 0), {**GREEDY_FIXED, "max_new_tokens": 8})
-    drive(eng, random_prompts(1, 64, vocab, 1), {**GREEDY_FIXED, "max_new_tokens": 4, "temperature": 1.0})
+    drive(eng, random_prompts(8, 64, vocab, 0), {**GREEDY, "max_new_tokens": 8})
+    drive(eng, random_prompts(1, 64, vocab, 1), {**GREEDY, "max_new_tokens": 4, "temperature": 1.0})
 
     # 1. Batch-1 decode.
     log("batch-1 decode")
-    st = drive(eng, random_prompts(1, 512, vocab, 2), {**GREEDY_FIXED, "max_new_tokens": 256}, time_steps=True)
+    st = drive(eng, random_prompts(1, 512, vocab, 2), {**GREEDY, "max_new_tokens": 256}, time_steps=True)
     step_ms = median(st.decode_step_s) * 1e3
-    st2 = drive(eng, random_prompts(1, 512, vocab, 3), {**GREEDY_FIXED, "max_new_tokens": 256})
+    st2 = drive(eng, random_prompts(1, 512, vocab, 3), {**GREEDY, "max_new_tokens": 256})
     wall_step_ms = st2.wall_s / max(1, st2.steps) * 1e3
     w_bytes = param_bytes(cfg) - cfg["vocab_size"] * cfg["hidden_size"] * 2
     floor_ms = (w_bytes + 768 * kv_bytes_per_token(cfg)) / bw * 1e3
@@ -165,7 +159,7 @@ def main():
 
     # 2. Throughput, zero reuse (distinct prompts), radix cache on.
     log(f"throughput {n} x ({pl} in, {ol} out), radix cache on")
-    st = drive(eng, prompts, {**GREEDY_FIXED, "max_new_tokens": ol})
+    st = drive(eng, prompts, {**GREEDY, "max_new_tokens": ol})
     tput = st.output_tokens / st.wall_s
     roof, t_pf, t_dec = throughput_roofline(cfg, n, pl, ol, bw, sus, decode_tflops=sus)
     res.update(tput_tok_s=tput, tput_roofline_tok_s=roof, tput_wall_s=st.wall_s, tput_cached=st.cached_tokens,
@@ -181,9 +175,9 @@ def main():
     eng_off = Engine(ec_off, tok, on_output=lambda o: None, runner=eng.runner)
     on_runs, off_runs = [tput], []
     for k in range(args.reuse_pairs):  # on, off, on, off, ..., on
-        st_off = drive(eng_off, random_prompts(n, pl, vocab, 11 + 2 * k), {**GREEDY_FIXED, "max_new_tokens": ol})
+        st_off = drive(eng_off, random_prompts(n, pl, vocab, 11 + 2 * k), {**GREEDY, "max_new_tokens": ol})
         off_runs.append(st_off.output_tokens / st_off.wall_s)
-        st_on = drive(eng, random_prompts(n, pl, vocab, 12 + 2 * k), {**GREEDY_FIXED, "max_new_tokens": ol})
+        st_on = drive(eng, random_prompts(n, pl, vocab, 12 + 2 * k), {**GREEDY, "max_new_tokens": ol})
         on_runs.append(st_on.output_tokens / st_on.wall_s)
         eng.cache.reset()
     tput_off = median(off_runs)
@@ -202,14 +196,13 @@ def main():
     if args.mixed_pairs:
         eng_mixed = Engine(EngineConfig(**{**ec.__dict__, "enable_mixed_chunk": True}), tok, on_output=lambda o: None,
                            runner=eng.runner)
-        # The shared runner was built, and warmed up, without mixed chunks: its first mixed run compiled the decode
-        # tail's variants live (4,233 tok/s, then 6,386; H100, 2026-12-05), where an engine of its own compiles them in
-        # its warm-up (bench.probe mixed_first: no kernel compiled in the first run).
+        # The shared runner was built, and warmed up, without mixed chunks: its first mixed run would compile the
+        # decode tail's variants live, where an engine of its own compiles them in its warm-up.
         eng.runner.warmup_mixed()
         mixed_runs, plain_runs = [], []
         for k in range(args.mixed_pairs):
             for e, runs in ((eng_mixed, mixed_runs), (eng, plain_runs)):
-                st_m = drive(e, random_prompts(n, pl, vocab, 40 + 2 * k + len(runs)), {**GREEDY_FIXED, "max_new_tokens": ol})
+                st_m = drive(e, random_prompts(n, pl, vocab, 40 + 2 * k + len(runs)), {**GREEDY, "max_new_tokens": ol})
                 runs.append(st_m.output_tokens / st_m.wall_s)
                 e.cache.reset()
         res["tput_mixed_runs"], res["tput_plain_runs"] = mixed_runs, plain_runs
@@ -219,7 +212,7 @@ def main():
     # 4. GPU idle between decode steps at batch 64.
     if cuda:
         log("GPU idle at batch 64")
-        st = drive(eng, random_prompts(64, 128, vocab, 20), {**GREEDY_FIXED, "max_new_tokens": 256},
+        st = drive(eng, random_prompts(64, 128, vocab, 20), {**GREEDY, "max_new_tokens": 256},
                    measure_idle=True)
         res["gpu_idle_frac_b64"] = st.gpu_idle_frac
         res["b64_decode_tok_s"] = st.output_tokens / st.wall_s
@@ -228,14 +221,14 @@ def main():
 
     # 5. Prefill at 8k-token batches.
     log("prefill 8k-token batches")
-    st = drive(eng, random_prompts(16, 4096, vocab, 30), {**GREEDY_FIXED, "max_new_tokens": 1}, time_steps=True)
+    st = drive(eng, random_prompts(16, 4096, vocab, 30), {**GREEDY, "max_new_tokens": 1}, time_steps=True)
     pf_tok_s, _ = full_pass_rate(st, 8192)
     res["prefill_tok_s"] = pf_tok_s
     res["prefill_tflops"] = pf_tok_s * prefill_flops_per_token(cfg, 4096) / 1e12
     log(f"  {pf_tok_s:.0f} tok/s = {res['prefill_tflops']:.0f} TFLOP/s")
     eng.cache.reset()
-    # The burst rate measured again right after the passes: a cross-check of the sustained reference (on the H200
-    # 696 against 731-737 cool, bench.probe prefill_tiles, 2026-12-02), printed beside it.
+    # The burst rate measured again right after the passes: a cross-check of the sustained reference, printed
+    # beside it.
     if cuda:
         res["matmul_tflops_after_prefill"] = measure_matmul_tflops()
 
@@ -277,7 +270,7 @@ def main():
         print(f"info  batch-1 decode step without the prompt's prefill: {per:.3f} ms between launches (median), "
               f"{res['b1_decode_floor_ms'] / per:.3f} of the floor (the goal's figure, {res['b1_decode_ms_step_wall']:.3f}"
               f" ms, spreads the prefill over the steps)")
-    # The goals' first reference, a cool GPU's burst rate, which no sustained run reaches (bench/RESULTS.md, 12-06).
+    # The goals' first reference, a cool GPU's burst rate, which no sustained run reaches (docs/performance.md).
     print(f"info  against the matmul rate in bursts on a cool GPU ({tflops:.0f} TFLOP/s): prefill at "
           f"{res['prefill_tflops'] / tflops:.3f}; 256x(512,128) at {res['tput_tok_s'] / res['tput_roofline_burst_stream_tok_s']:.3f}"
           f" of the roofline that prices each decode step as a weight + KV stream only "

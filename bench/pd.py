@@ -11,8 +11,8 @@ the two configurations (same dummy weights). Prints a short table last; writes p
 
 Guard (prints PASS/FAIL lines; exit status 1 on a FAIL with --check): PD's ITL p99 at most half the
 unified stack's (what PD is for: decode never waits behind a prefill), and the PD decode worker's ITL
-p50 within 5% of the unified workers' (a decode worker that runs no prefill must not step slower; the
-2026-11-30 regression, an event loop spinning on UCX polls, made it 30-70% slower).
+p50 within 5% of the unified workers' (a decode worker that runs no prefill must not step slower; an event
+loop spinning on UCX polls once made it 30-70% slower).
 
 --profile: while PD runs under load, py-spy dumps of every decode-worker thread (GIL holder marked), a
 py-spy GIL-only record, and per-thread CPU of the decode worker, written to --out.
@@ -27,16 +27,13 @@ import random
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import aiohttp
+import requests
 
-import aiohttp  # noqa: E402
-import requests  # noqa: E402
-
-from bench.common import SHAPES, log, model_dir, pct, sse_events  # noqa: E402
-from bench.profile import profile_process  # noqa: E402
-from bench.stack import start_stack, stop_stack  # noqa: E402
-from shared import procfs  # noqa: E402
+from bench.common import SHAPES, log, model_dir, pct, sse_events
+from bench.profile import profile_process
+from bench.stack import start_stack, stop_stack
+from shared import procfs
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, ids: list[int], out_len: int) -> dict:
@@ -137,7 +134,8 @@ def profile_decode_worker(stack_pid: int, out_dir: str, delay: float = 8.0, seco
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m bench.pd", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--rate", type=float, default=6.0, help="arrivals per second (Poisson)")
     ap.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per configuration")

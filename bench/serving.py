@@ -15,9 +15,6 @@ Datasets (all generated locally, fixed seeds, as token ids so lengths are exact)
 --profile: py-spy (every thread) and per-thread CPU of the gateway and of each worker during the first run,
 summarised per thread in --out/profile_*.txt.
 --repeat N: every route N times on the same stack (the spread within one stack instance).
---interleave: with every request at once, each is sent as soon as it is made (default: a burst, all made
-first, as SGLang's bench_serving does). --warm-connections: the connections opened before the clock, as a
-connection pool holds them. --pin: gateway, client and workers on separate CPUs (an experiment).
 Reported: TTFT, TPOT, ITL, E2E percentiles (ms), request, output and total throughput, the CPU time per
 output token of the gateway process and of the workers (schedstat, to the ns) and the gateway's CPU by
 thread, the engine's passes, and the run's edges (arrival: first send -> first pass; the engine's span;
@@ -33,17 +30,13 @@ import json
 import math
 import os
 import random
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import aiohttp
 
-import aiohttp  # noqa: E402
-
-from bench.common import SHAPES, log, model_dir, pct, sse_events  # noqa: E402
-from shared import procfs  # noqa: E402
-from shared.gc_freeze import freeze_startup_heap, space_young_collections  # noqa: E402
+from bench.common import SHAPES, log, model_dir, pct, sse_events
+from shared import procfs
+from shared.gc_freeze import freeze_startup_heap, space_young_collections
 
 VOCAB = 400  # ids the random-weight tokenizers all have
 
@@ -183,7 +176,7 @@ async def one(session, url: str, route: str, path: str, body: bytes, n_in: int, 
 
 
 async def run_load(url, route, dataset, stream, rate, max_concurrency, seed=0,
-                   interleave: bool = False, warm: bool = False, at_start=None) -> tuple[list[dict], float]:
+                   at_start=None) -> tuple[list[dict], float]:
     """Send the dataset (all at once, at a Poisson rate, or at most max_concurrency in flight); the
     results and the wall from the first send to the last response.
 
@@ -193,14 +186,8 @@ async def run_load(url, route, dataset, stream, rate, max_concurrency, seed=0,
 
     All at once (rate inf), the tasks are made before any runs, as SGLang's and vLLM's bench_serving do:
     every connection is opened, then every request written, so the server sees them in a burst, and the
-    first is on the wire only after the client made the last. interleave: the loop runs each task as
-    soon as it is made, so the first requests are served while the later ones are still being made (on
-    the H200's host, 2026-12-04, the burst spread the sends over 40-176 ms and the engine's first pass
-    began 71-223 ms after the first send; interleaved arrivals cost the gateway more CPU a request).
-    warm: before the clock, as many keep-alive connections as requests will be in flight are opened (a
-    GET /health each) and the run's requests reuse them, as clients behind a load balancer's or an SDK's
-    connection pool do: the burst without its connection set-up. at_start: called just before the clock
-    starts (after the warming), where a caller reads the CPU counters of its window."""
+    first is on the wire only after the client made the last. at_start: called just before the clock
+    starts, where a caller reads the CPU counters of its window."""
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     conn = aiohttp.TCPConnector(limit=0)
@@ -222,11 +209,6 @@ async def run_load(url, route, dataset, stream, rate, max_concurrency, seed=0,
                 async with sem:
                     return await one(session, url, route, path, body, n_in, stream)
 
-            if warm:
-                async def health():
-                    async with session.get(url + "/health") as r:
-                        await r.read()
-                await asyncio.gather(*(health() for _ in range(max_concurrency or len(bodies))))
             if at_start is not None:
                 at_start()
             tasks = []
@@ -235,8 +217,6 @@ async def run_load(url, route, dataset, stream, rate, max_concurrency, seed=0,
                 tasks.append(asyncio.create_task(task(path, body, n_in)))
                 if rate != math.inf:
                     await asyncio.sleep(rng.expovariate(rate))
-                elif interleave:
-                    await asyncio.sleep(0)
             results = await asyncio.gather(*tasks)
             return list(results), time.perf_counter() - t0
     finally:
@@ -272,29 +252,6 @@ def stack_pids(root_pid: int) -> dict[str, list[int]]:
     # With --gateway-processes N the gateways are the launcher's children that carry --process-index.
     return {"gateway": [root_pid] + [p for p in kids if procfs.flag_value(p, "--process-index") is not None],
             "workers": [p for p in kids if procfs.flag_value(p, "--role") is not None]}
-
-
-def pin_stack(pids: dict[str, list[int]]) -> str:
-    """--pin: the gateway's threads on the last CPU, this client on the one before, the workers' threads on
-    the rest (an experiment on where the gateway's CPU per token varies from: its thread sharing a core
-    with the engine's or the client's). Returns what was pinned where."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 4:
-        return "not pinned (fewer than 4 CPUs)"
-    gw, client, rest = {cpus[-1]}, {cpus[-2]}, set(cpus[:-2])
-
-    def pin(pid: int, where: set[int]) -> None:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                os.sched_setaffinity(int(tid), where)
-            except OSError:
-                pass
-    for p in pids["gateway"]:
-        pin(p, gw)
-    for p in pids["workers"]:
-        pin(p, rest)
-    os.sched_setaffinity(0, client)
-    return f"gateway on CPU {min(gw)}, client on CPU {min(client)}, workers on CPUs {min(rest)}-{max(rest)}"
 
 
 def flush_cache(url: str) -> None:
@@ -465,8 +422,6 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
         from bench.stack import start_stack
         log(f"starting the stack {' '.join(extra)}")
         proc = start_stack(path, args.port, *extra)
-        if args.pin:
-            log(pin_stack(stack_pids(proc.pid)))
         url = f"http://127.0.0.1:{args.port}"
     try:
         routes = args.routes.split(",")
@@ -490,12 +445,11 @@ def serve_runs(args, path: str, dataset, extra: list[str]) -> dict:
             periods0 = (worker_busy_period(infos0) or {}).get("count", 0)
             mark: dict = {}
 
-            def at_start():  # the CPU window opens with the run's clock (after any connection warming)
+            def at_start():  # the CPU window opens with the run's clock
                 mark.update(before=cpu_snapshot(pids) if pids else None,
                             threads0=gateway_threads(pids) if pids else {}, client0=time.process_time())
             results, wall = asyncio.run(run_load(url, route, dataset, stream, args.request_rate,
-                                                 args.max_concurrency, interleave=args.interleave,
-                                                 warm=args.warm_connections, at_start=at_start))
+                                                 args.max_concurrency, at_start=at_start))
             before, threads0, client0 = mark["before"], mark["threads0"], mark["client0"]
             # Read before anything else asks the stack a question: /get_server_info costs the gateway and
             # the workers CPU that is no request's.
@@ -540,7 +494,8 @@ BATCH1 = "generate batch-1"
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running stack; else --launch starts one")
     ap.add_argument("--launch", action="store_true")
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
@@ -556,15 +511,6 @@ def main():
     ap.add_argument("--gsp-output-len", type=int, default=256)
     ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
     ap.add_argument("--max-concurrency", type=int, default=0)
-    ap.add_argument("--warm-connections", action="store_true",
-                    help="open the run's connections before the clock (keep-alive, as a connection pool "
-                         "would) instead of with each request")
-    ap.add_argument("--pin", action="store_true",
-                    help="with --launch: the gateway on a CPU of its own, the client on another, the workers on the "
-                         "rest (an experiment; the stack does not pin itself)")
-    ap.add_argument("--interleave", action="store_true",
-                    help="all at once: send each request as soon as it is made (default: make them all, then "
-                         "send, as SGLang's bench_serving does)")
     ap.add_argument("--routes", default="generate", help="comma list of generate, completions, chat")
     ap.add_argument("--no-stream", action="store_true", help="also run each route without streaming")
     ap.add_argument("--offline", action="store_true", help="the same workload through the offline engine")

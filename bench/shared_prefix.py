@@ -20,18 +20,15 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bench.common import drive, median, model_dir  # noqa: E402
-from shared.engine.config import EngineConfig  # noqa: E402
-from shared.engine.engine import Engine  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
+from bench.common import drive, log, median, model_dir
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.tokenizer import Tokenizer
 
 GREEDY_FIXED = {"temperature": 0, "ignore_eos": True}
 VOCAB = 400  # token ids in [3, VOCAB): inside every shape's and the tiny tokenizer's vocabulary
@@ -39,10 +36,6 @@ VOCAB = 400  # token ids in [3, VOCAB): inside every shape's and the tiny tokeni
 GOAL_HIT_OF_IDEAL = 0.95
 GOAL_RADIX_SPEEDUP = 4.0
 GOAL_STEP_RATIO = 1.3
-
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def workload(groups: int, per_group: int, system_len: int, question_len: int, seed: int) -> list[list[int]]:
@@ -93,48 +86,6 @@ def set_shared_prefix_attention(eng: Engine, on: bool) -> None:
     eng.runner.attn_backend.cascade_enabled = on
 
 
-def profile_full_steps(eng: Engine, bs: int, path: str, skip: int = 2, steps: int = 4):
-    """Wraps the runner's launch so that full-batch decode steps skip+1 .. skip+steps run under
-    torch.profiler; returns a function that undoes the wrap and writes the per-kernel table to path."""
-    from shared.engine.forward_batch import ForwardMode
-    orig = eng.runner.launch
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                              torch.profiler.ProfilerActivity.CUDA])
-    seen = [0]
-
-    def launch(batch):
-        if batch.mode != ForwardMode.DECODE or batch.batch_size != bs or seen[0] >= skip + steps:
-            return orig(batch)
-        seen[0] += 1
-        if seen[0] == skip + 1:
-            prof.start()
-        out = orig(batch)
-        if seen[0] == skip + steps:
-            torch.cuda.synchronize()
-            prof.stop()
-        return out
-
-    eng.runner.launch = launch
-
-    def finish():
-        eng.runner.launch = orig
-        if seen[0] < skip + steps:
-            return
-        ka = prof.key_averages()
-        table = None
-        for key in ("self_device_time_total", "self_cuda_time_total"):
-            try:
-                table = ka.table(sort_by=key, row_limit=25)
-                break
-            except Exception:  # noqa: BLE001 - the key's name changed across torch versions
-                continue
-        with open(path, "w") as f:
-            f.write(f"{steps} full-batch decode steps (batch {bs})\n{table}\n")
-        log(f"  profile of {steps} steps -> {path}")
-        print(table, flush=True)
-    return finish
-
-
 @dataclass
 class StepTimes:
     synced_ms: float  # synced around each launch: the device's step plus the host's planning of it
@@ -143,13 +94,10 @@ class StepTimes:
     cascade_steps: int
 
 
-def decode_step_ms(eng: Engine, prompts: list[list[int]], out_len: int, bs: int,
-                   profile: str | None = None) -> tuple[float, int, int]:
+def decode_step_ms(eng: Engine, prompts: list[list[int]], out_len: int, bs: int) -> StepTimes:
     """Median synced decode step time over the steps that ran the full batch, how many did, and how
-    many decode steps used shared-prefix attention. profile: a file for a torch.profiler kernel table
-    of a few full-batch steps (those steps then also count in the median, with the profiler's cost)."""
+    many decode steps used shared-prefix attention."""
     be = eng.runner.attn_backend
-    finish = profile_full_steps(eng, bs, profile) if profile else None
     select, cascade_steps, grouped = be.select_prefix_groups, [0], []
 
     def counted(groups):
@@ -164,8 +112,6 @@ def decode_step_ms(eng: Engine, prompts: list[list[int]], out_len: int, bs: int,
         st = drive(eng, prompts, {**GREEDY_FIXED, "max_new_tokens": out_len}, time_steps=True)
     finally:
         del be.select_prefix_groups  # back to the class's method
-        if finish is not None:
-            finish()
     full = [t for t, b in zip(st.decode_step_s, st.decode_step_bs) if b == bs]
     if grouped:
         log(f"  requests in shared-prefix groups per step: max {max(grouped)}, median {median(grouped)}")
@@ -183,7 +129,8 @@ def verdict(ok: bool, judged: bool) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.shared_prefix", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default=None, help="llama-3.1-8b (default) or tiny (default with --smoke)")
     ap.add_argument("--groups", type=int, default=64)
     ap.add_argument("--per-group", type=int, default=16)
@@ -201,8 +148,6 @@ def main(argv=None):
     ap.add_argument("--decode-prefix", type=int, default=2048)
     ap.add_argument("--decode-question", type=int, default=128)
     ap.add_argument("--decode-out", type=int, default=48)
-    ap.add_argument("--profile-decode", action="store_true",
-                    help="also write a torch.profiler kernel table of a few full-batch decode steps per variant")
     ap.add_argument("--smoke", action="store_true", help="tiny shape, a few requests (CPU, seconds)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
     args = ap.parse_args(argv)
@@ -265,19 +210,16 @@ def main(argv=None):
     shared = workload(max(1, bs // dg), dg, dp, dq, seed=2)[:bs]
     alone = workload(bs, 1, 0, dq, seed=3)
     steps = {}
-
-    def prof(name):
-        return os.path.join(args.out, f"decode_profile_{name}.txt") if args.profile_decode and cuda else None
     if has_cascade:
         set_shared_prefix_attention(eng, True)
         log(f"decode step, batch {bs}: {bs // dg} groups x {dg} sharing {dp} tokens, shared-prefix attention")
-        steps["shared_cascade"] = decode_step_ms(eng, shared, do, bs, prof("cascade"))
+        steps["shared_cascade"] = decode_step_ms(eng, shared, do, bs)
         set_shared_prefix_attention(eng, False)
     log(f"decode step, batch {bs}: shared prefix, plain attention")
-    steps["shared_plain"] = decode_step_ms(eng, shared, do, bs, prof("plain"))
+    steps["shared_plain"] = decode_step_ms(eng, shared, do, bs)
     log(f"decode step, batch {bs}: no prefix ({dq}-token prompts)")
     set_shared_prefix_attention(eng, has_cascade)
-    steps["no_prefix"] = decode_step_ms(eng, alone, do, bs, prof("no_prefix"))
+    steps["no_prefix"] = decode_step_ms(eng, alone, do, bs)
     res["decode_step_ms"] = {k: v.period_ms for k, v in steps.items()}
     res["decode_step_synced_ms"] = {k: v.synced_ms for k, v in steps.items()}
     res["decode_step_counts"] = {k: v.full_steps for k, v in steps.items()}

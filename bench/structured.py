@@ -3,10 +3,10 @@ unconstrained decoding through the real engine, and the grammar mask cost per to
 fill on its own (host fill + copy + unpack, nothing to hide behind) and what of it stays on the critical
 path in the engine, where the host fills a step's masks while the device runs that step's forward.
 
-    python -m bench.structured [--shape llama-3.1-8b|tiny|tiny-wide] [--num-reqs 64] [--modes ...]
+    python -m bench.structured [--shape llama-3.1-8b|tiny|tiny-wide] [--num-reqs 64] [--modes ...] [--out DIR]
 
-After the timed runs, jump-forward and token-by-token run once more with a per-pass breakdown
-(bench/pass_breakdown.py): passes by kind, host ms per pass by phase, device ms per pass on a GPU.
+Goals: jump-forward >= 2x token-by-token constrained decoding; the grammar mask <= 40 us a token on the critical
+path at batch 32. Writes structured.json to --out.
 
 Random weights: what the model writes inside free fields is noise, but the grammar's forced scaffolding
 (keys, punctuation, enum tails) is the same as with a real model, and that is what jump-forward skips.
@@ -16,18 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bench.common import SHAPES, drive, median, model_dir, sync  # noqa: E402
-from bench.pass_breakdown import PassBreakdown, format_summary  # noqa: E402
-from shared.engine.config import EngineConfig  # noqa: E402
-from shared.engine.engine import Engine  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
+from bench.common import SHAPES, drive, log, median, model_dir, sync
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.tokenizer import Tokenizer
 
 # Extraction-style schema: many fixed keys, enums, bounded numbers, short strings.
 SCHEMA = {
@@ -51,10 +47,6 @@ SCHEMA = {
 
 GOAL_JF_SPEEDUP = 2.0  # issue 14: jump-forward >= 2x token-by-token constrained decoding
 GOAL_MASK_US = 40.0  # issue 14: grammar mask on the critical path, us per token at batch 32
-
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def mask_cost_us_per_token(eng, batch: int, steps: int = 200) -> float:
@@ -100,13 +92,13 @@ def mask_exposed_us_per_token(eng, prompts: list[list[int]], sampling: dict, bat
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m bench.structured", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--num-reqs", type=int, default=64)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
     ap.add_argument("--modes", default="jump-forward,jump-fwd verify,token-by-token,unconstrained",
                     help="comma-separated subset of the modes to time")
-    ap.add_argument("--no-breakdown", action="store_true", help="skip the per-pass breakdown runs")
     ap.add_argument("--no-mask-cost", action="store_true", help="skip the batch-32 mask cost figures")
     args = ap.parse_args()
     wanted = set(args.modes.split(","))
@@ -159,21 +151,6 @@ def main():
         res["mask_in_engine_b32"] = mask_exposed_us_per_token(eng_nojf, prompts, constrained, 32)
     if "token-by-token" in res and "jump-forward" in res:
         res["jump_forward_speedup"] = res["token-by-token"]["wall_s"] / res["jump-forward"]["wall_s"]
-    breakdowns = {}
-    if not args.no_breakdown:
-        # Once more each, instrumented (a few perf_counter reads and CUDA events per pass; the timed
-        # runs above carry none of it).
-        for name, engine in (("jump-forward", eng), ("token-by-token", eng_nojf)):
-            engine.cache.reset()
-            bd = PassBreakdown(engine)
-            try:
-                st = drive(engine, prompts, constrained)
-            finally:
-                bd.close()
-            breakdowns[name] = bd.summary()
-            breakdowns[name]["all"]["run_wall_s"] = st.wall_s
-            log(f"{name} (instrumented): {st.wall_s:.2f}s")
-        res["pass_breakdown"] = breakdowns
     with open(os.path.join(args.out, "structured.json"), "w") as f:
         json.dump(res, f, indent=2)
     print(f"\n{res['gpu']}  {args.num_reqs} JSON extractions, schema with {len(SCHEMA['properties'])} fields")
@@ -196,9 +173,6 @@ def main():
               f"us/token ({m['steps']} steps, {m['masked_tokens']} masked tokens)")
         verdicts.append(f"{'PASS' if m['exposed_us'] <= GOAL_MASK_US else 'FAIL'}  grammar mask {m['exposed_us']:.1f} "
                         f"us/token on the critical path at batch 32 (goal <= {GOAL_MASK_US:g})")
-    for name, summary in breakdowns.items():
-        print()
-        print(format_summary(summary, name))
     if verdicts:
         print()
         print("\n".join(verdicts))

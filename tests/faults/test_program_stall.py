@@ -23,6 +23,8 @@ from services.gateway.program_limits import ProgramBudget
 from tests.faults.harness import report
 from tests.faults.procs import gateway, worker
 
+pytestmark = pytest.mark.e2e
+
 VALUE = "0123456789 " * 3700  # ~40k characters, ~3.7k tiny-random tokens: it fits the 4096-token context
 MAX_NODES = ProgramLimits().max_nodes  # a program of the text, the definition and MAX_NODES - 2 reads
 
