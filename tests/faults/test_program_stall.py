@@ -13,7 +13,6 @@ import json
 import re
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 import requests
