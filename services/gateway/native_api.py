@@ -3,10 +3,10 @@ streaming with cumulative text, logprob entries [logprob, token_id, text-or-null
 from __future__ import annotations
 
 import json
-import msgspec
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from aiohttp import web
 
 from services.gateway.tenancy import request_salt
@@ -57,13 +57,16 @@ async def generate(state: "GatewayState", request: web.Request) -> web.StreamRes
     return json_response(await _run(state, job), headers=job.headers())
 
 
-async def generate_json(state: "GatewayState", body: dict, cache_salt: str | None = None) -> dict | list:
-    """`/generate` in process, without streaming: what the server-side program executor calls."""
+async def generate_json(state: "GatewayState", body: dict, admit=None, cache_salt: str | None = None) -> dict | list:
+    """`/generate` in process, without streaming: what the server-side program executor calls.
+    `admit(requests)`, once the prompts are tokenized and before anything is sent, may refuse them."""
     try:
         typed = msgspec.convert(body, GenerateBody)
     except msgspec.ValidationError as e:
         raise invalid(e) from None
     job = await _build(state, typed)
+    if admit is not None:
+        admit(job.reqs)
     stamp_tenant(job.reqs, cache_salt)
     state.dispatcher.check_rids([r.rid for r in job.reqs], cache_salt)
     await check_grammars(state, job.reqs)
