@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-import msgspec
 from msgspec import Meta, Struct
 
 from services.gateway.program_ir import ProgramIR
