@@ -225,7 +225,7 @@ class VarRef(Placeholder):
 
 
 # What a comparison may apply to a variable first (`s["x"].strip().lower() == "yes"`); the server applies the
-# same Python str methods before it compares (services/gateway/program_ir.py IF_TRANSFORMS).
+# same Python str methods before it compares (services/gateway/programs/ir.py IF_TRANSFORMS).
 IF_TRANSFORMS = ("strip", "lstrip", "rstrip", "lower", "upper", "casefold")
 
 

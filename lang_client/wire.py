@@ -1,5 +1,5 @@
 """The /generate bodies a select and a fork warm-up send, defined once for the SDK's interpreter and the
-server's program executor (services/gateway/program_exec.py imports this module; standard library only).
+server's program executor (services/gateway/programs/execute.py imports this module; standard library only).
 
 select = two requests: the prompt alone (max_new_tokens 0) to learn its token count, then one batch that
 scores `prompt + choice` for every choice from two tokens before the choice (the prompt's tail may merge with

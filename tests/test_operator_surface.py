@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from services.gateway.__main__ import build_parser as gateway_parser
-from services.gateway.metrics import GatewayMetrics, RequestTimer
+from services.gateway.http.metrics import GatewayMetrics, RequestTimer
 from services.launch import parse_args as launch_args
 from services.output_relay import PrefixedRelay, _split
 from services.worker.__main__ import parse_args as worker_args

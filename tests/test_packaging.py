@@ -181,7 +181,7 @@ def test_compose_profiles_start_what_launch_starts(compose, profile, launch_argv
 
 
 def test_the_image_and_the_package_carry_lang_client():
-    """services/gateway/program_exec.py imports lang_client.wire and lang_client.choices."""
+    """services/gateway/programs/execute.py imports lang_client.wire and lang_client.choices."""
     assert "COPY lang_client ./lang_client" in _read("Dockerfile")
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         assert "lang_client*" in tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]

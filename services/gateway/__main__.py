@@ -12,15 +12,15 @@ import sys
 
 from aiohttp import web
 
-from services.gateway.app import create_app
+from services.gateway.http.app import create_app
 from services.gateway.cli import add_gateway_args
-from services.gateway.limits import Limits
-from services.gateway.program_limits import ProgramBudget
-from services.gateway.router import Router
-from services.gateway.reasoning import resolve_reasoning_parser
+from services.gateway.api.limits import Limits
+from services.gateway.programs.limits import ProgramBudget
+from services.gateway.routing.router import Router
+from services.gateway.api.reasoning import resolve_reasoning_parser
 from services.gateway.state import GatewayState
-from services.gateway.tool_parsers import resolve_parser
-from services.gateway.worker_client import WorkerClient, parse_worker_list
+from services.gateway.api.tool_parsers import resolve_parser
+from services.gateway.routing.worker_client import WorkerClient, parse_worker_list
 from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.gc_freeze import freeze_startup_heap, space_young_collections
@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _policy(args: argparse.Namespace):
-    from services.gateway.cache_aware import CacheAwarePolicy
-    from services.gateway.affinity import PrefixAffinityPolicy
+    from services.gateway.routing.cache_aware import CacheAwarePolicy
+    from services.gateway.routing.affinity import PrefixAffinityPolicy
 
     name = getattr(args, "routing_policy", "cache-aware")
     return PrefixAffinityPolicy() if name == "prefix-affinity" else CacheAwarePolicy()
@@ -98,7 +98,7 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
     # request on the worker (otherwise its KV stays pinned until generation ends).
     app = create_app(state)
     if redis_url:
-        from services.gateway.discovery import WorkerDiscovery
+        from services.gateway.routing.discovery import WorkerDiscovery
         from shared.metadata.store import RedisStore
 
         discovery = WorkerDiscovery(RedisStore(redis_url), state.router, internal_key=key)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from services.gateway.limits import Limits
-from services.gateway.program_limits import ProgramBudget
+from services.gateway.api.limits import Limits
+from services.gateway.programs.limits import ProgramBudget
 
 ROUTING_POLICIES = ["cache-aware", "prefix-affinity"]
 

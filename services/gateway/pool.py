@@ -6,7 +6,7 @@ each, so the kernel hands a new connection to whichever process accepts first (a
 What the processes share, and how:
 - the port: the socket above; a process that drains closes only its own copy, so the others keep
   accepting while it finishes its requests;
-- /metrics: prometheus-client's multiprocess mode (services/gateway/metrics.py), in a directory this pool
+- /metrics: prometheus-client's multiprocess mode (services/gateway/http/metrics.py), in a directory this pool
   owns; a scrape answered by any process reports the whole gateway;
 - what a supervisor says about workers (down, restarting, back): JSON lines on each process's stdin,
   repeated to a process that is restarted;

@@ -4,13 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.gateway.cpu_work import CpuWork
-from services.gateway.dispatch import Dispatcher
-from services.gateway.health import HealthMonitor
-from services.gateway.limits import Limits
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.program_limits import ProgramBudget, ProgramSlots
-from services.gateway.router import Router
+from services.gateway.api.cpu_work import CpuWork
+from services.gateway.routing.dispatch import Dispatcher
+from services.gateway.routing.health import HealthMonitor
+from services.gateway.api.limits import Limits
+from services.gateway.http.metrics import GatewayMetrics
+from services.gateway.programs.limits import ProgramBudget, ProgramSlots
+from services.gateway.routing.router import Router
 from shared.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ class GatewayState:
     api_key: str | None = None
     admin_api_key: str | None = None
     tokenizer_path: str | None = None
-    # Output parsers of /v1/chat/completions (services/gateway/tool_parsers.py, reasoning.py); None: off.
+    # Output parsers of /v1/chat/completions (services/gateway/api/tool_parsers.py, reasoning.py); None: off.
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     metrics: GatewayMetrics = field(init=False)

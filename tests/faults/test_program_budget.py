@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.gateway.program_limits import ProgramBudget
+from services.gateway.programs.limits import ProgramBudget
 from tests.support.fake_worker import gateway_stack
 
 GEN = {"op": "gen", "name": "g", "sampling_params": {"max_new_tokens": 20}}
@@ -84,8 +84,8 @@ async def test_streamed_answer_is_bounded_too():
 
 
 async def test_answer_encoded_in_steps_is_the_same_json():
-    from services.gateway.json_out import dumps
-    from services.gateway.program_limits import ENCODE_STEP, ProgramMeter
+    from services.gateway.http.json_out import dumps
+    from services.gateway.programs.limits import ENCODE_STEP, ProgramMeter
 
     long = ('é"\\\n\u2028x' * ENCODE_STEP)[: 3 * ENCODE_STEP + 5]
     answer = {"text": long, "messages": [{"role": "user", "content": long}], "variables": {"x": [long, "y"]},

@@ -17,8 +17,8 @@ import time
 import pytest
 import requests
 
-from services.gateway.program_ir import ProgramLimits
-from services.gateway.program_limits import ProgramBudget
+from services.gateway.programs.ir import ProgramLimits
+from services.gateway.programs.limits import ProgramBudget
 from tests.faults.harness import report
 from tests.faults.procs import gateway, worker
 

@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from services.gateway.admission import check_token_ids, child_requests
-from services.gateway.errors import APIError
+from services.gateway.api.admission import check_token_ids, child_requests
+from services.gateway.http.errors import APIError
 from shared.sampling_params import SamplingParams
 
 

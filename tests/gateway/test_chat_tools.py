@@ -11,9 +11,9 @@ import openai
 import pytest
 import xgrammar as xgr
 
-from services.gateway.reasoning import ReasoningParser
-from services.gateway.tool_grammar import tool_call_ebnf
-from services.gateway.tool_parsers import new_parser, resolve_parser
+from services.gateway.api.reasoning import ReasoningParser
+from services.gateway.api.tool_grammar import tool_call_ebnf
+from services.gateway.api.tool_parsers import new_parser, resolve_parser
 from shared.protocol import GenerateRequest
 from shared.tokenizer import Tokenizer, build_tiny_hf_tokenizer
 from tests.support.chat_templates import LLAMA_STYLE, QWEN_STYLE, SPECIAL_TOKENS

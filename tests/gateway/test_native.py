@@ -379,7 +379,7 @@ def test_batched_histogram_equals_repeated_observe():
     histogram without those internals gets the plain calls."""
     from prometheus_client import CollectorRegistry, Histogram
 
-    from services.gateway.metrics import BatchedHistogram
+    from services.gateway.http.metrics import BatchedHistogram
 
     regs = [CollectorRegistry(), CollectorRegistry()]
     hists = [Histogram("itl", "gap", buckets=(0.01, 0.1, 1.0), registry=r) for r in regs]
@@ -417,7 +417,7 @@ def test_batched_histogram_equals_repeated_observe():
 
 def test_metrics_render_flushes_batched_values():
     """A scrape shows every request accounted before it, though the request path only batches them."""
-    from services.gateway.metrics import GatewayMetrics, RequestTimer
+    from services.gateway.http.metrics import GatewayMetrics, RequestTimer
     from shared.protocol import FinishLength, TokenOutput
 
     m = GatewayMetrics("m")
@@ -438,7 +438,7 @@ def test_metrics_render_flushes_batched_values():
 def test_the_in_flight_gauge_is_batched_in_one_process_and_direct_in_a_pool(monkeypatch, tmp_path):
     """Requests started and ended show in the next scrape; in a pool (where another process may render it)
     each start shows at once."""
-    from services.gateway.metrics import BatchedGauge, GatewayMetrics
+    from services.gateway.http.metrics import BatchedGauge, GatewayMetrics
 
     m = GatewayMetrics("m")
     assert isinstance(m.gateway_inflight, BatchedGauge)
@@ -457,7 +457,7 @@ def test_the_in_flight_gauge_is_batched_in_one_process_and_direct_in_a_pool(monk
 def test_generation_result_text_is_joined_once_per_read():
     """A long generation's increments are kept as parts and joined when the text is read: the same text,
     without copying the whole output at every increment."""
-    from services.gateway.dispatch import GenerationResult
+    from services.gateway.routing.dispatch import GenerationResult
     from shared.protocol import TokenOutput
 
     res = GenerationResult(rid="r")

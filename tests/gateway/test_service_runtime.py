@@ -1,5 +1,5 @@
 """The services' runtime pieces: the event loop choice (shared/event_loop.py) and the gateway's JSON
-encoder (services/gateway/json_out.py)."""
+encoder (services/gateway/http/json_out.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from services.gateway import json_out
-from services.gateway.errors import bad_request
-from services.gateway.sse import DONE, encode_event, stream_events
+from services.gateway.http import json_out
+from services.gateway.http.errors import bad_request
+from services.gateway.http.sse import DONE, encode_event, stream_events
 from shared import event_loop
 
 
@@ -117,7 +117,7 @@ async def test_sse_chunk_writer_writes_direct_only_while_the_client_keeps_up():
     """Events after the first go straight to the transport as aiohttp would frame them, unless the
     transport still holds data (a slow client: aiohttp's write and its flow control), is closing, or the
     response is not plain chunked (HTTP/1.0, compression)."""
-    from services.gateway.sse import _ChunkWriter
+    from services.gateway.http.sse import _ChunkWriter
 
     class Transport:
         def __init__(self):

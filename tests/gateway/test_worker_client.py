@@ -5,10 +5,10 @@ from contextlib import aclosing
 
 import pytest
 
-from services.gateway.errors import APIError, WorkerUnavailable
-from services.gateway.affinity import PrefixAffinityPolicy
-from services.gateway.router import Router
-from services.gateway.worker_client import WorkerClient, parse_worker_list
+from services.gateway.http.errors import APIError, WorkerUnavailable
+from services.gateway.routing.affinity import PrefixAffinityPolicy
+from services.gateway.routing.router import Router
+from services.gateway.routing.worker_client import WorkerClient, parse_worker_list
 from shared.protocol import (AbortRequest, FinishLength, FinishStop, GenerateRequest, PongResult, TokenOutput,
                              TokenOutputs)
 from shared.sampling_params import SamplingParams
@@ -347,7 +347,7 @@ def test_affinity_yields_to_load_beyond_slack():
 
 
 def test_cache_aware_keeps_conversations_home_despite_a_shared_system_prompt():
-    from services.gateway.cache_aware import CacheAwarePolicy
+    from services.gateway.routing.cache_aware import CacheAwarePolicy
 
     workers = [StubWorker(f"w{i}:1") for i in range(4)]
     router = Router(workers, CacheAwarePolicy(block_tokens=4, slack=2))
@@ -396,7 +396,7 @@ def test_parse_worker_list():
 
 
 def test_cache_aware_pair_routing_hashes_the_prompt_once(monkeypatch):
-    from services.gateway import cache_aware
+    from services.gateway.routing import cache_aware
 
     calls = []
     real = cache_aware.block_chain
@@ -414,8 +414,8 @@ async def test_dispatcher_pushes_increments_from_the_read_loop(worker, client):
     """A Run's increments reach its consumer by a plain call from the worker connection's read loop (no
     task of the request's in between), each with its index and the result so far; closing an unfinished
     run aborts on the worker, and leaves nothing in flight."""
-    from services.gateway.dispatch import Dispatcher
-    from services.gateway.metrics import GatewayMetrics
+    from services.gateway.routing.dispatch import Dispatcher
+    from services.gateway.http.metrics import GatewayMetrics
 
     d = Dispatcher(Router([client]), GatewayMetrics("m"))
 
@@ -455,8 +455,8 @@ async def test_dispatcher_pushes_increments_from_the_read_loop(worker, client):
 
 
 async def test_collect_many_raises_the_first_failure_and_aborts_the_rest(worker, client):
-    from services.gateway.dispatch import Dispatcher
-    from services.gateway.metrics import GatewayMetrics
+    from services.gateway.routing.dispatch import Dispatcher
+    from services.gateway.http.metrics import GatewayMetrics
 
     d = Dispatcher(Router([client]), GatewayMetrics("m"))
     results = await d.collect_many([req("x", (5,), 3), req("y", (6,), 1)])
@@ -493,7 +493,7 @@ async def test_a_flush_or_a_restart_resets_every_gateways_picture_of_the_worker(
     """Two gateways (two processes of a pool, or two gateways on one fleet) route prompts to one real
     worker server; one flushes its cache: both forget what they thought it held (the worker's cache id
     changes and goes out unasked). A worker restarted on the same port comes with a new id too."""
-    from services.gateway.cache_aware import CacheAwarePolicy
+    from services.gateway.routing.cache_aware import CacheAwarePolicy
     from services.worker.server import WorkerServer
 
     server = WorkerServer(_FlushableEngine(), internal_key="k")
@@ -540,8 +540,8 @@ async def test_a_flush_or_a_restart_resets_every_gateways_picture_of_the_worker(
 def test_a_fleet_of_one_unified_worker_keeps_no_routing_index():
     """Nothing to choose between: the cache-aware index is not kept (its upkeep was ~30 us a request);
     with a second worker it is."""
-    from services.gateway.affinity import PrefixAffinityPolicy
-    from services.gateway.cache_aware import CacheAwarePolicy
+    from services.gateway.routing.affinity import PrefixAffinityPolicy
+    from services.gateway.routing.cache_aware import CacheAwarePolicy
 
     solo = WorkerClient("127.0.0.1", 9)
     ids = list(range(100))

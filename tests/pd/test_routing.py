@@ -3,8 +3,8 @@ cache hit and load, the short-suffix bypass (a decode worker that holds all but 
 prompt computes it itself), and replacement picks after a failure."""
 from __future__ import annotations
 
-from services.gateway.cache_aware import CacheAwarePolicy
-from services.gateway.router import Router
+from services.gateway.routing.cache_aware import CacheAwarePolicy
+from services.gateway.routing.router import Router
 from tests.gateway.test_worker_client import StubWorker
 
 
@@ -69,7 +69,7 @@ def test_pairs_only_workers_whose_kv_pages_fit(caplog):
     assert router.pick_side("decode", [1, 2], peer=ps[0]) is ds[0]
     assert router.pick_side("decode", [1, 2], exclude={"d0:1"}, peer=ps[0]) is None
     only = Router([ps[0], ds[1]], CacheAwarePolicy(block_tokens=4, slack=2))
-    with caplog.at_level("WARNING", logger="services.gateway.router"):
+    with caplog.at_level("WARNING", logger="services.gateway.routing.router"):
         assert only.pick_pair([5, 6, 7]) == (None, ds[1])
         assert only.pick_pair([8, 9, 10]) == (None, ds[1])
     assert sum("--kv-cache-dtype" in r.getMessage() for r in caplog.records) == 1
@@ -80,7 +80,7 @@ def test_pairs_only_workers_whose_kv_pages_fit(caplog):
 def test_remember_reuses_the_prompt_chain_and_matches_a_full_hash():
     """At a request's end the routing index takes prompt + output; the prompt's block names, computed
     when it was routed, are reused and only the output's blocks hashed: the same names as hashing it all."""
-    from services.gateway.cache_aware import CacheAwarePolicy, block_chain
+    from services.gateway.routing.cache_aware import CacheAwarePolicy, block_chain
 
     class W:
         address, load = "w:1", 0

@@ -217,10 +217,10 @@ class Stack:
 async def gateway_stack(num_workers: int = 1, *, context_length: int | None = 256, wait_healthy: bool = True,
                         token_delay: float = 0.0, tokenizer: Tokenizer | None = None,
                         **state_kwargs):
-    from services.gateway.app import create_app
-    from services.gateway.router import Router
+    from services.gateway.http.app import create_app
+    from services.gateway.routing.router import Router
     from services.gateway.state import GatewayState
-    from services.gateway.worker_client import WorkerClient
+    from services.gateway.routing.worker_client import WorkerClient
 
     tok = tokenizer or Tokenizer.load("tiny-random")
     workers = [FakeWorker(tok, token_delay=token_delay) for _ in range(num_workers)]

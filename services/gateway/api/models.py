@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from msgspec import Meta, Struct
 
-from services.gateway.program_ir import ProgramIR
+from services.gateway.programs.ir import ProgramIR
 from shared.limits import MAX_GRAMMAR_CHARS, MAX_RID_LEN, MAX_TOP_LOGPROBS
 
 NonNegative = Annotated[int, Meta(ge=0)]
@@ -224,7 +224,7 @@ class DetokenizeRequest(_Body, kw_only=True):
 
 # ---------------------------------------------------------------- /v1/programs
 class ProgramRequest(Struct, kw_only=True, forbid_unknown_fields=True):
-    """A traced lang_client program (IR version 1; program_validate.py checks what its types cannot say)."""
+    """A traced lang_client program (IR version 1; programs/validate.py checks what its types cannot say)."""
     program: ProgramIR
     args: dict[str, str | int | float] | None = None
     stream: bool = False

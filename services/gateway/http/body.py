@@ -14,8 +14,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from services.gateway.errors import APIError, bad_request
-from services.gateway.limits import Limits
+from services.gateway.http.errors import APIError, bad_request
+from services.gateway.api.limits import Limits
 
 T = TypeVar("T")
 

@@ -19,8 +19,8 @@ import itertools
 from collections import OrderedDict
 from typing import Sequence
 
-from services.gateway.affinity import PrefixAffinityPolicy
-from services.gateway.worker_client import WorkerClient
+from services.gateway.routing.affinity import PrefixAffinityPolicy
+from services.gateway.routing.worker_client import WorkerClient
 
 
 def block_chain(input_ids: Sequence[int], block: int, salt: str | None,

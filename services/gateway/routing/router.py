@@ -1,8 +1,8 @@
 """Which worker serves a request: the Router holds the workers and asks a routing policy.
 
-Two policies: cache-aware (services/gateway/cache_aware.py, the default) remembers which prompt prefixes
+Two policies: cache-aware (services/gateway/routing/cache_aware.py, the default) remembers which prompt prefixes
 went where and prefers the worker holding the longest one, falling back to prefix affinity
-(services/gateway/affinity.py), which keeps requests sharing a prompt head on one worker.
+(services/gateway/routing/affinity.py), which keeps requests sharing a prompt head on one worker.
 """
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import asyncio
 import logging
 from typing import Sequence
 
-from services.gateway.affinity import RoutingPolicy
-from services.gateway.cache_aware import CacheAwarePolicy
-from services.gateway.errors import unavailable
-from services.gateway.worker_client import WorkerClient
+from services.gateway.routing.affinity import RoutingPolicy
+from services.gateway.routing.cache_aware import CacheAwarePolicy
+from services.gateway.http.errors import unavailable
+from services.gateway.routing.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 

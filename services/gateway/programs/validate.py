@@ -1,7 +1,7 @@
 """Validation of `POST /v1/programs` programs: lang_client's IR (version 1) decoded into its typed ops
-(program_ir.py: the closed schema), then checked against ProgramLimits, `arg` nodes bound to the request's
-args, every variable read resolved to the definition it sees. The result (program_ir.py's validated
-nodes) is what program_exec.py runs.
+(ir.py: the closed schema), then checked against ProgramLimits, `arg` nodes bound to the request's
+args, every variable read resolved to the definition it sees. The result (ir.py's validated
+nodes) is what execute.py runs.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.program_ir import (CHATML_ROLES, IR_VERSION, NAME_RE, SCOPE_RE, ArgOp, ForkNode, ForkOp,
+from services.gateway.programs.ir import (CHATML_ROLES, IR_VERSION, NAME_RE, SCOPE_RE, ArgOp, ForkNode, ForkOp,
                                          GenNode, GenOp, IfNode, IfOp, JoinNode, JoinOp, Program, ProgramIR,
                                          ProgramLimits, RoleBeginOp, RoleEndOp, RoleNode, SelectNode, SelectOp,
                                          SetNode, SetOp, TextNode, TextOp, VarNode, VarOp)

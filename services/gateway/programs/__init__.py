@@ -1,10 +1,10 @@
 """`POST /v1/programs`: run a traced language-model program (lang_client's IR, version 1) server-side.
 
 The IR is data, never code. Three modules own one step each:
-  program_ir.py        the validated node types and ProgramLimits;
-  program_validate.py  request JSON -> Program: closed schema, limits, args bound, reads resolved;
-  program_exec.py      Program -> answer: a small async interpreter over an injected generate(body).
-This module is their public face (what programs_api.py and tests import).
+  ir.py        the request's IR, the validated node types and ProgramLimits;
+  validate.py  request JSON -> Program: closed schema, limits, args bound, reads resolved;
+  execute.py   Program -> answer: a small async interpreter over an injected generate(body).
+This module is their public face (what api/programs.py and tests import).
 
 Request body: {"program": IR, "args": {name: str}, "stream": bool}
 Answer: {"text", "messages", "variables": {scoped name: value}, "meta_info": {scoped name: meta}}
@@ -14,9 +14,9 @@ Streaming: {"type": "variable", "name", "value", "meta_info"} per variable as it
 """
 from __future__ import annotations
 
-from services.gateway.program_exec import Generate, ProgramError, execute_program, stream_program
-from services.gateway.program_ir import IR_VERSION, Program, ProgramLimits
-from services.gateway.program_validate import parse_program_request, validate_program
+from services.gateway.programs.execute import Generate, ProgramError, execute_program, stream_program
+from services.gateway.programs.ir import IR_VERSION, Program, ProgramLimits
+from services.gateway.programs.validate import parse_program_request, validate_program
 
 __all__ = ["Generate", "IR_VERSION", "Program", "ProgramError", "ProgramLimits", "execute_program",
            "parse_program_request", "stream_program", "validate_program"]

@@ -1,12 +1,12 @@
 """API keys: which routes need one and whether a request's Authorization header carries one (the auth
-middleware of services/gateway/app.py asks)."""
+middleware of services/gateway/http/app.py asks)."""
 from __future__ import annotations
 
 import hmac
 from typing import TYPE_CHECKING
 
-from services.gateway.errors import APIError
-from services.gateway.tenancy import tenant_salt
+from services.gateway.http.errors import APIError
+from services.gateway.http.tenancy import tenant_salt
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState

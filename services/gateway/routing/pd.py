@@ -20,8 +20,8 @@ from typing import AsyncIterator
 
 import msgspec
 
-from services.gateway.errors import WorkerUnavailable, unavailable, worker_refused
-from services.gateway.worker_client import WorkerClient
+from services.gateway.http.errors import WorkerUnavailable, unavailable, worker_refused
+from services.gateway.routing.worker_client import WorkerClient
 from shared.protocol import GenerateRequest, TokenOutput, Transfer
 
 _DONE = object()

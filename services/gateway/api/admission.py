@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from services.gateway.errors import APIError, bad_request
+from services.gateway.http.errors import APIError, bad_request
 from shared.errors import ContextLengthExceeded, InvalidRequest
 from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams

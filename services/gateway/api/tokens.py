@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from services.gateway.admission import check_model, check_token_ids
+from services.gateway.api.admission import check_model, check_token_ids
 from services.gateway.api.models import DetokenizeRequest, TokenizeRequest
-from services.gateway.chat_request import parse_chat
-from services.gateway.errors import bad_request
+from services.gateway.api.chat_request import parse_chat
+from services.gateway.http.errors import bad_request
 from services.gateway.http.body import read_body
-from services.gateway.json_out import json_response
-from services.gateway.openai_api import render_chat
+from services.gateway.http.json_out import json_response
+from services.gateway.api.openai import render_chat
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState

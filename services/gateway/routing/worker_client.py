@@ -8,7 +8,7 @@ WorkerUnavailable, so nothing waits on a dead socket; every other wait has a tim
 A stream is a *sink* registered under its rid (`open_stream`): the read loop hands it each increment by
 a plain call, `sink.put(item)`, in the loop's own turn. `generate` is one sink (a mailbox drained by an
 async iterator, for callers that want to await increments); the dispatcher's streams are another, which
-format and write an SSE event right there, without waking the request's task (services/gateway/dispatch.py).
+format and write an SSE event right there, without waking the request's task (services/gateway/routing/dispatch.py).
 
 A stream's silence limit (`token_timeout`) is kept by one watchdog task per client that looks at every
 stream's last delivery about four times per limit, not by a timer armed around every wait: with one token
@@ -31,7 +31,7 @@ import time
 from collections import deque
 from typing import AsyncIterator, Callable, Protocol
 
-from services.gateway.errors import WorkerUnavailable
+from services.gateway.http.errors import WorkerUnavailable
 from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest, Hello, InfoRequest,
                              InfoResult, Message, PingRequest, PongResult, ProtocolError, TokenOutput,
                              TokenOutputs, merge_outputs)

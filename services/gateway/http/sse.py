@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Proto
 
 from aiohttp import web
 
-from services.gateway.errors import APIError, error_body
-from services.gateway.json_out import dumps
+from services.gateway.http.errors import APIError, error_body
+from services.gateway.http.json_out import dumps
 from shared.protocol import GenerateRequest, TokenOutput, merge_outputs
 
 if TYPE_CHECKING:
-    from services.gateway.dispatch import Dispatcher, Generation, GenerationResult
+    from services.gateway.routing.dispatch import Dispatcher, Generation, GenerationResult
 
 log = logging.getLogger(__name__)
 

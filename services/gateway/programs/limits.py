@@ -1,4 +1,4 @@
-"""Bounds on what one `/v1/programs` request may cost, beyond the static checks of its IR (programs.py
+"""Bounds on what one `/v1/programs` request may cost, beyond the static checks of its IR (programs/__init__.py
 ProgramLimits): tokens over all its generate calls, text generated, answer size, wall time, and how many
 programs one API key may run at once. A program over a bound ends with a 4xx that names the bound (429
 for concurrency, 400 otherwise); its in-flight generations are aborted as usual.
@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator
 
-from services.gateway.errors import APIError
-from services.gateway.json_out import dumps
+from services.gateway.http.errors import APIError
+from services.gateway.http.json_out import dumps
 from shared.protocol import GenerateRequest
 
-# native_api.generate_json's shape: a /generate body and the admission hook it calls before dispatch.
+# api/native.py generate_json's shape: a /generate body and the admission hook it calls before dispatch.
 Generate = Callable[[dict, Callable[[list[GenerateRequest]], None]], Awaitable[Any]]
 
 

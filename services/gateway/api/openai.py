@@ -9,21 +9,21 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from aiohttp import web
 
-from services.gateway.tenancy import request_salt
-from services.gateway import logprobs as lp
+from services.gateway.http.tenancy import request_salt
+from services.gateway.api import logprobs as lp
 from services.gateway.api.models import ChatRequest, CompletionRequest, _OpenAIBody
-from services.gateway.chat_output import ChoiceOutput
-from services.gateway.chat_request import ChatSpec, parse_chat
-from services.gateway.admission import (check_grammars, check_openai, stamp_tenant, check_token_ids, child_requests,
+from services.gateway.api.chat_output import ChoiceOutput
+from services.gateway.api.chat_request import ChatSpec, parse_chat
+from services.gateway.api.admission import (check_grammars, check_openai, stamp_tenant, check_token_ids, child_requests,
                                         encode_prompt, kept_prompt_tokens, resolve_max_new_tokens, sampling_params,
                                         token_ids_in_vocab)
-from services.gateway.dispatch import GenerationResult, created_timestamp, new_rid
-from services.gateway.errors import APIError, bad_request
+from services.gateway.routing.dispatch import GenerationResult, created_timestamp, new_rid
+from services.gateway.http.errors import APIError, bad_request
 from shared.errors import ContextLengthExceeded
-from services.gateway.grammar_fields import output_grammar
+from services.gateway.api.grammar import output_grammar
 from services.gateway.http.body import read_body
-from services.gateway.json_out import json_response
-from services.gateway.sse import Envelope, encode_event, stream_generation
+from services.gateway.http.json_out import json_response
+from services.gateway.http.sse import Envelope, encode_event, stream_generation
 from shared.protocol import GenerateRequest, TokenOutput
 
 if TYPE_CHECKING:

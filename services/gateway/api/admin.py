@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from services.gateway.errors import WorkerUnavailable
-from services.gateway.metrics import CONTENT_TYPE
+from services.gateway.http.errors import WorkerUnavailable
+from services.gateway.http.metrics import CONTENT_TYPE
 from shared import event_loop
 
 if TYPE_CHECKING:

@@ -4,9 +4,9 @@ out of what remains. Streaming yields OpenAI deltas (`reasoning_content`, `conte
 the whole-answer path feeds the same parsers, so both agree."""
 from __future__ import annotations
 
-from services.gateway.chat_request import ChatSpec
-from services.gateway.reasoning import ReasoningParser
-from services.gateway.tool_parsers import ToolCall, new_parser
+from services.gateway.api.chat_request import ChatSpec
+from services.gateway.api.reasoning import ReasoningParser
+from services.gateway.api.tool_parsers import ToolCall, new_parser
 
 
 class ChoiceOutput:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from services.gateway.json_out import json_response
+from services.gateway.http.json_out import json_response
 from shared.errors import InvalidRequest
 
 

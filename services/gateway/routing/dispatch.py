@@ -4,7 +4,7 @@ flavour.
 Increments are pushed, not pulled. Each worker request is a `Generation`, registered with its
 WorkerClient as the stream's sink, so the read loop that decodes a worker frame (one engine step's
 outputs for many requests) calls straight into it and on into the route's `Consumer`: an SSE response
-formats and writes the event right there (services/gateway/sse.py), a non-streaming answer collects.
+formats and writes the event right there (services/gateway/http/sse.py), a non-streaming answer collects.
 No task wakes and no generator resumes per increment; the route's task runs to start, to end, and when
 its client cannot keep up.
 
@@ -23,12 +23,12 @@ from typing import AsyncIterator, Protocol, Sequence
 
 import msgspec
 
-from services.gateway.access_log import CURRENT as ACCESS_RECORD
-from services.gateway.errors import APIError, WorkerUnavailable, bad_request, unavailable, worker_refused
-from services.gateway.metrics import GatewayMetrics, RequestTimer
-from services.gateway.pd import pd_serve, wants_local_prefill
-from services.gateway.router import Router
-from services.gateway.worker_client import Lost, WorkerClient
+from services.gateway.http.access_log import CURRENT as ACCESS_RECORD
+from services.gateway.http.errors import APIError, WorkerUnavailable, bad_request, unavailable, worker_refused
+from services.gateway.http.metrics import GatewayMetrics, RequestTimer
+from services.gateway.routing.pd import pd_serve, wants_local_prefill
+from services.gateway.routing.router import Router
+from services.gateway.routing.worker_client import Lost, WorkerClient
 from shared.ids import unique_hex
 from shared.protocol import FinishReason, GenerateRequest, TokenOutput
 

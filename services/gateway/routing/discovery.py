@@ -1,7 +1,7 @@
 """Worker discovery through the metadata store (Redis in a multi-host deployment).
 
 The registry only adds workers. Whether a worker the gateway is connected to is alive is for that
-connection to say (its pings, services/gateway/health.py), not for its entry: an entry can vanish while
+connection to say (its pings, services/gateway/routing/health.py), not for its entry: an entry can vanish while
 the worker serves on (FLUSHALL, a Redis restarted empty, a failover to an empty replica) and comes back
 with the worker's next beat. So a worker leaves routing when its entry is gone *and* its connection is
 gone (a crash: the connection breaks at once, the entry expires within the TTL) or it drains (a clean
@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from services.gateway.router import Router
-from services.gateway.worker_client import WorkerClient
+from services.gateway.routing.router import Router
+from services.gateway.routing.worker_client import WorkerClient
 from shared.metadata.outage import Outage
 from shared.metadata.store import MetadataStore
 

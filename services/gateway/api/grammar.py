@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from services.gateway.api.models import ResponseFormat, StructuredOutputs, _OpenAIBody
-from services.gateway.errors import bad_request
+from services.gateway.http.errors import bad_request
 
 _LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _SGLANG = ("regex", "json_schema", "ebnf")

@@ -1,4 +1,4 @@
-"""`POST /v1/programs`: the HTTP side of the server-side program executor (services/gateway/programs.py).
+"""`POST /v1/programs`: the HTTP side of the server-side program executor (services/gateway/programs/__init__.py).
 Its generate calls run the native /generate path in process, so they are routed, metered and aborted on
 disconnect like any other request."""
 from __future__ import annotations
@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import orjson
 from aiohttp import web
 
-from services.gateway.tenancy import request_salt
-from services.gateway import native_api
+from services.gateway.http.tenancy import request_salt
+from services.gateway.api import native
 from services.gateway.api.models import ProgramRequest
-from services.gateway.errors import APIError
+from services.gateway.http.errors import APIError
 from services.gateway.http.body import read_body
-from services.gateway.program_limits import ProgramMeter
+from services.gateway.programs.limits import ProgramMeter
 from services.gateway.programs import ProgramError, execute_program, stream_program, validate_program
-from services.gateway.sse import stream_events
+from services.gateway.http.sse import stream_events
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
@@ -30,8 +30,8 @@ async def run_program(state: "GatewayState", request: web.Request) -> web.Stream
     # loop every few. InvalidRequest -> 400 in the error middleware.
     program, stream = await asyncio.to_thread(validate_program, body.program, None, body.args), body.stream
     salt = request_salt(request)
-    meter = ProgramMeter(state.program_budget)  # work, time and answer bounds (program_limits.py)
-    generate = meter.wrap(functools.partial(native_api.generate_json, state, cache_salt=salt))
+    meter = ProgramMeter(state.program_budget)  # work, time and answer bounds (limits.py)
+    generate = meter.wrap(functools.partial(native.generate_json, state, cache_salt=salt))
     with state.program_slots.hold(salt):  # 429 when this key already runs its share
         if stream:
             # Headers at once: a program's first event may come only after whole generations.

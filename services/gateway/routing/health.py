@@ -10,13 +10,13 @@ import uuid
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Protocol
 
-from services.gateway.errors import WorkerUnavailable
-from services.gateway.worker_client import WorkerClient
+from services.gateway.http.errors import WorkerUnavailable
+from services.gateway.routing.worker_client import WorkerClient
 from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from services.gateway.router import Router
+    from services.gateway.routing.router import Router
     from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Execution of a validated program (services/gateway/program_ir.py): a small async interpreter.
+"""Execution of a validated program (services/gateway/programs/ir.py): a small async interpreter.
 
 Generation goes through an injected `generate(body) -> answer` with the shape of the native /generate
 endpoint (a list for a batch), so this module knows nothing of the gateway's insides; every generate call
@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from lang_client import wire
 from lang_client.choices import resolve_method
-from services.gateway.program_ir import (ForkNode, GenNode, IfNode, JoinNode, Program, RoleNode, SelectNode,
+from services.gateway.programs.ir import (ForkNode, GenNode, IfNode, JoinNode, Program, RoleNode, SelectNode,
                                          SetNode, TextNode, VarNode)
 
 Generate = Callable[[dict], Awaitable[Any]]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from typing import Protocol, Sequence
 
-from services.gateway.worker_client import WorkerClient
+from services.gateway.routing.worker_client import WorkerClient
 
 
 class RoutingPolicy(Protocol):

@@ -12,9 +12,9 @@ from typing import Any
 import msgspec
 
 from services.gateway.api.models import ChatRequest, Message
-from services.gateway.errors import bad_request
-from services.gateway.grammar_fields import GRAMMAR_FIELDS
-from services.gateway.tool_grammar import tool_call_ebnf
+from services.gateway.http.errors import bad_request
+from services.gateway.api.grammar import GRAMMAR_FIELDS
+from services.gateway.api.tool_grammar import tool_call_ebnf
 
 
 @dataclass

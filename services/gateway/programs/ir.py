@@ -1,7 +1,7 @@
 """A program as the request carries it (lang_client's IR, version 1: msgspec Structs, one per op, closed to
 unknown fields), the server's form of it after validation, and its limits.
 
-services/gateway/program_validate.py turns the first into the second; program_exec.py walks the second.
+services/gateway/programs/validate.py turns the first into the second; execute.py walks the second.
 """
 from __future__ import annotations
 

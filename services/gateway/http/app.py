@@ -7,14 +7,14 @@ import logging
 
 from aiohttp import web
 
-from services.gateway import admin_api, native_api, openai_api, programs_api, tokenize_api
-from services.gateway.auth import authorize
-from services.gateway.access_log import access_middleware, add_request_id_header
-from services.gateway.errors import APIError, error_body, internal_error
-from services.gateway.json_out import json_response
+from services.gateway.api import admin, native, openai, programs, tokens
+from services.gateway.http.auth import authorize
+from services.gateway.http.access_log import access_middleware, add_request_id_header
+from services.gateway.http.errors import APIError, error_body, internal_error
+from services.gateway.http.json_out import json_response
 from services.gateway.http.openapi import build_spec
 from services.gateway.state import GatewayState
-from services.gateway.tenancy import CACHE_SALT
+from services.gateway.http.tenancy import CACHE_SALT
 from shared.errors import InvalidRequest
 
 __all__ = ["GatewayState", "create_app", "STATE"]
@@ -36,39 +36,39 @@ def create_app(state: GatewayState) -> web.Application:
     s = state
 
     async def models(request):
-        return json_response(openai_api.models(s))
+        return json_response(openai.models(s))
 
     async def model(request):
-        return json_response(openai_api.model(s, request.match_info["model_id"]))
+        return json_response(openai.model(s, request.match_info["model_id"]))
 
     async def model_info(request):
-        return json_response(admin_api.model_info(s))
+        return json_response(admin.model_info(s))
 
     async def server_info(request):
-        return json_response(await admin_api.server_info(s))
+        return json_response(await admin.server_info(s))
 
     async def flush_cache(request):
-        return await admin_api.flush_cache(s)
+        return await admin.flush_cache(s)
 
     async def health(request):
-        return admin_api.health(s)
+        return admin.health(s)
 
     async def health_generate(request):
-        return await admin_api.health_generate(s)
+        return await admin.health_generate(s)
 
     async def metrics(request):
-        return await admin_api.metrics(s)
+        return await admin.metrics(s)
 
-    app.router.add_post("/v1/completions", _bound(s, openai_api.completions))
-    app.router.add_post("/v1/chat/completions", _bound(s, openai_api.chat_completions))
-    app.router.add_post("/generate", _bound(s, native_api.generate))
+    app.router.add_post("/v1/completions", _bound(s, openai.completions))
+    app.router.add_post("/v1/chat/completions", _bound(s, openai.chat_completions))
+    app.router.add_post("/generate", _bound(s, native.generate))
     app.router.add_get("/v1/models", models)
     # {model_id:.+}: hub ids contain a slash (meta-llama/Llama-3.1-8B).
     app.router.add_get("/v1/models/{model_id:.+}", model)
-    app.router.add_post("/v1/programs", _bound(s, programs_api.run_program))
+    app.router.add_post("/v1/programs", _bound(s, programs.run_program))
     for prefix in ("", "/v1"):  # SGLang serves both; vLLM the first
-        app.router.add_post(f"{prefix}/tokenize", _bound(s, tokenize_api.tokenize))
-        app.router.add_post(f"{prefix}/detokenize", _bound(s, tokenize_api.detokenize))
+        app.router.add_post(f"{prefix}/tokenize", _bound(s, tokens.tokenize))
+        app.router.add_post(f"{prefix}/detokenize", _bound(s, tokens.detokenize))
     for path in ("/get_model_info", "/model_info"):
         app.router.add_get(path, model_info)
     for path in ("/server_info", "/get_server_info"):

@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from services.gateway.tenancy import request_salt
-from services.gateway import logprobs as lp
-from services.gateway.admission import (check_grammars, check_token_ids, child_requests, encode_prompt,
+from services.gateway.http.tenancy import request_salt
+from services.gateway.api import logprobs as lp
+from services.gateway.api.admission import (check_grammars, check_token_ids, child_requests, encode_prompt,
                                        resolve_max_new_tokens, sampling_params, stamp_tenant,
                                        token_ids_in_vocab, unknown_sampling_keys)
-from services.gateway.dispatch import GenerationResult, new_rid
+from services.gateway.routing.dispatch import GenerationResult, new_rid
 from services.gateway.api.models import GenerateRequest as GenerateBody, NativeChoices
-from services.gateway.errors import bad_request
+from services.gateway.http.errors import bad_request
 from services.gateway.http.body import invalid, read_body
-from services.gateway.json_out import json_response
-from services.gateway.sse import encode_event, stream_generation
+from services.gateway.http.json_out import json_response
+from services.gateway.http.sse import encode_event, stream_generation
 from shared.protocol import GenerateRequest, TokenOutput
 
 if TYPE_CHECKING:
