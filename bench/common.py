@@ -189,7 +189,7 @@ def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = F
     events = []
     sync()
     t0 = time.perf_counter()
-    sched = engine.scheduler
+    sched = engine.policy
     runner_forward = engine.runner.launch
 
     def timed_forward(batch):
@@ -294,7 +294,7 @@ def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int
     import gc
 
     from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
+    from shared.engine.engine_loop import Engine
 
     ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=200_000,
                       cuda_graph=cuda, **{"max_running_requests": 128, "cuda_graph_max_bs": 128, **config})

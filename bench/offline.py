@@ -24,7 +24,7 @@ from bench.common import (GREEDY, SHAPES, drive, full_pass_rate, graph_replay_ms
                           measure_copy_bandwidth, measure_matmul_sustained, measure_matmul_tflops, median, model_dir,
                           log, param_bytes, prefill_flops_per_token, random_prompts, sync)
 from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from shared.engine.engine_loop import Engine
 from shared.tokenizer import Tokenizer
 
 GOAL_ZERO_REUSE_OVERHEAD = 0.003  # issue 11: the radix cache costs <= 0.3% when nothing is reused

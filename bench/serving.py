@@ -355,7 +355,7 @@ def pass_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, f
 
 def pass_summary(p: dict[str, float], wall: float | None = None) -> str:
     """Passes by mode, ms a pass over all of them, ms a decode step in runs of decode passes: the engine's
-    own step time, served or offline (shared/engine/engine.py's `passes`); with the run's wall, the part
+    own step time, served or offline (shared/engine/engine_loop.py's `passes`); with the run's wall, the part
     of it outside the timed passes (arrivals, the last deliveries: the edges; the last pass, which no
     launch follows, is counted there too, served and offline alike)."""
     out = f"{p.get('extend', 0)} extend / {p.get('decode', 0)} decode passes"
@@ -373,7 +373,7 @@ def offline_reference(path: str, dataset, extra_engine: dict, batch1: int = 0) -
 
     from bench.common import drive
     from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
+    from shared.engine.engine_loop import Engine
     from shared.tokenizer import Tokenizer
 
     cuda = torch.cuda.is_available()

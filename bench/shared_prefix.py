@@ -27,7 +27,7 @@ import torch
 
 from bench.common import drive, log, median, model_dir
 from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from shared.engine.engine_loop import Engine
 from shared.tokenizer import Tokenizer
 
 GREEDY_FIXED = {"temperature": 0, "ignore_eos": True}
@@ -198,7 +198,7 @@ def main(argv=None):
         st = drive(eng, prompts, {**GREEDY_FIXED, "max_new_tokens": ol})
         runs[name] = {"out_tok_s": st.output_tokens / st.wall_s, "wall_s": st.wall_s,
                       "hit_rate": st.cached_tokens / st.prompt_tokens, "steps": st.steps,
-                      "retractions": eng.scheduler.stats.retractions}
+                      "retractions": eng.policy.stats.retractions}
         log(f"  {runs[name]['out_tok_s']:.0f} out tok/s, hit rate {runs[name]['hit_rate']:.3f} "
             f"(ideal {ideal:.3f}), {st.wall_s:.1f}s")
         eng.cache.reset()

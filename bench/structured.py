@@ -22,7 +22,7 @@ import torch
 
 from bench.common import SHAPES, drive, log, median, model_dir, sync
 from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from shared.engine.engine_loop import Engine
 from shared.tokenizer import Tokenizer
 
 # Extraction-style schema: many fixed keys, enums, bounded numbers, short strings.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.engine.engine import Engine
+from shared.engine.engine_loop import Engine
 from shared.transfer import kv_pages
 from shared.transfer.ucx import KvReceiver
 

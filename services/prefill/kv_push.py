@@ -15,7 +15,7 @@ import logging
 import time
 
 from shared.engine.disagg import HandOff, Pages, PartTimes
-from shared.engine.engine import Engine
+from shared.engine.engine_loop import Engine
 from shared.protocol import KvHeader
 from shared.transfer.ucx import KvSender, TransferError
 

@@ -20,7 +20,7 @@ from services.worker.server import WorkerServer
 from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.engine.cli import add_engine_args, engine_config_from_args
-from shared.engine.engine import Engine
+from shared.engine.engine_loop import Engine
 from shared.gc_freeze import freeze_startup_heap
 from shared.metadata.registration import Registration
 from shared.metadata.store import WORKER_TTL_S, create_store
@@ -99,7 +99,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     def entry() -> dict:
         e = {"host": advertise, "port": port, "role": args.role, "model_path": config.model_path,
-             "num_running": engine.scheduler.num_running(), "num_waiting": len(engine.scheduler.waiting)}
+             "num_running": engine.policy.num_running(), "num_waiting": len(engine.policy.waiting)}
         if transfer_addr is not None:
             e["transfer_host"], e["transfer_port"] = transfer_addr
         return e
@@ -119,7 +119,7 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         # Drain: not ready first (gateways stop routing here, the registry entry goes), a short grace
         # for routers to notice, then accepted requests finish (bounded), then stop.
-        log.warning("draining: %d requests running", engine.scheduler.num_running())
+        log.warning("draining: %d requests running", engine.policy.num_running())
         server.start_draining()
         if registry is not None:
             await registry.leave()

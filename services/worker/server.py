@@ -11,7 +11,7 @@ import logging
 import uuid
 
 from shared import event_loop, gc_freeze
-from shared.engine.engine import Engine
+from shared.engine.engine_loop import Engine
 from shared.protocol import (AbortRequest, FinishAbort, FlushCacheRequest, FlushCacheResult, GenerateRequest,
                              InfoRequest, InfoResult, PingRequest, PongResult, ProtocolError, TokenOutput,
                              TokenOutputs)
@@ -70,7 +70,7 @@ class WorkerServer:
 
     def _pong(self, call_id: int) -> PongResult:
         host, port = self.transfer_addr or (None, None)
-        return PongResult(call_id=call_id, steps=self.engine.steps, num_running=self.engine.scheduler.num_running(),
+        return PongResult(call_id=call_id, steps=self.engine.steps, num_running=self.engine.policy.num_running(),
                           role=self.role, transfer_host=host, transfer_port=port, draining=self.draining,
                           cache_id=self.cache_id, kv_format=self.kv_format)
 

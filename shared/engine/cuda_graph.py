@@ -103,7 +103,7 @@ class CudaGraphRunner:
         # One logits buffer every graph writes its rows into: per-graph outputs would each hold their own
         # [bs, vocab] tensor for the runner's life (~9 GB in bf16 over the sizes to 1,024 with the
         # shared-prefix variants). Sharing is safe because replays run in stream order and each step's
-        # sampling is enqueued before the next step launches (shared/engine/engine.py, step). In the
+        # sampling is enqueued before the next step launches (shared/engine/engine_loop.py, step). In the
         # lm_head's own dtype: the GEMM writes it directly and the sampler widens only what needs fp32.
         self.logits = torch.empty(n, model.config.vocab_size, dtype=model.logits_dtype, device=device)
         # (batch size, shared-prefix variant) -> graph

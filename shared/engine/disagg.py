@@ -51,15 +51,15 @@ if TYPE_CHECKING:
     from shared.engine.config import EngineConfig
     from shared.engine.model_runner import ModelRunner, StepOutput
     from shared.engine.request import Req
-    from shared.engine.scheduler import Scheduler
+    from shared.engine.schedule_policy import SchedulePolicy
 
 
 class EngineView(Protocol):
-    """What the two sides use of their engine (shared/engine/engine.py's Engine): its config, runner and
+    """What the two sides use of their engine (shared/engine/engine_loop.py's Engine): its config, runner and
     scheduler, and its public way to end a request or start one decoding."""
     config: EngineConfig
     runner: ModelRunner
-    scheduler: Scheduler
+    scheduler: SchedulePolicy
 
     def end_request(self, req: Req, error: str | None = None, reason: FinishReason | None = None) -> None: ...
 
@@ -290,7 +290,7 @@ class DecodeSide:
             event.record()
             self._in_use.append((event, buf))
         runner.req_pool.write(req.req_pool_idx, 0, to_device(req.slots[:n], torch.int32, runner.device))
-        engine.scheduler.kv_arrived(req)
+        engine.policy.kv_arrived(req)
         req.transfer = None  # from here on a local request: a retraction recomputes from the tree
         req.num_cached_tokens = done.cached_tokens  # computation saved is the prefill side's hit
         engine.start_decoding(req, done.first_token, done.first_logprob, done.first_top_logprobs)

@@ -629,7 +629,7 @@ class ModelRunner:
         (the engine calls it once the grammars have taken the previous step's tokens; `resolve` does
         if nobody did), and the host fills the masks then, while the device runs this forward. dev_rows /
         host_rows: the batch's request rows on the device and the host (a graph pass's device rows are its
-        static buffer: sampling is enqueued before the next pass launches, shared/engine/engine.py)."""
+        static buffer: sampling is enqueued before the next pass launches, shared/engine/engine_loop.py)."""
         reqs = [batch.reqs[i] for i in sampled]
         if counts is None:
             rows_req, rows_step = reqs, [len(r.output_ids) for r in reqs]

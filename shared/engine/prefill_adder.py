@@ -1,7 +1,7 @@
 """One admission round of the scheduler: what goes into the next EXTEND batch.
 
 The adder owns the round's token budget (max_prefill_tokens), the memory reservation (slots held back
-for the future decode tokens of everything running or admitted, `Scheduler._reserve_of`), and the
+for the future decode tokens of everything running or admitted, `SchedulePolicy._reserve_of`), and the
 in-batch dedupe of shared prefixes. Each `add_*` either takes a request whole (slots allocated, KV
 bookkeeping set) or leaves everything as it was. It works on its scheduler through Admitting.
 """
@@ -34,7 +34,7 @@ MAX_SIBLING_DEFERRALS = knob("MAX_SIBLING_DEFERRALS")
 
 
 class Admitting(Protocol):
-    """What an admission round uses of its scheduler (shared/engine/scheduler.py's Scheduler): the pools,
+    """What an admission round uses of its scheduler (shared/engine/schedule_policy.py's SchedulePolicy): the pools,
     the queues, the reservation figures, and the scheduler's own steps for a request it takes."""
     config: EngineConfig
     cache: PrefixCache

@@ -351,7 +351,7 @@ def test_abort_frees_everything(h):
     h.engine.step()
     assert h.done(rid)
     assert h.outputs[rid][-1].finish_reason.TYPE == "abort"
-    assert h.engine.scheduler.is_idle()
+    assert h.engine.policy.is_idle()
     assert h.free_tokens() == before
 
 
@@ -374,7 +374,7 @@ def test_bad_requests_are_refused_not_crashed(h):
     {"schedule_policy": "fcfs"},
 ])
 def test_scheduling_machinery_does_not_change_greedy_output(h, cfg):
-    # Scheduler logic is device-independent; the torch backend keeps the arithmetic identical across
+    # SchedulePolicy logic is device-independent; the torch backend keeps the arithmetic identical across
     # chunkings (Triton-vs-torch agreement is tested in test_kernels.py).
     if torch.cuda.is_available():
         h = Harness(attention_backend="torch")
@@ -386,8 +386,8 @@ def test_scheduling_machinery_does_not_change_greedy_output(h, cfg):
     got = [r["ids"] for r in other.run(rids)]
     assert got == ref
     if "max_total_tokens" in cfg:
-        assert other.engine.scheduler.stats.retractions > 0
-    assert other.engine.scheduler.is_idle()
+        assert other.engine.policy.stats.retractions > 0
+    assert other.engine.policy.is_idle()
     assert other.free_tokens() == other.engine.runner.max_total_tokens
 
 
@@ -415,10 +415,10 @@ def _stress(overlap: bool, seed: int, **cfg):
             if abort and at + 5 == t:
                 h.engine.abort(rid)
                 aborted.add(rid)
-        if not (h.engine.scheduler.is_idle() and h.engine.inbox.empty() and h.engine._pending is None):
+        if not (h.engine.policy.is_idle() and h.engine.inbox.empty() and h.engine._pending is None):
             h.engine.step()  # an idle engine blocks waiting for work
     h.run(rids)
-    assert h.engine.scheduler.is_idle() and h.free_tokens() == 2048
+    assert h.engine.policy.is_idle() and h.free_tokens() == 2048
     return {r: h.result(r) for r in rids}, aborted
 
 
@@ -466,15 +466,15 @@ def test_siblings_arriving_while_the_first_decodes_hit_its_prefix():
     hits_before = h.engine.cache.stats()["hit_tokens"]
     for _ in range(3):
         h.engine.step()
-    assert h.engine.scheduler.stats.cached_tokens == 3 * len(system) and not h.done(first)
+    assert h.engine.policy.stats.cached_tokens == 3 * len(system) and not h.done(first)
     res = h.run([first] + rids)
     assert [r["cached"] for r in res] == [0] + [len(system)] * 3
     assert h.engine.cache.stats()["hit_tokens"] - hits_before >= 3 * len(system)
-    assert h.engine.scheduler.stats.cached_tokens == 3 * len(system)
+    assert h.engine.policy.stats.cached_tokens == 3 * len(system)
     ref = Harness(disable_radix_cache=True, max_total_tokens=4096, **cfg)
     want = [ref.generate(system + q, sampling=GREEDY)["ids"] for q in qs]
     assert [r["ids"] for r in res] == want
-    assert h.engine.scheduler.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
+    assert h.engine.policy.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
 
 
 def test_select_prefix_groups_puts_each_request_in_the_group_that_saves_most():

@@ -141,7 +141,7 @@ def test_bad_grammar_is_refused_and_frees_nothing(h):
     assert r["error"] and r["finish"]["type"] == "abort"
     r = h.generate(prompt(), sampling={"regex": "(unclosed", "max_new_tokens": 5})
     assert r["error"]
-    assert h.free_tokens() == before and h.engine.scheduler.is_idle()
+    assert h.free_tokens() == before and h.engine.policy.is_idle()
 
 
 @pytest.mark.parametrize("cfg", [{}, {"page_size": 4}])
@@ -165,7 +165,7 @@ def test_verified_jump_forward_equals_token_by_token(cfg):
     # Most proposal positions took their mask from the forced text (no matcher fill).
     assert on.engine.forced_mask_rows > on.engine.jump_forward_tokens // 2
     for h in (on, off):
-        assert h.engine.scheduler.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
+        assert h.engine.policy.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
 
 
 def test_verified_jump_forward_in_a_mixed_batch():
@@ -192,7 +192,7 @@ def test_jump_forward_under_memory_pressure_completes(mode, mixed):
     for r in got:
         assert r["finish"]["type"] == "stop", r
         jsonschema.validate(json.loads(r["text"]), SCHEMA)
-    assert small.engine.scheduler.is_idle() and small.free_tokens() == 400
+    assert small.engine.policy.is_idle() and small.free_tokens() == 400
     if mode == "verify":
         ref = Harness(disable_jump_forward=True)
         want = ref.run([ref.submit(prompt(), sampling=s) for s in sampling])
@@ -249,16 +249,16 @@ def test_passes_write_only_new_slot_table_entries_and_rows_hold_every_slot(cfg):
                                  {"jump_forward_mode": "verify", "max_total_tokens": 700},
                                  {"enable_overlap": False, "jump_forward_threshold": 0}])
 def test_kv_entering_the_tree_while_its_pass_runs_changes_nothing(cfg, monkeypatch):
-    """A pass's KV enters the tree while the device runs it (Scheduler.cache_extended_apart) only where
+    """A pass's KV enters the tree while the device runs it (SchedulePolicy.cache_extended_apart) only where
     that leaves what the next schedule() would: requests sharing prompts, and writing the same tokens
     (greedy), jump and end under memory pressure; every pass (rows, slots) and every output is the same
     as with all of it left to schedule()."""
-    from shared.engine.scheduler import Scheduler
+    from shared.engine.schedule_policy import SchedulePolicy
 
     runs = []
     for apart in (True, False):
         if not apart:
-            monkeypatch.setattr(Scheduler, "cache_extended_apart", lambda self: None)
+            monkeypatch.setattr(SchedulePolicy, "cache_extended_apart", lambda self: None)
         h = Harness(**cfg)
         h.engine.grammars.compile("json_schema", json.dumps(SCHEMA))  # no compile timing in the schedule
         h.engine.grammars.compile("regex", REGEXES[2])
@@ -277,5 +277,5 @@ def test_kv_entering_the_tree_while_its_pass_runs_changes_nothing(cfg, monkeypat
                                  sampling=sampling))
         got = h.run(rids, max_steps=3000)
         runs.append((launches, [(r["ids"], r["text"], r["finish"]) for r in got], h.engine.cache.stats()))
-        assert h.engine.scheduler.is_idle()
+        assert h.engine.policy.is_idle()
     assert runs[0] == runs[1]

@@ -122,7 +122,7 @@ def test_masks_fill_between_the_forward_launch_and_the_wait(mode):
     ref = Harness(enable_overlap=False, **jf)
     assert got == _run(ref, _requests())
     for x in (h, ref):
-        assert x.engine.scheduler.is_idle() and x.free_tokens() == x.engine.runner.max_total_tokens
+        assert x.engine.policy.is_idle() and x.free_tokens() == x.engine.runner.max_total_tokens
 
 
 @pytest.mark.parametrize("cfg", [{}, {"page_size": 4}])
@@ -146,7 +146,7 @@ def test_jump_forward_under_overlap_drops_the_stale_row_and_keeps_outputs(cfg):
     assert sum(dropped) > 0 and trace.extend_with_pending > 0
     ref = Harness(**RETOKENIZE, enable_overlap=False, **cfg)
     assert got == _run(ref, _requests())
-    assert h.engine.scheduler.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
+    assert h.engine.policy.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
 
 
 def test_mask_timing_records_each_masked_step():
@@ -223,7 +223,7 @@ def test_while_jumping_no_pass_is_wasted():
             return sample_pending(handle)
         h.engine.runner.launch, h.engine.runner.sample_pending = counting_launch, counting
         got = _run(h, reqs)
-        assert h.engine.scheduler.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
+        assert h.engine.policy.is_idle() and h.free_tokens() == h.engine.runner.max_total_tokens
         return got, passes[0], sum(dropped)
 
     got, passes, dropped = run(None)

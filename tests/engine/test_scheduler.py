@@ -1,4 +1,4 @@
-"""Scheduler behaviour without a model: a simulated engine drives schedule() and releases."""
+"""SchedulePolicy behaviour without a model: a simulated engine drives schedule() and releases."""
 from __future__ import annotations
 
 import itertools
@@ -14,7 +14,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.forward_batch import ForwardMode
 from shared.engine.prefill_adder import MAX_SIBLING_DEFERRALS
 from shared.engine.request import Req
-from shared.engine.scheduler import Scheduler
+from shared.engine.schedule_policy import SchedulePolicy
 from shared.protocol import Transfer
 from shared.sampling_params import SamplingParams
 
@@ -26,7 +26,7 @@ def make_sched(pool_tokens=4096, page_size=1, radix=True, **cfg):
     alloc = SlotAllocator(pool_tokens // page_size, page_size)
     cache = (RadixCache if radix else NoPrefixCache)(alloc, page_size)
     req_pool = ReqToTokenPool(config.max_running_requests, 2048, "cpu")
-    return Scheduler(config, cache, alloc, req_pool, max_context_len=2048)
+    return SchedulePolicy(config, cache, alloc, req_pool, max_context_len=2048)
 
 
 def make_req(tokens, max_new=4, t=None):
@@ -36,7 +36,7 @@ def make_req(tokens, max_new=4, t=None):
     return r
 
 
-def step(s: Scheduler, finished: list):
+def step(s: SchedulePolicy, finished: list):
     """One engine step with a fake model: token = position, finish at max_new_tokens."""
     batch = s.schedule()
     if batch is None:
@@ -55,7 +55,7 @@ def step(s: Scheduler, finished: list):
     return batch
 
 
-def warm_shared_prefix(s: Scheduler, shared: list[int], tail: int = 500) -> list:
+def warm_shared_prefix(s: SchedulePolicy, shared: list[int], tail: int = 500) -> list:
     """Run one request of `shared` + [tail] (one new token) to completion, so `shared` is in the tree;
     returns the list of finished requests (the warm one) for the test's later steps."""
     done = []
@@ -65,7 +65,7 @@ def warm_shared_prefix(s: Scheduler, shared: list[int], tail: int = 500) -> list
     return done
 
 
-def accounted(s: Scheduler) -> int:
+def accounted(s: SchedulePolicy) -> int:
     # A running request owns its slots beyond the locked cached prefix (those belong to the tree).
     # Pages are the unit of allocation: a partly filled last page is held whole.
     P = s.page_size
@@ -328,7 +328,7 @@ def test_in_batch_dedupe_first_computes_siblings_wait_a_round_and_hit():
     run_until(s, done, lambda: all(r.finished for r in group))
 
 
-def computed_tokens(s: Scheduler) -> int:
+def computed_tokens(s: SchedulePolicy) -> int:
     return s.stats.prompt_tokens - s.stats.cached_tokens
 
 

@@ -69,13 +69,13 @@ def test_decode_request_moves_queued_reserved_awaiting_ready():
     h, hooks = decode_harness()
     e, stages = h.engine, h.engine.decode_side.stages
     rid, req = submit_decode(h, "d1")
-    assert stage_of(stages, req) == ["queued"] and req in e.scheduler.waiting and not req.slots
+    assert stage_of(stages, req) == ["queued"] and req in e.policy.waiting and not req.slots
     e.kv_offered("d1")
     e._drain_inbox(block=False)
     assert stage_of(stages, req) == ["queued"] and req.kv_offered
-    e.scheduler.schedule()  # the round alone: slots reserved, the receiver not told yet
-    assert stage_of(stages, req) == ["reserved"] and e.scheduler.decode_stages.holding() == [req]
-    assert len(req.slots) == len(PROMPT) and e.scheduler.num_running() == 1
+    e.policy.schedule()  # the round alone: slots reserved, the receiver not told yet
+    assert stage_of(stages, req) == ["reserved"] and e.policy.decode_stages.holding() == [req]
+    assert len(req.slots) == len(PROMPT) and e.policy.num_running() == 1
     e.decode_side.announce()
     assert stage_of(stages, req) == ["awaiting"] and hooks.calls == [("expect", "d1", 0, len(PROMPT))]
     e.kv_arrived("d1", KvDone(transfer_id="d1", first_token=7), pages_for(h, req))
@@ -83,7 +83,7 @@ def test_decode_request_moves_queued_reserved_awaiting_ready():
     assert stage_of(stages, req) == [] and req.transfer is None
     out = h.result(rid)
     assert out["ids"][0] == 7 and len(out["ids"]) == 4 and out["error"] is None
-    assert "cancel" not in hooks.names() and e.scheduler.is_idle() and full(h)
+    assert "cancel" not in hooks.names() and e.policy.is_idle() and full(h)
 
 
 @pytest.mark.parametrize("stage", ["queued", "reserved", "awaiting"])
@@ -94,18 +94,18 @@ def test_decode_abort_at_each_stage_frees_its_slots(stage):
     if stage != "queued":
         e.kv_offered("d2")
         e._drain_inbox(block=False)
-        e.scheduler.schedule()
+        e.policy.schedule()
         if stage == "awaiting":
             e.decode_side.announce()
     assert stage_of(stages, req) == [stage]
     e.end_request(req, "aborted by the test")
     assert h.result(rid)["error"] == "aborted by the test"
     assert stage_of(stages, req) == [] and ("cancel", "d2") in hooks.calls
-    assert e.scheduler.is_idle() and e.scheduler.num_running() == 0 and full(h)
+    assert e.policy.is_idle() and e.policy.num_running() == 0 and full(h)
     # Pages that come after the end are dropped.
     e.kv_arrived("d2", KvDone(transfer_id="d2", first_token=7), torch.zeros(0))
     e._drain_inbox(block=False)
-    assert full(h) and not e.scheduler.running
+    assert full(h) and not e.policy.running
 
 
 @pytest.mark.parametrize("stage", ["queued", "awaiting"])
@@ -121,7 +121,7 @@ def test_decode_timeout_at_each_stage_frees_its_slots(stage):
     e.step()  # the announce after the round times it out
     assert "did not arrive" in h.result(rid)["error"]
     assert stage_of(stages, req) == [] and ("cancel", "d3") in hooks.calls
-    assert e.scheduler.is_idle() and full(h)
+    assert e.policy.is_idle() and full(h)
 
 
 def submit_prefill(h, tid, max_new=4):
@@ -136,12 +136,12 @@ def test_prefill_request_moves_admitted_computing_transferring_done():
     rid = submit_prefill(h, "p1")
     e._drain_inbox(block=False)
     req = e._reqs[rid]
-    e.scheduler.schedule()  # the round alone: admitted, its last (only) chunk scheduled
+    e.policy.schedule()  # the round alone: admitted, its last (only) chunk scheduled
     assert stages.admitted == [req] and stages.prefilled == [req] and not stages.computing
     e.prefill_side.open_new()
     assert stages.admitted == [] and stages.computing == {"p1": req} and hooks.names() == ["open"]
-    e.scheduler.requeue(req, 0)  # back to the queue: its KV is released, the request runs again
-    assert stages.prefilled == [] and req in e.scheduler.waiting
+    e.policy.requeue(req, 0)  # back to the queue: its KV is released, the request runs again
+    assert stages.prefilled == [] and req in e.policy.waiting
     for _ in range(20):
         e.step()
         if stages.transferring:
@@ -168,7 +168,7 @@ def test_prefill_abort_at_each_stage_frees_its_kv(stage):
                 break
         assert "p2" in stages.transferring
     else:
-        e.scheduler.schedule()  # the round alone: admitted (its pass is not launched)
+        e.policy.schedule()  # the round alone: admitted (its pass is not launched)
         if stage == "computing":
             e.prefill_side.open_new()
         assert (stages.admitted == [req]) == (stage == "admitted")

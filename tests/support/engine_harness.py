@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from shared.engine.engine_loop import Engine
 from shared.protocol import GenerateRequest, TokenOutput
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer

@@ -78,7 +78,7 @@ class _StubEngine:
     def __init__(self):
         self.submitted, self.aborted = [], []
         self.steps = 0
-        self.scheduler = SimpleNamespace(num_running=lambda: 0)
+        self.policy = SimpleNamespace(num_running=lambda: 0)
         self.on_output = None
 
     def submit(self, msg):

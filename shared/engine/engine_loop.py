@@ -1,4 +1,5 @@
-"""The engine loop: schedule -> run -> postprocess, on its own thread.
+"""The engine loop (SGLang's scheduler loop): schedule -> run -> postprocess, on its own thread; what
+each step runs is the scheduling policy's choice (shared/engine/schedule_policy.py).
 
 The worker's event loop hands requests in through a thread-safe inbox and receives TokenOutput batches
 through a callback; the model never runs on the event loop.
@@ -26,7 +27,7 @@ from shared.engine.forward_batch import ForwardMode
 from shared.engine.model_runner import ModelRunner, StepOutput
 from shared.engine.request import PENDING_TOKEN, Req, ReqStatus
 from shared.engine.schedule_batch import ScheduleBatch
-from shared.engine.scheduler import Scheduler
+from shared.engine.schedule_policy import SchedulePolicy
 from shared import limits
 from shared.errors import InvalidRequest
 from shared.engine.disagg import DecodeSide, PrefillSide, validate_transfer
@@ -89,7 +90,7 @@ class Engine:
         # glue; idle in unified mode. The scheduler asks their stage queues about PD requests.
         self.prefill_side = PrefillSide(self)
         self.decode_side = DecodeSide(self)
-        self.scheduler = Scheduler(config, self.cache, self.allocator, self.runner.req_pool,
+        self.policy = SchedulePolicy(config, self.cache, self.allocator, self.runner.req_pool,
                                    self.runner.max_context_len, prefill_stages=self.prefill_side.stages,
                                    decode_stages=self.decode_side.stages)
         self.detok = Detokenizer(tokenizer)
@@ -168,7 +169,7 @@ class Engine:
 
     def is_idle(self) -> bool:
         """Nothing accepted is still in progress (used to drain before stopping)."""
-        return self.scheduler.is_idle() and not self.prefill_side.busy and not self._grammar_wait
+        return self.policy.is_idle() and not self.prefill_side.busy and not self._grammar_wait
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run_forever, name="engine", daemon=True)
@@ -219,7 +220,7 @@ class Engine:
         forward runs)."""
         if self._pending is not None and (not self.config.enable_overlap or self._host_dependent > 0):
             self._resolve_pending()
-        idle = self.scheduler.is_idle()
+        idle = self.policy.is_idle()
         if idle:
             # Out of work (a pending pass then only holds rows of requests that ended): the time until
             # the next launch is no pass's. A caller stepping until its requests end stops here.
@@ -227,7 +228,7 @@ class Engine:
             self._was_idle = True
         self._drain_inbox(block=idle and self._pending is None and not self._grammar_wait)
         self._poll_grammars()
-        batch = self.scheduler.schedule()
+        batch = self.policy.schedule()
         self._emit_failed()
         self.prefill_side.open_new()
         self.decode_side.announce()
@@ -236,7 +237,7 @@ class Engine:
             if self._pending is not None:
                 self._resolve_pending()
                 return True
-            if not self.scheduler.is_idle() or self._grammar_wait:
+            if not self.policy.is_idle() or self._grammar_wait:
                 self._drain_inbox(block=True, timeout=0.005)
             return False
         self._failing = batch
@@ -258,7 +259,7 @@ class Engine:
         # The pass's computed KV enters the tree now, while the device runs it, where that leaves the same
         # tree as entering in the next schedule() (which, when this pass is processed first as below, runs
         # with the device idle). Its rows cannot leave it any more: only the previous pass's processing drops rows.
-        self.scheduler.cache_extended_apart()
+        self.policy.cache_extended_apart()
         if (not self.config.enable_overlap or self._host_dependent > 0 or handle.counts is not None
                 or self._jumps_likely_after(handle)):
             # A pass verifying proposals (jump-forward, verify mode) decides on the host where its
@@ -375,7 +376,7 @@ class Engine:
             req.grammar_future = self.grammars.submit(*params.grammar)
             self._grammar_wait.append(req)
             return
-        self.scheduler.add(req)
+        self.policy.add(req)
 
     def _poll_grammars(self) -> None:
         """Requests whose grammar finished compiling join the scheduler; a bad grammar ends its request,
@@ -396,7 +397,7 @@ class Engine:
                 self._finish(req, FinishAbort(message=msg), error=msg, refused=True)
                 continue
             req.grammar = self.grammars.new_state(req.grammar_future.result())
-            self.scheduler.add(req)
+            self.policy.add(req)
 
     def _abort(self, rid: str) -> None:
         req = self._reqs.get(rid)
@@ -547,8 +548,8 @@ class Engine:
                            budget=budget, forced=forced, memo=self._retokenized) if forced else None
             if jf is not None:
                 jumps.append((req, tok, jf))
-        extend_due = bool(self.scheduler.waiting) or self.scheduler.chunked is not None
-        need = self.config.jump_forward_threshold * len(self.scheduler.running)
+        extend_due = bool(self.policy.waiting) or self.policy.chunked is not None
+        need = self.config.jump_forward_threshold * len(self.policy.running)
         if not extend_due and sum(len(jf.new_ids) - jf.rollback for _, _, jf in jumps) < need:
             self.jump_forward_declined += len(jumps)
             self._expect_jumps = False
@@ -647,7 +648,7 @@ class Engine:
         del req.output_ids[base + j:base + k]
         if j < k:
             req.grammar.rollback(k - j)
-            self.scheduler.truncate_kv(req, len(req.input_ids) + base + j)
+            self.policy.truncate_kv(req, len(req.input_ids) + base + j)
             self.runner.set_last_token(req.req_pool_idx, tok)
             out.logprobs[i], out.top_logprobs[i] = lps[j], None
         if req.return_logprob:
@@ -674,7 +675,7 @@ class Engine:
         handle.dropped.add(i)
         if batch.sample[i] and req.params.max_new_tokens > 0:
             req.output_ids.pop()  # that step's placeholder: always the last entry
-        self.scheduler.truncate_kv(req, min(req.kv_len, batch.prefix_lens[i]))
+        self.policy.truncate_kv(req, min(req.kv_len, batch.prefix_lens[i]))
 
     def _release(self, req: Req) -> None:
         """Drop tokens still pending on the device (from a step launched after the one that finished
@@ -686,7 +687,7 @@ class Engine:
             self.decode_side.on_release(req)
         elif req.transfer_role == "prefill":
             self.prefill_side.on_release(req)
-        self.scheduler.remove(req)
+        self.policy.remove(req)
         self._reqs.pop(req.rid, None)
         if self._is_host_dependent(req.params):
             self._host_dependent -= 1
@@ -739,8 +740,8 @@ class Engine:
         self.on_output([out])
 
     def _emit_failed(self) -> None:
-        while self.scheduler.failed:
-            req = self.scheduler.failed.pop()
+        while self.policy.failed:
+            req = self.policy.failed.pop()
             msg = "the request does not fit in the KV cache"
             self._finish(req, FinishAbort(message=msg), error=msg, refused=True)
 
@@ -789,7 +790,7 @@ class Engine:
             elif req.transfer_role:
                 self._fail_one(req, exc)
                 continue
-            self.scheduler.requeue(req, req.kv_len)
+            self.policy.requeue(req, req.kv_len)
 
     def _fail_one(self, req: Req, exc: Exception) -> None:
         msg = f"internal error while running this request ({type(exc).__name__}: {str(exc)[:200]})"
@@ -813,7 +814,7 @@ class Engine:
 
     # ------------------------------------------------------------------ admin (engine thread only)
     def flush_cache(self) -> tuple[bool, str]:
-        if not self.scheduler.is_idle() or self.prefill_side.busy:
+        if not self.policy.is_idle() or self.prefill_side.busy:
             return False, "cannot flush the cache while requests are running"
         self.cache.reset()
         return True, "cache flushed"
@@ -831,13 +832,13 @@ class Engine:
             "dtype": str(self.runner.dtype).replace("torch.", ""),
             "kv_cache_dtype": str(self.runner.kv_dtype).replace("torch.", ""),
             "weight_format": self.runner.weight_format(),
-            "num_running": self.scheduler.num_running(),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_running": self.policy.num_running(),
+            "num_waiting": len(self.policy.waiting),
             "kv_usage": round(1.0 - free / total, 6) if total else 0.0,
             "cache": self.cache.stats(),
-            "prompt_tokens": self.scheduler.stats.prompt_tokens,
-            "cached_tokens": self.scheduler.stats.cached_tokens,
-            "retractions": self.scheduler.stats.retractions,
+            "prompt_tokens": self.policy.stats.prompt_tokens,
+            "cached_tokens": self.policy.stats.cached_tokens,
+            "retractions": self.policy.stats.retractions,
             "failed_steps": self.failed_steps,
             "generated_tokens": self.generated_tokens,
             "steps": self.steps,

@@ -1,4 +1,5 @@
-"""Continuous batching with a radix prefix cache.
+"""The scheduling policy: continuous batching with a radix prefix cache (the loop that asks it each step
+is shared/engine/engine_loop.py).
 
 Each call to `schedule()` returns one batch: a prefill (EXTEND) batch when waiting requests can be
 admitted (shared/engine/prefill_adder.py decides which), otherwise a decode batch of every running
@@ -46,7 +47,7 @@ class SchedulerStats:
     extra: dict = field(default_factory=dict)
 
 
-class Scheduler:
+class SchedulePolicy:
     def __init__(self, config: EngineConfig, cache: PrefixCache, allocator, req_pool: ReqToTokenPool,
                  max_context_len: int, prefill_stages: PrefillStages | None = None,
                  decode_stages: DecodeStages | None = None):
