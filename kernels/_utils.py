@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
+from pathlib import Path
 
 import torch
 import triton
@@ -30,6 +32,32 @@ def num_sms(device_index: int | None = None) -> int:
         return 4
     idx = torch.cuda.current_device() if device_index is None else device_index
     return torch.cuda.get_device_properties(idx).multi_processor_count
+
+
+_CONFIGS = Path(__file__).resolve().parent / "configs"
+DEVICE_KEYS = ("H100", "H200")  # the GPUs a tile table may be keyed by (a substring of the device's name)
+
+
+@functools.lru_cache(maxsize=None)
+def device_key() -> str:
+    """The GPU's key in the tile tables: one of DEVICE_KEYS where its name contains it, else "fallback" (one kind of
+    GPU a process: asked once)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((k for k in DEVICE_KEYS if k in name), "fallback")
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_table(kernel: str, table: str, device: str) -> dict[tuple[int, ...], tuple[int, ...]]:
+    data = json.loads((_CONFIGS / f"{kernel}.json").read_text())
+    section = data.get(device, {}).get(table) or data["fallback"][table]
+    return {tuple(int(v) for v in shape.split("x")): tuple(tile) for shape, tile in section["tiles"].items()}
+
+
+def tile_table(kernel: str, table: str) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """A kernel's tuned tiles by shape (kernels/configs/<kernel>.json: "NxK" keys, tile lists) for the current GPU: its
+    own table where the file has one under its device_key, else the "fallback" one. Read once a process (one object:
+    a test may patch an entry and put it back)."""
+    return _tile_table(kernel, table, device_key())
 
 
 def dot_precision(dtype: torch.dtype) -> str:

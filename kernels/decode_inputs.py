@@ -7,8 +7,8 @@ the first B requests of a larger block are laid out the same way: every captured
 prefix of one buffer. One kernel then writes what the forward pass reads: the input token (the request
 row's last sample, in `token_buf`), its position, the request rows and KV slots as int64, the context
 and prefix lengths as int32, and the new slot-table entry. Inside the decode CUDA graph this replaces
-~14 small copies and ~10 small kernels a step (H200, bench/RESULTS.md: the host's launch work ~0.3 ms
-shorter a step; with overlap scheduling that work was already hidden at steady state).
+~14 small copies and ~10 small kernels a step (host launch work; with overlap scheduling it was already hidden at
+steady state: docs/kernels.md).
 """
 from __future__ import annotations
 

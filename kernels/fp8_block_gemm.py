@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels._utils import num_sms
+from shared.knobs import knob
 
 
 @triton.jit
@@ -79,10 +80,8 @@ def _split_sum_kernel(P, C, BIAS, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.con
 
 def default_tiles(M: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) for M rows: the usual Hopper shapes, rows padded to what the token count
-    fills. Past 64 rows 64 x 128 at 4 warps, 4 stages (`bench.fp8_block_gemm --sweep`, H200, 2026-12-05: at 2,048
-    rows 809 / 449 us for gate_up / down against 941 / 491 for 128 x 128 at 8 warps). Below, the best tiles differed
-    by shape (gate_up at 64 rows: 64 x 128 at 8 warps, -17%; down at 8 rows: 16 x 256 with K split in four, -36%)
-    and are not taken without a choice by shape."""
+    fills. Past 64 rows 64 x 128 at 4 warps, 4 stages (the sweep's best against 128 x 128 at 8 warps). Below, the
+    best tiles differed by shape and are not taken without a choice by shape (docs/kernels.md)."""
     if M <= 16:
         return 16, 64, 4, 4
     if M <= 32:
@@ -92,9 +91,8 @@ def default_tiles(M: int) -> tuple[int, int, int, int]:
     return 64, 128, 4, 4
 
 
-# K is split while the grid has fewer programs than this many an SM (split_k). Not yet measured: an A/B knob
-# (@kernels.fp8_block_gemm.MIN_PROGRAMS_PER_SM=0 turns splitting off), read at launch (graph capture).
-MIN_PROGRAMS_PER_SM = 2.0
+# K is split while the grid has fewer programs than this many an SM (split_k; 0 turns splitting off). Not yet measured.
+MIN_PROGRAMS_PER_SM = knob("MIN_PROGRAMS_PER_SM")
 
 
 def split_k(tiles: int, k_steps: int, sms: int) -> int:

@@ -19,9 +19,9 @@ silu(gate) * up [M, I]: each program takes BLOCK_N / 2 gate rows and the matchin
 rounds both as the projection's output would be, then gates them (the bits of silu_and_mul of that output). The
 down projection then reads I values, not 2I with the activation computed in its load.
 
-With norm_in / add_norm (one row, or two with TWO_ROW_NORMS) the GEMV is the consumer or the producer of a residual RMSNorm split
-around it (kernels/residual_norm.py): the consumer scales its sums by the norm, the producer's epilogue adds
-into the residual and writes the norm's input in place of y (in the reduce kernel where K is split).
+With norm_in / add_norm (one row, or two on the one-row kernel) the GEMV is the consumer or the producer of a
+residual RMSNorm split around it (kernels/residual_norm.py): the consumer scales its sums by the norm, the producer's
+epilogue adds into the residual and writes the norm's input in place of y (in the reduce kernel where K is split).
 With rope (kernels/rope_store.py) the qkv projection's epilogue rotates q and k and stores k and v in
 the KV pool: each program then owns whole rotary pairs of rows.
 
@@ -35,45 +35,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import (dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue, pdl_trigger,
-                            pdl_trigger_early, pdl_wait)
+from kernels._utils import dot_precision, next_pow2, num_sms, pdl_launch, pdl_prologue, pdl_trigger_early, tile_table
 from kernels.activation import silu_mul_f32
 from kernels.reference import scale_block
 from kernels.residual_norm import NORM_SLOTS, ResidualNorm
 from kernels.rope_store import RopeStore, rope_args, rope_rows, rope_store_epilogue, rope_store_inputs, rope_store_rows
+from shared.knobs import knob
 
 # Rows of x a launch takes: one on the row kernels, up to 64 on tensor cores (one tile of M_PAD = 16, 32 or 64 rows).
 MAX_M = 64
-# A split norm's producer (one-row kernel, PDL at 1) lets the next kernel launch only after its K loop rather than
-# right after its wait: the consumer GEMV's programs then do not prefetch under the producer's last wave. An A/B
-# knob (`python -m bench.b1 --variants "base=;late=@kernels.gemv.PRODUCER_LATE_TRIGGER=1"`), read when a GEMV is
-# launched (a CUDA graph keeps what it captured); off until measured (bench/RESULTS.md, 2026-12-04).
-PRODUCER_LATE_TRIGGER = False
-# Rope in the qkv GEMV's epilogue (kernels/rope_store.py): its inputs (position, cos/sin, slot) loaded ahead of the K
-# loop (True) or in the program's tail. Ahead costs registers (sm_90 compile of Llama-8B's qkv: bf16 row kernel 80
-# -> 96, FP8 general kernel 79 -> 110, which at 4 warps fits 4 programs an SM rather than 6); in the tail, a
-# dependent round trip to memory. An A/B knob (@kernels.gemv.ROPE_INPUTS_AHEAD=0), read at launch.
-ROPE_INPUTS_AHEAD = True
-# FP8 weights, one row: the one-row kernel (x read in w's register layout: the general kernel converts x's layout
-# through shared memory, four CTA barriers a loop step in its sm_90 SASS) at tiles of its own (default_config). An
-# A/B knob (@kernels.gemv.FP8_ROW_KERNEL=1; `python -m bench.gemv_chain_sweep --fp8-row-study` sweeps its tiles),
-# read by default_config; off until measured.
-FP8_ROW_KERNEL = False
-# FP8 weights at several rows (weight-only, on the tensor-core tile): (block_n, block_k, num_warps) by the
-# weight's (N, K), as `python -m bench.probe fp8_small_m` sweeps them; shapes not listed take the bf16 tiles.
-# Swept at 8 rows on an H200, each linear alone (2026-12-06 03:00; raw bench/probe_fp8_rows_1206_h200.json).
-FP8_ROWS_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
-    (6144, 4096): (64, 256, 8), (4096, 4096): (32, 256, 4), (28672, 4096): (32, 256, 4), (4096, 14336): (64, 256, 8)}
-# bf16 weights at several rows (up to kernels.ops.GEMV_MAX_M): the same form, swept by `python -m bench.probe
-# bf16_small_m` at 8 rows on an H100, each linear alone (2026-12-06 04:40; raw bench/probe_bf16_rows_1206_h100.json).
-# In the engine the former default tiles, FP8's (32|64, 512|256, 4), were 3-5% slower than cuBLAS, these 2.4-3.6%
-# faster; shapes not listed take (32, 128, 4) (default_config).
-BF16_ROWS_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
-    (6144, 4096): (16, 256, 4), (4096, 4096): (32, 128, 4), (28672, 4096): (32, 128, 4), (4096, 14336): (32, 128, 4),
-    (128256, 4096): (32, 256, 4)}  # the lm_head (bench.probe lm_head_rows, H100, 05:00; raw probe_lm_head_rows_1206_h100)
-# Several rows (the tensor-core tile) launched with programmatic dependent launch where the process has it on. An A/B
-# knob (`python -m bench.probe fp8_batches_pdl`), read at launch.
-SEVERAL_ROWS_PDL = True
 
 
 @triton.jit
@@ -269,7 +239,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, SILU_MUL: tl.constexpr,
                  PDL: tl.constexpr, PRE: tl.constexpr, F16: tl.constexpr = False, NORM_IN: tl.constexpr = False,
                  ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
-                 HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True, stride_s=0, SBN: tl.constexpr = 0,
+                 HALF: tl.constexpr = 1, stride_s=0, SBN: tl.constexpr = 0,
                  SBK: tl.constexpr = 0, TK=None, TICKETED: tl.constexpr = False, GATED: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -312,7 +282,7 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     rs, r_in, gamma, cos, sin, slot = _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS,
                                                        stride_cs, LOC, QS, KVS, NORM_IN,
                                                        ADD_NORM and (SPLIT_K == 1 or TICKETED),
-                                                       ROPE and ROPE_AHEAD and M == 1, NSLOT, BLOCK_N, HALF)
+                                                       ROPE and M == 1, NSLOT, BLOCK_N, HALF)
     for kk in range(PRE * BLOCK_K if PDL else 0, K_PER_SPLIT, BLOCK_K):
         w = _load_w(w_ptrs, k0 + kk, K, mask_n, offs_k, EVEN_K, "evict_first")
         acc = _accumulate(acc, w, x_ptrs, k0 + kk, K, mask_m, offs_k, M_PAD, EVEN_K, SILU_MUL, DOT_PREC, F16, S,
@@ -331,8 +301,6 @@ def _gemv_kernel(X, W, Y, P, S, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPL
     if SPLIT_K == 1 and ADD_NORM:  # one row (the host checks): acc's other rows are zero
         _add_norm_epilogue(tl.sum(acc, axis=0), r_in, gamma, offs_n, mask_n, pid_n, R, Y, SQ, NSLOT)
     elif ROPE and M == 1:
-        if not ROPE_AHEAD:
-            cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
         rope_store_epilogue(tl.sum(acc, axis=0), cos, sin, slot, pid_n, N, Y, KB, VB, stride_bs, QS, KVS, BLOCK_N,
                             HALF)
     elif ROPE:  # several rows (unsplit: the host checks), each at its own position and slot
@@ -450,10 +418,10 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                      SILU_MUL: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr, FOLD: tl.constexpr,
                      X_ROWS: tl.constexpr, NARROW: tl.constexpr, EVICT: tl.constexpr, NORM_IN: tl.constexpr = False,
-                     ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, LATE: tl.constexpr = False,
-                     ROPE: tl.constexpr = False, HALF: tl.constexpr = 1, ROPE_AHEAD: tl.constexpr = True,
-                     HAS_SCALE: tl.constexpr = False, F16: tl.constexpr = False, W_VEC: tl.constexpr = 0,
-                     GATED: tl.constexpr = False, ROWS: tl.constexpr = 1, stride_xm=0, stride_ym=0):
+                     ADD_NORM: tl.constexpr = False, NSLOT: tl.constexpr = 16, ROPE: tl.constexpr = False,
+                     HALF: tl.constexpr = 1, HAS_SCALE: tl.constexpr = False, F16: tl.constexpr = False,
+                     W_VEC: tl.constexpr = 0, GATED: tl.constexpr = False, ROWS: tl.constexpr = 1, stride_xm=0,
+                     stride_ym=0):
     """y = x @ W^T for one row x and half-, full-precision or FP8 W (HAS_SCALE: one dequantization scale per
     output row; F16: multiplied in f16, eight products summed there): each program streams BLOCK_N rows of W
     over its K split, FOLD tiles a loop step, into fp32 accumulators reduced across K once at the end.
@@ -496,10 +464,7 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
             w1 = _load_w(w_ptrs + BLOCK_K, k0 + BLOCK_K, K, mask_n, offs_k, EVEN_K, EVICT)
         else:
             w1 = w0
-        if LATE:  # the next kernel launches after this one's K loop (pdl_trigger below)
-            pdl_wait(PDL)
-        else:
-            pdl_prologue(PDL, True)
+        pdl_prologue(PDL, True)
         acc, acc2 = _row_chunk(acc, w_ptrs, x_ptrs, k0, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K, SILU_MUL,
                                NARROW, EVICT, PRE, w0, w1, F16, acc2, stride_xm, ROWS)
         w_ptrs += FOLD * BLOCK_K
@@ -507,22 +472,18 @@ def _gemv_row_kernel(X, W, Y, P, S, N, K, stride_wn, K_PER_SPLIT, R, GAMMA, SQ, 
         start = FOLD * BLOCK_K
     rs, r_in, gamma, cos, sin, slot = _epilogue_inputs(pid_n, offs_n, mask_n, N, K, R, GAMMA, SQ, eps, POS, CS,
                                                        stride_cs, LOC, QS, KVS, NORM_IN, ADD_NORM and SPLIT_K == 1,
-                                                       ROPE and ROPE_AHEAD, NSLOT, BLOCK_N, HALF)
+                                                       ROPE, NSLOT, BLOCK_N, HALF)
     for kk in range(start, K_PER_SPLIT, FOLD * BLOCK_K):
         acc, acc2 = _row_chunk(acc, w_ptrs, x_ptrs, k0 + kk, K, mask_n, offs_k, BLOCK_N, BLOCK_K, FOLD, EVEN_K,
                                SILU_MUL, NARROW, EVICT, F16=F16, acc2=acc2, XS=stride_xm, ROWS=ROWS)
         w_ptrs += FOLD * BLOCK_K
         x_ptrs += FOLD * BLOCK_K
-    if LATE:
-        pdl_trigger(PDL)
     out = _row_sums(acc, S, offs_n, mask_n, F16, HAS_SCALE)
     if NORM_IN:  # linear in x: a split's partial takes the scale too
         out = out * rs
     if SPLIT_K == 1 and ADD_NORM:
         _add_norm_epilogue(out, r_in, gamma, offs_n, mask_n, pid_n, R, Y, SQ, NSLOT)
     elif ROPE:
-        if not ROPE_AHEAD:
-            cos, sin, slot = rope_store_inputs(pid_n, N, POS, CS, stride_cs, LOC, QS, KVS, BLOCK_N, HALF)
         rope_store_epilogue(out, cos, sin, slot, pid_n, N, Y, KB, VB, stride_bs, QS, KVS, BLOCK_N, HALF)
     elif GATED:
         _gated_epilogue(out, pid_n, N, X, Y, BLOCK_N)
@@ -604,85 +565,16 @@ class GemvConfig:
     evict_first: bool = True  # weight loads marked evict-first (W is read once)
 
 
-# K is split (a reduce kernel after) while the output's programs number fewer than this many per SM. An A/B knob,
-# read when a config is made (graph capture): at 2.0 FP8's o_proj and down_proj (256 programs of 16 rows on 132
-# SMs) split in two.
-SPLIT_K_MIN_PROGRAMS = 2.0
-# Rows a program of FP8's N <= 4096 GEMVs (o_proj, down_proj) takes: an A/B knob, read as above.
-FP8_SMALL_N_BLOCK_N = 16
+# K is split (a reduce kernel after) while the output's programs number fewer than this many per SM.
+SPLIT_K_MIN_PROGRAMS = knob("SPLIT_K_MIN_PROGRAMS")
+# The tile tables (kernels/configs/gemv.json, tile_table("gemv", name)) hold (block_n, block_k, num_warps) by the
+# weight's (N, K): "bf16_rows" / "fp8_rows" for several rows on the tensor-core tile, by the weights' dtype; "two_row"
+# / "two_row_fp8" for two rows on the one-row kernel. Shapes not listed take default_config's or two_row_config's rule.
 # Split K without the reduce kernel (one row, the general kernel, no rope epilogue): each output tile's last split to
 # finish, by a per-tile ticket counter, sums the splits' partials and runs the epilogue, as the reduce kernel would,
 # bit for bit (a split norm's sum of squares is taken a tile at a time, as without split K: equal to fp32
-# rounding). At batch 1 FP8's o_proj splits in two (down_proj did too, before FP8_LONG_TILES), without its reduce
-# launch: the FP8 batch-1 step 3.240 ms against 3.350 (-3.3%; H100, 2026-12-05, bench.b1, five rounds over two
-# calls, 64 reduce launches a step gone at the tiles of then). On by default; an A/B knob read at launch. The
-# counters are one buffer a device: ticketed GEMVs must not run concurrently on two streams of one device (the
-# engine runs its forward passes on one stream).
-SPLITK_TICKETS = True
-# Split K reduced by tickets at several rows too (the tensor-core tile) was measured slower and removed: the bf16 step
-# at batch 2-16 +0.2 to +3.1%, FP8's -0.4 to +4.8% (H100, 2026-12-06, rows-next / rows-next2; the code is in git history).
-# Two rows (decode at batch 2, bf16 weights on the row kernel) on the one-row kernel at two_row_config's tiles, each
-# weight tile multiplied by both rows, instead of the tensor-core tile: at bf16 batch 2 the GEMVs were 327 us of the
-# replay beyond batch 1's one-row kernel (H100 trace, 2026-12-06). An A/B knob read at launch
-# (@kernels.gemv.TWO_ROW_KERNEL=0). On since an H100's A/B of 2026-12-06 07:05 (`bash bench/gpu_run.sh rows-next`): the
-# batch-2 step 0.951-0.952x the tensor-core tile's, batches 1 and 4-16 unchanged (0.998-1.006x).
-TWO_ROW_KERNEL = True
-# The same for FP8 weights (per-row scales) at two rows: the one-row kernel with f16 math at FP8_ROW_KERNEL's tiles, K
-# tiles halved as two_row_config's rule does, instead of the tensor-core tile widening each FP8 tile to bf16. At FP8
-# batch 2 the GEMVs were 3,203 us of a 4,177 us replay against 2,420 of batch 1's 3,033 (H100 trace, 2026-12-06
-# 07:30), with 96 split-K reduce launches (148 us). An A/B knob read at launch (@kernels.gemv.TWO_ROW_KERNEL_FP8=0). On
-# since an H100's A/B of 2026-12-06 09:33 (`bash bench/gpu_run.sh two-row-next`): the FP8 batch-2 step 3.957 / 3.950 ms
-# against 4.248 / 4.228 on the tensor-core tile (0.93x), 3.755 / 3.752 with TWO_ROW_EPILOGUES (0.88x); batches 1 and 4
-# unchanged.
-TWO_ROW_KERNEL_FP8 = True
-# Two rows on the one-row kernel with the rope + KV-store or gating epilogue, each row at its own position and slot,
-# where two rows otherwise leave for the tensor-core tile to have them: bf16 batch 2's qkv_proj
-# (shared.models.llama.ROPE_EPILOGUE_ROWS) ran there at 22.7 us a layer against 18.9 for the two-row kernel without the
-# epilogue (H100, 2026-12-06), and FP8's gate_up_proj with GATE_UP_EPILOGUE_ROWS_FP8. An A/B knob read at launch
-# (@kernels.gemv.TWO_ROW_EPILOGUES=0). On since two-row-next (H100, 2026-12-06 09:33): the bf16 batch-2 step 0.985 /
-# 0.987x without it, FP8's 0.949 / 0.950x of TWO_ROW_KERNEL_FP8's alone.
-TWO_ROW_EPILOGUES = True
-# The split residual norms (kernels/residual_norm.py) at two rows on the same kernel, each row its own partial sums:
-# bf16 batch 2 ran its 65 RMSNorm launches for 232 us of a 5,430 us replay where batch 1 splits them into its GEMVs
-# (6 us; H100 trace, 2026-12-06 07:29). Read by kernels.ops.two_row_norms_apply, which the model asks before it takes
-# a two-row pass down its one-token path (LlamaModel._forward_row); needs TWO_ROW_EPILOGUES. An A/B knob
-# (@kernels.gemv.TWO_ROW_NORMS=0). On since two-row-next (H100, 2026-12-06 09:33): the bf16 batch-2 step 5.406 / 5.404 ms
-# against 5.475 / 5.484 with the epilogues alone (0.986x); FP8's unchanged (3.759 / 3.751 against 3.755 / 3.752).
-TWO_ROW_NORMS = True
-# Three and four rows on the one-row kernel too (ROW_KERNEL_ROWS = 4, their K tiles halved to 32 weights a thread) were
-# measured slower and removed: the batch-3 / 4 step 1.09x for bf16, 1.06x for FP8 against the tensor-core tile (H100,
-# 2026-12-06 10:20, `bash bench/gpu_run.sh row-kernel-4` at fc00b12; the code is in git history).
-# Its (block_n, block_k, num_warps) by the weight's (N, K), as `python -m bench.probe two_row_tiles` sweeps them (narrow
-# accumulators, two tiles before the PDL wait); shapes not listed take two_row_config's rule. Llama-8B's four, swept on
-# an H100 2026-12-06 07:24 (`bash bench/gpu_run.sh two-row-tiles`): a layer's linears at two rows 149 us against 153 at
-# the rule (one row: 148; the tensor-core tile: 227), the batch-2 step 0.993-0.994x the rule's in two rounds.
-TWO_ROW_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
-    (6144, 4096): (8, 512, 4),  # qkv
-    (4096, 4096): (2, 256, 4),  # o_proj
-    (28672, 4096): (4, 1024, 4),  # gate_up_proj
-    (4096, 14336): (8, 1024, 4),  # down_proj, its gated input computed in the load
-}
-# The same for FP8 weights under TWO_ROW_KERNEL_FP8 (`python -m bench.probe two_row_tiles_fp8`). Llama-8B's four, swept
-# on an H100 2026-12-06 09:38 (`bash bench/gpu_run.sh two-row-tiles-fp8`): a layer's linears at two rows 88 us against
-# 96 at the rule (one row: 83; the tensor-core tile: 180), the FP8 batch-2 step 3.456 / 3.460 ms against 3.746 / 3.723
-# at the rule (0.925x) and 4.238 / 4.231 on the tensor-core tile, in two rounds.
-TWO_ROW_TILES_FP8: dict[tuple[int, int], tuple[int, int, int]] = {
-    (6144, 4096): (2, 512, 2),  # qkv
-    (4096, 4096): (8, 1024, 4),  # o_proj
-    (28672, 4096): (8, 512, 2),  # gate_up_proj
-    (4096, 14336): (8, 1024, 4),  # down_proj, its gated input computed in the load
-}
-# FP8's long-K rows (gate_up, down_proj) at the tiles the H100's chain sweep picked (default_config): an A/B knob.
-# Measured and removed (bench/RESULTS.md, 2026-12-05; the code is in git history): FP8 rows at 256 bytes a thread
-# (FP8_WIDE_TILES, batch-1 step +6%, H100), on tensor cores with cp.async-pipelined weights (FP8_TENSOR_CORES,
-# 32-layer chain +21%, H100, at 3009671), on packed registers with inline PTX (FP8_PACKED, kernels/fp8_dot.py, +1.5%,
-# H200), with fewer instructions a loop step (FP8_EVEN_N, FP8_NO_EVICT_HINT, +3.5%, H200), and as W8A8 on tensor
-# cores, x quantized to e4m3 a K tile or a row at a time (FP8_A8, step +9% / +37%, H100, at 6950003).
-FP8_LONG_TILES = True
-# FP8 down_proj's tile (one row, N <= 8192, K > 4096) as "block_n:block_k:warps:split_k:pre_tiles:row_kernel"
-# (fp8_tile), an A/B knob for bench.gemv_chain_sweep --fp8-down-study's pick, read as above ("": FP8_LONG_TILES's). In
-# the H100's 12-05 trace this GEMV read its weights at 2.59 TB/s, bf16's on the same shape at 2.99.
-FP8_DOWN_TILE = ""
+# rounding). The counters are one buffer a device: ticketed GEMVs must not run concurrently on two streams of one
+# device (the engine runs its forward passes on one stream).
 _TICKET_SLOTS = 65536  # output tiles one launch may ticket (more run the reduce kernel)
 _tickets: dict = {}
 
@@ -697,50 +589,35 @@ def _ticket_counters(device: torch.device) -> torch.Tensor:
     return t
 
 
-def fp8_tile(spec: str) -> GemvConfig:
-    """A one-row FP8 GemvConfig (f16 math) from "block_n:block_k:warps:split_k:pre_tiles:row_kernel"."""
-    try:
-        bn, bk, warps, split, pre, row = (int(v) for v in spec.split(":"))
-    except ValueError:
-        raise ValueError(f"an FP8 tile is block_n:block_k:warps:split_k:pre_tiles:row_kernel, not {spec!r}") from None
-    return GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps, pre_tiles=pre, f16_math=True,
-                      row_kernel=bool(row))
-
-
-def default_config(M: int, N: int, K: int, weight_bytes: int = 2, fp8_row: bool | None = None) -> GemvConfig:
-    """Tiles from sweeps on H200 in the 32-layer chain of Llama-8B's decode GEMVs (bench/gemv_chain_sweep.py),
-    where a kernel's neighbours overlap it under PDL. K is split only when N is too short to put two programs
-    on every SM. Several rows run on tensor cores, which want >= 16 output columns per program. fp8_row: one FP8 row
-    on the one-row kernel (None: FP8_ROW_KERNEL)."""
+def default_config(M: int, N: int, K: int, weight_bytes: int = 2, fp8_row: bool = False) -> GemvConfig:
+    """Tiles swept in the 32-layer chain of Llama-8B's decode GEMVs, where a kernel's neighbours overlap it under PDL
+    (docs/kernels.md). K is split only when N is too short to put two programs on every SM. Several rows run on
+    tensor cores, which want >= 16 output columns per program. fp8_row: one FP8 row on the one-row kernel (the rule
+    two_row_config starts from; one FP8 row alone runs on the general kernel)."""
     extra, no_split = {}, False
-    if M == 1 and weight_bytes == 1 and (FP8_ROW_KERNEL if fp8_row is None else fp8_row):
-        # FP8 rows in the one-row kernel, not yet swept: the bf16 row tiles' bytes a thread a loop step (256 on
-        # o_proj, down_proj and qkv, 128 on gate_up) at twice the elements, two tiles before the PDL wait.
+    if M == 1 and weight_bytes == 1 and fp8_row:
+        # The bf16 row tiles' bytes a thread a loop step (256 on o_proj, down_proj and qkv, 128 on gate_up) at twice
+        # the elements, two tiles before the PDL wait.
         if N <= 4096:
             block_n, block_k, warps = (4, 4096, 2) if K <= 4096 else (8, 2048, 2)
         else:
             block_n, block_k, warps = (8, 1024, 2) if N <= 8192 else (2, 4096, 2)
         extra = dict(f16_math=True, pre_tiles=2, fold=2 if 4096 < N <= 8192 else 1)
     elif M == 1 and weight_bytes == 1:
-        down = N <= 8192 and K > 4096  # down_proj's shape (long K)
-        if down and FP8_DOWN_TILE:
-            return fp8_tile(FP8_DOWN_TILE)
-        # FP8 rows with f16 math (--f16-math-study, 2026-12-02: 2,095 us against 2,196 for fp32 math at its own
-        # tiles), one tile before the PDL wait.
-        block_n, block_k, warps = ((FP8_SMALL_N_BLOCK_N, 1024, 8) if N <= 4096 else (8, 2048, 4) if N <= 8192
-                                   else (8, 512, 4))
-        if FP8_LONG_TILES and (N > 8192 or down):
-            # gate_up at (4, 2048, 2); down_proj at (16, 2048, 16), K unsplit (bench.gemv_chain_sweep --dtypes fp8,
-            # H100, 2026-12-05: the chain 2,638 us against 2,808 at the tiles above, with tickets; down_proj's 16
-            # warps from --fp8-down-study, H100, 12-05 21:35: chain 2,611 us against 2,631 at 8 warps, batch-1 FP8
-            # step 3.146 ms against 3.157, four rounds of four).
-            block_n, block_k, warps = (4, 2048, 2) if N > 8192 else (16, 2048, 16)
-            no_split = down
+        # FP8 rows with f16 math on the general kernel, one tile before the PDL wait; down_proj's shape (long K)
+        # unsplit, at 16 warps.
+        down = N <= 8192 and K > 4096
+        if down:
+            block_n, block_k, warps = 16, 2048, 16
+        elif N > 8192:  # gate_up
+            block_n, block_k, warps = 4, 2048, 2
+        else:
+            block_n, block_k, warps = (16, 1024, 8) if N <= 4096 else (8, 2048, 4)
+        no_split = down
         extra = dict(f16_math=True, row_kernel=False)
     elif M == 1:
-        # The one-row kernel (--row-study, 2026-12-04): few rows and long K tiles a program, products summed
-        # eight at a time before they are accumulated where registers are short, two tiles before the PDL
-        # wait; the chain 3,437 us against 3,638 for the general kernel at its former tiles, alternated.
+        # The one-row kernel: few rows and long K tiles a program, products summed eight at a time before they are
+        # accumulated where registers are short, two tiles before the PDL wait.
         if N <= 4096:  # o_proj (K = N); down_proj (long K, the gated activation computed in the load)
             block_n, block_k, warps, narrow = (2, 4096, 2, True) if K <= 4096 else (8, 2048, 4, True)
         else:  # qkv; gate_up
@@ -748,10 +625,10 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2, fp8_row: bool 
         extra = dict(pre_tiles=2, fold=2 if 4096 < N <= 8192 else 1, narrow=narrow)
     else:
         if weight_bytes == 1:
-            block_n, block_k, warps = FP8_ROWS_TILES.get((N, K)) or (
+            block_n, block_k, warps = tile_table("gemv", "fp8_rows").get((N, K)) or (
                 (32, 512, 4) if N <= 4096 else (64, 512, 4) if N <= 8192 else (64, 256, 4))
         else:  # (32, 128, 4): the sweep's best on three of Llama-8B's four shapes, within 8% on the fourth
-            block_n, block_k, warps = BF16_ROWS_TILES.get((N, K), (32, 128, 4))
+            block_n, block_k, warps = tile_table("gemv", "bf16_rows").get((N, K), (32, 128, 4))
         if M > 16:  # a 32- or 64-row x tile: 512-wide K tiles would take 260-330 KB of shared memory (sm_90 compile)
             block_k = min(block_k, 256)
     block_k = min(block_k, max(16, next_pow2(K)))
@@ -760,23 +637,21 @@ def default_config(M: int, N: int, K: int, weight_bytes: int = 2, fp8_row: bool 
 
 
 def two_row_config(N: int, K: int, weight_bytes: int = 2) -> GemvConfig:
-    """TWO_ROW_KERNEL's tiles: TWO_ROW_TILES' (TWO_ROW_TILES_FP8's) where listed, else the one-row kernel's with narrow
-    accumulators and half the K tile (at least 256), which keeps the two rows' registers near one row's (sm_90 compile
-    of Llama-8B's shapes: o_proj 158, gate_up 86, down_proj 94 registers, no spills; at the one-row tiles gate_up
-    spilled at 255). FP8 weights: FP8_ROW_KERNEL's tiles by the same rule with TWO_ROW_KERNEL_FP8, else their one-row
-    default (the general kernel: not a row kernel's, so two FP8 rows stay on the tensor-core tile)."""
-    cfg = default_config(1, N, K, weight_bytes, fp8_row=FP8_ROW_KERNEL or (weight_bytes == 1 and TWO_ROW_KERNEL_FP8))
+    """Two rows' tiles on the one-row kernel: the "two_row" ("two_row_fp8") table's where listed, else the one-row
+    kernel's with narrow accumulators and half the K tile (at least 256), which keeps the two rows' registers near one
+    row's (at the one-row tiles gate_up spilled on sm_90). FP8 weights start from the FP8 one-row-kernel tiles
+    (default_config's fp8_row) by the same rule."""
+    cfg = default_config(1, N, K, weight_bytes, fp8_row=True)
     if not cfg.row_kernel:
         return cfg
-    table = TWO_ROW_TILES if weight_bytes > 1 else TWO_ROW_TILES_FP8
+    table = tile_table("gemv", "two_row" if weight_bytes > 1 else "two_row_fp8")
     if (N, K) in table:
         block_n, block_k, warps = table[N, K]
         return dataclasses.replace(cfg, block_n=block_n, block_k=block_k, num_warps=warps, narrow=True, fold=1,
                                    split_k=split_k_for(N, block_n, K, block_k))
     block_k, warps = (max(256, cfg.block_k // 2) if cfg.block_k > 256 else cfg.block_k), cfg.num_warps
     if weight_bytes == 1:  # FP8's row tiles hold twice the elements: at most 64 weights a thread a tile, by more warps
-        # (up to 4), then shorter K tiles (sm_90 compile of Llama-8B's shapes: o_proj at (4, 2048, 2) spilled at 255
-        # registers; the rule's (8, 512, 2) / (4, 2048, 4) / (2, 2048, 2) / (8, 1024, 4) take 72 / 143 / 164 / 96)
+        # (up to 4), then shorter K tiles (o_proj at (4, 2048, 2) spilled on sm_90)
         while cfg.block_n * block_k > 64 * 32 * warps and warps < 4:
             warps *= 2
         while cfg.block_n * block_k > 64 * 32 * warps and block_k > 256:
@@ -822,13 +697,12 @@ def _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg
     while tiles % fold:
         fold -= 1
     launch = pdl_launch(pdl, "gemv")
-    late = PRODUCER_LATE_TRIGGER and norms["ADD_NORM"] and launch["PDL"] is True
     # FP8 weights against a 16-bit x: 8 weights a thread a load, x's layout (_gemv_row_kernel's W_VEC).
     w_vec = 8 if w.element_size() == 1 and x.element_size() == 2 else 0
     _gemv_row_kernel[(_programs_n(N, cfg.block_n, gated_out), split_k)](
         x, w, out, partial, scale if scale is not None else w, N, K, w.stride(0), k_per_split, **norms, **ropes,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=even_k, SILU_MUL=silu_mul,
-        PRE=min(cfg.pre_tiles, fold) if launch["PDL"] else 0, FOLD=fold, LATE=late,
+        PRE=min(cfg.pre_tiles, fold) if launch["PDL"] else 0, FOLD=fold,
         # Whether the CTA's threads, at one vector of w each, cover more than one tile row along K.
         X_ROWS=cfg.block_k < 32 * cfg.num_warps * (w_vec or 16 // w.element_size()),
         NARROW=cfg.narrow and cfg.block_k % 8 == 0, EVICT="evict_first" if cfg.evict_first else "",
@@ -836,33 +710,25 @@ def _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg
         stride_xm=x.stride(0), stride_ym=out.stride(0), num_warps=cfg.num_warps, **launch)
 
 
-def _two_rows_admit(tensor_cores: bool, block, norm_in, add_norm, rope, gated_out: bool) -> bool:
-    """Whether gemv may run two rows on the one-row kernel (then if their tile is a row kernel's): TWO_ROW_KERNEL, no
-    block scales, the rope and gating epilogues only with TWO_ROW_EPILOGUES, split norms only with TWO_ROW_NORMS."""
-    return (TWO_ROW_KERNEL and not tensor_cores and block is None
-            and ((norm_in is None and add_norm is None) or TWO_ROW_NORMS)
-            and ((rope is None and not gated_out) or TWO_ROW_EPILOGUES))
-
-
-def _two_row_tile(M: int, N: int, K: int, weight_bytes: int, config: GemvConfig | None, tensor_cores: bool, block,
-                  norm_in=None, add_norm=None, rope=None, gated_out: bool = False) -> GemvConfig | None:
-    """The tile M rows take on the one-row kernel (config, or two_row_config's): two rows that _two_rows_admit, at a
+def _two_row_tile(M: int, N: int, K: int, weight_bytes: int, config: GemvConfig | None, tensor_cores: bool,
+                  block) -> GemvConfig | None:
+    """The tile M rows take on the one-row kernel (config, or two_row_config's): two rows without block scales, at a
     row kernel's tile; None where they take another kernel."""
-    if not (M == 2 and _two_rows_admit(tensor_cores, block, norm_in, add_norm, rope, gated_out)):
+    if not (M == 2 and not tensor_cores and block is None):
         return None
     cfg = config or two_row_config(N, K, weight_bytes)
     return cfg if cfg.row_kernel else None
 
 
-def on_tensor_cores(M: int, w: torch.Tensor, scale: torch.Tensor | None = None, gated_out: bool = False) -> bool:
-    """Whether gemv (no epilogue, or the gating one with gated_out; default tiles) runs M rows against w on the
+def on_tensor_cores(M: int, w: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """Whether gemv (default tiles) runs M rows against w on the
     tensor-core tile, where an activation computed in the load (silu_mul) would be computed for all 16 padded rows by
     every program along N: not one row, nor two that take the one-row kernel (kernels.ops.silu_mul_linear and
     two_row_gating_applies ask)."""
     if M == 1:
         return False
     block = scale_block(w, scale) if scale is not None else None
-    return _two_row_tile(M, w.shape[0], w.shape[1], w.element_size(), None, False, block, gated_out=gated_out) is None
+    return _two_row_tile(M, w.shape[0], w.shape[1], w.element_size(), None, False, block) is None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -906,12 +772,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     assert not gated_out or (N % 2 == 0 and block is None and add_norm is None and rope is None and not silu_mul
                              and not tensor_cores), \
         "gated_out: a gate | up projection, per-row scales, no producer epilogue"
-    # Two rows on the one-row kernel (TWO_ROW_KERNEL) at two_row_config's tiles (or a given row-kernel config): each
-    # weight tile read once for both; the rope and gating epilogues with TWO_ROW_EPILOGUES.
-    row_cfg = _two_row_tile(M, N, K, w.element_size(), config, tensor_cores, block, norm_in, add_norm, rope, gated_out)
+    # Two rows on the one-row kernel at two_row_config's tiles (or a given row-kernel config): each weight tile read
+    # once for both, every epilogue each row's own.
+    row_cfg = _two_row_tile(M, N, K, w.element_size(), config, tensor_cores, block)
     two_rows = row_cfg is not None
     assert M == 1 or two_rows or (norm_in is None and add_norm is None), \
-        "split norms: one row, or two on the two-row kernel (TWO_ROW_NORMS)"
+        "split norms: one row, or two on the one-row kernel"
     cfg = row_cfg if two_rows else config or default_config(M, N, K, w.element_size())
     if gated_out:  # a program owns whole gate/up pairs, over all of K (the epilogue needs complete sums; a tile that
         # would split K, none of Llama-8B's gate_up tiles at batch 1, gives up that parallelism here)
@@ -922,8 +788,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if block is not None:  # the general kernel's f16 lanes take the block scales
         cfg = dataclasses.replace(cfg, row_kernel=False, f16_math=True)
     dot = (M > 1 and not two_rows) or tensor_cores
-    if M > 1 and not SEVERAL_ROWS_PDL:
-        pdl = False
     if dot and cfg.block_n < 16:  # tensor-core tile minimum
         cfg = dataclasses.replace(cfg, block_n=16)
     assert rope is None or cfg.block_n % 2 == 0, "rope: a program owns whole rotary pairs"
@@ -934,10 +798,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     split_k = triton.cdiv(K, k_per_split)
     even_k = K % cfg.block_k == 0 and K % k_per_split == 0
     partial = (torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out)
-    ticketed = bool(SPLITK_TICKETS and split_k > 1 and rope is None and triton.cdiv(N, cfg.block_n) <= _TICKET_SLOTS
+    ticketed = bool(split_k > 1 and rope is None and triton.cdiv(N, cfg.block_n) <= _TICKET_SLOTS
                     and M == 1 and not dot and not cfg.row_kernel)
     norms = _norm_args(norm_in, add_norm, 1 if ticketed else split_k, x)
-    ropes = dict(rope_args(rope, x, split_k == 1), ROPE_AHEAD=bool(ROPE_INPUTS_AHEAD))
+    ropes = rope_args(rope, x, split_k == 1)
     if not dot and cfg.row_kernel:
         _gemv_row(x, w, out, partial, scale, N, K, k_per_split, split_k, even_k, cfg, silu_mul, pdl, norms, ropes,
                   gated_out, rows=M)

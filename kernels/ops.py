@@ -16,17 +16,13 @@ import torch
 from kernels import reference as ref
 from kernels.residual_norm import ResidualNorm
 from kernels.rope_store import RopeStore
+from shared.knobs import knob
 
-# bf16 weights: up to this many rows take the GEMV (one row on its row kernel, several on its tensor-core tile at
-# kernels.gemv.BF16_ROWS_TILES), more take cuBLAS. Read when a linear is called (a CUDA graph keeps what it captured).
-# 16: decode steps at batch 2-16 at 0.951-0.973 of cuBLAS's (H100, `bash bench/gpu_run.sh bf16-rows`, 2026-12-06;
-# bench/RESULTS.md), at FP8's tiles instead of the swept ones 1.04x; past 16 rows 1.01-1.09x.
-GEMV_MAX_M = 16
-# FP8 weights with per-row scales: up to this many rows take the GEMV (weight-only, rows on tensor cores past one),
-# more take quantize + torch._scaled_mm (W8A8). Read when a linear is called (a CUDA graph keeps what it captured).
-# 16: decode steps at batch 2-16 at 0.72-0.76 of bf16's against W8A8's 0.90-0.93 (H100, `python -m bench.probe
-# fp8_batches`, 2026-12-06; bench/RESULTS.md). The GEMV takes up to kernels.gemv.MAX_M (64) rows; 17-64 unmeasured.
-GEMV_MAX_M_FP8 = 16
+# Rows up to which a linear takes the GEMV (bf16 weights: one row on its row kernel, several on its tensor-core tile)
+# rather than cuBLAS, and FP8 weights with per-row scales the weight-only GEMV rather than quantize +
+# torch._scaled_mm (W8A8). Read when a linear is called (a CUDA graph keeps what it captured).
+GEMV_MAX_M = knob("GEMV_MAX_M")
+GEMV_MAX_M_FP8 = knob("GEMV_MAX_M_FP8")
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -149,20 +145,19 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 
 
 def two_row_norms_apply(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> bool:
-    """Whether a two-row pass may split its residual norms into the GEMVs around them, as one row does
-    (kernels.gemv.TWO_ROW_NORMS): x [2, K] on the GEMV, and each (weight, scale) of a layer's linears on its two-row
-    kernel with the epilogues (TWO_ROW_EPILOGUES). The models' question, like gemv_applies."""
+    """Whether a two-row pass may split its residual norms into the GEMVs around them, as one row does: x [2, K] on the
+    GEMV, and each (weight, scale) of a layer's linears on its one-row kernel (each row its own partial sums). The
+    models' question, like gemv_applies."""
     import kernels.gemv as kg
-    return (x.shape[0] == 2 and kg.TWO_ROW_NORMS and kg.TWO_ROW_EPILOGUES
-            and all(_gemv_applies(x, w, s) and not kg.on_tensor_cores(2, w, s) for w, s in weights))
+    return x.shape[0] == 2 and all(_gemv_applies(x, w, s) and not kg.on_tensor_cores(2, w, s) for w, s in weights)
 
 
 def two_row_gating_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> bool:
-    """Whether a two-row pass's gate_up projection runs on the GEMV's one-row kernel with the gating epilogue
-    (kernels.gemv.TWO_ROW_EPILOGUES), as one row does, rather than on its tensor-core tile. The models' question."""
+    """Whether a two-row pass's gate_up projection runs on the GEMV's one-row kernel with the gating epilogue, as one
+    row does, rather than on its tensor-core tile. The models' question."""
     import kernels.gemv as kg
     return (x.shape[0] == 2 and _gemv_applies(x, weight, weight_scale)
-            and not kg.on_tensor_cores(2, weight, weight_scale, gated_out=True))
+            and not kg.on_tensor_cores(2, weight, weight_scale))
 
 
 def gemv_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
@@ -228,7 +223,7 @@ def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         if not kg.on_tensor_cores(h.shape[0], weight, weight_scale):
             y = kg.gemv(h, weight, scale=weight_scale, silu_mul=True)  # one row, or two on the one-row kernel
         else:  # several rows (the 16-row tensor-core tile): the activation in the load would be computed for all 16
-            # padded rows by every program along N, 3.2x the GEMV's time at down_proj's shape (H100, 2026-12-06)
+            # padded rows by every program along N (docs/kernels.md)
             y = kg.gemv(silu_and_mul(h), weight, scale=weight_scale)
         return y + bias if bias is not None else y
     if weight_scale is not None and _fp8_gemm_applies(h, weight, h.shape[-1] // 2):

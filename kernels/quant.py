@@ -6,7 +6,7 @@ the FP8 range. quantize_per_group does the same for each group of G consecutive 
 One program per row, in one launch: a pass over the row for its max, a second that scales and stores
 (the row is then in cache). Unfused (kernels.reference.quantize_fp8_per_token) this is nine torch ops,
 each a launch and most a pass over the activations (abs, amax, casts, clamps, divisions): ~36 launches
-per layer of a decode step, which made FP8 slower than bf16 at batch 256 (bench/RESULTS.md).
+per layer of a decode step, which made FP8 slower than bf16 at batch 256.
 
 With silu_mul=True the input is a gated MLP's [M, 2K] gate|up activation and the row quantized is
 silu(gate) * up, rounded to x's dtype as activation.silu_and_mul's output would be: the down projection's

@@ -1,5 +1,5 @@
 """A residual RMSNorm split across the two GEMVs around it, for one row (decode at batch 1), or two on the GEMV's
-two-row kernel (kernels.gemv.TWO_ROW_NORMS: each row its own partial sums).
+one-row kernel (each row its own partial sums).
 
 Unfused, a decoder layer's `h = W_o o; r = r + h; x = rmsnorm(r) * gamma; y = W_qkv x` is three kernels, and
 the norm in the middle is a short launch whose only job is one reduction. Split, it costs no kernel:

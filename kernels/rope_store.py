@@ -132,7 +132,7 @@ def rope_store_rows(out, offs_m, mask_m, pid, N, POS, CS, stride_cs, LOC, Y, str
 
 def rope_args(rope: RopeStore | None, x: torch.Tensor, epilogue_here: bool) -> dict:
     """The GEMV kernels' rope arguments (placeholders without rope). epilogue_here: this kernel holds the
-    complete outputs (the GEMV without split K, or the split-K reduce). The GEMVs add ROPE_AHEAD."""
+    complete outputs (the GEMV without split K, or the split-K reduce)."""
     if rope is None:
         return dict(POS=x, CS=x, stride_cs=0, LOC=x, KB=x, VB=x, stride_bs=0, QS=0, KVS=0, ROPE=False, HALF=1)
     return dict(POS=rope.positions, CS=rope.cos_sin_cache, stride_cs=rope.cos_sin_cache.stride(0), LOC=rope.loc,

@@ -29,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import gc
 
+from shared.knobs import knob
+
 _frozen = 0  # objects frozen by this process's freeze_startup_heap
 
 
@@ -50,7 +52,7 @@ def frozen_count() -> int:
     return _frozen
 
 
-GATEWAY_YOUNG_THRESHOLD = 50_000
+GATEWAY_YOUNG_THRESHOLD = knob("GATEWAY_YOUNG_THRESHOLD")
 
 
 def space_young_collections(threshold: int = GATEWAY_YOUNG_THRESHOLD) -> None:

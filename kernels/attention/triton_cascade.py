@@ -23,10 +23,11 @@ import triton.language as tl
 
 from kernels._utils import dot_precision, next_pow2, num_sms
 from kernels.attention.triton_decode import LOG2E, attend_chunk, decode_attention, pool_query
+from shared.knobs import knob
 
 MAX_ROWS = 64  # members x query heads of one program's block
-MIN_TOKENS_PER_PREFIX_SPLIT = 256
-MAX_PREFIX_SPLITS = 4  # chunks per group prefix: more only multiplies the partial outputs' traffic
+MIN_TOKENS_PER_PREFIX_SPLIT = knob("MIN_TOKENS_PER_PREFIX_SPLIT")
+MAX_PREFIX_SPLITS = knob("MAX_PREFIX_SPLITS")  # chunks a group prefix: more only multiply the partials' traffic
 
 
 @triton.jit

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels._utils import dot_precision, next_pow2, num_sms, pdl_early_families, pdl_launch, pdl_prologue
+from shared.knobs import knob
 
 LOG2E = 1.4426950408889634
 
@@ -159,7 +160,7 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
                    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    CHUNK: tl.constexpr, DOT_PREC: tl.constexpr, HAS_START: tl.constexpr, FINAL: tl.constexpr,
                    TICKETED: tl.constexpr, PDL: tl.constexpr, KV_EARLY: tl.constexpr = False,
-                   HEAD_MAJOR: tl.constexpr = False, KV_FP8: tl.constexpr = False, EVEN_D: tl.constexpr = False):
+                   KV_FP8: tl.constexpr = False):
     """Without FINAL: partial output and log-sum-exp of one chunk into the scratch, for stage 2.
     FINAL: stage 1 writes the output itself, in O's dtype. A request's lone chunk (one split, no shared
     prefix) is final as it is (a lone split merges to itself exactly). Otherwise every chunk's partial
@@ -167,25 +168,15 @@ def _decode_stage1(Q, KB, VB, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, NUM_SPLITS, MID_O
     prefix's columns included: with TICKETED, the one whose increment of the pair's ticket counter
     returns n_splits - 1 (it then puts the counter back to 0 for the next launch); without, every
     request has one split (max_kv_splits == 1), so its program is the last.
-    HEAD_MAJOR: the grid is (KV heads, requests, splits), so a request's KV heads, which share each token's
-    pool rows, run next to each other; otherwise (requests, KV heads, splits).
     KV_FP8: an FP8 pool; k and v tiles are converted to q's dtype (float16 for a 16-bit q: pool_query), the
     keys' scale is in sm_scale_log2 and the values' (v_scale) multiplies each chunk's output (the merge is linear in
     them)."""
-    if HEAD_MAJOR:
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-        n_kvh = tl.num_programs(0)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        n_kvh = tl.num_programs(1)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n_kvh = tl.num_programs(1)
     split = tl.program_id(2)
     offs_d = tl.arange(0, BLOCK_D)
-    if EVEN_D:  # the head fills the tile: a mask the compiler knows is all true
-        mask_d = offs_d < BLOCK_D
-    else:
-        mask_d = offs_d < D
+    mask_d = offs_d < D
     if KV_EARLY:
         # The step's inputs and the context's k, v up to the new token were written by kernels that finished
         # before the previous kernel's wait, so before this launch (the host checks that no kernel lets the
@@ -277,62 +268,22 @@ def _decode_stage2(MID_O, MID_LSE, NUM_SPLITS, KV_START, O, stride_ob, stride_oh
     tl.store(O + b * stride_ob + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=mask_d[None, :])
 
 
-# Stage 1 loads its chunk's first tile of k and v (all but the new token's) before its PDL wait, under the previous
-# kernel's tail: safe while every kernel lets the next launch only after its own wait (then whatever a kernel
-# before the previous one wrote is complete when this one launches), so off whenever a family triggers early. An
-# A/B knob (@kernels.attention.triton_decode.KV_BEFORE_WAIT=0), read at launch. On since the H200's batch-1 A/B
-# of 2026-12-05 (bf16 step -0.6%, FP8 unchanged; bench/RESULTS.md).
-KV_BEFORE_WAIT = True
-
-# Stage 1 drops its head-dim mask where the head fills the tile (D == BLOCK_D, as Llama's 128): an A/B knob, read at
-# launch. Compiled for sm_90 (bench.sm90_compile, 2026-12-05) the batch-256 loop step goes from 447 to 391 SASS
-# instructions over a bf16 pool and from 763 to 628 over an FP8 one, but timed (H100, bench.probe kvfp8_kernel and
-# kvfp8_tiles, 2026-12-05) it is slower at 256 x 640: 282 against 253 us over a bf16 pool, 239 against 207 over an
-# FP8 one at the one-stage tile. Off.
-EVEN_D_MASK = False
-
-# Query rows stage 1's score and output tiles have at least (a KV group's heads, padded: 16 is the smallest MMA).
-# At 64 the sm_90 compile takes Hopper's warpgroup MMA, which reads an FP8 V tile from shared memory without the 64
-# single-byte loads a step the 16-row MMA's transpose costs (bench.sm90_compile, 2026-12-05: 628 -> 579
-# instructions a step over an FP8 pool with EVEN_D_MASK; a bf16 pool goes from 391 to 595). An A/B knob, read at
-# launch. Timed over an FP8 pool (H100, 2026-12-05) it loses to 16 rows: 236-240 against 207 us at 256 x 640 with one
-# stage, 103 against 89-91 at 64 x 1k. So it stays at 16.
-STAGE1_MIN_ROWS = 16
-
-# Stage 1's grid: (KV heads, requests, splits) where true, else (requests, KV heads, splits). An A/B knob, read at
-# launch.
-HEAD_MAJOR = False
-
-
-# Stage 1's (BLOCK_N, warps, stages) in place of `stage1_tile`'s where set: an A/B knob, read at launch (a captured
-# graph keeps the tile it was captured with).
-STAGE1_TILE: tuple[int, int, int] | None = None
-
-
 def stage1_tile(block_d: int, kv_fp8: bool = False, max_kv_splits: int = 1) -> tuple[int, int, int]:
     """Stage 1's (BLOCK_N, warps, pipeline stages) for a head dim padded to block_d. Over an FP8 pool without
     software pipelining, and with two warps unless a request's context is cut into more than 16 chunks (small
-    batches, whose last program merges them all). H100, head dim 128, µs a call (`python -m bench.probe kvfp8_kernel`
-    and `kvfp8_tiles`, 2026-12-05, bench/RESULTS.md): at 256 x 640 two stages and 4 warps 286, one stage 207, one
-    stage and 2 warps 191 (bf16 pool: 253); at 64 x 1k 117 / 89-91 / 81; at 8 x 4k (16 chunks) 49 / 47 with 2 warps;
-    at 1 x 8k (32 chunks) 2 warps lose, 21 against 17."""
-    if STAGE1_TILE is not None:
-        return tuple(STAGE1_TILE)
+    batches, whose last program merges them all): docs/kernels.md has the sweep."""
     block_n = 64 if block_d <= 128 else 32
     if kv_fp8:
         return block_n, (2 if max_kv_splits <= 16 else 4), 1
     return block_n, 4, 2
 
 
-MIN_TOKENS_PER_SPLIT = 64
+MIN_TOKENS_PER_SPLIT = knob("MIN_TOKENS_PER_SPLIT")
 # Most chunks a request's context is cut into; the engine's --triton-attention-num-kv-splits default (32: fewer
-# idle programs at short contexts, bench/RESULTS.md 2026-12-04). A test holds the two equal.
+# idle programs at short contexts). A test holds the two equal.
 MAX_KV_SPLITS = 32
-
-
-# Stage-1 programs per SM that plan_max_kv_splits aims for: an A/B knob, read when a batch size's plan is made
-# (graph capture).
-PROGRAMS_PER_SM = 4
+# Stage-1 programs per SM that plan_max_kv_splits aims for, read when a batch size's plan is made (graph capture).
+PROGRAMS_PER_SM = knob("PROGRAMS_PER_SM")
 
 
 def plan_max_kv_splits(batch_size: int, num_kv_heads: int, cap: int = MAX_KV_SPLITS) -> int:
@@ -360,7 +311,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      max_kv_splits: int, scaling: float, out: torch.Tensor | None = None,
                      mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
                      kv_start: torch.Tensor | None = None, tickets: torch.Tensor | None = None,
-                     tile: tuple[int, int, int] | None = None, head_major: bool | None = None,
+                     tile: tuple[int, int, int] | None = None,
                      k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [B, Hq, D]; pool buffers [slots, Hkv, D]; returns [B, Hq, D] in q's dtype.
     mid_o [B, Hq, S, D] / mid_lse [B, Hq, S] fp32 scratch (S >= max_kv_splits) may be passed in so all
@@ -371,8 +322,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     where `tickets` is given: [>= B * Hkv] int32 counters, zero, and left zero (one buffer for every call
     of a process, allocated once: a captured graph keeps its address); the last program to finish
     each (request, KV head) merges its chunks. Otherwise a second launch (stage 2) merges them.
-    tile (BLOCK_N, warps, stages) and head_major override stage 1's defaults (`stage1_tile`, HEAD_MAJOR): for
-    sweeps (bench.probe decode256). k_scale, v_scale: an FP8 pool's (what its rows are multiplied by)."""
+    tile (BLOCK_N, warps, stages) overrides stage 1's default (`stage1_tile`): for sweeps. k_scale, v_scale: an FP8 pool's (what its rows are multiplied by)."""
     B, HQ, D = q.shape
     HKV = k_buf.shape[1]
     assert HQ % HKV == 0 and q.stride(-1) == 1 and k_buf.is_contiguous() and v_buf.is_contiguous()
@@ -393,19 +343,20 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     BLOCK_D = max(16, next_pow2(D))
     BLOCK_N, warps, stages = (tile if tile is not None
                               else stage1_tile(BLOCK_D, k_buf.element_size() == 1, max_kv_splits))
-    head_major = HEAD_MAJOR if head_major is None else head_major
     widest = max(max_kv_splits, total_splits - max_kv_splits)  # a merge's own columns, or a shared prefix's
-    _decode_stage1[(HKV, B, max_kv_splits) if head_major else (B, HKV, max_kv_splits)](
+    # Query rows padded to 16, the smallest MMA (docs/kernels.md: 64 rows, Hopper's warpgroup MMA, was slower). The
+    # first k/v tile loads before the PDL wait (KV_EARLY) unless some kernel family lets the next launch before its own
+    # wait: then what a kernel before the previous one wrote may not be complete at launch.
+    _decode_stage1[(B, HKV, max_kv_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
         mid_o if mid_o is not None else out, mid_lse if mid_lse is not None else out,
         kv_start if kv_start is not None else seq_lens, tickets if ticketed else seq_lens, out,
         scaling * k_scale * LOG2E, float(v_scale), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), HQ, total_splits, max_kv_splits, group, D,
-        BLOCK_H=max(STAGE1_MIN_ROWS, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        BLOCK_H=max(16, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         CHUNK=merge_chunk(group, BLOCK_D, widest), DOT_PREC=dot_precision(q.dtype), num_warps=warps,
         num_stages=stages, HAS_START=kv_start is not None, FINAL=final, TICKETED=ticketed,
-        KV_EARLY=bool(KV_BEFORE_WAIT) and not pdl_early_families(), HEAD_MAJOR=bool(head_major),
-        KV_FP8=k_buf.element_size() == 1, EVEN_D=bool(EVEN_D_MASK) and BLOCK_D == D, **pdl_launch(family="attention"))
+        KV_EARLY=not pdl_early_families(), KV_FP8=k_buf.element_size() == 1, **pdl_launch(family="attention"))
     if final:
         return out
     _decode_stage2[(B, HQ)](

@@ -9,9 +9,8 @@ with a causal mask. Online softmax in fp32 throughout.
 Packing matters most for short extends (jump-forward's catch-up passes, a turn appended to a cached
 chat): with a few new tokens per request, one head per program leaves most of a 128-row tile empty and
 loads each request's prefix once per query head; packed, the group's heads fill the rows and the prefix
-is loaded once per KV head. On the H200 (bench.probe extend_pack, 8B shape, group of 4) 44 requests of 17
-new tokens on 300 cached took 165 us one head per program and 49 us packed; long prompts gain too, the
-causal diagonal being finer (one 8k prompt: 1,226 -> 1,134 us; 16 x 512: 183 -> 161 us).
+is loaded once per KV head (about 3x faster for many short extends; long prompts gain too, the causal diagonal
+being finer: docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -23,21 +22,17 @@ import triton.language as tl
 
 from kernels._utils import dot_precision, next_pow2
 from kernels.attention.triton_decode import LOG2E
+from shared.knobs import knob
 
 try:  # triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
-# The new tokens' k and v loaded by TMA (host tensor descriptors over [T, Hkv * D]) instead of pointer loads, on
-# Hopper and later, in passes whose longest request adds at least TMA_MIN_TOKENS (below that the loop over whole key
-# blocks barely runs, and each launch would encode two descriptors on the host for nothing). On an H100 (bench.probe
-# prefill_attn_tma, 2026-12-06) the default tile took 1 x 8192 causal tokens from 1,099 to 995 us, 2 x 4096 from 632
-# to 568 (cuDNN per sequence: 941 and 562), 8 x 1024 from 226 to 198; the prefill goal's passes 1.0-1.7% faster.
-# Larger tiles with TMA, and the whole-block loop warp-specialized (Triton 3.6 compiles that at 8 warps only), gained
-# nothing over it.
-NEW_KV_TMA = True
-TMA_MIN_TOKENS = 256
+# The new tokens' k and v are loaded by TMA (host tensor descriptors over [T, Hkv * D]) instead of pointer loads, on
+# Hopper and later, in passes whose longest request adds at least TMA_MIN_TOKENS: below that the loop over whole key
+# blocks barely runs, and each launch would encode two descriptors on the host for nothing.
+TMA_MIN_TOKENS = knob("TMA_MIN_TOKENS")
 
 
 @triton.jit
@@ -45,8 +40,8 @@ def _attend_block(acc, m_i, l_i, q, k, v, s_mask, sm_scale_log2, DOT_PREC: tl.co
     """One online-softmax step over a key block: k, v [N, D], s_mask [M, N] (used if MASKED). Scores are
     scaled and shifted in one multiply-add; masked keys get a finite bias far below any score (no -inf,
     so no inf - inf guard: every row sees a visible key in its first block, the prefix's or its own
-    diagonal's); P.V accumulates into the rescaled accumulator inside the MMA. On the H200 this beat the
-    form with -inf masks and a separate scale and add by 1-6% (bench.probe prefill_attn, 2026-12-02)."""
+    diagonal's); P.V accumulates into the rescaled accumulator inside the MMA (faster than -inf masks and a
+    separate scale and add: docs/kernels.md)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if MASKED:
         s = s * sm_scale_log2 + tl.where(s_mask, 0.0, -1.0e6)
@@ -167,14 +162,13 @@ def extend_block_sizes(head_dim: int, dtype: torch.dtype, rows: int | None = Non
         if head_dim <= 64:
             return 128, 64, 4, 3
         if head_dim <= 128:
-            # Swept on H200 at 8k causal tokens: 450 TFLOP/s, against 384 with 2 stages.
+            # Three stages: the sweep's best at 8k causal tokens (docs/kernels.md).
             return (128, 64, 8, 3) if dtype != torch.float32 else (64, 32, 4, 2)
         return 64, 32, 4, 2
     if head_dim > 128 or dtype == torch.float32:
         return 64, 32, 4, 2
-    # Swept on H200 (bench.probe extend_pack, 2026-12-02, 32 x 8 heads of 128): best or within 9% of the
-    # best of 7 tilings from 64 x 4 new tokens on 150 cached to one 8k causal prompt; fewer rows than a
-    # tile shrink it (a 16-row tile took 64 x 4 on 150 from 26 to 25 us).
+    # The best, or within 9% of it, of the tilings swept from many short extends to one 8k causal prompt; fewer
+    # rows than a tile shrink it.
     return (64 if rows >= 64 else max(16, next_pow2(rows))), 64, 4, 3
 
 
@@ -197,7 +191,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages) override. pack: query heads per program (a divisor
     of the group size Hq / Hkv dividing BLOCK_M); None: extend_pack's. k_scale, v_scale: an FP8 pool's (its
     prefix rows are multiplied by them; the new tokens' k, v are read as passed). tma: the new tokens' k and v by
-    TMA where tma_applies says (None: NEW_KV_TMA, for passes of at least TMA_MIN_TOKENS a request)."""
+    TMA where tma_applies says (None: for passes of at least TMA_MIN_TOKENS a request)."""
     T, HQ, D = q.shape
     HKV = k.shape[1]
     assert HQ % HKV == 0 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
@@ -215,7 +209,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
     assert (HQ // HKV) % pack == 0 and BLOCK_M % pack == 0, (HQ, HKV, pack, BLOCK_M)
     grid = (triton.cdiv(max_extend_len, BLOCK_M // pack), HQ // pack, B)
     if tma is None:
-        tma = NEW_KV_TMA and max_extend_len >= TMA_MIN_TOKENS
+        tma = max_extend_len >= TMA_MIN_TOKENS
     tma = tma and tma_applies(k, v, BLOCK_D)
     descs = {}
     if tma:

@@ -27,8 +27,8 @@ class EngineConfig:
     # quantize a float checkpoint's linear weights to FP8 (per channel) at load.
     quantization: str = "none"
     # Block-scaled FP8 checkpoints (weight_block_size, compressed-tensors block): dequantized at load and run in the
-    # model dtype (the default: on the H200 the block FP8 GEMM was never faster than bf16 at a batch above one row,
-    # 1.2-1.7x slower at 2,048-8,192; bench/RESULTS.md 2026-12-05), or, with False (--fp8-block-kernels), kept as FP8
+    # model dtype (the default: the block FP8 GEMM was never faster than bf16 at a batch above one row, and slower
+    # at thousands of rows: docs/kernels.md), or, with False (--fp8-block-kernels), kept as FP8
     # weights through the block GEMV and GEMM where the blocks tile: half the weight memory.
     dequantize_fp8_blocks: bool = True
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
@@ -51,10 +51,9 @@ class EngineConfig:
     enable_mixed_chunk: bool = False
     schedule_policy: str = "lpm"  # lpm (longest prefix match) | fcfs
     # Above this queue length LPM falls back to FCFS (SGLang's threshold too); 0: never. Match lengths are
-    # kept incrementally, so ordering a long queue is cheap; what decides is the order itself. On the
-    # H200 (bench/shared_prefix.py, 1,024 queued requests in 64 groups sharing 2k-token prompts) LPM over
-    # the whole queue ran 0.95x FCFS with all of them decoded together and 1.03x at 256: it admits cached
-    # siblings first, so the decode steps interleaved with the remaining prefills are large, while the
+    # kept incrementally, so ordering a long queue is cheap; what decides is the order itself. With a thousand
+    # queued requests in groups sharing long prompts, LPM over the whole queue was no faster than FCFS
+    # (docs/kernels.md): it admits cached siblings first, so the decode steps interleaved with the remaining prefills are large, while the
     # makespan is set by the last admission either way.
     lpm_queue_limit: int = 128
     max_skipped_rounds: int = 32  # aging bound: a request passed over this often goes first
@@ -79,16 +78,16 @@ class EngineConfig:
     # With PDL, the kernels of these families (comma-separated: attention, norm, rope, gemv) let the next
     # kernel launch before they wait on the previous one, not after: after the two decode-attention stages
     # the o_proj GEMV then streams its first weights under both (kernels._utils.pdl_launch). Off: no family
-    # made the batch-1 step shorter on the H200, all of them made it 3-4% longer (bench/RESULTS.md, 2026-12-04).
+    # made the batch-1 step shorter, all of them made it longer (docs/kernels.md).
     pdl_early_trigger: str = ""
     # Split decode attention (small batches, the context cut into chunks) merges the chunks in the same
     # launch, in the last program to finish each request and KV head, instead of a second kernel per layer
-    # (kernels/attention/triton_decode.py). bench/b1_attn.py A/Bs the two: at most 32 chunks, one launch
-    # was faster at every context from 512 to 3,584 tokens (H200, 2026-12-04).
+    # (kernels/attention/triton_decode.py): at most 32 chunks, one launch was faster at every context measured
+    # (docs/kernels.md).
     one_launch_decode_attention: bool = True
     # Triton backend: chunks a request's context is cut into at most, in decode batches small enough to
     # split (SGLang's flag name). Fewer chunks mean fewer idle programs at short contexts, longer chunks at
-    # long ones (bench/b1_attn.py measures both; 32 against 64: batch-1 step -0.3% at 512-912 tokens).
+    # long ones (32 was faster than 64 at batch 1: docs/kernels.md).
     triton_attention_num_kv_splits: int = 32
     # One-token passes (decode at batch 1) fold each residual add + RMSNorm after the first into the GEMVs
     # around it: the producer (o_proj, down_proj) adds into the residual and sums its squares, the consumer
@@ -100,10 +99,9 @@ class EngineConfig:
     # reads it from L2. Off until measured.
     decode_l2_prefetch: bool = False
     # One-token decode passes rotate q and k and write k, v to the pool in the qkv GEMV's epilogue
-    # (kernels/rope_store.py) instead of a rope + KV-store kernel a layer (~1.9 us a layer charged on the H200's
-    # batch-1 trace). Not with q/k norms, a qkv bias, partial rotary, tensor parallelism or FP8 qkv weights (where
-    # the epilogue's registers cost the GEMV more than the kernel it saves: +2.2% on the FP8 step). On since the
-    # H200's batch-1 A/B of 2026-12-05: with the two knobs above, bf16 step -2.3% (bench/RESULTS.md).
+    # (kernels/rope_store.py) instead of a rope + KV-store kernel a layer. Not with q/k norms, a qkv bias, partial
+    # rotary, tensor parallelism or FP8 qkv weights (where the epilogue's registers cost the GEMV more than the
+    # kernel it saves). On by measurement (docs/kernels.md).
     decode_rope_fusion: bool = True
     enable_overlap: bool = True
     disable_jump_forward: bool = False
@@ -113,9 +111,8 @@ class EngineConfig:
     jump_forward_mode: str = "retokenize"
     # Retokenize mode: a step's jumps are taken only when their forced tokens reach this many per running
     # request, or the next pass extends anyway. A jump makes the next pass a catch-up extend of the whole
-    # batch (a CUDA graph of its own when it fits) instead of a decode step; on the H200 (8B, batch 16) that costs a few
-    # decode steps, and one request's short forced run saves only its own steps (bench/RESULTS.md, JSON
-    # workload). 0: always jump.
+    # batch (a CUDA graph of its own when it fits) instead of a decode step, which costs a few decode steps, and one
+    # request's short forced run saves only its own steps (docs/kernels.md). 0: always jump.
     jump_forward_threshold: float = 3.0
     random_seed: int = 0
     # Streaming requests get their new tokens every this many tokens (the first and the last at once), as

@@ -25,11 +25,12 @@ from tqdm import tqdm
 from kernels.decode_inputs import LOC, ROWS, SEQ, TABLE, unpack_decode_inputs
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
 from shared.gc_freeze import collections_paused
+from shared.knobs import knob
 
 log = logging.getLogger(__name__)
 
 
-CASCADE_MIN_BS = 16  # smaller batches rarely share enough prefix to pay (and run eagerly if they do)
+CASCADE_MIN_BS = knob("CASCADE_MIN_BS")  # smaller batches rarely share enough prefix to pay (and run eagerly if they do)
 
 
 def capture_graph(forward, stream: torch.cuda.Stream, pool) -> torch.cuda.CUDAGraph:

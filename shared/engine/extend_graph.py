@@ -3,7 +3,7 @@
 Jump-forward's catch-up passes (every running request plus its forced tokens), verify-mode proposal
 checks and a turn appended to a cached conversation are extend passes of a few hundred tokens. Eagerly
 such a pass is launch-bound: ~300 kernel launches from Python cost ~20 ms of host time for the 8B
-shape, about what the device needs to run them (bench/RESULTS.md), so the GPU waits on the launcher. A
+shape, about what the device needs to run them, so the GPU waits on the launcher. A
 replay is one launch.
 
 One graph per token-count bucket, captured at start-up; a pass is padded up to the next bucket. The
@@ -30,18 +30,17 @@ import torch
 
 from shared.engine.cuda_graph import capture_graphs
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.knobs import knob
 
 log = logging.getLogger(__name__)
 
 MAX_EXTEND_LEN = 64  # new tokens of one request a captured pass holds
 MAX_REQS = 256  # request rows of the largest buckets (empty rows still launch attention programs)
 # The long-extend graphs: buckets above MAX_EXTEND_LEN up to this many tokens (0: none; --cuda-graph-max-extend-tokens
-# bounds them too), LONG_REQS request rows each. An A/B knob (@shared.engine.extend_graph.LONG_MAX_TOKENS=0), read when
-# the graphs are captured. On since an H100's batch-1 A/B of 2026-12-06 01:30: a 512-token prompt's prefill 3-6 ms
-# against 18-29 (FP8) and 8-12 (bf16) eagerly; the batch-1 step -1.0 to -1.6% (FP8), -0.15 to -0.4% (bf16)
-# (bench/RESULTS.md).
-LONG_MAX_TOKENS = 512
-LONG_REQS = 4
+# bounds them too), LONG_REQS request rows each; read when the graphs are captured. A short prompt's prefill replayed
+# rather than run eagerly (docs/kernels.md).
+LONG_MAX_TOKENS = knob("LONG_MAX_TOKENS")
+LONG_REQS = knob("LONG_REQS")
 _SIZES = [16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536,
           1792, 2048, 2560, 3072, 3584, 4096]
 

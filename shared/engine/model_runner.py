@@ -323,8 +323,8 @@ class ModelRunner:
     def warmup_mixed(self) -> None:
         """--enable-mixed-chunk: the prefill passes with riders of `mixed_warmup_passes`, one for each rider count
         the backend runs with a kernel variant of its own, run once so those variants compile here instead of in
-        the first live mixed pass (the H200's first mixed run of a process was ~35% slower, 2026-12-05: two
-        decode-kernel variants compiled in it; with this warm-up none, H100, 2026-12-05). Public for an engine that
+        the first live mixed pass (which otherwise compiled two decode-kernel variants and ran much slower:
+        docs/kernels.md). Public for an engine that
         turns mixed chunks on over a runner built without them (bench.offline). Dummy tokens use request row 0 and
         the padding slot 0."""
         for prompt, riders, ctx in mixed_warmup_passes(self.config, self.max_context_len,

@@ -14,6 +14,7 @@ import torch
 from shared.engine.forward_batch import ForwardMode
 from shared.engine.request import Req
 from shared.engine.schedule_batch import ScheduleBatch
+from shared.knobs import knob
 
 if TYPE_CHECKING:
     from shared.cache.allocator import SlotAllocator
@@ -26,10 +27,10 @@ if TYPE_CHECKING:
 # cached prefix, then these many equal tokens) compute them once: the first goes, the others wait a round
 # and hit what it inserted when its pass was launched. The chunked request claims its next tokens too,
 # so siblings arriving while a long shared prompt is prefilled chunk by chunk do not compute its rest.
-INBATCH_SHARE_TOKENS = 32
+INBATCH_SHARE_TOKENS = knob("INBATCH_SHARE_TOKENS")
 # A request waits at most this many rounds for siblings (aged ones too: the wait is one round each, so
-# it cannot starve; recomputing a 2k-token system prompt per sibling cost 3% of the hits on the H200).
-MAX_SIBLING_DEFERRALS = 2
+# it cannot starve; without the wait each sibling recomputes the shared prompt: docs/kernels.md).
+MAX_SIBLING_DEFERRALS = knob("MAX_SIBLING_DEFERRALS")
 
 
 class Admitting(Protocol):

@@ -18,15 +18,16 @@ import torch
 
 from kernels.h2d import to_device
 from shared.engine.penalties import PenaltyState
+from shared.knobs import knob
 from shared.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 logger = logging.getLogger(__name__)
 
-# On CUDA the noise + race runs as one torch.compile'd kernel (compiled once, dynamic shapes): eager
-# makes ~18 passes over [B, V] int64, 3.5 ms vs 1.1 ms for a whole sampled step at B=256, V=128k on
-# an H200. Set False to stay eager (draws are the same integers either way).
-COMPILE_ON_CUDA = True
+# On CUDA the noise + race runs as one torch.compile'd kernel (compiled once, dynamic shapes): eager makes ~18
+# passes over [B, V] int64, about 3x the whole sampled step at B=256, V=128k. False stays eager (draws are the same
+# integers either way); set False here too when compiling fails.
+COMPILE_ON_CUDA = knob("COMPILE_ON_CUDA")
 
 # ---- counter-based hash in int64 torch ops ----
 # Every value stays below 2^31 and every constant below 2^31, so products stay below 2^62: no int64

@@ -23,47 +23,6 @@ from shared.models.rope import RotaryEmbedding
 from shared.models.weight_prefetch import WeightPrefetcher
 
 
-# One-token passes with split norms split the final norm too, into the lm_head GEMV
-# (LlamaForCausalLM.forward_logits). An A/B knob (@shared.models.llama.FOLD_FINAL_NORM=0), read when the CUDA
-# graphs are captured. On since the H200's batch-1 A/B of 2026-12-05 (bf16 step -0.4%, FP8 unchanged).
-FOLD_FINAL_NORM = True
-# FP8 qkv weights take the rope + KV-store epilogue too (A/B knob, @shared.models.llama.FP8_ROPE_EPILOGUE=1, read
-# when the model runner starts). Off: on the H200 it cost the FP8 step 2.2% (2026-12-05 02:12, older tiles); on an H100
-# at today's tiles it saves 0.5% of the replay, 0.2% of the step (five rounds, 2026-12-05 19:00): the H200 decides.
-FP8_ROPE_EPILOGUE = False
-# One-row passes gate the MLP in gate_up_proj's GEMV epilogue (kernels.gemv gated_out): down_proj then reads I
-# values instead of 2I with silu(gate) * up computed in its load, the same bits either way. A/B knobs, read when a pass
-# is traced (graph capture): @shared.models.llama.GATE_UP_EPILOGUE=0 for bf16/f16 weights, GATE_UP_EPILOGUE_FP8=1 for
-# FP8 ones. Measured on an H100, 2026-12-06 01:30 (bench/RESULTS.md): bf16 decode alone -0.3 to -0.5% (every round),
-# so on; the FP8 step unchanged (the suspect, FP8 down_proj's gated load, was not its lag), so off there.
-GATE_UP_EPILOGUE = True
-GATE_UP_EPILOGUE_FP8 = False
-# The same for passes of 2..16 rows where the GEMV takes them (kernels.ops.gemv_applies; its tensor-core tile), by the
-# weights' dtype. A/B knobs (@shared.models.llama.GATE_UP_EPILOGUE_ROWS=1, GATE_UP_EPILOGUE_ROWS_FP8=0), read when a pass
-# is traced. Measured on an H100, 2026-12-06 07:10 (`bash bench/gpu_run.sh rows-next2`, bench/RESULTS.md): the FP8 step
-# at batch 2-16 -3.0 to -4.1% (0.722-0.764 of bf16's against 0.753-0.788), so on; bf16's +1.6 to +5.2%, so off.
-GATE_UP_EPILOGUE_ROWS = False
-GATE_UP_EPILOGUE_ROWS_FP8 = True
-# bf16 passes of two rows whose gate_up_proj takes the GEMV's one-row kernel with the gating epilogue
-# (kernels.ops.two_row_gating_applies: kernels.gemv.TWO_ROW_EPILOGUES) gate there as one row does, where more rows stay
-# off (GATE_UP_EPILOGUE_ROWS). An A/B knob (@shared.models.llama.GATE_UP_EPILOGUE_TWO_ROWS=0), read when a pass is
-# traced. On since two-row-next (H100, 2026-12-06 09:33): the bf16 batch-2 step 5.381 / 5.385 ms against 5.406 / 5.404
-# (0.996x), where gating 4 rows on the tensor-core tile cost 1.029 / 1.034x.
-GATE_UP_EPILOGUE_TWO_ROWS = True
-# Decode passes of 2..16 rows where the GEMV takes them rotate q, k and store k, v in qkv_proj's epilogue too, each row
-# at its position and slot (where --decode-rope-fusion has it at one row; bf16 weights, as FP8 ones keep the rope
-# kernel: fuse_row_rope). An A/B knob (@shared.models.llama.ROPE_EPILOGUE_ROWS=0), read when a pass is traced. On since
-# an H100's A/B of 2026-12-06 (rows-next, rows-next2): with kernels.gemv.TWO_ROW_KERNEL the bf16 step at batch 2 /
-# 4 / 8 / 16 0.956 / 0.983 / 0.988 / 1.002x the former; the rope epilogue alone 0.983-0.994x at 2-8, 0.998-1.003x at 16.
-ROPE_EPILOGUE_ROWS = True
-# Decode batches of 2..kernels.ops.GEMV_MAX_M rows compute their logits on the GEMV's tensor-core tile (batch 1 always
-# does, through the folded final norm) instead of cuBLAS, written straight into the graph's logits buffer. An A/B knob
-# (@shared.models.llama.LM_HEAD_ROWS_GEMV=0), read when a pass is traced. On since an H100's A/B of 2026-12-06 05:00
-# (`bash bench/gpu_run.sh lm-head-rows`): Llama-8B's lm_head alone 348-356 us against cuBLAS's 377-380, the decode
-# step at batch 2-16 -0.0 to -0.5% in two alternated rounds.
-LM_HEAD_ROWS_GEMV = True
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -93,7 +52,7 @@ class LlamaAttention(nn.Module):
         of the backend's rope + KV-store kernel (LlamaModel.fuse_row_rope and _rope_in_qkv say where it applies;
         several rows only where the GEMV takes them)."""
         rope = None
-        if fuse_rope and hidden.shape[0] > 1:  # several rows: only on the GEMV's tile (_rope_in_qkv's knob)
+        if fuse_rope and hidden.shape[0] > 1:  # several rows: only where the GEMV takes them
             fuse_rope = ops.gemv_applies(hidden, self.qkv_proj.weight, self.qkv_proj.weight_scale)
         if fuse_rope:
             k_buf, v_buf = fb.kv_pool.get_kv(self.layer_id)
@@ -130,12 +89,14 @@ class LlamaMLP(nn.Module):
                 add_norm: ResidualNorm | None = None) -> torch.Tensor:
         w = self.gate_up_proj.weight
         fp8 = is_fp8(w)
+        # The MLP gated in gate_up_proj's GEMV epilogue (kernels.gemv gated_out: down_proj then reads I values, not
+        # 2I with silu(gate) * up computed in its load; the same bits) where that measured faster (docs/kernels.md):
+        # one bf16 row, two bf16 rows on the GEMV's one-row kernel, and FP8 rows past one where the GEMV takes them.
         if x.shape[0] == 1:
-            gated = GATE_UP_EPILOGUE_FP8 if fp8 else GATE_UP_EPILOGUE
+            gated = not fp8
         else:
             scale = self.gate_up_proj.weight_scale
-            gated = (((GATE_UP_EPILOGUE_ROWS_FP8 if fp8 else GATE_UP_EPILOGUE_ROWS) and ops.gemv_applies(x, w, scale))
-                     or (not fp8 and GATE_UP_EPILOGUE_TWO_ROWS and ops.two_row_gating_applies(x, w, scale)))
+            gated = ops.gemv_applies(x, w, scale) if fp8 else ops.two_row_gating_applies(x, w, scale)
         if gated:  # silu_and_mul in its epilogue
             return self.down_proj(self.gate_up_proj(x, norm_in=norm_in, gated_out=True), add_norm=add_norm)
         # silu_and_mul inside the down projection
@@ -170,7 +131,7 @@ class LlamaModel(nn.Module):
                                           cfg.rope_scaling)
         self.cfg = cfg
         # Set by split_row_norms: the partial sums of the split norms of a one-token pass, and of a two-token one
-        # (kernels.gemv.TWO_ROW_NORMS).
+        # (on the GEMV's one-row kernel).
         self.row_norm_sums: torch.Tensor | None = None
         self.row2_norm_sums: torch.Tensor | None = None
         # One-token passes ask each layer's o_proj weight into L2 beside rope and attention (the engine's
@@ -182,12 +143,12 @@ class LlamaModel(nn.Module):
     def fuse_row_rope(self, enabled: bool) -> bool:
         """One-token decode passes rotate q and k and store k, v in the qkv GEMV's epilogue instead of a rope +
         KV-store kernel a layer (kernels/rope_store.py). Not with q/k norms (they come between), a qkv bias
-        (added after the GEMV), partial rotary, tensor parallelism or, unless FP8_ROPE_EPILOGUE, FP8 qkv weights
-        (on the H200 the FP8 GEMV with the epilogue lost more than the kernel it saves). Returns whether it is on."""
+        (added after the GEMV), partial rotary, tensor parallelism or FP8 qkv weights (the FP8 GEMV with the
+        epilogue lost more than the kernel it saves: docs/kernels.md). Returns whether it is on."""
         cfg = self.cfg
         fp8 = is_fp8(self.layers[0].self_attn.qkv_proj.weight) if self.layers else False
         self.row_rope = bool(enabled and not cfg.qk_norm and not cfg.attention_bias and tp_size() == 1
-                             and (not fp8 or FP8_ROPE_EPILOGUE)
+                             and not fp8
                              and self.rotary_emb.cos_sin_cache.shape[1] == cfg.head_dim)
         return self.row_rope
 
@@ -218,11 +179,10 @@ class LlamaModel(nn.Module):
         return hidden
 
     def _rope_in_qkv(self, fb: ForwardBatch) -> bool:
-        """Whether this pass runs rope and the KV store in qkv_proj's epilogue: one decode token, or with
-        ROPE_EPILOGUE_ROWS a decode pass of rows the GEMV takes (LlamaAttention checks; an extend pass's attention
-        reads the new k and v as the backend's rope kernel lays them out)."""
-        return (self.row_rope and fb.mode == ForwardMode.DECODE
-                and (fb.input_ids.shape[0] == 1 or ROPE_EPILOGUE_ROWS))
+        """Whether this pass runs rope and the KV store in qkv_proj's epilogue: a decode pass of rows the GEMV takes
+        (LlamaAttention checks; an extend pass's attention reads the new k and v as the backend's rope kernel lays
+        them out)."""
+        return self.row_rope and fb.mode == ForwardMode.DECODE
 
     def _two_row_norms(self, fb: ForwardBatch) -> bool:
         """A two-token pass whose GEMVs all take both rows on their two-row kernel with the split norms
@@ -296,10 +256,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward_logits(self, fb: ForwardBatch, out: torch.Tensor) -> torch.Tensor:
         """compute_logits(forward(fb), out) for every token of the pass (the CUDA-graph runner's decode step).
-        With FOLD_FINAL_NORM a one-token pass with split norms splits the final norm as well: the last
+        A one-token pass with split norms splits the final norm as well: the last
         down_proj produces it and the lm_head GEMV consumes it, writing the logits straight from its sums (one
         norm kernel fewer; cuBLAS's lm_head would not chain under PDL)."""
-        if FOLD_FINAL_NORM and self.lm_head.shard is None and self.lm_head.weight.shape[0] == out.shape[1]:
+        if self.lm_head.shard is None and self.lm_head.weight.shape[0] == out.shape[1]:
             split = self.model.forward_split_final(fb)
             if split is not None:
                 return ops.linear(split[0], self.lm_head.weight, norm_in=split[1], out=out)
@@ -317,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
         128k vocabulary moved ~200 MB a step; the sampler widens only where it needs fp32)."""
         if out is not None and out.dtype == self.logits_dtype and self.lm_head.shard is None \
                 and hidden.dtype == out.dtype and out.shape[1] == self.lm_head.weight.shape[0]:
-            if LM_HEAD_ROWS_GEMV and (logits := ops.gemv_into(hidden, self.lm_head.weight, out)) is not None:
+            if (logits := ops.gemv_into(hidden, self.lm_head.weight, out)) is not None:  # decode rows on the GEMV
                 return logits
             return torch.mm(hidden, self.lm_head.weight.t(), out=out)
         logits = torch.nn.functional.linear(hidden, self.lm_head.weight)

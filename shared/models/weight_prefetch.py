@@ -1,8 +1,7 @@
 """L2 prefetches of weights issued beside the decode chain, not in it.
 
 At batch 1, rope and decode attention sit between the qkv and o_proj GEMVs and leave the memory system nearly
-idle (~9 us a layer on the H200, bench/RESULTS.md); o_proj's weight (32 MiB in bf16 on an 8B Llama) fits the
-H200's 50 MiB L2. The prefetch kernel runs on a side stream forked from the model's stream after qkv_proj, so it
+idle (microseconds a layer); o_proj's weight (32 MiB in bf16 on an 8B Llama) fits a Hopper GPU's 50 MiB L2. The prefetch kernel runs on a side stream forked from the model's stream after qkv_proj, so it
 overlaps rope and attention instead of adding a kernel boundary to the chain, and it starts only once qkv_proj
 has finished streaming (no competition for bandwidth). join() brings the side stream back before the pass ends,
 as CUDA graph capture requires of every fork.

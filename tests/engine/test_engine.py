@@ -620,23 +620,14 @@ def test_decode_in_cuda_graphs_gives_the_tokens_of_eager_decode():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fusions", [False, True])
-def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(fusions, monkeypatch):
+def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(monkeypatch):
     """bf16 batches of 2-16 rows (here decode steps of 8 in graphs) take the GEMV's tensor-core tile up to
-    kernels.ops.GEMV_MAX_M rows, their logits too with shared.models.llama.LM_HEAD_ROWS_GEMV: each step's top logprob
-    equals cuBLAS's (GEMV_MAX_M = 1) to bf16's rounding, and so does the greedy token wherever cuBLAS's top two are
-    not a near tie. fusions: the several-row knobs on (rope and the KV store in qkv_proj's epilogue, two rows on the
-    one-row kernel with both epilogues and the split norms there, two rows gated there: the defaults; the MLP gated in
-    gate_up_proj's epilogue at every row count, an A/B knob off by default), or all off."""
+    kernels.ops.GEMV_MAX_M rows, their logits too: each step's top logprob equals cuBLAS's (GEMV_MAX_M = 1) to bf16's
+    rounding, and so does the greedy token wherever cuBLAS's top two are not a near tie. With the several-row fusions
+    (rope and the KV store in qkv_proj's epilogue, two rows on the one-row kernel with both epilogues and the split
+    norms there, two rows gated there)."""
     import kernels.gemv as kg
     import kernels.ops as ops
-    import shared.models.llama as llama
-    monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS", fusions)
-    monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_TWO_ROWS", fusions)
-    monkeypatch.setattr(kg, "TWO_ROW_EPILOGUES", fusions)
-    monkeypatch.setattr(kg, "TWO_ROW_NORMS", fusions)
-    monkeypatch.setattr(llama, "ROPE_EPILOGUE_ROWS", fusions)
-    monkeypatch.setattr(kg, "TWO_ROW_KERNEL", fusions)
     real, rows = kg.gemv, []
     monkeypatch.setattr(kg, "gemv", lambda x, w, *a, **kw: rows.append(x.shape[0]) or real(x, w, *a, **kw))
     ps = prompts(8, seed=46, lo=6, hi=14)
@@ -644,7 +635,6 @@ def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(fusions, monkeypatch):
     out = {}
     for max_m in (16, 1):
         monkeypatch.setattr(ops, "GEMV_MAX_M", max_m)
-        monkeypatch.setattr(llama, "LM_HEAD_ROWS_GEMV", max_m > 1)  # the logits on the GEMV too (an A/B knob)
         h = Harness(dtype="bfloat16", max_running_requests=8)
         out[max_m] = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": n}, return_logprob=True,
                                      top_logprobs_num=2) for p, n in zip(ps, lens)])
@@ -660,19 +650,14 @@ def test_bf16_rows_on_the_gemv_decode_what_cublas_decodes(fusions, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("two_rows", [False, True])
-def test_fp8_rows_gated_in_gate_up_decode_what_the_unfused_rows_decode(two_rows, monkeypatch):
+def test_fp8_rows_gated_in_gate_up_decode_what_the_unfused_rows_decode(monkeypatch):
     """FP8 weights (quantized at load, per row) at decode batches of 2-16 in graphs gate the MLP in gate_up_proj's
-    epilogue (shared.models.llama.GATE_UP_EPILOGUE_ROWS_FP8, the default) on the GEMV's tensor-core tile: each step's
-    top logprob equals the unfused rows' (silu_and_mul in down_proj's load) to bf16's rounding, and so does the greedy
-    token wherever their top two are not a near tie. two_rows: batch 2 on the one-row kernel with its epilogues and
-    split norms (kernels.gemv.TWO_ROW_KERNEL_FP8, TWO_ROW_EPILOGUES, TWO_ROW_NORMS; the defaults since 2026-12-06), or
-    batch 2 on the tensor-core tile."""
+    epilogue on the GEMV (batch 2 on the one-row kernel with its epilogues and split norms, more on the tensor-core
+    tile): each step's top logprob equals the unfused rows' (silu_and_mul in down_proj's load; the model told the GEMV
+    does not take its rows) to bf16's rounding, and so does the greedy token wherever their top two are not a near
+    tie."""
     import kernels.gemv as kg
-    import shared.models.llama as llama
-    monkeypatch.setattr(kg, "TWO_ROW_KERNEL_FP8", two_rows)
-    monkeypatch.setattr(kg, "TWO_ROW_EPILOGUES", two_rows)
-    monkeypatch.setattr(kg, "TWO_ROW_NORMS", two_rows)
+    import kernels.ops as ops
     real, gated = kg.gemv, []
     monkeypatch.setattr(kg, "gemv", lambda x, w, *a, **kw: (kw.get("gated_out") and gated.append(x.shape[0]))
                         or real(x, w, *a, **kw))
@@ -680,7 +665,8 @@ def test_fp8_rows_gated_in_gate_up_decode_what_the_unfused_rows_decode(two_rows,
     lens = [3 if i < 6 else 6 for i in range(8)]  # the last steps decode two rows
     out = {}
     for on in (True, False):
-        monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS_FP8", on)
+        if not on:  # the model's question alone: ops still runs its linears on the GEMV
+            monkeypatch.setattr(ops, "gemv_applies", lambda x, w, s=None: False)
         gated.clear()
         h = Harness(dtype="bfloat16", quantization="fp8", max_running_requests=8)
         out[on] = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": n}, return_logprob=True,
@@ -879,18 +865,17 @@ def test_decode_rope_fusion_decodes_the_tokens_of_the_rope_kernel(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_final_norm_in_the_lm_head_decodes_the_tokens_of_the_norm_kernel(dtype, monkeypatch):
-    """Batch-1 graphs with the final norm split into the last down_proj and the lm_head GEMV
-    (shared.models.llama.FOLD_FINAL_NORM; bf16: the Triton GEMV writing the rounded logits in fp32, fp32: the
-    torch path) decode what the final norm kernel and cuBLAS's lm_head do, alone and with others."""
-    import shared.models.llama as llama
+    """Batch-1 graphs with the final norm split into the last down_proj and the lm_head GEMV (with the split norms,
+    --decode-norm-fusion; bf16: the Triton GEMV writing the rounded logits in fp32, fp32: the torch path) decode what
+    the final norm kernel and cuBLAS's lm_head do (without the split norms), alone and with others."""
     ps = prompts(3, seed=71)
     results = {}
     for fold in (False, True):
-        monkeypatch.setattr(llama, "FOLD_FINAL_NORM", fold)
-        h = Harness(dtype=dtype, max_running_requests=8)
+        h = Harness(dtype=dtype, max_running_requests=8, decode_norm_fusion=fold)
         sums = h.engine.runner.model.model.row_norm_sums
         alone = h.run([h.submit(ps[0], sampling={**GREEDY, "max_new_tokens": 24})])
-        assert bool(sums[-1].sum() > 0) == fold, "the final norm's split did not run" if fold else "it ran unasked"
+        assert (sums is not None and bool(sums[-1].sum() > 0)) == fold, \
+            "the final norm's split did not run" if fold else "it ran unasked"
         together = h.run([h.submit(p, sampling={**GREEDY, "max_new_tokens": 12}) for p in ps])
         results[fold] = [r["ids"] for r in alone + together]
         h.engine.stop()

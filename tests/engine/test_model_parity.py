@@ -114,19 +114,16 @@ def test_rope_writes_contiguous_qkv_only_for_a_backend_that_reads_them(mode):
     assert asked == [mode == ForwardMode.EXTEND, False]
 
 
-@pytest.mark.parametrize("fold_final", [False, True])
-def test_split_row_norms_match_unsplit_passes(family, fold_final, monkeypatch):
+def test_split_row_norms_match_unsplit_passes(family):
     """One-token passes with every residual norm after the first split between the GEMVs around it
-    (kernels/residual_norm.py, here its torch path), the final one too with fold_final (into the lm_head:
-    shared.models.llama.FOLD_FINAL_NORM): the same logits as the unsplit passes, step by step through a
-    prompt fed one token at a time then greedy decoding, and the same tokens as transformers."""
-    import shared.models.llama as llama
+    (kernels/residual_norm.py, here its torch path), the final one too (into the lm_head): the same logits as the
+    unsplit passes, step by step through a prompt fed one token at a time then greedy decoding, and the same tokens as
+    transformers."""
     hf, ours, cfg, prompts = family
     prompt = prompts[0]
     if cfg.o_proj_bias or cfg.mlp_bias:  # a biased producer keeps its norms whole
         assert not ours.model.split_row_norms(True) and ours.model.row_norm_sums is None
         return
-    monkeypatch.setattr(llama, "FOLD_FINAL_NORM", fold_final)
     runs = {}
     for split in (False, True):
         assert ours.model.split_row_norms(split) == split
@@ -141,7 +138,7 @@ def test_split_row_norms_match_unsplit_passes(family, fold_final, monkeypatch):
             runs[split] = torch.stack(logits), toks
             if split:  # the split pass ran: its partial sums hold the last step's sums of squares
                 sums = ours.model.row_norm_sums.sum(1)
-                assert bool((sums[:-1] > 0).all()) and bool(sums[-1] > 0) == fold_final
+                assert bool((sums > 0).all())
         finally:
             ours.model.split_row_norms(False)
     assert rel_err(runs[True][0], runs[False][0]) < REL_TOL
@@ -154,11 +151,10 @@ def test_split_row_norms_match_unsplit_passes(family, fold_final, monkeypatch):
 @pytest.mark.parametrize("rope", [False, True])
 def test_two_row_split_norms_match_unsplit_passes(family, rope, monkeypatch):
     """Two-token passes down the one-token path with their residual norms split, each row its own partial sums
-    (kernels.gemv.TWO_ROW_NORMS, on a pretended GPU whose GEMV takes both rows on its two-row kernel; the torch path
+    (on a pretended GPU whose GEMV takes both rows on its one-row kernel; the torch path
     here), rope and the KV store in qkv_proj's epilogue too with rope: two requests' prompt and greedy decode steps give
     the logits and tokens of the unsplit passes."""
     import kernels.ops as ops
-    import shared.models.llama as llama
     hf, ours, cfg, prompts = family
     if cfg.o_proj_bias or cfg.mlp_bias:
         pytest.skip("a biased producer keeps its norms whole (test_split_row_norms_match_unsplit_passes)")
@@ -168,7 +164,6 @@ def test_two_row_split_norms_match_unsplit_passes(family, rope, monkeypatch):
     monkeypatch.setattr(ops, "two_row_norms_apply", lambda x, ws: asked.append(x.shape) or x.shape[0] == 2)
     if rope:
         monkeypatch.setattr(ops, "gemv_applies", lambda x, w, s=None: x.shape[0] <= 16)
-        monkeypatch.setattr(llama, "ROPE_EPILOGUE_ROWS", True)
     a, b = prompts[0], prompts[1]
     runs = {}
     for split in (False, True):
@@ -241,12 +236,10 @@ def test_rope_in_the_qkv_epilogue_matches_the_rope_kernel(family, monkeypatch):
 
 
 def test_rope_in_the_qkv_epilogue_at_several_rows_matches_the_rope_kernel(family, monkeypatch):
-    """Decode passes of two rows with rope and the KV store in qkv_proj's epilogue (shared.models.llama.
-    ROPE_EPILOGUE_ROWS, on a pretended GPU whose GEMV takes the rows; the epilogue's torch path here), each row at its
-    own position and slot: the logits and tokens of the backend's rope + KV-store step, which then runs only in the
-    extend passes."""
+    """Decode passes of two rows with rope and the KV store in qkv_proj's epilogue (on a pretended GPU whose GEMV
+    takes the rows; the epilogue's torch path here), each row at its own position and slot: the logits and tokens of
+    the backend's rope + KV-store step (without the fusion), which then runs only in the extend passes."""
     import kernels.ops as ops
-    import shared.models.llama as llama
     hf, ours, cfg, prompts = family
     if cfg.qk_norm or cfg.attention_bias:
         pytest.skip("q/k norms or a qkv bias: fuse_row_rope refuses (test_rope_in_the_qkv_epilogue_matches_...)")
@@ -258,37 +251,42 @@ def test_rope_in_the_qkv_epilogue_at_several_rows_matches_the_rope_kernel(family
     a, b = prompts[0], prompts[1]
     runs = {}
     for rows in (False, True):
-        monkeypatch.setattr(llama, "ROPE_EPILOGUE_ROWS", rows)
-        assert ours.model.fuse_row_rope(True)
+        assert ours.model.fuse_row_rope(rows) == rows
         rotations.clear()
         try:
             runs[rows] = _two_request_run(ours, cfg, a, b)
         finally:
             ours.model.fuse_row_rope(False)
-        # The rope kernel: once a layer in the extend pass, and in the decode passes only without the knob.
+        # The rope kernel: once a layer in the extend pass, and in the decode passes only without the fusion.
         assert len(rotations) == (1 + (0 if rows else DECODE_STEPS)) * cfg.num_hidden_layers, rotations
     assert rel_err(runs[True][0], runs[False][0]) < REL_TOL
     assert runs[True][1] == runs[False][1]
 
 
-def test_fp8_qkv_weights_refuse_the_rope_epilogue(tmp_path, monkeypatch):
-    """--decode-rope-fusion is on by default; with FP8 qkv weights the model keeps the rope kernel (on the
-    H200 the FP8 GEMV with the epilogue cost more than the kernel it saved) unless the A/B knob
-    shared.models.llama.FP8_ROPE_EPILOGUE asks for it; with bf16 or fp32 ones it fuses."""
-    import shared.models.llama as llama
+def test_fp8_qkv_weights_refuse_the_rope_epilogue(tmp_path):
+    """--decode-rope-fusion is on by default; with FP8 qkv weights the model keeps the rope kernel (the FP8 GEMV with
+    the epilogue cost more than the kernel it saved); with bf16 or fp32 ones it fuses."""
     path = write_hf_checkpoint(make_hf_model("llama31"), str(tmp_path / "m"))
     fp8, _ = load_model(path, quantization="fp8")
     assert fp8.model.fuse_row_rope(True) is False
-    monkeypatch.setattr(llama, "FP8_ROPE_EPILOGUE", True)
-    assert fp8.model.fuse_row_rope(True) is True and fp8.model.fuse_row_rope(False) is False
     plain, _ = load_model(path)
     assert plain.model.fuse_row_rope(True) is True
 
 
+def _mlp_forward(gated: bool):
+    """LlamaMLP.forward with the MLP gated in gate_up_proj's epilogue, or with silu_and_mul in down_proj's input,
+    whatever the model's choice by dtype and rows."""
+    def forward(self, x, norm_in=None, add_norm=None):
+        if gated:
+            return self.down_proj(self.gate_up_proj(x, norm_in=norm_in, gated_out=True), add_norm=add_norm)
+        return self.down_proj(self.gate_up_proj(x, norm_in=norm_in), gated=True, add_norm=add_norm)
+    return forward
+
+
 def test_mlp_gated_in_the_gate_up_epilogue_matches(family, monkeypatch):
-    """One-token passes with the MLP gated in gate_up_proj's epilogue (shared.models.llama.GATE_UP_EPILOGUE; here
-    ops.gated_linear's torch path), whole and split norms: the logits and tokens of silu_and_mul in down_proj's
-    input, and the epilogue's op called once a layer a pass where the knob is on. On the CPU this checks the wiring
+    """One-token passes with the MLP gated in gate_up_proj's epilogue (here ops.gated_linear's torch path), whole and
+    split norms: the logits and tokens of silu_and_mul in down_proj's input, and the epilogue's op called once a
+    layer a pass where gated. On the CPU this checks the wiring
     (the torch path runs the same ops either way); the kernel's bits are check_gemv_gated_out's."""
     import kernels.ops as ops
     import shared.models.llama as llama
@@ -300,7 +298,7 @@ def test_mlp_gated_in_the_gate_up_epilogue_matches(family, monkeypatch):
     runs = {}
     for split in splits:
         for gated in (False, True):
-            monkeypatch.setattr(llama, "GATE_UP_EPILOGUE", gated)
+            monkeypatch.setattr(llama.LlamaMLP, "forward", _mlp_forward(gated))
             assert ours.model.split_row_norms(split) == split
             calls.clear()
             try:
@@ -317,7 +315,7 @@ def test_mlp_gated_in_the_gate_up_epilogue_matches(family, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["none", "fp8"])
 def test_mlp_gated_in_the_gate_up_epilogue_on_cuda(tmp_path, quant, monkeypatch):
-    """The Triton path of the gate | up GEMV's gating epilogue (GATE_UP_EPILOGUE, GATE_UP_EPILOGUE_FP8) against silu_and_mul in
+    """The Triton path of the gate | up GEMV's gating epilogue against silu_and_mul in
     down_proj's load, bf16 and FP8 weights, whole and split norms: the same logits bit for bit (the tiny model's
     gate_up is unsplit either way, and down_proj reads the same activation bits) and the same tokens."""
     import shared.models.llama as llama
@@ -328,8 +326,7 @@ def test_mlp_gated_in_the_gate_up_epilogue_on_cuda(tmp_path, quant, monkeypatch)
     runs = {}
     for split in (False, True):
         for gated in (False, True):
-            monkeypatch.setattr(llama, "GATE_UP_EPILOGUE", gated)
-            monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_FP8", gated)
+            monkeypatch.setattr(llama.LlamaMLP, "forward", _mlp_forward(gated))
             assert ours.model.split_row_norms(split) == split
             backend = create_attention_backend("triton", cfg.num_attention_heads, cfg.num_key_value_heads,
                                                cfg.head_dim, device=torch.device("cuda"))
@@ -345,38 +342,26 @@ def test_mlp_gated_in_the_gate_up_epilogue_on_cuda(tmp_path, quant, monkeypatch)
 
 def _cuda_one_token_runs(tmp_path, quant: str, seed: int, settings: dict) -> dict:
     """bf16 llama31 on the GPU with the Triton attention backend: _one_token_run under each of `settings`
-    ({key: (split norms, rope in the epilogue, kernels.gemv.FP8_ROW_KERNEL[, shared.models.llama.FOLD_FINAL_NORM])})."""
-    import kernels.gemv as kg
-    import shared.models.llama as llama
+    ({key: (split norms (the final one folded into the lm_head too), rope in the epilogue)})."""
     from shared.models.attention import create_attention_backend
     path = write_hf_checkpoint(make_hf_model("llama31"), str(tmp_path / f"llama31-{quant}"))
     ours, cfg = load_model(path, dtype=torch.bfloat16, device=torch.device("cuda"), quantization=quant)
     prompt = torch.randint(3, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
     runs = {}
-    saved = kg.FP8_ROW_KERNEL, llama.FOLD_FINAL_NORM, llama.FP8_ROPE_EPILOGUE
-    try:
-        for key, (split, rope, fp8_row, *fold) in settings.items():
-            kg.FP8_ROW_KERNEL, llama.FOLD_FINAL_NORM = fp8_row, bool(fold and fold[0])
-            # FP8 qkv weights refuse the rope epilogue by default (it lost on the H200); its A/B knob puts it in the
-            # general FP8 kernel here, so that the FP8 runs compare the epilogue with the rope kernel too.
-            llama.FP8_ROPE_EPILOGUE = not fp8_row
-            assert ours.model.split_row_norms(split) == split
-            assert ours.model.fuse_row_rope(rope) == (rope and (quant == "none" or not fp8_row))
-            backend = create_attention_backend("triton", cfg.num_attention_heads, cfg.num_key_value_heads,
-                                               cfg.head_dim, device=torch.device("cuda"))
-            runs[key] = _one_token_run(ours, cfg, prompt, backend=backend)
-    finally:
-        kg.FP8_ROW_KERNEL, llama.FOLD_FINAL_NORM, llama.FP8_ROPE_EPILOGUE = saved
+    for key, (split, rope) in settings.items():
+        assert ours.model.split_row_norms(split) == split
+        assert ours.model.fuse_row_rope(rope) == (rope and quant == "none")  # FP8 qkv weights keep the rope kernel
+        backend = create_attention_backend("triton", cfg.num_attention_heads, cfg.num_key_value_heads,
+                                           cfg.head_dim, device=torch.device("cuda"))
+        runs[key] = _one_token_run(ours, cfg, prompt, backend=backend)
     return runs
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quant", ["none", "fp8"])
-def test_rope_in_the_qkv_epilogue_on_cuda_in_bf16(tmp_path, quant):
+def test_rope_in_the_qkv_epilogue_on_cuda_in_bf16(tmp_path):
     """The Triton path of rope + KV store in the qkv GEMV's epilogue against the rope kernel, bf16, the Triton
-    attention backend, split norms on and off: decode logits to within bf16's rounding, plain and FP8 weights (FP8
-    through its A/B knob)."""
-    runs = _cuda_one_token_runs(tmp_path, quant, 5, {(s, r): (s, r, False) for s in (False, True) for r in (False, True)})
+    attention backend, split norms on and off: decode logits to within bf16's rounding."""
+    runs = _cuda_one_token_runs(tmp_path, "none", 5, {(s, r): (s, r) for s in (False, True) for r in (False, True)})
     for split in (False, True):
         assert rel_err(runs[split, True][0], runs[split, False][0]) < 2e-2, split
 
@@ -384,20 +369,11 @@ def test_rope_in_the_qkv_epilogue_on_cuda_in_bf16(tmp_path, quant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["none", "fp8"])
 def test_final_norm_in_the_lm_head_on_cuda(tmp_path, quant):
-    """The final norm split into the last down_proj and the lm_head GEMV (shared.models.llama.FOLD_FINAL_NORM),
-    fp32 logits from the GEMV's sums, against the final norm kernel and cuBLAS's lm_head: the same logits to
-    within bf16's rounding of them."""
-    runs = _cuda_one_token_runs(tmp_path, quant, 13, {fold: (True, False, False, fold) for fold in (False, True)})
+    """The final norm split into the last down_proj and the lm_head GEMV (with the split norms), fp32 logits from
+    the GEMV's sums, against the final norm kernel and cuBLAS's lm_head (whole norms): the same logits to within
+    bf16's rounding of them."""
+    runs = _cuda_one_token_runs(tmp_path, quant, 13, {fold: (fold, False) for fold in (False, True)})
     assert rel_err(runs[True][0], runs[False][0]) < 2e-2
-
-
-@pytest.mark.gpu
-def test_fp8_rows_in_the_row_kernel_on_cuda(tmp_path):
-    """FP8 weights at batch 1 in the one-row GEMV (kernels.gemv.FP8_ROW_KERNEL) against the general kernel: the
-    same logits to within bf16's rounding, split norms and rope in the epilogue on and off."""
-    runs = _cuda_one_token_runs(tmp_path, "fp8", 9, {(f, row): (f, f, row) for f in (False, True) for row in (False, True)})
-    for fused in (False, True):
-        assert rel_err(runs[fused, True][0], runs[fused, False][0]) < 2e-2, fused
 
 
 @pytest.mark.gpu

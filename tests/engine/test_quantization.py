@@ -211,59 +211,38 @@ def test_online_fp8_dummy_weights_and_tiny_random():
 
 @pytest.mark.parametrize("quant", ["none", "fp8"])
 def test_the_mlp_gates_in_the_gate_up_epilogue_by_its_weights_dtype(quant, monkeypatch):
-    """One-row MLP passes gate in gate_up_proj's epilogue under GATE_UP_EPILOGUE for float weights and under
-    GATE_UP_EPILOGUE_FP8 for FP8 ones (measured apart: on for bf16, a wash for FP8), with the same output; passes of
-    rows the GEMV takes under GATE_UP_EPILOGUE_ROWS for float weights and GATE_UP_EPILOGUE_ROWS_FP8 for FP8 ones
-    (measured apart too: on for FP8, off for bf16)."""
+    """One-row MLP passes gate in gate_up_proj's epilogue for float weights, not for FP8 ones (measured apart: faster
+    for bf16, a wash for FP8); passes of rows the GEMV takes gate there for FP8 weights, for float ones only at two
+    rows on the GEMV's one-row kernel (measured apart too). Either way the output is the ungated MLP's."""
+    import kernels.gemv as kg
     import kernels.ops as ops
-    import shared.models.llama as llama
     model, cfg = load_model("tiny-random", quantization=quant)
     mlp = model.model.layers[0].mlp
     calls = []
     gated_linear = ops.gated_linear
     monkeypatch.setattr(ops, "gated_linear", lambda x, *a, **kw: calls.append(x.shape[0]) or gated_linear(x, *a, **kw))
+
+    def ungated(x):
+        return mlp.down_proj(mlp.gate_up_proj(x), gated=True)
+
     x = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(model.lm_head.weight.dtype)
-    outs = {}
-    for knob, knob_fp8 in ((False, False), (True, False), (False, True)):
-        monkeypatch.setattr(llama, "GATE_UP_EPILOGUE", knob)
-        monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_FP8", knob_fp8)
-        calls.clear()
-        outs[knob, knob_fp8] = mlp(x)
-        assert calls == ([1] if (knob_fp8 if quant == "fp8" else knob) else []), (knob, knob_fp8)
-    monkeypatch.setattr(llama, "GATE_UP_EPILOGUE", True)
-    monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_FP8", True)
+    torch.testing.assert_close(mlp(x), ungated(x))
+    assert calls == ([] if quant == "fp8" else [1])
     calls.clear()
     x2 = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(x.dtype)
-    plain = mlp(x2)
-    assert calls == []  # two rows: not the epilogue, unless the GEMV takes them (and the rows' knob of the dtype)
-    for out in outs.values():
-        torch.testing.assert_close(out, outs[False, False])
+    torch.testing.assert_close(mlp(x2), ungated(x2))
+    assert calls == []  # two rows on the CPU: no GEMV takes them
     monkeypatch.setattr(ops, "gemv_applies", lambda x, w, s=None: x.shape[0] <= 16)  # as on a GPU
+    monkeypatch.setattr(ops, "two_row_gating_applies", lambda x, w, s=None: x.shape[0] == 2 and not kg.on_tensor_cores(
+        2, w, s))
     monkeypatch.setattr(ops, "gated_linear", lambda x, w, b=None, s=None, norm_in=None:
                         calls.append(x.shape[0]) or ops.silu_and_mul(ops.linear(x, w, b, s)))
-    for rows, rows_fp8 in ((True, False), (False, True)):
-        monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS", rows)
-        monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS_FP8", rows_fp8)
+    for m in (2, 4, 17):
         calls.clear()
-        torch.testing.assert_close(mlp(x2), plain)
-        mlp(torch.randn(17, cfg.hidden_size).to(x.dtype))
-        want = rows_fp8 if quant == "fp8" else rows
-        assert calls == ([2] if want else []), (rows, rows_fp8, calls)  # 17 rows: past the GEMV
-    # Float weights' two rows on the GEMV's one-row kernel gate there as one row does (GATE_UP_EPILOGUE_TWO_ROWS, where
-    # kernels.gemv.TWO_ROW_EPILOGUES takes the gating epilogue there); four rows (the tensor-core tile) do not.
-    import kernels.gemv as kg
-    monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS", False)
-    monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_ROWS_FP8", False)
-    monkeypatch.setattr(ops, "two_row_gating_applies", lambda x, w, s=None: x.shape[0] == 2 and not kg.on_tensor_cores(
-        2, w, s, gated_out=True))  # as on a GPU
-    for two_rows, epilogues in ((True, True), (True, False), (False, True)):
-        monkeypatch.setattr(llama, "GATE_UP_EPILOGUE_TWO_ROWS", two_rows)
-        monkeypatch.setattr(kg, "TWO_ROW_EPILOGUES", epilogues)
-        calls.clear()
-        torch.testing.assert_close(mlp(x2), plain)
-        mlp(torch.randn(4, cfg.hidden_size).to(x.dtype))
-        want = quant != "fp8" and two_rows and epilogues
-        assert calls == ([2] if want else []), (two_rows, epilogues, calls)
+        xm = torch.randn(m, cfg.hidden_size, generator=torch.Generator().manual_seed(m)).to(x.dtype)
+        torch.testing.assert_close(mlp(xm), ungated(xm))
+        want = m <= 16 if quant == "fp8" else m == 2  # 17 rows: past the GEMV; 4 float rows: its tensor-core tile
+        assert calls == ([m] if want else []), (m, calls)
 
 
 def test_fp8_rows_take_the_gemv_up_to_gemv_max_m_fp8_and_only_with_per_row_scales(monkeypatch):
@@ -287,28 +266,22 @@ def test_fp8_rows_take_the_gemv_up_to_gemv_max_m_fp8_and_only_with_per_row_scale
 
 def test_two_row_gating_applies_where_two_rows_take_the_one_row_kernel_with_the_epilogue(monkeypatch):
     """kernels.ops.two_row_gating_applies on a (pretended) GPU: two rows of bf16 or per-row-scaled FP8 weights on the
-    GEMV's one-row kernel with the gating epilogue (kernels.gemv.TWO_ROW_EPILOGUES, TWO_ROW_KERNEL_FP8); not one or
-    three rows, not block-scaled weights, not without the knobs."""
-    import kernels.gemv as kg
+    GEMV's one-row kernel with the gating epilogue; not one or three rows, not block-scaled weights."""
     import kernels.ops as ops
     w = torch.zeros(64, 32, dtype=torch.bfloat16)
     q, row_scale = quantize_per_channel(w.float())
     x = {m: torch.zeros(m, 32, dtype=torch.bfloat16) for m in (1, 2, 3)}
     assert not ops.two_row_gating_applies(x[2], w)  # the CPU: no GEMV
     monkeypatch.setattr(ops, "_on_gpu", lambda x: True)
-    for epilogues, fp8_rows in ((True, True), (False, True), (True, False)):
-        monkeypatch.setattr(kg, "TWO_ROW_EPILOGUES", epilogues)
-        monkeypatch.setattr(kg, "TWO_ROW_KERNEL_FP8", fp8_rows)
-        assert ops.two_row_gating_applies(x[2], w) == epilogues
-        assert ops.two_row_gating_applies(x[2], q, row_scale) == (epilogues and fp8_rows)
-        assert not ops.two_row_gating_applies(x[2], q, torch.ones(1, 1))  # block scales
-        assert not ops.two_row_gating_applies(x[1], w) and not ops.two_row_gating_applies(x[3], w)
+    assert ops.two_row_gating_applies(x[2], w)
+    assert ops.two_row_gating_applies(x[2], q, row_scale)
+    assert not ops.two_row_gating_applies(x[2], q, torch.ones(1, 1))  # block scales
+    assert not ops.two_row_gating_applies(x[1], w) and not ops.two_row_gating_applies(x[3], w)
 
 
 def test_logits_of_2_to_16_bf16_rows_come_from_the_gemv_into_the_graph_buffer(monkeypatch):
     """LlamaForCausalLM.compute_logits on a (pretended) GPU, into a logits buffer of the model's dtype: bf16 rows up to
-    kernels.ops.GEMV_MAX_M go to the GEMV with the buffer as its output (shared.models.llama.LM_HEAD_ROWS_GEMV), more
-    rows, another dtype or the knob off go to torch.mm."""
+    kernels.ops.GEMV_MAX_M go to the GEMV with the buffer as its output, more rows or another dtype go to torch.mm."""
     import types
 
     import kernels.gemv as kg
@@ -320,15 +293,13 @@ def test_logits_of_2_to_16_bf16_rows_come_from_the_gemv_into_the_graph_buffer(mo
     for dtype in (torch.bfloat16, torch.float32):
         w = torch.randn(40, 16).to(dtype)
         model = types.SimpleNamespace(lm_head=types.SimpleNamespace(weight=w, shard=None), logits_dtype=dtype)
-        for on in (True, False):
-            monkeypatch.setattr(llama, "LM_HEAD_ROWS_GEMV", on)
-            for m in (1, 2, 16, 17):
-                calls.clear()
-                x, out = torch.randn(m, 16).to(dtype), torch.empty(m, 40, dtype=dtype)
-                got = llama.LlamaForCausalLM.compute_logits(model, x, out=out)
-                gemv = on and dtype == torch.bfloat16 and m <= ops.GEMV_MAX_M
-                assert got.data_ptr() == out.data_ptr() and calls == ([m] if gemv else [])
-                assert torch.equal(got, torch.full_like(out, 7)) if gemv else torch.equal(got, x @ w.t())
+        for m in (1, 2, 16, 17):
+            calls.clear()
+            x, out = torch.randn(m, 16).to(dtype), torch.empty(m, 40, dtype=dtype)
+            got = llama.LlamaForCausalLM.compute_logits(model, x, out=out)
+            gemv = dtype == torch.bfloat16 and m <= ops.GEMV_MAX_M
+            assert got.data_ptr() == out.data_ptr() and calls == ([m] if gemv else [])
+            assert torch.equal(got, torch.full_like(out, 7)) if gemv else torch.equal(got, x @ w.t())
 
 
 def test_fp8_linear_reference_and_activation_quantization():

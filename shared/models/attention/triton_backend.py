@@ -12,6 +12,7 @@ from kernels.attention.triton_decode import (MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT
                                              num_kv_splits_for, plan_max_kv_splits)
 from kernels.attention.triton_extend import extend_attention, extend_block_sizes, extend_pack
 from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.knobs import knob
 from shared.models.attention.base import AttentionBackend
 from shared.models.attention.torch_backend import TorchAttentionBackend
 
@@ -36,7 +37,7 @@ class _DecodeMetadata:
 # jump-forward catch-up) runs them with the decode kernel when that saves at least this many of the extend
 # grid's empty programs: its grid covers the longest request's query blocks for every request, so each
 # one-token row leaves all its blocks but the first to start and exit. Not yet measured on a GPU.
-DECODE_TAIL_MIN_EMPTY_PROGRAMS = 4096
+DECODE_TAIL_MIN_EMPTY_PROGRAMS = knob("DECODE_TAIL_MIN_EMPTY_PROGRAMS")
 
 
 @dataclass
@@ -65,7 +66,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.max_kv_splits = max_kv_splits
         self.min_tokens_per_split = min_tokens_per_split
         # Split decode merged in the same launch (the last program per request and KV head) instead of by
-        # a second kernel, as the engine runs it by default; both are kept so they can be A/B'd (bench/b1_attn.py).
+        # a second kernel, as the engine runs it by default (the two-launch form serves a caller that asks for it).
         self.one_launch_decode = one_launch_decode
         self._tickets: torch.Tensor | None = None
         self._retired_tickets: list[torch.Tensor] = []
@@ -74,7 +75,7 @@ class TritonAttentionBackend(AttentionBackend):
         # Extend reads only device tensors, its grid bounded by fb.max_extend_len (not the torch fallback).
         self.extend_graph_safe = self.fallback is None
         # The extend kernel streams k and v once per query block: contiguous copies (one write of v more)
-        # read faster than rows a whole qkv row apart (2 x 4096 tokens on the H200: 730 -> 600 us).
+        # read faster than rows a whole qkv row apart (docs/kernels.md).
         # Decode reads q once and stays in place.
         self.extend_contiguous_qkv = self.fallback is None
         self._meta: _DecodeMetadata | _ExtendMetadata | None = None
