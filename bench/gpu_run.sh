@@ -20,7 +20,7 @@ benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT 
   pd                bench.pd: PD against unified workers on 2 GPUs (nvidia-h100-x2)
   tp                GPU TP tests, then bench.tp: TP=2 / TP=1 batch-1 step (nvidia-h100-x2)
   ab                bench.ab: a benchmark alternated between knob settings, e.g.
-                    ab base notma:RADIXSERVE_NEW_KV_TMA=0 -- python3 -m bench.offline --skip-hf
+                    ab base notma:RADIXSERVE_TMA_MIN_TOKENS=1000000 -- python3 -m bench.offline --skip-hf
 
 docs/performance.md says what each measures and its goal; bench/RESULTS.md holds the current figures.
 EOF
