@@ -13,8 +13,11 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
+import os
+import signal
 from typing import Any
 
+from shared.parent_death import die_with_parent
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -24,8 +27,9 @@ INLINE_CHARS = 16 * 1024  # inputs up to this size are prepared on the loop (wel
 _TOKENIZER: Tokenizer | None = None  # in a pool process
 
 
-def _init(path: str, chat_template: str | None) -> None:
+def _init(path: str, chat_template: str | None, parent_pid: int) -> None:
     global _TOKENIZER
+    die_with_parent(signal.SIGKILL, parent_pid)  # a SIGKILLed gateway leaves no pool process behind
     _TOKENIZER = Tokenizer.load(path)
     if chat_template and chat_template != _TOKENIZER.chat_template:  # the gateway's --chat-template
         _TOKENIZER.set_chat_template(chat_template)
@@ -82,7 +86,8 @@ class CpuWork:
             ctx = multiprocessing.get_context("spawn")
             self._pool = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=ctx,
                                                                 initializer=_init,
-                                                                initargs=(self.path, self.tokenizer.chat_template))
+                                                                initargs=(self.path, self.tokenizer.chat_template,
+                                                                          os.getpid()))
         return self._pool
 
     async def _run(self, local, fn, *args) -> Any:
