@@ -72,7 +72,9 @@ case $kind in
       run 200 pd_host.log python3 -m bench.pd --out "$OUT/host" --duration 30 --configs pd -- --kv-transfer-staging host
     fi ;;
   tp)
-    gpu_tests 200 tp_tests.log "test_tp and (engine_matches or families or kv_pages_leave_whole)"
+    # TP's parity tests run on whatever device is there (not marked gpu): here on the GPUs, over NCCL.
+    run 200 tp_tests.log python3 -m pytest -q -p no:cacheprovider -rfE tests/ \
+      -k "test_tp and (engine_matches or families or kv_pages_leave_whole)"
     run 300 tp.log python3 -m bench.tp --out "$OUT" "$@" ;;
   ab) TAIL=40 run 560 ab.log python3 -m bench.ab --out "$OUT" "$@" ;;
 esac
