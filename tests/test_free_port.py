@@ -1,11 +1,11 @@
-"""The tests' free ports come from below the kernel's ephemeral range (tests/conftest.py): a port from
+"""The tests' free ports come from below the kernel's ephemeral range (tests/support/stack.py): a port from
 bind(0) can be taken as the local port of an outgoing connection before the server meant for it binds,
 which failed a CI run with EADDRINUSE."""
 from __future__ import annotations
 
 import socket
 
-from tests.conftest import _ephemeral_range, free_port
+from tests.support.stack import _ephemeral_range, free_port
 
 
 def test_free_ports_are_below_the_ephemeral_range_distinct_and_bindable():

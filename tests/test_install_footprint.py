@@ -7,9 +7,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import requests
 
-from tests.conftest import ROOT, free_port
+from tests.support.stack import ROOT, free_port
+
+pytestmark = pytest.mark.e2e
 
 # Makes ucxx and its RAPIDS wheels unimportable in this process and every child (workers inherit
 # PYTHONPATH): what a machine without the `pd` extra looks like.

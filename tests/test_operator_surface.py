@@ -22,7 +22,7 @@ from services.launch import parse_args as launch_args
 from services.output_relay import PrefixedRelay, _split
 from services.worker.__main__ import parse_args as worker_args
 from shared.protocol import TokenOutput
-from tests.conftest import ROOT, free_port
+from tests.support.stack import ROOT, free_port
 
 
 def _parser_of(parse) -> argparse.ArgumentParser:
@@ -203,8 +203,9 @@ def test_relay_prefixes_lines_and_progress_redraws():
     assert sink.getvalue() == b"[decode-1] x 1/2\r[decode-1] x 2/2\n[decode-1] done\n"
 
 
+@pytest.mark.e2e
 def test_weight_loading_progress_reaches_the_launchers_stderr(tmp_path):
-    from tests.conftest_models import make_hf_model, write_hf_checkpoint
+    from tests.support.hf_models import make_hf_model, write_hf_checkpoint
 
     model_dir = write_hf_checkpoint(make_hf_model("qwen2"), str(tmp_path / "ckpt"))
     port = free_port()
@@ -267,6 +268,7 @@ def _exported(base_url) -> set[str]:
     return names
 
 
+@pytest.mark.e2e
 def test_gateway_exports_sglangs_gauges(base_url):
     requests.post(base_url + "/generate", json={"text": "warm", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
     text = requests.get(base_url + "/metrics", timeout=10).text
@@ -275,6 +277,7 @@ def test_gateway_exports_sglangs_gauges(base_url):
         assert re.search(rf"^sglang:{name}\{{model_name=\"tiny-random\"\}} [0-9.e+-]+$", text, re.M), name
 
 
+@pytest.mark.e2e
 def test_dashboard_queries_only_exported_metrics(base_url):
     with open(os.path.join(ROOT, "deploy", "grafana", "radixserve.json")) as f:
         dash = json.load(f)

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.support.stack import ROOT
 
 _PIN = re.compile(r"([A-Za-z0-9_.\-]+)==([A-Za-z0-9_.+\-]+)")
 

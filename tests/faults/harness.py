@@ -16,7 +16,7 @@ import requests
 
 from shared import procfs
 
-from tests.conftest import ROOT, free_port, wait_for  # noqa: F401 (the fault tests import it from here)
+from tests.support.stack import ROOT, free_port, wait_for  # noqa: F401 (the fault tests import it from here)
 
 REQUEST_TIMEOUT_S = 40.0  # a request that takes longer counts as a hang
 

@@ -10,7 +10,7 @@ import time
 
 import requests
 
-from tests.conftest import ROOT, free_port, stop_process_group
+from tests.support.stack import ROOT, free_port, stop_process_group
 
 
 class Proc:

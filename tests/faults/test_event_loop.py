@@ -11,6 +11,8 @@ import requests
 
 from tests.faults.procs import gateway, worker
 
+pytestmark = pytest.mark.e2e
+
 
 def _health_latencies_while(fn, url: str) -> tuple[list[float], object]:
     result: dict = {}

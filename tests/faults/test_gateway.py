@@ -12,9 +12,11 @@ import pytest
 import redis
 import requests
 
-from tests.conftest import free_port
+from tests.support.stack import free_port
 from tests.faults.harness import (Load, Proc, assert_no_bad, health, one_request, report, wait_for,
                                   wait_kv_baseline, worker_kv)
+
+pytestmark = pytest.mark.e2e
 
 DRAIN = ("--drain-grace", "0.5", "--drain-timeout", "10")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.fake_worker import gateway_stack
+from tests.support.fake_worker import gateway_stack
 
 LONE = "\\ud800"  # as it appears in the JSON text: half a surrogate pair
 

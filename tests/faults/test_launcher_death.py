@@ -6,9 +6,13 @@ import os
 import signal
 import time
 
+import pytest
+
 from shared.procfs import alive as _alive
 from shared.procfs import children as _children
-from tests.conftest import Stack
+from tests.support.stack import Stack
+
+pytestmark = pytest.mark.e2e
 
 
 def test_sigkilled_launcher_leaves_no_worker_running():

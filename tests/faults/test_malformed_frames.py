@@ -15,8 +15,10 @@ import requests
 from shared.protocol import FlushCacheRequest, GenerateRequest, Hello, InfoRequest, KvHeader, TokenOutputs
 from shared.sampling_params import SamplingParams
 from shared.wire import encode_frame, read_message
-from tests.conftest import free_port
+from tests.support.stack import free_port
 from tests.faults.procs import Proc, gateway, worker
+
+pytestmark = pytest.mark.e2e
 
 KEY = "fault-suite-key"
 ENV = {"RADIXSERVE_INTERNAL_KEY": KEY}

@@ -9,6 +9,8 @@ from hypothesis import HealthCheck, Phase, settings
 
 from tests.faults.procs import gateway, worker
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def api_schema():

@@ -12,6 +12,8 @@ import pytest
 from tests.faults.harness import (FaultStack, Load, all_up, assert_no_bad, health, one_request, report, wait_for,
                                   wait_kv_baseline, worker_kv)
 
+pytestmark = pytest.mark.e2e
+
 TRANSFER_TIMEOUT_S = 3.0
 
 

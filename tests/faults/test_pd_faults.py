@@ -7,9 +7,12 @@ import os
 import signal
 import time
 
+import pytest
 import requests
 
 from tests.faults.procs import gateway, worker
+
+pytestmark = pytest.mark.e2e
 
 
 def test_pd_pool_overflow_is_400_and_dead_decode_fails_fast():

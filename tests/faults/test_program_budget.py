@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from services.gateway.program_limits import ProgramBudget
-from tests.fake_worker import gateway_stack
+from tests.support.fake_worker import gateway_stack
 
 GEN = {"op": "gen", "name": "g", "sampling_params": {"max_new_tokens": 20}}
 

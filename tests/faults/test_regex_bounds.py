@@ -11,7 +11,7 @@ from shared import limits
 from shared.constrained import GrammarCache, jump_forward
 from shared.errors import InvalidRequest
 from shared.sampling_params import SamplingParams
-from tests.engine_harness import Harness, tokenizer
+from tests.support.engine_harness import Harness, tokenizer
 
 
 @pytest.mark.parametrize("grammar", [

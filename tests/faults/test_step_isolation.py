@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_harness import Harness
+from tests.support.engine_harness import Harness
 
 GREEDY = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
 BYSTANDER = list(range(10, 50))

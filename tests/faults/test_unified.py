@@ -16,6 +16,8 @@ import requests
 from tests.faults.harness import (FaultStack, Load, all_up, assert_no_bad, health, one_request, report, wait_for,
                                   wait_kv_baseline, worker_kv)
 
+pytestmark = pytest.mark.e2e
+
 POOL_TOKENS = 2048
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from services.gateway.limits import Limits
 from shared import limits
-from tests.engine_harness import Harness
+from tests.support.engine_harness import Harness
 
 
 @pytest.fixture(scope="module")
