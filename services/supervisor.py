@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 from services.output_relay import PrefixedRelay
+from shared.parent_death import die_with_parent
 
 log = logging.getLogger("services.supervisor")
 
@@ -34,14 +35,9 @@ class RestartPolicy:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies, however it dies (a SIGKILLed
-    launcher must not leave workers running; they sit in their own session, out of its group's reach)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the launcher's own shutdown still stops them
-        pass
+    """In the child, before exec: SIGTERM when the launcher dies, however it dies (workers sit in their own
+    session, out of its group's reach)."""
+    die_with_parent(signal.SIGTERM)
 
 
 @dataclass

@@ -7,8 +7,6 @@ import ast
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-# Split into tests/kernels/ by issue 58; once it is gone, drop it here (its tests there carry the marker).
-NOT_YET = ("test_kernels.py",)
 
 
 def _cuda_absent(node: ast.AST) -> bool:
@@ -44,10 +42,8 @@ def unmarked_cuda_tests(source: str) -> list[str]:
 
 
 def test_every_test_that_needs_cuda_is_marked_gpu():
-    files = [p for p in sorted(TESTS.rglob("test_*.py")) if p.relative_to(TESTS).as_posix() not in NOT_YET]
+    files = sorted(TESTS.rglob("test_*.py"))
     assert len(files) > 50  # the walk found the suite
-    for name in NOT_YET:
-        assert (TESTS / name).exists(), f"tests/{name} is gone: drop it from NOT_YET"
     bad = [f"{p.relative_to(TESTS)}::{name}" for p in files for name in unmarked_cuda_tests(p.read_text())]
     assert not bad, "needs CUDA without @pytest.mark.gpu (the marker skips it without CUDA):\n" + "\n".join(bad)
 

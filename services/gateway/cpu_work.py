@@ -5,6 +5,10 @@ pool of worker processes that load the same tokenizer: a thread would not do, be
 holds the GIL while it builds the Python list of ids (a 1 MB prompt: 0.5 s of a frozen loop). Before any
 of that, a prompt with more characters than the context could hold at the tokenizer's longest token is
 refused outright: its length alone proves it cannot fit.
+
+Small inputs are inline only while the loop has time for them: many at once (a program's 64-way fork,
+each branch scoring 16 choices of a 13 KB prompt) would add up to seconds of a frozen loop, so once a
+burst has used up its share of the loop's time the rest go to the pool too.
 """
 from __future__ import annotations
 
@@ -13,19 +17,29 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
+import os
+import signal
+import time
 from typing import Any
 
+from shared.parent_death import die_with_parent
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-INLINE_CHARS = 16 * 1024  # inputs up to this size are prepared on the loop (well under a millisecond each)
+INLINE_CHARS = 16 * 1024  # inputs up to this size are prepared on the loop (a few milliseconds at most)
+# Inline work is paid for from a credit that refills at INLINE_SHARE of wall time up to INLINE_BURST_S:
+# when a burst has spent it, inputs go to the pool until the loop has had time for everything else.
+INLINE_SHARE = 0.25
+INLINE_BURST_S = 0.005
+ALWAYS_INLINE_CHARS = 2048  # smaller inputs stay inline whatever the credit: the hop would cost more
 
 _TOKENIZER: Tokenizer | None = None  # in a pool process
 
 
-def _init(path: str, chat_template: str | None) -> None:
+def _init(path: str, chat_template: str | None, parent_pid: int) -> None:
     global _TOKENIZER
+    die_with_parent(signal.SIGKILL, parent_pid)  # a SIGKILLed gateway leaves no pool process behind
     _TOKENIZER = Tokenizer.load(path)
     if chat_template and chat_template != _TOKENIZER.chat_template:  # the gateway's --chat-template
         _TOKENIZER.set_chat_template(chat_template)
@@ -71,6 +85,21 @@ class CpuWork:
         self.token_chars = max_token_chars(tokenizer)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self.offloaded = 0  # inputs prepared in a pool process (for tests and metrics)
+        self._credit = INLINE_BURST_S  # seconds of inline work the loop can afford now
+        self._credit_at = time.monotonic()
+
+    def _inline(self, chars: int) -> bool:
+        if chars > self.inline_chars:
+            return False
+        now = time.monotonic()
+        self._credit = min(INLINE_BURST_S, self._credit + (now - self._credit_at) * INLINE_SHARE)
+        self._credit_at = now
+        return self._credit > 0 or chars <= ALWAYS_INLINE_CHARS
+
+    def _spent(self, since: float) -> None:
+        now = time.monotonic()
+        self._credit -= now - since
+        self._credit_at = now
 
     def chars_cannot_fit(self, chars: int, context_length: int | None) -> bool:
         # Twice the strict bound: a normalizer may drop characters before tokenization.
@@ -82,7 +111,8 @@ class CpuWork:
             ctx = multiprocessing.get_context("spawn")
             self._pool = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=ctx,
                                                                 initializer=_init,
-                                                                initargs=(self.path, self.tokenizer.chat_template))
+                                                                initargs=(self.path, self.tokenizer.chat_template,
+                                                                          os.getpid()))
         return self._pool
 
     async def _run(self, local, fn, *args) -> Any:
@@ -99,8 +129,12 @@ class CpuWork:
         return await asyncio.to_thread(local)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) <= self.inline_chars:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if self._inline(len(text)):
+            t0 = time.monotonic()
+            try:
+                return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            finally:
+                self._spent(t0)
         return _ids(await self._run(lambda: _encode_local(self.tokenizer, text, add_special_tokens),
                                     _encode, text, add_special_tokens))
 
@@ -111,8 +145,12 @@ class CpuWork:
             text = _render(self.tokenizer, messages, args)
             return text, self.tokenizer.encode(text, add_special_tokens=False)
 
-        if chars <= self.inline_chars:
-            return local()
+        if self._inline(chars):
+            t0 = time.monotonic()
+            try:
+                return local()
+            finally:
+                self._spent(t0)
         text, packed = await self._run(lambda: _pack(local()), _render_and_encode, messages, args)
         return text, _ids(packed)
 

@@ -1,13 +1,15 @@
 """Worker discovery through the metadata store (Redis in a multi-host deployment).
 
-Workers refresh their entry every few seconds and the entry expires otherwise, so a crashed worker
-leaves routing within the TTL; one that stops cleanly deregisters at once. The gateway keeps one
-client per address and closes a departed worker's client after its in-flight requests drain.
+The registry only adds workers. Whether a worker the gateway is connected to is alive is for that
+connection to say (its pings, services/gateway/health.py), not for its entry: an entry can vanish while
+the worker serves on (FLUSHALL, a Redis restarted empty, a failover to an empty replica) and comes back
+with the worker's next beat. So a worker leaves routing when its entry is gone *and* its connection is
+gone (a crash: the connection breaks at once, the entry expires within the TTL) or it drains (a clean
+stop: it says so in a pong and deregisters). The gateway keeps one client per address and closes a
+departed worker's client after its in-flight requests drain.
 
 Redis is metadata, not a dependency: while it is unreachable the gateway routes on the last known set
-(one log line per outage), and for one TTL after it returns it only adds workers, never removes them (a
-restarted Redis is empty until every worker's next beat re-registers it). Workers given with
---workers are always kept; the registry adds to them.
+(one log line per outage). Workers given with --workers are always kept; the registry adds to them.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import logging
 from services.gateway.router import Router
 from services.gateway.worker_client import WorkerClient
 from shared.metadata.outage import Outage
-from shared.metadata.store import WORKER_TTL_S, MetadataStore
+from shared.metadata.store import MetadataStore
 
 log = logging.getLogger(__name__)
 _DRAIN_S = 30.0
@@ -38,7 +40,6 @@ class WorkerDiscovery:
         self._task: asyncio.Task | None = None
         self._delay = interval_s
         self.outage = Outage("worker discovery", log)
-        self._adds_only_until = 0.0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="worker-discovery")
@@ -50,8 +51,6 @@ class WorkerDiscovery:
 
     async def refresh_once(self) -> bool:
         """One refresh that never raises; False when the store was unreachable."""
-        if self.outage.down:  # first answer after an outage: entries may not be back yet
-            self._adds_only_until = asyncio.get_running_loop().time() + WORKER_TTL_S
         try:
             async with asyncio.timeout(5.0):
                 await self.refresh()
@@ -65,8 +64,8 @@ class WorkerDiscovery:
     async def refresh(self) -> None:
         entries = await self.store.list_workers()
         wanted: dict[str, WorkerClient] = dict(self._static)
-        if asyncio.get_running_loop().time() < self._adds_only_until:
-            wanted.update(self._clients)  # just after an outage: entries may not be back yet
+        # Connected and not draining: alive whatever the registry says now (module docstring).
+        wanted.update((a, c) for a, c in self._clients.items() if c.connected and not c.draining)
         for info in entries.values():
             if info.get("role") not in self.roles:
                 continue

@@ -56,9 +56,12 @@ async def generate(state: "GatewayState", request: web.Request) -> web.StreamRes
     return json_response(await _run(state, job), headers=job.headers())
 
 
-async def generate_json(state: "GatewayState", body: Any, cache_salt: str | None = None) -> dict | list:
-    """`/generate` in process, without streaming: what the server-side program executor calls."""
+async def generate_json(state: "GatewayState", body: Any, admit=None, cache_salt: str | None = None) -> dict | list:
+    """`/generate` in process, without streaming: what the server-side program executor calls.
+    `admit(requests)`, once the prompts are tokenized and before anything is sent, may refuse them."""
     job = await _build(state, body)
+    if admit is not None:
+        admit(job.reqs)
     stamp_tenant(job.reqs, cache_salt)
     state.dispatcher.check_rids([r.rid for r in job.reqs], cache_salt)
     await check_grammars(state, job.reqs)

@@ -4,12 +4,18 @@ Generation goes through an injected `generate(body) -> answer` with the shape of
 endpoint (a list for a batch), so this module knows nothing of the gateway's insides; every generate call
 of a program goes through `_Run._call`. The select and fork warm-up requests and the select scoring are
 lang_client's own (lang_client.wire, lang_client.choices), so a remote run asks the same as a local one.
+
+Nothing a program does may hold the event loop for long or grow without a bound: a stream's text is kept as
+parts (appending a long value to a long text by `+=` copies the whole text every time), every character the
+run would hold is announced to `bounds.add_text` before it is appended (the caller refuses past its answer
+bound), a select holds its scoring batch's least prompt tokens (`bounds.hold_prompt_tokens`) before it
+builds the batch's copies of the prompt, and the interpreter yields to the loop every few nodes (a read
+of a defined variable never waits, so a long list of them would not).
 """
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from lang_client import wire
 from lang_client.choices import resolve_method
@@ -23,15 +29,72 @@ class ProgramError(RuntimeError):
     """A generate call inside the program failed."""
 
 
-@dataclass
+class Bounds(Protocol):
+    """What a run may hold and ask for; each method raises (the caller's error) to refuse."""
+
+    def add_text(self, chars: int) -> None:
+        """`chars` more characters of text are about to be held (a stream, a message or a variable)."""
+
+    def hold_prompt_tokens(self, tokens: int) -> None:
+        """The calling task's next generate call needs at least `tokens` prompt tokens: hold them now,
+        before its body is built (the call's own reservation replaces the hold)."""
+
+
+class _Unbounded:
+    def add_text(self, chars: int) -> None:
+        pass
+
+    def hold_prompt_tokens(self, tokens: int) -> None:
+        pass
+
+
+YIELD_EVERY = 64  # nodes a stream runs between two yields to the event loop
+
+
 class _Stream:
-    text: str = ""
-    messages: list[dict[str, str]] = field(default_factory=list)
-    role_start: int = 0
-    fork_start: int = 0
+    """A stream's text as the parts appended to it (joined only when a generate call needs one string),
+    its messages, and where (in characters) its open role and its fork began."""
+
+    __slots__ = ("parts", "chars", "messages", "role_start", "fork_start")
+
+    def __init__(self, parts: list[str] | None = None, messages: list[dict[str, str]] | None = None,
+                 role_start: int = 0):
+        self.parts = parts or []
+        self.chars = sum(len(p) for p in self.parts)
+        self.messages = messages if messages is not None else []
+        self.role_start = role_start
+        self.fork_start = self.chars
+
+    def append(self, s: str) -> None:
+        if s:
+            self.parts.append(s)
+            self.chars += len(s)
+
+    def text(self) -> str:
+        if len(self.parts) > 1:
+            self.parts = ["".join(self.parts)]  # kept joined: the next call joins from here
+        return self.parts[0] if self.parts else ""
+
+    def since(self, start: int) -> str:
+        """The text from character `start` on, joining only the parts it spans."""
+        need, tail = self.chars - start, []
+        for part in reversed(self.parts):
+            if need <= 0:
+                break
+            tail.append(part if len(part) <= need else part[len(part) - need:])
+            need -= len(part)
+        return "".join(reversed(tail))
 
     def copy(self) -> "_Stream":
-        return _Stream(self.text, list(self.messages), self.role_start, len(self.text))
+        # Joined first, so every branch of a fork shares one string of the prefix.
+        return _Stream([self.text()] if self.chars else [], list(self.messages), self.role_start)
+
+
+def _chars(value: Any) -> int:
+    """Characters of text a variable's value holds (a set value's JSON data counted when validated)."""
+    if isinstance(value, str):
+        return len(value)
+    return sum(_chars(v) for v in value) if isinstance(value, list) else 0
 
 
 def _scoped(scope: str, name: str) -> str:
@@ -39,8 +102,10 @@ def _scoped(scope: str, name: str) -> str:
 
 
 class _Run:
-    def __init__(self, generate: Generate, on_variable, fork_hint: bool = True):
+    def __init__(self, generate: Generate, on_variable, fork_hint: bool = True, bounds: Bounds | None = None):
         self.generate = generate
+        self.bounds = bounds or _Unbounded()
+        self.steps = 0  # nodes run since the last yield to the loop
         self.on_variable = on_variable
         self.fork_hint = fork_hint
         self.futures: dict[tuple[str, str], list[asyncio.Future]] = {}
@@ -61,9 +126,12 @@ class _Run:
             futs.append(fut)
         return futs[index]
 
-    async def _define(self, scope: str, name: str | None, value: Any, meta: Any) -> None:
+    async def _define(self, scope: str, name: str | None, value: Any, meta: Any, counted: bool = False) -> None:
         if name is None:
             return
+        if not counted:
+            # The answer holds every variable apart from the text: a gathered list repeats its branches' values.
+            self.bounds.add_text(_chars(value))
         key = (scope, name)
         index = self.def_counts.get(key, 0)
         self.def_counts[key] = index + 1
@@ -98,35 +166,46 @@ class _Run:
             raise ProgramError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
         return answer
 
+    def _append(self, st: _Stream, s: str) -> None:
+        self.bounds.add_text(len(s))
+        st.append(s)
+
     async def stream(self, nodes: list, scope: str, st: _Stream) -> None:
         for node in nodes:
+            self.steps += 1
+            if self.steps >= YIELD_EVERY:
+                self.steps = 0
+                await asyncio.sleep(0)
             if isinstance(node, TextNode):
-                st.text += node.text
+                self._append(st, node.text)
             elif isinstance(node, RoleNode):
                 if node.begin:
-                    st.text += node.text
-                    st.role_start = len(st.text)
+                    self._append(st, node.text)
+                    st.role_start = st.chars
                 else:
                     # As the client's interpreter (and SGLang's): leading whitespace is not content.
-                    st.messages.append({"role": node.role, "content": st.text[st.role_start:].lstrip()})
-                    st.text += node.text
+                    self.bounds.add_text(st.chars - st.role_start)
+                    st.messages.append({"role": node.role, "content": st.since(st.role_start).lstrip()})
+                    self._append(st, node.text)
             elif isinstance(node, GenNode):
-                answer = await self._call({"text": st.text, "sampling_params": dict(node.sampling_params),
+                answer = await self._call({"text": st.text(), "sampling_params": dict(node.sampling_params),
                                            **node.logprob})
-                st.text += answer["text"]
+                self._append(st, answer["text"])
                 await self._define(scope, node.name, answer["text"], answer.get("meta_info"))
             elif isinstance(node, SelectNode):
-                decision, meta = await self._select(st.text, node)
-                st.text += decision
+                decision, meta = await self._select(st.text(), node)
+                self._append(st, decision)
                 await self._define(scope, node.name, decision, meta)
             elif isinstance(node, VarNode):
-                st.text += await self._future(node.scope, node.name, node.def_index)
+                self._append(st, await self._future(node.scope, node.name, node.def_index))
             elif isinstance(node, SetNode):
                 value = node.value
                 if node.parts is not None:
-                    value = "".join([p.text if isinstance(p, TextNode)
-                                     else await self._future(p.scope, p.name, p.def_index) for p in node.parts])
-                await self._define(scope, node.name, value, None)
+                    parts = [p.text if isinstance(p, TextNode) else await self._future(p.scope, p.name, p.def_index)
+                             for p in node.parts]
+                    self.bounds.add_text(sum(len(p) for p in parts))  # before the join: x = x + x doubles
+                    value = "".join(parts)
+                await self._define(scope, node.name, value, None, counted=node.parts is not None)
             elif isinstance(node, ForkNode):
                 await self._fork(node, st)
             elif isinstance(node, JoinNode):
@@ -146,9 +225,9 @@ class _Run:
                     fut.exception()
 
     async def _fork(self, node: ForkNode, st: _Stream) -> None:
-        if self.fork_hint and wire.should_warm_fork(len(node.branches), st.text):
+        if self.fork_hint and wire.should_warm_fork(len(node.branches), st.text()):
             # One prefill of the shared prefix, so every branch finds it in the radix cache.
-            await self._call(wire.prefill_body(st.text))
+            await self._call(wire.prefill_body(st.text()))
         states = [st.copy() for _ in node.branches]
         scopes = [f"f{node.id}.{i}" for i in range(len(node.branches))]
         tasks = [asyncio.ensure_future(self._branch(b, s, bst)) for b, s, bst in zip(node.branches, scopes, states)]
@@ -175,10 +254,14 @@ class _Run:
                 values = [self.values[_scoped(s, name)] for s in scopes]
                 await self._define(scope, name, values, [self.meta.get(_scoped(s, name)) for s in scopes])
         else:
-            st.text += "".join(b.text[b.fork_start:] for b in states)
+            for b in states:
+                self._append(st, b.since(b.fork_start))
 
     async def _select(self, text: str, node: SelectNode) -> tuple[str, dict]:
         first = await self._call(wire.prefill_body(text))
+        # Each scored text holds the prompt, bar the last tokens a choice's head may merge with: a batch
+        # that cannot fit what the budget has left is refused before its len(choices) copies are made.
+        self.bounds.hold_prompt_tokens(len(node.choices) * max(first["meta_info"]["prompt_tokens"] - 2, 0))
         answers = await self._call(wire.choice_scoring_body(text, node.choices, node.temperature,
                                                             first["meta_info"]["prompt_tokens"]))
         try:
@@ -201,13 +284,14 @@ class _Run:
 
 async def execute_program(program: Program, generate: Generate,
                           on_variable: Callable[[str, Any, Any], Awaitable[None]] | None = None,
-                          fork_hint: bool = True) -> dict:
-    """Run a validated program. `generate(body)` takes and returns /generate JSON (a list for a batch).
+                          fork_hint: bool = True, bounds: Bounds | None = None) -> dict:
+    """Run a validated program. `generate(body)` takes and returns /generate JSON (a list for a batch);
+    `bounds` refuses text and prompts past the caller's limits (none by default).
 
     Every fork's branches start together, right after one max_new_tokens=0 warm-up of their shared prefix
     (the fork prefix hint; `fork_hint=False`, the gateway's --disable-fork-hint, leaves it out).
     """
-    run = _Run(generate, on_variable, fork_hint)
+    run = _Run(generate, on_variable, fork_hint, bounds)
     root = _Stream()
     try:
         await run.stream(program.nodes, "", root)
@@ -217,17 +301,18 @@ async def execute_program(program: Program, generate: Generate,
         run.fail(e)
         await asyncio.gather(*run.tasks, return_exceptions=True)
         raise (run.error if not isinstance(e, asyncio.CancelledError) else e)
-    return {"text": root.text, "messages": root.messages, "variables": run.values, "meta_info": run.meta}
+    return {"text": root.text(), "messages": root.messages, "variables": run.values, "meta_info": run.meta}
 
 
-async def stream_program(program: Program, generate: Generate, fork_hint: bool = True) -> AsyncIterator[dict]:
+async def stream_program(program: Program, generate: Generate, fork_hint: bool = True,
+                         bounds: Bounds | None = None) -> AsyncIterator[dict]:
     """Events for SSE: each variable as it completes, then the whole result."""
     events: asyncio.Queue = asyncio.Queue()
 
     async def on_variable(name, value, meta):
         await events.put({"type": "variable", "name": name, "value": value, "meta_info": meta})
 
-    task = asyncio.ensure_future(execute_program(program, generate, on_variable, fork_hint))
+    task = asyncio.ensure_future(execute_program(program, generate, on_variable, fork_hint, bounds))
     task.add_done_callback(lambda _: events.put_nowait(None))
     try:
         while (event := await events.get()) is not None:

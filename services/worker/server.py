@@ -15,9 +15,11 @@ from shared.engine.engine import Engine
 from shared.protocol import (AbortRequest, FinishAbort, FlushCacheRequest, FlushCacheResult, GenerateRequest,
                              InfoRequest, InfoResult, PingRequest, PongResult, ProtocolError, TokenOutput,
                              TokenOutputs)
+from shared.log_limit import LimitedWarning
 from shared.wire import WORKER_MAX_FRAME, accept_hello, encode_frame, read_message
 
 log = logging.getLogger(__name__)
+_peer_warnings = LimitedWarning(log)  # per-connection warnings: a flood of connections is no log flood
 _CALL_TIMEOUT_S = 30.0
 
 
@@ -123,13 +125,14 @@ class WorkerServer:
             try:
                 await accept_hello(reader, self.internal_key)
             except (ProtocolError, TimeoutError) as e:
-                log.warning("refusing a connection from %s: %s", writer.get_extra_info("peername"), e)
+                _peer_warnings.warning(f"refused: {e}", "refusing a connection from %s: %s",
+                                       writer.get_extra_info("peername"), e)
                 return
             while True:
                 try:
                     msg = await read_message(reader, self.max_frame)
                 except ProtocolError as e:
-                    log.warning("dropping connection after a bad frame: %s", e)
+                    _peer_warnings.warning(f"bad frame: {e}", "dropping connection after a bad frame: %s", e)
                     break
                 if isinstance(msg, GenerateRequest):
                     if msg.rid in self._owner:
@@ -167,7 +170,8 @@ class WorkerServer:
                         info["transfer_addr"] = list(self.transfer_addr)
                     conn.send(encode_frame(InfoResult(call_id=msg.call_id, info=info)))
                 else:
-                    log.warning("unexpected message %s", type(msg).__name__)
+                    _peer_warnings.warning(f"unexpected: {type(msg).__name__}", "unexpected message %s",
+                                           type(msg).__name__)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except asyncio.CancelledError:

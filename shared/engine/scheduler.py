@@ -240,6 +240,8 @@ class Scheduler:
 
     def _reserved_tokens(self) -> float:
         reqs = self.running + ([self.chunked] if self.chunked else [])
+        if self.decode_stages.num_holding():  # PD: requests whose pages are on the way decode here next
+            reqs += self.decode_stages.holding()
         return sum(self._reserve_of(r) for r in reqs)
 
     def _free_tokens(self) -> int:
@@ -307,6 +309,11 @@ class Scheduler:
         return bool(self.running or self.chunked is not None or self.decode_stages.num_holding()
                     or self.prefill_stages.holds_kv())
 
+    def _holds_kv_besides(self, req: Req) -> bool:
+        """Whether a request other than `req` holds KV that will be freed without `req`'s help."""
+        return (any(r is not req for r in self.running) or self.chunked is not None
+                or bool(self.decode_stages.num_holding()) or self.prefill_stages.holds_kv())
+
     def _prefill_done(self, req: Req) -> None:
         if req.transfer_role == "prefill":
             self.prefill_stages.park(req)  # never decodes here
@@ -343,6 +350,11 @@ class Scheduler:
                 break
             if len(reqs) == 1:
                 victim = reqs[0]
+                if self._holds_kv_besides(victim):
+                    # Others' KV comes back without its help (a PD transfer's reserved slots, a chunked
+                    # prompt): it fits alone, so it waits in the queue, its work kept in the tree.
+                    self._retract(victim)
+                    return None
                 self.remove(victim)
                 self.stats.oom_aborts += 1
                 self.failed.append(victim)

@@ -5,7 +5,6 @@ replays rank 0's commands until told to stop. TPLeader starts it as `python -m s
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import pickle
@@ -16,6 +15,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from shared.engine.config import EngineConfig
+from shared.parent_death import die_with_parent
 from shared.engine.tp import join_process_group, leave_process_group, rank_device, rendezvous_store
 
 log = logging.getLogger(__name__)
@@ -48,20 +48,9 @@ class TPFollowerLink:
         pass
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this rank when rank 0 dies. The kernel ties it to the *thread* that started us: build the
-    ModelRunner on a thread that lives as long as the engine (the worker's main thread does)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the pipe's EOF still ends the follower between steps
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
-
-
 def _follower_main(rank: int, port: int, conn: Connection, parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
+    # SIGKILL when rank 0 dies: the ModelRunner is built on a thread that lives as long as the engine.
+    die_with_parent(signal.SIGKILL, parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker's Ctrl-C is rank 0's to handle
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{rank} %(name)s %(levelname)s %(message)s")
     from shared.engine.model_runner import ModelRunner, resolve_device  # after the death signal is set

@@ -34,10 +34,12 @@ import torch
 
 from shared import protocol
 from shared.protocol import KvAccept, KvAck, KvDone, KvHeader, Message, ProtocolError
+from shared.log_limit import LimitedWarning
 from shared.transfer.kv_pages import as_transport_buffer
 from shared.wire import key_matches
 
 log = logging.getLogger(__name__)
+_peer_warnings = LimitedWarning(log)  # per-connection warnings: a flood of connections is no log flood
 _MAX_CONTROL_BYTES = 1 << 20
 _LEN = struct.Struct("!Q")
 
@@ -216,7 +218,7 @@ class KvReceiver:
             return False
         if not key_matches(self.key, header.key):
             self.refused += 1  # not a worker of this stack: say nothing, touch nothing
-            log.warning("KV header with a wrong internal key refused")
+            _peer_warnings.warning("wrong key", "KV header with a wrong internal key refused")
             _abort(ep)
             return False
         transfer_id = header.transfer_id
@@ -254,7 +256,7 @@ class KvReceiver:
                 self.cancelled += 1  # the request had ended: its prefill side dropped the transfer
             else:
                 self.failures += 1
-                log.warning("KV receive %s failed: %s", transfer_id, reason)
+                _peer_warnings.warning(f"failed: {type(e).__name__}", "KV receive %s failed: %s", transfer_id, reason)
             if isinstance(e, TransferError):
                 try:
                     async with asyncio.timeout(5):

@@ -64,3 +64,30 @@ async def test_programs_per_key_bound():
         assert status == 200, body
         assert (await first)[0] == 200
         assert not s.state.program_slots.running
+
+
+async def test_doubling_a_variable_is_refused_before_it_grows():
+    """`x = x + x` thirty times would be 2^30 copies of a 1,000-character value: refused once the text it
+    holds passes the answer bound, before the join that would cross it."""
+    nodes = [{"op": "set", "name": "x", "value": "a" * 1000}]
+    nodes += [{"op": "set", "name": "x", "parts": [{"op": "var", "name": "x"}, {"op": "var", "name": "x"}]}] * 30
+    async with gateway_stack() as s:
+        status, body = await _post(s, {"program": {"version": 1, "nodes": nodes}})
+        assert status == 400 and "answer is larger" in body["error"]["message"], body
+
+
+async def test_streamed_answer_is_bounded_too():
+    async with gateway_stack(program_budget=ProgramBudget(max_answer_bytes=400)) as s:
+        r = await s.client.post("/v1/programs", json={**_fanout(8, "x "), "stream": True})
+        raw = await r.text()
+        assert r.status == 200 and "answer is larger" in raw and '"type":"result"' not in raw, raw[-500:]
+
+
+async def test_answer_encoded_in_steps_is_the_same_json():
+    from services.gateway.json_out import dumps
+    from services.gateway.program_limits import ENCODE_STEP, ProgramMeter
+
+    long = ('é"\\\n\u2028x' * ENCODE_STEP)[: 3 * ENCODE_STEP + 5]
+    answer = {"text": long, "messages": [{"role": "user", "content": long}], "variables": {"x": [long, "y"]},
+              "meta_info": {"x": None, "n": {}, "l": [], "f": [1.5, -2, [None, 3, "t"]], "k": {1: "a"}}}
+    assert await ProgramMeter(ProgramBudget()).serialize(answer) == dumps(answer)

@@ -10,7 +10,6 @@ import contextlib
 import json
 import socket
 
-import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 

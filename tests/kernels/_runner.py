@@ -98,7 +98,7 @@ def kernel_tests(module_globals: dict):
     def test_interpreted_cpu(name, interpreted_results):
         assert interpreted_results[name] == "ok", interpreted_results[name]
 
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    @pytest.mark.gpu
     @pytest.mark.parametrize("name", list(checks))
     def test_cuda_bf16(name):
         torch.manual_seed(0)

@@ -203,7 +203,7 @@ def check_decode_attention_tiles(device, dtype):
                 torch.testing.assert_close(out[live], ref, **_tol(dtype), msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("one_launch", [False, True])
 def test_cuda_graph_decode_replay_tracks_new_lengths(one_launch):
     """Capture decode attention (metadata included) once, then replay with longer contexts; with the
@@ -239,7 +239,7 @@ def test_cuda_graph_decode_replay_tracks_new_lengths(one_launch):
             assert tickets is None or not tickets.any()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_one_launch_decode_matches_two_launches_under_load():
     """Many programs finishing in any order (batch 1 to 64, up to 64 chunks each, shared-prefix columns
     too), each call repeated in one CUDA graph: the one-launch merge gives the two-launch output (within

@@ -15,7 +15,7 @@ def check_gemv_split_norm(device, dtype):
     of a pass clears the sums, more of them than one block."""
     from kernels.gemv import GemvConfig, gemv
     from kernels.norm import rms_norm
-    from kernels.reference import gemv_ref, residual_norm_produce_ref, residual_norm_scale_ref, rms_norm_ref
+    from kernels.reference import residual_norm_produce_ref, residual_norm_scale_ref, rms_norm_ref
     from kernels.residual_norm import NORM_SLOTS, ResidualNorm
     from shared.models.quantization import quantize_per_channel
 

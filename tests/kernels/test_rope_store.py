@@ -15,7 +15,6 @@ def check_gemv_rope_store(device, dtype):
     rotated in the output, k and v in the token's pool slot and nowhere else. The row kernel, the general
     one, split K (the epilogue then in the reduce kernel), FP8 weights, a split norm's consumer; head dims
     whose half is not a power of two."""
-    import kernels.gemv as kg
     from kernels.gemv import GemvConfig, gemv
     from kernels.reference import rope_cos_sin_cache, rope_store_ref
     from kernels.residual_norm import NORM_SLOTS, ResidualNorm
