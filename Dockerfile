@@ -11,7 +11,7 @@ ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PIP
 WORKDIR /app
 
 # Requirements first, in their own layer: a source edit does not re-download torch. The pins are
-# pyproject's runtime dependencies plus the `pd` extra (tests/test_deploy.py keeps them equal). torch from
+# pyproject's runtime dependencies plus the `pd` extra (tests/test_packaging.py keeps them equal). torch from
 # PyPI is the CUDA 13 build and brings its triton (3.7.1).
 RUN pip install \
         torch==2.13.0 numpy==2.4.6 aiohttp==3.14.5 msgspec==0.23.0 safetensors==0.8.0 tokenizers==0.23.3 \

@@ -4,7 +4,7 @@
 
 Reported per degree: batch-1 decode ms/step (wall) and graph replay, and output tok/s of reqs × (512 in,
 128 out). Goal (issue 15): TP=2 on the 8B shape steps at ≤ 0.6 of TP=1's batch-1 step. Dummy weights are
-drawn per rank, so this measures speed only; parity is tests/test_tp.py's job (run it on the GPUs too).
+drawn per rank, so this measures speed only; parity is tests/engine/test_tp.py's job (run it on the GPUs too).
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ first imported, and flagged by the listing.
 Engine settings a user picks (batch sizes, fusions, attention backend) are EngineConfig fields and CLI flags, not
 knobs; knobs are the thresholds a kernel or scheduler change is tuned by, left settable for the next measurement.
 
-kernels/ stays pure (tests/test_layering.py) and may import this one module: it is a leaf of the standard library
-alone. Passing each value in from the callers instead would thread thresholds read deep inside kernel launches
+kernels/ stays pure (tests/kernels/test_layering.py) and may import this one module: it is a leaf of the standard
+library alone. Passing each value in from the callers instead would thread thresholds read deep inside kernel launches
 (split-K planning, the split count of decode attention) through every model and backend call in between.
 """
 from __future__ import annotations

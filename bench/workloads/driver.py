@@ -3,7 +3,7 @@
 Per (workload, mode): programs/s, output tokens/s, latency p50/p90 of one program, the prefix hit rate the
 workers report (cached / prompt tokens over the run, from /server_info), and the offline-optimal hit rate
 of the same request trace (bench/workloads/trace.py; recorded in interpreter mode: the endpoint sends the
-same requests, which tests/test_lang_parity_e2e.py checks).
+same requests, which tests/e2e/test_lang_parity.py checks).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ None), passing the gateway just those the user gave.
 
 Flags of the whole stack (--host, --port, --redis-url, --drain-*, --log-level, --model-path) and those the
 launcher means differently (--workers, --context-length, --internal-key) are not here: each parser
-declares its own (tests/test_gateway_cli.py checks the two stay in step).
+declares its own (tests/gateway/test_cli.py checks the two stay in step).
 """
 from __future__ import annotations
 
