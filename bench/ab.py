@@ -3,7 +3,7 @@ variant's environment, so both sides share the machine's clocks and drift (figur
 by a few percent on their own).
 
     python -m bench.ab [--rounds 2] [--out DIR] VARIANT [VARIANT ...] -- CMD ...
-    python -m bench.ab base notma:RADIXSERVE_NEW_KV_TMA=0 -- python -m bench.offline --skip-hf
+    python -m bench.ab base notma:RADIXSERVE_TMA_MIN_TOKENS=1000000 -- python -m bench.offline --skip-hf
 
 A VARIANT is NAME or NAME:VAR=VALUE,VAR=VALUE (environment variables, e.g. the runtime's RADIXSERVE_* knobs).
 Round by round each variant runs CMD with OUT=DIR/NAME-ROUND (where the suite's benchmarks write by default);

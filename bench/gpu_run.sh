@@ -20,7 +20,7 @@ benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT 
   pd                bench.pd: PD against unified workers on 2 GPUs (nvidia-h100-x2)
   tp                GPU TP tests, then bench.tp: TP=2 / TP=1 batch-1 step (nvidia-h100-x2)
   ab                bench.ab: a benchmark alternated between knob settings, e.g.
-                    ab base notma:RADIXSERVE_NEW_KV_TMA=0 -- python3 -m bench.offline --skip-hf
+                    ab base notma:RADIXSERVE_TMA_MIN_TOKENS=1000000 -- python3 -m bench.offline --skip-hf
 
 docs/performance.md says what each measures and its goal; bench/RESULTS.md holds the current figures.
 EOF
@@ -72,7 +72,9 @@ case $kind in
       run 200 pd_host.log python3 -m bench.pd --out "$OUT/host" --duration 30 --configs pd -- --kv-transfer-staging host
     fi ;;
   tp)
-    gpu_tests 200 tp_tests.log "test_tp and (engine_matches or families or kv_pages_leave_whole)"
+    # TP's parity tests run on whatever device is there (not marked gpu): here on the GPUs, over NCCL.
+    run 200 tp_tests.log python3 -m pytest -q -p no:cacheprovider -rfE tests/ \
+      -k "test_tp and (engine_matches or families or kv_pages_leave_whole)"
     run 300 tp.log python3 -m bench.tp --out "$OUT" "$@" ;;
   ab) TAIL=40 run 560 ab.log python3 -m bench.ab --out "$OUT" "$@" ;;
 esac

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# Backends SGLang offers that this engine does not, with the reason (README, Design notes).
+# Backends SGLang offers that this engine does not, with the reason (docs/design.md).
 _UNSUPPORTED_ATTENTION = {
     "flashinfer": "the GPU machines cannot install flashinfer (its wheels exceed what bench/fetch_wheels.sh "
                   "may carry there), so a backend on it could never be tested",

@@ -1,5 +1,5 @@
 """--kv-cache-dtype fp8_e4m3 / fp8_e5m2: an FP8 KV pool through the real engine and loader on the CPU path (the
-Triton kernels over FP8 pools are tested against their references in test_kernels.py: store_kv_fp8,
+Triton kernels over FP8 pools are tested against their references in tests/kernels/: store_kv_fp8,
 attention_fp8_pool, backend_end_to_end)."""
 from __future__ import annotations
 

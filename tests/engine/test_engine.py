@@ -374,8 +374,8 @@ def test_bad_requests_are_refused_not_crashed(h):
     {"schedule_policy": "fcfs"},
 ])
 def test_scheduling_machinery_does_not_change_greedy_output(h, cfg):
-    # SchedulePolicy logic is device-independent; the torch backend keeps the arithmetic identical across
-    # chunkings (Triton-vs-torch agreement is tested in test_kernels.py).
+    # Scheduling-policy logic is device-independent; the torch backend keeps the arithmetic identical across
+    # chunkings (Triton-vs-torch agreement is tested in tests/kernels/).
     if torch.cuda.is_available():
         h = Harness(attention_backend="torch")
         cfg = {**cfg, "attention_backend": "torch"}

@@ -339,7 +339,7 @@ async def test_official_openai_client_reads_tool_calls_and_reasoning(qwen):
     assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed.tool_calls] == [
         ("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})]
     assert final.choices[0].finish_reason == "tool_calls"
-    # The README's next turn: the client's own message object goes back with the tool's result.
+    # docs/api.md's next turn: the client's own message object goes back with the tool's result.
     qwen.worker.script = "21 degrees and sunny."
     call = msg.tool_calls[0]
     history = ASK + [msg.model_dump(exclude_none=True),

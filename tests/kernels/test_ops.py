@@ -37,8 +37,6 @@ def test_l2_prefetch_is_a_no_op_off_cuda():
 
 
 @pytest.mark.gpu
-
-
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="bulk L2 prefetch needs compute capability >= 9")
 @pytest.mark.parametrize("pdl", [False, True])

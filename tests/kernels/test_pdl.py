@@ -31,8 +31,6 @@ def test_pdl_early_trigger_is_chosen_per_kernel_family(monkeypatch):
 
 
 @pytest.mark.gpu
-
-
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs compute capability >= 9")
 @pytest.mark.parametrize("one_launch", [False, True])
