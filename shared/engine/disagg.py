@@ -56,10 +56,10 @@ if TYPE_CHECKING:
 
 class EngineView(Protocol):
     """What the two sides use of their engine (shared/engine/engine_loop.py's Engine): its config, runner and
-    scheduler, and its public way to end a request or start one decoding."""
+    scheduling policy, and its public way to end a request or start one decoding."""
     config: EngineConfig
     runner: ModelRunner
-    scheduler: SchedulePolicy
+    policy: SchedulePolicy
 
     def end_request(self, req: Req, error: str | None = None, reason: FinishReason | None = None) -> None: ...
 

@@ -474,7 +474,7 @@ class _FlushableEngine:
     steps = 0
     on_output = None
 
-    class scheduler:
+    class policy:
         @staticmethod
         def num_running() -> int:
             return 0
