@@ -596,7 +596,8 @@ def main():
         gw = s.get("gateway_cpu_us_per_token")
         if gw is not None and s["out_tokens"] and run_route(key).endswith(("generate", "completions", "chat")) \
                 and not key.startswith(BATCH1):
-            print(f"{'PASS' if gw <= 5 else 'FAIL'}: {key} gateway CPU {gw:.1f} us/token (goal <= 5)")
+            # No goal (retired with the HTTP front, issue 59: users feel the ratio to the engine above, not this).
+            print(f"info: {key} gateway CPU {gw:.1f} us/token")
     bad = sum(s["errors"] for s in res["runs"].values())
     if bad:
         print(f"FAIL: {bad} requests failed")

@@ -33,7 +33,7 @@ class ProgramBudget:
     max_answer_bytes: int = 16 * 1024 * 1024
     max_seconds: float = 300.0
     # A bound against one tenant flooding the executor, not a batch size: SGLang's run_batch and our
-    # bench/workloads send 16-64 programs at once (4 made them fail with 429 on the H200, 2026-11-30).
+    # bench/workloads send 16-64 programs at once (a bound of 4 made them fail with 429).
     max_running_per_key: int = 256
 
 
