@@ -101,11 +101,15 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
         from services.gateway.routing.discovery import WorkerDiscovery
         from shared.metadata.store import RedisStore
 
+        from shared.wire import internal_key
+
         discovery = WorkerDiscovery(RedisStore(redis_url), state.router, internal_key=key)
         await discovery.refresh_once()  # Redis down: serve the --workers list, pick up the registry later
         discovery.start()
+        state.router.follow_kv_events(redis_url, internal_key(key))
 
         async def _stop_discovery(_app):
+            await state.router.close()
             await discovery.close()
         app.on_cleanup.append(_stop_discovery)
     # shutdown_timeout: on stop, requests in flight get this long to finish (a rolling restart loses

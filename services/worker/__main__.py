@@ -22,6 +22,7 @@ from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.engine.cli import add_engine_args, engine_config_from_args
 from shared.engine.engine_loop import Engine
 from shared.gc_freeze import freeze_startup_heap
+from shared.metadata.kv_events import KvEventPublisher, WorkerLoad
 from shared.metadata.registration import Registration
 from shared.metadata.store import WORKER_TTL_S, create_store
 from shared.tokenizer import Tokenizer
@@ -97,9 +98,18 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
+    kv_events = kv_task = None
+    if args.redis_url:
+        kv_events = start_kv_events(args.redis_url, worker_id, key, engine)
+        if kv_events is not None:
+            server.kv_events = kv_events
+            kv_task = loop.create_task(kv_events.run(), name="kv-events")
+
     def entry() -> dict:
+        load = worker_load(engine)
         e = {"host": advertise, "port": port, "role": args.role, "model_path": config.model_path,
-             "num_running": engine.policy.num_running(), "num_waiting": len(engine.policy.waiting)}
+             "num_running": load.running, "num_waiting": load.waiting, "kv_usage": load.kv_usage,
+             "kv_events": kv_events is not None}
         if transfer_addr is not None:
             e["transfer_host"], e["transfer_port"] = transfer_addr
         return e
@@ -130,9 +140,29 @@ async def serve(args: argparse.Namespace) -> None:
         if not engine.is_idle():
             log.warning("drain timeout: stopping with requests still running")
         await server.close()
+        if kv_task is not None:
+            kv_task.cancel()
         engine.stop()
         if args.role == "decode":
             transfer.close()
+
+
+def worker_load(engine: Engine) -> WorkerLoad:
+    """What the worker runs and queues, and the share of its KV pool in use (read off the engine thread:
+    a moment's figures, for routing)."""
+    total = engine.runner.max_total_tokens
+    free = engine.allocator.available_size() + engine.cache.evictable_size()
+    return WorkerLoad(running=engine.policy.num_running(), waiting=len(engine.policy.waiting),
+                      kv_usage=round(1.0 - free / total, 4) if total else 0.0)
+
+
+def start_kv_events(redis_url: str, worker_id: str, key: str, engine: Engine) -> KvEventPublisher | None:
+    """Publish the radix tree's blocks to Redis for the gateways' exact index (None: no tree to publish)."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
+    publisher = KvEventPublisher(client, worker_id, key, engine.call, load=lambda: worker_load(engine))
+    return publisher if publisher.attach(engine.cache) else None
 
 
 def main(argv=None) -> None:

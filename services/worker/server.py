@@ -54,6 +54,7 @@ class WorkerServer:
         self._request_ids: dict[str, str] = {}  # rid -> the client's X-Request-Id, for log lines
         self.draining = False
         self.cache_id = uuid.uuid4().hex  # PongResult.cache_id
+        self.kv_events = None  # the KV event publisher (shared/metadata/kv_events.py), whose stats join info
         runner = getattr(engine, "runner", None)  # (test doubles of the engine have none)
         self.kv_format = runner.kv_format() if runner is not None else ""  # PongResult.kv_format
 
@@ -168,6 +169,8 @@ class WorkerServer:
                         info["kv_transfer"] = self.transfer.stats()
                     if self.transfer_addr is not None:
                         info["transfer_addr"] = list(self.transfer_addr)
+                    if self.kv_events is not None:
+                        info["kv_events"] = dict(self.kv_events.stats)
                     conn.send(encode_frame(InfoResult(call_id=msg.call_id, info=info)))
                 else:
                     _peer_warnings.warning(f"unexpected: {type(msg).__name__}", "unexpected message %s",

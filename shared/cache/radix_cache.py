@@ -85,6 +85,9 @@ class RadixCache(PrefixCache):
         self._epoch = 0  # bumped when a namespace root is created or dropped, and on reset
         self._roots[None] = self._new_root()
         self._groups_memo: tuple[tuple, int, list] | None = None  # (nodes, epoch, groups): shared_prefix_groups
+        # Told of every leaf added (`stored(node)`), evicted (`removed(node, tier)`) and of `reset` (`cleared()`),
+        # on the engine thread, before the change is undone: shared/metadata/kv_events.py. None: nobody asks.
+        self.listener = None
 
     # ---- PrefixCache -------------------------------------------------------------------------------
     def match_prefix(self, key: Sequence[int], namespace: str | None = None, record: bool = True) -> MatchResult:
@@ -185,6 +188,8 @@ class RadixCache(PrefixCache):
         self._num_nodes += 1
         self._evictable += len(leaf.key)
         self._push(leaf)
+        if self.listener is not None:
+            self.listener.stored(leaf)
         return leaf
 
     def insert_extending(self, node: TreeNode, start: int, key: Sequence[int], slots: Sequence[int],
@@ -253,6 +258,10 @@ class RadixCache(PrefixCache):
             when, _, node = heapq.heappop(self._heap)
             if when != node.last_access or not self._is_evictable_leaf(node):
                 continue  # stale entry
+            if self.listener is not None:
+                # A tier below (host memory) that keeps serving matches would move the node, not remove it,
+                # and say so with removed(node, tier) only when it leaves the last tier.
+                self.listener.removed(node, "device")
             parent = node.parent
             del parent.children[self._child_key(node.key)]
             parent.version += 1
@@ -333,6 +342,8 @@ class RadixCache(PrefixCache):
 
     def reset(self) -> None:
         assert self._protected == 0, "reset while requests hold locks"
+        if self.listener is not None:
+            self.listener.cleared()
         nodes = list(self.nodes())
         if nodes:
             self.allocator.free(np.concatenate([n.value for n in nodes]))
@@ -360,6 +371,15 @@ class RadixCache(PrefixCache):
             node = stack.pop()
             stack.extend(node.children.values())
             yield node
+
+    def path_of(self, node: TreeNode) -> tuple[str | None, np.ndarray, int]:
+        """(namespace, the tokens from its root through `node`, where node's own tokens start): O(depth)."""
+        keys = []
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        tokens = np.concatenate(keys[::-1]) if keys else np.empty(0, np.int32)
+        return self._root_namespace.get(id(node)), tokens, tokens.shape[0] - (keys[0].shape[0] if keys else 0)
 
     def roots(self) -> dict[str | None, TreeNode]:
         return dict(self._roots)

@@ -191,7 +191,8 @@ class Generation:
             # Its tree now holds prompt + output (but the last token's KV): a next turn that extends
             # them is routed back there, and may bypass prefill in PD.
             req = self.req
-            router.remember(worker, list(req.input_ids) + result.output_ids[:-1], self._salt, prompt=req.input_ids)
+            router.remember(worker, list(req.input_ids) + result.output_ids[:-1], self._salt, prompt=req.input_ids,
+                            cached_tokens=result.cached_tokens)
         if self._record is not None:
             self._record.finished(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
 

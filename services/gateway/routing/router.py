@@ -126,11 +126,35 @@ class Router:
         return self.policy.pick(_live(ok), input_ids, salt) if ok else None
 
     def remember(self, worker: WorkerClient, token_ids: Sequence[int], salt: str | None = None,
-                 prompt: Sequence[int] | None = None) -> None:
+                 prompt: Sequence[int] | None = None, cached_tokens: int | None = None) -> None:
         """`worker` finished a request over these tokens (`prompt`, the ids it was routed with, then its
-        output): the policy may note that its tree holds them."""
+        output; `cached_tokens`: what it found cached of the prompt): the policy may note that its tree
+        holds them."""
         if self.remembers(worker):
-            self.policy.remember(worker, token_ids, salt, prompt)
+            self.policy.remember(worker, token_ids, salt, prompt, cached_tokens)
+
+    def follow_kv_events(self, redis_url: str, internal_key: str) -> None:
+        """Route on the workers' own KV events in this Redis (cache-aware policy only): a reader task keeps
+        the exact index (shared/metadata/kv_index.py) until `close`. Call inside the event loop."""
+        if not isinstance(self.policy, CacheAwarePolicy):
+            return
+        from shared.metadata.kv_index import KvIndexReader
+
+        self._kv_reader = KvIndexReader(redis_url, internal_key)
+        self.policy.exact = self._kv_reader.index
+        self._kv_task = asyncio.get_running_loop().create_task(self._kv_reader.run(), name="kv-index")
+
+    async def close(self) -> None:
+        task = getattr(self, "_kv_task", None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await self._kv_reader.close()
+
+    def stats(self) -> dict:
+        """Routing decisions by index and reason, and the exact index's state (for /server_info, /metrics)."""
+        stats = getattr(self.policy, "stats", None)
+        return stats() if stats is not None else {}
 
     def remembers(self, worker: WorkerClient) -> bool:
         """Whether `remember` notes anything for `worker` (a caller builds the token list only then)."""

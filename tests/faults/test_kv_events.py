@@ -1,0 +1,235 @@
+"""KV events through a real redis-server: a worker's radix tree (published by shared/metadata/kv_events.py)
+and a gateway's exact index (shared/metadata/kv_index.py) agree block for block, through evictions, a
+gap, a FLUSHALL, a Redis outage and an overflowing buffer; forged, foreign and malformed entries are
+counted and change nothing."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from concurrent.futures import Future
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from services.gateway.routing.cache_aware import CacheAwarePolicy
+from shared.cache.allocator import SlotAllocator
+from shared.cache.radix_cache import RadixCache
+from shared.metadata.kv_events import (BLOCK_TOKENS, KvBatch, KvEventPublisher, block_chain, seal, stream_key)
+from shared.metadata.kv_index import KvIndex, KvIndexReader
+from tests.support.stack import RedisServer
+
+pytestmark = pytest.mark.e2e
+KEY = "internal-secret"
+
+
+@pytest.fixture(scope="module")
+def own_redis():
+    """This module's own redis-server: the outage test stops and restarts it."""
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
+def tree_blocks(cache: RadixCache) -> set[int]:
+    """Every block the tree holds, named from scratch."""
+    out: set[int] = set()
+    for node in cache.nodes():
+        if not node.children:
+            ns, tokens, _ = cache.path_of(node)
+            out.update(block_chain(tokens.tolist(), BLOCK_TOKENS, ns))
+    return out
+
+
+def run_now(fn) -> Future:
+    fut: Future = Future()
+    fut.set_result(fn())
+    return fut
+
+
+class Rig:
+    """A radix tree with a publisher, and a reader's index, in one event loop."""
+
+    def __init__(self, url: str, worker: str = "w1", buffer_events: int = 65536, pages: int = 4096):
+        self.url = url
+        self.worker = worker
+        self.alloc = SlotAllocator(pages, 1, "cpu")
+        self.cache = RadixCache(self.alloc, 1)
+        self.pub = KvEventPublisher(aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=0.5),
+                                    worker, KEY, run_now, buffer_events=buffer_events, snapshot_s=0.2)
+        assert self.pub.attach(self.cache)
+        self.reader = KvIndexReader(url, KEY)
+        self.index: KvIndex = self.reader.index
+        self.sync = redis.Redis.from_url(url)
+        self.rng = random.Random(0)
+
+    def register(self) -> None:
+        self.sync.set(f"radixserve:worker:{self.worker}",
+                      json.dumps({"host": "127.0.0.1", "port": 1, "role": "unified", "kv_events": True}))
+
+    async def __aenter__(self):
+        self.sync.flushall()
+        self.register()
+        self.tasks = [asyncio.create_task(self.pub.run()), asyncio.create_task(self.reader.run())]
+        return self
+
+    async def __aexit__(self, *exc):
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.reader.close()
+
+    def insert(self, n: int = 5, namespace: str | None = None) -> None:
+        for _ in range(n):
+            base = [1, 2, 3] * 20 if self.rng.random() < 0.5 else []
+            tokens = base + [self.rng.randrange(1000) for _ in range(self.rng.randrange(10, 90))]
+            slots = self.alloc.alloc(len(tokens))
+            if slots is None:
+                self.cache.evict(len(tokens))
+                slots = self.alloc.alloc(len(tokens))
+            done = self.cache.insert(tokens, slots, namespace)
+            self.alloc.free(slots[:done])
+
+    @property
+    def picture(self):
+        return self.index.pictures.get(self.worker)
+
+    async def converged(self, timeout: float = 3.0) -> float:
+        """Seconds until the index holds exactly the tree's blocks, synced."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            p = self.picture
+            if p is not None and p.synced and self.index.up and p.blocks == tree_blocks(self.cache):
+                return time.monotonic() - t0
+            await asyncio.sleep(0.01)
+        p = self.picture
+        raise AssertionError(f"index not converged: synced={p and p.synced} up={self.index.up} "
+                             f"stats={self.index.stats()} pub={self.pub.stats}")
+
+
+def test_index_follows_stores_evictions_tenants_and_flush(own_redis):
+    async def main():
+        async with Rig(own_redis.url, pages=600) as rig:
+            rig.insert(10)
+            rig.insert(5, namespace="tenant-a")
+            await rig.converged()
+            assert rig.index.stats()["blocks"] > 0
+            rig.cache.evict(300)
+            rig.insert(10)  # more evictions, through a full pool
+            await rig.converged()
+            # The routing policy, on the exact index, finds what the tree holds and nothing it dropped.
+            p = rig.picture
+            policy = CacheAwarePolicy(exact=rig.index)
+            node = next(n for n in rig.cache.nodes() if not n.children)
+            ns, tokens, _ = rig.cache.path_of(node)
+            chain = block_chain(tokens.tolist(), BLOCK_TOKENS, ns)
+            assert rig.index.match(p.address, chain) == len(chain)
+            assert rig.index.synced([p.address]) and policy.exact is rig.index
+            assert rig.index.match(p.address, block_chain(tokens.tolist(), BLOCK_TOKENS, "other")) == 0
+            rig.cache.reset()
+            await rig.converged()
+            assert not rig.picture.blocks
+            assert rig.index.stats()["event_lag_p99_s"] < 1.0
+    asyncio.run(main())
+
+
+def test_forged_foreign_and_malformed_entries_are_counted_and_ignored(own_redis):
+    async def main():
+        async with Rig(own_redis.url) as rig:
+            rig.insert(5)
+            await rig.converged()
+            before = set(rig.picture.blocks)
+            seq = rig.pub.seq
+            stream = stream_key("radixserve", "w1")
+            bogus = KvBatch(worker="w1", epoch=rig.pub.epoch, seq=seq + 1, ts=time.time(), stored=[1, 2, 3])
+            rig.sync.xadd(stream, {"m": seal(bogus, "wrong-key")})  # not signed with the internal key
+            foreign = KvBatch(worker="w9", epoch=rig.pub.epoch, seq=seq + 1, ts=time.time(), stored=[4])
+            rig.sync.xadd(stream, {"m": seal(foreign, KEY)})  # an id the stream's owner is not
+            from shared.metadata.kv_events import sign
+            rig.sync.xadd(stream, {"m": sign(b"\xc1garbage", KEY) + b"\xc1garbage"})  # signed, undecodable
+            rig.sync.xadd(stream, {"x": b"no payload"})
+            await asyncio.sleep(0.4)
+            c = rig.index.counts
+            assert c["rejected_unauthenticated"] == 1 and c["rejected_unknown_worker"] == 1
+            assert c["rejected_malformed"] == 2
+            assert rig.picture.synced and rig.picture.blocks == before
+            rig.insert(3)  # the real worker's next batch still applies
+            await rig.converged()
+    asyncio.run(main())
+
+
+def test_gap_and_flushall_are_resynced(own_redis):
+    async def main():
+        async with Rig(own_redis.url) as rig:
+            rig.insert(5)
+            await rig.converged()
+            # A gap: the reader away while one of the worker's entries is lost (a trimmed or damaged stream).
+            rig.tasks[1].cancel()
+            await asyncio.gather(rig.tasks[1], return_exceptions=True)
+            seq = rig.pub.seq
+            rig.insert(2)
+            while rig.pub.seq == seq:
+                await asyncio.sleep(0.01)
+            last = rig.sync.xrevrange(stream_key("radixserve", "w1"), count=1)[0][0]
+            rig.sync.xdel(stream_key("radixserve", "w1"), last)
+            rig.insert(2)
+            rig.tasks[1] = asyncio.create_task(rig.reader.run())
+            await rig.converged()
+            assert rig.index.counts["gaps"] == 1
+            resyncs = rig.index.counts["resyncs"]
+            # FLUSHALL: stream, snapshot and registry entry gone; the worker rewrites its snapshot with a resync
+            # marker, its next beat re-registers it.
+            rig.sync.flushall()
+            rig.insert(3)
+            rig.register()
+            t0 = time.monotonic()
+            while rig.pub.stats["resyncs"] < 2 and time.monotonic() - t0 < 2:  # start, then the FLUSHALL
+                await asyncio.sleep(0.01)
+            assert rig.pub.stats["resyncs"] == 2
+            await rig.converged()
+            assert rig.index.counts["resyncs"] >= resyncs
+    asyncio.run(main())
+
+
+def test_redis_outage_then_resync_within_two_seconds(own_redis):
+    async def main():
+        async with Rig(own_redis.url) as rig:
+            rig.insert(5)
+            await rig.converged()
+            own_redis.stop()
+            t0 = time.monotonic()
+            while rig.index.up and time.monotonic() - t0 < 5:
+                await asyncio.sleep(0.02)
+            assert not rig.index.up and not rig.index.synced([rig.picture.address])  # callers fall back
+            rig.insert(5)  # the tree moves on while the stream is away
+            own_redis.start()  # empty: an outage that also lost everything
+            rig.register()
+            assert await rig.converged(timeout=2.0) < 2.0
+    asyncio.run(main())
+
+
+def test_overflowing_buffer_drops_to_a_resync(own_redis):
+    async def main():
+        async with Rig(own_redis.url, buffer_events=4) as rig:
+            await rig.converged()
+            rig.insert(20)  # more events than the buffer holds before the loop runs
+            assert rig.pub.stats["dropped"] > 0
+            await rig.converged()
+            assert rig.pub.stats["resyncs"] >= 2
+    asyncio.run(main())
+
+
+def test_block_names_are_the_same_in_every_process():
+    import subprocess
+    import sys
+
+    ids = list(range(40))
+    code = ("from shared.metadata.kv_events import block_chain; "
+            f"print(block_chain({ids!r}, 16, 'tenant'))")
+    env = {"PYTHONHASHSEED": "123", "PATH": "/usr/bin:/bin"}
+    import os
+    env["PYTHONPATH"] = os.getcwd()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(block_chain(ids, 16, "tenant"))
