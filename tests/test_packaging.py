@@ -126,14 +126,14 @@ def _services(compose: dict, profile: str) -> dict[str, dict]:
 
 def _workers(compose: dict, profile: str) -> list[tuple[str, dict]]:
     return [(name, svc) for name, svc in _services(compose, profile).items()
-            if svc["command"][:3] == ["python", "-m", "services.worker"]]
+            if svc.get("command", [])[:3] == ["python", "-m", "services.worker"]]
 
 
 def test_compose_services_restart_get_hf_token_and_share_ipc(compose):
     for name, svc in compose["services"].items():
         assert svc.get("restart") in ("unless-stopped", "on-failure", "always"), name
         assert svc.get("profiles"), f"{name}: every service belongs to a topology's profile"
-        if name != "redis":
+        if name not in ("redis", "proxy"):
             assert "HF_TOKEN" in svc["environment"], name
     for profile in ("unified", "pd", "tp"):
         for name, svc in _workers(compose, profile):
@@ -172,11 +172,29 @@ def test_compose_profiles_start_what_launch_starts(compose, profile, launch_argv
         assert args.worker_id.startswith(args.role)
         if args.role == "decode":
             assert args.transfer_port > 0  # a fixed port other containers can reach
-    gateway = _services(compose, profile)["gateway"]
-    gw = gateway_parser().parse_args([_interpolate(a) for a in gateway["command"][3:]])
-    assert gw.redis_url == "redis://redis:6379/0" and gw.host == "0.0.0.0"
-    for name, _ in workers:
-        assert gateway["depends_on"][name]["condition"] == "service_healthy"
+    services = _services(compose, profile)
+    for replica in ("gateway-0", "gateway-1"):
+        gateway = services[replica]
+        gw = gateway_parser().parse_args([_interpolate(a) for a in gateway["command"][3:]])
+        assert gw.redis_url == "redis://redis:6379/0" and gw.host == "0.0.0.0"
+        for name, _ in workers:
+            assert gateway["depends_on"][name]["condition"] == "service_healthy"
+        assert "ports" not in gateway  # reached through the proxy only
+    assert services["proxy"]["ports"] == ["30000:30000"]
+
+
+def test_compose_puts_both_gateway_replicas_behind_the_proxy(compose):
+    """One public port: the proxy's config (deploy/haproxy.cfg, mounted where the official image reads it)
+    names every gateway replica of the compose file, on the port the gateways listen on."""
+    proxy = compose["services"]["proxy"]
+    assert proxy["image"].startswith("haproxy:")
+    assert "./deploy/haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro" in proxy["volumes"]
+    replicas = sorted(n for n, svc in compose["services"].items()
+                      if svc.get("command", [])[:3] == ["python", "-m", "services.gateway"])
+    assert replicas == ["gateway-0", "gateway-1"]
+    servers = re.findall(r"^\s*server\s+(\S+)\s+(\S+)", _read("deploy/haproxy.cfg"), re.M)
+    assert sorted(servers) == [(n, f"{n}:30000") for n in replicas]
+    assert set(proxy["depends_on"]) == set(replicas)
 
 
 

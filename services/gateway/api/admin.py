@@ -37,6 +37,7 @@ async def server_info(state: "GatewayState") -> dict:
                        "max_body_bytes": limits.max_body_bytes, "max_top_logprobs": limits.max_top_logprobs},
             "gateway_inflight": len(state.dispatcher.inflight), "event_loop": event_loop.current_loop_name(),
             "gateway_process": {"index": state.process[0], "count": state.process[1], "pid": os.getpid()},
+            "routing": state.router.stats(),
             "workers": workers}
 
 
@@ -81,4 +82,5 @@ async def health_generate(state: "GatewayState", timeout: float = 20.0) -> web.R
 
 async def metrics(state: "GatewayState") -> web.Response:
     state.metrics.set_worker_stats(await state.health.poll_infos(timeout=1.0))
+    state.metrics.set_routing_stats(state.router.stats())
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

@@ -103,6 +103,17 @@ class GatewayMetrics:
             self.cache_hit_rate = gauge("cache_hit_rate", hit_doc)
         self.gen_throughput = gauge("gen_throughput", "Generated tokens per second, over the last "
                                     f"~{RATE_WINDOW_S:.0f} s", "livesum")
+        # Cache-aware routing (services/gateway/routing/cache_aware.py) and its exact index, set at each render.
+        self.routing_decisions = Gauge("sglang:routing_decisions", "Requests routed, by index (exact | "
+                                       "approximate) and reason (cache | load | new)",
+                                       labels + ["index", "reason"], registry=r, multiprocess_mode="livesum")
+        self.kv_index_blocks = gauge("kv_index_blocks", "Blocks in the exact KV index (all workers)", "livemax")
+        self.kv_index_synced = gauge("kv_index_synced_workers", "Workers whose exact KV picture is current", "livemin")
+        self.kv_index_lag = gauge("kv_event_lag_p99_seconds", "KV event lag, stored on a worker to applied here, "
+                                  "p99 of recent batches", "livemax")
+        self.kv_index_events = Gauge("sglang:kv_index_events", "KV event stream entries by outcome (batches, "
+                                     "gaps, resyncs, rejected_*)", labels + ["outcome"], registry=r,
+                                     multiprocess_mode="livesum")
         # Totals the rates are computed from: streamed tokens count when they arrive, not at the end.
         self.streamed_tokens = self.cached_total = self.queried_total = 0
         self._samples: collections.deque = collections.deque([(time.monotonic(), 0, 0, 0)])
@@ -114,6 +125,20 @@ class GatewayMetrics:
         self.num_used_tokens.set(sum(_num(i.get("kv_usage")) * _num(i.get("max_total_tokens")) for i in infos))
         if infos:
             self.token_usage.set(sum(_num(i.get("kv_usage")) for i in infos) / len(infos))
+
+    def set_routing_stats(self, stats: dict) -> None:
+        """The router's stats (Router.stats): decisions, and the exact index's size, lag and counts."""
+        for key, n in stats.get("decisions", {}).items():
+            index, reason = key.split("/", 1)
+            self.routing_decisions.labels(self.model_name, index, reason).set(n)
+        exact = stats.get("exact_index")
+        if exact:
+            self.kv_index_blocks.set(exact["blocks"])
+            self.kv_index_synced.set(exact["synced_workers"])
+            self.kv_index_lag.set(exact["event_lag_p99_s"])
+            for outcome in ("batches", "gaps", "resyncs", "rejected_unauthenticated", "rejected_unknown_worker",
+                            "rejected_malformed"):
+                self.kv_index_events.labels(self.model_name, outcome).set(exact[outcome])
 
     def flush(self) -> None:
         """Move the batched observations into prometheus-client's values (and, in a pool, its files)."""

@@ -1,0 +1,317 @@
+"""`python -m bench.kv_routing`: cache-aware routing on the workers' KV events (the exact index) against each
+gateway process's own approximate index, through the real services: tiny-random workers on the CPU, a
+private redis-server on a free port, gateways started and stopped per phase.
+
+Phases (one run each), and the goal each checks:
+  hit rate     multi-turn chats over the workers, round-robin through 2 gateways vs 1: prefix hit rate
+               ratio >= 0.98 on the exact index (the approximate index's ratio is reported too);
+  eviction     more conversations than the workers' small pools hold: routed-for-cache requests whose worker
+               had dropped the promised prefix <= 1% on the exact index (the approximate index's rate too);
+  lag, cost    event lag p99 <= 50 ms (every gateway's index); publishing <= 1% of the worker's step time;
+  new gateway  a gateway started on a warm fleet routes on the full picture within 1 s of being ready;
+  outage       redis-server killed under load and restarted empty: no request fails, every gateway's index
+               resynced within 2 s of its return.
+Prints each figure, PASS/FAIL per goal, and the figures as one JSON line last.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import aiohttp
+import requests
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY = "bench-internal-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, RADIXSERVE_INTERNAL_KEY=KEY, PYTHONPATH=ROOT)
+    return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env=env)
+
+
+def wait_line(proc: subprocess.Popen, prefix: str, timeout: float = 180) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"process exited ({proc.poll()}) before {prefix!r}")
+        if prefix in line:
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+            return line
+    raise TimeoutError(prefix)
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+class Redis:
+    def __init__(self):
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.025)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
+def gateway(*, redis_url: str | None = None, workers: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    args = ["services.gateway", "--model-path", "tiny-random", "--port", str(port), "--log-level", "warning"]
+    args += ["--redis-url", redis_url] if redis_url else ["--workers", ",".join(workers)]
+    proc = spawn(*args)
+    wait_line(proc, "gateway ready")
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def info(url: str) -> dict:
+    return requests.get(url + "/server_info", timeout=30).json()
+
+
+def exact(url: str) -> dict:
+    return info(url)["routing"].get("exact_index", {})
+
+
+def wait_until(pred, timeout: float, what: str, interval: float = 0.02) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if pred():
+                return time.monotonic() - t0
+        except requests.RequestException:
+            pass
+        time.sleep(interval)
+    raise TimeoutError(what)
+
+
+def ready(url: str, n: int, exact_index: bool) -> None:
+    def ok():
+        i = info(url)
+        if sum(w["connected"] for w in i["workers"]) < n:
+            return False
+        return not exact_index or i["routing"].get("exact_index", {}).get("synced_workers", 0) >= n
+    wait_until(ok, 60, "gateway sees every worker")
+
+
+async def chats(urls: list[str], convs: int, turns: int, seed: int, concurrency: int) -> dict:
+    """Multi-turn conversations sharing a system prompt, each turn sent to the next gateway in turn (round robin
+    over every request). Returns prompt and cached token totals and the failures."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 400) for _ in range(64)]
+    users = [[[rng.randrange(3, 400) for _ in range(rng.randrange(24, 56))] for _ in range(turns)] for _ in range(convs)]
+    totals = {"prompt": 0, "cached": 0, "requests": 0, "failed": 0}
+    counter = iter(range(1 << 30))
+    sem = asyncio.Semaphore(concurrency)
+
+    async def conversation(session, c):
+        history = list(system)
+        async with sem:
+            for t in range(turns):
+                prompt = history + users[c][t]
+                url = urls[next(counter) % len(urls)]
+                try:
+                    async with session.post(url + "/generate", json={
+                            "input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}) as r:
+                        body = await r.json()
+                        if r.status != 200:
+                            raise RuntimeError(body)
+                except Exception as e:
+                    totals["failed"] += 1
+                    totals.setdefault("error", repr(e)[:300])
+                    history = prompt
+                    continue
+                totals["requests"] += 1
+                totals["prompt"] += body["meta_info"]["prompt_tokens"]
+                totals["cached"] += body["meta_info"]["cached_tokens"]
+                history = prompt + body["output_ids"]
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        await asyncio.gather(*(conversation(session, c) for c in range(convs)))
+    totals["hit_rate"] = totals["cached"] / max(1, totals["prompt"])
+    return totals
+
+
+def flush(url: str) -> None:
+    wait_until(lambda: requests.post(url + "/flush_cache", timeout=30).status_code == 200, 30, "flush")
+
+
+def run_phase(redis: Redis, addrs: list[str], n_gateways: int, exact_index: bool, workload: dict) -> tuple[dict, list]:
+    """Fresh gateways (exact: following Redis; approximate: the static worker list), the workload, their stats."""
+    gws = [gateway(redis_url=redis.url) if exact_index else gateway(workers=addrs) for _ in range(n_gateways)]
+    try:
+        for _, url in gws:
+            ready(url, len(addrs), exact_index)
+        flush(gws[0][1])
+        if exact_index:  # the flush's clear reaches every index before the run
+            time.sleep(0.3)
+        result = asyncio.run(chats([u for _, u in gws], **workload))
+        stats = [info(u)["routing"] for _, u in gws]
+        return result, stats
+    finally:
+        stop(*(p for p, _ in gws))
+
+
+def missed_rate(stats: list[dict]) -> tuple[float, int]:
+    checked = sum(sum(s["cache_checked"].values()) for s in stats)
+    missed = sum(sum(s["cache_missed"].values()) for s in stats)
+    return missed / max(1, checked), checked
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.kv_routing", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--pool", type=int, default=4096, help="each worker's KV pool, tokens")
+    p.add_argument("--convs", type=int, default=16)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--evict-convs", type=int, default=64, help="conversations of the eviction phase (overflow the pools)")
+    args = p.parse_args(argv)
+    if shutil.which("redis-server") is None:
+        raise SystemExit("redis-server is not installed")
+    redis = Redis()
+    workers = []
+    fig: dict = {}
+    try:
+        addrs = []
+        for i in range(args.workers):
+            w = spawn("services.worker", "--model-path", "tiny-random", "--redis-url", redis.url, "--worker-id", f"w{i}",
+                      "--max-total-tokens", str(args.pool), "--log-level", "warning")
+            workers.append(w)
+        for w in workers:
+            addrs.append(wait_line(w, "WORKER READY").split()[2])
+        hit = dict(convs=args.convs, turns=args.turns, seed=1, concurrency=args.convs)
+
+        for label, n, ex in (("exact_1gw", 1, True), ("exact_2gw", 2, True), ("approx_1gw", 1, False),
+                             ("approx_2gw", 2, False)):
+            res, stats = run_phase(redis, addrs, n, ex, hit)
+            fig[label] = round(res["hit_rate"], 4)
+            fig[label + "_failed"] = res["failed"]
+            if label == "exact_2gw":
+                fig["event_lag_p99_ms"] = round(1000 * max(s["exact_index"]["event_lag_p99_s"] for s in stats), 2)
+                fig["exact_2gw_decisions"] = [s["decisions"] for s in stats]
+            print(f"{label}: hit rate {res['hit_rate']:.4f} ({res['requests']} requests, {res['failed']} failed"
+                  f"{', e.g. ' + res['error'] if res['failed'] else ''})", flush=True)
+        fig["ratio_exact"] = round(fig["exact_2gw"] / fig["exact_1gw"], 4)
+        fig["ratio_approx"] = round(fig["approx_2gw"] / fig["approx_1gw"], 4)
+
+        evict = dict(convs=args.evict_convs, turns=args.turns, seed=2, concurrency=args.evict_convs)
+        for label, ex in (("exact", True), ("approx", False)):
+            res, stats = run_phase(redis, addrs, 1, ex, evict)
+            rate, checked = missed_rate(stats)
+            fig[f"evicted_prefix_rate_{label}"] = round(rate, 4)
+            fig[f"evicted_prefix_checked_{label}"] = checked
+            print(f"eviction, {label}: routed on an evicted prefix {rate:.2%} of {checked} cache-routed requests "
+                  f"(hit rate {res['hit_rate']:.3f})", flush=True)
+
+        # Publishing cost, from the workers' own counters (over every phase so far).
+        gw, url = gateway(redis_url=redis.url)
+        try:
+            ready(url, len(addrs), True)
+            cost = []
+            for w in info(url)["workers"]:
+                i = w["info"] or {}
+                kv, busy = i.get("kv_events") or {}, (i.get("passes") or {}).get("busy_s", 0.0)
+                if busy:
+                    cost.append((kv.get("listener_s", 0) + kv.get("cpu_s", 0)) / busy)
+            fig["publish_share_of_step_time"] = round(max(cost), 5) if cost else None
+            print(f"publishing: {max(cost):.3%} of the worker's step time (worst worker)", flush=True)
+        finally:
+            stop(gw)
+
+        # A new gateway on the warm fleet: ready -> full picture.
+        ref, ref_url = gateway(redis_url=redis.url)
+        try:
+            ready(ref_url, len(addrs), True)
+            want = exact(ref_url)["blocks"]
+            new = spawn("services.gateway", "--model-path", "tiny-random", "--port", str(port := free_port()),
+                        "--redis-url", redis.url, "--log-level", "warning")
+            wait_line(new, "gateway ready")
+            t_ready = time.monotonic()
+            new_url = f"http://127.0.0.1:{port}"
+            wait_until(lambda: (e := exact(new_url)).get("synced_workers") == len(addrs) and e["blocks"] == want, 10,
+                       "new gateway synced", interval=0.005)
+            fig["new_gateway_full_picture_s"] = round(time.monotonic() - t_ready, 3)
+            print(f"new gateway: full picture ({want} blocks) {fig['new_gateway_full_picture_s']:.3f} s after ready",
+                  flush=True)
+            stop(new)
+        finally:
+            stop(ref)
+
+        # Redis killed under load, restarted empty.
+        gws = [gateway(redis_url=redis.url) for _ in range(2)]
+        try:
+            for _, u in gws:
+                ready(u, len(addrs), True)
+            load = dict(convs=32, turns=8, seed=3, concurrency=32)
+            out: dict = {}
+            th = threading.Thread(target=lambda: out.update(asyncio.run(chats([u for _, u in gws], **load))))
+            th.start()
+            time.sleep(1.0)
+            redis.stop()
+            time.sleep(1.5)
+            redis.start()
+            t_back = time.monotonic()
+            wait_until(lambda: all((e := exact(u)).get("connected") and e.get("synced_workers") == len(addrs)
+                                   for _, u in gws), 30, "resync after the outage")
+            fig["outage_resync_s"] = round(time.monotonic() - t_back, 3)
+            th.join()
+            fig["outage_failed_requests"] = out.get("failed")
+            fig["outage_requests"] = out.get("requests")
+            print(f"outage: resynced {fig['outage_resync_s']:.3f} s after Redis returned; "
+                  f"{out.get('failed')} of {out.get('requests', 0) + out.get('failed', 0)} requests failed", flush=True)
+        finally:
+            stop(*(p for p, _ in gws))
+    finally:
+        stop(*workers)
+        redis.stop()
+
+    goals = {
+        "hit-rate ratio (exact, 2 vs 1 gateway) >= 0.98": fig.get("ratio_exact", 0) >= 0.98,
+        "routing on an evicted prefix <= 1%": fig.get("evicted_prefix_rate_exact", 1) <= 0.01,
+        "event lag p99 <= 50 ms": fig.get("event_lag_p99_ms", 1e9) <= 50,
+        "publishing <= 1% of step time": (fig.get("publish_share_of_step_time") or 1) <= 0.01,
+        "new gateway full picture <= 1 s": fig.get("new_gateway_full_picture_s", 1e9) <= 1.0,
+        "outage: no request failed, resync <= 2 s": fig.get("outage_failed_requests") == 0
+        and fig.get("outage_resync_s", 1e9) <= 2.0,
+    }
+    for goal, ok in goals.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {goal}")
+    print(json.dumps(fig))
+
+
+if __name__ == "__main__":
+    main()
