@@ -7,8 +7,8 @@ it alike. A worker holds block k of a cached path when the path's tokens reach t
 stored leaf adds the blocks ending inside it and an evicted leaf removes them (a split changes nothing).
 
 The publisher is the radix tree's listener (shared/cache/radix_cache.py). On the engine thread it only
-appends the path's tokens to a bounded buffer and wakes the event loop; past the bound it drops everything
-and asks for a resync. The event loop hashes, nets a burst of events into one `KvBatch` and XADDs it to the
+appends the path's tokens to a bounded buffer and wakes the event loop once a batch (past the bound it
+drops everything and asks for a resync). The event loop hashes, nets a burst of events into one `KvBatch` and XADDs it to the
 worker's own stream (MAXLEN-trimmed), numbered by `seq` within an `epoch` (one per worker start: its first
 batch clears what readers knew). It keeps a mirror of the worker's block set and writes it as a snapshot
 key (with its seq and stream id) about once a second when it changed, so a reader can start or catch up. A
@@ -25,7 +25,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Callable, Sequence
 
 import msgspec
@@ -135,9 +135,38 @@ def snapshot_key(prefix: str, worker: str) -> str:
     return f"{prefix}:kvsnap:{worker}"
 
 
-def _blocks_after(namespace: str | None, tokens, start: int) -> list[int]:
-    """Names of the blocks that end past token `start` of this path."""
-    return block_chain(tokens.tolist(), BLOCK_TOKENS, namespace)[start // BLOCK_TOKENS:]
+class _ChainMemo:
+    """Block names of paths seen lately, so that a path extending one (a conversation's next turn, an output
+    after its prompt, an eviction of what was stored) hashes only its new blocks: the name of a path's last
+    full block, keyed by the 64-bit hash of its tokens' bytes up to there (hashing bytes in C is many times
+    cheaper than naming the blocks; a collision costs a wrong name, i.e. a routing miss, never an error)."""
+
+    def __init__(self, capacity: int = 16384):
+        self.capacity = capacity
+        self._last: OrderedDict[tuple, int] = OrderedDict()
+
+    def names(self, namespace: str | None, tokens, start: int) -> list[int]:
+        """Names of the blocks of `tokens` (a numpy path) that end past token `start`."""
+        first = start // BLOCK_TOKENS  # the first block ending past start
+        n = tokens.shape[0] // BLOCK_TOKENS
+        if first >= n:
+            return []
+        h = salt_seed(namespace) if first == 0 else self._last.get(
+            (namespace, hash(tokens[:first * BLOCK_TOKENS].tobytes())))
+        if h is None:  # not seen: name the blocks before too
+            names = block_chain(tokens[:n * BLOCK_TOKENS].tolist(), BLOCK_TOKENS, namespace)
+            out = names[first:]
+        else:
+            ids = iter(tokens[first * BLOCK_TOKENS:n * BLOCK_TOKENS].tolist())
+            out = []
+            for blk in zip(*(ids,) * BLOCK_TOKENS):
+                h = hash((h, blk))
+                out.append(h)
+        memo = self._last
+        memo[(namespace, hash(tokens[:n * BLOCK_TOKENS].tobytes()))] = out[-1]
+        if len(memo) > self.capacity:
+            memo.popitem(last=False)
+        return out
 
 
 class KvEventPublisher:
@@ -170,6 +199,7 @@ class KvEventPublisher:
         self._last_id = "0-0"
         self.outage = Outage(f"worker {worker_id} KV events", log, base_s=0.1, max_s=0.5)
         self._cache = None
+        self._memo = _ChainMemo()
         # listener_s: engine-thread time in the listener; cpu_s: the loop's hashing, netting and encoding
         self.stats = {"batches": 0, "events": 0, "dropped": 0, "resyncs": 0, "cpu_s": 0.0, "listener_s": 0.0}
 
@@ -196,7 +226,7 @@ class KvEventPublisher:
         else:
             ns, tokens, start = self._cache.path_of(node) if node is not None else (None, None, 0)
             self._events.append((kind, ns, tokens, start, time.time()))
-        if not self._woken and self._loop is not None:
+        if not self._woken and self._loop is not None:  # one wake-up a batch (a write to the loop's socket)
             self._woken = True
             self._loop.call_soon_threadsafe(self._wake.set)
         self.stats["listener_s"] += time.perf_counter() - t0
@@ -209,8 +239,9 @@ class KvEventPublisher:
         self._need_resync = True  # the first entry of an epoch: clear-all (readers drop the old epoch)
         snap_due = 0.0
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.snapshot_s / 2)
+            try:  # (asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation)
+                async with asyncio.timeout(self.snapshot_s / 2):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()
@@ -259,7 +290,7 @@ class KvEventPublisher:
                 removed.clear()
                 self.blocks.clear()
                 continue
-            names = _blocks_after(ns, tokens, start)
+            names = self._memo.names(ns, tokens, start)
             if kind == "s":
                 stored.update(names)
                 removed.difference_update(names)
@@ -311,7 +342,7 @@ class KvEventPublisher:
         paths = await asyncio.wrap_future(self.call_engine(dump))
         blocks: set[int] = set()
         for ns, tokens in paths:
-            blocks.update(_blocks_after(ns, tokens, 0))
+            blocks.update(self._memo.names(ns, tokens, 0))
         self.blocks = blocks
         self._need_resync = True
         log.warning("worker %s: KV event buffer overflowed (%d events dropped): resyncing readers",

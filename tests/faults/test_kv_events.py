@@ -78,7 +78,8 @@ class Rig:
     async def __aexit__(self, *exc):
         for t in self.tasks:
             t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        done, pending = await asyncio.wait(self.tasks, timeout=5)
+        assert not pending, "a KV events task ignored its cancellation"
         await self.reader.close()
 
     def insert(self, n: int = 5, namespace: str | None = None) -> None:
