@@ -141,6 +141,7 @@ async def serve(args: argparse.Namespace) -> None:
             log.warning("drain timeout: stopping with requests still running")
         await server.close()
         if kv_task is not None:
+            kv_events.stop()
             kv_task.cancel()
         engine.stop()
         if args.role == "decode":

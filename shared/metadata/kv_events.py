@@ -192,6 +192,7 @@ class KvEventPublisher:
         self._events: deque = deque()  # (kind, namespace, tokens, start, wall time), appended on the engine thread
         self._overflow = False
         self._woken = False
+        self._stopped = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._need_snapshot = True  # a reader may need one we have not written (start, resync, changes)
@@ -238,7 +239,7 @@ class KvEventPublisher:
         self._wake = asyncio.Event()
         self._need_resync = True  # the first entry of an epoch: clear-all (readers drop the old epoch)
         snap_due = 0.0
-        while True:
+        while not self._stopped:
             try:  # (asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation)
                 async with asyncio.timeout(self.snapshot_s / 2):
                     await self._wake.wait()
@@ -347,6 +348,10 @@ class KvEventPublisher:
         self._need_resync = True
         log.warning("worker %s: KV event buffer overflowed (%d events dropped): resyncing readers",
                     self.worker, self.stats["dropped"])
+
+    def stop(self) -> None:
+        """`run` returns at its next turn (a cancellation alone can be swallowed inside the Redis client)."""
+        self._stopped = True
 
     def attach(self, cache) -> bool:
         """Listen to `cache` (a radix tree; False for a cache without one, e.g. --disable-radix-cache)."""

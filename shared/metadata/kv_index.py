@@ -149,13 +149,18 @@ class KvIndexReader:
         self.index = index or KvIndex()
         self.outage = Outage("KV index", log, base_s=0.1, max_s=0.5)
         self._registry_due = 0.0
+        self._stopped = False
+
+    def stop(self) -> None:
+        """`run` returns at its next turn (a cancellation alone can be swallowed inside the Redis client)."""
+        self._stopped = True
 
     async def close(self) -> None:
         await self.redis.aclose()
 
     async def run(self) -> None:
         idx = self.index
-        while True:
+        while not self._stopped:
             try:
                 await self.step()
             except asyncio.CancelledError:

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from services.gateway.routing.cache_aware import CacheAwarePolicy
 from shared.cache.allocator import SlotAllocator
 from shared.cache.radix_cache import RadixCache
-from shared.metadata.kv_events import (BLOCK_TOKENS, KvBatch, KvEventPublisher, block_chain, seal, stream_key)
+from shared.metadata.kv_events import BLOCK_TOKENS, KvBatch, KvEventPublisher, block_chain, seal, sign, stream_key
 from shared.metadata.kv_index import KvIndex, KvIndexReader
 from tests.support.stack import RedisServer
 
@@ -76,6 +76,8 @@ class Rig:
         return self
 
     async def __aexit__(self, *exc):
+        self.pub.stop()
+        self.reader.stop()
         for t in self.tasks:
             t.cancel()
         done, pending = await asyncio.wait(self.tasks, timeout=5)
@@ -110,6 +112,16 @@ class Rig:
                              f"stats={self.index.stats()} pub={self.pub.stats}")
 
 
+def with_rig(url: str, body, warm: int = 5, **kw) -> None:
+    """body(rig) on a rig whose index already holds `warm` stored prompts."""
+    async def main():
+        async with Rig(url, **kw) as rig:
+            rig.insert(warm)
+            await rig.converged()
+            await body(rig)
+    asyncio.run(main())
+
+
 def test_index_follows_stores_evictions_tenants_and_flush(own_redis):
     async def main():
         async with Rig(own_redis.url, pages=600) as rig:
@@ -137,89 +149,80 @@ def test_index_follows_stores_evictions_tenants_and_flush(own_redis):
 
 
 def test_forged_foreign_and_malformed_entries_are_counted_and_ignored(own_redis):
-    async def main():
-        async with Rig(own_redis.url) as rig:
-            rig.insert(5)
-            await rig.converged()
-            before = set(rig.picture.blocks)
-            seq = rig.pub.seq
-            stream = stream_key("radixserve", "w1")
-            bogus = KvBatch(worker="w1", epoch=rig.pub.epoch, seq=seq + 1, ts=time.time(), stored=[1, 2, 3])
-            rig.sync.xadd(stream, {"m": seal(bogus, "wrong-key")})  # not signed with the internal key
-            foreign = KvBatch(worker="w9", epoch=rig.pub.epoch, seq=seq + 1, ts=time.time(), stored=[4])
-            rig.sync.xadd(stream, {"m": seal(foreign, KEY)})  # an id the stream's owner is not
-            from shared.metadata.kv_events import sign
-            rig.sync.xadd(stream, {"m": sign(b"\xc1garbage", KEY) + b"\xc1garbage"})  # signed, undecodable
-            rig.sync.xadd(stream, {"x": b"no payload"})
-            await asyncio.sleep(0.4)
-            c = rig.index.counts
-            assert c["rejected_unauthenticated"] == 1 and c["rejected_unknown_worker"] == 1
-            assert c["rejected_malformed"] == 2
-            assert rig.picture.synced and rig.picture.blocks == before
-            rig.insert(3)  # the real worker's next batch still applies
-            await rig.converged()
-    asyncio.run(main())
+    async def body(rig):
+        before = set(rig.picture.blocks)
+        seq = rig.pub.seq
+        stream = stream_key("radixserve", "w1")
+        bogus = KvBatch(worker="w1", epoch=rig.pub.epoch, seq=seq + 1, ts=time.time(), stored=[1, 2, 3])
+        rig.sync.xadd(stream, {"m": seal(bogus, "wrong-key")})  # not signed with the internal key
+        foreign = KvBatch(worker="w9", epoch=rig.pub.epoch, seq=seq + 1, ts=time.time(), stored=[4])
+        rig.sync.xadd(stream, {"m": seal(foreign, KEY)})  # an id the stream's owner is not
+        rig.sync.xadd(stream, {"m": sign(b"\xc1garbage", KEY) + b"\xc1garbage"})  # signed, undecodable
+        rig.sync.xadd(stream, {"x": b"no payload"})
+        await asyncio.sleep(0.4)
+        c = rig.index.counts
+        assert c["rejected_unauthenticated"] == 1 and c["rejected_unknown_worker"] == 1
+        assert c["rejected_malformed"] == 2
+        assert rig.picture.synced and rig.picture.blocks == before
+        rig.insert(3)  # the real worker's next batch still applies
+        await rig.converged()
+    with_rig(own_redis.url, body)
 
 
 def test_gap_and_flushall_are_resynced(own_redis):
-    async def main():
-        async with Rig(own_redis.url) as rig:
-            rig.insert(5)
-            await rig.converged()
-            # A gap: the reader away while one of the worker's entries is lost (a trimmed or damaged stream).
-            rig.tasks[1].cancel()
-            await asyncio.gather(rig.tasks[1], return_exceptions=True)
-            seq = rig.pub.seq
-            rig.insert(2)
-            while rig.pub.seq == seq:
-                await asyncio.sleep(0.01)
-            last = rig.sync.xrevrange(stream_key("radixserve", "w1"), count=1)[0][0]
-            rig.sync.xdel(stream_key("radixserve", "w1"), last)
-            rig.insert(2)
-            rig.tasks[1] = asyncio.create_task(rig.reader.run())
-            await rig.converged()
-            assert rig.index.counts["gaps"] == 1
-            resyncs = rig.index.counts["resyncs"]
-            # FLUSHALL: stream, snapshot and registry entry gone; the worker rewrites its snapshot with a resync
-            # marker, its next beat re-registers it.
-            rig.sync.flushall()
-            rig.insert(3)
-            rig.register()
-            t0 = time.monotonic()
-            while rig.pub.stats["resyncs"] < 2 and time.monotonic() - t0 < 2:  # start, then the FLUSHALL
-                await asyncio.sleep(0.01)
-            assert rig.pub.stats["resyncs"] == 2
-            await rig.converged()
-            assert rig.index.counts["resyncs"] >= resyncs
-    asyncio.run(main())
+    async def body(rig):
+        # A gap: the reader away while one of the worker's entries is lost (a trimmed or damaged stream).
+        rig.reader.stop()
+        rig.tasks[1].cancel()
+        await asyncio.wait([rig.tasks[1]], timeout=5)
+        await rig.reader.close()
+        seq = rig.pub.seq
+        rig.insert(2)
+        while rig.pub.seq == seq:
+            await asyncio.sleep(0.01)
+        last = rig.sync.xrevrange(stream_key("radixserve", "w1"), count=1)[0][0]
+        rig.sync.xdel(stream_key("radixserve", "w1"), last)
+        rig.insert(2)
+        rig.reader = KvIndexReader(own_redis.url, KEY, index=rig.index)  # back, where the last one stopped
+        rig.tasks[1] = asyncio.create_task(rig.reader.run())
+        await rig.converged()
+        assert rig.index.counts["gaps"] == 1
+        resyncs = rig.index.counts["resyncs"]
+        # FLUSHALL: stream, snapshot and registry entry gone; the worker rewrites its snapshot with a resync
+        # marker, its next beat re-registers it.
+        rig.sync.flushall()
+        rig.insert(3)
+        rig.register()
+        t0 = time.monotonic()
+        while rig.pub.stats["resyncs"] < 2 and time.monotonic() - t0 < 2:  # start, then the FLUSHALL
+            await asyncio.sleep(0.01)
+        assert rig.pub.stats["resyncs"] == 2
+        await rig.converged()
+        assert rig.index.counts["resyncs"] >= resyncs
+    with_rig(own_redis.url, body)
 
 
 def test_redis_outage_then_resync_within_two_seconds(own_redis):
-    async def main():
-        async with Rig(own_redis.url) as rig:
-            rig.insert(5)
-            await rig.converged()
-            own_redis.stop()
-            t0 = time.monotonic()
-            while rig.index.up and time.monotonic() - t0 < 5:
-                await asyncio.sleep(0.02)
-            assert not rig.index.up and not rig.index.synced([rig.picture.address])  # callers fall back
-            rig.insert(5)  # the tree moves on while the stream is away
-            own_redis.start()  # empty: an outage that also lost everything
-            rig.register()
-            assert await rig.converged(timeout=2.0) < 2.0
-    asyncio.run(main())
+    async def body(rig):
+        own_redis.stop()
+        t0 = time.monotonic()
+        while rig.index.up and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.02)
+        assert not rig.index.up and not rig.index.synced([rig.picture.address])  # callers fall back
+        rig.insert(5)  # the tree moves on while the stream is away
+        own_redis.start()  # empty: an outage that also lost everything
+        rig.register()
+        assert await rig.converged(timeout=2.0) < 2.0
+    with_rig(own_redis.url, body)
 
 
 def test_overflowing_buffer_drops_to_a_resync(own_redis):
-    async def main():
-        async with Rig(own_redis.url, buffer_events=4) as rig:
-            await rig.converged()
-            rig.insert(20)  # more events than the buffer holds before the loop runs
-            assert rig.pub.stats["dropped"] > 0
-            await rig.converged()
-            assert rig.pub.stats["resyncs"] >= 2
-    asyncio.run(main())
+    async def body(rig):
+        rig.insert(20)  # more events than the buffer holds before the loop runs
+        assert rig.pub.stats["dropped"] > 0
+        await rig.converged()
+        assert rig.pub.stats["resyncs"] >= 2
+    with_rig(own_redis.url, body, warm=0, buffer_events=4)
 
 
 def test_block_names_are_the_same_in_every_process():
@@ -234,3 +237,35 @@ def test_block_names_are_the_same_in_every_process():
     env["PYTHONPATH"] = os.getcwd()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(block_chain(ids, 16, "tenant"))
+
+
+def test_policy_routes_on_the_exact_index_while_it_is_current_and_says_when_it_switches(caplog):
+    """Synced: the longest prefix a worker really holds wins, whatever this process sent where; not synced
+    (Redis away): the approximate index routes; one log line per switch."""
+    from shared.metadata.kv_index import Picture
+
+    class W:
+        def __init__(self, address):
+            self.address, self.load = address, 0
+
+    a, b = W("a:1"), W("b:1")
+    index = KvIndex()
+    index.up = True
+    for w in (a, b):
+        p = index.pictures[w.address] = index.by_address[w.address] = Picture(w.address, w.address)
+        p.synced = True
+    prompt = list(range(64))
+    chain = block_chain(prompt, BLOCK_TOKENS, None)
+    index.by_address["b:1"].blocks.update(chain[:3])  # b holds 3 of the 4 blocks (another gateway sent it)
+    policy = CacheAwarePolicy(exact=index)
+    policy.remember(a, prompt, None)  # this process believes a holds all 4 (a has since evicted them)
+    with caplog.at_level("WARNING"):
+        assert policy.pick([a, b], prompt, None) is b and policy.last_match_tokens == 48
+        assert policy.pick([a, b], list(prompt), None) is b
+        index.up = False  # Redis away: back to what this process knows
+        assert policy.pick([a, b], list(prompt), None) is a
+        index.up = True
+        policy.pick([a, b], list(prompt), None)
+    switches = [r.message for r in caplog.records if "cache-aware routing now" in r.message]
+    assert len(switches) == 3  # exact, approximate, exact
+    assert policy.stats()["decisions"] == {"exact/cache": 3, "approximate/cache": 1}

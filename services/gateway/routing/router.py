@@ -147,8 +147,9 @@ class Router:
     async def close(self) -> None:
         task = getattr(self, "_kv_task", None)
         if task is not None:
+            self._kv_reader.stop()
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.wait([task], timeout=2.0)
             await self._kv_reader.close()
 
     def stats(self) -> dict:
