@@ -73,6 +73,12 @@ KNOBS = {k.name: k for k in (
          "the sampler's noise + race as one torch.compile'd kernel on CUDA (0: eager, the same draws)"),
     Knob("GATEWAY_YOUNG_THRESHOLD", int, 50_000, "shared.gc_freeze",
          "the gateway's young-generation GC threshold (fewer collections stalling its event loop)"),
+    Knob("KV_STREAM_MAXLEN", int, 10_000, "shared.metadata.kv_events",
+         "entries a worker's KV event stream keeps (about): how far behind a reader may fall before a resync"),
+    Knob("KV_SNAPSHOT_S", float, 1.0, "shared.metadata.kv_events",
+         "seconds between snapshots of a worker's block set (when it changed): a new reader's catch-up"),
+    Knob("KV_EVENT_BUFFER", int, 65_536, "shared.metadata.kv_events",
+         "radix-tree events the engine thread may leave unpublished before the worker drops to a resync"),
 )}
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

@@ -30,14 +30,15 @@ from typing import Callable, Sequence
 
 import msgspec
 
+from shared.knobs import knob
 from shared.metadata.outage import Outage
 
 log = logging.getLogger(__name__)
 
-BLOCK_TOKENS = 16
-STREAM_MAXLEN = 10_000  # entries a worker's stream keeps (approximately): many seconds of a busy worker
-SNAPSHOT_S = 1.0  # how often a changed block set is written as the snapshot
-BUFFER_EVENTS = 65_536  # tree events the engine thread may leave unpublished before a resync is needed
+BLOCK_TOKENS = 16  # the gateway's routing block too: one naming everywhere
+KV_STREAM_MAXLEN = knob("KV_STREAM_MAXLEN")
+KV_SNAPSHOT_S = knob("KV_SNAPSHOT_S")
+KV_EVENT_BUFFER = knob("KV_EVENT_BUFFER")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -176,7 +177,7 @@ class KvEventPublisher:
 
     def __init__(self, redis, worker_id: str, key: str, call_engine: Callable,
                  load: Callable[[], WorkerLoad] | None = None, prefix: str = "radixserve",
-                 buffer_events: int = BUFFER_EVENTS, snapshot_s: float = SNAPSHOT_S):
+                 buffer_events: int | None = None, snapshot_s: float | None = None):
         self.redis = redis
         self.worker = worker_id
         self.key = key
@@ -184,8 +185,8 @@ class KvEventPublisher:
         self.load = load
         self.stream = stream_key(prefix, worker_id)
         self.snap_key = snapshot_key(prefix, worker_id)
-        self.buffer_events = buffer_events
-        self.snapshot_s = snapshot_s
+        self.buffer_events = buffer_events or KV_EVENT_BUFFER
+        self.snapshot_s = snapshot_s or KV_SNAPSHOT_S
         self.epoch = uuid.uuid4().hex[:12]
         self.seq = 0
         self.blocks: set[int] = set()  # the mirror: what the tree holds as of self.seq
@@ -308,7 +309,7 @@ class KvEventPublisher:
         return batch
 
     async def _xadd(self, batch: KvBatch) -> None:
-        entry_id = await self.redis.xadd(self.stream, {"m": seal(batch, self.key)}, maxlen=STREAM_MAXLEN,
+        entry_id = await self.redis.xadd(self.stream, {"m": seal(batch, self.key)}, maxlen=KV_STREAM_MAXLEN,
                                          approximate=True)
         self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         self.seq = batch.seq
