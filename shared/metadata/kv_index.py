@@ -87,10 +87,11 @@ class KvIndex:
     def stats(self) -> dict:
         lags = sorted(self.lags)
         p99 = lags[min(len(lags) - 1, int(len(lags) * 0.99))] if lags else 0.0
+        p50 = lags[len(lags) // 2] if lags else 0.0
         return {"connected": self.up, "workers": len(self.pictures),
                 "synced_workers": sum(p.synced for p in self.pictures.values()),
                 "blocks": sum(len(p.blocks) for p in self.pictures.values()),
-                "event_lag_p99_s": round(p99, 6), **self.counts}
+                "event_lag_p50_s": round(p50, 6), "event_lag_p99_s": round(p99, 6), **self.counts}
 
     # ---- updates (the reader's) ----------------------------------------------------------------
     def unsync(self, p: Picture, want: tuple[str, int] | None = None) -> None:
