@@ -7,8 +7,9 @@ it alike. A worker holds block k of a cached path when the path's tokens reach t
 stored leaf adds the blocks ending inside it and an evicted leaf removes them (a split changes nothing).
 
 The publisher is the radix tree's listener (shared/cache/radix_cache.py). On the engine thread it only
-appends the path's tokens to a bounded buffer and wakes the event loop once a batch (past the bound it
-drops everything and asks for a resync). The event loop hashes, nets a burst of events into one `KvBatch` and XADDs it to the
+appends the path's tokens to a bounded buffer (past the bound it drops everything and asks for a resync);
+the event loop takes them right after the step's outputs (the worker's `poke`), or is woken for them
+when no step has had output for POKE_S. The event loop hashes, nets a burst of events into one `KvBatch` and XADDs it to the
 worker's own stream (MAXLEN-trimmed), numbered by `seq` within an `epoch` (one per worker start: its first
 batch clears what readers knew). It keeps a mirror of the worker's block set and writes it as a snapshot
 key (with its seq and stream id) about once a second when it changed, so a reader can start or catch up. A
@@ -39,6 +40,7 @@ BLOCK_TOKENS = 16  # the gateway's routing block too: one naming everywhere
 KV_STREAM_MAXLEN = knob("KV_STREAM_MAXLEN")
 KV_SNAPSHOT_S = knob("KV_SNAPSHOT_S")
 KV_EVENT_BUFFER = knob("KV_EVENT_BUFFER")
+POKE_S = 0.02  # without step outputs this long, the engine thread wakes the loop for its events itself
 
 
 @functools.lru_cache(maxsize=4096)
@@ -193,6 +195,7 @@ class KvEventPublisher:
         self._events: deque = deque()  # (kind, namespace, tokens, start, wall time), appended on the engine thread
         self._overflow = False
         self._woken = False
+        self._poked = 0.0  # when the loop last looked after a step's outputs (monotonic)
         self._stopped = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -228,12 +231,21 @@ class KvEventPublisher:
         else:
             ns, tokens, start = self._cache.path_of(node) if node is not None else (None, None, 0)
             self._events.append((kind, ns, tokens, start, time.time()))
-        if not self._woken and self._loop is not None:  # one wake-up a batch (a write to the loop's socket)
+        # The loop is told after every engine step's outputs (`poke`); only while no step has output for
+        # a while does the engine thread wake it itself: that is a write to the loop's socket, and the loop
+        # thread taking the GIL mid-step.
+        if not self._woken and self._loop is not None and time.monotonic() - self._poked > POKE_S:
             self._woken = True
             self._loop.call_soon_threadsafe(self._wake.set)
         self.stats["listener_s"] += time.perf_counter() - t0
 
     # ---- the event loop ---------------------------------------------------------------------------
+    def poke(self) -> None:
+        """On the event loop, after an engine step's outputs went out: publish what the step changed."""
+        self._poked = time.monotonic()
+        if self._wake is not None and (self._events or self._overflow):
+            self._wake.set()
+
     async def run(self) -> None:
         """Publish until cancelled: a clear for this epoch first, then batches as events come."""
         self._loop = asyncio.get_running_loop()
@@ -304,7 +316,7 @@ class KvEventPublisher:
         self.stats["events"] += n
         self._need_snapshot = True
         batch = KvBatch(worker=self.worker, epoch=self.epoch, seq=self.seq + 1, ts=ts, stored=list(stored),
-                        removed=list(removed), clear=clear, load=self.load() if self.load else None)
+                        removed=list(removed), clear=clear, load=self._load())
         self.stats["cpu_s"] += time.perf_counter() - t0
         return batch
 
@@ -320,7 +332,7 @@ class KvEventPublisher:
         reader acts on it, the snapshot it points them to."""
         marker = KvBatch(worker=self.worker, epoch=self.epoch, seq=self.seq + 1,
                          ts=batch.ts if batch is not None else time.time(), resync=True,
-                         clear=self.seq == 0, load=self.load() if self.load else None)
+                         clear=self.seq == 0, load=self._load())
         await self._xadd(marker)
         await self._write_snapshot()
         self._need_resync = False
@@ -349,6 +361,12 @@ class KvEventPublisher:
         self._need_resync = True
         log.warning("worker %s: KV event buffer overflowed (%d events dropped): resyncing readers",
                     self.worker, self.stats["dropped"])
+
+    def _load(self) -> WorkerLoad | None:
+        try:
+            return self.load() if self.load is not None else None
+        except Exception:  # the engine's figures read from another thread mid-change: none this time
+            return None
 
     def stop(self) -> None:
         """`run` returns at its next turn (a cancellation alone can be swallowed inside the Redis client)."""
