@@ -94,8 +94,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _graph(self, bs: int, req_to_token: torch.Tensor) -> _GraphDecode:
         g = self._graphs.get(bs)
-        if g is None:
-            need = bs * req_to_token.shape[1]
+        need = bs * req_to_token.shape[1]
+        if g is None or g.indices.numel() < need:  # (a longer slot table than before: a benchmark's, not the engine's)
             if self._graph_indices is None or self._graph_indices.numel() < need:
                 # Graphs are captured largest batch first: the first one sizes the buffer for all.
                 self._graph_indices = torch.zeros(need, dtype=torch.int32, device=self.device)
