@@ -78,9 +78,10 @@ class _Decode(_Wrapper):
         assert indptr.device.type == "cpu" and page_size == 1 and bool((last_page_len == 1).all())
         assert (hq, hkv, d) == (HQ, HKV, D)
         self.scale = sm_scale
-        if self.graph:  # FlashInfer copies into the fixed buffers; the indices are the buffer itself here
-            assert indices is self.buffers[1] and len(indptr) == len(self.buffers[0])
+        if self.graph:  # as FlashInfer: copied into the fixed buffers
+            assert len(indices) <= len(self.buffers[1]) and len(indptr) == len(self.buffers[0])
             self.buffers[0].copy_(indptr)
+            self.buffers[1][:len(indices)].copy_(indices)
             self.indptr, self.indices = self.buffers[0], self.buffers[1]
         else:
             self.indptr, self.indices = indptr, indices

@@ -104,7 +104,9 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def before_graph_replay(self, batch_size: int, seq_lens: list[int]) -> None:
         g = self._graphs[batch_size]
-        self._plan_decode(g.wrapper, indptr_of(seq_lens), g.indices, torch.ones(batch_size, dtype=torch.int32),
+        # No indices: graph-mode plan() copies what it is given into the fixed indices buffer, which the graph
+        # fills itself (the fa2 plan reads only the lengths).
+        self._plan_decode(g.wrapper, indptr_of(seq_lens), g.indices[:0], torch.ones(batch_size, dtype=torch.int32),
                           self._kv_dtype)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
