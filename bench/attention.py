@@ -24,10 +24,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from bench.kernels import DT, HKV, HQ, D, copies_for, graph_time_ms
+from bench.kernels import DT, HKV, HQ, D, copies_for, graph_time_ms, parse_parts
 
 MAX_DECODE_TOKENS = 1 << 21  # batch x context per pool copy: 8.6 GB of bf16 K and V at these heads
 DECODE = [(1, 512), (1, 1024), (1, 8192), (1, 32768), (64, 512), (64, 1024), (64, 2048), (64, 8192), (64, 32768),
@@ -214,16 +215,8 @@ PARTS = {"decode": bench_decode, "extend": bench_extend, "cascade": bench_cascad
 
 
 def main(argv=None) -> int:
-    import argparse
-    ap = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="*", metavar="PART", help=f"any of {', '.join(PARTS)} (default: all)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
-    args = ap.parse_args(argv)
-    if set(args.parts) - set(PARTS):
-        ap.error(f"unknown part {sorted(set(args.parts) - set(PARTS))[0]!r}; parts: {', '.join(PARTS)}")
-    if not torch.cuda.is_available():
-        print("bench.attention needs a CUDA GPU")
+    args = parse_parts("bench.attention", __doc__, list(PARTS), argv)
+    if args is None:
         return 1
     t0 = time.time()
     torch.manual_seed(0)
@@ -234,17 +227,16 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for name in args.parts or list(PARTS):
             PARTS[name](table, bes)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "flashinfer": getattr(bes.get("flashinfer"), "fi", None) and bes["flashinfer"].fi.__version__,
-              "rows": table.rows, "seconds": time.time() - t0}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "attention.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"\n# attention on {result['device']}, flashinfer {result['flashinfer']}, {result['seconds']:.0f} s "
-          f"(fi/triton above 1: ours is faster)")
-    print(table.text())
+    fi_version = bes["flashinfer"].fi.__version__ if "flashinfer" in bes else None
+    seconds = time.time() - t0
+    print(f"\n# attention on {torch.cuda.get_device_name()}, flashinfer {fi_version}, {seconds:.0f} s "
+          f"(fi/triton above 1: ours is faster)\n{table.text()}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention.json").write_text(json.dumps(
+        {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "flashinfer": fi_version,
+         "date": time.strftime("%Y-%m-%d"), "rows": table.rows, "seconds": seconds}, indent=1))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
