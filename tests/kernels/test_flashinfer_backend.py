@@ -130,20 +130,21 @@ def fake_flashinfer(monkeypatch):
     return mod
 
 
-def _world(backend, dtype=torch.float32, pool_dtype=None, scales=None):
+def _world(backend, device, dtype, pool_dtype, scales):
     from shared.cache.kv_pool import KVPool, ReqToTokenPool
-    pool = KVPool(LAYERS, HKV, D, num_pages=200, page_size=1, dtype=pool_dtype or dtype, device="cpu", scales=scales)
-    return backend, pool, ReqToTokenPool(8, 256, "cpu")
+    pool = KVPool(LAYERS, HKV, D, num_pages=200, page_size=1, dtype=pool_dtype or dtype, device=device, scales=scales)
+    return backend, pool, ReqToTokenPool(8, 256, device)
 
 
-def _passes(device="cpu", dtype=torch.float32, fi=None, pool_dtype=None, scales=None, graph_decode=False):
+def _passes(device="cpu", dtype=torch.float32, pool_dtype=None, scales=None, graph_decode=False):
     """Three passes (prompts with no prefix: ragged; a second chunk over the first: paged; two decode steps) through
     the torch backend and the flashinfer one on identical pools: their outputs, pass by pass."""
     from shared.engine.forward_batch import ForwardBatch, ForwardMode
     from shared.models.attention import TorchAttentionBackend
     from shared.models.attention.flashinfer_backend import FlashInferAttentionBackend
-    worlds = [_world(TorchAttentionBackend(HQ, HKV, D), dtype, pool_dtype, scales),
-              _world(FlashInferAttentionBackend(HQ, HKV, D, device=device, dtype=dtype), dtype, pool_dtype, scales)]
+    worlds = [_world(TorchAttentionBackend(HQ, HKV, D), device, dtype, pool_dtype, scales),
+              _world(FlashInferAttentionBackend(HQ, HKV, D, device=device, dtype=dtype), device, dtype, pool_dtype,
+                     scales)]
     gen = torch.Generator().manual_seed(1)
     rows = [2, 5, 7]
     steps = [(ForwardMode.EXTEND, [0, 0, 0], [13, 4, 1]), (ForwardMode.EXTEND, [13, 4, 1], [6, 1, 9]),
