@@ -10,9 +10,9 @@ slots, gathered from the slot table on the device (kernels/attention/paged_kv_in
   KV head, SGLang's rule). In CUDA graphs: one graph-mode wrapper per captured batch size over fixed buffers; the
   graph gathers the indices itself (after its own slot-table write), and the graph runner re-plans on the host
   before each replay (before_graph_replay), as FlashInfer's graph mode asks.
-- extend with no cached prefix anywhere in the pass: BatchPrefillWithRaggedKVCacheWrapper over the new k/v as
-  computed (causal); otherwise BatchPrefillWithPagedKVCacheWrapper over the whole context in the pool (causal,
-  aligned at the end: the new tokens see the prefix and each other causally).
+- extend: BatchPrefillWithRaggedKVCacheWrapper over the new k/v as computed (causal); where requests have a cached
+  prefix, also BatchPrefillWithPagedKVCacheWrapper over the prefix in the pool (every new token sees all of it),
+  the two merged by their log-sum-exps (merge_state), as SGLang's FlashInfer backend splits an extend.
 
 Not here (the Triton backend's): shared-prefix (cascade) decode, so prefix groups decode per request; CUDA graphs
 of extend passes, so those run eagerly.
@@ -130,23 +130,30 @@ class FlashInferAttentionBackend(AttentionBackend):
                 wrapper = self._decode
             self._run = lambda q, k, v, layer, fb: wrapper.run(q, self._pages(fb, layer), **self._scales(fb, layer))
             return
-        ext, seq = fb.extend_seq_lens_cpu, fb.seq_lens_cpu
-        assert ext is not None and seq is not None, "the flashinfer backend plans extend passes from host lengths"
+        ext, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        assert ext is not None and prefix is not None, "the flashinfer backend plans extend passes from host lengths"
         qo_indptr = indptr_of(ext)
-        if not any(fb.extend_prefix_lens_cpu):
-            self._ragged.plan(qo_indptr, qo_indptr, self.num_heads, self.num_kv_heads, self.head_dim, causal=True,
-                              sm_scale=self.scaling, q_data_type=self.dtype, kv_data_type=self.dtype,
-                              o_data_type=self.dtype)
+        self._ragged.plan(qo_indptr, qo_indptr, self.num_heads, self.num_kv_heads, self.head_dim, causal=True,
+                          sm_scale=self.scaling, q_data_type=self.dtype, kv_data_type=self.dtype,
+                          o_data_type=self.dtype)
+        if not any(prefix):
             self._run = lambda q, k, v, layer, fb: self._ragged.run(q, k, v)
             return
-        kv_indptr = indptr_of(seq)
+        # SGLang's split: the new tokens among themselves (ragged, causal) and over the cached prefix in the pool
+        # (paged, all of it), merged by their log-sum-exps.
+        kv_indptr = indptr_of(prefix)
         indices = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device=self.device)
-        paged_kv_indices(r2t, fb.req_pool_indices, fb.seq_lens, to_device(kv_indptr, torch.int32, self.device),
-                         indices)
+        paged_kv_indices(r2t, fb.req_pool_indices, fb.extend_prefix_lens,
+                         to_device(kv_indptr, torch.int32, self.device), indices)
         self._paged.plan(qo_indptr, kv_indptr, indices, torch.ones(fb.batch_size, dtype=torch.int32),
-                         self.num_heads, self.num_kv_heads, self.head_dim, 1, causal=True, sm_scale=self.scaling,
+                         self.num_heads, self.num_kv_heads, self.head_dim, 1, causal=False, sm_scale=self.scaling,
                          q_data_type=self.dtype, kv_data_type=fb.kv_pool.dtype, o_data_type=self.dtype)
-        self._run = lambda q, k, v, layer, fb: self._paged.run(q, self._pages(fb, layer), **self._scales(fb, layer))
+        self._run = self._extend_over_prefix
+
+    def _extend_over_prefix(self, q, k, v, layer: int, fb: ForwardBatch) -> torch.Tensor:
+        o_new, lse_new = self._ragged.run(q, k, v, return_lse=True)
+        o_prefix, lse_prefix = self._paged.run(q, self._pages(fb, layer), return_lse=True, **self._scales(fb, layer))
+        return self.fi.merge_state(o_new, lse_new, o_prefix, lse_prefix)[0]
 
     # ------------------------------------------------------------------ running
     @staticmethod
