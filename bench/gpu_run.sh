@@ -41,7 +41,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*/*.whl \
   || { echo "gpu_run.sh: the carried wheels did not install" >&2; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-cache}
-[[ $FI == 0 ]] || ls .whl/fi/*.whl >/dev/null 2>&1 || { echo "gpu_run.sh: --flashinfer needs .whl/fi (bench/fetch_flashinfer.sh)" >&2; exit 1; }
+[[ $FI == 0 ]] || { ls .whl/fi/*.whl >/dev/null 2>&1 && python3 -c "import flashinfer as f; print('flashinfer', f.__version__)"; } || { echo "gpu_run.sh: --flashinfer needs .whl/fi (bench/fetch_flashinfer.sh) importable" >&2; exit 1; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false UCX_WARN_UNUSED_ENV_VARS=n
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
