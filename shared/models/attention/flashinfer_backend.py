@@ -85,12 +85,24 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._run = None  # this pass's attention: (q, k, v, layer, fb) -> out
         self._run_batch: ForwardBatch | None = None
         self._kv_dtype = dtype  # the pool's, learnt from each pass (graph replays plan with the last one's)
+        self._planned: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> recorded after its last plan's copies
 
     # ------------------------------------------------------------------ planning
+    def _plan(self, wrapper, *args, **kwargs) -> None:
+        """wrapper.plan(...). A plan writes the wrapper's pinned host buffer and copies it to the device
+        asynchronously; with overlap scheduling the pass before may still wait for that copy, so the wrapper's next
+        plan first waits for its last one's copies (they precede that pass's kernels: in practice done already)."""
+        done = self._planned.get(id(wrapper))
+        if done is not None:
+            done.synchronize()
+        wrapper.plan(*args, **kwargs)
+        if self.device.type == "cuda":
+            self._planned.setdefault(id(wrapper), torch.cuda.Event()).record()
+
     def _plan_decode(self, wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
                      kv_dtype: torch.dtype) -> None:
-        wrapper.plan(indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim, 1,
-                     q_data_type=self.dtype, kv_data_type=kv_dtype, o_data_type=self.dtype, sm_scale=self.scaling)
+        self._plan(wrapper, indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim, 1,
+                   q_data_type=self.dtype, kv_data_type=kv_dtype, o_data_type=self.dtype, sm_scale=self.scaling)
 
     def _graph(self, bs: int, req_to_token: torch.Tensor) -> _GraphDecode:
         g = self._graphs.get(bs)
@@ -133,9 +145,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         ext, prefix = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
         assert ext is not None and prefix is not None, "the flashinfer backend plans extend passes from host lengths"
         qo_indptr = indptr_of(ext)
-        self._ragged.plan(qo_indptr, qo_indptr, self.num_heads, self.num_kv_heads, self.head_dim, causal=True,
-                          sm_scale=self.scaling, q_data_type=self.dtype, kv_data_type=self.dtype,
-                          o_data_type=self.dtype)
+        self._plan(self._ragged, qo_indptr, qo_indptr, self.num_heads, self.num_kv_heads, self.head_dim,
+                   causal=True, sm_scale=self.scaling, q_data_type=self.dtype, kv_data_type=self.dtype,
+                   o_data_type=self.dtype)
         if not any(prefix):
             self._run = lambda q, k, v, layer, fb: self._ragged.run(q, k, v)
             return
@@ -145,9 +157,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         indices = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device=self.device)
         paged_kv_indices(r2t, fb.req_pool_indices, fb.extend_prefix_lens,
                          to_device(kv_indptr, torch.int32, self.device), indices)
-        self._paged.plan(qo_indptr, kv_indptr, indices, torch.ones(fb.batch_size, dtype=torch.int32),
-                         self.num_heads, self.num_kv_heads, self.head_dim, 1, causal=False, sm_scale=self.scaling,
-                         q_data_type=self.dtype, kv_data_type=fb.kv_pool.dtype, o_data_type=self.dtype)
+        self._plan(self._paged, qo_indptr, kv_indptr, indices, torch.ones(fb.batch_size, dtype=torch.int32),
+                   self.num_heads, self.num_kv_heads, self.head_dim, 1, causal=False, sm_scale=self.scaling,
+                   q_data_type=self.dtype, kv_data_type=fb.kv_pool.dtype, o_data_type=self.dtype)
         self._run = self._extend_over_prefix
 
     def _extend_over_prefix(self, q, k, v, layer: int, fb: ForwardBatch) -> torch.Tensor:
