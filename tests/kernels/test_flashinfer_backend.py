@@ -208,10 +208,12 @@ def test_indptr_of():
     assert indptr_of([1]).dtype == torch.int32
 
 
-def test_factory_errors_name_the_device_and_the_install_command():
+def test_factory_errors_name_the_device_head_dim_and_the_install_command():
     from shared.models.attention import create_attention_backend
     with pytest.raises(ValueError, match="needs a CUDA device"):
         create_attention_backend("flashinfer", HQ, HKV, D, device="cpu")
+    with pytest.raises(ValueError, match="runs head dims 64, 128, 256; this model's is 16: use triton"):
+        create_attention_backend("flashinfer", HQ, HKV, 16, device="cuda")
     if importlib.util.find_spec("flashinfer") is None:
         with pytest.raises(ValueError, match=r"needs the flashinfer-python package.*pip install.*triton"):
             create_attention_backend("flashinfer", HQ, HKV, D, device="cuda")

@@ -28,6 +28,7 @@ from shared.models.attention.base import AttentionBackend
 
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-KV scratch, shared by every wrapper (passes run in stream order)
 DECODE_TENSOR_CORES_MIN_GROUP = 4
+HEAD_DIMS = (64, 128, 256)  # what FlashInfer's decode and prefill kernels are built for (its own dispatch tables)
 
 
 def import_flashinfer():
@@ -71,6 +72,9 @@ class FlashInferAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None,
                  device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16):
         super().__init__(num_heads, num_kv_heads, head_dim, scaling)
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"the flashinfer attention backend runs head dims {', '.join(map(str, HEAD_DIMS))}; this "
+                             f"model's is {head_dim}: use triton")
         self.fi = import_flashinfer()
         self.device = torch.device(device)
         self.dtype = dtype  # q and outputs (the model's dtype); the pool's may be FP8
