@@ -1,0 +1,104 @@
+"""Engine sizes derived from memory (shared/engine/sizing.py): the rule's cases, explicit values winning, the flags."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from shared.engine.cli import add_engine_args, engine_args_to_argv, engine_config_from_args
+from shared.engine.config import EngineConfig
+from shared.engine.sizing import GIB, ModelShape, Sizes, derive_sizes, fill, reserve_bytes
+
+LLAMA_8B = ModelShape(context_len=8192, vocab_size=128256, hidden_size=4096, intermediate_size=14336)
+H100, H200 = 80 * GIB, 141 * GIB
+H100_POOL = 424_000  # an 8B Llama's bf16 KV pool at --mem-fraction-static 0.85 on an H100
+
+
+def test_an_h100_runs_the_shared_prefix_workload_at_once():
+    """1,024 requests (64 x 16) decode together and in graphs: the issue's shared-prefix speed-up without flags."""
+    s = derive_sizes(H100_POOL, H100, LLAMA_8B)
+    assert s.max_running_requests >= 1024 and s.cuda_graph_max_bs == 1024 and s.chunked_prefill_size == 8192
+    h200 = derive_sizes(2 * H100_POOL, H200, LLAMA_8B)
+    assert h200.max_running_requests > s.max_running_requests and h200.cuda_graph_max_bs == 1024
+
+
+@pytest.mark.parametrize("pool,gpu,shape,want", [
+    # No GPU: the fixed sizes of before, whatever the pool.
+    (65536, None, LLAMA_8B, Sizes(256, 256, 4096)),
+    (10 ** 7, None, LLAMA_8B, Sizes(256, 256, 4096)),
+    # A small pool on a large card keeps 256 running (never fewer than the old default); its chunk is a quarter of it.
+    (20_000, H100, LLAMA_8B, Sizes(256, 256, 4864)),
+    (2_000, H100, LLAMA_8B, Sizes(256, 256, 1024)),
+    # A 24 GB card: graphs and chunk of the lower tier.
+    (150_000, 24 * GIB, LLAMA_8B, Sizes(585, 256, 4096)),
+    # Llama-3.1's 128k context: the request table (running x context x 4 bytes) stays within a GiB.
+    (H100_POOL, H100, ModelShape(131072, 128256, 4096, 14336), Sizes(1656, 1024, 8192)),
+    (4 * H100_POOL, H200, ModelShape(131072, 128256, 4096, 14336), Sizes(2047, 1024, 8192)),
+    # A huge pool: at most 4,096 running.
+    (10 ** 7, H200, LLAMA_8B, Sizes(4096, 1024, 8192)),
+])
+def test_derived_sizes(pool, gpu, shape, want):
+    assert derive_sizes(pool, gpu, shape) == want
+
+
+def test_sizes_never_shrink_as_the_pool_or_the_card_grows():
+    """The runner sizes its pool after reserving memory for the sizes a provisional, larger pool implies: that is
+    only safe if a smaller pool never derives larger sizes."""
+    prev = None
+    for pool in range(1000, 2_000_000, 7919):
+        s = derive_sizes(pool, H100, LLAMA_8B)
+        if prev:
+            assert all(a >= b for a, b in zip(s.__dict__.values(), prev.__dict__.values())), (pool, s, prev)
+        prev = s
+    small, big = derive_sizes(H100_POOL, 40 * GIB, LLAMA_8B), derive_sizes(H100_POOL, H100, LLAMA_8B)
+    assert all(a <= b for a, b in zip(small.__dict__.values(), big.__dict__.values()))
+
+
+def test_reserve_fits_the_h100_margin_and_grows_with_the_graphs():
+    """At the derived sizes the estimate stays under the 15% an H100 keeps back by default, so the pool is the same
+    size as before; more graphs or a longer context reserve more."""
+    long_ctx = ModelShape(131072, 128256, 4096, 14336)
+    s = derive_sizes(H100_POOL, H100, long_ctx)
+    assert reserve_bytes(s, long_ctx) < 0.15 * H100
+    assert reserve_bytes(Sizes(256, 1024, 8192), LLAMA_8B) > reserve_bytes(Sizes(256, 256, 8192), LLAMA_8B)
+    assert reserve_bytes(s, long_ctx) > reserve_bytes(s, LLAMA_8B)
+
+
+def test_explicit_values_win():
+    derived = Sizes(1656, 1024, 8192)
+    assert fill(EngineConfig(), derived).__dict__.items() >= {"max_running_requests": 1656, "cuda_graph_max_bs": 1024,
+                                                              "chunked_prefill_size": 8192}.items()
+    # Fewer running requests than the graph ceiling: the derived graphs stop at them.
+    c = fill(EngineConfig(max_running_requests=64), derived)
+    assert (c.max_running_requests, c.cuda_graph_max_bs, c.chunked_prefill_size) == (64, 64, 8192)
+    c = fill(EngineConfig(cuda_graph_max_bs=512, chunked_prefill_size=2048), derived)
+    assert (c.max_running_requests, c.cuda_graph_max_bs, c.chunked_prefill_size) == (1656, 512, 2048)
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return p.parse_args(argv)
+
+
+def test_flags_unset_are_derived_and_given_ones_reach_the_workers():
+    args = _parse([])
+    assert engine_config_from_args(args).max_running_requests is None and engine_args_to_argv(args) == []
+    args = _parse(["--max-running-requests", "1024", "--cuda-graph-max-bs", "1024", "--chunked-prefill-size", "2048"])
+    cfg = engine_config_from_args(args)
+    assert (cfg.max_running_requests, cfg.cuda_graph_max_bs, cfg.chunked_prefill_size) == (1024, 1024, 2048)
+    assert engine_args_to_argv(args) == ["--max-running-requests", "1024", "--chunked-prefill-size", "2048",
+                                         "--cuda-graph-max-bs", "1024"]
+    with pytest.raises(SystemExit):
+        _parse(["--max-running-requests", "0"])
+
+
+def test_a_cpu_engine_runs_with_the_fixed_sizes_unless_told():
+    from tests.support.engine_harness import Harness
+
+    h = Harness(max_total_tokens=4096)
+    info = h.engine.info()
+    assert (info["max_running_requests"], info["chunked_prefill_size"], info["cuda_graphs"]) == (256, 4096, None)
+    assert h.engine.runner.req_pool.max_reqs == 256
+    h = Harness(max_total_tokens=4096, max_running_requests=8)
+    assert h.engine.config.max_running_requests == 8 and h.engine.runner.config.max_running_requests == 8
