@@ -22,7 +22,7 @@ import torch
 
 from bench.common import (GREEDY, SHAPES, drive, full_pass_rate, graph_replay_ms, kv_bytes_per_token, matmul_params,
                           measure_copy_bandwidth, measure_matmul_sustained, measure_matmul_tflops, median, model_dir,
-                          log, param_bytes, prefill_flops_per_token, random_prompts, sync)
+                          log, param_bytes, prefill_flops_per_token, random_prompts, start_engine, sync)
 from shared.engine.config import EngineConfig
 from shared.engine.engine_loop import Engine
 from shared.tokenizer import Tokenizer
@@ -130,15 +130,7 @@ def main():
     ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=8192,
                       max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
                       chunked_prefill_size=8192, max_prefill_tokens=8192, cuda_graph=cuda)
-    t0 = time.perf_counter()
-    eng = Engine(ec, tok, on_output=lambda o: None)
-    res["engine_init_s"] = time.perf_counter() - t0
-    res["kv_pool_tokens"] = eng.runner.max_total_tokens
-    res["cuda_graphs"] = eng.runner.graph_runner is not None
-    res["graph_stats"] = eng.runner.graph_stats
-    res["max_running_requests"], res["cuda_graph_max_bs"] = eng.config.max_running_requests, eng.config.cuda_graph_max_bs
-    log(f"engine up in {res['engine_init_s']:.1f}s, KV pool {eng.runner.max_total_tokens} tokens, "
-        f"{res['max_running_requests']} running requests, graphs={res['cuda_graphs']} {eng.runner.graph_stats or ''}")
+    eng = start_engine(ec, tok, res)
 
     log("warm-up")
     drive(eng, random_prompts(8, 64, vocab, 0), {**GREEDY, "max_new_tokens": 8})

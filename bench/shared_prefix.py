@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.common import drive, log, median, model_dir
+from bench.common import drive, log, median, model_dir, start_engine
 from shared.engine.config import EngineConfig
 from shared.engine.engine_loop import Engine
 from shared.tokenizer import Tokenizer
@@ -171,18 +171,8 @@ def main(argv=None):
     ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=max(8192, max_ctx),
                       max_running_requests=args.max_running, cuda_graph=cuda,
                       max_total_tokens=None if cuda else 65536)
-    t0 = time.perf_counter()
-    base = Engine(ec, tok, on_output=lambda o: None)
-    res["engine_init_s"] = time.perf_counter() - t0
-    res["kv_pool_tokens"] = base.runner.max_total_tokens
-    res["cuda_graphs"] = base.runner.graph_runner is not None
-    res["graph_stats"] = base.runner.graph_stats
-    c = base.config
-    res["sizes"] = {"max_running_requests": c.max_running_requests, "cuda_graph_max_bs": c.cuda_graph_max_bs,
-                    "chunked_prefill_size": c.chunked_prefill_size, "max_prefill_tokens": c.max_prefill_tokens}
-    log(f"engine up in {res['engine_init_s']:.1f}s, KV pool {base.runner.max_total_tokens} tokens, "
-        f"graphs={res['cuda_graphs']} {base.runner.graph_stats or ''}, sizes {res['sizes']}")
-    max_running = c.max_running_requests
+    base = start_engine(ec, tok, res)
+    max_running = base.config.max_running_requests
     if args.decode_bs > max_running:
         raise SystemExit(f"--decode-bs {args.decode_bs} is above the engine's {max_running} running requests")
     configs = {name: config_overrides(name, max_running) for name in args.configs.split(",") if name}
