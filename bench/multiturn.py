@@ -241,13 +241,13 @@ def verdicts(res: dict, judged: bool) -> list[tuple[str, str]]:
     lines.append((v(ws >= GOAL_WORKING_SET), f"working set {res['working_set_tokens']} tokens = {ws:.1f}x the GPU pool "
                                              f"(the workload's premise: >= {GOAL_WORKING_SET})"))
     off, on, ideal = res["runs"].get("off"), res["runs"].get("on"), res["ideal_hit_rate"]
-    if off and (off["errors"] or not off["turns"]):
-        lines.append(("FAIL", f"tier off: {off['errors']} failed turns {off['error_examples']}"))
-    if on is None:
-        lines.append(("SKIP", f"host tier: {res.get('on_skipped', 'not run')}"))
+    for name, s in res["runs"].items():
+        if s["errors"] or not s["turns"]:
+            lines.append(("FAIL", f"tier {name}: {s['errors']} failed turns {s['error_examples']}"))
+    if on is None or off is None:
+        lines.append(("SKIP", f"host tier: {res.get('on_skipped', 'not run')}" if on is None else
+                              "tier on / off: the tier-off run was not asked for (--runs)"))
         return lines
-    if on["errors"] or not on["turns"]:
-        lines.append(("FAIL", f"tier on: {on['errors']} failed turns {on['error_examples']}"))
     r = on["ttft_p50_ms"] / off["ttft_p50_ms"]
     lines.append((v(r <= GOAL_TTFT_RATIO), f"TTFT p50 tier on / off = {r:.2f} ({on['ttft_p50_ms']:.1f} vs "
                                            f"{off['ttft_p50_ms']:.1f} ms; p99 {on['ttft_p99_ms']:.1f} vs "
@@ -323,7 +323,7 @@ def main(argv=None):
         log(f"tier {name}: {work.conversations} conversations x {work.turns} turns ({work.user_len} + "
             f"{work.answer_len} tokens a turn), rate {args.rate}/s")
         res["runs"][name] = serve(path, args.port, extra, work, args)
-    lines = verdicts(res, judged=cuda) if "off" in res["runs"] else []
+    lines = verdicts(res, judged=cuda)
     res["verdicts"] = lines
     with open(os.path.join(args.out, "multiturn.json"), "w") as f:
         json.dump(res, f, indent=2)
