@@ -102,3 +102,29 @@ def test_a_cpu_engine_runs_with_the_fixed_sizes_unless_told():
     assert h.engine.runner.req_pool.max_reqs == 256
     h = Harness(max_total_tokens=4096, max_running_requests=8)
     assert h.engine.config.max_running_requests == 8 and h.engine.runner.config.max_running_requests == 8
+
+
+@pytest.mark.gpu
+def test_a_gpu_engine_derives_its_sizes_and_reports_its_graphs():
+    """On a GPU with the pool left to free memory: the sizes are derive_sizes' for that pool and card (the tiny model's
+    pool is large: more than 256 running requests), the decode graphs reach them, and the capture's time and memory
+    are reported; an explicit value still wins there."""
+    import torch
+
+    from shared.engine.sizing import derive_sizes
+    from tests.support.engine_harness import Harness
+
+    # The tiny model's pool from free memory, leaving 85% of the card to whatever else the GPU run holds.
+    h = Harness(max_total_tokens=None, mem_fraction_static=0.15, max_context_len=2048)
+    r, info = h.engine.runner, h.engine.info()
+    want = derive_sizes(r.max_total_tokens, torch.cuda.mem_get_info()[1], r.shape())
+    assert (info["max_running_requests"], info["chunked_prefill_size"]) == (want.max_running_requests,
+                                                                          want.chunked_prefill_size)
+    assert want.max_running_requests > 256 and r.req_pool.max_reqs == want.max_running_requests
+    g = info["cuda_graphs"]
+    assert g["decode_max_bs"] == want.cuda_graph_max_bs and g["decode_graphs"] > 0 and g["capture_s"] > 0, g
+    assert g["memory_bytes"] > 0, g
+    out = h.generate(list(range(5, 40)), sampling={"max_new_tokens": 4, "temperature": 0})
+    assert len(out["ids"]) == 4
+    h = Harness(max_context_len=2048, max_running_requests=16)
+    assert h.engine.info()["cuda_graphs"]["decode_max_bs"] == 16 and h.engine.runner.req_pool.max_reqs == 16
