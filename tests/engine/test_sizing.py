@@ -128,3 +128,39 @@ def test_a_gpu_engine_derives_its_sizes_and_reports_its_graphs():
     assert len(out["ids"]) == 4
     h = Harness(max_context_len=2048, max_running_requests=16)
     assert h.engine.info()["cuda_graphs"]["decode_max_bs"] == 16 and h.engine.runner.req_pool.max_reqs == 16
+
+
+def _pool_tokens_on(monkeypatch, free: int, total: int, context_len: int, fraction: float) -> int:
+    """ModelRunner._pool_tokens of an 8B Llama (bf16 KV) on a card reporting (free, total), without a GPU."""
+    import functools
+    import types
+
+    import torch
+
+    from shared.engine.model_runner import ModelRunner
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    r = types.SimpleNamespace(
+        config=EngineConfig(mem_fraction_static=fraction), device=torch.device("cuda", 0), num_kv_heads=8,
+        kv_dtype=torch.bfloat16, dtype=torch.bfloat16, max_context_len=context_len,
+        model_config=types.SimpleNamespace(num_hidden_layers=32, head_dim=128, vocab_size=128256, hidden_size=4096,
+                                           intermediate_size=14336))
+    r.shape = functools.partial(ModelRunner.shape, r)
+    r.sized = functools.partial(ModelRunner.sized, r)
+    tokens, gpu = ModelRunner._pool_tokens(r)
+    assert gpu == total
+    return tokens
+
+
+def test_the_pool_keeps_room_for_the_sizes_it_implies(monkeypatch):
+    """An H100 at the default fraction: the 15% margin covers the derived sizes' needs, so the pool is what it was
+    before they were derived. With a thin margin and Llama-3.1's 128k context, the estimate is the larger and the
+    pool gives way to it."""
+    per_token = 32 * 2 * 8 * 128 * 2
+    free = 64 * GIB
+    assert _pool_tokens_on(monkeypatch, free, H100, 8192, 0.85) == int((free - 0.15 * H100) // per_token)
+    thin = _pool_tokens_on(monkeypatch, free, H100, 131072, 0.95)
+    assert thin < int((free - 0.05 * H100) // per_token)
+    long_ctx = ModelShape(131072, 128256, 4096, 14336)
+    provisional = derive_sizes(int((free - 0.05 * H100) // per_token), H100, long_ctx)
+    assert thin == int((free - reserve_bytes(provisional, long_ctx)) // per_token)
