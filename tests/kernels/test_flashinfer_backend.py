@@ -84,6 +84,8 @@ class _Wrapper:
 
 
 class _Decode(_Wrapper):
+    def reset_workspace_buffer(self, float_workspace, int_workspace):
+        assert self.graph and int_workspace.dtype == torch.uint8
     def plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size, sm_scale=None, **kw):
         assert indptr.device.type == "cpu" and page_size == 1 and bool((last_page_len == 1).all())
         assert (hq, hkv, d) == (HQ, HKV, D)
@@ -138,6 +140,7 @@ def fake_flashinfer(monkeypatch):
     monkeypatch.setattr(_Wrapper, "plans", [])
     import shared.models.attention.flashinfer_backend as backend
     monkeypatch.setattr(backend, "WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(backend, "GRAPH_INT_WORKSPACE_BYTES", 1024)
     return mod
 
 
