@@ -48,22 +48,23 @@ def spawn(*args: str) -> subprocess.Popen:
 
 
 def wait_line(proc: subprocess.Popen, prefix: str, timeout: float = 180) -> str:
+    """The first output line holding `prefix`; the rest of the output is drained on a thread (a full pipe
+    would block the process)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"process exited ({proc.poll()}) before {prefix!r}")
+    for line in proc.stdout:
         if prefix in line:
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
             return line
-    raise TimeoutError(prefix)
+        if time.monotonic() > deadline:
+            break
+    raise RuntimeError(f"no {prefix!r} from the process (exit code {proc.poll()})")
 
 
 def stop(*procs: subprocess.Popen) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    """SIGKILL to each live process's group (each runs in a session of its own), then reap it."""
+    for p in (p for p in procs if p.poll() is None):
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
 
 
 class Redis:
