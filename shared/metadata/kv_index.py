@@ -28,10 +28,11 @@ _REGISTRY_S = 1.0  # how often the registry is read (workers coming and going)
 _FORGET_S = 60.0  # a picture whose worker has had no registry entry this long is dropped
 _BLOCK_MS = 200  # XREAD's wait: bounds how late a new worker or a resync is picked up
 _LAGS = 4096  # recent event lags kept for the p99
+_LOAD_FRESH_S = 1.0  # a worker's published load older than this is not used
 
 
 class Picture:
-    __slots__ = ("worker", "address", "blocks", "epoch", "seq", "last_id", "synced", "want", "load", "seen")
+    __slots__ = ("worker", "address", "blocks", "epoch", "seq", "last_id", "synced", "want", "load", "load_at", "seen")
 
     def __init__(self, worker: str, address: str):
         self.worker = worker
@@ -43,6 +44,7 @@ class Picture:
         self.synced = False
         self.want: tuple[str, int] | None = None  # (epoch, seq): an older snapshot cannot resync the picture
         self.load: WorkerLoad | None = None
+        self.load_at = 0.0  # when `load` arrived (monotonic): it rides on cache changes, and ages out
         self.seen = time.monotonic()  # last time the registry listed the worker
 
 
@@ -82,7 +84,9 @@ class KvIndex:
     def queued(self, address: str) -> int:
         """Requests the worker last said it was running or holding in its queue (every gateway's)."""
         p = self.by_address.get(address)
-        return p.load.running + p.load.waiting if p is not None and p.load is not None else 0
+        if p is None or p.load is None or time.monotonic() - p.load_at > _LOAD_FRESH_S:
+            return 0  # nothing recent: a worker whose cache stopped changing may have gone idle since
+        return p.load.running + p.load.waiting
 
     def stats(self) -> dict:
         lags = sorted(self.lags)
@@ -113,7 +117,7 @@ class KvIndex:
         """One stream entry of p's worker, in order."""
         self.counts["batches"] += 1
         if b.load is not None:
-            p.load = b.load
+            p.load, p.load_at = b.load, time.monotonic()
         fresh_epoch = b.epoch != p.epoch and b.seq == 1 and b.clear  # the worker (re)started
         if fresh_epoch:
             p.blocks = set()
