@@ -8,8 +8,8 @@ stored leaf adds the blocks ending inside it and an evicted leaf removes them (a
 
 The publisher is the radix tree's listener (shared/cache/radix_cache.py). On the engine thread it only
 appends the path's tokens to a bounded buffer (past the bound it drops everything and asks for a resync);
-the event loop takes them right after the step's outputs (the worker's `poke`), or is woken for them
-when no step has had output for POKE_S. The event loop hashes, nets a burst of events into one `KvBatch` and XADDs it to the
+the event loop takes them right after the step's outputs (the worker's `poke`), or within POKE_S (it
+looks that often; an idle engine's events wake it at once). The event loop hashes, nets a burst of events into one `KvBatch` and XADDs it to the
 worker's own stream (MAXLEN-trimmed), numbered by `seq` within an `epoch` (one per worker start: its first
 batch clears what readers knew). It keeps a mirror of the worker's block set and writes it as a snapshot
 key (with its seq and stream id) about once a second when it changed, so a reader can start or catch up. A
@@ -40,7 +40,7 @@ BLOCK_TOKENS = 16  # the gateway's routing block too: one naming everywhere
 KV_STREAM_MAXLEN = knob("KV_STREAM_MAXLEN")
 KV_SNAPSHOT_S = knob("KV_SNAPSHOT_S")
 KV_EVENT_BUFFER = knob("KV_EVENT_BUFFER")
-POKE_S = 0.02  # without step outputs this long, the engine thread wakes the loop for its events itself
+POKE_S = 0.02  # the longest an event waits for the loop when no step output pokes it (the loop polls)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -231,9 +231,9 @@ class KvEventPublisher:
         else:
             ns, tokens, start = self._cache.path_of(node) if node is not None else (None, None, 0)
             self._events.append((kind, ns, tokens, start, time.time()))
-        # The loop is told after every engine step's outputs (`poke`); only while no step has output for
-        # a while does the engine thread wake it itself: that is a write to the loop's socket, and the loop
-        # thread taking the GIL mid-step.
+        # The loop is told after every engine step's outputs (`poke`) and looks every POKE_S; only while no
+        # step has had output for a while does the engine thread wake it itself: that is a write to the
+        # loop's socket, and the loop thread taking the GIL mid-step.
         if not self._woken and self._loop is not None and time.monotonic() - self._poked > POKE_S:
             self._woken = True
             self._loop.call_soon_threadsafe(self._wake.set)
@@ -254,7 +254,7 @@ class KvEventPublisher:
         snap_due = 0.0
         while not self._stopped:
             try:  # (asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation)
-                async with asyncio.timeout(self.snapshot_s / 2):
+                async with asyncio.timeout(POKE_S):  # events of a step without outputs wait no longer
                     await self._wake.wait()
             except TimeoutError:
                 pass
