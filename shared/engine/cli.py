@@ -5,7 +5,8 @@ import argparse
 import dataclasses
 import re
 
-from shared.engine.config import ATTENTION_BACKENDS, EngineConfig, unsupported_attention_backend
+from shared.engine.config import (ATTENTION_BACKENDS, EngineConfig, hicache_config_error,
+                                  unsupported_attention_backend)
 
 _CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
@@ -16,6 +17,7 @@ _CHOICES = {
     "kv_cache_dtype": ["auto", "fp8_e4m3", "fp8_e5m2", "fp8"],
     "jump_forward_mode": ["retokenize", "verify"],
     "kv_transfer_staging": ["device", "host"],
+    "hicache_write_policy": ["write_back", "write_through", "write_through_selective"],
 }
 
 
@@ -108,6 +110,13 @@ _HELP = {
     "lpm_queue_limit": "above this queue length LPM falls back to FCFS (0: LPM at any length)",
     "max_skipped_rounds": "a request passed over this many times goes first (no starvation)",
     "disable_radix_cache": "no prefix reuse (the ablation)",
+    "enable_hierarchical_cache": "a host-memory KV tier under the radix tree: KV evicted from the device pool moves "
+                                 "to pinned host memory and is loaded back when a prompt reuses it",
+    "hicache_ratio": "host tier size as a multiple of the device KV pool's tokens",
+    "hicache_size": "host tier size in GB (overrides --hicache-ratio when > 0)",
+    "hicache_write_policy": "write_through: new KV is copied to the host as it is cached; write_back: when it is "
+                            "evicted (eviction waits for the copy); write_through_selective: when first reused",
+    "hicache_load_timeout": "seconds a load from the host tier may take before the prefix is recomputed instead",
     "init_new_token_ratio": "share of running requests' remaining max_new_tokens reserved at admission",
     "min_new_token_ratio": "lower bound the reservation ratio decays to",
     "new_token_ratio_decay": "per-step decay of the reservation ratio",
@@ -171,6 +180,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help=argparse.SUPPRESS)
     group.add_argument("--dequantize-fp8-blocks", dest="dequantize_fp8_blocks", action="store_true",
                        help=argparse.SUPPRESS)
+
+
+def engine_flag_error(args: argparse.Namespace) -> str | None:
+    """Why the engine flags cannot work together, or None (the worker and launcher refuse to start)."""
+    return hicache_config_error(args)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -18,6 +18,22 @@ def unsupported_attention_backend(name: str) -> str | None:
             if why else None)
 
 
+def hicache_config_error(config) -> str | None:
+    """Why the host tier flags cannot work together with the others, or None (`config`: an EngineConfig or the
+    parsed arguments)."""
+    if not config.enable_hierarchical_cache:
+        return None
+    if config.disable_radix_cache:
+        return "--enable-hierarchical-cache needs the radix cache: drop --disable-radix-cache"
+    if config.tp_size > 1:
+        return "--enable-hierarchical-cache is not supported with tensor parallelism (--tp-size > 1) yet"
+    if config.hicache_size < 0 or (config.hicache_size == 0 and config.hicache_ratio <= 0):
+        return "the host KV tier needs --hicache-size > 0 (GB) or --hicache-ratio > 0"
+    if config.hicache_load_timeout <= 0:
+        return "--hicache-load-timeout must be > 0 seconds"
+    return None
+
+
 @dataclass
 class EngineConfig:
     model_path: str = "tiny-random"
@@ -58,6 +74,16 @@ class EngineConfig:
     lpm_queue_limit: int = 128
     max_skipped_rounds: int = 32  # aging bound: a request passed over this often goes first
     disable_radix_cache: bool = False
+    # A host-memory KV tier under the radix tree (SGLang's HiCache flags; shared/cache/hiradix_cache.py): KV evicted
+    # from the device pool moves to a host pool of hicache_ratio × its tokens (hicache_size GB instead when > 0) and
+    # comes back when a match reaches it. write_through: new KV is copied to the host as it enters the tree;
+    # write_back: at eviction; write_through_selective: when a match first reuses it. A load-back not done within
+    # hicache_load_timeout seconds is given up (the prefix is recomputed).
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0
+    hicache_write_policy: str = "write_through"
+    hicache_load_timeout: float = 5.0
     init_new_token_ratio: float = 0.7  # share of remaining max_new_tokens reserved for running requests
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.002

@@ -84,8 +84,13 @@ class Engine:
         self.runner.eos_token_ids = self.eos_token_ids
         self.runner.tokenizer_vocab_size = min(tokenizer.vocab_size, self.runner.vocab_size)
         self.allocator = SlotAllocator(self.runner.kv_pool.num_pages, config.page_size, device="cpu")
-        cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
-        self.cache = cache_cls(self.allocator, config.page_size)
+        if config.enable_hierarchical_cache:
+            from shared.cache.hiradix_cache import tiered_cache
+
+            self.cache = tiered_cache(config, self.allocator, self.runner.kv_pool)
+        else:
+            cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
+            self.cache = cache_cls(self.allocator, config.page_size)
         # PD mode: the prefill/decode halves (shared/engine/disagg.py), wired by the worker's transfer
         # glue; idle in unified mode. The scheduler asks their stage queues about PD requests.
         self.prefill_side = PrefillSide(self)
@@ -848,6 +853,7 @@ class Engine:
             "jump_forward_declined": self.jump_forward_declined,
             "grammar_cache": {"hits": self.grammars.hits, "misses": self.grammars.misses, "entries": len(self.grammars)},
             "disable_radix_cache": self.config.disable_radix_cache,
+            "hicache": self.cache.tiers() if self.config.enable_hierarchical_cache else None,
             "schedule_policy": self.config.schedule_policy,
             "tp_size": self.config.tp_size,
         }

@@ -106,12 +106,14 @@ class SchedulePolicy:
             self.chunked = None
         if req.req_pool_idx is not None:
             self._release_kv(req)
+        self.drop_host_load(req)
         req.status = ReqStatus.FINISHED
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduleBatch | None:
         """The next batch. Callers advance each request's kv_len by its extend length once the batch is
         launched (before the next call)."""
+        self.cache.poll()  # background copies of the host tier that completed
         self._cache_extended()
         # Interleave: after a prefill pass, give running requests a decode step before the next prefill,
         # so a stream of arrivals cannot stall token generation. Requests that rode along in it (mixed
@@ -165,6 +167,28 @@ class SchedulePolicy:
 
     def _match(self, req: Req):
         return self.cache.match_prefix(self._match_key(req), namespace=req.cache_salt)
+
+    def _admission_match(self, req: Req):
+        """The request's match at admission, or None while it waits for the host tier to bring its prefix back
+        (others are admitted meanwhile): a match reaching host-only KV starts that load first. A load that
+        cannot start or fails leaves the host part a miss (recomputed)."""
+        load = req.host_load
+        if load is not None and not self.cache.load_ready(load):
+            return None
+        match = self._match(req)
+        if load is None and match.host is not None:
+            load = req.host_load = self.cache.load_back(match)
+            if load is not None:
+                if not self.cache.load_ready(load):
+                    return None
+                match = self._match(req)  # done at once (CPU): the prefix is on the device now
+        return match
+
+    def drop_host_load(self, req: Req) -> None:
+        """The request no longer waits on its load (its own lock holds the path now, or it left)."""
+        if req.host_load is not None:
+            load, req.host_load = req.host_load, None
+            self.cache.release_load(load)
 
     def _bind(self, req: Req, match) -> None:
         """Give an admitted request its row and its cached prefix (locked by the caller)."""

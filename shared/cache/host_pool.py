@@ -1,0 +1,154 @@
+"""The host tier's KV memory: a pool of token slots in host RAM (pinned when the device pool is on CUDA) and
+the copies between it and the device pool (KVPool).
+
+A host slot holds one token's KV of every layer, K and V: row `slot` of one [slots, 2 * layers, heads, dim]
+buffer, so a run of consecutive host slots is one contiguous block and moves in one copy. The device pool
+keeps a K and a V buffer per layer (kv_pool.py), so a transfer gathers or scatters there, layer by layer.
+
+On CUDA every transfer runs on a stream of its own (one for writes, one for loads), in chunks through a
+device staging buffer of fixed size, and ends with an event the caller polls; nothing here waits for the
+device. A transfer first waits (on the device) for the work queued on the compute stream so far: a write
+must read KV the queued passes compute, and a load must not overwrite slots a queued pass still touches.
+On the CPU the same copies run synchronously (no event: done on return).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels.h2d import to_device
+from shared.cache.allocator import SlotAllocator
+from shared.cache.kv_pool import KVPool, as_bytes
+
+# Device staging per direction: a transfer longer than this moves in several chunks on its stream.
+STAGING_BYTES = 64 << 20
+
+
+class HostTierError(ValueError):
+    """The host tier cannot be set up as asked (its size against the host's memory)."""
+
+
+def host_pool_tokens(device_tokens: int, bytes_per_token: int, ratio: float, size_gb: float,
+                     available_bytes: int) -> int:
+    """Host slots for the tier: size_gb GB when > 0, else ratio × the device pool's tokens. Refuses a size
+    the host's available memory cannot hold (leaving it a 10% margin), with the numbers in the error."""
+    tokens = int(size_gb * 1e9) // bytes_per_token if size_gb > 0 else int(device_tokens * ratio)
+    if tokens <= 0:
+        raise HostTierError(f"the host KV tier would hold no tokens (--hicache-ratio {ratio}, --hicache-size {size_gb})")
+    need = tokens * bytes_per_token
+    if need > 0.9 * available_bytes:
+        raise HostTierError(f"the host KV tier needs {need / 2**30:.1f} GiB ({tokens} tokens) but only "
+                         f"{available_bytes / 2**30:.1f} GiB of host memory is available: lower --hicache-ratio "
+                         f"or set --hicache-size (GB)")
+    return tokens
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (psutil where that is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+class HostKVPool:
+    def __init__(self, device_pool: KVPool, num_tokens: int):
+        ps = device_pool.page_size
+        self.device_pool = device_pool
+        self.page_size = ps
+        self.num_layers = device_pool.num_layers
+        num_pages = max(1, num_tokens // ps)
+        self.allocator = SlotAllocator(num_pages, ps, device="cpu")
+        dev = device_pool.device
+        self.cuda = dev.type == "cuda"
+        sample = as_bytes(device_pool.k_buffers[0])
+        self.row_shape = (2 * self.num_layers, device_pool.num_kv_heads, device_pool.head_dim)
+        self.buffer = torch.empty(((num_pages + 1) * ps, *self.row_shape), dtype=sample.dtype,
+                                  pin_memory=self.cuda)
+        self.bytes_per_token = self.token_bytes(device_pool)
+        if self.cuda:
+            rows = max(1, STAGING_BYTES // self.bytes_per_token)
+            self._streams = {"write": torch.cuda.Stream(dev), "load": torch.cuda.Stream(dev)}
+            self._staging = {k: torch.empty((rows, *self.row_shape), dtype=sample.dtype, device=dev)
+                             for k in self._streams}
+
+    @staticmethod
+    def token_bytes(device_pool: KVPool) -> int:
+        """Host bytes of one token's KV (every layer, K and V)."""
+        return (2 * device_pool.num_layers * device_pool.num_kv_heads * device_pool.head_dim
+                * as_bytes(device_pool.k_buffers[0]).element_size())
+
+    def size_tokens(self) -> int:
+        return self.allocator.total_size()
+
+    # ---- transfers ---------------------------------------------------------------------------------
+    def write(self, device_slots: np.ndarray, host_slots: np.ndarray):
+        """Copy the device pool's KV at device_slots into host_slots. Returns the CUDA event that marks its
+        end, or None when it is done already (CPU)."""
+        return self._transfer("write", np.asarray(device_slots, np.int64), np.asarray(host_slots, np.int64))
+
+    def load(self, host_slots: np.ndarray, device_slots: np.ndarray):
+        """Copy host_slots back into the device pool at device_slots. Event or None, as write()."""
+        return self._transfer("load", np.asarray(device_slots, np.int64), np.asarray(host_slots, np.int64))
+
+    def _layers(self):
+        for layer in range(self.num_layers):
+            yield 2 * layer, as_bytes(self.device_pool.k_buffers[layer])
+            yield 2 * layer + 1, as_bytes(self.device_pool.v_buffers[layer])
+
+    def _transfer(self, direction: str, dslots: np.ndarray, hslots: np.ndarray):
+        assert dslots.shape == hslots.shape, (dslots.shape, hslots.shape)
+        if dslots.shape[0] == 0:
+            return None
+        if not self.cuda:
+            d = torch.from_numpy(dslots)
+            h = torch.from_numpy(hslots)
+            for row, buf in self._layers():
+                if direction == "write":
+                    self.buffer[h, row] = buf.index_select(0, d)
+                else:
+                    buf.index_copy_(0, d, self.buffer[h, row])
+            return None
+        stream = self._streams[direction]
+        stage = self._staging[direction]
+        dev = self.device_pool.device
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            d_all = to_device(dslots, torch.int64, dev)
+            for start in range(0, dslots.shape[0], stage.shape[0]):
+                end = min(start + stage.shape[0], dslots.shape[0])
+                d = d_all[start:end]
+                n = end - start
+                if direction == "write":
+                    for row, buf in self._layers():
+                        stage[:n, row] = buf.index_select(0, d)
+                    for off, lo, hi in _runs(hslots[start:end]):
+                        self.buffer[lo:hi].copy_(stage[off:off + hi - lo], non_blocking=True)
+                else:
+                    for off, lo, hi in _runs(hslots[start:end]):
+                        stage[off:off + hi - lo].copy_(self.buffer[lo:hi], non_blocking=True)
+                    for row, buf in self._layers():
+                        buf.index_copy_(0, d, stage[:n, row])
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+
+def _runs(slots: np.ndarray):
+    """(offset in slots, first, end) of each run of consecutive slot ids."""
+    if slots.shape[0] == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [slots.shape[0]]))
+    return [(int(s), int(slots[s]), int(slots[e - 1]) + 1) for s, e in zip(starts, ends)]
+
+
+def event_done(event) -> bool:
+    return event is None or event.query()

@@ -1,0 +1,210 @@
+"""The radix tree with a host tier (shared/cache/hiradix_cache.py) on the CPU: both pools in host memory, copies
+synchronous, the same code paths as on CUDA otherwise."""
+import numpy as np
+import pytest
+import torch
+
+from shared.cache.allocator import SlotAllocator
+from shared.cache.hiradix_cache import HiRadixCache
+from shared.cache.host_pool import HostKVPool, HostTierError, host_pool_tokens
+from shared.cache.kv_pool import KVPool
+
+LAYERS = 2
+
+
+def make(device_tokens=32, host_tokens=64, page_size=1, policy="write_through"):
+    pool = KVPool(LAYERS, 1, 2, device_tokens // page_size, page_size, torch.float32, "cpu")
+    alloc = SlotAllocator(device_tokens // page_size, page_size, "cpu")
+    cache = HiRadixCache(alloc, page_size, HostKVPool(pool, host_tokens), policy)
+    return pool, alloc, cache
+
+
+def kv_of(token: int, layer: int, which: int) -> torch.Tensor:
+    """What the 'model' writes for a token: a function of the token only (position-free, for checking)."""
+    return torch.tensor([[token * 10.0 + layer, which]])
+
+
+def compute(pool, alloc, cache, tokens):
+    """A request: match, write KV for what is not cached, insert, release. Returns the match."""
+    match = cache.match_prefix(tokens)
+    if match.host is not None:
+        op = cache.load_back(match)
+        if op is not None:
+            assert cache.load_ready(op)
+            match = cache.match_prefix(tokens)
+            cache.lock(match.node)
+            cache.release_load(op)
+            cache.unlock(match.node)
+    n = match.length
+    cache.evict(max(0, len(tokens) - n - alloc.available_size()))
+    new = alloc.alloc(len(tokens) - n)
+    assert new is not None
+    for i, slot in enumerate(new.tolist()):
+        for layer in range(LAYERS):
+            pool.k_buffers[layer][slot] = kv_of(tokens[n + i], layer, 0)
+            pool.v_buffers[layer][slot] = kv_of(tokens[n + i], layer, 1)
+    slots = torch.cat([match.slots, new])
+    done = cache.insert(tokens, slots)
+    alloc.free(slots[match.length:done])
+    return match
+
+
+def check_kv(pool, cache, tokens):
+    """The device KV the tree gives for `tokens` is what was computed for them."""
+    match = cache.match_prefix(tokens, record=False)
+    for tok, slot in zip(tokens, match.slots.tolist()):
+        for layer in range(LAYERS):
+            assert torch.equal(pool.k_buffers[layer][slot], kv_of(tok, layer, 0)), (tok, layer)
+            assert torch.equal(pool.v_buffers[layer][slot], kv_of(tok, layer, 1)), (tok, layer)
+    return match.length
+
+
+def no_leak(alloc, cache):
+    """Device and host slots all accounted for by the tree; after reset, every slot free."""
+    device = sum(len(n.value) for n in cache.nodes() if n.value is not None)
+    host = sum(len(n.host_value) for n in cache.nodes() if n.host_value is not None)
+    assert alloc.used_size() == device
+    assert cache.host_allocator.used_size() == host == cache.stats()["host_cached_tokens"]
+    cache.reset()
+    assert alloc.available_size() == alloc.total_size()
+    assert cache.host_allocator.available_size() == cache.host_allocator.total_size()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+def test_evicted_prefix_comes_back_from_host(policy):
+    pool, alloc, cache = make(policy=policy)
+    a = list(range(100, 120))
+    compute(pool, alloc, cache, a)
+    if policy == "write_through_selective":
+        compute(pool, alloc, cache, a)  # reused once: now copied to the host
+    compute(pool, alloc, cache, list(range(200, 220)))  # evicts most of a from the device
+    match = cache.match_prefix(a, record=False)
+    assert match.length < 20 and match.host_hit_length == 20 - match.length
+    before = cache.stats()["host_hit_tokens"]
+    compute(pool, alloc, cache, a)
+    assert cache.stats()["host_hit_tokens"] - before == 20 - match.length
+    assert check_kv(pool, cache, a) == 20
+    no_leak(alloc, cache)
+
+
+def test_both_resident_drops_device_only_and_splits_keep_tiers():
+    pool, alloc, cache = make()
+    compute(pool, alloc, cache, list(range(16)))
+    node = cache.match_prefix(list(range(16)), record=False).node
+    assert node.value is not None and node.host_value is not None  # write-through: on both
+    written = cache.stats()["written_tokens"]
+    cache.evict(16)
+    assert node.value is None and node.host_value is not None and not node.evicted  # host-only, still in the tree
+    assert cache.stats()["written_tokens"] == written  # no second copy
+    # A longer prompt diverging inside the host-only edge splits it; both halves keep their host copies.
+    compute(pool, alloc, cache, list(range(8)) + [99] * 8)
+    assert check_kv(pool, cache, list(range(8))) == 8
+    assert cache.match_prefix(list(range(16)), record=False).host_hit_length == 8
+    compute(pool, alloc, cache, list(range(16)))
+    assert check_kv(pool, cache, list(range(16))) == 16
+    no_leak(alloc, cache)
+
+
+def test_host_lru_evicts_oldest_and_never_fails():
+    pool, alloc, cache = make(device_tokens=16, host_tokens=24)
+    prompts = [list(range(k * 100, k * 100 + 8)) for k in range(8)]
+    for p in prompts:
+        compute(pool, alloc, cache, p)  # 64 tokens through a 16-token device pool and a 24-token host pool
+    assert cache.stats()["host_evicted_tokens"] > 0
+    assert cache.host_allocator.used_size() <= 24
+    first = cache.match_prefix(prompts[0], record=False)
+    last = cache.match_prefix(prompts[-1], record=False)
+    assert first.length + first.host_hit_length == 0  # the oldest left both tiers
+    assert last.length + last.host_hit_length == 8
+    no_leak(alloc, cache)
+
+
+def test_host_full_of_locked_work_drops_instead():
+    """With no host room at all, device eviction drops nodes as the plain tree does."""
+    pool, alloc, cache = make(device_tokens=16, host_tokens=1, policy="write_back")
+    for k in range(4):
+        compute(pool, alloc, cache, list(range(k * 100, k * 100 + 8)))
+    assert cache.stats()["evicted_tokens"] >= 16
+    no_leak(alloc, cache)
+
+
+def test_failed_load_falls_back_to_a_miss(monkeypatch):
+    pool, alloc, cache = make()
+    a = list(range(100, 116))
+    compute(pool, alloc, cache, a)
+    cache.evict(16)
+
+    def broken(*args):
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(cache.host, "load", broken)
+    match = cache.match_prefix(a)
+    assert match.host_hit_length == 16
+    assert cache.load_back(match) is None
+    assert cache.stats()["load_failures"] == 1
+    monkeypatch.undo()
+    compute(pool, alloc, cache, a)  # recomputes over the host-only node: it is on the device again
+    assert check_kv(pool, cache, a) == 16
+    no_leak(alloc, cache)
+
+
+def test_slow_load_is_abandoned_and_its_slots_freed_when_the_copy_ends():
+    pool, alloc, cache = make()
+    a = list(range(100, 116))
+    compute(pool, alloc, cache, a)
+    cache.evict(16)
+
+    class Pending:  # a copy that has not completed
+        done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    event = Pending()
+    real = cache.host.load
+    monkey_calls = []
+
+    def slow(h, d):
+        real(h, d)
+        monkey_calls.append(1)
+        return event
+
+    cache.host.load = slow
+    cache.load_timeout = 0.0
+    match = cache.match_prefix(a)
+    op = cache.load_back(match)
+    assert op is not None and op.state == "loading"
+    # Another request's match stops before the loading nodes and waits on the same load.
+    other = cache.match_prefix(a)
+    assert other.length == 0 and other.host.loading is op
+    assert cache.load_back(other) is op
+    used = alloc.used_size()
+    assert cache.load_ready(op) and op.state == "failed"  # past the timeout
+    cache.release_load(op)
+    cache.release_load(op)
+    assert alloc.used_size() == used  # the copy may still write them: not freed yet
+    event.done = True
+    cache.poll()
+    assert alloc.used_size() == used - 16
+    assert cache.match_prefix(a, record=False).host_hit_length == 16  # host-only again
+    no_leak(alloc, cache)
+
+
+def test_host_size_is_capped_by_available_memory():
+    assert host_pool_tokens(100, 1000, 2.0, 0, 10**9) == 200
+    assert host_pool_tokens(100, 1000, 2.0, 1, 10**10) == 10**6  # GB wins over the ratio
+    with pytest.raises(HostTierError, match="available"):
+        host_pool_tokens(100, 1000, 2.0, 1, 10**8)
+
+
+def test_paged_tree_load_back():
+    pool, alloc, cache = make(device_tokens=32, host_tokens=64, page_size=4)
+    a = list(range(100, 124))
+    compute(pool, alloc, cache, a)
+    compute(pool, alloc, cache, list(range(300, 324)))
+    compute(pool, alloc, cache, a)
+    assert cache.stats()["host_hit_tokens"] > 0 and check_kv(pool, cache, a) == 24
+    no_leak(alloc, cache)

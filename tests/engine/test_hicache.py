@@ -1,0 +1,59 @@
+"""The engine with the host KV tier (--enable-hierarchical-cache) on the tiny model, on the CPU."""
+import random
+
+import pytest
+
+from shared.cache.host_pool import HostTierError
+from shared.engine.cli import engine_flag_error
+from shared.engine.config import EngineConfig
+from shared.engine.engine_loop import Engine
+from tests.support.engine_harness import Harness, tokenizer
+
+POOL = 128  # device tokens: two of the prompts below do not fit at once
+
+
+def prompts(seed=0, n=3, length=100):
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 500) for _ in range(length)] for _ in range(n)]
+
+
+def test_resent_prompt_after_eviction_is_served_from_host():
+    ps = prompts()
+    greedy = {"sampling": {"max_new_tokens": 4, "temperature": 0.0}}
+    ref = Harness(max_total_tokens=POOL)
+    want = [ref.generate(p, **greedy)["ids"] for p in ps + ps[:1]]
+
+    h = Harness(max_total_tokens=POOL, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    got = [h.generate(p, **greedy) for p in ps]  # the first prompt's KV is evicted from the device to the host
+    stats = h.engine.cache.stats()
+    assert stats["host_hit_tokens"] == 0
+    again = h.generate(ps[0], **greedy)
+    stats = h.engine.cache.stats()
+    assert stats["host_hit_tokens"] >= 90 and stats["bytes_h2d"] > 0 and stats["bytes_d2h"] > 0
+    assert again["cached"] >= 90  # counted as a prefix hit at admission
+    assert [r["ids"] for r in got] + [again["ids"]] == want
+    info = h.engine.info()["hicache"]
+    assert info["host_total_tokens"] == 4 * POOL and info["device_total_tokens"] == POOL
+    assert 0 < info["host_used_tokens"] <= 4 * POOL
+    # Nothing leaks: the tree holds every used slot of both pools; a flush frees them all.
+    assert h.engine.policy.is_idle()
+    cache = h.engine.cache
+    assert h.engine.allocator.used_size() == sum(len(n.value) for n in cache.nodes() if n.value is not None)
+    assert cache.host_allocator.used_size() == stats["host_cached_tokens"]
+    assert h.engine.flush_cache()[0]
+    assert h.engine.allocator.available_size() == POOL
+    assert cache.host_allocator.available_size() == cache.host_allocator.total_size()
+
+
+def test_flags_that_cannot_work_are_refused():
+    bad = EngineConfig(enable_hierarchical_cache=True, disable_radix_cache=True)
+    assert "disable-radix-cache" in engine_flag_error(bad)
+    assert "tensor parallelism" in engine_flag_error(EngineConfig(enable_hierarchical_cache=True, tp_size=2))
+    assert engine_flag_error(EngineConfig(enable_hierarchical_cache=True, hicache_ratio=0)) is not None
+    assert engine_flag_error(EngineConfig(enable_hierarchical_cache=True)) is None
+    with pytest.raises(HostTierError, match="disable-radix-cache"):
+        Engine(EngineConfig(dtype="float32", max_total_tokens=POOL, enable_hierarchical_cache=True,
+                            disable_radix_cache=True), tokenizer(), lambda outs: None)
+    with pytest.raises(HostTierError, match="available"):  # a petabyte of host memory
+        Engine(EngineConfig(dtype="float32", max_total_tokens=POOL, enable_hierarchical_cache=True,
+                            hicache_size=10**6), tokenizer(), lambda outs: None)
