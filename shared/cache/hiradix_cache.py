@@ -43,8 +43,8 @@ from shared.cache.radix_cache import RadixCache, TreeNode, as_tokens, common_pre
 log = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
-# Upper bounds (seconds) of the load-back latency histogram's buckets (the last one: everything longer).
-LOAD_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, float("inf"))
+# Upper bounds (seconds) of the load-back latency histogram's buckets, and one more bucket for everything longer.
+LOAD_LATENCY_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 @dataclass(eq=False)
@@ -85,7 +85,7 @@ class HiRadixCache(RadixCache):
         self._deferred_free: list[tuple[object, np.ndarray]] = []  # (event, device slots) of abandoned loads
         self.counters = {"host_hit_tokens": 0, "load_failures": 0, "bytes_h2d": 0, "bytes_d2h": 0,
                          "written_tokens": 0, "host_evicted_tokens": 0, "load_seconds_sum": 0.0}
-        self.load_latency = [0] * len(LOAD_LATENCY_BUCKETS)  # per bucket (not cumulative)
+        self.load_latency = [0] * (len(LOAD_LATENCY_BOUNDS) + 1)  # per bucket (not cumulative)
 
     # ---- matching ----------------------------------------------------------------------------------
     def match_prefix(self, key: Sequence[int], namespace: str | None = None, record: bool = True) -> MatchResult:
@@ -206,7 +206,7 @@ class HiRadixCache(RadixCache):
         self.counters["host_hit_tokens"] += offset
         self.counters["bytes_h2d"] += offset * self.host.bytes_per_token
         self.counters["load_seconds_sum"] += seconds
-        self.load_latency[bisect.bisect_left(LOAD_LATENCY_BUCKETS, seconds)] += 1
+        self.load_latency[bisect.bisect_left(LOAD_LATENCY_BOUNDS, seconds)] += 1
         if op.holders == 0:
             self.unlock(op.held)
 
@@ -394,7 +394,8 @@ class HiRadixCache(RadixCache):
         s = super().stats()
         s.update(self.counters)
         s["load_seconds_count"] = sum(self.load_latency)
-        s["load_latency_buckets"] = list(self.load_latency)
+        s["load_latency_buckets"] = list(self.load_latency)  # per bucket, not cumulative
+        s["load_latency_le"] = list(LOAD_LATENCY_BOUNDS)
         s["host_cached_tokens"] = self._host_tokens
         s["loads_in_flight"] = len(self._loads)
         return s

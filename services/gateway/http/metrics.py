@@ -40,6 +40,50 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+class HostTierGauges:
+    """The workers' host KV tier (--enable-hierarchical-cache), summed over them: per-tier hit tokens, bytes moved
+    each way, tier sizes, and the load-back latency histogram (as gauges: the workers' own counts)."""
+
+    FIGURES = {"hicache_host_hit_tokens": "Prompt tokens loaded back from the host KV tier",
+               "hicache_device_hit_tokens": "Prompt tokens found in the device KV pool",
+               "hicache_h2d_bytes": "KV bytes loaded from the host tier to the device",
+               "hicache_d2h_bytes": "KV bytes written from the device to the host tier",
+               "hicache_host_used_tokens": "Host tier slots in use",
+               "hicache_host_total_tokens": "Host tier size in tokens",
+               "hicache_load_seconds_sum": "Total seconds of host tier load-backs",
+               "hicache_load_seconds_count": "Host tier load-backs completed"}
+
+    def __init__(self, gauge, registry, model_name: str):
+        self.gauges = {name: gauge(name, doc) for name, doc in self.FIGURES.items()}
+        self.buckets = Gauge("sglang:hicache_load_seconds_bucket", "Host tier load-backs that took at most `le` s",
+                             ["model_name", "le"], registry=registry, multiprocess_mode="livemostrecent")
+        self.model_name = model_name
+
+    def set(self, infos: list[dict]) -> None:
+        caches = [i.get("cache") or {} for i in infos]
+        tiers = [i["hicache"] for i in infos]
+        host_hits = sum(_num(c.get("host_hit_tokens")) for c in caches)
+        values = {"hicache_host_hit_tokens": host_hits,
+                  "hicache_device_hit_tokens": sum(_num(c.get("hit_tokens")) for c in caches) - host_hits,
+                  "hicache_h2d_bytes": sum(_num(c.get("bytes_h2d")) for c in caches),
+                  "hicache_d2h_bytes": sum(_num(c.get("bytes_d2h")) for c in caches),
+                  "hicache_host_used_tokens": sum(_num(t.get("host_used_tokens")) for t in tiers),
+                  "hicache_host_total_tokens": sum(_num(t.get("host_total_tokens")) for t in tiers),
+                  "hicache_load_seconds_sum": sum(_num(c.get("load_seconds_sum")) for c in caches),
+                  "hicache_load_seconds_count": sum(_num(c.get("load_seconds_count")) for c in caches)}
+        for name, value in values.items():
+            self.gauges[name].set(value)
+        bounds = [str(b) for b in caches[0].get("load_latency_le") or []] + ["+Inf"]
+        counts = [0.0] * len(bounds)
+        for c in caches:
+            for k, n in enumerate((c.get("load_latency_buckets") or [])[:len(counts)]):
+                counts[k] += _num(n)
+        total = 0.0
+        for bound, n in zip(bounds, counts):
+            total += n
+            self.buckets.labels(self.model_name, bound).set(total)
+
+
 class GatewayMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -93,6 +137,8 @@ class GatewayMetrics:
         # In a pool the processes that render must see each start at once: there the gauge is not batched.
         self.gateway_inflight = inflight if self.multiprocess else batched(inflight, BatchedGauge)
         self.num_used_tokens = gauge("num_used_tokens", "KV cache slots in use, summed over workers")
+        self._gauge = gauge
+        self.hicache: HostTierGauges | None = None  # made when a worker first reports a host KV tier
         hit_doc = (f"Prompt tokens served from the prefix cache / prompt tokens, over the last "
                    f"~{RATE_WINDOW_S:.0f} s of finished requests")
         if self.multiprocess:  # a ratio does not sum: each process publishes its window's two counts
@@ -114,6 +160,11 @@ class GatewayMetrics:
         self.num_used_tokens.set(sum(_num(i.get("kv_usage")) * _num(i.get("max_total_tokens")) for i in infos))
         if infos:
             self.token_usage.set(sum(_num(i.get("kv_usage")) for i in infos) / len(infos))
+        tiered = [i for i in infos if i.get("hicache")]
+        if tiered:
+            if self.hicache is None:
+                self.hicache = HostTierGauges(self._gauge, self.registry, self.model_name)
+            self.hicache.set(tiered)
 
     def flush(self) -> None:
         """Move the batched observations into prometheus-client's values (and, in a pool, its files)."""
