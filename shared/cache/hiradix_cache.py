@@ -83,6 +83,7 @@ class HiRadixCache(RadixCache):
         self._loading: dict[int, LoadOp] = {}  # id(node) -> the load bringing it back
         self._loads: list[LoadOp] = []  # in flight
         self._deferred_free: list[tuple[object, np.ndarray]] = []  # (event, device slots) of abandoned loads
+        self._batch, self._queued = _Copies(), []  # device-to-host copies not issued yet: (device, host slots)
         self.counters = {"host_hit_tokens": 0, "load_failures": 0, "bytes_h2d": 0, "bytes_d2h": 0,
                          "written_tokens": 0, "host_evicted_tokens": 0, "load_seconds_sum": 0.0}
         self.load_latency = [0] * (len(LOAD_LATENCY_BOUNDS) + 1)  # per bucket (not cumulative)
@@ -180,6 +181,8 @@ class HiRadixCache(RadixCache):
             self.unlock(op.held)
 
     def poll(self) -> None:
+        if self._queued:
+            self._issue_writes()
         if self._loads:
             for op in [op for op in self._loads if event_done(op.event)]:
                 self._finish_load(op)
@@ -275,7 +278,7 @@ class HiRadixCache(RadixCache):
                 self._evictable -= len(node.key)
                 self._remove(node)
                 continue
-            _wait(node)  # write_back: the device slots are reused once the copy has read them
+            self._wait(node)  # write_back: the device slots are reused once the copy has read them
             freed.append(node.value)
             total += len(node.key)
             self._evictable -= len(node.key)
@@ -297,7 +300,7 @@ class HiRadixCache(RadixCache):
             x = stack.pop()
             stack.extend(x.children.values())
             if x.host_value is not None:
-                _wait(x)
+                self._wait(x)
                 host.append(x.host_value)
                 self._host_tokens -= len(x.host_value)
             x.parent, x.children = None, None
@@ -312,22 +315,45 @@ class HiRadixCache(RadixCache):
 
     # ---- the host pool -----------------------------------------------------------------------------
     def _back_up(self, node: TreeNode) -> None:
-        """Copy a device node to the host (no copy when the host pool has no room, even after its eviction)."""
+        """Queue a device node's copy to the host (none when the host pool has no room, even after its eviction).
+        The queue is issued as one transfer at the next poll(), or at once when a node of it must be complete."""
         n = len(node.key)
         slots = self._alloc_host(n)
         if slots is None:
             return
-        try:
-            event = self.host.write(node.value, slots)
-        except Exception:
-            log.exception("host KV write failed: the node stays on the device only")
-            self.host_allocator.free(slots)
-            return
-        node.host_value, node.host_pending = slots, event
+        self._queued.append((node.value, slots))
+        node.host_value, node.host_pending = slots, self._batch
         self._host_tokens += n
         self.counters["written_tokens"] += n
         self.counters["bytes_d2h"] += n * self.host.bytes_per_token
         self._push_host(node)
+
+    def _issue_writes(self) -> None:
+        if not self._queued:
+            return
+        batch, queued = self._batch, self._queued
+        self._batch, self._queued = _Copies(), []
+        batch.issued = True
+        try:
+            batch.event = self.host.write(np.concatenate([d for d, _ in queued]), np.concatenate([h for _, h in queued]))
+        except Exception:
+            log.exception("host KV write failed: the nodes concerned stay on the device only")
+            for x in self.nodes():  # rare: O(tree)
+                if x.host_pending is batch:
+                    self.host_allocator.free(x.host_value)
+                    self._host_tokens -= len(x.host_value)
+                    x.host_value, x.host_pending = None, None  # (never host-only: eviction waits for the copy)
+
+    def _wait(self, node: TreeNode) -> None:
+        """The node's copy to the host is complete (waits for it in the rare case it is not)."""
+        batch = node.host_pending
+        if batch is None:
+            return
+        if not batch.issued:
+            self._issue_writes()
+        if not event_done(batch.event):
+            batch.event.synchronize()
+        node.host_pending = None
 
     def _back_up_path(self, node: TreeNode) -> None:
         while node.parent is not None:
@@ -359,7 +385,7 @@ class HiRadixCache(RadixCache):
             if when != node.last_access:  # touched since: back in at its new place
                 self._push_host(node)
                 continue
-            _wait(node)
+            self._wait(node)
             n = len(node.host_value)
             total += n
             if node.value is None:  # host-only (so without children): out of the tree
@@ -383,7 +409,7 @@ class HiRadixCache(RadixCache):
         host = []
         for node in self.nodes():
             if node.host_value is not None:
-                _wait(node)
+                self._wait(node)
                 host.append(node.host_value)
         super().reset()
         if host:
@@ -410,27 +436,11 @@ class HiRadixCache(RadixCache):
                 "write_policy": self.write_policy}
 
 
-def _wait(node: TreeNode) -> None:
-    """The node's copy to the host has completed (waits for it in the rare case it has not)."""
-    event = node.host_pending
-    if event is not None:
-        if not event_done(event):
-            event.synchronize()
-        node.host_pending = None
+class _Copies:
+    """One batch of device-to-host copies: queued as nodes are backed up, issued together (one transfer) at the
+    next poll or when a node of it must be complete; `event` once issued. Nodes of the batch (splits included)
+    point to it through host_pending."""
+    __slots__ = ("event", "issued")
 
-
-def tiered_cache(config, allocator: SlotAllocator, kv_pool) -> HiRadixCache:
-    """The engine's cache under --enable-hierarchical-cache: the host pool sized by the flags and the host's memory."""
-    from shared.cache.host_pool import HostTierError, available_host_bytes, host_pool_tokens
-    from shared.engine.config import hicache_config_error
-
-    error = hicache_config_error(config)
-    if error:
-        raise HostTierError(error)
-    bytes_per_token = HostKVPool.token_bytes(kv_pool)
-    tokens = host_pool_tokens(allocator.total_size(), bytes_per_token, config.hicache_ratio, config.hicache_size,
-                              available_host_bytes())
-    host = HostKVPool(kv_pool, tokens)
-    log.info("host KV tier: %d tokens (%.2f GiB, %s), device pool %d tokens", host.size_tokens(),
-             tokens * bytes_per_token / 2**30, config.hicache_write_policy, allocator.total_size())
-    return HiRadixCache(allocator, config.page_size, host, config.hicache_write_policy, config.hicache_load_timeout)
+    def __init__(self):
+        self.event, self.issued = None, False

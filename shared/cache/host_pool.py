@@ -20,8 +20,8 @@ from kernels.h2d import to_device
 from shared.cache.allocator import SlotAllocator
 from shared.cache.kv_pool import KVPool, as_bytes
 
-# Device staging per direction: a transfer longer than this moves in several chunks on its stream.
-STAGING_BYTES = 64 << 20
+# Each of the two device staging buffers per direction: a transfer longer than this moves in chunks, pipelined.
+STAGING_BYTES = 32 << 20
 
 
 class HostTierError(ValueError):
@@ -69,14 +69,17 @@ class HostKVPool:
         self.cuda = dev.type == "cuda"
         sample = as_bytes(device_pool.k_buffers[0])
         self.row_shape = (2 * self.num_layers, device_pool.num_kv_heads, device_pool.head_dim)
-        self.buffer = torch.empty(((num_pages + 1) * ps, *self.row_shape), dtype=sample.dtype,
-                                  pin_memory=self.cuda)
+        self.buffer = torch.empty(((num_pages + 1) * ps, *self.row_shape), dtype=sample.dtype)
+        if self.cuda:
+            _pin(self.buffer)
         self.bytes_per_token = self.token_bytes(device_pool)
         if self.cuda:
             rows = max(1, STAGING_BYTES // self.bytes_per_token)
-            self._streams = {"write": torch.cuda.Stream(dev), "load": torch.cuda.Stream(dev)}
-            self._staging = {k: torch.empty((rows, *self.row_shape), dtype=sample.dtype, device=dev)
+            # Per direction: (the PCIe copies' stream, the device pool side's stream) and two staging buffers.
+            self._streams = {k: (torch.cuda.Stream(dev), torch.cuda.Stream(dev)) for k in ("write", "load")}
+            self._staging = {k: [torch.empty((rows, *self.row_shape), dtype=sample.dtype, device=dev) for _ in range(2)]
                              for k in self._streams}
+            self._freed = {k: [None, None] for k in self._streams}
 
     @staticmethod
     def token_bytes(device_pool: KVPool) -> int:
@@ -115,29 +118,57 @@ class HostKVPool:
                 else:
                     buf.index_copy_(0, d, self.buffer[h, row])
             return None
-        stream = self._streams[direction]
-        stage = self._staging[direction]
+        return self._transfer_cuda(direction, dslots, hslots)
+
+    def _transfer_cuda(self, direction: str, dslots: np.ndarray, hslots: np.ndarray):
+        """In chunks through two staging buffers, the PCIe copies on one stream and the device pool's gathers or
+        scatters on another, so that chunk k+1 crosses PCIe while chunk k is gathered or scattered."""
         dev = self.device_pool.device
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
+        pcie, pool_side = self._streams[direction]
+        stages = self._staging[direction]
+        rows = stages[0].shape[0]
+        compute = torch.cuda.current_stream(dev)
+        pcie.wait_stream(compute)
+        pool_side.wait_stream(compute)
+        freed = self._freed[direction]  # per staging buffer: the event after which it may be refilled
+        with torch.cuda.stream(pool_side):
             d_all = to_device(dslots, torch.int64, dev)
-            for start in range(0, dslots.shape[0], stage.shape[0]):
-                end = min(start + stage.shape[0], dslots.shape[0])
-                d = d_all[start:end]
-                n = end - start
+        for k, start in enumerate(range(0, dslots.shape[0], rows)):
+            end = min(start + rows, dslots.shape[0])
+            stage, n, d = stages[k % 2], end - start, d_all[start:end]
+            first, second = (pool_side, pcie) if direction == "write" else (pcie, pool_side)
+            with torch.cuda.stream(first):
+                if freed[k % 2] is not None:
+                    first.wait_event(freed[k % 2])
                 if direction == "write":
                     for row, buf in self._layers():
                         stage[:n, row] = buf.index_select(0, d)
-                    for off, lo, hi in _runs(hslots[start:end]):
-                        self.buffer[lo:hi].copy_(stage[off:off + hi - lo], non_blocking=True)
                 else:
                     for off, lo, hi in _runs(hslots[start:end]):
                         stage[off:off + hi - lo].copy_(self.buffer[lo:hi], non_blocking=True)
+                filled = torch.cuda.Event()
+                filled.record(first)
+            with torch.cuda.stream(second):
+                second.wait_event(filled)
+                if direction == "write":
+                    for off, lo, hi in _runs(hslots[start:end]):
+                        self.buffer[lo:hi].copy_(stage[off:off + hi - lo], non_blocking=True)
+                else:
                     for row, buf in self._layers():
                         buf.index_copy_(0, d, stage[:n, row])
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
+                freed[k % 2] = torch.cuda.Event()
+                freed[k % 2].record(second)
+        return freed[k % 2]  # the last chunk's second stage: after every earlier stage of this transfer
+
+
+def _pin(t: torch.Tensor) -> None:
+    """Page-lock `t` in place (cudaHostRegister): torch's pinned allocator would round the size up to a power of
+    two, up to twice the host memory asked for."""
+    nbytes = t.numel() * t.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(getattr(err, "value", err)) != 0 or not t.is_pinned():
+        raise HostTierError(f"could not pin {nbytes / 2**30:.1f} GiB of host memory for the KV tier "
+                            f"(cudaHostRegister: {err}); lower --hicache-ratio or --hicache-size")
 
 
 def _runs(slots: np.ndarray):

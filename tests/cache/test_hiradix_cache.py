@@ -208,3 +208,44 @@ def test_paged_tree_load_back():
     compute(pool, alloc, cache, a)
     assert cache.stats()["host_hit_tokens"] > 0 and check_kv(pool, cache, a) == 24
     no_leak(alloc, cache)
+
+
+def test_failed_write_leaves_the_node_on_the_device_only(monkeypatch):
+    pool, alloc, cache = make()
+
+    def broken(*args):
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(cache.host, "write", broken)
+    a = list(range(100, 116))
+    compute(pool, alloc, cache, a)
+    cache.poll()  # the queued copy is issued here, and fails
+    node = cache.match_prefix(a, record=False).node
+    assert node.host_value is None and cache.host_allocator.used_size() == 0
+    monkeypatch.undo()
+    assert cache.evict(16) == 16  # backed up now (write-back of a node without a copy), then dropped from the device
+    assert cache.match_prefix(a, record=False).host_hit_length == 16
+    no_leak(alloc, cache)
+
+
+@pytest.mark.gpu
+def test_cuda_copies_round_trip_in_chunks(monkeypatch):
+    import shared.cache.host_pool as host_pool
+
+    monkeypatch.setattr(host_pool, "STAGING_BYTES", 3 * 2 * LAYERS * 8 * 64 * 2)  # 3 tokens a chunk
+    pool = KVPool(LAYERS, 8, 64, 64, 1, torch.bfloat16, "cuda")
+    host = HostKVPool(pool, 64)
+    assert host.buffer.is_pinned()
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.normal_()
+    want = [b.clone() for b in pool.k_buffers + pool.v_buffers]
+    src = np.array([5, 9, 10, 11, 40, 2, 33], dtype=np.int64)
+    hslots = np.array([1, 2, 3, 20, 21, 50, 7], dtype=np.int64)  # runs and singles
+    event = host.write(src, hslots)
+    assert event is not None
+    event.synchronize()
+    dst = np.array([60, 3, 4, 12, 13, 14, 15], dtype=np.int64)
+    event = host.load(hslots, dst)
+    event.synchronize()
+    for got, ref in zip(pool.k_buffers + pool.v_buffers, want):
+        assert torch.equal(got[torch.from_numpy(dst).cuda()], ref[torch.from_numpy(src).cuda()])

@@ -18,12 +18,23 @@ def prompts(seed=0, n=3, length=100):
 
 
 def test_resent_prompt_after_eviction_is_served_from_host():
+    resent_prompt_is_served_from_host()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_resent_prompt_is_served_from_host_on_cuda(policy):
+    """The CUDA path: pinned host pool, copies on their own streams, loads polled by event."""
+    resent_prompt_is_served_from_host(device="cuda", hicache_write_policy=policy)
+
+
+def resent_prompt_is_served_from_host(**cfg):
     ps = prompts()
     greedy = {"sampling": {"max_new_tokens": 4, "temperature": 0.0}}
-    ref = Harness(max_total_tokens=POOL)
+    ref = Harness(max_total_tokens=POOL, **{k: v for k, v in cfg.items() if k == "device"})
     want = [ref.generate(p, **greedy)["ids"] for p in ps + ps[:1]]
 
-    h = Harness(max_total_tokens=POOL, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    h = Harness(max_total_tokens=POOL, enable_hierarchical_cache=True, hicache_ratio=4.0, **cfg)
     got = [h.generate(p, **greedy) for p in ps]  # the first prompt's KV is evicted from the device to the host
     stats = h.engine.cache.stats()
     assert stats["host_hit_tokens"] == 0
