@@ -17,6 +17,7 @@ benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT 
   shared-prefix     bench.shared_prefix: hit rate and throughput of LPM / FCFS / radix off, cascade decode
   programs          bench.workloads --ablations: the paper's workloads, radix / LPM / jump-forward / fork hint ablated
   fp8               GPU FP8 tests, then bench.fp8: FP8 / bf16 batch-1 step
+  hicache           GPU tests of the host KV tier, then bench.hicache: load-back bandwidth against a pinned H2D copy
   pd                bench.pd: PD against unified workers on 2 GPUs (nvidia-h100-x2)
   tp                GPU TP tests, then bench.tp: TP=2 / TP=1 batch-1 step (nvidia-h100-x2)
   ab                bench.ab: a benchmark alternated between knob settings, e.g.
@@ -28,7 +29,7 @@ EOF
 set -uo pipefail
 kind=${1:-}
 case $kind in
-  tests|offline|kernels|structured|serving|serving-interval|shared-prefix|programs|fp8|pd|tp|ab) shift ;;
+  tests|offline|kernels|structured|serving|serving-interval|shared-prefix|programs|fp8|hicache|pd|tp|ab) shift ;;
   *) usage; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
@@ -65,6 +66,9 @@ case $kind in
   fp8)
     gpu_tests 150 fp8_tests.log "quantization"
     run 400 fp8.log python3 -m bench.fp8 --out "$OUT" "$@" ;;
+  hicache)
+    gpu_tests 200 hicache_tests.log "hicache or hiradix"
+    run 200 hicache.log python3 -m bench.hicache --out "$OUT" "$@" ;;
   pd)
     run 330 pd.log python3 -m bench.pd --out "$OUT" --duration 30 "$@"
     # Device-to-device pages failed: measure host staging too (UCX builds without CUDA transports).

@@ -444,3 +444,20 @@ class _Copies:
 
     def __init__(self):
         self.event, self.issued = None, False
+
+
+def tiered_cache(config, allocator: SlotAllocator, kv_pool) -> HiRadixCache:
+    """The engine's cache under --enable-hierarchical-cache: the host pool sized by the flags and the host's memory."""
+    from shared.cache.host_pool import HostTierError, available_host_bytes, host_pool_tokens
+    from shared.engine.config import hicache_config_error
+
+    error = hicache_config_error(config)
+    if error:
+        raise HostTierError(error)
+    bytes_per_token = HostKVPool.token_bytes(kv_pool)
+    tokens = host_pool_tokens(allocator.total_size(), bytes_per_token, config.hicache_ratio, config.hicache_size,
+                              available_host_bytes())
+    host = HostKVPool(kv_pool, tokens)
+    log.info("host KV tier: %d tokens (%.2f GiB, %s), device pool %d tokens", host.size_tokens(),
+             tokens * bytes_per_token / 2**30, config.hicache_write_policy, allocator.total_size())
+    return HiRadixCache(allocator, config.page_size, host, config.hicache_write_policy, config.hicache_load_timeout)
