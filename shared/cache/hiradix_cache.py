@@ -94,7 +94,7 @@ class HiRadixCache(RadixCache):
         if self.write_policy == "write_through_selective" and record and match.length:
             self._back_up_path(match.node)
         node = match.node
-        if not node.children or node.evicted:
+        if not node.children or namespace not in self._roots:  # (an unknown namespace's match holds the default root)
             return match
         tokens = as_tokens(key)
         ps = self.page_size

@@ -105,6 +105,16 @@ def test_both_resident_drops_device_only_and_splits_keep_tiers():
     no_leak(alloc, cache)
 
 
+def test_namespaces_keep_their_host_nodes_apart():
+    pool, alloc, cache = make()
+    a = list(range(100, 116))
+    compute(pool, alloc, cache, a)
+    cache.evict(16)
+    assert cache.match_prefix(a, record=False).host_hit_length == 16
+    assert cache.match_prefix(a, namespace="tenant", record=False).host is None
+    no_leak(alloc, cache)
+
+
 def test_host_lru_evicts_oldest_and_never_fails():
     pool, alloc, cache = make(device_tokens=16, host_tokens=24)
     prompts = [list(range(k * 100, k * 100 + 8)) for k in range(8)]
@@ -249,3 +259,32 @@ def test_cuda_copies_round_trip_in_chunks(monkeypatch):
     event.synchronize()
     for got, ref in zip(pool.k_buffers + pool.v_buffers, want):
         assert torch.equal(got[torch.from_numpy(dst).cuda()], ref[torch.from_numpy(src).cuda()])
+
+
+@pytest.mark.parametrize("policy,page_size", [("write_through", 1), ("write_back", 2),
+                                              ("write_through_selective", 1)])
+def test_random_workload_keeps_kv_right_and_leaks_nothing(policy, page_size):
+    """Conversations that grow and branch through small pools: every device hit reads the KV computed for its
+    tokens, and both pools' slots are the tree's and nothing else's."""
+    import random
+
+    rng = random.Random(7)
+    pool, alloc, cache = make(device_tokens=48, host_tokens=96, page_size=page_size, policy=policy)
+    roots = [[rng.randrange(1, 50) for _ in range(8)] for _ in range(4)]
+    histories = [list(r) for r in roots]
+    for _ in range(150):
+        k = rng.randrange(len(histories))
+        if rng.random() < 0.2:  # a branch off an earlier point of a history
+            histories.append(histories[k][:rng.randrange(1, len(histories[k]) + 1)])
+            k = len(histories) - 1
+        h = histories[k]
+        h.extend(rng.randrange(1, 50) for _ in range(rng.randrange(1, 8)))
+        if len(h) > 40:
+            histories[k] = h = list(roots[k % len(roots)])
+        tokens = h[:len(h) - len(h) % page_size]
+        if not tokens:
+            continue
+        compute(pool, alloc, cache, tokens)
+        assert check_kv(pool, cache, tokens) == len(tokens)
+    assert cache.stats()["host_hit_tokens"] > 0
+    no_leak(alloc, cache)
