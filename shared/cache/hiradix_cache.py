@@ -99,26 +99,20 @@ class HiRadixCache(RadixCache):
         tokens = as_tokens(key)
         ps = self.page_size
         n = tokens.shape[0] - tokens.shape[0] % ps
-        pos, found, now = match.length, HostMatch(), self._tick()
-        while pos < n:
+        pos, found = match.length, HostMatch()
+        for node, pos in self._descend(node, tokens, pos, self._tick(), self._loadable):
+            found.nodes.append(node)
+        if pos < n:  # stopped at a node being loaded: the request waits on that load
             child = node.children.get(self._child_key(tokens[pos:pos + ps]))
-            if child is None or child.value is not None or child.host_value is None:
-                break
-            found.loading = self._loading.get(id(child))
-            if found.loading is not None:
-                break
-            m = common_prefix_len(child.key, tokens[pos:])
-            m -= m % ps
-            if m < len(child.key):
-                child = self._split(child, m)
-            child.last_access = now
-            found.nodes.append(child)
-            node, pos = child, pos + m
+            found.loading = None if child is None else self._loading.get(id(child))
         if found.nodes or found.loading is not None:
             found.recorded = n if record else -1
             match.host_hit_length = pos - match.length
             match.host = found
         return match
+
+    def _loadable(self, node: TreeNode) -> bool:
+        return node.value is None and node.host_value is not None and id(node) not in self._loading
 
     # ---- loads -------------------------------------------------------------------------------------
     def load_back(self, match: MatchResult) -> LoadOp | None:

@@ -64,6 +64,10 @@ def as_tokens(key) -> np.ndarray:
     return np.asarray(key, dtype=np.int32)
 
 
+def _on_device(node: TreeNode) -> bool:
+    return node.value is not None  # (a host-tier node may hold its KV on the host only)
+
+
 def _head(slots: np.ndarray | None, m: int) -> np.ndarray | None:
     return None if slots is None else slots[:m].copy()
 
@@ -403,22 +407,28 @@ class RadixCache(PrefixCache):
         """Follow `tokens` (page-aligned length) from root, splitting the last edge at a partial match.
         Returns (deepest matched node, matched length, slot arrays along the path). Touches the path."""
         node, pos, values = root, 0, []
+        for node, pos in self._descend(root, tokens, 0, now, _on_device):
+            values.append(node.value)
+        if node.parent is not None:
+            self._push(node)  # touched leaf: its old heap entry is now stale (_push skips non-leaves)
+        return node, pos, values
+
+    def _descend(self, node: TreeNode, tokens: np.ndarray, pos: int, now: int, take):
+        """From `node`, where tokens[:pos] are matched, follow tokens (page-aligned length) through the children
+        `take` accepts, splitting an edge matched in part and touching each: yields (child, matched length).
+        After a split the next lookup misses (the edges diverge inside the next page), ending the walk."""
         ps, n = self.page_size, tokens.shape[0]
         while pos < n:
             child = node.children.get(self._child_key(tokens[pos:pos + ps]))
-            if child is None or child.value is None:  # no KV on the device past here (host tier)
-                break
+            if child is None or not take(child):
+                return
             m = common_prefix_len(child.key, tokens[pos:])
             m -= m % ps
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = now
-            values.append(child.value)
             node, pos = child, pos + m
-            # After a split the next lookup misses (the edges diverge inside the next page), ending the walk.
-        if node.parent is not None:
-            self._push(node)  # touched leaf: its old heap entry is now stale (_push skips non-leaves)
-        return node, pos, values
+            yield child, pos
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut child's edge after m tokens; the new upper node takes child's place and lock count
