@@ -13,12 +13,16 @@ On the CPU the same copies run synchronously (no event: done on return).
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from kernels.h2d import to_device
 from shared.cache.allocator import SlotAllocator
 from shared.cache.kv_pool import KVPool, as_bytes
+
+log = logging.getLogger(__name__)
 
 # Each of the two device staging buffers per direction: a transfer longer than this moves in chunks, pipelined.
 STAGING_BYTES = 32 << 20
@@ -30,16 +34,24 @@ class HostTierError(ValueError):
 
 def host_pool_tokens(device_tokens: int, bytes_per_token: int, ratio: float, size_gb: float,
                      available_bytes: int) -> int:
-    """Host slots for the tier: size_gb GB when > 0, else ratio × the device pool's tokens. Refuses a size
-    the host's available memory cannot hold (leaving it a 10% margin), with the numbers in the error."""
-    tokens = int(size_gb * 1e9) // bytes_per_token if size_gb > 0 else int(device_tokens * ratio)
+    """Host slots for the tier: size_gb GB when > 0 (refused above 90% of the host's available memory), else
+    ratio × the device pool's tokens, capped at half the available memory (with a warning)."""
+    if size_gb > 0:
+        tokens = int(size_gb * 1e9) // bytes_per_token
+        if tokens * bytes_per_token > 0.9 * available_bytes:
+            raise HostTierError(f"--hicache-size {size_gb} GB is more than the host can pin: "
+                                f"{available_bytes / 2**30:.1f} GiB of memory is available")
+    else:
+        tokens = int(device_tokens * ratio)
+        cap = int(0.5 * available_bytes) // bytes_per_token
+        if tokens > cap:
+            log.warning("host KV tier: --hicache-ratio %s asks for %.1f GiB, capped at half the available host "
+                        "memory (%.1f GiB); set --hicache-size (GB) to choose", ratio,
+                        tokens * bytes_per_token / 2**30, cap * bytes_per_token / 2**30)
+            tokens = cap
     if tokens <= 0:
-        raise HostTierError(f"the host KV tier would hold no tokens (--hicache-ratio {ratio}, --hicache-size {size_gb})")
-    need = tokens * bytes_per_token
-    if need > 0.9 * available_bytes:
-        raise HostTierError(f"the host KV tier needs {need / 2**30:.1f} GiB ({tokens} tokens) but only "
-                         f"{available_bytes / 2**30:.1f} GiB of host memory is available: lower --hicache-ratio "
-                         f"or set --hicache-size (GB)")
+        raise HostTierError(f"the host KV tier would hold no tokens (--hicache-ratio {ratio}, --hicache-size "
+                            f"{size_gb}, {available_bytes / 2**30:.1f} GiB of host memory available)")
     return tokens
 
 

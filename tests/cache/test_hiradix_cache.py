@@ -70,6 +70,15 @@ def no_leak(alloc, cache):
     assert cache.host_allocator.available_size() == cache.host_allocator.total_size()
 
 
+def host_only():
+    """A cache whose only prompt, 16 tokens, was evicted from the device to the host."""
+    pool, alloc, cache = make()
+    a = list(range(100, 116))
+    compute(pool, alloc, cache, a)
+    assert cache.evict(16) == 16
+    return pool, alloc, cache, a
+
+
 @pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
 def test_evicted_prefix_comes_back_from_host(policy):
     pool, alloc, cache = make(policy=policy)
@@ -106,10 +115,7 @@ def test_both_resident_drops_device_only_and_splits_keep_tiers():
 
 
 def test_namespaces_keep_their_host_nodes_apart():
-    pool, alloc, cache = make()
-    a = list(range(100, 116))
-    compute(pool, alloc, cache, a)
-    cache.evict(16)
+    pool, alloc, cache, a = host_only()
     assert cache.match_prefix(a, record=False).host_hit_length == 16
     assert cache.match_prefix(a, namespace="tenant", record=False).host is None
     no_leak(alloc, cache)
@@ -139,10 +145,7 @@ def test_host_full_of_locked_work_drops_instead():
 
 
 def test_failed_load_falls_back_to_a_miss(monkeypatch):
-    pool, alloc, cache = make()
-    a = list(range(100, 116))
-    compute(pool, alloc, cache, a)
-    cache.evict(16)
+    pool, alloc, cache, a = host_only()
 
     def broken(*args):
         raise RuntimeError("injected copy failure")
@@ -159,10 +162,7 @@ def test_failed_load_falls_back_to_a_miss(monkeypatch):
 
 
 def test_slow_load_is_abandoned_and_its_slots_freed_when_the_copy_ends():
-    pool, alloc, cache = make()
-    a = list(range(100, 116))
-    compute(pool, alloc, cache, a)
-    cache.evict(16)
+    pool, alloc, cache, a = host_only()
 
     class Pending:  # a copy that has not completed
         done = False
@@ -205,9 +205,10 @@ def test_slow_load_is_abandoned_and_its_slots_freed_when_the_copy_ends():
 
 def test_host_size_is_capped_by_available_memory():
     assert host_pool_tokens(100, 1000, 2.0, 0, 10**9) == 200
+    assert host_pool_tokens(100, 1000, 2.0, 0, 10**5) == 50  # the ratio's size, capped at half the memory
     assert host_pool_tokens(100, 1000, 2.0, 1, 10**10) == 10**6  # GB wins over the ratio
     with pytest.raises(HostTierError, match="available"):
-        host_pool_tokens(100, 1000, 2.0, 1, 10**8)
+        host_pool_tokens(100, 1000, 2.0, 1, 10**8)  # an explicit size the host cannot hold is refused
 
 
 def test_paged_tree_load_back():
