@@ -43,6 +43,8 @@ def resent_prompt_is_served_from_host(**cfg):
     assert stats["host_hit_tokens"] >= 90 and stats["bytes_h2d"] > 0 and stats["bytes_d2h"] > 0
     assert again["cached"] >= 90  # counted as a prefix hit at admission
     assert [r["ids"] for r in got] + [again["ids"]] == want
+    if cfg.get("device") != "cuda":
+        load_in_flight(h, ps, greedy, want[-1])
     info = h.engine.info()["hicache"]
     assert info["host_total_tokens"] == 4 * POOL and info["device_total_tokens"] == POOL
     assert 0 < info["host_used_tokens"] <= 4 * POOL
@@ -54,6 +56,42 @@ def resent_prompt_is_served_from_host(**cfg):
     assert h.engine.flush_cache()[0]
     assert h.engine.allocator.available_size() == POOL
     assert cache.host_allocator.available_size() == cache.host_allocator.total_size()
+
+
+class SlowCopy:
+    """A copy event (as on CUDA) that completes after some polls."""
+
+    def __init__(self, polls: int):
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def synchronize(self) -> None:
+        self.polls = -1
+
+
+def load_in_flight(h, ps, greedy, want):
+    """On the CPU a load is done at once; with a load that takes a few scheduling rounds the request waits for it
+    (other work goes on) and is then served from the host tier all the same."""
+    cache = h.engine.cache
+    [h.generate(p, **greedy) for p in ps[1:]]  # the first prompt leaves the device again
+    real = cache.host.load
+    cache.host.load = lambda hs, ds: real(hs, ds) or SlowCopy(3)
+    try:
+        before = cache.stats()["host_hit_tokens"]
+        rid = h.submit(ps[0], **greedy)
+        waited = 0
+        for _ in range(1000):
+            if h.done(rid):
+                break
+            h.engine.step()
+            waited += cache.stats()["loads_in_flight"]
+        assert h.result(rid)["ids"] == want
+        assert waited >= 2 and cache.stats()["host_hit_tokens"] - before >= 90
+    finally:
+        cache.host.load = real
 
 
 def test_flags_that_cannot_work_are_refused():
