@@ -2,14 +2,16 @@
 the copies between it and the device pool (KVPool).
 
 A host slot holds one token's KV of every layer, K and V: row `slot` of one [slots, 2 * layers, heads, dim]
-buffer, so a run of consecutive host slots is one contiguous block and moves in one copy. The device pool
-keeps a K and a V buffer per layer (kv_pool.py), so a transfer gathers or scatters there, layer by layer.
+buffer, so a run of consecutive host slots is one contiguous block and moves in one copy. The device pool is
+one [2 * layers, slots, heads, dim] tensor (kv_pool.py), so its side of a transfer is one gather or scatter
+over the slots of every layer.
 
-On CUDA every transfer runs on a stream of its own (one for writes, one for loads), in chunks through a
-device staging buffer of fixed size, and ends with an event the caller polls; nothing here waits for the
-device. A transfer first waits (on the device) for the work queued on the compute stream so far: a write
-must read KV the queued passes compute, and a load must not overwrite slots a queued pass still touches.
-On the CPU the same copies run synchronously (no event: done on return).
+On CUDA a transfer runs in chunks through two device staging buffers: the PCIe copies on one stream, the device
+pool's gather or scatter on another, so one chunk crosses PCIe while the next is gathered (or the last one
+scattered); writes and loads have streams and buffers of their own. It ends with an event the caller polls;
+nothing here waits for the device. A transfer first waits (on the device) for the work queued on the compute
+stream so far: a write must read KV the queued passes compute, and a load must not overwrite slots a queued pass
+still touches. On the CPU the same copies run synchronously (no event: done on return).
 """
 from __future__ import annotations
 
@@ -112,23 +114,17 @@ class HostKVPool:
         """Copy host_slots back into the device pool at device_slots. Event or None, as write()."""
         return self._transfer("load", np.asarray(device_slots, np.int64), np.asarray(host_slots, np.int64))
 
-    def _layers(self):
-        for layer in range(self.num_layers):
-            yield 2 * layer, as_bytes(self.device_pool.k_buffers[layer])
-            yield 2 * layer + 1, as_bytes(self.device_pool.v_buffers[layer])
 
     def _transfer(self, direction: str, dslots: np.ndarray, hslots: np.ndarray):
         assert dslots.shape == hslots.shape, (dslots.shape, hslots.shape)
         if dslots.shape[0] == 0:
             return None
         if not self.cuda:
-            d = torch.from_numpy(dslots)
-            h = torch.from_numpy(hslots)
-            for row, buf in self._layers():
-                if direction == "write":
-                    self.buffer[h, row] = buf.index_select(0, d)
-                else:
-                    buf.index_copy_(0, d, self.buffer[h, row])
+            d, h, kv = torch.from_numpy(dslots), torch.from_numpy(hslots), as_bytes(self.device_pool.kv_buffer)
+            if direction == "write":
+                self.buffer[h] = kv.index_select(1, d).transpose(0, 1)
+            else:
+                kv.index_copy_(1, d, self.buffer[h].transpose(0, 1))
             return None
         return self._transfer_cuda(direction, dslots, hslots)
 
@@ -136,6 +132,7 @@ class HostKVPool:
         """In chunks through two staging buffers, the PCIe copies on one stream and the device pool's gathers or
         scatters on another, so that chunk k+1 crosses PCIe while chunk k is gathered or scattered."""
         dev = self.device_pool.device
+        kv = as_bytes(self.device_pool.kv_buffer)  # [2 * layers, slots, heads, dim]: staging rows are its transpose
         pcie, pool_side = self._streams[direction]
         stages = self._staging[direction]
         rows = stages[0].shape[0]
@@ -153,8 +150,7 @@ class HostKVPool:
                 if freed[k % 2] is not None:
                     first.wait_event(freed[k % 2])
                 if direction == "write":
-                    for row, buf in self._layers():
-                        stage[:n, row] = buf.index_select(0, d)
+                    stage[:n].copy_(kv.index_select(1, d).transpose(0, 1))
                 else:
                     for off, lo, hi in _runs(hslots[start:end]):
                         stage[off:off + hi - lo].copy_(self.buffer[lo:hi], non_blocking=True)
@@ -166,8 +162,7 @@ class HostKVPool:
                     for off, lo, hi in _runs(hslots[start:end]):
                         self.buffer[lo:hi].copy_(stage[off:off + hi - lo], non_blocking=True)
                 else:
-                    for row, buf in self._layers():
-                        buf.index_copy_(0, d, stage[:n, row])
+                    kv.index_copy_(1, d, stage[:n].transpose(0, 1))
                 freed[k % 2] = torch.cuda.Event()
                 freed[k % 2].record(second)
         return freed[k % 2]  # the last chunk's second stage: after every earlier stage of this transfer
