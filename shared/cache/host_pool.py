@@ -114,7 +114,6 @@ class HostKVPool:
         """Copy host_slots back into the device pool at device_slots. Event or None, as write()."""
         return self._transfer("load", np.asarray(device_slots, np.int64), np.asarray(host_slots, np.int64))
 
-
     def _transfer(self, direction: str, dslots: np.ndarray, hslots: np.ndarray):
         assert dslots.shape == hslots.shape, (dslots.shape, hslots.shape)
         if dslots.shape[0] == 0:
@@ -136,9 +135,7 @@ class HostKVPool:
         pcie, pool_side = self._streams[direction]
         stages = self._staging[direction]
         rows = stages[0].shape[0]
-        compute = torch.cuda.current_stream(dev)
-        pcie.wait_stream(compute)
-        pool_side.wait_stream(compute)
+        pool_side.wait_stream(torch.cuda.current_stream(dev))  # (the PCIe side touches only staging and host memory)
         freed = self._freed[direction]  # per staging buffer: the event after which it may be refilled
         with torch.cuda.stream(pool_side):
             d_all = to_device(dslots, torch.int64, dev)
