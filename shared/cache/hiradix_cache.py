@@ -5,8 +5,10 @@ either or both. Device-resident nodes stay closed upward (a node on the device h
 a path from a root reads: device nodes, then host-only nodes. A match returns the device part as the plain
 radix cache does, and reports the host-only continuation (MatchResult.host); load_back() brings it back.
 
-Device eviction takes least recently used device leaves (nodes without a device child): a leaf with a host copy
-just drops its device slots (host-only from then on); one without is copied to the host first (write-back). The
+Device eviction takes least recently used device leaves (nodes without a device child): a leaf with a complete host
+copy just drops its device slots (host-only from then on). One without is copied to the host first under write_back
+(eviction waits for that copy); under the write-through policies it leaves the tree as in the one-tier cache (its
+copy was lost to the host's LRU, never made, or is still on the way: a scheduling step never waits for one). The
 host pool evicts its own least recently used leaves (nodes without a host child): a node also on the device
 drops its host copy; a host-only node leaves the tree. When the host pool cannot hold a node being evicted from
 the device, it is dropped as the plain tree drops it (with its host-only subtree): eviction never fails for lack
@@ -84,6 +86,7 @@ class HiRadixCache(RadixCache):
         self._loads: list[LoadOp] = []  # in flight
         self._deferred_free: list[tuple[object, np.ndarray]] = []  # (event, device slots) of abandoned loads
         self._batch, self._queued = _Copies(), []  # device-to-host copies not issued yet: (device, host slots)
+        self._host_free_later: list[tuple[_Copies, np.ndarray]] = []  # host slots of copies dropped on the way
         self.counters = {"host_hit_tokens": 0, "load_failures": 0, "bytes_h2d": 0, "bytes_d2h": 0,
                          "written_tokens": 0, "host_evicted_tokens": 0, "load_seconds_sum": 0.0}
         self.load_latency = [0] * (len(LOAD_LATENCY_BOUNDS) + 1)  # per bucket (not cumulative)
@@ -177,6 +180,11 @@ class HiRadixCache(RadixCache):
     def poll(self) -> None:
         if self._queued:
             self._issue_writes()
+        if self._host_free_later:
+            done = [slots for batch, slots in self._host_free_later if event_done(batch.event)]
+            if done:
+                self._host_free_later = [(b, h) for b, h in self._host_free_later if not event_done(b.event)]
+                self.host_allocator.free(np.concatenate(done))
         if self._loads:
             for op in [op for op in self._loads if event_done(op.event)]:
                 self._finish_load(op)
@@ -264,15 +272,17 @@ class HiRadixCache(RadixCache):
             when, _, node = heapq.heappop(self._heap)
             if when != node.last_access or not self._is_evictable_leaf(node):
                 continue  # stale entry
-            if node.host_value is None:
+            if node.host_value is not None and not self._copy_done(node) and self.write_policy != "write_back":
+                self._drop_host_copy(node)  # its copy is still on the way: waiting for it has no place here
+            if node.host_value is None and self.write_policy == "write_back":
                 self._back_up(node)
-            if node.host_value is None:  # no host room: dropped as the plain tree drops it
+            if node.host_value is None:  # no host copy (or no host room): dropped as the plain tree drops it
                 freed.append(node.value)
                 total += len(node.key)
                 self._evictable -= len(node.key)
                 self._remove(node)
                 continue
-            self._wait(node)  # write_back: the device slots are reused once the copy has read them
+            self._wait(node)  # write_back: the device slots are reused once the copy has read them (the one wait)
             freed.append(node.value)
             total += len(node.key)
             self._evictable -= len(node.key)
@@ -338,6 +348,22 @@ class HiRadixCache(RadixCache):
                     self._host_tokens -= len(x.host_value)
                     x.host_value, x.host_pending = None, None  # (never host-only: eviction waits for the copy)
 
+    def _copy_done(self, node: TreeNode) -> bool:
+        """Whether the node's copy to the host is complete (no waiting)."""
+        batch = node.host_pending
+        if batch is not None and batch.issued and event_done(batch.event):
+            node.host_pending = batch = None
+        return batch is None
+
+    def _drop_host_copy(self, node: TreeNode) -> None:
+        """Forget a copy still on the way; its host slots are freed once it has landed."""
+        batch = node.host_pending
+        if not batch.issued:
+            self._issue_writes()
+        self._host_free_later.append((batch, node.host_value))
+        self._host_tokens -= len(node.host_value)
+        node.host_value, node.host_pending = None, None
+
     def _wait(self, node: TreeNode) -> None:
         """The node's copy to the host is complete (waits for it in the rare case it is not)."""
         batch = node.host_pending
@@ -371,7 +397,7 @@ class HiRadixCache(RadixCache):
             heapq.heappush(self._host_heap, (node.last_access, self._seq, node))
 
     def _evict_host(self, num_tokens: int) -> int:
-        total = 0
+        total, copying = 0, []
         while total < num_tokens and self._host_heap:
             when, _, node = heapq.heappop(self._host_heap)
             if not self._is_host_leaf(node):
@@ -379,7 +405,9 @@ class HiRadixCache(RadixCache):
             if when != node.last_access:  # touched since: back in at its new place
                 self._push_host(node)
                 continue
-            self._wait(node)
+            if not self._copy_done(node):  # (on the device too) its copy is on the way: kept, not waited for
+                copying.append(node)
+                continue
             n = len(node.host_value)
             total += n
             if node.value is None:  # host-only (so without children): out of the tree
@@ -389,6 +417,8 @@ class HiRadixCache(RadixCache):
                 node.host_value, node.host_pending = None, None
                 self._host_tokens -= n
                 self._push_host(node.parent)
+        for node in copying:
+            self._push_host(node)
         self.counters["host_evicted_tokens"] += total
         return total
 
@@ -397,7 +427,7 @@ class HiRadixCache(RadixCache):
         for op in list(self._loads):
             op.event is not None and op.event.synchronize()
             self._finish_load(op)
-        for event, _ in self._deferred_free:
+        for event in [e for e, _ in self._deferred_free] + [b.event for b, _ in self._host_free_later]:
             event is not None and event.synchronize()
         self.poll()
         host = []

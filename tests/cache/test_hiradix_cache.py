@@ -234,8 +234,37 @@ def test_failed_write_leaves_the_node_on_the_device_only(monkeypatch):
     node = cache.match_prefix(a, record=False).node
     assert node.host_value is None and cache.host_allocator.used_size() == 0
     monkeypatch.undo()
-    assert cache.evict(16) == 16  # backed up now (write-back of a node without a copy), then dropped from the device
-    assert cache.match_prefix(a, record=False).host_hit_length == 16
+    assert cache.evict(16) == 16  # write-through: a node without a copy leaves the tree, as in the one-tier cache
+    match = cache.match_prefix(a, record=False)
+    assert match.length == 0 and match.host is None
+    no_leak(alloc, cache)
+
+
+def test_write_through_eviction_never_waits_for_a_copy():
+    """A node evicted while its copy is still on the way is dropped (its host slots freed once the copy has landed)
+    rather than waited for; write-back waits, which is its cost."""
+    pool, alloc, cache = make()
+
+    class Pending:
+        done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            raise AssertionError("write-through eviction waited for a copy")
+
+    event = Pending()
+    real = cache.host.write
+    cache.host.write = lambda d, h: real(d, h) or event
+    a = list(range(100, 116))
+    compute(pool, alloc, cache, a)
+    assert cache.evict(16) == 16
+    assert cache.match_prefix(a, record=False).host is None
+    assert cache.host_allocator.used_size() == 16  # the copy may still write them
+    event.done = True
+    cache.poll()
+    assert cache.host_allocator.used_size() == 0
     no_leak(alloc, cache)
 
 
