@@ -109,7 +109,7 @@ class HiRadixCache(RadixCache):
             child = node.children.get(self._child_key(tokens[pos:pos + ps]))
             found.loading = None if child is None else self._loading.get(id(child))
         if found.nodes or found.loading is not None:
-            found.recorded = n if record else -1
+            found.recorded = tokens.shape[0] if record else -1  # what the match counted as queried
             match.host_hit_length = pos - match.length
             match.host = found
         return match
