@@ -9,7 +9,8 @@ benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT 
 
   tests             GPU tests:  pytest -m gpu tests/ -k "not interpreted"
   offline           bench.offline: batch-1 step, 256 x (512,128), prefill, radix zero-reuse (8 on/off pairs)
-  kernels           bench.kernels: each kernel against eager torch / SDPA and the measured ceilings
+  kernels           bench.kernels: each kernel against eager torch / SDPA and the measured ceilings; then
+                    bench.hicache: the host KV tier's load-back against a pinned host-to-device copy
   structured        bench.structured: jump-forward speed-up, grammar mask cost at batch 32
   serving           bench.serving: completions + generate, streamed and not, batch-1 TPOT, each against the
                     offline engine in the same call; a first ARG N runs at --stream-interval N (default 1):
@@ -18,7 +19,6 @@ benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT 
   multiturn         bench.multiturn: conversations outgrowing a small GPU pool, host KV tier off then on
   programs          bench.workloads --ablations: the paper's workloads, radix / LPM / jump-forward / fork hint ablated
   fp8               GPU FP8 tests, then bench.fp8: FP8 / bf16 batch-1 step
-  hicache           GPU tests of the host KV tier, then bench.hicache: load-back bandwidth against a pinned H2D copy
   pd                bench.pd: PD against unified workers on 2 GPUs (nvidia-h100-x2)
   tp                GPU TP tests, then bench.tp: TP=2 / TP=1 batch-1 step (nvidia-h100-x2)
   ab                bench.ab: a benchmark alternated between knob settings, e.g.
@@ -30,7 +30,7 @@ EOF
 set -uo pipefail
 kind=${1:-}
 case $kind in
-  tests|offline|kernels|structured|serving|shared-prefix|multiturn|programs|fp8|hicache|pd|tp|ab) shift ;;
+  tests|offline|kernels|structured|serving|shared-prefix|multiturn|programs|fp8|pd|tp|ab) shift ;;
   *) usage; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
@@ -52,7 +52,9 @@ gpu_tests() { run "$1" "$2" python3 -m pytest -q -p no:cacheprovider -rfE -m gpu
 case $kind in
   tests) TAIL=30 gpu_tests 560 gpu_tests.log "not interpreted" ;;
   offline) run 560 offline.log python3 -m bench.offline --skip-hf --reuse-pairs 8 --out "$OUT" "$@" ;;
-  kernels) run 400 kernels.log python3 -m bench.kernels --out "$OUT" "$@" ;;
+  kernels)
+    run 400 kernels.log python3 -m bench.kernels --out "$OUT" "$@"
+    run 120 hicache.log python3 -m bench.hicache --out "$OUT" ;;
   structured) run 500 structured.log python3 -m bench.structured --out "$OUT" "$@" ;;
   serving)
     interval=1
@@ -68,9 +70,6 @@ case $kind in
   fp8)
     gpu_tests 150 fp8_tests.log "quantization"
     run 400 fp8.log python3 -m bench.fp8 --out "$OUT" "$@" ;;
-  hicache)
-    gpu_tests 200 hicache_tests.log "hicache or hiradix"
-    run 200 hicache.log python3 -m bench.hicache --out "$OUT" "$@" ;;
   pd)
     run 330 pd.log python3 -m bench.pd --out "$OUT" --duration 30 "$@"
     # Device-to-device pages failed: measure host staging too (UCX builds without CUDA transports).

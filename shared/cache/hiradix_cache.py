@@ -88,7 +88,8 @@ class HiRadixCache(RadixCache):
         self._batch, self._queued = _Copies(), []  # device-to-host copies not issued yet: (device, host slots)
         self._host_free_later: list[tuple[_Copies, np.ndarray]] = []  # host slots of copies dropped on the way
         self.counters = {"host_hit_tokens": 0, "load_failures": 0, "bytes_h2d": 0, "bytes_d2h": 0,
-                         "written_tokens": 0, "host_evicted_tokens": 0, "load_seconds_sum": 0.0}
+                         "written_tokens": 0, "host_evicted_tokens": 0, "load_seconds_sum": 0.0,
+                         "load_copy_seconds_sum": 0.0}
         self.load_latency = [0] * (len(LOAD_LATENCY_BOUNDS) + 1)  # per bucket (not cumulative)
 
     # ---- matching ----------------------------------------------------------------------------------
@@ -208,6 +209,8 @@ class HiRadixCache(RadixCache):
         op.held, op.state = last, "done"
         self._push(last)
         seconds = time.monotonic() - op.started
+        if op.event is not None:  # (host_pool.Transfer)
+            self.counters["load_copy_seconds_sum"] += op.event.seconds()
         self.counters["host_hit_tokens"] += offset
         self.counters["bytes_h2d"] += offset * self.host.bytes_per_token
         self.counters["load_seconds_sum"] += seconds

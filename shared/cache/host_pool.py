@@ -137,6 +137,8 @@ class HostKVPool:
         rows = stages[0].shape[0]
         pool_side.wait_stream(torch.cuda.current_stream(dev))  # (the PCIe side touches only staging and host memory)
         freed = self._freed[direction]  # per staging buffer: the event after which it may be refilled
+        started = torch.cuda.Event(enable_timing=True)
+        started.record(pcie)
         with torch.cuda.stream(pool_side):
             d_all = to_device(dslots, torch.int64, dev)
         for k, start in enumerate(range(0, dslots.shape[0], rows)):
@@ -160,9 +162,28 @@ class HostKVPool:
                         self.buffer[lo:hi].copy_(stage[off:off + hi - lo], non_blocking=True)
                 else:
                     kv.index_copy_(1, d, stage[:n].transpose(0, 1))
-                freed[k % 2] = torch.cuda.Event()
+                freed[k % 2] = torch.cuda.Event(enable_timing=True)
                 freed[k % 2].record(second)
-        return freed[k % 2]  # the last chunk's second stage: after every earlier stage of this transfer
+        return Transfer(started, freed[k % 2])  # the last chunk's second stage: after every earlier stage
+
+
+class Transfer:
+    """A transfer in flight on CUDA: query() / synchronize() as an event's, and its device time once done."""
+    __slots__ = ("started", "done")
+
+    def __init__(self, started, done):
+        self.started, self.done = started, done
+
+    def query(self) -> bool:
+        return self.done.query()
+
+    def synchronize(self) -> None:
+        self.done.synchronize()
+
+    def seconds(self) -> float:
+        """Device time from its first copy's start to its end (it may include waits for the compute stream's
+        queued work before its slots can be written)."""
+        return self.started.elapsed_time(self.done) / 1e3
 
 
 def _pin(t: torch.Tensor) -> None:

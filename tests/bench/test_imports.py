@@ -12,7 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 # What a user runs: `python -m bench.X`, each documented in docs/performance.md.
-SUITE = ("ab", "fp8", "kernels", "multiturn", "offline", "pd", "serving", "shared_prefix", "structured", "tp",
+SUITE = ("ab", "fp8", "hicache", "kernels", "multiturn", "offline", "pd", "serving", "shared_prefix", "structured", "tp",
          "workloads")
 
 

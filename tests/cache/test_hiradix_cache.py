@@ -176,6 +176,9 @@ def test_slow_load_is_abandoned_and_its_slots_freed_when_the_copy_ends():
         def synchronize(self):
             self.done = True
 
+        def seconds(self):
+            return 0.001
+
     event = Pending()
     real = cache.host.load
     monkey_calls = []

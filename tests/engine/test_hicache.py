@@ -71,6 +71,9 @@ class SlowCopy:
     def synchronize(self) -> None:
         self.polls = -1
 
+    def seconds(self) -> float:
+        return 0.001
+
 
 def load_in_flight(h, ps, greedy, want):
     """On the CPU a load is done at once; with a load that takes a few scheduling rounds the request waits for it
