@@ -81,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     error = engine_flag_error(args)
     if error:
         p.error(error)
+    if args.enable_hierarchical_cache and max(args.prefill_tp_size or 1, args.decode_tp_size or 1) > 1:
+        p.error("--enable-hierarchical-cache is not supported with tensor parallelism (--prefill-tp-size / "
+                "--decode-tp-size > 1) yet")
     if args.topology == "pd":
         from shared.transfer import require_ucx
 

@@ -13,6 +13,9 @@ def test_launcher_refuses_the_tier_without_the_radix_cache(capsys):
     with pytest.raises(SystemExit):
         launch.parse_args(["--enable-hierarchical-cache", "--disable-radix-cache"])
     assert "--enable-hierarchical-cache needs the radix cache" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--enable-hierarchical-cache", "--topology", "pd", "--decode-tp-size", "2"])
+    assert "tensor parallelism" in capsys.readouterr().err
     args = launch.parse_args(["--enable-hierarchical-cache", "--hicache-write-policy", "write_back"])
     argv = launch.engine_args_to_argv(args)  # what the workers are started with
     assert "--enable-hierarchical-cache" in argv and argv[argv.index("--hicache-write-policy") + 1] == "write_back"
