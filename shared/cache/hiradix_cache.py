@@ -398,6 +398,9 @@ class HiRadixCache(RadixCache):
         if self._is_host_leaf(node):
             self._seq += 1
             heapq.heappush(self._host_heap, (node.last_access, self._seq, node))
+            if len(self._host_heap) > 2 * self._num_nodes + 1024:  # entries left behind by nodes that changed
+                self._host_heap = [e for e in self._host_heap if self._is_host_leaf(e[2])]
+                heapq.heapify(self._host_heap)
 
     def _evict_host(self, num_tokens: int) -> int:
         total, copying = 0, []
