@@ -58,9 +58,10 @@ class StepOutput:
     # position and after the last, with their logprobs. next_token_ids holds the last of them.
     proposal_samples: dict = None
     proposal_logprobs: dict = None
+    proposal_top_logprobs: dict = None  # requests that asked for top logprobs: one top list per row
 
     def __post_init__(self):
-        self.proposal_samples, self.proposal_logprobs = {}, {}
+        self.proposal_samples, self.proposal_logprobs, self.proposal_top_logprobs = {}, {}, {}
 
 
 class PendingStep:
@@ -111,6 +112,9 @@ class PendingStep:
             if top_ids is not None and req.return_logprob and req.top_logprobs_num > 0:
                 kk = req.top_logprobs_num
                 out.top_logprobs[i] = [[top_lps[j][m], top_ids[j][m]] for m in range(kk)]
+                if n > 1:
+                    out.proposal_top_logprobs[i] = [[[top_lps[r][m], top_ids[r][m]] for m in range(kk)]
+                                                    for r in range(row - n, row)]
         return out
 
 
@@ -701,8 +705,9 @@ class ModelRunner:
         """bool [rows, V] of allowed tokens for the sampler, or None when no row is constrained."""
         counts = handle.counts
         states = [r.grammar if ok else None for r, ok in zip(reqs, live)]
-        if counts is None and not any(s is not None for s in states):
-            return None
+        if not any(s is not None for s in states) and (
+                counts is None or all(r.proposal_masks is None for r in reqs)):
+            return None  # unconstrained (drafts of unconstrained requests carry no masks)
         timing = self.mask_timing
         if timing is not None:
             t0 = time.perf_counter()
@@ -732,12 +737,13 @@ class ModelRunner:
         proposals), the grammar's current mask for other constrained requests."""
         from shared.constrained import bitmask_to_bool
 
-        width = next(r.proposal_masks.shape[1] for r, c in zip(reqs, counts) if c > 1)
+        width = (self.vocab_size + 31) // 32
         bitmask = torch.full((sum(counts), width), -1, dtype=torch.int32)
         row = 0
         for r, ok, c in zip(reqs, live, counts):
             if c > 1:
-                bitmask[row:row + c] = r.proposal_masks
+                if r.proposal_masks is not None:  # unconstrained drafts: every token allowed
+                    bitmask[row:row + c] = r.proposal_masks
             elif ok and r.grammar is not None and not r.grammar.is_terminated():
                 r.grammar.fill_bitmask(bitmask, row)
             row += c
