@@ -805,7 +805,8 @@ class Engine:
             finish_reason=req.finish_reason, prompt_tokens=len(req.input_ids),
             cached_tokens=req.num_cached_tokens or 0, completion_tokens=req.num_resolved,
             output_logprobs=req.pending_output_logprobs, output_top_logprobs=req.pending_output_top_logprobs,
-            queue_time=(req.first_scheduled_time or req.arrival_time) - req.arrival_time)
+            queue_time=(req.first_scheduled_time or req.arrival_time) - req.arrival_time,
+            spec_verify_ct=req.spec_verify_ct)
         req.pending_text = ""
         req.pending_output_logprobs, req.pending_output_top_logprobs = [], []
         if req.return_logprob and not req.input_logprobs_sent and (req.finished or req.kv_len >= len(req.input_ids)):
