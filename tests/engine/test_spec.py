@@ -20,7 +20,7 @@ from shared.tokenizer import save_tiny_tokenizer
 from tests.support.engine_harness import Harness
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 5, [20, 21, 22, 23] * 8 + [20, 21], list(range(30, 70)) + list(range(30, 38))]
-GREEDY = {"temperature": 0, "max_new_tokens": 16}
+GREEDY = {"temperature": 0, "max_new_tokens": 12}
 
 
 def run_all(h: Harness, prompts, sampling, **kw):
@@ -89,7 +89,7 @@ def test_ngram_greedy_equals_plain_with_rejections(plain, ngram):
 def test_ngram_seeded_sampling_stops_and_logprobs_equal_plain(plain, ngram):
     # Sampling: the same seed gives the same tokens with drafts (the rule is exact, not just in law); with
     # logprobs and top logprobs from the target's verification pass, and a stop token inside an accepted run.
-    sampling = {"temperature": 0.9, "seed": 11, "max_new_tokens": 14, "top_k": 20}
+    sampling = {"temperature": 0.9, "seed": 11, "max_new_tokens": 12, "top_k": 20}
     want, got, _, _ = check_spec_equals_plain(plain, ngram, sampling, return_logprob=True, top_logprobs_num=2)
     for w, g in zip(want, got):
         assert [t for _, t in g["logprobs"]] == g["ids"]
@@ -97,8 +97,8 @@ def test_ngram_seeded_sampling_stops_and_logprobs_equal_plain(plain, ngram):
             assert math.isclose(a, b, abs_tol=1e-4)
         assert [[t for _, t in row] for row in g["top"]] == [[t for _, t in row] for row in w["top"]]
     stop_tok = want[0]["ids"][5]
-    check_spec_equals_plain(plain, ngram, {**GREEDY, "stop_token_ids": [stop_tok]})
-    check_spec_equals_plain(plain, ngram, {**GREEDY, "repetition_penalty": 1.3, "min_new_tokens": 3})
+    check_spec_equals_plain(plain, ngram, {**GREEDY, "stop_token_ids": [stop_tok], "repetition_penalty": 1.3,
+                                           "min_new_tokens": 3}, prompts=PROMPTS[:1])
 
 
 def test_ngram_with_grammar_equals_plain(plain, ngram):
@@ -109,7 +109,7 @@ def test_ngram_with_grammar_equals_plain(plain, ngram):
 def test_standalone_same_model_accepts_every_draft(plain):
     spec = Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny-random",
                    speculative_num_steps=3)
-    _, _, proposed, accepted = check_spec_equals_plain(plain, spec, GREEDY)
+    _, _, proposed, accepted = check_spec_equals_plain(plain, spec, GREEDY, prompts=PROMPTS[:2])
     assert proposed > 0 and accepted == proposed
     draft = spec.engine.spec
     assert draft.allocator.available_size() == draft.allocator.total_size()  # draft KV all given back
@@ -119,7 +119,7 @@ def test_standalone_same_model_accepts_every_draft(plain):
 def test_standalone_other_draft_rejects_and_still_equals_plain(plain, other_draft):
     spec = Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path=other_draft,
                    speculative_num_steps=3)
-    _, _, proposed, accepted = check_spec_equals_plain(plain, spec, GREEDY)
+    _, _, proposed, accepted = check_spec_equals_plain(plain, spec, GREEDY, prompts=PROMPTS[:2])
     assert accepted < proposed
     draft = spec.engine.spec
     assert draft.allocator.available_size() == draft.allocator.total_size()
