@@ -186,3 +186,14 @@ def test_launcher_refuses_bad_flags(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--speculative-algorithm", "STANDALONE"])
     assert "needs --speculative-draft-model-path" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [{"speculative_algorithm": "NGRAM"},
+                                   {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "tiny-random"}])
+def test_spec_on_gpu_with_cuda_graphs_equals_plain(flags):
+    """On CUDA: verification passes replay the extend graphs, the draft's decode steps its own graphs."""
+    plain = Harness(device="cuda")
+    spec = Harness(device="cuda", **flags)
+    _, _, proposed, accepted = check_spec_equals_plain(plain, spec, {"temperature": 0, "max_new_tokens": 24})
+    assert proposed > 0 and accepted > 0
