@@ -25,6 +25,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.forward_batch import ForwardMode
 from shared.engine.model_runner import ModelRunner, StepOutput
+from shared.engine.penalties import penalized
 from shared.engine.request import PENDING_TOKEN, Req, ReqStatus
 from shared.engine.schedule_batch import ScheduleBatch
 from shared.engine.schedule_policy import SchedulePolicy
@@ -795,7 +796,7 @@ class Engine:
 
     @staticmethod
     def _is_host_dependent(p: SamplingParams) -> bool:
-        return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+        return penalized(p)
 
     def _make_output(self, req: Req) -> TokenOutput:
         new_ids = req.output_ids[req.sent_token_count:req.num_resolved]

@@ -17,6 +17,7 @@ from shared.engine.forward_batch import ForwardBatch, ForwardMode
 from shared.engine.prefill_adder import chunk_len, max_riders
 from kernels.h2d import to_device
 from shared.engine.request import PENDING_TOKEN, Req
+from shared.engine.penalties import penalized
 from shared.engine.sampler import SamplingBatch, sample
 from shared.engine.schedule_batch import ScheduleBatch
 
@@ -644,7 +645,9 @@ class ModelRunner:
         sb = SamplingBatch.build(
             params=[r.params for r in rows_req], seeds=[r.seed for r in rows_req], steps=rows_step,
             output_ids=[r.output_ids for r in reqs] if counts is None else
-            [r.output_ids[:st] for r, st in zip(rows_req, rows_step)],
+            # Penalties alone read a row's history: the others' are not copied (a verification pass of
+            # k drafts has k + 1 rows a request).
+            [r.output_ids[:st] if penalized(r.params) else r.output_ids for r, st in zip(rows_req, rows_step)],
             prompt_ids=[r.input_ids for r in rows_req] if any(r.params.repetition_penalty != 1.0 for r in reqs) else None,
             vocab_size=self.vocab_size, device=self.device,
             eos_ids=[self._stop_ids(r) for r in rows_req],
