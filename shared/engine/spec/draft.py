@@ -47,7 +47,7 @@ def draft_config(config: EngineConfig, target) -> EngineConfig:
         config, model_path=config.speculative_draft_model_path, load_format="auto", quantization="none",
         max_total_tokens=target.max_total_tokens, max_context_len=target.max_context_len, page_size=1,
         kv_cache_dtype="auto", tp_size=1, enable_mixed_chunk=False, disable_shared_prefix_attention=True,
-        cuda_graph_max_extend_tokens=0, speculative_algorithm=None, speculative_draft_model_path=None)
+        speculative_algorithm=None, speculative_draft_model_path=None)
 
 
 class DraftModelSpeculator(Speculator):
