@@ -200,3 +200,18 @@ def test_spec_on_gpu_with_cuda_graphs_equals_plain(flags):
     spec = Harness(device="cuda", **flags)
     _, _, proposed, accepted = check_spec_equals_plain(plain, spec, {"temperature": 0, "max_new_tokens": 24})
     assert proposed > 0 and accepted > 0
+
+
+def test_ngram_under_tensor_parallelism_equals_plain(plain):
+    """TP=2 (gloo on the CPU): rank 0 drafts and verifies; the ranks replay its catch-up passes and take
+    its corrections of the next input (a rejected draft)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("TP=2 on the GPU needs 2 GPUs")
+    want = run_all(plain, PROMPTS[:1], GREEDY)
+    h = Harness(tp_size=2, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    try:
+        got = run_all(h, PROMPTS[:1], GREEDY)
+        stats = h.engine.spec.stats
+    finally:
+        h.engine.stop()
+    assert got[0]["ids"] == want[0]["ids"] and 0 < stats.accepted < stats.proposed
