@@ -215,3 +215,30 @@ def test_ngram_under_tensor_parallelism_equals_plain(plain):
     finally:
         h.engine.stop()
     assert got[0]["ids"] == want[0]["ids"] and 0 < stats.accepted < stats.proposed
+
+
+def test_pd_decode_side_drafts_and_equals_plain(plain):
+    """PD's decode side (its stages driven here without the transfer glue, as tests/pd/test_stages.py does):
+    the prompt's pages come from the plain engine's tree, the first token from its output, and the decode
+    worker speculates on the rest."""
+    from shared.protocol import KvDone, Transfer
+    from tests.pd.test_stages import decode_harness
+
+    prompt = PROMPTS[0]
+    sampling = {**GREEDY, "ignore_eos": True}
+    want = run_all(plain, [prompt], sampling)[0]
+    match = plain.engine.cache.match_prefix(prompt)
+    assert match.length == len(prompt)
+    pages = plain.engine.runner.gather_kv(match.slots)
+    h, _ = decode_harness(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    e = h.engine
+    rid = h.submit(prompt, transfer=Transfer(role="decode", id="s1"), sampling=dict(sampling))
+    e.step()
+    e.kv_offered("s1")
+    e._drain_inbox(block=False)
+    e.policy.schedule()
+    e.decode_side.announce()
+    e.kv_arrived("s1", KvDone(transfer_id="s1", first_token=want["ids"][0]), pages)
+    got = h.run([rid])[0]
+    assert got["ids"] == want["ids"] and e.spec.stats.verifications > 0
+    assert e.policy.is_idle() and h.free_tokens() == e.runner.max_total_tokens
