@@ -35,7 +35,8 @@ def plain():
 
 @pytest.fixture(scope="module")
 def ngram():
-    return Harness(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    # Pages of 4: a rejected draft's slot in a kept page stays the request's, the rest go back.
+    return Harness(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5, page_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +111,11 @@ def test_ngram_with_grammar_equals_plain(plain, ngram):
 
 
 def test_standalone_same_model_accepts_every_draft(plain):
+    # With pages of 4 (rejected drafts' slots in a kept page stay the request's), chunked prompts and mixed
+    # chunks (drafting starts once a prompt is done).
     spec = Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny-random",
-                   speculative_num_steps=3)
+                   speculative_num_steps=3, page_size=4, chunked_prefill_size=16, max_prefill_tokens=32,
+                   enable_mixed_chunk=True)
     _, _, proposed, accepted = check_spec_equals_plain(plain, spec, GREEDY, prompts=PROMPTS[:2])
     assert proposed > 0 and accepted == proposed
     draft = spec.engine.spec
