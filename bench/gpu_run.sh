@@ -11,10 +11,11 @@ benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT 
   offline           bench.offline: batch-1 step, 256 x (512,128), prefill, radix zero-reuse (8 on/off pairs)
   kernels           bench.kernels: each kernel against eager torch / SDPA and the measured ceilings
   structured        bench.structured: jump-forward speed-up, grammar mask cost at batch 32
-  serving           bench.serving, stream interval 1: completions + generate, streamed and not, batch-1
-                    TPOT, each against the offline engine in the same call
-  serving-interval  the same at --stream-interval 16
+  serving           bench.serving: completions + generate, streamed and not, batch-1 TPOT, each against the
+                    offline engine in the same call; a first ARG N runs at --stream-interval N (default 1):
+                    `serving 16` shows the gateway's CPU at 16
   shared-prefix     bench.shared_prefix: hit rate and throughput of LPM / FCFS / radix off, cascade decode
+  multiturn         bench.multiturn: conversations outgrowing a small GPU pool, host KV tier off then on
   programs          bench.workloads --ablations: the paper's workloads, radix / LPM / jump-forward / fork hint ablated
   fp8               GPU FP8 tests, then bench.fp8: FP8 / bf16 batch-1 step
   pd                bench.pd: PD against unified workers on 2 GPUs (nvidia-h100-x2)
@@ -28,7 +29,7 @@ EOF
 set -uo pipefail
 kind=${1:-}
 case $kind in
-  tests|offline|kernels|structured|serving|serving-interval|shared-prefix|programs|fp8|pd|tp|ab) shift ;;
+  tests|offline|kernels|structured|serving|shared-prefix|multiturn|programs|fp8|pd|tp|ab) shift ;;
   *) usage; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
@@ -53,12 +54,13 @@ case $kind in
   kernels) run 400 kernels.log python3 -m bench.kernels --out "$OUT" "$@" ;;
   structured) run 500 structured.log python3 -m bench.structured --out "$OUT" "$@" ;;
   serving)
-    run 560 serving.log python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream \
-      --batch1 16 --offline --out "$OUT" "$@" ;;
-  serving-interval)
-    run 560 serving_interval.log python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate \
-      --no-stream --batch1 16 --offline --out "$OUT" "$@" -- --stream-interval 16 ;;
+    interval=1
+    if [[ ${1:-} =~ ^[0-9]+$ ]]; then interval=$1; shift; fi
+    log=serving.log; [[ $interval == 1 ]] || log=serving_interval$interval.log
+    run 560 "$log" python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream \
+      --batch1 16 --offline --out "$OUT" "$@" -- --stream-interval "$interval" ;;
   shared-prefix) run 560 shared_prefix.log python3 -m bench.shared_prefix --out "$OUT" "$@" ;;
+  multiturn) TAIL=30 run 580 multiturn.log python3 -m bench.multiturn --out "$OUT" "$@" ;;
   programs)
     TAIL=60 run 580 workloads.log python3 -m bench.workloads --ablations --out "$OUT" --parallel 16 --instances 48 \
       --duration 5 --budget 540 "$@" ;;
