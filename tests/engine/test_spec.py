@@ -69,10 +69,19 @@ def check_spec_equals_plain(plain, spec, sampling, prompts=PROMPTS, **kw):
     want = run_all(plain, prompts, sampling, **kw)
     stats0 = dict(spec.engine.spec.stats.__dict__)
     free0 = spec.free_tokens()
+    cache, P = spec.engine.cache, spec.engine.config.page_size
+    # What the tree will hold of each sequence: its confirmed tokens with KV (all but the last), page-aligned.
+    seqs = [p + w["ids"][:-1] for p, w in zip(prompts, want)]
+    before = [cache.match_prefix(x, record=False).length for x in seqs]
+    tree0 = cache.evictable_size()
     got = run_all(spec, prompts, sampling, **kw)
     for w, g in zip(want, got):
         assert g["ids"] == w["ids"] and g["text"] == w["text"] and g["finish"] == w["finish"]
         assert g["error"] is None
+    # The tree holds those sequences and nothing else: no rejected draft ever entered it.
+    after = [cache.match_prefix(x, record=False).length for x in seqs]
+    assert after == [len(x) // P * P for x in seqs]
+    assert cache.evictable_size() - tree0 == sum(a - b for a, b in zip(after, before))
     # Nothing leaked: the pool and request rows are back (the tree holds the finished requests, evictable).
     assert spec.free_tokens() == free0 and plain.free_tokens() == base
     assert spec.engine.runner.req_pool.available() == spec.engine.config.max_running_requests
