@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 import re
 
-from shared.engine.config import ATTENTION_BACKENDS, EngineConfig, unsupported_attention_backend
+from shared.engine.config import ATTENTION_BACKENDS, EngineConfig, attention_backend_error
 
 _CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
@@ -27,7 +27,7 @@ def _device(value: str) -> str:
 
 
 def _attention_backend(value: str) -> str:
-    error = unsupported_attention_backend(value)
+    error = attention_backend_error(value)
     if error:
         raise argparse.ArgumentTypeError(error)
     return value
@@ -102,7 +102,8 @@ _HELP = {
     "dtype": "auto: bfloat16 on GPU, float32 on CPU",
     "kv_cache_dtype": "auto: the model's dtype; fp8_e4m3 / fp8_e5m2 (fp8: e4m3): an FP8 KV cache, twice the tokens "
                       "in the same memory, scaled by the checkpoint's per-layer k/v scales where it has them",
-    "attention_backend": "auto picks per device (triton on GPU, torch on CPU)",
+    "attention_backend": "auto picks per device (triton on GPU, torch on CPU); flashinfer: FlashInfer's kernels "
+                         "(the optional extra: pip install -e \".[flashinfer]\")",
     "page_size": "tokens per KV page (radix matches are page-aligned)",
     "max_total_tokens": "KV pool size in tokens (default: --mem-fraction-static of free memory after weights)",
     "mem_fraction_static": "fraction of free device memory for the KV pool when --max-total-tokens is unset",

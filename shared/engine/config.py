@@ -3,19 +3,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# Backends SGLang offers that this engine does not, with the reason (docs/design.md).
-_UNSUPPORTED_ATTENTION = {
-    "flashinfer": "the GPU machines cannot install flashinfer (its wheels exceed what bench/fetch_wheels.sh "
-                  "may carry there), so a backend on it could never be tested",
-}
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+# The optional flashinfer extra (pyproject.toml); for the GPU machines, bench/fetch_flashinfer.sh's repacked wheel.
+FLASHINFER_INSTALL = 'pip install -e ".[flashinfer]" (flashinfer-python==0.7.4)'
 
 
-def unsupported_attention_backend(name: str) -> str | None:
-    """The error for a backend name this engine knowingly lacks, or None for any other name."""
-    why = _UNSUPPORTED_ATTENTION.get(name)
-    return (f"attention backend {name!r} is not supported: {why}; use triton (GPU), torch, or auto"
-            if why else None)
+def flashinfer_missing(why: str) -> str:
+    """The start-up error of --attention-backend flashinfer without its package."""
+    others = ", ".join(b for b in ATTENTION_BACKENDS if b != "flashinfer")
+    return (f"attention backend 'flashinfer' needs the flashinfer-python package ({why}): {FLASHINFER_INSTALL}; "
+            f"or choose one of {others}")
+
+
+def attention_backend_error(name: str) -> str | None:
+    """Why --attention-backend NAME cannot start, or None: an unknown name, or flashinfer not installed (found
+    without importing it)."""
+    if name not in ATTENTION_BACKENDS:
+        return f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
+    if name == "flashinfer":
+        import importlib.util
+
+        if importlib.util.find_spec("flashinfer") is None:
+            return flashinfer_missing("it is not installed")
+    return None
 
 
 @dataclass
@@ -36,7 +46,7 @@ class EngineConfig:
     # the pool's bytes a token (twice the tokens) and decode attention's reads; its values are rounded, with the
     # checkpoint's per-layer k/v scales where it has them (shared/cache/kv_pool.py).
     kv_cache_dtype: str = "auto"
-    attention_backend: str = "auto"  # auto | torch | triton (ATTENTION_BACKENDS)
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer (ATTENTION_BACKENDS)
     page_size: int = 1
     # KV pool size: explicit token count, else a fraction of free device memory after weights.
     max_total_tokens: int | None = None

@@ -273,8 +273,8 @@ class ModelRunner:
         self.token_buf = torch.zeros(config.max_running_requests + 1, dtype=torch.int64, device=self.device)
         self.attn_backend = create_attention_backend(
             config.attention_backend, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=mc.head_dim, device=self.device, one_launch_decode=config.one_launch_decode_attention,
-            max_kv_splits=config.triton_attention_num_kv_splits)
+            head_dim=mc.head_dim, device=self.device, dtype=self.dtype,
+            one_launch_decode=config.one_launch_decode_attention, max_kv_splits=config.triton_attention_num_kv_splits)
         self.attn_backend.cascade_enabled &= not config.disable_shared_prefix_attention
         log.info("model %s on %s (%s): KV pool %d tokens (%s%s), context %d; up to %d running requests, prefill "
                  "chunks of %d", config.model_path, self.device, self.dtype, self.max_total_tokens,
