@@ -29,7 +29,8 @@ from services.gateway.pool import GatewayPool
 from services.supervisor import RestartPolicy, WorkerSlot
 from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
-from shared.engine.cli import add_engine_args, engine_args_to_argv, engine_flag_error, tp_size_arg
+from shared.engine.cli import add_engine_args, engine_args_to_argv, engine_config_from_args, engine_flag_error, tp_size_arg
+from shared.engine.spec import spec_config_error
 from shared.wire import INTERNAL_KEY_ENV
 
 log = logging.getLogger("services.launch")
@@ -84,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.enable_hierarchical_cache and max(args.prefill_tp_size or 1, args.decode_tp_size or 1) > 1:
         p.error("--enable-hierarchical-cache is not supported with tensor parallelism (--prefill-tp-size / "
                 "--decode-tp-size > 1) yet")
+    spec_error = spec_config_error(engine_config_from_args(args))
+    if spec_error:
+        p.error(spec_error)
     if args.topology == "pd":
         from shared.transfer import require_ucx
 
