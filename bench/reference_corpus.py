@@ -1,0 +1,203 @@
+"""The reference models' text: this interpreter's own Python sources (the standard library and site-packages), split
+into training and held-out files by a stable hash of each file's relative path, a byte-level BPE tokenizer trained on
+the training files, and the held-out prompts of bench.spec's workloads (a file's head: code; a cut inside a docstring
+or comment block: prose).
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import io
+import json
+import os
+import sysconfig
+import tokenize as pytokenize
+from dataclasses import dataclass
+
+BOS, EOS, END = "<|bos|>", "<|eos|>", "<|end|>"
+ROLES = ("system", "user", "assistant")
+SPECIAL_TOKENS = [BOS, EOS, END] + [f"<|{r}|>" for r in ROLES]
+# Roles as special tokens, each message ended by <|end|>; generation stops at <|end|> or <|eos|>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+MAX_FILE_BYTES = 512 << 10  # larger sources are generated tables, not code anyone writes
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    rel: str  # "stdlib/..." or "site/...": the split's key, the same on every machine with the same packages
+    path: str
+
+
+def source_roots() -> list[tuple[str, str]]:
+    """(label, directory) of the standard library and the site-packages directories, distinct and existing."""
+    paths = sysconfig.get_paths()
+    roots, seen = [], set()
+    for label, key in (("stdlib", "stdlib"), ("site", "purelib"), ("site", "platlib")):
+        d = os.path.realpath(paths.get(key) or "")
+        if d and os.path.isdir(d) and d not in seen:
+            seen.add(d)
+            roots.append((label, d))
+    return roots
+
+
+def held_out(rel: str, permille: int) -> bool:
+    """A file is held out when the first bytes of sha256(its relative path) fall under permille/1000."""
+    return int.from_bytes(hashlib.sha256(rel.encode()).digest()[:4], "big") % 1000 < permille
+
+
+def collect_sources(roots: list[tuple[str, str]] | None = None) -> list[SourceFile]:
+    """Every .py file of the roots (a root inside another is walked once, under its own label), sorted by path."""
+    roots = roots if roots is not None else source_roots()
+    others = {d for _, d in roots}
+    files = []
+    for label, root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(n for n in dirnames if n != "__pycache__"
+                                 and os.path.join(dirpath, n) not in others
+                                 and n not in ("site-packages", "dist-packages"))
+            for name in filenames:
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    files.append(SourceFile(f"{label}/{os.path.relpath(path, root)}", path))
+    return sorted(set(files), key=lambda f: f.rel)
+
+
+def read_text(path: str) -> str | None:
+    try:
+        if os.path.getsize(path) > MAX_FILE_BYTES:
+            return None
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return text if text.strip() else None
+
+
+def split_corpus(files: list[SourceFile], heldout_permille: int, max_bytes: int,
+                 max_heldout_bytes: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(train, held-out) lists of (rel, text), each in a hash order of the paths (so a byte cap keeps an unbiased
+    sample), training text capped at max_bytes, held-out at max_heldout_bytes."""
+    order = sorted(files, key=lambda f: hashlib.sha256(f.rel.encode()).digest())
+    train, held, nt, nh = [], [], 0, 0
+    for f in order:
+        is_held = held_out(f.rel, heldout_permille)
+        if (nh if is_held else nt) >= (max_heldout_bytes if is_held else max_bytes):
+            if nt >= max_bytes and nh >= max_heldout_bytes:
+                break
+            continue
+        text = read_text(f.path)
+        if text is None:
+            continue
+        (held if is_held else train).append((f.rel, text))
+        if is_held:
+            nh += len(text)
+        else:
+            nt += len(text)
+    return train, held
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE (every byte encodable) with the special tokens first (ids 0..5)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
+
+
+def save_tokenizer(tok, path: str, model_max_length: int) -> None:
+    """tokenizer.json and tokenizer_config.json (bos/eos, the chat template) of an HF checkpoint directory."""
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                       "single_word": False, "special": True} for t in SPECIAL_TOKENS}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+                   "pad_token": EOS, "add_bos_token": True, "add_eos_token": False,
+                   "added_tokens_decoder": added, "chat_template": CHAT_TEMPLATE,
+                   "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}, f, indent=1)
+
+
+def encode_files(tok, texts: list[str]) -> list[list[int]]:
+    """Each text's ids between <|bos|> and <|eos|> (tokenizers' batch encoding runs on every core)."""
+    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    return [[bos, *e.ids, eos] for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+
+# ---------------------------------------------------------------- bench.spec's workloads
+def code_prompts(tok, held: list[tuple[str, str]], n: int, prompt_tokens: int, new_tokens: int) -> list[list[int]]:
+    """A held-out file's head of prompt_tokens tokens (after <|bos|>), from files with at least new_tokens more."""
+    bos = tok.token_to_id(BOS)
+    out = []
+    for _, text in held:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        if len(ids) >= prompt_tokens + new_tokens:
+            out.append([bos, *ids[:prompt_tokens - 1]])
+            if len(out) == n:
+                break
+    return out
+
+
+def prose_cuts(text: str, min_chars: int = 240) -> list[int]:
+    """Character offsets a third of the way into each docstring and each block of 3+ comment lines of at least
+    min_chars: a prompt ending there continues prose rather than code."""
+    cuts = []
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return cuts
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str) and len(first.value.value) >= min_chars):
+                a = starts[first.lineno - 1] + first.col_offset
+                b = starts[first.end_lineno - 1] + first.end_col_offset
+                cuts.append(a + (b - a) // 3)
+    try:
+        block: list[tuple[int, int]] = []
+        for t in pytokenize.generate_tokens(io.StringIO(text).readline):
+            if t.type == pytokenize.COMMENT:
+                if block and t.start[0] != block[-1][0] + 1:
+                    cuts += _comment_cut(block, starts, min_chars)
+                    block = []
+                block.append((t.start[0], len(t.string)))
+        cuts += _comment_cut(block, starts, min_chars)
+    except (pytokenize.TokenError, IndentationError, SyntaxError):
+        pass
+    return sorted(cuts)
+
+
+def _comment_cut(block: list[tuple[int, int]], starts: list[int], min_chars: int) -> list[int]:
+    if len(block) < 3 or sum(n for _, n in block) < min_chars:
+        return []
+    a, b = starts[block[0][0] - 1], starts[block[-1][0]]
+    return [a + (b - a) // 3]
+
+
+def prose_prompts(tok, held: list[tuple[str, str]], n: int, prompt_tokens: int) -> list[list[int]]:
+    """Up to prompt_tokens tokens of a held-out file ending a third of the way into a docstring or comment block
+    (one cut a file, the first that has some context before it)."""
+    bos = tok.token_to_id(BOS)
+    out = []
+    for _, text in held:
+        for cut in prose_cuts(text):
+            if cut >= 200:
+                ids = tok.encode(text[:cut], add_special_tokens=False).ids
+                out.append([bos, *ids[-(prompt_tokens - 1):]])
+                break
+        if len(out) == n:
+            break
+    return out
