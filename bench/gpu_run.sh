@@ -12,11 +12,11 @@ benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT 
   kernels           bench.kernels: each kernel against eager torch / SDPA and the measured ceilings
   structured        bench.structured: jump-forward speed-up, grammar mask cost at batch 32
   serving           bench.serving, stream interval 1: completions + generate, streamed and not, batch-1
-                    TPOT, each against the offline engine in the same call
-  serving-interval  the same at --stream-interval 16
+                    TPOT, each against the offline engine in the same call (serving -- --stream-interval 16: at 16)
   shared-prefix     bench.shared_prefix: hit rate and throughput of LPM / FCFS / radix off, cascade decode
   programs          bench.workloads --ablations: the paper's workloads, radix / LPM / jump-forward / fork hint ablated
   fp8               GPU FP8 tests, then bench.fp8: FP8 / bf16 batch-1 step
+  spec              bench.reference_models (trained once a warm machine, ~7 min, in /tmp/refmodels), then bench.spec
   pd                bench.pd: PD against unified workers on 2 GPUs (nvidia-h100-x2)
   tp                GPU TP tests, then bench.tp: TP=2 / TP=1 batch-1 step (nvidia-h100-x2)
   ab                bench.ab: a benchmark alternated between knob settings, e.g.
@@ -28,7 +28,7 @@ EOF
 set -uo pipefail
 kind=${1:-}
 case $kind in
-  tests|offline|kernels|structured|serving|serving-interval|shared-prefix|programs|fp8|pd|tp|ab) shift ;;
+  tests|offline|kernels|structured|serving|shared-prefix|programs|fp8|spec|pd|tp|ab) shift ;;
   *) usage; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
@@ -45,6 +45,13 @@ run() {
   local limit=$1 log=$2; shift 2
   timeout "$limit" "$@" 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/$log" | tail -"${TAIL:-25}"
 }
+# bench.spec after the reference models, in the same call only if they were already trained (a training run leaves too
+# little of the call's 10 minutes: call again on the warm machine, which keeps /tmp/refmodels).
+spec_after() {
+  local t0=$1; shift
+  if (( SECONDS - t0 > 120 )); then echo "gpu_run.sh spec: models trained in this call; call again on the warm machine"
+  else run 560 spec.log python3 -m bench.spec --models /tmp/refmodels --out "$OUT" "$@"; fi
+}
 gpu_tests() { run "$1" "$2" python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/ -k "$3"; }
 
 case $kind in
@@ -55,9 +62,6 @@ case $kind in
   serving)
     run 560 serving.log python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream \
       --batch1 16 --offline --out "$OUT" "$@" ;;
-  serving-interval)
-    run 560 serving_interval.log python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate \
-      --no-stream --batch1 16 --offline --out "$OUT" "$@" -- --stream-interval 16 ;;
   shared-prefix) run 560 shared_prefix.log python3 -m bench.shared_prefix --out "$OUT" "$@" ;;
   programs)
     TAIL=60 run 580 workloads.log python3 -m bench.workloads --ablations --out "$OUT" --parallel 16 --instances 48 \
@@ -65,6 +69,7 @@ case $kind in
   fp8)
     gpu_tests 150 fp8_tests.log "quantization"
     run 400 fp8.log python3 -m bench.fp8 --out "$OUT" "$@" ;;
+  spec) t0=$SECONDS; run 540 reference_models.log python3 -m bench.reference_models --out /tmp/refmodels && spec_after "$t0" "$@" ;;
   pd)
     run 330 pd.log python3 -m bench.pd --out "$OUT" --duration 30 "$@"
     # Device-to-device pages failed: measure host staging too (UCX builds without CUDA transports).

@@ -300,7 +300,7 @@ def parse_args(argv=None):
     ap.add_argument("--vocab", type=int, default=None, help="tokenizer vocabulary (16384; tiny 512)")
     ap.add_argument("--tokenizer-mb", type=float, default=24.0, help="training text the tokenizer learns from")
     ap.add_argument("--seq-len", type=int, default=None, help="packed window (1024; tiny 64)")
-    ap.add_argument("--batch", type=int, default=None, help="windows a step (48; tiny 8)")
+    ap.add_argument("--batch", type=int, default=None, help="windows a step (32; tiny 8)")
     ap.add_argument("--max-mb", type=float, default=None, help="training text (160; tiny 2)")
     ap.add_argument("--heldout-permille", type=int, default=None, help="files held out (20; tiny 100)")
     ap.add_argument("--eval-windows", type=int, default=None, help="held-out windows of the losses (48; tiny 4)")
@@ -310,7 +310,7 @@ def parse_args(argv=None):
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--force", action="store_true", help="train again even if --out holds a finished run")
     args = ap.parse_args(argv)
-    defaults = dict(vocab=(16384, 512), seq_len=(1024, 64), batch=(48, 8), max_mb=(160.0, 1.0),
+    defaults = dict(vocab=(16384, 512), seq_len=(1024, 64), batch=(32, 8), max_mb=(160.0, 1.0),
                     heldout_permille=(20, 100), eval_windows=(48, 4), parity_prompts=(8, 3), parity_tokens=(32, 8))
     for k, (full, tiny) in defaults.items():
         if getattr(args, k) is None:
