@@ -135,15 +135,18 @@ def encode_files(tok, texts: list[str]) -> list[list[int]]:
 
 # ---------------------------------------------------------------- bench.spec's workloads
 def code_prompts(tok, held: list[tuple[str, str]], n: int, prompt_tokens: int, new_tokens: int) -> list[list[int]]:
-    """A held-out file's head of prompt_tokens tokens (after <|bos|>), from files with at least new_tokens more."""
+    """Held-out code of prompt_tokens tokens with at least new_tokens more after it: each file's head (after
+    <|bos|>) first, then, while more are wanted, each long file's next windows of prompt + new tokens."""
     bos = tok.token_to_id(BOS)
+    files = [e.ids for e in tok.encode_batch([text for _, text in held], add_special_tokens=False)]
+    w = prompt_tokens + new_tokens
     out = []
-    for _, text in held:
-        ids = tok.encode(text, add_special_tokens=False).ids
-        if len(ids) >= prompt_tokens + new_tokens:
-            out.append([bos, *ids[:prompt_tokens - 1]])
-            if len(out) == n:
-                break
+    for k in range(max((len(ids) // w for ids in files), default=0)):
+        for ids in files:
+            if len(ids) >= (k + 1) * w:
+                out.append([bos, *ids[:prompt_tokens - 1]] if k == 0 else ids[k * w:k * w + prompt_tokens])
+                if len(out) == n:
+                    return out
     return out
 
 
@@ -188,16 +191,16 @@ def _comment_cut(block: list[tuple[int, int]], starts: list[int], min_chars: int
 
 
 def prose_prompts(tok, held: list[tuple[str, str]], n: int, prompt_tokens: int) -> list[list[int]]:
-    """Up to prompt_tokens tokens of a held-out file ending a third of the way into a docstring or comment block
-    (one cut a file, the first that has some context before it)."""
+    """Up to prompt_tokens tokens of a held-out file ending a third of the way into a docstring or comment block with
+    some context before it: each file's first such cut, then the second ones, and so on while more are wanted."""
     bos = tok.token_to_id(BOS)
+    cuts = [(text, [c for c in prose_cuts(text) if c >= 200]) for _, text in held]
     out = []
-    for _, text in held:
-        for cut in prose_cuts(text):
-            if cut >= 200:
-                ids = tok.encode(text[:cut], add_special_tokens=False).ids
+    for k in range(max((len(c) for _, c in cuts), default=0)):
+        for text, cs in cuts:
+            if k < len(cs):
+                ids = tok.encode(text[:cs[k]], add_special_tokens=False).ids
                 out.append([bos, *ids[-(prompt_tokens - 1):]])
-                break
-        if len(out) == n:
-            break
+                if len(out) == n:
+                    return out
     return out

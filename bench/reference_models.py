@@ -102,7 +102,7 @@ def train_all(args, out: str, device: str) -> dict:
                  "torch": torch.__version__}
     files = corpus.collect_sources()
     train, held = corpus.split_corpus(files, args.heldout_permille, int(args.max_mb * 1e6),
-                                      max(int(args.max_mb * 1e6 * 0.02), 200_000))
+                                      max(int(args.max_mb * 1e6 * 0.1), 200_000))
     res["corpus"] = {"files": len(files), "roots": corpus.source_roots(), "train_files": len(train),
                      "train_bytes": sum(len(t) for _, t in train), "heldout_files": len(held),
                      "heldout_bytes": sum(len(t) for _, t in held)}
