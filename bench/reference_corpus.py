@@ -101,17 +101,10 @@ def split_corpus(files: list[SourceFile], heldout_permille: int, max_bytes: int,
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
-    """A byte-level BPE (every byte encodable) with the special tokens first (ids 0..5)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """A byte-level BPE with the special tokens first (ids 0..5)."""
+    from shared.tokenizer import train_byte_level_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    return tok
+    return train_byte_level_bpe(texts, vocab_size, SPECIAL_TOKENS)
 
 
 def save_tokenizer(tok, path: str, model_max_length: int) -> None:
