@@ -52,10 +52,15 @@ def spec_flags_known() -> bool:
     return "speculative_algorithm" in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
-def spec_config(method: str | None, models: str, steps: int, draft_tokens: int) -> dict:
+def spec_config(method: str | None, models: str, steps: int | None, draft_tokens: int | None) -> dict:
+    """The engine settings of a method (None: off); steps / draft tokens left to the engine's defaults when None."""
     if method is None:
         return {}
-    cfg = {"speculative_algorithm": method, "speculative_num_steps": steps, "speculative_num_draft_tokens": draft_tokens}
+    cfg = {"speculative_algorithm": method}
+    if steps is not None:
+        cfg["speculative_num_steps"] = steps
+    if draft_tokens is not None:
+        cfg["speculative_num_draft_tokens"] = draft_tokens
     if method == "STANDALONE":
         cfg["speculative_draft_model_path"] = os.path.join(models, "draft")
     return cfg
@@ -105,9 +110,10 @@ def run_method(method: str | None, args, workloads: dict, cuda: bool) -> dict:
 
     target = os.path.join(args.models, "target")
     mb = max(args.batches)
+    # The pool holds every request of the largest batch whole (prompt, output, a step's drafts): no retraction.
+    pool = mb * (args.prompt_tokens + args.new_tokens + (args.num_draft_tokens or 16) + 8) + 4096
     ec = EngineConfig(model_path=target, max_running_requests=mb, cuda_graph=cuda, cuda_graph_max_bs=mb,
-                      **({} if cuda else {"max_total_tokens": 64_000}),
-                      **spec_config(method, args.models, args.num_steps, args.num_draft_tokens))
+                      max_total_tokens=pool, **spec_config(method, args.models, args.num_steps, args.num_draft_tokens))
     name = method or "off"
     log(f"engine: speculation {name}")
     t0 = time.perf_counter()
@@ -171,7 +177,8 @@ def verify_costs(shape: str, ks: list[int], batches: list[int], context: int, re
     path = model_dir(shape)
     mb = max(batches)
     ec = EngineConfig(model_path=path, load_format="dummy", max_running_requests=mb, cuda_graph_max_bs=mb,
-                      max_total_tokens=mb * (context + max(ks) + 2) + 64, cuda_graph=cuda)
+                      max_total_tokens=mb * (context + max(ks) + 2) + 64, cuda_graph=cuda,
+                      cuda_graph_max_extend_tokens=512 if mb * (max(ks) + 1) <= 512 else 2048)
     eng = Engine(ec, Tokenizer.load(path), on_output=lambda o: None)
     r = eng.runner
     dev = r.device
@@ -302,8 +309,9 @@ def parse_args(argv=None):
     ap.add_argument("--b1-prompts", type=int, default=None, help="prompts of the batch-1 runs (8; tiny 2)")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="(512; tiny 32)")
     ap.add_argument("--new-tokens", type=int, default=None, help="(256; tiny 12)")
-    ap.add_argument("--num-steps", type=int, default=4, help="--speculative-num-steps")
-    ap.add_argument("--num-draft-tokens", type=int, default=5, help="--speculative-num-draft-tokens")
+    ap.add_argument("--num-steps", type=int, default=None, help="--speculative-num-steps (the engine's default)")
+    ap.add_argument("--num-draft-tokens", type=int, default=None,
+                    help="--speculative-num-draft-tokens (the engine's default; STANDALONE: steps + 1)")
     ap.add_argument("--verify-shape", default=None, choices=[*SHAPES, "none"], help="(llama-3.1-8b; tiny tiny)")
     ap.add_argument("--verify-k", type=ints, default=list(range(1, 9)))
     ap.add_argument("--verify-batches", type=ints, default=[1, 32])
