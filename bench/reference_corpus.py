@@ -14,6 +14,8 @@ import sysconfig
 import tokenize as pytokenize
 from dataclasses import dataclass
 
+import numpy as np
+
 BOS, EOS, END = "<|bos|>", "<|eos|>", "<|end|>"
 ROLES = ("system", "user", "assistant")
 SPECIAL_TOKENS = [BOS, EOS, END] + [f"<|{r}|>" for r in ROLES]
@@ -120,10 +122,15 @@ def save_tokenizer(tok, path: str, model_max_length: int) -> None:
                    "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}, f, indent=1)
 
 
-def encode_files(tok, texts: list[str]) -> list[list[int]]:
-    """Each text's ids between <|bos|> and <|eos|> (tokenizers' batch encoding runs on every core)."""
+def encode_files(tok, texts: list[str], dtype=np.uint16, chunk: int = 1000) -> np.ndarray:
+    """The texts' ids, each between <|bos|> and <|eos|>, as one stream (tokenizers' batch encoding runs on every core;
+    a chunk of files at a time, so the host never holds every file's encoding objects at once)."""
     bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
-    return [[bos, *e.ids, eos] for e in tok.encode_batch(texts, add_special_tokens=False)]
+    parts = []
+    for i in range(0, len(texts), chunk):
+        for e in tok.encode_batch(texts[i:i + chunk], add_special_tokens=False):
+            parts.append(np.asarray([bos, *e.ids, eos], dtype=dtype))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
 # ---------------------------------------------------------------- bench.spec's workloads

@@ -129,10 +129,9 @@ def train_all(args, out: str, device: str) -> dict:
         n += len(text)
     tok = corpus.train_tokenizer(tok_texts, args.vocab)
     vocab = tok.get_vocab_size()
-    train_stream = np.concatenate([np.asarray(x, dtype=np.uint16 if vocab < 65536 else np.int32)
-                                   for x in corpus.encode_files(tok, [t for _, t in train])])
-    held_stream = np.concatenate([np.asarray(x, dtype=train_stream.dtype)
-                                  for x in corpus.encode_files(tok, [t for _, t in held])])
+    dtype = np.uint16 if vocab < 65536 else np.int32
+    train_stream = corpus.encode_files(tok, [t for _, t in train], dtype)
+    held_stream = corpus.encode_files(tok, [t for _, t in held], dtype)
     res["tokenizer"] = {"vocab": vocab, "train_tokens": int(len(train_stream)), "heldout_tokens": int(len(held_stream)),
                         "s": time.perf_counter() - t0}
     log(f"tokenizer: {vocab} tokens; {len(train_stream) / 1e6:.1f}M training tokens, {len(held_stream) / 1e6:.2f}M "
