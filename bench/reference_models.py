@@ -147,7 +147,8 @@ def train_all(args, out: str, device: str) -> dict:
     for role in ("target", "draft"):
         data = rt.Windows(train_stream, args.seq_len, args.seed + (role == "draft"))
         if role == "target":
-            name, shape = pick_target_shape(args, cfg_of, data, device)
+            probe = rt.Windows(train_stream, args.seq_len, args.seed + 2)  # the timing's draws leave data's alone
+            name, shape = pick_target_shape(args, cfg_of, probe, device)
             spec = rt.TrainSpec(shape, args.seq_len, args.batch, 1e-3, args.target_minutes, args.target_steps,
                                 seed=args.seed, compile=args.compile, warmup=10 if args.tiny else 50)
         else:
