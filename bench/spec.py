@@ -100,7 +100,9 @@ def run_workload(eng, prompts: list[list[int]], batch: int, b1_prompts: int, new
             "tok_s_per_user": float(np.mean([f["tok_s"] for f in figs])) if figs else float("nan"),
             "accept_len": float(np.mean([f["accept"] for f in figs])) if figs else float("nan"),
             "tpot_p50_ms": pct(tpots, 0.5) * 1e3, "tpot_p99_ms": pct(tpots, 0.99) * 1e3,
-            "output_tok_s": sum(len(o.token_ids) for o in outs) / wall}
+            "output_tok_s": sum(len(o.token_ids) for o in outs) / wall,
+            # The engine's own count (TokenOutput.spec_verify_ct, where it has one): verification passes, all requests.
+            "verify_passes": sum(getattr(o, "spec_verify_ct", 0) for o in outs)}
 
 
 def run_method(method: str | None, args, workloads: dict, cuda: bool) -> dict:
