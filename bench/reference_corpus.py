@@ -35,11 +35,16 @@ class SourceFile:
 
 
 def source_roots() -> list[tuple[str, str]]:
-    """(label, directory) of the standard library and the site-packages directories, distinct and existing."""
+    """(label, directory) of the standard library and the site-packages directories (sysconfig's, and site's: a
+    distribution's dist-packages, the user's), distinct and existing."""
+    import site
+
     paths = sysconfig.get_paths()
+    dirs = [("stdlib", paths.get("stdlib")), ("site", paths.get("purelib")), ("site", paths.get("platlib"))]
+    dirs += [("site", d) for d in site.getsitepackages()] + [("site", site.getusersitepackages())]
     roots, seen = [], set()
-    for label, key in (("stdlib", "stdlib"), ("site", "purelib"), ("site", "platlib")):
-        d = os.path.realpath(paths.get(key) or "")
+    for label, d in dirs:
+        d = os.path.realpath(d or "")
         if d and os.path.isdir(d) and d not in seen:
             seen.add(d)
             roots.append((label, d))

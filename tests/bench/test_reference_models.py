@@ -57,3 +57,23 @@ def test_held_out_split_is_by_path_hash_and_prose_cuts_land_in_prose():
     assert len(cuts) == 2
     assert 3 < cuts[0] < len(doc)
     assert text.index("# c") < cuts[1] < text.index("y = 1")
+
+
+def test_a_run_cut_short_after_training_is_checked_not_trained_again(tiny_refmodels, tmp_path, capsys):
+    """A manifest with the models written but no finish (the device call ended in the checks): the next run of the same
+    settings keeps the models and only checks (here: skips the checks, and finishes)."""
+    import shutil
+
+    out, argv, _ = tiny_refmodels
+    copy = str(tmp_path / "copy")
+    shutil.copytree(out, copy)
+    m = json.loads(open(os.path.join(copy, "manifest.json")).read())
+    m.pop("finished")
+    m.pop("checks")
+    reference_models.write_manifest(copy, m)
+    before = os.path.getmtime(os.path.join(copy, "target", "model.safetensors"))
+    i = argv.index("--out")
+    assert reference_models.main(argv[:i + 1] + [copy] + argv[i + 2:] + ["--skip-checks"]) == 0
+    assert "holds the trained models of these settings" in capsys.readouterr().out
+    assert os.path.getmtime(os.path.join(copy, "target", "model.safetensors")) == before
+    assert reference_models.finished_manifest(copy, m["settings"]["hash"]) is not None
