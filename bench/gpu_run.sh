@@ -45,12 +45,11 @@ run() {
   local limit=$1 log=$2; shift 2
   timeout "$limit" "$@" 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/$log" | tail -"${TAIL:-25}"
 }
-# bench.spec after the reference models, in the same call only if they were already trained (a training run leaves too
-# little of the call's 10 minutes: call again on the warm machine, which keeps /tmp/refmodels).
+# bench.spec after the reference models, in the same call unless they were trained in it (training leaves too little
+# of the call's 10 minutes: call again on the warm machine, which keeps /tmp/refmodels), in the time the call has left.
 spec_after() {
-  local t0=$1; shift
-  if (( SECONDS - t0 > 120 )); then echo "gpu_run.sh spec: models trained in this call; call again on the warm machine"
-  else run 560 spec.log python3 -m bench.spec --models /tmp/refmodels --out "$OUT" "$@"; fi
+  if grep -q "\] corpus: " "$OUT/reference_models.log"; then echo "gpu_run.sh spec: models trained; call again (warm)"
+  else run $(( 585 - SECONDS )) spec.log python3 -m bench.spec --models /tmp/refmodels --out "$OUT" "$@"; fi
 }
 gpu_tests() { run "$1" "$2" python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/ -k "$3"; }
 
@@ -69,7 +68,7 @@ case $kind in
   fp8)
     gpu_tests 150 fp8_tests.log "quantization"
     run 400 fp8.log python3 -m bench.fp8 --out "$OUT" "$@" ;;
-  spec) t0=$SECONDS; run 540 reference_models.log python3 -m bench.reference_models --out /tmp/refmodels && spec_after "$t0" "$@" ;;
+  spec) run 540 reference_models.log python3 -m bench.reference_models --out /tmp/refmodels && spec_after "$@" ;;
   pd)
     run 330 pd.log python3 -m bench.pd --out "$OUT" --duration 30 "$@"
     # Device-to-device pages failed: measure host staging too (UCX builds without CUDA transports).
