@@ -283,6 +283,7 @@ def verdicts(res: dict, args) -> list[str]:
         lines.append(f"{'PASS' if frac >= GOAL_EXACT else 'FAIL'}  exactness {m}: greedy tokens equal spec off's on "
                      f"{same}/{n} prompts ({100 * frac:.1f}%; goal >= {100 * GOAL_EXACT:.0f}%)"
                      + (f"; first mismatches (run, prompt, position): {bad[:6]}" if bad else ""))
+    lines += [f"FAIL  {m} did not run: {e}" for m, e in res["errors"].items()]
     lines.append(f"info  spec off against itself, batch B vs batch 1 (prompts differing): {res['batch_floor']}")
     v = res.get("verify")
     if v:
@@ -364,9 +365,16 @@ def main(argv=None) -> int:
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name() if cuda else "cpu",
                  "models": {k: manifest["models"][k]["params"] for k in ("target", "draft")},
                  "settings": manifest["settings"], "args": {k: v for k, v in vars(args).items()}, "runs": {}}
-    for m in [None, *args.methods]:
-        res["runs"][m or "off"] = run_method(m, args, workloads, cuda)
-    res["exactness"] = {m: exactness(res["runs"]["off"], res["runs"][m]) for m in args.methods}
+    res["errors"] = {}
+    res["runs"]["off"] = run_method(None, args, workloads, cuda)
+    for m in args.methods:
+        try:
+            res["runs"][m] = run_method(m, args, workloads, cuda)
+        except Exception as e:  # one method's failure (a refusal at start, say) leaves the others' figures
+            log(f"{m} failed: {e!r}")
+            res["errors"][m] = repr(e)[:500]
+            _free(cuda)
+    res["exactness"] = {m: exactness(res["runs"]["off"], res["runs"][m]) for m in res["runs"] if m != "off"}
     res["batch_floor"] = batch_floor(res["runs"]["off"], args.batches)
     if args.verify_shape != "none":
         log(f"verification pass against a decode step, {args.verify_shape} shape")
