@@ -11,14 +11,17 @@ benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT 
   offline           bench.offline: batch-1 step, 256 x (512,128), prefill, radix zero-reuse (8 on/off pairs)
   kernels           bench.kernels: each kernel against eager torch / SDPA and the measured ceilings
   structured        bench.structured: jump-forward speed-up, grammar mask cost at batch 32
-  serving           bench.serving, stream interval 1: completions + generate, streamed and not, batch-1
-                    TPOT, each against the offline engine in the same call (serving -- --stream-interval 16: at 16)
+  serving           bench.serving: completions + generate, streamed and not, batch-1 TPOT, each against the
+                    offline engine in the same call; a first ARG N runs at --stream-interval N (default 1):
+                    `serving 16` shows the gateway's CPU at 16
   shared-prefix     bench.shared_prefix: hit rate and throughput of LPM / FCFS / radix off, cascade decode
+  multiturn         bench.multiturn: conversations outgrowing a small GPU pool, host KV tier off then on
   programs          bench.workloads --ablations: the paper's workloads, radix / LPM / jump-forward / fork hint ablated
   fp8               GPU FP8 tests, then bench.fp8: FP8 / bf16 batch-1 step
   spec              bench.reference_models (trained once a warm machine, ~7 min, in /tmp/refmodels), then bench.spec
-  pd                bench.pd: PD against unified workers on 2 GPUs (nvidia-h100-x2)
-  tp                GPU TP tests, then bench.tp: TP=2 / TP=1 batch-1 step (nvidia-h100-x2)
+  2gpu              on 2 GPUs (nvidia-h100-x2), a first ARG of pd or tp:
+                    `2gpu pd`: bench.pd, PD against unified workers
+                    `2gpu tp`: GPU TP tests, then bench.tp: TP=2 / TP=1 batch-1 step
   ab                bench.ab: a benchmark alternated between knob settings, e.g.
                     ab base notma:RADIXSERVE_TMA_MIN_TOKENS=1000000 -- python3 -m bench.offline --skip-hf
 
@@ -28,7 +31,7 @@ EOF
 set -uo pipefail
 kind=${1:-}
 case $kind in
-  tests|offline|kernels|structured|serving|shared-prefix|programs|fp8|spec|pd|tp|ab) shift ;;
+  tests|offline|kernels|structured|serving|shared-prefix|multiturn|programs|fp8|spec|2gpu|ab) shift ;;
   *) usage; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
@@ -59,9 +62,13 @@ case $kind in
   kernels) run 400 kernels.log python3 -m bench.kernels --out "$OUT" "$@" ;;
   structured) run 500 structured.log python3 -m bench.structured --out "$OUT" "$@" ;;
   serving)
-    run 560 serving.log python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream \
-      --batch1 16 --offline --out "$OUT" "$@" ;;
+    interval=1
+    if [[ ${1:-} =~ ^[0-9]+$ ]]; then interval=$1; shift; fi
+    log=serving.log; [[ $interval == 1 ]] || log=serving_interval$interval.log
+    run 560 "$log" python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream \
+      --batch1 16 --offline --out "$OUT" "$@" -- --stream-interval "$interval" ;;
   shared-prefix) run 560 shared_prefix.log python3 -m bench.shared_prefix --out "$OUT" "$@" ;;
+  multiturn) TAIL=30 run 580 multiturn.log python3 -m bench.multiturn --out "$OUT" "$@" ;;
   programs)
     TAIL=60 run 580 workloads.log python3 -m bench.workloads --ablations --out "$OUT" --parallel 16 --instances 48 \
       --duration 5 --budget 540 "$@" ;;
@@ -69,16 +76,20 @@ case $kind in
     gpu_tests 150 fp8_tests.log "quantization"
     run 400 fp8.log python3 -m bench.fp8 --out "$OUT" "$@" ;;
   spec) run 540 reference_models.log python3 -m bench.reference_models --out /tmp/refmodels && spec_after "$@" ;;
-  pd)
-    run 330 pd.log python3 -m bench.pd --out "$OUT" --duration 30 "$@"
-    # Device-to-device pages failed: measure host staging too (UCX builds without CUDA transports).
-    if grep -q 'failures [1-9]\|"errors": [1-9]' "$OUT/pd.log"; then
-      run 200 pd_host.log python3 -m bench.pd --out "$OUT/host" --duration 30 --configs pd -- --kv-transfer-staging host
-    fi ;;
-  tp)
-    # TP's parity tests run on whatever device is there (not marked gpu): here on the GPUs, over NCCL.
-    run 200 tp_tests.log python3 -m pytest -q -p no:cacheprovider -rfE tests/ \
-      -k "test_tp and (engine_matches or families or kv_pages_leave_whole)"
-    run 300 tp.log python3 -m bench.tp --out "$OUT" "$@" ;;
+  2gpu)
+    case ${1:-} in
+      pd) shift
+        run 330 pd.log python3 -m bench.pd --out "$OUT" --duration 30 "$@"
+        # Device-to-device pages failed: measure host staging too (UCX builds without CUDA transports).
+        if grep -q 'failures [1-9]\|"errors": [1-9]' "$OUT/pd.log"; then
+          run 200 pd_host.log python3 -m bench.pd --out "$OUT/host" --duration 30 --configs pd -- --kv-transfer-staging host
+        fi ;;
+      tp) shift
+        # TP's parity tests run on whatever device is there (not marked gpu): here on the GPUs, over NCCL.
+        run 200 tp_tests.log python3 -m pytest -q -p no:cacheprovider -rfE tests/ \
+          -k "test_tp and (engine_matches or families or kv_pages_leave_whole)"
+        run 300 tp.log python3 -m bench.tp --out "$OUT" "$@" ;;
+      *) echo "gpu_run.sh 2gpu: the first ARG is pd or tp" >&2; exit 2 ;;
+    esac ;;
   ab) TAIL=40 run 560 ab.log python3 -m bench.ab --out "$OUT" "$@" ;;
 esac

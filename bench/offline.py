@@ -22,7 +22,7 @@ import torch
 
 from bench.common import (GREEDY, SHAPES, drive, full_pass_rate, graph_replay_ms, kv_bytes_per_token, matmul_params,
                           measure_copy_bandwidth, measure_matmul_sustained, measure_matmul_tflops, median, model_dir,
-                          log, param_bytes, prefill_flops_per_token, random_prompts, sync)
+                          log, param_bytes, prefill_flops_per_token, random_prompts, start_engine, sync)
 from shared.engine.config import EngineConfig
 from shared.engine.engine_loop import Engine
 from shared.tokenizer import Tokenizer
@@ -86,6 +86,11 @@ def main():
     ap.add_argument("--num-reqs", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--out-len", type=int, default=128)
+    ap.add_argument("--max-running-requests", type=int, default=None,
+                    help="the engine's flag (default: derived from the KV pool and GPU, as a server's)")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                    help="the engine's flag (default: derived); 256 with --max-running-requests 256: the sizes that "
+                         "were fixed before they were derived, to compare against")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -121,15 +126,11 @@ def main():
 
     path = model_dir(args.shape)
     tok = Tokenizer.load(path)
-    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=8192, max_running_requests=256,
+    # Running requests and graph sizes: the engine's defaults unless given; 8k-token chunks for the prefill goal.
+    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=8192,
+                      max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
                       chunked_prefill_size=8192, max_prefill_tokens=8192, cuda_graph=cuda)
-    t0 = time.perf_counter()
-    eng = Engine(ec, tok, on_output=lambda o: None)
-    res["engine_init_s"] = time.perf_counter() - t0
-    res["kv_pool_tokens"] = eng.runner.max_total_tokens
-    res["cuda_graphs"] = eng.runner.graph_runner is not None
-    log(f"engine up in {res['engine_init_s']:.1f}s, KV pool {eng.runner.max_total_tokens} tokens, "
-        f"graphs={res['cuda_graphs']}")
+    eng = start_engine(ec, tok, res)
 
     log("warm-up")
     drive(eng, random_prompts(8, 64, vocab, 0), {**GREEDY, "max_new_tokens": 8})

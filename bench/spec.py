@@ -35,7 +35,7 @@ import torch
 
 from bench import reference_corpus as corpus
 from bench import reference_models
-from bench.common import GREEDY, SHAPES, drive, log, median, model_dir, pct
+from bench.common import GREEDY, SHAPES, drive, log, median, model_dir, pct, start_engine
 
 METHODS = ("NGRAM", "STANDALONE", "EAGLE")
 GOAL_B1 = {"code": 2.0, "prose": 1.5}
@@ -107,7 +107,6 @@ def run_workload(eng, prompts: list[list[int]], batch: int, b1_prompts: int, new
 
 def run_method(method: str | None, args, workloads: dict, cuda: bool) -> dict:
     from shared.engine.config import EngineConfig
-    from shared.engine.engine_loop import Engine
     from shared.tokenizer import Tokenizer
 
     target = os.path.join(args.models, "target")
@@ -118,9 +117,8 @@ def run_method(method: str | None, args, workloads: dict, cuda: bool) -> dict:
                       max_total_tokens=pool, **spec_config(method, args.models, args.num_steps, args.num_draft_tokens))
     name = method or "off"
     log(f"engine: speculation {name}")
-    t0 = time.perf_counter()
-    eng = Engine(ec, Tokenizer.load(target), on_output=lambda o: None)
-    res: dict = {"engine_init_s": time.perf_counter() - t0}
+    res: dict = {}
+    eng = start_engine(ec, Tokenizer.load(target), res)
     try:
         warm = workloads["code"][:2]
         drive(eng, warm, {**GREEDY, "max_new_tokens": 8})

@@ -41,9 +41,11 @@ class EngineConfig:
     # KV pool size: explicit token count, else a fraction of free device memory after weights.
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85
-    max_running_requests: int = 256
+    # The next three: None derives them from the KV pool's tokens and the GPU's memory (shared/engine/sizing.py);
+    # without a GPU 256 / 256 / 4096.
+    max_running_requests: int | None = None
     max_context_len: int | None = None  # default: the model's max_position_embeddings
-    chunked_prefill_size: int = 4096  # max new tokens of one request per prefill pass
+    chunked_prefill_size: int | None = None  # max new tokens of one request per prefill pass
     max_prefill_tokens: int = 8192  # max new tokens of all requests in one prefill pass
     # Running requests ride along in prefill passes with their one decode token (SGLang's
     # --enable-mixed-chunk): no decode pass between prefill passes, each running request still gains a token
@@ -66,7 +68,7 @@ class EngineConfig:
     # can capture it.
     disable_shared_prefix_attention: bool = False
     cuda_graph: bool = True
-    cuda_graph_max_bs: int = 256
+    cuda_graph_max_bs: int | None = None  # the largest decode batch captured (at most max_running_requests)
     # Extend passes of up to this many tokens (4096 at most; 64 new tokens per request) replay a CUDA graph too:
     # jump-forward's catch-up passes and short turns on cached prefixes, launch-bound when eager
     # (shared/engine/extend_graph.py). 0: extend passes always run eagerly.

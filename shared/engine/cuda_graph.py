@@ -139,7 +139,7 @@ class CudaGraphRunner:
                         f"{' (shared-prefix variant)' if key[1] else ''} beside the KV pool; lower --cuda-graph-max-bs "
                         f"(now {self.max_bs}) or --mem-fraction-static, or pass --disable-cuda-graph")
         self.graphs.update(graphs)
-        log.info("captured %d decode graphs in %.1fs", len(keys), time.monotonic() - t0)
+        log.debug("captured %d decode graphs in %.1fs", len(keys), time.monotonic() - t0)
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.max_bs
