@@ -130,6 +130,7 @@ def run_method(method: str | None, args, workloads: dict, cuda: bool) -> dict:
                 res[f"{wl}/{b}"] = r
                 log(f"  {name} {wl} batch {b}: {r['tok_s_per_user']:.1f} tok/s per user, accept {r['accept_len']:.2f}, "
                     f"TPOT p50 {r['tpot_p50_ms']:.2f} ms p99 {r['tpot_p99_ms']:.2f} ms")
+        res["engine_info_speculative"] = eng.info().get("speculative")  # the engine's own counters, if it has any
     finally:
         eng.stop()
     del eng
