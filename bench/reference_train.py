@@ -16,13 +16,14 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-# Model shapes: (hidden, layers, heads, kv heads, intermediate). Head dim 64.
+# Model shapes: (hidden, layers, heads, kv heads, intermediate). Head dim 64, two query heads a KV head (the attention
+# kernels' tiles hold a power-of-two group whole).
 TARGET_LADDER = {
     "300m": (1024, 22, 16, 8, 2816),
-    "150m": (768, 16, 12, 4, 2048),
-    "80m": (640, 10, 10, 2, 1792),
+    "150m": (768, 16, 12, 6, 2048),
+    "80m": (640, 10, 10, 5, 1792),
 }
-DRAFT_SHAPE = (384, 4, 6, 2, 1024)
+DRAFT_SHAPE = (512, 4, 8, 4, 1024)
 TINY_TARGET = (64, 2, 4, 2, 128)
 TINY_DRAFT = (32, 1, 2, 1, 64)
 
