@@ -185,7 +185,7 @@ def verify_costs(shape: str, ks: list[int], batches: list[int], context: int, re
     dev = r.device
     vocab = SHAPES[shape]["vocab_size"]
     gen = torch.Generator().manual_seed(0)
-    out: dict = {}
+    out: dict = {"graphs": {}}  # per figure: whether its pass replayed a CUDA graph
 
     def timed(fn) -> float:
         for _ in range(3):
@@ -211,7 +211,8 @@ def verify_costs(shape: str, ks: list[int], batches: list[int], context: int, re
             loc = torch.tensor([s + context for s in base], dtype=torch.int64)
 
             def decode():
-                if r.graph_runner is not None and r.graph_runner.can_run(b):
+                out["graphs"][f"decode/{b}"] = r.graph_runner is not None and r.graph_runner.can_run(b)
+                if out["graphs"][f"decode/{b}"]:
                     r.graph_runner.run(rows, [context + 1] * b, loc, loc.tolist())
                     return
                 fb = ForwardBatch.build(ForwardMode.DECODE, [0] * b, rows, [context] * b, [1] * b, loc,
@@ -228,6 +229,7 @@ def verify_costs(shape: str, ks: list[int], batches: list[int], context: int, re
                         fb = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [context] * b, [k + 1] * b, locs,
                                                 r.req_pool.req_to_token, r.kv_pool, r.attn_backend, dev)
                         g = r.extend_graphs.pick([k + 1] * b) if r.extend_graphs is not None else None
+                        out["graphs"][f"verify/{b}/{k}"] = g is not None
                         if g is not None:
                             hidden = r.extend_graphs.run(fb, g)
                         else:
@@ -288,8 +290,9 @@ def verdicts(res: dict, args) -> list[str]:
     if v:
         for b in args.verify_batches:
             xs = ", ".join(f"k={k} {v[f'verify/{b}/{k}'] / v[f'decode/{b}']:.3f}" for k in args.verify_k)
+            eager = [key for key, graph in v["graphs"].items() if not graph and key.split("/")[1] == str(b)]
             lines.append(f"info  {args.verify_shape} batch {b}: decode step {v[f'decode/{b}'] * 1e3:.3f} ms; verify "
-                         f"pass / decode step: {xs}")
+                         f"pass / decode step: {xs}" + (f" (eager, no CUDA graph: {eager})" if eager else ""))
         if 4 in args.verify_k and 1 in args.verify_batches:
             x = v["verify/1/4"] / v["decode/1"]
             lines.append(f"{'PASS' if x <= GOAL_VERIFY_K4_B1 else 'FAIL'}  {args.verify_shape}: a verification pass of "

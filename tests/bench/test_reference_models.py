@@ -4,6 +4,7 @@ with the same greedy tokens, the engine checks run, and a second run of the same
 import json
 import os
 
+import pytest
 import torch
 
 from bench import reference_corpus as corpus
@@ -77,3 +78,13 @@ def test_a_run_cut_short_after_training_is_checked_not_trained_again(tiny_refmod
     assert "holds the trained models of these settings" in capsys.readouterr().out
     assert os.path.getmtime(os.path.join(copy, "target", "model.safetensors")) == before
     assert reference_models.finished_manifest(copy, m["settings"]["hash"]) is not None
+
+
+@pytest.mark.gpu
+def test_tiny_run_on_the_gpu_trains_with_autocast_and_checks_in_bf16(tiny_refmodels):
+    """The same tiny run on a GPU: trained under bf16 autocast, and the engine (CUDA graphs, Triton kernels) against
+    transformers in bf16 within the bf16 tolerances, FP8 loss within 1%."""
+    out, _, printed = tiny_refmodels
+    m = json.loads(open(os.path.join(out, "manifest.json")).read())
+    assert m["device"] != "cpu" and m["checks"]["parity_target"]["dtype"] == "torch.bfloat16"
+    assert "FAIL" not in printed, printed

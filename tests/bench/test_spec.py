@@ -39,3 +39,14 @@ def test_tiny_spec_run_is_exact_and_speculates(tiny_refmodels, tmp_path, capsys)
     assert max(r["accept_len"] for m in ("NGRAM", "STANDALONE") for r in runs[m].values()) > 1.2
     assert all(r["accept_len"] == 1.0 for r in runs["off"].values())
     assert "verification pass of 4 draft tokens" in out and os.path.exists(tmp_path / "spec.json")
+
+
+@pytest.mark.gpu
+def test_verify_costs_replay_the_runners_graphs_on_the_gpu():
+    """bench.spec's verification timing on the GPU, tiny shape: the decode step from its CUDA graph, the verify passes
+    from the extend graphs (both picked for these sizes), every figure a positive time."""
+    v = spec.verify_costs("tiny", [1, 4], [1, 4], 64, reps=3, cuda=True)
+    graphs = v.pop("graphs")
+    assert sorted(v) == sorted(graphs) == sorted(["decode/1", "decode/4", "verify/1/1", "verify/1/4", "verify/4/1",
+                                                  "verify/4/4"])
+    assert all(graphs.values()) and all(0 < t < 1 for t in v.values())
