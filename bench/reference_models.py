@@ -149,7 +149,7 @@ def train_all(args, out: str, device: str) -> dict:
         if role == "target":
             probe = rt.Windows(train_stream, args.seq_len, args.seed + 2)  # the timing's draws leave data's alone
             name, shape = pick_target_shape(args, cfg_of, probe, device)
-            spec = rt.TrainSpec(shape, args.seq_len, args.batch, 1e-3, args.target_minutes, args.target_steps,
+            spec = rt.TrainSpec(shape, args.seq_len, args.batch, 3e-3 if args.tiny else 1e-3, args.target_minutes, args.target_steps,
                                 seed=args.seed, compile=args.compile, warmup=10 if args.tiny else 50)
         else:
             name, shape = ("tiny", rt.TINY_DRAFT) if args.tiny else ("draft", rt.DRAFT_SHAPE)

@@ -36,7 +36,8 @@ def test_tiny_spec_run_is_exact_and_speculates(tiny_refmodels, tmp_path, capsys)
         assert f"exactness {m}" in out
     runs = {m: {k: r for k, r in res["runs"][m].items() if "/" in k} for m in res["runs"]}  # workload/batch: figures
     assert len(runs["off"]) == 4 and runs["off"].keys() == runs["NGRAM"].keys()
-    assert max(r["accept_len"] for m in ("NGRAM", "STANDALONE") for r in runs[m].values()) > 1.2
+    for m in ("NGRAM", "STANDALONE"):  # each method's drafts were accepted somewhere (the tiny models agree a lot)
+        assert max(r["accept_len"] for r in runs[m].values()) > 1.2, (m, runs[m])
     assert all(r["accept_len"] == 1.0 for r in runs["off"].values())
     assert "verification pass of 4 draft tokens" in out and os.path.exists(tmp_path / "spec.json")
 
