@@ -58,7 +58,9 @@ def finished_manifest(out: str, want_hash: str | None = None, trained_only: bool
             m = json.load(f)
     except (OSError, ValueError):
         return None
-    if not m.get("trained" if trained_only else "finished") or (want_hash and m.get("settings", {}).get("hash") != want_hash):
+    if not m.get("trained" if trained_only else "finished"):
+        return None
+    if want_hash and m.get("settings", {}).get("hash") != want_hash:
         return None
     return m
 
@@ -149,8 +151,8 @@ def train_all(args, out: str, device: str) -> dict:
         if role == "target":
             probe = rt.Windows(train_stream, args.seq_len, args.seed + 2)  # the timing's draws leave data's alone
             name, shape = pick_target_shape(args, cfg_of, probe, device)
-            spec = rt.TrainSpec(shape, args.seq_len, args.batch, 3e-3 if args.tiny else 1e-3, args.target_minutes, args.target_steps,
-                                seed=args.seed, compile=args.compile, warmup=10 if args.tiny else 50)
+            spec = rt.TrainSpec(shape, args.seq_len, args.batch, 3e-3 if args.tiny else 1e-3, args.target_minutes,
+                                args.target_steps, seed=args.seed, compile=args.compile, warmup=10 if args.tiny else 50)
         else:
             name, shape = ("tiny", rt.TINY_DRAFT) if args.tiny else ("draft", rt.DRAFT_SHAPE)
             spec = rt.TrainSpec(shape, args.seq_len, args.batch, 2e-3, args.draft_minutes, args.draft_steps,
@@ -284,10 +286,10 @@ def report(m: dict) -> list[str]:
         lines.append(f"{'PASS' if p['pass'] else 'FAIL'}  engine vs transformers ({role}, {p['dtype']}, {p['prompts']} "
                      f"held-out prompts x {p['new_tokens']} greedy tokens): largest gap to transformers' argmax "
                      f"{p['max_argmax_gap']:.2g} (tol {p['tolerance'][0]}), mean |logprob diff| "
-                     f"{p['mean_abs_logprob_diff']:.2g} (tol {p['tolerance'][1]}); transformers' generate gave the same "
-                     f"tokens on {p['same_as_generate']}/{p['prompts']}")
+                     f"{p['mean_abs_logprob_diff']:.2g} (tol {p['tolerance'][1]}); transformers' generate gave the "
+                     f"same tokens on {p['same_as_generate']}/{p['prompts']}")
     r = c["fp8_loss_ratio"]
-    lines.append(f"{'PASS' if r <= GOAL_FP8_LOSS else 'FAIL'}  FP8 held-out loss {c['engine_loss_fp8']:.4f} = {r:.4f} x "
+    lines.append(f"{'PASS' if r <= GOAL_FP8_LOSS else 'FAIL'}  FP8 held-out loss {c['engine_loss_fp8']:.4f} = {r:.4f}x "
                  f"bf16's {c['engine_loss_none']:.4f} through the engine (goal <= {GOAL_FP8_LOSS}; training-side "
                  f"loss {tgt:.4f})")
     return lines

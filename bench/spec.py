@@ -260,7 +260,8 @@ def verdicts(res: dict, args) -> list[str]:
     for key in (k for k in off if isinstance(off[k], dict) and "tokens" in off[k]):
         for m in ["off", *methods]:
             r = res["runs"][m][key]
-            print(f"{key:18s} {m:11s} {r['tok_s_per_user']:10.1f} {r['tok_s_per_user'] / off[key]['tok_s_per_user']:6.2f} "
+            x = r["tok_s_per_user"] / off[key]["tok_s_per_user"]
+            print(f"{key:18s} {m:11s} {r['tok_s_per_user']:10.1f} {x:6.2f} "
                   f"{r['accept_len']:6.2f} {r['tpot_p50_ms']:8.2f}ms {r['tpot_p99_ms']:7.2f}ms")
     for wl, goal in GOAL_B1.items():
         if f"{wl}/1" in off and methods:
@@ -272,7 +273,8 @@ def verdicts(res: dict, args) -> list[str]:
         if f"{wl}/32" in off and methods:
             best = max(methods, key=lambda m: ratio(m, f"{wl}/32"))
             x = ratio(best, f"{wl}/32")
-            lines.append(f"{'PASS' if x >= GOAL_B32 else 'FAIL'}  batch 32 {wl}: {x:.2f}x with {best} (goal >= {GOAL_B32}x)")
+            lines.append(f"{'PASS' if x >= GOAL_B32 else 'FAIL'}  batch 32 {wl}: {x:.2f}x with {best} "
+                         f"(goal >= {GOAL_B32}x)")
         if f"{wl}/256" in off and methods:
             worst = min(methods, key=lambda m: ratio(m, f"{wl}/256"))
             x = ratio(worst, f"{wl}/256")

@@ -19,7 +19,8 @@ def test_exactness_counts_prompts_and_finds_the_first_difference():
     off = {"code/1": {"tokens": [[1, 2, 3], [4, 5]]}, "code/8": {"tokens": [[7]]}, "engine_init_s": 1.0}
     on = {"code/1": {"tokens": [[1, 2, 3], [4, 6]]}, "code/8": {"tokens": [[7]]}, "engine_init_s": 2.0}
     assert spec.exactness(off, on) == (2, 3, [("code/1", 1, 1)])
-    assert spec.batch_floor({"code/1": {"tokens": [[1], [2]]}, "code/8": {"tokens": [[1], [3]]}}, [1, 8]) == {"code/8": 1}
+    floor = spec.batch_floor({"code/1": {"tokens": [[1], [2]]}, "code/8": {"tokens": [[1], [3]]}}, [1, 8])
+    assert floor == {"code/8": 1}
 
 
 @pytest.mark.skipif(not spec.spec_flags_known(),
