@@ -25,6 +25,10 @@ benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT 
   ab                bench.ab: a benchmark alternated between knob settings, e.g.
                     ab base notma:RADIXSERVE_TMA_MIN_TOKENS=1000000 -- python3 -m bench.offline --skip-hf
 
+--flashinfer (anywhere in ARGS; .whl/fi carried, from bench/fetch_flashinfer.sh): tests runs the FlashInfer backend's
+GPU tests, kernels runs bench.attention (Triton vs FlashInfer vs SDPA), offline runs the engine on FlashInfer;
+FlashInfer's JIT builds go to /tmp/fi-cache, which a later call on the same warm machine reuses.
+
 docs/performance.md says what each measures and its goal; bench/RESULTS.md holds the current figures.
 EOF
 }
@@ -34,11 +38,13 @@ case $kind in
   tests|offline|kernels|structured|serving|shared-prefix|multiturn|programs|fp8|spec|2gpu|ab) shift ;;
   *) usage; exit 2 ;;
 esac
+FI=0; args=(); for a in "$@"; do if [[ $a == --flashinfer ]]; then FI=1; else args+=("$a"); fi; done; set -- "${args[@]}"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
 [[ -d .whl ]] || { echo "gpu_run.sh: no .whl here (bench/fetch_wheels.sh, then carry it)" >&2; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*/*.whl \
   || { echo "gpu_run.sh: the carried wheels did not install" >&2; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-cache}
+[[ $FI == 0 ]] || { ls .whl/fi/*.whl >/dev/null 2>&1 && python3 -c "import flashinfer as f; print('flashinfer', f.__version__)"; } || { echo "gpu_run.sh: --flashinfer needs .whl/fi (bench/fetch_flashinfer.sh) importable" >&2; exit 1; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false UCX_WARN_UNUSED_ENV_VARS=n
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
@@ -57,9 +63,9 @@ spec_after() {
 gpu_tests() { run "$1" "$2" python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/ -k "$3"; }
 
 case $kind in
-  tests) TAIL=30 gpu_tests 560 gpu_tests.log "not interpreted" ;;
-  offline) run 560 offline.log python3 -m bench.offline --skip-hf --reuse-pairs 8 --out "$OUT" "$@" ;;
-  kernels) run 400 kernels.log python3 -m bench.kernels --out "$OUT" "$@" ;;
+  tests) TAIL=30 gpu_tests 560 gpu_tests.log "$([[ $FI == 1 ]] && echo flashinfer || echo not interpreted)" ;;
+  offline) run 560 offline.log python3 -m bench.offline --skip-hf --reuse-pairs 8 --out "$OUT" $([[ $FI == 1 ]] && echo --attention-backend flashinfer) "$@" ;;
+  kernels) if [[ $FI == 1 ]]; then run 560 attention.log python3 -m bench.attention --out "$OUT" "$@"; else run 400 kernels.log python3 -m bench.kernels --out "$OUT" "$@"; fi ;;
   structured) run 500 structured.log python3 -m bench.structured --out "$OUT" "$@" ;;
   serving)
     interval=1

@@ -176,6 +176,7 @@ class CudaGraphRunner:
         if pad:
             host[n:] = torch.tensor([0, 1, 0, 0], dtype=torch.int64)
         self.staged[:bs].copy_(host.pin_memory(), non_blocking=True)
+        self.attn_backend.before_graph_replay(bs, seq_lens + [1] * pad)
         self.graphs[bs, cascade].replay()
         return self.logits[:n], self.req_pool_indices[:n]
 
