@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if (args.prefill_tp_size is not None or args.decode_tp_size is not None) and args.topology != "pd":
         p.error("--prefill-tp-size and --decode-tp-size apply to the pd topology")
     if args.topology == "pd":
-        from shared.transfer import require_ucx
+        from shared.pd import require_ucx
 
         try:
             require_ucx("--topology pd")
