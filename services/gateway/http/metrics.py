@@ -1,11 +1,7 @@
-"""Prometheus metrics under SGLang's names (`sglang:*`), in a registry of our own so several gateways
-(tests) can live in one process. Token counters rather than hit-rate gauges: users derive rates.
-
-Several gateway processes on one port (services/gateway/pool.py) share one picture: their pool sets
-$PROMETHEUS_MULTIPROC_DIR, prometheus-client keeps every process's values in files there, and whichever
-process a scrape reaches renders them all (counters and histograms summed, the gateway's in-flight gauge
-and throughput summed over live processes, the workers' gauges as last polled). The cache hit rate, a
-ratio, is rebuilt from every process's token counts over its window."""
+"""Prometheus metrics under SGLang's names (`sglang:*`), in a registry of our own (several gateways may
+live in one process). In a --gateway-processes pool every process's values live in
+$PROMETHEUS_MULTIPROC_DIR and any process renders them all; the hit rate, a ratio, is rebuilt from every
+process's window counts."""
 from __future__ import annotations
 
 import asyncio

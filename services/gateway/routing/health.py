@@ -23,8 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class Watched(Protocol):
-    """What the monitor reads of the gateway (services/gateway/state.py's GatewayState), and the one
-    thing it fills in: the context length the first worker reports."""
+    """What the monitor reads of GatewayState; it fills in the context length the first worker reports."""
     router: Router
     tokenizer: Tokenizer
     draining: bool
@@ -93,9 +92,8 @@ class HealthMonitor:
             await asyncio.sleep(self.interval)
 
     async def _liveness_loop(self) -> None:
-        """Ping every connected worker. One that stays silent (SIGSTOP, a wedged host) keeps its TCP
-        connection, so without this its requests would wait out the long token timeout: mark it
-        unresponsive (the router avoids it) and drop the connection so its requests fail now."""
+        """Ping every connected worker; a silent one (SIGSTOP, a wedged host) keeps its TCP connection, so it
+        is marked unresponsive (the router avoids it) and its connection dropped (its requests fail now)."""
         while True:
             workers = [w for w in self.state.router.workers if w.connected]
             await asyncio.gather(*(self._ping(w) for w in workers))
