@@ -1,12 +1,11 @@
 """SGLang-native `/generate` and the service routes (model/server info, flush, health, metrics) over a fake
 worker; client disconnects abort on the worker; `start_gateway` serves on a real port."""
-import argparse
 import asyncio
 
 import aiohttp
 import pytest
 
-from services.gateway.__main__ import start_gateway
+from services.gateway.__main__ import build_parser, start_gateway
 from shared.protocol import GenerateRequest
 from tests.support.fake_worker import FakeWorker, fake_logprob, gateway_stack, sse_events
 
@@ -322,8 +321,8 @@ async def test_start_gateway_serves_on_a_real_port():
 
     worker = FakeWorker(Tokenizer.load("tiny-random"))
     port = await worker.start()
-    args = argparse.Namespace(model_path="tiny-random", workers=f"127.0.0.1:{port}", host="127.0.0.1", port=0,
-                              served_model_name="tiny", api_key=None)
+    args = build_parser().parse_args(["--model-path", "tiny-random", "--workers", f"127.0.0.1:{port}",
+                                      "--port", "0", "--served-model-name", "tiny"])
     runner, state = await start_gateway(args)
     try:
         host, gw_port = runner.addresses[0][:2]
