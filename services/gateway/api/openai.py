@@ -15,7 +15,7 @@ from services.gateway.api.models import ChatRequest, CompletionRequest, _OpenAIB
 from services.gateway.api.chat_output import ChoiceOutput
 from services.gateway.api.chat_request import ChatSpec, parse_chat
 from services.gateway.api.admission import (check_grammars, check_openai, stamp_tenant, check_token_ids, child_requests,
-                                        encode_prompt, kept_prompt_tokens, resolve_max_new_tokens, sampling_params,
+                                        encode_prompt, resolve_max_new_tokens, sampling_params,
                                         token_ids_in_vocab)
 from services.gateway.routing.dispatch import GenerationResult, created_timestamp, new_rid
 from services.gateway.http.errors import APIError, bad_request
@@ -171,7 +171,7 @@ async def _parse_prompts(state: "GatewayState", prompt: str | list) -> list[Prom
 
 def _truncated(state: "GatewayState", body: _OpenAIBody, prompts: list[Prompt]) -> list[Prompt]:
     """Each prompt's last tokens where the body asks for vLLM's truncate_prompt_tokens."""
-    k = kept_prompt_tokens(state, body)
+    k = state.context_length if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
     if k is None:
         return prompts
     return [p if len(p.ids) <= k else Prompt(p.ids[-k:], tokenizer=state.tokenizer) for p in prompts]
