@@ -287,6 +287,23 @@ def graph_replay_ms(graph_runner, bs: int = 1, reps: int = 60, skip: int = 10) -
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
+def start_engine(ec, tok, res: dict):
+    """An engine of `ec` with what its start reports recorded in res: seconds to start, the KV pool, the sizes in effect
+    (derived where ec leaves them unset, shared/engine/sizing.py) and the CUDA graphs' count, capture time and memory."""
+    from shared.engine.engine_loop import Engine
+
+    t0 = time.perf_counter()
+    eng = Engine(ec, tok, on_output=lambda o: None)
+    c = eng.config
+    res.update(engine_init_s=time.perf_counter() - t0, kv_pool_tokens=eng.runner.max_total_tokens,
+               cuda_graphs=eng.runner.graph_runner is not None, graph_stats=eng.runner.graph_stats,
+               sizes={k: getattr(c, k) for k in ("max_running_requests", "cuda_graph_max_bs", "chunked_prefill_size",
+                                                 "max_prefill_tokens")})
+    log(f"engine up in {res['engine_init_s']:.1f}s, KV pool {res['kv_pool_tokens']} tokens, sizes {res['sizes']}, "
+        f"graphs {res['graph_stats'] or 'none'}")
+    return eng
+
+
 def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int, **config) -> dict:
     """An engine of `config` (dummy weights): batch-1 decode ms/step over `steps` steps, its CUDA graph's
     replay, and the output tok/s of `reqs` × (512 in, 128 out) all at once (none for reqs=0). The engine is

@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 import re
 
-from shared.engine.config import ATTENTION_BACKENDS, EngineConfig, unsupported_attention_backend
+from shared.engine.config import ATTENTION_BACKENDS, EngineConfig, attention_backend_error
 
 _CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
@@ -26,7 +26,7 @@ def _device(value: str) -> str:
 
 
 def _attention_backend(value: str) -> str:
-    error = unsupported_attention_backend(value)
+    error = attention_backend_error(value)
     if error:
         raise argparse.ArgumentTypeError(error)
     return value
@@ -67,6 +67,8 @@ def _pdl_families(value: str) -> str:
 
 _TYPES = {"device": _device, "attention_backend": _attention_backend, "tp_size": tp_size_arg,
           "stream_interval": _int_at_least(1), "cuda_graph_max_extend_tokens": _int_at_least(0),
+          "max_running_requests": _int_at_least(1), "cuda_graph_max_bs": _int_at_least(1),
+          "chunked_prefill_size": _int_at_least(1),
           "triton_attention_num_kv_splits": _int_at_least(1), "pdl_early_trigger": _pdl_families}
 
 # Flag names where SGLang's launcher names the same setting differently: its name first (what --help and
@@ -94,13 +96,16 @@ _HELP = {
     "dtype": "auto: bfloat16 on GPU, float32 on CPU",
     "kv_cache_dtype": "auto: the model's dtype; fp8_e4m3 / fp8_e5m2 (fp8: e4m3): an FP8 KV cache, twice the tokens "
                       "in the same memory, scaled by the checkpoint's per-layer k/v scales where it has them",
-    "attention_backend": "auto picks per device (triton on GPU, torch on CPU)",
+    "attention_backend": "auto picks per device (triton on GPU, torch on CPU); flashinfer: FlashInfer's kernels "
+                         "(the optional extra: pip install -e \".[flashinfer]\")",
     "page_size": "tokens per KV page (radix matches are page-aligned)",
     "max_total_tokens": "KV pool size in tokens (default: --mem-fraction-static of free memory after weights)",
     "mem_fraction_static": "fraction of free device memory for the KV pool when --max-total-tokens is unset",
-    "max_running_requests": "requests decoded together at most",
+    "max_running_requests": "requests decoded together at most (default: derived, one per 256 KV-pool tokens, "
+                            "256 to 4096; 256 without a GPU)",
     "max_context_len": "longest prompt + output (default: the model's max_position_embeddings)",
-    "chunked_prefill_size": "new tokens of one request per prefill pass (longer prompts take several)",
+    "chunked_prefill_size": "new tokens of one request per prefill pass, longer prompts take several (default: "
+                            "derived, 8192 on GPUs from 60 GB, else 4096, at most a quarter of the KV pool)",
     "max_prefill_tokens": "new tokens of all requests in one prefill pass",
     "enable_mixed_chunk": "running requests decode inside prefill passes (their token counts against "
                           "--max-prefill-tokens) instead of in a decode pass between them",
@@ -114,7 +119,8 @@ _HELP = {
     "disable_shared_prefix_attention": "decode groups sharing a cached prefix attend it per request, not "
                                        "once per group (the cascade-attention ablation)",
     "cuda_graph": "run decode without CUDA graphs",
-    "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
+    "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph (default: derived, the running requests up to "
+                         "1024 on GPUs from 60 GB, else 256)",
     "cuda_graph_max_extend_tokens": "largest extend pass (tokens, up to 4096) captured in a CUDA graph: any number "
                                     "of requests of at most 64 new tokens each (jump-forward catch-up passes, short "
                                     "turns on cached prefixes), or up to 4 longer ones within 512 tokens (a prompt, "

@@ -3,19 +3,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# Backends SGLang offers that this engine does not, with the reason (docs/design.md).
-_UNSUPPORTED_ATTENTION = {
-    "flashinfer": "the GPU machines cannot install flashinfer (its wheels exceed what bench/fetch_wheels.sh "
-                  "may carry there), so a backend on it could never be tested",
-}
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+# The optional flashinfer extra (pyproject.toml); for the GPU machines, bench/fetch_flashinfer.sh's repacked wheel.
+FLASHINFER_INSTALL = 'pip install -e ".[flashinfer]" (flashinfer-python==0.7.4)'
 
 
-def unsupported_attention_backend(name: str) -> str | None:
-    """The error for a backend name this engine knowingly lacks, or None for any other name."""
-    why = _UNSUPPORTED_ATTENTION.get(name)
-    return (f"attention backend {name!r} is not supported: {why}; use triton (GPU), torch, or auto"
-            if why else None)
+def flashinfer_missing(why: str) -> str:
+    """The start-up error of --attention-backend flashinfer without its package."""
+    others = ", ".join(b for b in ATTENTION_BACKENDS if b != "flashinfer")
+    return (f"attention backend 'flashinfer' needs the flashinfer-python package ({why}): {FLASHINFER_INSTALL}; "
+            f"or choose one of {others}")
+
+
+def attention_backend_error(name: str) -> str | None:
+    """Why --attention-backend NAME cannot start, or None: an unknown name, or flashinfer not installed (found
+    without importing it)."""
+    if name not in ATTENTION_BACKENDS:
+        return f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
+    if name == "flashinfer":
+        import importlib.util
+
+        if importlib.util.find_spec("flashinfer") is None:
+            return flashinfer_missing("it is not installed")
+    return None
 
 
 @dataclass
@@ -36,14 +46,16 @@ class EngineConfig:
     # the pool's bytes a token (twice the tokens) and decode attention's reads; its values are rounded, with the
     # checkpoint's per-layer k/v scales where it has them (shared/cache/kv_pool.py).
     kv_cache_dtype: str = "auto"
-    attention_backend: str = "auto"  # auto | torch | triton (ATTENTION_BACKENDS)
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer (ATTENTION_BACKENDS)
     page_size: int = 1
     # KV pool size: explicit token count, else a fraction of free device memory after weights.
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85
-    max_running_requests: int = 256
+    # The next three: None derives them from the KV pool's tokens and the GPU's memory (shared/engine/sizing.py);
+    # without a GPU 256 / 256 / 4096.
+    max_running_requests: int | None = None
     max_context_len: int | None = None  # default: the model's max_position_embeddings
-    chunked_prefill_size: int = 4096  # max new tokens of one request per prefill pass
+    chunked_prefill_size: int | None = None  # max new tokens of one request per prefill pass
     max_prefill_tokens: int = 8192  # max new tokens of all requests in one prefill pass
     # Running requests ride along in prefill passes with their one decode token (SGLang's
     # --enable-mixed-chunk): no decode pass between prefill passes, each running request still gains a token
@@ -66,7 +78,7 @@ class EngineConfig:
     # can capture it.
     disable_shared_prefix_attention: bool = False
     cuda_graph: bool = True
-    cuda_graph_max_bs: int = 256
+    cuda_graph_max_bs: int | None = None  # the largest decode batch captured (at most max_running_requests)
     # Extend passes of up to this many tokens (4096 at most; 64 new tokens per request) replay a CUDA graph too:
     # jump-forward's catch-up passes and short turns on cached prefixes, launch-bound when eager
     # (shared/engine/extend_graph.py). 0: extend passes always run eagerly.

@@ -73,12 +73,13 @@ class Engine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer,
                  on_output: Callable[[list[TokenOutput]], None], runner: ModelRunner | None = None):
         """`runner` lets a benchmark reuse loaded weights and KV memory for several engine variants
-        (only one may be active at a time: they share the pool)."""
-        self.config = config
+        (only one may be active at a time: they share the pool). The sizes config leaves unset (running
+        requests, graph batch, prefill chunk) are the runner's, derived from its pool and GPU."""
         self.tokenizer = tokenizer
         self.on_output = on_output
         self._owns_runner = runner is None
         self.runner = runner or ModelRunner(config)
+        self.config = config = self.runner.sized(config)
         model_eos = getattr(self.runner.model_config, "eos_token_ids", None) or []
         self.eos_token_ids = sorted(set(tokenizer.eos_token_ids) | set(model_eos))
         self.runner.eos_token_ids = self.eos_token_ids
@@ -850,4 +851,7 @@ class Engine:
             "disable_radix_cache": self.config.disable_radix_cache,
             "schedule_policy": self.config.schedule_policy,
             "tp_size": self.config.tp_size,
+            "max_running_requests": self.config.max_running_requests,
+            "chunked_prefill_size": self.config.chunked_prefill_size,
+            "cuda_graphs": self.runner.graph_stats,
         }
