@@ -19,6 +19,7 @@ from services.worker.server import WorkerServer
 from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.engine.cli import add_engine_args, engine_config_from_args
+from shared.engine.spec import SpecConfigError, spec_config_error
 from shared.engine.engine_loop import Engine
 from shared.gc_freeze import freeze_startup_heap
 from shared.metadata.registration import Registration
@@ -55,7 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="on SIGTERM, seconds between saying not ready and waiting for running requests")
     p.add_argument("--log-level", default="warning", help="debug | info | warning | error")
     add_engine_args(p)
-    return parse_with_config(p, argv)
+    args = parse_with_config(p, argv)
+    error = spec_config_error(engine_config_from_args(args))
+    if error:
+        p.error(error)
+    return args
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -142,7 +147,7 @@ def main(argv=None) -> None:
 
     try:
         event_loop.run(serve(args))
-    except (UnsupportedQuantization, TPConfigError) as e:  # a model we cannot run this way: say so, no traceback
+    except (UnsupportedQuantization, TPConfigError, SpecConfigError) as e:  # a model we cannot run this way: say so, no traceback
         raise SystemExit(f"error: {e}") from None
     from shared.engine.tp import teardown_stuck
 

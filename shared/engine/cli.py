@@ -16,6 +16,7 @@ _CHOICES = {
     "kv_cache_dtype": ["auto", "fp8_e4m3", "fp8_e5m2", "fp8"],
     "jump_forward_mode": ["retokenize", "verify"],
     "kv_transfer_staging": ["device", "host"],
+    "speculative_algorithm": ["NGRAM", "STANDALONE", "EAGLE"],
 }
 
 
@@ -69,7 +70,12 @@ _TYPES = {"device": _device, "attention_backend": _attention_backend, "tp_size":
           "stream_interval": _int_at_least(1), "cuda_graph_max_extend_tokens": _int_at_least(0),
           "max_running_requests": _int_at_least(1), "cuda_graph_max_bs": _int_at_least(1),
           "chunked_prefill_size": _int_at_least(1),
-          "triton_attention_num_kv_splits": _int_at_least(1), "pdl_early_trigger": _pdl_families}
+          "triton_attention_num_kv_splits": _int_at_least(1), "pdl_early_trigger": _pdl_families,
+          "speculative_algorithm": str.upper, "speculative_num_steps": _int_at_least(1),
+          "speculative_num_draft_tokens": _int_at_least(2),
+          "speculative_ngram_min_match_window_size": _int_at_least(1),
+          "speculative_ngram_max_match_window_size": _int_at_least(1),
+          "speculative_disable_batch_size": _int_at_least(0)}
 
 # Flag names where SGLang's launcher names the same setting differently: its name first (what --help and
 # child processes use), ours kept as an alias. Boolean fields that default to true also take SGLang's
@@ -145,6 +151,19 @@ _HELP = {
     "jump_forward_threshold": "retokenize mode: jump over forced text only when a step's forced tokens reach "
                               "this many per running request (a catch-up extend pass costs the whole batch "
                               "about that many decode steps) or a prompt is being admitted anyway; 0: always",
+    "speculative_algorithm": "speculative decoding: NGRAM (drafts looked up in the request's own prompt and "
+                             "output) or STANDALONE (a small draft model, --speculative-draft-model-path); the "
+                             "target verifies the drafts in one pass, so greedy output is its own (EAGLE: not "
+                             "implemented, refused)",
+    "speculative_draft_model_path": "STANDALONE: the draft model (same tokenizer and vocabulary as the target)",
+    "speculative_num_steps": "STANDALONE: draft tokens proposed a round, one draft decode step each (default 3)",
+    "speculative_num_draft_tokens": "tokens a request verifies in one pass: its last token and the drafts "
+                                    "(default: 8 for NGRAM; STANDALONE needs --speculative-num-steps + 1)",
+    "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the sequence looked up",
+    "speculative_ngram_max_match_window_size": "NGRAM: longest suffix of the sequence looked up (tried first)",
+    "speculative_disable_batch_size": "speculation is off while more requests than this are running (large "
+                                      "batches are compute-bound: drafts would cost more than they save); above a "
+                                      "quarter of it the drafts per request are halved; 0: never off",
     "random_seed": "seed of requests without their own",
     "stream_interval": "streaming requests receive new tokens every this many tokens (first and last at once); "
                        "larger values cut per-token serving overhead, smaller ones give smoother streams",

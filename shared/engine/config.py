@@ -126,6 +126,24 @@ class EngineConfig:
     # batch (a CUDA graph of its own when it fits) instead of a decode step, which costs a few decode steps, and one
     # request's short forced run saves only its own steps (docs/kernels.md). 0: always jump.
     jump_forward_threshold: float = 3.0
+    # Speculative decoding (SGLang's flag names; shared/engine/spec/): NGRAM proposes the tokens that followed the
+    # latest earlier occurrence of the sequence's last n tokens in the request's own prompt and output (prompt
+    # lookup), STANDALONE runs a small draft model of the same tokenizer; the target checks every draft in one
+    # extend pass and keeps the prefix it would have produced itself, plus its own next token. None: off.
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    # STANDALONE: draft decode steps a round (the draft tokens proposed); default 3.
+    speculative_num_steps: int | None = None
+    # Tokens of each request in one verification pass: its last token and the drafts (so drafts = this - 1).
+    # Default: 8 for NGRAM, num_steps + 1 for STANDALONE (which needs exactly that).
+    speculative_num_draft_tokens: int | None = None
+    # NGRAM: suffix lengths tried for a match, longest first.
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    # Speculation pays while the step is bound by reading the weights: above this many running requests it
+    # is off (those steps decode and overlap as without it); above a quarter of it the drafts per request
+    # are halved. 0: speculate at any batch size.
+    speculative_disable_batch_size: int = 64
     random_seed: int = 0
     # Streaming requests get their new tokens every this many tokens (the first and the last at once), as
     # SGLang's --stream-interval: fewer, larger increments cut the per-token work of the worker's IO, the

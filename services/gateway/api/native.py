@@ -160,6 +160,8 @@ def _answer(state: "GatewayState", job: NativeJob, req: GenerateRequest, res: Ge
         "completion_tokens": res.completion_tokens, "cached_tokens": res.cached_tokens,
         "e2e_latency": res.e2e_latency,
     }
+    if res.spec_verify_ct:  # speculative decoding on the worker (SGLang's key)
+        meta["spec_verify_ct"] = res.spec_verify_ct
     if req.return_logprob:
         tok, text = state.tokenizer, job.with_text
         input_lps = _with_first_null(req, res.input_logprobs)

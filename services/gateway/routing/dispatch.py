@@ -36,6 +36,7 @@ class GenerationResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    spec_verify_ct: int = 0
     output_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     input_logprobs: list = field(default_factory=list)
@@ -65,6 +66,7 @@ class GenerationResult:
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.cached_tokens = out.cached_tokens or self.cached_tokens
         self.completion_tokens = out.completion_tokens or len(self.output_ids)
+        self.spec_verify_ct = out.spec_verify_ct or self.spec_verify_ct
         if out.finished:
             self.finished = True
             self.finish_reason = out.finish_reason
