@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if spec_error:
         p.error(spec_error)
     if args.topology == "pd":
-        from shared.transfer import require_ucx
+        from shared.pd import require_ucx
 
         try:
             require_ucx("--topology pd")

@@ -3,8 +3,7 @@
 Request life: the gateway sends token ids over a persistent msgpack connection; the engine thread
 matches the radix cache, schedules, runs the model and streams TokenOutput frames back. In PD mode a
 prefill worker computes the prompt and pushes its KV over UCX to the decode worker the gateway paired it
-with (services/prefill/kv_push.py), which reserves slots, takes the pages in (services/decode/
-kv_receive.py) and decodes.
+with, which reserves slots, takes the pages in and decodes (shared/pd/: kv_push.py, kv_receive.py).
 """
 from __future__ import annotations
 
@@ -66,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     if args.role in ("prefill", "decode"):
-        from shared.transfer import require_ucx
+        from shared.pd import require_ucx
 
         try:
             require_ucx(f"a {args.role} worker")
@@ -84,11 +83,11 @@ async def serve(args: argparse.Namespace) -> None:
     advertise = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host)
     transfer, transfer_addr = None, None
     if args.role == "prefill":
-        from services.prefill.kv_push import KvPush
+        from shared.pd.kv_push import KvPush
 
         transfer = KvPush(engine, loop, key=key)
     elif args.role == "decode":
-        from services.decode.kv_receive import KvReceive
+        from shared.pd.kv_receive import KvReceive
 
         transfer = KvReceive(engine, loop, key=key)
         transfer_addr = (advertise, await transfer.start(args.transfer_port))

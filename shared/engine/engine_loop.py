@@ -32,7 +32,7 @@ from shared.engine.schedule_policy import SchedulePolicy
 from shared.engine.spec import build_speculator
 from shared import limits
 from shared.errors import InvalidRequest
-from shared.engine.disagg import DecodeSide, PrefillSide, validate_transfer
+from shared.pd.sides import DecodeSide, PrefillSide, validate_transfer
 from shared.protocol import (FinishAbort, FinishLength, FinishReason, FinishStop, GenerateRequest, KvDone,
                              TokenOutput)
 from shared.sampling_params import SamplingParams
@@ -94,7 +94,7 @@ class Engine:
         else:
             cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
             self.cache = cache_cls(self.allocator, config.page_size)
-        # PD mode: the prefill/decode halves (shared/engine/disagg.py), wired by the worker's transfer
+        # PD mode: the prefill/decode halves (shared/pd/sides.py), wired by the worker's transfer
         # glue; idle in unified mode. The scheduler asks their stage queues about PD requests.
         self.prefill_side = PrefillSide(self)
         self.decode_side = DecodeSide(self)
@@ -821,7 +821,7 @@ class Engine:
             req.input_logprobs_sent = True
         return out
 
-    # ------------------------------------------------------------------ for the PD halves (disagg.py)
+    # ------------------------------------------------------------------ for the PD halves (shared/pd/sides.py)
     def end_request(self, req: Req, error: str | None = None, reason: FinishReason | None = None) -> None:
         """End `req` now: an abort with `error`, or `reason` (e.g. FinishTransferred()); its KV goes to the
         tree, its stream gets the final output."""

@@ -592,20 +592,20 @@ class ModelRunner:
 
     def kv_format(self) -> str:
         """kv_layout and the pool's dtype in one string, as PD workers compare them before pairing."""
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         return f"{'x'.join(map(str, self.kv_layout()))} {kv_pages.dtype_name(self.kv_dtype)}"
 
     def empty_kv_buffer(self, tokens: int, staging: str = "device") -> torch.Tensor:
         """Where `tokens` positions of whole-model KV are received."""
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         return kv_pages.empty_buffer(self.kv_layout(), self.kv_dtype, self.device, tokens, staging)
 
     def gather_kv(self, slots: torch.Tensor, staging: str = "device") -> torch.Tensor:
         """Whole-model KV at `slots` -> one contiguous buffer (kv_pages' token-major layout). Under
         tensor parallelism every rank gathers its heads and rank 0 assembles them."""
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         if self.tp is None:
             return kv_pages.gather(self.kv_pool, slots, staging)
@@ -618,7 +618,7 @@ class ModelRunner:
     def scatter_kv(self, slots: torch.Tensor, buf: torch.Tensor) -> None:
         """Write whole-model KV into the pool at `slots`; under tensor parallelism rank 0 broadcasts it
         and every rank keeps its heads."""
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         if self.tp is None:
             kv_pages.scatter(self.kv_pool, slots, buf)
@@ -631,7 +631,7 @@ class ModelRunner:
 
     def _follow_kv(self, op: str, slots: list[int]) -> None:
         from shared.models.parallel import all_gather_kv_heads, broadcast, local_kv_part
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         loc = torch.tensor(slots, dtype=torch.int64)
         heads = self.model_config.num_key_value_heads

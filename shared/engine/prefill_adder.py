@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from shared.cache.base import MatchResult, PrefixCache
     from shared.cache.kv_pool import ReqToTokenPool
     from shared.engine.config import EngineConfig
-    from shared.engine.pd_stages import DecodeStages
+    from shared.pd.stages import DecodeStages
 
 # In-batch dedupe: requests of one admission round whose next uncached tokens are the same (the same
 # cached prefix, then these many equal tokens) compute them once: the first goes, the others wait a round

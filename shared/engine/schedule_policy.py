@@ -12,8 +12,8 @@ running requests are retracted to the queue (their computed KV kept in the tree,
 hits the cache).
 
 Prefill/decode disaggregation: requests with a transfer go through the stage queues of
-shared/engine/pd_stages.py (PrefillStages, DecodeStages, owned by the engine's PrefillSide and
-DecodeSide in shared/engine/disagg.py, where the stages are described); the scheduler holds no PD list
+shared/pd/stages.py (PrefillStages, DecodeStages, owned by the engine's PrefillSide and
+DecodeSide in shared/pd/sides.py, where the stages are described); the scheduler holds no PD list
 and asks the stages what it needs (admissible, reserve, park, holds_kv, remove).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from shared.cache.base import PrefixCache
 from shared.cache.kv_pool import ReqToTokenPool
 from shared.engine.config import EngineConfig
-from shared.engine.pd_stages import DecodeStages, PrefillStages
+from shared.pd.stages import DecodeStages, PrefillStages
 from shared.engine.forward_batch import ForwardMode
 from shared.engine.prefill_adder import PrefillAdder
 from shared.engine.schedule_batch import ScheduleBatch
@@ -61,7 +61,7 @@ class SchedulePolicy:
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # prefill done, decoding
         self.chunked: Req | None = None  # prefill in progress across passes
-        # PD mode: requests with a transfer are also in a stage of their side (shared/engine/disagg.py).
+        # PD mode: requests with a transfer are also in a stage of their side (shared/pd/sides.py).
         self.prefill_stages = prefill_stages if prefill_stages is not None else PrefillStages()
         self.decode_stages = decode_stages if decode_stages is not None else DecodeStages()
         self.new_token_ratio = config.init_new_token_ratio
