@@ -1,7 +1,8 @@
 """Offline engine benchmark (no HTTP): random-weight Llama-3.1-8B shape, bf16, through the real engine
 (scheduler, radix cache, sampler, CUDA graphs). Finishes inside 10 minutes on one H100 or H200.
 
-    python -m bench.offline [--shape llama-3.1-8b|tiny] [--skip-hf] [--reuse-pairs 8] [--attention-backend B] [--out DIR]
+    python -m bench.offline [--shape llama-3.1-8b|tiny] [--skip-hf] [--reuse-pairs 8] [--attention-backend B]
+        [--hicache-size GB] [--out DIR]
 
 Measures the device's copy bandwidth and bf16 matmul rate first (in bursts, and sustained for seconds: the goals'
 reference), and reports every figure next to its roofline from those measured ceilings. Goals, each a PASS/FAIL
@@ -86,6 +87,9 @@ def main():
     ap.add_argument("--num-reqs", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--out-len", type=int, default=128)
+    ap.add_argument("--hicache-size", type=int, default=0, metavar="GB",
+                    help="run the cache-on engine with the host KV tier of this many GB (write-through): the "
+                         "zero-reuse overhead is then the tiered cache's")
     ap.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                     help="the engine's attention backend (flashinfer: the peer's kernels, bench/fetch_flashinfer.sh)")
     ap.add_argument("--max-running-requests", type=int, default=None,
@@ -137,6 +141,9 @@ def main():
                       max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
                       chunked_prefill_size=8192, max_prefill_tokens=8192, cuda_graph=cuda,
                       attention_backend=args.attention_backend)
+    if args.hicache_size:
+        ec.enable_hierarchical_cache, ec.hicache_size = True, args.hicache_size
+    res["hicache_size_gb"] = args.hicache_size
     eng = start_engine(ec, tok, res)
 
     log("warm-up")
@@ -179,7 +186,7 @@ def main():
     # cache-on repeats (fresh prompts each run): the zero-reuse overhead is a fraction of a percent, under
     # the ~1% run-to-run spread of single runs, so the medians of several alternating runs are compared.
     eng.cache.reset()
-    ec_off = EngineConfig(**{**ec.__dict__, "disable_radix_cache": True})
+    ec_off = EngineConfig(**{**ec.__dict__, "disable_radix_cache": True, "enable_hierarchical_cache": False})
     eng_off = Engine(ec_off, tok, on_output=lambda o: None, runner=eng.runner)
     on_runs, off_runs = [tput], []
     for k in range(args.reuse_pairs):  # on, off, on, off, ..., on
@@ -202,7 +209,8 @@ def main():
     # pass between them), alternated with runs without, on the same weights and pool: information beside the
     # goal (the goal's figure is the default configuration's), and what decides whether it becomes the default.
     if args.mixed_pairs:
-        eng_mixed = Engine(EngineConfig(**{**ec.__dict__, "enable_mixed_chunk": True}), tok, on_output=lambda o: None,
+        eng_mixed = Engine(EngineConfig(**{**ec.__dict__, "enable_mixed_chunk": True,
+                                        "enable_hierarchical_cache": False}), tok, on_output=lambda o: None,
                            runner=eng.runner)
         # The shared runner was built, and warmed up, without mixed chunks: its first mixed run would compile the
         # decode tail's variants live, where an engine of its own compiles them in its warm-up.

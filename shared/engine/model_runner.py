@@ -17,6 +17,7 @@ from shared.engine.forward_batch import ForwardBatch, ForwardMode
 from shared.engine.prefill_adder import chunk_len, max_riders
 from kernels.h2d import to_device
 from shared.engine.request import PENDING_TOKEN, Req
+from shared.engine.penalties import penalized
 from shared.engine.sampler import SamplingBatch, sample
 from shared.engine.schedule_batch import ScheduleBatch
 
@@ -58,9 +59,10 @@ class StepOutput:
     # position and after the last, with their logprobs. next_token_ids holds the last of them.
     proposal_samples: dict = None
     proposal_logprobs: dict = None
+    proposal_top_logprobs: dict = None  # requests that asked for top logprobs: one top list per row
 
     def __post_init__(self):
-        self.proposal_samples, self.proposal_logprobs = {}, {}
+        self.proposal_samples, self.proposal_logprobs, self.proposal_top_logprobs = {}, {}, {}
 
 
 class PendingStep:
@@ -111,6 +113,9 @@ class PendingStep:
             if top_ids is not None and req.return_logprob and req.top_logprobs_num > 0:
                 kk = req.top_logprobs_num
                 out.top_logprobs[i] = [[top_lps[j][m], top_ids[j][m]] for m in range(kk)]
+                if n > 1:
+                    out.proposal_top_logprobs[i] = [[[top_lps[r][m], top_ids[r][m]] for m in range(kk)]
+                                                    for r in range(row - n, row)]
         return out
 
 
@@ -587,20 +592,20 @@ class ModelRunner:
 
     def kv_format(self) -> str:
         """kv_layout and the pool's dtype in one string, as PD workers compare them before pairing."""
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         return f"{'x'.join(map(str, self.kv_layout()))} {kv_pages.dtype_name(self.kv_dtype)}"
 
     def empty_kv_buffer(self, tokens: int, staging: str = "device") -> torch.Tensor:
         """Where `tokens` positions of whole-model KV are received."""
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         return kv_pages.empty_buffer(self.kv_layout(), self.kv_dtype, self.device, tokens, staging)
 
     def gather_kv(self, slots: torch.Tensor, staging: str = "device") -> torch.Tensor:
         """Whole-model KV at `slots` -> one contiguous buffer (kv_pages' token-major layout). Under
         tensor parallelism every rank gathers its heads and rank 0 assembles them."""
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         if self.tp is None:
             return kv_pages.gather(self.kv_pool, slots, staging)
@@ -613,7 +618,7 @@ class ModelRunner:
     def scatter_kv(self, slots: torch.Tensor, buf: torch.Tensor) -> None:
         """Write whole-model KV into the pool at `slots`; under tensor parallelism rank 0 broadcasts it
         and every rank keeps its heads."""
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         if self.tp is None:
             kv_pages.scatter(self.kv_pool, slots, buf)
@@ -626,7 +631,7 @@ class ModelRunner:
 
     def _follow_kv(self, op: str, slots: list[int]) -> None:
         from shared.models.parallel import all_gather_kv_heads, broadcast, local_kv_part
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         loc = torch.tensor(slots, dtype=torch.int64)
         heads = self.model_config.num_key_value_heads
@@ -688,7 +693,9 @@ class ModelRunner:
         sb = SamplingBatch.build(
             params=[r.params for r in rows_req], seeds=[r.seed for r in rows_req], steps=rows_step,
             output_ids=[r.output_ids for r in reqs] if counts is None else
-            [r.output_ids[:st] for r, st in zip(rows_req, rows_step)],
+            # Penalties alone read a row's history: the others' are not copied (a verification pass of
+            # k drafts has k + 1 rows a request).
+            [r.output_ids[:st] if penalized(r.params) else r.output_ids for r, st in zip(rows_req, rows_step)],
             prompt_ids=[r.input_ids for r in rows_req] if any(r.params.repetition_penalty != 1.0 for r in reqs) else None,
             vocab_size=self.vocab_size, device=self.device,
             eos_ids=[self._stop_ids(r) for r in rows_req],
@@ -749,8 +756,9 @@ class ModelRunner:
         """bool [rows, V] of allowed tokens for the sampler, or None when no row is constrained."""
         counts = handle.counts
         states = [r.grammar if ok else None for r, ok in zip(reqs, live)]
-        if counts is None and not any(s is not None for s in states):
-            return None
+        if not any(s is not None for s in states) and (
+                counts is None or all(r.proposal_masks is None for r in reqs)):
+            return None  # unconstrained (drafts of unconstrained requests carry no masks)
         timing = self.mask_timing
         if timing is not None:
             t0 = time.perf_counter()
@@ -780,12 +788,13 @@ class ModelRunner:
         proposals), the grammar's current mask for other constrained requests."""
         from shared.constrained import bitmask_to_bool
 
-        width = next(r.proposal_masks.shape[1] for r, c in zip(reqs, counts) if c > 1)
+        width = (self.vocab_size + 31) // 32
         bitmask = torch.full((sum(counts), width), -1, dtype=torch.int32)
         row = 0
         for r, ok, c in zip(reqs, live, counts):
             if c > 1:
-                bitmask[row:row + c] = r.proposal_masks
+                if r.proposal_masks is not None:  # unconstrained drafts: every token allowed
+                    bitmask[row:row + c] = r.proposal_masks
             elif ok and r.grammar is not None and not r.grammar.is_terminated():
                 r.grammar.fill_bitmask(bitmask, row)
             row += c

@@ -269,3 +269,21 @@ def test_policy_routes_on_the_exact_index_while_it_is_current_and_says_when_it_s
     switches = [r.message for r in caplog.records if "cache-aware routing now" in r.message]
     assert len(switches) == 3  # exact, approximate, exact
     assert policy.stats()["decisions"] == {"exact/cache": 3, "approximate/cache": 1}
+
+
+def test_host_tier_moves_are_kept_and_leaving_the_last_tier_is_a_removal(own_redis):
+    """With a host tier (shared/cache/hiradix_cache.py), a block evicted from the device to the host still
+    serves matches, so the index keeps it; one that leaves the host too is removed."""
+    from tests.cache.test_hiradix_cache import make
+
+    async def main():
+        rig = Rig(own_redis.url)
+        _, rig.alloc, rig.cache = make(device_tokens=256, host_tokens=512)
+        assert rig.pub.attach(rig.cache)
+        async with rig:
+            for _ in range(6):
+                rig.insert(5)  # past the device pool (evictions to the host) and past the host pool
+                await rig.converged()
+            assert rig.cache.stats()["evicted_tokens"] > 0
+            assert any(n.value is None for n in rig.cache.nodes())  # host-only nodes, still in the index
+    asyncio.run(main())
