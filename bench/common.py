@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.protocol import GenerateRequest
+from shared.protocol import GenerateRequest, merge_outputs
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import save_tiny_tokenizer
 
@@ -162,6 +162,9 @@ class RunStats:
     # decode_step_bs's order.
     decode_device_ms: list = field(default_factory=list)
     outputs: dict = field(default_factory=dict)  # rid -> the request's final output
+    ordered: list = field(default_factory=list)  # the final outputs in the prompts' order (streams merged)
+    # With request={"stream": True}: per prompt, (perf_counter, tokens) of each output that carried tokens.
+    token_events: list = field(default_factory=list)
 
     def decode_periods(self, bs: int) -> list[float]:
         """Seconds between consecutive decode launches that both ran batch size bs."""
@@ -170,23 +173,34 @@ class RunStats:
 
 
 def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = False,
-          measure_idle: bool = False) -> RunStats:
-    """Submit all prompts, step the engine on this thread until every request finished."""
+          measure_idle: bool = False, request: dict | None = None) -> RunStats:
+    """Submit all prompts, step the engine on this thread until every request finished. `request`: more
+    GenerateRequest fields (return_logprob, stream: a streamed request's outputs are merged, and timed)."""
     from shared.engine.forward_batch import ForwardMode
 
     finished: dict[str, object] = {}
+    partial: dict[str, object] = {}
+    events: dict[str, list] = {}
 
     def on_output(outs):
+        now = time.perf_counter()
         for o in outs:
+            if o.token_ids:
+                events.setdefault(o.rid, []).append((now, len(o.token_ids)))
+            prev = partial.pop(o.rid, None)
+            whole = o if prev is None else merge_outputs(prev, o)
             if o.finished:
-                finished[o.rid] = o
+                finished[o.rid] = whole
+            else:
+                partial[o.rid] = whole
     engine.on_output = on_output
     base = f"b{time.monotonic_ns()}"
-    for i, p in enumerate(prompts):
-        engine.submit(GenerateRequest(rid=f"{base}-{i}", input_ids=p, sampling=SamplingParams(**sampling),
-                                      stream=False))
+    rids = [f"{base}-{i}" for i in range(len(prompts))]
+    fields = {"stream": False, **(request or {})}
+    for rid, p in zip(rids, prompts):
+        engine.submit(GenerateRequest(rid=rid, input_ids=p, sampling=SamplingParams(**sampling), **fields))
     stats = RunStats()
-    events = []
+    idle_events = []
     sync()
     t0 = time.perf_counter()
     sched = engine.policy
@@ -200,7 +214,7 @@ def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = F
             s.record()
             out = runner_forward(batch)
             e.record()
-            events.append((s, e))
+            idle_events.append((s, e))
             return out
         if not time_steps:
             if batch.mode == ForwardMode.EXTEND:
@@ -232,16 +246,18 @@ def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = F
     sync()
     stats.wall_s = time.perf_counter() - t0
     stats.outputs = finished
+    stats.ordered = [finished[r] for r in rids]
+    stats.token_events = [events.get(r, []) for r in rids]
     for o in finished.values():
         if o.error:
             raise RuntimeError(f"request failed: {o.error}")
         stats.output_tokens += o.completion_tokens
         stats.prompt_tokens += o.prompt_tokens
         stats.cached_tokens += o.cached_tokens
-    if events:
-        stats.decode_device_ms = [s.elapsed_time(e) for s, e in events]
+    if idle_events:
+        stats.decode_device_ms = [s.elapsed_time(e) for s, e in idle_events]
         busy = sum(stats.decode_device_ms)
-        span = events[0][0].elapsed_time(events[-1][1])
+        span = idle_events[0][0].elapsed_time(idle_events[-1][1])
         stats.gpu_idle_frac = max(0.0, 1 - busy / span) if span > 0 else None
     assert sched.is_idle()
     return stats
@@ -285,6 +301,23 @@ def graph_replay_ms(graph_runner, bs: int = 1, reps: int = 60, skip: int = 10) -
 
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def start_engine(ec, tok, res: dict):
+    """An engine of `ec` with what its start reports recorded in res: seconds to start, the KV pool, the sizes in effect
+    (derived where ec leaves them unset, shared/engine/sizing.py) and the CUDA graphs' count, capture time and memory."""
+    from shared.engine.engine_loop import Engine
+
+    t0 = time.perf_counter()
+    eng = Engine(ec, tok, on_output=lambda o: None)
+    c = eng.config
+    res.update(engine_init_s=time.perf_counter() - t0, kv_pool_tokens=eng.runner.max_total_tokens,
+               cuda_graphs=eng.runner.graph_runner is not None, graph_stats=eng.runner.graph_stats,
+               sizes={k: getattr(c, k) for k in ("max_running_requests", "cuda_graph_max_bs", "chunked_prefill_size",
+                                                 "max_prefill_tokens")})
+    log(f"engine up in {res['engine_init_s']:.1f}s, KV pool {res['kv_pool_tokens']} tokens, sizes {res['sizes']}, "
+        f"graphs {res['graph_stats'] or 'none'}")
+    return eng
 
 
 def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int, **config) -> dict:

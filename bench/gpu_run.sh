@@ -9,18 +9,26 @@ benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT 
 
   tests             GPU tests:  pytest -m gpu tests/ -k "not interpreted"
   offline           bench.offline: batch-1 step, 256 x (512,128), prefill, radix zero-reuse (8 on/off pairs)
-  kernels           bench.kernels: each kernel against eager torch / SDPA and the measured ceilings
+  kernels           bench.kernels: each kernel against eager torch / SDPA and the measured ceilings; then
+                    bench.hicache: the host KV tier's load-back against a pinned host-to-device copy
   structured        bench.structured: jump-forward speed-up, grammar mask cost at batch 32
-  serving           bench.serving, stream interval 1: completions + generate, streamed and not, batch-1
-                    TPOT, each against the offline engine in the same call
-  serving-interval  the same at --stream-interval 16
+  serving           bench.serving: completions + generate, streamed and not, batch-1 TPOT, each against the
+                    offline engine in the same call; a first ARG N runs at --stream-interval N (default 1):
+                    `serving 16` shows the gateway's CPU at 16
   shared-prefix     bench.shared_prefix: hit rate and throughput of LPM / FCFS / radix off, cascade decode
+  multiturn         bench.multiturn: conversations outgrowing a small GPU pool, host KV tier off then on
   programs          bench.workloads --ablations: the paper's workloads, radix / LPM / jump-forward / fork hint ablated
   fp8               GPU FP8 tests, then bench.fp8: FP8 / bf16 batch-1 step
-  pd                bench.pd: PD against unified workers on 2 GPUs (nvidia-h100-x2)
-  tp                GPU TP tests, then bench.tp: TP=2 / TP=1 batch-1 step (nvidia-h100-x2)
+  spec              bench.reference_models (trained once a warm machine, ~7 min, in /tmp/refmodels), then bench.spec
+  2gpu              on 2 GPUs (nvidia-h100-x2), a first ARG of pd or tp:
+                    `2gpu pd`: bench.pd, PD against unified workers
+                    `2gpu tp`: GPU TP tests, then bench.tp: TP=2 / TP=1 batch-1 step
   ab                bench.ab: a benchmark alternated between knob settings, e.g.
                     ab base notma:RADIXSERVE_TMA_MIN_TOKENS=1000000 -- python3 -m bench.offline --skip-hf
+
+--flashinfer (anywhere in ARGS; .whl/fi carried, from bench/fetch_flashinfer.sh): tests runs the FlashInfer backend's
+GPU tests, kernels runs bench.attention (Triton vs FlashInfer vs SDPA), offline runs the engine on FlashInfer;
+FlashInfer's JIT builds go to /tmp/fi-cache, which a later call on the same warm machine reuses.
 
 docs/performance.md says what each measures and its goal; bench/RESULTS.md holds the current figures.
 EOF
@@ -28,14 +36,16 @@ EOF
 set -uo pipefail
 kind=${1:-}
 case $kind in
-  tests|offline|kernels|structured|serving|serving-interval|shared-prefix|programs|fp8|pd|tp|ab) shift ;;
+  tests|offline|kernels|structured|serving|shared-prefix|multiturn|programs|fp8|spec|2gpu|ab) shift ;;
   *) usage; exit 2 ;;
 esac
+FI=0; args=(); for a in "$@"; do if [[ $a == --flashinfer ]]; then FI=1; else args+=("$a"); fi; done; set -- "${args[@]}"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
 [[ -d .whl ]] || { echo "gpu_run.sh: no .whl here (bench/fetch_wheels.sh, then carry it)" >&2; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*/*.whl \
   || { echo "gpu_run.sh: the carried wheels did not install" >&2; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-cache}
+[[ $FI == 0 ]] || { ls .whl/fi/*.whl >/dev/null 2>&1 && python3 -c "import flashinfer as f; print('flashinfer', f.__version__)"; } || { echo "gpu_run.sh: --flashinfer needs .whl/fi (bench/fetch_flashinfer.sh) importable" >&2; exit 1; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false UCX_WARN_UNUSED_ENV_VARS=n
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
@@ -45,36 +55,53 @@ run() {
   local limit=$1 log=$2; shift 2
   timeout "$limit" "$@" 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/$log" | tail -"${TAIL:-25}"
 }
+# bench.spec after the reference models, in the same call unless they were trained in it (training leaves too little
+# of the call's 10 minutes: call again on the warm machine, which keeps /tmp/refmodels), in the time the call has left.
+spec_after() {
+  if grep -q "\] corpus: " "$OUT/reference_models.log"; then echo "gpu_run.sh spec: models trained; call again (warm)"
+  else run $(( 585 - SECONDS )) spec.log python3 -m bench.spec --models /tmp/refmodels --out "$OUT" "$@"; fi
+}
 gpu_tests() { run "$1" "$2" python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/ -k "$3"; }
 
 case $kind in
-  tests) TAIL=30 gpu_tests 560 gpu_tests.log "not interpreted" ;;
-  offline) run 560 offline.log python3 -m bench.offline --skip-hf --reuse-pairs 8 --out "$OUT" "$@" ;;
-  kernels) run 400 kernels.log python3 -m bench.kernels --out "$OUT" "$@" ;;
+  tests) TAIL=30 gpu_tests 560 gpu_tests.log "$([[ $FI == 1 ]] && echo flashinfer || echo not interpreted)" ;;
+  offline) run 560 offline.log python3 -m bench.offline --skip-hf --reuse-pairs 8 --out "$OUT" $([[ $FI == 1 ]] && echo --attention-backend flashinfer) "$@" ;;
+  kernels)
+    if [[ $FI == 1 ]]; then run 560 attention.log python3 -m bench.attention --out "$OUT" "$@"
+    else
+      run 400 kernels.log python3 -m bench.kernels --out "$OUT" "$@"
+      run 120 hicache.log python3 -m bench.hicache --out "$OUT"
+    fi ;;
   structured) run 500 structured.log python3 -m bench.structured --out "$OUT" "$@" ;;
   serving)
-    run 560 serving.log python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream \
-      --batch1 16 --offline --out "$OUT" "$@" ;;
-  serving-interval)
-    run 560 serving_interval.log python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate \
-      --no-stream --batch1 16 --offline --out "$OUT" "$@" -- --stream-interval 16 ;;
+    interval=1
+    if [[ ${1:-} =~ ^[0-9]+$ ]]; then interval=$1; shift; fi
+    log=serving.log; [[ $interval == 1 ]] || log=serving_interval$interval.log
+    run 560 "$log" python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream \
+      --batch1 16 --offline --out "$OUT" "$@" -- --stream-interval "$interval" ;;
   shared-prefix) run 560 shared_prefix.log python3 -m bench.shared_prefix --out "$OUT" "$@" ;;
+  multiturn) TAIL=30 run 580 multiturn.log python3 -m bench.multiturn --out "$OUT" "$@" ;;
   programs)
     TAIL=60 run 580 workloads.log python3 -m bench.workloads --ablations --out "$OUT" --parallel 16 --instances 48 \
       --duration 5 --budget 540 "$@" ;;
   fp8)
     gpu_tests 150 fp8_tests.log "quantization"
     run 400 fp8.log python3 -m bench.fp8 --out "$OUT" "$@" ;;
-  pd)
-    run 330 pd.log python3 -m bench.pd --out "$OUT" --duration 30 "$@"
-    # Device-to-device pages failed: measure host staging too (UCX builds without CUDA transports).
-    if grep -q 'failures [1-9]\|"errors": [1-9]' "$OUT/pd.log"; then
-      run 200 pd_host.log python3 -m bench.pd --out "$OUT/host" --duration 30 --configs pd -- --kv-transfer-staging host
-    fi ;;
-  tp)
-    # TP's parity tests run on whatever device is there (not marked gpu): here on the GPUs, over NCCL.
-    run 200 tp_tests.log python3 -m pytest -q -p no:cacheprovider -rfE tests/ \
-      -k "test_tp and (engine_matches or families or kv_pages_leave_whole)"
-    run 300 tp.log python3 -m bench.tp --out "$OUT" "$@" ;;
+  spec) run 540 reference_models.log python3 -m bench.reference_models --out /tmp/refmodels && spec_after "$@" ;;
+  2gpu)
+    case ${1:-} in
+      pd) shift
+        run 330 pd.log python3 -m bench.pd --out "$OUT" --duration 30 "$@"
+        # Device-to-device pages failed: measure host staging too (UCX builds without CUDA transports).
+        if grep -q 'failures [1-9]\|"errors": [1-9]' "$OUT/pd.log"; then
+          run 200 pd_host.log python3 -m bench.pd --out "$OUT/host" --duration 30 --configs pd -- --kv-transfer-staging host
+        fi ;;
+      tp) shift
+        # TP's parity tests run on whatever device is there (not marked gpu): here on the GPUs, over NCCL.
+        run 200 tp_tests.log python3 -m pytest -q -p no:cacheprovider -rfE tests/ \
+          -k "test_tp and (engine_matches or families or kv_pages_leave_whole)"
+        run 300 tp.log python3 -m bench.tp --out "$OUT" "$@" ;;
+      *) echo "gpu_run.sh 2gpu: the first ARG is pd or tp" >&2; exit 2 ;;
+    esac ;;
   ab) TAIL=40 run 560 ab.log python3 -m bench.ab --out "$OUT" "$@" ;;
 esac

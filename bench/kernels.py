@@ -381,18 +381,29 @@ def tune(budget_s: float = 150.0) -> None:
 PARTS = ("elementwise", "gemv", "decode", "extend", "fusions")
 
 
-def main(argv=None) -> int:
+def parse_parts(module: str, doc: str, parts, argv, *extra: tuple[str, dict]):
+    """A GPU benchmark's command line: PART names out of `parts` (default: all), --out, and `extra` (flag, kwargs)
+    options. The parsed args, or None (said why) without a CUDA GPU."""
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
+    ap = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="*", metavar="PART", help=f"any of {', '.join(PARTS)} (default: all)")
-    ap.add_argument("--tune", action="store_true", help="sweep block choices on this GPU instead")
+    ap.add_argument("parts", nargs="*", metavar="PART", help=f"any of {', '.join(parts)} (default: all)")
+    for flag, kwargs in extra:
+        ap.add_argument(flag, **kwargs)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
     args = ap.parse_args(argv)
-    if set(args.parts) - set(PARTS):
-        ap.error(f"unknown part {sorted(set(args.parts) - set(PARTS))[0]!r}; parts: {', '.join(PARTS)}")
+    if set(args.parts) - set(parts):
+        ap.error(f"unknown part {sorted(set(args.parts) - set(parts))[0]!r}; parts: {', '.join(parts)}")
     if not torch.cuda.is_available():
-        print("bench.kernels needs a CUDA GPU")
+        print(f"{module} needs a CUDA GPU")
+        return None
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_parts("bench.kernels", __doc__, PARTS, argv,
+                       ("--tune", dict(action="store_true", help="sweep block choices on this GPU instead")))
+    if args is None:
         return 1
     t0 = time.time()
     torch.manual_seed(0)

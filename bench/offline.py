@@ -1,7 +1,8 @@
 """Offline engine benchmark (no HTTP): random-weight Llama-3.1-8B shape, bf16, through the real engine
 (scheduler, radix cache, sampler, CUDA graphs). Finishes inside 10 minutes on one H100 or H200.
 
-    python -m bench.offline [--shape llama-3.1-8b|tiny] [--skip-hf] [--reuse-pairs 8] [--out DIR]
+    python -m bench.offline [--shape llama-3.1-8b|tiny] [--skip-hf] [--reuse-pairs 8] [--attention-backend B]
+        [--hicache-size GB] [--out DIR]
 
 Measures the device's copy bandwidth and bf16 matmul rate first (in bursts, and sustained for seconds: the goals'
 reference), and reports every figure next to its roofline from those measured ceilings. Goals, each a PASS/FAIL
@@ -22,8 +23,8 @@ import torch
 
 from bench.common import (GREEDY, SHAPES, drive, full_pass_rate, graph_replay_ms, kv_bytes_per_token, matmul_params,
                           measure_copy_bandwidth, measure_matmul_sustained, measure_matmul_tflops, median, model_dir,
-                          log, param_bytes, prefill_flops_per_token, random_prompts, sync)
-from shared.engine.config import EngineConfig
+                          log, param_bytes, prefill_flops_per_token, random_prompts, start_engine, sync)
+from shared.engine.config import ATTENTION_BACKENDS, EngineConfig, attention_backend_error
 from shared.engine.engine_loop import Engine
 from shared.tokenizer import Tokenizer
 
@@ -86,13 +87,27 @@ def main():
     ap.add_argument("--num-reqs", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--out-len", type=int, default=128)
+    ap.add_argument("--hicache-size", type=int, default=0, metavar="GB",
+                    help="run the cache-on engine with the host KV tier of this many GB (write-through): the "
+                         "zero-reuse overhead is then the tiered cache's")
+    ap.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                    help="the engine's attention backend (flashinfer: the peer's kernels, bench/fetch_flashinfer.sh)")
+    ap.add_argument("--max-running-requests", type=int, default=None,
+                    help="the engine's flag (default: derived from the KV pool and GPU, as a server's)")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                    help="the engine's flag (default: derived); 256 with --max-running-requests 256: the sizes that "
+                         "were fixed before they were derived, to compare against")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
     args = ap.parse_args()
+    error = attention_backend_error(args.attention_backend)
+    if error:
+        ap.error(error)
     os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available()
     cfg = SHAPES[args.shape]
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "shape": args.shape,
-                 "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+                 "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                 "attention_backend": args.attention_backend}
 
     log("measuring ceilings")
     bw = measure_copy_bandwidth() if cuda else 50e9
@@ -121,15 +136,15 @@ def main():
 
     path = model_dir(args.shape)
     tok = Tokenizer.load(path)
-    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=8192, max_running_requests=256,
-                      chunked_prefill_size=8192, max_prefill_tokens=8192, cuda_graph=cuda)
-    t0 = time.perf_counter()
-    eng = Engine(ec, tok, on_output=lambda o: None)
-    res["engine_init_s"] = time.perf_counter() - t0
-    res["kv_pool_tokens"] = eng.runner.max_total_tokens
-    res["cuda_graphs"] = eng.runner.graph_runner is not None
-    log(f"engine up in {res['engine_init_s']:.1f}s, KV pool {eng.runner.max_total_tokens} tokens, "
-        f"graphs={res['cuda_graphs']}")
+    # Running requests and graph sizes: the engine's defaults unless given; 8k-token chunks for the prefill goal.
+    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=8192,
+                      max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                      chunked_prefill_size=8192, max_prefill_tokens=8192, cuda_graph=cuda,
+                      attention_backend=args.attention_backend)
+    if args.hicache_size:
+        ec.enable_hierarchical_cache, ec.hicache_size = True, args.hicache_size
+    res["hicache_size_gb"] = args.hicache_size
+    eng = start_engine(ec, tok, res)
 
     log("warm-up")
     drive(eng, random_prompts(8, 64, vocab, 0), {**GREEDY, "max_new_tokens": 8})
@@ -171,7 +186,7 @@ def main():
     # cache-on repeats (fresh prompts each run): the zero-reuse overhead is a fraction of a percent, under
     # the ~1% run-to-run spread of single runs, so the medians of several alternating runs are compared.
     eng.cache.reset()
-    ec_off = EngineConfig(**{**ec.__dict__, "disable_radix_cache": True})
+    ec_off = EngineConfig(**{**ec.__dict__, "disable_radix_cache": True, "enable_hierarchical_cache": False})
     eng_off = Engine(ec_off, tok, on_output=lambda o: None, runner=eng.runner)
     on_runs, off_runs = [tput], []
     for k in range(args.reuse_pairs):  # on, off, on, off, ..., on
@@ -194,7 +209,8 @@ def main():
     # pass between them), alternated with runs without, on the same weights and pool: information beside the
     # goal (the goal's figure is the default configuration's), and what decides whether it becomes the default.
     if args.mixed_pairs:
-        eng_mixed = Engine(EngineConfig(**{**ec.__dict__, "enable_mixed_chunk": True}), tok, on_output=lambda o: None,
+        eng_mixed = Engine(EngineConfig(**{**ec.__dict__, "enable_mixed_chunk": True,
+                                        "enable_hierarchical_cache": False}), tok, on_output=lambda o: None,
                            runner=eng.runner)
         # The shared runner was built, and warmed up, without mixed chunks: its first mixed run would compile the
         # decode tail's variants live, where an engine of its own compiles them in its warm-up.
@@ -258,7 +274,7 @@ def main():
         fig.savefig(os.path.join(args.out, "offline.png"), dpi=100)
     except Exception as e:
         log(f"no plot: {e!r}")
-    print(f"\n{res['gpu']}  copy {bw / 1e12:.2f} TB/s  matmul {sus:.0f} TFLOP/s sustained ({tflops:.0f} in bursts)  KV pool {res['kv_pool_tokens']} tokens")
+    print(f"\n{res['gpu']}  copy {bw / 1e12:.2f} TB/s  matmul {sus:.0f} TFLOP/s sustained ({tflops:.0f} in bursts)  KV pool {res['kv_pool_tokens']} tokens  attention {res['attention_backend']}")
     print(f"{'metric':34s} {'measured':>12s} {'reference':>12s} {'ratio':>7s}")
     for name, v, ref, ratio in rows:
         print(f"{name:34s} {v:12.2f} {ref:12.2f} {ratio:7.3f}")

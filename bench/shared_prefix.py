@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.common import drive, log, median, model_dir
+from bench.common import drive, log, median, model_dir, start_engine
 from shared.engine.config import EngineConfig
 from shared.engine.engine_loop import Engine
 from shared.tokenizer import Tokenizer
@@ -58,13 +58,13 @@ CONFIGS = {"lpm": {"schedule_policy": "lpm"},  # the engine's default LPM (queue
 
 
 def config_overrides(name: str, max_running: int) -> dict:
-    """A --configs entry: NAME or NAME@N (N: requests decoded together, at most --max-running)."""
+    """A --configs entry: NAME or NAME@N (N: requests decoded together, at most the engine's max_running)."""
     base, _, n = name.partition("@")
     if base not in CONFIGS:
         raise SystemExit(f"unknown config {name!r}: one of {', '.join(CONFIGS)}, optionally @N")
     running = int(n) if n else max_running
     if not 0 < running <= max_running:
-        raise SystemExit(f"config {name!r}: @N must be in 1..--max-running ({max_running})")
+        raise SystemExit(f"config {name!r}: @N must be in 1..{max_running} (the engine's running requests)")
     return {**CONFIGS[base], "max_running_requests": running}
 
 
@@ -139,10 +139,11 @@ def main(argv=None):
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--configs", default="lpm,fcfs,off",
                     help="comma list of lpm, lpm0 (LPM at any queue length), fcfs, off, each optionally @N "
-                         "(at most N requests decoded together; default --max-running)")
-    ap.add_argument("--max-running", type=int, default=1024,
-                    help="requests decoded together at most (every config; CUDA graphs up to it). 1,024: the "
-                         "whole workload at once, which the KV pool holds with the radix cache on")
+                         "(at most N requests decoded together; default: the engine's running requests)")
+    ap.add_argument("--max-running", type=int, default=None,
+                    help="requests decoded together at most (every config). Default: the engine's, derived from "
+                         "its KV pool and GPU (shared/engine/sizing.py), as are the CUDA graphs and prefill chunk: "
+                         "the benchmark measures the defaults")
     ap.add_argument("--decode-bs", type=int, default=256)
     ap.add_argument("--decode-group", type=int, default=16)
     ap.add_argument("--decode-prefix", type=int, default=2048)
@@ -168,17 +169,13 @@ def main(argv=None):
     max_ctx = max(args.system_len + args.question_len + args.output_len,
                   args.decode_prefix + args.decode_question + args.decode_out) + 64
     ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=max(8192, max_ctx),
-                      max_running_requests=max(args.max_running, args.decode_bs), chunked_prefill_size=8192,
-                      max_prefill_tokens=8192, cuda_graph=cuda,
-                      cuda_graph_max_bs=max(args.max_running, args.decode_bs),
+                      max_running_requests=args.max_running, cuda_graph=cuda,
                       max_total_tokens=None if cuda else 65536)
-    t0 = time.perf_counter()
-    base = Engine(ec, tok, on_output=lambda o: None)
-    res["engine_init_s"] = time.perf_counter() - t0
-    res["kv_pool_tokens"] = base.runner.max_total_tokens
-    res["cuda_graphs"] = base.runner.graph_runner is not None
-    log(f"engine up in {res['engine_init_s']:.1f}s, KV pool {base.runner.max_total_tokens} tokens, "
-        f"graphs={res['cuda_graphs']}")
+    base = start_engine(ec, tok, res)
+    max_running = base.config.max_running_requests
+    if args.decode_bs > max_running:
+        raise SystemExit(f"--decode-bs {args.decode_bs} is above the engine's {max_running} running requests")
+    configs = {name: config_overrides(name, max_running) for name in args.configs.split(",") if name}
     has_cascade = shared_prefix_available(base)
     res["shared_prefix_attention"] = has_cascade
     if args.smoke:  # tiny prefixes: let the smoke run take the shared-prefix path too
@@ -192,8 +189,8 @@ def main(argv=None):
     ideal = ideal_hit_rate(g, p, sl, ql)
     res["ideal_hit_rate"] = ideal
     runs = {}
-    for name in [c for c in args.configs.split(",") if c]:
-        eng = variant(base, tok, **config_overrides(name, args.max_running))
+    for name, overrides in configs.items():
+        eng = variant(base, tok, **overrides)
         log(f"{len(prompts)} requests ({g} groups x {p}, {sl}+{ql} in, {ol} out), config {name}")
         st = drive(eng, prompts, {**GREEDY_FIXED, "max_new_tokens": ol})
         runs[name] = {"out_tok_s": st.output_tokens / st.wall_s, "wall_s": st.wall_s,

@@ -29,7 +29,8 @@ from services.gateway.pool import GatewayPool
 from services.supervisor import RestartPolicy, WorkerSlot
 from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
-from shared.engine.cli import add_engine_args, engine_args_to_argv, tp_size_arg
+from shared.engine.cli import add_engine_args, engine_args_to_argv, engine_config_from_args, engine_flag_error, tp_size_arg
+from shared.engine.spec import spec_config_error
 from shared.wire import INTERNAL_KEY_ENV
 
 log = logging.getLogger("services.launch")
@@ -78,8 +79,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--worker-gpus must be comma-separated GPU ids, e.g. 0,1")
     if (args.prefill_tp_size is not None or args.decode_tp_size is not None) and args.topology != "pd":
         p.error("--prefill-tp-size and --decode-tp-size apply to the pd topology")
+    error = engine_flag_error(args)
+    if error:
+        p.error(error)
+    if args.enable_hierarchical_cache and max(args.prefill_tp_size or 1, args.decode_tp_size or 1) > 1:
+        p.error("--enable-hierarchical-cache is not supported with tensor parallelism (--prefill-tp-size / "
+                "--decode-tp-size > 1) yet")
+    spec_error = spec_config_error(engine_config_from_args(args))
+    if spec_error:
+        p.error(spec_error)
     if args.topology == "pd":
-        from shared.transfer import require_ucx
+        from shared.pd import require_ucx
 
         try:
             require_ucx("--topology pd")

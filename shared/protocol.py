@@ -166,6 +166,7 @@ class TokenOutput(Message, tag="out"):
     input_logprobs: list = []  # sent once, with the first output
     input_top_logprobs: list = []
     queue_time: float = 0.0
+    spec_verify_ct: int = 0  # speculative decoding: verification passes of this request so far
     error: str | None = None  # set when the worker refused or failed this request
     refused: bool = False  # with error: the request itself cannot run here (invalid, larger than the pool)
 
@@ -183,7 +184,8 @@ def merge_outputs(first: "TokenOutput", later: "TokenOutput") -> "TokenOutput":
         output_top_logprobs=first.output_top_logprobs + later.output_top_logprobs,
         input_logprobs=first.input_logprobs or later.input_logprobs,
         input_top_logprobs=first.input_top_logprobs or later.input_top_logprobs,
-        queue_time=first.queue_time, error=later.error, refused=later.refused)
+        queue_time=first.queue_time, spec_verify_ct=later.spec_verify_ct or first.spec_verify_ct,
+        error=later.error, refused=later.refused)
 
 
 @message

@@ -150,15 +150,21 @@ def build_tiny_hf_tokenizer(vocab_size: int = 512) -> HFTokenizer:
     global _tiny_cache
     if _tiny_cache is not None:
         return HFTokenizer.from_str(_tiny_cache.to_str())
+    tok = train_byte_level_bpe([_TINY_CORPUS], vocab_size, TINY_SPECIALS)
+    _tiny_cache = tok
+    return HFTokenizer.from_str(tok.to_str())
+
+
+def train_byte_level_bpe(texts: list[str], vocab_size: int, special_tokens: list[str]) -> HFTokenizer:
+    """A byte-level BPE trained on texts (every byte encodable), the special tokens first (ids 0, 1, ...)."""
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TINY_SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([_TINY_CORPUS], trainer=trainer)
-    _tiny_cache = tok
-    return HFTokenizer.from_str(tok.to_str())
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
 
 
 def tiny_random_tokenizer() -> Tokenizer:

@@ -152,16 +152,30 @@ def test_decode_norm_fusion_l2_prefetch_and_rope_fusion_flags():
     assert not args.decode_rope_fusion and not worker_args(engine_args_to_argv(args)).decode_rope_fusion
 
 
-def test_attention_backend_choices_and_the_unsupported_flashinfer(capsys):
+def test_attention_backend_choices_and_flashinfer_without_its_package(capsys, monkeypatch):
+    import importlib.util
+
+    from shared.engine.cli import engine_args_to_argv
+
     assert launch_args(["--model-path", "m", "--attention-backend", "triton"]).attention_backend == "triton"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flashinfer"
+                        else real_find_spec(name, *a))
     for parse in (launch_args, worker_args):
         with pytest.raises(SystemExit):
             parse(["--model-path", "m", "--attention-backend", "flashinfer"])
         err = capsys.readouterr().err
-        assert "'flashinfer' is not supported" in err and "triton" in err and "torch" in err
+        assert "needs the flashinfer-python package" in err and 'pip install -e ".[flashinfer]"' in err
+        assert "auto, torch, triton" in err
+    # Installed: accepted, and passed on to the worker.
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flashinfer"
+                        else real_find_spec(name, *a))
+    args = launch_args(["--model-path", "m", "--attention-backend", "flashinfer"])
+    assert args.attention_backend == "flashinfer"
+    assert worker_args(engine_args_to_argv(args)).attention_backend == "flashinfer"
     with pytest.raises(SystemExit):
         launch_args(["--model-path", "m", "--attention-backend", "nope"])
-    assert "invalid choice" in capsys.readouterr().err
+    assert "unknown attention backend 'nope'; choose one of auto, torch, triton, flashinfer" in capsys.readouterr().err
 
 
 def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):

@@ -154,7 +154,7 @@ def test_compose_profiles_start_what_launch_starts(compose, profile, launch_argv
     from services.launch import worker_roles
     from services.worker.__main__ import parse_args as worker_args
 
-    monkeypatch.setattr("shared.transfer.ucx_available", lambda: True)
+    monkeypatch.setattr("shared.pd.ucx_available", lambda: True)
     launch = launch_args(["--model-path", "m", *launch_argv])
     expected_roles = worker_roles(launch)
     workers = _workers(compose, profile)

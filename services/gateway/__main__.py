@@ -52,73 +52,59 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _policy(args: argparse.Namespace):
-    from services.gateway.routing.cache_aware import CacheAwarePolicy
-    from services.gateway.routing.affinity import PrefixAffinityPolicy
-
-    name = getattr(args, "routing_policy", "cache-aware")
-    return PrefixAffinityPolicy() if name == "prefix-affinity" else CacheAwarePolicy()
-
-
 async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, GatewayState]:
-    """Start the gateway inside the caller's event loop (a launcher runs several services in one)."""
-    tokenizer_path = getattr(args, "tokenizer_path", None) or args.model_path
+    """Start the gateway inside the caller's event loop (a launcher runs several services in one); `args`
+    as build_parser parses them."""
+    from services.gateway.routing.affinity import PrefixAffinityPolicy
+    from services.gateway.routing.cache_aware import CacheAwarePolicy
+
+    tokenizer_path = args.tokenizer_path or args.model_path
     tokenizer = await asyncio.to_thread(Tokenizer.load, tokenizer_path)
-    if getattr(args, "chat_template", None):
+    if args.chat_template:
         try:
             with open(args.chat_template, encoding="utf-8") as f:
                 tokenizer.set_chat_template(f.read())
         except (OSError, ValueError) as e:
             raise SystemExit(f"--chat-template {args.chat_template}: {e}") from None
-    key = getattr(args, "internal_key", None)
-    workers = [WorkerClient(host, port, internal_key=key) for host, port in parse_worker_list(args.workers)] if args.workers else []
-    redis_url = getattr(args, "redis_url", None)
-    if not workers and not redis_url:
+    workers = [WorkerClient(host, port, internal_key=args.internal_key)
+               for host, port in parse_worker_list(args.workers)] if args.workers else []
+    if not workers and not args.redis_url:
         raise SystemExit("give --workers host:port[,...] or --redis-url to discover workers")
     try:
-        tool_parser = resolve_parser(getattr(args, "tool_call_parser", None), tokenizer.chat_template)
-        reasoning_parser = resolve_reasoning_parser(getattr(args, "reasoning_parser", None))
+        tool_parser = resolve_parser(args.tool_call_parser, tokenizer.chat_template)
+        reasoning_parser = resolve_reasoning_parser(args.reasoning_parser)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    limits = Limits(max_n=getattr(args, "max_n", Limits.max_n),
-                    max_body_bytes=getattr(args, "max_body_bytes", Limits.max_body_bytes),
-                    strict_sampling_params=getattr(args, "strict", False))
+    policy = PrefixAffinityPolicy() if args.routing_policy == "prefix-affinity" else CacheAwarePolicy()
     state = GatewayState(tokenizer=tokenizer, served_model_name=args.served_model_name or args.model_path,
-                         model_path=args.model_path, router=Router(workers, _policy(args),
-                                                                      getattr(args, "pd_bypass_tokens", 128)),
-                         context_length=getattr(args, "context_length", None), limits=limits,
-                         api_key=getattr(args, "api_key", None), admin_api_key=getattr(args, "admin_api_key", None),
-                         tokenizer_path=tokenizer_path, tool_parser=tool_parser,
-                         reasoning_parser=reasoning_parser,
-                         program_budget=ProgramBudget(max_running_per_key=getattr(
-                             args, "max_programs_per_key", ProgramBudget.max_running_per_key)),
-                         fork_hint=not getattr(args, "disable_fork_hint", False),
-                         process=(getattr(args, "process_index", 0), getattr(args, "gateway_processes", 1) or 1))
-    # handler_cancellation: a client that hangs up cancels its handler, whose cleanup aborts the
-    # request on the worker (otherwise its KV stays pinned until generation ends).
+                         model_path=args.model_path, router=Router(workers, policy, args.pd_bypass_tokens),
+                         context_length=args.context_length, api_key=args.api_key, admin_api_key=args.admin_api_key,
+                         limits=Limits(max_n=args.max_n, max_body_bytes=args.max_body_bytes,
+                                       strict_sampling_params=args.strict),
+                         tokenizer_path=tokenizer_path, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+                         program_budget=ProgramBudget(max_running_per_key=args.max_programs_per_key),
+                         fork_hint=not args.disable_fork_hint, process=(args.process_index, args.gateway_processes),
+                         drain_grace=args.drain_grace)
     app = create_app(state)
-    if redis_url:
+    if args.redis_url:
         from services.gateway.routing.discovery import WorkerDiscovery
         from shared.metadata.store import RedisStore
 
-        discovery = WorkerDiscovery(RedisStore(redis_url), state.router, internal_key=key)
+        discovery = WorkerDiscovery(RedisStore(args.redis_url), state.router, internal_key=args.internal_key)
         await discovery.refresh_once()  # Redis down: serve the --workers list, pick up the registry later
         discovery.start()
 
         async def _stop_discovery(_app):
             await discovery.close()
         app.on_cleanup.append(_stop_discovery)
-    # shutdown_timeout: on stop, requests in flight get this long to finish (a rolling restart loses
-    # nothing accepted); only then are their handlers cancelled (and so aborted on the workers).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=getattr(args, "drain_timeout", 30.0))
+    # handler_cancellation: a client that hangs up cancels its handler, whose cleanup aborts the request on
+    # the worker; shutdown_timeout: on stop, requests in flight get this long to finish first.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=args.drain_timeout)
     await runner.setup()
-    listen_fd = getattr(args, "listen_fd", None)
-    if listen_fd is not None:  # the pool's socket, shared with the other gateway processes
-        await web.SockSite(runner, socket.socket(fileno=listen_fd)).start()
+    if args.listen_fd is not None:  # the pool's socket, shared with the other gateway processes
+        await web.SockSite(runner, socket.socket(fileno=args.listen_fd)).start()
     else:
         await web.TCPSite(runner, args.host, args.port).start()
-    state.drain_grace = getattr(args, "drain_grace", 1.0)
     return runner, state
 
 

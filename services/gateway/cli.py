@@ -1,11 +1,7 @@
-"""The gateway's own flags (routing, HTTP API, parsers), declared once: the gateway's parser takes them
-with their real defaults, and `services.launch` takes the same flags in forward-only mode (every default
-None), passing the gateway just those the user gave.
-
-Flags of the whole stack (--host, --port, --redis-url, --drain-*, --log-level, --model-path) and those the
-launcher means differently (--workers, --context-length, --internal-key) are not here: each parser
-declares its own (tests/gateway/test_cli.py checks the two stay in step).
-"""
+"""The gateway's own flags, declared once: the gateway's parser takes them with their real defaults, and
+`services.launch` in forward-only mode (every default None), passing on just those the user gave. Flags
+of the whole stack, or that the launcher means differently, each parser declares itself
+(tests/gateway/test_cli.py checks the two stay in step)."""
 from __future__ import annotations
 
 import argparse

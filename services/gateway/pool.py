@@ -1,21 +1,6 @@
-"""Several gateway processes on one port (`--gateway-processes N`), so the gateway's Python is not the
-ceiling of a data-parallel stack: every process is a whole gateway (its own worker connections, router
-and routing index), and they accept connections from one listening socket, bound here and inherited by
-each, so the kernel hands a new connection to whichever process accepts first (an idle one).
-
-What the processes share, and how:
-- the port: the socket above; a process that drains closes only its own copy, so the others keep
-  accepting while it finishes its requests;
-- /metrics: prometheus-client's multiprocess mode (services/gateway/http/metrics.py), in a directory this pool
-  owns; a scrape answered by any process reports the whole gateway;
-- what a supervisor says about workers (down, restarting, back): JSON lines on each process's stdin,
-  repeated to a process that is restarted;
-- routing: nothing. Each process learns which worker holds which prefix from its own requests; prompts it
-  has not seen go where prefix affinity hashes them (the same choice in every process), so one prefix is
-  cached on at most a few workers, not scattered. Per-key program budgets hold per process.
-
-A process that dies costs the requests it held; it is restarted with the workers' backoff policy.
-"""
+"""Several gateway processes on one port (`--gateway-processes N`; why: docs/design.md): whole gateways
+accepting on one socket bound here, sharing /metrics (prometheus-client's multiprocess files) and the
+supervisor's news of workers (JSON lines on each process's stdin, repeated to a restarted process)."""
 from __future__ import annotations
 
 import asyncio
@@ -96,15 +81,13 @@ class GatewayPool:
         if what in ("restarting", "down") and slot.proc is not None:
             from prometheus_client import multiprocess
 
-            # Its live gauges (in flight, throughput) leave the sums; its counters stay counted.
             multiprocess.mark_process_dead(slot.proc.pid, self.metrics_dir)
         elif what == "up":
             for msg in self._worker_news.values():  # a restarted process knows only its command line
                 slot.send(msg)
 
     async def stop(self, timeout: float) -> None:
-        """SIGTERM every process (each drains: not ready, grace, in-flight requests finish), then SIGKILL
-        after `timeout`; the socket and the metrics directory go last."""
+        """SIGTERM every process (each drains), SIGKILL after `timeout`; then the socket and metrics files."""
         await asyncio.gather(*(s.stop(timeout) for s in self.slots))
         if self.sock is not None:
             self.sock.close()

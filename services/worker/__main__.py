@@ -3,8 +3,7 @@
 Request life: the gateway sends token ids over a persistent msgpack connection; the engine thread
 matches the radix cache, schedules, runs the model and streams TokenOutput frames back. In PD mode a
 prefill worker computes the prompt and pushes its KV over UCX to the decode worker the gateway paired it
-with (services/prefill/kv_push.py), which reserves slots, takes the pages in (services/decode/
-kv_receive.py) and decodes.
+with, which reserves slots, takes the pages in and decodes (shared/pd/: kv_push.py, kv_receive.py).
 """
 from __future__ import annotations
 
@@ -19,7 +18,8 @@ import uuid
 from services.worker.server import WorkerServer
 from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
-from shared.engine.cli import add_engine_args, engine_config_from_args
+from shared.engine.cli import add_engine_args, engine_config_from_args, engine_flag_error
+from shared.engine.spec import SpecConfigError, spec_config_error
 from shared.engine.engine_loop import Engine
 from shared.gc_freeze import freeze_startup_heap
 from shared.metadata.registration import Registration
@@ -56,12 +56,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="on SIGTERM, seconds between saying not ready and waiting for running requests")
     p.add_argument("--log-level", default="warning", help="debug | info | warning | error")
     add_engine_args(p)
-    return parse_with_config(p, argv)
+    args = parse_with_config(p, argv)
+    error = engine_flag_error(args) or spec_config_error(engine_config_from_args(args))
+    if error:
+        p.error(error)
+    return args
 
 
 async def serve(args: argparse.Namespace) -> None:
     if args.role in ("prefill", "decode"):
-        from shared.transfer import require_ucx
+        from shared.pd import require_ucx
 
         try:
             require_ucx(f"a {args.role} worker")
@@ -79,11 +83,11 @@ async def serve(args: argparse.Namespace) -> None:
     advertise = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host)
     transfer, transfer_addr = None, None
     if args.role == "prefill":
-        from services.prefill.kv_push import KvPush
+        from shared.pd.kv_push import KvPush
 
         transfer = KvPush(engine, loop, key=key)
     elif args.role == "decode":
-        from services.decode.kv_receive import KvReceive
+        from shared.pd.kv_receive import KvReceive
 
         transfer = KvReceive(engine, loop, key=key)
         transfer_addr = (advertise, await transfer.start(args.transfer_port))
@@ -140,10 +144,11 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from shared.models.parallel import TPConfigError
     from shared.models.quantization import UnsupportedQuantization
+    from shared.cache.host_pool import HostTierError
 
     try:
         event_loop.run(serve(args))
-    except (UnsupportedQuantization, TPConfigError) as e:  # a model we cannot run this way: say so, no traceback
+    except (UnsupportedQuantization, TPConfigError, SpecConfigError, HostTierError) as e:  # a model we cannot run this way: say so, no traceback
         raise SystemExit(f"error: {e}") from None
     from shared.engine.tp import teardown_stuck
 

@@ -37,7 +37,7 @@ class WorkerServer:
     def __init__(self, engine: Engine, role: str = "unified", transfer: object | None = None,
                  transfer_addr: tuple[str, int] | None = None, internal_key: str = "",
                  max_frame: int = WORKER_MAX_FRAME):
-        """`transfer`: the PD glue (services/prefill/kv_push.py or services/decode/kv_receive.py), whose
+        """`transfer`: the PD glue (shared/pd/kv_push.py or shared/pd/kv_receive.py), whose
         stats join the info answer; `transfer_addr`: where a decode worker's KV receiver listens;
         `internal_key`: what every connection's opening Hello must carry; `max_frame`: the largest frame
         taken from an authenticated peer."""

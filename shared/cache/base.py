@@ -13,6 +13,10 @@ import torch
 class MatchResult:
     slots: torch.Tensor  # [n] int64 pool slots of the matched prefix (n is a multiple of page_size)
     node: Any  # handle to lock/unlock; pass back to insert/unlock only
+    # Host tier (HiRadixCache): tokens past `slots` whose KV is in host memory only, and the cache's handle
+    # on them for load_back(). 0 / None for every other cache.
+    host_hit_length: int = 0
+    host: Any = None
 
     @property
     def length(self) -> int:
@@ -79,6 +83,9 @@ class PrefixCache(ABC):
         insert, release or lock can reach under it, so it yields the same tree, slots and counts in
         whatever order it runs among theirs. False when unsure."""
         return False
+
+    def poll(self) -> None:
+        """Once a scheduling round: take note of background copies that completed (the host tier)."""
 
     @abstractmethod
     def lock(self, node: Any) -> None:

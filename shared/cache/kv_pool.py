@@ -45,9 +45,12 @@ class KVPool:
         self.size = (num_pages + 1) * page_size  # total slots including the reserved page
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (self.size, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # One allocation, [K0, V0, K1, V1, ...]: the per-layer buffers are views of it, so a copy of some slots of
+        # every layer (the host tier's, shared/cache/host_pool.py) is one indexing kernel, not one per buffer.
+        self.kv_buffer = torch.zeros((2 * num_layers, self.size, num_kv_heads, head_dim), dtype=dtype,
+                                     device=self.device)
+        self.k_buffers = [self.kv_buffer[2 * layer] for layer in range(num_layers)]
+        self.v_buffers = [self.kv_buffer[2 * layer + 1] for layer in range(num_layers)]
         # (k_scale, v_scale) of each layer: what an FP8 pool's rows are multiplied by when read.
         if scales is not None and dtype.itemsize != 1 and any(s != (1.0, 1.0) for s in scales):
             raise ValueError("KV scales apply to an FP8 pool only")

@@ -29,7 +29,8 @@ from shared.cache.base import MatchResult, PrefixCache
 
 
 class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "lock_ends", "last_access", "version")
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "lock_ends", "last_access", "version",
+                 "host_value", "host_pending")
 
     def __init__(self, key: np.ndarray, value: np.ndarray, parent: "TreeNode | None", last_access: int):
         self.key = key  # int32 token ids of this edge
@@ -40,6 +41,10 @@ class TreeNode:
         self.lock_ends = 0  # ... of them, those that end here (a request's own node: lock() / insert_extending)
         self.last_access = last_access
         self.version = 0  # bumped when `children` changes (see match_length)
+        # The host tier (shared/cache/hiradix_cache.py): host pool slots of a copy of this KV, or None; `value`
+        # is None while the KV is on the host only. host_pending: the copy's event until it completes.
+        self.host_value: np.ndarray | None = None
+        self.host_pending = None
 
     @property
     def evicted(self) -> bool:
@@ -57,6 +62,18 @@ def as_tokens(key) -> np.ndarray:
     if isinstance(key, torch.Tensor):
         return key.detach().to("cpu", torch.int32).numpy()
     return np.asarray(key, dtype=np.int32)
+
+
+def _on_device(node: TreeNode) -> bool:
+    return node.value is not None  # (a host-tier node may hold its KV on the host only)
+
+
+def _head(slots: np.ndarray | None, m: int) -> np.ndarray | None:
+    return None if slots is None else slots[:m].copy()
+
+
+def _tail(slots: np.ndarray | None, m: int) -> np.ndarray | None:
+    return None if slots is None else slots[m:].copy()
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
@@ -335,7 +352,9 @@ class RadixCache(PrefixCache):
         assert self._protected == 0, "reset while requests hold locks"
         nodes = list(self.nodes())
         if nodes:
-            self.allocator.free(np.concatenate([n.value for n in nodes]))
+            device = [n.value for n in nodes if n.value is not None]  # host-tier nodes may have none
+            if device:
+                self.allocator.free(np.concatenate(device))
         for node in nodes:  # stale handles held elsewhere now read as evicted
             node.parent, node.children = None, None
         self._roots = {None: self._new_root()}
@@ -388,33 +407,41 @@ class RadixCache(PrefixCache):
         """Follow `tokens` (page-aligned length) from root, splitting the last edge at a partial match.
         Returns (deepest matched node, matched length, slot arrays along the path). Touches the path."""
         node, pos, values = root, 0, []
+        for node, pos in self._descend(root, tokens, 0, now, _on_device):
+            values.append(node.value)
+        if node.parent is not None:
+            self._push(node)  # touched leaf: its old heap entry is now stale (_push skips non-leaves)
+        return node, pos, values
+
+    def _descend(self, node: TreeNode, tokens: np.ndarray, pos: int, now: int, take):
+        """From `node`, where tokens[:pos] are matched, follow tokens (page-aligned length) through the children
+        `take` accepts, splitting an edge matched in part and touching each: yields (child, matched length).
+        After a split the next lookup misses (the edges diverge inside the next page), ending the walk."""
         ps, n = self.page_size, tokens.shape[0]
         while pos < n:
             child = node.children.get(self._child_key(tokens[pos:pos + ps]))
-            if child is None:
-                break
+            if child is None or not take(child):
+                return
             m = common_prefix_len(child.key, tokens[pos:])
             m -= m % ps
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = now
-            values.append(child.value)
             node, pos = child, pos + m
-            # After a split the next lookup misses (the edges diverge inside the next page), ending the walk.
-        if node.parent is not None and node.lock_ref == 0 and not node.children:
-            self._push(node)  # touched leaf: its old heap entry is now stale
-        return node, pos, values
+            yield child, pos
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut child's edge after m tokens; the new upper node takes child's place and lock count
         (every lock through child also goes through it). Totals do not change."""
         parent = child.parent
-        upper = TreeNode(child.key[:m].copy(), child.value[:m].copy(), parent, child.last_access)
+        upper = TreeNode(child.key[:m].copy(), _head(child.value, m), parent, child.last_access)
         upper.lock_ref = child.lock_ref
+        upper.host_value, upper.host_pending = _head(child.host_value, m), child.host_pending
         parent.children[self._child_key(upper.key)] = upper
         parent.version += 1
         child.key = child.key[m:].copy()
-        child.value = child.value[m:].copy()
+        child.value = _tail(child.value, m)
+        child.host_value = _tail(child.host_value, m)
         child.parent = upper
         upper.children[self._child_key(child.key)] = child
         self._num_nodes += 1

@@ -47,6 +47,14 @@ class GrammarState:
         self.num_accepted += 1
         return True
 
+    def try_accept(self, token_id: int) -> bool:
+        """accept_token for a guess (a speculative draft): a refused token leaves the matcher as it was and
+        usable, not failed."""
+        if self.failed or not 0 <= token_id < self.vocab.size or not self.matcher.accept_token(int(token_id)):
+            return False
+        self.num_accepted += 1
+        return True
+
     def accept_tokens(self, token_ids: list[int]) -> bool:
         """All or nothing: on a rejection the matcher is left as it was."""
         taken = 0

@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 import re
 
-from shared.engine.config import ATTENTION_BACKENDS, EngineConfig, unsupported_attention_backend
+from shared.engine.config import ATTENTION_BACKENDS, EngineConfig, attention_backend_error, hicache_config_error
 
 _CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
@@ -16,6 +16,8 @@ _CHOICES = {
     "kv_cache_dtype": ["auto", "fp8_e4m3", "fp8_e5m2", "fp8"],
     "jump_forward_mode": ["retokenize", "verify"],
     "kv_transfer_staging": ["device", "host"],
+    "hicache_write_policy": ["write_back", "write_through", "write_through_selective"],
+    "speculative_algorithm": ["NGRAM", "STANDALONE", "EAGLE"],
 }
 
 
@@ -26,7 +28,7 @@ def _device(value: str) -> str:
 
 
 def _attention_backend(value: str) -> str:
-    error = unsupported_attention_backend(value)
+    error = attention_backend_error(value)
     if error:
         raise argparse.ArgumentTypeError(error)
     return value
@@ -67,7 +69,14 @@ def _pdl_families(value: str) -> str:
 
 _TYPES = {"device": _device, "attention_backend": _attention_backend, "tp_size": tp_size_arg,
           "stream_interval": _int_at_least(1), "cuda_graph_max_extend_tokens": _int_at_least(0),
-          "triton_attention_num_kv_splits": _int_at_least(1), "pdl_early_trigger": _pdl_families}
+          "max_running_requests": _int_at_least(1), "cuda_graph_max_bs": _int_at_least(1),
+          "chunked_prefill_size": _int_at_least(1),
+          "triton_attention_num_kv_splits": _int_at_least(1), "pdl_early_trigger": _pdl_families,
+          "speculative_algorithm": str.upper, "speculative_num_steps": _int_at_least(1),
+          "speculative_num_draft_tokens": _int_at_least(2),
+          "speculative_ngram_min_match_window_size": _int_at_least(1),
+          "speculative_ngram_max_match_window_size": _int_at_least(1),
+          "speculative_disable_batch_size": _int_at_least(0)}
 
 # Flag names where SGLang's launcher names the same setting differently: its name first (what --help and
 # child processes use), ours kept as an alias. Boolean fields that default to true also take SGLang's
@@ -94,13 +103,16 @@ _HELP = {
     "dtype": "auto: bfloat16 on GPU, float32 on CPU",
     "kv_cache_dtype": "auto: the model's dtype; fp8_e4m3 / fp8_e5m2 (fp8: e4m3): an FP8 KV cache, twice the tokens "
                       "in the same memory, scaled by the checkpoint's per-layer k/v scales where it has them",
-    "attention_backend": "auto picks per device (triton on GPU, torch on CPU)",
+    "attention_backend": "auto picks per device (triton on GPU, torch on CPU); flashinfer: FlashInfer's kernels "
+                         "(the optional extra: pip install -e \".[flashinfer]\")",
     "page_size": "tokens per KV page (radix matches are page-aligned)",
     "max_total_tokens": "KV pool size in tokens (default: --mem-fraction-static of free memory after weights)",
     "mem_fraction_static": "fraction of free device memory for the KV pool when --max-total-tokens is unset",
-    "max_running_requests": "requests decoded together at most",
+    "max_running_requests": "requests decoded together at most (default: derived, one per 256 KV-pool tokens, "
+                            "256 to 4096; 256 without a GPU)",
     "max_context_len": "longest prompt + output (default: the model's max_position_embeddings)",
-    "chunked_prefill_size": "new tokens of one request per prefill pass (longer prompts take several)",
+    "chunked_prefill_size": "new tokens of one request per prefill pass, longer prompts take several (default: "
+                            "derived, 8192 on GPUs from 60 GB, else 4096, at most a quarter of the KV pool)",
     "max_prefill_tokens": "new tokens of all requests in one prefill pass",
     "enable_mixed_chunk": "running requests decode inside prefill passes (their token counts against "
                           "--max-prefill-tokens) instead of in a decode pass between them",
@@ -108,13 +120,21 @@ _HELP = {
     "lpm_queue_limit": "above this queue length LPM falls back to FCFS (0: LPM at any length)",
     "max_skipped_rounds": "a request passed over this many times goes first (no starvation)",
     "disable_radix_cache": "no prefix reuse (the ablation)",
+    "enable_hierarchical_cache": "a host-memory KV tier under the radix tree: KV evicted from the device pool moves "
+                                 "to pinned host memory and is loaded back when a prompt reuses it",
+    "hicache_ratio": "host tier size as a multiple of the device KV pool's tokens",
+    "hicache_size": "host tier size in GB (overrides --hicache-ratio when > 0)",
+    "hicache_write_policy": "write_through: new KV is copied to the host as it is cached; write_back: when it is "
+                            "evicted (eviction waits for the copy); write_through_selective: when first reused",
+    "hicache_load_timeout": "seconds a load from the host tier may take before the prefix is recomputed instead",
     "init_new_token_ratio": "share of running requests' remaining max_new_tokens reserved at admission",
     "min_new_token_ratio": "lower bound the reservation ratio decays to",
     "new_token_ratio_decay": "per-step decay of the reservation ratio",
     "disable_shared_prefix_attention": "decode groups sharing a cached prefix attend it per request, not "
                                        "once per group (the cascade-attention ablation)",
     "cuda_graph": "run decode without CUDA graphs",
-    "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
+    "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph (default: derived, the running requests up to "
+                         "1024 on GPUs from 60 GB, else 256)",
     "cuda_graph_max_extend_tokens": "largest extend pass (tokens, up to 4096) captured in a CUDA graph: any number "
                                     "of requests of at most 64 new tokens each (jump-forward catch-up passes, short "
                                     "turns on cached prefixes), or up to 4 longer ones within 512 tokens (a prompt, "
@@ -139,6 +159,19 @@ _HELP = {
     "jump_forward_threshold": "retokenize mode: jump over forced text only when a step's forced tokens reach "
                               "this many per running request (a catch-up extend pass costs the whole batch "
                               "about that many decode steps) or a prompt is being admitted anyway; 0: always",
+    "speculative_algorithm": "speculative decoding: NGRAM (drafts looked up in the request's own prompt and "
+                             "output) or STANDALONE (a small draft model, --speculative-draft-model-path); the "
+                             "target verifies the drafts in one pass, so greedy output is its own (EAGLE: not "
+                             "implemented, refused)",
+    "speculative_draft_model_path": "STANDALONE: the draft model (same tokenizer and vocabulary as the target)",
+    "speculative_num_steps": "STANDALONE: draft tokens proposed a round, one draft decode step each (default 3)",
+    "speculative_num_draft_tokens": "tokens a request verifies in one pass: its last token and the drafts "
+                                    "(default: 8 for NGRAM; STANDALONE needs --speculative-num-steps + 1)",
+    "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the sequence looked up",
+    "speculative_ngram_max_match_window_size": "NGRAM: longest suffix of the sequence looked up (tried first)",
+    "speculative_disable_batch_size": "speculation is off while more requests than this are running (large "
+                                      "batches are compute-bound: drafts would cost more than they save); above a "
+                                      "quarter of it the drafts per request are halved; 0: never off",
     "random_seed": "seed of requests without their own",
     "stream_interval": "streaming requests receive new tokens every this many tokens (first and last at once); "
                        "larger values cut per-token serving overhead, smaller ones give smoother streams",
@@ -171,6 +204,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help=argparse.SUPPRESS)
     group.add_argument("--dequantize-fp8-blocks", dest="dequantize_fp8_blocks", action="store_true",
                        help=argparse.SUPPRESS)
+
+
+def engine_flag_error(args: argparse.Namespace) -> str | None:
+    """Why the engine flags cannot work together, or None (the worker and launcher refuse to start)."""
+    return hicache_config_error(args)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -3,19 +3,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# Backends SGLang offers that this engine does not, with the reason (docs/design.md).
-_UNSUPPORTED_ATTENTION = {
-    "flashinfer": "the GPU machines cannot install flashinfer (its wheels exceed what bench/fetch_wheels.sh "
-                  "may carry there), so a backend on it could never be tested",
-}
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+# The optional flashinfer extra (pyproject.toml); for the GPU machines, bench/fetch_flashinfer.sh's repacked wheel.
+FLASHINFER_INSTALL = 'pip install -e ".[flashinfer]" (flashinfer-python==0.7.4)'
 
 
-def unsupported_attention_backend(name: str) -> str | None:
-    """The error for a backend name this engine knowingly lacks, or None for any other name."""
-    why = _UNSUPPORTED_ATTENTION.get(name)
-    return (f"attention backend {name!r} is not supported: {why}; use triton (GPU), torch, or auto"
-            if why else None)
+def flashinfer_missing(why: str) -> str:
+    """The start-up error of --attention-backend flashinfer without its package."""
+    others = ", ".join(b for b in ATTENTION_BACKENDS if b != "flashinfer")
+    return (f"attention backend 'flashinfer' needs the flashinfer-python package ({why}): {FLASHINFER_INSTALL}; "
+            f"or choose one of {others}")
+
+
+def attention_backend_error(name: str) -> str | None:
+    """Why --attention-backend NAME cannot start, or None: an unknown name, or flashinfer not installed (found
+    without importing it)."""
+    if name not in ATTENTION_BACKENDS:
+        return f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
+    if name == "flashinfer":
+        import importlib.util
+
+        if importlib.util.find_spec("flashinfer") is None:
+            return flashinfer_missing("it is not installed")
+    return None
+
+
+def hicache_config_error(config) -> str | None:
+    """Why the host tier flags cannot work together with the others, or None (`config`: an EngineConfig or the
+    parsed arguments)."""
+    if not config.enable_hierarchical_cache:
+        return None
+    if config.disable_radix_cache:
+        return "--enable-hierarchical-cache needs the radix cache: drop --disable-radix-cache"
+    if config.tp_size > 1:
+        return "--enable-hierarchical-cache is not supported with tensor parallelism (--tp-size > 1) yet"
+    if config.hicache_size < 0 or (config.hicache_size == 0 and config.hicache_ratio <= 0):
+        return "the host KV tier needs --hicache-size > 0 (GB) or --hicache-ratio > 0"
+    if config.hicache_load_timeout <= 0:
+        return "--hicache-load-timeout must be > 0 seconds"
+    return None
 
 
 @dataclass
@@ -36,14 +62,16 @@ class EngineConfig:
     # the pool's bytes a token (twice the tokens) and decode attention's reads; its values are rounded, with the
     # checkpoint's per-layer k/v scales where it has them (shared/cache/kv_pool.py).
     kv_cache_dtype: str = "auto"
-    attention_backend: str = "auto"  # auto | torch | triton (ATTENTION_BACKENDS)
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer (ATTENTION_BACKENDS)
     page_size: int = 1
     # KV pool size: explicit token count, else a fraction of free device memory after weights.
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85
-    max_running_requests: int = 256
+    # The next three: None derives them from the KV pool's tokens and the GPU's memory (shared/engine/sizing.py);
+    # without a GPU 256 / 256 / 4096.
+    max_running_requests: int | None = None
     max_context_len: int | None = None  # default: the model's max_position_embeddings
-    chunked_prefill_size: int = 4096  # max new tokens of one request per prefill pass
+    chunked_prefill_size: int | None = None  # max new tokens of one request per prefill pass
     max_prefill_tokens: int = 8192  # max new tokens of all requests in one prefill pass
     # Running requests ride along in prefill passes with their one decode token (SGLang's
     # --enable-mixed-chunk): no decode pass between prefill passes, each running request still gains a token
@@ -58,6 +86,16 @@ class EngineConfig:
     lpm_queue_limit: int = 128
     max_skipped_rounds: int = 32  # aging bound: a request passed over this often goes first
     disable_radix_cache: bool = False
+    # A host-memory KV tier under the radix tree (SGLang's HiCache flags; shared/cache/hiradix_cache.py): KV evicted
+    # from the device pool moves to a host pool of hicache_ratio × its tokens (hicache_size GB instead when > 0) and
+    # comes back when a match reaches it. write_through: new KV is copied to the host as it enters the tree;
+    # write_back: at eviction; write_through_selective: when a match first reuses it. A load-back not done within
+    # hicache_load_timeout seconds is given up (the prefix is recomputed).
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0
+    hicache_write_policy: str = "write_through"
+    hicache_load_timeout: float = 5.0
     init_new_token_ratio: float = 0.7  # share of remaining max_new_tokens reserved for running requests
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.002
@@ -66,7 +104,7 @@ class EngineConfig:
     # can capture it.
     disable_shared_prefix_attention: bool = False
     cuda_graph: bool = True
-    cuda_graph_max_bs: int = 256
+    cuda_graph_max_bs: int | None = None  # the largest decode batch captured (at most max_running_requests)
     # Extend passes of up to this many tokens (4096 at most; 64 new tokens per request) replay a CUDA graph too:
     # jump-forward's catch-up passes and short turns on cached prefixes, launch-bound when eager
     # (shared/engine/extend_graph.py). 0: extend passes always run eagerly.
@@ -114,6 +152,24 @@ class EngineConfig:
     # batch (a CUDA graph of its own when it fits) instead of a decode step, which costs a few decode steps, and one
     # request's short forced run saves only its own steps (docs/kernels.md). 0: always jump.
     jump_forward_threshold: float = 3.0
+    # Speculative decoding (SGLang's flag names; shared/engine/spec/): NGRAM proposes the tokens that followed the
+    # latest earlier occurrence of the sequence's last n tokens in the request's own prompt and output (prompt
+    # lookup), STANDALONE runs a small draft model of the same tokenizer; the target checks every draft in one
+    # extend pass and keeps the prefix it would have produced itself, plus its own next token. None: off.
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    # STANDALONE: draft decode steps a round (the draft tokens proposed); default 3.
+    speculative_num_steps: int | None = None
+    # Tokens of each request in one verification pass: its last token and the drafts (so drafts = this - 1).
+    # Default: 8 for NGRAM, num_steps + 1 for STANDALONE (which needs exactly that).
+    speculative_num_draft_tokens: int | None = None
+    # NGRAM: suffix lengths tried for a match, longest first.
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    # Speculation pays while the step is bound by reading the weights: above this many running requests it
+    # is off (those steps decode and overlap as without it); above a quarter of it the drafts per request
+    # are halved. 0: speculate at any batch size.
+    speculative_disable_batch_size: int = 64
     random_seed: int = 0
     # Streaming requests get their new tokens every this many tokens (the first and the last at once), as
     # SGLang's --stream-interval: fewer, larger increments cut the per-token work of the worker's IO, the

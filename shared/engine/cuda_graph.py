@@ -139,7 +139,7 @@ class CudaGraphRunner:
                         f"{' (shared-prefix variant)' if key[1] else ''} beside the KV pool; lower --cuda-graph-max-bs "
                         f"(now {self.max_bs}) or --mem-fraction-static, or pass --disable-cuda-graph")
         self.graphs.update(graphs)
-        log.info("captured %d decode graphs in %.1fs", len(keys), time.monotonic() - t0)
+        log.debug("captured %d decode graphs in %.1fs", len(keys), time.monotonic() - t0)
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.max_bs
@@ -176,6 +176,7 @@ class CudaGraphRunner:
         if pad:
             host[n:] = torch.tensor([0, 1, 0, 0], dtype=torch.int64)
         self.staged[:bs].copy_(host.pin_memory(), non_blocking=True)
+        self.attn_backend.before_graph_replay(bs, seq_lens + [1] * pad)
         self.graphs[bs, cascade].replay()
         return self.logits[:n], self.req_pool_indices[:n]
 

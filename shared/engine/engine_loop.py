@@ -25,12 +25,14 @@ from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import Detokenizer
 from shared.engine.forward_batch import ForwardMode
 from shared.engine.model_runner import ModelRunner, StepOutput
+from shared.engine.penalties import penalized
 from shared.engine.request import PENDING_TOKEN, Req, ReqStatus
 from shared.engine.schedule_batch import ScheduleBatch
 from shared.engine.schedule_policy import SchedulePolicy
+from shared.engine.spec import build_speculator
 from shared import limits
 from shared.errors import InvalidRequest
-from shared.engine.disagg import DecodeSide, PrefillSide, validate_transfer
+from shared.pd.sides import DecodeSide, PrefillSide, validate_transfer
 from shared.protocol import (FinishAbort, FinishLength, FinishReason, FinishStop, GenerateRequest, KvDone,
                              TokenOutput)
 from shared.sampling_params import SamplingParams
@@ -73,20 +75,26 @@ class Engine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer,
                  on_output: Callable[[list[TokenOutput]], None], runner: ModelRunner | None = None):
         """`runner` lets a benchmark reuse loaded weights and KV memory for several engine variants
-        (only one may be active at a time: they share the pool)."""
-        self.config = config
+        (only one may be active at a time: they share the pool). The sizes config leaves unset (running
+        requests, graph batch, prefill chunk) are the runner's, derived from its pool and GPU."""
         self.tokenizer = tokenizer
         self.on_output = on_output
         self._owns_runner = runner is None
         self.runner = runner or ModelRunner(config)
+        self.config = config = self.runner.sized(config)
         model_eos = getattr(self.runner.model_config, "eos_token_ids", None) or []
         self.eos_token_ids = sorted(set(tokenizer.eos_token_ids) | set(model_eos))
         self.runner.eos_token_ids = self.eos_token_ids
         self.runner.tokenizer_vocab_size = min(tokenizer.vocab_size, self.runner.vocab_size)
         self.allocator = SlotAllocator(self.runner.kv_pool.num_pages, config.page_size, device="cpu")
-        cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
-        self.cache = cache_cls(self.allocator, config.page_size)
-        # PD mode: the prefill/decode halves (shared/engine/disagg.py), wired by the worker's transfer
+        if config.enable_hierarchical_cache:
+            from shared.cache.hiradix_cache import tiered_cache
+
+            self.cache = tiered_cache(config, self.allocator, self.runner.kv_pool)
+        else:
+            cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
+            self.cache = cache_cls(self.allocator, config.page_size)
+        # PD mode: the prefill/decode halves (shared/pd/sides.py), wired by the worker's transfer
         # glue; idle in unified mode. The scheduler asks their stage queues about PD requests.
         self.prefill_side = PrefillSide(self)
         self.decode_side = DecodeSide(self)
@@ -99,6 +107,8 @@ class Engine:
         self.grammars = GrammarCache(tokenizer, self.runner.vocab_size,
                                      jump_forward=not config.disable_jump_forward)
         self._retokenized = RetokenizeMemo()  # jump boundaries' encodings (this engine's tokenizer)
+        # Speculative decoding (shared/engine/spec/): None when off.
+        self.spec = build_speculator(config, self.runner, tokenizer)
         self._grammar_wait: list[Req] = []  # admitted, waiting for their grammar to compile
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._reqs: dict[str, Req] = {}
@@ -180,6 +190,8 @@ class Engine:
         self.inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.spec is not None:
+            self.spec.close()
         if self._owns_runner:
             self.runner.close()  # the other tensor-parallel ranks, if any
 
@@ -261,12 +273,16 @@ class Engine:
         # with the device idle). Its rows cannot leave it any more: only the previous pass's processing drops rows.
         self.policy.cache_extended_apart()
         if (not self.config.enable_overlap or self._host_dependent > 0 or handle.counts is not None
-                or self._jumps_likely_after(handle)):
-            # A pass verifying proposals (jump-forward, verify mode) decides on the host where its
+                or self._jumps_likely_after(handle) or self._speculating()):
+            # A pass verifying proposals (jump-forward's verify mode, drafts) decides on the host where its
             # requests continue: nothing is scheduled after it until it is processed. So does a
-            # constrained pass while jump-forward is jumping (above).
+            # constrained pass while jump-forward is jumping (above), and any pass while speculation is on
+            # (its tokens are what the next drafts continue: a pass launched before them would be wasted).
             self._resolve_pending()
         return True
+
+    def _speculating(self) -> bool:
+        return self.spec is not None and self.spec.drafts_for(len(self.policy.running)) > 0
 
     def _jumps_likely_after(self, handle) -> bool:
         """Whether the tokens of this constrained pass will likely make jumps (see step())."""
@@ -457,15 +473,20 @@ class Engine:
                 ready.append(req)
                 continue
             accepted: list[int] = []
-            if req.proposed:
-                tok, accepted = self._verify_proposals(req, out, i)
+            if req.drafted:
+                self._take_verified(req, out, i)
             else:
-                tok = out.next_token_ids[i]
-            self._take_token(req, tok, accepted, out.logprobs[i], out.top_logprobs[i])
+                if req.proposed:
+                    tok, accepted = self._verify_proposals(req, out, i)
+                else:
+                    tok = out.next_token_ids[i]
+                self._take_token(req, tok, accepted, out.logprobs[i], out.top_logprobs[i])
             if first_steps:
                 self.decode_side.first_step_done(req)
             ready.append(req)
         self._settle_jumps()
+        if self.spec is not None:
+            self._draft(ready)
         if ready:  # a pass whose rows all ended before it was processed (overlap's last one) delivers nothing
             self.busy_period["end"] = time.perf_counter()  # before the outputs leave: a client sees them after
         self._emit(ready)
@@ -661,6 +682,91 @@ class Engine:
         self.generated_tokens += j
         return tok, props[:j]
 
+    # ------------------------------------------------------------------ speculative decoding
+    def _draft(self, reqs: list[Req]) -> None:
+        """Append drafts to the running requests that just took their tokens: the next pass verifies them
+        (a catch-up extend pass; requests without drafts ride in it with their one token)."""
+        k = self.spec.drafts_for(len(self.policy.running))
+        if k == 0:
+            return
+        cands, budgets = [], []
+        limit = self.runner.max_context_len
+        for req in reqs:
+            if (req.finished or req.proposed or req.status is not ReqStatus.RUNNING or req.req_pool_idx is None
+                    or req.transfer_role == "prefill" or req.seq_len - req.kv_len != 1):
+                continue
+            # Room for the target's own token after the drafts, in max_new_tokens and the context.
+            budget = min(k, req.params.max_new_tokens - req.num_resolved - 1, limit - req.seq_len - 1)
+            if budget > 0:
+                cands.append(req)
+                budgets.append(budget)
+        if not cands:
+            return
+        for req, drafts in zip(cands, self.spec.propose(cands, budgets)):
+            if not drafts:
+                continue
+            self._leave_launching(req)  # only at a switch from overlapped steps (see step())
+            if len(req.output_ids) != req.num_resolved:  # a placeholder of another pass in flight: not now
+                continue
+            if req.grammar is not None:
+                drafts = self._grammar_drafts(req, drafts)
+                if not drafts:
+                    continue
+            req.output_ids.extend(drafts)
+            req.proposed, req.drafted = len(drafts), True
+
+    def _grammar_drafts(self, req: Req, drafts: list[int]) -> list[int]:
+        """The drafts the grammar allows (cut at the first it refuses), the matcher advanced over them, and
+        the allowed-token mask at each draft position and after the last (the verification samples with
+        them, as decoding token by token would)."""
+        g = req.grammar
+        masks = torch.full((len(drafts) + 1, (self.runner.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        n = 0
+        for t in drafts:
+            if g.is_terminated():
+                break
+            g.fill_bitmask(masks, n)
+            if not g.try_accept(t):
+                break
+            n += 1
+        if n == 0:
+            return []
+        g.fill_bitmask(masks, n)
+        req.proposal_masks = masks[:n + 1]
+        return drafts[:n]
+
+    def _take_verified(self, req: Req, out: StepOutput, i: int) -> None:
+        """A request's drafts came back verified: keep the longest prefix the target sampled itself, then
+        the target's own next token, and take them one by one as decoding would (a stop token or string
+        among them ends the request there, and what follows is dropped). Rejected drafts lose their KV."""
+        k, base = req.proposed, req.num_resolved
+        samples, lps = out.proposal_samples[i], out.proposal_logprobs[i]
+        tops = out.proposal_top_logprobs.get(i)
+        props = req.output_ids[base:base + k]
+        j = 0
+        while j < k and samples[j] == props[j]:
+            j += 1
+        if j < k:
+            self._leave_launching(req)
+            self.policy.truncate_kv(req, len(req.input_ids) + base + j)
+            self.runner.set_last_token(req.req_pool_idx, samples[j])
+        del req.output_ids[base + j:base + k]  # the pass's placeholder (now at base + j) stays
+        if req.grammar is not None:
+            req.grammar.rollback(k)  # taken again below, one by one
+        req.proposed, req.proposal_masks, req.drafted = 0, None, False
+        req.spec_verify_ct += 1
+        stats = self.spec.stats
+        stats.proposed += k
+        stats.accepted += j
+        stats.verifications += 1
+        self.spec.verified(req, j)
+        for m in range(j + 1):
+            self._take_token(req, samples[m], [], lps[m], tops[m] if tops is not None else None)
+            if req.finished:
+                break
+            if m < j and req.grammar is not None and self._jump_candidates and self._jump_candidates[-1][0] is req:
+                self._jump_candidates.pop()  # only the last token taken may lead to a jump
+
     def _leave_launching(self, req: Req) -> None:
         """`req`'s next input just changed on the host (forced tokens appended, a proposal rejected):
         if the step being launched holds it, that row's result is ignored, its placeholder removed and
@@ -691,10 +797,12 @@ class Engine:
         self._reqs.pop(req.rid, None)
         if self._is_host_dependent(req.params):
             self._host_dependent -= 1
+        if self.spec is not None:
+            self.spec.release(req)
 
     @staticmethod
     def _is_host_dependent(p: SamplingParams) -> bool:
-        return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+        return penalized(p)
 
     def _make_output(self, req: Req) -> TokenOutput:
         new_ids = req.output_ids[req.sent_token_count:req.num_resolved]
@@ -704,7 +812,8 @@ class Engine:
             finish_reason=req.finish_reason, prompt_tokens=len(req.input_ids),
             cached_tokens=req.num_cached_tokens or 0, completion_tokens=req.num_resolved,
             output_logprobs=req.pending_output_logprobs, output_top_logprobs=req.pending_output_top_logprobs,
-            queue_time=(req.first_scheduled_time or req.arrival_time) - req.arrival_time)
+            queue_time=(req.first_scheduled_time or req.arrival_time) - req.arrival_time,
+            spec_verify_ct=req.spec_verify_ct)
         req.pending_text = ""
         req.pending_output_logprobs, req.pending_output_top_logprobs = [], []
         if req.return_logprob and not req.input_logprobs_sent and (req.finished or req.kv_len >= len(req.input_ids)):
@@ -712,7 +821,7 @@ class Engine:
             req.input_logprobs_sent = True
         return out
 
-    # ------------------------------------------------------------------ for the PD halves (disagg.py)
+    # ------------------------------------------------------------------ for the PD halves (shared/pd/sides.py)
     def end_request(self, req: Req, error: str | None = None, reason: FinishReason | None = None) -> None:
         """End `req` now: an abort with `error`, or `reason` (e.g. FinishTransferred()); its KV goes to the
         tree, its stream gets the final output."""
@@ -848,6 +957,11 @@ class Engine:
             "jump_forward_declined": self.jump_forward_declined,
             "grammar_cache": {"hits": self.grammars.hits, "misses": self.grammars.misses, "entries": len(self.grammars)},
             "disable_radix_cache": self.config.disable_radix_cache,
+            "hicache": self.cache.tiers() if self.config.enable_hierarchical_cache else None,
             "schedule_policy": self.config.schedule_policy,
             "tp_size": self.config.tp_size,
+            "max_running_requests": self.config.max_running_requests,
+            "chunked_prefill_size": self.config.chunked_prefill_size,
+            "cuda_graphs": self.runner.graph_stats,
+            **({"speculative": self.spec.info()} if self.spec is not None else {}),
         }

@@ -117,7 +117,7 @@ class ExtendGraphRunner:
                 lambda tokens: f"out of GPU memory capturing the long-extend CUDA graph of {tokens} tokens beside the "
                                f"KV pool; lower --cuda-graph-max-extend-tokens or --mem-fraction-static")
             self.long_graphs.update(graphs)
-        log.info("captured %d extend graphs (to %d tokens) and %d long-extend graphs in %.1fs", len(self.sizes),
+        log.debug("captured %d extend graphs (to %d tokens) and %d long-extend graphs in %.1fs", len(self.sizes),
                  self.sizes[-1], len(self.long_sizes), time.monotonic() - t0)
 
     def clear(self) -> None:

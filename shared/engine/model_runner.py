@@ -17,6 +17,7 @@ from shared.engine.forward_batch import ForwardBatch, ForwardMode
 from shared.engine.prefill_adder import chunk_len, max_riders
 from kernels.h2d import to_device
 from shared.engine.request import PENDING_TOKEN, Req
+from shared.engine.penalties import penalized
 from shared.engine.sampler import SamplingBatch, sample
 from shared.engine.schedule_batch import ScheduleBatch
 
@@ -58,9 +59,10 @@ class StepOutput:
     # position and after the last, with their logprobs. next_token_ids holds the last of them.
     proposal_samples: dict = None
     proposal_logprobs: dict = None
+    proposal_top_logprobs: dict = None  # requests that asked for top logprobs: one top list per row
 
     def __post_init__(self):
-        self.proposal_samples, self.proposal_logprobs = {}, {}
+        self.proposal_samples, self.proposal_logprobs, self.proposal_top_logprobs = {}, {}, {}
 
 
 class PendingStep:
@@ -111,6 +113,9 @@ class PendingStep:
             if top_ids is not None and req.return_logprob and req.top_logprobs_num > 0:
                 kk = req.top_logprobs_num
                 out.top_logprobs[i] = [[top_lps[j][m], top_ids[j][m]] for m in range(kk)]
+                if n > 1:
+                    out.proposal_top_logprobs[i] = [[[top_lps[r][m], top_ids[r][m]] for m in range(kk)]
+                                                    for r in range(row - n, row)]
         return out
 
 
@@ -238,15 +243,19 @@ class ModelRunner:
         # context_length honours a sliding window: our attention is full-causal, exact only inside it.
         self.max_context_len = min(config.max_context_len or mc.context_length, mc.context_length)
         self.page_size = config.page_size
-        num_tokens = self._pool_tokens()
-        if self.tp is not None:  # every rank must hold every slot id rank 0 hands out
+        num_tokens, gpu_bytes = self._pool_tokens()
+        if self.tp is not None:  # every rank must hold every slot id rank 0 hands out, and size alike
             from shared.models.parallel import all_reduce_min
 
             num_tokens = all_reduce_min(num_tokens, self.device)
+            gpu_bytes = all_reduce_min(gpu_bytes, self.device) if gpu_bytes is not None else None
         num_pages = max(1, num_tokens // self.page_size)
         self.kv_pool = KVPool(mc.num_hidden_layers, self.num_kv_heads, mc.head_dim, num_pages,
                               self.page_size, self.kv_dtype, self.device, kv_scales)
         self.max_total_tokens = num_pages * self.page_size
+        # Running requests, graph sizes and prefill chunk where the command line left them unset (sizing.py).
+        self.gpu_bytes = gpu_bytes
+        config = self.config = self.sized(config)
         self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
         if self.tp is not None and self.tp.is_leader:  # the scheduler's own writes (a prefix deduplicated)
             self.req_pool.on_write = lambda row, start, slots: self.tp.send(("table", row, start, slots.tolist()))
@@ -264,27 +273,35 @@ class ModelRunner:
         self.token_buf = torch.zeros(config.max_running_requests + 1, dtype=torch.int64, device=self.device)
         self.attn_backend = create_attention_backend(
             config.attention_backend, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=mc.head_dim, device=self.device, one_launch_decode=config.one_launch_decode_attention,
-            max_kv_splits=config.triton_attention_num_kv_splits)
+            head_dim=mc.head_dim, device=self.device, dtype=self.dtype,
+            one_launch_decode=config.one_launch_decode_attention, max_kv_splits=config.triton_attention_num_kv_splits)
         self.attn_backend.cascade_enabled &= not config.disable_shared_prefix_attention
-        log.info("model %s on %s (%s): KV pool %d tokens (%s%s), context %d", config.model_path, self.device,
-                 self.dtype, self.max_total_tokens, str(self.kv_dtype).replace("torch.", ""),
-                 ", the checkpoint's k/v scales" if kv_scales else "", self.max_context_len)
+        log.info("model %s on %s (%s): KV pool %d tokens (%s%s), context %d; up to %d running requests, prefill "
+                 "chunks of %d", config.model_path, self.device, self.dtype, self.max_total_tokens,
+                 str(self.kv_dtype).replace("torch.", ""), ", the checkpoint's k/v scales" if kv_scales else "",
+                 self.max_context_len, config.max_running_requests, config.chunked_prefill_size)
         if self.device.type == "cuda":
             self.warmup()
         self.graph_runner = None
-        if self.device.type == "cuda" and config.cuda_graph and getattr(self.attn_backend, "graph_safe", False):
+        self.extend_graphs = None
+        self.graph_stats: dict | None = None  # what capturing the graphs took (engine.info's cuda_graphs)
+        if self.device.type == "cuda" and config.cuda_graph:
+            self._capture_graphs(config, tp_rank)
+
+    def _capture_graphs(self, config: EngineConfig, tp_rank: int) -> None:
+        """The decode and extend CUDA graphs, their capture time and device memory reported in one log line."""
+        torch.cuda.synchronize(self.device)
+        free_before, t0 = torch.cuda.mem_get_info(self.device)[0], time.monotonic()
+        if getattr(self.attn_backend, "graph_safe", False):
             from shared.engine.cuda_graph import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_pool, self.req_pool.req_to_token, self.token_buf, self.attn_backend,
                 max_bs=min(config.cuda_graph_max_bs, config.max_running_requests), device=self.device,
                 progress=tp_rank == 0)
-        self.extend_graphs = None
         # Not under tensor parallelism yet: those passes would capture collectives in graphs no GPU
         # run of ours has checked.
-        if (self.device.type == "cuda" and config.cuda_graph and config.tp_size == 1
-                and getattr(self.attn_backend, "extend_graph_safe", False)):
+        if config.tp_size == 1 and getattr(self.attn_backend, "extend_graph_safe", False):
             from shared.engine.extend_graph import ExtendGraphRunner, capture_sizes
 
             if capture_sizes(config.cuda_graph_max_extend_tokens):
@@ -294,6 +311,16 @@ class ModelRunner:
                     dtype=self.dtype, device=self.device,
                     pool=self.graph_runner.pool if self.graph_runner is not None else None,
                     progress=tp_rank == 0)
+        torch.cuda.synchronize(self.device)
+        decode = len(self.graph_runner.graphs) if self.graph_runner is not None else 0
+        extend = len(self.extend_graphs.graphs) if self.extend_graphs is not None else 0
+        self.graph_stats = {"decode_graphs": decode, "extend_graphs": extend,
+                            "decode_max_bs": self.graph_runner.max_bs if self.graph_runner is not None else 0,
+                            "capture_s": round(time.monotonic() - t0, 2),
+                            "memory_bytes": max(0, free_before - torch.cuda.mem_get_info(self.device)[0])}
+        log.info("CUDA graphs: %d decode (batch 1..%d) and %d extend captured in %.1f s, %.2f GiB of device memory",
+                 decode, self.graph_stats["decode_max_bs"], extend, self.graph_stats["capture_s"],
+                 self.graph_stats["memory_bytes"] / 2**30)
 
     @torch.no_grad()
     def warmup(self) -> None:
@@ -359,23 +386,49 @@ class ModelRunner:
             log.exception("shared-prefix attention failed its warm-up; it stays off")
             be.cascade_enabled = False
 
-    def _pool_tokens(self) -> int:
+    def shape(self) -> "ModelShape":
+        """What the engine's sizes cost outside the KV pool depends on (shared/engine/sizing.py)."""
+        from shared.engine.sizing import ModelShape
+
+        mc = self.model_config
+        return ModelShape(self.max_context_len, mc.vocab_size, mc.hidden_size, mc.intermediate_size,
+                          torch.empty((), dtype=self.dtype).element_size())
+
+    def sized(self, config: EngineConfig, pool_tokens: int | None = None, gpu_bytes: int | None = None) -> EngineConfig:
+        """config with the sizes it leaves unset derived for a pool and GPU (default: this runner's) where an
+        explicit value wins. An engine on this runner takes its config from here."""
+        from shared.engine import sizing
+
+        if pool_tokens is None:
+            pool_tokens, gpu_bytes = self.max_total_tokens, self.gpu_bytes
+        return sizing.fill(config, sizing.derive_sizes(pool_tokens, gpu_bytes, self.shape()))
+
+    def _pool_tokens(self) -> tuple[int, int | None]:
+        """(KV pool tokens, the GPU's total memory or None without one). The pool takes what is free after the
+        weights, less the larger of the card's (1 - --mem-fraction-static) and the estimated needs of the
+        running requests, graphs and prefill chunk the pool's size implies (sizing.reserve_bytes)."""
+        from shared.engine import sizing
+
+        gpu_bytes = torch.cuda.mem_get_info(self.device)[1] if self.device.type == "cuda" else None
         if self.config.max_total_tokens:
-            return self.config.max_total_tokens
+            return self.config.max_total_tokens, gpu_bytes
+        if gpu_bytes is None:
+            return _CPU_DEFAULT_TOKENS, None
         mc = self.model_config
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, self.num_kv_heads, mc.head_dim, self.kv_dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Keep (1 - fraction) of the whole card for activations, graphs and the sampler.
-            budget = free - total * (1 - self.config.mem_fraction_static)
-            tokens = int(budget // per_token)
-            if tokens < 1024:
-                raise RuntimeError(
-                    f"only {max(0, budget) / 2**30:.1f} GiB left for the KV cache after the weights "
-                    f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB); raise --mem-fraction-static "
-                    f"or set --max-total-tokens")
-            return tokens
-        return _CPU_DEFAULT_TOKENS
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Keep (1 - fraction) of the whole card for activations, graphs and the sampler, or what the sizes the
+        # provisional pool implies are estimated to need, if more; sizes derived from the smaller pool only shrink.
+        budget = free - total * (1 - self.config.mem_fraction_static)
+        sizes = sizing.sizes_of(self.sized(self.config, int(max(0, budget) // per_token), total))
+        budget = free - max(total * (1 - self.config.mem_fraction_static), sizing.reserve_bytes(sizes, self.shape()))
+        tokens = int(budget // per_token)
+        if tokens < 1024:
+            raise RuntimeError(
+                f"only {max(0, budget) / 2**30:.1f} GiB left for the KV cache after the weights "
+                f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB); raise --mem-fraction-static "
+                f"or set --max-total-tokens")
+        return tokens, total
 
     # ------------------------------------------------------------------ forward
     def close(self) -> None:
@@ -539,20 +592,20 @@ class ModelRunner:
 
     def kv_format(self) -> str:
         """kv_layout and the pool's dtype in one string, as PD workers compare them before pairing."""
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         return f"{'x'.join(map(str, self.kv_layout()))} {kv_pages.dtype_name(self.kv_dtype)}"
 
     def empty_kv_buffer(self, tokens: int, staging: str = "device") -> torch.Tensor:
         """Where `tokens` positions of whole-model KV are received."""
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         return kv_pages.empty_buffer(self.kv_layout(), self.kv_dtype, self.device, tokens, staging)
 
     def gather_kv(self, slots: torch.Tensor, staging: str = "device") -> torch.Tensor:
         """Whole-model KV at `slots` -> one contiguous buffer (kv_pages' token-major layout). Under
         tensor parallelism every rank gathers its heads and rank 0 assembles them."""
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         if self.tp is None:
             return kv_pages.gather(self.kv_pool, slots, staging)
@@ -565,7 +618,7 @@ class ModelRunner:
     def scatter_kv(self, slots: torch.Tensor, buf: torch.Tensor) -> None:
         """Write whole-model KV into the pool at `slots`; under tensor parallelism rank 0 broadcasts it
         and every rank keeps its heads."""
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         if self.tp is None:
             kv_pages.scatter(self.kv_pool, slots, buf)
@@ -578,7 +631,7 @@ class ModelRunner:
 
     def _follow_kv(self, op: str, slots: list[int]) -> None:
         from shared.models.parallel import all_gather_kv_heads, broadcast, local_kv_part
-        from shared.transfer import kv_pages
+        from shared.pd import kv_pages
 
         loc = torch.tensor(slots, dtype=torch.int64)
         heads = self.model_config.num_key_value_heads
@@ -640,7 +693,9 @@ class ModelRunner:
         sb = SamplingBatch.build(
             params=[r.params for r in rows_req], seeds=[r.seed for r in rows_req], steps=rows_step,
             output_ids=[r.output_ids for r in reqs] if counts is None else
-            [r.output_ids[:st] for r, st in zip(rows_req, rows_step)],
+            # Penalties alone read a row's history: the others' are not copied (a verification pass of
+            # k drafts has k + 1 rows a request).
+            [r.output_ids[:st] if penalized(r.params) else r.output_ids for r, st in zip(rows_req, rows_step)],
             prompt_ids=[r.input_ids for r in rows_req] if any(r.params.repetition_penalty != 1.0 for r in reqs) else None,
             vocab_size=self.vocab_size, device=self.device,
             eos_ids=[self._stop_ids(r) for r in rows_req],
@@ -701,8 +756,9 @@ class ModelRunner:
         """bool [rows, V] of allowed tokens for the sampler, or None when no row is constrained."""
         counts = handle.counts
         states = [r.grammar if ok else None for r, ok in zip(reqs, live)]
-        if counts is None and not any(s is not None for s in states):
-            return None
+        if not any(s is not None for s in states) and (
+                counts is None or all(r.proposal_masks is None for r in reqs)):
+            return None  # unconstrained (drafts of unconstrained requests carry no masks)
         timing = self.mask_timing
         if timing is not None:
             t0 = time.perf_counter()
@@ -732,12 +788,13 @@ class ModelRunner:
         proposals), the grammar's current mask for other constrained requests."""
         from shared.constrained import bitmask_to_bool
 
-        width = next(r.proposal_masks.shape[1] for r, c in zip(reqs, counts) if c > 1)
+        width = (self.vocab_size + 31) // 32
         bitmask = torch.full((sum(counts), width), -1, dtype=torch.int32)
         row = 0
         for r, ok, c in zip(reqs, live, counts):
             if c > 1:
-                bitmask[row:row + c] = r.proposal_masks
+                if r.proposal_masks is not None:  # unconstrained drafts: every token allowed
+                    bitmask[row:row + c] = r.proposal_masks
             elif ok and r.grammar is not None and not r.grammar.is_terminated():
                 r.grammar.fill_bitmask(bitmask, row)
             row += c

@@ -20,6 +20,11 @@ from shared.sampling_params import SamplingParams
 _NEG_INF = float("-inf")
 
 
+def penalized(p: SamplingParams) -> bool:
+    """Whether a request's sampling reads its own history (repetition, frequency, presence penalties)."""
+    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
 @dataclass
 class TokenIndex:
     """(row, token) pairs flattened over the batch: the sparse form of a per-request token list."""

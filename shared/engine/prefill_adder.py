@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from shared.cache.base import MatchResult, PrefixCache
     from shared.cache.kv_pool import ReqToTokenPool
     from shared.engine.config import EngineConfig
-    from shared.engine.pd_stages import DecodeStages
+    from shared.pd.stages import DecodeStages
 
 # In-batch dedupe: requests of one admission round whose next uncached tokens are the same (the same
 # cached prefix, then these many equal tokens) compute them once: the first goes, the others wait a round
@@ -53,7 +53,8 @@ class Admitting(Protocol):
     def _free_tokens(self) -> int: ...
     def _holds_kv(self) -> bool: ...
     def _evict_for(self, tokens: int) -> None: ...
-    def _match(self, req: Req) -> MatchResult: ...
+    def _admission_match(self, req: Req) -> MatchResult | None: ...
+    def drop_host_load(self, req: Req) -> None: ...
     def _bind(self, req: Req, match: MatchResult) -> None: ...
     def _unbind(self, req: Req) -> None: ...
     def _mark_admitted(self, req: Req, cached: int) -> None: ...
@@ -223,10 +224,13 @@ class PrefillAdder:
             return False
         # Matched here, right before locking: an eviction earlier in this round may have shortened what
         # the ordering saw.
-        match = s._match(req)
+        match = s._admission_match(req)
+        if match is None:
+            return True  # its prefix is on the way back from the host tier
         if self._defer_sibling(req, match):
             return True
         s.cache.lock(match.node)  # first: neither the checks nor an eviction may count it as free
+        s.drop_host_load(req)
         if req.transfer_role == "decode":
             return self._reserve_for_transfer(req, match)
         ext_total = req.seq_len - match.length

@@ -58,6 +58,7 @@ class Req:
     skipped_rounds: int = 0  # admission rounds this request was passed over (aging)
     sibling_deferrals: int = 0  # rounds it waited for a sibling computing the same tokens (prefill_adder)
     lpm_memo: Any = None  # (match key length, the cache's memo) from the last LPM ordering
+    host_load: Any = None  # host tier: the load-back of its prefix it waits on (HiRadixCache.load_back)
     retractions: int = 0
     # Fault isolation: engine steps that failed with this request in the batch, and whether its next
     # pass must run alone (after a failed step, each request is re-run solo to find the one at fault).
@@ -72,6 +73,11 @@ class Req:
     # by the model, and the allowed-token bitmask at each proposal position and after the last.
     proposed: int = 0
     proposal_masks: Any = None
+    # Speculative decoding (shared/engine/spec/): the proposals are drafts, the speculator's per-request state
+    # (an n-gram index, a draft model's KV row), and the verification passes this request went through.
+    drafted: bool = False
+    spec_state: Any = None
+    spec_verify_ct: int = 0
     # Logprobs not yet sent.
     pending_output_logprobs: list = field(default_factory=list)
     pending_output_top_logprobs: list = field(default_factory=list)
@@ -106,12 +112,13 @@ class Req:
         return wants_input_logprobs(self.return_logprob, self.logprob_start_len, len(self.input_ids))
 
     def drop_proposals(self) -> None:
-        """Forget unverified jump-forward proposals (their grammar progress too)."""
+        """Forget unverified proposals (jump-forward's or drafts; their grammar progress too)."""
         if self.proposed:
-            self.grammar.rollback(self.proposed)
+            if self.grammar is not None:
+                self.grammar.rollback(self.proposed)
             # Proposals follow the resolved tokens; a placeholder after them (a pass in flight) goes too.
             del self.output_ids[self.num_resolved:]
-            self.proposed, self.proposal_masks = 0, None
+            self.proposed, self.proposal_masks, self.drafted = 0, None, False
 
     def remaining_new_tokens(self) -> int:
         return max(0, self.params.max_new_tokens - len(self.output_ids))

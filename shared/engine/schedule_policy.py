@@ -12,8 +12,8 @@ running requests are retracted to the queue (their computed KV kept in the tree,
 hits the cache).
 
 Prefill/decode disaggregation: requests with a transfer go through the stage queues of
-shared/engine/pd_stages.py (PrefillStages, DecodeStages, owned by the engine's PrefillSide and
-DecodeSide in shared/engine/disagg.py, where the stages are described); the scheduler holds no PD list
+shared/pd/stages.py (PrefillStages, DecodeStages, owned by the engine's PrefillSide and
+DecodeSide in shared/pd/sides.py, where the stages are described); the scheduler holds no PD list
 and asks the stages what it needs (admissible, reserve, park, holds_kv, remove).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from shared.cache.base import PrefixCache
 from shared.cache.kv_pool import ReqToTokenPool
 from shared.engine.config import EngineConfig
-from shared.engine.pd_stages import DecodeStages, PrefillStages
+from shared.pd.stages import DecodeStages, PrefillStages
 from shared.engine.forward_batch import ForwardMode
 from shared.engine.prefill_adder import PrefillAdder
 from shared.engine.schedule_batch import ScheduleBatch
@@ -61,7 +61,7 @@ class SchedulePolicy:
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # prefill done, decoding
         self.chunked: Req | None = None  # prefill in progress across passes
-        # PD mode: requests with a transfer are also in a stage of their side (shared/engine/disagg.py).
+        # PD mode: requests with a transfer are also in a stage of their side (shared/pd/sides.py).
         self.prefill_stages = prefill_stages if prefill_stages is not None else PrefillStages()
         self.decode_stages = decode_stages if decode_stages is not None else DecodeStages()
         self.new_token_ratio = config.init_new_token_ratio
@@ -106,12 +106,14 @@ class SchedulePolicy:
             self.chunked = None
         if req.req_pool_idx is not None:
             self._release_kv(req)
+        self.drop_host_load(req)
         req.status = ReqStatus.FINISHED
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduleBatch | None:
         """The next batch. Callers advance each request's kv_len by its extend length once the batch is
         launched (before the next call)."""
+        self.cache.poll()  # background copies of the host tier that completed
         self._cache_extended()
         # Interleave: after a prefill pass, give running requests a decode step before the next prefill,
         # so a stream of arrivals cannot stall token generation. Requests that rode along in it (mixed
@@ -165,6 +167,28 @@ class SchedulePolicy:
 
     def _match(self, req: Req):
         return self.cache.match_prefix(self._match_key(req), namespace=req.cache_salt)
+
+    def _admission_match(self, req: Req):
+        """The request's match at admission, or None while it waits for the host tier to bring its prefix back
+        (others are admitted meanwhile): a match reaching host-only KV starts that load first. A load that
+        cannot start or fails leaves the host part a miss (recomputed)."""
+        load = req.host_load
+        if load is not None and not self.cache.load_ready(load):
+            return None
+        match = self._match(req)
+        if load is None and match.host is not None:
+            load = req.host_load = self.cache.load_back(match)
+            if load is not None:
+                if not self.cache.load_ready(load):
+                    return None
+                match = self._match(req)  # done at once (CPU): the prefix is on the device now
+        return match
+
+    def drop_host_load(self, req: Req) -> None:
+        """The request no longer waits on its load (its own lock holds the path now, or it left)."""
+        if req.host_load is not None:
+            load, req.host_load = req.host_load, None
+            self.cache.release_load(load)
 
     def _bind(self, req: Req, match) -> None:
         """Give an admitted request its row and its cached prefix (locked by the caller)."""

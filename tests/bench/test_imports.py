@@ -12,7 +12,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 # What a user runs: `python -m bench.X`, each documented in docs/performance.md.
-SUITE = ("ab", "fp8", "kernels", "offline", "pd", "serving", "shared_prefix", "structured", "tp", "workloads")
+SUITE = ("ab", "attention", "fp8", "hicache", "kernels", "multiturn", "offline", "pd", "reference_models", "serving",
+         "shared_prefix", "spec", "structured", "tp", "workloads")
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__"))

@@ -156,7 +156,8 @@ def test_mixed_chunk_warmup_covers_every_decode_tail_plan(monkeypatch):
     counts = be.rider_counts(256)
     assert counts == [256, 65, 32, 16, 8, 4], counts
     assert {tb.plan_max_kv_splits(r, 8) for r in counts} == {tb.plan_max_kv_splits(r, 8) for r in range(1, 257)}
-    cfg = EngineConfig(model_path="tiny-random", enable_mixed_chunk=True)
+    from shared.engine.sizing import CPU_SIZES, Sizes, fill
+    cfg = fill(EngineConfig(model_path="tiny-random", enable_mixed_chunk=True), Sizes(*CPU_SIZES))  # 256 running
     passes = mixed_warmup_passes(cfg, 8192, be.rider_counts)
     assert passes == [(4096, r, 32) for r in counts] + [(64, 2, 32)], passes
 
@@ -179,13 +180,16 @@ def test_mixed_chunk_warmup_passes_are_passes_the_scheduler_forms():
 
 
 def test_mixed_chunk_warmup_reaches_the_triton_decode_tail():
-    """At the engine's defaults and Llama-8B's heads, the warm-up's large mixed pass is one where the Triton backend
-    runs the riders with its decode kernel (the tail), so that variant is compiled before serving too."""
+    """At the engine's defaults on an H100 (sizes derived for an 8B Llama's pool there) and Llama-8B's heads, the
+    warm-up's large mixed pass is one where the Triton backend runs the riders with its decode kernel (the tail), so
+    that variant is compiled before serving too."""
     from shared.engine.config import EngineConfig
     from shared.engine.forward_batch import ForwardBatch, ForwardMode
     from shared.engine.model_runner import mixed_warmup_passes
     from shared.models.attention.triton_backend import TritonAttentionBackend
-    cfg = EngineConfig(model_path="tiny-random", enable_mixed_chunk=True)
+    from shared.engine.sizing import GIB, ModelShape, derive_sizes, fill
+    sizes = derive_sizes(424_000, 80 * GIB, ModelShape(8192, 128256, 4096, 14336))
+    cfg = fill(EngineConfig(model_path="tiny-random", enable_mixed_chunk=True), sizes)
     passes = mixed_warmup_passes(cfg, 8192)  # the largest pass, then the small one
     be = TritonAttentionBackend(32, 8, 128)  # the plan is host arithmetic: no kernel runs here
     pool = types.SimpleNamespace(dtype=torch.bfloat16)  # what the plan reads of the KV pool

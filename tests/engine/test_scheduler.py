@@ -15,6 +15,7 @@ from shared.engine.forward_batch import ForwardMode
 from shared.engine.prefill_adder import MAX_SIBLING_DEFERRALS
 from shared.engine.request import Req
 from shared.engine.schedule_policy import SchedulePolicy
+from shared.engine.sizing import CPU_SIZES, Sizes, fill
 from shared.protocol import Transfer
 from shared.sampling_params import SamplingParams
 
@@ -22,7 +23,7 @@ _ids = itertools.count()
 
 
 def make_sched(pool_tokens=4096, page_size=1, radix=True, **cfg):
-    config = EngineConfig(page_size=page_size, **cfg)
+    config = fill(EngineConfig(page_size=page_size, **cfg), Sizes(*CPU_SIZES))  # unset sizes: the CPU's
     alloc = SlotAllocator(pool_tokens // page_size, page_size)
     cache = (RadixCache if radix else NoPrefixCache)(alloc, page_size)
     req_pool = ReqToTokenPool(config.max_running_requests, 2048, "cpu")

@@ -163,7 +163,7 @@ def test_gateway_without_the_key_is_refused(pd_fleet):
 
 
 async def _ucx_scenario(host: str, port: int) -> None:
-    from shared.transfer.ucx import _recv_msg, _send_msg, _ucxx
+    from shared.pd.ucx import _recv_msg, _send_msg, _ucxx
     from shared.protocol import KvAccept
 
     for key in ("", "wrong"):

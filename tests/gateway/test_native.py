@@ -1,12 +1,11 @@
 """SGLang-native `/generate` and the service routes (model/server info, flush, health, metrics) over a fake
 worker; client disconnects abort on the worker; `start_gateway` serves on a real port."""
-import argparse
 import asyncio
 
 import aiohttp
 import pytest
 
-from services.gateway.__main__ import start_gateway
+from services.gateway.__main__ import build_parser, start_gateway
 from shared.protocol import GenerateRequest
 from tests.support.fake_worker import FakeWorker, fake_logprob, gateway_stack, sse_events
 
@@ -322,8 +321,8 @@ async def test_start_gateway_serves_on_a_real_port():
 
     worker = FakeWorker(Tokenizer.load("tiny-random"))
     port = await worker.start()
-    args = argparse.Namespace(model_path="tiny-random", workers=f"127.0.0.1:{port}", host="127.0.0.1", port=0,
-                              served_model_name="tiny", api_key=None)
+    args = build_parser().parse_args(["--model-path", "tiny-random", "--workers", f"127.0.0.1:{port}",
+                                      "--port", "0", "--served-model-name", "tiny"])
     runner, state = await start_gateway(args)
     try:
         host, gw_port = runner.addresses[0][:2]
@@ -372,51 +371,8 @@ async def test_bad_program_is_400(stack):
     assert r.status == 400 and (await r.json())["error"]["message"] == "no"
 
 
-def test_batched_histogram_equals_repeated_observe():
-    """The request path's histograms keep counts until flushed: the same exposition as one observe call
-    per observation, values on a bound included, n tokens of an increment as n gaps (fails if
-    prometheus-client's internals change under BatchedHistogram); nothing shows before the flush, and a
-    histogram without those internals gets the plain calls."""
-    from prometheus_client import CollectorRegistry, Histogram
-
-    from services.gateway.http.metrics import BatchedHistogram
-
-    regs = [CollectorRegistry(), CollectorRegistry()]
-    hists = [Histogram("itl", "gap", buckets=(0.01, 0.1, 1.0), registry=r) for r in regs]
-    batched = BatchedHistogram(hists[0])
-    assert batched._buckets is not None  # the fast path is the one tested
-
-    def samples(reg):
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in reg.collect() for s in m.samples
-                if not s.name.endswith("_created")}
-
-    empty = samples(regs[0])
-    for round_ in range(2):
-        for value, count in ((0.005, 3), (0.05, 16), (5.0, 2), (0.1, 1), (0.01, 1), (1.0, 4), (0.0, 1), (1e9, 1),
-                             (0.0999, 1), (0.10001, 7)):
-            batched.observe(value, count)
-            for _ in range(count):
-                hists[1].observe(value)
-        if round_ == 0:
-            assert samples(regs[0]) == empty  # held until the flush
-        batched.flush()
-        got, want = samples(regs[0]), samples(regs[1])
-        assert got.keys() == want.keys() and got == pytest.approx(want)
-
-    class Plain:
-        seen: list = []
-
-        def observe(self, v):
-            self.seen.append(v)
-
-    plain = BatchedHistogram(Plain())
-    plain.observe(0.5, 3)
-    plain.flush()
-    assert Plain.seen == [0.5, 0.5, 0.5]
-
-
-def test_metrics_render_flushes_batched_values():
-    """A scrape shows every request accounted before it, though the request path only batches them."""
+def test_metrics_count_every_token_gap():
+    """A scrape shows every request accounted before it; an increment of n tokens is n inter-token gaps."""
     from services.gateway.http.metrics import GatewayMetrics, RequestTimer
     from shared.protocol import FinishLength, TokenOutput
 
@@ -432,24 +388,19 @@ def test_metrics_render_flushes_batched_values():
                  'sglang:time_to_first_token_seconds_count{model_name="m"} 1.0',
                  'sglang:e2e_request_latency_seconds_count{model_name="m"} 1.0'):
         assert line in text, line
-    assert 'sglang:num_requests_total{model_name="m"} 1.0' in m.render().decode()  # flushed once, not twice
 
 
-def test_the_in_flight_gauge_is_batched_in_one_process_and_direct_in_a_pool(monkeypatch, tmp_path):
-    """Requests started and ended show in the next scrape; in a pool (where another process may render it)
-    each start shows at once."""
-    from services.gateway.http.metrics import BatchedGauge, GatewayMetrics
+def test_the_in_flight_gauge_in_one_process_and_in_a_pool(monkeypatch, tmp_path):
+    """Requests started and ended show in the next scrape; in a pool each start is in the shared files."""
+    from services.gateway.http.metrics import GatewayMetrics
 
     m = GatewayMetrics("m")
-    assert isinstance(m.gateway_inflight, BatchedGauge)
     for _ in range(3):
         m.gateway_inflight.inc()
     m.gateway_inflight.dec()
-    line = 'sglang:gateway_inflight_reqs{model_name="m"} 2.0'
-    assert line in m.render().decode() and line in m.render().decode()
+    assert 'sglang:gateway_inflight_reqs{model_name="m"} 2.0' in m.render().decode()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     pooled = GatewayMetrics("m")
-    assert not isinstance(pooled.gateway_inflight, BatchedGauge)
     pooled.gateway_inflight.inc()
     assert pooled.gateway_inflight._value.get() == 1.0  # in the pool's file at once
 

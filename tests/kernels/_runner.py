@@ -36,7 +36,7 @@ INTERPRETED_COST = {
     "gemv_fp8_rows": 3.8, "backend_cascade_decode": 2.7, "store_kv_fp8": 2.6,
     "backend_extend_decode_tail": 2.2, "decode_attention_single_stage": 1.9, "gemv_rows": 0.6, "rope_store_kv": 0.6,
     "per_token_quant": 0.3, "rope": 0.2, "store_kv": 0.2, "rms_norm": 0.1, "backend_fallback": 0.0,
-    "decode_inputs": 0.0, "embed_rms_norm": 0.0, "silu_and_mul": 0.0}
+    "decode_inputs": 0.0, "embed_rms_norm": 0.0, "silu_and_mul": 0.0, "paged_kv_indices": 1.0}
 DEFAULT_COST = 10.0
 INTERPRETED_TIMEOUT = 600  # seconds for both workers; test_interpreted_cpu's own limit is above it
 

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from shared.protocol import KvDone, KvHeader
-from shared.transfer.ucx import KvReceiver, KvSender
+from shared.pd.ucx import KvReceiver, KvSender
 
 LAYOUT = [2, 2, 1, 4]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -105,7 +105,7 @@ if __name__ == "__main__":
 def test_a_process_that_used_ucx_exits():
     """ucxx's notifier thread (Python futures) is not a daemon: without stopping it before the interpreter
     joins its threads, every PD worker hung on exit after SIGTERM (and so did pytest itself)."""
-    code = ("import asyncio\nfrom shared.transfer.ucx import _ucxx\n"
+    code = ("import asyncio\nfrom shared.pd.ucx import _ucxx\n"
             "async def main():\n    _ucxx()\nasyncio.run(main())\nprint('done', flush=True)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""PD stage queues (shared/engine/disagg.py) on the real engine (tiny-random model), without the transfer
+"""PD stage queues (shared/pd/sides.py) on the real engine (tiny-random model), without the transfer
 glue: the hooks are recorded here. A request moves through its side's stages in order, and ending it at
 any stage takes it out of its stage and gives back every slot it held."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shared.protocol import KvDone, Transfer
-from shared.transfer import kv_pages
+from shared.pd import kv_pages
 from tests.support.engine_harness import Harness
 
 PROMPT = list(range(5, 45))

@@ -34,7 +34,7 @@ FULL_OUTPUT = TokenOutput(
     rid="r-1", token_ids=[5, 6], text="hé", finished=True, finish_reason=FinishStop(matched="END"),
     prompt_tokens=9, cached_tokens=4, completion_tokens=2, output_logprobs=[[-0.5, 5], [-0.25, 6]],
     output_top_logprobs=[[[-0.5, 5]], [[-0.25, 6]]], input_logprobs=[[None, 1], [-3.0, 2]],
-    input_top_logprobs=[None, [[-3.0, 2]]], queue_time=0.125, error="oops", refused=True)
+    input_top_logprobs=[None, [[-3.0, 2]]], queue_time=0.125, spec_verify_ct=3, error="oops", refused=True)
 
 EXAMPLES = {
     "hello": Hello(key="secret"),
@@ -243,17 +243,18 @@ def test_merge_outputs_is_the_two_increments_in_order():
 
     a = TokenOutput(rid="r", token_ids=[1, 2], text="ab", prompt_tokens=5, cached_tokens=2, completion_tokens=2,
                     output_logprobs=[[-0.1, 1], [-0.2, 2]], output_top_logprobs=[[], []],
-                    input_logprobs=[[None, 7]], queue_time=0.5)
+                    input_logprobs=[[None, 7]], queue_time=0.5, spec_verify_ct=1)
     b = TokenOutput(rid="r", token_ids=[3], text="c", finished=True, finish_reason=FinishLength(length=3),
                     prompt_tokens=5, cached_tokens=2, completion_tokens=3, output_logprobs=[[-0.3, 3]],
-                    output_top_logprobs=[[]], queue_time=0.9)
+                    output_top_logprobs=[[]], queue_time=0.9, spec_verify_ct=2)
     m = merge_outputs(a, b)
     assert (m.token_ids, m.text, m.finished, m.finish_reason, m.completion_tokens) == ([1, 2, 3], "abc", True,
                                                                                      FinishLength(length=3), 3)
     assert m.output_logprobs == [[-0.1, 1], [-0.2, 2], [-0.3, 3]] and len(m.output_top_logprobs) == 3
     assert m.input_logprobs == [[None, 7]] and m.queue_time == 0.5 and m.error is None
+    assert m.spec_verify_ct == 2  # a running count: the later one
     # Every field of the message is accounted for (a new one must be merged on purpose).
     assert set(TokenOutput.__struct_fields__) == {
         "rid", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "cached_tokens",
         "completion_tokens", "output_logprobs", "output_top_logprobs", "input_logprobs", "input_top_logprobs",
-        "queue_time", "error", "refused"}
+        "queue_time", "spec_verify_ct", "error", "refused"}

@@ -56,12 +56,6 @@ def check_openai(state: "GatewayState", body: "_OpenAIBody") -> None:
                           "truncate_prompt_tokens")
 
 
-def kept_prompt_tokens(state: "GatewayState", body: "_OpenAIBody") -> int | None:
-    """How many of a prompt's last tokens vLLM's `truncate_prompt_tokens` keeps; None: all of them."""
-    k = body.truncate_prompt_tokens
-    return state.context_length if k == -1 else k
-
-
 def token_ids_in_vocab(state: "GatewayState", ids: Any) -> bool:
     """A list of ints (bools are not) in [0, vocab): one pass in C (min and max were two, ~12 us for 512
     ids)."""

@@ -1,14 +1,9 @@
 """CPU-heavy request preparation (tokenization, chat template rendering) kept off the event loop.
 
-Small inputs are handled inline (a process hop would cost more than the work). Large ones go to a small
-pool of worker processes that load the same tokenizer: a thread would not do, because the tokenizer
-holds the GIL while it builds the Python list of ids (a 1 MB prompt: 0.5 s of a frozen loop). Before any
-of that, a prompt with more characters than the context could hold at the tokenizer's longest token is
-refused outright: its length alone proves it cannot fit.
-
-Small inputs are inline only while the loop has time for them: many at once (a program's 64-way fork,
-each branch scoring 16 choices of a 13 KB prompt) would add up to seconds of a frozen loop, so once a
-burst has used up its share of the loop's time the rest go to the pool too.
+Small inputs are done inline while the loop has time for them (a credit of loop time, so a burst of them
+cannot freeze it); large ones go to a pool of spawned processes that load the same tokenizer (a thread would
+not do: the tokenizer holds the GIL while it builds the list of ids). A prompt longer in characters than
+the context could hold at the tokenizer's longest token is refused before any of that.
 """
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ from shared.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 INLINE_CHARS = 16 * 1024  # inputs up to this size are prepared on the loop (a few milliseconds at most)
-# Inline work is paid for from a credit that refills at INLINE_SHARE of wall time up to INLINE_BURST_S:
-# when a burst has spent it, inputs go to the pool until the loop has had time for everything else.
+# Inline work is paid from a credit that refills at INLINE_SHARE of wall time, up to INLINE_BURST_S.
 INLINE_SHARE = 0.25
 INLINE_BURST_S = 0.005
 ALWAYS_INLINE_CHARS = 2048  # smaller inputs stay inline whatever the credit: the hop would cost more
@@ -53,13 +47,15 @@ def _render(tokenizer: Tokenizer, messages: list[dict], args: dict) -> str:
 
 
 # Ids travel back as packed int32 bytes: unpickling a long list of ints would hold the gateway's GIL.
-def _encode(text: str, add_special_tokens: bool) -> bytes:
-    return array.array("i", _TOKENIZER.encode(text, add_special_tokens=add_special_tokens)).tobytes()
+# `tokenizer`: the gateway's own, when no pool can run (None in a pool process: its _TOKENIZER).
+def _encode(text: str, add_special_tokens: bool, tokenizer: Tokenizer | None = None) -> bytes:
+    tokenizer = tokenizer or _TOKENIZER
+    return array.array("i", tokenizer.encode(text, add_special_tokens=add_special_tokens)).tobytes()
 
 
-def _render_and_encode(messages: list[dict], args: dict) -> tuple[str, bytes]:
-    text = _render(_TOKENIZER, messages, args)
-    return text, array.array("i", _TOKENIZER.encode(text, add_special_tokens=False)).tobytes()
+def _render_and_encode(messages: list[dict], args: dict, tokenizer: Tokenizer | None = None) -> tuple[str, bytes]:
+    text = _render(tokenizer or _TOKENIZER, messages, args)
+    return text, _encode(text, False, tokenizer)
 
 
 def _ids(packed: bytes) -> list[int]:
@@ -84,7 +80,6 @@ class CpuWork:
         self.inline_chars = inline_chars
         self.token_chars = max_token_chars(tokenizer)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        self.offloaded = 0  # inputs prepared in a pool process (for tests and metrics)
         self._credit = INLINE_BURST_S  # seconds of inline work the loop can afford now
         self._credit_at = time.monotonic()
 
@@ -115,10 +110,9 @@ class CpuWork:
                                                                           os.getpid()))
         return self._pool
 
-    async def _run(self, local, fn, *args) -> Any:
-        """fn(*args) in a pool process; local() in a thread when no pool can run (no loadable
-        tokenizer path, or the pool keeps breaking)."""
-        self.offloaded += 1
+    async def _run(self, fn, *args) -> Any:
+        """fn(*args) in a pool process; in a thread, with the gateway's tokenizer, when no pool can run (no
+        loadable tokenizer path, or the pool broke)."""
         pool = self._executor()
         if pool is not None:
             try:
@@ -126,7 +120,7 @@ class CpuWork:
             except concurrent.futures.process.BrokenProcessPool:
                 log.warning("the tokenizer pool broke (cannot load %s?); using a thread from now on", self.path)
                 self.path, self._pool = None, None
-        return await asyncio.to_thread(local)
+        return await asyncio.to_thread(fn, *args, self.tokenizer)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._inline(len(text)):
@@ -135,23 +129,19 @@ class CpuWork:
                 return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
             finally:
                 self._spent(t0)
-        return _ids(await self._run(lambda: _encode_local(self.tokenizer, text, add_special_tokens),
-                                    _encode, text, add_special_tokens))
+        return _ids(await self._run(_encode, text, add_special_tokens))
 
     async def render_chat(self, messages: list[dict], chars: int, args: dict) -> tuple[str, list[int]]:
         """The chat template applied (`args`: add_generation_prompt, tools, documents, ...,
         template_kwargs) and its token ids; `chars` is the messages' size, which decides where."""
-        def local() -> tuple[str, list[int]]:
-            text = _render(self.tokenizer, messages, args)
-            return text, self.tokenizer.encode(text, add_special_tokens=False)
-
         if self._inline(chars):
             t0 = time.monotonic()
             try:
-                return local()
+                text = _render(self.tokenizer, messages, args)
+                return text, self.tokenizer.encode(text, add_special_tokens=False)
             finally:
                 self._spent(t0)
-        text, packed = await self._run(lambda: _pack(local()), _render_and_encode, messages, args)
+        text, packed = await self._run(_render_and_encode, messages, args)
         return text, _ids(packed)
 
     def close(self) -> None:
@@ -159,10 +149,3 @@ class CpuWork:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-
-def _encode_local(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> bytes:
-    return array.array("i", tokenizer.encode(text, add_special_tokens=add_special_tokens)).tobytes()
-
-
-def _pack(rendered: tuple[str, list[int]]) -> tuple[str, bytes]:
-    return rendered[0], array.array("i", rendered[1]).tobytes()

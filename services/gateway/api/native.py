@@ -34,10 +34,8 @@ class NativeJob:
     unknown: list[str] = field(default_factory=list)  # sampling_params keys we do not know (ignored)
 
     def headers(self) -> dict[str, str]:
-        """Ignored keys are said out loud (an HTTP Warning) rather than silently dropped. The names are the
-        client's: escaped to printable ASCII (a newline would split the header, a non-Latin-1 character
-        would fail to encode it and drop the connection without an answer), each cut to 64 characters,
-        at most 16 of them."""
+        """Ignored keys in a Warning header: escaped to printable ASCII (a header must not split or fail to
+        encode), each cut to 64 characters, at most 16 of them."""
         if not self.unknown:
             return {}
         names = [json.dumps(k[:64])[1:-1] for k in self.unknown[:16]]
@@ -162,6 +160,8 @@ def _answer(state: "GatewayState", job: NativeJob, req: GenerateRequest, res: Ge
         "completion_tokens": res.completion_tokens, "cached_tokens": res.cached_tokens,
         "e2e_latency": res.e2e_latency,
     }
+    if res.spec_verify_ct:  # speculative decoding on the worker (SGLang's key)
+        meta["spec_verify_ct"] = res.spec_verify_ct
     if req.return_logprob:
         tok, text = state.tokenizer, job.with_text
         input_lps = _with_first_null(req, res.input_logprobs)
@@ -194,11 +194,10 @@ class _NativeFormat:
     def head(self) -> bytes:
         return b""
 
+    tail = head
+
     def on_output(self, i: int, out: TokenOutput, res: GenerationResult) -> bytes:
         event = _answer(self.state, self.job, self.job.reqs[i], res)
         if self.job.batched:
             event["index"] = i
         return encode_event(event)
-
-    def tail(self) -> bytes:
-        return b""

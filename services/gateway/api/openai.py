@@ -15,7 +15,7 @@ from services.gateway.api.models import ChatRequest, CompletionRequest, _OpenAIB
 from services.gateway.api.chat_output import ChoiceOutput
 from services.gateway.api.chat_request import ChatSpec, parse_chat
 from services.gateway.api.admission import (check_grammars, check_openai, stamp_tenant, check_token_ids, child_requests,
-                                        encode_prompt, kept_prompt_tokens, resolve_max_new_tokens, sampling_params,
+                                        encode_prompt, resolve_max_new_tokens, sampling_params,
                                         token_ids_in_vocab)
 from services.gateway.routing.dispatch import GenerationResult, created_timestamp, new_rid
 from services.gateway.http.errors import APIError, bad_request
@@ -29,17 +29,12 @@ from shared.protocol import GenerateRequest, TokenOutput
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
 
-# OpenAI body fields passed to SamplingParams under SGLang's names (extensions included: vLLM/SGLang clients
-# send top_k, min_p, ignore_eos... through extra_body).
-_SAMPLING_KEYS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty", "stop": "stop", "stop_token_ids": "stop_token_ids",
-    "seed": "seed", "logit_bias": "logit_bias", "ignore_eos": "ignore_eos", "min_tokens": "min_new_tokens",
-    "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim", "regex": "regex",
-    "json_schema": "json_schema", "ebnf": "ebnf",
-    "spaces_between_special_tokens": "spaces_between_special_tokens",
-}
+# OpenAI body fields passed to SamplingParams, under SGLang's names (vLLM/SGLang clients send top_k,
+# min_p, ignore_eos... through extra_body).
+_SAMPLING_KEYS = {k: k for k in (
+    "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "stop", "stop_token_ids", "seed", "logit_bias", "ignore_eos", "skip_special_tokens", "no_stop_trim", "regex",
+    "json_schema", "ebnf", "spaces_between_special_tokens")} | {"min_tokens": "min_new_tokens"}
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -176,30 +171,43 @@ async def _parse_prompts(state: "GatewayState", prompt: str | list) -> list[Prom
 
 def _truncated(state: "GatewayState", body: _OpenAIBody, prompts: list[Prompt]) -> list[Prompt]:
     """Each prompt's last tokens where the body asks for vLLM's truncate_prompt_tokens."""
-    k = kept_prompt_tokens(state, body)
+    k = state.context_length if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
     if k is None:
         return prompts
     return [p if len(p.ids) <= k else Prompt(p.ids[-k:], tokenizer=state.tokenizer) for p in prompts]
 
 
-class _CompletionFormat:
-    """The answer of a /v1/completions request: whole (`response`) or as stream chunks (an EventFormat)."""
+class _Format:
+    """The answer of an OpenAI request: whole (`response`) or as stream chunks (an EventFormat)."""
+    OBJECT = CHUNK_OBJECT = ""
 
-    __slots__ = ("state", "tok", "model", "job", "echo", "want_lp", "_results", "_offsets", "_chunk")
-
-    def __init__(self, state: "GatewayState", job: Job, echo: bool, want_lp: bool):
+    def __init__(self, state: "GatewayState", job: Job, want_lp: bool):
         self.state, self.tok = state, state.tokenizer
-        self.model = state.served_model_name
-        self.job, self.echo, self.want_lp = job, echo, want_lp
+        self.job, self.want_lp = job, want_lp
         self._results: dict[int, GenerationResult] = {}  # streaming: each choice's result so far
-        self._offsets: dict[int, int] = {}  # streaming, with echo or logprobs: characters sent so far per choice
         self._chunk: Envelope | None = None  # streaming: a chunk's event around its choice
 
-    def _fields(self) -> dict:
-        return {"id": self.job.id, "object": "text_completion", "created": self.job.created, "model": self.model}
+    def _envelope(self, choices: list | None, object: str, **extra) -> dict:
+        out = {"id": self.job.id, "object": object, "created": self.job.created, "model": self.state.served_model_name}
+        return out if choices is None else {**out, "choices": choices, **extra}
 
-    def _envelope(self, choices: list, **extra) -> dict:
-        return {**self._fields(), "choices": choices, **extra}
+    def _start_chunks(self) -> None:
+        self._chunk = Envelope(self._envelope(None, self.CHUNK_OBJECT),
+                               **({"usage": None} if self.job.include_usage else {}))
+
+    def tail(self) -> bytes:
+        if not self.job.include_usage:
+            return b""
+        return encode_event(self._envelope([], self.CHUNK_OBJECT, usage=_usage(self.job, self._results)))
+
+
+class _CompletionFormat(_Format):
+    OBJECT = CHUNK_OBJECT = "text_completion"
+
+    def __init__(self, state: "GatewayState", job: Job, echo: bool, want_lp: bool):
+        super().__init__(state, job, want_lp)
+        self.echo = echo
+        self._offsets: dict[int, int] = {}  # streaming, with echo or logprobs: characters sent so far per choice
 
     def _echo_logprobs(self, prompt: Prompt, res: GenerationResult) -> dict:
         return lp.completion_logprobs(prompt.ids, res.input_logprobs, res.input_top_logprobs, self.tok, 0)
@@ -217,10 +225,10 @@ class _CompletionFormat:
                     logprobs = lp.merge_completion_logprobs(self._echo_logprobs(prompt, res), logprobs)
             choices.append({"index": i, "text": prefix + res.text, "logprobs": logprobs,
                             "finish_reason": _finish(res)})
-        return self._envelope(choices, usage=_usage(self.job, dict(enumerate(results))))
+        return self._envelope(choices, self.OBJECT, usage=_usage(self.job, dict(enumerate(results))))
 
     def head(self) -> bytes:
-        self._chunk = Envelope(self._fields(), **({"usage": None} if self.job.include_usage else {}))
+        self._start_chunks()
         return b""
 
     def on_output(self, i: int, out: TokenOutput, res: GenerationResult) -> bytes:
@@ -252,11 +260,6 @@ class _CompletionFormat:
             logprobs = new if logprobs is None else lp.merge_completion_logprobs(logprobs, new)
         offsets[i] = offsets.get(i, 0) + len(text)
         return text, logprobs
-
-    def tail(self) -> bytes:
-        if not self.job.include_usage:
-            return b""
-        return encode_event(self._envelope([], usage=_usage(self.job, self._results)))
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
@@ -305,22 +308,13 @@ async def render_chat(state: "GatewayState", spec: ChatSpec) -> Prompt:
     return Prompt(ids, text)
 
 
-class _ChatFormat:
-    """The answer of a /v1/chat/completions request: whole (`response`) or as stream chunks (an EventFormat)."""
+class _ChatFormat(_Format):
+    OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
 
     def __init__(self, state: "GatewayState", job: Job, want_lp: bool, spec: ChatSpec):
-        self.state, self.tok = state, state.tokenizer
-        self.model = state.served_model_name
-        self.job, self.want_lp, self.spec = job, want_lp, spec
-        self._results: dict[int, GenerationResult] = {}  # streaming: each choice's result so far
+        super().__init__(state, job, want_lp)
+        self.spec = spec
         self._outputs: list[ChoiceOutput] | None = None  # streaming: each choice's output parsers
-        self._chunk_envelope: Envelope | None = None  # streaming: a chunk's event around its choice
-
-    def _fields(self, object: str) -> dict:
-        return {"id": self.job.id, "object": object, "created": self.job.created, "model": self.model}
-
-    def _envelope(self, choices: list, object: str, **extra) -> dict:
-        return {**self._fields(object), "choices": choices, **extra}
 
     def _logprobs(self, token_ids, logprobs, tops) -> dict | None:
         return lp.chat_logprobs(token_ids, logprobs, tops, self.tok) if self.want_lp else None
@@ -335,17 +329,15 @@ class _ChatFormat:
             choices.append({"index": i, "message": out.message(res.text),
                             "logprobs": self._logprobs(res.output_ids, res.output_logprobs, res.output_top_logprobs),
                             "finish_reason": out.finish_reason(_finish(res))})
-        return self._envelope(choices, "chat.completion", usage=_usage(self.job, dict(enumerate(results))))
+        return self._envelope(choices, self.OBJECT, usage=_usage(self.job, dict(enumerate(results))))
 
-    def _chunk(self, index: int, delta: dict, logprobs=None, finish=None) -> bytes:
-        return self._chunk_envelope.event({"index": index, "delta": delta, "logprobs": logprobs,
-                                           "finish_reason": finish})
+    def _delta(self, index: int, delta: dict, logprobs=None, finish=None) -> bytes:
+        return self._chunk.event({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
 
     def head(self) -> bytes:
-        self._chunk_envelope = Envelope(self._fields("chat.completion.chunk"),
-                                        **({"usage": None} if self.job.include_usage else {}))
+        self._start_chunks()
         self._outputs = [self._output() for _ in self.job.reqs]
-        return b"".join(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self.job.reqs)))
+        return b"".join(self._delta(i, {"role": "assistant", "content": ""}) for i in range(len(self.job.reqs)))
 
     def on_output(self, i: int, out: TokenOutput, res: GenerationResult) -> bytes:
         self._results[i] = res
@@ -359,15 +351,10 @@ class _ChatFormat:
             deltas += parser.finish()
         if not deltas and logprobs is not None:
             deltas = [{}]  # the tokens' text is held back by a parser; their logprobs are not
-        events = [self._chunk(i, delta, logprobs if k == 0 else None) for k, delta in enumerate(deltas)]
+        events = [self._delta(i, delta, logprobs if k == 0 else None) for k, delta in enumerate(deltas)]
         if out.finished:
-            events.append(self._chunk(i, {}, finish=parser.finish_reason(_finish(out.finish_reason))))
+            events.append(self._delta(i, {}, finish=parser.finish_reason(_finish(out.finish_reason))))
         return b"".join(events)
-
-    def tail(self) -> bytes:
-        if not self.job.include_usage:
-            return b""
-        return encode_event(self._envelope([], "chat.completion.chunk", usage=_usage(self.job, self._results)))
 
 
 # ---------------------------------------------------------------- /v1/models

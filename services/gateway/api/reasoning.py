@@ -1,16 +1,9 @@
-"""`reasoning_content` apart from `content`, for models that think inside `<think>...</think>`.
-
-- `deepseek-r1`: the answer starts in reasoning (R1's template opens `<think>` in the prompt; a `<think>`
-  the model writes anyway is dropped) and ends it at `</think>`;
-- `qwen3`: reasoning only when the answer opens `<think>`, or the prompt left one open (Qwen3 thinking
-  templates); `<tool_call>` also ends it (the model went on to call a tool).
-For both, a prompt that ends by closing the block (`enable_thinking: false` renders `<think></think>`)
-means no reasoning at all. Text after the block, less its leading whitespace, is the content. An answer
-cut off inside the block is all reasoning.
-
-Incremental like the tool parsers: `feed(delta)` -> (reasoning delta, content delta), markers split
-across deltas are held back; a whole answer is one `feed` plus `finish`, so both paths agree.
-"""
+"""`reasoning_content` apart from `content`, for models that think inside `<think>...</think>`:
+`deepseek-r1` starts in reasoning; `qwen3` reasons only when the answer (or the prompt) opens `<think>`,
+and `<tool_call>` ends it too. A prompt that closes the block (`enable_thinking: false`) means no
+reasoning; text after the block, less leading whitespace, is content; an answer cut off inside is all
+reasoning. Incremental like the tool parsers (markers split across deltas held back); a whole answer is
+one `feed` plus `finish`, so both paths agree."""
 from __future__ import annotations
 
 START, END = "<think>", "</think>"

@@ -1,17 +1,6 @@
-"""`/tokenize` and `/detokenize` (also under `/v1/`): the served model's tokenizer over HTTP, in the shapes
-both SGLang's and vLLM's servers answer, so their clients (prompt builders that count tokens, benchmark
-scripts that make exact-length prompts) work unchanged. No worker is involved.
-
-/tokenize takes exactly one of `prompt` (a string, or a list of strings: SGLang's batch form) and
-`messages` (rendered by the chat template exactly as /v1/chat/completions renders them, so `count`
-equals that route's usage.prompt_tokens). It answers {count, max_model_len, tokens}, plus `token_strs`
-(the vocabulary's strings) with `return_token_strs`. `add_special_tokens` defaults to true for a prompt
-and to false for messages (the template adds its own), as both servers do.
-
-/detokenize takes `tokens` (ids, or a list of id lists) and answers the text under both servers' names:
-`text` (SGLang) and `prompt` (vLLM). Special tokens are skipped unless `skip_special_tokens` is false
-(SGLang's default; vLLM keeps them, so a vLLM client that wants them back passes false).
-"""
+"""`/tokenize` and `/detokenize` (also under `/v1/`) in both SGLang's and vLLM's shapes (docs/api.md), no
+worker involved. Messages render exactly as /v1/chat/completions renders them, so `count` equals that
+route's usage.prompt_tokens; `add_special_tokens` defaults to true for a prompt, false for messages."""
 from __future__ import annotations
 
 import asyncio
@@ -56,12 +45,8 @@ async def tokenize(state: "GatewayState", request: web.Request) -> web.Response:
         return json_response(_tokens_answer(state, await state.cpu.encode(prompt, add_special), token_strs))
     if not prompt:
         raise bad_request("'prompt' must be a string or a non-empty list of strings", "prompt")
-    lists = [await state.cpu.encode(p, add_special) for p in prompt]
-    out: dict[str, Any] = {"count": [len(ids) for ids in lists], "max_model_len": state.context_length,
-                           "tokens": lists}
-    if token_strs:
-        out["token_strs"] = [_token_strs(state, ids) for ids in lists]
-    return json_response(out)
+    answers = [_tokens_answer(state, await state.cpu.encode(p, add_special), token_strs) for p in prompt]
+    return json_response({k: answers[0][k] if k == "max_model_len" else [a[k] for a in answers] for k in answers[0]})
 
 
 async def detokenize(state: "GatewayState", request: web.Request) -> web.Response:
@@ -90,9 +75,5 @@ async def detokenize(state: "GatewayState", request: web.Request) -> web.Respons
 def _tokens_answer(state: "GatewayState", ids: list[int], token_strs: bool) -> dict:
     out: dict[str, Any] = {"count": len(ids), "max_model_len": state.context_length, "tokens": ids}
     if token_strs:
-        out["token_strs"] = _token_strs(state, ids)
+        out["token_strs"] = [state.tokenizer.id_to_token(t) for t in ids]
     return out
-
-
-def _token_strs(state: "GatewayState", ids: list[int]) -> list[str | None]:
-    return [state.tokenizer.id_to_token(t) for t in ids]

@@ -1,12 +1,7 @@
-"""The grammar that makes `tool_choice: required` (or a named function) come out as parseable calls.
-
-The model writes its own format (so the prompt's instructions and its training still apply): for
-`hermes`, `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>` blocks separated by newlines;
-for `llama3`, `{"name": "f", "parameters": {...}}` objects separated by `; `. Each call's JSON follows a
-schema whose `name` is a constant and whose arguments are the function's own `parameters` schema, so
-the arguments always parse and validate. The result is EBNF text for the request's `ebnf` sampling
-field: the gateway validates it like any grammar and the worker compiles and caches it as usual.
-"""
+"""The grammar that makes `tool_choice: required` (or a named function) come out as parseable calls, in the
+model's own format (hermes `<tool_call>` blocks, llama3 `; `-separated objects): each call's `name` is a
+constant and its arguments follow the function's `parameters` schema. EBNF text for the request's `ebnf`
+sampling field, validated and compiled like any grammar."""
 from __future__ import annotations
 
 import json

@@ -1,17 +1,10 @@
-"""Tool calls out of generated text, in the two formats models are trained on:
-
-- `hermes` (Qwen 2.5/3, Hermes, many fine-tunes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
-  any number of blocks, text outside them is content;
-- `llama3` (Llama 3.1/3.2/3.3 JSON tool calling): the whole answer is `{"name": ..., "parameters": {...}}`,
-  several calls separated by `;`, optionally after `<|python_tag|>`.
-
-One incremental parser per choice: `feed(delta)` returns events in output order: ("content", text),
-("call", ToolCall) when a call starts (its name known), ("args", index, fragment) as its arguments
-arrive. Hermes arguments stream as the model writes them (the text held back is only what could be the
-block's closing); llama3 calls come out whole at the end. A whole response is parsed by feeding it at
-once, so streamed and non-streamed answers agree. A block that is not a call of an offered function
-stays content: nothing the model wrote is dropped. Arguments are the model's own JSON text.
-"""
+"""Tool calls out of generated text, in the two formats models are trained on: `hermes` (Qwen, Hermes:
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, text outside them is content) and
+`llama3` (the whole answer is `{"name": ..., "parameters": {...}}` objects separated by `;`, maybe after
+`<|python_tag|>`). One incremental parser per choice: `feed(delta)` returns ("content", text),
+("call", ToolCall) once a call's name is known and ("args", index, fragment) as its arguments arrive
+(hermes streams them; llama3 calls come whole at the end). A whole response is fed at once, so both paths
+agree; a block that is not a call of an offered function stays content."""
 from __future__ import annotations
 
 import json

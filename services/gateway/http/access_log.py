@@ -1,14 +1,6 @@
-"""Request identity and the access log.
-
-Every request gets an id: the client's `X-Request-Id` when it is a sane token, else a new one. It is
-returned in the response's `X-Request-Id` header, travels to the workers in each GenerateRequest (their
-log lines about the request carry it) and ends one access-log line per request:
-
-    request_id=... POST /v1/completions 200 prompt_tokens=12 cached_tokens=0 output_tokens=8 ttft=0.012 e2e=0.080
-
-The dispatcher adds each generation's numbers to the current request's record through a context
-variable, so no route has to pass anything along.
-"""
+"""Request identity and the access log: every request gets an id (the client's sane `X-Request-Id`, else
+a new one), returned in the `X-Request-Id` header, carried to the workers, and one access-log line per
+request, fed by the dispatcher through a context variable."""
 from __future__ import annotations
 
 import contextvars
@@ -53,11 +45,6 @@ CURRENT: contextvars.ContextVar[AccessRecord | None] = contextvars.ContextVar("a
 _KEY = web.RequestKey("access_record", AccessRecord)
 
 
-def current_request_id() -> str | None:
-    record = CURRENT.get()
-    return record.request_id if record is not None else None
-
-
 def request_id_from(given: str) -> str:
     """The client's X-Request-Id header value when it is a sane token, else a new id."""
     return given if given and _SANE.fullmatch(given) else unique_hex()
@@ -95,8 +82,7 @@ async def access_middleware(request: web.Request, handler) -> web.StreamResponse
 
 
 async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare: the header goes out with streamed responses too (their headers are sent
-    before the handler returns)."""
+    """on_response_prepare: streamed responses get the header too."""
     record = request.get(_KEY)
     if record is not None:
         response.headers[HEADER] = record.request_id

@@ -33,69 +33,42 @@ def create_app(state: GatewayState) -> web.Application:
     app = web.Application(client_max_size=state.limits.max_body_bytes,
                           middlewares=[access_middleware, _error_middleware, _auth_middleware(state)])
     app[STATE] = state
-    s = state
 
-    async def models(request):
-        return json_response(openai.models(s))
+    def route(translator, as_json: bool = False):
+        """A handler for a translator that takes (state, request): its answer, or a dict as JSON."""
+        async def handler(request: web.Request) -> web.StreamResponse:
+            out = translator(state, request)
+            out = await out if asyncio.iscoroutine(out) else out
+            return json_response(out) if as_json else out
+        return handler
 
-    async def model(request):
-        return json_response(openai.model(s, request.match_info["model_id"]))
-
-    async def model_info(request):
-        return json_response(admin.model_info(s))
-
-    async def server_info(request):
-        return json_response(await admin.server_info(s))
-
-    async def flush_cache(request):
-        return await admin.flush_cache(s)
-
-    async def health(request):
-        return admin.health(s)
-
-    async def health_generate(request):
-        return await admin.health_generate(s)
-
-    async def metrics(request):
-        return await admin.metrics(s)
-
-    app.router.add_post("/v1/completions", _bound(s, openai.completions))
-    app.router.add_post("/v1/chat/completions", _bound(s, openai.chat_completions))
-    app.router.add_post("/generate", _bound(s, native.generate))
-    app.router.add_get("/v1/models", models)
+    add = app.router.add_route
+    add("POST", "/v1/completions", route(openai.completions))
+    add("POST", "/v1/chat/completions", route(openai.chat_completions))
+    add("POST", "/generate", route(native.generate))
+    add("POST", "/v1/programs", route(programs.run_program))
+    add("GET", "/v1/models", route(lambda s, r: openai.models(s), as_json=True))
     # {model_id:.+}: hub ids contain a slash (meta-llama/Llama-3.1-8B).
-    app.router.add_get("/v1/models/{model_id:.+}", model)
-    app.router.add_post("/v1/programs", _bound(s, programs.run_program))
+    add("GET", "/v1/models/{model_id:.+}", route(lambda s, r: openai.model(s, r.match_info["model_id"]), True))
     for prefix in ("", "/v1"):  # SGLang serves both; vLLM the first
-        app.router.add_post(f"{prefix}/tokenize", _bound(s, tokens.tokenize))
-        app.router.add_post(f"{prefix}/detokenize", _bound(s, tokens.detokenize))
+        add("POST", f"{prefix}/tokenize", route(tokens.tokenize))
+        add("POST", f"{prefix}/detokenize", route(tokens.detokenize))
     for path in ("/get_model_info", "/model_info"):
-        app.router.add_get(path, model_info)
+        add("GET", path, route(lambda s, r: admin.model_info(s), as_json=True))
     for path in ("/server_info", "/get_server_info"):
-        app.router.add_get(path, server_info)
-    app.router.add_route("POST", "/flush_cache", flush_cache)
-    app.router.add_route("GET", "/flush_cache", flush_cache)
-    app.router.add_get("/health", health)
-    app.router.add_get("/health_generate", health_generate)
-    app.router.add_get("/metrics", metrics)
-    async def openapi(request):
-        return json_response(spec)
-
-    app.router.add_get("/openapi.json", openapi)
+        add("GET", path, route(lambda s, r: admin.server_info(s), as_json=True))
+    for method in ("POST", "GET"):
+        add(method, "/flush_cache", route(lambda s, r: admin.flush_cache(s)))
+    add("GET", "/health", route(lambda s, r: admin.health(s)))
+    add("GET", "/health_generate", route(lambda s, r: admin.health_generate(s)))
+    add("GET", "/metrics", route(lambda s, r: admin.metrics(s)))
+    add("GET", "/openapi.json", route(lambda s, r: spec, as_json=True))
     spec = build_spec(app)  # every route is in the table now
 
     app.on_response_prepare.append(add_request_id_header)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app
-
-
-def _bound(state: GatewayState, translator):
-    """A route handler for a translator that takes (state, request)."""
-    async def handler(request: web.Request) -> web.StreamResponse:
-        return await translator(state, request)
-
-    return handler
 
 
 async def _on_startup(app: web.Application) -> None:

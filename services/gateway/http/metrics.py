@@ -1,15 +1,10 @@
-"""Prometheus metrics under SGLang's names (`sglang:*`), in a registry of our own so several gateways
-(tests) can live in one process. Token counters rather than hit-rate gauges: users derive rates.
-
-Several gateway processes on one port (services/gateway/pool.py) share one picture: their pool sets
-$PROMETHEUS_MULTIPROC_DIR, prometheus-client keeps every process's values in files there, and whichever
-process a scrape reaches renders them all (counters and histograms summed, the gateway's in-flight gauge
-and throughput summed over live processes, the workers' gauges as last polled). The cache hit rate, a
-ratio, is rebuilt from every process's token counts over its window."""
+"""Prometheus metrics under SGLang's names (`sglang:*`), in a registry of our own (several gateways may
+live in one process). In a --gateway-processes pool every process's values live in
+$PROMETHEUS_MULTIPROC_DIR and any process renders them all; the hit rate, a ratio, is rebuilt from every
+process's window counts."""
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import os
 import time
@@ -40,6 +35,50 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+class HostTierGauges:
+    """The workers' host KV tier (--enable-hierarchical-cache), summed over them: per-tier hit tokens, bytes moved
+    each way, tier sizes, and the load-back latency histogram (as gauges: the workers' own counts)."""
+
+    FIGURES = {"hicache_host_hit_tokens": "Prompt tokens loaded back from the host KV tier",
+               "hicache_device_hit_tokens": "Prompt tokens found in the device KV pool",
+               "hicache_h2d_bytes": "KV bytes loaded from the host tier to the device",
+               "hicache_d2h_bytes": "KV bytes written from the device to the host tier",
+               "hicache_host_used_tokens": "Host tier slots in use",
+               "hicache_host_total_tokens": "Host tier size in tokens",
+               "hicache_load_seconds_sum": "Total seconds of host tier load-backs",
+               "hicache_load_seconds_count": "Host tier load-backs completed"}
+
+    def __init__(self, gauge, registry, model_name: str):
+        self.gauges = {name: gauge(name, doc) for name, doc in self.FIGURES.items()}
+        self.buckets = Gauge("sglang:hicache_load_seconds_bucket", "Host tier load-backs that took at most `le` s",
+                             ["model_name", "le"], registry=registry, multiprocess_mode="livemostrecent")
+        self.model_name = model_name
+
+    def set(self, infos: list[dict]) -> None:
+        caches = [i.get("cache") or {} for i in infos]
+        tiers = [i["hicache"] for i in infos]
+        host_hits = sum(_num(c.get("host_hit_tokens")) for c in caches)
+        values = {"hicache_host_hit_tokens": host_hits,
+                  "hicache_device_hit_tokens": sum(_num(c.get("hit_tokens")) for c in caches) - host_hits,
+                  "hicache_h2d_bytes": sum(_num(c.get("bytes_h2d")) for c in caches),
+                  "hicache_d2h_bytes": sum(_num(c.get("bytes_d2h")) for c in caches),
+                  "hicache_host_used_tokens": sum(_num(t.get("host_used_tokens")) for t in tiers),
+                  "hicache_host_total_tokens": sum(_num(t.get("host_total_tokens")) for t in tiers),
+                  "hicache_load_seconds_sum": sum(_num(c.get("load_seconds_sum")) for c in caches),
+                  "hicache_load_seconds_count": sum(_num(c.get("load_seconds_count")) for c in caches)}
+        for name, value in values.items():
+            self.gauges[name].set(value)
+        bounds = [str(b) for b in caches[0].get("load_latency_le") or []] + ["+Inf"]
+        counts = [0.0] * len(bounds)
+        for c in caches:
+            for k, n in enumerate((c.get("load_latency_buckets") or [])[:len(counts)]):
+                counts[k] += _num(n)
+        total = 0.0
+        for bound, n in zip(bounds, counts):
+            total += n
+            self.buckets.labels(self.model_name, bound).set(total)
+
+
 class GatewayMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -59,40 +98,28 @@ class GatewayMetrics:
             # the same seen from any process, the last polled wins.
             return Gauge(f"sglang:{name}", doc, labels, registry=r, multiprocess_mode=mode).labels(model_name)
 
-        # The request path's counters and histograms are batched (see BatchedHistogram): what they hold
-        # reaches prometheus-client at flush(), which every render does first; in a pool, each request's
-        # end and the publisher's tick flush too, since another process may render the scrape.
-        self._batched: list = []
-
-        def batched(metric, kind=BatchedCounter):
-            self._batched.append(kind(metric))
-            return self._batched[-1]
-
-        def batched_histogram(name, doc, buckets):
-            return batched(histogram(name, doc, buckets), BatchedHistogram)
-
-        self.prompt_tokens = batched(counter("prompt_tokens", "Prompt tokens of finished requests"))
-        self.generation_tokens = batched(counter("generation_tokens", "Generated tokens"))
-        self.cached_tokens = batched(counter("cached_tokens", "Prompt tokens served from the prefix cache"))
-        self.queried_prefix_tokens = batched(counter(
-            "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache (hit rate denominator)"))
-        self.requests = batched(counter("num_requests", "Finished requests"))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache")
+        self.queried_prefix_tokens = counter(
+            "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache (hit rate denominator)")
+        self.requests = counter("num_requests", "Finished requests")
         self.aborted_requests = counter("num_aborted_requests", "Requests aborted or failed")
         self.pd_bypassed = counter("num_pd_bypassed_requests",
                                    "PD requests a decode worker extended itself (short uncached suffix)")
         self.pd_retried = counter("num_pd_retried_requests",
                                   "PD requests restarted elsewhere after a worker failed before the first token")
-        self.ttft = batched_histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
-        self.itl = batched_histogram("inter_token_latency_seconds", "Gap between output tokens", _ITL_BUCKETS)
-        self.e2e = batched_histogram("e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
-        self.queue_time = batched_histogram("queue_time_seconds", "Time waiting in a worker queue", _LATENCY_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Gap between output tokens", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
+        self.queue_time = histogram("queue_time_seconds", "Time waiting in a worker queue", _LATENCY_BUCKETS)
         self.num_running = gauge("num_running_reqs", "Requests running on the workers")
         self.num_queued = gauge("num_queue_reqs", "Requests waiting on the workers")
         self.token_usage = gauge("token_usage", "KV cache usage, fraction of the pool (mean over workers)")
-        inflight = gauge("gateway_inflight_reqs", "Requests the gateway is waiting on", "livesum")
-        # In a pool the processes that render must see each start at once: there the gauge is not batched.
-        self.gateway_inflight = inflight if self.multiprocess else batched(inflight, BatchedGauge)
+        self.gateway_inflight = gauge("gateway_inflight_reqs", "Requests the gateway is waiting on", "livesum")
         self.num_used_tokens = gauge("num_used_tokens", "KV cache slots in use, summed over workers")
+        self._gauge = gauge
+        self.hicache: HostTierGauges | None = None  # made when a worker first reports a host KV tier
         hit_doc = (f"Prompt tokens served from the prefix cache / prompt tokens, over the last "
                    f"~{RATE_WINDOW_S:.0f} s of finished requests")
         if self.multiprocess:  # a ratio does not sum: each process publishes its window's two counts
@@ -114,11 +141,11 @@ class GatewayMetrics:
         self.num_used_tokens.set(sum(_num(i.get("kv_usage")) * _num(i.get("max_total_tokens")) for i in infos))
         if infos:
             self.token_usage.set(sum(_num(i.get("kv_usage")) for i in infos) / len(infos))
-
-    def flush(self) -> None:
-        """Move the batched observations into prometheus-client's values (and, in a pool, its files)."""
-        for b in self._batched:
-            b.flush()
+        tiered = [i for i in infos if i.get("hicache")]
+        if tiered:
+            if self.hicache is None:
+                self.hicache = HostTierGauges(self._gauge, self.registry, self.model_name)
+            self.hicache.set(tiered)
 
     def update_rates(self, now: float | None = None) -> None:
         """Set the two rate gauges from the totals' change since the oldest sample in the window."""
@@ -152,12 +179,10 @@ class GatewayMetrics:
 
     async def _publish_forever(self) -> None:
         while True:
-            self.flush()
             self.update_rates()
             await asyncio.sleep(PUBLISH_INTERVAL_S)
 
     def render(self) -> bytes:
-        self.flush()
         self.update_rates()
         if not self.multiprocess:
             return generate_latest(self.registry)
@@ -204,78 +229,6 @@ def _num(v) -> float:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
 
 
-class BatchedHistogram:
-    """A histogram's observations kept as plain counts until `flush()` moves them into it: the request
-    path's TTFT, ITL, e2e and queue-time observations cost a bisection and two additions, not a
-    prometheus-client observe (a lock and a Python walk of the bounds) each. `observe(value, count)`:
-    `count` observations of one value (an increment of 16 tokens under --stream-interval 16 is 16
-    inter-token gaps). The flush adds each touched bucket and the sum once, through the histogram's own
-    values (its per-bucket counts; the cumulative `le` series are summed when rendered); if those
-    internals ever change it falls back to `count` observe calls."""
-
-    __slots__ = ("hist", "_bounds", "_buckets", "_sum", "_counts", "_total", "_pending")
-
-    def __init__(self, hist):
-        self.hist = hist
-        self._bounds, self._buckets, self._sum = (getattr(hist, "_upper_bounds", None),
-                                                  getattr(hist, "_buckets", None), getattr(hist, "_sum", None))
-        if self._bounds is None or self._buckets is None or self._sum is None or \
-                len(self._bounds) != len(self._buckets):
-            self._buckets = None
-        self._counts: dict = {}  # bucket index (or the value itself, on the fallback) -> observations
-        self._total = 0.0
-        self._pending = False
-
-    def observe(self, value: float, count: int = 1) -> None:
-        # The first bound >= value, as observe's `value <= bound` walk (the last bound is +Inf).
-        key = bisect.bisect_left(self._bounds, value) if self._buckets is not None else value
-        counts = self._counts
-        counts[key] = counts.get(key, 0) + count
-        self._total += value * count
-        self._pending = True
-
-    def flush(self) -> None:
-        if not self._pending:
-            return
-        counts, self._counts, total, self._total, self._pending = self._counts, {}, self._total, 0.0, False
-        buckets = self._buckets
-        if buckets is None:
-            for value, count in counts.items():
-                for _ in range(count):
-                    self.hist.observe(value)
-            return
-        self._sum.inc(total)
-        for i, count in counts.items():
-            buckets[i].inc(count)
-
-
-class BatchedCounter:
-    """A counter's increments summed in a plain number until `flush()` adds them to it."""
-
-    __slots__ = ("counter", "_pending")
-
-    def __init__(self, counter):
-        self.counter, self._pending = counter, 0
-
-    def inc(self, amount: float = 1) -> None:
-        self._pending += amount
-
-    def flush(self) -> None:
-        if self._pending:
-            pending, self._pending = self._pending, 0
-            self.counter.inc(pending)
-
-
-class BatchedGauge(BatchedCounter):
-    """A gauge's increments and decrements summed until `flush()` (the request path's in-flight count:
-    two prometheus-client updates a request, each under a lock, otherwise)."""
-
-    __slots__ = ()
-
-    def dec(self, amount: float = 1) -> None:
-        self._pending -= amount
-
-
 class RequestTimer:
     """Timing of one request's stream: feeds TTFT, ITL, queue time and the token counters."""
 
@@ -300,7 +253,9 @@ class RequestTimer:
                 m.ttft.observe(now - self.start)
                 self.last = now
         elif n:
-            m.itl.observe((now - last) / n, n)  # a frame may carry several tokens (jump-forward, batching)
+            gap = (now - last) / n  # a frame may carry several tokens (jump-forward, --stream-interval)
+            for _ in range(n):
+                m.itl.observe(gap)
             self.last = now
         if out.finished:
             m.requests.inc()
@@ -313,6 +268,4 @@ class RequestTimer:
             m.e2e.observe(now - self.start)
             if isinstance(out.finish_reason, FinishAbort) or out.error:
                 m.aborted_requests.inc()
-            if m.multiprocess:
-                m.flush()  # a scrape right after this answer may be rendered by another process
         return now

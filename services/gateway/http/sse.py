@@ -1,24 +1,12 @@
 """Server-sent events: `data: <json>\n\n` per event, `data: [DONE]\n\n` at the end, one error event in place
 of the rest when something fails after the headers went out.
 
-Two producers share the response: `stream_generation` (the generation routes: events formatted from
-worker frames as they arrive) and `stream_events` (an async iterator of events: the program endpoint).
-
-Each event is its own socket write (a client waits for it), except the events of a generation's last
-increment and its usage summary: they go out with the end marker and the chunked-encoding terminator in
-one write (three syscalls fewer per streamed request, a sizeable share of the gateway's CPU per request).
-The response headers go out with the first event too (`hold_headers`, as aiohttp's own Response does
-with its body): one write fewer per stream. The client sees the status line when the first event (or an
-error) is ready instead of at once - the same bytes, in the same order. Streams whose first event may
-take long for another reason than the model's first token (a program's) send them at once.
-
-A generation stream (`GenerationStream`) is the consumer of its requests' Run: the worker connection's
-read loop hands it each increment, and while the client keeps up (nothing left in the transport's
-buffer) it formats, encodes and writes the event in that same call - no task wake-up and no generator
-chain per event. Whenever the client falls behind (and before the first event), increments
-queue up instead and the response's own task writes them, with flow control (it waits while the
-transport is paused); what queued meanwhile is merged into one increment per choice, so a slow client
-gets fewer, larger events: no unbounded buffer, no lost token.
+`stream_generation` (generation routes) and `stream_events` (an async iterator: programs) share the
+response machinery. The headers go out with the first event, and a generation's last events with the end
+marker and the chunk terminator, in one write. A `GenerationStream` is its Run's consumer: while the
+client keeps up, the worker connection's read loop formats and writes each event in its own turn (no task
+wake-up per event); when the client falls behind, increments queue up and the response's task writes them
+with flow control, merged into one per choice (fewer, larger events; no unbounded buffer).
 """
 from __future__ import annotations
 
@@ -51,9 +39,8 @@ def encode_event(obj: Any) -> bytes:
 
 
 class Envelope:
-    """The event of a choices list around one choice, encoded once per stream: `event(choice)` is
-    `encode_event({**fields, "choices": [choice], **extra})`, byte for byte, at the cost of encoding the
-    choice alone (an OpenAI chunk repeats its id, object, created and model in every event)."""
+    """`event(choice)` == `encode_event({**fields, "choices": [choice], **extra})`, with the fields encoded
+    once per stream."""
 
     __slots__ = ("_head", "_tail")
 
@@ -68,18 +55,14 @@ class Envelope:
 
 
 class EventFormat(Protocol):
-    """A generation route's SSE events, encoded (`encode_event`, `Envelope`), for its Run's increments.
-    Called in the read loop's turn: plain, quick functions."""
+    """A generation route's encoded SSE events, called in the read loop's turn: before any output, for one
+    increment of request `index` (`result`: all it produced so far; b"" for none), after the last ended."""
 
-    def head(self) -> bytes:
-        """Events before any output."""
+    def head(self) -> bytes: ...
 
-    def on_output(self, index: int, out: TokenOutput, result: "GenerationResult") -> bytes:
-        """Events for one increment of request `index` (`result`: everything it produced so far); b"" for
-        none."""
+    def on_output(self, index: int, out: TokenOutput, result: "GenerationResult") -> bytes: ...
 
-    def tail(self) -> bytes:
-        """Events after the last request ended (the usage summary)."""
+    def tail(self) -> bytes: ...
 
 
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
@@ -87,12 +70,9 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
 
 
 class _ChunkWriter:
-    """Where an SSE response's events go: HTTP/1.1 chunks of an aiohttp StreamResponse. The first chunk goes through aiohttp (it carries the
-    held headers); later ones, while the client keeps up (`ready`: nothing left in the transport's
-    buffer), may go to the transport at once, framed as aiohttp frames them: StreamResponse.write's four
-    Python layers were ~1 us of every event. When the client falls behind, or the response is not plain
-    chunked, aiohttp's write takes over, with its flow control (it waits while the transport is paused)
-    and its errors."""
+    """An SSE response's chunks: through aiohttp's write (flow control, errors), except while a plain chunked
+    response's client keeps up (`ready`: the transport's buffer is empty), when they go to the transport
+    at once, framed as aiohttp frames them."""
 
     __slots__ = ("_request", "_resp", "_transport")
 
@@ -128,8 +108,7 @@ class _HeldHeadersResponse(web.StreamResponse):
 
 async def _respond(request: web.Request, produce: Callable[[_ChunkWriter, list[bytes]], Awaitable[None]],
                    headers: dict[str, str] | None, hold_headers: bool) -> web.StreamResponse:
-    """An SSE response whose events `produce(writer, held)` writes; `held`: encoded events that go out
-    with the end (the end marker, or an error event in its place)."""
+    """An SSE response whose events `produce(writer, held)` writes; `held`: events that go out with the end."""
     resp = (_HeldHeadersResponse if hold_headers else web.StreamResponse)(headers={**SSE_HEADERS, **(headers or {})})
     await resp.prepare(request)
     out = _ChunkWriter(request, resp)
@@ -184,8 +163,7 @@ async def stream_generation(request: web.Request, dispatcher: "Dispatcher", reqs
 
 
 class GenerationStream:
-    """The Run's consumer for an SSE response: formats and writes increments from the read loop while the
-    client keeps up, queues them for the response's task (`follow`) otherwise."""
+    """The Run's consumer for an SSE response (module docstring)."""
 
     __slots__ = ("_out", "_fmt", "_held", "_running", "_backlog", "_waiter", "_error")
 
@@ -215,8 +193,7 @@ class GenerationStream:
         self._wake()
 
     async def follow(self) -> None:
-        """The response's task: waits while the read loop writes; writes what queued up; returns when
-        every request ended (the end's events in `held`), raises the first failure."""
+        """The response's task: writes what queued up until every request ended; raises the first failure."""
         loop = asyncio.get_running_loop()
         while True:
             if self._error is not None:
@@ -240,8 +217,7 @@ class GenerationStream:
             waiter.set_result(None)
 
     def _take(self, gen: "Generation", item: TokenOutput | Exception) -> bytes:
-        """Account and format one increment: its encoded events, or b"" (nothing to say, or the end's
-        events, which are held)."""
+        """One increment's encoded events; b"" when there are none or they end the stream (then held)."""
         result = gen.accept(item)  # raises a failure
         self._running -= item.finished
         data = self._fmt.on_output(gen.index, item, result)
@@ -251,9 +227,7 @@ class GenerationStream:
         return data
 
     def _take_backlog(self) -> bytes:
-        """What queued up, each request's increments merged into one (up to a failure, raised after the
-        increments before it are formatted); the encoded events, or b"" when they end the stream (then
-        held with the end)."""
+        """What queued up, merged per request (up to a failure, raised after what came before it)."""
         items, self._backlog = self._backlog, []
         merged: dict["Generation", TokenOutput] = {}
         failure = None

@@ -1,17 +1,9 @@
-"""Execution of a validated program (services/gateway/programs/ir.py): a small async interpreter.
-
-Generation goes through an injected `generate(body) -> answer` with the shape of the native /generate
-endpoint (a list for a batch), so this module knows nothing of the gateway's insides; every generate call
-of a program goes through `_Run._call`. The select and fork warm-up requests and the select scoring are
-lang_client's own (lang_client.wire, lang_client.choices), so a remote run asks the same as a local one.
-
-Nothing a program does may hold the event loop for long or grow without a bound: a stream's text is kept as
-parts (appending a long value to a long text by `+=` copies the whole text every time), every character the
-run would hold is announced to `bounds.add_text` before it is appended (the caller refuses past its answer
-bound), a select holds its scoring batch's least prompt tokens (`bounds.hold_prompt_tokens`) before it
-builds the batch's copies of the prompt, and the interpreter yields to the loop every few nodes (a read
-of a defined variable never waits, so a long list of them would not).
-"""
+"""Execution of a validated program (ir.py): a small async interpreter over an injected `generate(body)`
+with the native /generate endpoint's shape. The select and fork warm-up bodies are lang_client's own, so
+a remote run asks what a local one does. Nothing may hold the loop long or grow without a bound: a
+stream's text is kept as parts, every character is announced to `bounds.add_text` before it is held, a
+select holds its scoring batch's prompt tokens before it builds the batch, and the interpreter yields to
+the loop every few nodes."""
 from __future__ import annotations
 
 import asyncio

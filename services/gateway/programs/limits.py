@@ -1,11 +1,7 @@
-"""Bounds on what one `/v1/programs` request may cost, beyond the static checks of its IR (programs/__init__.py
-ProgramLimits): tokens over all its generate calls, text generated, answer size, wall time, and how many
-programs one API key may run at once. A program over a bound ends with a 4xx that names the bound (429
-for concurrency, 400 otherwise); its in-flight generations are aborted as usual.
-
-Each bound refuses before the work that would cross it, not after: a generate call reserves its prompt
-and max_new_tokens once tokenized, before anything is sent (64 branches checking a running total only
-between calls once processed 2.5x their budget), and the text a program holds is counted as it grows."""
+"""Bounds on what one `/v1/programs` request may cost beyond its IR's static limits: tokens over all its
+generate calls, text generated, answer size, wall time, programs per API key at once (429; 400 for the
+rest). Each refuses before the work that would cross it: a call reserves its prompt and max_new_tokens
+once tokenized, before anything is sent, and held text is counted as it grows."""
 from __future__ import annotations
 
 import asyncio

@@ -1,16 +1,7 @@
-"""Worker discovery through the metadata store (Redis in a multi-host deployment).
-
-The registry only adds workers. Whether a worker the gateway is connected to is alive is for that
-connection to say (its pings, services/gateway/routing/health.py), not for its entry: an entry can vanish while
-the worker serves on (FLUSHALL, a Redis restarted empty, a failover to an empty replica) and comes back
-with the worker's next beat. So a worker leaves routing when its entry is gone *and* its connection is
-gone (a crash: the connection breaks at once, the entry expires within the TTL) or it drains (a clean
-stop: it says so in a pong and deregisters). The gateway keeps one client per address and closes a
-departed worker's client after its in-flight requests drain.
-
-Redis is metadata, not a dependency: while it is unreachable the gateway routes on the last known set
-(one log line per outage). Workers given with --workers are always kept; the registry adds to them.
-"""
+"""Worker discovery through the metadata store (Redis across hosts). The registry only adds workers: an
+entry can vanish while its worker serves on (a Redis restarted empty), so a worker leaves routing when
+its entry *and* its connection are gone, or when it drains. While Redis is unreachable the gateway routes
+on the last known set; workers given with --workers are always kept."""
 from __future__ import annotations
 
 import asyncio

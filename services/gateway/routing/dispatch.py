@@ -1,17 +1,9 @@
-"""Sending GenerateRequests to workers and handing what comes back to the API route, shared by every API
-flavour.
+"""Sending GenerateRequests to workers and handing what comes back to the API route.
 
-Increments are pushed, not pulled. Each worker request is a `Generation`, registered with its
-WorkerClient as the stream's sink, so the read loop that decodes a worker frame (one engine step's
-outputs for many requests) calls straight into it and on into the route's `Consumer`: an SSE response
-formats and writes the event right there (services/gateway/http/sse.py), a non-streaming answer collects.
-No task wakes and no generator resumes per increment; the route's task runs to start, to end, and when
-its client cannot keep up.
-
-`Generation.accept` is the bookkeeping every increment goes through (metrics, the accumulated result,
-routing memory, the access record); it raises failures as APIError: 503 when the worker is unreachable,
-400 when it refused the request. `Run.close` ends every request that did not finish - a client that hung
-up, a sibling that failed - by aborting it on its worker.
+Increments are pushed: each worker request is a `Generation`, its WorkerClient's sink, so the read loop
+calls through it into the route's `Consumer` (an SSE response writes the event right there; a
+non-streaming answer collects). `Generation.accept` does every increment's bookkeeping and raises failures
+as APIError (503 unreachable, 400 refused); `Run.close` aborts whatever did not finish.
 """
 from __future__ import annotations
 
@@ -44,6 +36,7 @@ class GenerationResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    spec_verify_ct: int = 0
     output_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     input_logprobs: list = field(default_factory=list)
@@ -52,8 +45,7 @@ class GenerationResult:
 
     @property
     def text(self) -> str:
-        """The output so far, joined when read (appending to one string per increment copied the whole
-        text every time: quadratic in a long generation)."""
+        """The output so far, joined when read (not per increment: quadratic in a long generation)."""
         parts = self._text_parts
         if len(parts) > 1:
             parts[:] = ["".join(parts)]
@@ -74,6 +66,7 @@ class GenerationResult:
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.cached_tokens = out.cached_tokens or self.cached_tokens
         self.completion_tokens = out.completion_tokens or len(self.output_ids)
+        self.spec_verify_ct = out.spec_verify_ct or self.spec_verify_ct
         if out.finished:
             self.finished = True
             self.finish_reason = out.finish_reason
@@ -83,9 +76,8 @@ class Consumer(Protocol):
     """Where a Run's increments go."""
 
     def deliver(self, gen: "Generation", item: TokenOutput | Exception) -> None:
-        """An increment of gen's request, or its failure (an exception `gen.accept` raises as the API's
-        error), called from a worker connection's read loop: must not raise or block. The consumer calls
-        `gen.accept(item)` when it takes the increment (at once, or later if it fell behind)."""
+        """An increment of gen's request or its failure, from a read loop: must not raise or block; the
+        consumer calls `gen.accept(item)` when it takes it."""
 
 
 class Generation:
@@ -163,8 +155,7 @@ class Generation:
         self.consumer.deliver(self, item)
 
     def accept(self, item: TokenOutput | Exception) -> GenerationResult:
-        """Take an increment (several merged, for a consumer that fell behind) into the result and the
-        metrics; a failure is raised as the API's error."""
+        """Take an increment (maybe several merged) into the result and the metrics; raise a failure."""
         if type(item) is not TokenOutput:
             if isinstance(item, WorkerUnavailable):
                 self._d.metrics.aborted_requests.inc()
@@ -188,8 +179,7 @@ class Generation:
     def _finished(self, result: GenerationResult) -> None:
         router, worker = self._d.router, self._served_by[-1]
         if result.output_ids and router.remembers(worker):
-            # Its tree now holds prompt + output (but the last token's KV): a next turn that extends
-            # them is routed back there, and may bypass prefill in PD.
+            # Its tree now holds prompt + output: a next turn that extends them is routed back there.
             req = self.req
             router.remember(worker, list(req.input_ids) + result.output_ids[:-1], self._salt, prompt=req.input_ids)
         if self._record is not None:
@@ -271,13 +261,11 @@ class Dispatcher:
                 raise bad_request(f"request id {rid!r} is already running", "rid")
 
     def run(self, reqs: Sequence[GenerateRequest], consumer: Consumer) -> Run:
-        """The requests, ready to start, each increment going to `consumer`; the caller starts the run
-        and closes it whatever happens (closing aborts what did not finish)."""
+        """The caller starts the run and closes it whatever happens (closing aborts what did not finish)."""
         return Run(self, reqs, consumer)
 
     async def collect_many(self, reqs: Sequence[GenerateRequest]) -> list[GenerationResult]:
-        """Run requests concurrently to their end; the first failure ends (and so aborts) the others and
-        is raised."""
+        """Run requests concurrently to their end; the first failure aborts the others and is raised."""
         collector = _Collector(len(reqs))
         run = self.run(reqs, collector)
         try:

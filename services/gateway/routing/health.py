@@ -8,7 +8,7 @@ import contextlib
 import logging
 import uuid
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from services.gateway.http.errors import WorkerUnavailable
 from services.gateway.routing.worker_client import WorkerClient
@@ -16,25 +16,13 @@ from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from services.gateway.routing.router import Router
-    from shared.tokenizer import Tokenizer
+    from services.gateway.state import GatewayState
 
 log = logging.getLogger(__name__)
 
 
-class Watched(Protocol):
-    """What the monitor reads of the gateway (services/gateway/state.py's GatewayState), and the one
-    thing it fills in: the context length the first worker reports."""
-    router: Router
-    tokenizer: Tokenizer
-    draining: bool
-    context_length: int | None
-
-    def worker_state(self, worker: WorkerClient) -> str: ...
-
-
 class HealthMonitor:
-    def __init__(self, state: Watched, interval: float = 0.5, probe_timeout: float = 30.0,
+    def __init__(self, state: "GatewayState", interval: float = 0.5, probe_timeout: float = 30.0,
                  ping_interval: float = 2.0, ping_timeout: float = 5.0):
         self.state = state
         self.interval = interval
@@ -93,9 +81,8 @@ class HealthMonitor:
             await asyncio.sleep(self.interval)
 
     async def _liveness_loop(self) -> None:
-        """Ping every connected worker. One that stays silent (SIGSTOP, a wedged host) keeps its TCP
-        connection, so without this its requests would wait out the long token timeout: mark it
-        unresponsive (the router avoids it) and drop the connection so its requests fail now."""
+        """Ping every connected worker; a silent one (SIGSTOP, a wedged host) keeps its TCP connection, so it
+        is marked unresponsive (the router avoids it) and its connection dropped (its requests fail now)."""
         while True:
             workers = [w for w in self.state.router.workers if w.connected]
             await asyncio.gather(*(self._ping(w) for w in workers))

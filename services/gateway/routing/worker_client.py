@@ -1,25 +1,11 @@
 """One persistent connection to a worker, multiplexing every request by rid.
 
-A background task owns the socket: it connects (retrying with backoff), reads frames and routes each to
-the stream or call waiting for it (a TokenOutputs frame, one engine step's outputs, fans out to every
-stream it names). When the connection drops, every pending stream and call fails at once with
-WorkerUnavailable, so nothing waits on a dead socket; every other wait has a timeout too.
-
-A stream is a *sink* registered under its rid (`open_stream`): the read loop hands it each increment by
-a plain call, `sink.put(item)`, in the loop's own turn. `generate` is one sink (a mailbox drained by an
-async iterator, for callers that want to await increments); the dispatcher's streams are another, which
-format and write an SSE event right there, without waking the request's task (services/gateway/routing/dispatch.py).
-
-A stream's silence limit (`token_timeout`) is kept by one watchdog task per client that looks at every
-stream's last delivery about four times per limit, not by a timer armed around every wait: with one token
-per step per stream, a per-wait timer was one timer per token.
-
-Frames to the worker are written once per event-loop turn, together (`_outbox`): requests that arrive
-together (a step's finished streams are replaced at once) cost the gateway one socket write, not one each,
-and the order of a connection's frames (a request before its abort) is kept.
-
-Timeouts use `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` swallows a cancellation that
-lands in the same loop turn as a result, and a swallowed cancellation here is a request that never aborts.
+A background task owns the socket: it (re)connects with backoff, reads frames and hands each increment to
+the *sink* registered under its rid (`open_stream`) by a plain `sink.put(item)` in the loop's own turn;
+when the connection drops every pending stream and call fails at once (WorkerUnavailable). One watchdog
+task per client keeps the streams' silence limit (`token_timeout`), not a timer per wait. Frames to the
+worker are written once per loop turn, together, in order (`_outbox`). Timeouts use `asyncio.timeout`:
+3.11's `wait_for` can swallow a cancellation, and a swallowed one is a request that never aborts.
 """
 from __future__ import annotations
 
@@ -42,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class Lost:
-    """Put into a stream when the connection dies under it (nothing to abort on the worker), or when
-    the worker went silent for too long (`abort`: the request may still hold KV there)."""
+    """A stream's end without a result: the connection died (nothing to abort), or the worker went silent
+    (`abort`: it may still hold the request)."""
 
     __slots__ = ("reason", "abort")
 
@@ -65,8 +51,7 @@ class Sink(Protocol):
 
 
 class _Mailbox:
-    """One stream's increments: filled by the read loop, drained by the stream's task. Lighter than an
-    asyncio.Queue (no getter list, no loop lookup per wait) since it has exactly one consumer."""
+    """One stream's increments: filled by the read loop, drained by its one consumer task."""
 
     __slots__ = ("items", "waiter", "last")
 
@@ -99,8 +84,6 @@ class _Mailbox:
 class WorkerClient:
     def __init__(self, host: str, port: int, *, connect_timeout: float = 10.0, call_timeout: float = 10.0,
                  token_timeout: float = 600.0, max_backoff: float = 5.0, internal_key: str | None = None):
-        """`internal_key`: the workers' shared secret, sent in every connection's opening Hello (None:
-        $RADIXSERVE_INTERNAL_KEY)."""
         self.host, self.port = host, port
         self._key = wire.internal_key(internal_key)
         self.connect_timeout = connect_timeout  # how long a request waits for a (re)connection
@@ -117,18 +100,14 @@ class WorkerClient:
         self._task: asyncio.Task | None = None
         self._closed = False
         self.last_error: str | None = None
-        # Cleared by the health monitor when pings go unanswered (a stopped or wedged process keeps
-        # its TCP connection open); the router avoids such a worker while others are fine.
-        self.responsive = True
-        # What the worker is (unified | prefill | decode) and, for a decode worker, where its KV receiver
-        # listens: learned from the pong that opens every connection.
+        self.responsive = True  # cleared by the health monitor when pings go unanswered
+        # Learned from the pongs (the first opens every connection): role, a decode worker's KV receiver,
+        # the KV format PD pairs agree on, draining, and the cache identity whose change (a flush, a
+        # restart) the router hears of.
         self.role: str | None = None
         self.transfer_addr: tuple[str, int] | None = None
-        self.kv_format = ""  # PongResult.kv_format: PD pairs agree on it
-        # Set by the worker's pongs (it sends one unasked when it starts to drain): take no new work.
+        self.kv_format = ""
         self.draining = False
-        # The worker's cache identity (PongResult.cache_id) and who hears when it changes (a flush, a
-        # restart): the router, whose picture of this worker's cache is then stale.
         self.cache_id: str | None = None
         self.on_cache_reset: Callable[[str], None] | None = None
         self._kick = asyncio.Event()
@@ -246,8 +225,6 @@ class WorkerClient:
                               if pong.transfer_host and pong.transfer_port else None)
 
     def _take_pong(self, pong: PongResult) -> None:
-        """What every pong says of the worker: whether it drains, and its cache identity (when that
-        changes, a flush or a restart, the router's picture of this worker's cache is stale)."""
         self.draining = pong.draining
         cache_id = pong.cache_id
         if not cache_id:
@@ -279,8 +256,7 @@ class WorkerClient:
                 raise ProtocolError(f"unexpected message {msg.TYPE!r} from worker")
 
     def drop_connection(self, reason: str) -> None:
-        """Give up on the current connection: every pending stream and call ends with `reason` now,
-        instead of waiting out its own timeout; the client then reconnects as usual."""
+        """Give up on the current connection (every pending stream and call ends now); then reconnect."""
         writer = self._writer
         if writer is not None:
             self.last_error = reason
@@ -337,9 +313,8 @@ class WorkerClient:
 
     # ---------------------------------------------------------------- API
     async def open_stream(self, req: GenerateRequest, sink: Sink) -> None:
-        """Register `sink` for req's increments and send the request; raises WorkerUnavailable (with
-        nothing left registered) when it cannot be sent. From then on the read loop calls `sink.put`
-        with each increment, or with a Lost, until `close_stream`."""
+        """Register `sink` for req's increments (or a Lost) until `close_stream`, and send the request;
+        WorkerUnavailable, with nothing left registered, when it cannot be sent."""
         if req.rid in self._streams:
             raise ValueError(f"request id {req.rid!r} is already running on {self.address}")
         self._streams[req.rid] = sink
@@ -372,9 +347,7 @@ class WorkerClient:
                 if isinstance(item, Lost):
                     lost = item
                     continue
-                # A consumer that fell behind (a slow client, a busy gateway) gets what queued up as one
-                # increment: one event per batch of tokens instead of per token, so falling behind does
-                # not make the gateway fall further behind.
+                # A consumer that fell behind gets what queued up as one increment.
                 while not item.finished and items:
                     nxt = items.popleft()
                     if isinstance(nxt, Lost):
@@ -388,15 +361,13 @@ class WorkerClient:
         finally:
             self.close_stream(req.rid, abort=not finished)
 
-    async def abort(self, rid: str) -> None:
-        await self._send(AbortRequest(rid=rid))
-
-    async def _call(self, msg: Message, call_id: int, timeout: float | None = None) -> Message:
+    async def _call(self, msg_type: type, timeout: float | None = None) -> Message:
         timeout = timeout or self.call_timeout
+        call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            await self._send(msg)
+            await self._send(msg_type(call_id=call_id))
             async with asyncio.timeout(timeout):
                 return await fut
         except TimeoutError:
@@ -407,17 +378,13 @@ class WorkerClient:
                 fut.exception()  # failed by a lost connection while we still waited to send: retrieved
 
     async def ping(self, timeout: float) -> PongResult:
-        call_id = next(self._call_ids)
-        return await self._call(PingRequest(call_id=call_id), call_id, timeout)
+        return await self._call(PingRequest, timeout)
 
     async def info(self) -> dict:
-        call_id = next(self._call_ids)
-        result = await self._call(InfoRequest(call_id=call_id), call_id)
-        return result.info
+        return (await self._call(InfoRequest)).info
 
     async def flush_cache(self) -> FlushCacheResult:
-        call_id = next(self._call_ids)
-        return await self._call(FlushCacheRequest(call_id=call_id), call_id)
+        return await self._call(FlushCacheRequest)
 
 
 def parse_worker_list(spec: str) -> list[tuple[str, int]]:

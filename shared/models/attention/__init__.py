@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.config import ATTENTION_BACKENDS as BACKENDS, unsupported_attention_backend
+from shared.engine.config import ATTENTION_BACKENDS as BACKENDS, attention_backend_error
 from shared.models.attention.base import AttentionBackend
 from shared.models.attention.torch_backend import TorchAttentionBackend
 
@@ -13,8 +13,9 @@ from shared.models.attention.torch_backend import TorchAttentionBackend
 
 def create_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
                              scaling: float | None = None, device: torch.device | str = "cpu",
-                             **kwargs) -> AttentionBackend:
-    """"auto" is triton on CUDA and torch elsewhere. Extra kwargs go to the chosen backend."""
+                             dtype: torch.dtype = torch.bfloat16, **kwargs) -> AttentionBackend:
+    """"auto" is triton on CUDA and torch elsewhere. Extra kwargs go to the triton backend; dtype (the model's) to
+    flashinfer's, which is imported only here, when chosen."""
     from kernels._utils import triton_usable
 
     device = torch.device(device)
@@ -28,8 +29,12 @@ def create_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_
                              "on CPU use 'torch', or set TRITON_INTERPRET=1 to interpret the kernels")
         from shared.models.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scaling, **kwargs)
-    raise ValueError(unsupported_attention_backend(name)
-                     or f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError(f"the flashinfer attention backend needs a CUDA device (got {device}); on CPU use 'torch'")
+        from shared.models.attention.flashinfer_backend import FlashInferAttentionBackend
+        return FlashInferAttentionBackend(num_heads, num_kv_heads, head_dim, scaling, device=device, dtype=dtype)
+    raise ValueError(attention_backend_error(name) or f"attention backend {name!r} has no implementation here")
 
 
 __all__ = ["AttentionBackend", "TorchAttentionBackend", "create_attention_backend", "BACKENDS"]

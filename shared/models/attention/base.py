@@ -96,6 +96,10 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Called once per forward before layer 0: precompute what every layer shares."""
 
+    def before_graph_replay(self, batch_size: int, seq_lens: list[int]) -> None:
+        """Host-side planning before a decode graph of this batch size replays (seq_lens: every row's context
+        length, padding rows included), for backends that plan on the host (FlashInfer); a no-op otherwise."""
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch, rotary=None, stored: bool = False) -> torch.Tensor:
         """q: [T, num_heads*head_dim]; k, v: [T, num_kv_heads*head_dim] for the new tokens.

@@ -1,6 +1,6 @@
 """The engine's two halves of prefill/decode disaggregation, on the engine thread.
 
-Each side keeps its requests in stage queues (shared/engine/pd_stages.py) that it owns; the scheduler
+Each side keeps its requests in stage queues (shared/pd/stages.py) that it owns; the scheduler
 asks them through a few methods (admissible, reserve, park, holds_kv, remove, ...) and keeps no PD list
 of its own. The stages, in order:
 
@@ -8,7 +8,7 @@ Prefill side (a request taken with transfer {"role": "prefill"}), by transfer:
   admitted      admitted in the last scheduling round; the side opens its transfer after the round
                 (on_transfer_open: the handshake runs while the prompt is computed)
   computing     transfer open, prompt being computed (in the scheduler's batch or chunked request)
-  transferring  first token sampled and handed to the glue (services/prefill/kv_push.py), which pushes
+  transferring  first token sampled and handed to the glue (shared/pd/kv_push.py), which pushes
                 the pages and then ends the transfer (end_transfer)
   done          released through Engine.end_request; its KV stays in the tree
 and, alongside, by KV: `prefilled` from the scheduling round that takes its last chunk until it is
@@ -21,7 +21,7 @@ Decode side (a request taken with transfer {"role": "decode"}):
                 prompts the prefill side cannot start (the two pools would wait on each other)
   reserved      the scheduler reserved slots for what the tree lacks, in the last round; the side tells
                 the receiver after the round (on_kv_expect)
-  awaiting      the receiver (services/decode/kv_receive.py) waits for the pages, until a deadline
+  awaiting      the receiver (shared/pd/kv_receive.py) waits for the pages, until a deadline
   ready         pages scattered into the pool: the request leaves the stages and joins the scheduler's
                 running batch with the first token the prefill side sampled (Engine.start_decoding)
 A request that ends at any stage (abort, timeout, failure) leaves its stage; the scheduler releases
@@ -44,8 +44,8 @@ import torch
 from shared.errors import InvalidRequest
 from kernels.h2d import to_device
 from shared.protocol import FinishReason, FinishTransferred, GenerateRequest, KvDone, KvHeader
-from shared.engine.pd_stages import DecodeStages, PrefillStages
-from shared.transfer import kv_pages
+from shared.pd.stages import DecodeStages, PrefillStages
+from shared.pd import kv_pages
 
 if TYPE_CHECKING:
     from shared.engine.config import EngineConfig

@@ -14,10 +14,10 @@ import asyncio
 import logging
 import time
 
-from shared.engine.disagg import HandOff, Pages, PartTimes
+from shared.pd.sides import HandOff, Pages, PartTimes
 from shared.engine.engine_loop import Engine
 from shared.protocol import KvHeader
-from shared.transfer.ucx import KvSender, TransferError
+from shared.pd.ucx import KvSender, TransferError
 
 log = logging.getLogger(__name__)
 

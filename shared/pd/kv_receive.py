@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 
 from shared.engine.engine_loop import Engine
-from shared.transfer import kv_pages
-from shared.transfer.ucx import KvReceiver
+from shared.pd import kv_pages
+from shared.pd.ucx import KvReceiver
 
 
 class KvReceive:

@@ -35,7 +35,7 @@ import torch
 from shared import protocol
 from shared.protocol import KvAccept, KvAck, KvDone, KvHeader, Message, ProtocolError
 from shared.log_limit import LimitedWarning
-from shared.transfer.kv_pages import as_transport_buffer
+from shared.pd.kv_pages import as_transport_buffer
 from shared.wire import key_matches
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def _ucxx():
     loop, so each pending operation keeps the event loop spinning: the decode worker, which keeps a
     header receive pending on every kept endpoint, burned a whole core in its event-loop thread even
     when idle and took the GIL from its engine thread on every step (decode ITL +30-70% on the H200)."""
-    from shared.transfer import require_ucx
+    from shared.pd import require_ucx
 
     require_ucx()  # ucxx is an optional install (.[pd]): say which command adds it
     import ucxx

@@ -1,4 +1,4 @@
-"""The PD stage queues (the stages are described in shared/engine/disagg.py's docstring): plain
+"""The PD stage queues (the stages are described in shared/pd/sides.py's docstring): plain
 containers of requests by stage, so the scheduler can ask about them without importing the PD sides."""
 from __future__ import annotations
 

@@ -1,0 +1,62 @@
+"""The host KV tier through the real services: launcher flags, /server_info's tier sizes, /metrics' tier figures."""
+import random
+import re
+
+import pytest
+import requests
+
+from services import launch
+from tests.support.stack import Stack
+
+
+def test_launcher_refuses_the_tier_without_the_radix_cache(capsys):
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--enable-hierarchical-cache", "--disable-radix-cache"])
+    assert "--enable-hierarchical-cache needs the radix cache" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--enable-hierarchical-cache", "--topology", "pd", "--decode-tp-size", "2"])
+    assert "tensor parallelism" in capsys.readouterr().err
+    args = launch.parse_args(["--enable-hierarchical-cache", "--hicache-write-policy", "write_back"])
+    argv = launch.engine_args_to_argv(args)  # what the workers are started with
+    assert "--enable-hierarchical-cache" in argv and argv[argv.index("--hicache-write-policy") + 1] == "write_back"
+
+
+@pytest.mark.e2e
+def test_stack_serves_an_evicted_prompt_from_the_host_tier():
+    stack = Stack("--max-total-tokens", "128", "--enable-hierarchical-cache", "--hicache-ratio", "4")
+    try:
+        rng = random.Random(1)
+        prompts = [[rng.randrange(5, 400) for _ in range(100)] for _ in range(2)]
+
+        def generate(ids):
+            r = requests.post(stack.url + "/generate", timeout=60, json={
+                "input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first = generate(prompts[0])
+        generate(prompts[1])  # pushes the first prompt's KV out of the 128-token device pool
+        again = generate(prompts[0])
+        assert again["output_ids"] == first["output_ids"]
+        assert again["meta_info"]["cached_tokens"] >= 90
+        info = requests.get(stack.url + "/server_info", timeout=10).json()["workers"][0]["info"]
+        tier = info["hicache"]
+        assert tier["device_total_tokens"] == 128 and tier["host_total_tokens"] == 512
+        assert 0 < tier["host_used_tokens"] <= 512
+        assert info["cache"]["host_hit_tokens"] >= 90
+        text = requests.get(stack.url + "/metrics", timeout=10).text
+
+        def metric(name):
+            m = re.search(rf'^sglang:{name}\{{model_name="tiny-random"\}} ([0-9.e+-]+)$', text, re.M)
+            assert m, name
+            return float(m.group(1))
+
+        assert metric("hicache_host_hit_tokens") >= 90
+        assert metric("hicache_h2d_bytes") > 0 and metric("hicache_d2h_bytes") > 0
+        assert metric("hicache_host_total_tokens") == 512
+        assert metric("hicache_load_seconds_count") >= 1
+        assert re.search(r'^sglang:hicache_load_seconds_bucket\{le="\+Inf",model_name="tiny-random"\} [1-9]', text,
+                         re.M) or re.search(r'^sglang:hicache_load_seconds_bucket\{model_name="tiny-random",'
+                                            r'le="\+Inf"\} [1-9]', text, re.M)
+    finally:
+        stack.stop()

@@ -1,0 +1,111 @@
+"""The engine with the host KV tier (--enable-hierarchical-cache) on the tiny model, on the CPU."""
+import random
+
+import pytest
+
+from shared.cache.host_pool import HostTierError
+from shared.engine.cli import engine_flag_error
+from shared.engine.config import EngineConfig
+from shared.engine.engine_loop import Engine
+from tests.support.engine_harness import Harness, tokenizer
+
+POOL = 128  # device tokens: two of the prompts below do not fit at once
+
+
+def prompts(seed=0, n=3, length=100):
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 500) for _ in range(length)] for _ in range(n)]
+
+
+def test_resent_prompt_after_eviction_is_served_from_host():
+    resent_prompt_is_served_from_host()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_resent_prompt_is_served_from_host_on_cuda(policy):
+    """The CUDA path: pinned host pool, copies on their own streams, loads polled by event."""
+    resent_prompt_is_served_from_host(device="cuda", hicache_write_policy=policy)
+
+
+def resent_prompt_is_served_from_host(**cfg):
+    ps = prompts()
+    greedy = {"sampling": {"max_new_tokens": 4, "temperature": 0.0}}
+    ref = Harness(max_total_tokens=POOL, **{k: v for k, v in cfg.items() if k == "device"})
+    want = [ref.generate(p, **greedy)["ids"] for p in ps + ps[:1]]
+
+    h = Harness(max_total_tokens=POOL, enable_hierarchical_cache=True, hicache_ratio=4.0, **cfg)
+    got = [h.generate(p, **greedy) for p in ps]  # the first prompt's KV is evicted from the device to the host
+    stats = h.engine.cache.stats()
+    assert stats["host_hit_tokens"] == 0
+    again = h.generate(ps[0], **greedy)
+    stats = h.engine.cache.stats()
+    assert stats["host_hit_tokens"] >= 90 and stats["bytes_h2d"] > 0 and stats["bytes_d2h"] > 0
+    assert again["cached"] >= 90  # counted as a prefix hit at admission
+    assert [r["ids"] for r in got] + [again["ids"]] == want
+    if cfg.get("device") != "cuda":
+        load_in_flight(h, ps, greedy, want[-1])
+    info = h.engine.info()["hicache"]
+    assert info["host_total_tokens"] == 4 * POOL and info["device_total_tokens"] == POOL
+    assert 0 < info["host_used_tokens"] <= 4 * POOL
+    # Nothing leaks: the tree holds every used slot of both pools; a flush frees them all.
+    assert h.engine.policy.is_idle()
+    cache = h.engine.cache
+    assert h.engine.allocator.used_size() == sum(len(n.value) for n in cache.nodes() if n.value is not None)
+    assert cache.host_allocator.used_size() == stats["host_cached_tokens"]
+    assert h.engine.flush_cache()[0]
+    assert h.engine.allocator.available_size() == POOL
+    assert cache.host_allocator.available_size() == cache.host_allocator.total_size()
+
+
+class SlowCopy:
+    """A copy event (as on CUDA) that completes after some polls."""
+
+    def __init__(self, polls: int):
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def synchronize(self) -> None:
+        self.polls = -1
+
+    def seconds(self) -> float:
+        return 0.001
+
+
+def load_in_flight(h, ps, greedy, want):
+    """On the CPU a load is done at once; with a load that takes a few scheduling rounds the request waits for it
+    (other work goes on) and is then served from the host tier all the same."""
+    cache = h.engine.cache
+    [h.generate(p, **greedy) for p in ps[1:]]  # the first prompt leaves the device again
+    real = cache.host.load
+    cache.host.load = lambda hs, ds: real(hs, ds) or SlowCopy(3)
+    try:
+        before = cache.stats()["host_hit_tokens"]
+        rid = h.submit(ps[0], **greedy)
+        waited = 0
+        for _ in range(1000):
+            if h.done(rid):
+                break
+            h.engine.step()
+            waited += cache.stats()["loads_in_flight"]
+        assert h.result(rid)["ids"] == want
+        assert waited >= 2 and cache.stats()["host_hit_tokens"] - before >= 90
+    finally:
+        cache.host.load = real
+
+
+def test_flags_that_cannot_work_are_refused():
+    bad = EngineConfig(enable_hierarchical_cache=True, disable_radix_cache=True)
+    assert "disable-radix-cache" in engine_flag_error(bad)
+    assert "tensor parallelism" in engine_flag_error(EngineConfig(enable_hierarchical_cache=True, tp_size=2))
+    assert engine_flag_error(EngineConfig(enable_hierarchical_cache=True, hicache_ratio=0)) is not None
+    assert engine_flag_error(EngineConfig(enable_hierarchical_cache=True)) is None
+    with pytest.raises(HostTierError, match="disable-radix-cache"):
+        Engine(EngineConfig(dtype="float32", max_total_tokens=POOL, enable_hierarchical_cache=True,
+                            disable_radix_cache=True), tokenizer(), lambda outs: None)
+    with pytest.raises(HostTierError, match="available"):  # a petabyte of host memory
+        Engine(EngineConfig(dtype="float32", max_total_tokens=POOL, enable_hierarchical_cache=True,
+                            hicache_size=10**6), tokenizer(), lambda outs: None)

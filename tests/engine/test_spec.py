@@ -1,0 +1,257 @@
+"""Speculative decoding (shared/engine/spec/): greedy and seeded output equal to decoding without it, the
+verification rule's distribution, KV accounting back to baseline, flags refused at start."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from shared.engine.config import EngineConfig
+from shared.engine.sampler import SamplingBatch, sample
+from shared.engine.spec import SpecConfigError, spec_config_error
+from shared.engine.spec.ngram import NgramIndex
+from shared.models.tiny_random import tiny_random_config, tiny_random_state_dict
+from shared.sampling_params import SamplingParams
+from shared.tokenizer import save_tiny_tokenizer
+from tests.support.engine_harness import Harness, tokenizer
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 5, [20, 21, 22, 23] * 8 + [20, 21], list(range(30, 70)) + list(range(30, 38))]
+GREEDY = {"temperature": 0, "max_new_tokens": 12}
+
+
+def run_all(h: Harness, prompts, sampling, **kw):
+    rids = [h.submit(p, sampling=dict(sampling), **kw) for p in prompts]
+    return h.run(rids)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return Harness()
+
+
+@pytest.fixture(scope="module")
+def ngram():
+    # Pages of 4: a rejected draft's slot in a kept page stays the request's, the rest go back.
+    return Harness(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5, page_size=4)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A draft of the tiny tokenizer whose weights differ from the target's: its drafts are often rejected."""
+    path = str(tmp_path_factory.mktemp("draft"))
+    cfg = tiny_random_config()
+    gen = torch.Generator().manual_seed(7)
+    sd = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=gen) for k, v in tiny_random_state_dict(cfg).items()}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf(), f)
+    save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    save_tiny_tokenizer(path)
+    return path
+
+
+def test_ngram_index_proposes_what_followed_the_longest_match():
+    idx = NgramIndex(1, 3)
+    idx.sync([1, 2, 3, 4, 9, 2, 3], [], 0)
+    assert idx.propose(3) == [4, 9, 2]  # "2 3" was followed by 4 9 2
+    idx.sync([1, 2, 3, 4, 9, 2, 3], [4, 7], 1)  # only the confirmed output token is taken
+    assert idx.tokens[-1] == 4 and idx.propose(2) == [9, 2]
+    idx = NgramIndex(2, 2)
+    idx.sync([1, 2, 3], [], 0)
+    assert idx.propose(4) == []  # no earlier "2 3"
+
+
+def check_spec_equals_plain(plain, spec, sampling, prompts=PROMPTS, **kw):
+    base = plain.free_tokens()
+    want = run_all(plain, prompts, sampling, **kw)
+    stats0 = dict(spec.engine.spec.stats.__dict__)
+    free0 = spec.free_tokens()
+    cache, P = spec.engine.cache, spec.engine.config.page_size
+    # What the tree will hold of each sequence: its confirmed tokens with KV (all but the last), page-aligned.
+    seqs = [p + w["ids"][:-1] for p, w in zip(prompts, want)]
+    before = [cache.match_prefix(x, record=False).length for x in seqs]
+    tree0 = cache.evictable_size()
+    got = run_all(spec, prompts, sampling, **kw)
+    for w, g in zip(want, got):
+        assert g["ids"] == w["ids"] and g["text"] == w["text"] and g["finish"] == w["finish"]
+        assert g["error"] is None
+    # The tree holds those sequences and nothing else: no rejected draft ever entered it.
+    after = [cache.match_prefix(x, record=False).length for x in seqs]
+    assert after == [len(x) // P * P for x in seqs]
+    assert cache.evictable_size() - tree0 == sum(a - b for a, b in zip(after, before))
+    # Nothing leaked: the pool and request rows are back (the tree holds the finished requests, evictable).
+    assert spec.free_tokens() == free0 and plain.free_tokens() == base
+    assert spec.engine.runner.req_pool.available() == spec.engine.config.max_running_requests
+    stats = spec.engine.spec.stats
+    return want, got, stats.proposed - stats0["proposed"], stats.accepted - stats0["accepted"]
+
+
+def test_ngram_greedy_equals_plain_with_rejections(plain, ngram):
+    _, _, proposed, accepted = check_spec_equals_plain(plain, ngram, GREEDY)
+    assert 0 < accepted < proposed  # both acceptance and rejection ran
+    info = ngram.engine.info()["speculative"]
+    assert info["algorithm"] == "NGRAM" and info["mean_accept_length"] > 1.0
+
+
+def test_ngram_seeded_sampling_stops_and_logprobs_equal_plain(plain, ngram):
+    # Sampling: the same seed gives the same tokens with drafts (the rule is exact, not just in law); with
+    # logprobs and top logprobs from the target's verification pass, and a stop token inside an accepted run.
+    sampling = {"temperature": 0.9, "seed": 11, "max_new_tokens": 12, "top_k": 20}
+    want, got, _, _ = check_spec_equals_plain(plain, ngram, sampling, return_logprob=True, top_logprobs_num=2)
+    for w, g in zip(want, got):
+        assert [t for _, t in g["logprobs"]] == g["ids"]
+        for (a, _), (b, _) in zip(w["logprobs"], g["logprobs"]):
+            assert math.isclose(a, b, abs_tol=1e-4)
+        assert [[t for _, t in row] for row in g["top"]] == [[t for _, t in row] for row in w["top"]]
+    stop_tok = want[0]["ids"][5]
+    check_spec_equals_plain(plain, ngram, {**GREEDY, "stop_token_ids": [stop_tok], "repetition_penalty": 1.3,
+                                           "min_new_tokens": 3}, prompts=PROMPTS[:1])
+
+
+def test_ngram_with_grammar_equals_plain(plain, ngram):
+    # Drafts the regex allows are verified under the masks replayed over them; the rest are cut.
+    prompt = tokenizer().encode("abab abab abab abab abab abab abab")
+    _, _, proposed, accepted = check_spec_equals_plain(
+        plain, ngram, {"temperature": 0, "max_new_tokens": 16, "regex": "(ab|ba| )+"}, prompts=[prompt])
+    assert accepted > 0
+
+
+def test_standalone_same_model_accepts_every_draft(plain):
+    # With pages of 4 (rejected drafts' slots in a kept page stay the request's), chunked prompts and mixed
+    # chunks (drafting starts once a prompt is done).
+    spec = Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny-random",
+                   speculative_num_steps=3, page_size=4, chunked_prefill_size=16, max_prefill_tokens=32,
+                   enable_mixed_chunk=True)
+    _, _, proposed, accepted = check_spec_equals_plain(plain, spec, GREEDY, prompts=PROMPTS[:2])
+    assert proposed > 0 and accepted == proposed
+    draft = spec.engine.spec
+    assert draft.allocator.available_size() == draft.allocator.total_size()  # draft KV all given back
+    assert draft.runner.req_pool.available() == spec.engine.config.max_running_requests
+
+
+def test_standalone_other_draft_rejects_and_still_equals_plain(plain, other_draft):
+    spec = Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path=other_draft,
+                   speculative_num_steps=3)
+    _, _, proposed, accepted = check_spec_equals_plain(plain, spec, GREEDY, prompts=PROMPTS[:2])
+    assert accepted < proposed
+    draft = spec.engine.spec
+    assert draft.allocator.available_size() == draft.allocator.total_size()
+
+
+def test_acceptance_rule_keeps_the_target_distribution():
+    """The verification rule on a 6-token vocabulary: a one-hot draft x is kept when the target's seeded
+    sample equals it (probability p(x)); otherwise the sample stands, a draw from p without x renormalized.
+    Over many seeds the emitted token follows p (chi-square), and the acceptance rate is p(x)."""
+    V, n, x = 6, 6000, 2
+    logits = torch.tensor([1.0, 0.2, 0.7, -0.5, 0.0, 1.3])
+    p = torch.softmax(logits, 0)
+    sb = SamplingBatch.build([SamplingParams(temperature=1.0)] * n, list(range(n)), [3] * n, [[]] * n, None, V, "cpu")
+    drawn = sample(logits.expand(n, V).contiguous(), sb).next_token_ids
+    accepted = drawn == x
+    assert abs(accepted.double().mean().item() - p[x].item()) < 4 * math.sqrt(p[x] * (1 - p[x]) / n)
+    emitted = torch.where(accepted, torch.full_like(drawn, x), drawn)
+    counts = torch.bincount(emitted, minlength=V).double()
+    stat = ((counts - p * n) ** 2 / (p * n)).sum().item()
+    assert stat < (V - 1) + 5.5 * math.sqrt(2 * (V - 1))
+    rejected = torch.bincount(drawn[~accepted], minlength=V).double()
+    q = p.clone()
+    q[x] = 0
+    q /= q.sum()
+    assert rejected[x] == 0 and (rejected / rejected.sum() - q).abs().sum() / 2 < 0.03  # total variation
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"speculative_algorithm": "EAGLE"}, "not implemented"),
+    ({"speculative_algorithm": "STANDALONE"}, "needs --speculative-draft-model-path"),
+    ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "x"}, "uses no draft model"),
+    ({"speculative_draft_model_path": "x"}, "needs --speculative-algorithm"),
+    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "x", "speculative_num_steps": 3,
+      "speculative_num_draft_tokens": 6}, "num-steps + 1"),
+    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "x", "tp_size": 2}, "tp-size"),
+])
+def test_bad_flags_are_refused(flags, message):
+    assert message in spec_config_error(EngineConfig(**flags))
+
+
+def test_draft_with_another_tokenizer_is_refused(tmp_path):
+    from tokenizers import Tokenizer as HF, models, pre_tokenizers
+
+    path = str(tmp_path)
+    save_tiny_tokenizer(path)
+    hf = HF(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(os.path.join(path, "tokenizer.json"))
+    with pytest.raises(SpecConfigError, match="different tokenizer"):
+        Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path=path)
+
+
+def test_worker_cli_refuses_bad_flags(capsys):
+    from services.worker.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative-algorithm", "EAGLE"])
+    assert "not implemented" in capsys.readouterr().err
+
+
+def test_launcher_refuses_bad_flags(capsys):
+    from services.launch import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative-algorithm", "STANDALONE"])
+    assert "needs --speculative-draft-model-path" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [{"speculative_algorithm": "NGRAM"},
+                                   {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "tiny-random"}])
+def test_spec_on_gpu_with_cuda_graphs_equals_plain(flags):
+    """On CUDA: verification passes replay the extend graphs, the draft's decode steps its own graphs."""
+    plain = Harness(device="cuda")
+    spec = Harness(device="cuda", **flags)
+    _, _, proposed, accepted = check_spec_equals_plain(plain, spec, {"temperature": 0, "max_new_tokens": 24})
+    assert proposed > 0 and accepted > 0
+
+
+def test_ngram_under_tensor_parallelism_equals_plain(plain):
+    """TP=2 (gloo on the CPU): rank 0 drafts and verifies; the ranks replay its catch-up passes and take
+    its corrections of the next input (a rejected draft)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("TP=2 on the GPU needs 2 GPUs")
+    want = run_all(plain, PROMPTS[:1], GREEDY)
+    h = Harness(tp_size=2, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    try:
+        got = run_all(h, PROMPTS[:1], GREEDY)
+        stats = h.engine.spec.stats
+    finally:
+        h.engine.stop()
+    assert got[0]["ids"] == want[0]["ids"] and 0 < stats.accepted < stats.proposed
+
+
+def test_pd_decode_side_drafts_and_equals_plain(plain):
+    """PD's decode side (its stages driven here without the transfer glue, as tests/pd/test_stages.py does):
+    the prompt's pages come from the plain engine's tree, the first token from its output, and the decode
+    worker speculates on the rest."""
+    from shared.protocol import KvDone, Transfer
+    from tests.pd.test_stages import decode_harness
+
+    prompt = PROMPTS[0]
+    sampling = {**GREEDY, "ignore_eos": True}
+    want = run_all(plain, [prompt], sampling)[0]
+    match = plain.engine.cache.match_prefix(prompt)
+    assert match.length == len(prompt)
+    pages = plain.engine.runner.gather_kv(match.slots)
+    h, _ = decode_harness(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    e = h.engine
+    rid = h.submit(prompt, transfer=Transfer(role="decode", id="s1"), sampling=dict(sampling))
+    e.step()
+    e.kv_offered("s1")
+    e._drain_inbox(block=False)
+    e.policy.schedule()
+    e.decode_side.announce()
+    e.kv_arrived("s1", KvDone(transfer_id="s1", first_token=want["ids"][0]), pages)
+    got = h.run([rid])[0]
+    assert got["ids"] == want["ids"] and e.spec.stats.verifications > 0
+    assert e.policy.is_idle() and h.free_tokens() == e.runner.max_total_tokens
