@@ -5,8 +5,8 @@ admin frame runs unauthenticated, and the worker serves the next request of the 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import struct
-import time
 
 import msgpack
 import pytest
@@ -15,7 +15,7 @@ import requests
 from shared.protocol import FlushCacheRequest, GenerateRequest, Hello, InfoRequest, KvHeader, TokenOutputs
 from shared.sampling_params import SamplingParams
 from shared.wire import encode_frame, read_message
-from tests.support.stack import free_port
+from tests.support.stack import free_port, wait_for
 from tests.faults.procs import Proc, gateway, worker
 
 pytestmark = pytest.mark.e2e
@@ -104,8 +104,15 @@ async def _scenario(host: str, port: int, pid: int) -> None:
 
 @pytest.fixture(scope="module")
 def pd_fleet():
-    prefill, ph, pp = worker("--role", "prefill", env=ENV)
-    decode, dh, dp = worker("--role", "decode", env=ENV)
+    with cf.ThreadPoolExecutor(2) as ex:  # the two workers start side by side
+        starts = [ex.submit(worker, "--role", role, env=ENV) for role in ("prefill", "decode")]
+    for f in starts:
+        if f.exception() is not None:
+            for other in starts:
+                if other.exception() is None:
+                    other.result()[0].stop()
+            raise f.exception()
+    (prefill, ph, pp), (decode, dh, dp) = (f.result() for f in starts)
     gw, url = gateway(f"{ph}:{pp},{dh}:{dp}", env=ENV)
     yield {"prefill": (prefill, ph, pp), "decode": (decode, dh, dp), "url": url}
     for p in (gw, prefill, decode):
@@ -147,10 +154,10 @@ def test_gateway_without_the_key_is_refused(pd_fleet):
     gw = Proc("services.gateway", "--model-path", "tiny-random", "--workers", f"{host}:{port}", "--port",
               str(gw_port), "--log-level", "warning", ready="gateway ready", env={"RADIXSERVE_INTERNAL_KEY": "nope"})
     try:
-        time.sleep(3)
+        wait_for(lambda: any("wrong internal key" in line for line in proc.lines), 10,
+                 "the worker to refuse the gateway's hello")
         r = requests.get(f"http://127.0.0.1:{gw_port}/health", timeout=5)
         assert r.status_code == 503
-        assert any("wrong internal key" in line for line in proc.lines), proc.lines[-5:]
     finally:
         gw.stop()
 

@@ -55,7 +55,7 @@ def test_sigkilled_gateway_leaves_no_process_running(kind):
             stop()
 
 
-def test_a_flood_of_refused_connections_logs_a_few_lines_with_a_count():
+def test_a_flood_of_refused_connections_logs_a_line_a_kind():
     w, host, port = worker("--log-level", "warning")
     try:
         socks = []
@@ -67,15 +67,12 @@ def test_a_flood_of_refused_connections_logs_a_few_lines_with_a_count():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and sum("refusing a connection" in line for line in w.lines) < 2:
             time.sleep(0.2)
-        time.sleep(12)  # every hello timed out; one more window passed
-        s = socket.create_connection((host, port))
-        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        s.close()
-        time.sleep(1)
+        time.sleep(1)  # every hello has timed out (all 500 within ~a second of the first)
         for s in socks:
             s.close()
+        # One line a kind (garbage, hello timed out) for 1,000 refusals; the count that the next window's
+        # line carries is tests/worker/test_log_limit.py's (a window is 10 s).
         refusals = [line for line in w.lines if "refusing a connection" in line]
-        assert 2 <= len(refusals) <= 6, refusals[:10]
-        assert any("more like it" in line for line in refusals), refusals
+        assert 2 <= len(refusals) <= 4, refusals[:10]
     finally:
         w.stop()

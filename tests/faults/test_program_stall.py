@@ -168,12 +168,14 @@ def test_value_read_thousands_of_times_is_refused_at_once(stack, reads):
     assert watch.rss_growth <= 100
 
 
-@pytest.mark.parametrize("reads", [2000, MAX_NODES - 2])
-def test_selected_choice_read_thousands_of_times_is_refused_at_once(stack, reads):
+def test_selected_choice_read_thousands_of_times_is_refused_at_once(stack):
     """The issue's program: a select of one ~40k-character choice. Its scoring asks the worker for the
     logprobs of ~3.7k tokens (seconds on this CPU, and the bystander waits on the same worker), so the
-    time bound is on what the reads add to the select alone (before: ~2 minutes at 2,000 reads)."""
+    time bound is on what the reads add to the select alone (before: ~2 minutes at 2,000 reads). The
+    issue's 2,000 reads only: the most reads a program may hold are the set test's, and a select costs
+    two ~4 s scorings a case."""
     g, url = stack
+    reads = 2000
     _, alone = _post(url, _reads({"op": "select", "name": "x", "choices": [VALUE]}, 1))
     body = _reads({"op": "select", "name": "x", "choices": [VALUE]}, reads)
     with Watch(url, g.proc.pid) as watch:

@@ -5,6 +5,7 @@ liveness of a connected worker comes from its connection, and each worker re-cre
 next beat."""
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
 
 import pytest
@@ -24,11 +25,16 @@ def fleet():
     server = RedisServer()
     procs: list[Proc] = []
     try:
-        for wid in ("w1", "w2"):
-            procs.append(worker("--redis-url", server.url, "--worker-id", wid)[0])
         port = free_port()
-        procs.append(Proc("services.gateway", "--model-path", "tiny-random", "--redis-url", server.url,
-                          "--port", str(port), "--log-level", "warning", ready="gateway ready"))
+        # The gateway finds the workers through Redis: all three start side by side.
+        with cf.ThreadPoolExecutor(3) as ex:
+            starts = [ex.submit(lambda wid=wid: worker("--redis-url", server.url, "--worker-id", wid)[0])
+                      for wid in ("w1", "w2")]
+            starts.append(ex.submit(Proc, "services.gateway", "--model-path", "tiny-random", "--redis-url",
+                                    server.url, "--port", str(port), "--log-level", "warning", ready="gateway ready"))
+        procs += [f.result() for f in starts if f.exception() is None]
+        for f in starts:
+            f.result()  # one that did not start fails the fixture; the others are stopped below
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url)
         yield server, url

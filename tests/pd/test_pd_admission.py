@@ -71,9 +71,12 @@ def test_admission_counts_the_decode_tokens_of_requests_whose_pages_are_on_the_w
 
 @pytest.mark.e2e
 def test_pd_with_a_512_token_pool_refuses_no_fitting_request():
-    """64 concurrent requests of 100 prompt + 100 output tokens, 10 rounds, on a 512-token pool, with the
-    reservation ratio where a long run decays it to (so admission is as optimistic as after warm-up):
-    every one queues and completes, none is refused."""
+    """64 concurrent requests of 100 prompt + 100 output tokens, two rounds (the second over a tree full
+    of the first's pages, so admission evicts), on a 512-token pool, with the reservation ratio where a
+    long run decays it to (so admission is as optimistic as after warm-up): every one queues and
+    completes, none is refused, no KV is held after. The scheduler's fix itself is pinned by the two
+    tests above (both fail without it); this stack run passed ten rounds on the unfixed scheduler too,
+    so it was cut from ten rounds to two."""
     s = Stack("--topology", "pd", "--max-total-tokens", "512", "--init-new-token-ratio", "0.1",
               "--min-new-token-ratio", "0.1")
 
@@ -85,10 +88,10 @@ def test_pd_with_a_512_token_pool_refuses_no_fitting_request():
 
     try:
         failed = []
-        for r in range(10):
+        for r in range(2):
             with cf.ThreadPoolExecutor(64) as ex:
                 failed += [x for x in ex.map(lambda i: one(i, r), range(64)) if x[0] != 200]
-        assert not failed, f"{len(failed)} of 640 requests failed, e.g. {failed[:2]}"
+        assert not failed, f"{len(failed)} of 128 requests failed, e.g. {failed[:2]}"
         assert_no_kv_held(s.url)
     finally:
         s.stop()
