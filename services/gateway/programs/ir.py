@@ -1,5 +1,5 @@
 """A program as the request carries it (lang_client's IR, version 1: msgspec Structs, one per op, closed to
-unknown fields), the server's form of it after validation, and its limits.
+unknown fields), the validated Program (those ops plus side tables), and its limits.
 
 services/gateway/programs/validate.py turns the first into the second; execute.py walks the second.
 """
@@ -122,85 +122,19 @@ class ProgramLimits:
 
 # ---- the validated program ----
 @dataclass
-class TextNode:
-    text: str
-
-
-@dataclass
-class RoleNode:
-    role: str
-    begin: bool
-    text: str
-
-
-@dataclass
-class GenNode:
-    name: str | None
-    sampling_params: dict[str, Any]
-    logprob: dict[str, Any] = field(default_factory=dict)  # top-level /generate logprob keys
-
-
-@dataclass
-class SelectNode:
-    name: str | None
-    choices: list[str]
-    temperature: float
-    method: str
-
-
-@dataclass
-class ForkNode:
-    id: int
-    branches: list[list[Any]]
-
-
-@dataclass
-class JoinNode:
-    fork: int
-    mode: str
-    names: list[str] = field(default_factory=list)  # gather_variable: the names every branch defines
-    maybe: list[str] = field(default_factory=list)  # ...and those only some paths define: gathered when all did
-
-
-@dataclass
-class VarNode:
-    name: str
-    scope: str
-    def_index: int  # which definition of (scope, name) this read sees, fixed at validation
-
-
-@dataclass
-class SetNode:
-    """set_var: define `name` as `value` (JSON data), or as the text of `parts` (TextNode / VarNode) joined."""
-    name: str
-    parts: list[Any] | None
-    value: Any = None
-
-
-@dataclass
-class IfNode:
-    """Run `then` when the variable's value (a definition fixed at validation) passes the test, else
-    `orelse`. It ends its node list: the rest of the stream is inside both arms."""
-    name: str
-    scope: str
-    def_index: int
-    test: str    # "eq" | "ne"
-    value: str
-    then: list[Any]
-    orelse: list[Any]
-    transforms: list[str] = field(default_factory=list)  # IF_TRANSFORMS keys, applied in order
-
-    def holds(self, actual: Any) -> bool:
-        for name in self.transforms:
-            actual = IF_TRANSFORMS[name](actual)
-        return (actual == self.value) == (self.test == "eq")
-
-
-@dataclass
 class Program:
-    nodes: list[Any]
+    """The request's ops after validation: `arg` ops bound (text ops), role ops' text filled in, and side
+    tables keyed by id(op): which definition each read (var op, if op) sees, and what a gather_variable
+    join gathers ((names every branch defines, names only some paths define))."""
+    nodes: list[Op]
     name: str = "program"
     node_count: int = 0
     total_tokens: int = 0
+    reads: dict[int, int] = field(default_factory=dict)
+    joins: dict[int, tuple[list[str], list[str]]] = field(default_factory=dict)
 
 
+def if_holds(cond: Cond, actual: Any) -> bool:
+    for name in cond.transforms:
+        actual = IF_TRANSFORMS[name](actual)
+    return (actual == cond.value) == (cond.test == "eq")
