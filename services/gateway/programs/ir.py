@@ -5,7 +5,6 @@ services/gateway/programs/validate.py turns the first into the second; execute.p
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
@@ -15,8 +14,9 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 IR_VERSION = 1
 # Used when a role node carries no rendered text (the client normally sends its template's markers).
 CHATML_ROLES = {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ("system", "user", "assistant")}
-NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
-SCOPE_RE = re.compile(r"^(|f\d+\.\d+)$")
+# A variable's or argument's name; a scope: "" (the main stream) or "f<fork id>.<branch>".
+Name = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$", max_length=128)]
+Scope = Annotated[str, Meta(pattern=r"^(|f\d+\.\d+)$")]
 # What an if may apply to the value before comparing (the tracer's `s["x"].strip().lower() == "yes"`).
 IF_TRANSFORMS = {"strip": str.strip, "lstrip": str.lstrip, "rstrip": str.rstrip, "lower": str.lower,
                  "upper": str.upper, "casefold": str.casefold}
@@ -32,7 +32,7 @@ class TextOp(_Op, tag="text"):
 
 
 class ArgOp(_Op, tag="arg"):
-    name: str  # bound to the request's args: becomes text
+    name: Name  # bound to the request's args: becomes text
 
 
 class RoleBeginOp(_Op, tag="role_begin"):
@@ -46,7 +46,7 @@ class RoleEndOp(_Op, tag="role_end"):
 
 
 class GenOp(_Op, tag="gen"):
-    name: str | None = None
+    name: Name | None = None
     sampling_params: dict[str, Any] = {}
     return_logprob: bool | None = None
     logprob_start_len: Annotated[int, Meta(ge=-1, le=1_000_000)] | None = None
@@ -55,7 +55,7 @@ class GenOp(_Op, tag="gen"):
 
 class SelectOp(_Op, tag="select"):
     choices: list[str]
-    name: str | None = None
+    name: Name | None = None
     temperature: Annotated[float, Meta(ge=0)] = 0.0
     method: Literal["token_length_normalized", "greedy_token_selection"] = "token_length_normalized"
 
@@ -72,20 +72,20 @@ class JoinOp(_Op, tag="join"):
 
 
 class VarOp(_Op, tag="var"):
-    name: str
-    scope: str = ""
+    name: Name
+    scope: Scope = ""
 
 
 class SetOp(_Op, tag="set"):
     """Exactly one of `value` (JSON data) and `parts` (text, var and arg nodes joined)."""
-    name: str
+    name: Name
     value: Any = UNSET
     parts: list[Op] | UnsetType = UNSET
 
 
 class Cond(Struct, kw_only=True, forbid_unknown_fields=True):
-    var: str
-    scope: str = ""
+    var: Name
+    scope: Scope = ""
     test: Literal["eq", "ne"]
     value: str
     transforms: Annotated[list[Literal["strip", "lstrip", "rstrip", "lower", "upper", "casefold"]],
@@ -103,7 +103,7 @@ Op = Union[TextOp, ArgOp, RoleBeginOp, RoleEndOp, GenOp, SelectOp, ForkOp, JoinO
 
 class ProgramIR(Struct, kw_only=True, forbid_unknown_fields=True):
     version: int = 1
-    name: str = "program"
+    name: Annotated[str, Meta(max_length=128)] = "program"
     args: Any = None  # the tracer's declared argument names (the request's args bind them)
     nodes: list[Op]
 
@@ -117,7 +117,6 @@ class ProgramLimits:
     max_if_depth: int = 128            # if nesting (the tracer makes at most 64 branches on one path)
     max_text_chars: int = 1_000_000    # literal text, role markers, choices, grammars and bound args
     max_choices: int = 256             # choices of one select
-    max_name_chars: int = 128
 
 
 # ---- the validated program ----

@@ -13,7 +13,7 @@ import msgspec
 
 from msgspec.structs import replace
 
-from services.gateway.programs.ir import (CHATML_ROLES, IR_VERSION, NAME_RE, SCOPE_RE, ArgOp, ForkOp, GenOp, IfOp,
+from services.gateway.programs.ir import (CHATML_ROLES, IR_VERSION, ArgOp, ForkOp, GenOp, IfOp,
                                          JoinOp, Program, ProgramIR, ProgramLimits, RoleBeginOp, RoleEndOp,
                                          SelectOp, SetOp, TextOp, VarOp)
 from shared.errors import InvalidRequest
@@ -39,8 +39,6 @@ def validate_program(ir: Any, limits: ProgramLimits | None = None,
             raise InvalidRequest(f"{param}: {text}", param) from None
     if ir.version != IR_VERSION:
         raise InvalidRequest(f"unsupported program version {ir.version!r}; expected {IR_VERSION}", "program.version")
-    if len(ir.name) > limits.max_name_chars:
-        raise InvalidRequest("program.name must be a short string", "program.name")
     bound = {key: str(value) for key, value in (args or {}).items()}  # typed by ProgramRequest
     v = _Validator(limits, bound)
     v.text_chars = sum(len(k) + len(s) for k, s in bound.items())
@@ -82,12 +80,6 @@ class _Validator:
         self.text_chars += len(s)
         self.check_text_budget(path)
 
-    def name(self, value: str | None, path: str) -> str | None:
-        if value is not None and (not NAME_RE.match(value) or len(value) > self.limits.max_name_chars):
-            raise InvalidRequest(f"{path} must be a name (letters, digits, _ and -, at most "
-                                 f"{self.limits.max_name_chars} characters)", path)
-        return value
-
     def define(self, scope: str, name: str | None, kind: str = "str") -> None:
         if name is None:
             return
@@ -120,10 +112,9 @@ class _Validator:
         return n, role
 
     def op_arg(self, n: ArgOp, p, scope, depth, role):
-        name = self.name(n.name, f"{p}.name")
-        if name not in self.args:
-            raise InvalidRequest(f"{p}: argument {name!r} is not given in args", f"args.{name}")
-        return TextOp(text=self.args[name]), role
+        if n.name not in self.args:
+            raise InvalidRequest(f"{p}: argument {n.name!r} is not given in args", f"args.{n.name}")
+        return TextOp(text=self.args[n.name]), role
 
     def op_role(self, n: RoleBeginOp | RoleEndOp, p, scope, depth, role):
         begin = isinstance(n, RoleBeginOp)
@@ -136,7 +127,6 @@ class _Validator:
         return (n if n.text is not None else replace(n, text=text)), (n.role if begin else None)
 
     def op_gen(self, n: GenOp, p, scope, depth, role):
-        name = self.name(n.name, f"{p}.name")
         try:
             params = SamplingParams.from_dict(n.sampling_params, strict=True)
         except InvalidRequest as e:
@@ -150,18 +140,17 @@ class _Validator:
         if self.total_tokens > self.limits.max_total_tokens:
             raise InvalidRequest(f"program asks for more than {self.limits.max_total_tokens} tokens in total "
                                  "(max_new_tokens summed over every gen)", f"{p}.sampling_params.max_new_tokens")
-        self.define(scope, name)
+        self.define(scope, n.name)
         return n, role
 
     def op_select(self, n: SelectOp, p, scope, depth, role):
-        name = self.name(n.name, f"{p}.name")
         if not n.choices or len(n.choices) > self.limits.max_choices:
             raise InvalidRequest(f"{p}.choices must be 1 to {self.limits.max_choices} strings", f"{p}.choices")
         for c in n.choices:
             self.add_text(c, f"{p}.choices")
         if not math.isfinite(n.temperature):
             raise InvalidRequest(f"{p}.temperature must be a number >= 0", f"{p}.temperature")
-        self.define(scope, name)
+        self.define(scope, n.name)
         return n, role
 
     def op_fork(self, n: ForkOp, p, scope, depth, role):
@@ -199,8 +188,7 @@ class _Validator:
 
     def read(self, name: str, vscope: str, p: str, what: str) -> int:
         """A read of (scope, name) sees its latest definition so far in walk order: its index."""
-        self.name(name, f"{p}.name" if what != "compared" else f"{p}.var")
-        if not SCOPE_RE.match(vscope) or vscope not in self.scopes:
+        if vscope not in self.scopes:
             raise InvalidRequest(f"{p}.scope must name the main stream or an earlier fork branch", f"{p}.scope")
         kinds = self.defs.get((vscope, name))
         if not kinds:
@@ -217,19 +205,18 @@ class _Validator:
         return self.keyed(self.reads, n, self.read(n.name, n.scope, p, "appended as text")), role
 
     def op_set(self, n: SetOp, p, scope, depth, role):
-        name = self.name(n.name, f"{p}.name")
         if (n.value is msgspec.UNSET) == (n.parts is msgspec.UNSET):
             raise InvalidRequest(f"{p} must have either a value or parts", p)
         if n.parts is not msgspec.UNSET:
             parts, _ = self.nodes(n.parts, f"{p}.parts", scope, depth, role, only=(TextOp, VarOp, ArgOp))
-            self.define(scope, name)  # after its parts: `x = x + "!"` reads the previous x
+            self.define(scope, n.name)  # after its parts: `x = x + "!"` reads the previous x
             return replace(n, parts=parts), role
         try:
             encoded = json.dumps(n.value, allow_nan=False)
         except (TypeError, ValueError):
             raise InvalidRequest(f"{p}.value must be JSON data", f"{p}.value") from None
         self.add_text(encoded, f"{p}.value")
-        self.define(scope, name, "str" if isinstance(n.value, str) else "data")
+        self.define(scope, n.name, "str" if isinstance(n.value, str) else "data")
         return n, role
 
     def op_if(self, n: IfOp, p, scope, depth, role):
