@@ -60,19 +60,15 @@ class GatewayState:
         self.dispatcher = Dispatcher(self.router, self.metrics)
         self.health = HealthMonitor(self)
 
-    def set_worker_status(self, address: str | None, status: str | None, **detail) -> None:
-        if not address:
-            return
-        if status is None:
-            self.worker_status.pop(address, None)
-        else:
-            self.worker_status[address] = {"state": status, **detail}
-
     def supervisor_says(self, address: str | None, status: str | None, **detail) -> None:
         """A supervisor's news of a worker: not up (`status` restarting | down), or up again (None). A
         worker back up is dialled at once rather than after the connection's reconnect backoff."""
-        self.set_worker_status(address, status, **detail)
-        if status is None:
+        if not address:
+            return
+        if status is not None:
+            self.worker_status[address] = {"state": status, **detail}
+        else:
+            self.worker_status.pop(address, None)
             for w in self.router.workers:
                 if w.address == address:
                     w.kick()

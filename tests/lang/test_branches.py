@@ -182,7 +182,7 @@ def test_set_node_validation():
                        ({"op": "set", "name": "y", "parts": "x"}, "Expected `array`"),
                        ({"op": "set", "name": "y", "parts": [{"op": "var", "name": "q", "scope": ""}]},
                         "before it is defined"),
-                       ({"op": "set", "name": "1y", "value": 1}, "must be a name")]:
+                       ({"op": "set", "name": "1y", "value": 1}, "matching regex")]:
         with pytest.raises(InvalidRequest, match=match):
             validate_program({"version": 1, "nodes": [gen_x, bad]})
     data = {"op": "set", "name": "y", "value": [1, 2]}

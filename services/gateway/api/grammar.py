@@ -29,7 +29,7 @@ def output_grammar(body: _OpenAIBody) -> tuple[dict[str, str], str | None]:
         sources.append(got)
     for legacy, kind in _LEGACY.items():
         if (value := getattr(body, legacy)) is not None:
-            sources.append((legacy, _constraint(kind, value, legacy)))
+            sources.append((legacy, _constraint(kind, value)))
     if body.guided_whitespace_pattern is not None:
         raise bad_request("guided_whitespace_pattern is not supported", "guided_whitespace_pattern")
     sources += [(k, {}) for k in _SGLANG if getattr(body, k) is not None]
@@ -60,20 +60,15 @@ def _structured_outputs(so: StructuredOutputs) -> tuple[str, dict[str, str]] | N
                           f"structured_outputs.{given[1]}")
     if not given:
         return None
-    param = f"structured_outputs.{given[0]}"
-    return param, _constraint(given[0], getattr(so, given[0]), param)
+    return f"structured_outputs.{given[0]}", _constraint(given[0], getattr(so, given[0]))
 
 
-def _constraint(kind: str, value: Any, param: str) -> dict[str, str]:
+def _constraint(kind: str, value: Any) -> dict[str, str]:
     if kind == "json":
         # JSON text is passed as given: the compiler refuses text that is not a schema (400).
         return {"json_schema": value if isinstance(value, str) else json.dumps(value)}
     if kind == "json_object":
         return {"json_schema": _ANY_OBJECT}
-    if kind == "choice":
-        if not value:
-            raise bad_request(f"{param} must be a non-empty list of strings", param)
+    if kind == "choice":  # choices, regexes and grammars are non-empty (models.py)
         return {"ebnf": "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)}
-    if not value:
-        raise bad_request(f"{param} must be a non-empty string", param)
     return {"regex": value} if kind == "regex" else {"ebnf": value}

@@ -19,6 +19,8 @@ from shared.limits import MAX_GRAMMAR_CHARS, MAX_RID_LEN, MAX_TOP_LOGPROBS
 NonNegative = Annotated[int, Meta(ge=0)]
 TokenIds = list[int]
 Grammar = Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)]
+NonEmptyGrammar = Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
+NonEmptyText = Annotated[str, Meta(min_length=1)]
 
 
 class _Body(Struct, kw_only=True, omit_defaults=True):
@@ -46,9 +48,9 @@ class ResponseFormat(Struct, kw_only=True):
 class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's structured outputs: one constraint; the `disable_*` switches have no effect here."""
     json: dict[str, Any] | str | bool | None = None
-    regex: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+    regex: NonEmptyGrammar | None = None
     choice: Annotated[list[str], Meta(min_length=1)] | None = None
-    grammar: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+    grammar: NonEmptyGrammar | None = None
     json_object: bool | None = None
     disable_fallback: bool | None = None
     disable_any_whitespace: bool | None = None
@@ -89,9 +91,9 @@ class _OpenAIBody(_Body, kw_only=True):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | bool | None = None
-    guided_regex: Grammar | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: Grammar | None = None
+    guided_regex: NonEmptyGrammar | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    guided_grammar: NonEmptyGrammar | None = None
     guided_decoding_backend: str | None = None  # a backend hint: ignored
     guided_whitespace_pattern: Any = None  # refused when given
     regex: Grammar | None = None
@@ -190,7 +192,7 @@ def _per_item(t: Any) -> Any:
 
 
 class GenerateRequest(_Body, kw_only=True):
-    text: str | list[str] | None = None
+    text: NonEmptyText | Annotated[list[NonEmptyText], Meta(min_length=1)] | None = None
     input_ids: list[Union[int, TokenIds]] | None = None
     # each a dict of SamplingParams' fields (unknown keys: a Warning header, a 400 with --strict)
     sampling_params: _per_item(dict[str, Any]) = None
@@ -211,8 +213,8 @@ class NativeChoices(Struct, kw_only=True):
 # ---------------------------------------------------------------- /tokenize, /detokenize
 class TokenizeRequest(ChatRequest, kw_only=True):
     """Exactly one of `prompt` and `messages` (rendered as /v1/chat/completions renders them)."""
-    messages: list[Message] | None = None
-    prompt: str | list[str] | None = None
+    messages: Annotated[list[Message], Meta(min_length=1)] | None = None
+    prompt: str | Annotated[list[str], Meta(min_length=1)] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     return_token_strs: bool = False
 

@@ -83,11 +83,7 @@ async def _build(state: "GatewayState", body: GenerateBody) -> NativeJob:
         raise bad_request("exactly one of 'text' and 'input_ids' is required", "text")
     if text is not None:
         batched = isinstance(text, list)
-        texts = text if batched else [text]
-        if not texts:
-            raise bad_request("'text' must be a string or a non-empty list of strings", "text")
-        if any(not t for t in texts):
-            raise bad_request("the prompt is empty", "text")
+        texts = text if batched else [text]  # non-empty (models.py)
         if len(texts) > state.limits.max_batch:
             raise bad_request(f"at most {state.limits.max_batch} prompts per request", "text")
         prompts = [await encode_prompt(state, t, "text") for t in texts]

@@ -22,7 +22,8 @@ def resolve_reasoning_parser(name: str | None) -> str | None:
     return key
 
 
-def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
+def partial_suffix(text: str, *markers: str) -> int:
+    """Length of the longest end of `text` that could start one of `markers` (held back while streaming)."""
     best = 0
     for marker in markers:
         for n in range(min(len(marker) - 1, len(text)), best, -1):
@@ -65,7 +66,7 @@ class ReasoningParser:
             if self._state == "reasoning":
                 ends = [(self._buf.find(m), m) for m in (END, *self.extra_ends) if m in self._buf]
                 if not ends:
-                    keep = _partial_suffix(self._buf, (END, *self.extra_ends))
+                    keep = partial_suffix(self._buf, END, *self.extra_ends)
                     reasoning += self._buf[:len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep:]
                     break

@@ -31,8 +31,6 @@ async def tokenize(state: "GatewayState", request: web.Request) -> web.Response:
         raise bad_request("exactly one of 'prompt' and 'messages' is required", "prompt")
     token_strs = body.return_token_strs
     if messages is not None:
-        if not messages:
-            raise bad_request("messages must be a non-empty list", "messages")
         # Off the event loop, as the chat route: tool_choice required / named builds a grammar.
         spec = await asyncio.to_thread(parse_chat, body, state.tool_parser, None)
         rendered = await render_chat(state, spec)
@@ -43,8 +41,6 @@ async def tokenize(state: "GatewayState", request: web.Request) -> web.Response:
     add_special = body.add_special_tokens is not False
     if isinstance(prompt, str):
         return json_response(_tokens_answer(state, await state.cpu.encode(prompt, add_special), token_strs))
-    if not prompt:
-        raise bad_request("'prompt' must be a string or a non-empty list of strings", "prompt")
     answers = [_tokens_answer(state, await state.cpu.encode(p, add_special), token_strs) for p in prompt]
     return json_response({k: answers[0][k] if k == "max_model_len" else [a[k] for a in answers] for k in answers[0]})
 

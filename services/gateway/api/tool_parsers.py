@@ -12,6 +12,8 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+from services.gateway.api.reasoning import partial_suffix
+
 PARSERS = ("hermes", "llama3")
 # Accepted spellings (SGLang's names for the same formats).
 ALIASES = {"hermes": "hermes", "qwen": "hermes", "qwen25": "hermes", "qwen3": "hermes",
@@ -97,14 +99,6 @@ class ToolCallParser:
         return True
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that could be the start of `marker` (held back while streaming)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 # `{"name": "f", "arguments": ` up to the `{` that opens the arguments: from there they can stream.
 _HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 
@@ -132,7 +126,7 @@ class HermesParser(ToolCallParser):
                     self._after_call = False
                 at = self._buf.find(self.START)
                 if at < 0:
-                    keep = _partial_suffix(self._buf, self.START)
+                    keep = partial_suffix(self._buf, self.START)
                     self._content(self._buf[:len(self._buf) - keep], events)
                     self._buf = self._buf[len(self._buf) - keep:]
                     return events
@@ -179,7 +173,7 @@ class HermesParser(ToolCallParser):
                 return  # not (yet) a recognisable call: decided when the block closes
             self._streaming = (self._start(head[0], events), head[1])
         index, begin = self._streaming
-        upto = len(body) - _partial_suffix(body, self.END)
+        upto = len(body) - partial_suffix(body, self.END)
         # Hold back a trailing run of `}` and whitespace: part of it closes the call object, not the arguments.
         args = body[begin:upto].rstrip(" \t\r\n}")
         if len(args) > self._sent:

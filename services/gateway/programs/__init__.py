@@ -1,7 +1,7 @@
 """`POST /v1/programs`: run a traced language-model program (lang_client's IR, version 1) server-side.
 
 The IR is data, never code. Three modules own one step each:
-  ir.py        the request's IR, the validated node types and ProgramLimits;
+  ir.py        the request's IR (its ops), the validated Program and ProgramLimits;
   validate.py  request JSON -> Program: closed schema, limits, args bound, reads resolved;
   execute.py   Program -> answer: a small async interpreter over an injected generate(body).
 This module is their public face (what api/programs.py and tests import).

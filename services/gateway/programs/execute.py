@@ -11,8 +11,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from lang_client import wire
 from lang_client.choices import resolve_method
-from services.gateway.programs.ir import (ForkNode, GenNode, IfNode, JoinNode, Program, RoleNode, SelectNode,
-                                         SetNode, TextNode, VarNode)
+from msgspec import UNSET
+
+from services.gateway.programs.ir import (ForkOp, GenOp, IfOp, JoinOp, Program, RoleBeginOp, RoleEndOp, SelectOp,
+                                         SetOp, TextOp, VarOp, if_holds)
 
 Generate = Callable[[dict], Awaitable[Any]]
 
@@ -94,7 +96,9 @@ def _scoped(scope: str, name: str) -> str:
 
 
 class _Run:
-    def __init__(self, generate: Generate, on_variable, fork_hint: bool = True, bounds: Bounds | None = None):
+    def __init__(self, program: Program, generate: Generate, on_variable, fork_hint: bool = True,
+                 bounds: Bounds | None = None):
+        self.reads, self.joins = program.reads, program.joins
         self.generate = generate
         self.bounds = bounds or _Unbounded()
         self.steps = 0  # nodes run since the last yield to the loop
@@ -163,48 +167,54 @@ class _Run:
         st.append(s)
 
     async def stream(self, nodes: list, scope: str, st: _Stream) -> None:
+        """Run validated ops (validate.py: args bound, role texts filled in, reads in Program's tables)."""
         for node in nodes:
             self.steps += 1
             if self.steps >= YIELD_EVERY:
                 self.steps = 0
                 await asyncio.sleep(0)
-            if isinstance(node, TextNode):
+            if isinstance(node, (TextOp, RoleBeginOp)):
                 self._append(st, node.text)
-            elif isinstance(node, RoleNode):
-                if node.begin:
-                    self._append(st, node.text)
+                if isinstance(node, RoleBeginOp):
                     st.role_start = st.chars
-                else:
-                    # As the client's interpreter (and SGLang's): leading whitespace is not content.
-                    self.bounds.add_text(st.chars - st.role_start)
-                    st.messages.append({"role": node.role, "content": st.since(st.role_start).lstrip()})
-                    self._append(st, node.text)
-            elif isinstance(node, GenNode):
+            elif isinstance(node, RoleEndOp):
+                # As the client's interpreter (and SGLang's): leading whitespace is not content.
+                self.bounds.add_text(st.chars - st.role_start)
+                st.messages.append({"role": node.role, "content": st.since(st.role_start).lstrip()})
+                self._append(st, node.text)
+            elif isinstance(node, GenOp):
+                logprob = {key: value for key, value in (("return_logprob", node.return_logprob),
+                                                         ("logprob_start_len", node.logprob_start_len),
+                                                         ("top_logprobs_num", node.top_logprobs_num))
+                           if value is not None}  # top-level /generate keys
                 answer = await self._call({"text": st.text(), "sampling_params": dict(node.sampling_params),
-                                           **node.logprob})
+                                           **logprob})
                 self._append(st, answer["text"])
                 await self._define(scope, node.name, answer["text"], answer.get("meta_info"))
-            elif isinstance(node, SelectNode):
+            elif isinstance(node, SelectOp):
                 decision, meta = await self._select(st.text(), node)
                 self._append(st, decision)
                 await self._define(scope, node.name, decision, meta)
-            elif isinstance(node, VarNode):
-                self._append(st, await self._future(node.scope, node.name, node.def_index))
-            elif isinstance(node, SetNode):
+            elif isinstance(node, VarOp):
+                self._append(st, await self._read(node))
+            elif isinstance(node, SetOp):
                 value = node.value
-                if node.parts is not None:
-                    parts = [p.text if isinstance(p, TextNode) else await self._future(p.scope, p.name, p.def_index)
-                             for p in node.parts]
+                if node.parts is not UNSET:
+                    parts = [p.text if isinstance(p, TextOp) else await self._read(p) for p in node.parts]
                     self.bounds.add_text(sum(len(p) for p in parts))  # before the join: x = x + x doubles
                     value = "".join(parts)
-                await self._define(scope, node.name, value, None, counted=node.parts is not None)
-            elif isinstance(node, ForkNode):
+                await self._define(scope, node.name, value, None, counted=node.parts is not UNSET)
+            elif isinstance(node, ForkOp):
                 await self._fork(node, st)
-            elif isinstance(node, JoinNode):
+            elif isinstance(node, JoinOp):
                 await self._join(node, scope, st)
-            elif isinstance(node, IfNode):
-                actual = await self._future(node.scope, node.name, node.def_index)
-                await self.stream(node.then if node.holds(actual) else node.orelse, scope, st)
+            elif isinstance(node, IfOp):
+                cond = node.cond
+                actual = await self._future(cond.scope, cond.var, self.reads[id(node)])
+                await self.stream(node.then if if_holds(cond, actual) else node.orelse, scope, st)
+
+    def _read(self, node: VarOp) -> asyncio.Future:
+        return self._future(node.scope, node.name, self.reads[id(node)])
 
     def close_scope(self, scope: str) -> None:
         """The stream of `scope` ended: a read still waiting on one of its variables never gets a value
@@ -216,7 +226,7 @@ class _Run:
                                                    "program took"))
                     fut.exception()
 
-    async def _fork(self, node: ForkNode, st: _Stream) -> None:
+    async def _fork(self, node: ForkOp, st: _Stream) -> None:
         if self.fork_hint and wire.should_warm_fork(len(node.branches), st.text()):
             # One prefill of the shared prefix, so every branch finds it in the radix cache.
             await self._call(wire.prefill_body(st.text()))
@@ -237,19 +247,20 @@ class _Run:
             self.fail(e)
             raise
 
-    async def _join(self, node: JoinNode, scope: str, st: _Stream) -> None:
+    async def _join(self, node: JoinOp, scope: str, st: _Stream) -> None:
         tasks, states, scopes = self.forks[node.fork]
         await asyncio.gather(*tasks)
         if node.mode == "gather_variable":
-            maybe = [m for m in node.maybe if all(m in self.defined_in.get(s, []) for s in scopes)]
-            for name in node.names + maybe:
+            names, maybe = self.joins[id(node)]
+            maybe = [m for m in maybe if all(m in self.defined_in.get(s, []) for s in scopes)]
+            for name in names + maybe:
                 values = [self.values[_scoped(s, name)] for s in scopes]
                 await self._define(scope, name, values, [self.meta.get(_scoped(s, name)) for s in scopes])
         else:
             for b in states:
                 self._append(st, b.since(b.fork_start))
 
-    async def _select(self, text: str, node: SelectNode) -> tuple[str, dict]:
+    async def _select(self, text: str, node: SelectOp) -> tuple[str, dict]:
         first = await self._call(wire.prefill_body(text))
         # Each scored text holds the prompt, bar the last tokens a choice's head may merge with: a batch
         # that cannot fit what the budget has left is refused before its len(choices) copies are made.
@@ -283,7 +294,7 @@ async def execute_program(program: Program, generate: Generate,
     Every fork's branches start together, right after one max_new_tokens=0 warm-up of their shared prefix
     (the fork prefix hint; `fork_hint=False`, the gateway's --disable-fork-hint, leaves it out).
     """
-    run = _Run(generate, on_variable, fork_hint, bounds)
+    run = _Run(program, generate, on_variable, fork_hint, bounds)
     root = _Stream()
     try:
         await run.stream(program.nodes, "", root)

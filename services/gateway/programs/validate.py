@@ -1,7 +1,7 @@
 """Validation of `POST /v1/programs` programs: lang_client's IR (version 1) decoded into its typed ops
 (ir.py: the closed schema), then checked against ProgramLimits, `arg` nodes bound to the request's
-args, every variable read resolved to the definition it sees. The result (ir.py's validated
-nodes) is what execute.py runs.
+args, every variable read resolved to the definition it sees. The result (ir.py's Program: the same ops,
+args bound, and side tables) is what execute.py runs.
 """
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.programs.ir import (CHATML_ROLES, IR_VERSION, NAME_RE, SCOPE_RE, ArgOp, ForkNode, ForkOp,
-                                         GenNode, GenOp, IfNode, IfOp, JoinNode, JoinOp, Program, ProgramIR,
-                                         ProgramLimits, RoleBeginOp, RoleEndOp, RoleNode, SelectNode, SelectOp,
-                                         SetNode, SetOp, TextNode, TextOp, VarNode, VarOp)
+from msgspec.structs import replace
+
+from services.gateway.programs.ir import (CHATML_ROLES, IR_VERSION, ArgOp, ForkOp, GenOp, IfOp,
+                                         JoinOp, Program, ProgramIR, ProgramLimits, RoleBeginOp, RoleEndOp,
+                                         SelectOp, SetOp, TextOp, VarOp)
 from shared.errors import InvalidRequest
 from shared.sampling_params import SamplingParams
 
@@ -38,14 +39,12 @@ def validate_program(ir: Any, limits: ProgramLimits | None = None,
             raise InvalidRequest(f"{param}: {text}", param) from None
     if ir.version != IR_VERSION:
         raise InvalidRequest(f"unsupported program version {ir.version!r}; expected {IR_VERSION}", "program.version")
-    if len(ir.name) > limits.max_name_chars:
-        raise InvalidRequest("program.name must be a short string", "program.name")
     bound = {key: str(value) for key, value in (args or {}).items()}  # typed by ProgramRequest
     v = _Validator(limits, bound)
     v.text_chars = sum(len(k) + len(s) for k, s in bound.items())
     v.check_text_budget("args")
     nodes = v.nodes(ir.nodes, "program.nodes", scope="", depth=0, role=None)[0]
-    return Program(nodes, ir.name, v.node_count, v.total_tokens)
+    return Program(nodes, ir.name, v.node_count, v.total_tokens, v.reads, v.joins)
 
 
 class _Validator:
@@ -62,6 +61,15 @@ class _Validator:
         self.defs: dict[tuple[str, str], list[str]] = {}
         self.defined_in: dict[str, list[str]] = {"": []}   # scope -> names it defined itself (on every path)
         self.maybe_in: dict[str, list[str]] = {}            # scope -> names it defines on some paths only
+        self.reads: dict[int, int] = {}                     # Program's side tables, keyed by id(op)
+        self.joins: dict[int, tuple[list[str], list[str]]] = {}
+
+    def keyed(self, table: dict, op: Any, value: Any) -> Any:
+        """`op` entered in a side table; a copy if it is entered already (an op object used twice)."""
+        if id(op) in self.reads or id(op) in self.joins:
+            op = replace(op)
+        table[id(op)] = value
+        return op
 
     def check_text_budget(self, path: str) -> None:
         if self.text_chars > self.limits.max_text_chars:
@@ -71,12 +79,6 @@ class _Validator:
     def add_text(self, s: str, path: str) -> None:
         self.text_chars += len(s)
         self.check_text_budget(path)
-
-    def name(self, value: str | None, path: str) -> str | None:
-        if value is not None and (not NAME_RE.match(value) or len(value) > self.limits.max_name_chars):
-            raise InvalidRequest(f"{path} must be a name (letters, digits, _ and -, at most "
-                                 f"{self.limits.max_name_chars} characters)", path)
-        return value
 
     def define(self, scope: str, name: str | None, kind: str = "str") -> None:
         if name is None:
@@ -101,20 +103,18 @@ class _Validator:
                 raise InvalidRequest(f"{p}: an if node must be the last of its list (the rest of the stream "
                                      "belongs inside both arms)", p)
             result, role = self.ops[type(node)](self, node, p, scope, depth, role)
-            if result is not None:
-                out.append(result)
+            out.append(result)
         return out, role
 
-    # one method per op; each returns (node or None, open role after it)
+    # one method per op; each returns (the op as execute.py runs it, open role after it)
     def op_text(self, n: TextOp, p, scope, depth, role):
         self.add_text(n.text, p)
-        return TextNode(n.text), role
+        return n, role
 
     def op_arg(self, n: ArgOp, p, scope, depth, role):
-        name = self.name(n.name, f"{p}.name")
-        if name not in self.args:
-            raise InvalidRequest(f"{p}: argument {name!r} is not given in args", f"args.{name}")
-        return TextNode(self.args[name]), role
+        if n.name not in self.args:
+            raise InvalidRequest(f"{p}: argument {n.name!r} is not given in args", f"args.{n.name}")
+        return TextOp(text=self.args[n.name]), role
 
     def op_role(self, n: RoleBeginOp | RoleEndOp, p, scope, depth, role):
         begin = isinstance(n, RoleBeginOp)
@@ -124,10 +124,9 @@ class _Validator:
             raise InvalidRequest(f"{p}: role {n.role!r} begins inside open role {role!r}", p)
         if not begin and role != n.role:
             raise InvalidRequest(f"{p}: role {n.role!r} ends but the open role is {role!r}", p)
-        return RoleNode(n.role, begin, text), (n.role if begin else None)
+        return (n if n.text is not None else replace(n, text=text)), (n.role if begin else None)
 
     def op_gen(self, n: GenOp, p, scope, depth, role):
-        name = self.name(n.name, f"{p}.name")
         try:
             params = SamplingParams.from_dict(n.sampling_params, strict=True)
         except InvalidRequest as e:
@@ -141,22 +140,18 @@ class _Validator:
         if self.total_tokens > self.limits.max_total_tokens:
             raise InvalidRequest(f"program asks for more than {self.limits.max_total_tokens} tokens in total "
                                  "(max_new_tokens summed over every gen)", f"{p}.sampling_params.max_new_tokens")
-        logprob = {key: value for key, value in (("return_logprob", n.return_logprob),
-                                                 ("logprob_start_len", n.logprob_start_len),
-                                                 ("top_logprobs_num", n.top_logprobs_num)) if value is not None}
-        self.define(scope, name)
-        return GenNode(name, dict(n.sampling_params), logprob), role
+        self.define(scope, n.name)
+        return n, role
 
     def op_select(self, n: SelectOp, p, scope, depth, role):
-        name = self.name(n.name, f"{p}.name")
         if not n.choices or len(n.choices) > self.limits.max_choices:
             raise InvalidRequest(f"{p}.choices must be 1 to {self.limits.max_choices} strings", f"{p}.choices")
         for c in n.choices:
             self.add_text(c, f"{p}.choices")
         if not math.isfinite(n.temperature):
             raise InvalidRequest(f"{p}.temperature must be a number >= 0", f"{p}.temperature")
-        self.define(scope, name)
-        return SelectNode(name, list(n.choices), float(n.temperature), n.method), role
+        self.define(scope, n.name)
+        return n, role
 
     def op_fork(self, n: ForkOp, p, scope, depth, role):
         if n.id in self.fork_ids:
@@ -174,7 +169,7 @@ class _Validator:
             self.scopes.add(bscope)
             self.defined_in[bscope] = []
             out.append(self.nodes(branch, f"{p}.branches[{i}]", bscope, depth + 1, role)[0])
-        return ForkNode(n.id, out), role
+        return replace(n, branches=out), role
 
     def op_join(self, n: JoinOp, p, scope, depth, role):
         if n.fork not in self.fork_ids or self.fork_ids[n.fork][0] != scope:
@@ -189,12 +184,11 @@ class _Validator:
                 self.define(scope, name, kind="list")
             for name in maybe:  # gathered only when every branch's path defined it, as the interpreter does
                 self.define(scope, name, kind=AMBIGUOUS)
-        return JoinNode(n.fork, n.mode, names, maybe), role
+        return self.keyed(self.joins, n, (names, maybe)), role
 
-    def read(self, name: str, vscope: str, p: str, what: str) -> tuple[str, str, int]:
-        """A read of (scope, name) sees its latest definition so far in walk order: (name, scope, index)."""
-        self.name(name, f"{p}.name" if what != "compared" else f"{p}.var")
-        if not SCOPE_RE.match(vscope) or vscope not in self.scopes:
+    def read(self, name: str, vscope: str, p: str, what: str) -> int:
+        """A read of (scope, name) sees its latest definition so far in walk order: its index."""
+        if vscope not in self.scopes:
             raise InvalidRequest(f"{p}.scope must name the main stream or an earlier fork branch", f"{p}.scope")
         kinds = self.defs.get((vscope, name))
         if not kinds:
@@ -205,30 +199,29 @@ class _Validator:
         if kinds[-1] != "str":
             holds = "a gathered list" if kinds[-1] == "list" else "a value that is not a string"
             raise InvalidRequest(f"{p}: variable {name!r} holds {holds} and cannot be {what}", f"{p}.name")
-        return name, vscope, len(kinds) - 1
+        return len(kinds) - 1
 
     def op_var(self, n: VarOp, p, scope, depth, role):
-        return VarNode(*self.read(n.name, n.scope, p, "appended as text")), role
+        return self.keyed(self.reads, n, self.read(n.name, n.scope, p, "appended as text")), role
 
     def op_set(self, n: SetOp, p, scope, depth, role):
-        name = self.name(n.name, f"{p}.name")
         if (n.value is msgspec.UNSET) == (n.parts is msgspec.UNSET):
             raise InvalidRequest(f"{p} must have either a value or parts", p)
         if n.parts is not msgspec.UNSET:
             parts, _ = self.nodes(n.parts, f"{p}.parts", scope, depth, role, only=(TextOp, VarOp, ArgOp))
-            self.define(scope, name)  # after its parts: `x = x + "!"` reads the previous x
-            return SetNode(name, parts), role
+            self.define(scope, n.name)  # after its parts: `x = x + "!"` reads the previous x
+            return replace(n, parts=parts), role
         try:
             encoded = json.dumps(n.value, allow_nan=False)
         except (TypeError, ValueError):
             raise InvalidRequest(f"{p}.value must be JSON data", f"{p}.value") from None
         self.add_text(encoded, f"{p}.value")
-        self.define(scope, name, "str" if isinstance(n.value, str) else "data")
-        return SetNode(name, None, n.value), role
+        self.define(scope, n.name, "str" if isinstance(n.value, str) else "data")
+        return n, role
 
     def op_if(self, n: IfOp, p, scope, depth, role):
         cond = n.cond
-        name, vscope, index = self.read(cond.var, cond.scope, f"{p}.cond", "compared")
+        index = self.read(cond.var, cond.scope, f"{p}.cond", "compared")
         self.add_text(cond.value, f"{p}.cond.value")
         self.if_depth += 1
         if self.if_depth > self.limits.max_if_depth:
@@ -240,7 +233,7 @@ class _Validator:
         orelse, _ = self.nodes(n.orelse, f"{p}.else", scope, depth, role)
         self.merge(after_then)
         self.if_depth -= 1
-        return IfNode(name, vscope, index, cond.test, cond.value, then, orelse, list(cond.transforms)), role_then
+        return self.keyed(self.reads, replace(n, then=then, orelse=orelse), index), role_then
 
     # Definitions made in an if's arms: each arm is walked from the same state; afterwards a definition
     # both arms made alike stays, one they made differently is AMBIGUOUS to readers in other streams.

@@ -54,16 +54,12 @@ class HealthMonitor:
             self._liveness = asyncio.get_running_loop().create_task(self._liveness_loop(), name="gateway-liveness")
 
     async def stop(self) -> None:
-        if self._liveness is not None:
-            self._liveness.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._liveness
-            self._liveness = None
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._liveness, self._task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._liveness = self._task = None
 
     async def _loop(self) -> None:
         while True:

@@ -173,19 +173,17 @@ class WorkerClient:
     async def _run(self) -> None:
         backoff = 0.05
         while not self._closed:
+            writer = None
             try:
                 async with asyncio.timeout(self.connect_timeout):
                     reader, writer = await asyncio.open_connection(self.host, self.port)
-            except (OSError, TimeoutError) as e:
-                self.last_error = f"cannot connect to worker {self.address}: {e}"
-                await self._backoff(backoff)
-                backoff = min(backoff * 2, self.max_backoff)
-                continue
-            try:
                 await self._hello(reader, writer)
             except (OSError, TimeoutError, asyncio.IncompleteReadError, ProtocolError) as e:
-                writer.close()
-                self.last_error = f"worker {self.address} did not answer the opening ping: {e!r}"
+                if writer is None:
+                    self.last_error = f"cannot connect to worker {self.address}: {e}"
+                else:
+                    writer.close()
+                    self.last_error = f"worker {self.address} did not answer the opening ping: {e!r}"
                 await self._backoff(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
                 continue
