@@ -9,8 +9,9 @@ stored leaf adds the blocks ending inside it and an evicted leaf removes them (a
 The publisher is the radix tree's listener (shared/cache/radix_cache.py). On the engine thread it only
 appends the path's tokens to a bounded buffer (past the bound it drops everything and asks for a resync),
 and the first event of a burst wakes the event loop at once (one call_soon_threadsafe per batch). The
-event loop hashes, nets a burst of events into one `KvBatch` and XADDs it to the worker's own stream (MAXLEN-trimmed), numbered by `seq` within an `epoch` (one per worker start: its first
-batch clears what readers knew). It keeps a mirror of the worker's block set and writes it as a snapshot
+event loop hashes, nets a burst of events into one `KvBatch` and XADDs it to the worker's own stream
+(MAXLEN-trimmed), numbered by `seq` within an `epoch` (one per worker start: its first batch clears what
+readers knew). It keeps a mirror of the worker's block set and writes it as a snapshot
 key (with its seq and stream id) about once a second when it changed, so a reader can start or catch up. A
 batch lost to a Redis outage, an overflow or a FLUSHALL (the snapshot key vanishes) is answered by a fresh
 snapshot and a `resync` marker. Every entry is signed with the internal key (HMAC-SHA256), when there is one.
