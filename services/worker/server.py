@@ -106,8 +106,6 @@ class WorkerServer:
                 batch.append(out)
         for conn, batch in by_conn.items():
             conn.send(encode_frame(TokenOutputs(outputs=batch)))
-        if self.kv_events is not None:
-            self.kv_events.poke()  # what the step stored or evicted, to Redis now
 
     def _finished(self, out: TokenOutput, conn: _Connection) -> None:
         """The request is over: it leaves its connection, and the log gets one line for it."""

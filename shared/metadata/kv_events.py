@@ -7,11 +7,11 @@ it alike. A worker holds block k of a cached path when the path's tokens reach t
 stored leaf adds the blocks ending inside it and an evicted leaf removes them (a split changes nothing).
 
 The publisher is the radix tree's listener (shared/cache/radix_cache.py). On the engine thread it only
-appends the path's tokens to a bounded buffer (past the bound it drops everything and asks for a resync);
-the event loop takes them right after the step's outputs (the worker's `poke`), or within POKE_S (it
-looks that often; an idle engine's events wake it at once). The event loop hashes, nets a burst of events into one `KvBatch` and XADDs it to the
-worker's own stream (MAXLEN-trimmed), numbered by `seq` within an `epoch` (one per worker start: its first
-batch clears what readers knew). It keeps a mirror of the worker's block set and writes it as a snapshot
+appends the path's tokens to a bounded buffer (past the bound it drops everything and asks for a resync),
+and the first event of a burst wakes the event loop at once (one call_soon_threadsafe per batch). The
+event loop hashes, nets a burst of events into one `KvBatch` and XADDs it to the worker's own stream
+(MAXLEN-trimmed), numbered by `seq` within an `epoch` (one per worker start: its first batch clears what
+readers knew). It keeps a mirror of the worker's block set and writes it as a snapshot
 key (with its seq and stream id) about once a second when it changed, so a reader can start or catch up. A
 batch lost to a Redis outage, an overflow or a FLUSHALL (the snapshot key vanishes) is answered by a fresh
 snapshot and a `resync` marker. Every entry is signed with the internal key (HMAC-SHA256), when there is one.
@@ -40,7 +40,7 @@ BLOCK_TOKENS = 16  # the gateway's routing block too: one naming everywhere
 KV_STREAM_MAXLEN = knob("KV_STREAM_MAXLEN")
 KV_SNAPSHOT_S = knob("KV_SNAPSHOT_S")
 KV_EVENT_BUFFER = knob("KV_EVENT_BUFFER")
-POKE_S = 0.02  # the longest an event waits for the loop when no step output pokes it (the loop polls)
+TURN_S = 0.1  # the loop's turn when no event wakes it (the snapshot's check, a stop)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -194,8 +194,7 @@ class KvEventPublisher:
         self.blocks: set[int] = set()  # the mirror: what the tree holds as of self.seq
         self._events: deque = deque()  # (kind, namespace, tokens, start, wall time), appended on the engine thread
         self._overflow = False
-        self._woken = False
-        self._poked = 0.0  # when the loop last looked after a step's outputs (monotonic)
+        self._woken = False  # a wake is on its way to the loop (set on the engine thread, cleared on the loop)
         self._stopped = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -232,33 +231,28 @@ class KvEventPublisher:
         else:
             ns, tokens, start = self._cache.path_of(node) if node is not None else (None, None, 0)
             self._events.append((kind, ns, tokens, start, time.time()))
-        # The loop is told after every engine step's outputs (`poke`) and looks every POKE_S; only while no
-        # step has had output for a while does the engine thread wake it itself: that is a write to the
-        # loop's socket, and the loop thread taking the GIL mid-step.
-        if not self._woken and self._loop is not None and time.monotonic() - self._poked > POKE_S:
+        # The first event of a batch wakes the loop at once (one write to its self-pipe; the loop clears
+        # `_woken` before it takes the buffer, so later events ride along): an event must not wait for the
+        # step's outputs, which come after the next forward pass (the tree stores a pass's KV at launch).
+        if not self._woken and self._loop is not None:
             self._woken = True
             self._loop.call_soon_threadsafe(self._wake.set)
         self.stats["listener_s"] += time.thread_time() - t0
 
     # ---- the event loop ---------------------------------------------------------------------------
-    def poke(self) -> None:
-        """On the event loop, after an engine step's outputs went out: publish what the step changed."""
-        self._poked = time.monotonic()
-        if self._wake is not None and (self._events or self._overflow):
-            self._wake.set()
-
     async def run(self) -> None:
         """Publish until cancelled: a clear for this epoch first, then batches as events come."""
-        self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()  # (after _wake: the engine thread wakes through both)
         self._need_resync = True  # the first entry of an epoch: clear-all (readers drop the old epoch)
         snap_due = 0.0
         while not self._stopped:
-            try:  # (asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation)
-                async with asyncio.timeout(POKE_S):  # events of a step without outputs wait no longer
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
+            if not self._need_resync:  # (a resync goes at once: the first turn, or Redis back)
+                try:  # (asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation)
+                    async with asyncio.timeout(TURN_S):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass
             self._wake.clear()
             self._woken = False
             try:

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from services.gateway.routing.cache_aware import CacheAwarePolicy
 from shared.cache.allocator import SlotAllocator
 from shared.cache.radix_cache import RadixCache
+from shared.metadata import kv_events
 from shared.metadata.kv_events import BLOCK_TOKENS, KvBatch, KvEventPublisher, block_chain, seal, sign, stream_key
 from shared.metadata.kv_index import KvIndex, KvIndexReader
 from tests.support.stack import RedisServer
@@ -146,6 +147,29 @@ def test_index_follows_stores_evictions_tenants_and_flush(own_redis):
             assert not rig.picture.blocks
             assert rig.index.stats()["event_lag_p99_s"] < 1.0
     asyncio.run(main())
+
+
+def test_the_first_event_of_a_batch_wakes_the_publisher_and_the_rest_ride_along(own_redis, monkeypatch):
+    """An event reaches Redis without waiting for the loop's own turn (made 30 s here), and the engine
+    thread wakes the loop once per batch, not once per event."""
+    monkeypatch.setattr(kv_events, "TURN_S", 30.0)
+
+    async def body(rig):
+        loop, wakes = rig.pub._loop, []
+
+        class Counting:  # the event loop as the listener sees it
+            def call_soon_threadsafe(self, fn, *args):
+                wakes.append(fn)
+                return loop.call_soon_threadsafe(fn, *args)
+
+        rig.pub._loop = Counting()
+        for n in (1, 2):
+            batches = rig.pub.stats["batches"]
+            rig.insert(4)  # no turn of the loop can come between these four
+            assert len(wakes) == n
+            await rig.converged()
+            assert rig.pub.stats["batches"] == batches + 1
+    with_rig(own_redis.url, body)
 
 
 def test_forged_foreign_and_malformed_entries_are_counted_and_ignored(own_redis):
