@@ -42,7 +42,9 @@ def free_port() -> int:
 
 
 def spawn(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, RADIXSERVE_INTERNAL_KEY=KEY, PYTHONPATH=ROOT)
+    # One compute thread per CPU worker, as one worker is one device: torch's default of one per core makes
+    # 4 workers x 2 threads contend for 2 cores, and the lag's tail measured the contention, not the path.
+    env = dict(os.environ, RADIXSERVE_INTERNAL_KEY=KEY, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env=env)
 
