@@ -83,3 +83,11 @@ def _extend_case(device, dtype, hq, hkv, d, prefix, ext):
     starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))], dtype=torch.int32, device=device)
     ref = extend_attention_ref(q, k_buf, v_buf, r2t, req_idx, prefix, ext, d ** -0.5)
     return k_buf, v_buf, r2t, req_idx, q, k_buf[slots], v_buf[slots], starts, ref
+
+
+def write_rows(r2t, rows, prefix, ext, locs, device) -> None:
+    """Each row's new slots into the request-to-token table after its prefix (locs: all rows' slots, in order)."""
+    off = 0
+    for row, p, e in zip(rows, prefix, ext):
+        r2t.write(row, p, locs[off:off + e].to(device))
+        off += e

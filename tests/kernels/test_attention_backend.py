@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tests.kernels._helpers import _tol
+from tests.kernels._helpers import _tol, write_rows
 from tests.kernels._runner import kernel_tests
 
 
@@ -44,10 +44,7 @@ def _backend_end_to_end(device, dtype, pool_dtype, scales):
         v = torch.randn(T, hkv * d, generator=gen).to(device, dtype)
         outs = []
         for be, pool, r2t in worlds:
-            off = 0
-            for row, p, e in zip(rows, prefix, ext):
-                r2t.write(row, p, locs[off:off + e].to(device))
-                off += e
+            write_rows(r2t, rows, prefix, ext, locs, device)
             fb = ForwardBatch.build(mode, [0] * T, rows, prefix, ext, locs, r2t.req_to_token, pool, be, device)
             be.init_forward_metadata(fb)
             if mode == ForwardMode.DECODE and hasattr(be, "max_kv_splits"):  # the triton ones

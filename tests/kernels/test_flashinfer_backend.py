@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from tests.kernels._helpers import _tol
+from tests.kernels._helpers import _tol, write_rows
 from tests.kernels._runner import kernel_tests
 
 HQ, HKV, D, LAYERS = 8, 2, 128, 2  # FlashInfer's JIT builds a module per head dim: the benchmark's
@@ -175,10 +175,7 @@ def _passes(device="cpu", dtype=torch.float32, pool_dtype=None, scales=None, gra
         q, k, v = (torch.randn(T, h * D, generator=gen).to(device, dtype) for h in (HQ, HKV, HKV))
         outs = []
         for be, pool, r2t in worlds:
-            off = 0
-            for row, p, e in zip(rows, prefix, ext):
-                r2t.write(row, p, locs[off:off + e].to(device))
-                off += e
+            write_rows(r2t, rows, prefix, ext, locs, device)
             fb = ForwardBatch.build(mode, [0] * T, rows, prefix, ext, locs, r2t.req_to_token, pool, be,
                                     torch.device(device))
             if graph_decode and mode == ForwardMode.DECODE and isinstance(be, FlashInferAttentionBackend):
