@@ -15,6 +15,8 @@ still touches. On the CPU the same copies run synchronously (no event: done on r
 """
 from __future__ import annotations
 
+import os
+
 import logging
 
 import numpy as np
@@ -58,7 +60,7 @@ def host_pool_tokens(device_tokens: int, bytes_per_token: int, ratio: float, siz
 
 
 def available_host_bytes() -> int:
-    """MemAvailable from /proc/meminfo (psutil where that is missing)."""
+    """MemAvailable from /proc/meminfo (the free physical pages where that is missing)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -66,9 +68,7 @@ def available_host_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import psutil
-
-    return int(psutil.virtual_memory().available)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class HostKVPool:
