@@ -15,9 +15,8 @@ still touches. On the CPU the same copies run synchronously (no event: done on r
 """
 from __future__ import annotations
 
-import os
-
 import logging
+import os
 
 import numpy as np
 import torch
