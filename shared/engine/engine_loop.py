@@ -384,7 +384,7 @@ class Engine:
         req.detok = self.detok.new_state(params.stop, params.skip_special_tokens, params.no_stop_trim,
                                          prompt_tail=req.input_ids, stop_regex=params.stop_regex)
         self._reqs[req.rid] = req
-        if self._is_host_dependent(params):
+        if penalized(params):
             self._host_dependent += 1
         if req.transfer_role == "decode":
             self.decode_side.on_admit(req)
@@ -795,14 +795,10 @@ class Engine:
             self.prefill_side.on_release(req)
         self.policy.remove(req)
         self._reqs.pop(req.rid, None)
-        if self._is_host_dependent(req.params):
+        if penalized(req.params):
             self._host_dependent -= 1
         if self.spec is not None:
             self.spec.release(req)
-
-    @staticmethod
-    def _is_host_dependent(p: SamplingParams) -> bool:
-        return penalized(p)
 
     def _make_output(self, req: Req) -> TokenOutput:
         new_ids = req.output_ids[req.sent_token_count:req.num_resolved]
