@@ -7,7 +7,7 @@ usage: bash bench/gpu_run.sh KIND [ARGS...]     (device tool, carry [".whl"] aft
 Each kind fits one 10-minute call on a fresh machine, its kernel compiles included. ARGS go to the kind's
 benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT (default /tmp/out).
 
-  tests             GPU tests:  pytest -m gpu tests/ -k "not interpreted"
+  tests [EXPR]      GPU tests:  pytest -m gpu tests/ -k EXPR (default "not interpreted"), each test named
   offline           bench.offline: batch-1 step, 256 x (512,128), prefill, radix zero-reuse (8 on/off pairs)
   kernels           bench.kernels: each kernel against eager torch / SDPA and the measured ceilings; then
                     bench.hicache: the host KV tier's load-back against a pinned host-to-device copy
@@ -61,10 +61,10 @@ spec_after() {
   if grep -q "\] corpus: " "$OUT/reference_models.log"; then echo "gpu_run.sh spec: models trained; call again (warm)"
   else run $(( 585 - SECONDS )) spec.log python3 -m bench.spec --models /tmp/refmodels --out "$OUT" "$@"; fi
 }
-gpu_tests() { run "$1" "$2" python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/ -k "$3"; }
+gpu_tests() { run "$1" "$2" python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/ -k "$3"; }
 
 case $kind in
-  tests) TAIL=30 gpu_tests 560 gpu_tests.log "$([[ $FI == 1 ]] && echo flashinfer || echo not interpreted)" ;;
+  tests) TAIL=30 gpu_tests 560 gpu_tests.log "${1:-$([[ $FI == 1 ]] && echo flashinfer || echo not interpreted)}" ;;
   offline) run 560 offline.log python3 -m bench.offline --skip-hf --reuse-pairs 8 --out "$OUT" $([[ $FI == 1 ]] && echo --attention-backend flashinfer) "$@" ;;
   kernels)
     if [[ $FI == 1 ]]; then run 560 attention.log python3 -m bench.attention --out "$OUT" "$@"
