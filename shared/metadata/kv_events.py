@@ -8,7 +8,8 @@ stored leaf adds the blocks ending inside it and an evicted leaf removes them (a
 
 The publisher is the radix tree's listener (shared/cache/radix_cache.py). On the engine thread it only
 appends the path's tokens to a bounded buffer (past the bound it drops everything and asks for a resync),
-and the first event of a burst wakes the event loop at once (one call_soon_threadsafe per batch). The
+and the first event of a burst wakes the event loop at once (one call_soon_threadsafe per batch) and yields
+its core to it (one sched_yield: on busy cores the loop thread would wait behind the engine's). The
 event loop hashes, nets a burst of events into one `KvBatch` and XADDs it to the worker's own stream
 (MAXLEN-trimmed), numbered by `seq` within an `epoch` (one per worker start: its first batch clears what
 readers knew). It keeps a mirror of the worker's block set and writes it as a snapshot
@@ -24,6 +25,7 @@ import hashlib
 import hmac
 import itertools
 import logging
+import os
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -40,6 +42,7 @@ BLOCK_TOKENS = 16  # the gateway's routing block too: one naming everywhere
 KV_STREAM_MAXLEN = knob("KV_STREAM_MAXLEN")
 KV_SNAPSHOT_S = knob("KV_SNAPSHOT_S")
 KV_EVENT_BUFFER = knob("KV_EVENT_BUFFER")
+KV_EVENT_YIELD = knob("KV_EVENT_YIELD")
 TURN_S = 0.1  # the loop's turn when no event wakes it (the snapshot's check, a stop)
 
 
@@ -234,9 +237,14 @@ class KvEventPublisher:
         # The first event of a batch wakes the loop at once (one write to its self-pipe; the loop clears
         # `_woken` before it takes the buffer, so later events ride along): an event must not wait for the
         # step's outputs, which come after the next forward pass (the tree stores a pass's KV at launch).
+        # Then this thread gives up its core and the GIL for a moment (KV_EVENT_YIELD): where every core is
+        # busy (CPU-bound engine threads), the woken loop thread would otherwise wait behind this one for the
+        # scheduler, or for the GIL, through a forward pass or more; with a core idle it returns at once.
         if not self._woken and self._loop is not None:
             self._woken = True
             self._loop.call_soon_threadsafe(self._wake.set)
+            if KV_EVENT_YIELD:
+                os.sched_yield()
         self.stats["listener_s"] += time.thread_time() - t0
 
     # ---- the event loop ---------------------------------------------------------------------------
