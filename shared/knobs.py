@@ -81,6 +81,8 @@ KNOBS = {k.name: k for k in (
          "radix-tree events the engine thread may leave unpublished before the worker drops to a resync"),
     Knob("KV_EVENT_YIELD", bool, True, "shared.metadata.kv_events",
          "the engine thread yields its core once per KV event batch: the publisher it woke runs at once"),
+    Knob("KV_INDEX_ROUTING", bool, True, "services.gateway.routing.cache_aware",
+         "0: the gateway routes on its approximate index even while the KV events are current (they audit it)"),
 )}
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

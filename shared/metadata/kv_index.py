@@ -9,6 +9,8 @@ Redis going away makes a picture unsynced until a snapshot at least as new as wh
 (the worker writes one within a second); meanwhile callers fall back to their own approximate index.
 Entries that are unsigned or signed with another key, that name another worker than their stream's,
 or that do not decode are ignored and counted; nothing read from Redis can stop the reader.
+Each picture also remembers when (the worker's clock) its latest removals happened, so that the routing
+policy can tell a request routed on a prefix already gone (a stale index) from one evicted after the pick.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Sequence
 
 from shared.metadata.kv_events import BadEvent, KvBatch, KvSnapshot, WorkerLoad, snapshot_key, stream_key, unseal
@@ -29,10 +31,12 @@ _FORGET_S = 60.0  # a picture whose worker has had no registry entry this long i
 _BLOCK_MS = 200  # XREAD's wait: bounds how late a new worker or a resync is picked up
 _LAGS = 4096  # recent event lags kept for the p99
 _LOAD_FRESH_S = 1.0  # a worker's published load older than this is not used
+_REMOVALS = 16384  # per worker, the latest block removals kept with their time (`removed_at`)
 
 
 class Picture:
-    __slots__ = ("worker", "address", "blocks", "epoch", "seq", "last_id", "synced", "want", "load", "load_at", "seen")
+    __slots__ = ("worker", "address", "blocks", "epoch", "seq", "last_id", "synced", "want", "load", "load_at", "seen",
+                 "removed_at")
 
     def __init__(self, worker: str, address: str):
         self.worker = worker
@@ -46,6 +50,9 @@ class Picture:
         self.load: WorkerLoad | None = None
         self.load_at = 0.0  # when `load` arrived (monotonic): it rides on cache changes, and ages out
         self.seen = time.monotonic()  # last time the registry listed the worker
+        # block -> the worker's wall time of the batch that last removed it (its first event's: no later than
+        # the removal), the latest _REMOVALS: whether a prefix a request was routed on was gone before then
+        self.removed_at: OrderedDict[int, float] = OrderedDict()
 
 
 class KvIndex:
@@ -81,6 +88,12 @@ class KvIndex:
             n += 1
         return n
 
+    def removed_at(self, address: str, name: int) -> float | None:
+        """The worker's wall time of the batch that last removed block `name` from the worker at `address`
+        (no later than the removal itself), or None when no removal of it is known (too old, or none)."""
+        p = self.by_address.get(address)
+        return p.removed_at.get(name) if p is not None else None
+
     def queued(self, address: str) -> int:
         """Requests the worker last said it was running or holding in its queue (every gateway's)."""
         p = self.by_address.get(address)
@@ -95,13 +108,23 @@ class KvIndex:
         return {"connected": self.up, "workers": len(self.pictures),
                 "synced_workers": sum(p.synced for p in self.pictures.values()),
                 "blocks": sum(len(p.blocks) for p in self.pictures.values()),
-                "event_lag_p50_s": round(p50, 6), "event_lag_p99_s": round(p99, 6), **self.counts}
+                "event_lag_p50_s": round(p50, 6), "event_lag_p99_s": round(p99, 6), "event_lag_samples": len(lags),
+                **self.counts}
 
     # ---- updates (the reader's) ----------------------------------------------------------------
     def unsync(self, p: Picture, want: tuple[str, int] | None = None) -> None:
         p.synced = False
         if want is not None:
             p.want = want
+
+    @staticmethod
+    def _note_removed(p: Picture, names, ts: float) -> None:
+        removed = p.removed_at
+        for name in names:
+            removed[name] = ts
+            removed.move_to_end(name)
+        while len(removed) > _REMOVALS:
+            removed.popitem(last=False)
 
     def adopt(self, p: Picture, snap: KvSnapshot) -> bool:
         """Seed `p` from a snapshot; False when it is older than what the picture has to catch up with."""
@@ -136,8 +159,10 @@ class KvIndex:
             return
         blocks = p.blocks
         if b.clear:
+            self._note_removed(p, blocks, b.ts)
             blocks.clear()
         blocks.difference_update(b.removed)
+        self._note_removed(p, b.removed, b.ts)
         blocks.update(b.stored)
         self.lags.append(max(0.0, time.time() - b.ts))
 

@@ -267,21 +267,27 @@ def test_block_names_are_the_same_in_every_process():
     assert out.stdout.strip() == str(block_chain(ids, 16, "tenant"))
 
 
-def test_policy_routes_on_the_exact_index_while_it_is_current_and_says_when_it_switches(caplog):
-    """Synced: the longest prefix a worker really holds wins, whatever this process sent where; not synced
-    (Redis away): the approximate index routes; one log line per switch."""
+def synced_index(*addresses: str) -> tuple[list, KvIndex]:
+    """Stand-in workers (an address, no load) and an exact index of them, connected and synced, empty."""
     from shared.metadata.kv_index import Picture
 
     class W:
         def __init__(self, address):
             self.address, self.load = address, 0
 
-    a, b = W("a:1"), W("b:1")
+    workers = [W(a) for a in addresses]
     index = KvIndex()
     index.up = True
-    for w in (a, b):
+    for w in workers:
         p = index.pictures[w.address] = index.by_address[w.address] = Picture(w.address, w.address)
         p.synced = True
+    return workers, index
+
+
+def test_policy_routes_on_the_exact_index_while_it_is_current_and_says_when_it_switches(caplog):
+    """Synced: the longest prefix a worker really holds wins, whatever this process sent where; not synced
+    (Redis away): the approximate index routes; one log line per switch."""
+    (a, b), index = synced_index("a:1", "b:1")
     prompt = list(range(64))
     chain = block_chain(prompt, BLOCK_TOKENS, None)
     index.by_address["b:1"].blocks.update(chain[:3])  # b holds 3 of the 4 blocks (another gateway sent it)
@@ -297,6 +303,50 @@ def test_policy_routes_on_the_exact_index_while_it_is_current_and_says_when_it_s
     switches = [r.message for r in caplog.records if "cache-aware routing now" in r.message]
     assert len(switches) == 3  # exact, approximate, exact
     assert policy.stats()["decisions"] == {"exact/cache": 3, "approximate/cache": 1}
+
+
+def test_a_prefix_evicted_before_the_pick_is_a_stale_route_and_one_evicted_after_is_not(monkeypatch):
+    """A cache pick whose worker then finds less cached than promised counts against the index only when
+    the worker's events date the missing block's removal before the pick (or do not know it); the same
+    holds for the approximate index routing beside them (KV_INDEX_ROUTING off), which they audit."""
+    from services.gateway.routing import cache_aware
+
+    (a, b), index = synced_index("a:1", "b:1")
+    seq = iter(range(1, 100))
+
+    def batch(address, t, stored=(), removed=()):
+        index.apply(index.by_address[address], KvBatch(worker=address, epoch="", seq=next(seq), ts=t,
+                                                       stored=list(stored), removed=list(removed)))
+
+    policy = CacheAwarePolicy(exact=index)
+    prompts = [[c] * 8 + list(range(56)) for c in range(4)]  # 4 blocks each, no block shared
+    chains = [block_chain(p, BLOCK_TOKENS, None) for p in prompts]
+    for chain in chains:
+        batch("a:1", time.time(), stored=chain)
+    picked = []
+    for prompt in prompts:
+        assert policy.pick([a, b], prompt, None) is a and policy.last_match_tokens == 64
+        picked.append(time.time())
+    batch("a:1", picked[0] - 0.05, removed=chains[0][2:])  # evicted 50 ms before its pick: the index was stale
+    batch("a:1", picked[1] + 0.05, removed=chains[1][2:])  # evicted after its pick, while the request queued
+    batch("a:1", picked[2] - 0.01, removed=chains[2][2:])  # 10 ms before
+    for prompt in prompts[:3]:  # the worker found 2 of the 4 blocks
+        policy.remember(a, prompt + [1, 2], None, prompt=prompt, cached_tokens=32)
+    policy.remember(a, prompts[3] + [1, 2], None, prompt=prompts[3], cached_tokens=63)  # all of it (one kept back)
+    stats = policy.stats()
+    assert (stats["cache_checked"], stats["cache_missed"], stats["cache_evicted_after"]) == (
+        {"exact": 4}, {"exact": 2}, {"exact": 1})
+    assert stats["exact_index"]["event_lag_samples"] == 7
+
+    # The ablation: the approximate index routes while the exact one is current; a block whose removal the
+    # events do not know counts against it too.
+    monkeypatch.setattr(cache_aware, "KV_INDEX_ROUTING", False)
+    policy = CacheAwarePolicy(exact=index)
+    policy.remember(b, prompts[0], None)  # this process sent it to b, which never reported it
+    assert policy.pick([a, b], prompts[0], None) is b
+    policy.remember(b, prompts[0] + [1], None, prompt=prompts[0], cached_tokens=0)
+    stats = policy.stats()
+    assert stats["decisions"] == {"approximate/cache": 1} and stats["cache_missed"] == {"approximate": 1}
 
 
 def test_host_tier_moves_are_kept_and_leaving_the_last_tier_is_a_removal(own_redis):
