@@ -5,9 +5,14 @@ private redis-server on a free port, gateways started and stopped per phase.
 Phases (one run each), and the goal each checks:
   hit rate     multi-turn chats over the workers, round-robin through 2 gateways vs 1: prefix hit rate
                ratio >= 0.98 on the exact index (the approximate index's ratio is reported too);
-  eviction     more conversations than the workers' small pools hold: routed-for-cache requests whose worker
-               had dropped the promised prefix <= 1% on the exact index (the approximate index's rate too);
-  lag, cost    event lag p99 <= 50 ms (every gateway's index); publishing <= 1% of the worker's step time;
+  lag, cost    the hit-rate chats 3x over through 2 gateways: event lag p99 <= 50 ms (every gateway's index,
+               ~400 batches each); publishing <= 1% of the worker's step time;
+  eviction     conversations whose histories are 3x the workers' pools, turn by turn (each comes back after
+               all the others went through the pools): routed-for-cache requests whose worker had dropped the
+               promised prefix before the gateway's pick (the worker's event time of the first missing block's
+               removal vs the pick's) <= 1% on the exact index; one dropped after the pick, while the request
+               queued, is counted apart. The approximate index routes the same workload with the KV events
+               followed only to audit it ($RADIXSERVE_KV_INDEX_ROUTING=0); its rate is printed beside;
   new gateway  a gateway started on a warm fleet routes on the full picture within 1 s of being ready;
   outage       redis-server killed under load and restarted empty: no request fails, every gateway's index
                resynced within 2 s of its return.
@@ -41,10 +46,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(*args: str) -> subprocess.Popen:
+def spawn(*args: str, env: dict | None = None) -> subprocess.Popen:
     # One compute thread per CPU worker, as one worker is one device: torch's default of one per core makes
     # 4 workers x 2 threads contend for 2 cores, and the lag's tail measured the contention, not the path.
-    env = dict(os.environ, RADIXSERVE_INTERNAL_KEY=KEY, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = dict(os.environ, RADIXSERVE_INTERNAL_KEY=KEY, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env=env)
 
@@ -92,11 +97,12 @@ class Redis:
         stop(self.proc)
 
 
-def gateway(*, redis_url: str | None = None, workers: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+def gateway(*, redis_url: str | None = None, workers: list[str] | None = None,
+            env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     args = ["services.gateway", "--model-path", "tiny-random", "--port", str(port), "--log-level", "warning"]
     args += ["--redis-url", redis_url] if redis_url else ["--workers", ",".join(workers)]
-    proc = spawn(*args)
+    proc = spawn(*args, env=env)
     wait_line(proc, "gateway ready")
     return proc, f"http://127.0.0.1:{port}"
 
@@ -130,40 +136,56 @@ def ready(url: str, n: int, exact_index: bool) -> None:
     wait_until(ok, 60, "gateway sees every worker")
 
 
-async def chats(urls: list[str], convs: int, turns: int, seed: int, concurrency: int) -> dict:
+async def chats(urls: list[str], convs: int, turns: int, seed: int, concurrency: int, user_tokens=(24, 56),
+                waves: bool = False) -> dict:
     """Multi-turn conversations sharing a system prompt, each turn sent to the next gateway in turn (round robin
-    over every request). Returns prompt and cached token totals and the failures."""
+    over every request). `concurrency` conversations at a time, each to its end; with `waves`, turn by turn
+    instead: every conversation's turn t (in a shuffled order, `concurrency` requests at a time) before any
+    turn t+1, so a conversation comes back after all the others have been through the workers' pools.
+    Returns prompt and cached token totals and the failures."""
     rng = random.Random(seed)
     system = [rng.randrange(3, 400) for _ in range(64)]
-    users = [[[rng.randrange(3, 400) for _ in range(rng.randrange(24, 56))] for _ in range(turns)] for _ in range(convs)]
+    users = [[[rng.randrange(3, 400) for _ in range(rng.randrange(*user_tokens))] for _ in range(turns)]
+             for _ in range(convs)]
     totals = {"prompt": 0, "cached": 0, "requests": 0, "failed": 0}
     counter = iter(range(1 << 30))
     sem = asyncio.Semaphore(concurrency)
+    history = [list(system) for _ in range(convs)]
+
+    async def turn(session, c, t):
+        prompt = history[c] + users[c][t]
+        url = urls[next(counter) % len(urls)]
+        try:
+            async with session.post(url + "/generate", json={
+                    "input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}) as r:
+                body = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(body)
+        except Exception as e:
+            totals["failed"] += 1
+            totals.setdefault("error", repr(e)[:300])
+            history[c] = prompt
+            return
+        totals["requests"] += 1
+        totals["prompt"] += body["meta_info"]["prompt_tokens"]
+        totals["cached"] += body["meta_info"]["cached_tokens"]
+        history[c] = prompt + body["output_ids"]
 
     async def conversation(session, c):
-        history = list(system)
         async with sem:
             for t in range(turns):
-                prompt = history + users[c][t]
-                url = urls[next(counter) % len(urls)]
-                try:
-                    async with session.post(url + "/generate", json={
-                            "input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}) as r:
-                        body = await r.json()
-                        if r.status != 200:
-                            raise RuntimeError(body)
-                except Exception as e:
-                    totals["failed"] += 1
-                    totals.setdefault("error", repr(e)[:300])
-                    history = prompt
-                    continue
-                totals["requests"] += 1
-                totals["prompt"] += body["meta_info"]["prompt_tokens"]
-                totals["cached"] += body["meta_info"]["cached_tokens"]
-                history = prompt + body["output_ids"]
+                await turn(session, c, t)
+
+    async def one(session, c, t):
+        async with sem:
+            await turn(session, c, t)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        await asyncio.gather(*(conversation(session, c) for c in range(convs)))
+        if not waves:
+            await asyncio.gather(*(conversation(session, c) for c in range(convs)))
+        for t in range(turns if waves else 0):
+            order = rng.sample(range(convs), convs)
+            await asyncio.gather(*(one(session, c, t) for c in order))
     totals["hit_rate"] = totals["cached"] / max(1, totals["prompt"])
     return totals
 
@@ -172,14 +194,20 @@ def flush(url: str) -> None:
     wait_until(lambda: requests.post(url + "/flush_cache", timeout=30).status_code == 200, 30, "flush")
 
 
-def run_phase(redis: Redis, addrs: list[str], n_gateways: int, exact_index: bool, workload: dict) -> tuple[dict, list]:
-    """Fresh gateways (exact: following Redis; approximate: the static worker list), the workload, their stats."""
-    gws = [gateway(redis_url=redis.url) if exact_index else gateway(workers=addrs) for _ in range(n_gateways)]
+AUDITED = {"RADIXSERVE_KV_INDEX_ROUTING": "0"}  # a gateway that follows Redis but routes on its approximate index
+
+
+def run_phase(redis: Redis, addrs: list[str], n_gateways: int, index: str, workload: dict) -> tuple[dict, list]:
+    """Fresh gateways, the workload, their stats. `index`: exact (following Redis), approx (the static worker
+    list) or audited (approximate routing, the KV events followed to classify its misses)."""
+    follows = index != "approx"
+    gws = [gateway(redis_url=redis.url, env=AUDITED if index == "audited" else None) if follows
+           else gateway(workers=addrs) for _ in range(n_gateways)]
     try:
         for _, url in gws:
-            ready(url, len(addrs), exact_index)
+            ready(url, len(addrs), follows)
         flush(gws[0][1])
-        if exact_index:  # the flush's clear reaches every index before the run
+        if follows:  # the flush's clear reaches every index before the run
             time.sleep(0.3)
         result = asyncio.run(chats([u for _, u in gws], **workload))
         stats = [info(u)["routing"] for _, u in gws]
@@ -188,10 +216,12 @@ def run_phase(redis: Redis, addrs: list[str], n_gateways: int, exact_index: bool
         stop(*(p for p, _ in gws))
 
 
-def missed_rate(stats: list[dict]) -> tuple[float, int]:
-    checked = sum(sum(s["cache_checked"].values()) for s in stats)
-    missed = sum(sum(s["cache_missed"].values()) for s in stats)
-    return missed / max(1, checked), checked
+def missed(stats: list[dict]) -> tuple[int, int, int]:
+    """Cache-routed requests checked; of them, routed on a prefix evicted before the pick (the index stale);
+    and on one evicted after it (while the request queued on the worker: no index could know)."""
+    def total(key):
+        return sum(sum(s.get(key, {}).values()) for s in stats)
+    return total("cache_checked"), total("cache_missed"), total("cache_evicted_after")
 
 
 def main(argv=None) -> None:
@@ -201,7 +231,9 @@ def main(argv=None) -> None:
     p.add_argument("--pool", type=int, default=4096, help="each worker's KV pool, tokens")
     p.add_argument("--convs", type=int, default=16)
     p.add_argument("--turns", type=int, default=5)
-    p.add_argument("--evict-convs", type=int, default=64, help="conversations of the eviction phase (overflow the pools)")
+    p.add_argument("--evict-convs", type=int, default=96,
+                   help="conversations of the eviction phase, turn by turn (their histories overflow the pools)")
+    p.add_argument("--lag-convs", type=int, default=48, help="conversations of the lag phase (16 at a time)")
     args = p.parse_args(argv)
     if shutil.which("redis-server") is None:
         raise SystemExit("redis-server is not installed")
@@ -218,28 +250,41 @@ def main(argv=None) -> None:
             addrs.append(wait_line(w, "WORKER READY").split()[2])
         hit = dict(convs=args.convs, turns=args.turns, seed=1, concurrency=args.convs)
 
-        for label, n, ex in (("exact_1gw", 1, True), ("exact_2gw", 2, True), ("approx_1gw", 1, False),
-                             ("approx_2gw", 2, False)):
-            res, stats = run_phase(redis, addrs, n, ex, hit)
+        for label, n, index in (("exact_1gw", 1, "exact"), ("exact_2gw", 2, "exact"), ("approx_1gw", 1, "approx"),
+                                ("approx_2gw", 2, "approx")):
+            res, stats = run_phase(redis, addrs, n, index, hit)
             fig[label] = round(res["hit_rate"], 4)
             fig[label + "_failed"] = res["failed"]
             if label == "exact_2gw":
-                fig["event_lag_p99_ms"] = round(1000 * max(s["exact_index"]["event_lag_p99_s"] for s in stats), 2)
-                fig["event_lag_p50_ms"] = round(1000 * max(s["exact_index"]["event_lag_p50_s"] for s in stats), 2)
                 fig["exact_2gw_decisions"] = [s["decisions"] for s in stats]
             print(f"{label}: hit rate {res['hit_rate']:.4f} ({res['requests']} requests, {res['failed']} failed"
                   f"{', e.g. ' + res['error'] if res['failed'] else ''})", flush=True)
         fig["ratio_exact"] = round(fig["exact_2gw"] / fig["exact_1gw"], 4)
         fig["ratio_approx"] = round(fig["approx_2gw"] / fig["approx_1gw"], 4)
 
-        evict = dict(convs=args.evict_convs, turns=args.turns, seed=2, concurrency=args.evict_convs)
-        for label, ex in (("exact", True), ("approx", False)):
-            res, stats = run_phase(redis, addrs, 1, ex, evict)
-            rate, checked = missed_rate(stats)
-            fig[f"evicted_prefix_rate_{label}"] = round(rate, 4)
+        # Lag: the hit-rate phases' chats (16 at a time), through 2 gateways, 3x as many: a p99 over some
+        # hundreds of batches per gateway, not the maximum of ~80.
+        lag = dict(convs=args.lag_convs, turns=args.turns, seed=4, concurrency=16)
+        res, stats = run_phase(redis, addrs, 2, "exact", lag)
+        lags = [s["exact_index"] for s in stats]
+        fig["event_lag_p99_ms"] = round(1000 * max(e["event_lag_p99_s"] for e in lags), 2)
+        fig["event_lag_p50_ms"] = round(1000 * max(e["event_lag_p50_s"] for e in lags), 2)
+        fig["event_lag_samples"] = [e["event_lag_samples"] for e in lags]
+        print(f"lag: p99 {fig['event_lag_p99_ms']} ms, p50 {fig['event_lag_p50_ms']} ms (worst gateway; "
+              f"{fig['event_lag_samples']} batches; {res['requests']} requests, {res['failed']} failed)", flush=True)
+
+        # Eviction: histories 3x the pools, revisited turn by turn after every other conversation's turn. The
+        # approximate index (audited: it routes, the KV events only classify its picks) promises them still.
+        evict = dict(convs=args.evict_convs, turns=4, seed=2, concurrency=16, user_tokens=(80, 120), waves=True)
+        for label, index in (("exact", "exact"), ("approx", "audited")):
+            res, stats = run_phase(redis, addrs, 1, index, evict)
+            checked, stale, after = missed(stats)
+            fig[f"evicted_prefix_rate_{label}"] = round(stale / max(1, checked), 4)
             fig[f"evicted_prefix_checked_{label}"] = checked
-            print(f"eviction, {label}: routed on an evicted prefix {rate:.2%} of {checked} cache-routed requests "
-                  f"(hit rate {res['hit_rate']:.3f})", flush=True)
+            fig[f"evicted_after_pick_{label}"] = after
+            print(f"eviction, {label}: routed on a prefix evicted before the pick {stale / max(1, checked):.2%} of "
+                  f"{checked} cache-routed requests ({after} evicted after the pick, while queued; hit rate "
+                  f"{res['hit_rate']:.3f}, {res['failed']} failed)", flush=True)
 
         # Publishing cost, from the workers' own counters (over every phase so far).
         gw, url = gateway(redis_url=redis.url)
