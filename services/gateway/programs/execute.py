@@ -91,10 +91,6 @@ def _chars(value: Any) -> int:
     return sum(_chars(v) for v in value) if isinstance(value, list) else 0
 
 
-def _scoped(scope: str, name: str) -> str:
-    return f"{scope}.{name}" if scope else name
-
-
 class _Run:
     def __init__(self, program: Program, generate: Generate, on_variable, fork_hint: bool = True,
                  bounds: Bounds | None = None):
@@ -134,13 +130,13 @@ class _Run:
         fut = self._future(scope, name, index)
         if not fut.done():
             fut.set_result(value)
-        self.values[_scoped(scope, name)] = value
-        self.meta[_scoped(scope, name)] = meta
+        scoped = wire.scoped_name(scope, name)
+        self.values[scoped], self.meta[scoped] = value, meta
         self.defined_in.setdefault(scope, [])
         if name not in self.defined_in[scope]:
             self.defined_in[scope].append(name)
         if self.on_variable is not None:
-            await self.on_variable(_scoped(scope, name), value, meta)
+            await self.on_variable(scoped, value, meta)
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -254,8 +250,8 @@ class _Run:
             names, maybe = self.joins[id(node)]
             maybe = [m for m in maybe if all(m in self.defined_in.get(s, []) for s in scopes)]
             for name in names + maybe:
-                values = [self.values[_scoped(s, name)] for s in scopes]
-                await self._define(scope, name, values, [self.meta.get(_scoped(s, name)) for s in scopes])
+                values = [self.values[wire.scoped_name(s, name)] for s in scopes]
+                await self._define(scope, name, values, [self.meta.get(wire.scoped_name(s, name)) for s in scopes])
         else:
             for b in states:
                 self._append(st, b.since(b.fork_start))

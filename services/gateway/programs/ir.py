@@ -9,17 +9,12 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
+from lang_client.wire import IF_TRANSFORMS, IR_VERSION, apply_transforms
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-IR_VERSION = 1
-# Used when a role node carries no rendered text (the client normally sends its template's markers).
-CHATML_ROLES = {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ("system", "user", "assistant")}
 # A variable's or argument's name; a scope: "" (the main stream) or "f<fork id>.<branch>".
 Name = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$", max_length=128)]
 Scope = Annotated[str, Meta(pattern=r"^(|f\d+\.\d+)$")]
-# What an if may apply to the value before comparing (the tracer's `s["x"].strip().lower() == "yes"`).
-IF_TRANSFORMS = {"strip": str.strip, "lstrip": str.lstrip, "rstrip": str.rstrip, "lower": str.lower,
-                 "upper": str.upper, "casefold": str.casefold}
 
 
 # ---- the request's IR ----
@@ -37,7 +32,7 @@ class ArgOp(_Op, tag="arg"):
 
 class RoleBeginOp(_Op, tag="role_begin"):
     role: Literal["system", "user", "assistant"]
-    text: str | None = None  # the template's marker (default: ChatML's)
+    text: str | None = None  # the template's marker (the client sends its own; default: ChatML's)
 
 
 class RoleEndOp(_Op, tag="role_end"):
@@ -88,8 +83,7 @@ class Cond(Struct, kw_only=True, forbid_unknown_fields=True):
     scope: Scope = ""
     test: Literal["eq", "ne"]
     value: str
-    transforms: Annotated[list[Literal["strip", "lstrip", "rstrip", "lower", "upper", "casefold"]],
-                          Meta(max_length=8)] = []
+    transforms: Annotated[list[Literal[IF_TRANSFORMS]], Meta(max_length=8)] = []  # applied before comparing
 
 
 class IfOp(_Op, tag="if"):
@@ -134,6 +128,4 @@ class Program:
 
 
 def if_holds(cond: Cond, actual: Any) -> bool:
-    for name in cond.transforms:
-        actual = IF_TRANSFORMS[name](actual)
-    return (actual == cond.value) == (cond.test == "eq")
+    return (apply_transforms(actual, cond.transforms) == cond.value) == (cond.test == "eq")

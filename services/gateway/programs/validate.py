@@ -11,9 +11,10 @@ from typing import Any
 
 import msgspec
 
+from lang_client.chat_template import CHATML
 from msgspec.structs import replace
 
-from services.gateway.programs.ir import (CHATML_ROLES, IR_VERSION, ArgOp, ForkOp, GenOp, IfOp,
+from services.gateway.programs.ir import (IR_VERSION, ArgOp, ForkOp, GenOp, IfOp,
                                          JoinOp, Program, ProgramIR, ProgramLimits, RoleBeginOp, RoleEndOp,
                                          SelectOp, SetOp, TextOp, VarOp)
 from shared.errors import InvalidRequest
@@ -118,7 +119,7 @@ class _Validator:
 
     def op_role(self, n: RoleBeginOp | RoleEndOp, p, scope, depth, role):
         begin = isinstance(n, RoleBeginOp)
-        text = CHATML_ROLES[n.role][0 if begin else 1] if n.text is None else n.text
+        text = (CHATML.prefix if begin else CHATML.suffix)(n.role) if n.text is None else n.text
         self.add_text(text, p)
         if begin and role is not None:
             raise InvalidRequest(f"{p}: role {n.role!r} begins inside open role {role!r}", p)
