@@ -5,6 +5,7 @@ services/gateway/programs/validate.py turns the first into the second; execute.p
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
@@ -15,6 +16,8 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 # A variable's or argument's name; a scope: "" (the main stream) or "f<fork id>.<branch>".
 Name = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$", max_length=128)]
 Scope = Annotated[str, Meta(pattern=r"^(|f\d+\.\d+)$")]
+MAX_FORK_WIDTH = 64  # n of one fork
+MAX_CHOICES = 256    # choices of one select
 
 
 # ---- the request's IR ----
@@ -49,15 +52,15 @@ class GenOp(_Op, tag="gen"):
 
 
 class SelectOp(_Op, tag="select"):
-    choices: list[str]
+    choices: Annotated[list[str], Meta(min_length=1, max_length=MAX_CHOICES)]
     name: Name | None = None
-    temperature: Annotated[float, Meta(ge=0)] = 0.0
+    temperature: Annotated[float, Meta(ge=0, le=sys.float_info.max)] = 0.0  # finite
     method: Literal["token_length_normalized", "greedy_token_selection"] = "token_length_normalized"
 
 
 class ForkOp(_Op, tag="fork"):
     id: Annotated[int, Meta(ge=0)]
-    n: int
+    n: Annotated[int, Meta(ge=1, le=MAX_FORK_WIDTH)]
     branches: list[list[Op]]
 
 
@@ -75,7 +78,7 @@ class SetOp(_Op, tag="set"):
     """Exactly one of `value` (JSON data) and `parts` (text, var and arg nodes joined)."""
     name: Name
     value: Any = UNSET
-    parts: list[Op] | UnsetType = UNSET
+    parts: list[Union[TextOp, VarOp, ArgOp]] | UnsetType = UNSET
 
 
 class Cond(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -105,12 +108,10 @@ class ProgramIR(Struct, kw_only=True, forbid_unknown_fields=True):
 @dataclass(frozen=True)
 class ProgramLimits:
     max_nodes: int = 4096              # every node, branches included
-    max_fork_width: int = 64           # n of one fork
     max_total_tokens: int = 131072     # sum of max_new_tokens over all gens (default 128 each)
     max_depth: int = 8                 # fork nesting
     max_if_depth: int = 128            # if nesting (the tracer makes at most 64 branches on one path)
     max_text_chars: int = 1_000_000    # literal text, role markers, choices, grammars and bound args
-    max_choices: int = 256             # choices of one select
 
 
 # ---- the validated program ----
