@@ -7,7 +7,7 @@ the loop every few nodes."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from lang_client import wire
 from lang_client.choices import resolve_method
@@ -23,8 +23,9 @@ class ProgramError(RuntimeError):
     """A generate call inside the program failed."""
 
 
-class Bounds(Protocol):
-    """What a run may hold and ask for; each method raises (the caller's error) to refuse."""
+class Bounds:
+    """What a run may hold and ask for: anything, here; a subclass (limits.py's ProgramMeter) raises its
+    error from a method to refuse."""
 
     def add_text(self, chars: int) -> None:
         """`chars` more characters of text are about to be held (a stream, a message or a variable)."""
@@ -32,14 +33,6 @@ class Bounds(Protocol):
     def hold_prompt_tokens(self, tokens: int) -> None:
         """The calling task's next generate call needs at least `tokens` prompt tokens: hold them now,
         before its body is built (the call's own reservation replaces the hold)."""
-
-
-class _Unbounded:
-    def add_text(self, chars: int) -> None:
-        pass
-
-    def hold_prompt_tokens(self, tokens: int) -> None:
-        pass
 
 
 YIELD_EVERY = 64  # nodes a stream runs between two yields to the event loop
@@ -96,7 +89,7 @@ class _Run:
                  bounds: Bounds | None = None):
         self.reads, self.joins = program.reads, program.joins
         self.generate = generate
-        self.bounds = bounds or _Unbounded()
+        self.bounds = bounds or Bounds()
         self.steps = 0  # nodes run since the last yield to the loop
         self.on_variable = on_variable
         self.fork_hint = fork_hint
