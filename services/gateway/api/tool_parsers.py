@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from services.gateway.api.reasoning import partial_suffix
 
-PARSERS = ("hermes", "llama3")
 # Accepted spellings (SGLang's names for the same formats).
 ALIASES = {"hermes": "hermes", "qwen": "hermes", "qwen25": "hermes", "qwen3": "hermes",
            "llama3": "llama3", "llama3_json": "llama3", "llama": "llama3"}
