@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import socket
 import sys
 
@@ -126,16 +125,13 @@ async def _main(args: argparse.Namespace) -> None:
     workers = ",".join(w.address for w in state.router.workers)
     freeze_startup_heap()
     space_young_collections()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = event_loop.stop_on_signals()
     follower = None
     if args.listen_fd is not None:
         from services.gateway.pool import READY_PREFIX
 
         await state.router.wait_connected(30)  # ready means routable, as the launcher's READY
-        follower = loop.create_task(_follow_pool(state), name="pool-control")
+        follower = asyncio.get_running_loop().create_task(_follow_pool(state), name="pool-control")
         print(f"{READY_PREFIX}{args.host}:{args.port} process {args.process_index} of {args.gateway_processes}",
               flush=True)
     else:
