@@ -29,14 +29,7 @@ def validate_program(ir: Any, limits: ProgramLimits | None = None,
     which is also what keeps execution free of deadlocks."""
     limits = limits or ProgramLimits()
     if not isinstance(ir, ProgramIR):
-        try:
-            ir = msgspec.convert(ir, ProgramIR)
-        except msgspec.ValidationError as e:
-            text, _, at = str(e).partition(" - at `$")
-            param = "program" + at.rstrip("`")
-            if param.endswith(".op"):  # an unknown op, or one its list does not take (a set node's parts)
-                text = text.replace("Invalid value", "an op not allowed here:")
-            raise InvalidRequest(f"{param}: {text}", param) from None
+        ir = _decoded({"program": ir}).program
     if ir.version != IR_VERSION:
         raise InvalidRequest(f"unsupported program version {ir.version!r}; expected {IR_VERSION}", "program.version")
     bound = {key: str(value) for key, value in (args or {}).items()}  # typed by ProgramRequest
@@ -263,10 +256,18 @@ def gathered(defined_in: dict[str, list[str]], branch_scopes: list[str]) -> list
 
 def parse_program_request(body: Any, limits: ProgramLimits | None = None) -> tuple[Program, bool]:
     """Body of POST /v1/programs (as JSON data) -> (validated program, stream?)."""
+    req = _decoded(body)
+    return validate_program(req.program, limits, req.args), req.stream
+
+
+def _decoded(body: Any) -> Any:
+    """JSON data as the endpoint decodes its body (a ProgramRequest), refused with the endpoint's own
+    message and param (http/body.py's `invalid`)."""
     from services.gateway.api.models import ProgramRequest
+    from services.gateway.http.body import invalid
 
     try:
-        req = msgspec.convert(body, ProgramRequest)
+        return msgspec.convert(body, ProgramRequest)
     except msgspec.ValidationError as e:
-        raise InvalidRequest(f"request body: {e}") from None
-    return validate_program(req.program, limits, req.args), req.stream
+        err = invalid(e)
+        raise InvalidRequest(err.message, err.param) from None
