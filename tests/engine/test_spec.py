@@ -170,7 +170,6 @@ def test_acceptance_rule_keeps_the_target_distribution():
     ({"speculative_draft_model_path": "x"}, "needs --speculative-algorithm"),
     ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "x", "speculative_num_steps": 3,
       "speculative_num_draft_tokens": 6}, "num-steps + 1"),
-    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "x", "tp_size": 2}, "tp-size"),
 ])
 def test_bad_flags_are_refused(flags, message):
     assert message in spec_config_error(EngineConfig(**flags))
@@ -228,6 +227,42 @@ def test_ngram_under_tensor_parallelism_equals_plain(plain):
     finally:
         h.engine.stop()
     assert got[0]["ids"] == want[0]["ids"] and 0 < stats.accepted < stats.proposed
+
+
+def test_standalone_under_tensor_parallelism_equals_plain(plain, other_draft):
+    """TP=2 (gloo on the CPU): the draft is rank 0's alone (a single-rank runner, no ranks of its own); its
+    drafts reach the follower as the verification pass's proposals, a rejection's next input by set_token.
+    The tokens of spec off, and the very drafts and acceptances of STANDALONE at TP=1."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("TP=2 on the GPU needs 2 GPUs")
+    from shared.models import parallel
+
+    flags = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": other_draft,
+             "speculative_num_steps": 3}
+    assert spec_config_error(EngineConfig(tp_size=2, **flags)) is None  # refused before this worked
+    prompts = PROMPTS[:2]
+    want = run_all(plain, prompts, GREEDY)
+    results = []
+    for tp in (1, 2):
+        h = Harness(tp_size=tp, **flags)
+        try:
+            if tp == 2:
+                assert len(h.engine.runner.tp.procs) == 1 and h.engine.spec.runner.tp is None
+            got = run_all(h, prompts, GREEDY, return_logprob=True)
+            assert parallel.tp_size() == tp  # the draft's single-rank passes left the rank state as it was
+            stats = h.engine.spec.stats
+            results.append(([g["ids"] for g in got], stats.proposed, stats.accepted,
+                            [g["logprobs"] for g in got]))
+            draft = h.engine.spec
+            assert draft.allocator.available_size() == draft.allocator.total_size()
+        finally:
+            h.engine.stop()
+    (ids1, proposed1, accepted1, lps1), (ids2, proposed2, accepted2, lps2) = results
+    assert ids2 == ids1 == [w["ids"] for w in want]
+    assert (proposed2, accepted2) == (proposed1, accepted1) and 0 < accepted2 < proposed2
+    for a, b in zip(lps1, lps2):
+        assert [t for _, t in a] == [t for _, t in b]
+        assert all(math.isclose(x, y, abs_tol=1e-4) for (x, _), (y, _) in zip(a, b))
 
 
 def test_pd_decode_side_drafts_and_equals_plain(plain):
