@@ -109,6 +109,13 @@ def test_ngram_seeded_sampling_stops_and_logprobs_equal_plain(plain, ngram):
     stop_tok = want[0]["ids"][5]
     check_spec_equals_plain(plain, ngram, {**GREEDY, "stop_token_ids": [stop_tok], "repetition_penalty": 1.3,
                                            "min_new_tokens": 3}, prompts=PROMPTS[:1])
+    # A stop string inside an accepted run (the worker's detokenizer takes the accepted tokens one by one).
+    text = run_all(plain, PROMPTS[:1], GREEDY)[0]["text"]
+    for trim in (False, True):
+        want, _, _, accepted = check_spec_equals_plain(
+            plain, ngram, {**GREEDY, "stop": [text[len(text) // 2:len(text) // 2 + 3]], "no_stop_trim": trim},
+            prompts=PROMPTS[:1], stream=True)
+        assert want[0]["finish"]["type"] == "stop" and accepted > 0
 
 
 def test_ngram_with_grammar_equals_plain(plain, ngram):
@@ -139,6 +146,34 @@ def test_standalone_other_draft_rejects_and_still_equals_plain(plain, other_draf
     assert accepted < proposed
     draft = spec.engine.spec
     assert draft.allocator.available_size() == draft.allocator.total_size()
+
+
+def test_switch_from_overlapped_steps_to_drafting_equals_plain(plain):
+    """Above --speculative-disable-batch-size steps overlap (step N + 1 is launched before N is processed).
+    An abort brings the batch under it while a pass is in flight: the requests that draft now leave that
+    pass (their rows dropped, their KV forgotten) and verify from the right place: spec off's tokens."""
+    prompts = [[(7 * i + j) % 200 + 5 for j in range(12)] * 2 for i in range(5)]
+    sampling = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    want = run_all(plain, prompts[1:], sampling)
+    h = Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny-random",
+                speculative_disable_batch_size=4)
+    e, dropped = h.engine, []
+    process = e._process
+
+    def counting(batch, out, gone=frozenset()):
+        dropped.append(len(gone))
+        return process(batch, out, gone)
+    e._process = counting
+    rids = [h.submit(p, sampling=dict(sampling)) for p in prompts]
+    for _ in range(6):
+        e.step()
+    assert e.spec.stats.proposed == 0  # five running: no drafts, overlapped steps
+    e.abort(rids[0])
+    got = h.run(rids[1:])
+    assert [g["ids"] for g in got] == [w["ids"] for w in want]
+    assert sum(dropped) > 0 and e.spec.stats.accepted > 0
+    assert e.policy.is_idle() and h.free_tokens() == e.runner.max_total_tokens
+    assert e.spec.allocator.available_size() == e.spec.allocator.total_size()
 
 
 def test_acceptance_rule_keeps_the_target_distribution():
@@ -265,10 +300,13 @@ def test_standalone_under_tensor_parallelism_equals_plain(plain, other_draft):
         assert all(math.isclose(x, y, abs_tol=1e-4) for (x, _), (y, _) in zip(a, b))
 
 
-def test_pd_decode_side_drafts_and_equals_plain(plain):
+@pytest.mark.parametrize("flags", [
+    {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5},
+    {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "tiny-random"}])
+def test_pd_decode_side_drafts_and_equals_plain(plain, flags):
     """PD's decode side (its stages driven here without the transfer glue, as tests/pd/test_stages.py does):
     the prompt's pages come from the plain engine's tree, the first token from its output, and the decode
-    worker speculates on the rest."""
+    worker speculates on the rest (STANDALONE's draft computes the prompt itself: its pages are the target's)."""
     from shared.protocol import KvDone, Transfer
     from tests.pd.test_stages import decode_harness
 
@@ -278,7 +316,7 @@ def test_pd_decode_side_drafts_and_equals_plain(plain):
     match = plain.engine.cache.match_prefix(prompt)
     assert match.length == len(prompt)
     pages = plain.engine.runner.gather_kv(match.slots)
-    h, _ = decode_harness(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    h, _ = decode_harness(**flags)
     e = h.engine
     rid = h.submit(prompt, transfer=Transfer(role="decode", id="s1"), sampling=dict(sampling))
     e.step()
