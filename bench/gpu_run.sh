@@ -19,7 +19,8 @@ benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT 
   multiturn         bench.multiturn: conversations outgrowing a small GPU pool, host KV tier off then on
   programs          bench.workloads --ablations: the paper's workloads, radix / LPM / jump-forward / fork hint ablated
   fp8               GPU FP8 tests, then bench.fp8: FP8 / bf16 batch-1 step
-  spec              bench.reference_models (trained once a warm machine, ~7 min, in /tmp/refmodels), then bench.spec
+  spec              bench.reference_models (~7 min at its defaults, in /tmp/refmodels; REF_ARGS shortens it), then
+                    bench.spec in the time left
   2gpu              on 2 GPUs (nvidia-h100-x2), a first ARG of pd or tp:
                     `2gpu pd`: bench.pd, PD against unified workers
                     `2gpu tp`: GPU TP tests, then bench.tp: TP=2 / TP=1 batch-1 step
@@ -55,11 +56,13 @@ run() {
   local limit=$1 log=$2; shift 2
   timeout "$limit" "$@" 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/$log" | tail -"${TAIL:-25}"
 }
-# bench.spec after the reference models, in the same call unless they were trained in it (training leaves too little
-# of the call's 10 minutes: call again on the warm machine, which keeps /tmp/refmodels), in the time the call has left.
+# bench.spec after the reference models, in the time the call has left when that is enough (a warm machine keeps
+# /tmp/refmodels; the device releases an idle one in seconds, so one call had better do both: REF_ARGS, e.g.
+# "--target-minutes 2.5 --draft-minutes 0.6", shortens the training).
 spec_after() {
-  if grep -q "\] corpus: " "$OUT/reference_models.log"; then echo "gpu_run.sh spec: models trained; call again (warm)"
-  else run $(( 585 - SECONDS )) spec.log python3 -m bench.spec --models /tmp/refmodels --out "$OUT" "$@"; fi
+  local left=$(( 585 - SECONDS ))
+  if (( left < 240 )); then echo "gpu_run.sh spec: ${left}s left after training; call again (warm) for bench.spec"
+  else run $left spec.log python3 -m bench.spec --models /tmp/refmodels --out "$OUT" "$@"; fi
 }
 gpu_tests() { run "$1" "$2" python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/ -k "$3"; }
 
@@ -87,7 +90,7 @@ case $kind in
   fp8)
     gpu_tests 150 fp8_tests.log "quantization"
     run 400 fp8.log python3 -m bench.fp8 --out "$OUT" "$@" ;;
-  spec) run 540 reference_models.log python3 -m bench.reference_models --out /tmp/refmodels && spec_after "$@" ;;
+  spec) run 540 reference_models.log python3 -m bench.reference_models --out /tmp/refmodels ${REF_ARGS:-} && spec_after "$@" ;;
   2gpu)
     case ${1:-} in
       pd) shift

@@ -9,6 +9,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from lang_client.wire import IF_TRANSFORMS
+
 
 class Expr:
     def __add__(self, other: Any) -> "Concat":
@@ -224,9 +226,7 @@ class VarRef(Placeholder):
     __hash__ = Placeholder.__hash__
 
 
-# What a comparison may apply to a variable first (`s["x"].strip().lower() == "yes"`); the server applies the
-# same Python str methods before it compares (services/gateway/programs/ir.py IF_TRANSFORMS).
-IF_TRANSFORMS = ("strip", "lstrip", "rstrip", "lower", "upper", "casefold")
+# What a comparison may apply to a variable first: wire.IF_TRANSFORMS, which the server applies the same way.
 
 
 def _transform(method: str):

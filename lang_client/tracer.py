@@ -44,14 +44,10 @@ from lang_client.expr import (MARK_CLOSE, MARK_OPEN, MARKER_RE, ArgRef, Expr, Ge
 from lang_client.forks import ForkList
 from lang_client.roles import RoleShortcuts
 from lang_client.trace_rewrite import instrument
+from lang_client.wire import IR_VERSION, apply_transforms
 
-IR_VERSION = 1
 MAX_PATHS = 64           # runs of the Python function for one trace (outcomes of all branches)
 MAX_DECISIONS = 64       # branches on one path: past this it is a loop that only a generated value ends
-
-
-def scoped_name(scope: str, name: str) -> str:
-    return f"{scope}.{name}" if scope else name
 
 
 class _Trace:
@@ -89,7 +85,7 @@ class _Run:
         self.markers.append(ref)
         if key not in self.facts:
             if choices is not None:
-                self.facts[key] = ("in", frozenset(_apply(c, transforms) for c in choices))
+                self.facts[key] = ("in", frozenset(apply_transforms(c, transforms) for c in choices))
             else:
                 self.facts[key] = ("not", frozenset())
         return ref
@@ -101,7 +97,7 @@ class _Run:
                          transforms=ref.transforms + (method,), tracer_hook=self.branch, derive=self.derive)
         self.markers.append(derived)
         if key not in self.facts:
-            self.facts[key] = (("in", frozenset(_apply(c, derived.transforms) for c in ref.choices))
+            self.facts[key] = (("in", frozenset(apply_transforms(c, derived.transforms) for c in ref.choices))
                                if ref.choices is not None else ("not", frozenset()))
         return derived
 
@@ -182,12 +178,6 @@ class _Run:
         key = (tuple(self.decisions), self.forks_since_decision)
         self.forks_since_decision += 1
         return self.trace.fork_ids.setdefault(key, len(self.trace.fork_ids))
-
-
-def _apply(value: str, transforms: tuple[str, ...]) -> str:
-    for method in transforms:
-        value = getattr(str, method)(value)
-    return value
 
 
 class TracerState(RoleShortcuts):

@@ -1,5 +1,10 @@
-"""The /generate bodies a select and a fork warm-up send, defined once for the SDK's interpreter and the
-server's program executor (services/gateway/programs/execute.py imports this module; standard library only).
+"""What the SDK and the server's program executor (services/gateway/programs/) both read, defined once here
+(standard library only): the traced IR's version, scoped names and if transforms, and the /generate bodies
+a select and a fork warm-up send.
+
+A scoped name is "name" in the main stream, "<scope>.name" inside a fork branch (lang_client/tracer.py).
+An if node may apply these str methods, by name, to a variable before comparing it
+(`s["x"].strip().lower() == "yes"`).
 
 select = two requests: the prompt alone (max_new_tokens 0) to learn its token count, then one batch that
 scores `prompt + choice` for every choice from two tokens before the choice (the prompt's tail may merge with
@@ -9,6 +14,19 @@ fork warm-up = one prefill of the shared prefix before the branches start, so ea
 from __future__ import annotations
 
 from typing import Any
+
+IR_VERSION = 1
+IF_TRANSFORMS = ("strip", "lstrip", "rstrip", "lower", "upper", "casefold")
+
+
+def scoped_name(scope: str, name: str) -> str:
+    return f"{scope}.{name}" if scope else name
+
+
+def apply_transforms(value: str, transforms) -> str:
+    for method in transforms:  # names from IF_TRANSFORMS
+        value = getattr(str, method)(value)
+    return value
 
 
 def prefill_body(text: str) -> dict[str, Any]:

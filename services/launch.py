@@ -21,7 +21,6 @@ import importlib
 import logging
 import os
 import secrets
-import signal
 import sys
 
 from services.gateway.cli import add_gateway_args, gateway_args_to_argv
@@ -154,10 +153,7 @@ async def run(args: argparse.Namespace) -> int:
 
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=60.0, backoff_s=args.restart_backoff)
     slots = [WorkerSlot(name, cmd, policy) for name, cmd in worker_cmds(args)]
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = event_loop.stop_on_signals()
     runner, state, pool = None, None, None
     processes = getattr(args, "gateway_processes", None) or 1
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from typing import Any, Coroutine
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,14 @@ def run(main: Coroutine[Any, Any, Any]) -> Any:
     factory = loop_factory()
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event SIGINT and SIGTERM set: a service runs until it is set, then shuts down in order."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    return stop
 
 
 def current_loop_name() -> str:

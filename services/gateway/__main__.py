@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import socket
 import sys
 
@@ -17,7 +16,7 @@ from services.gateway.cli import add_gateway_args
 from services.gateway.api.limits import Limits
 from services.gateway.programs.limits import ProgramBudget
 from services.gateway.routing.router import Router
-from services.gateway.api.reasoning import resolve_reasoning_parser
+from services.gateway.api import reasoning
 from services.gateway.state import GatewayState
 from services.gateway.api.tool_parsers import resolve_parser
 from services.gateway.routing.worker_client import WorkerClient, parse_worker_list
@@ -70,11 +69,8 @@ async def start_gateway(args: argparse.Namespace) -> tuple[web.AppRunner, Gatewa
                for host, port in parse_worker_list(args.workers)] if args.workers else []
     if not workers and not args.redis_url:
         raise SystemExit("give --workers host:port[,...] or --redis-url to discover workers")
-    try:
-        tool_parser = resolve_parser(args.tool_call_parser, tokenizer.chat_template)
-        reasoning_parser = resolve_reasoning_parser(args.reasoning_parser)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    tool_parser = resolve_parser(args.tool_call_parser, tokenizer.chat_template)
+    reasoning_parser = reasoning.ALIASES.get(args.reasoning_parser)  # a flag's choice, or None
     policy = PrefixAffinityPolicy() if args.routing_policy == "prefix-affinity" else CacheAwarePolicy()
     state = GatewayState(tokenizer=tokenizer, served_model_name=args.served_model_name or args.model_path,
                          model_path=args.model_path, router=Router(workers, policy, args.pd_bypass_tokens),
@@ -126,16 +122,13 @@ async def _main(args: argparse.Namespace) -> None:
     workers = ",".join(w.address for w in state.router.workers)
     freeze_startup_heap()
     space_young_collections()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = event_loop.stop_on_signals()
     follower = None
     if args.listen_fd is not None:
         from services.gateway.pool import READY_PREFIX
 
         await state.router.wait_connected(30)  # ready means routable, as the launcher's READY
-        follower = loop.create_task(_follow_pool(state), name="pool-control")
+        follower = asyncio.get_running_loop().create_task(_follow_pool(state), name="pool-control")
         print(f"{READY_PREFIX}{args.host}:{args.port} process {args.process_index} of {args.gateway_processes}",
               flush=True)
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from services.gateway.api import reasoning, tool_parsers
 from services.gateway.api.limits import Limits
 from services.gateway.programs.limits import ProgramBudget
 
@@ -38,7 +39,7 @@ GATEWAY_FLAGS: tuple[tuple[str, dict], ...] = (
                       help="refuse unknown sampling parameters with 400 (default: accept, with a Warning header)")),
     ("--chat-template", dict(default=None,
                              help="a Jinja chat template file (.jinja) used instead of the tokenizer's own")),
-    ("--tool-call-parser", dict(default=None,
+    ("--tool-call-parser", dict(default=None, type=str.lower, choices=sorted(tool_parsers.ALIASES), metavar="NAME",
                                 help="format of tool calls in the model's output: hermes (Qwen, Hermes: "
                                      "<tool_call>) or llama3 (Llama 3.x JSON); default: detected from the chat "
                                      "template")),
@@ -47,7 +48,7 @@ GATEWAY_FLAGS: tuple[tuple[str, dict], ...] = (
                                       "each a whole gateway with its own worker connections; /metrics covers "
                                       "them all; for data-parallel stacks whose token rate one Python process "
                                       "cannot carry")),
-    ("--reasoning-parser", dict(default=None,
+    ("--reasoning-parser", dict(default=None, type=str.lower, choices=sorted(reasoning.ALIASES), metavar="NAME",
                                 help="split <think>...</think> into reasoning_content: qwen3, qwen3-thinking or "
                                      "deepseek-r1")),
 )

@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 from services.supervisor import RestartPolicy, WorkerSlot
+from shared import event_loop
 
 log = logging.getLogger("services.gateway.pool")
 
@@ -99,8 +100,6 @@ class GatewayPool:
 
 async def serve(args, argv: list[str]) -> int:
     """`python -m services.gateway --gateway-processes N ...`: the pool, until SIGINT/SIGTERM."""
-    import signal
-
     pool = GatewayPool(argv, args.gateway_processes, args.host, args.port)
     try:
         await pool.start()
@@ -108,10 +107,6 @@ async def serve(args, argv: list[str]) -> int:
         print(f"gateway failed to start: {e}", file=sys.stderr, flush=True)
         return 1
     print(f"gateway ready on http://{args.host}:{pool.port} ({pool.count} processes)", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await event_loop.stop_on_signals().wait()
     await pool.stop(args.drain_timeout + args.drain_grace + 10)
     return 0

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 import uuid
 
@@ -98,9 +97,7 @@ async def serve(args: argparse.Namespace) -> None:
     engine.start()
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     store = create_store(args.redis_url) if args.redis_url else None
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = event_loop.stop_on_signals()
 
     kv_events = kv_task = None
     if args.redis_url:

@@ -44,4 +44,4 @@ def test_worker_refuses_what_the_gateway_would(h, kw, words):
 
 def test_one_definition():
     gw = Limits()
-    assert (gw.max_n, gw.max_top_logprobs, gw.max_rid_len) == (limits.MAX_N, limits.MAX_TOP_LOGPROBS, limits.MAX_RID_LEN)
+    assert (gw.max_n, gw.max_top_logprobs) == (limits.MAX_N, limits.MAX_TOP_LOGPROBS)  # rids: models.py's MAX_RID_LEN

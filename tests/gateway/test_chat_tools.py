@@ -115,8 +115,17 @@ def test_parser_detected_from_the_template():
     assert resolve_parser(None, LLAMA_STYLE) == "llama3"
     assert resolve_parser(None, "{{ messages }}") is None
     assert resolve_parser("qwen25", None) == "hermes"
-    with pytest.raises(ValueError):
-        resolve_parser("nope", None)
+
+
+@pytest.mark.parametrize("flag", ["--tool-call-parser", "--reasoning-parser"])
+def test_unknown_parser_names_are_refused_by_the_flags(flag, capsys):
+    from services.gateway.__main__ import build_parser
+
+    args = build_parser().parse_args(["--model-path", "m", flag, "QWEN3"])  # any case
+    assert getattr(args, flag[2:].replace("-", "_")) == "qwen3"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model-path", "m", flag, "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["hermes", "llama3"])

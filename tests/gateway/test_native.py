@@ -390,6 +390,22 @@ def test_metrics_count_every_token_gap():
         assert line in text, line
 
 
+def test_host_tier_gauges_sum_the_workers():
+    """Each host-tier figure is its key summed over the workers; device hits are the hits less the host's."""
+    from services.gateway.http.metrics import GatewayMetrics
+
+    m = GatewayMetrics("m")
+    m.set_worker_stats([{"cache": {"host_hit_tokens": 30, "hit_tokens": 100, "bytes_h2d": 5, "load_latency_le": [0.1],
+                                   "load_latency_buckets": [1, 2]}, "hicache": {"host_used_tokens": 11}},
+                        {"cache": {"host_hit_tokens": 2, "hit_tokens": 10, "load_latency_buckets": [0, 4]},
+                         "hicache": {"host_used_tokens": 1, "host_total_tokens": 50}}])
+    text = m.render().decode()
+    for name, value in (("hicache_host_hit_tokens", 32), ("hicache_device_hit_tokens", 78), ("hicache_h2d_bytes", 5),
+                        ("hicache_host_used_tokens", 12), ("hicache_host_total_tokens", 50)):
+        assert f'sglang:{name}{{model_name="m"}} {value:.1f}' in text, name
+    assert 'sglang:hicache_load_seconds_bucket{le="+Inf",model_name="m"} 7.0' in text
+
+
 def test_the_in_flight_gauge_in_one_process_and_in_a_pool(monkeypatch, tmp_path):
     """Requests started and ended show in the next scrape; in a pool each start is in the shared files."""
     from services.gateway.http.metrics import GatewayMetrics

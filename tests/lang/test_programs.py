@@ -180,6 +180,11 @@ BAD = {
     "fork n mismatch": (lambda ir: fork_of(ir).update(n=2), None, "branches"),
     "empty choices": (lambda ir: next(n for n in ir["nodes"] if n["op"] == "select").update(choices=[]),
                       None, "choices"),
+    "too many choices": (lambda ir: next(n for n in ir["nodes"] if n["op"] == "select").update(choices=["x"] * 257),
+                         None, "choices"),
+    "fork too wide": (lambda ir: fork_of(ir).update(n=65, branches=[[]] * 65), None, ".n"),
+    "gen in set parts": (lambda ir: ir["nodes"].append({"op": "set", "name": "v", "parts": [{"op": "gen"}]}),
+                         None, "parts[0].op"),
     "bad name": (lambda ir: fork_of(ir)["branches"][0][5].update(name="a b"), None, "name"),
     "missing arg": (lambda ir: ir["nodes"].append({"op": "arg", "name": "who"}), None, "argument"),
     "n > 1": (lambda ir: fork_of(ir)["branches"][0][5]["sampling_params"].update(n=4), None, "one value"),
@@ -200,11 +205,9 @@ def test_limits_are_enforced_each_by_name():
     ir = good_ir()
     cases = {
         "max_nodes": (ProgramLimits(max_nodes=10), "nodes"),
-        "max_fork_width": (ProgramLimits(max_fork_width=2), "between 1 and 2"),
         "max_total_tokens": (ProgramLimits(max_total_tokens=200), "tokens"),
         "max_depth": (ProgramLimits(max_depth=0), "deeper"),
         "max_text_chars": (ProgramLimits(max_text_chars=100), "characters"),
-        "max_choices": (ProgramLimits(max_choices=1), "choices"),
     }
     for name, (limits, needle) in cases.items():
         with pytest.raises(InvalidRequest, match=needle):
@@ -389,7 +392,7 @@ def test_remote_refusal_is_a_400(backend):
 
     with pytest.raises(sgl.BackendError) as err:
         huge.run(backend=backend, remote=True)
-    assert err.value.status == 400 and "between 1 and 64" in str(err.value)
+    assert err.value.status == 400 and "<= 64" in str(err.value)
 
 
 def test_remote_batch(backend):

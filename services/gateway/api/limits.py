@@ -13,7 +13,6 @@ class Limits:
     max_n: int = shared_limits.MAX_N
     max_batch: int = 256
     max_top_logprobs: int = shared_limits.MAX_TOP_LOGPROBS  # the worker enforces the same numbers
-    max_rid_len: int = shared_limits.MAX_RID_LEN
     grammar_timeout_s: float = 5.0  # regex / JSON schema compile time allowed before a 400
     # None: a request without max_tokens may fill the remaining context (OpenAI chat semantics).
     default_chat_max_tokens: int | None = None

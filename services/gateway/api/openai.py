@@ -101,6 +101,17 @@ def _fan_out(state: "GatewayState", body: _OpenAIBody, prompts: list[Prompt], n:
     return job_id, reqs
 
 
+async def _answer(state: "GatewayState", request: web.Request, grammar_param: str | None, stream: bool,
+                  fmt: "_Format") -> web.StreamResponse:
+    """The job's requests, in the tenant's namespace, grammars checked: an SSE stream or one JSON answer."""
+    reqs = fmt.job.reqs
+    stamp_tenant(reqs, request_salt(request))
+    await check_grammars(state, reqs, param=grammar_param)
+    if stream:
+        return await stream_generation(request, state.dispatcher, reqs, fmt)
+    return json_response(fmt.response(await state.dispatcher.collect_many(reqs)))
+
+
 def _usage(job: Job, results: dict[int, GenerationResult]) -> dict:
     prompt = cached = 0
     for p_idx, prompt_in in enumerate(job.prompts):
@@ -132,14 +143,8 @@ async def completions(state: "GatewayState", request: web.Request) -> web.Stream
     job_id, reqs = _fan_out(state, body, prompts, n, max_tokens, "prompt", "max_tokens", "cmpl-",
                             extra_sampling=extra, extra_param=grammar_param, return_logprob=want_lp,
                             logprob_start_len=0 if (want_lp and echo) else -1, top_logprobs_num=top_k or 0)
-    stamp_tenant(reqs, request_salt(request))
-    await check_grammars(state, reqs, param=grammar_param)
     job = Job(job_id, prompts, n, reqs, include_usage)
-    fmt = _CompletionFormat(state, job, echo, want_lp)
-    if stream:
-        return await stream_generation(request, state.dispatcher, reqs, fmt)
-    results = await state.dispatcher.collect_many(reqs)
-    return json_response(fmt.response(results))
+    return await _answer(state, request, grammar_param, stream, _CompletionFormat(state, job, echo, want_lp))
 
 
 async def _parse_prompts(state: "GatewayState", prompt: str | list) -> list[Prompt]:
@@ -280,14 +285,8 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
     job_id, reqs = _fan_out(state, body, [prompt], n, max_tokens, "messages", max_param, "chatcmpl-",
                             extra_sampling=extra, extra_param=grammar_param, return_logprob=want_lp,
                             top_logprobs_num=top_k)
-    stamp_tenant(reqs, request_salt(request))
-    await check_grammars(state, reqs, param=grammar_param)
     job = Job(job_id, [prompt], n, reqs, include_usage)
-    fmt = _ChatFormat(state, job, want_lp, spec)
-    if stream:
-        return await stream_generation(request, state.dispatcher, reqs, fmt)
-    results = await state.dispatcher.collect_many(reqs)
-    return json_response(fmt.response(results))
+    return await _answer(state, request, grammar_param, stream, _ChatFormat(state, job, want_lp, spec))
 
 
 async def render_chat(state: "GatewayState", spec: ChatSpec) -> Prompt:

@@ -9,17 +9,9 @@ from __future__ import annotations
 START, END = "<think>", "</think>"
 # name -> (starts in reasoning unless the prompt closed the block, extra markers that end reasoning)
 KINDS = {"deepseek-r1": (True, ()), "qwen3": (False, ("<tool_call>",)), "qwen3-thinking": (True, ("<tool_call>",))}
+# --reasoning-parser's accepted spellings (the flag's choices, lower-cased) -> the kind.
 ALIASES = {"deepseek-r1": "deepseek-r1", "deepseek_r1": "deepseek-r1", "r1": "deepseek-r1",
            "qwen3": "qwen3", "qwen3-thinking": "qwen3-thinking", "qwen3_thinking": "qwen3-thinking"}
-
-
-def resolve_reasoning_parser(name: str | None) -> str | None:
-    if not name:
-        return None
-    key = ALIASES.get(name.lower())
-    if key is None:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose from {sorted(ALIASES)}")
-    return key
 
 
 def partial_suffix(text: str, *markers: str) -> int:

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.api.reasoning import partial_suffix
 
-PARSERS = ("hermes", "llama3")
-# Accepted spellings (SGLang's names for the same formats).
+# --tool-call-parser's accepted spellings (the flag's choices, lower-cased; SGLang's names for the same formats).
 ALIASES = {"hermes": "hermes", "qwen": "hermes", "qwen25": "hermes", "qwen3": "hermes",
            "llama3": "llama3", "llama3_json": "llama3", "llama": "llama3"}
 
@@ -26,18 +25,14 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI's `function.arguments`
     id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
 
-    def to_openai(self, index: int | None = None) -> dict:
-        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return out if index is None else {"index": index, **out}
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 def resolve_parser(name: str | None, chat_template: str | None) -> str | None:
-    """The parser asked for by name, else the one the chat template's own markup implies, else None."""
+    """The parser named (one of ALIASES), else the one the chat template's own markup implies, else None."""
     if name:
-        key = ALIASES.get(name.lower())
-        if key is None:
-            raise ValueError(f"unknown tool-call parser {name!r}; choose from {sorted(ALIASES)}")
-        return key
+        return ALIASES[name]
     template = chat_template or ""
     if "<tool_call>" in template:
         return "hermes"

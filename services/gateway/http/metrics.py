@@ -39,35 +39,30 @@ class HostTierGauges:
     """The workers' host KV tier (--enable-hierarchical-cache), summed over them: per-tier hit tokens, bytes moved
     each way, tier sizes, and the load-back latency histogram (as gauges: the workers' own counts)."""
 
-    FIGURES = {"hicache_host_hit_tokens": "Prompt tokens loaded back from the host KV tier",
-               "hicache_device_hit_tokens": "Prompt tokens found in the device KV pool",
-               "hicache_h2d_bytes": "KV bytes loaded from the host tier to the device",
-               "hicache_d2h_bytes": "KV bytes written from the device to the host tier",
-               "hicache_host_used_tokens": "Host tier slots in use",
-               "hicache_host_total_tokens": "Host tier size in tokens",
-               "hicache_load_seconds_sum": "Total seconds of host tier load-backs",
-               "hicache_load_seconds_count": "Host tier load-backs completed"}
+    # name -> (help, the section of the workers' info and its key summed into it)
+    FIGURES = {"hicache_host_hit_tokens": ("Prompt tokens loaded back from the host KV tier", "cache", "host_hit_tokens"),
+               "hicache_device_hit_tokens": ("Prompt tokens found in the device KV pool", "cache", "hit_tokens"),
+               "hicache_h2d_bytes": ("KV bytes loaded from the host tier to the device", "cache", "bytes_h2d"),
+               "hicache_d2h_bytes": ("KV bytes written from the device to the host tier", "cache", "bytes_d2h"),
+               "hicache_host_used_tokens": ("Host tier slots in use", "hicache", "host_used_tokens"),
+               "hicache_host_total_tokens": ("Host tier size in tokens", "hicache", "host_total_tokens"),
+               "hicache_load_seconds_sum": ("Total seconds of host tier load-backs", "cache", "load_seconds_sum"),
+               "hicache_load_seconds_count": ("Host tier load-backs completed", "cache", "load_seconds_count")}
 
     def __init__(self, gauge, registry, model_name: str):
-        self.gauges = {name: gauge(name, doc) for name, doc in self.FIGURES.items()}
+        self.gauges = {name: gauge(name, doc) for name, (doc, _, _) in self.FIGURES.items()}
         self.buckets = Gauge("sglang:hicache_load_seconds_bucket", "Host tier load-backs that took at most `le` s",
                              ["model_name", "le"], registry=registry, multiprocess_mode="livemostrecent")
         self.model_name = model_name
 
     def set(self, infos: list[dict]) -> None:
-        caches = [i.get("cache") or {} for i in infos]
-        tiers = [i["hicache"] for i in infos]
-        host_hits = sum(_num(c.get("host_hit_tokens")) for c in caches)
-        values = {"hicache_host_hit_tokens": host_hits,
-                  "hicache_device_hit_tokens": sum(_num(c.get("hit_tokens")) for c in caches) - host_hits,
-                  "hicache_h2d_bytes": sum(_num(c.get("bytes_h2d")) for c in caches),
-                  "hicache_d2h_bytes": sum(_num(c.get("bytes_d2h")) for c in caches),
-                  "hicache_host_used_tokens": sum(_num(t.get("host_used_tokens")) for t in tiers),
-                  "hicache_host_total_tokens": sum(_num(t.get("host_total_tokens")) for t in tiers),
-                  "hicache_load_seconds_sum": sum(_num(c.get("load_seconds_sum")) for c in caches),
-                  "hicache_load_seconds_count": sum(_num(c.get("load_seconds_count")) for c in caches)}
-        for name, value in values.items():
+        sections = {"cache": [i.get("cache") or {} for i in infos], "hicache": [i["hicache"] for i in infos]}
+        for name, (_, section, key) in self.FIGURES.items():
+            value = sum(_num(d.get(key)) for d in sections[section])
+            if name == "hicache_device_hit_tokens":  # a worker's hit_tokens count the host tier's too
+                value -= sum(_num(c.get("host_hit_tokens")) for c in sections["cache"])
             self.gauges[name].set(value)
+        caches = sections["cache"]
         bounds = [str(b) for b in caches[0].get("load_latency_le") or []] + ["+Inf"]
         counts = [0.0] * len(bounds)
         for c in caches:

@@ -7,7 +7,7 @@ the loop every few nodes."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from lang_client import wire
 from lang_client.choices import resolve_method
@@ -23,8 +23,9 @@ class ProgramError(RuntimeError):
     """A generate call inside the program failed."""
 
 
-class Bounds(Protocol):
-    """What a run may hold and ask for; each method raises (the caller's error) to refuse."""
+class Bounds:
+    """What a run may hold and ask for: anything, here; a subclass (limits.py's ProgramMeter) raises its
+    error from a method to refuse."""
 
     def add_text(self, chars: int) -> None:
         """`chars` more characters of text are about to be held (a stream, a message or a variable)."""
@@ -32,14 +33,6 @@ class Bounds(Protocol):
     def hold_prompt_tokens(self, tokens: int) -> None:
         """The calling task's next generate call needs at least `tokens` prompt tokens: hold them now,
         before its body is built (the call's own reservation replaces the hold)."""
-
-
-class _Unbounded:
-    def add_text(self, chars: int) -> None:
-        pass
-
-    def hold_prompt_tokens(self, tokens: int) -> None:
-        pass
 
 
 YIELD_EVERY = 64  # nodes a stream runs between two yields to the event loop
@@ -91,16 +84,12 @@ def _chars(value: Any) -> int:
     return sum(_chars(v) for v in value) if isinstance(value, list) else 0
 
 
-def _scoped(scope: str, name: str) -> str:
-    return f"{scope}.{name}" if scope else name
-
-
 class _Run:
     def __init__(self, program: Program, generate: Generate, on_variable, fork_hint: bool = True,
                  bounds: Bounds | None = None):
         self.reads, self.joins = program.reads, program.joins
         self.generate = generate
-        self.bounds = bounds or _Unbounded()
+        self.bounds = bounds or Bounds()
         self.steps = 0  # nodes run since the last yield to the loop
         self.on_variable = on_variable
         self.fork_hint = fork_hint
@@ -134,13 +123,13 @@ class _Run:
         fut = self._future(scope, name, index)
         if not fut.done():
             fut.set_result(value)
-        self.values[_scoped(scope, name)] = value
-        self.meta[_scoped(scope, name)] = meta
+        scoped = wire.scoped_name(scope, name)
+        self.values[scoped], self.meta[scoped] = value, meta
         self.defined_in.setdefault(scope, [])
         if name not in self.defined_in[scope]:
             self.defined_in[scope].append(name)
         if self.on_variable is not None:
-            await self.on_variable(_scoped(scope, name), value, meta)
+            await self.on_variable(scoped, value, meta)
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -254,8 +243,8 @@ class _Run:
             names, maybe = self.joins[id(node)]
             maybe = [m for m in maybe if all(m in self.defined_in.get(s, []) for s in scopes)]
             for name in names + maybe:
-                values = [self.values[_scoped(s, name)] for s in scopes]
-                await self._define(scope, name, values, [self.meta.get(_scoped(s, name)) for s in scopes])
+                values = [self.values[wire.scoped_name(s, name)] for s in scopes]
+                await self._define(scope, name, values, [self.meta.get(wire.scoped_name(s, name)) for s in scopes])
         else:
             for b in states:
                 self._append(st, b.since(b.fork_start))

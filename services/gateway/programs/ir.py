@@ -5,21 +5,19 @@ services/gateway/programs/validate.py turns the first into the second; execute.p
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
+from lang_client.wire import IF_TRANSFORMS, IR_VERSION, apply_transforms
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-IR_VERSION = 1
-# Used when a role node carries no rendered text (the client normally sends its template's markers).
-CHATML_ROLES = {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ("system", "user", "assistant")}
 # A variable's or argument's name; a scope: "" (the main stream) or "f<fork id>.<branch>".
 Name = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$", max_length=128)]
 Scope = Annotated[str, Meta(pattern=r"^(|f\d+\.\d+)$")]
-# What an if may apply to the value before comparing (the tracer's `s["x"].strip().lower() == "yes"`).
-IF_TRANSFORMS = {"strip": str.strip, "lstrip": str.lstrip, "rstrip": str.rstrip, "lower": str.lower,
-                 "upper": str.upper, "casefold": str.casefold}
+MAX_FORK_WIDTH = 64  # n of one fork
+MAX_CHOICES = 256    # choices of one select
 
 
 # ---- the request's IR ----
@@ -37,7 +35,7 @@ class ArgOp(_Op, tag="arg"):
 
 class RoleBeginOp(_Op, tag="role_begin"):
     role: Literal["system", "user", "assistant"]
-    text: str | None = None  # the template's marker (default: ChatML's)
+    text: str | None = None  # the template's marker (the client sends its own; default: ChatML's)
 
 
 class RoleEndOp(_Op, tag="role_end"):
@@ -54,15 +52,15 @@ class GenOp(_Op, tag="gen"):
 
 
 class SelectOp(_Op, tag="select"):
-    choices: list[str]
+    choices: Annotated[list[str], Meta(min_length=1, max_length=MAX_CHOICES)]
     name: Name | None = None
-    temperature: Annotated[float, Meta(ge=0)] = 0.0
+    temperature: Annotated[float, Meta(ge=0, le=sys.float_info.max)] = 0.0  # finite
     method: Literal["token_length_normalized", "greedy_token_selection"] = "token_length_normalized"
 
 
 class ForkOp(_Op, tag="fork"):
     id: Annotated[int, Meta(ge=0)]
-    n: int
+    n: Annotated[int, Meta(ge=1, le=MAX_FORK_WIDTH)]
     branches: list[list[Op]]
 
 
@@ -80,7 +78,7 @@ class SetOp(_Op, tag="set"):
     """Exactly one of `value` (JSON data) and `parts` (text, var and arg nodes joined)."""
     name: Name
     value: Any = UNSET
-    parts: list[Op] | UnsetType = UNSET
+    parts: list[Union[TextOp, VarOp, ArgOp]] | UnsetType = UNSET
 
 
 class Cond(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -88,8 +86,7 @@ class Cond(Struct, kw_only=True, forbid_unknown_fields=True):
     scope: Scope = ""
     test: Literal["eq", "ne"]
     value: str
-    transforms: Annotated[list[Literal["strip", "lstrip", "rstrip", "lower", "upper", "casefold"]],
-                          Meta(max_length=8)] = []
+    transforms: Annotated[list[Literal[IF_TRANSFORMS]], Meta(max_length=8)] = []  # applied before comparing
 
 
 class IfOp(_Op, tag="if"):
@@ -111,12 +108,10 @@ class ProgramIR(Struct, kw_only=True, forbid_unknown_fields=True):
 @dataclass(frozen=True)
 class ProgramLimits:
     max_nodes: int = 4096              # every node, branches included
-    max_fork_width: int = 64           # n of one fork
     max_total_tokens: int = 131072     # sum of max_new_tokens over all gens (default 128 each)
     max_depth: int = 8                 # fork nesting
     max_if_depth: int = 128            # if nesting (the tracer makes at most 64 branches on one path)
     max_text_chars: int = 1_000_000    # literal text, role markers, choices, grammars and bound args
-    max_choices: int = 256             # choices of one select
 
 
 # ---- the validated program ----
@@ -134,6 +129,4 @@ class Program:
 
 
 def if_holds(cond: Cond, actual: Any) -> bool:
-    for name in cond.transforms:
-        actual = IF_TRANSFORMS[name](actual)
-    return (actual == cond.value) == (cond.test == "eq")
+    return (apply_transforms(actual, cond.transforms) == cond.value) == (cond.test == "eq")

@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable, Iterator
 
 from services.gateway.http.errors import APIError
 from services.gateway.http.json_out import dumps
+from services.gateway.programs.execute import Bounds
 from shared.protocol import GenerateRequest
 
 # api/native.py generate_json's shape: a /generate body and the admission hook it calls before dispatch.
@@ -42,9 +43,8 @@ def _limit(message: str) -> APIError:
 ENCODE_STEP = 256 * 1024
 
 
-class ProgramMeter:
-    """One program run: wraps its generate calls, adding up what they cost, and bounds the text it holds
-    (the executor's Bounds)."""
+class ProgramMeter(Bounds):
+    """One program run: wraps its generate calls, adding up what they cost, and bounds the text it holds."""
 
     def __init__(self, budget: ProgramBudget):
         self.budget = budget

@@ -6,14 +6,14 @@ args bound, and side tables) is what execute.py runs.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import msgspec
 
+from lang_client.chat_template import CHATML
 from msgspec.structs import replace
 
-from services.gateway.programs.ir import (CHATML_ROLES, IR_VERSION, ArgOp, ForkOp, GenOp, IfOp,
+from services.gateway.programs.ir import (IR_VERSION, ArgOp, ForkOp, GenOp, IfOp,
                                          JoinOp, Program, ProgramIR, ProgramLimits, RoleBeginOp, RoleEndOp,
                                          SelectOp, SetOp, TextOp, VarOp)
 from shared.errors import InvalidRequest
@@ -29,14 +29,7 @@ def validate_program(ir: Any, limits: ProgramLimits | None = None,
     which is also what keeps execution free of deadlocks."""
     limits = limits or ProgramLimits()
     if not isinstance(ir, ProgramIR):
-        try:
-            ir = msgspec.convert(ir, ProgramIR)
-        except msgspec.ValidationError as e:
-            text, _, at = str(e).partition(" - at `$")
-            param = "program" + at.rstrip("`")
-            if param.endswith(".op"):
-                text = text.replace("Invalid value", "unknown op")
-            raise InvalidRequest(f"{param}: {text}", param) from None
+        ir = _decoded({"program": ir}).program
     if ir.version != IR_VERSION:
         raise InvalidRequest(f"unsupported program version {ir.version!r}; expected {IR_VERSION}", "program.version")
     bound = {key: str(value) for key, value in (args or {}).items()}  # typed by ProgramRequest
@@ -88,17 +81,13 @@ class _Validator:
         if name not in target:
             target.append(name)
 
-    def nodes(self, ops: list, path: str, scope: str, depth: int, role: str | None,
-              only: tuple[type, ...] | None = None) -> tuple[list, str | None]:
-        """Validate a node list; `only`: the ops allowed in it (a set node's parts), else every op."""
+    def nodes(self, ops: list, path: str, scope: str, depth: int, role: str | None) -> tuple[list, str | None]:
         out = []
         for i, node in enumerate(ops):
             p = f"{path}[{i}]"
             self.node_count += 1
             if self.node_count > self.limits.max_nodes:
                 raise InvalidRequest(f"program has more than {self.limits.max_nodes} nodes", p)
-            if only is not None and not isinstance(node, only):
-                raise InvalidRequest(f"{p} must be a text, var or arg node", f"{p}.op")
             if isinstance(node, IfOp) and i != len(ops) - 1:
                 raise InvalidRequest(f"{p}: an if node must be the last of its list (the rest of the stream "
                                      "belongs inside both arms)", p)
@@ -118,7 +107,7 @@ class _Validator:
 
     def op_role(self, n: RoleBeginOp | RoleEndOp, p, scope, depth, role):
         begin = isinstance(n, RoleBeginOp)
-        text = CHATML_ROLES[n.role][0 if begin else 1] if n.text is None else n.text
+        text = (CHATML.prefix if begin else CHATML.suffix)(n.role) if n.text is None else n.text
         self.add_text(text, p)
         if begin and role is not None:
             raise InvalidRequest(f"{p}: role {n.role!r} begins inside open role {role!r}", p)
@@ -144,20 +133,14 @@ class _Validator:
         return n, role
 
     def op_select(self, n: SelectOp, p, scope, depth, role):
-        if not n.choices or len(n.choices) > self.limits.max_choices:
-            raise InvalidRequest(f"{p}.choices must be 1 to {self.limits.max_choices} strings", f"{p}.choices")
         for c in n.choices:
             self.add_text(c, f"{p}.choices")
-        if not math.isfinite(n.temperature):
-            raise InvalidRequest(f"{p}.temperature must be a number >= 0", f"{p}.temperature")
         self.define(scope, n.name)
         return n, role
 
     def op_fork(self, n: ForkOp, p, scope, depth, role):
         if n.id in self.fork_ids:
             raise InvalidRequest(f"{p}.id must be an integer unique in the program", f"{p}.id")
-        if not 1 <= n.n <= self.limits.max_fork_width:
-            raise InvalidRequest(f"{p}.n must be between 1 and {self.limits.max_fork_width}", f"{p}.n")
         if len(n.branches) != n.n:
             raise InvalidRequest(f"{p}.branches must hold n={n.n} node lists", f"{p}.branches")
         if depth + 1 > self.limits.max_depth:
@@ -208,7 +191,7 @@ class _Validator:
         if (n.value is msgspec.UNSET) == (n.parts is msgspec.UNSET):
             raise InvalidRequest(f"{p} must have either a value or parts", p)
         if n.parts is not msgspec.UNSET:
-            parts, _ = self.nodes(n.parts, f"{p}.parts", scope, depth, role, only=(TextOp, VarOp, ArgOp))
+            parts, _ = self.nodes(n.parts, f"{p}.parts", scope, depth, role)
             self.define(scope, n.name)  # after its parts: `x = x + "!"` reads the previous x
             return replace(n, parts=parts), role
         try:
@@ -273,10 +256,18 @@ def gathered(defined_in: dict[str, list[str]], branch_scopes: list[str]) -> list
 
 def parse_program_request(body: Any, limits: ProgramLimits | None = None) -> tuple[Program, bool]:
     """Body of POST /v1/programs (as JSON data) -> (validated program, stream?)."""
+    req = _decoded(body)
+    return validate_program(req.program, limits, req.args), req.stream
+
+
+def _decoded(body: Any) -> Any:
+    """JSON data as the endpoint decodes its body (a ProgramRequest), refused with the endpoint's own
+    message and param (http/body.py's `invalid`)."""
     from services.gateway.api.models import ProgramRequest
+    from services.gateway.http.body import invalid
 
     try:
-        req = msgspec.convert(body, ProgramRequest)
+        return msgspec.convert(body, ProgramRequest)
     except msgspec.ValidationError as e:
-        raise InvalidRequest(f"request body: {e}") from None
-    return validate_program(req.program, limits, req.args), req.stream
+        err = invalid(e)
+        raise InvalidRequest(err.message, err.param) from None

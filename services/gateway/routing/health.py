@@ -97,17 +97,15 @@ class HealthMonitor:
             log.info("worker %s answers again", worker.address)
         worker.responsive = True
 
-    async def probe(self, worker: WorkerClient) -> bool:
+    async def probe(self, worker: WorkerClient) -> None:
         try:
-            info = await worker.info()
-            self.remember_info(worker, info)
+            self.remember_info(worker, await worker.info())
             async with asyncio.timeout(self.probe_timeout):
                 await self.tiny_generate(worker)
         except (WorkerUnavailable, TimeoutError, RuntimeError) as e:
             log.debug("probe of %s failed: %s", worker.address, e)
-            return False
+            return
         self.probed.add(worker.address)
-        return True
 
     def remember_info(self, worker: WorkerClient, info: dict) -> None:
         self.last_info[worker.address] = info

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Callable, NamedTuple, Protocol
 
 from services.gateway.http.errors import WorkerUnavailable
 from shared.protocol import (AbortRequest, FlushCacheRequest, FlushCacheResult, GenerateRequest, Hello, InfoRequest,
@@ -27,15 +27,11 @@ from shared.wire import encode_frame, read_message
 log = logging.getLogger(__name__)
 
 
-class Lost:
+class Lost(NamedTuple):
     """A stream's end without a result: the connection died (nothing to abort), or the worker went silent
     (`abort`: it may still hold the request)."""
-
-    __slots__ = ("reason", "abort")
-
-    def __init__(self, reason: str, abort: bool = False):
-        self.reason = reason
-        self.abort = abort
+    reason: str
+    abort: bool = False
 
 
 class Sink(Protocol):
