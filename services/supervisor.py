@@ -13,6 +13,7 @@ import asyncio
 import collections
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -34,9 +35,14 @@ class RestartPolicy:
     max_backoff_s: float = 10.0
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the launcher dies, however it dies (workers sit in their own
-    session, out of its group's reach)."""
+def _child_setup() -> None:
+    """In the child, before exec: a process group of its own (the terminal's Ctrl-C reaches the launcher
+    alone, which drains the stack in order), in the launcher's session: a session of its own would also be a
+    CPU scheduling group of its own (Linux autogroup), where the worker's event loop shares its engine
+    thread's share of the cores and, on a busy host, waits tens of ms behind it and the other services (the
+    KV events' lag: bench/kv_routing.py; uvloop's subprocess_exec takes no process_group). Then SIGTERM when
+    the launcher dies, however it dies (nothing sent to the launcher's group reaches the child)."""
+    os.setpgid(0, 0)
     die_with_parent(signal.SIGTERM)
 
 
@@ -71,9 +77,9 @@ class WorkerSlot:
         # Its progress bars and logs reach our stderr, each line prefixed with the worker's name.
         relay = PrefixedRelay(self.name)
         proc = await asyncio.create_subprocess_exec(*self.cmd(self.port), stdout=asyncio.subprocess.PIPE,
-                                                    stderr=relay.write_fd, start_new_session=True,
-                                                    preexec_fn=_die_with_parent, pass_fds=self.pass_fds,
-                                                    env=self.env, stdin=asyncio.subprocess.PIPE if self.control else None)
+                                                    stderr=relay.write_fd, preexec_fn=_child_setup,
+                                                    pass_fds=self.pass_fds, env=self.env,
+                                                    stdin=asyncio.subprocess.PIPE if self.control else None)
         relay.child_started()
         self.proc = proc
         try:

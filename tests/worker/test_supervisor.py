@@ -3,6 +3,7 @@ its port with backoff, and after --max-restarts exits within the window it stays
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 from services.supervisor import RestartPolicy, WorkerSlot
@@ -35,17 +36,21 @@ def test_restarts_with_backoff_then_stays_down():
 
 
 def test_stop_ends_supervision():
+    """And the worker ran in a process group of its own (out of the terminal's Ctrl-C) but in the launcher's
+    session: a session of its own would be a CPU scheduling group of its own too (autogroup)."""
     async def main():
         slot = WorkerSlot("unified-0", lambda port: [sys.executable, "-c",
                                                      "print('WORKER READY 127.0.0.1:40999 id=x', flush=True); "
                                                      "import time; time.sleep(60)"])
         await slot.start()
+        groups = os.getpgid(slot.proc.pid), os.getsid(slot.proc.pid)
         slot.watch()
         await slot.stop(10)
-        return slot
+        return slot, groups
 
-    slot = asyncio.run(main())
+    slot, (group, session) = asyncio.run(main())
     assert slot.proc.returncode is not None and slot._task.done()
+    assert group == slot.proc.pid != os.getpgid(0) and session == os.getsid(0)
 
 
 def test_a_worker_that_cannot_start_again_ends_down():
