@@ -47,11 +47,13 @@ def free_port() -> int:
 
 
 def spawn(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """A service, as services.launch starts one: in a process group of its own (`stop` kills the group) and
+    in this session, which is one CPU scheduling group (services/supervisor.py says why)."""
     # One compute thread per CPU worker, as one worker is one device: torch's default of one per core makes
     # 4 workers x 2 threads contend for 2 cores, and the lag's tail measured the contention, not the path.
     env = dict(os.environ, RADIXSERVE_INTERNAL_KEY=KEY, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env=env)
+                            text=True, process_group=0, env=env)
 
 
 def wait_line(proc: subprocess.Popen, prefix: str, timeout: float = 180) -> str:
@@ -68,7 +70,7 @@ def wait_line(proc: subprocess.Popen, prefix: str, timeout: float = 180) -> str:
 
 
 def stop(*procs: subprocess.Popen) -> None:
-    """SIGKILL to each live process's group (each runs in a session of its own), then reap it."""
+    """SIGKILL to each live process's group (each runs in a group of its own), then reap it."""
     for p in (p for p in procs if p.poll() is None):
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
