@@ -51,7 +51,9 @@ def tp_size() -> int:
 
 @contextlib.contextmanager
 def unsharded() -> Iterator[None]:
-    """Build full-size (single-rank) modules inside, e.g. to learn a checkpoint's full shapes."""
+    """Build full-size (single-rank) modules inside, e.g. to learn a checkpoint's full shapes, or a model of
+    rank 0's alone in a tensor-parallel process (STANDALONE's draft, shared/engine/spec/draft.py): layers take
+    their shards when built and run collectives only where they hold one, so such a model runs anywhere."""
     saved = (_state.rank, _state.size, _state.group)
     set_tp(0, 1)
     try:

@@ -109,6 +109,13 @@ def test_ngram_seeded_sampling_stops_and_logprobs_equal_plain(plain, ngram):
     stop_tok = want[0]["ids"][5]
     check_spec_equals_plain(plain, ngram, {**GREEDY, "stop_token_ids": [stop_tok], "repetition_penalty": 1.3,
                                            "min_new_tokens": 3}, prompts=PROMPTS[:1])
+    # A stop string inside an accepted run (the worker's detokenizer takes the accepted tokens one by one).
+    text = run_all(plain, PROMPTS[:1], GREEDY)[0]["text"]
+    for trim in (False, True):
+        want, _, _, accepted = check_spec_equals_plain(
+            plain, ngram, {**GREEDY, "stop": [text[len(text) // 2:len(text) // 2 + 3]], "no_stop_trim": trim},
+            prompts=PROMPTS[:1], stream=True)
+        assert want[0]["finish"]["type"] == "stop" and accepted > 0
 
 
 def test_ngram_with_grammar_equals_plain(plain, ngram):
@@ -141,6 +148,34 @@ def test_standalone_other_draft_rejects_and_still_equals_plain(plain, other_draf
     assert draft.allocator.available_size() == draft.allocator.total_size()
 
 
+def test_switch_from_overlapped_steps_to_drafting_equals_plain(plain):
+    """Above --speculative-disable-batch-size steps overlap (step N + 1 is launched before N is processed).
+    An abort brings the batch under it while a pass is in flight: the requests that draft now leave that
+    pass (their rows dropped, their KV forgotten) and verify from the right place: spec off's tokens."""
+    prompts = [[(7 * i + j) % 200 + 5 for j in range(12)] * 2 for i in range(5)]
+    sampling = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    want = run_all(plain, prompts[1:], sampling)
+    h = Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny-random",
+                speculative_disable_batch_size=4)
+    e, dropped = h.engine, []
+    process = e._process
+
+    def counting(batch, out, gone=frozenset()):
+        dropped.append(len(gone))
+        return process(batch, out, gone)
+    e._process = counting
+    rids = [h.submit(p, sampling=dict(sampling)) for p in prompts]
+    for _ in range(6):
+        e.step()
+    assert e.spec.stats.proposed == 0  # five running: no drafts, overlapped steps
+    e.abort(rids[0])
+    got = h.run(rids[1:])
+    assert [g["ids"] for g in got] == [w["ids"] for w in want]
+    assert sum(dropped) > 0 and e.spec.stats.accepted > 0
+    assert e.policy.is_idle() and h.free_tokens() == e.runner.max_total_tokens
+    assert e.spec.allocator.available_size() == e.spec.allocator.total_size()
+
+
 def test_acceptance_rule_keeps_the_target_distribution():
     """The verification rule on a 6-token vocabulary: a one-hot draft x is kept when the target's seeded
     sample equals it (probability p(x)); otherwise the sample stands, a draw from p without x renormalized.
@@ -170,7 +205,6 @@ def test_acceptance_rule_keeps_the_target_distribution():
     ({"speculative_draft_model_path": "x"}, "needs --speculative-algorithm"),
     ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "x", "speculative_num_steps": 3,
       "speculative_num_draft_tokens": 6}, "num-steps + 1"),
-    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "x", "tp_size": 2}, "tp-size"),
 ])
 def test_bad_flags_are_refused(flags, message):
     assert message in spec_config_error(EngineConfig(**flags))
@@ -230,10 +264,49 @@ def test_ngram_under_tensor_parallelism_equals_plain(plain):
     assert got[0]["ids"] == want[0]["ids"] and 0 < stats.accepted < stats.proposed
 
 
-def test_pd_decode_side_drafts_and_equals_plain(plain):
+def test_standalone_under_tensor_parallelism_equals_plain(plain, other_draft):
+    """TP=2 (gloo on the CPU): the draft is rank 0's alone (a single-rank runner, no ranks of its own); its
+    drafts reach the follower as the verification pass's proposals, a rejection's next input by set_token.
+    The tokens of spec off, and the very drafts and acceptances of STANDALONE at TP=1."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("TP=2 on the GPU needs 2 GPUs")
+    from shared.models import parallel
+
+    flags = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": other_draft,
+             "speculative_num_steps": 3}
+    assert spec_config_error(EngineConfig(tp_size=2, **flags)) is None  # refused before this worked
+    prompts = PROMPTS[:2]
+    want = run_all(plain, prompts, GREEDY)
+    results = []
+    for tp in (1, 2):
+        h = Harness(tp_size=tp, **flags)
+        try:
+            if tp == 2:
+                assert len(h.engine.runner.tp.procs) == 1 and h.engine.spec.runner.tp is None
+            got = run_all(h, prompts, GREEDY, return_logprob=True)
+            assert parallel.tp_size() == tp  # the draft's single-rank passes left the rank state as it was
+            stats = h.engine.spec.stats
+            results.append(([g["ids"] for g in got], stats.proposed, stats.accepted,
+                            [g["logprobs"] for g in got]))
+            draft = h.engine.spec
+            assert draft.allocator.available_size() == draft.allocator.total_size()
+        finally:
+            h.engine.stop()
+    (ids1, proposed1, accepted1, lps1), (ids2, proposed2, accepted2, lps2) = results
+    assert ids2 == ids1 == [w["ids"] for w in want]
+    assert (proposed2, accepted2) == (proposed1, accepted1) and 0 < accepted2 < proposed2
+    for a, b in zip(lps1, lps2):
+        assert [t for _, t in a] == [t for _, t in b]
+        assert all(math.isclose(x, y, abs_tol=1e-4) for (x, _), (y, _) in zip(a, b))
+
+
+@pytest.mark.parametrize("flags", [
+    {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5},
+    {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "tiny-random"}])
+def test_pd_decode_side_drafts_and_equals_plain(plain, flags):
     """PD's decode side (its stages driven here without the transfer glue, as tests/pd/test_stages.py does):
     the prompt's pages come from the plain engine's tree, the first token from its output, and the decode
-    worker speculates on the rest."""
+    worker speculates on the rest (STANDALONE's draft computes the prompt itself: its pages are the target's)."""
     from shared.protocol import KvDone, Transfer
     from tests.pd.test_stages import decode_harness
 
@@ -243,7 +316,7 @@ def test_pd_decode_side_drafts_and_equals_plain(plain):
     match = plain.engine.cache.match_prefix(prompt)
     assert match.length == len(prompt)
     pages = plain.engine.runner.gather_kv(match.slots)
-    h, _ = decode_harness(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    h, _ = decode_harness(**flags)
     e = h.engine
     rid = h.submit(prompt, transfer=Transfer(role="decode", id="s1"), sampling=dict(sampling))
     e.step()

@@ -46,8 +46,6 @@ def spec_config_error(config: EngineConfig) -> str | None:
     if algo == "STANDALONE":
         if draft is None:
             return "--speculative-algorithm STANDALONE needs --speculative-draft-model-path"
-        if config.tp_size > 1:
-            return "--speculative-algorithm STANDALONE does not run under --tp-size > 1 yet (NGRAM does)"
         steps, tokens = config.speculative_num_steps, config.speculative_num_draft_tokens
         if steps is not None and tokens is not None and tokens != steps + 1:
             return ("STANDALONE drafts a chain: --speculative-num-draft-tokens must be "

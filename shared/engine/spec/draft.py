@@ -6,7 +6,13 @@ A round, for the requests that draft: one extend pass over what each lacks in th
 first time, then the tokens the target confirmed since: its last sample and any draft not fed), which
 samples the first draft, then k - 1 decode passes, each reading the previous draft on the device; the host
 waits once, for all k. After verification the draft's KV past what the target kept is dropped. The draft's
-KV only shapes proposals: the target checks every one, so a stale draft costs acceptance, never output."""
+KV only shapes proposals: the target checks every one, so a stale draft costs acceptance, never output.
+
+Under tensor parallelism the draft is rank 0's alone: a single-rank runner on rank 0's device, built inside
+`unsharded()`, so it holds whole weights and no ranks of its own (its layers take their shards when built and
+run collectives only where they hold one: none). The followers never see it: its drafts reach them as the
+proposals of the verification pass rank 0 sends them, as NGRAM's do, and a rejected draft's correction of the
+next input goes with `set_last_token`."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,6 +27,7 @@ from shared.engine.forward_batch import ForwardMode
 from shared.engine.request import Req
 from shared.engine.schedule_batch import ScheduleBatch
 from shared.engine.spec import SpecConfigError, Speculator
+from shared.models.parallel import unsharded
 from shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -66,7 +73,8 @@ class DraftModelSpeculator(Speculator):
         if draft_tok.raw.get_vocab(with_added_tokens=True) != tokenizer.raw.get_vocab(with_added_tokens=True):
             raise SpecConfigError(f"the draft model {path!r} has a different tokenizer from the target's: "
                                   "speculation needs the same token ids on both")
-        self.runner = ModelRunner(draft_config(config, target))
+        with unsharded():
+            self.runner = ModelRunner(draft_config(config, target))
         if self.runner.vocab_size != target.vocab_size:
             raise SpecConfigError(f"the draft model's vocabulary ({self.runner.vocab_size}) differs from the "
                                   f"target's ({target.vocab_size})")
