@@ -81,9 +81,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     error = engine_flag_error(args)
     if error:
         p.error(error)
-    if args.enable_hierarchical_cache and max(args.prefill_tp_size or 1, args.decode_tp_size or 1) > 1:
-        p.error("--enable-hierarchical-cache is not supported with tensor parallelism (--prefill-tp-size / "
-                "--decode-tp-size > 1) yet")
     spec_error = spec_config_error(engine_config_from_args(args))
     if spec_error:
         p.error(spec_error)

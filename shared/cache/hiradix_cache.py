@@ -25,6 +25,9 @@ reaches them waits on the same load). poll(), once a scheduling round, finishes 
 nodes become device-resident and the requests waiting on them match them next round. A load that fails to start
 or outlives the timeout is abandoned: its nodes are host-only again, the requests recompute that prefix, and the
 device slots it was given return to the allocator once its copy has ended.
+
+Under tensor parallelism the tree lives on rank 0 only; `host` is then rank 0's LeaderHostKVPool, which has every
+copy made on the other ranks too, each in its own host pool of its KV heads (host_pool.py).
 """
 from __future__ import annotations
 
@@ -482,18 +485,20 @@ class _Copies:
         self.event, self.issued = None, False
 
 
-def tiered_cache(config, allocator: SlotAllocator, kv_pool) -> HiRadixCache:
-    """The engine's cache under --enable-hierarchical-cache: the host pool sized by the flags and the host's memory."""
+def tiered_cache(config, allocator: SlotAllocator, runner) -> HiRadixCache:
+    """The engine's cache under --enable-hierarchical-cache: the host pool (every tensor-parallel rank's, of its KV
+    heads: runner.host_kv_pool) sized by the flags, per rank as SGLang's, and the host's memory shared by the ranks."""
     from shared.cache.host_pool import HostTierError, available_host_bytes, host_pool_tokens
     from shared.engine.config import hicache_config_error
 
     error = hicache_config_error(config)
     if error:
         raise HostTierError(error)
-    bytes_per_token = HostKVPool.token_bytes(kv_pool)
+    bytes_per_token = HostKVPool.token_bytes(runner.kv_pool)
     tokens = host_pool_tokens(allocator.total_size(), bytes_per_token, config.hicache_ratio, config.hicache_size,
-                              available_host_bytes())
-    host = HostKVPool(kv_pool, tokens)
-    log.info("host KV tier: %d tokens (%.2f GiB, %s), device pool %d tokens", host.size_tokens(),
-             tokens * bytes_per_token / 2**30, config.hicache_write_policy, allocator.total_size())
+                              available_host_bytes(), config.tp_size)
+    host = runner.host_kv_pool(tokens)
+    log.info("host KV tier: %d tokens (%.2f GiB%s, %s), device pool %d tokens", host.size_tokens(),
+             tokens * bytes_per_token / 2**30, f" on each of {config.tp_size} ranks" if config.tp_size > 1 else "",
+             config.hicache_write_policy, allocator.total_size())
     return HiRadixCache(allocator, config.page_size, host, config.hicache_write_policy, config.hicache_load_timeout)

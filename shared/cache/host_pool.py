@@ -12,6 +12,10 @@ scattered); writes and loads have streams and buffers of their own. It ends with
 nothing here waits for the device. A transfer first waits (on the device) for the work queued on the compute
 stream so far: a write must read KV the queued passes compute, and a load must not overwrite slots a queued pass
 still touches. On the CPU the same copies run synchronously (no event: done on return).
+
+Under tensor parallelism every rank has a host pool of its own KV heads, of the same slots and size (the flags'
+sizes are per rank, as SGLang's); rank 0's tree decides every copy and each rank makes it for the same slots
+(LeaderHostKVPool on rank 0, FollowerHostTier on the others).
 """
 from __future__ import annotations
 
@@ -36,21 +40,24 @@ class HostTierError(ValueError):
 
 
 def host_pool_tokens(device_tokens: int, bytes_per_token: int, ratio: float, size_gb: float,
-                     available_bytes: int) -> int:
-    """Host slots for the tier: size_gb GB when > 0 (refused above 90% of the host's available memory), else
-    ratio × the device pool's tokens, capped at half the available memory (with a warning)."""
+                     available_bytes: int, ranks: int = 1) -> int:
+    """Host slots for the tier of one rank (bytes_per_token: its KV shard's; every one of `ranks` tensor-parallel
+    ranks on this host holds a pool of this size): size_gb GB a rank when > 0, as SGLang's --hicache-size (refused
+    when the ranks' pools together pass 90% of the host's available memory), else ratio × the device pool's
+    tokens, capped so that the ranks' pools together take at most half the available memory (with a warning)."""
+    each = f" a rank × {ranks} ranks" if ranks > 1 else ""
     if size_gb > 0:
         tokens = int(size_gb * 1e9) // bytes_per_token
-        if tokens * bytes_per_token > 0.9 * available_bytes:
-            raise HostTierError(f"--hicache-size {size_gb} GB is more than the host can pin: "
+        if ranks * tokens * bytes_per_token > 0.9 * available_bytes:
+            raise HostTierError(f"--hicache-size {size_gb} GB{each} is more than the host can pin: "
                                 f"{available_bytes / 2**30:.1f} GiB of memory is available")
     else:
         tokens = int(device_tokens * ratio)
-        cap = int(0.5 * available_bytes) // bytes_per_token
+        cap = int(0.5 * available_bytes) // ranks // bytes_per_token
         if tokens > cap:
-            log.warning("host KV tier: --hicache-ratio %s asks for %.1f GiB, capped at half the available host "
-                        "memory (%.1f GiB); set --hicache-size (GB) to choose", ratio,
-                        tokens * bytes_per_token / 2**30, cap * bytes_per_token / 2**30)
+            log.warning("host KV tier: --hicache-ratio %s asks for %.1f GiB%s, capped at half the available host "
+                        "memory (%.1f GiB%s); set --hicache-size (GB a rank) to choose", ratio,
+                        tokens * bytes_per_token / 2**30, each, cap * bytes_per_token / 2**30, each)
             tokens = cap
     if tokens <= 0:
         raise HostTierError(f"the host KV tier would hold no tokens (--hicache-ratio {ratio}, --hicache-size "
@@ -112,6 +119,16 @@ class HostKVPool:
     def load(self, host_slots: np.ndarray, device_slots: np.ndarray):
         """Copy host_slots back into the device pool at device_slots. Event or None, as write()."""
         return self._transfer("load", np.asarray(device_slots, np.int64), np.asarray(host_slots, np.int64))
+
+    def after(self, transfer: "Transfer") -> None:
+        """Work queued from now on, on the compute stream and on this pool's copy streams, runs after `transfer`
+        has ended: a wait on the device, not on the host (a tensor-parallel follower's side of rank 0 seeing its
+        copy complete; FollowerHostTier)."""
+        dev = self.device_pool.device
+        torch.cuda.current_stream(dev).wait_event(transfer.done)
+        for pair in self._streams.values():
+            for stream in pair:
+                stream.wait_event(transfer.done)
 
     def _transfer(self, direction: str, dslots: np.ndarray, hslots: np.ndarray):
         assert dslots.shape == hslots.shape, (dslots.shape, hslots.shape)
@@ -183,6 +200,79 @@ class Transfer:
         """Device time from its first copy's start to its end (it may include waits for the compute stream's
         queued work before its slots can be written)."""
         return self.started.elapsed_time(self.done) / 1e3
+
+
+class LeaderHostKVPool(HostKVPool):
+    """Rank 0's host pool under tensor parallelism. Every rank holds a host pool of its own KV heads with the same
+    slots; the tree (rank 0's alone) decides every copy, and each is ordered on the other ranks for the same slots
+    (FollowerHostTier): a write with rank 0's next command to them (its forward pass, mostly: `defer`), a load at
+    once (`send`), so that theirs overlap with rank 0's. Either way it reaches a rank in the same place among the
+    passes as on rank 0, and there waits for the compute stream's queued work as rank 0's does. On CUDA rank 0
+    acts on a copy once it sees its event complete (reuses the device slots a write read, admits the requests
+    whose prefix a load brought back, frees the slots of an abandoned load); seeing it orders the other ranks to
+    queue what comes next after their own copy (HostKVPool.after): a wait on their device, never on a host. On the
+    CPU every copy is done when it returns, on every rank in the order rank 0 made them."""
+
+    def __init__(self, device_pool: KVPool, num_tokens: int, defer, send):
+        super().__init__(device_pool, num_tokens)
+        self._defer, self._send = defer, send
+        self._seq = 0
+
+    def _transfer(self, direction: str, dslots: np.ndarray, hslots: np.ndarray):
+        transfer = super()._transfer(direction, dslots, hslots)
+        if dslots.shape[0] == 0:
+            return transfer
+        self._seq += 1
+        (self._send if direction == "load" else self._defer)(("host_copy", direction, self._seq, dslots, hslots))
+        return None if transfer is None else _Seen(transfer, self._seq, self._defer)
+
+
+class _Seen:
+    """One of rank 0's transfers under tensor parallelism: as the Transfer it wraps; once seen complete (query()
+    true, or synchronize()) it orders the other ranks to wait for theirs (once)."""
+    __slots__ = ("transfer", "seq", "defer")
+
+    def __init__(self, transfer: Transfer, seq: int, defer):
+        self.transfer, self.seq, self.defer = transfer, seq, defer
+
+    def query(self) -> bool:
+        if not self.transfer.query():
+            return False
+        self._seen()
+        return True
+
+    def synchronize(self) -> None:
+        self.transfer.synchronize()
+        self._seen()
+
+    def seconds(self) -> float:
+        return self.transfer.seconds()
+
+    def _seen(self) -> None:
+        if self.defer is not None:
+            self.defer(("host_done", self.seq))
+            self.defer = None
+
+
+class FollowerHostTier:
+    """A tensor-parallel rank > 0's host tier: rank 0's copies (LeaderHostKVPool's orders) on this rank's host pool
+    of its KV heads, at the slots rank 0 chose."""
+
+    def __init__(self, pool: HostKVPool):
+        self.pool = pool
+        self._pending: dict[int, Transfer] = {}  # rank 0's number of a copy -> ours, not seen complete here
+
+    def copy(self, direction: str, seq: int, dslots: np.ndarray, hslots: np.ndarray) -> None:
+        self._pending = {s: t for s, t in self._pending.items() if not t.query()}  # complete: nothing to wait for
+        transfer = self.pool.write(dslots, hslots) if direction == "write" else self.pool.load(hslots, dslots)
+        if transfer is not None:
+            self._pending[seq] = transfer
+
+    def done(self, seq: int) -> None:
+        """Rank 0 saw its copy `seq` complete: what this rank queues from now on comes after ours."""
+        transfer = self._pending.pop(seq, None)
+        if transfer is not None and not transfer.query():
+            self.pool.after(transfer)
 
 
 def _pin(t: torch.Tensor) -> None:

@@ -122,8 +122,9 @@ _HELP = {
     "disable_radix_cache": "no prefix reuse (the ablation)",
     "enable_hierarchical_cache": "a host-memory KV tier under the radix tree: KV evicted from the device pool moves "
                                  "to pinned host memory and is loaded back when a prompt reuses it",
-    "hicache_ratio": "host tier size as a multiple of the device KV pool's tokens",
-    "hicache_size": "host tier size in GB (overrides --hicache-ratio when > 0)",
+    "hicache_ratio": "host tier size as a multiple of the device KV pool's tokens (each tensor-parallel rank's "
+                     "host pool holds its own KV heads)",
+    "hicache_size": "host tier size in GB per tensor-parallel rank, as SGLang's (overrides --hicache-ratio when > 0)",
     "hicache_write_policy": "write_through: new KV is copied to the host as it is cached; write_back: when it is "
                             "evicted (eviction waits for the copy); write_through_selective: when first reused",
     "hicache_load_timeout": "seconds a load from the host tier may take before the prefix is recomputed instead",

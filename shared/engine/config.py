@@ -35,8 +35,6 @@ def hicache_config_error(config) -> str | None:
         return None
     if config.disable_radix_cache:
         return "--enable-hierarchical-cache needs the radix cache: drop --disable-radix-cache"
-    if config.tp_size > 1:
-        return "--enable-hierarchical-cache is not supported with tensor parallelism (--tp-size > 1) yet"
     if config.hicache_size < 0 or (config.hicache_size == 0 and config.hicache_ratio <= 0):
         return "the host KV tier needs --hicache-size > 0 (GB) or --hicache-ratio > 0"
     if config.hicache_load_timeout <= 0:
@@ -88,7 +86,8 @@ class EngineConfig:
     disable_radix_cache: bool = False
     # A host-memory KV tier under the radix tree (SGLang's HiCache flags; shared/cache/hiradix_cache.py): KV evicted
     # from the device pool moves to a host pool of hicache_ratio × its tokens (hicache_size GB instead when > 0) and
-    # comes back when a match reaches it. write_through: new KV is copied to the host as it enters the tree;
+    # comes back when a match reaches it. Both sizes are per tensor-parallel rank, as SGLang's: each rank holds a
+    # host pool of its own KV heads, of hicache_size GB (so tp_size × that in all). write_through: new KV is copied to the host as it enters the tree;
     # write_back: at eviction; write_through_selective: when a match first reuses it. A load-back not done within
     # hicache_load_timeout seconds is given up (the prefix is recomputed).
     enable_hierarchical_cache: bool = False

@@ -90,7 +90,12 @@ class Engine:
         if config.enable_hierarchical_cache:
             from shared.cache.hiradix_cache import tiered_cache
 
-            self.cache = tiered_cache(config, self.allocator, self.runner.kv_pool)
+            try:
+                self.cache = tiered_cache(config, self.allocator, self.runner)
+            except BaseException:
+                if self._owns_runner:
+                    self.runner.close()  # the other tensor-parallel ranks, if any
+                raise
         else:
             cache_cls = NoPrefixCache if config.disable_radix_cache else RadixCache
             self.cache = cache_cls(self.allocator, config.page_size)

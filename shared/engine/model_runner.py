@@ -566,8 +566,49 @@ class ModelRunner:
             self.token_buf[cmd[1]] = cmd[2]
         elif op in ("kv_gather", "kv_scatter"):
             self._follow_kv(op, cmd[1])
+        elif op == "batch":  # commands rank 0 deferred, then the one that sent them
+            for c in cmd[1]:
+                self.follow(c)
+        elif op == "host_copy":
+            self.host_tier.copy(*cmd[1:])
+        elif op == "host_done":
+            self.host_tier.done(cmd[1])
+        elif op == "host_pool":
+            self._follow_host_pool(cmd[1])
         else:
             raise ValueError(f"unknown tensor-parallel command {op!r}")
+
+    # ------------------------------------------------------------------ the host KV tier
+    def host_kv_pool(self, tokens: int):
+        """The host tier's pool (shared/cache/host_pool.py) of `tokens` slots of this rank's KV. Under tensor
+        parallelism every rank builds one of its own KV heads, the same size, and rank 0's pool orders each of its
+        copies on the others for the same slots (LeaderHostKVPool). Raises HostTierError where a rank cannot."""
+        from shared.cache.host_pool import HostKVPool, HostTierError, LeaderHostKVPool
+
+        if self.tp is None:
+            return HostKVPool(self.kv_pool, tokens)
+        from shared.models.parallel import all_reduce_min
+
+        self.tp.send(("host_pool", tokens))
+        pool = error = None
+        try:
+            pool = LeaderHostKVPool(self.kv_pool, tokens, self.tp.defer, self.tp.send)
+        except Exception as e:  # (every rank still takes part in the agreement below)
+            error = e
+        if not all_reduce_min(int(error is None), self.device):
+            raise error or HostTierError("a tensor-parallel rank could not set up its host KV tier (its log says why)")
+        return pool
+
+    def _follow_host_pool(self, tokens: int) -> None:
+        from shared.cache.host_pool import FollowerHostTier, HostKVPool
+        from shared.models.parallel import all_reduce_min
+
+        self.host_tier = None
+        try:
+            self.host_tier = FollowerHostTier(HostKVPool(self.kv_pool, tokens))
+        except Exception:
+            log.exception("host KV tier: this rank's pool of %d tokens could not be set up", tokens)
+        all_reduce_min(int(self.host_tier is not None), self.device)
 
     # ------------------------------------------------------------------ KV pages for PD (whole model)
     def kv_layout(self) -> list[int]:

@@ -4,7 +4,8 @@ Rank 0 is the worker process itself: it owns the network side, the scheduler, th
 sampling, exactly as with one device. Ranks 1..N-1 are followers it spawns (shared/engine/tp_follower.py):
 each holds its shard of the weights and of the KV heads, and repeats rank 0's device work. For every
 forward pass rank 0 sends them one small command over a pipe (the batch's inputs and slot writes), then
-one per logits computation and one before the sampled tokens are broadcast; so every rank launches the
+one per logits computation and one before the sampled tokens are broadcast (and the host KV tier's copies,
+shared/cache/host_pool.py, mostly riding along with the next of these); so every rank launches the
 same kernels and collectives in the same order, and every rank feeds the same token into the next step
 whatever the sampling needed (grammar masks, penalties, per-request seeds live on rank 0 only).
 
@@ -95,6 +96,7 @@ class TPLeader:
             self.procs.append(proc)
             self.conns.append(conn)
         self._closed = False
+        self._deferred: list[tuple] = []  # commands that go with the next one sent (defer)
         self._watchdog: threading.Thread | None = None
         try:
             # A rank that fails before the rendezvous would leave this one waiting: hear from each first.
@@ -125,9 +127,17 @@ class TPLeader:
         self._watchdog.start()
 
     def send(self, cmd: tuple) -> None:
+        """Send a command to every follower, after the deferred ones (in the same message)."""
+        if self._deferred:
+            cmd, self._deferred = ("batch", [*self._deferred, cmd]), []
         data = pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:
             conn.send_bytes(data)
+
+    def defer(self, cmd: tuple) -> None:
+        """Send a command with the next one (one message): for work the followers need only before whatever device
+        work rank 0 sends them next (the host KV tier's writes and the completions rank 0 saw; host_pool.py)."""
+        self._deferred.append(cmd)
 
     def _watch(self) -> None:
         """A dead follower leaves rank 0's next collective waiting forever: end the worker instead, so

@@ -164,22 +164,24 @@ def test_failed_load_falls_back_to_a_miss(monkeypatch):
     no_leak(alloc, cache)
 
 
+class Pending:
+    """A copy's event as on CUDA: complete once `done` is set."""
+    done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+    def seconds(self):
+        return 0.0
+
+
 def test_slow_load_is_abandoned_and_its_slots_freed_when_the_copy_ends():
     pool, alloc, cache, a = host_only()
 
-    class Pending:  # a copy that has not completed
-        done = False
-
-        def query(self):
-            return self.done
-
-        def synchronize(self):
-            self.done = True
-
-        def seconds(self):
-            return 0.001
-
-    event = Pending()
+    event = Pending()  # a copy that has not completed
     real = cache.host.load
     monkey_calls = []
 
@@ -215,6 +217,11 @@ def test_host_size_is_capped_by_available_memory():
     assert host_pool_tokens(100, 1000, 2.0, 1, 10**10) == 10**6  # GB wins over the ratio
     with pytest.raises(HostTierError, match="available"):
         host_pool_tokens(100, 1000, 2.0, 1, 10**8)  # an explicit size the host cannot hold is refused
+    # Tensor parallelism: the sizes are each rank's (its KV heads' bytes), the host's memory is shared by the ranks.
+    assert host_pool_tokens(100, 1000, 2.0, 0, 10**5, ranks=2) == 25
+    assert host_pool_tokens(100, 1000, 2.0, 1, 2 * 10**9) == 10**6
+    with pytest.raises(HostTierError, match="a rank × 2 ranks"):
+        host_pool_tokens(100, 1000, 2.0, 1, 2 * 10**9, ranks=2)
 
 
 def test_paged_tree_load_back():
@@ -272,6 +279,44 @@ def test_write_through_eviction_never_waits_for_a_copy():
     cache.poll()
     assert cache.host_allocator.used_size() == 0
     no_leak(alloc, cache)
+
+
+def test_tp_copies_are_ordered_on_every_rank_and_waited_for_on_the_device(monkeypatch):
+    """Rank 0's pool under tensor parallelism orders each copy on the other ranks (a write with the next command, a
+    load at once) and, once it has seen a copy complete, orders them to queue what follows after theirs (once); a
+    follower waits, on its device, only for a copy not already complete there."""
+    from shared.cache.host_pool import FollowerHostTier, LeaderHostKVPool
+
+    events = []
+
+    def pending(self, direction, d, h):
+        events.append(Pending())
+        return events[-1]
+
+    monkeypatch.setattr(HostKVPool, "_transfer", pending)
+    pool = KVPool(LAYERS, 1, 2, 32, 1, torch.float32, "cpu")
+    deferred, sent = [], []
+    host = LeaderHostKVPool(pool, 64, deferred.append, sent.append)
+    d, h = np.array([3, 4], np.int64), np.array([10, 11], np.int64)
+    write = host.write(d, h)
+    assert [o[:3] for o in deferred] == [("host_copy", "write", 1)] and not sent
+    assert not write.query() and len(deferred) == 1
+    events[0].done = True
+    assert write.query() and write.query() and deferred[1:] == [("host_done", 1)]  # once
+    load = host.load(h, np.array([7, 8], np.int64))
+    assert [o[:3] for o in sent] == [("host_copy", "load", 2)] and np.array_equal(sent[0][3], [7, 8])
+    load.synchronize()
+    assert deferred[2:] == [("host_done", 2)]
+
+    waited = []
+    follower = FollowerHostTier(HostKVPool(pool, 64))
+    monkeypatch.setattr(follower.pool, "after", waited.append)
+    for order in deferred[:1] + sent:
+        follower.copy(*order[1:])
+    events[-2].done = True  # the follower's write completed before rank 0 saw its own: nothing to wait for
+    follower.done(1)
+    follower.done(2)
+    assert waited == [events[-1]]
 
 
 @pytest.mark.gpu

@@ -13,12 +13,10 @@ def test_launcher_refuses_the_tier_without_the_radix_cache(capsys):
     with pytest.raises(SystemExit):
         launch.parse_args(["--enable-hierarchical-cache", "--disable-radix-cache"])
     assert "--enable-hierarchical-cache needs the radix cache" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        launch.parse_args(["--enable-hierarchical-cache", "--topology", "pd", "--decode-tp-size", "2"])
-    assert "tensor parallelism" in capsys.readouterr().err
-    args = launch.parse_args(["--enable-hierarchical-cache", "--hicache-write-policy", "write_back"])
-    argv = launch.engine_args_to_argv(args)  # what the workers are started with
+    args = launch.parse_args(["--enable-hierarchical-cache", "--hicache-write-policy", "write_back", "--tp-size", "2"])
+    argv = launch.engine_args_to_argv(args)  # what the workers are started with (each rank has its host pool)
     assert "--enable-hierarchical-cache" in argv and argv[argv.index("--hicache-write-policy") + 1] == "write_back"
+    assert argv[argv.index("--tp-size") + 1] == "2"
 
 
 @pytest.mark.e2e

@@ -2,6 +2,7 @@
 import random
 
 import pytest
+import torch
 
 from shared.cache.host_pool import HostTierError
 from shared.engine.cli import engine_flag_error
@@ -28,6 +29,24 @@ def test_resent_prompt_is_served_from_host_on_cuda(policy):
     resent_prompt_is_served_from_host(device="cuda", hicache_write_policy=policy)
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_tp_ranks_each_serve_their_shard_from_host(policy):
+    """Tensor parallelism (2 ranks over gloo): each rank keeps its KV heads in a host pool of its own and makes rank
+    0's copies at the same slots (write-back's at eviction, before the pass that reuses the slots); the output is
+    the single-rank, tier-off engine's."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("TP=2 on the GPU needs 2 GPUs")
+    resent_prompt_is_served_from_host(tp_size=2, hicache_write_policy=policy)
+    if policy != "write_through":
+        return
+    with pytest.raises(HostTierError, match="a rank × 2 ranks"):  # the sizes are per rank: the ranks' sum is checked
+        Engine(EngineConfig(dtype="float32", max_total_tokens=POOL, enable_hierarchical_cache=True, tp_size=2,
+                            hicache_size=10**6), tokenizer(), lambda outs: None)
+    from shared.models import parallel
+
+    assert parallel.tp_size() == 1  # the refused engine's other rank was stopped with it
+
+
 def resent_prompt_is_served_from_host(**cfg):
     ps = prompts()
     greedy = {"sampling": {"max_new_tokens": 4, "temperature": 0.0}}
@@ -35,6 +54,13 @@ def resent_prompt_is_served_from_host(**cfg):
     want = [ref.generate(p, **greedy)["ids"] for p in ps + ps[:1]]
 
     h = Harness(max_total_tokens=POOL, enable_hierarchical_cache=True, hicache_ratio=4.0, **cfg)
+    try:
+        check_served_from_host(h, ps, greedy, want, h.engine.runner.device.type == "cuda")
+    finally:
+        h.engine.stop()
+
+
+def check_served_from_host(h, ps, greedy, want, cuda):
     got = [h.generate(p, **greedy) for p in ps]  # the first prompt's KV is evicted from the device to the host
     stats = h.engine.cache.stats()
     assert stats["host_hit_tokens"] == 0
@@ -43,7 +69,7 @@ def resent_prompt_is_served_from_host(**cfg):
     assert stats["host_hit_tokens"] >= 90 and stats["bytes_h2d"] > 0 and stats["bytes_d2h"] > 0
     assert again["cached"] >= 90  # counted as a prefix hit at admission
     assert [r["ids"] for r in got] + [again["ids"]] == want
-    if cfg.get("device") != "cuda":
+    if not cuda:
         load_in_flight(h, ps, greedy, want[-1])
     info = h.engine.info()["hicache"]
     assert info["host_total_tokens"] == 4 * POOL and info["device_total_tokens"] == POOL
@@ -100,7 +126,7 @@ def load_in_flight(h, ps, greedy, want):
 def test_flags_that_cannot_work_are_refused():
     bad = EngineConfig(enable_hierarchical_cache=True, disable_radix_cache=True)
     assert "disable-radix-cache" in engine_flag_error(bad)
-    assert "tensor parallelism" in engine_flag_error(EngineConfig(enable_hierarchical_cache=True, tp_size=2))
+    assert engine_flag_error(EngineConfig(enable_hierarchical_cache=True, tp_size=2)) is None
     assert engine_flag_error(EngineConfig(enable_hierarchical_cache=True, hicache_ratio=0)) is not None
     assert engine_flag_error(EngineConfig(enable_hierarchical_cache=True)) is None
     with pytest.raises(HostTierError, match="disable-radix-cache"):
