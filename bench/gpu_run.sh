@@ -7,7 +7,7 @@ usage: bash bench/gpu_run.sh KIND [ARGS...]     (device tool, carry [".whl"] aft
 Each kind fits one 10-minute call on a fresh machine, its kernel compiles included. ARGS go to the kind's
 benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT (default /tmp/out).
 
-  tests [EXPR]      GPU tests:  pytest -m gpu tests/ -k EXPR (default "not interpreted"), each test named
+  tests             GPU tests:  pytest -m gpu tests/ -k EXPR, a first ARG (default "not interpreted"), each named
   offline           bench.offline: batch-1 step, 256 x (512,128), prefill, radix zero-reuse (8 on/off pairs)
   kernels           bench.kernels: each kernel against eager torch / SDPA and the measured ceilings; then
                     bench.hicache: the host KV tier's load-back against a pinned host-to-device copy
