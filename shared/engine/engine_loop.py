@@ -734,9 +734,11 @@ class Engine:
             if not g.try_accept(t):
                 break
             n += 1
+        self.spec.stats.grammar_cut += len(drafts) - n
         if n == 0:
             return []
-        g.fill_bitmask(masks, n)
+        if not g.is_terminated():  # after a stop token the request ends: that row's sample is never taken
+            g.fill_bitmask(masks, n)
         req.proposal_masks = masks[:n + 1]
         return drafts[:n]
 

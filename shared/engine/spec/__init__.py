@@ -69,10 +69,12 @@ class SpecStats:
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # of them, kept
     verifications: int = 0  # request-rows of verification passes (each yields accepted + 1 tokens)
+    grammar_cut: int = 0  # drafts of constrained requests cut before verification: their grammar refused them
 
     def as_dict(self) -> dict:
         v = self.verifications
         return {"proposed": self.proposed, "accepted": self.accepted, "verifications": v,
+                "grammar_cut": self.grammar_cut,
                 "accept_rate": round(self.accepted / self.proposed, 6) if self.proposed else 0.0,
                 # SGLang's accept length: tokens gained a verification, the target's own one included.
                 "mean_accept_length": round((self.accepted + v) / v, 6) if v else 0.0}
