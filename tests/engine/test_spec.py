@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -328,3 +329,71 @@ def test_pd_decode_side_drafts_and_equals_plain(plain, flags):
     got = h.run([rid])[0]
     assert got["ids"] == want["ids"] and e.spec.stats.verifications > 0
     assert e.policy.is_idle() and h.free_tokens() == e.runner.max_total_tokens
+
+
+def test_standalone_with_grammar_drafts_only_what_it_allows(plain):
+    """The draft model's argmax is taken over the tokens the grammar allows at each draft step (its matcher
+    advanced over the drafts, rolled back after): a draft equal to the target proposes exactly the target's
+    constrained tokens, so nothing is cut before verification and every draft is accepted. JSON schema and
+    regex; the engine's jump-forward on (forced runs), as by default."""
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                         "required": ["a", "b"]})
+    regex = r"(ab|ba| )+x[0-9]{2}"
+    spec = Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny-random",
+                   speculative_num_steps=3)
+    stats = spec.engine.spec.stats
+    prompt = tokenizer().encode("abab abab abab")
+    draft = spec.engine.spec
+    propose, rounds = draft.propose, []
+
+    def grammar_states(reqs):
+        def allowed(g):
+            mask = torch.full((1, g.mask_words), -1, dtype=torch.int32)
+            g.fill_bitmask(mask, 0)
+            return mask.tolist()
+        return [(r.grammar.num_accepted, r.grammar.is_terminated() or allowed(r.grammar)) for r in reqs]
+
+    def checked_propose(reqs, budgets):  # each request's matcher exactly as it was after a round
+        before = grammar_states(reqs)
+        drafts = propose(reqs, budgets)
+        assert grammar_states(reqs) == before
+        rounds.append(len(reqs))
+        return drafts
+
+    draft.propose = checked_propose
+    for key, value, check in (("json_schema", schema, lambda t: set(json.loads(t)) == {"a", "b"}),
+                              ("regex", regex, lambda t: re.fullmatch(regex, t) is not None)):
+        cut0, proposed, accepted = stats.grammar_cut, stats.proposed, stats.accepted
+        # Compared directly, not by check_spec_equals_plain: a request the grammar ends (its stop token) leaves
+        # one token more in the radix tree than that check expects, with speculation off as well.
+        sampling = {"temperature": 0, "max_new_tokens": 24, key: value}
+        want = run_all(plain, [prompt, PROMPTS[1]], sampling)
+        got = run_all(spec, [prompt, PROMPTS[1]], sampling)
+        assert [(g["ids"], g["text"], g["finish"], g["error"]) for g in got] == \
+            [(w["ids"], w["text"], w["finish"], None) for w in want]
+        proposed, accepted = stats.proposed - proposed, stats.accepted - accepted
+        for g in got:
+            if g["finish"]["type"] == "stop":  # the grammar ended it: the output is a full match
+                assert check(g["text"]), g["text"]
+        assert proposed > 0 and accepted == proposed
+        assert stats.grammar_cut == cut0  # no draft the grammar refuses was proposed
+    assert want[0]["finish"]["type"] == "stop"  # a draft run may end at the grammar's stop token
+    assert spec.engine.info()["speculative"]["grammar_cut"] == 0 and rounds
+    assert draft.allocator.available_size() == draft.allocator.total_size()
+    assert spec.engine.runner.req_pool.available() == spec.engine.config.max_running_requests
+
+
+def test_standalone_other_draft_mixed_grammar_batch_equals_plain(plain, other_draft):
+    # Constrained and unconstrained requests draft in the same passes (the unconstrained rows unmasked), with a
+    # draft that is often wrong: rejections, but no draft the grammar refuses.
+    spec = Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path=other_draft,
+                   speculative_num_steps=3)
+    jobs = [(tokenizer().encode("abab abab abab"), {"temperature": 0, "max_new_tokens": 16, "regex": "(ab|ba| )+"}),
+            (PROMPTS[0], GREEDY)]
+
+    def outputs(h):
+        return h.run([h.submit(p, sampling=dict(s)) for p, s in jobs])
+
+    assert [g["ids"] for g in outputs(spec)] == [w["ids"] for w in outputs(plain)]
+    stats = spec.engine.spec.stats
+    assert 0 < stats.accepted < stats.proposed and stats.grammar_cut == 0

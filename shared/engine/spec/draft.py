@@ -5,8 +5,11 @@ greedily, from its own KV pool (as many tokens as the target's) and request tabl
 A round, for the requests that draft: one extend pass over what each lacks in the draft's KV (the prompt the
 first time, then the tokens the target confirmed since: its last sample and any draft not fed), which
 samples the first draft, then k - 1 decode passes, each reading the previous draft on the device; the host
-waits once, for all k. After verification the draft's KV past what the target kept is dropped. The draft's
-KV only shapes proposals: the target checks every one, so a stale draft costs acceptance, never output.
+waits once, for all k. A constrained request drafts under its grammar: its matcher masks each pass's
+sampling (the runner's grammar masks, as for the target) and takes each draft, rolled back after the round; a
+round with grammars waits once a pass instead, filling the next mask while that pass's forward runs. After
+verification the draft's KV past what the target kept is dropped. The draft's KV only shapes proposals:
+the target checks every one, so a stale draft costs acceptance, never output.
 
 Under tensor parallelism the draft is rank 0's alone: a single-rank runner on rank 0's device, built inside
 `unsharded()`, so it holds whole weights and no ranks of its own (its layers take their shards when built and
@@ -144,7 +147,33 @@ class DraftModelSpeculator(Speculator):
         slots = self.allocator.alloc(sum(map(len, news)) + sum(k - 1 for k in ks))
         if slots is None:  # the draft's pool is full: no drafts this round
             return drafts
-        slots = slots.tolist()
+        # Constrained requests draft under their grammar: the shadow row carries the request's matcher, so the
+        # draft runner masks its sampling as the target's does, and the matcher takes each draft (rolled back
+        # after the round, leaving it exactly as it was).
+        grammars = [req.grammar if req.grammar is not None and not req.grammar.failed
+                    and not req.grammar.is_terminated() else None for req in (reqs[m] for m in which)]
+        constrained = any(g is not None for g in grammars)
+        taken = [0] * len(rows)
+        for st, g in zip(rows, grammars):
+            st.shadow.grammar = g
+        try:
+            raw, keep = self._run_round(rows, news, ks, slots.tolist(), grammars if constrained else None, taken)
+        finally:
+            for st, g, n in zip(rows, grammars, taken):
+                st.shadow.grammar = None
+                if n:
+                    g.rollback(n)
+        for r, (st, m) in enumerate(zip(rows, which)):
+            st.ids.extend(raw[r][:st.fed])  # the fed drafts' KV
+            drafts[m] = raw[r][:keep[r]]
+        return drafts
+
+    def _run_round(self, rows: list[_DraftRow], news: list[list[int]], ks: list[int], slots: list[int],
+                   grammars: list | None, taken: list[int]) -> tuple[list[list[int]], list[int]]:
+        """The round's passes. Returns each row's drafts as sampled and how many of them to propose (fewer
+        than asked where the grammar ended or refused). Unconstrained (`grammars` None), the host waits once,
+        for all passes; constrained, once a pass: pass s's mask needs the draft of pass s - 1 taken by the
+        matcher, which is done while the device runs pass s's forward (its sampling waits for the mask)."""
         used = 0
         for st, new in zip(rows, news):
             st.shadow.slots.extend(slots[used:used + len(new)])
@@ -155,35 +184,59 @@ class DraftModelSpeculator(Speculator):
                               [True] * len(rows), [t for x in news for t in x],
                               torch.tensor(slots[:used], dtype=torch.int64))
         handles = [self.runner.launch(batch)]
+        members = [list(range(len(rows)))]  # the rows of each pass, in order
         for st, new in zip(rows, news):
             st.shadow.kv_len += len(new)
             st.ids.extend(new)
+        keep = list(ks)
+        outs: list = []
+
+        def settle() -> None:  # the next pass's results; the matchers take their drafts
+            p = len(outs)
+            out = handles[p].resolve()
+            outs.append(out)
+            for i, r in enumerate(members[p]):
+                g = grammars[r] if grammars is not None else None
+                if g is None or keep[r] <= p:
+                    continue
+                if not g.try_accept(out.next_token_ids[i]):
+                    keep[r] = p  # unreachable under the mask; a refused draft is never proposed
+                    continue
+                taken[r] += 1
+                if g.is_terminated():
+                    keep[r] = p + 1  # nothing follows a stop token
+
+        if handles[0].needs_sampling:
+            self.runner.sample_pending(handles[0])  # the matchers stand at the first draft
         # k - 1 decode passes, each fed the previous draft on the device (token_buf).
         for step in range(1, max(ks)):
-            live = [st for st, k in zip(rows, ks) if k > step]
+            live = [r for r in range(len(rows)) if keep[r] > step]
+            if not live:
+                break
             locs = slots[used:used + len(live)]
             used += len(live)
-            for st, s in zip(live, locs):
-                st.shadow.slots.append(s)
-            batch = ScheduleBatch(ForwardMode.DECODE, [st.shadow for st in live], [st.shadow.kv_len for st in live],
-                                  [1] * len(live), [True] * len(live), [0] * len(live),
-                                  torch.tensor(locs, dtype=torch.int64))
+            for r, s in zip(live, locs):
+                rows[r].shadow.slots.append(s)
+            batch = ScheduleBatch(ForwardMode.DECODE, [rows[r].shadow for r in live],
+                                  [rows[r].shadow.kv_len for r in live], [1] * len(live), [True] * len(live),
+                                  [0] * len(live), torch.tensor(locs, dtype=torch.int64))
             handles.append(self.runner.launch(batch))
-            for st in live:
-                st.shadow.kv_len += 1
-                st.fed += 1
+            members.append(live)
+            for r in live:
+                rows[r].shadow.kv_len += 1
+                rows[r].fed += 1
+            if handles[-1].needs_sampling:
+                settle()  # the previous pass's drafts, taken by the matchers: this pass's masks
+                self.runner.sample_pending(handles[-1])
         if used < len(slots):
             self.allocator.free(np.asarray(slots[used:], dtype=np.int64))
-        outs = [h.resolve() for h in handles]  # the one wait of the round
-        for r, m in enumerate(which):
-            drafts[m].append(outs[0].next_token_ids[r])
-        for step in range(1, len(outs)):  # pass `step` holds the rows still drafting, in order
-            live = [m for m, k in zip(which, ks) if k > step]
-            for r, m in enumerate(live):
-                drafts[m].append(outs[step].next_token_ids[r])
-        for st, m in zip(rows, which):
-            st.ids.extend(drafts[m][:st.fed])  # the fed drafts' KV
-        return drafts
+        while len(outs) < len(handles):  # unconstrained: the one wait of the round
+            settle()
+        raw: list[list[int]] = [[] for _ in rows]
+        for out, mem in zip(outs, members):
+            for i, r in enumerate(mem):
+                raw[r].append(out.next_token_ids[i])
+        return raw, keep
 
     @staticmethod
     def _tokens(req: Req, a: int, b: int) -> list[int]:
