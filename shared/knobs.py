@@ -79,8 +79,6 @@ KNOBS = {k.name: k for k in (
          "seconds between snapshots of a worker's block set (when it changed): a new reader's catch-up"),
     Knob("KV_EVENT_BUFFER", int, 65_536, "shared.metadata.kv_events",
          "radix-tree events the engine thread may leave unpublished before the worker drops to a resync"),
-    Knob("KV_EVENT_YIELD", bool, True, "shared.metadata.kv_events",
-         "the engine thread yields its core once per KV event batch: the publisher it woke runs at once"),
     Knob("KV_INDEX_ROUTING", bool, True, "services.gateway.routing.cache_aware",
          "0: the gateway routes on its approximate index even while the KV events are current (they audit it)"),
 )}

@@ -42,7 +42,6 @@ BLOCK_TOKENS = 16  # the gateway's routing block too: one naming everywhere
 KV_STREAM_MAXLEN = knob("KV_STREAM_MAXLEN")
 KV_SNAPSHOT_S = knob("KV_SNAPSHOT_S")
 KV_EVENT_BUFFER = knob("KV_EVENT_BUFFER")
-KV_EVENT_YIELD = knob("KV_EVENT_YIELD")
 TURN_S = 0.1  # the loop's turn when no event wakes it (the snapshot's check, a stop)
 
 
@@ -237,14 +236,13 @@ class KvEventPublisher:
         # The first event of a batch wakes the loop at once (one write to its self-pipe; the loop clears
         # `_woken` before it takes the buffer, so later events ride along): an event must not wait for the
         # step's outputs, which come after the next forward pass (the tree stores a pass's KV at launch).
-        # Then this thread gives up its core and the GIL for a moment (KV_EVENT_YIELD): where every core is
+        # Then this thread gives up its core and the GIL for a moment: where every core is
         # busy (CPU-bound engine threads), the woken loop thread would otherwise wait behind this one for the
         # scheduler, or for the GIL, through a forward pass or more; with a core idle it returns at once.
         if not self._woken and self._loop is not None:
             self._woken = True
             self._loop.call_soon_threadsafe(self._wake.set)
-            if KV_EVENT_YIELD:
-                os.sched_yield()
+            os.sched_yield()
         self.stats["listener_s"] += time.thread_time() - t0
 
     # ---- the event loop ---------------------------------------------------------------------------
