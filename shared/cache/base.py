@@ -87,6 +87,12 @@ class PrefixCache(ABC):
     def poll(self) -> None:
         """Once a scheduling round: take note of background copies that completed (the host tier)."""
 
+    def copies_hold_slots(self) -> bool:
+        """Whether background copies hold device slots that come back without any request's help (the host tier's
+        loads in flight, and abandoned loads whose copy has not ended): a request that does not fit the pool now
+        may fit once they end, so it waits rather than fails."""
+        return False
+
     @abstractmethod
     def lock(self, node: Any) -> None:
         """Protect the path root..node from eviction (one reference)."""

@@ -174,6 +174,10 @@ class HiRadixCache(RadixCache):
             self._abandon(op)
         return op.state != "loading"
 
+    def load_failed(self, op: LoadOp) -> bool:
+        """Whether `op` was abandoned (timed out, or its KV was recomputed meanwhile)."""
+        return op.state == "failed"
+
     def release_load(self, op: LoadOp) -> None:
         """A request no longer waits on `op` (it matched and locked the path itself, or it left)."""
         assert op.holders > 0, "release of a load nobody holds"
@@ -197,6 +201,9 @@ class HiRadixCache(RadixCache):
             if done:
                 self._deferred_free = [(e, s) for e, s in self._deferred_free if not event_done(e)]
                 self.allocator.free(np.concatenate(done))
+
+    def copies_hold_slots(self) -> bool:
+        return bool(self._loads or self._deferred_free)
 
     def _finish_load(self, op: LoadOp) -> None:
         self._loads.remove(op)

@@ -59,6 +59,7 @@ class Req:
     sibling_deferrals: int = 0  # rounds it waited for a sibling computing the same tokens (prefill_adder)
     lpm_memo: Any = None  # (match key length, the cache's memo) from the last LPM ordering
     host_load: Any = None  # host tier: the load-back of its prefix it waits on (HiRadixCache.load_back)
+    host_load_failed: bool = False  # its load failed or timed out: it recomputes that prefix, never loads it again
     retractions: int = 0
     # Fault isolation: engine steps that failed with this request in the batch, and whether its next
     # pass must run alone (after a failed step, each request is re-run solo to find the one at fault).

@@ -176,7 +176,7 @@ class SchedulePolicy:
         if load is not None and not self.cache.load_ready(load):
             return None
         match = self._match(req)
-        if load is None and match.host is not None:
+        if load is None and match.host is not None and not req.host_load_failed:
             load = req.host_load = self.cache.load_back(match)
             if load is not None:
                 if not self.cache.load_ready(load):
@@ -185,9 +185,12 @@ class SchedulePolicy:
         return match
 
     def drop_host_load(self, req: Req) -> None:
-        """The request no longer waits on its load (its own lock holds the path now, or it left)."""
+        """The request no longer waits on its load (its own lock holds the path now, or it left). One whose load
+        failed recomputes that prefix even if it waits for room again: a load that outlived the timeout once would
+        (its device slots back once its copy ends) mostly do so again, and the request would never run."""
         if req.host_load is not None:
             load, req.host_load = req.host_load, None
+            req.host_load_failed = req.host_load_failed or self.cache.load_failed(load)
             self.cache.release_load(load)
 
     def _bind(self, req: Req, match) -> None:
@@ -321,6 +324,7 @@ class SchedulePolicy:
         retraction do not)."""
         self.waiting.remove(req)
         req.status = ReqStatus.RUNNING
+        req.host_load_failed = False  # (re-admitted after a retraction, it may load from the host tier again)
         if req.num_cached_tokens is None:
             req.num_cached_tokens = cached
             req.first_scheduled_time = time.monotonic()
@@ -330,9 +334,10 @@ class SchedulePolicy:
                 self.prefill_stages.admit(req)
 
     def _holds_kv(self) -> bool:
-        """Some other request holds KV that will be freed without this one's help (so waiting is safe)."""
+        """Some other request, or a copy of the host tier, holds KV that will be freed without this one's help (so
+        waiting is safe)."""
         return bool(self.running or self.chunked is not None or self.decode_stages.num_holding()
-                    or self.prefill_stages.holds_kv())
+                    or self.prefill_stages.holds_kv() or self.cache.copies_hold_slots())
 
     def _holds_kv_besides(self, req: Req) -> bool:
         """Whether a request other than `req` holds KV that will be freed without `req`'s help."""

@@ -135,3 +135,27 @@ def test_flags_that_cannot_work_are_refused():
     with pytest.raises(HostTierError, match="available"):  # a petabyte of host memory
         Engine(EngineConfig(dtype="float32", max_total_tokens=POOL, enable_hierarchical_cache=True,
                             hicache_size=10**6), tokenizer(), lambda outs: None)
+
+
+def test_load_past_the_timeout_in_a_full_pool_is_recomputed():
+    """A load that outlives --hicache-load-timeout keeps its device slots until its copy ends. In a pool too small
+    to admit the request beside them, the request waits for them (it is not failed as larger than the pool), and
+    then recomputes its prefix rather than loading it again (a load past the timeout once would mostly be again)."""
+    ps = prompts()
+    greedy = {"sampling": {"max_new_tokens": 4, "temperature": 0.0}}
+    want = Harness(max_total_tokens=POOL).generate(ps[0], **greedy)["ids"]
+    h = Harness(max_total_tokens=POOL, enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_load_timeout=1e-4)
+    cache = h.engine.cache
+    [h.generate(p, **greedy) for p in ps]  # the first prompt's KV is on the host only
+    real = cache.host.load
+    cache.host.load = lambda hs, ds: real(hs, ds) or SlowCopy(20)
+    try:
+        got = h.generate(ps[0], **greedy)
+    finally:
+        cache.host.load = real
+    assert got["error"] is None and got["ids"] == want
+    stats = cache.stats()
+    assert stats["load_failures"] == 1 and stats["host_hit_tokens"] == 0 and got["cached"] == 0
+    assert h.engine.allocator.used_size() == sum(len(n.value) for n in cache.nodes() if n.value is not None)
+    assert cache.host_allocator.used_size() == stats["host_cached_tokens"]
+    h.engine.stop()
