@@ -61,7 +61,7 @@ class LoadOp:
     started: float
     held: TreeNode  # locked while the load or its waiters need the path: the device end, then the last node
     holders: int = 1  # requests waiting on it (release_load)
-    state: str = "loading"  # loading | done | failed
+    state: str = "loading"  # loading | done | failed (timed out) | superseded (its KV was recomputed meanwhile)
 
 
 @dataclass(eq=False)
@@ -175,7 +175,7 @@ class HiRadixCache(RadixCache):
         return op.state != "loading"
 
     def load_failed(self, op: LoadOp) -> bool:
-        """Whether `op` was abandoned (timed out, or its KV was recomputed meanwhile)."""
+        """Whether `op` outlived the timeout (then abandoned: its waiters recompute the prefix)."""
         return op.state == "failed"
 
     def release_load(self, op: LoadOp) -> None:
@@ -228,13 +228,14 @@ class HiRadixCache(RadixCache):
         if op.holders == 0:
             self.unlock(op.held)
 
-    def _abandon(self, op: LoadOp) -> None:
+    def _abandon(self, op: LoadOp, state: str = "failed") -> None:
         """Give up a load in flight: its nodes are host-only again; its device slots are freed when the copy ends."""
         self._loads.remove(op)
         self._unpin(op)
         self._deferred_free.append((op.event, op.slots))
-        op.state = "failed"
-        self.counters["load_failures"] += 1
+        op.state = state
+        if state == "failed":
+            self.counters["load_failures"] += 1
         if op.holders == 0:
             self.unlock(op.held)
 
@@ -255,7 +256,7 @@ class HiRadixCache(RadixCache):
             assert child.value is None, "the walk stopped before a node with device KV"
             op = self._loading.get(id(child))
             if op is not None:  # recomputed meanwhile: the load is not needed any more
-                self._abandon(op)
+                self._abandon(op, "superseded")
             m = common_prefix_len(child.key, tokens)
             m -= m % ps
             if m < len(child.key):
