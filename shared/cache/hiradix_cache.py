@@ -189,17 +189,15 @@ class HiRadixCache(RadixCache):
         if self._queued:
             self._issue_writes()
         if self._host_free_later:
-            done = [slots for batch, slots in self._host_free_later if event_done(batch.event)]
+            self._host_free_later, done = _split_done(self._host_free_later, lambda batch: batch.event)
             if done:
-                self._host_free_later = [(b, h) for b, h in self._host_free_later if not event_done(b.event)]
                 self.host_allocator.free(np.concatenate(done))
         if self._loads:
             for op in [op for op in self._loads if event_done(op.event)]:
                 self._finish_load(op)
         if self._deferred_free:
-            done = [slots for event, slots in self._deferred_free if event_done(event)]
+            self._deferred_free, done = _split_done(self._deferred_free, lambda event: event)
             if done:
-                self._deferred_free = [(e, s) for e, s in self._deferred_free if not event_done(e)]
                 self.allocator.free(np.concatenate(done))
 
     def copies_hold_slots(self) -> bool:
@@ -491,6 +489,19 @@ class _Copies:
 
     def __init__(self):
         self.event, self.issued = None, False
+
+
+def _split_done(entries: list, event_of) -> tuple[list, list]:
+    """(the entries whose copy is still on the way, the slots of those whose copy has ended) of (handle, slots)
+    entries: each event queried once, as a copy may end between two queries (then asked twice it reads as neither
+    pending nor done, and its slots are lost)."""
+    pending, done = [], []
+    for handle, slots in entries:
+        if event_done(event_of(handle)):
+            done.append(slots)
+        else:
+            pending.append((handle, slots))
+    return pending, done
 
 
 def tiered_cache(config, allocator: SlotAllocator, runner) -> HiRadixCache:

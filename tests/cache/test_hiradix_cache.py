@@ -369,3 +369,55 @@ def test_random_workload_keeps_kv_right_and_leaks_nothing(policy, page_size):
         assert check_kv(pool, cache, tokens) == len(tokens)
     assert cache.stats()["host_hit_tokens"] > 0
     no_leak(alloc, cache)
+
+
+class CompletesWhileAsked(Pending):
+    """A copy that, once armed, completes right after a query has reported it pending (a CUDA event can, between
+    two queries)."""
+    armed = False
+
+    def query(self):
+        if self.armed and not self.done:
+            self.done = True
+            return False
+        return self.done
+
+
+def test_copy_completing_between_two_queries_frees_its_slots():
+    """The slots a dropped write or an abandoned load still held come back once the copy is seen complete, even when
+    it completes during the poll that frees another's (seen pending, then done): it was dropped from the list
+    unfreed, a leak of host or device slots for good."""
+    pool, alloc, cache = make()
+    events = [Pending(), CompletesWhileAsked()]
+    real_write = cache.host.write
+    issued = iter(events)
+    cache.host.write = lambda d, h: real_write(d, h) or next(issued)
+    a, b = list(range(100, 108)), list(range(200, 208))
+    compute(pool, alloc, cache, a)
+    cache.poll()  # a's copy is issued: one transfer each
+    compute(pool, alloc, cache, b)
+    assert cache.evict(16) == 16  # write-through: copies still on the way are dropped, their host slots freed later
+    events[0].done = events[1].armed = True
+    cache.poll()
+    cache.poll()
+    assert cache.host_allocator.used_size() == 0
+    no_leak(alloc, cache)
+
+    pool, alloc, cache = make()
+    compute(pool, alloc, cache, a)
+    compute(pool, alloc, cache, b)
+    assert cache.evict(16) == 16  # both host-only
+    events = [Pending(), CompletesWhileAsked()]
+    real_load = cache.host.load
+    issued = iter(events)
+    cache.host.load = lambda h, d: real_load(h, d) or next(issued)
+    cache.load_timeout = 0.0
+    for x in (a, b):
+        op = cache.load_back(cache.match_prefix(x))
+        assert cache.load_ready(op) and op.state == "failed"  # past the timeout: its device slots wait for the copy
+        cache.release_load(op)
+    events[0].done = events[1].armed = True
+    cache.poll()
+    cache.poll()
+    assert alloc.used_size() == 0
+    no_leak(alloc, cache)
