@@ -242,9 +242,7 @@ class PrefillAdder:
         if not self._take(req, ext):
             # Not even the first chunk fits: undo and stop admitting.
             s._unbind(req)
-            if not self._busy():
-                s.waiting.remove(req)
-                s.failed.append(req)  # larger than the whole pool: cannot ever run
+            self._cannot_fit(req)
             return False
         s._mark_admitted(req, match.length)
         self.reserve += s._reserve_of(req)
@@ -254,6 +252,22 @@ class PrefillAdder:
             return False
         s._prefill_done(req)
         return True
+
+    def _cannot_fit(self, req: Req) -> None:
+        """Not even `req`'s first pages fit now. Unless something holds KV that comes back without it (it waits then),
+        it fails as larger than the whole pool; but first, prefixes the host tier brought back for other queued
+        requests are let go (evictable; those requests match again): each stays locked until its request's
+        admission, which this round does not reach (it stops here), so `req` would wait for them forever or, as
+        before, fail beside KV that is not really in use. It tries again next round."""
+        s = self.s
+        if self._busy():
+            return
+        held = [r for r in s.waiting if r is not req and r.host_load is not None]
+        for r in held:
+            s.drop_host_load(r)
+        if not held:
+            s.waiting.remove(req)
+            s.failed.append(req)  # larger than the whole pool: cannot ever run
 
     def _reserve_for_transfer(self, req: Req, match) -> bool:
         """Decode side of PD: hold slots for every prompt position the tree lacks (the prefill worker
@@ -268,9 +282,7 @@ class PrefillAdder:
         slots = s.allocator.alloc(need, int(match.slots[-1]) if len(match.slots) else -1)
         if slots is None:
             s.cache.unlock(match.node)
-            if not self._busy():
-                s.waiting.remove(req)
-                s.failed.append(req)  # larger than the whole pool: cannot ever run
+            self._cannot_fit(req)
             return False
         s._bind(req, match)
         req.slots.extend(slots.tolist())

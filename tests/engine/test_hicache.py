@@ -159,3 +159,35 @@ def test_load_past_the_timeout_in_a_full_pool_is_recomputed():
     assert h.engine.allocator.used_size() == sum(len(n.value) for n in cache.nodes() if n.value is not None)
     assert cache.host_allocator.used_size() == stats["host_cached_tokens"]
     h.engine.stop()
+
+
+def test_prefix_loaded_for_a_queued_request_does_not_crowd_out_another():
+    """A prefix the host tier brought back stays locked until its request is admitted. A request ordered before
+    that one (a longer device prefix) that does not fit beside it is not failed as larger than the pool: the
+    loaded prefix is let go (evictable) and both run, with the outputs of a pool without the tier."""
+    rng = random.Random(3)
+    w, filler, shared = ([rng.randrange(5, 500) for _ in range(n)] for n in (40, 50, 60))
+    b = shared + [rng.randrange(5, 500) for _ in range(50)]
+    greedy = {"sampling": {"max_new_tokens": 4, "temperature": 0.0}}
+    ref = Harness(max_total_tokens=POOL)
+    want = [ref.generate(p, **greedy)["ids"] for p in (w, b)]
+    h = Harness(max_total_tokens=POOL, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    cache = h.engine.cache
+    for p in (w, filler, shared):  # w's KV is evicted to the host
+        h.generate(p, **greedy)
+    copy = SlowCopy(10**9)
+    real = cache.host.load
+    cache.host.load = lambda hs, ds: real(hs, ds) or copy
+    try:
+        rids = [h.submit(w, **greedy)]
+        h.engine.step()  # w's prefix is on the way back (the filler's KV made room)
+        rids.append(h.submit(b, **greedy))
+        h.engine.step()  # b waits for the load's slots
+        assert cache.stats()["loads_in_flight"] == 1 and len(h.engine.policy.waiting) == 2
+        copy.synchronize()
+        got = h.run(rids)
+    finally:
+        cache.host.load = real
+    assert [r["error"] for r in got] == [None, None] and [r["ids"] for r in got] == want
+    assert h.engine.allocator.used_size() == sum(len(n.value) for n in cache.nodes() if n.value is not None)
+    h.engine.stop()
