@@ -191,3 +191,51 @@ def test_prefix_loaded_for_a_queued_request_does_not_crowd_out_another():
     assert [r["error"] for r in got] == [None, None] and [r["ids"] for r in got] == want
     assert h.engine.allocator.used_size() == sum(len(n.value) for n in cache.nodes() if n.value is not None)
     h.engine.stop()
+
+
+def conversations(seed=0, n=5, turns=4):
+    """Each conversation's user turns (token ids): a first message, then shorter follow-ups."""
+    rng = random.Random(seed)
+    return [[[rng.randrange(5, 500) for _ in range(60 if t == 0 else 25)] for t in range(turns)] for _ in range(n)]
+
+
+def chat(h, convs, sampling):
+    """Every conversation's turns, the turns of all conversations at once; each prompt is the history so far
+    (earlier prompts and answers) and the next user turn. Returns every answer."""
+    history, answers = [[] for _ in convs], []
+    for t in range(len(convs[0])):
+        sent = [history[i] + c[t] for i, c in enumerate(convs)]
+        for i, r in enumerate(h.run([h.submit(p, sampling=sampling) for p in sent])):
+            assert r["error"] is None, r["error"]
+            history[i] = sent[i] + r["ids"]
+            answers.append(r["ids"])
+    return answers
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+def test_conversations_outgrowing_the_pool_with_copies_as_slow_as_on_cuda(policy):
+    """Multi-turn conversations whose histories together outgrow a small device pool, each host copy (load or
+    write) completing a few scheduling rounds after it starts, as on CUDA, and some loads past a tiny timeout:
+    the answers are those of a pool without the tier; prefixes come back from the host; no slot of either pool
+    is leaked (the tree holds every used one, a flush frees them all)."""
+    convs, sampling = conversations(), {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    want = chat(Harness(max_total_tokens=256), convs, sampling)
+    h = Harness(max_total_tokens=256, enable_hierarchical_cache=True, hicache_ratio=1.5, hicache_write_policy=policy)
+    cache, rng = h.engine.cache, random.Random(1)
+    real_load, real_write = cache.host.load, cache.host.write
+    cache.host.load = lambda hs, ds: real_load(hs, ds) or SlowCopy(rng.randrange(8))
+    cache.host.write = lambda ds, hs: real_write(ds, hs) or SlowCopy(rng.randrange(8))
+    assert chat(h, convs, sampling) == want
+    assert cache.stats()["host_hit_tokens"] > 0
+    cache.load_timeout = 0.0  # every load from now on is abandoned: the prefixes are recomputed
+    assert chat(h, conversations(seed=2, n=3, turns=3), sampling) == chat(Harness(max_total_tokens=256),
+                                                                         conversations(seed=2, n=3, turns=3), sampling)
+    for _ in range(20):  # the last copies end
+        cache.poll()
+    assert h.engine.allocator.used_size() == sum(len(n.value) for n in cache.nodes() if n.value is not None)
+    assert cache.host_allocator.used_size() == cache.stats()["host_cached_tokens"]
+    assert not any(n.lock_ref for n in cache.nodes())
+    assert h.engine.flush_cache()[0]
+    assert h.engine.allocator.available_size() == 256
+    assert cache.host_allocator.available_size() == cache.host_allocator.total_size()
+    h.engine.stop()
