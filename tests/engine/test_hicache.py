@@ -196,7 +196,7 @@ def test_prefix_loaded_for_a_queued_request_does_not_crowd_out_another():
 def conversations(seed=0, n=5, turns=4):
     """Each conversation's user turns (token ids): a first message, then shorter follow-ups."""
     rng = random.Random(seed)
-    return [[[rng.randrange(5, 500) for _ in range(60 if t == 0 else 25)] for t in range(turns)] for _ in range(n)]
+    return [[[rng.randrange(5, 400) for _ in range(60 if t == 0 else 25)] for t in range(turns)] for _ in range(n)]
 
 
 def chat(h, convs, sampling):
