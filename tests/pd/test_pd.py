@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures as cf
 import json
 import os
+import random
 import signal
 import time
 
@@ -420,3 +421,36 @@ def test_restarted_decode_worker_gets_a_fresh_endpoint_and_requests_keep_working
         assert info["kv_transfer"]["connects"] >= 2  # the stale endpoint was replaced
     finally:
         kill_groups(*procs)
+
+
+def test_pd_with_the_host_tier_on_both_sides():
+    """The host KV tier on a prefill and a decode worker, each with a 128-token device pool: prompts evicted from
+    both come back from the host tiers (a decode-side load before its transfer is reserved), the answers are an
+    engine's with room for everything, and neither side keeps a slot the tree does not hold; a flush empties all."""
+    from tests.support.engine_harness import Harness
+
+    tier = ("--max-total-tokens", "128", "--enable-hierarchical-cache", "--hicache-ratio", "4", "--dtype", "float32")
+    prefill, decode, gateway, url = start_pd_processes(tier + ("--hicache-write-policy", "write_back"), tier)
+    try:
+        rng = random.Random(1)
+        prompts = [[rng.randrange(5, 400) for _ in range(100)] for _ in range(3)]
+        sampling = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+        ref = Harness()
+        for p in prompts + prompts[::-1]:
+            out = generate(url, input_ids=p, sampling_params=sampling)
+            assert out["output_ids"] == ref.generate(p, sampling=sampling)["ids"]
+        infos = worker_infos(url)
+        assert infos["decode"]["cache"]["host_hit_tokens"] >= 90
+        assert [infos[r]["hicache"]["write_policy"] for r in ("prefill", "decode")] == ["write_back", "write_through"]
+
+        def settled():
+            return all(i["num_running"] == 0 and i["hicache"]["device_used_tokens"] == i["cache"]["cached_tokens"]
+                       and i["hicache"]["host_used_tokens"] == i["cache"]["host_cached_tokens"]
+                       for i in worker_infos(url).values())
+
+        wait_for(settled, 10, "both pools of both workers as their trees hold them")
+        assert requests.post(url + "/flush_cache", timeout=30).status_code == 200
+        assert all(i["hicache"]["device_used_tokens"] == i["hicache"]["host_used_tokens"] == 0
+                   for i in worker_infos(url).values())
+    finally:
+        kill_groups(prefill, decode, gateway)
