@@ -239,3 +239,33 @@ def test_conversations_outgrowing_the_pool_with_copies_as_slow_as_on_cuda(policy
     assert h.engine.allocator.available_size() == 256
     assert cache.host_allocator.available_size() == cache.host_allocator.total_size()
     h.engine.stop()
+
+
+def test_requests_leaving_while_their_prefix_loads():
+    """Two requests wait on one load (the second joins the first's); both are aborted before it completes, then a
+    third matches the same prefix once it has: it is served from the device, and nothing stays locked or leaks."""
+    ps, greedy = prompts(), {"sampling": {"max_new_tokens": 4, "temperature": 0.0}}
+    want = Harness(max_total_tokens=POOL).generate(ps[0], **greedy)["ids"]
+    h = Harness(max_total_tokens=POOL, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    cache = h.engine.cache
+    [h.generate(p, **greedy) for p in ps]  # the first prompt's KV is on the host only
+    copy = SlowCopy(10**9)
+    real = cache.host.load
+    cache.host.load = lambda hs, ds: real(hs, ds) or copy
+    try:
+        waiting = [h.submit(ps[0], **greedy) for _ in range(2)]
+        h.engine.step()
+        assert cache.stats()["loads_in_flight"] == 1 and cache._loads[0].holders == 2
+        for rid in waiting:
+            h.engine.abort(rid)
+        h.engine.step()
+        assert h.engine.policy.is_idle() and [h.result(r)["finish"]["type"] for r in waiting] == ["abort"] * 2
+        copy.synchronize()
+        got = h.generate(ps[0], **greedy)
+    finally:
+        cache.host.load = real
+    assert got["ids"] == want and got["cached"] >= 90 and cache.stats()["load_failures"] == 0
+    assert not any(n.lock_ref for n in cache.nodes())
+    assert h.engine.allocator.used_size() == sum(len(n.value) for n in cache.nodes() if n.value is not None)
+    assert h.engine.flush_cache()[0] and h.engine.allocator.available_size() == POOL
+    h.engine.stop()
