@@ -201,10 +201,12 @@ def _needs_flashinfer():
 
 
 @pytest.mark.gpu
-def test_flashinfer_passes_match_the_torch_backend_on_cuda():
+@pytest.mark.parametrize("pool", [None, torch.float8_e4m3fn])  # FP8 KV: FA2 kernels that dequantize it (not FA3)
+def test_flashinfer_passes_match_the_torch_backend_on_cuda(pool):
     _needs_flashinfer()
+    scales = [(0.5, 1.3), (1.0, 0.8)] if pool is not None else None
     for graph_decode in (False, True):
-        for ref, ours in _passes("cuda", torch.bfloat16, graph_decode=graph_decode):
+        for ref, ours in _passes("cuda", torch.bfloat16, pool_dtype=pool, scales=scales, graph_decode=graph_decode):
             torch.testing.assert_close(ours, ref, **_tol(torch.bfloat16))
 
 
