@@ -145,7 +145,12 @@ class HostKVPool:
             else:
                 kv.index_copy_(1, d, self.buffer[h].transpose(0, 1))
             return None
-        return self._transfer_cuda(direction, dslots, hslots)
+        try:
+            return self._transfer_cuda(direction, dslots, hslots)
+        except BaseException:
+            for stream in self._streams[direction]:  # the caller frees the slots of a failed transfer: its chunks
+                stream.synchronize()  # queued already must have ended
+            raise
 
     def _transfer_cuda(self, direction: str, dslots: np.ndarray, hslots: np.ndarray):
         """In chunks through two staging buffers, the PCIe copies on one stream and the device pool's gathers or

@@ -123,6 +123,10 @@ class FakeCuda:
                 self.unpinned_in_flight.append(f"{name} row {row}")
         return 0
 
+    def all_ended(self) -> bool:
+        """Whether the host has seen every access queued so far end."""
+        return all(c[lane] <= self.host.get(lane, 0) for seen in self.accesses.values() for lane, c, _ in seen)
+
     def is_pinned(self, t: torch.Tensor) -> bool:
         p = t.data_ptr()
         return any(q <= p < q + n for q, n in self.registered.items())

@@ -394,6 +394,29 @@ def test_cuda_copies_are_ordered_on_their_streams_and_pinned(cuda_standin, dtype
     assert not cuda.registered and not cuda.unpinned_in_flight, cuda.unpinned_in_flight
 
 
+def test_cuda_transfer_failing_midway_ends_its_queued_chunks_first(cuda_standin, monkeypatch):
+    """A transfer that fails after queuing some chunks returns (raises) only once they ended: its caller frees its
+    slots at once (load_back: the device slots, to the next request; a failed write: the host slots)."""
+    import shared.cache.host_pool as host_pool
+    from tests.cache._cuda_standin import Recorder
+
+    cuda, build = cuda_standin
+    pool, kv, host = build(torch.bfloat16, 64)
+    runs, calls = host_pool._runs, []
+
+    def failing(slots):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: out of memory")
+        return runs(slots)
+
+    monkeypatch.setattr(host_pool, "_runs", failing)
+    cuda.complete = False
+    with Recorder(cuda, kv), pytest.raises(RuntimeError):
+        host.load(np.arange(1, 8, dtype=np.int64), np.arange(10, 17, dtype=np.int64))
+    assert len(calls) == 2 and cuda.all_ended()
+
+
 def test_tp_follower_copies_are_waited_for_on_the_device(cuda_standin):
     """A tensor-parallel follower's copies on the stand-in: once rank 0 saw a copy complete, what the follower queues
     next (on its compute stream) comes after its own copy of it, which it never waited for on the host."""
