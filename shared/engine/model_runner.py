@@ -82,6 +82,7 @@ class PendingStep:
         self.dropped: set[int] = set()
         self.constrained = False  # grammar rows: sampled once the engine has advanced the grammars
         self.deferred: tuple | None = None  # (runner, logits, rows, host rows, sampling batch): not sampled yet
+        self.grammar_mask = None  # the GrammarMask its sampling used (the draft runner hands its rows on)
 
     @property
     def needs_sampling(self) -> bool:
@@ -811,7 +812,7 @@ class ModelRunner:
             vocab_mask = self._proposal_masks(reqs, live, counts, device)
             rows = sum(counts)
         else:
-            mask = self.masker.build(states, device=device)
+            mask = handle.grammar_mask = self.masker.build(states, device=device)
             vocab_mask = mask.to_bool() if mask is not None else None
             rows = len(mask.rows) if mask is not None else 0
         if timing is not None:

@@ -331,6 +331,43 @@ def test_pd_decode_side_drafts_and_equals_plain(plain, flags):
     assert e.policy.is_idle() and h.free_tokens() == e.runner.max_total_tokens
 
 
+def count_verify_fills(engine) -> list[tuple[int, int]]:
+    """(drafts kept, grammar mask fills) of each `_grammar_drafts` call from now on: the draft model hands the
+    masks it sampled its drafts under, so verification fills one, after the last (none if the grammar ended);
+    the masks it sets are checked against the matcher's own fills."""
+    from shared.constrained import GrammarState
+
+    rounds, grammar_drafts, fill = [], engine._grammar_drafts, GrammarState.fill_bitmask
+    fills = [0]
+
+    def counting_fill(self, bitmask, row):
+        fills[0] += 1
+        return fill(self, bitmask, row)
+
+    def counted(req, drafts):
+        fills[0] = 0
+        GrammarState.fill_bitmask = counting_fill
+        try:
+            kept = grammar_drafts(req, drafts)
+        finally:
+            GrammarState.fill_bitmask = fill
+        rounds.append((len(kept), fills[0]))
+        if kept:  # the masks verification samples under: bit for bit those the matcher fills itself
+            g = req.grammar
+            g.rollback(len(kept))
+            want = torch.full_like(req.proposal_masks, -1)
+            for m, t in enumerate(kept):
+                fill(g, want, m)
+                assert g.try_accept(t)
+            if not g.is_terminated():
+                fill(g, want, len(kept))
+            assert torch.equal(want, req.proposal_masks)
+        return kept
+
+    engine._grammar_drafts = counted
+    return rounds
+
+
 def test_standalone_with_grammar_drafts_only_what_it_allows(plain):
     """The draft model's argmax is taken over the tokens the grammar allows at each draft step (its matcher
     advanced over the drafts, rolled back after): a draft equal to the target proposes exactly the target's
@@ -361,6 +398,7 @@ def test_standalone_with_grammar_drafts_only_what_it_allows(plain):
         return drafts
 
     draft.propose = checked_propose
+    fills = count_verify_fills(spec.engine)
     for key, value, check in (("json_schema", schema, lambda t: set(json.loads(t)) == {"a", "b"}),
                               ("regex", regex, lambda t: re.fullmatch(regex, t) is not None)):
         cut0, proposed, accepted = stats.grammar_cut, stats.proposed, stats.accepted
@@ -381,6 +419,8 @@ def test_standalone_with_grammar_drafts_only_what_it_allows(plain):
         assert stats.grammar_cut == cut0  # no draft the grammar refuses was proposed
     assert want[0]["finish"]["type"] == "stop"  # a draft run may end at the grammar's stop token
     assert spec.engine.info()["speculative"]["grammar_cut"] == 0 and rounds
+    # No mask filled twice: the drafts' masks come from the draft runner, verification fills the one after.
+    assert fills and all(kept > 0 and n <= 1 for kept, n in fills) and any(n == 1 for _, n in fills)
     assert draft.allocator.available_size() == draft.allocator.total_size()
     assert spec.engine.runner.req_pool.available() == spec.engine.config.max_running_requests
 
@@ -396,6 +436,8 @@ def test_standalone_other_draft_mixed_grammar_batch_equals_plain(plain, other_dr
     def outputs(h):
         return h.run([h.submit(p, sampling=dict(s)) for p, s in jobs])
 
+    fills = count_verify_fills(spec.engine)
     assert [g["ids"] for g in outputs(spec)] == [w["ids"] for w in outputs(plain)]
+    assert fills and all(n <= 1 for _, n in fills)
     stats = spec.engine.spec.stats
     assert 0 < stats.accepted < stats.proposed and stats.grammar_cut == 0

@@ -7,7 +7,9 @@ first time, then the tokens the target confirmed since: its last sample and any 
 samples the first draft, then k - 1 decode passes, each reading the previous draft on the device; the host
 waits once, for all k. A constrained request drafts under its grammar: its matcher masks each pass's
 sampling (the runner's grammar masks, as for the target) and takes each draft, rolled back after the round; a
-round with grammars waits once a pass instead, filling the next mask while that pass's forward runs. After
+round with grammars waits once a pass instead, filling the next mask while that pass's forward runs. Those
+masks go to the engine with the drafts (`filled_masks`): verification samples under the same ones, and
+filling them again would double the host's grammar work of a round. After
 verification the draft's KV past what the target kept is dropped. The draft's KV only shapes proposals:
 the target checks every one, so a stale draft costs acceptance, never output.
 
@@ -40,15 +42,17 @@ _GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 30)
 
 class _DraftRow:
     """One request's place in the draft's pool: a shadow request the draft runner schedules, the tokens
-    whose KV it holds (host mirror), and the drafts fed in the last round (positions past the confirmed)."""
+    whose KV it holds (host mirror), the drafts fed in the last round (positions past the confirmed), and
+    the grammar masks its drafts of the last round were sampled under (constrained: handed to verification)."""
 
-    __slots__ = ("shadow", "ids", "fed")
+    __slots__ = ("shadow", "ids", "fed", "masks")
 
     def __init__(self, rid: str, row: int):
         self.shadow = Req(rid=rid, input_ids=[], params=_GREEDY, seed=0)
         self.shadow.req_pool_idx = row
         self.ids: list[int] = []
         self.fed = 0
+        self.masks: list | None = None
 
 
 def draft_config(config: EngineConfig, target) -> EngineConfig:
@@ -137,7 +141,7 @@ class DraftModelSpeculator(Speculator):
             while keep < n and ids[keep] == tail[keep - start]:
                 keep += 1
             self._truncate(st, keep)
-            st.fed = 0
+            st.fed, st.masks = 0, None
             rows.append(st)
             news.append(self._tokens(req, keep, confirmed))
             ks.append(k)
@@ -154,10 +158,12 @@ class DraftModelSpeculator(Speculator):
                     and not req.grammar.is_terminated() else None for req in (reqs[m] for m in which)]
         constrained = any(g is not None for g in grammars)
         taken = [0] * len(rows)
+        masks: list[list] = [[] for _ in rows]
         for st, g in zip(rows, grammars):
             st.shadow.grammar = g
         try:
-            raw, keep = self._run_round(rows, news, ks, slots.tolist(), grammars if constrained else None, taken)
+            raw, keep = self._run_round(rows, news, ks, slots.tolist(), grammars if constrained else None, taken,
+                                        masks)
         finally:
             for st, g, n in zip(rows, grammars, taken):
                 st.shadow.grammar = None
@@ -166,12 +172,21 @@ class DraftModelSpeculator(Speculator):
         for r, (st, m) in enumerate(zip(rows, which)):
             st.ids.extend(raw[r][:st.fed])  # the fed drafts' KV
             drafts[m] = raw[r][:keep[r]]
+            st.masks = masks[r][:keep[r]] or None
         return drafts
 
+    def filled_masks(self, req: Req) -> list | None:
+        st = req.spec_state
+        if st is None:
+            return None
+        masks, st.masks = st.masks, None
+        return masks
+
     def _run_round(self, rows: list[_DraftRow], news: list[list[int]], ks: list[int], slots: list[int],
-                   grammars: list | None, taken: list[int]) -> tuple[list[list[int]], list[int]]:
+                   grammars: list | None, taken: list[int], masks: list[list]) -> tuple[list[list[int]], list[int]]:
         """The round's passes. Returns each row's drafts as sampled and how many of them to propose (fewer
-        than asked where the grammar ended or refused). Unconstrained (`grammars` None), the host waits once,
+        than asked where the grammar ended or refused); a constrained row's host mask rows, one a draft, go to
+        `masks`. Unconstrained (`grammars` None), the host waits once,
         for all passes; constrained, once a pass: pass s's mask needs the draft of pass s - 1 taken by the
         matcher, which is done while the device runs pass s's forward (its sampling waits for the mask)."""
         used = 0
@@ -195,10 +210,14 @@ class DraftModelSpeculator(Speculator):
             p = len(outs)
             out = handles[p].resolve()
             outs.append(out)
+            mask = handles[p].grammar_mask
+            filled = set(mask.rows) if mask is not None else ()
             for i, r in enumerate(members[p]):
                 g = grammars[r] if grammars is not None else None
                 if g is None or keep[r] <= p:
                     continue
+                if i in filled and len(masks[r]) == p:  # the mask draft p was sampled under
+                    masks[r].append(mask.host_bitmask[i])
                 if not g.try_accept(out.next_token_ids[i]):
                     keep[r] = p  # unreachable under the mask; a refused draft is never proposed
                     continue
