@@ -149,6 +149,27 @@ def test_standalone_other_draft_rejects_and_still_equals_plain(plain, other_draf
     assert draft.allocator.available_size() == draft.allocator.total_size()
 
 
+def test_draft_of_a_shorter_context_stops_drafting_at_its_end(plain, other_draft, tmp_path):
+    """A draft model whose context is shorter than the target's drafts while a request fits it and not past it
+    (the request decodes on plainly): its request table was indexed past its width before."""
+    import shutil
+
+    path = str(tmp_path / "draft64")
+    shutil.copytree(other_draft, path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**cfg, "max_position_embeddings": 64}, f)
+    spec = Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path=path, speculative_num_steps=3)
+    assert spec.engine.spec.runner.max_context_len == 64 < spec.engine.runner.max_context_len
+    prompts = [PROMPTS[0] + PROMPTS[0][:21], PROMPTS[2] * 2]  # 56 tokens: reaches its end; 96: past it
+    _, _, proposed, _ = check_spec_equals_plain(plain, spec, {**GREEDY, "ignore_eos": True}, prompts=prompts)
+    assert proposed > 0
+    draft = spec.engine.spec
+    assert draft.allocator.available_size() == draft.allocator.total_size()
+    assert draft.runner.req_pool.available() == spec.engine.config.max_running_requests
+
+
 def test_switch_from_overlapped_steps_to_drafting_equals_plain(plain):
     """Above --speculative-disable-batch-size steps overlap (step N + 1 is launched before N is processed).
     An abort brings the batch under it while a pass is in flight: the requests that draft now leave that

@@ -127,10 +127,16 @@ class DraftModelSpeculator(Speculator):
         drafts: list[list[int]] = [[] for _ in reqs]
         rows, news, ks, which = [], [], [], []
         for m, (req, k) in enumerate(zip(reqs, budgets)):
+            confirmed = len(req.input_ids) + req.num_resolved
+            # The round's KV, through its last fed draft, within the draft model's own context (it may be
+            # shorter than the target's): past it the request decodes on without drafts.
+            k = min(k, self.runner.max_context_len + 1 - confirmed)
+            if k <= 0:
+                self.release(req)
+                continue
             st = self._row(req)
             if st is None:
                 continue
-            confirmed = len(req.input_ids) + req.num_resolved
             ids = st.ids
             # Drafts fed last round and never verified (dropped), or a rewritten last token: drop the KV that
             # no longer matches the confirmed tokens (only the tail can differ).
