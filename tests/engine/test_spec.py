@@ -244,6 +244,42 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path):
         Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path=path)
 
 
+def tiny_model_dir(path: str, vocab_size: int, seed: int) -> str:
+    """The tiny tokenizer with a model of `vocab_size` embedding rows (more than its ids: padding, as real
+    checkpoints have)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(tiny_random_config(), vocab_size=vocab_size)
+    torch.manual_seed(seed)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf(), f)
+    save_file(tiny_random_state_dict(cfg), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    save_tiny_tokenizer(path)
+    return path
+
+
+def test_draft_padded_unlike_the_target_speculates(tmp_path):
+    """Same tokenizer, another lm_head padding (Qwen2.5's 0.5B and 7B): accepted, both ways. Drafts are
+    sampled within the tokenizer's ids; a prompt holding an id past the draft's rows (the target's padding)
+    decodes without drafts. A draft that does not cover the tokenizer is refused."""
+    small, big = tiny_model_dir(str(tmp_path / "v512"), 512, 1), tiny_model_dir(str(tmp_path / "v640"), 640, 2)
+    prompts = [PROMPTS[0], PROMPTS[1][:-1] + [600]]
+    sampling = {**GREEDY, "ignore_eos": True}
+    for target, draft, jobs in ((small, big, prompts[:1]), (big, small, prompts)):
+        want = run_all(Harness(model_path=target), jobs, sampling)
+        spec = Harness(model_path=target, speculative_algorithm="STANDALONE", speculative_draft_model_path=draft)
+        got = run_all(spec, jobs, sampling)
+        assert [(g["ids"], g["error"]) for g in got] == [(w["ids"], None) for w in want]
+        assert spec.engine.spec.stats.proposed > 0
+        d = spec.engine.spec
+        assert d.allocator.available_size() == d.allocator.total_size()
+        assert d.runner.req_pool.available() == spec.engine.config.max_running_requests
+    with pytest.raises(SpecConfigError, match="does not cover"):
+        Harness(model_path=big, speculative_algorithm="STANDALONE",
+                speculative_draft_model_path=tiny_model_dir(str(tmp_path / "v256"), 256, 3))
+
+
 def test_worker_cli_refuses_bad_flags(capsys):
     from services.worker.__main__ import parse_args
 

@@ -55,6 +55,9 @@ class _DraftRow:
         self.masks: list | None = None
 
 
+_NO_DRAFTS = "no drafts"  # spec_state of a request the draft model cannot read: it decodes without drafts
+
+
 def draft_config(config: EngineConfig, target) -> EngineConfig:
     """The draft runner's config: the target's device, dtype and graphs, its pool sized as the target's."""
     return dataclasses.replace(
@@ -82,9 +85,11 @@ class DraftModelSpeculator(Speculator):
                                   "speculation needs the same token ids on both")
         with unsharded():
             self.runner = ModelRunner(draft_config(config, target))
-        if self.runner.vocab_size != target.vocab_size:
-            raise SpecConfigError(f"the draft model's vocabulary ({self.runner.vocab_size}) differs from the "
-                                  f"target's ({target.vocab_size})")
+        # Same tokenizer, but the embedding rows past it (padding) may differ in number: Qwen2.5's 0.5B pads
+        # to 151936, its 7B to 152064. Drafts are sampled within the tokenizer's ids, which both must hold.
+        if self.runner.vocab_size < target.tokenizer_vocab_size:
+            raise SpecConfigError(f"the draft model's vocabulary ({self.runner.vocab_size}) does not cover the "
+                                  f"tokenizer's {target.tokenizer_vocab_size} ids")
         self.runner.eos_token_ids = []
         self.runner.tokenizer_vocab_size = target.tokenizer_vocab_size
         self.allocator = SlotAllocator(self.runner.kv_pool.num_pages, 1, device="cpu")
@@ -93,11 +98,14 @@ class DraftModelSpeculator(Speculator):
     def _row(self, req: Req) -> _DraftRow | None:
         st = req.spec_state
         if st is None:
+            if max(req.input_ids) >= self.runner.vocab_size:  # a prompt id only the target's padding has
+                req.spec_state = _NO_DRAFTS
+                return None
             row = self.runner.req_pool.alloc()
             if row is None:
                 return None
             st = req.spec_state = _DraftRow(req.rid, row)
-        return st
+        return st if st is not _NO_DRAFTS else None
 
     def _truncate(self, st: _DraftRow, n: int) -> None:
         slots = st.shadow.slots
@@ -109,7 +117,7 @@ class DraftModelSpeculator(Speculator):
 
     def release(self, req: Req) -> None:
         st = req.spec_state
-        if st is not None:
+        if isinstance(st, _DraftRow):
             self._truncate(st, 0)
             self.runner.req_pool.free(st.shadow.req_pool_idx)
         req.spec_state = None
@@ -117,7 +125,7 @@ class DraftModelSpeculator(Speculator):
     def verified(self, req: Req, kept: int) -> None:
         """Fed drafts past the kept ones leave the draft's KV (the confirmed tokens end before them)."""
         st = req.spec_state
-        if st is not None and st.fed:
+        if isinstance(st, _DraftRow) and st.fed:
             confirmed = len(req.input_ids) + req.num_resolved
             self._truncate(st, confirmed + min(kept, st.fed))
             st.fed = 0
@@ -183,7 +191,7 @@ class DraftModelSpeculator(Speculator):
 
     def filled_masks(self, req: Req) -> list | None:
         st = req.spec_state
-        if st is None:
+        if not isinstance(st, _DraftRow):
             return None
         masks, st.masks = st.masks, None
         return masks
