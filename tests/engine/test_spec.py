@@ -170,6 +170,22 @@ def test_draft_of_a_shorter_context_stops_drafting_at_its_end(plain, other_draft
     assert draft.runner.req_pool.available() == spec.engine.config.max_running_requests
 
 
+def test_draft_pool_too_small_for_every_prompt_still_drafts_for_some(plain):
+    """The draft's pool (as many tokens as the target's) shares no prefixes: eight requests of one long prompt
+    fit the target's pool, not the draft's. The requests whose KV fits draft; before, a round that could not
+    hold every request's tokens drafted for none (one verification in the whole run)."""
+    spec = Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny-random",
+                   speculative_num_steps=3, max_total_tokens=600)
+    prompts = [list(range(100, 160)) + [5 + i, 6, 7, 8] * 3 for i in range(8)]  # 8 x 72 tokens, 60 shared
+    sampling = {**GREEDY, "max_new_tokens": 40, "ignore_eos": True}
+    want = run_all(plain, prompts, sampling)
+    assert [g["ids"] for g in run_all(spec, prompts, sampling)] == [w["ids"] for w in want]
+    stats, draft = spec.engine.spec.stats, spec.engine.spec
+    assert stats.verifications >= 16 and stats.accepted == stats.proposed
+    assert draft.allocator.available_size() == draft.allocator.total_size()
+    assert spec.engine.policy.is_idle() and spec.free_tokens() == spec.engine.runner.max_total_tokens
+
+
 def test_switch_from_overlapped_steps_to_drafting_equals_plain(plain):
     """Above --speculative-disable-batch-size steps overlap (step N + 1 is launched before N is processed).
     An abort brings the batch under it while a pass is in flight: the requests that draft now leave that

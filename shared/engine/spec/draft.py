@@ -162,9 +162,17 @@ class DraftModelSpeculator(Speculator):
             which.append(m)
         if not rows:
             return drafts
-        slots = self.allocator.alloc(sum(map(len, news)) + sum(k - 1 for k in ks))
-        if slots is None:  # the draft's pool is full: no drafts this round
-            return drafts
+        need = [len(x) + k - 1 for x, k in zip(news, ks)]
+        slots = self.allocator.alloc(sum(need))
+        if slots is None:
+            # The draft's pool cannot hold the round (it shares no prefixes: requests of one long prompt fill
+            # it far sooner than the target's): the rows that fit draft, the others not this round.
+            parts = [self.allocator.alloc(n) for n in need]
+            fit = [r for r, part in enumerate(parts) if part is not None]
+            if not fit:
+                return drafts
+            rows, news, ks, which = ([xs[r] for r in fit] for xs in (rows, news, ks, which))
+            slots = torch.cat([parts[r] for r in fit])
         # Constrained requests draft under their grammar: the shadow row carries the request's matcher, so the
         # draft runner masks its sampling as the target's does, and the matcher takes each draft (rolled back
         # after the round, leaving it exactly as it was).
