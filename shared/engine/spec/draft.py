@@ -147,10 +147,13 @@ class DraftModelSpeculator(Speculator):
         drafts: list[list[int]] = [[] for _ in reqs]
         rows, news, ks, which = [], [], [], []
         for m, (req, k) in enumerate(zip(reqs, budgets)):
-            st = self._row(req)
+            confirmed = len(req.input_ids) + req.num_resolved
+            # The round's last KV is at confirmed + k - 2: inside the draft's context, which may be shorter than
+            # the target's (its request table is that wide: a column past it would index out of bounds).
+            k = min(k, self.runner.max_context_len + 1 - confirmed)
+            st = self._row(req) if k > 0 else None
             if st is None:
                 continue
-            confirmed = len(req.input_ids) + req.num_resolved
             ids = st.ids
             # Drafts fed last round and never verified (dropped), or a rewritten last token: drop the KV that
             # no longer matches the confirmed tokens (only the tail can differ).
