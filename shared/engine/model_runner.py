@@ -421,8 +421,16 @@ class ModelRunner:
         # Keep (1 - fraction) of the whole card for activations, graphs and the sampler, or what the sizes the
         # provisional pool implies are estimated to need, if more; sizes derived from the smaller pool only shrink.
         budget = free - total * (1 - self.config.mem_fraction_static)
-        sizes = sizing.sizes_of(self.sized(self.config, int(max(0, budget) // per_token), total))
+        filled = self.sized(self.config, int(max(0, budget) // per_token), total)
+        sizes = sizing.sizes_of(filled)
         budget = free - max(total * (1 - self.config.mem_fraction_static), sizing.reserve_bytes(sizes, self.shape()))
+        if self.config.speculative_algorithm == "STANDALONE":
+            # The draft runner comes after this pool, with as many tokens of its own (spec/draft.py): leave it room.
+            from shared.engine.spec.draft import draft_memory
+
+            draft_per_token, draft_rest = draft_memory(filled, sizes, self.max_context_len, self.shape().act_bytes)
+            per_token += draft_per_token
+            budget -= draft_rest
         tokens = int(budget // per_token)
         if tokens < 1024:
             raise RuntimeError(

@@ -58,13 +58,37 @@ class _DraftRow:
 _NO_DRAFTS = "no drafts"  # spec_state of a request the draft model cannot read: it decodes without drafts
 
 
+def draft_graph_bs(config: EngineConfig) -> int:
+    """The draft's largest decode graph: no running batch above --speculative-disable-batch-size drafts, so graphs
+    past it would only cost start-up time and memory (a larger batch, were there one, runs eagerly)."""
+    limit = config.speculative_disable_batch_size
+    return min(config.cuda_graph_max_bs, limit) if limit > 0 else config.cuda_graph_max_bs
+
+
 def draft_config(config: EngineConfig, target) -> EngineConfig:
     """The draft runner's config: the target's device, dtype and graphs, its pool sized as the target's."""
     return dataclasses.replace(
         config, model_path=config.speculative_draft_model_path, load_format="auto", quantization="none",
         max_total_tokens=target.max_total_tokens, max_context_len=target.max_context_len, page_size=1,
         kv_cache_dtype="auto", tp_size=1, enable_mixed_chunk=False, disable_shared_prefix_attention=True,
-        speculative_algorithm=None, speculative_draft_model_path=None)
+        cuda_graph_max_bs=draft_graph_bs(config), speculative_algorithm=None, speculative_draft_model_path=None)
+
+
+def draft_memory(config: EngineConfig, sizes, context_len: int, act_bytes: int) -> tuple[int, int]:
+    """What the draft runner will take of the GPU, for the target to leave free when it sizes its KV pool (the draft
+    is built after it, with a pool of as many tokens: draft_config): (the draft's KV bytes a pool token, the rest:
+    its weights in the model dtype and sizing.reserve_bytes of its shape at the target's sizes, filled `config`)."""
+    from shared.engine import sizing
+    from shared.models.loader import load_config_of
+
+    mc = load_config_of(config.speculative_draft_model_path)
+    per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * act_bytes
+    h, q, kv = mc.hidden_size, mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    params = (mc.num_hidden_layers * (2 * h * q + 2 * h * kv + 3 * h * mc.intermediate_size + 2 * h) + h
+              + mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2))
+    shape = sizing.ModelShape(min(context_len, mc.context_length), mc.vocab_size, h, mc.intermediate_size, act_bytes)
+    sizes = dataclasses.replace(sizes, cuda_graph_max_bs=draft_graph_bs(config))
+    return per_token, params * act_bytes + sizing.reserve_bytes(sizes, shape)
 
 
 class DraftModelSpeculator(Speculator):
