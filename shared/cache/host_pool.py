@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -90,13 +91,16 @@ class HostKVPool:
         sample = as_bytes(device_pool.k_buffers[0])
         self.row_shape = (2 * self.num_layers, device_pool.num_kv_heads, device_pool.head_dim)
         self.buffer = torch.empty(((num_pages + 1) * ps, *self.row_shape), dtype=sample.dtype)
-        if self.cuda:
-            _pin(self.buffer)
         self.bytes_per_token = self.token_bytes(device_pool)
         if self.cuda:
             rows = max(1, STAGING_BYTES // self.bytes_per_token)
             # Per direction: (the PCIe copies' stream, the device pool side's stream) and two staging buffers.
             self._streams = {k: (torch.cuda.Stream(dev), torch.cuda.Stream(dev)) for k in ("write", "load")}
+            _pin(self.buffer)
+            # Unpinned when the pool goes (collected, or at exit), once its copies have ended: the memory is then
+            # never freed under a copy, nor freed still registered (the driver keeps the range registered, and the
+            # next pool given the same addresses could not pin them).
+            weakref.finalize(self, _unpin, self.buffer, [s for pair in self._streams.values() for s in pair])
             self._staging = {k: [torch.empty((rows, *self.row_shape), dtype=sample.dtype, device=dev) for _ in range(2)]
                              for k in self._streams}
             self._freed = {k: [None, None] for k in self._streams}
@@ -141,7 +145,12 @@ class HostKVPool:
             else:
                 kv.index_copy_(1, d, self.buffer[h].transpose(0, 1))
             return None
-        return self._transfer_cuda(direction, dslots, hslots)
+        try:
+            return self._transfer_cuda(direction, dslots, hslots)
+        except BaseException:
+            for stream in self._streams[direction]:  # the caller frees the slots of a failed transfer: its chunks
+                stream.synchronize()  # queued already must have ended
+            raise
 
     def _transfer_cuda(self, direction: str, dslots: np.ndarray, hslots: np.ndarray):
         """In chunks through two staging buffers, the PCIe copies on one stream and the device pool's gathers or
@@ -283,6 +292,25 @@ def _pin(t: torch.Tensor) -> None:
     if int(getattr(err, "value", err)) != 0 or not t.is_pinned():
         raise HostTierError(f"could not pin {nbytes / 2**30:.1f} GiB of host memory for the KV tier "
                             f"(cudaHostRegister: {err}); lower --hicache-ratio or --hicache-size")
+
+
+def _unpin(t: torch.Tensor, streams: list) -> None:
+    """Undo _pin once every copy queued on `streams` (the pool's, the only ones that touch `t`) has ended. Where
+    that cannot be done, `t` is kept for the life of the process rather than freed under a copy or still pinned."""
+    try:
+        for stream in streams:
+            stream.synchronize()
+        err = torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        ok = int(getattr(err, "value", err)) == 0
+    except Exception:
+        ok, err = False, "the device failed"
+    if not ok:
+        log.warning("host KV tier: %.1f GiB of pinned host memory stays allocated (cudaHostUnregister: %s)",
+                    t.numel() * t.element_size() / 2**30, err)
+        _KEPT.append(t)
+
+
+_KEPT: list[torch.Tensor] = []  # host pools whose memory could not be unpinned
 
 
 def _runs(slots: np.ndarray):

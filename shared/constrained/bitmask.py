@@ -26,11 +26,18 @@ class GrammarMask:
     # disallowed in constrained rows, untouched in the others (`free`: bool [B], True for those).
     grammar_vocab_size: int | None = None
     free: torch.Tensor | None = None
+    # The host bitmask a device copy was made from: its filled rows stay readable without a copy back (the
+    # draft model's masks, handed to the engine's verification).
+    host: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> "GrammarMask":
         free = self.free.to(device, non_blocking=True) if self.free is not None else None
         return GrammarMask(self.bitmask.to(device, non_blocking=True), self.rows, self.vocab_size,
-                           self.grammar_vocab_size, free)
+                           self.grammar_vocab_size, free, self.host_bitmask)
+
+    @property
+    def host_bitmask(self) -> torch.Tensor:
+        return self.host if self.host is not None else self.bitmask
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set disallowed logits to -inf in place (rows without a grammar are untouched)."""

@@ -100,12 +100,30 @@ class GrammarState:
         if self._row is None:
             self._row = torch.empty((1, words), dtype=torch.int32)
         self.matcher.fill_next_token_bitmask(self._row, 0)
-        bitmask[row, :words] = self._row[0]
+        self._widen(bitmask, row, self._row[0])
+        return True
+
+    def put_bitmask(self, bitmask: torch.Tensor, row: int, filled: torch.Tensor) -> bool:
+        """Write into bitmask[row] exactly what fill_bitmask would, from a row this matcher filled at its
+        current position before (the draft model's masks: filled while drafting, not filled twice). `filled`
+        is of bitmask's width or of this grammar's own; False (nothing written) for any other."""
+        if filled.shape[-1] == bitmask.shape[-1]:
+            bitmask[row] = filled
+        elif filled.shape[-1] == self.mask_words:
+            self._widen(bitmask, row, filled)
+        else:
+            return False
+        return True
+
+    def _widen(self, bitmask: torch.Tensor, row: int, own: torch.Tensor) -> None:
+        """bitmask[row] (wider than this grammar's mask) from a row of its own width: the columns past its
+        vocab (lm_head padding) disallowed."""
+        words = self.mask_words
+        bitmask[row, :words] = own
         bitmask[row, words:] = 0
         tail = self.vocab.size % 32
         if tail:
             bitmask[row, words - 1] &= (1 << tail) - 1
-        return True
 
     def is_terminated(self) -> bool:
         """A stop token was accepted: the request is done (finish reason: stop)."""

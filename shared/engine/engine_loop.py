@@ -726,11 +726,13 @@ class Engine:
         them, as decoding token by token would)."""
         g = req.grammar
         masks = torch.full((len(drafts) + 1, (self.runner.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        filled = self.spec.filled_masks(req) or []  # the draft model's: filled while drafting, not again
         n = 0
         for t in drafts:
             if g.is_terminated():
                 break
-            g.fill_bitmask(masks, n)
+            if n >= len(filled) or not g.put_bitmask(masks, n, filled[n]):
+                g.fill_bitmask(masks, n)
             if not g.try_accept(t):
                 break
             n += 1

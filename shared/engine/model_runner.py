@@ -82,6 +82,7 @@ class PendingStep:
         self.dropped: set[int] = set()
         self.constrained = False  # grammar rows: sampled once the engine has advanced the grammars
         self.deferred: tuple | None = None  # (runner, logits, rows, host rows, sampling batch): not sampled yet
+        self.grammar_mask = None  # the GrammarMask its sampling used (the draft runner hands its rows on)
 
     @property
     def needs_sampling(self) -> bool:
@@ -420,8 +421,16 @@ class ModelRunner:
         # Keep (1 - fraction) of the whole card for activations, graphs and the sampler, or what the sizes the
         # provisional pool implies are estimated to need, if more; sizes derived from the smaller pool only shrink.
         budget = free - total * (1 - self.config.mem_fraction_static)
-        sizes = sizing.sizes_of(self.sized(self.config, int(max(0, budget) // per_token), total))
+        filled = self.sized(self.config, int(max(0, budget) // per_token), total)
+        sizes = sizing.sizes_of(filled)
         budget = free - max(total * (1 - self.config.mem_fraction_static), sizing.reserve_bytes(sizes, self.shape()))
+        if self.config.speculative_algorithm == "STANDALONE":
+            # The draft runner comes after this pool, with as many tokens of its own (spec/draft.py): leave it room.
+            from shared.engine.spec.draft import draft_memory
+
+            draft_per_token, draft_rest = draft_memory(filled, sizes, self.max_context_len, self.shape().act_bytes)
+            per_token += draft_per_token
+            budget -= draft_rest
         tokens = int(budget // per_token)
         if tokens < 1024:
             raise RuntimeError(
@@ -811,7 +820,7 @@ class ModelRunner:
             vocab_mask = self._proposal_masks(reqs, live, counts, device)
             rows = sum(counts)
         else:
-            mask = self.masker.build(states, device=device)
+            mask = handle.grammar_mask = self.masker.build(states, device=device)
             vocab_mask = mask.to_bool() if mask is not None else None
             rows = len(mask.rows) if mask is not None else 0
         if timing is not None:

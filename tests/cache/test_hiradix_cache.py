@@ -319,6 +319,130 @@ def test_tp_copies_are_ordered_on_every_rank_and_waited_for_on_the_device(monkey
     assert waited == [events[-1]]
 
 
+@pytest.fixture
+def cuda_standin(monkeypatch):
+    """host_pool.py's CUDA branches on the CPU: torch.cuda replaced by a recorder of the order the GPU would keep
+    (tests/cache/_cuda_standin.py). Yields (the stand-in, a helper that builds a host pool of 3-token chunks over a
+    'device' pool of `dtype` and `head_dim`, with its memory tracked)."""
+    import shared.cache.host_pool as host_pool
+    from shared.cache.kv_pool import as_bytes
+    from tests.cache._cuda_standin import FakeCuda
+
+    cuda = FakeCuda()
+    monkeypatch.setattr(host_pool, "torch", cuda.torch_namespace())
+    monkeypatch.setattr(host_pool, "to_device", cuda.to_device)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t, *a: cuda.is_pinned(t))
+
+    def build(dtype, head_dim):
+        pool = KVPool(LAYERS, 2, head_dim, 32, 1, dtype, "cpu")
+        pool.device = torch.device("cuda", 1)
+        cuda.mark_device(pool.kv_buffer)
+        monkeypatch.setattr(host_pool, "STAGING_BYTES", 3 * HostKVPool.token_bytes(pool))
+        host = HostKVPool(pool, 64)
+        assert host.bytes_per_token == 2 * LAYERS * 2 * head_dim * dtype.itemsize
+        cuda.track(host.buffer, "host", host.bytes_per_token)
+        for k, stages in host._staging.items():
+            for i, stage in enumerate(stages):
+                assert stage.shape[0] == 3 and stage.dtype == host.buffer.dtype
+                cuda.track(stage, f"{k} staging {i}", host.bytes_per_token)
+        assert all(s.device == pool.device for s in cuda.streams[1:])  # the rank's own GPU
+        return pool, as_bytes(pool.kv_buffer), host
+
+    yield cuda, build
+    import gc
+
+    gc.collect()  # a pool left over is unpinned while the stand-in is in place
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float8_e4m3fn, 96)])
+def test_cuda_copies_are_ordered_on_their_streams_and_pinned(cuda_standin, dtype, head_dim):
+    """The CUDA path, on the stand-in: a write reads the KV the queued pass writes only after it (write-through of
+    a leaf its pass is still computing), the staging buffers are refilled only once their previous chunk moved on,
+    a load's slots are read by the next pass only after the load the host saw complete, every host-device copy is
+    non_blocking from or into pinned memory, and a pool dropped with a copy in flight is unpinned only after it."""
+    import gc
+
+    from tests.cache._cuda_standin import Recorder
+
+    cuda, build = cuda_standin
+    pool, kv, host = build(dtype, head_dim)
+    src = np.array([5, 9, 10, 11, 20, 2, 31], np.int64)  # 3 chunks: both staging buffers reused
+    hslots = np.array([1, 2, 3, 20, 21, 50, 7], np.int64)  # runs and singles
+    dst = np.array([30, 3, 4, 12, 13, 14, 15], np.int64)
+    with Recorder(cuda, kv):
+        kv.index_copy_(1, torch.from_numpy(src), torch.randint(0, 100, (2 * LAYERS, 7, 2, head_dim)).to(kv.dtype))
+        # (a pass, queued on the compute stream)
+        want = kv[:, src].clone()
+        cuda.complete = False
+        write = host.write(src, hslots)
+        assert not write.query()
+        cuda.complete = True
+        assert write.query()  # the engine reuses the device slots once it sees the copy complete
+        kv.index_copy_(1, torch.from_numpy(src), torch.zeros_like(want))
+        load = host.load(hslots, dst)
+        load.synchronize()
+        assert load.seconds() == 0.0
+        kv.index_select(1, torch.from_numpy(dst))  # the next pass's attention reads the loaded slots
+        cuda.complete = False
+        host.write(dst, hslots + 1)  # still in flight when the pool goes
+    assert torch.equal(kv[:, dst], want)
+    assert not cuda.races, cuda.races
+    assert not cuda.bad_copies, cuda.bad_copies
+    assert cuda.registered
+    del host, write, load
+    gc.collect()
+    assert not cuda.registered and not cuda.unpinned_in_flight, cuda.unpinned_in_flight
+
+
+def test_cuda_transfer_failing_midway_ends_its_queued_chunks_first(cuda_standin, monkeypatch):
+    """A transfer that fails after queuing some chunks returns (raises) only once they ended: its caller frees its
+    slots at once (load_back: the device slots, to the next request; a failed write: the host slots)."""
+    import shared.cache.host_pool as host_pool
+    from tests.cache._cuda_standin import Recorder
+
+    cuda, build = cuda_standin
+    pool, kv, host = build(torch.bfloat16, 64)
+    runs, calls = host_pool._runs, []
+
+    def failing(slots):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: out of memory")
+        return runs(slots)
+
+    monkeypatch.setattr(host_pool, "_runs", failing)
+    cuda.complete = False
+    with Recorder(cuda, kv), pytest.raises(RuntimeError):
+        host.load(np.arange(1, 8, dtype=np.int64), np.arange(10, 17, dtype=np.int64))
+    assert len(calls) == 2 and cuda.all_ended()
+
+
+def test_tp_follower_copies_are_waited_for_on_the_device(cuda_standin):
+    """A tensor-parallel follower's copies on the stand-in: once rank 0 saw a copy complete, what the follower queues
+    next (on its compute stream) comes after its own copy of it, which it never waited for on the host."""
+    from shared.cache.host_pool import FollowerHostTier
+    from tests.cache._cuda_standin import Recorder
+
+    cuda, build = cuda_standin
+    pool, kv, host = build(torch.bfloat16, 64)
+    follower = FollowerHostTier(host)
+    src, hslots, dst = (np.array(x, np.int64) for x in ([5, 6, 7, 8], [1, 2, 3, 4], [20, 21, 22, 23]))
+    cuda.complete = False
+    with Recorder(cuda, kv):
+        kv.index_copy_(1, torch.from_numpy(src), torch.ones(2 * LAYERS, 4, 2, 64, dtype=kv.dtype))
+        follower.copy("write", 1, src, hslots)
+        follower.done(1)
+        kv.index_copy_(1, torch.from_numpy(src), torch.zeros(2 * LAYERS, 4, 2, 64, dtype=kv.dtype))  # slots reused
+        follower.copy("load", 2, dst, hslots)
+        follower.done(2)
+        kv.index_select(1, torch.from_numpy(dst))
+    assert not cuda.races, cuda.races
+    assert torch.equal(kv[:, dst], torch.ones(2 * LAYERS, 4, 2, 64, dtype=kv.dtype))
+    for pair in host._streams.values():
+        for stream in pair:
+            stream.synchronize()
+
+
 @pytest.mark.gpu
 def test_cuda_copies_round_trip_in_chunks(monkeypatch):
     import shared.cache.host_pool as host_pool

@@ -130,7 +130,7 @@ def test_a_gpu_engine_derives_its_sizes_and_reports_its_graphs():
     assert h.engine.info()["cuda_graphs"]["decode_max_bs"] == 16 and h.engine.runner.req_pool.max_reqs == 16
 
 
-def _pool_tokens_on(monkeypatch, free: int, total: int, context_len: int, fraction: float) -> int:
+def _pool_tokens_on(monkeypatch, free: int, total: int, context_len: int, fraction: float, **config) -> int:
     """ModelRunner._pool_tokens of an 8B Llama (bf16 KV) on a card reporting (free, total), without a GPU."""
     import functools
     import types
@@ -141,7 +141,7 @@ def _pool_tokens_on(monkeypatch, free: int, total: int, context_len: int, fracti
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
     r = types.SimpleNamespace(
-        config=EngineConfig(mem_fraction_static=fraction), device=torch.device("cuda", 0), num_kv_heads=8,
+        config=EngineConfig(mem_fraction_static=fraction, **config), device=torch.device("cuda", 0), num_kv_heads=8,
         kv_dtype=torch.bfloat16, dtype=torch.bfloat16, max_context_len=context_len,
         model_config=types.SimpleNamespace(num_hidden_layers=32, head_dim=128, vocab_size=128256, hidden_size=4096,
                                            intermediate_size=14336))
@@ -164,3 +164,45 @@ def test_the_pool_keeps_room_for_the_sizes_it_implies(monkeypatch):
     long_ctx = ModelShape(131072, 128256, 4096, 14336)
     provisional = derive_sizes(int((free - 0.05 * H100) // per_token), H100, long_ctx)
     assert thin == int((free - reserve_bytes(provisional, long_ctx)) // per_token)
+
+
+def test_the_pool_leaves_room_for_a_standalone_draft(monkeypatch):
+    """STANDALONE's draft runner is built after the target's pool, with a pool of as many tokens: the target's pool
+    gives way to the draft's KV a token and its weights and sizes, beside the target's own 15% margin."""
+    import types
+
+    from shared.engine.spec.draft import draft_config, draft_memory
+
+    free = 64 * GIB
+    per_token = 32 * 2 * 8 * 128 * 2
+    spec = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "tiny-random"}
+    tokens = _pool_tokens_on(monkeypatch, free, H100, 8192, 0.85, **spec)
+    filled = fill(EngineConfig(**spec), derive_sizes(int((free - 0.15 * H100) // per_token), H100, LLAMA_8B))
+    sizes = Sizes(filled.max_running_requests, filled.cuda_graph_max_bs, filled.chunked_prefill_size)
+    draft_per_token, draft_rest = draft_memory(filled, sizes, 8192, 2)
+    assert draft_per_token == 2 * 2 * 2 * 16 * 2 and draft_rest > GIB
+    assert tokens == int((free - 0.15 * H100 - draft_rest) // (per_token + draft_per_token))
+    # The draft captures decode graphs only up to the batch that still drafts.
+    assert draft_config(filled, types.SimpleNamespace(max_total_tokens=tokens, max_context_len=8192)) \
+        .cuda_graph_max_bs == filled.speculative_disable_batch_size == 64
+
+
+def test_the_draft_memory_estimate_is_the_built_draft_runners():
+    """draft_memory's KV bytes a token and weight bytes are those of the draft runner draft_config builds."""
+    import types
+
+    import torch
+
+    from shared.engine.model_runner import ModelRunner
+    from shared.engine.spec.draft import draft_config, draft_memory
+
+    cfg = EngineConfig(model_path="tiny-random", device="cpu", speculative_algorithm="STANDALONE",
+                       speculative_draft_model_path="tiny-random", max_running_requests=8, cuda_graph_max_bs=8,
+                       chunked_prefill_size=256)
+    sizes = Sizes(8, 8, 256)
+    draft_per_token, draft_rest = draft_memory(cfg, sizes, 256, 4)
+    r = ModelRunner(draft_config(cfg, types.SimpleNamespace(max_total_tokens=2048, max_context_len=256)))
+    assert draft_per_token == r.kv_pool.bytes_per_token(r.model_config.num_hidden_layers, r.num_kv_heads,
+                                                        r.model_config.head_dim, r.kv_dtype)
+    weights = sum(p.numel() * p.element_size() for p in r.model.parameters())
+    assert r.dtype == torch.float32 and draft_rest == weights + reserve_bytes(sizes, r.shape())

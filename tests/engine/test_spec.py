@@ -149,6 +149,43 @@ def test_standalone_other_draft_rejects_and_still_equals_plain(plain, other_draf
     assert draft.allocator.available_size() == draft.allocator.total_size()
 
 
+def test_draft_of_a_shorter_context_stops_drafting_at_its_end(plain, other_draft, tmp_path):
+    """A draft model whose context is shorter than the target's drafts while a request fits it and not past it
+    (the request decodes on plainly): its request table was indexed past its width before."""
+    import shutil
+
+    path = str(tmp_path / "draft64")
+    shutil.copytree(other_draft, path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**cfg, "max_position_embeddings": 64}, f)
+    spec = Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path=path, speculative_num_steps=3)
+    assert spec.engine.spec.runner.max_context_len == 64 < spec.engine.runner.max_context_len
+    prompts = [PROMPTS[0] + PROMPTS[0][:21], PROMPTS[2] * 2]  # 56 tokens: reaches its end; 96: past it
+    _, _, proposed, _ = check_spec_equals_plain(plain, spec, {**GREEDY, "ignore_eos": True}, prompts=prompts)
+    assert proposed > 0
+    draft = spec.engine.spec
+    assert draft.allocator.available_size() == draft.allocator.total_size()
+    assert draft.runner.req_pool.available() == spec.engine.config.max_running_requests
+
+
+def test_draft_pool_too_small_for_every_prompt_still_drafts_for_some(plain):
+    """The draft's pool (as many tokens as the target's) shares no prefixes: eight requests of one long prompt
+    fit the target's pool, not the draft's. The requests whose KV fits draft; before, a round that could not
+    hold every request's tokens drafted for none (one verification in the whole run)."""
+    spec = Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny-random",
+                   speculative_num_steps=3, max_total_tokens=600)
+    prompts = [list(range(100, 160)) + [5 + i, 6, 7, 8] * 3 for i in range(8)]  # 8 x 72 tokens, 60 shared
+    sampling = {**GREEDY, "max_new_tokens": 40, "ignore_eos": True}
+    want = run_all(plain, prompts, sampling)
+    assert [g["ids"] for g in run_all(spec, prompts, sampling)] == [w["ids"] for w in want]
+    stats, draft = spec.engine.spec.stats, spec.engine.spec
+    assert stats.verifications >= 16 and stats.accepted == stats.proposed
+    assert draft.allocator.available_size() == draft.allocator.total_size()
+    assert spec.engine.policy.is_idle() and spec.free_tokens() == spec.engine.runner.max_total_tokens
+
+
 def test_switch_from_overlapped_steps_to_drafting_equals_plain(plain):
     """Above --speculative-disable-batch-size steps overlap (step N + 1 is launched before N is processed).
     An abort brings the batch under it while a pass is in flight: the requests that draft now leave that
@@ -221,6 +258,42 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path):
     hf.save(os.path.join(path, "tokenizer.json"))
     with pytest.raises(SpecConfigError, match="different tokenizer"):
         Harness(speculative_algorithm="STANDALONE", speculative_draft_model_path=path)
+
+
+def tiny_model_dir(path: str, vocab_size: int, seed: int) -> str:
+    """The tiny tokenizer with a model of `vocab_size` embedding rows (more than its ids: padding, as real
+    checkpoints have)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(tiny_random_config(), vocab_size=vocab_size)
+    torch.manual_seed(seed)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf(), f)
+    save_file(tiny_random_state_dict(cfg), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    save_tiny_tokenizer(path)
+    return path
+
+
+def test_draft_padded_unlike_the_target_speculates(tmp_path):
+    """Same tokenizer, another lm_head padding (Qwen2.5's 0.5B and 7B): accepted, both ways. Drafts are
+    sampled within the tokenizer's ids; a prompt holding an id past the draft's rows (the target's padding)
+    decodes without drafts. A draft that does not cover the tokenizer is refused."""
+    small, big = tiny_model_dir(str(tmp_path / "v512"), 512, 1), tiny_model_dir(str(tmp_path / "v640"), 640, 2)
+    prompts = [PROMPTS[0], PROMPTS[1][:-1] + [600]]
+    sampling = {**GREEDY, "ignore_eos": True}
+    for target, draft, jobs in ((small, big, prompts[:1]), (big, small, prompts)):
+        want = run_all(Harness(model_path=target), jobs, sampling)
+        spec = Harness(model_path=target, speculative_algorithm="STANDALONE", speculative_draft_model_path=draft)
+        got = run_all(spec, jobs, sampling)
+        assert [(g["ids"], g["error"]) for g in got] == [(w["ids"], None) for w in want]
+        assert spec.engine.spec.stats.proposed > 0
+        d = spec.engine.spec
+        assert d.allocator.available_size() == d.allocator.total_size()
+        assert d.runner.req_pool.available() == spec.engine.config.max_running_requests
+    with pytest.raises(SpecConfigError, match="does not cover"):
+        Harness(model_path=big, speculative_algorithm="STANDALONE",
+                speculative_draft_model_path=tiny_model_dir(str(tmp_path / "v256"), 256, 3))
 
 
 def test_worker_cli_refuses_bad_flags(capsys):
@@ -331,6 +404,43 @@ def test_pd_decode_side_drafts_and_equals_plain(plain, flags):
     assert e.policy.is_idle() and h.free_tokens() == e.runner.max_total_tokens
 
 
+def count_verify_fills(engine) -> list[tuple[int, int]]:
+    """(drafts kept, grammar mask fills) of each `_grammar_drafts` call from now on: the draft model hands the
+    masks it sampled its drafts under, so verification fills one, after the last (none if the grammar ended);
+    the masks it sets are checked against the matcher's own fills."""
+    from shared.constrained import GrammarState
+
+    rounds, grammar_drafts, fill = [], engine._grammar_drafts, GrammarState.fill_bitmask
+    fills = [0]
+
+    def counting_fill(self, bitmask, row):
+        fills[0] += 1
+        return fill(self, bitmask, row)
+
+    def counted(req, drafts):
+        fills[0] = 0
+        GrammarState.fill_bitmask = counting_fill
+        try:
+            kept = grammar_drafts(req, drafts)
+        finally:
+            GrammarState.fill_bitmask = fill
+        rounds.append((len(kept), fills[0]))
+        if kept:  # the masks verification samples under: bit for bit those the matcher fills itself
+            g = req.grammar
+            g.rollback(len(kept))
+            want = torch.full_like(req.proposal_masks, -1)
+            for m, t in enumerate(kept):
+                fill(g, want, m)
+                assert g.try_accept(t)
+            if not g.is_terminated():
+                fill(g, want, len(kept))
+            assert torch.equal(want, req.proposal_masks)
+        return kept
+
+    engine._grammar_drafts = counted
+    return rounds
+
+
 def test_standalone_with_grammar_drafts_only_what_it_allows(plain):
     """The draft model's argmax is taken over the tokens the grammar allows at each draft step (its matcher
     advanced over the drafts, rolled back after): a draft equal to the target proposes exactly the target's
@@ -361,6 +471,7 @@ def test_standalone_with_grammar_drafts_only_what_it_allows(plain):
         return drafts
 
     draft.propose = checked_propose
+    fills = count_verify_fills(spec.engine)
     for key, value, check in (("json_schema", schema, lambda t: set(json.loads(t)) == {"a", "b"}),
                               ("regex", regex, lambda t: re.fullmatch(regex, t) is not None)):
         cut0, proposed, accepted = stats.grammar_cut, stats.proposed, stats.accepted
@@ -381,6 +492,8 @@ def test_standalone_with_grammar_drafts_only_what_it_allows(plain):
         assert stats.grammar_cut == cut0  # no draft the grammar refuses was proposed
     assert want[0]["finish"]["type"] == "stop"  # a draft run may end at the grammar's stop token
     assert spec.engine.info()["speculative"]["grammar_cut"] == 0 and rounds
+    # No mask filled twice: the drafts' masks come from the draft runner, verification fills the one after.
+    assert fills and all(kept > 0 and n <= 1 for kept, n in fills) and any(n == 1 for _, n in fills)
     assert draft.allocator.available_size() == draft.allocator.total_size()
     assert spec.engine.runner.req_pool.available() == spec.engine.config.max_running_requests
 
@@ -396,6 +509,8 @@ def test_standalone_other_draft_mixed_grammar_batch_equals_plain(plain, other_dr
     def outputs(h):
         return h.run([h.submit(p, sampling=dict(s)) for p, s in jobs])
 
+    fills = count_verify_fills(spec.engine)
     assert [g["ids"] for g in outputs(spec)] == [w["ids"] for w in outputs(plain)]
+    assert fills and all(n <= 1 for _, n in fills)
     stats = spec.engine.spec.stats
     assert 0 < stats.accepted < stats.proposed and stats.grammar_cut == 0

@@ -1,21 +1,28 @@
 """The flashinfer attention backend (shared/models/attention/flashinfer_backend.py).
 
 On a CPU: the slot gather its page indices come from (a Triton kernel, interpreted), and the backend's planning
-against a stand-in `flashinfer` module whose wrappers attend in plain torch over exactly the indices, offsets and
-page views they were planned with: a pass's outputs must equal the torch backend's. On a GPU (`-m gpu`, with
-flashinfer installed): the real wrappers against the torch backend, eager and in a CUDA graph replayed over new
+against a stand-in `flashinfer` module (tests/kernels/_flashinfer_standin.py) whose wrappers take flashinfer 0.7.4's
+signatures and attend in plain torch over exactly the indices, offsets, lengths and page views they were planned
+with: a pass's outputs must equal the torch backend's. The stand-in's recorded signatures are checked against the real
+package where it imports (installed, or the repacked wheel in .whl/fi/, its kernels not needed). On a GPU (`-m gpu`,
+with flashinfer installed): the real wrappers against the torch backend, eager and in a CUDA graph replayed over new
 lengths, and the engine's greedy tokens against the Triton backend's.
 """
 from __future__ import annotations
 
 import importlib.util
-import math
+import json
+import os
+import subprocess
 import sys
 import types
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.kernels import _flashinfer_standin as standin
 from tests.kernels._helpers import _tol, write_rows
 from tests.kernels._runner import kernel_tests
 
@@ -41,103 +48,15 @@ test_interpreted_cpu, test_cuda_bf16 = kernel_tests(globals())
 
 
 # ------------------------------------------------------------------ a stand-in flashinfer (CPU)
-def _attend(q, k, v, scale, causal_from, lse=None):
-    """q [n, Hq, D] over k, v [m, Hkv, D]; query i sees keys < causal_from + i + 1 (None: all). With `lse` (a
-    [n, Hq] tensor), also writes the log2-sum-exp of the scores there (FlashInfer's convention; -inf: no keys)."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
-    s = torch.einsum("nhd,mhd->hnm", q.float(), k) * scale
-    if causal_from is not None:
-        n, m = q.shape[0], k.shape[0]
-        s = s.masked_fill(torch.arange(m)[None, :] > causal_from + torch.arange(n)[:, None], float("-inf"))
-    if lse is not None:
-        lse.copy_((torch.logsumexp(s, -1) / math.log(2)).T)
-    return torch.einsum("hnm,mhd->nhd", s.softmax(-1).nan_to_num(0.0), v).to(q.dtype)
-
-
-def _merge_state(v_a, s_a, v_b, s_b):
-    s = torch.logaddexp(s_a * math.log(2), s_b * math.log(2)) / math.log(2)
-    w_a, w_b = torch.exp2(s_a - s).nan_to_num(0.0), torch.exp2(s_b - s).nan_to_num(0.0)
-    return (v_a.float() * w_a[..., None] + v_b.float() * w_b[..., None]).to(v_a.dtype), s
-
-
-class _Wrapper:
-    plans: list = []
-
-    def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False, paged_kv_indptr_buffer=None,
-                 paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None, backend="auto"):
-        assert layout == "NHD"
-        self.graph = use_cuda_graph
-        self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
-
-    def _paged(self, q, pages, qo_indptr, kv_indptr, indices, return_lse=False, k_scale=1.0, v_scale=1.0):
-        k_pages, v_pages = pages
-        assert k_pages.shape[1:] == (1, HKV, D) and v_pages.shape[1:] == (1, HKV, D)  # pages of one token, NHD
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:2])
-        for b in range(len(kv_indptr) - 1):
-            slots = indices[kv_indptr[b]:kv_indptr[b + 1]].long()
-            qs = slice(qo_indptr[b], qo_indptr[b + 1])
-            out[qs] = _attend(q[qs], k_pages[slots, 0].float() * k_scale, v_pages[slots, 0].float() * v_scale,
-                              self.scale, None, lse[qs])
-        return (out, lse) if return_lse else out
-
-
-class _Decode(_Wrapper):
-    def reset_workspace_buffer(self, float_workspace, int_workspace):
-        assert self.graph and int_workspace.dtype == torch.uint8
-    def plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size, sm_scale=None, **kw):
-        assert indptr.device.type == "cpu" and page_size == 1 and bool((last_page_len == 1).all())
-        assert (hq, hkv, d) == (HQ, HKV, D)
-        self.scale = sm_scale
-        if self.graph:  # as FlashInfer: copied into the fixed buffers
-            assert len(indices) <= len(self.buffers[1]) and len(indptr) == len(self.buffers[0])
-            self.buffers[0].copy_(indptr)
-            self.buffers[1][:len(indices)].copy_(indices)
-            self.indptr, self.indices = self.buffers[0], self.buffers[1]
-        else:
-            self.indptr, self.indices = indptr, indices
-        _Wrapper.plans.append(("decode", self.graph))
-
-    def run(self, q, pages, **scales):
-        kv = self.indptr.tolist()
-        return self._paged(q, pages, list(range(len(kv))), kv, self.indices, **scales)
-
-
-class _Paged(_Wrapper):
-    def plan(self, qo_indptr, kv_indptr, indices, last_page_len, hq, hkv, d, page_size, causal=False, sm_scale=None,
-             **kw):
-        assert not causal and page_size == 1 and bool((last_page_len == 1).all())  # the prefix: all of it
-        self.qo, self.kv, self.indices, self.scale = qo_indptr.tolist(), kv_indptr.tolist(), indices, sm_scale
-        _Wrapper.plans.append(("paged", False))
-
-    def run(self, q, pages, return_lse=False, **scales):
-        return self._paged(q, pages, self.qo, self.kv, self.indices, return_lse, **scales)
-
-
-class _Ragged(_Wrapper):
-    def plan(self, qo_indptr, kv_indptr, hq, hkv, d, causal=False, sm_scale=None, **kw):
-        assert causal and torch.equal(qo_indptr, kv_indptr)
-        self.qo, self.scale = qo_indptr.tolist(), sm_scale
-        _Wrapper.plans.append(("ragged", False))
-
-    def run(self, q, k, v, return_lse=False):
-        assert k.is_contiguous() and v.is_contiguous()
-        out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
-        for a, b in zip(self.qo, self.qo[1:]):
-            out[a:b] = _attend(q[a:b], k[a:b], v[a:b], self.scale, 0, lse[a:b])
-        return (out, lse) if return_lse else out
-
-
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
     mod = types.ModuleType("flashinfer")
-    mod.BatchDecodeWithPagedKVCacheWrapper = _Decode
-    mod.BatchPrefillWithPagedKVCacheWrapper = _Paged
-    mod.BatchPrefillWithRaggedKVCacheWrapper = _Ragged
-    mod.merge_state = _merge_state
+    mod.BatchDecodeWithPagedKVCacheWrapper = standin.Decode
+    mod.BatchPrefillWithPagedKVCacheWrapper = standin.Paged
+    mod.BatchPrefillWithRaggedKVCacheWrapper = standin.Ragged
+    mod.merge_state = standin.merge_state
     monkeypatch.setitem(sys.modules, "flashinfer", mod)
-    monkeypatch.setattr(_Wrapper, "plans", [])
+    monkeypatch.setattr(standin._Wrapper, "plans", [])
     import shared.models.attention.flashinfer_backend as backend
     monkeypatch.setattr(backend, "WORKSPACE_BYTES", 1024)
     monkeypatch.setattr(backend, "GRAPH_INT_WORKSPACE_BYTES", 1024)
@@ -150,7 +69,7 @@ def _world(backend, device, dtype, pool_dtype, scales):
     return backend, pool, ReqToTokenPool(8, 256, device)
 
 
-def _passes(device="cpu", dtype=torch.float32, pool_dtype=None, scales=None, graph_decode=False):
+def _passes(device="cpu", dtype=torch.bfloat16, pool_dtype=None, scales=None, graph_decode=False):
     """Four passes (prompts with no prefix: ragged; second chunks over the first and a new prompt: ragged + paged;
     two decode steps) through the torch backend and the flashinfer one on identical pools: their outputs, pass by
     pass."""
@@ -161,11 +80,13 @@ def _passes(device="cpu", dtype=torch.float32, pool_dtype=None, scales=None, gra
               _world(FlashInferAttentionBackend(HQ, HKV, D, device=device, dtype=dtype), device, dtype, pool_dtype,
                      scales)]
     gen = torch.Generator().manual_seed(1)
-    # The second pass: three requests over their cached prefixes and a new one with none (row 3).
+    # The second pass: three requests over their cached prefixes and, among them, a new one with none (row 3); one
+    # extends by more than 64 tokens, which on an H100 moves the paged prefill from FA2 to FA3 (flashinfer/prefill.py
+    # _determine_auto_backend), the kernels that read a request's KV length from its last_page_len.
     steps = [(ForwardMode.EXTEND, [2, 5, 7], [0, 0, 0], [13, 4, 1]),
-             (ForwardMode.EXTEND, [2, 5, 7, 3], [13, 4, 1, 0], [6, 1, 9, 5]),
-             (ForwardMode.DECODE, [2, 5, 7, 3], [19, 5, 10, 5], [1, 1, 1, 1]),
-             (ForwardMode.DECODE, [2, 5, 7, 3], [20, 6, 11, 6], [1, 1, 1, 1])]
+             (ForwardMode.EXTEND, [2, 3, 5, 7], [13, 0, 4, 1], [70, 5, 1, 9]),
+             (ForwardMode.DECODE, [2, 3, 5, 7], [83, 5, 5, 10], [1, 1, 1, 1]),
+             (ForwardMode.DECODE, [2, 3, 5, 7], [84, 6, 6, 11], [1, 1, 1, 1])]
     slot, results = 1, []
     for mode, rows, prefix, ext in steps:
         T = sum(ext)
@@ -188,18 +109,18 @@ def _passes(device="cpu", dtype=torch.float32, pool_dtype=None, scales=None, gra
 
 def test_plans_once_a_pass_and_attends_over_the_planned_slots(fake_flashinfer):
     for graph_decode in (False, True):
-        _Wrapper.plans.clear()
+        standin._Wrapper.plans.clear()
         for ref, ours in _passes(graph_decode=graph_decode):
-            torch.testing.assert_close(ours, ref, atol=2e-5, rtol=2e-5)
-        assert _Wrapper.plans == [("ragged", False), ("ragged", False), ("paged", False), ("decode", graph_decode),
-                                  ("decode", graph_decode)]
+            torch.testing.assert_close(ours, ref, **_tol(torch.bfloat16))
+        assert standin._Wrapper.plans == [("ragged", False), ("ragged", False), ("paged", False),
+                                          ("decode", graph_decode), ("decode", graph_decode)]
 
 
 def test_an_fp8_pool_reads_with_its_scales(fake_flashinfer):
     """The prefix and decode read the pool times each layer's scales; an extend's new tokens are read as computed
     (as the torch and Triton backends read them)."""
     for ref, ours in _passes(pool_dtype=torch.float8_e4m3fn, scales=[(0.5, 1.3), (1.0, 0.8)]):
-        torch.testing.assert_close(ours, ref, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(ours, ref, **_tol(torch.bfloat16))
 
 
 def test_indptr_of():
@@ -214,9 +135,61 @@ def test_factory_errors_name_the_device_head_dim_and_the_install_command():
         create_attention_backend("flashinfer", HQ, HKV, D, device="cpu")
     with pytest.raises(ValueError, match="runs head dims 64, 128, 256; this model's is 16: use triton"):
         create_attention_backend("flashinfer", HQ, HKV, 16, device="cuda")
+    with pytest.raises(ValueError, match="runs float16 and bfloat16 models; this one is float32: use triton"):
+        create_attention_backend("flashinfer", HQ, HKV, D, device="cuda", dtype=torch.float32)
     if importlib.util.find_spec("flashinfer") is None:
         with pytest.raises(ValueError, match=r"needs the flashinfer-python package.*pip install.*triton"):
             create_attention_backend("flashinfer", HQ, HKV, D, device="cuda")
+
+
+# The real package's signatures, annotations dropped, as JSON on stdout (flashinfer imports without a GPU).
+_REAL_SIGNATURES = """
+import inspect, json, flashinfer
+def bare(f):
+    s = inspect.signature(f)
+    return str(s.replace(parameters=[p.replace(annotation=p.empty) for p in s.parameters.values()],
+                         return_annotation=s.empty))
+out = {"version": flashinfer.__version__}
+for key in json.loads(input()):
+    obj = flashinfer
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    out[key] = bare(obj)
+print(json.dumps(out))
+"""
+
+
+def _real_flashinfer(tmp_path) -> str | None:
+    """A PYTHONPATH under which the real flashinfer imports: "" where it is installed, else the Python files of the
+    repacked wheel (bench/fetch_flashinfer.sh's .whl/fi/) unpacked under tmp_path; None: neither is here."""
+    if importlib.util.find_spec("flashinfer") is not None:
+        return ""
+    wheels = sorted((Path(__file__).resolve().parents[2] / ".whl" / "fi").glob(
+        f"flashinfer_python-{standin.VERSION}-*.whl"))
+    if not wheels:
+        return None
+    with zipfile.ZipFile(wheels[0]) as z:
+        z.extractall(tmp_path, [n for n in z.namelist()
+                                if n.startswith("flashinfer/") and n.endswith(".py") and "/data/" not in n])
+    return str(tmp_path)
+
+
+def test_the_standins_signatures_are_flashinfers(tmp_path):
+    """Each signature the stand-in binds calls to is the pinned release's own, parameter for parameter (names, kinds,
+    defaults): what makes the CPU tests' calls the GPU's."""
+    from shared.engine.config import FLASHINFER_INSTALL
+    assert f"flashinfer-python=={standin.VERSION}" in FLASHINFER_INSTALL  # the records are the pinned release's
+    path = _real_flashinfer(tmp_path)
+    if path is None:
+        pytest.skip("flashinfer is neither installed nor in .whl/fi/ (bench/fetch_flashinfer.sh)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH", "")) if p))
+    run = subprocess.run([sys.executable, "-c", _REAL_SIGNATURES], input=json.dumps(list(standin.SIGNATURES)),
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    if run.returncode != 0:
+        pytest.skip(f"flashinfer does not import here: {run.stderr.strip().splitlines()[-1:]}")
+    real = json.loads(run.stdout.strip().splitlines()[-1])
+    assert real.pop("version") == standin.VERSION
+    assert real == standin.SIGNATURES
 
 
 # ------------------------------------------------------------------ on a GPU, the real wrappers
@@ -228,10 +201,12 @@ def _needs_flashinfer():
 
 
 @pytest.mark.gpu
-def test_flashinfer_passes_match_the_torch_backend_on_cuda():
+@pytest.mark.parametrize("pool", [None, torch.float8_e4m3fn])  # FP8 KV: FA2 kernels that dequantize it (not FA3)
+def test_flashinfer_passes_match_the_torch_backend_on_cuda(pool):
     _needs_flashinfer()
+    scales = [(0.5, 1.3), (1.0, 0.8)] if pool is not None else None
     for graph_decode in (False, True):
-        for ref, ours in _passes("cuda", torch.bfloat16, graph_decode=graph_decode):
+        for ref, ours in _passes("cuda", torch.bfloat16, pool_dtype=pool, scales=scales, graph_decode=graph_decode):
             torch.testing.assert_close(ours, ref, **_tol(torch.bfloat16))
 
 

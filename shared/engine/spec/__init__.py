@@ -101,6 +101,11 @@ class Speculator:
         """Up to budgets[i] drafts for each request (their confirmed tokens are req.all_ids[:seq_len])."""
         raise NotImplementedError
 
+    def filled_masks(self, req: Req) -> list | None:
+        """The grammar mask rows (host int32) `req`'s drafts just proposed were sampled under, one a draft
+        from the first (None: none, as for NGRAM's lookups); handed once, verification fills only the rest."""
+        return None
+
     def verified(self, req: Req, kept: int) -> None:
         """`req`'s drafts were verified: `kept` of them stayed (a draft model rolls back the rest)."""
 

@@ -30,6 +30,9 @@ WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-KV scratch, shared by every wr
 DECODE_TENSOR_CORES_MIN_GROUP = 4
 GRAPH_INT_WORKSPACE_BYTES = 8 << 20  # what each FlashInfer wrapper allocates for itself
 HEAD_DIMS = (64, 128, 256)  # what FlashInfer's decode and prefill kernels are built for (its own dispatch tables)
+# The query / output types its kernels are generated for (flashinfer/jit/utils.py:33 maps no float32: a KeyError at
+# the first plan otherwise).
+MODEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def import_flashinfer():
@@ -79,6 +82,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"the flashinfer attention backend runs head dims {', '.join(map(str, HEAD_DIMS))}; this "
                              f"model's is {head_dim}: use triton")
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"the flashinfer attention backend runs float16 and bfloat16 models; this one is "
+                             f"{str(dtype).replace('torch.', '')}: use triton")
         self.fi = import_flashinfer()
         self.device = torch.device(device)
         self.dtype = dtype  # q and outputs (the model's dtype); the pool's may be FP8
@@ -167,7 +173,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         indices = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device=self.device)
         paged_kv_indices(r2t, fb.req_pool_indices, fb.extend_prefix_lens,
                          to_device(kv_indptr, torch.int32, self.device), indices)
-        self._plan(self._paged, qo_indptr, kv_indptr, indices, torch.ones(fb.batch_size, dtype=torch.int32),
+        # A request's KV length is (pages - 1) * page_size + last_page_len over its pages, and last_page_len alone
+        # where it has none (flashinfer/page.py:391, the length the sm90 schedule hands its kernels): 0, not 1, for a
+        # request without a prefix, or an H100's paged prefill reads the next request's first slot (or past the end).
+        last_page_len = torch.tensor([min(n, 1) for n in prefix], dtype=torch.int32)
+        self._plan(self._paged, qo_indptr, kv_indptr, indices, last_page_len,
                    self.num_heads, self.num_kv_heads, self.head_dim, 1, causal=False, sm_scale=self.scaling,
                    q_data_type=self.dtype, kv_data_type=fb.kv_pool.dtype, o_data_type=self.dtype)
         self._run = self._extend_over_prefix
