@@ -129,11 +129,9 @@ class HiRadixCache(RadixCache):
         found: HostMatch | None = match.host
         if found is None:
             return None
-        if found.recorded >= 0:  # the admission's own match counts this query, not this one
-            self._query_tokens -= found.recorded
-            self._hit_tokens -= match.length
         if found.loading is not None:
             found.loading.holders += 1
+            self._uncount(match)
             return found.loading
         nodes = found.nodes
         n = sum(len(x.key) for x in nodes)
@@ -159,9 +157,17 @@ class HiRadixCache(RadixCache):
             self.unlock(match.node)
             return None
         self._loads.append(op)
+        self._uncount(match)
         if op.event is None:
             self._finish_load(op)
         return op
+
+    def _uncount(self, match: MatchResult) -> None:
+        """A load started or joined: the request's match once it is done counts this query, not `match` (a match
+        that loads nothing stays counted)."""
+        if match.host.recorded >= 0:
+            self._query_tokens -= match.host.recorded
+            self._hit_tokens -= match.length
 
     def load_ready(self, op: LoadOp) -> bool:
         """Whether the requests waiting on `op` may go on: it completed, failed, or ran past the timeout

@@ -545,3 +545,18 @@ def test_copy_completing_between_two_queries_frees_its_slots():
     cache.poll()
     assert alloc.used_size() == 0
     no_leak(alloc, cache)
+
+
+def test_match_whose_load_cannot_start_stays_counted():
+    """A match reaching host-only KV that cannot be loaded (no device room) is a miss of the host part: its query
+    and device hit count once, as any match's (they were taken back as if a later match would count them)."""
+    pool, alloc, cache, a = host_only()
+    taken = alloc.alloc(alloc.available_size())  # every device slot in use elsewhere
+    before = cache.stats()
+    match = cache.match_prefix(a)
+    assert match.host is not None and cache.load_back(match) is None
+    after = cache.stats()
+    assert after["query_tokens"] - before["query_tokens"] == len(a)
+    assert after["hit_tokens"] == before["hit_tokens"]
+    alloc.free(taken)
+    no_leak(alloc, cache)
