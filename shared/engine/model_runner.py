@@ -1,6 +1,7 @@
 """Owns the model, the KV memory and the attention backend; turns a ScheduleBatch into sampled tokens."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -199,12 +200,12 @@ class ModelRunner:
             raise
 
     def _init(self, config: EngineConfig, tp_rank: int) -> None:
-        from shared.engine.tp import rank_device
+        from shared.engine.tp import follower_device
         from shared.models.attention import create_attention_backend
         from shared.models.loader import load_model
         from shared.models.parallel import local_heads, local_kv_heads
 
-        self.device = rank_device(resolve_device(config.device), tp_rank)
+        self.device = follower_device(config.device, tp_rank) if tp_rank else resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             from kernels._utils import set_pdl
@@ -555,7 +556,12 @@ class ModelRunner:
         """Logits of some rows of hidden; the other ranks compute their vocabulary part alongside."""
         if self.tp is not None:
             self.tp.send(("logits", rows))
-        return self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
+        with self._lockstep():
+            return self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
+
+    def _lockstep(self):
+        """Around rank 0's device work for a command it just sent the other ranks (TPLeader.lockstep)."""
+        return self.tp.lockstep() if self.tp is not None else contextlib.nullcontext()
 
     def follow(self, cmd: tuple) -> None:
         """A tensor-parallel rank > 0: replay one of rank 0's commands (same kernels, same collectives)."""
@@ -662,7 +668,8 @@ class ModelRunner:
         from shared.models.parallel import all_gather_kv_heads
 
         self.tp.send(("kv_gather", slots.tolist()))
-        full = all_gather_kv_heads(kv_pages.gather(self.kv_pool, slots), self.model_config.num_key_value_heads)
+        with self.tp.lockstep():
+            full = all_gather_kv_heads(kv_pages.gather(self.kv_pool, slots), self.model_config.num_key_value_heads)
         return kv_pages.staged(full, staging)
 
     def scatter_kv(self, slots: torch.Tensor, buf: torch.Tensor) -> None:
@@ -675,8 +682,13 @@ class ModelRunner:
             return
         from shared.models.parallel import broadcast, local_kv_part
 
+        shape = (len(slots), *self.kv_layout())
+        if tuple(buf.shape) != shape or buf.dtype != self.kv_dtype:  # before the broadcast, whose size it sets
+            raise ValueError(f"KV buffer of {tuple(buf.shape)} {kv_pages.dtype_name(buf.dtype)} does not fit "
+                             f"{len(slots)} slots of this pool ({shape} {kv_pages.dtype_name(self.kv_dtype)})")
         self.tp.send(("kv_scatter", slots.tolist()))
-        full = broadcast(buf.to(self.device, non_blocking=True).contiguous())
+        with self.tp.lockstep():
+            full = broadcast(buf.to(self.device, non_blocking=True).contiguous())
         kv_pages.scatter(self.kv_pool, slots, local_kv_part(full, self.model_config.num_key_value_heads))
 
     def _follow_kv(self, op: str, slots: list[int]) -> None:
@@ -701,7 +713,8 @@ class ModelRunner:
         plan = self._plan(batch)
         if self.tp is not None:
             self.tp.send(("forward", plan))
-        dev_rows, result = self._run_plan(plan)
+        with self._lockstep():
+            dev_rows, result = self._run_plan(plan)
         n = batch.batch_size
         out = StepOutput([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
         if plan.use_graph:
@@ -788,7 +801,8 @@ class ModelRunner:
 
             # The rows as launched: a request that finished meanwhile has given its row back.
             self.tp.send(("tokens", [host_rows[i] for i in sampled]))
-            last_rows = broadcast(last_rows.to(torch.int64).contiguous())
+            with self.tp.lockstep():
+                last_rows = broadcast(last_rows.to(torch.int64).contiguous())
         self.token_buf[rows] = last_rows
         tensors = {"ids": res.next_token_ids, "lps": res.logprobs, "top_ids": res.top_logprobs_ids,
                    "top_lps": res.top_logprobs}

@@ -14,10 +14,12 @@ between processes (grammars finishing their compile on threads, timeouts, admin 
 divergent decision would deadlock the collectives. One scheduler cannot diverge from itself.
 
 Followers die with rank 0: their pipe reads end at EOF, the kernel sends them SIGKILL when the worker
-dies (PR_SET_PDEATHSIG), and rank 0 exits if a follower dies (its ranks' collectives would hang).
+dies (PR_SET_PDEATHSIG), and rank 0 exits if a follower dies (its ranks' collectives would hang), or if its
+own work for a command it sent them fails part-way (TPLeader.lockstep).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -47,6 +49,16 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     if device.type != "cuda":
         return device
     return torch.device("cuda", (device.index or 0) + rank)
+
+
+def follower_device(base: str, rank: int) -> torch.device:
+    """Rank r's device, made current, from the base device rank 0 resolved ("cpu" or "cuda:N"), without
+    making the base GPU current on the way: since CUDA 12 that creates a context there (~0.5 GB of rank 0's
+    GPU a follower, taken before rank 0 sizes its KV pool from what is free)."""
+    device = rank_device(torch.device(base), rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 def rendezvous_store(size: int, port: int = 0):
@@ -147,19 +159,37 @@ class TPLeader:
                 if proc.poll() is not None and not self._closed:
                     log.critical("tensor-parallel rank %d died (exit code %s); stopping the worker", rank,
                                  proc.returncode)
-                    for other in self.procs:
-                        if other.poll() is None:
-                            other.kill()
-                    os._exit(70)
+                    self._end_group()
             time.sleep(0.5)
+
+    def _end_group(self) -> None:
+        self._closed = True  # (the watchdog's work is done)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        os._exit(70)
+
+    @contextlib.contextmanager
+    def lockstep(self):
+        """Rank 0's device work for a command just sent. If it raises part-way, the other ranks are left in
+        collectives rank 0 never joins, or that its next ones would pair with (another shape: a hang, or
+        garbage): the group cannot go on, so the worker ends, as when a follower dies. (With one device the
+        engine recovers from a failed step: shared/engine/engine_loop.py `_recover`.)"""
+        try:
+            yield
+        except BaseException:
+            log.critical("tensor-parallel rank 0 failed between a command and its collectives; stopping the "
+                         "worker", exc_info=True)
+            self._end_group()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # the last pass's collectives complete before the ranks go
         everyone = all(proc.poll() is None for proc in self.procs)
+        if everyone and torch.cuda.is_available() and torch.cuda.is_initialized():
+            # The last pass's collectives complete before the ranks go (with a rank dead they never would).
+            torch.cuda.synchronize()
         for conn in self.conns:
             try:
                 conn.send_bytes(pickle.dumps(("stop",)))

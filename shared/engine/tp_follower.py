@@ -16,7 +16,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.parent_death import die_with_parent
-from shared.engine.tp import join_process_group, leave_process_group, rank_device, rendezvous_store
+from shared.engine.tp import follower_device, join_process_group, leave_process_group, rendezvous_store
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +53,13 @@ def _follower_main(rank: int, port: int, conn: Connection, parent_pid: int) -> N
     die_with_parent(signal.SIGKILL, parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker's Ctrl-C is rank 0's to handle
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{rank} %(name)s %(levelname)s %(message)s")
-    from shared.engine.model_runner import ModelRunner, resolve_device  # after the death signal is set
+    from shared.engine.model_runner import ModelRunner  # after the death signal is set
 
     link = TPFollowerLink(conn)
     try:
         config: EngineConfig = conn.recv()
-        device = rank_device(resolve_device(config.device), rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        else:  # the ranks share the cores: N ranks x all-core thread pools thrash
+        device = follower_device(config.device, rank)
+        if device.type != "cuda":  # the ranks share the cores: N ranks x all-core thread pools thrash
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
         conn.send(("started", None))
         join_process_group(rank, config.tp_size, rendezvous_store(config.tp_size, port), device)

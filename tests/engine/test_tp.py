@@ -369,6 +369,10 @@ def test_kv_pages_leave_whole_whatever_the_sharding():
             assert list(buf.shape) == [len(slots), *runner.kv_layout()]
             bufs.append(buf.clone())
             if tp == 2:
+                # A buffer of other positions or dtype is refused before the broadcast it would size wrongly.
+                for bad in (buf[:-1], buf.double()):
+                    with pytest.raises(ValueError, match="does not fit"):
+                        runner.scatter_kv(slots, bad)
                 runner.scatter_kv(slots, torch.zeros_like(buf))
                 assert runner.gather_kv(slots).abs().sum() == 0
                 runner.scatter_kv(slots, bufs[0])
@@ -533,6 +537,53 @@ def test_worker_exits_when_a_rank_dies():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_follower_device_never_makes_the_base_gpu_current(monkeypatch):
+    """A follower goes straight to its own GPU: making rank 0's GPU current on the way (as resolving the base
+    device did) creates a CUDA context there, ~0.5 GB of rank 0's GPU a follower (CUDA 12)."""
+    from shared.engine import tp as tp_mod
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: made.append(torch.device(d)))
+    assert tp_mod.follower_device("cuda:2", 1) == torch.device("cuda", 3)
+    assert made == [torch.device("cuda", 3)]
+    assert tp_mod.follower_device("cpu", 1) == torch.device("cpu") and len(made) == 1
+
+
+def test_rank0_failing_after_sending_a_pass_ends_the_group(monkeypatch):
+    """Rank 0's forward raises after the followers were sent the pass: they are left in its collectives, which
+    rank 0's next ones would pair with (a hang, or garbage on NCCL). The worker ends with its ranks instead of
+    recovering the step as one device does."""
+    from shared.engine import tp as tp_mod
+
+    class Ended(BaseException):
+        pass
+
+    codes = []
+
+    def fake_exit(code):
+        codes.append(code)
+        raise Ended
+
+    h = Harness(tp_size=2)
+    tp = h.engine.runner.tp
+    try:
+        def broken(fb):
+            raise RuntimeError("injected")
+
+        h.engine.runner.model.forward = broken
+        monkeypatch.setattr(tp_mod.os, "_exit", fake_exit)
+        with pytest.raises(Ended):
+            h.generate(PROMPTS[0], sampling=GREEDY)
+        assert codes == [70]
+        assert all(p.wait(timeout=10) == -signal.SIGKILL for p in tp.procs)
+    finally:
+        for p in tp.procs:
+            if p.poll() is None:
+                p.kill()
+        tp_mod.leave_process_group(graceful=False)
+        h.engine.stop()
 
 
 def test_group_teardown_is_bounded(monkeypatch, caplog):
