@@ -289,7 +289,9 @@ class DecodeSide:
             event = torch.cuda.Event()
             event.record()
             self._in_use.append((event, buf))
-        runner.req_pool.write(req.req_pool_idx, 0, to_device(req.slots[:n], torch.int32, runner.device))
+        # Host slots, staged without blocking: a device tensor would be read back (waiting for the pass in flight) to
+        # reach the other tensor-parallel ranks.
+        runner.req_pool.write(req.req_pool_idx, 0, to_device(req.slots[:n], torch.int32, torch.device("cpu")))
         engine.policy.kv_arrived(req)
         req.transfer = None  # from here on a local request: a retraction recomputes from the tree
         req.num_cached_tokens = done.cached_tokens  # computation saved is the prefill side's hit
