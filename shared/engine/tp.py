@@ -157,10 +157,21 @@ class TPLeader:
         while not self._closed:
             for rank, proc in enumerate(self.procs, start=1):
                 if proc.poll() is not None and not self._closed:
-                    log.critical("tensor-parallel rank %d died (exit code %s); stopping the worker", rank,
-                                 proc.returncode)
+                    log.critical("tensor-parallel rank %d died (exit code %s); stopping the worker%s", rank,
+                                 proc.returncode, self._last_words(rank))
                     self._end_group()
             time.sleep(0.5)
+
+    def _last_words(self, rank: int) -> str:
+        """The traceback a follower sent before it exited, if any: one that fails building its runner after
+        ready() (its KV pool sizing, say, with less memory free on its GPU than rank 0's) reports it only here."""
+        conn = self.conns[rank - 1]
+        try:
+            if conn.poll(0):
+                return ":\n" + str(conn.recv()[1])
+        except (EOFError, OSError, ValueError, TypeError, IndexError, pickle.UnpicklingError):
+            pass
+        return ""
 
     def _end_group(self) -> None:
         self._closed = True  # (the watchdog's work is done)

@@ -586,6 +586,35 @@ def test_rank0_failing_after_sending_a_pass_ends_the_group(monkeypatch):
         h.engine.stop()
 
 
+def test_watchdog_logs_what_a_dead_follower_sent(monkeypatch, caplog):
+    """A follower failing after ready() (its KV pool sizing on a GPU with less free memory than rank 0's, say)
+    sends its traceback down the pipe and exits: the watchdog logs it with the death, not just the exit code."""
+    from multiprocessing import Pipe
+
+    from shared.engine import tp as tp_mod
+
+    class Ended(BaseException):
+        pass
+
+    def fake_exit(code):
+        raise Ended
+
+    class Dead:
+        returncode = 1
+
+        def poll(self):
+            return 1
+
+    ours, theirs = Pipe()
+    theirs.send(("error", "Traceback ...\nRuntimeError: only 0.3 GiB left for the KV cache"))
+    leader = tp_mod.TPLeader.__new__(tp_mod.TPLeader)
+    leader.procs, leader.conns, leader._closed = [Dead()], [ours], False
+    monkeypatch.setattr(tp_mod.os, "_exit", fake_exit)
+    with caplog.at_level("CRITICAL"), pytest.raises(Ended):
+        leader._watch()
+    assert "rank 1 died (exit code 1)" in caplog.text and "only 0.3 GiB left" in caplog.text
+
+
 def test_group_teardown_is_bounded(monkeypatch, caplog):
     """A process-group teardown stuck in the backend (NCCL's hung the worker's shutdown on the H200) is
     left behind after the bound instead of hanging the worker that is shutting down."""
