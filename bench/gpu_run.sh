@@ -58,10 +58,11 @@ run() {
 }
 # bench.spec after the reference models, in the time the call has left when that is enough (a warm machine keeps
 # /tmp/refmodels; the device releases an idle one in seconds, so one call had better do both: REF_ARGS, e.g.
-# "--target-minutes 2.5 --draft-minutes 0.6", shortens the training).
+# "--target-minutes 2.5 --draft-minutes 0.6", shortens the training). Three minutes: bench.spec prints the speculation's
+# verdicts before its last part (the 8B shape's engine and verification timing), which a shorter call may cut.
 spec_after() {
   local left=$(( 585 - SECONDS ))
-  if (( left < 240 )); then echo "gpu_run.sh spec: ${left}s left after training; call again (warm) for bench.spec"
+  if (( left < 180 )); then echo "gpu_run.sh spec: ${left}s left after training; call again (warm) for bench.spec"
   else run $left spec.log python3 -m bench.spec --models /tmp/refmodels --out "$OUT" "$@"; fi
 }
 gpu_tests() { run "$1" "$2" python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/ -k "$3"; }
