@@ -584,6 +584,8 @@ def test_rank0_failing_after_sending_a_pass_ends_the_group(monkeypatch):
                 p.kill()
         tp_mod.leave_process_group(graceful=False)
         h.engine.stop()
+        for conn in tp.conns:
+            conn.close()
 
 
 def test_watchdog_logs_what_a_dead_follower_sent(monkeypatch, caplog):
