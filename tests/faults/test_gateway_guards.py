@@ -100,3 +100,33 @@ async def test_an_escaped_backslash_before_u_d800_is_plain_text():
         r = await s.client.post("/generate", data=b'{"text": "a \\\\ud800 b", "sampling_params": {"max_new_tokens": 1}}',
                                 headers={"Content-Type": "application/json"})
         assert r.status == 200, await r.text()
+
+
+async def test_a_rid_with_control_characters_is_refused():
+    """A rid reaches the workers' log lines: a newline in it would forge lines there."""
+    async with gateway_stack() as s:
+        one = {"max_new_tokens": 1}
+        for rid in ("a\nINFO forged", "a\rb", "a\x00b", "a\x1bb", "a\x85b", ["ok", "a\nb"]):
+            text = ["x", "y"] if isinstance(rid, list) else "x"
+            r = await s.client.post("/generate", json={"text": text, "rid": rid, "sampling_params": one})
+            body = await r.json()
+            assert r.status == 400 and body["error"]["param"] == "rid", (rid, body)
+        r = await s.client.post("/generate", json={"text": "x", "rid": "r-1 é:ok", "sampling_params": one})
+        assert r.status == 200, await r.text()
+
+
+async def test_health_names_workers_only_to_a_key_holder():
+    """/health answers without a key (load balancers carry none), so under --api-key it says that workers
+    are not up but not their internal addresses; a key holder (or a keyless server) gets the names."""
+    async with gateway_stack(num_workers=2, api_key="sekret") as s:
+        address = s.state.router.workers[1].address
+        s.state.supervisor_says(address, "restarting")
+        r = await s.client.get("/health")
+        text = await r.text()
+        assert r.status == 200 and "degraded" in text and address not in text, text
+        text = await (await s.client.get("/health", headers={"Authorization": "Bearer sekret"})).text()
+        assert f"worker {address}: restarting" in text, text
+    async with gateway_stack(num_workers=2) as s:
+        address = s.state.router.workers[1].address
+        s.state.supervisor_says(address, "down")
+        assert f"worker {address}: down" in await (await s.client.get("/health")).text()

@@ -56,11 +56,15 @@ async def flush_cache(state: "GatewayState") -> web.Response:
     return web.Response(text="Cache flushed.\n")
 
 
-def health(state: "GatewayState") -> web.Response:
+def health(state: "GatewayState", names: bool = True) -> web.Response:
     """200 while requests can be served; the body names every worker that is not up (restarting, down,
-    draining...), so a degraded stack says so. 503 while draining or while nothing can serve."""
+    draining...), so a degraded stack says so. 503 while draining or while nothing can serve. Without
+    `names` (a keyless caller under --api-key) only the count: worker addresses are internal."""
     down = state.health.not_up()
-    detail = "".join(f"worker {a}: {s}\n" for a, s in sorted(down.items()))
+    if names:
+        detail = "".join(f"worker {a}: {s}\n" for a, s in sorted(down.items()))
+    else:
+        detail = f"{len(down)} worker(s) not up\n" if down else ""
     if state.draining:
         return web.Response(status=503, text="Not ready: draining.\n" + detail)
     if state.health.healthy:

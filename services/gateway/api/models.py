@@ -186,6 +186,9 @@ class ChatRequest(_OpenAIBody, kw_only=True):
 
 
 # ---------------------------------------------------------------- SGLang-native /generate
+_NO_CONTROL = r"^[^\x00-\x1f\x7f-\x9f]+$"  # C0 and C1 controls (NEL, \x85, ends a line too)
+
+
 def _per_item(t: Any) -> Any:
     """A field given once for every input, or as a list of one value per input."""
     return Union[t, list[t | None], None]
@@ -196,7 +199,8 @@ class GenerateRequest(_Body, kw_only=True):
     input_ids: list[Union[int, TokenIds]] | None = None
     # each a dict of SamplingParams' fields (unknown keys: a Warning header, a 400 with --strict)
     sampling_params: _per_item(dict[str, Any]) = None
-    rid: _per_item(Annotated[str, Meta(min_length=1, max_length=MAX_RID_LEN)]) = None
+    # No control characters: a rid reaches the workers' log lines, where a newline would forge one.
+    rid: _per_item(Annotated[str, Meta(min_length=1, max_length=MAX_RID_LEN, pattern=_NO_CONTROL)]) = None
     return_logprob: _per_item(bool) = None
     logprob_start_len: _per_item(Annotated[int, Meta(ge=-1)]) = None
     top_logprobs_num: _per_item(Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]) = None

@@ -8,7 +8,7 @@ import logging
 from aiohttp import web
 
 from services.gateway.api import admin, native, openai, programs, tokens
-from services.gateway.http.auth import authorize
+from services.gateway.http.auth import authorize, may_see_internals
 from services.gateway.http.access_log import access_middleware, add_request_id_header
 from services.gateway.http.errors import APIError, error_body, internal_error
 from services.gateway.http.json_out import json_response
@@ -59,7 +59,7 @@ def create_app(state: GatewayState) -> web.Application:
         add("GET", path, route(lambda s, r: admin.server_info(s), as_json=True))
     for method in ("POST", "GET"):
         add(method, "/flush_cache", route(lambda s, r: admin.flush_cache(s)))
-    add("GET", "/health", route(lambda s, r: admin.health(s)))
+    add("GET", "/health", route(lambda s, r: admin.health(s, names=may_see_internals(s, r.headers))))
     add("GET", "/health_generate", route(lambda s, r: admin.health_generate(s)))
     add("GET", "/metrics", route(lambda s, r: admin.metrics(s)))
     add("GET", "/openapi.json", route(lambda s, r: spec, as_json=True))

@@ -32,6 +32,13 @@ def authorize(state: "GatewayState", path: str, authorization: str) -> str | Non
     return tenant_salt(key)
 
 
+def may_see_internals(state: "GatewayState", headers) -> bool:
+    """Whether an open route may name internal addresses to this caller: a keyless server's callers, or
+    the holder of a key (a route open to anyone says only what a load balancer needs)."""
+    keys = state.api_keys
+    return not keys or matching_key(headers.get("Authorization", ""), keys) is not None
+
+
 def required_keys(state: "GatewayState", path: str) -> list[str]:
     """With --api-key every route needs a key except liveness, metrics and the API description (as
     SGLang); /flush_cache takes the admin key when one is set."""
