@@ -181,6 +181,20 @@ async def test_a_body_that_does_not_decode_is_a_400_not_a_500(stack):
             writer.close()
 
 
+async def test_a_body_that_stalls_is_a_408(stack):
+    """Headers that promise more body than ever comes (the slow-loris of the body): the read gives up at
+    its deadline with a 408, not a handler waiting forever on an open connection."""
+    stack.state.limits.body_read_timeout_s = 0.3
+    reader, writer = await _connect(stack)
+    try:
+        writer.write(b"POST /generate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"text\"")
+        status, _, body = await _read_response(reader)
+        assert status == 408 and json.loads(body)["error"]["code"] == "request_timeout", body
+    finally:
+        writer.close()
+
+
 async def test_connection_close_is_honoured(stack):
     reader, writer = await _connect(stack)
     try:

@@ -9,6 +9,8 @@ from shared import limits as shared_limits
 @dataclass
 class Limits:
     max_body_bytes: int = 16 * 1024 * 1024
+    # The whole body must arrive within this (a stalled upload would hold its handler and connection forever).
+    body_read_timeout_s: float = 60.0
     max_json_depth: int = 64
     max_n: int = shared_limits.MAX_N
     max_batch: int = 256

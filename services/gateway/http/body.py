@@ -1,10 +1,11 @@
 """A request body read and decoded into its route's model (api/models.py) in one msgspec call, every
-failure an OpenAI-style 4xx: 413 above the size cap, 400 for a body that does not read (bad
+failure an OpenAI-style 4xx: 413 above the size cap, 408 for a body that stalls, 400 for a body that does not read (bad
 Content-Encoding, broken chunks), malformed JSON (NaN included), nesting past the depth cap, half a UTF-16
 surrogate pair (`invalid_unicode`), and a value of the wrong type or out of its bounds (its field path in
 `param`)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any, TypeVar
@@ -42,7 +43,11 @@ async def read_body(request: web.Request, limits: Limits, model: type[T]) -> T:
 
 async def _read(request: web.Request, limits: Limits) -> bytes:
     try:
-        return await request.read()
+        async with asyncio.timeout(limits.body_read_timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {limits.body_read_timeout_s:g}s",
+                       code="request_timeout") from None
     except web.HTTPRequestEntityTooLarge:
         raise APIError(413, f"request body exceeds {limits.max_body_bytes} bytes",
                        code="request_too_large") from None
