@@ -181,6 +181,26 @@ async def test_a_body_that_does_not_decode_is_a_400_not_a_500(stack):
             writer.close()
 
 
+async def test_an_unparsable_request_is_one_log_line(stack, caplog):
+    """aiohttp logs a request it cannot frame with a traceback at ERROR; anyone can send those bytes, so
+    each is one warning line (its newlines escaped), not a traceback per request."""
+    caplog.set_level(logging.DEBUG, logger="aiohttp.server")
+    for raw in (b"POST /generate HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+                b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 10000 + b"\r\n\r\n"):
+        reader, writer = await _connect(stack)
+        try:
+            writer.write(raw)
+            status, _, _ = await _read_response(reader)
+            assert status == 400
+        finally:
+            writer.close()
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(records) == 2, records
+    for r in records:
+        assert r.levelno == logging.WARNING and not r.exc_info and "\n" not in r.getMessage(), r.getMessage()
+    assert "Duplicate Content-Length" in records[0].getMessage()
+
+
 async def test_a_body_that_stalls_is_a_408(stack):
     """Headers that promise more body than ever comes (the slow-loris of the body): the read gives up at
     its deadline with a 408, not a handler waiting forever on an open connection."""

@@ -1,6 +1,7 @@
 """Request identity and the access log: every request gets an id (the client's sane `X-Request-Id`, else
 a new one), returned in the `X-Request-Id` header, carried to the workers, and one access-log line per
-request, fed by the dispatcher through a context variable."""
+request, fed by the dispatcher through a context variable. Requests too broken to reach a handler get one
+warning line from aiohttp's logger, not a traceback."""
 from __future__ import annotations
 
 import contextvars
@@ -10,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from shared.ids import unique_hex
 
@@ -86,3 +88,25 @@ async def add_request_id_header(request: web.Request, response: web.StreamRespon
     record = request.get(_KEY)
     if record is not None:
         response.headers[HEADER] = record.request_id
+
+
+class _OneLineParseErrors(logging.Filter):
+    """aiohttp logs a request it cannot frame (duplicate Content-Length, an oversized header line...) at
+    ERROR with a traceback; anyone can send such bytes, so each becomes one warning line, the parser's
+    message repr'd (the client's bytes in it, newlines escaped)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg = f"{record.getMessage()}: {exc.code} {exc.message!r}"
+            record.args, record.exc_info, record.exc_text = None, None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_PARSE_ERRORS = _OneLineParseErrors()
+
+
+def quiet_parse_errors() -> None:
+    """Install the filter on aiohttp's server logger (once per process)."""
+    logging.getLogger("aiohttp.server").addFilter(_PARSE_ERRORS)  # a no-op when already there

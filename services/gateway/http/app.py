@@ -9,7 +9,7 @@ from aiohttp import web
 
 from services.gateway.api import admin, native, openai, programs, tokens
 from services.gateway.http.auth import authorize, may_see_internals
-from services.gateway.http.access_log import access_middleware, add_request_id_header
+from services.gateway.http.access_log import access_middleware, add_request_id_header, quiet_parse_errors
 from services.gateway.http.errors import APIError, error_body, internal_error
 from services.gateway.http.json_out import json_response
 from services.gateway.http.openapi import build_spec
@@ -33,6 +33,7 @@ def create_app(state: GatewayState) -> web.Application:
     app = web.Application(client_max_size=state.limits.max_body_bytes,
                           middlewares=[access_middleware, _error_middleware, _auth_middleware(state)])
     app[STATE] = state
+    quiet_parse_errors()
 
     def route(translator, as_json: bool = False):
         """A handler for a translator that takes (state, request): its answer, or a dict as JSON."""
