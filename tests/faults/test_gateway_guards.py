@@ -130,3 +130,18 @@ async def test_health_names_workers_only_to_a_key_holder():
         address = s.state.router.workers[1].address
         s.state.supervisor_says(address, "down")
         assert f"worker {address}: down" in await (await s.client.get("/health")).text()
+
+
+async def test_a_503_does_not_name_worker_addresses(caplog):
+    """The fleet's layout is internal: a request no worker can serve gets a 503 that says so, while the
+    address and the socket error go to the gateway's log for the operator."""
+    async with gateway_stack(api_key="sekret") as s:
+        address = s.state.router.workers[0].address
+        await s.workers[0].drop_connections()
+        await s.workers[0].stop()
+        r = await s.client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}},
+                                headers={"Authorization": "Bearer sekret"})
+        body = await r.json()
+        assert r.status == 503 and body["error"]["code"] == "worker_unavailable", body
+        assert address not in body["error"]["message"] and address.split(":")[1] not in body["error"]["message"]
+        assert any(address in rec.getMessage() for rec in caplog.records), [r.getMessage() for r in caplog.records]

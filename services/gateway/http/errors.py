@@ -2,10 +2,14 @@
 `{"error": {"message", "type", "param", "code"}}` and never a traceback."""
 from __future__ import annotations
 
+import logging
+
 from aiohttp import web
 
 from services.gateway.http.json_out import json_response
 from shared.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -49,8 +53,12 @@ def internal_error() -> APIError:
     return APIError(500, "internal server error", type="internal_error")
 
 
-def unavailable(message: str) -> APIError:
-    return APIError(503, message, type="service_unavailable", code="worker_unavailable")
+def unavailable(detail: str) -> APIError:
+    """No worker could serve. `detail` (worker addresses, socket errors) is the operator's, logged here;
+    the client, to whom the fleet's layout is internal, is told only that and to retry."""
+    log.warning("worker unavailable: %s", detail)
+    return APIError(503, "no worker can serve the request right now; retry later", type="service_unavailable",
+                    code="worker_unavailable")
 
 
 def worker_refused(message: str) -> APIError:
