@@ -293,6 +293,17 @@ async def test_keys_request_ids_and_the_access_log(caplog):
         assert any("POST /generate 401" in line for line in lines), lines
 
 
+async def test_the_access_log_shows_the_path_as_sent(stack, caplog):
+    """A percent-encoded newline in the path is decoded in request.path: logged as sent, it cannot forge
+    an access-log line."""
+    caplog.set_level(logging.INFO, logger="services.gateway.access")
+    r = await stack.client.get("/v1/models/x%0aINFO%20forged%0d")
+    assert r.status == 404
+    lines = [r.getMessage() for r in caplog.records if r.name == "services.gateway.access"]
+    assert any("get /v1/models/x%0ainfo%20forged%0d 404" in line.lower() for line in lines), lines
+    assert not any("\n" in line or "\r" in line for line in lines), lines
+
+
 async def test_shutdown_lets_a_stream_in_flight_finish():
     async with gateway_stack(token_delay=0.01) as s:
         reader, writer = await _connect(s)

@@ -80,7 +80,8 @@ async def access_middleware(request: web.Request, handler) -> web.StreamResponse
         raise
     finally:
         CURRENT.reset(token)
-        log_access(record, request.method, request.path, status)
+        # As sent (percent-encoded): request.path decodes %0a into a newline that would forge a line.
+        log_access(record, request.method, request.rel_url.raw_path, status)
 
 
 async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:

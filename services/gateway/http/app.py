@@ -105,7 +105,7 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
             k: v for k, v in e.headers.items() if k.lower() == "allow"})
     except Exception:
         # Bad input never lands here (translators raise APIError); this is a bug, logged but not shown.
-        log.exception("unhandled error on %s %s", request.method, request.path)
+        log.exception("unhandled error on %s %s", request.method, request.rel_url.raw_path)
         return internal_error().response()
 
 
