@@ -326,6 +326,22 @@ async def test_tools_without_a_parser_are_refused():
         assert r.status == 400 and "--tool-call-parser" in (await r.json())["error"]["message"]
 
 
+async def test_tool_schemas_past_the_grammar_cap_are_refused_before_conversion(qwen):
+    """tool_choice required converts every function's schema to a grammar (seconds of CPU for a large one):
+    schemas longer in all than a json_schema may be are refused first, as a json_schema would be."""
+    from shared.limits import MAX_GRAMMAR_CHARS
+
+    props = {f"p{i}": {"type": "string", "pattern": "[a-z]{1,99}"} for i in range(MAX_GRAMMAR_CHARS // 40)}
+    big = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": props}}}
+    body = {"messages": ASK, "tools": [big], "tool_choice": "required"}
+    r = await qwen.client.post("/v1/chat/completions", json=body)
+    error = (await r.json())["error"]
+    assert r.status == 400 and error["param"] == "tools" and "parameters schemas" in error["message"], error
+    # tool_choice auto builds no grammar: only the prompt, with the tools in it, is too long here.
+    r = await qwen.client.post("/v1/chat/completions", json={"messages": ASK, "tools": [big]})
+    assert (await r.json())["error"]["code"] == "context_length_exceeded"
+
+
 async def test_template_raise_exception_is_a_400(qwen):
     r = await qwen.client.post("/v1/chat/completions", json={"messages": [{"role": "developer", "content": "x"}]})
     assert r.status == 400 and "role developer is not supported" in (await r.json())["error"]["message"]

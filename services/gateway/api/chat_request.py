@@ -15,6 +15,7 @@ from services.gateway.api.models import ChatRequest, Message
 from services.gateway.http.errors import bad_request
 from services.gateway.api.grammar import GRAMMAR_FIELDS
 from services.gateway.api.tool_grammar import tool_call_ebnf
+from shared.limits import MAX_GRAMMAR_CHARS
 
 
 @dataclass
@@ -116,6 +117,10 @@ def _tools(body: ChatRequest, spec: ChatSpec, parser: str | None) -> None:
         if clash:
             raise bad_request(f"'{clash}' cannot be combined with tool_choice "
                               f"'{choice if isinstance(choice, str) else 'function'}'", "tool_choice")
+        # As a json_schema's cap: converting schemas to a grammar costs CPU seconds per few hundred KB.
+        if len(json.dumps([f.get("parameters") for f in constrained])) > MAX_GRAMMAR_CHARS:
+            raise bad_request(f"the functions' parameters schemas are longer than {MAX_GRAMMAR_CHARS} characters "
+                              "in all (tool_choice builds a grammar from them)", "tools")
         try:
             spec.tool_ebnf = tool_call_ebnf(parser, constrained, parallel=body.parallel_tool_calls
                                             and isinstance(choice, str))
