@@ -261,6 +261,7 @@ class DecodeSide:
         engine, stages = self.engine, self.stages
         timeout = engine.config.kv_transfer_timeout
         now = time.monotonic()
+        self._drop_scattered()
         for req in list(stages.reserved.values()):
             stages.expect(req, now + timeout)
             self._stamps[req.transfer_id][2] = now
@@ -285,7 +286,7 @@ class DecodeSide:
         runner, n = engine.runner, len(req.input_ids)
         runner.scatter_kv(torch.tensor(req.slots[req.kv_len:n], dtype=torch.int64), buf)
         if buf.is_cuda:
-            self._in_use = [(e, b) for e, b in self._in_use if not e.query()]
+            self._drop_scattered()
             event = torch.cuda.Event()
             event.record()
             self._in_use.append((event, buf))
@@ -298,6 +299,12 @@ class DecodeSide:
         engine.start_decoding(req, done.first_token, done.first_logprob, done.first_top_logprobs)
         if stamps is not None and not req.finished:
             self._first_step[req.rid] = (*stamps, received_at or picked_at, picked_at, time.monotonic())
+
+    def _drop_scattered(self) -> None:
+        """Let go of received buffers whose scatter has run: here at every round too, not only at the next
+        arrival (the last buffers of a burst, GBs for long prompts, were held until the next request came)."""
+        if self._in_use:
+            self._in_use = [(e, b) for e, b in self._in_use if not e.query()]
 
     @property
     def timing(self) -> bool:
