@@ -34,6 +34,7 @@ request's hand-over parts (PartTimes) for the workers' stats.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ from kernels.h2d import to_device
 from shared.protocol import FinishReason, FinishTransferred, GenerateRequest, KvDone, KvHeader
 from shared.pd.stages import DecodeStages, PrefillStages
 from shared.pd import kv_pages
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from shared.engine.config import EngineConfig
@@ -284,7 +287,14 @@ class DecodeSide:
             return  # ended (abort, timeout) while its pages were on the way
         engine = self.engine
         runner, n = engine.runner, len(req.input_ids)
-        runner.scatter_kv(torch.tensor(req.slots[req.kv_len:n], dtype=torch.int64), buf)
+        try:
+            runner.scatter_kv(torch.tensor(req.slots[req.kv_len:n], dtype=torch.int64), buf)
+        except Exception as e:
+            # (Out of device memory for a host-staged buffer's copy, say.) This request ends; raised from the
+            # inbox, outside any step, it ended every request of the worker.
+            log.warning("writing the received KV of %s failed: %r", req.rid, e)
+            engine.end_request(req, f"the received KV could not be written: {type(e).__name__}")
+            return
         if buf.is_cuda:
             self._drop_scattered()
             event = torch.cuda.Event()

@@ -110,3 +110,20 @@ def test_received_buffers_are_let_go_once_scattered_without_waiting_for_the_next
     side._in_use = [(Event(True), object()), still_read]
     side.announce()  # every scheduling round
     assert side._in_use == [still_read]
+
+
+def test_a_scatter_that_fails_ends_its_request_alone():
+    # Raised from the engine's inbox (outside any step), it ended every request of the decode worker.
+    def out_of_memory(slots, buf):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    ended = []
+    engine = SimpleNamespace(config=SimpleNamespace(kv_transfer_timeout=60.0),
+                             runner=SimpleNamespace(scatter_kv=out_of_memory),
+                             end_request=lambda req, error=None, reason=None: ended.append((req.rid, error)))
+    side = DecodeSide(engine)
+    req = SimpleNamespace(rid="r", transfer_id="t", input_ids=[5, 6, 7, 8], slots=[0, 1, 2, 3], kv_len=0,
+                          finished=False)
+    side.stages.awaiting["t"] = (req, float("inf"))
+    side.arrived("t", KvDone(transfer_id="t", first_token=3), torch.empty([4, *LAYOUT]))
+    assert ended == [("r", "the received KV could not be written: OutOfMemoryError")]
