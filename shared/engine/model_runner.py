@@ -686,9 +686,11 @@ class ModelRunner:
         if tuple(buf.shape) != shape or buf.dtype != self.kv_dtype:  # before the broadcast, whose size it sets
             raise ValueError(f"KV buffer of {tuple(buf.shape)} {kv_pages.dtype_name(buf.dtype)} does not fit "
                              f"{len(slots)} slots of this pool ({shape} {kv_pages.dtype_name(self.kv_dtype)})")
+        # On the device before the command: out of memory here ends the request, inside lockstep the worker.
+        buf = buf.to(self.device, non_blocking=True).contiguous()
         self.tp.send(("kv_scatter", slots.tolist()))
         with self.tp.lockstep():
-            full = broadcast(buf.to(self.device, non_blocking=True).contiguous())
+            full = broadcast(buf)
         kv_pages.scatter(self.kv_pool, slots, local_kv_part(full, self.model_config.num_key_value_heads))
 
     def _follow_kv(self, op: str, slots: list[int]) -> None:

@@ -70,9 +70,22 @@ def empty_buffer(layout: list[int], dtype: torch.dtype, device: torch.device, to
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def queued_work(buf: torch.Tensor):
+    """An event after the work queued so far on the stream of `buf`'s GPU (None off the GPU), for a receive
+    buffer fresh from the caching allocator: its memory may be that of tensors freed while their kernels are
+    still queued. The allocator's reuse is ordered on the stream, UCX's writes are not: a receive waits for
+    this event before UCX may write, or those kernels and the pages would overwrite each other."""
+    if buf.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(buf.device))  # (the caller's thread may have another current GPU)
+    return event
+
+
 def as_transport_buffer(t: torch.Tensor):
-    """What UCX can read/write: the tensor itself on the GPU (__cuda_array_interface__), a byte view of
-    its storage on the host (the buffer protocol; torch tensors do not export it themselves)."""
+    """What UCX can read/write: the tensor on the GPU (__cuda_array_interface__; an FP8 one as its bytes, as
+    torch describes no float8 type there), a byte view of its storage on the host (the buffer protocol;
+    torch tensors do not export it themselves)."""
     if t.device.type == "cuda":
-        return t
+        return as_bytes(t)
     return t.view(-1).view(torch.uint8).numpy()

@@ -34,6 +34,7 @@ request's hand-over parts (PartTimes) for the workers' stats.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ from kernels.h2d import to_device
 from shared.protocol import FinishReason, FinishTransferred, GenerateRequest, KvDone, KvHeader
 from shared.pd.stages import DecodeStages, PrefillStages
 from shared.pd import kv_pages
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from shared.engine.config import EngineConfig
@@ -261,6 +264,7 @@ class DecodeSide:
         engine, stages = self.engine, self.stages
         timeout = engine.config.kv_transfer_timeout
         now = time.monotonic()
+        self._drop_scattered()
         for req in list(stages.reserved.values()):
             stages.expect(req, now + timeout)
             self._stamps[req.transfer_id][2] = now
@@ -283,9 +287,16 @@ class DecodeSide:
             return  # ended (abort, timeout) while its pages were on the way
         engine = self.engine
         runner, n = engine.runner, len(req.input_ids)
-        runner.scatter_kv(torch.tensor(req.slots[req.kv_len:n], dtype=torch.int64), buf)
+        try:
+            runner.scatter_kv(torch.tensor(req.slots[req.kv_len:n], dtype=torch.int64), buf)
+        except Exception as e:
+            # (Out of device memory for a host-staged buffer's copy, say.) This request ends; raised from the
+            # inbox, outside any step, it ended every request of the worker.
+            log.warning("writing the received KV of %s failed: %r", req.rid, e)
+            engine.end_request(req, f"the received KV could not be written: {type(e).__name__}")
+            return
         if buf.is_cuda:
-            self._in_use = [(e, b) for e, b in self._in_use if not e.query()]
+            self._drop_scattered()
             event = torch.cuda.Event()
             event.record()
             self._in_use.append((event, buf))
@@ -298,6 +309,12 @@ class DecodeSide:
         engine.start_decoding(req, done.first_token, done.first_logprob, done.first_top_logprobs)
         if stamps is not None and not req.finished:
             self._first_step[req.rid] = (*stamps, received_at or picked_at, picked_at, time.monotonic())
+
+    def _drop_scattered(self) -> None:
+        """Let go of received buffers whose scatter has run: here at every round too, not only at the next
+        arrival (the last buffers of a burst, GBs for long prompts, were held until the next request came)."""
+        if self._in_use:
+            self._in_use = [(e, b) for e, b in self._in_use if not e.query()]
 
     @property
     def timing(self) -> bool:

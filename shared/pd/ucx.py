@@ -35,6 +35,7 @@ import torch
 from shared import protocol
 from shared.protocol import KvAccept, KvAck, KvDone, KvHeader, Message, ProtocolError
 from shared.log_limit import LimitedWarning
+from shared.pd import kv_pages
 from shared.pd.kv_pages import as_transport_buffer
 from shared.wire import key_matches
 
@@ -234,7 +235,10 @@ class KvReceiver:
             async with asyncio.timeout(self.io_timeout):
                 await _send_msg(ep, KvAccept(transfer_id=transfer_id, start=exp.start))
             buf = self.alloc(exp.prompt_len - exp.start)
+            queued = kv_pages.queued_work(buf)
             async with asyncio.timeout(self.expect_timeout):
+                if queued is not None:
+                    await asyncio.to_thread(queued.synchronize)
                 if buf.numel():
                     await _io(ep.recv(as_transport_buffer(buf)))
             async with asyncio.timeout(self.io_timeout):
