@@ -22,6 +22,10 @@ from shared.knobs import knob
 from shared.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+# Temperatures above this sample as it does (logits / 1e30 are far under float32's resolution against the Gumbel
+# noise: uniform over the allowed tokens); larger ones overflow float32 to inf, and a masked -inf / inf is NaN,
+# which argmax picks: a token the mask forbids (a padded vocabulary row, a grammar's refusal).
+MAX_TEMPERATURE = 1e30
 logger = logging.getLogger(__name__)
 
 # On CUDA the noise + race runs as one torch.compile'd kernel (compiled once, dynamic shapes): eager makes ~18
@@ -101,7 +105,7 @@ class SamplingBatch:
         temps, top_ps, min_ps, top_ks = [], [], [], []
         for p, g in zip(params, greedy):
             # Greedy rows carry neutral values so they never switch a filter on for the batch.
-            temps.append(1.0 if g else float(p.temperature))
+            temps.append(1.0 if g else min(float(p.temperature), MAX_TEMPERATURE))
             top_ps.append(1.0 if g else float(p.top_p))
             min_ps.append(0.0 if g else float(p.min_p))
             k = p.top_k

@@ -131,6 +131,19 @@ def test_low_temperature_concentrates(logits):
     assert hot < base < cold and cold > 0.95
 
 
+def test_a_huge_temperature_samples_uniformly_among_allowed_tokens():
+    """1e300 overflows float32 to inf and a masked -inf / inf is NaN, which argmax took: a forbidden token (an id past
+    the tokenizer's vocabulary, seen through the gateway). It samples as the largest finite temperature does."""
+    x = torch.randn(V, generator=torch.Generator().manual_seed(3)) * 4
+    x[V - 4:] = float("-inf")  # padded rows, as the model runner masks them
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[:8] = True  # and a grammar allowing 8 tokens
+    for t in (1e300, float(torch.finfo(torch.float32).max) * 10, 1e30):
+        out = many_seeds(x, SP(temperature=t), vocab_mask=allowed.expand(2000, -1))
+        assert out.max().item() < 8, t
+        assert_matches(out, allowed.double() / 8)
+
+
 def test_distribution_matches_softmax_over_seeds():
     x = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0, 0.2, -2.0])
     t = 0.7
