@@ -312,6 +312,7 @@ async def test_continue_final_message_and_documents(qwen):
      "messages[1].tool_calls[0].function.arguments"),
     ({"messages": ASK, "continue_final_message": True}, "continue_final_message"),
     ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
+    ({"chat_template": "{{ messages[0].content }}"}, "chat_template"),  # was ignored: silently another template
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]}, "messages[1].role"),
 ])
 async def test_bad_tool_requests_are_400(qwen, body, param):

@@ -34,6 +34,9 @@ class ChatSpec:
 
 
 def parse_chat(body: ChatRequest, tool_parser: str | None, reasoning_parser: str | None) -> ChatSpec:
+    if body.chat_template is not None:
+        raise bad_request("a chat_template in the request is not supported; the server's template (its model's, "
+                          "or --chat-template at start) renders every chat", "chat_template")
     kwargs = body.chat_template_kwargs or {}
     spec = ChatSpec(messages=[_message(m, f"messages[{i}]") for i, m in enumerate(body.messages)],
                     template_kwargs=dict(kwargs), documents=body.documents,

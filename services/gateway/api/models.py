@@ -175,7 +175,9 @@ class ChatRequest(_OpenAIBody, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     max_completion_tokens: NonNegative | None = None
-    # the chat template's
+    # the chat template's; vLLM's per-request `chat_template` is refused: it would run a caller's Jinja on the
+    # server (vLLM too refuses it unless started with --trust-request-chat-template)
+    chat_template: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
