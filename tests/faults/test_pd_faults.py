@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 def test_pd_pool_overflow_is_400_and_dead_decode_fails_fast():
     pool = ["--max-total-tokens", "256"]
     prefill, ph, pp = worker("--role", "prefill", *pool)
-    decode, dh, dp = worker("--role", "decode", *pool)
+    decode, dh, dp = worker("--role", "decode", "--max-total-tokens", "1024")  # the prefill side refuses
     gw, url = None, None
     try:
         gw, url = gateway(f"{ph}:{pp},{dh}:{dp}")
@@ -29,6 +29,7 @@ def test_pd_pool_overflow_is_400_and_dead_decode_fails_fast():
                                                      "sampling_params": {"max_new_tokens": 4}}, timeout=60)
         assert big.status_code == 400, big.text
         assert "KV cache" in big.json()["error"]["message"], big.text
+        assert f"{ph}:{pp}" not in big.text and f"{dh}:{dp}" not in big.text  # the fleet's layout is internal
 
         os.killpg(decode.proc.pid, signal.SIGKILL)
         decode.proc.wait()

@@ -57,8 +57,8 @@ async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: Worke
             async with aclosing(prefill.generate(p_req)) as outs:
                 async for out in outs:
                     if out.error:  # the request's own fault (e.g. larger than the pool) is a 400, as unified
-                        error = worker_refused if out.refused else unavailable
-                        events.put_nowait(("prefill", error(f"prefill worker {prefill.address}: {out.error}")))
+                        events.put_nowait(("prefill", worker_refused(out.error) if out.refused  # the client's, as unified
+                                           else unavailable(f"prefill worker {prefill.address}: {out.error}")))
         except WorkerUnavailable as e:
             events.put_nowait(("prefill", unavailable(f"prefill worker: {e}")))
 
