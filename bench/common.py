@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.models.config import ModelConfig
 from shared.protocol import GenerateRequest, merge_outputs
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import save_tiny_tokenizer
@@ -43,11 +44,7 @@ def model_dir(shape: str, root: str = "/tmp/bench-models", quantization_config: 
 
 
 def param_bytes(cfg: dict, bytes_per=2) -> int:
-    h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    per_layer = h * (nq + 2 * nkv) * hd + nq * hd * h + 3 * h * i + 2 * h
-    emb = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    return (L * per_layer + emb + h) * bytes_per
+    return ModelConfig.from_hf(cfg).num_params * bytes_per
 
 
 def matmul_params(cfg: dict) -> int:

@@ -78,6 +78,14 @@ class ModelConfig:
         return self.max_position_embeddings
 
     @property
+    def num_params(self) -> int:
+        """Weights in the model (biases aside): attention, MLP and both norms a layer, the final norm, the
+        embedding and, unless tied to it, the lm_head."""
+        h = self.hidden_size
+        layer = 2 * h * self.q_size + 2 * h * self.kv_size + 3 * h * self.intermediate_size + 2 * h
+        return self.num_hidden_layers * layer + h + self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 

@@ -82,13 +82,11 @@ def draft_memory(config: EngineConfig, sizes, context_len: int, act_bytes: int) 
     from shared.models.loader import load_config_of
 
     mc = load_config_of(config.speculative_draft_model_path)
-    per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * act_bytes
-    h, q, kv = mc.hidden_size, mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
-    params = (mc.num_hidden_layers * (2 * h * q + 2 * h * kv + 3 * h * mc.intermediate_size + 2 * h) + h
-              + mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2))
-    shape = sizing.ModelShape(min(context_len, mc.context_length), mc.vocab_size, h, mc.intermediate_size, act_bytes)
+    per_token = 2 * mc.num_hidden_layers * mc.kv_size * act_bytes
+    shape = sizing.ModelShape(min(context_len, mc.context_length), mc.vocab_size, mc.hidden_size, mc.intermediate_size,
+                              act_bytes)
     sizes = dataclasses.replace(sizes, cuda_graph_max_bs=draft_graph_bs(config))
-    return per_token, params * act_bytes + sizing.reserve_bytes(sizes, shape)
+    return per_token, mc.num_params * act_bytes + sizing.reserve_bytes(sizes, shape)
 
 
 class DraftModelSpeculator(Speculator):
