@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from shared.errors import InvalidRequest
-from kernels.h2d import to_device
 from shared.protocol import FinishReason, FinishTransferred, GenerateRequest, KvDone, KvHeader
 from shared.pd.stages import DecodeStages, PrefillStages
 from shared.pd import kv_pages
@@ -300,9 +299,9 @@ class DecodeSide:
             event = torch.cuda.Event()
             event.record()
             self._in_use.append((event, buf))
-        # Host slots, staged without blocking: a device tensor would be read back (waiting for the pass in flight) to
-        # reach the other tensor-parallel ranks.
-        runner.req_pool.write(req.req_pool_idx, 0, to_device(req.slots[:n], torch.int32, torch.device("cpu")))
+        # Host slots (the table stages them without blocking): a device tensor would be read back (waiting for the
+        # pass in flight) to reach the other tensor-parallel ranks.
+        runner.req_pool.write(req.req_pool_idx, 0, torch.tensor(req.slots[:n], dtype=torch.int32))
         engine.policy.kv_arrived(req)
         req.transfer = None  # from here on a local request: a retraction recomputes from the tree
         req.num_cached_tokens = done.cached_tokens  # computation saved is the prefill side's hit
