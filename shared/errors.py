@@ -14,3 +14,12 @@ class InvalidRequest(ValueError):
 class ContextLengthExceeded(InvalidRequest):
     def __init__(self, message: str, param: str | None = "messages"):
         super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class Overloaded(Exception):
+    """A request refused because the server is too busy right now, not for what it asks: the same request
+    succeeds later, so the gateway answers 503 (which clients retry), never a 400."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message

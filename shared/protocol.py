@@ -169,6 +169,7 @@ class TokenOutput(Message, tag="out"):
     spec_verify_ct: int = 0  # speculative decoding: verification passes of this request so far
     error: str | None = None  # set when the worker refused or failed this request
     refused: bool = False  # with error: the request itself cannot run here (invalid, larger than the pool)
+    overloaded: bool = False  # with error: refused for now, the worker too busy (its grammar compiler); a 503
 
 
 def merge_outputs(first: "TokenOutput", later: "TokenOutput") -> "TokenOutput":
@@ -185,7 +186,7 @@ def merge_outputs(first: "TokenOutput", later: "TokenOutput") -> "TokenOutput":
         input_logprobs=first.input_logprobs or later.input_logprobs,
         input_top_logprobs=first.input_top_logprobs or later.input_top_logprobs,
         queue_time=first.queue_time, spec_verify_ct=later.spec_verify_ct or first.spec_verify_ct,
-        error=later.error, refused=later.refused)
+        error=later.error, refused=later.refused, overloaded=later.overloaded)
 
 
 @message

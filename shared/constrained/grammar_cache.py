@@ -25,7 +25,7 @@ import xgrammar as xgr
 from shared.constrained.matcher import GrammarState
 from shared.constrained.schema_fixes import harden_json_schema
 from shared.constrained.vocab import VocabIndex, build_tokenizer_info
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, Overloaded
 from shared.limits import MAX_GRAMMAR_CHARS
 from shared.tokenizer import Tokenizer
 
@@ -76,7 +76,7 @@ class GrammarCache:
         """A future of the CompiledGrammar; done at once on a cache hit. Never blocks.
 
         The future raises InvalidRequest for a bad grammar (also for an unknown kind or an
-        oversized text). Callers that must not wait (the engine's scheduler) poll `.done()`.
+        oversized text), Overloaded while too many abandoned compiles still run. Callers that must not wait (the engine's scheduler) poll `.done()`.
         """
         try:
             key = self._key(kind, text, param)
@@ -95,9 +95,9 @@ class GrammarCache:
             if entry is not None:
                 return entry[0]
             if len(self._abandoned) >= self.max_abandoned:
-                return _done(exc=InvalidRequest(
-                    "the grammar compiler is busy with grammars that took too long; retry later",
-                    param or DEFAULT_PARAM[kind]))
+                # Not remembered in _rejected: the grammar itself may be fine once the compiler frees up.
+                return _done(exc=Overloaded(
+                    "the grammar compiler is busy with grammars that took too long; retry later"))
             self.misses += 1
             fut: cf.Future = cf.Future()
             self._inflight[key] = (fut, self._start(key, param or DEFAULT_PARAM[kind], fut))

@@ -31,7 +31,7 @@ from shared.engine.schedule_batch import ScheduleBatch
 from shared.engine.schedule_policy import SchedulePolicy
 from shared.engine.spec import build_speculator
 from shared import limits
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, Overloaded
 from shared.pd.sides import DecodeSide, PrefillSide, validate_transfer
 from shared.protocol import (FinishAbort, FinishLength, FinishReason, FinishStop, GenerateRequest, KvDone,
                              TokenOutput)
@@ -415,7 +415,8 @@ class Engine:
             exc = req.grammar_future.exception()
             if exc is not None:
                 msg = getattr(exc, "message", None) or str(exc)
-                self._finish(req, FinishAbort(message=msg), error=msg, refused=True)
+                busy = isinstance(exc, Overloaded)  # not the request's fault: the gateway's 503, not a 400
+                self._finish(req, FinishAbort(message=msg), error=msg, refused=not busy, overloaded=busy)
                 continue
             req.grammar = self.grammars.new_state(req.grammar_future.result())
             self.policy.add(req)
@@ -846,11 +847,12 @@ class Engine:
             self._settle_jumps()
         self._emit([req])
 
-    def _finish(self, req: Req, reason: FinishReason, error: str | None = None, refused: bool = False) -> None:
+    def _finish(self, req: Req, reason: FinishReason, error: str | None = None, refused: bool = False,
+                overloaded: bool = False) -> None:
         req.finish_reason = reason
         self._release(req)
         out = self._make_output(req)
-        out.error, out.refused = error, refused
+        out.error, out.refused, out.overloaded = error, refused, overloaded
         self.on_output([out])
 
     def _emit_failed(self) -> None:

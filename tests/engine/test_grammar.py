@@ -144,6 +144,22 @@ def test_bad_grammar_is_refused_and_frees_nothing(h):
     assert h.free_tokens() == before and h.engine.policy.is_idle()
 
 
+def test_a_busy_compiler_refusal_says_overloaded(h):
+    """The worker's busy refusal reaches the gateway marked as such (a 503 there), not as the request's fault."""
+    grammars = h.engine.grammars
+    grammars._abandoned.update(("regex", f"stand-in {i} for a compile still running")
+                               for i in range(grammars.max_abandoned))
+    try:
+        rid = h.submit(prompt(), sampling={"regex": "(si|no)", "max_new_tokens": 5})
+        h.run([rid])
+        last = h.outputs[rid][-1]
+        assert "busy" in last.error and last.overloaded and not last.refused
+    finally:
+        grammars._abandoned.clear()
+    r = h.generate(prompt(), sampling={"regex": "(si|no)", "max_new_tokens": 5})
+    assert r["error"] is None and r["text"] in ("si", "no")
+
+
 @pytest.mark.parametrize("cfg", [{}, {"page_size": 4}])
 def test_verified_jump_forward_equals_token_by_token(cfg):
     """Verify mode: forced runs are proposals checked in one pass against the model's own samples, so

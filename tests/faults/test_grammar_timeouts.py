@@ -9,7 +9,7 @@ import time
 import pytest
 
 from shared.constrained import GrammarCache
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, Overloaded
 from shared.tokenizer import Tokenizer
 
 VALID = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -59,7 +59,23 @@ def test_too_many_abandoned_compiles_refuse_new_grammars_fast():
         with pytest.raises(InvalidRequest, match="longer than"):
             cache.compile("json_schema", _slow_schema("c"), timeout_s=0.3)
         if cache._abandoned:  # still running in the background: new work is refused, not queued
-            with pytest.raises(InvalidRequest, match="busy"):
+            with pytest.raises(Overloaded, match="busy"):
                 cache.compile("regex", "[a-z]+x", timeout_s=5)
+    finally:
+        cache.close()
+
+
+def test_a_busy_refusal_is_not_remembered():
+    """Busy is the server's state, not the grammar's fault: once the abandoned compiles end, the same grammar
+    compiles (it was not put among the rejected ones)."""
+    cache = GrammarCache(Tokenizer.load("tiny-random"), max_threads=1, max_abandoned=1)
+    try:
+        stuck = ("regex", "a stand-in for a compile still running")
+        cache._abandoned.add(stuck)
+        with pytest.raises(Overloaded, match="busy") as refused:
+            cache.compile("regex", "[a-z]+y", timeout_s=5)
+        assert not isinstance(refused.value, InvalidRequest) and not cache._rejected
+        cache._abandoned.discard(stuck)  # the abandoned compile ended
+        assert cache.compile("regex", "[a-z]+y", timeout_s=5) is not None
     finally:
         cache.close()

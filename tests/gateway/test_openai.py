@@ -458,6 +458,31 @@ async def test_worker_refusal_and_lost_worker_non_stream(stack):
     assert status == 503 and body["error"]["code"] == "worker_unavailable"
 
 
+async def test_a_busy_grammar_compiler_is_503_on_the_gateway_and_on_a_worker(stack):
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "array"}}}
+    body = {"prompt": "x", "max_tokens": 2, "response_format": schema}
+    grammars = stack.state.grammars  # the gateway's, which checks every grammar before dispatch
+    grammars._abandoned.update(("regex", f"stand-in {i}") for i in range(grammars.max_abandoned))
+    try:
+        for streamed in (False, True):
+            r = await stack.client.post("/v1/completions", json={**body, "stream": streamed})
+            err = (await r.json())["error"]
+            assert r.status == 503 and "busy" in err["message"], (streamed, r.status, err)
+            assert err["type"] == "service_unavailable" and err["code"] == "server_overloaded"
+    finally:
+        grammars._abandoned.clear()
+    assert not generated(stack, "cmpl-")
+    status, _ = await post(stack, "/v1/completions", body)  # not remembered as a bad grammar
+    assert status == 200
+    # A worker's compiler busy: the same 503; in a stream it is the error event a worker's 400 would be.
+    stack.worker.refuse, stack.worker.overloaded = "the grammar compiler is busy", True
+    status, out = await post(stack, "/v1/completions", body)
+    assert status == 503 and out["error"]["code"] == "server_overloaded"
+    assert out["error"]["type"] == "service_unavailable"
+    [event] = await stream(stack, "/v1/completions", body)
+    assert event["error"]["code"] == "server_overloaded"
+
+
 async def test_models(stack):
     body = await (await stack.client.get("/v1/models")).json()
     [m] = body["data"]

@@ -1,7 +1,8 @@
 """A worker that speaks the real wire protocol over real TCP, with deterministic output, for gateway tests.
 
 Output tokens cycle through a fixed phrase, starting at an offset derived from the prompt and the seed, so
-tests can predict text. Knobs: `token_delay` (slow streams), `refuse` (every generate answers an error),
+tests can predict text. Knobs: `token_delay` (slow streams), `refuse` (every generate answers an error;
+with `overloaded`, one saying the worker is too busy),
 `error_after` (error mid-stream after k tokens), `silent` (reads but never answers), `script` (answer this
 text instead, ending with eos when it fits in max_new_tokens: forced outputs for output parsers).
 """
@@ -32,6 +33,7 @@ class FakeWorker:
         self.max_context_len = max_context_len
         self.token_delay = token_delay
         self.refuse: str | None = None
+        self.overloaded = False
         self.error_after: int | None = None
         self.silent = False
         self.script: str | None = None
@@ -131,7 +133,7 @@ class FakeWorker:
             writer.write(encode_frame(TokenOutput(rid=req.rid, **kw)))
 
         if self.refuse:
-            send(token_ids=[], text="", finished=True, error=self.refuse,
+            send(token_ids=[], text="", finished=True, error=self.refuse, overloaded=self.overloaded,
                  finish_reason=FinishAbort(message=self.refuse))
             return
         sp = req.sampling

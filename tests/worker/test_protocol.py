@@ -34,7 +34,8 @@ FULL_OUTPUT = TokenOutput(
     rid="r-1", token_ids=[5, 6], text="hé", finished=True, finish_reason=FinishStop(matched="END"),
     prompt_tokens=9, cached_tokens=4, completion_tokens=2, output_logprobs=[[-0.5, 5], [-0.25, 6]],
     output_top_logprobs=[[[-0.5, 5]], [[-0.25, 6]]], input_logprobs=[[None, 1], [-3.0, 2]],
-    input_top_logprobs=[None, [[-3.0, 2]]], queue_time=0.125, spec_verify_ct=3, error="oops", refused=True)
+    input_top_logprobs=[None, [[-3.0, 2]]], queue_time=0.125, spec_verify_ct=3, error="oops", refused=True,
+    overloaded=True)
 
 EXAMPLES = {
     "hello": Hello(key="secret"),
@@ -257,4 +258,4 @@ def test_merge_outputs_is_the_two_increments_in_order():
     assert set(TokenOutput.__struct_fields__) == {
         "rid", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "cached_tokens",
         "completion_tokens", "output_logprobs", "output_top_logprobs", "input_logprobs", "input_top_logprobs",
-        "queue_time", "spec_verify_ct", "error", "refused"}
+        "queue_time", "spec_verify_ct", "error", "refused", "overloaded"}

@@ -61,6 +61,11 @@ def unavailable(detail: str) -> APIError:
                     code="worker_unavailable")
 
 
+def overloaded(message: str) -> APIError:
+    """Too busy right now (the grammar compiler, on the gateway or a worker): the request is fine, so a 503."""
+    return APIError(503, message, type="service_unavailable", code="server_overloaded")
+
+
 def worker_refused(message: str) -> APIError:
     # A worker refuses only what passed gateway validation but cannot run (grammar that does not compile,
     # prompt over its pool): the input is still the cause, so 400.

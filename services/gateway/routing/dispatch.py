@@ -16,7 +16,8 @@ from typing import AsyncIterator, Protocol, Sequence
 import msgspec
 
 from services.gateway.http.access_log import CURRENT as ACCESS_RECORD
-from services.gateway.http.errors import APIError, WorkerUnavailable, bad_request, unavailable, worker_refused
+from services.gateway.http.errors import (APIError, WorkerUnavailable, bad_request, overloaded, unavailable,
+                                         worker_refused)
 from services.gateway.http.metrics import GatewayMetrics, RequestTimer
 from services.gateway.routing.pd import pd_serve, wants_local_prefill
 from services.gateway.routing.router import Router
@@ -165,7 +166,7 @@ class Generation:
         timer = self._timer
         now = timer.observe(out)
         if out.error:
-            raise worker_refused(out.error)
+            raise overloaded(out.error) if out.overloaded else worker_refused(out.error)
         result = self.result
         result.absorb(out)
         result.e2e_latency = now - timer.start
