@@ -40,7 +40,7 @@ _OK = {"description": "OK", "content": {"application/json": {"schema": {}}, "tex
 _ERRORS = {str(status): {"description": why, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
            for status, why in ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
                                (413, "body too large"), (429, "too many programs running for this key"),
-                               (503, "no worker can serve it now"))}
+                               (503, "no worker can serve it now, or the grammar compiler is busy"))}
 
 
 def build_spec(app: web.Application) -> dict[str, Any]:
