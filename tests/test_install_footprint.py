@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import requests
 
-from tests.support.stack import ROOT, free_port
+from tests.support.stack import ROOT, Proc, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -42,22 +42,13 @@ def test_embedded_server_serves_without_ucx(tmp_path):
     env = _env_without_ucx(tmp_path)
     check = subprocess.run([sys.executable, "-c", "import ucxx"], env=env, capture_output=True, text=True)
     assert check.returncode != 0 and "No module named 'ucxx'" in check.stderr  # the blocker works
-    proc = subprocess.Popen([sys.executable, "-m", "services.launch", "--model-path", "tiny-random",
-                             "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = Proc("services.launch", "--model-path", "tiny-random", "--port", str(port), env=env, ready="READY ")
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("READY "):
-                break
-        assert lines and lines[-1].startswith("READY "), "".join(lines)
         r = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                           json={"model": "tiny-random", "prompt": "hello", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
-        proc.terminate()
-        proc.wait(30)
+        proc.stop()
 
 
 def test_pd_without_ucx_names_the_extra(tmp_path):

@@ -16,7 +16,7 @@ import torch
 
 from shared import procfs
 from shared.models import parallel
-from tests.support.stack import ROOT, Stack, wait_for
+from tests.support.stack import ROOT, Proc, Stack, wait_for
 from tests.support.engine_harness import Harness
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -501,15 +501,10 @@ def test_pd_with_unequal_tp_serves_what_tp1_decodes():
         stack.stop()
 
 
-def _tp2_worker() -> tuple[subprocess.Popen, int]:
+def _tp2_worker() -> tuple[Proc, int]:
     """A ready --tp-size 2 worker process and the pid of its second rank."""
-    proc = subprocess.Popen([sys.executable, "-m", "services.worker", "--model-path", "tiny-random",
-                             "--device", "cpu", "--tp-size", "2", "--max-total-tokens", "4096"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and "WORKER READY" not in (proc.stdout.readline() or "WORKER READY"):
-        pass
+    proc = Proc("services.worker", "--model-path", "tiny-random", "--device", "cpu", "--tp-size", "2",
+                "--max-total-tokens", "4096", ready="WORKER READY")
     ranks = [p for p in procfs.descendants(proc.pid) if "shared.engine.tp_follower" in procfs.argv(p)]
     assert len(ranks) == 1 and proc.poll() is None
     return proc, ranks[0]
@@ -519,7 +514,7 @@ def _tp2_worker() -> tuple[subprocess.Popen, int]:
 def test_rank_dies_with_its_worker():
     """SIGKILL on the worker (no chance to stop its ranks): the kernel ends them (PR_SET_PDEATHSIG)."""
     proc, rank = _tp2_worker()
-    proc.kill()
+    proc.proc.kill()  # the worker alone, not its group
     proc.wait()
     wait_for(lambda: not procfs.alive(rank), 15, "the orphaned rank to exit")
 
@@ -532,11 +527,9 @@ def test_worker_exits_when_a_rank_dies():
     try:
         os.kill(rank, signal.SIGKILL)
         assert proc.wait(timeout=15) == 70
-        assert "tensor-parallel rank 1 died" in proc.stderr.read()
+        wait_for(lambda: "tensor-parallel rank 1 died" in proc.text(), 10, "the worker's last words")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proc.stop(signal.SIGKILL)
 
 
 def test_follower_device_never_makes_the_base_gpu_current(monkeypatch):

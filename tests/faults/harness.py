@@ -1,4 +1,4 @@
-"""What every fault scenario needs: a supervised stack whose output is read in the background, a load
+"""What every fault scenario needs: a supervised stack whose output is read in the background (a Proc), a load
 of real HTTP clients that records how each accepted request ended, KV readings from /server_info, and
 a clock for recovery times."""
 from __future__ import annotations
@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,59 +14,9 @@ import requests
 
 from shared import procfs
 
-from tests.support.stack import ROOT, free_port, wait_for  # noqa: F401 (the fault tests import it from here)
+from tests.support.stack import Proc, free_port, wait_for  # noqa: F401 (the fault tests import them from here)
 
 REQUEST_TIMEOUT_S = 40.0  # a request that takes longer counts as a hang
-
-
-class Proc:
-    """A service process whose output is collected by a thread (a full pipe would block it)."""
-
-    def __init__(self, module: str, *args: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            with self._cond:
-                self.lines.append(line)
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def wait_line(self, prefix: str, timeout: float = 180.0, start: int = 0) -> str:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for line in self.lines[start:]:
-                    if line.startswith(prefix):
-                        return line
-                if self.proc.poll() is not None and not any(l.startswith(prefix) for l in self.lines[start:]):
-                    raise RuntimeError(f"process exited before {prefix!r}:\n" + "".join(self.lines[-40:]))
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"no {prefix!r} line:\n" + "".join(self.lines[-40:]))
-                self._cond.wait(min(left, 0.5))
-
-    def text(self) -> str:
-        return "".join(self.lines)
-
-    def send(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
 
 
 class FaultStack(Proc):
@@ -78,13 +26,9 @@ class FaultStack(Proc):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         super().__init__("services.launch", "--model-path", "tiny-random", "--port", str(self.port),
-                         "--drain-grace", "0.5", "--drain-timeout", "10", "--log-level", "warning", *args)
-        try:
-            ready = self.wait_line("READY ")
-        except Exception:
-            self.stop(signal.SIGKILL)
-            raise
-        self.workers = ready.split("workers=")[1].strip().split(",")
+                         "--drain-grace", "0.5", "--drain-timeout", "10", "--log-level", "warning", *args,
+                         ready="READY ", timeout=180.0)
+        self.workers = self.ready_line.split("workers=")[1].strip().split(",")
         wait_for(lambda: health(self.url)[0] == 200, 60, "stack healthy")
 
     def worker_pid(self, name: str) -> int:

@@ -1,48 +1,12 @@
-"""Real service processes for the fault suite: started with their output drained (so a chatty process
-never blocks on a full pipe), stopped by process group."""
+"""Real service processes for the fault suite (tests.support.stack.Proc: output drained, stopped by
+process group): a worker, a gateway in front of given workers."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import threading
 import time
 
 import requests
 
-from tests.support.stack import ROOT, free_port, stop_process_group
-
-
-class Proc:
-    def __init__(self, *args: str, ready: str, env: dict | None = None, timeout: float = 120.0):
-        full_env = {**os.environ, **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True, env=full_env)
-        self.lines: list[str] = []
-        deadline = time.monotonic() + timeout
-        self.ready_line = None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if line.startswith(ready):
-                self.ready_line = line
-                break
-        if self.ready_line is None:
-            self.stop()
-            raise RuntimeError(f"{args[0]} did not start:\n" + "".join(self.lines[-40:]))
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        stop_process_group(self.proc)
+from tests.support.stack import Proc, free_port  # noqa: F401 (the fault tests import Proc from here)
 
 
 def worker(*extra: str, env: dict | None = None) -> tuple[Proc, str, int]:

@@ -82,7 +82,7 @@ def test_worker_sigkill_under_load(stack, baseline):
 def test_redis_stop_and_start_under_load(stack, baseline, redis_server):
     r = redis.Redis.from_url(redis_server.url)
     wait_for(lambda: len(r.keys("radixserve:worker:*")) == 2, 10, "both workers registered")
-    log_start = len(stack.lines)
+    log_start = stack.count
     load = Load(stack.url, clients=4).start()
     time.sleep(1.0)
     redis_server.stop()
@@ -98,7 +98,7 @@ def test_redis_stop_and_start_under_load(stack, baseline, redis_server):
     counts = assert_no_bad(load.stop(), allow=("ok",))  # Redis is metadata: not one request may fail
     assert {w["address"] for w in requests.get(stack.url + "/server_info", timeout=10).json()["workers"]} \
         == set(stack.workers)
-    logs = "".join(stack.lines[log_start:])
+    logs = "".join(stack.since(log_start))
     assert "Traceback" not in logs
     # One line per outage per component (each worker's registration and KV events, the gateway's
     # discovery and KV index), not one per beat or per retry.

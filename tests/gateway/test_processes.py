@@ -171,32 +171,16 @@ def test_drain_finishes_streams_in_flight():
 def test_the_gateway_alone_runs_a_pool(tmp_path):
     """`python -m services.gateway --gateway-processes 2` (what docker compose runs): the pool without the
     launcher, in front of a worker it did not start; SIGTERM stops every process of it."""
-    import subprocess
-    import sys
+    from tests.support.stack import Proc, free_port
 
-    from tests.support.stack import ROOT, free_port
-
-    env = {**os.environ, "RADIXSERVE_INTERNAL_KEY": "pool-test-key"}
-    worker = subprocess.Popen([sys.executable, "-m", "services.worker", "--model-path", "tiny-random"], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                              start_new_session=True)
+    env = {"RADIXSERVE_INTERNAL_KEY": "pool-test-key"}
+    worker = Proc("services.worker", "--model-path", "tiny-random", env=env, ready="WORKER READY")
     gateway = None
     try:
-        line = wait_for(lambda: worker.stdout.readline(), 120, "the worker's ready line")
-        while not line.startswith("WORKER READY"):
-            line = worker.stdout.readline()
-            assert line, "the worker exited"
         port = free_port()
-        gateway = subprocess.Popen([sys.executable, "-m", "services.gateway", "--model-path", "tiny-random",
-                                    "--workers", line.split()[2], "--port", str(port), "--gateway-processes", "2"],
-                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True)
-        while True:
-            out = gateway.stdout.readline()
-            assert out, "the gateway exited"
-            if out.startswith("gateway ready"):
-                assert "(2 processes)" in out
-                break
+        gateway = Proc("services.gateway", "--model-path", "tiny-random", "--workers", worker.ready_line.split()[2],
+                       "--port", str(port), "--gateway-processes", "2", env=env, ready="gateway ready")
+        assert "(2 processes)" in gateway.ready_line
         url = f"http://127.0.0.1:{port}"
         assert set(_pids(url)) == {0, 1}
         assert _generate(url)["meta_info"]["completion_tokens"] == 3
@@ -208,7 +192,7 @@ def test_the_gateway_alone_runs_a_pool(tmp_path):
     finally:
         for p in (gateway, worker):
             if p is not None:
-                stop_process_group(p)
+                p.stop()
 
 
 def _worker_pid(stack: Stack) -> int:
