@@ -292,7 +292,10 @@ class ModelRunner:
 
     def _capture_graphs(self, config: EngineConfig, tp_rank: int) -> None:
         """The decode and extend CUDA graphs, their capture time and device memory reported in one log line."""
+        # Cached blocks go back to the driver before each reading: torch.cuda.graph empties the cache as capture
+        # begins, which would otherwise offset the graphs' own memory (a tiny model read 0 bytes on an H100).
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         free_before, t0 = torch.cuda.mem_get_info(self.device)[0], time.monotonic()
         if getattr(self.attn_backend, "graph_safe", False):
             from shared.engine.cuda_graph import CudaGraphRunner
@@ -314,6 +317,7 @@ class ModelRunner:
                     pool=self.graph_runner.pool if self.graph_runner is not None else None,
                     progress=tp_rank == 0)
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         decode = len(self.graph_runner.graphs) if self.graph_runner is not None else 0
         extend = len(self.extend_graphs.graphs) if self.extend_graphs is not None else 0
         self.graph_stats = {"decode_graphs": decode, "extend_graphs": extend,
