@@ -107,6 +107,9 @@ def pick_target_shape(args, cfg_of, data, device) -> tuple[str, tuple]:
 
 def train_all(args, out: str, device: str) -> dict:
     t_start = time.perf_counter()
+    # gpu_run.sh turns tokenizers' threads off for the servers it starts; the BPE training and the corpus encoding
+    # want every core (one core took 164 s of a 10-minute call on an H100 machine's 16, all of them 16 s).
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
     res: dict = {"settings": settings(args), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                  "torch": torch.__version__}
     files = corpus.collect_sources()
@@ -162,6 +165,8 @@ def train_all(args, out: str, device: str) -> dict:
         log(f"{role} ({name}): {params / 1e6:.1f}M parameters {shape}")
         figs = rt.train(model, data, spec, device, role)
         figs["heldout_loss"] = rt.heldout_loss(model, held_stream, args.seq_len, args.eval_windows, device)
+        if not np.isfinite(figs["heldout_loss"]):  # the checks and bench.spec would only measure NaN weights
+            raise RuntimeError(f"{role}: held-out loss {figs['heldout_loss']} after training; losses {figs['losses']}")
         figs.update(shape_name=name, shape=shape, params=params)
         log(f"{role}: {figs['steps']} steps, {figs['tokens'] / 1e6:.1f}M tokens in {figs['train_s']:.0f}s; held-out "
             f"loss {figs['heldout_loss']:.3f}")

@@ -121,14 +121,22 @@ def train(model, data: Windows, spec: TrainSpec, device: str, name: str) -> dict
     t0 = time.perf_counter()
     t_mark, mark = t0, 0
     losses = []
-    step = 0
+    step = skipped = 0
     while step < total:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, spec)
         loss = step_fn(data.batch(spec.batch, device))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        # One non-finite gradient would make every weight NaN (clipping multiplies inf by 0): that batch's update
+        # is skipped instead (a 129M target went NaN at step ~480 of 909 on an H100, 2026-12-07). The check
+        # waits for the step's kernels; the next step's launches then overlap its start only.
+        if bool(torch.isfinite(norm)):
+            opt.step()
+        else:
+            skipped += 1
+            if skipped > max(10, total // 100 if total < 10 ** 9 else 10):
+                raise RuntimeError(f"{name}: {skipped} steps had non-finite gradients; lower the learning rate")
         opt.zero_grad(set_to_none=True)
         step += 1
         if step == 3:  # compile and allocator warm-up behind: time from here
@@ -149,8 +157,10 @@ def train(model, data: Windows, spec: TrainSpec, device: str, name: str) -> dict
     if device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    if skipped:
+        log(f"{name}: {skipped} of {step} steps skipped (non-finite gradients)")
     return {"steps": step, "train_s": wall, "tokens": step * spec.batch * spec.seq_len, "losses": losses,
-            "spec": asdict(spec)}
+            "skipped_steps": skipped, "spec": asdict(spec)}
 
 
 @torch.no_grad()

@@ -88,3 +88,25 @@ def test_tiny_run_on_the_gpu_trains_with_autocast_and_checks_in_bf16(tiny_refmod
     m = json.loads(open(os.path.join(out, "manifest.json")).read())
     assert m["device"] != "cpu" and m["checks"]["parity_target"]["dtype"] == "torch.bfloat16"
     assert "FAIL" not in printed, printed
+
+
+def test_a_step_with_non_finite_gradients_is_skipped_not_applied():
+    """One batch whose gradients hold an inf must not reach the weights: clipping multiplies it by 0, a NaN in
+    every weight from then on (a 129M target's loss went NaN this way on an H100). The step is skipped, counted,
+    and training goes on; without the check the weights end NaN."""
+    import numpy as np
+
+    from bench import reference_train as rt
+
+    model = rt.build_model(rt.hf_config(rt.TINY_TARGET, 64, 64, 0, [1]), 0, "cpu")
+    poisoned = {"n": 0}
+
+    def hook(grad):  # the third backward's gradient of one weight is inf
+        poisoned["n"] += 1
+        return torch.full_like(grad, float("inf")) if poisoned["n"] == 3 else grad
+
+    model.model.layers[0].mlp.down_proj.weight.register_hook(hook)
+    data = rt.Windows(np.arange(4000, dtype=np.int64) % 64, 16, 0)
+    figs = rt.train(model, data, rt.TrainSpec(rt.TINY_TARGET, 16, 4, 1e-3, 1.0, steps=6, warmup=2), "cpu", "t")
+    assert figs["skipped_steps"] == 1 and figs["steps"] == 6
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
