@@ -44,7 +44,7 @@ import torch
 
 from shared.errors import InvalidRequest
 from shared.protocol import FinishReason, FinishTransferred, GenerateRequest, KvDone, KvHeader
-from shared.pd.stages import DecodeStages, PrefillStages
+from shared.pd.stages import DecodeStages, PrefillStages, TransferBudget
 from shared.pd import kv_pages
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,15 @@ class PartTimes:
 
 
 
+def transfer_budget(engine: EngineView) -> TransferBudget:
+    """A side's budget of KV buffer bytes (--kv-transfer-max-bytes, or derived: sizing.transfer_budget_bytes)."""
+    from shared.engine import sizing
+
+    runner = engine.runner
+    token_bytes = runner.kv_transfer_token_bytes()
+    return TransferBudget(sizing.transfer_budget_bytes(engine.config, token_bytes), token_bytes)
+
+
 def validate_transfer(msg: GenerateRequest, prefill_side: PrefillSide, decode_side: DecodeSide) -> None:
     t = msg.transfer
     if t is None:
@@ -143,7 +152,7 @@ class PrefillSide:
         self.on_kv_gathered: Callable[[str, Pages], None] | None = None
         self.on_kv_ready: Callable[[str, HandOff | None], None] | None = None
         self.starts: dict[str, int] = {}  # the decode side's first missing position, written by the glue
-        self.stages = PrefillStages()
+        self.stages = PrefillStages(transfer_budget(engine))
 
     def knows(self, tid: str) -> bool:
         return self.stages.knows(tid)
@@ -202,7 +211,8 @@ class PrefillSide:
 
     def end_transfer(self, tid: str, error: str | None) -> None:
         """The decode side has the pages (or the push failed): release the request (transferring ->
-        done)."""
+        done): its gathered pages are gone, so is their share of the budget."""
+        self.stages.budget.give(tid)
         req = self.stages.transferring.pop(tid, None)
         if req is None or req.finished:
             return
@@ -213,7 +223,10 @@ class PrefillSide:
         stages."""
         tid = req.transfer_id
         self.starts.pop(tid, None)
-        if "computing" in self.stages.remove(req):  # ended before its prompt was computed:
+        left = self.stages.remove(req)
+        if "transferring" not in left:  # (else its pages are still being pushed: end_transfer gives them back)
+            self.stages.budget.give(tid)
+        if "computing" in left:  # ended before its prompt was computed:
             self.on_kv_ready(tid, None)  # the glue drops the transfer
 
 
@@ -224,12 +237,12 @@ class DecodeSide:
         # on_kv_cancel(id) when such a request ends before its pages came.
         self.on_kv_expect: Callable[[str, int, int], None] | None = None
         self.on_kv_cancel: Callable[[str], None] | None = None
-        self.stages = DecodeStages()
+        self.stages = DecodeStages(transfer_budget(engine))
         self._offers: dict[str, float] = {}  # headers that came before their request
         # Received page buffers kept alive until the scatter that reads them has run on the device: the
         # allocator could otherwise hand their memory to the next receive while UCX (not ordered with
-        # our stream) writes into it.
-        self._in_use: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        # our stream) writes into it. Their transfer ids: the budget is given back when they are let go.
+        self._in_use: list[tuple[torch.cuda.Event, torch.Tensor, str]] = []
         # Hand-over breakdown: per transfer the times it was offered and got its slots; per request
         # whose pages were scattered, the times up to its first decode step's token.
         self.times = PartTimes()
@@ -292,13 +305,16 @@ class DecodeSide:
             # (Out of device memory for a host-staged buffer's copy, say.) This request ends; raised from the
             # inbox, outside any step, it ended every request of the worker.
             log.warning("writing the received KV of %s failed: %r", req.rid, e)
+            self.stages.budget.give(tid)
             engine.end_request(req, f"the received KV could not be written: {type(e).__name__}")
             return
         if buf.is_cuda:
             self._drop_scattered()
             event = torch.cuda.Event()
             event.record()
-            self._in_use.append((event, buf))
+            self._in_use.append((event, buf, tid))
+        else:
+            self.stages.budget.give(tid)  # scattered: the buffer is let go
         # Host slots (the table stages them without blocking): a device tensor would be read back (waiting for the
         # pass in flight) to reach the other tensor-parallel ranks.
         runner.req_pool.write(req.req_pool_idx, 0, torch.tensor(req.slots[:n], dtype=torch.int32))
@@ -313,7 +329,13 @@ class DecodeSide:
         """Let go of received buffers whose scatter has run: here at every round too, not only at the next
         arrival (the last buffers of a burst, GBs for long prompts, were held until the next request came)."""
         if self._in_use:
-            self._in_use = [(e, b) for e, b in self._in_use if not e.query()]
+            kept = []
+            for entry in self._in_use:
+                if entry[0].query():
+                    self.stages.budget.give(entry[2])
+                else:
+                    kept.append(entry)
+            self._in_use = kept
 
     @property
     def timing(self) -> bool:
@@ -342,4 +364,5 @@ class DecodeSide:
         self._stamps.pop(tid, None)
         self._first_step.pop(req.rid, None)
         if self.stages.remove(req):
+            self.stages.budget.give(tid)
             self.on_kv_cancel(tid)
