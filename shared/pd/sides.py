@@ -27,6 +27,12 @@ Decode side (a request taken with transfer {"role": "decode"}):
 A request that ends at any stage (abort, timeout, failure) leaves its stage; the scheduler releases
 its slots and the receiver drops the transfer (on_kv_cancel).
 
+Each side's stages carry a TransferBudget (stages.py): the bytes of KV buffers outside the pool its
+transfers hold. The scheduler charges a transfer when it admits it (prefill: the whole prompt, at first
+admission; decode: the positions it lacks, at reservation) and admits no transfer beyond the budget; the
+sides give the bytes back when the buffer is gone (prefill: the push ended, end_transfer, or the request
+ended before it began; decode: the pages were scattered, or the request ended before they came).
+
 Both sides talk to their glue through hooks set by it, called on this thread (the glue moves them to its
 event loop); the glue talks back through Engine.call or the thread-safe Engine.kv_* entry points. They
 end and start requests through the engine's public end_request / start_decoding, and record each
