@@ -114,13 +114,12 @@ class PartTimes:
 
 
 
-def transfer_budget(engine: EngineView) -> TransferBudget:
+def transfer_budget(config: EngineConfig, runner: ModelRunner) -> TransferBudget:
     """A side's budget of KV buffer bytes (--kv-transfer-max-bytes, or derived: sizing.transfer_budget_bytes)."""
     from shared.engine import sizing
 
-    runner = engine.runner
     token_bytes = runner.kv_transfer_token_bytes()
-    return TransferBudget(sizing.transfer_budget_bytes(engine.config, token_bytes), token_bytes)
+    return TransferBudget(sizing.transfer_budget_bytes(config, token_bytes), token_bytes)
 
 
 def validate_transfer(msg: GenerateRequest, prefill_side: PrefillSide, decode_side: DecodeSide) -> None:
@@ -148,7 +147,7 @@ def validate_transfer(msg: GenerateRequest, prefill_side: PrefillSide, decode_si
 
 
 class PrefillSide:
-    def __init__(self, engine: EngineView):
+    def __init__(self, engine: EngineView, budget: TransferBudget | None = None):
         self.engine = engine
         # Hooks (set by the glue): on_transfer_open(id, {"host","port"}, header) once the scheduler has
         # committed KV to a request; on_kv_gathered(id, Pages) when the pass computing its last chunk is
@@ -158,7 +157,7 @@ class PrefillSide:
         self.on_kv_gathered: Callable[[str, Pages], None] | None = None
         self.on_kv_ready: Callable[[str, HandOff | None], None] | None = None
         self.starts: dict[str, int] = {}  # the decode side's first missing position, written by the glue
-        self.stages = PrefillStages(transfer_budget(engine))
+        self.stages = PrefillStages(budget)  # (budget: of the gathered pages, transfer_budget; None: no bound)
 
     def knows(self, tid: str) -> bool:
         return self.stages.knows(tid)
@@ -237,13 +236,13 @@ class PrefillSide:
 
 
 class DecodeSide:
-    def __init__(self, engine: EngineView):
+    def __init__(self, engine: EngineView, budget: TransferBudget | None = None):
         self.engine = engine
         # Hooks (set by the glue): on_kv_expect(id, start, prompt_len) once slots are reserved;
         # on_kv_cancel(id) when such a request ends before its pages came.
         self.on_kv_expect: Callable[[str, int, int], None] | None = None
         self.on_kv_cancel: Callable[[str], None] | None = None
-        self.stages = DecodeStages(transfer_budget(engine))
+        self.stages = DecodeStages(budget)  # (budget: of the receive buffers, transfer_budget; None: no bound)
         self._offers: dict[str, float] = {}  # headers that came before their request
         # Received page buffers kept alive until the scatter that reads them has run on the device: the
         # allocator could otherwise hand their memory to the next receive while UCX (not ordered with
