@@ -31,9 +31,11 @@ MIN_CHUNK = 1024
 # H100, H200, B200) capture up to 1,024: the shared-prefix workload's concurrency, a few hundred MB of graph
 # memory on an 8B Llama. Smaller cards keep the sizes that were the fixed defaults.
 GPU_TIERS = ((60 * GIB, 1024, 8192), (0, 256, 4096))
-# PD: the default bound on a worker's KV buffers in flight (--kv-transfer-max-bytes), in prefill chunks' KV: one
-# chunk's gather leaving while the next is computed (2 GiB for an 8B Llama at 8,192-token chunks).
-TRANSFER_CHUNKS = 2
+# PD: the default bound on a worker's KV buffers in flight (--kv-transfer-max-bytes), in prefill chunks' KV. A
+# prompt is charged from its admission: the pass computing, the one scheduled behind it (overlap) and the pages of
+# the one before still on the wire, and one of slack for a slow ack; fewer and the prefill worker would wait for
+# acks with its GPU idle. 4 GiB for an 8B Llama at 8,192-token chunks.
+TRANSFER_CHUNKS = 4
 CPU_SIZES = (256, 256, 4096)  # (running, graph ceiling, chunk) without a GPU: the fixed defaults, unchanged
 
 
