@@ -32,7 +32,7 @@ from shared.engine.schedule_policy import SchedulePolicy
 from shared.engine.spec import build_speculator
 from shared import limits
 from shared.errors import InvalidRequest, Overloaded
-from shared.pd.sides import DecodeSide, PrefillSide, validate_transfer
+from shared.pd.sides import DecodeSide, PrefillSide, transfer_budget, validate_transfer
 from shared.protocol import (FinishAbort, FinishLength, FinishReason, FinishStop, GenerateRequest, KvDone,
                              TokenOutput)
 from shared.sampling_params import SamplingParams
@@ -101,8 +101,9 @@ class Engine:
             self.cache = cache_cls(self.allocator, config.page_size)
         # PD mode: the prefill/decode halves (shared/pd/sides.py), wired by the worker's transfer
         # glue; idle in unified mode. The scheduler asks their stage queues about PD requests.
-        self.prefill_side = PrefillSide(self)
-        self.decode_side = DecodeSide(self)
+        # Each bounds the bytes of KV buffers its transfers hold outside the pool (--kv-transfer-max-bytes).
+        self.prefill_side = PrefillSide(self, transfer_budget(config, self.runner))
+        self.decode_side = DecodeSide(self, transfer_budget(config, self.runner))
         self.policy = SchedulePolicy(config, self.cache, self.allocator, self.runner.req_pool,
                                    self.runner.max_context_len, prefill_stages=self.prefill_side.stages,
                                    decode_stages=self.decode_side.stages)

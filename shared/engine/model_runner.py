@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -428,7 +429,10 @@ class ModelRunner:
         budget = free - total * (1 - self.config.mem_fraction_static)
         filled = self.sized(self.config, int(max(0, budget) // per_token), total)
         sizes = sizing.sizes_of(filled)
-        budget = free - max(total * (1 - self.config.mem_fraction_static), sizing.reserve_bytes(sizes, self.shape()))
+        # (PD: the KV buffers of transfers in flight live outside the pool too: room for their budget.)
+        reserve = (sizing.reserve_bytes(sizes, self.shape())
+                   + sizing.transfer_budget_bytes(filled, self.kv_transfer_token_bytes()))
+        budget = free - max(total * (1 - self.config.mem_fraction_static), reserve)
         if self.config.speculative_algorithm == "STANDALONE":
             # The draft runner comes after this pool, with as many tokens of its own (spec/draft.py): leave it room.
             from shared.engine.spec.draft import draft_memory
@@ -635,6 +639,10 @@ class ModelRunner:
         pools may be sharded differently (or not at all)."""
         mc = self.model_config
         return [mc.num_hidden_layers, 2, mc.num_key_value_heads, mc.head_dim]
+
+    def kv_transfer_token_bytes(self) -> int:
+        """Bytes of one token's KV in a PD transfer buffer (kv_layout, the whole model's heads)."""
+        return math.prod(self.kv_layout()) * self.kv_dtype.itemsize
 
     def weight_format(self) -> str:
         """How the decoder's linear weights are held: the model dtype, or FP8 e4m3 with scales per row or per

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from shared.cache.base import MatchResult, PrefixCache
     from shared.cache.kv_pool import ReqToTokenPool
     from shared.engine.config import EngineConfig
-    from shared.pd.stages import DecodeStages
+    from shared.pd.stages import DecodeStages, PrefillStages
 
 # In-batch dedupe: requests of one admission round whose next uncached tokens are the same (the same
 # cached prefix, then these many equal tokens) compute them once: the first goes, the others wait a round
@@ -45,6 +45,7 @@ class Admitting(Protocol):
     running: list[Req]
     chunked: Req | None
     failed: list[Req]
+    prefill_stages: PrefillStages
     decode_stages: DecodeStages
 
     def num_running(self) -> int: ...
@@ -85,6 +86,9 @@ class PrefillAdder:
         self.admitted = 0
         self.last_need = 0  # tokens the last refused chunk needed (for retraction)
         self._shared_keys: set[tuple] = set()
+        # PD: a transfer that did not fit its side's budget this round; the later ones wait behind it (in
+        # order), requests without a transfer still go.
+        self._transfers_wait = False
 
     # ------------------------------------------------------------------ reservation
     def _busy(self) -> bool:
@@ -222,6 +226,11 @@ class PrefillAdder:
         s = self.s
         if self.budget <= 0 or s.num_running() >= s.config.max_running_requests or s.req_pool.available() == 0:
             return False
+        role = req.transfer_role
+        if role is not None and self._transfers_wait:
+            return True
+        if role == "prefill" and not self._budget_fits(s.prefill_stages.budget, req, len(req.input_ids)):
+            return True
         # Matched here, right before locking: an eviction earlier in this round may have shortened what
         # the ordering saw.
         match = s._admission_match(req)
@@ -231,7 +240,7 @@ class PrefillAdder:
             return True
         s.cache.lock(match.node)  # first: neither the checks nor an eviction may count it as free
         s.drop_host_load(req)
-        if req.transfer_role == "decode":
+        if role == "decode":
             return self._reserve_for_transfer(req, match)
         ext_total = req.seq_len - match.length
         ext = chunk_len(ext_total, s.config.chunked_prefill_size, self.budget)
@@ -252,6 +261,14 @@ class PrefillAdder:
             return False
         s._prefill_done(req)
         return True
+
+    def _budget_fits(self, budget, req: Req, tokens: int) -> bool:
+        """Whether the transfer's KV buffer fits its side's budget (stages.TransferBudget); if not, it and the
+        transfers after it wait for a later round."""
+        if budget.fits(req.transfer_id, tokens):
+            return True
+        self._transfers_wait = True
+        return False
 
     def _cannot_fit(self, req: Req) -> None:
         """Not even `req`'s first pages fit now. Unless something holds KV that comes back without it (it waits then),
@@ -275,6 +292,9 @@ class PrefillAdder:
         The matched prefix is locked by the caller."""
         s = self.s
         need = req.seq_len - match.length
+        if not self._budget_fits(s.decode_stages.budget, req, need):
+            s.cache.unlock(match.node)
+            return True  # its receive buffer waits for room (and the next transfers behind it)
         if not self.fits(req, need):
             s.cache.unlock(match.node)
             return False

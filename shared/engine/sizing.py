@@ -14,7 +14,7 @@ its radix-cache speed-up only with 1,024 of each (docs/design.md, "Engine sizes 
 
 Without a GPU (CPU runs, tests) the sizes are the fixed ones this replaced. An explicit value always wins.
 `reserve_bytes` estimates what these sizes take outside the KV pool, which the runner keeps free before it
-sizes the pool.
+sizes the pool, together with `transfer_budget_bytes` (PD: KV buffers between the workers).
 """
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ MIN_CHUNK = 1024
 # H100, H200, B200) capture up to 1,024: the shared-prefix workload's concurrency, a few hundred MB of graph
 # memory on an 8B Llama. Smaller cards keep the sizes that were the fixed defaults.
 GPU_TIERS = ((60 * GIB, 1024, 8192), (0, 256, 4096))
+# PD: the default bound on a worker's KV buffers in flight (--kv-transfer-max-bytes), in prefill chunks' KV. A
+# prompt is charged from its admission: the pass computing, the one scheduled behind it (overlap) and the pages of
+# the one before still on the wire, and one of slack for a slow ack; fewer and the prefill worker would wait for
+# acks with its GPU idle. 4 GiB for an 8B Llama at 8,192-token chunks.
+TRANSFER_CHUNKS = 4
 CPU_SIZES = (256, 256, 4096)  # (running, graph ceiling, chunk) without a GPU: the fixed defaults, unchanged
 
 
@@ -89,3 +94,11 @@ def reserve_bytes(sizes: Sizes, shape: ModelShape) -> int:
     per_row = s.vocab_size * (a + 8) + (8 * s.hidden_size + 3 * s.intermediate_size) * a
     per_token = (6 * s.hidden_size + 3 * s.intermediate_size) * a
     return table + sizes.cuda_graph_max_bs * per_row + sizes.chunked_prefill_size * per_token + GIB
+
+
+def transfer_budget_bytes(config, token_bytes: int) -> int:
+    """PD: the bytes of KV buffers a worker's transfers may hold at once (0: no bound): --kv-transfer-max-bytes,
+    or TRANSFER_CHUNKS prefill chunks of `token_bytes` (one token's KV as it travels) for a filled config."""
+    if config.kv_transfer_max_bytes is not None:
+        return max(0, config.kv_transfer_max_bytes)
+    return TRANSFER_CHUNKS * (config.chunked_prefill_size or CPU_SIZES[2]) * token_bytes

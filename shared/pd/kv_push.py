@@ -104,4 +104,5 @@ class KvPush:
         s = self.sender
         return {"sent_tokens": s.sent_tokens, "sent_bytes": s.sent_bytes, "send_seconds": round(s.send_seconds, 6),
                 "transfers": s.transfers, "in_flight": len(self._tasks), "late_handshakes": self.late_handshakes,
-                "connects": s.connects, "endpoint_reuses": s.reuses, "handover_ms": self.times.summary()}
+                "connects": s.connects, "endpoint_reuses": s.reuses, "handover_ms": self.times.summary(),
+                "budget": self.side.stages.budget.stats()}

@@ -38,4 +38,5 @@ class KvReceive:
         r = self.receiver
         return {"received_tokens": r.received_tokens, "skipped_tokens": r.skipped_tokens, "failures": r.failures,
                 "cancelled": r.cancelled, "refused": r.refused,
-                "received_bytes": r.received_bytes, "handover_ms": self.engine.decode_side.times.summary()}
+                "received_bytes": r.received_bytes, "handover_ms": self.engine.decode_side.times.summary(),
+                "budget": self.engine.decode_side.stages.budget.stats()}

@@ -27,6 +27,12 @@ Decode side (a request taken with transfer {"role": "decode"}):
 A request that ends at any stage (abort, timeout, failure) leaves its stage; the scheduler releases
 its slots and the receiver drops the transfer (on_kv_cancel).
 
+Each side's stages carry a TransferBudget (stages.py): the bytes of KV buffers outside the pool its
+transfers hold. The scheduler charges a transfer when it admits it (prefill: the whole prompt, at first
+admission; decode: the positions it lacks, at reservation) and admits no transfer beyond the budget; the
+sides give the bytes back when the buffer is gone (prefill: the push ended, end_transfer, or the request
+ended before it began; decode: the pages were scattered, or the request ended before they came).
+
 Both sides talk to their glue through hooks set by it, called on this thread (the glue moves them to its
 event loop); the glue talks back through Engine.call or the thread-safe Engine.kv_* entry points. They
 end and start requests through the engine's public end_request / start_decoding, and record each
@@ -44,7 +50,7 @@ import torch
 
 from shared.errors import InvalidRequest
 from shared.protocol import FinishReason, FinishTransferred, GenerateRequest, KvDone, KvHeader
-from shared.pd.stages import DecodeStages, PrefillStages
+from shared.pd.stages import DecodeStages, PrefillStages, TransferBudget
 from shared.pd import kv_pages
 
 log = logging.getLogger(__name__)
@@ -108,6 +114,14 @@ class PartTimes:
 
 
 
+def transfer_budget(config: EngineConfig, runner: ModelRunner) -> TransferBudget:
+    """A side's budget of KV buffer bytes (--kv-transfer-max-bytes, or derived: sizing.transfer_budget_bytes)."""
+    from shared.engine import sizing
+
+    token_bytes = runner.kv_transfer_token_bytes()
+    return TransferBudget(sizing.transfer_budget_bytes(config, token_bytes), token_bytes)
+
+
 def validate_transfer(msg: GenerateRequest, prefill_side: PrefillSide, decode_side: DecodeSide) -> None:
     t = msg.transfer
     if t is None:
@@ -133,7 +147,7 @@ def validate_transfer(msg: GenerateRequest, prefill_side: PrefillSide, decode_si
 
 
 class PrefillSide:
-    def __init__(self, engine: EngineView):
+    def __init__(self, engine: EngineView, budget: TransferBudget | None = None):
         self.engine = engine
         # Hooks (set by the glue): on_transfer_open(id, {"host","port"}, header) once the scheduler has
         # committed KV to a request; on_kv_gathered(id, Pages) when the pass computing its last chunk is
@@ -143,7 +157,7 @@ class PrefillSide:
         self.on_kv_gathered: Callable[[str, Pages], None] | None = None
         self.on_kv_ready: Callable[[str, HandOff | None], None] | None = None
         self.starts: dict[str, int] = {}  # the decode side's first missing position, written by the glue
-        self.stages = PrefillStages()
+        self.stages = PrefillStages(budget)  # (budget: of the gathered pages, transfer_budget; None: no bound)
 
     def knows(self, tid: str) -> bool:
         return self.stages.knows(tid)
@@ -202,7 +216,8 @@ class PrefillSide:
 
     def end_transfer(self, tid: str, error: str | None) -> None:
         """The decode side has the pages (or the push failed): release the request (transferring ->
-        done)."""
+        done): its gathered pages are gone, so is their share of the budget."""
+        self.stages.budget.give(tid)
         req = self.stages.transferring.pop(tid, None)
         if req is None or req.finished:
             return
@@ -213,23 +228,26 @@ class PrefillSide:
         stages."""
         tid = req.transfer_id
         self.starts.pop(tid, None)
-        if "computing" in self.stages.remove(req):  # ended before its prompt was computed:
+        left = self.stages.remove(req)
+        if "transferring" not in left:  # (else its pages are still being pushed: end_transfer gives them back)
+            self.stages.budget.give(tid)
+        if "computing" in left:  # ended before its prompt was computed:
             self.on_kv_ready(tid, None)  # the glue drops the transfer
 
 
 class DecodeSide:
-    def __init__(self, engine: EngineView):
+    def __init__(self, engine: EngineView, budget: TransferBudget | None = None):
         self.engine = engine
         # Hooks (set by the glue): on_kv_expect(id, start, prompt_len) once slots are reserved;
         # on_kv_cancel(id) when such a request ends before its pages came.
         self.on_kv_expect: Callable[[str, int, int], None] | None = None
         self.on_kv_cancel: Callable[[str], None] | None = None
-        self.stages = DecodeStages()
+        self.stages = DecodeStages(budget)  # (budget: of the receive buffers, transfer_budget; None: no bound)
         self._offers: dict[str, float] = {}  # headers that came before their request
         # Received page buffers kept alive until the scatter that reads them has run on the device: the
         # allocator could otherwise hand their memory to the next receive while UCX (not ordered with
-        # our stream) writes into it.
-        self._in_use: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        # our stream) writes into it. Their transfer ids: the budget is given back when they are let go.
+        self._in_use: list[tuple[torch.cuda.Event, torch.Tensor, str]] = []
         # Hand-over breakdown: per transfer the times it was offered and got its slots; per request
         # whose pages were scattered, the times up to its first decode step's token.
         self.times = PartTimes()
@@ -292,13 +310,16 @@ class DecodeSide:
             # (Out of device memory for a host-staged buffer's copy, say.) This request ends; raised from the
             # inbox, outside any step, it ended every request of the worker.
             log.warning("writing the received KV of %s failed: %r", req.rid, e)
+            self.stages.budget.give(tid)
             engine.end_request(req, f"the received KV could not be written: {type(e).__name__}")
             return
         if buf.is_cuda:
             self._drop_scattered()
             event = torch.cuda.Event()
             event.record()
-            self._in_use.append((event, buf))
+            self._in_use.append((event, buf, tid))
+        else:
+            self.stages.budget.give(tid)  # scattered: the buffer is let go
         # Host slots (the table stages them without blocking): a device tensor would be read back (waiting for the
         # pass in flight) to reach the other tensor-parallel ranks.
         runner.req_pool.write(req.req_pool_idx, 0, torch.tensor(req.slots[:n], dtype=torch.int32))
@@ -313,7 +334,13 @@ class DecodeSide:
         """Let go of received buffers whose scatter has run: here at every round too, not only at the next
         arrival (the last buffers of a burst, GBs for long prompts, were held until the next request came)."""
         if self._in_use:
-            self._in_use = [(e, b) for e, b in self._in_use if not e.query()]
+            kept = []
+            for entry in self._in_use:
+                if entry[0].query():
+                    self.stages.budget.give(entry[2])
+                else:
+                    kept.append(entry)
+            self._in_use = kept
 
     @property
     def timing(self) -> bool:
@@ -342,4 +369,5 @@ class DecodeSide:
         self._stamps.pop(tid, None)
         self._first_step.pop(req.rid, None)
         if self.stages.remove(req):
+            self.stages.budget.give(tid)
             self.on_kv_cancel(tid)

@@ -1,5 +1,6 @@
 """The PD stage queues (the stages are described in shared/pd/sides.py's docstring): plain
-containers of requests by stage, so the scheduler can ask about them without importing the PD sides."""
+containers of requests by stage, so the scheduler can ask about them without importing the PD sides;
+and each side's TransferBudget, the bytes of KV buffers its transfers may hold at once."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,11 +9,54 @@ if TYPE_CHECKING:
     from shared.engine.request import Req
 
 
+class TransferBudget:
+    """Bytes of KV buffers outside the pool that one side's transfers hold at once: the prefill side's
+    gathered pages (charged from a request's first admission, for its whole prompt, until its push ends),
+    the decode side's receive buffers (charged from the reservation of its slots, for the positions it
+    lacks, until the pages are scattered). Without a bound a slow decode side let a prefill worker gather
+    prompt after prompt (1 GiB per 8k tokens of an 8B model) until its GPU ran out of memory.
+
+    The scheduler admits a transfer only when it `fits`; one that does not waits in the queue, in order
+    (the budget frees as transfers end). Nothing charged: any transfer fits, so a prompt larger than the
+    whole budget goes alone and nothing waits forever. max_bytes 0: no bound (the charges are still
+    counted). Used on the engine thread only."""
+
+    def __init__(self, max_bytes: int = 0, token_bytes: int = 0):
+        self.max_bytes, self.token_bytes = max_bytes, token_bytes
+        self._held: dict[str, int] = {}  # bytes by transfer id
+        self.in_flight = 0
+        self.peak = 0
+        self.waits = 0  # admission rounds in which a transfer waited for room
+
+    def fits(self, tid: str, tokens: int) -> bool:
+        """May transfer `tid` of `tokens` positions be admitted now (already charged: yes)?"""
+        ok = (self.max_bytes <= 0 or not self._held or tid in self._held
+              or self.in_flight + tokens * self.token_bytes <= self.max_bytes)
+        self.waits += not ok
+        return ok
+
+    def take(self, tid: str, tokens: int) -> None:
+        if tid in self._held:
+            return
+        n = self._held[tid] = tokens * self.token_bytes
+        self.in_flight += n
+        self.peak = max(self.peak, self.in_flight)
+
+    def give(self, tid: str) -> None:
+        """Transfer `tid`'s buffer is gone (idempotent)."""
+        self.in_flight -= self._held.pop(tid, 0)
+
+    def stats(self) -> dict:
+        return {"max_bytes": self.max_bytes, "token_bytes": self.token_bytes, "in_flight_bytes": self.in_flight,
+                "peak_bytes": self.peak, "transfers": len(self._held), "waits": self.waits}
+
+
 class PrefillStages:
     """The prefill side's requests by stage (module docstring). Owned by PrefillSide; the scheduler
     calls admit, park, holds_kv, unpark and remove."""
 
-    def __init__(self):
+    def __init__(self, budget: TransferBudget | None = None):
+        self.budget = budget if budget is not None else TransferBudget()  # gathered pages (given back by the side)
         self.admitted: list["Req"] = []  # admitted in the last round: transfer to open
         self.computing: dict[str, "Req"] = {}  # transfer open, first token not sampled yet
         self.transferring: dict[str, "Req"] = {}  # first token handed off, pages being pushed
@@ -23,8 +67,10 @@ class PrefillStages:
 
     # scheduler side
     def admit(self, req: "Req") -> None:
-        """First admission of the request (its transfer opens after the round)."""
+        """First admission of the request (its transfer opens after the round): its prompt's pages are
+        charged to the budget (the most its gather can be)."""
         self.admitted.append(req)
+        self.budget.take(req.transfer_id, len(req.input_ids))
 
     def park(self, req: "Req") -> None:
         """The prompt's last chunk is scheduled: the request is parked here with its KV."""
@@ -65,7 +111,8 @@ class DecodeStages:
     """The decode side's requests by stage (module docstring). Owned by DecodeSide; the scheduler calls
     admissible, reserve, holding/num_holding and remove."""
 
-    def __init__(self):
+    def __init__(self, budget: TransferBudget | None = None):
+        self.budget = budget if budget is not None else TransferBudget()  # receive buffers (given back by the side)
         self.queued: dict[str, "Req"] = {}  # taken, no slots yet
         self.reserved: dict[str, "Req"] = {}  # slots reserved in the last round, receiver not told yet
         self.awaiting: dict[str, tuple["Req", float]] = {}  # receiver told: (request, deadline)
@@ -80,7 +127,9 @@ class DecodeStages:
         return req.transfer_role != "decode" or req.kv_offered
 
     def reserve(self, req: "Req") -> None:
-        """The scheduler has reserved the request's slots (queued -> reserved)."""
+        """The scheduler has reserved the request's slots (queued -> reserved); the positions it lacks
+        (its receive buffer) are charged to the budget."""
+        self.budget.take(req.transfer_id, len(req.input_ids) - req.kv_len)
         self.queued.pop(req.transfer_id, None)
         self.reserved[req.transfer_id] = req
 

@@ -7,7 +7,8 @@ import pytest
 
 from shared.engine.cli import add_engine_args, engine_args_to_argv, engine_config_from_args
 from shared.engine.config import EngineConfig
-from shared.engine.sizing import GIB, ModelShape, Sizes, derive_sizes, fill, reserve_bytes
+from shared.engine.sizing import (GIB, TRANSFER_CHUNKS, ModelShape, Sizes, derive_sizes, fill, reserve_bytes,
+                                  transfer_budget_bytes)
 
 LLAMA_8B = ModelShape(context_len=8192, vocab_size=128256, hidden_size=4096, intermediate_size=14336)
 H100, H200 = 80 * GIB, 141 * GIB
@@ -144,8 +145,10 @@ def _pool_tokens_on(monkeypatch, free: int, total: int, context_len: int, fracti
         config=EngineConfig(mem_fraction_static=fraction, **config), device=torch.device("cuda", 0), num_kv_heads=8,
         kv_dtype=torch.bfloat16, dtype=torch.bfloat16, max_context_len=context_len,
         model_config=types.SimpleNamespace(num_hidden_layers=32, head_dim=128, vocab_size=128256, hidden_size=4096,
-                                           intermediate_size=14336))
+                                           intermediate_size=14336, num_key_value_heads=8))
     r.shape = functools.partial(ModelRunner.shape, r)
+    r.kv_layout = functools.partial(ModelRunner.kv_layout, r)
+    r.kv_transfer_token_bytes = functools.partial(ModelRunner.kv_transfer_token_bytes, r)
     r.sized = functools.partial(ModelRunner.sized, r)
     tokens, gpu = ModelRunner._pool_tokens(r)
     assert gpu == total
@@ -163,7 +166,20 @@ def test_the_pool_keeps_room_for_the_sizes_it_implies(monkeypatch):
     assert thin < int((free - 0.05 * H100) // per_token)
     long_ctx = ModelShape(131072, 128256, 4096, 14336)
     provisional = derive_sizes(int((free - 0.05 * H100) // per_token), H100, long_ctx)
-    assert thin == int((free - reserve_bytes(provisional, long_ctx)) // per_token)
+    transfers = TRANSFER_CHUNKS * provisional.chunked_prefill_size * per_token  # PD buffers in flight
+    assert thin == int((free - reserve_bytes(provisional, long_ctx) - transfers) // per_token)
+
+
+def test_the_pool_leaves_room_for_the_kv_transfer_budget(monkeypatch):
+    """PD: the KV buffers of transfers in flight (--kv-transfer-max-bytes) live outside the pool; a budget beyond
+    the 15% margin takes its bytes from the pool, 0 (no bound) reserves nothing."""
+    per_token = 32 * 2 * 8 * 128 * 2
+    free = 64 * GIB
+    default = _pool_tokens_on(monkeypatch, free, H100, 8192, 0.85)
+    assert _pool_tokens_on(monkeypatch, free, H100, 8192, 0.85, kv_transfer_max_bytes=0) == default
+    big = _pool_tokens_on(monkeypatch, free, H100, 8192, 0.85, kv_transfer_max_bytes=20 * GIB)
+    assert default - big > (20 * GIB - 0.15 * H100) // per_token
+    assert transfer_budget_bytes(EngineConfig(chunked_prefill_size=8192), per_token) == 4 * GIB
 
 
 def test_the_pool_leaves_room_for_a_standalone_draft(monkeypatch):

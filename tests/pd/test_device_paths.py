@@ -14,6 +14,7 @@ import torch
 from shared import protocol
 from shared.pd import kv_pages
 from shared.pd.sides import DecodeSide
+from shared.pd.stages import TransferBudget
 from shared.pd.ucx import KvReceiver
 from shared.protocol import KvDone, KvHeader
 
@@ -105,11 +106,14 @@ def test_received_buffers_are_let_go_once_scattered_without_waiting_for_the_next
         def query(self) -> bool:
             return self.done
 
-    side = DecodeSide(SimpleNamespace(config=SimpleNamespace(kv_transfer_timeout=60.0)))
-    still_read = (Event(False), object())
-    side._in_use = [(Event(True), object()), still_read]
+    side = DecodeSide(SimpleNamespace(config=SimpleNamespace(kv_transfer_timeout=60.0)), TransferBudget(0, 1))
+    still_read = (Event(False), object(), "t2")
+    side._in_use = [(Event(True), object(), "t1"), still_read]
+    side.stages.budget.take("t1", 4)
+    side.stages.budget.take("t2", 8)
     side.announce()  # every scheduling round
     assert side._in_use == [still_read]
+    assert side.stages.budget.in_flight == 8  # the buffer let go is out of the transfer budget too
 
 
 def test_a_scatter_that_fails_ends_its_request_alone():
