@@ -17,7 +17,7 @@ import time
 from shared.pd.sides import HandOff, Pages, PartTimes
 from shared.engine.engine_loop import Engine
 from shared.protocol import KvHeader
-from shared.pd.ucx import KvSender, TransferError
+from shared.pd.ucx import KvSender, TransferError, use_device
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ class KvPush:
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, sender: KvSender | None = None,
                  key: str = ""):
         self.engine, self.loop = engine, loop
+        use_device(engine.runner.device)
         self.sender = sender or KvSender(key=key)
         self._pages: dict[str, asyncio.Future] = {}
         self._ready: dict[str, asyncio.Future] = {}

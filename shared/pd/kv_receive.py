@@ -11,7 +11,7 @@ import asyncio
 
 from shared.engine.engine_loop import Engine
 from shared.pd import kv_pages
-from shared.pd.ucx import KvReceiver
+from shared.pd.ucx import KvReceiver, use_device
 
 
 class KvReceive:
@@ -19,6 +19,7 @@ class KvReceive:
         self.engine, self.loop = engine, loop
         runner = engine.runner
         staging = engine.config.kv_transfer_staging
+        use_device(runner.device)
         self.receiver = KvReceiver(
             runner.kv_layout(), kv_pages.dtype_name(runner.kv_dtype),
             alloc=lambda n: runner.empty_kv_buffer(n, staging),

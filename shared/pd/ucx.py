@@ -53,6 +53,23 @@ class TransferCancelled(TransferError):
     """The request ended (client gone, aborted) before its pages could go: not a transport failure."""
 
 
+_device: torch.device | None = None  # this process's GPU, made current in UCX's progress thread
+
+
+def use_device(device: torch.device) -> None:
+    """The device this process's KV buffers live on; call before the first transfer. UCX's progress thread
+    makes it current: ucxx's own start hook makes GPU 0 current, so a worker on another GPU created a CUDA
+    context on GPU 0 (memory out of the GPU 0 worker's sizing) and ran UCX's CUDA calls there."""
+    global _device
+    _device = device
+
+
+def _progress_thread_start() -> None:
+    """Runs first in ucxx's progress thread (in place of ucxx's, which makes GPU 0 current)."""
+    if _device is not None and _device.type == "cuda":
+        torch.cuda.set_device(_device)
+
+
 def _ucxx():
     """ucxx, its context created on first use (only PD workers need UCX; call on the event loop).
 
@@ -72,6 +89,11 @@ def _ucxx():
         # A decode worker restarted on its fixed --transfer-port must be able to listen again while the
         # old connections linger in TIME_WAIT (UCX reads this when its context is created).
         os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
+        # ucxx's thread mode installs this module function as the progress thread's start callback (ucxx
+        # 0.52, the pinned release); tests/pd/test_ucx_device.py fails if a ucxx release stops doing so.
+        from ucxx._lib_async import continuous_ucx_progress
+
+        continuous_ucx_progress._create_context = _progress_thread_start
         ucxx.init(progress_mode="thread", enable_python_future=True)
         # The notifier thread is not a daemon: interpreter shutdown joins it before atexit handlers run,
         # so a worker (or any process) that used UCX hung forever on exit after SIGTERM. Stop it in the
