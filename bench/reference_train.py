@@ -135,6 +135,8 @@ def train(model, data: Windows, spec: TrainSpec, device: str, name: str) -> dict
             opt.step()
         else:
             skipped += 1
+            if skipped <= 3:
+                log(f"{name}: step {step + 1}: gradient norm {float(norm)}, loss {float(loss.detach())}; skipped")
             if skipped > max(10, total // 100 if total < 10 ** 9 else 10):
                 raise RuntimeError(f"{name}: {skipped} steps had non-finite gradients; lower the learning rate")
         opt.zero_grad(set_to_none=True)
