@@ -156,14 +156,16 @@ def test_lm_programs_run_on_pd(pd, stack, remote):
     assert_no_kv_held(pd.url)
 
 
-def start_pd_processes(prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = ()):
-    """A prefill and a decode worker process (each with its extra flags) behind a gateway: (prefill, decode,
-    gateway, url). Whatever started is stopped if the rest does not come up."""
-    prefill = spawn("services.prefill", "--model-path", "tiny-random", *prefill_args)
-    decode = spawn("services.decode", "--model-path", "tiny-random", "--kv-transfer-timeout", "8", *decode_args)
-    procs = [prefill, decode]
+def start_pd_pool(prefills: int = 1, decodes: int = 1, prefill_args: tuple[str, ...] = (),
+                  decode_args: tuple[str, ...] = ()):
+    """Prefill and decode worker processes (each with its extra flags) behind a gateway: (prefill processes,
+    decode processes, gateway, url). Whatever started is stopped if the rest does not come up."""
+    ps = [spawn("services.prefill", "--model-path", "tiny-random", *prefill_args) for _ in range(prefills)]
+    ds = [spawn("services.decode", "--model-path", "tiny-random", "--kv-transfer-timeout", "8", *decode_args)
+          for _ in range(decodes)]
+    procs = [*ps, *ds]
     try:
-        addrs = [wait_line(p, "WORKER READY").split()[2] for p in (prefill, decode)]
+        addrs = [wait_line(p, "WORKER READY").split()[2] for p in procs]
         port = free_port()
         procs.append(spawn("services.gateway", "--model-path", "tiny-random", "--workers", ",".join(addrs),
                            "--port", str(port)))
@@ -173,7 +175,13 @@ def start_pd_processes(prefill_args: tuple[str, ...] = (), decode_args: tuple[st
     except BaseException:
         kill_groups(*procs)
         raise
-    return prefill, decode, procs[-1], url
+    return ps, ds, procs[-1], url
+
+
+def start_pd_processes(prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = ()):
+    """One prefill and one decode worker behind a gateway: (prefill, decode, gateway, url)."""
+    (prefill,), (decode,), gateway, url = start_pd_pool(1, 1, prefill_args, decode_args)
+    return prefill, decode, gateway, url
 
 
 def test_prefill_worker_killed_before_the_hand_over_the_decode_worker_computes_the_prompt(stack):
@@ -211,19 +219,9 @@ def gateway_counter(url: str, name: str) -> float:
 def test_decode_worker_dying_before_the_first_token_the_request_moves_to_another(stack):
     """1 prefill : 2 decode. Requests routed to a decode worker that dies before their first token are
     retried on the other one (the prefill worker's tree still holds their prompts): all succeed."""
-    prefill = spawn("services.prefill", "--model-path", "tiny-random")
-    decodes = [spawn("services.decode", "--model-path", "tiny-random", "--kv-transfer-timeout", "8")
-               for _ in range(2)]
-    procs = [prefill, *decodes]
+    prefills, decodes, gateway, url = start_pd_pool(1, 2)
+    procs = [*prefills, *decodes, gateway]
     try:
-        addrs = [wait_line(p, "WORKER READY").split()[2] for p in procs]
-        port = free_port()
-        gateway = spawn("services.gateway", "--model-path", "tiny-random", "--workers", ",".join(addrs),
-                        "--port", str(port))
-        procs.append(gateway)
-        wait_line(gateway, "gateway ready")
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
         texts = [f"Retry me {i}: " + "words to prefill " * (2 + i % 3) for i in range(8)]
         os.killpg(decodes[0].pid, signal.SIGSTOP)  # requests routed to it wait for their handshake
         with cf.ThreadPoolExecutor(8) as ex:
@@ -246,18 +244,9 @@ def test_decode_worker_dying_before_the_first_token_the_request_moves_to_another
 def test_prefill_worker_dying_its_requests_move_to_another_prefill_worker(stack):
     """2 prefill : 1 decode. Requests waiting on a prefill worker that dies are computed by the other
     prefill worker (not the decode worker, which has one to pair with): all succeed, unified's output."""
-    prefills = [spawn("services.prefill", "--model-path", "tiny-random") for _ in range(2)]
-    decode = spawn("services.decode", "--model-path", "tiny-random", "--kv-transfer-timeout", "8")
-    procs = [*prefills, decode]
+    prefills, decodes, gateway, url = start_pd_pool(2, 1)
+    procs = [*prefills, *decodes, gateway]
     try:
-        addrs = [wait_line(p, "WORKER READY").split()[2] for p in procs]
-        port = free_port()
-        gateway = spawn("services.gateway", "--model-path", "tiny-random", "--workers", ",".join(addrs),
-                        "--port", str(port))
-        procs.append(gateway)
-        wait_line(gateway, "gateway ready")
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: requests.get(url + "/health", timeout=5).status_code == 200, 60, "health")
         texts = [f"Prefill dies {i}: " + "words to prefill " * (2 + i % 3) for i in range(8)]
         os.killpg(prefills[0].pid, signal.SIGSTOP)
         with cf.ThreadPoolExecutor(8) as ex:
