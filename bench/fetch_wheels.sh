@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetch the cp312 wheels the GPU image lacks into .whl/ (git-ignored), for the device tool's `carry`.
 # Run here (the registry is reachable from this machine, not from the GPU one), then:
-#   device run: bash bench/gpu_run.sh KIND   with carry [".whl"]
+#   device run: bash bench/gpu_run.sh KIND   with carry [".whl/xgr", ".whl/svc", ".whl/extra"]; add ".whl/fi"
+#   (bench/fetch_flashinfer.sh) for --flashinfer, ".whl/ucx" for `2gpu pd`: all of .whl is over the 64 MiB a call carries
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude

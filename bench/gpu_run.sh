@@ -2,7 +2,8 @@
 # One device call of the benchmark suite: the carried wheels installed, then one kind. Results go to $OUT.
 usage() {
   cat <<'EOF'
-usage: bash bench/gpu_run.sh KIND [ARGS...]     (device tool, carry [".whl"] after bench/fetch_wheels.sh)
+usage: bash bench/gpu_run.sh KIND [ARGS...]     (device tool, after bench/fetch_wheels.sh; carry [".whl/xgr",
+       ".whl/svc", ".whl/extra"], with ".whl/fi" for --flashinfer and ".whl/ucx" for 2gpu pd: all of .whl is over 64 MiB)
 
 Each kind fits one 10-minute call on a fresh machine, its kernel compiles included. ARGS go to the kind's
 benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT (default /tmp/out).
@@ -91,7 +92,7 @@ case $kind in
     TAIL=60 run 580 workloads.log python3 -m bench.workloads --ablations --out "$OUT" --parallel 16 --instances 48 \
       --duration 5 --budget 540 "$@" ;;
   fp8)
-    gpu_tests 150 fp8_tests.log "quantization"
+    gpu_tests 200 fp8_tests.log "fp8 or quant"
     run 400 fp8.log python3 -m bench.fp8 --out "$OUT" "$@" ;;
   spec) run 540 reference_models.log python3 -m bench.reference_models --out /tmp/refmodels ${REF_ARGS:-} && spec_after "$@" ;;
   2gpu)
