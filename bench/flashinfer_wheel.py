@@ -21,9 +21,7 @@ Needs torch and apache-tvm-ffi importable here (the generators import flashinfer
 from __future__ import annotations
 
 import ast
-import base64
 import collections
-import hashlib
 import json
 import os
 import re
@@ -32,6 +30,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from bench.wheel_trim import trim
 
 PKG = "flashinfer"
 DATA = f"{PKG}/data/"
@@ -157,11 +157,6 @@ def csrc_keep(root: Path) -> set[str]:
     return keep
 
 
-def _record_line(name: str, blob: bytes) -> str:
-    digest = base64.urlsafe_b64encode(hashlib.sha256(blob).digest()).rstrip(b"=").decode()
-    return f"{name},sha256={digest},{len(blob)}"
-
-
 def repack(src: Path, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     dst = out_dir / src.name
@@ -170,33 +165,22 @@ def repack(src: Path, out_dir: Path) -> Path:
         zin.extractall(root)
         keep_py, keep_csrc = python_keep(root), csrc_keep(root)
 
-        def kept(name: str) -> bool:
-            if not name.startswith(PKG + "/"):
-                return True  # dist-info, the small top-level helpers
-            if name.startswith(DATA):
-                rest = name[len(DATA):]
-                return rest.startswith(WHOLE) or name in keep_csrc or "/" not in rest
-            return name in keep_py or name.endswith("py.typed")
+    def kept(name: str) -> bool:
+        if not name.startswith(PKG + "/"):
+            return True  # dist-info, the small top-level helpers
+        if name.startswith(DATA):
+            rest = name[len(DATA):]
+            return rest.startswith(WHOLE) or name in keep_csrc or "/" not in rest
+        return name in keep_py or name.endswith("py.typed")
 
-        dropped: collections.Counter = collections.Counter()
-        dropped_files: collections.Counter = collections.Counter()
-        record_name = next(i.filename for i in zin.infolist() if i.filename.endswith(".dist-info/RECORD"))
-        lines = []
-        with zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
-            for info in zin.infolist():
-                name = info.filename
-                if name == record_name or name.endswith("/"):
-                    continue
-                if not kept(name):
-                    parts = name.split("/")
-                    group = "/".join(parts[:3] if parts[1] == "data" else parts[:2])
-                    dropped[group] += info.file_size
-                    dropped_files[group] += 1
-                    continue
-                blob = zin.read(name)
-                zout.writestr(info, blob, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
-                lines.append(_record_line(name, blob))
-            zout.writestr(record_name, "\n".join(lines + [f"{record_name},,"]) + "\n")
+    names, dropped_infos = trim(src, dst, kept)
+    dropped: collections.Counter = collections.Counter()
+    dropped_files: collections.Counter = collections.Counter()
+    for info in dropped_infos:
+        parts = info.filename.split("/")
+        group = "/".join(parts[:3] if parts[1] == "data" else parts[:2])
+        dropped[group] += info.file_size
+        dropped_files[group] += 1
     print(f"dropped (unpacked sizes), {sum(dropped_files.values())} files, {sum(dropped.values()) / 1e6:.0f} MB:")
     for group, size in dropped.most_common():
         if size >= 1 << 20:
@@ -204,7 +188,7 @@ def repack(src: Path, out_dir: Path) -> Path:
     small = [g for g, s in dropped.items() if s < 1 << 20]
     print(f"  {sum(dropped[g] for g in small) / 1e6:8.1f} MB  {sum(dropped_files[g] for g in small):5d} files  "
           f"{len(small)} smaller groups")
-    print(f"kept {len(lines)} files; {src.stat().st_size / 1e6:.0f} MB -> {dst.stat().st_size / 1e6:.1f} MB zipped: {dst}")
+    print(f"kept {len(names)} files; {src.stat().st_size / 1e6:.0f} MB -> {dst.stat().st_size / 1e6:.1f} MB zipped: {dst}")
     return dst
 
 
