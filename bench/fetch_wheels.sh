@@ -2,7 +2,8 @@
 # Fetch the cp312 wheels the GPU image lacks into .whl/ (git-ignored), for the device tool's `carry`.
 # Run here (the registry is reachable from this machine, not from the GPU one), then:
 #   device run: bash bench/gpu_run.sh KIND   with carry [".whl/xgr", ".whl/svc", ".whl/extra"]; add ".whl/fi"
-#   (bench/fetch_flashinfer.sh) for --flashinfer, ".whl/ucx" for `2gpu pd`: all of .whl is over the 64 MiB a call carries
+#   (bench/fetch_flashinfer.sh) for --flashinfer, ".whl/ucx" for `2gpu pd` (the four folders ~41 MiB with libucx
+#   trimmed below; all of .whl is over the 64 MiB a call carries)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
@@ -22,6 +23,8 @@ dl .whl/svc prometheus-client==0.26.0 redis==8.1.0 requests==2.34.2 urllib3 idna
 # UCX for the PD benchmark (bench/pd.py); the image already has cuda-bindings / cuda-core.
 dl .whl/ucx ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 rmm-cu13==26.10.0 librmm-cu13==26.10.0 \
   rapids-logger==0.3.0 nvidia-ml-py
+# libucx without its static archives, perftest and programs (42 -> 17.5 MB; bench/wheel_trim.py), same file name.
+python3 -m bench.wheel_trim libucx .whl/ucx/libucx_cu13-1.21.0-*.whl
 # matplotlib for bench/workloads' ablation plot (the `bench` extra), in case the image lacks it.
 dl .whl/bench matplotlib==3.10.8 contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil six
 # py-spy for the benchmarks' --profile (bench/profile.py).

@@ -46,7 +46,9 @@ def trim(src: Path, dst: Path, keep: Callable[[str], bool]) -> tuple[list[str], 
                 zout.writestr(info, blob, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
                 kept.append(name)
                 lines.append(record_line(name, blob))
-            zout.writestr(record_name, "\n".join(lines + [f"{record_name},,"]) + "\n")
+            # The source's RECORD entry (its timestamp): the same input trims to the same bytes.
+            zout.writestr(zin.getinfo(record_name), "\n".join(lines + [f"{record_name},,"]) + "\n",
+                          compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
     return kept, dropped
 
 
