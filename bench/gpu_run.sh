@@ -3,7 +3,8 @@
 usage() {
   cat <<'EOF'
 usage: bash bench/gpu_run.sh KIND [ARGS...]     (device tool, after bench/fetch_wheels.sh; carry [".whl/xgr",
-       ".whl/svc", ".whl/extra"], with ".whl/fi" for --flashinfer and ".whl/ucx" for 2gpu pd: all of .whl is over 64 MiB)
+       ".whl/svc", ".whl/extra"], with ".whl/fi" for --flashinfer and ".whl/ucx" for 2gpu pd (its four folders 41 MiB,
+       libucx trimmed): all of .whl is over 64 MiB)
 
 Each kind fits one 10-minute call on a fresh machine, its kernel compiles included. ARGS go to the kind's
 benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT (default /tmp/out).

@@ -4,7 +4,7 @@
 
 `trim` is the generic part (bench/flashinfer_wheel.py uses it too); `libucx_keep` is the libucx predicate. The
 libucx-cu13 wheel is 42 MB zipped, and most of it is what a Python ucxx user never loads (docs/performance.md,
-"Carrying the wheels"): static archives (`*.a`), the perftest tool's CUDA library and inputs (`*perftest*`) and the
+"Running the suite"): static archives (`*.a`), the perftest tool's CUDA library and inputs (`*perftest*`) and the
 command-line programs (`libucx/bin/`). Every shared library (each `.so`, `.so.0`, `.so.0.0.0` copy) stays: libucx's
 loader dlopens `lib/libucs.so` etc. by unversioned name, and UCX loads its transport modules from `lib/ucx/`.
 """
