@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -18,6 +19,7 @@ from services.worker.server import WorkerServer
 from shared import event_loop
 from shared.cli_config import HelpFormatter, add_config_arg, parse_with_config
 from shared.engine.cli import add_engine_args, engine_config_from_args, engine_flag_error
+from shared.engine.config import EngineConfig
 from shared.engine.spec import SpecConfigError, spec_config_error
 from shared.engine.engine_loop import Engine
 from shared.gc_freeze import freeze_startup_heap
@@ -63,6 +65,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def worker_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's config for this worker's role. A unified worker moves no KV between workers, so its pool
+    leaves no room for a transfer budget (--kv-transfer-max-bytes' derived default is a PD worker's)."""
+    config = engine_config_from_args(args)
+    if args.role == "unified" and config.kv_transfer_max_bytes is None:
+        config = dataclasses.replace(config, kv_transfer_max_bytes=0)
+    return config
+
+
 async def serve(args: argparse.Namespace) -> None:
     if args.role in ("prefill", "decode"):
         from shared.pd import require_ucx
@@ -71,7 +82,7 @@ async def serve(args: argparse.Namespace) -> None:
             require_ucx(f"a {args.role} worker")
         except RuntimeError as e:
             raise SystemExit(str(e)) from None
-    config = engine_config_from_args(args)
+    config = worker_engine_config(args)
     tokenizer = Tokenizer.load(config.model_path)
     engine = Engine(config, tokenizer, on_output=lambda outs: None)
     loop = asyncio.get_running_loop()

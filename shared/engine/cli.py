@@ -180,7 +180,8 @@ _HELP = {
     "kv_transfer_timeout": "PD: seconds a decode worker waits for a request's KV pages",
     "kv_transfer_max_bytes": "PD: bytes of KV buffers (gathered pages, receive buffers) a worker's transfers hold "
                              "at once; more wait in order, a single larger prompt goes alone (default: the KV of "
-                             "4 prefill chunks; 0: no bound). The KV pool leaves this much free",
+                             "4 prefill chunks on a PD worker, none on a unified one; 0: no bound). The KV pool "
+                             "leaves this much free",
     "tp_size": "tensor-parallel ranks: the worker spawns one process per rank (GPUs cuda:N..N+tp-1 from "
                "--device cuda:N; gloo on CPU); must divide the attention heads",
 }

@@ -184,5 +184,5 @@ class EngineConfig:
     # Bytes of KV buffers outside the pool that each PD side's transfers may hold at once (gathered pages on the
     # prefill side, receive buffers on the decode side; shared/pd/stages.py's TransferBudget): a transfer
     # beyond it waits for room, a single larger one goes alone. None: sizing.transfer_budget_bytes (prefill
-    # chunks' worth); 0: no bound. The pool is sized to leave this much free.
+    # chunks' worth; a unified worker sets 0, services/worker); 0: no bound. The pool is sized to leave this much free.
     kv_transfer_max_bytes: int | None = None

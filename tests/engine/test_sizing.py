@@ -182,6 +182,20 @@ def test_the_pool_leaves_room_for_the_kv_transfer_budget(monkeypatch):
     assert transfer_budget_bytes(EngineConfig(chunked_prefill_size=8192), per_token) == 4 * GIB
 
 
+def test_only_a_pd_worker_reserves_a_transfer_budget():
+    """A unified worker moves no KV between workers: its pool leaves no room for the derived budget; a prefill or
+    decode worker keeps the derived default, and an explicit value wins on any role."""
+    from services.worker.__main__ import parse_args, worker_engine_config
+
+    def budget(*argv):
+        config = worker_engine_config(parse_args(["--model-path", "tiny-random", *argv]))
+        return config.kv_transfer_max_bytes
+
+    assert budget() == 0
+    assert budget("--role", "prefill") is None and budget("--role", "decode") is None
+    assert budget("--kv-transfer-max-bytes", "1000") == 1000
+
+
 def test_the_pool_leaves_room_for_a_standalone_draft(monkeypatch):
     """STANDALONE's draft runner is built after the target's pool, with a pool of as many tokens: the target's pool
     gives way to the draft's KV a token and its weights and sizes, beside the target's own 15% margin."""
