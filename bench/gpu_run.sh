@@ -68,7 +68,7 @@ spec_after() {
   else run $left spec.log python3 -m bench.spec --models /tmp/refmodels --out "$OUT" "$@"; fi
 }
 # Modules importing what the GPU image lacks (openai, the e2e clients) fail to collect there and hold no GPU test:
-# without the flag pytest stopped at them and ran nothing (H100, 2026-12-07).
+# without the flag pytest stops at the first of them and runs nothing.
 gpu_tests() { run "$1" "$2" python3 -m pytest -v -p no:cacheprovider -rfE --continue-on-collection-errors -m gpu tests/ -k "$3"; }
 
 case $kind in

@@ -108,7 +108,7 @@ def pick_target_shape(args, cfg_of, data, device) -> tuple[str, tuple]:
 def train_all(args, out: str, device: str) -> dict:
     t_start = time.perf_counter()
     # gpu_run.sh turns tokenizers' threads off for the servers it starts; the BPE training and the corpus encoding
-    # want every core (one core took 164 s of a 10-minute call on an H100 machine's 16, all of them 16 s).
+    # want every core (on one core they take about ten times as long, minutes of a 10-minute call).
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     res: dict = {"settings": settings(args), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                  "torch": torch.__version__}

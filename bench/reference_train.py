@@ -129,8 +129,8 @@ def train(model, data: Windows, spec: TrainSpec, device: str, name: str) -> dict
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         # One non-finite gradient would make every weight NaN (clipping multiplies inf by 0): that batch's update
-        # is skipped instead (a 129M target went NaN at step ~480 of 909 on an H100, 2026-12-07). The check
-        # waits for the step's kernels; the next step's launches then overlap its start only.
+        # is skipped instead. The check waits for the step's kernels; the next step's launches then overlap its
+        # start only.
         if bool(torch.isfinite(norm)):
             opt.step()
         else:

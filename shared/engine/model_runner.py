@@ -294,7 +294,7 @@ class ModelRunner:
     def _capture_graphs(self, config: EngineConfig, tp_rank: int) -> None:
         """The decode and extend CUDA graphs, their capture time and device memory reported in one log line."""
         # Cached blocks go back to the driver before each reading: torch.cuda.graph empties the cache as capture
-        # begins, which would otherwise offset the graphs' own memory (a tiny model read 0 bytes on an H100).
+        # begins, which would otherwise offset the graphs' own memory (a small model's read 0 bytes).
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free_before, t0 = torch.cuda.mem_get_info(self.device)[0], time.monotonic()
