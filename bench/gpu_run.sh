@@ -7,7 +7,8 @@ usage: bash bench/gpu_run.sh KIND [ARGS...]     (device tool, after bench/fetch_
        libucx trimmed): all of .whl is over 64 MiB)
 
 Each kind fits one 10-minute call on a fresh machine, its kernel compiles included. ARGS go to the kind's
-benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT (default /tmp/out).
+benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT (default /tmp/out). LIMIT=SECONDS
+caps each step's time limit, so that several kinds fit one call (LIMIT=250 bash bench/gpu_run.sh multiturn; ...).
 
   tests             GPU tests:  pytest -m gpu tests/ -k EXPR, a first ARG (default "not interpreted"), each named
   offline           bench.offline: batch-1 step, 256 x (512,128), prefill, radix zero-reuse (8 on/off pairs)
@@ -53,9 +54,11 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false UCX_WARN_UNUSED_ENV_VARS=
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
 
-# run SECONDS LOG CMD...: CMD under a time limit, its output kept whole in $OUT/LOG, its tail shown here.
+# run SECONDS LOG CMD...: CMD under a time limit (LIMIT, when set and lower, caps it: several kinds in one call),
+# its output kept whole in $OUT/LOG, its tail shown here.
 run() {
   local limit=$1 log=$2; shift 2
+  [[ -n ${LIMIT:-} ]] && (( LIMIT < limit )) && limit=$LIMIT
   timeout "$limit" "$@" 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/$log" | tail -"${TAIL:-25}"
 }
 # bench.spec after the reference models, in the time the call has left when that is enough (a warm machine keeps
