@@ -31,7 +31,8 @@ caps each step's time limit, so that several kinds fit one call (LIMIT=250 bash 
                     ab base notma:RADIXSERVE_TMA_MIN_TOKENS=1000000 -- python3 -m bench.offline --skip-hf
 
 --flashinfer (anywhere in ARGS; .whl/fi carried, from bench/fetch_flashinfer.sh): tests runs the FlashInfer backend's
-GPU tests, kernels runs bench.attention (Triton vs FlashInfer vs SDPA), offline runs the engine on FlashInfer;
+GPU tests, kernels runs bench.attention (Triton vs FlashInfer vs SDPA), offline runs bench.backends (the engine on
+its default backend against the engine on FlashInfer's), serving runs the servers and the offline engine on FlashInfer;
 FlashInfer's JIT builds go to /tmp/fi-cache, which a later call on the same warm machine reuses.
 
 docs/performance.md says what each measures and its goal; bench/RESULTS.md holds the current figures.
@@ -76,7 +77,9 @@ gpu_tests() { run "$1" "$2" python3 -m pytest -v -p no:cacheprovider -rfE --cont
 
 case $kind in
   tests) TAIL=30 gpu_tests 560 gpu_tests.log "${1:-$([[ $FI == 1 ]] && echo flashinfer || echo not interpreted)}" ;;
-  offline) run 560 offline.log python3 -m bench.offline --skip-hf --reuse-pairs 8 --out "$OUT" $([[ $FI == 1 ]] && echo --attention-backend flashinfer) "$@" ;;
+  offline)
+    if [[ $FI == 1 ]]; then run 560 backends.log python3 -m bench.backends --out "$OUT" "$@"
+    else run 560 offline.log python3 -m bench.offline --skip-hf --reuse-pairs 8 --out "$OUT" "$@"; fi ;;
   kernels)
     if [[ $FI == 1 ]]; then run 560 attention.log python3 -m bench.attention --out "$OUT" "$@"
     else
@@ -89,7 +92,7 @@ case $kind in
     if [[ ${1:-} =~ ^[0-9]+$ ]]; then interval=$1; shift; fi
     log=serving.log; [[ $interval == 1 ]] || log=serving_interval$interval.log
     run 560 "$log" python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream \
-      --batch1 16 --offline --out "$OUT" "$@" -- --stream-interval "$interval" ;;
+      --batch1 16 --offline --out "$OUT" $([[ $FI == 1 ]] && echo --attention-backend flashinfer) "$@" -- --stream-interval "$interval" ;;
   shared-prefix) run 560 shared_prefix.log python3 -m bench.shared_prefix --out "$OUT" "$@" ;;
   multiturn) TAIL=30 run 580 multiturn.log python3 -m bench.multiturn --out "$OUT" "$@" ;;
   programs)
