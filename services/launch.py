@@ -193,7 +193,7 @@ async def run(args: argparse.Namespace) -> int:
             async def on_change(slot: WorkerSlot, what: str) -> None:
                 # The gateway hears from the supervisor at once: /health names a worker that is down, and
                 # a restarted one is dialled now rather than after the client's reconnect backoff.
-                state.supervisor_says(slot.address, what if what != "up" else None,
+                state.health.supervisor_says(slot.address, what if what != "up" else None,
                                       restarts=slot.restarts, last_exit=slot.last_exit)
 
             for w in state.router.workers:

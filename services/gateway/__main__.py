@@ -148,7 +148,7 @@ async def _follow_pool(state: GatewayState) -> None:
     while line := await reader.readline():
         try:
             msg = json.loads(line)
-            state.supervisor_says(msg["worker"], msg.get("status"), restarts=msg.get("restarts"),
+            state.health.supervisor_says(msg["worker"], msg.get("status"), restarts=msg.get("restarts"),
                                   last_exit=msg.get("last_exit"))
         except (ValueError, KeyError, TypeError):
             log.warning("ignored a malformed pool control line: %r", line[:200])

@@ -44,8 +44,6 @@ class GatewayState:
     # Set on SIGTERM: /health answers 503 so load balancers stop sending, while requests still finish.
     draining: bool = False
     drain_grace: float = 1.0
-    # address -> what a supervisor said about a worker that is not up: {"state": "restarting" | "down", ...}
-    worker_status: dict[str, dict] = field(default_factory=dict)
     # (index, count): this process's place in a --gateway-processes pool ((0, 1) alone)
     process: tuple[int, int] = (0, 1)
 
@@ -58,30 +56,12 @@ class GatewayState:
         self.cpu = CpuWork(self.tokenizer, self.tokenizer_path or self.model_path)
         self.metrics = GatewayMetrics(self.served_model_name)
         self.dispatcher = Dispatcher(self.router, self.metrics)
-        self.health = HealthMonitor(self)
+        self.health = HealthMonitor(self.router, self.tokenizer, on_context_length=self._learn_context_length)
 
-    def supervisor_says(self, address: str | None, status: str | None, **detail) -> None:
-        """A supervisor's news of a worker: not up (`status` restarting | down), or up again (None). A
-        worker back up is dialled at once rather than after the connection's reconnect backoff."""
-        if not address:
-            return
-        if status is not None:
-            self.worker_status[address] = {"state": status, **detail}
-        else:
-            self.worker_status.pop(address, None)
-            for w in self.router.workers:
-                if w.address == address:
-                    w.kick()
-
-    def worker_state(self, worker) -> str:
-        """up | draining | unresponsive | restarting | down | disconnected: what /health and /server_info say."""
-        if worker.address in self.worker_status:
-            return self.worker_status[worker.address]["state"]
-        if not worker.connected:
-            return "disconnected"
-        if worker.draining:
-            return "draining"
-        return "up" if worker.responsive else "unresponsive"
+    def _learn_context_length(self, n: int) -> None:
+        """The first worker's max_context_len, unless --context-length gave it."""
+        if self.context_length is None:
+            self.context_length = n
 
     @property
     def api_keys(self) -> list[str]:

@@ -120,7 +120,7 @@ async def test_health_names_workers_only_to_a_key_holder():
     are not up but not their internal addresses; a key holder (or a keyless server) gets the names."""
     async with gateway_stack(num_workers=2, api_key="sekret") as s:
         address = s.state.router.workers[1].address
-        s.state.supervisor_says(address, "restarting")
+        s.state.health.supervisor_says(address, "restarting")
         r = await s.client.get("/health")
         text = await r.text()
         assert r.status == 200 and "degraded" in text and address not in text, text
@@ -128,7 +128,7 @@ async def test_health_names_workers_only_to_a_key_holder():
         assert f"worker {address}: restarting" in text, text
     async with gateway_stack(num_workers=2) as s:
         address = s.state.router.workers[1].address
-        s.state.supervisor_says(address, "down")
+        s.state.health.supervisor_says(address, "down")
         assert f"worker {address}: down" in await (await s.client.get("/health")).text()
 
 

@@ -26,9 +26,9 @@ def model_info(state: "GatewayState") -> dict:
 
 async def server_info(state: "GatewayState") -> dict:
     await state.health.poll_infos()
-    workers = [{"address": w.address, "connected": w.connected, "load": w.load, "state": state.worker_state(w),
-                "role": w.role, "supervisor": state.worker_status.get(w.address),
-                "info": state.health.last_info.get(w.address)}
+    health = state.health
+    workers = [{"address": w.address, "connected": w.connected, "load": w.load, "state": health.worker_state(w),
+                "role": w.role, "supervisor": health.worker_status.get(w.address), "info": health.last_info.get(w.address)}
                for w in state.router.workers]
     limits = state.limits
     return {**model_info(state), "version": VERSION, "context_length": state.context_length,

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import uuid
 from contextlib import aclosing
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from services.gateway.http.errors import WorkerUnavailable
 from services.gateway.routing.worker_client import WorkerClient
@@ -16,15 +16,21 @@ from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from services.gateway.state import GatewayState
+    from services.gateway.routing.router import Router
+    from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
 class HealthMonitor:
-    def __init__(self, state: "GatewayState", interval: float = 0.5, probe_timeout: float = 30.0,
-                 ping_interval: float = 2.0, ping_timeout: float = 5.0):
-        self.state = state
+    """Each worker's state as /health and /server_info tell it: probed (ready), pinged (responsive), and what a
+    supervisor said of one that is not up. The first context length a worker reports goes to
+    `on_context_length` (the gateway's, unless --context-length gave it)."""
+
+    def __init__(self, router: "Router", tokenizer: "Tokenizer",
+                 on_context_length: Callable[[int], None] | None = None, interval: float = 0.5,
+                 probe_timeout: float = 30.0, ping_interval: float = 2.0, ping_timeout: float = 5.0):
+        self.router, self.tokenizer, self.on_context_length = router, tokenizer, on_context_length
         self.interval = interval
         self.probe_timeout = probe_timeout
         self.ping_interval = ping_interval
@@ -33,19 +39,43 @@ class HealthMonitor:
         self.started_ready = False
         self.probed: set[str] = set()
         self.last_info: dict[str, dict] = {}
+        # address -> what a supervisor said about a worker that is not up: {"state": "restarting" | "down", ...}
+        self.worker_status: dict[str, dict] = {}
         self._task: asyncio.Task | None = None
 
     @property
     def healthy(self) -> bool:
-        """Able to serve a request now: a routable worker that runs whole requests (unified, or a
-        decode worker; prefill workers alone serve nothing), and not draining."""
-        return (self.started_ready and not self.state.draining
-                and any(w.routable and w.role != "prefill" and w.address in self.probed
-                        for w in self.state.router.workers))
+        """Workers to serve a request now: a routable one that runs whole requests (unified, or a decode
+        worker; prefill workers alone serve nothing). (A draining gateway says so before asking.)"""
+        return (self.started_ready
+                and any(w.routable and w.role != "prefill" and w.address in self.probed for w in self.router.workers))
+
+    def supervisor_says(self, address: str | None, status: str | None, **detail) -> None:
+        """A supervisor's news of a worker: not up (`status` restarting | down), or up again (None). A
+        worker back up is dialled at once rather than after the connection's reconnect backoff."""
+        if not address:
+            return
+        if status is not None:
+            self.worker_status[address] = {"state": status, **detail}
+        else:
+            self.worker_status.pop(address, None)
+            for w in self.router.workers:
+                if w.address == address:
+                    w.kick()
+
+    def worker_state(self, worker: WorkerClient) -> str:
+        """up | draining | unresponsive | restarting | down | disconnected: what /health and /server_info say."""
+        if worker.address in self.worker_status:
+            return self.worker_status[worker.address]["state"]
+        if not worker.connected:
+            return "disconnected"
+        if worker.draining:
+            return "draining"
+        return "up" if worker.responsive else "unresponsive"
 
     def not_up(self) -> dict[str, str]:
         """address -> state, for every worker that is not up."""
-        states = {w.address: self.state.worker_state(w) for w in self.state.router.workers}
+        states = {w.address: self.worker_state(w) for w in self.router.workers}
         return {a: s for a, s in states.items() if s != "up"}
 
     def start(self) -> None:
@@ -63,7 +93,7 @@ class HealthMonitor:
 
     async def _loop(self) -> None:
         while True:
-            workers = self.state.router.workers
+            workers = self.router.workers
             for w in workers:
                 if not w.connected:
                     self.probed.discard(w.address)  # a restarted worker must pass again
@@ -80,7 +110,7 @@ class HealthMonitor:
         """Ping every connected worker; a silent one (SIGSTOP, a wedged host) keeps its TCP connection, so it
         is marked unresponsive (the router avoids it) and its connection dropped (its requests fail now)."""
         while True:
-            workers = [w for w in self.state.router.workers if w.connected]
+            workers = [w for w in self.router.workers if w.connected]
             await asyncio.gather(*(self._ping(w) for w in workers))
             await asyncio.sleep(self.ping_interval)
 
@@ -110,12 +140,12 @@ class HealthMonitor:
     def remember_info(self, worker: WorkerClient, info: dict) -> None:
         self.last_info[worker.address] = info
         ctx = info.get("max_context_len")
-        if self.state.context_length is None and isinstance(ctx, int) and ctx > 0:
-            self.state.context_length = ctx
+        if self.on_context_length is not None and isinstance(ctx, int) and ctx > 0:
+            self.on_context_length(ctx)
 
     async def tiny_generate(self, worker: WorkerClient) -> None:
         """One token from a one-token prompt, bypassing metrics: proves the worker's forward pass runs."""
-        ids = self.state.tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0]
+        ids = self.tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0]
         req = GenerateRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=ids,
                               sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
         async with aclosing(worker.generate(req)) as outputs:
@@ -134,6 +164,6 @@ class HealthMonitor:
             self.remember_info(w, info)
             return info
 
-        workers = [w for w in self.state.router.workers if w.connected]
+        workers = [w for w in self.router.workers if w.connected]
         infos = await asyncio.gather(*(one(w) for w in workers))
         return [i for i in infos if i is not None]
