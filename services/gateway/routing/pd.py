@@ -36,11 +36,6 @@ class DecodeFailed(WorkerUnavailable):
     """The decode worker went away before the request's first token: the request can start over."""
 
 
-def wants_local_prefill(req: GenerateRequest) -> bool:
-    """Input logprobs come from the prompt's forward pass: such requests run whole on one worker."""
-    return req.wants_input_logprobs
-
-
 async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: WorkerClient
                       ) -> AsyncIterator[TokenOutput]:
     """The decode worker's increments, like WorkerClient.generate; raises APIError when the prefill
