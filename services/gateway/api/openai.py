@@ -3,6 +3,7 @@ back. A request with n choices over P prompts becomes P*n worker requests; choic
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,13 +18,14 @@ from services.gateway.api.chat_request import ChatSpec, parse_chat
 from services.gateway.api.admission import (check_grammars, check_openai, stamp_tenant, check_token_ids, child_requests,
                                         encode_prompt, resolve_max_new_tokens, sampling_params,
                                         token_ids_in_vocab)
-from services.gateway.routing.dispatch import GenerationResult, created_timestamp, new_rid
+from services.gateway.routing.dispatch import GenerationResult
 from services.gateway.http.errors import APIError, bad_request
 from shared.errors import ContextLengthExceeded
 from services.gateway.api.grammar import output_grammar
 from services.gateway.http.body import read_body
 from services.gateway.http.json_out import json_response
 from services.gateway.http.sse import Envelope, encode_event, stream_generation
+from shared.ids import unique_hex
 from shared.protocol import GenerateRequest, TokenOutput
 
 if TYPE_CHECKING:
@@ -62,7 +64,7 @@ class Job:
     n: int
     reqs: list[GenerateRequest]
     include_usage: bool = False
-    created: int = field(default_factory=created_timestamp)
+    created: int = field(default_factory=lambda: int(time.time()))
 
     def prompt_of(self, choice: int) -> int:
         return choice // self.n
@@ -82,7 +84,7 @@ def _fan_out(state: "GatewayState", body: _OpenAIBody, prompts: list[Prompt], n:
     in errors about them (the client sent `structured_outputs.regex`, not `regex`)."""
     if len(prompts) * n > state.limits.max_batch:
         raise bad_request(f"at most {state.limits.max_batch} choices per request (prompts x n)", "n")
-    job_id = new_rid(rid_prefix)
+    job_id = rid_prefix + unique_hex()
     reqs = []
     for p_idx, prompt in enumerate(prompts):
         budget = resolve_max_new_tokens(state, len(prompt.ids), max_tokens, prompt_param, max_param)

@@ -16,10 +16,6 @@ if TYPE_CHECKING:
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
-def unauthorized() -> APIError:
-    return APIError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
-
-
 def authorize(state: "GatewayState", path: str, authorization: str) -> str | None:
     """The tenant's cache salt for a request to `path` with this Authorization header value (None when the
     route needs no key); raises the 401 when it needs one the header does not carry."""
@@ -28,7 +24,7 @@ def authorize(state: "GatewayState", path: str, authorization: str) -> str | Non
         return None
     key = matching_key(authorization, keys)
     if key is None:
-        raise unauthorized()
+        raise APIError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
     return tenant_salt(key)
 
 

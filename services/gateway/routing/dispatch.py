@@ -22,7 +22,6 @@ from services.gateway.http.metrics import GatewayMetrics, RequestTimer
 from services.gateway.routing.pd import pd_serve
 from services.gateway.routing.router import Router
 from services.gateway.routing.worker_client import Lost, WorkerClient
-from shared.ids import unique_hex
 from shared.protocol import FinishReason, GenerateRequest, TokenOutput
 
 
@@ -283,11 +282,3 @@ class Dispatcher:
 
 def tenant_rid(rid: str, salt: str | None) -> str:
     return f"{salt}.{rid}" if salt else rid
-
-
-def new_rid(prefix: str = "") -> str:
-    return f"{prefix}{unique_hex()}"
-
-
-def created_timestamp() -> int:
-    return int(time.time())

@@ -22,13 +22,13 @@ log = logging.getLogger(__name__)
 
 
 class HealthMonitor:
-    def __init__(self, state: "GatewayState", interval: float = 0.5, probe_timeout: float = 30.0,
-                 ping_interval: float = 2.0, ping_timeout: float = 5.0):
+    interval = 0.5  # seconds between probe rounds
+    probe_timeout = 30.0
+    ping_interval = 2.0
+    ping_timeout = 5.0
+
+    def __init__(self, state: "GatewayState"):
         self.state = state
-        self.interval = interval
-        self.probe_timeout = probe_timeout
-        self.ping_interval = ping_interval
-        self.ping_timeout = ping_timeout
         self._liveness: asyncio.Task | None = None
         self.started_ready = False
         self.probed: set[str] = set()
