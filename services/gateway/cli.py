@@ -64,15 +64,10 @@ def add_gateway_args(parser: argparse.ArgumentParser, *, forward_only: bool = Fa
     --help says which it is)."""
     target = parser.add_argument_group("gateway") if forward_only else parser
     for flag, spec in GATEWAY_FLAGS:
-        spec = dict(spec)
         if forward_only:
-            default = spec.pop("default", False if spec.get("action") == "store_true" else None)
-            help_text = spec["help"]
-            if spec.get("action") == "store_true" or "default" in help_text:
-                spec["help"] = f"{help_text} (gateway flag)"
-            else:
-                spec["help"] = f"{help_text} (gateway flag; default: {default})"
-            spec["default"] = None
+            said = spec.get("action") == "store_true" or "default" in spec["help"]  # no default, or its own
+            note = " (gateway flag)" if said else f" (gateway flag; default: {spec.get('default')})"
+            spec = {**spec, "default": None, "help": spec["help"] + note}
         target.add_argument(flag, **spec)
 
 

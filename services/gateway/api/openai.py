@@ -293,8 +293,7 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
 
 async def render_chat(state: "GatewayState", spec: ChatSpec) -> Prompt:
     """The chat template applied and tokenized: in a pool process when the messages are large."""
-    chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else len(str(m.get("content") or ""))
-                for m in spec.messages)
+    chars = sum(len(m["content"] or "") for m in spec.messages)  # a string or None (chat_request._message)
     if state.cpu.chars_cannot_fit(chars, state.context_length):
         raise APIError.from_invalid(ContextLengthExceeded(
             f"This model's maximum context length is {state.context_length} tokens; messages of {chars} "
