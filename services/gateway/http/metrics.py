@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import os
 import time
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shared.protocol import FinishAbort, TokenOutput
 
@@ -22,7 +22,6 @@ disable_created_metrics()
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5)
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 # cache_hit_rate and gen_throughput are rates over about this many recent seconds (SGLang's are over its
 # logging interval); the counters stay the exact source.
 RATE_WINDOW_S = 10.0
@@ -71,9 +70,7 @@ class HostTierGauges:
         for c in caches:
             for k, n in enumerate((c.get("load_latency_buckets") or [])[:len(counts)]):
                 counts[k] += _num(n)
-        total = 0.0
-        for bound, n in zip(bounds, counts):
-            total += n
+        for bound, total in zip(bounds, itertools.accumulate(counts)):  # a bucket counts every one below it
             self.buckets.labels(self.model_name, bound).set(total)
 
 
