@@ -101,11 +101,9 @@ async def _build(state: "GatewayState", body: GenerateBody) -> NativeJob:
     if count > state.limits.max_batch:
         raise bad_request(f"at most {state.limits.max_batch} prompts per request", "text")
 
-    sps = _per_item(body.sampling_params, "sampling_params", count)
-    rids = _per_item(body.rid, "rid", count)
-    return_logprob = _per_item(body.return_logprob, "return_logprob", count)
-    start_lens = _per_item(body.logprob_start_len, "logprob_start_len", count)
-    top_nums = _per_item(body.top_logprobs_num, "top_logprobs_num", count)
+    sps, rids, return_logprob, start_lens, top_nums = (
+        _per_item(getattr(body, name), name, count)
+        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num"))
 
     reqs: list[GenerateRequest] = []
     unknown: set[str] = set()
