@@ -54,10 +54,6 @@ GATEWAY_FLAGS: tuple[tuple[str, dict], ...] = (
 )
 
 
-def _dest(flag: str) -> str:
-    return flag[2:].replace("-", "_")
-
-
 def add_gateway_args(parser: argparse.ArgumentParser, *, forward_only: bool = False) -> None:
     """Declare the gateway's flags on `parser`. forward_only (the launcher): every default is None, so a
     flag the user did not give stays None and is not passed on (the gateway's own default applies, and
@@ -75,7 +71,7 @@ def gateway_args_to_argv(args: argparse.Namespace) -> list[str]:
     """The gateway flags given to a forward-only parser, as the gateway's command line."""
     argv: list[str] = []
     for flag, spec in GATEWAY_FLAGS:
-        value = getattr(args, _dest(flag), None)
+        value = getattr(args, flag[2:].replace("-", "_"), None)  # argparse's dest for the flag
         if value is None or value is False or value == "":
             continue  # not given (an empty value is not passed on either, as before)
         if spec.get("action") == "store_true":

@@ -15,9 +15,9 @@ from services.gateway.api import logprobs as lp
 from services.gateway.api.models import ChatRequest, CompletionRequest, _OpenAIBody
 from services.gateway.api.chat_output import ChoiceOutput
 from services.gateway.api.chat_request import ChatSpec, parse_chat
-from services.gateway.api.admission import (check_grammars, check_openai, stamp_tenant, check_token_ids, child_requests,
-                                        encode_prompt, resolve_max_new_tokens, sampling_params,
-                                        token_ids_in_vocab)
+from services.gateway.api.admission import (check_grammars, check_model, check_openai, check_token_ids,
+                                            child_requests, encode_prompt, resolve_max_new_tokens,
+                                            sampling_params, stamp_tenant, token_ids_in_vocab)
 from services.gateway.routing.dispatch import GenerationResult
 from services.gateway.http.errors import APIError, bad_request
 from shared.errors import ContextLengthExceeded
@@ -364,8 +364,7 @@ def models(state: "GatewayState") -> dict:
 
 def model(state: "GatewayState", model_id: str) -> dict:
     """`GET /v1/models/{id}` (the openai client's `models.retrieve`): the served name or the model path."""
-    if model_id not in state.model_names():
-        raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+    check_model(state, model_id)
     return _model_card(state)
 
 
