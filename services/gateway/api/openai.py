@@ -15,12 +15,11 @@ from services.gateway.api import logprobs as lp
 from services.gateway.api.models import ChatRequest, CompletionRequest, _OpenAIBody
 from services.gateway.api.chat_output import ChoiceOutput
 from services.gateway.api.chat_request import ChatSpec, parse_chat
-from services.gateway.api.admission import (check_grammars, check_model, check_openai, check_token_ids,
-                                            child_requests, encode_prompt, resolve_max_new_tokens,
+from services.gateway.api.admission import (check_chars_fit, check_grammars, check_model, check_openai,
+                                            check_token_ids, child_requests, encode_prompt, resolve_max_new_tokens,
                                             sampling_params, stamp_tenant, token_ids_in_vocab)
 from services.gateway.routing.dispatch import GenerationResult
 from services.gateway.http.errors import APIError, bad_request
-from shared.errors import ContextLengthExceeded
 from services.gateway.api.grammar import output_grammar
 from services.gateway.http.body import read_body
 from services.gateway.http.json_out import json_response
@@ -294,10 +293,7 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
 async def render_chat(state: "GatewayState", spec: ChatSpec) -> Prompt:
     """The chat template applied and tokenized: in a pool process when the messages are large."""
     chars = sum(len(m["content"] or "") for m in spec.messages)  # a string or None (chat_request._message)
-    if state.cpu.chars_cannot_fit(chars, state.context_length):
-        raise APIError.from_invalid(ContextLengthExceeded(
-            f"This model's maximum context length is {state.context_length} tokens; messages of {chars} "
-            f"characters are longer than that (context_length_exceeded)", param="messages"))
+    check_chars_fit(state, chars, "messages")
     try:
         text, ids = await state.cpu.render_chat(spec.messages, chars, dict(
             add_generation_prompt=spec.add_generation_prompt, tools=spec.tools, documents=spec.documents,
