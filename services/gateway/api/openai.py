@@ -197,9 +197,11 @@ class _Format:
         out = {"id": self.job.id, "object": object, "created": self.job.created, "model": self.state.served_model_name}
         return out if choices is None else {**out, "choices": choices, **extra}
 
-    def _start_chunks(self) -> None:
+    def head(self) -> bytes:
+        """Streaming starts: the chunks' envelope, encoded once."""
         self._chunk = Envelope(self._envelope(None, self.CHUNK_OBJECT),
                                **({"usage": None} if self.job.include_usage else {}))
+        return b""
 
     def tail(self) -> bytes:
         if not self.job.include_usage:
@@ -232,10 +234,6 @@ class _CompletionFormat(_Format):
             choices.append({"index": i, "text": prefix + res.text, "logprobs": logprobs,
                             "finish_reason": _finish(res)})
         return self._envelope(choices, self.OBJECT, usage=_usage(self.job, dict(enumerate(results))))
-
-    def head(self) -> bytes:
-        self._start_chunks()
-        return b""
 
     def on_output(self, i: int, out: TokenOutput, res: GenerationResult) -> bytes:
         self._results[i] = res
@@ -331,7 +329,7 @@ class _ChatFormat(_Format):
         return self._chunk.event({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
 
     def head(self) -> bytes:
-        self._start_chunks()
+        super().head()
         self._outputs = [self._output() for _ in self.job.reqs]
         return b"".join(self._delta(i, {"role": "assistant", "content": ""}) for i in range(len(self.job.reqs)))
 
