@@ -317,17 +317,21 @@ def start_engine(ec, tok, res: dict):
     return eng
 
 
-def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int, **config) -> dict:
+def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int, prefill: int = 0,
+                   **config) -> dict:
     """An engine of `config` (dummy weights): batch-1 decode ms/step over `steps` steps, its CUDA graph's
-    replay, and the output tok/s of `reqs` × (512 in, 128 out) all at once (none for reqs=0). The engine is
-    freed after."""
+    replay, and the output tok/s of `reqs` × (512 in, 128 out) all at once (none for reqs=0). With `prefill`
+    (a prompt length, within config's max_context_len): the prefill rate of 16 such prompts in full chunked-prefill
+    passes, and the time to first token of a batch-1 request whose prompt is all but its last 512 tokens a cached
+    prefix (median of 8, each a new suffix). The engine is freed after."""
     import gc
 
     from shared.engine.config import EngineConfig
     from shared.engine.engine_loop import Engine
 
-    ec = EngineConfig(model_path=path, load_format="dummy", max_context_len=4096, max_total_tokens=200_000,
-                      cuda_graph=cuda, **{"max_running_requests": 128, "cuda_graph_max_bs": 128, **config})
+    ec = EngineConfig(model_path=path, load_format="dummy", cuda_graph=cuda,
+                      **{"max_context_len": 4096, "max_total_tokens": 200_000, "max_running_requests": 128,
+                         "cuda_graph_max_bs": 128, **config})
     eng = Engine(ec, tok, on_output=lambda o: None)
     out: dict = {}
     try:
@@ -345,12 +349,35 @@ def engine_figures(path: str, tok, cuda: bool, vocab: int, reqs: int, steps: int
         if reqs:
             st = drive(eng, random_prompts(reqs, 512, vocab, 5), {**GREEDY, "max_new_tokens": 128})
             out["tput_tok_s"] = st.output_tokens / st.wall_s
+        if prefill:
+            out.update(prefill_figures(eng, vocab, prefill))
     finally:
         eng.stop()
     del eng
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+    return out
+
+
+def prefill_figures(eng, vocab: int, length: int) -> dict:
+    """engine_figures' prefill figures (see there), the cache emptied before and after."""
+    one = {**GREEDY, "max_new_tokens": 1}
+    eng.cache.reset()
+    st = drive(eng, random_prompts(16, length, vocab, 30), one, time_steps=True)
+    out = {"prefill_tok_s": full_pass_rate(st, eng.config.chunked_prefill_size)[0]}
+    eng.cache.reset()
+    prefix = random_prompts(1, length - 512, vocab, 31)[0]
+    drive(eng, [prefix], one)  # cached from here on
+    ttft = []
+    for i, tail in enumerate(random_prompts(9, 512, vocab, 32)):
+        st = drive(eng, [prefix + tail], one)
+        if i:  # the first warms the extend-over-a-prefix path
+            ttft.append(st.wall_s * 1e3)
+        if st.cached_tokens < len(prefix):
+            raise RuntimeError(f"the prefix was not reused ({st.cached_tokens} of {len(prefix)} tokens cached)")
+    out["cached_prefill_ttft_ms"] = median(ttft)
+    eng.cache.reset()
     return out
 
 

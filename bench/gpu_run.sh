@@ -7,7 +7,8 @@ usage: bash bench/gpu_run.sh KIND [ARGS...]     (device tool, after bench/fetch_
        libucx trimmed): all of .whl is over 64 MiB)
 
 Each kind fits one 10-minute call on a fresh machine, its kernel compiles included. ARGS go to the kind's
-benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT (default /tmp/out).
+benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT (default /tmp/out). LIMIT=SECONDS
+caps each step's time limit, so that several kinds fit one call (LIMIT=250 bash bench/gpu_run.sh multiturn; ...).
 
   tests             GPU tests:  pytest -m gpu tests/ -k EXPR, a first ARG (default "not interpreted"), each named
   offline           bench.offline: batch-1 step, 256 x (512,128), prefill, radix zero-reuse (8 on/off pairs)
@@ -30,7 +31,8 @@ benchmark (after its defaults, so a repeated flag wins). Results and logs: $OUT 
                     ab base notma:RADIXSERVE_TMA_MIN_TOKENS=1000000 -- python3 -m bench.offline --skip-hf
 
 --flashinfer (anywhere in ARGS; .whl/fi carried, from bench/fetch_flashinfer.sh): tests runs the FlashInfer backend's
-GPU tests, kernels runs bench.attention (Triton vs FlashInfer vs SDPA), offline runs the engine on FlashInfer;
+GPU tests, kernels runs bench.attention (Triton vs FlashInfer vs SDPA), offline runs bench.backends (the engine on
+its default backend against the engine on FlashInfer's), serving runs the servers and the offline engine on FlashInfer;
 FlashInfer's JIT builds go to /tmp/fi-cache, which a later call on the same warm machine reuses.
 
 docs/performance.md says what each measures and its goal; bench/RESULTS.md holds the current figures.
@@ -53,9 +55,11 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false UCX_WARN_UNUSED_ENV_VARS=
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
 
-# run SECONDS LOG CMD...: CMD under a time limit, its output kept whole in $OUT/LOG, its tail shown here.
+# run SECONDS LOG CMD...: CMD under a time limit (LIMIT, when set and lower, caps it: several kinds in one call),
+# its output kept whole in $OUT/LOG, its tail shown here.
 run() {
   local limit=$1 log=$2; shift 2
+  [[ -n ${LIMIT:-} ]] && (( LIMIT < limit )) && limit=$LIMIT
   timeout "$limit" "$@" 2>&1 | grep -v "Capturing\|Warning" | tee "$OUT/$log" | tail -"${TAIL:-25}"
 }
 # bench.spec after the reference models, in the time the call has left when that is enough (a warm machine keeps
@@ -73,7 +77,9 @@ gpu_tests() { run "$1" "$2" python3 -m pytest -v -p no:cacheprovider -rfE --cont
 
 case $kind in
   tests) TAIL=30 gpu_tests 560 gpu_tests.log "${1:-$([[ $FI == 1 ]] && echo flashinfer || echo not interpreted)}" ;;
-  offline) run 560 offline.log python3 -m bench.offline --skip-hf --reuse-pairs 8 --out "$OUT" $([[ $FI == 1 ]] && echo --attention-backend flashinfer) "$@" ;;
+  offline)
+    if [[ $FI == 1 ]]; then run 560 backends.log python3 -m bench.backends --out "$OUT" "$@"
+    else run 560 offline.log python3 -m bench.offline --skip-hf --reuse-pairs 8 --out "$OUT" "$@"; fi ;;
   kernels)
     if [[ $FI == 1 ]]; then run 560 attention.log python3 -m bench.attention --out "$OUT" "$@"
     else
@@ -86,7 +92,7 @@ case $kind in
     if [[ ${1:-} =~ ^[0-9]+$ ]]; then interval=$1; shift; fi
     log=serving.log; [[ $interval == 1 ]] || log=serving_interval$interval.log
     run 560 "$log" python3 -m bench.serving --launch --num-prompts 256 --routes completions,generate --no-stream \
-      --batch1 16 --offline --out "$OUT" "$@" -- --stream-interval "$interval" ;;
+      --batch1 16 --offline --out "$OUT" $([[ $FI == 1 ]] && echo --attention-backend flashinfer) "$@" -- --stream-interval "$interval" ;;
   shared-prefix) run 560 shared_prefix.log python3 -m bench.shared_prefix --out "$OUT" "$@" ;;
   multiturn) TAIL=30 run 580 multiturn.log python3 -m bench.multiturn --out "$OUT" "$@" ;;
   programs)

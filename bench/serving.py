@@ -36,6 +36,7 @@ import aiohttp
 
 from bench.common import SHAPES, log, model_dir, pct, sse_events
 from shared import procfs
+from shared.engine.config import ATTENTION_BACKENDS, attention_backend_error
 from shared.gc_freeze import freeze_startup_heap, space_young_collections
 
 VOCAB = 400  # ids the random-weight tokenizers all have
@@ -523,10 +524,15 @@ def main():
     ap.add_argument("--batch1", type=int, default=0, metavar="N",
                     help="also stream N requests one at a time and compare their time per token with the "
                          "offline engine's batch-1 step (goal: within 2%%; needs --offline)")
+    ap.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
+                    help="the servers' and the offline engine's (the engine's default unless given)")
     ap.add_argument("--port", type=int, default=31000)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-out"))
     ap.add_argument("launch_args", nargs="*", help="after --: extra services.launch flags")
     args = ap.parse_args()
+    if args.attention_backend and (error := attention_backend_error(args.attention_backend)):
+        ap.error(error)
+    backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
     os.makedirs(args.out, exist_ok=True)
 
     if args.dataset == "random":
@@ -539,11 +545,11 @@ def main():
                               args.gsp_question_len, args.gsp_output_len)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "dataset": args.dataset, "num_prompts": len(dataset),
                  "rate": args.request_rate, "max_concurrency": args.max_concurrency,
-                 "ideal_hit_rate": ideal_hit_rate(dataset), "runs": {}}
+                 "ideal_hit_rate": ideal_hit_rate(dataset), "attention_backend": args.attention_backend or "auto", "runs": {}}
     path = model_dir(args.shape)
     sweep = [int(n) for n in args.workers_sweep.split(",")] if args.workers_sweep else [None]
     for n in sweep:
-        extra = list(args.launch_args)
+        extra = list(args.launch_args) + (["--attention-backend", args.attention_backend] if backend else [])
         if n is not None:
             import torch
 
@@ -554,7 +560,7 @@ def main():
         res["runs"].update({(k if n is None else f"{k} x{n}"): v for k, v in runs.items()})
     if args.offline:
         log("offline engine, same workload")
-        res["offline"] = offline_reference(path, dataset, {}, args.batch1)
+        res["offline"] = offline_reference(path, dataset, backend, args.batch1)
         log(f"  {res['offline']['out_tok_s']:.0f} out tok/s, {pass_summary(res['offline']['passes'], res['offline']['wall_s'])}, "
             f"engine {res['offline']['engine_span_s']:.3f} s")
     with open(os.path.join(args.out, f"serving_{args.dataset}.json"), "w") as f:

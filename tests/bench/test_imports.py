@@ -12,8 +12,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 # What a user runs: `python -m bench.X`, each documented in docs/performance.md.
-SUITE = ("ab", "attention", "fp8", "hicache", "kernels", "kv_routing", "multiturn", "offline", "pd", "reference_models",
-         "serving", "shared_prefix", "spec", "structured", "tp", "workloads")
+SUITE = ("ab", "attention", "backends", "fp8", "hicache", "kernels", "kv_routing", "multiturn", "offline", "pd",
+         "reference_models", "serving", "shared_prefix", "spec", "structured", "tp", "workloads")
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__"))

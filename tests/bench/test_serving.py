@@ -3,6 +3,8 @@ parts that decide what it measures honest)."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 
 import pytest
 
@@ -226,3 +228,15 @@ def test_edges_split_the_wall_around_the_busy_period():
     # A busy period from before the run (or another host's clock) is flagged, not taken for edges.
     assert not edges(results, {"start": 9.0, "end": 9.5, "count": 3}, periods0=3)["ordered"]
     assert edges(results, None) == {} and edges([{"error": "x"}], {"start": 1, "end": 2}) == {}
+
+
+def test_attention_backend_is_checked_before_anything_starts():
+    """--attention-backend reaches the servers and the offline engine; flashinfer without its package is refused at
+    once, naming the install command."""
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is not None:
+        pytest.skip("flashinfer is installed here")
+    run = subprocess.run([sys.executable, "-m", "bench.serving", "--attention-backend", "flashinfer"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "flashinfer-python" in run.stderr
