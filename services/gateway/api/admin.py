@@ -74,9 +74,8 @@ def health(state: "GatewayState", names: bool = True) -> web.Response:
 
 async def health_generate(state: "GatewayState", timeout: float = 20.0) -> web.Response:
     """Runs a one-token generate now, on the worker the router would pick."""
-    ids = state.tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0]
     try:
-        worker = state.router.pick(ids)
+        worker = state.router.pick(state.health.probe_ids)
         async with asyncio.timeout(timeout):
             await state.health.tiny_generate(worker)
     except Exception as e:  # any failure is an unhealthy answer, never a 500

@@ -29,6 +29,7 @@ class HealthMonitor:
 
     def __init__(self, state: "GatewayState"):
         self.state = state
+        self.probe_ids = state.tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0]  # a one-token prompt
         self._liveness: asyncio.Task | None = None
         self.started_ready = False
         self.probed: set[str] = set()
@@ -115,8 +116,7 @@ class HealthMonitor:
 
     async def tiny_generate(self, worker: WorkerClient) -> None:
         """One token from a one-token prompt, bypassing metrics: proves the worker's forward pass runs."""
-        ids = self.state.tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0]
-        req = GenerateRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=ids,
+        req = GenerateRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=self.probe_ids,
                               sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
         async with aclosing(worker.generate(req)) as outputs:
             async for out in outputs:
