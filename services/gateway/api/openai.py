@@ -25,7 +25,7 @@ from services.gateway.http.body import read_body
 from services.gateway.http.json_out import json_response
 from services.gateway.http.sse import Envelope, encode_event, stream_generation
 from shared.ids import unique_hex
-from shared.protocol import GenerateRequest, TokenOutput
+from shared.protocol import FinishReason, GenerateRequest, TokenOutput
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
@@ -125,8 +125,7 @@ def _usage(job: Job, results: dict[int, GenerationResult]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _finish(res_or_reason) -> str | None:
-    reason = res_or_reason.finish_reason if isinstance(res_or_reason, GenerationResult) else res_or_reason
+def _finish(reason: FinishReason | None) -> str | None:
     return None if reason is None else _FINISH.get(reason.TYPE, "stop")
 
 
@@ -232,7 +231,7 @@ class _CompletionFormat(_Format):
                 if self.echo:
                     logprobs = lp.merge_completion_logprobs(self._echo_logprobs(prompt, res), logprobs)
             choices.append({"index": i, "text": prefix + res.text, "logprobs": logprobs,
-                            "finish_reason": _finish(res)})
+                            "finish_reason": _finish(res.finish_reason)})
         return self._envelope(choices, self.OBJECT, usage=_usage(self.job, dict(enumerate(results))))
 
     def on_output(self, i: int, out: TokenOutput, res: GenerationResult) -> bytes:
@@ -244,7 +243,7 @@ class _CompletionFormat(_Format):
         if not text and not out.finished and not (logprobs and logprobs["tokens"]):
             return b""  # tokens whose text is held back (partial UTF-8, possible stop string)
         return self._chunk.event({"index": i, "text": text, "logprobs": logprobs,
-                                  "finish_reason": None if out.finish_reason is None else _finish(out.finish_reason)})
+                                  "finish_reason": _finish(out.finish_reason)})
 
     def _echoed(self, i: int, out: TokenOutput, res: GenerationResult) -> tuple[str, dict | None]:
         """An increment's text and logprobs with echo (the prompt before the first) or logprobs asked for,
@@ -322,7 +321,7 @@ class _ChatFormat(_Format):
             out = self._output()
             choices.append({"index": i, "message": out.message(res.text),
                             "logprobs": self._logprobs(res.output_ids, res.output_logprobs, res.output_top_logprobs),
-                            "finish_reason": out.finish_reason(_finish(res))})
+                            "finish_reason": out.finish_reason(_finish(res.finish_reason))})
         return self._envelope(choices, self.OBJECT, usage=_usage(self.job, dict(enumerate(results))))
 
     def _delta(self, index: int, delta: dict, logprobs=None, finish=None) -> bytes:
