@@ -8,10 +8,8 @@ import io
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 import requests
@@ -22,7 +20,7 @@ from services.launch import parse_args as launch_args
 from services.output_relay import PrefixedRelay, _split
 from services.worker.__main__ import parse_args as worker_args
 from shared.protocol import TokenOutput
-from tests.support.stack import ROOT, free_port
+from tests.support.stack import ROOT, Proc, free_port
 
 
 def _parser_of(parse) -> argparse.ArgumentParser:
@@ -222,29 +220,13 @@ def test_weight_loading_progress_reaches_the_launchers_stderr(tmp_path):
     from tests.support.hf_models import make_hf_model, write_hf_checkpoint
 
     model_dir = write_hf_checkpoint(make_hf_model("qwen2"), str(tmp_path / "ckpt"))
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.launch", "--model-path", model_dir,
-                             "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    err_chunks: list[str] = []
-    reader = threading.Thread(target=lambda: err_chunks.extend(iter(lambda: proc.stderr.read(4096), "")), daemon=True)
-    reader.start()  # never let the launcher block on a full stderr pipe
+    # READY: every worker has loaded its weights (Proc waits for it under a deadline, reading stdout and stderr to
+    # the end; its text mode reads each progress redraw, a \r, as a line of its own).
+    launcher = Proc("services.launch", "--model-path", model_dir, "--port", str(free_port()), ready="READY ")
     try:
-        ready = None
-        for line in proc.stdout:
-            if line.startswith("READY "):
-                ready = line
-                break
-        assert ready, "".join(err_chunks)[-3000:]  # READY: every worker has loaded its weights
+        err = launcher.text()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        reader.join(30)
-    err = "".join(err_chunks)
+        launcher.stop()
     bars = [seg for seg in re.split(r"[\r\n]", err) if "Loading weights" in seg]
     assert bars and all(seg.startswith("[unified-0] ") for seg in bars), err[-2000:]
     assert any("100%" in seg for seg in bars), bars

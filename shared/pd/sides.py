@@ -29,7 +29,8 @@ its slots and the receiver drops the transfer (on_kv_cancel).
 
 Each side's stages carry a TransferBudget (stages.py): the bytes of KV buffers outside the pool its
 transfers hold. The scheduler charges a transfer when it admits it (prefill: the whole prompt, at first
-admission; decode: the positions it lacks, at reservation) and admits no transfer beyond the budget; the
+admission, cut to the positions the decode side asked for once they are gathered; decode: the positions it lacks,
+at reservation) and admits no transfer beyond the budget; the
 sides give the bytes back when the buffer is gone (prefill: the push ended, end_transfer, or the request
 ended before it began; decode: the pages were scattered, or the request ended before they came).
 
@@ -185,6 +186,9 @@ class PrefillSide:
         for req, last_chunk in zip(reqs, sample):
             if last_chunk and req.transfer_role == "prefill" and not req.finished:
                 start = self.starts.get(req.transfer_id, 0)
+                # Charged for the whole prompt at admission (the decode side's start was not known yet): from
+                # here on only what is gathered.
+                self.stages.budget.shrink(req.transfer_id, len(req.input_ids) - start)
                 buf, event = self._gather(req, start)
                 self.on_kv_gathered(req.transfer_id, Pages(start, buf, event))
 

@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 
 class TransferBudget:
     """Bytes of KV buffers outside the pool that one side's transfers hold at once: the prefill side's
-    gathered pages (charged from a request's first admission, for its whole prompt, until its push ends),
+    gathered pages (charged from a request's first admission, for its whole prompt, then from the gather
+    for the positions the decode side asked for, until its push ends),
     the decode side's receive buffers (charged from the reservation of its slots, for the positions it
     lacks, until the pages are scattered). Without a bound a slow decode side let a prefill worker gather
     prompt after prompt (1 GiB per 8k tokens of an 8B model) until its GPU ran out of memory.
@@ -41,6 +42,13 @@ class TransferBudget:
         n = self._held[tid] = tokens * self.token_bytes
         self.in_flight += n
         self.peak = max(self.peak, self.in_flight)
+
+    def shrink(self, tid: str, tokens: int) -> None:
+        """Transfer `tid`'s buffer turned out to hold only `tokens` positions (never grows a charge)."""
+        held = self._held.get(tid)
+        if held is not None and tokens * self.token_bytes < held:
+            self._held[tid] = tokens * self.token_bytes
+            self.in_flight -= held - self._held[tid]
 
     def give(self, tid: str) -> None:
         """Transfer `tid`'s buffer is gone (idempotent)."""

@@ -34,6 +34,13 @@ def test_budget_accounting():
     assert b.in_flight == 100 and b.peak == 500 and b.waits == 2
     b.give("b")
     b.give("c")
+    b.take("d", 8)
+    b.shrink("d", 3)  # the decode side wants the last 3 positions only
+    b.shrink("d", 5)  # (never grows)
+    b.shrink("none", 1)  # (uncharged: nothing)
+    assert b.in_flight == 30 and b.peak == 500 and b.fits("e", 7) and not b.fits("e", 8)
+    b.give("d")
+    assert b.in_flight == 0
     unbounded = TransferBudget(0, 10)
     unbounded.take("x", 1000)
     assert unbounded.fits("y", 1000) and unbounded.stats()["in_flight_bytes"] == 10_000
@@ -66,6 +73,34 @@ def test_prefill_side_admits_transfers_within_its_budget_in_order():
     assert [h.result(r)["finish"]["type"] for r in rids] == ["transferred"] * 3
     assert stages.budget.peak == 40 * token_bytes and stages.budget.waits > 0 and stages.budget.in_flight == 0
     assert [c[0] for c in hooks.calls].count("gathered") == 3 and e.is_idle()
+
+
+def test_prefill_side_charges_only_what_the_decode_side_wants_once_gathered():
+    """The decode side holds the first 30 of p0's 40 positions (the handshake's start): the whole prompt is
+    charged at admission (the start is not known then), only the 10 gathered positions from the gather on, and
+    p1 (40) fits beside them in a budget of 50 while p0's push is out."""
+    probe, _ = prefill_harness()
+    token_bytes = probe.engine.runner.kv_transfer_token_bytes()
+    h, hooks = prefill_harness(kv_transfer_max_bytes=50 * token_bytes)
+    e, stages = h.engine, h.engine.prefill_side.stages
+    e.prefill_side.starts["p0"] = 30
+    rids = [h.submit(prompt(i), transfer=Transfer(role="prefill", id=f"p{i}", host="127.0.0.1", port=1),
+                     sampling={"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}) for i in range(2)]
+    together = False
+    for _ in range(200):
+        e.step()
+        if "p0" in stages.transferring or "p0" in stages.computing:
+            gathered = [c for c in hooks.calls if c[0] == "gathered"]
+            if gathered and "p1" not in stages.computing and "p1" not in stages.transferring:
+                assert stages.budget.in_flight == 10 * token_bytes  # p0's gathered pages alone
+            together |= "p1" in stages.computing or "p1" in stages.transferring
+        for tid in list(stages.transferring):
+            if tid == "p1" or together:
+                e.prefill_side.end_transfer(tid, None)
+        if all(h.done(r) for r in rids):
+            break
+    assert together and stages.budget.peak == 50 * token_bytes and stages.budget.in_flight == 0
+    assert [h.result(r)["finish"]["type"] for r in rids] == ["transferred"] * 2
 
 
 def test_decode_side_reserves_receive_buffers_within_its_budget_in_order():
