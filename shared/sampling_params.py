@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Any
+from typing import Any, Iterable
 
 import msgspec
 import regex
@@ -113,6 +113,20 @@ def compile_stop_regex(pattern: str) -> "regex.Pattern":
         return regex.compile(pattern)
     except (regex.error, RecursionError, OverflowError) as e:
         raise InvalidRequest(f"stop_regex {pattern!r} does not compile: {e}", "stop_regex") from None
+
+
+def partial_stop_suffix(text: str, stops: Iterable[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string: text held back
+    while streaming (the worker's stop strings, the gateway's reasoning and tool-call markers)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
 # Repetition counts in a grammar: {n} / {n,m} (regex, EBNF, a schema's pattern) and a JSON schema's
 # size keywords. A huge one makes a forced run (jump-forward) or an automaton that size.
 _COUNTS = re.compile(r'\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}|"(?:min|max)(?:Length|Items|Properties|Contains)"\s*:\s*(\d+)')

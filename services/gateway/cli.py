@@ -54,25 +54,16 @@ GATEWAY_FLAGS: tuple[tuple[str, dict], ...] = (
 )
 
 
-def _dest(flag: str) -> str:
-    return flag[2:].replace("-", "_")
-
-
 def add_gateway_args(parser: argparse.ArgumentParser, *, forward_only: bool = False) -> None:
     """Declare the gateway's flags on `parser`. forward_only (the launcher): every default is None, so a
     flag the user did not give stays None and is not passed on (the gateway's own default applies, and
     --help says which it is)."""
     target = parser.add_argument_group("gateway") if forward_only else parser
     for flag, spec in GATEWAY_FLAGS:
-        spec = dict(spec)
         if forward_only:
-            default = spec.pop("default", False if spec.get("action") == "store_true" else None)
-            help_text = spec["help"]
-            if spec.get("action") == "store_true" or "default" in help_text:
-                spec["help"] = f"{help_text} (gateway flag)"
-            else:
-                spec["help"] = f"{help_text} (gateway flag; default: {default})"
-            spec["default"] = None
+            said = spec.get("action") == "store_true" or "default" in spec["help"]  # no default, or its own
+            note = " (gateway flag)" if said else f" (gateway flag; default: {spec.get('default')})"
+            spec = {**spec, "default": None, "help": spec["help"] + note}
         target.add_argument(flag, **spec)
 
 
@@ -80,7 +71,7 @@ def gateway_args_to_argv(args: argparse.Namespace) -> list[str]:
     """The gateway flags given to a forward-only parser, as the gateway's command line."""
     argv: list[str] = []
     for flag, spec in GATEWAY_FLAGS:
-        value = getattr(args, _dest(flag), None)
+        value = getattr(args, flag[2:].replace("-", "_"), None)  # argparse's dest for the flag
         if value is None or value is False or value == "":
             continue  # not given (an empty value is not passed on either, as before)
         if spec.get("action") == "store_true":

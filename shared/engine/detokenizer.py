@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import decoders
 
-from shared.sampling_params import compile_stop_regex
+from shared.sampling_params import compile_stop_regex, partial_stop_suffix
 from shared.tokenizer import Tokenizer
 
 # How many tokens before the unread ones are decoded for context (merges and multi-byte characters).
@@ -148,7 +148,7 @@ class Detokenizer:
                 out = st.text[st.emitted:end] if end > st.emitted else ""
                 st.emitted = max(st.emitted, end)
                 return out, True
-            hold = _partial_stop_suffix(st.text, st.stop)
+            hold = partial_stop_suffix(st.text, st.stop)
             end = len(st.text) - hold
         else:
             end = len(st.text)
@@ -191,14 +191,3 @@ class Detokenizer:
             return st.text
         pos = st.text.find(st.matched_stop)
         return st.text[:pos + len(st.matched_stop)] if st.no_stop_trim else st.text[:pos]
-
-
-def _partial_stop_suffix(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best

@@ -159,7 +159,7 @@ def fork_of(ir):
 def test_every_example_validates(name):
     program, kwargs = EXAMPLES[name]
     p = validate_program(program.trace(**kwargs), ProgramLimits())
-    assert p.node_count > 0 and p.total_tokens > 0
+    assert p.nodes
 
 
 BAD = {

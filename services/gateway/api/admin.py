@@ -6,9 +6,9 @@ import os
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.gateway.http.errors import WorkerUnavailable
-from services.gateway.http.metrics import CONTENT_TYPE
 from shared import event_loop
 
 if TYPE_CHECKING:
@@ -74,9 +74,8 @@ def health(state: "GatewayState", names: bool = True) -> web.Response:
 
 async def health_generate(state: "GatewayState", timeout: float = 20.0) -> web.Response:
     """Runs a one-token generate now, on the worker the router would pick."""
-    ids = state.tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0]
     try:
-        worker = state.router.pick(ids)
+        worker = state.router.pick(state.health.probe_ids)
         async with asyncio.timeout(timeout):
             await state.health.tiny_generate(worker)
     except Exception as e:  # any failure is an unhealthy answer, never a 500
@@ -87,4 +86,4 @@ async def health_generate(state: "GatewayState", timeout: float = 20.0) -> web.R
 async def metrics(state: "GatewayState") -> web.Response:
     state.metrics.set_worker_stats(await state.health.poll_infos(timeout=1.0))
     state.metrics.set_routing_stats(state.router.stats())
-    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

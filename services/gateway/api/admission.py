@@ -84,13 +84,17 @@ def _ids_below(vocab: int) -> Any:
 
 
 async def encode_prompt(state: "GatewayState", text: str, param: str) -> list[int]:
-    """A text prompt's token ids, computed off the event loop when large; a text too long to fit the
-    context whatever it tokenizes to is refused before any tokenizing."""
-    if state.cpu.chars_cannot_fit(len(text), state.context_length):
-        raise APIError.from_invalid(ContextLengthExceeded(
-            f"This model's maximum context length is {state.context_length} tokens; a prompt of {len(text)} "
-            f"characters is longer than that (context_length_exceeded)", param=param))
+    """A text prompt's token ids, computed off the event loop when large."""
+    check_chars_fit(state, len(text), param)
     return await state.cpu.encode(text)
+
+
+def check_chars_fit(state: "GatewayState", chars: int, param: str) -> None:
+    """Refuses, before any tokenizing, a text too long to fit the context whatever it tokenizes to."""
+    if state.cpu.chars_cannot_fit(chars, state.context_length):
+        raise APIError.from_invalid(ContextLengthExceeded(
+            f"This model's maximum context length is {state.context_length} tokens, too few for the {chars} "
+            f"characters of '{param}' (context_length_exceeded)", param=param))
 
 
 def resolve_max_new_tokens(state: "GatewayState", prompt_len: int, requested: int | None,

@@ -51,9 +51,6 @@ def _response_format(fmt: ResponseFormat) -> dict[str, str]:
 
 
 def _structured_outputs(so: StructuredOutputs) -> tuple[str, dict[str, str]] | None:
-    for refused in ("whitespace_pattern", "structural_tag"):
-        if getattr(so, refused) is not None:
-            raise bad_request(f"structured_outputs.{refused} is not supported", f"structured_outputs.{refused}")
     given = [k for k in _CONSTRAINTS if getattr(so, k) not in (None, False) or (k == "json" and so.json is False)]
     if len(given) > 1:
         raise bad_request(f"structured_outputs takes one constraint, got {' and '.join(given)}",

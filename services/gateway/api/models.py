@@ -46,7 +46,8 @@ class ResponseFormat(Struct, kw_only=True):
 
 
 class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
-    """vLLM's structured outputs: one constraint; the `disable_*` switches have no effect here."""
+    """vLLM's structured outputs: one constraint; the `disable_*` switches have no effect here, and what we
+    lack (`whitespace_pattern`, `structural_tag`) is an unknown field, refused by the decoder."""
     json: dict[str, Any] | str | bool | None = None
     regex: NonEmptyGrammar | None = None
     choice: Annotated[list[str], Meta(min_length=1)] | None = None
@@ -55,8 +56,6 @@ class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
     disable_fallback: bool | None = None
     disable_any_whitespace: bool | None = None
     disable_additional_properties: bool | None = None
-    whitespace_pattern: Any = None  # refused when given
-    structural_tag: Any = None  # refused when given
 
 
 class _OpenAIBody(_Body, kw_only=True):

@@ -14,12 +14,13 @@ from services.gateway.api import logprobs as lp
 from services.gateway.api.admission import (check_grammars, check_token_ids, child_requests, encode_prompt,
                                        resolve_max_new_tokens, sampling_params, stamp_tenant,
                                        token_ids_in_vocab, unknown_sampling_keys)
-from services.gateway.routing.dispatch import GenerationResult, new_rid
+from services.gateway.routing.dispatch import GenerationResult
 from services.gateway.api.models import GenerateRequest as GenerateBody, NativeChoices
 from services.gateway.http.errors import bad_request
 from services.gateway.http.body import invalid, read_body
 from services.gateway.http.json_out import json_response
 from services.gateway.http.sse import encode_event, stream_generation
+from shared.ids import unique_hex
 from shared.protocol import GenerateRequest, TokenOutput
 
 if TYPE_CHECKING:
@@ -100,11 +101,9 @@ async def _build(state: "GatewayState", body: GenerateBody) -> NativeJob:
     if count > state.limits.max_batch:
         raise bad_request(f"at most {state.limits.max_batch} prompts per request", "text")
 
-    sps = _per_item(body.sampling_params, "sampling_params", count)
-    rids = _per_item(body.rid, "rid", count)
-    return_logprob = _per_item(body.return_logprob, "return_logprob", count)
-    start_lens = _per_item(body.logprob_start_len, "logprob_start_len", count)
-    top_nums = _per_item(body.top_logprobs_num, "top_logprobs_num", count)
+    sps, rids, return_logprob, start_lens, top_nums = (
+        _per_item(getattr(body, name), name, count)
+        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num"))
 
     reqs: list[GenerateRequest] = []
     unknown: set[str] = set()
@@ -129,7 +128,7 @@ async def _build(state: "GatewayState", body: GenerateBody) -> NativeJob:
         start = start_lens[i] if start_lens[i] is not None else -1
         if start >= len(ids):
             start = len(ids) - 1  # select() may ask from past a short prompt's end: keep the last position
-        reqs += child_requests(rids[i] or new_rid(), choices.n, ids, params,
+        reqs += child_requests(rids[i] or unique_hex(), choices.n, ids, params,
                                return_logprob=bool(return_logprob[i]), logprob_start_len=start,
                                top_logprobs_num=top_nums[i] or 0,
                                return_text_in_logprobs=body.return_text_in_logprobs)

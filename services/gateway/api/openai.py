@@ -3,6 +3,7 @@ back. A request with n choices over P prompts becomes P*n worker requests; choic
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,17 +15,17 @@ from services.gateway.api import logprobs as lp
 from services.gateway.api.models import ChatRequest, CompletionRequest, _OpenAIBody
 from services.gateway.api.chat_output import ChoiceOutput
 from services.gateway.api.chat_request import ChatSpec, parse_chat
-from services.gateway.api.admission import (check_grammars, check_openai, stamp_tenant, check_token_ids, child_requests,
-                                        encode_prompt, resolve_max_new_tokens, sampling_params,
-                                        token_ids_in_vocab)
-from services.gateway.routing.dispatch import GenerationResult, created_timestamp, new_rid
+from services.gateway.api.admission import (check_chars_fit, check_grammars, check_model, check_openai,
+                                            check_token_ids, child_requests, encode_prompt, resolve_max_new_tokens,
+                                            sampling_params, stamp_tenant, token_ids_in_vocab)
+from services.gateway.routing.dispatch import GenerationResult
 from services.gateway.http.errors import APIError, bad_request
-from shared.errors import ContextLengthExceeded
 from services.gateway.api.grammar import output_grammar
 from services.gateway.http.body import read_body
 from services.gateway.http.json_out import json_response
 from services.gateway.http.sse import Envelope, encode_event, stream_generation
-from shared.protocol import GenerateRequest, TokenOutput
+from shared.ids import unique_hex
+from shared.protocol import FinishReason, GenerateRequest, TokenOutput
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
@@ -62,7 +63,7 @@ class Job:
     n: int
     reqs: list[GenerateRequest]
     include_usage: bool = False
-    created: int = field(default_factory=created_timestamp)
+    created: int = field(default_factory=lambda: int(time.time()))
 
     def prompt_of(self, choice: int) -> int:
         return choice // self.n
@@ -82,7 +83,7 @@ def _fan_out(state: "GatewayState", body: _OpenAIBody, prompts: list[Prompt], n:
     in errors about them (the client sent `structured_outputs.regex`, not `regex`)."""
     if len(prompts) * n > state.limits.max_batch:
         raise bad_request(f"at most {state.limits.max_batch} choices per request (prompts x n)", "n")
-    job_id = new_rid(rid_prefix)
+    job_id = rid_prefix + unique_hex()
     reqs = []
     for p_idx, prompt in enumerate(prompts):
         budget = resolve_max_new_tokens(state, len(prompt.ids), max_tokens, prompt_param, max_param)
@@ -124,8 +125,7 @@ def _usage(job: Job, results: dict[int, GenerationResult]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _finish(res_or_reason) -> str | None:
-    reason = res_or_reason.finish_reason if isinstance(res_or_reason, GenerationResult) else res_or_reason
+def _finish(reason: FinishReason | None) -> str | None:
     return None if reason is None else _FINISH.get(reason.TYPE, "stop")
 
 
@@ -196,9 +196,11 @@ class _Format:
         out = {"id": self.job.id, "object": object, "created": self.job.created, "model": self.state.served_model_name}
         return out if choices is None else {**out, "choices": choices, **extra}
 
-    def _start_chunks(self) -> None:
+    def head(self) -> bytes:
+        """Streaming starts: the chunks' envelope, encoded once."""
         self._chunk = Envelope(self._envelope(None, self.CHUNK_OBJECT),
                                **({"usage": None} if self.job.include_usage else {}))
+        return b""
 
     def tail(self) -> bytes:
         if not self.job.include_usage:
@@ -229,12 +231,8 @@ class _CompletionFormat(_Format):
                 if self.echo:
                     logprobs = lp.merge_completion_logprobs(self._echo_logprobs(prompt, res), logprobs)
             choices.append({"index": i, "text": prefix + res.text, "logprobs": logprobs,
-                            "finish_reason": _finish(res)})
+                            "finish_reason": _finish(res.finish_reason)})
         return self._envelope(choices, self.OBJECT, usage=_usage(self.job, dict(enumerate(results))))
-
-    def head(self) -> bytes:
-        self._start_chunks()
-        return b""
 
     def on_output(self, i: int, out: TokenOutput, res: GenerationResult) -> bytes:
         self._results[i] = res
@@ -245,7 +243,7 @@ class _CompletionFormat(_Format):
         if not text and not out.finished and not (logprobs and logprobs["tokens"]):
             return b""  # tokens whose text is held back (partial UTF-8, possible stop string)
         return self._chunk.event({"index": i, "text": text, "logprobs": logprobs,
-                                  "finish_reason": None if out.finish_reason is None else _finish(out.finish_reason)})
+                                  "finish_reason": _finish(out.finish_reason)})
 
     def _echoed(self, i: int, out: TokenOutput, res: GenerationResult) -> tuple[str, dict | None]:
         """An increment's text and logprobs with echo (the prompt before the first) or logprobs asked for,
@@ -291,12 +289,8 @@ async def chat_completions(state: "GatewayState", request: web.Request) -> web.S
 
 async def render_chat(state: "GatewayState", spec: ChatSpec) -> Prompt:
     """The chat template applied and tokenized: in a pool process when the messages are large."""
-    chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else len(str(m.get("content") or ""))
-                for m in spec.messages)
-    if state.cpu.chars_cannot_fit(chars, state.context_length):
-        raise APIError.from_invalid(ContextLengthExceeded(
-            f"This model's maximum context length is {state.context_length} tokens; messages of {chars} "
-            f"characters are longer than that (context_length_exceeded)", param="messages"))
+    chars = sum(len(m["content"] or "") for m in spec.messages)  # a string or None (chat_request._message)
+    check_chars_fit(state, chars, "messages")
     try:
         text, ids = await state.cpu.render_chat(spec.messages, chars, dict(
             add_generation_prompt=spec.add_generation_prompt, tools=spec.tools, documents=spec.documents,
@@ -327,14 +321,14 @@ class _ChatFormat(_Format):
             out = self._output()
             choices.append({"index": i, "message": out.message(res.text),
                             "logprobs": self._logprobs(res.output_ids, res.output_logprobs, res.output_top_logprobs),
-                            "finish_reason": out.finish_reason(_finish(res))})
+                            "finish_reason": out.finish_reason(_finish(res.finish_reason))})
         return self._envelope(choices, self.OBJECT, usage=_usage(self.job, dict(enumerate(results))))
 
     def _delta(self, index: int, delta: dict, logprobs=None, finish=None) -> bytes:
         return self._chunk.event({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
 
     def head(self) -> bytes:
-        self._start_chunks()
+        super().head()
         self._outputs = [self._output() for _ in self.job.reqs]
         return b"".join(self._delta(i, {"role": "assistant", "content": ""}) for i in range(len(self.job.reqs)))
 
@@ -363,8 +357,7 @@ def models(state: "GatewayState") -> dict:
 
 def model(state: "GatewayState", model_id: str) -> dict:
     """`GET /v1/models/{id}` (the openai client's `models.retrieve`): the served name or the model path."""
-    if model_id not in state.model_names():
-        raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+    check_model(state, model_id)
     return _model_card(state)
 
 

@@ -6,23 +6,14 @@ reasoning. Incremental like the tool parsers (markers split across deltas held b
 one `feed` plus `finish`, so both paths agree."""
 from __future__ import annotations
 
+from shared.sampling_params import partial_stop_suffix
+
 START, END = "<think>", "</think>"
 # name -> (starts in reasoning unless the prompt closed the block, extra markers that end reasoning)
 KINDS = {"deepseek-r1": (True, ()), "qwen3": (False, ("<tool_call>",)), "qwen3-thinking": (True, ("<tool_call>",))}
 # --reasoning-parser's accepted spellings (the flag's choices, lower-cased) -> the kind.
 ALIASES = {"deepseek-r1": "deepseek-r1", "deepseek_r1": "deepseek-r1", "r1": "deepseek-r1",
            "qwen3": "qwen3", "qwen3-thinking": "qwen3-thinking", "qwen3_thinking": "qwen3-thinking"}
-
-
-def partial_suffix(text: str, *markers: str) -> int:
-    """Length of the longest end of `text` that could start one of `markers` (held back while streaming)."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if marker.startswith(text[-n:]):
-                best = n
-                break
-    return best
 
 
 class ReasoningParser:
@@ -58,7 +49,7 @@ class ReasoningParser:
             if self._state == "reasoning":
                 ends = [(self._buf.find(m), m) for m in (END, *self.extra_ends) if m in self._buf]
                 if not ends:
-                    keep = partial_suffix(self._buf, END, *self.extra_ends)
+                    keep = partial_stop_suffix(self._buf, (END, *self.extra_ends))
                     reasoning += self._buf[:len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep:]
                     break

@@ -59,11 +59,9 @@ async def detokenize(state: "GatewayState", request: web.Request) -> web.Respons
     for ids in batch:
         if ids:  # an empty list is the empty text here, not an empty prompt
             check_token_ids(state, ids, "tokens")
-    decode = state.tokenizer.decode
-    if sum(map(len, batch)) <= INLINE_DECODE_TOKENS:
-        texts = [decode(ids, skip_special_tokens=skip) for ids in batch]
-    else:
-        texts = await asyncio.to_thread(lambda: [decode(ids, skip_special_tokens=skip) for ids in batch])
+    def decode_all() -> list[str]:
+        return [state.tokenizer.decode(ids, skip_special_tokens=skip) for ids in batch]
+    texts = decode_all() if sum(map(len, batch)) <= INLINE_DECODE_TOKENS else await asyncio.to_thread(decode_all)
     text: str | list[str] = texts if batch is tokens else texts[0]
     return json_response({"text": text, "prompt": text})
 

@@ -35,34 +35,11 @@ def tool_call_ebnf(parser: str, functions: list[dict], parallel: bool = True) ->
     if after:
         parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(after)}"))
     one = parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts)
-    text = str(one)
     if not parallel:
-        return text
-    # One or more calls: the single-call grammar becomes rule `tool_call_one` under a repeating root.
-    return f"root ::= tool_call_one ({json.dumps(sep)} tool_call_one)*\n" + _rename_rule(text, "root", "tool_call_one")
-
-
-def _rename_rule(ebnf: str, old: str, new: str) -> str:
-    """Rename rule `old` wherever it is defined or referenced, leaving string literals and character
-    classes (which may contain the same word) untouched."""
-    out, i, n = [], 0, len(ebnf)
-    while i < n:
-        c = ebnf[i]
-        if c in "\"[":
-            close = '"' if c == '"' else "]"
-            j = i + 1
-            while j < n and ebnf[j] != close:
-                j += 2 if ebnf[j] == "\\" else 1
-            out.append(ebnf[i:j + 1])
-            i = j + 1
-        elif c.isalpha() or c == "_":
-            j = i
-            while j < n and (ebnf[j].isalnum() or ebnf[j] in "_-."):
-                j += 1
-            word = ebnf[i:j]
-            out.append(new if word == old else word)
-            i = j
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
+        return str(one)
+    # One or more calls: the single call becomes rule `tool_call_one` under a repeating root. Grammar.concat
+    # renames its part's rules (root_1, ...), so its own root, defined first, is referenced nowhere.
+    single = str(xgr.Grammar.concat(one))
+    assert single.startswith("root ::= "), single[:80]
+    return (f"root ::= tool_call_one ({json.dumps(sep)} tool_call_one)*\n"
+            + single.replace("root ::= ", "tool_call_one ::= ", 1))

@@ -12,7 +12,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from services.gateway.api.reasoning import partial_suffix
+from shared.sampling_params import partial_stop_suffix
 
 # --tool-call-parser's accepted spellings (the flag's choices, lower-cased; SGLang's names for the same formats).
 ALIASES = {"hermes": "hermes", "qwen": "hermes", "qwen25": "hermes", "qwen3": "hermes",
@@ -121,7 +121,7 @@ class HermesParser(ToolCallParser):
                     self._after_call = False
                 at = self._buf.find(self.START)
                 if at < 0:
-                    keep = partial_suffix(self._buf, self.START)
+                    keep = partial_stop_suffix(self._buf, (self.START,))
                     self._content(self._buf[:len(self._buf) - keep], events)
                     self._buf = self._buf[len(self._buf) - keep:]
                     return events
@@ -168,7 +168,7 @@ class HermesParser(ToolCallParser):
                 return  # not (yet) a recognisable call: decided when the block closes
             self._streaming = (self._start(head[0], events), head[1])
         index, begin = self._streaming
-        upto = len(body) - partial_suffix(body, self.END)
+        upto = len(body) - partial_stop_suffix(body, (self.END,))
         # Hold back a trailing run of `}` and whitespace: part of it closes the call object, not the arguments.
         args = body[begin:upto].rstrip(" \t\r\n}")
         if len(args) > self._sent:

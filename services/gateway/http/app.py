@@ -17,8 +17,6 @@ from services.gateway.state import GatewayState
 from services.gateway.http.tenancy import CACHE_SALT
 from shared.errors import InvalidRequest, Overloaded
 
-__all__ = ["GatewayState", "create_app", "STATE"]
-
 log = logging.getLogger(__name__)
 
 STATE = web.AppKey("gateway_state", GatewayState)

@@ -2,11 +2,11 @@
 middleware of services/gateway/http/app.py asks)."""
 from __future__ import annotations
 
-import hmac
 from typing import TYPE_CHECKING
 
 from services.gateway.http.errors import APIError
 from services.gateway.http.tenancy import tenant_salt
+from shared.wire import key_matches
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
@@ -14,10 +14,6 @@ if TYPE_CHECKING:
 # Routes that answer without an API key even when --api-key is set (as SGLang: liveness and metrics
 # scrapers carry no key). Everything else needs one; /flush_cache needs the admin key when one is set.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
-
-
-def unauthorized() -> APIError:
-    return APIError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
 
 
 def authorize(state: "GatewayState", path: str, authorization: str) -> str | None:
@@ -28,7 +24,7 @@ def authorize(state: "GatewayState", path: str, authorization: str) -> str | Non
         return None
     key = matching_key(authorization, keys)
     if key is None:
-        raise unauthorized()
+        raise APIError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
     return tenant_salt(key)
 
 
@@ -52,10 +48,9 @@ def required_keys(state: "GatewayState", path: str) -> list[str]:
 def matching_key(authorization: str, keys: list[str]) -> str | None:
     """The key a `Bearer <key>` Authorization header value carries, if it is one of `keys`."""
     scheme, _, token = authorization.partition(" ")
-    token_b = token.strip().encode("utf-8", "surrogateescape")
     found = None
     # Constant-time comparison against every key (no early exit): timing says nothing about the keys.
     for key in keys:
-        if hmac.compare_digest(token_b, key.encode()) and scheme.lower() == "bearer":
+        if key_matches(key, token.strip()) and scheme.lower() == "bearer":
             found = key
     return found

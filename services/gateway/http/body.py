@@ -102,6 +102,7 @@ def _undecodable(raw: bytes, e: msgspec.DecodeError) -> APIError:
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+_LONE = re.compile("[\ud800-\udfff]")  # json.loads pairs a valid pair into one character: any left is lone
 
 
 def _lone_surrogate(obj: Any) -> str | None:
@@ -111,24 +112,16 @@ def _lone_surrogate(obj: Any) -> str | None:
     while stack:
         node, path = stack.pop()
         if isinstance(node, str):
-            if not _is_text(node):
+            if _LONE.search(node):
                 return path
         elif isinstance(node, dict):
             for k, v in node.items():
-                if not _is_text(k):
+                if _LONE.search(k):
                     return path or "a key"
                 stack.append((v, f"{path}.{k}" if path else str(k)))
         elif isinstance(node, list):
             stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
     return None
-
-
-def _is_text(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)

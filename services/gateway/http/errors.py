@@ -16,11 +16,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     @classmethod
     def from_invalid(cls, e: InvalidRequest) -> "APIError":

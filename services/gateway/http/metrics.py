@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import os
 import time
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shared.protocol import FinishAbort, TokenOutput
 
@@ -22,12 +22,14 @@ disable_created_metrics()
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5)
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 # cache_hit_rate and gen_throughput are rates over about this many recent seconds (SGLang's are over its
 # logging interval); the counters stay the exact source.
 RATE_WINDOW_S = 10.0
 # Each process of a pool publishes its window's token counts this often (any of them may render).
 PUBLISH_INTERVAL_S = 1.0
+_HIT_WINDOW = ("gateway_window_cached_tokens", "gateway_window_queried_tokens")  # a pool's internal series
+_HIT_DOC = (f"Prompt tokens served from the prefix cache / prompt tokens, over the last ~{RATE_WINDOW_S:.0f} s "
+            "of finished requests")
 
 
 def multiprocess_dir() -> str | None:
@@ -68,9 +70,7 @@ class HostTierGauges:
         for c in caches:
             for k, n in enumerate((c.get("load_latency_buckets") or [])[:len(counts)]):
                 counts[k] += _num(n)
-        total = 0.0
-        for bound, n in zip(bounds, counts):
-            total += n
+        for bound, total in zip(bounds, itertools.accumulate(counts)):  # a bucket counts every one below it
             self.buckets.labels(self.model_name, bound).set(total)
 
 
@@ -115,14 +115,10 @@ class GatewayMetrics:
         self.num_used_tokens = gauge("num_used_tokens", "KV cache slots in use, summed over workers")
         self._gauge = gauge
         self.hicache: HostTierGauges | None = None  # made when a worker first reports a host KV tier
-        hit_doc = (f"Prompt tokens served from the prefix cache / prompt tokens, over the last "
-                   f"~{RATE_WINDOW_S:.0f} s of finished requests")
         if self.multiprocess:  # a ratio does not sum: each process publishes its window's two counts
-            self.cache_hit_rate = _HitRateParts(gauge("gateway_window_cached_tokens", "(internal)", "livesum"),
-                                                gauge("gateway_window_queried_tokens", "(internal)", "livesum"),
-                                                hit_doc)
+            self.hit_window = [gauge(name, "(internal)", "livesum") for name in _HIT_WINDOW]
         else:
-            self.cache_hit_rate = gauge("cache_hit_rate", hit_doc)
+            self.cache_hit_rate = gauge("cache_hit_rate", _HIT_DOC)
         self.gen_throughput = gauge("gen_throughput", "Generated tokens per second, over the last "
                                     f"~{RATE_WINDOW_S:.0f} s", "livesum")
         # Cache-aware routing (services/gateway/routing/cache_aware.py) and its exact index, set at each render.
@@ -177,11 +173,12 @@ class GatewayMetrics:
         t0, gen0, cached0, queried0 = samples[0]
         if now > t0:
             self.gen_throughput.set((current[1] - gen0) / (now - t0))
-        queried = current[3] - queried0
+        cached, queried = current[2] - cached0, current[3] - queried0
         if self.multiprocess:
-            self.cache_hit_rate.publish(current[2] - cached0, queried)
+            for gauge, value in zip(self.hit_window, (cached, queried)):
+                gauge.set(value)
         else:
-            self.cache_hit_rate.set((current[2] - cached0) / queried if queried > 0 else 0.0)
+            self.cache_hit_rate.set(cached / queried if queried > 0 else 0.0)
         samples.append(current)
 
     def start_publishing(self) -> None:
@@ -210,37 +207,25 @@ class GatewayMetrics:
 
         merged = CollectorRegistry()
         MultiProcessCollector(merged, path=multiprocess_dir())
-        return generate_latest(_PoolView(merged, self.cache_hit_rate, self.model_name))
-
-
-class _HitRateParts:
-    """In a pool: the two counts of this process's hit-rate window, published for the renderer."""
-
-    def __init__(self, cached: Gauge, queried: Gauge, doc: str):
-        self.cached, self.queried, self.doc = cached, queried, doc
-        self.names = ("sglang:gateway_window_cached_tokens", "sglang:gateway_window_queried_tokens")
-
-    def publish(self, cached: float, queried: float) -> None:
-        self.cached.set(cached)
-        self.queried.set(queried)
+        return generate_latest(_PoolView(merged, self.model_name))
 
 
 class _PoolView:
     """Every process's series, merged (MultiProcessCollector), with the hit rate rebuilt from the
     processes' window counts in place of those internal series."""
 
-    def __init__(self, merged: CollectorRegistry, parts: _HitRateParts, model_name: str):
-        self.merged, self.parts, self.model_name = merged, parts, model_name
+    def __init__(self, merged: CollectorRegistry, model_name: str):
+        self.merged, self.model_name = merged, model_name
 
     def collect(self):
-        sums = dict.fromkeys(self.parts.names, 0.0)
+        sums = {f"sglang:{name}": 0.0 for name in _HIT_WINDOW}
         for family in self.merged.collect():
             if family.name in sums:
                 sums[family.name] = sum(s.value for s in family.samples)
                 continue
             yield family
-        cached, queried = (sums[n] for n in self.parts.names)
-        rate = GaugeMetricFamily("sglang:cache_hit_rate", self.parts.doc, labels=["model_name"])
+        cached, queried = sums.values()
+        rate = GaugeMetricFamily("sglang:cache_hit_rate", _HIT_DOC, labels=["model_name"])
         rate.add_metric([self.model_name], cached / queried if queried > 0 else 0.0)
         yield rate
 

@@ -14,9 +14,9 @@ Streaming: {"type": "variable", "name", "value", "meta_info"} per variable as it
 """
 from __future__ import annotations
 
-from services.gateway.programs.execute import Generate, ProgramError, execute_program, stream_program
-from services.gateway.programs.ir import IR_VERSION, Program, ProgramLimits
+from services.gateway.programs.execute import ProgramError, execute_program, stream_program
+from services.gateway.programs.ir import ProgramLimits
 from services.gateway.programs.validate import parse_program_request, validate_program
 
-__all__ = ["Generate", "IR_VERSION", "Program", "ProgramError", "ProgramLimits", "execute_program",
-           "parse_program_request", "stream_program", "validate_program"]
+__all__ = ["ProgramError", "ProgramLimits", "execute_program", "parse_program_request", "stream_program",
+           "validate_program"]

@@ -121,9 +121,6 @@ class Program:
     tables keyed by id(op): which definition each read (var op, if op) sees, and what a gather_variable
     join gathers ((names every branch defines, names only some paths define))."""
     nodes: list[Op]
-    name: str = "program"
-    node_count: int = 0
-    total_tokens: int = 0
     reads: dict[int, int] = field(default_factory=dict)
     joins: dict[int, tuple[list[str], list[str]]] = field(default_factory=dict)
 

@@ -37,7 +37,7 @@ def validate_program(ir: Any, limits: ProgramLimits | None = None,
     v.text_chars = sum(len(k) + len(s) for k, s in bound.items())
     v.check_text_budget("args")
     nodes = v.nodes(ir.nodes, "program.nodes", scope="", depth=0, role=None)[0]
-    return Program(nodes, ir.name, v.node_count, v.total_tokens, v.reads, v.joins)
+    return Program(nodes, v.reads, v.joins)
 
 
 class _Validator:

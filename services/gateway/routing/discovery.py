@@ -14,22 +14,22 @@ from shared.metadata.store import MetadataStore
 
 log = logging.getLogger(__name__)
 _DRAIN_S = 30.0
+_ROLES = ("unified", "prefill", "decode")  # registry entries of any other role are not workers to route to
 
 
 class WorkerDiscovery:
-    def __init__(self, store: MetadataStore, router: Router, interval_s: float = 1.0,
-                 roles: tuple[str, ...] = ("unified", "prefill", "decode"), internal_key: str | None = None):
+    interval_s = 1.0  # between two reads of the registry
+
+    def __init__(self, store: MetadataStore, router: Router, internal_key: str | None = None):
         self.store = store
         self.internal_key = internal_key
         self.router = router
-        self.interval_s = interval_s
-        self.roles = roles
         self._clients: dict[str, WorkerClient] = {w.address: w for w in router.workers}
         # Workers given on the command line (--workers) stay whatever the registry says: a supervised
         # worker that is restarting has no live entry, and must not be forgotten for it.
         self._static = dict(self._clients)
         self._task: asyncio.Task | None = None
-        self._delay = interval_s
+        self._delay = self.interval_s
         self.outage = Outage("worker discovery", log)
 
     def start(self) -> None:
@@ -58,7 +58,7 @@ class WorkerDiscovery:
         # Connected and not draining: alive whatever the registry says now (module docstring).
         wanted.update((a, c) for a, c in self._clients.items() if c.connected and not c.draining)
         for info in entries.values():
-            if info.get("role") not in self.roles:
+            if info.get("role") not in _ROLES:
                 continue
             host, port = info.get("host"), info.get("port")
             if not isinstance(host, str) or not isinstance(port, int):

@@ -19,10 +19,9 @@ from services.gateway.http.access_log import CURRENT as ACCESS_RECORD
 from services.gateway.http.errors import (APIError, WorkerUnavailable, bad_request, overloaded, unavailable,
                                          worker_refused)
 from services.gateway.http.metrics import GatewayMetrics, RequestTimer
-from services.gateway.routing.pd import pd_serve, wants_local_prefill
+from services.gateway.routing.pd import pd_serve
 from services.gateway.routing.router import Router
 from services.gateway.routing.worker_client import Lost, WorkerClient
-from shared.ids import unique_hex
 from shared.protocol import FinishReason, GenerateRequest, TokenOutput
 
 
@@ -111,7 +110,8 @@ class Generation:
     async def start(self) -> None:
         d, req = self._d, self.req
         d.check_rids([self.result.rid], self._salt)
-        pair = None if wants_local_prefill(req) else d.router.pick_pair(req.input_ids, self._salt)
+        # Input logprobs come from the prompt's forward pass: such requests run whole on one worker.
+        pair = None if req.wants_input_logprobs else d.router.pick_pair(req.input_ids, self._salt)
         client = d.router.pick(req.input_ids, self._salt) if pair is None else None
         self._timer = RequestTimer(d.metrics)
         d.inflight.add(req.rid)
@@ -282,11 +282,3 @@ class Dispatcher:
 
 def tenant_rid(rid: str, salt: str | None) -> str:
     return f"{salt}.{rid}" if salt else rid
-
-
-def new_rid(prefix: str = "") -> str:
-    return f"{prefix}{unique_hex()}"
-
-
-def created_timestamp() -> int:
-    return int(time.time())

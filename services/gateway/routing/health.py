@@ -27,14 +27,15 @@ class HealthMonitor:
     supervisor said of one that is not up. The first context length a worker reports goes to
     `on_context_length` (the gateway's, unless --context-length gave it)."""
 
+    interval = 0.5  # seconds between probe rounds
+    probe_timeout = 30.0
+    ping_interval = 2.0
+    ping_timeout = 5.0
+
     def __init__(self, router: "Router", tokenizer: "Tokenizer",
-                 on_context_length: Callable[[int], None] | None = None, interval: float = 0.5,
-                 probe_timeout: float = 30.0, ping_interval: float = 2.0, ping_timeout: float = 5.0):
-        self.router, self.tokenizer, self.on_context_length = router, tokenizer, on_context_length
-        self.interval = interval
-        self.probe_timeout = probe_timeout
-        self.ping_interval = ping_interval
-        self.ping_timeout = ping_timeout
+                 on_context_length: Callable[[int], None] | None = None):
+        self.router, self.on_context_length = router, on_context_length
+        self.probe_ids = tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0]  # a one-token prompt
         self._liveness: asyncio.Task | None = None
         self.started_ready = False
         self.probed: set[str] = set()
@@ -145,8 +146,7 @@ class HealthMonitor:
 
     async def tiny_generate(self, worker: WorkerClient) -> None:
         """One token from a one-token prompt, bypassing metrics: proves the worker's forward pass runs."""
-        ids = self.tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0]
-        req = GenerateRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=ids,
+        req = GenerateRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=self.probe_ids,
                               sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
         async with aclosing(worker.generate(req)) as outputs:
             async for out in outputs:

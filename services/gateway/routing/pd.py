@@ -32,15 +32,6 @@ class PrefillFailed(Exception):
     """The prefill side failed before the decode side produced anything: the request can start over."""
 
 
-class DecodeFailed(WorkerUnavailable):
-    """The decode worker went away before the request's first token: the request can start over."""
-
-
-def wants_local_prefill(req: GenerateRequest) -> bool:
-    """Input logprobs come from the prompt's forward pass: such requests run whole on one worker."""
-    return req.wants_input_logprobs
-
-
 async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: WorkerClient
                       ) -> AsyncIterator[TokenOutput]:
     """The decode worker's increments, like WorkerClient.generate; raises APIError when the prefill
@@ -85,9 +76,7 @@ async def pd_generate(req: GenerateRequest, prefill: WorkerClient, decode: Worke
                     raise item  # the request itself cannot run (e.g. larger than the pool): no retry, a 400
                 if side == "prefill":
                     raise PrefillFailed(str(item))
-                if not decoding and isinstance(item, WorkerUnavailable):
-                    raise DecodeFailed(str(item))
-                raise item
+                raise item  # the decode side's WorkerUnavailable: pd_serve starts over if nothing went out
             decoding = True
             yield item
             if item.finished:

@@ -33,9 +33,7 @@ def _live(workers: list[WorkerClient]) -> list[WorkerClient]:
 class Router:
     def __init__(self, workers: Sequence[WorkerClient], policy: RoutingPolicy | None = None,
                  pd_bypass_tokens: int = 0):
-        if policy is None:
-            policy = CacheAwarePolicy()
-        self.policy = policy
+        self.policy = policy or CacheAwarePolicy()
         # PD short-suffix bypass: a decode worker known to hold all of a prompt but at most this many
         # trailing tokens extends it itself (no prefill worker, no transfer). 0 turns it off.
         self.pd_bypass_tokens = pd_bypass_tokens
