@@ -11,9 +11,9 @@ import sys
 
 from aiohttp import web
 
-from services.gateway.http.app import create_app
+from services.gateway.app import create_app
 from services.gateway.cli import add_gateway_args
-from services.gateway.api.limits import Limits
+from services.gateway.limits import Limits
 from services.gateway.programs.limits import ProgramBudget
 from services.gateway.routing.router import Router
 from services.gateway.api import reasoning

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from services.gateway.api import reasoning, tool_parsers
-from services.gateway.api.limits import Limits
+from services.gateway.limits import Limits
 from services.gateway.programs.limits import ProgramBudget
 
 ROUTING_POLICIES = ["cache-aware", "prefix-affinity"]

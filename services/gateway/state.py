@@ -4,10 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.gateway.api.cpu_work import CpuWork
+from services.gateway.cpu_work import CpuWork
 from services.gateway.routing.dispatch import Dispatcher
 from services.gateway.routing.health import HealthMonitor
-from services.gateway.api.limits import Limits
+from services.gateway.limits import Limits
 from services.gateway.http.metrics import GatewayMetrics
 from services.gateway.programs.limits import ProgramBudget, ProgramSlots
 from services.gateway.routing.router import Router

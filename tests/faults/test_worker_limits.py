@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.api.limits import Limits
+from services.gateway.limits import Limits
 from shared import limits
 from tests.support.engine_harness import Harness
 

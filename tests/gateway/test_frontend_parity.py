@@ -10,7 +10,7 @@ import pytest
 import requests
 from openai import OpenAI
 
-from services.gateway.api.limits import Limits
+from services.gateway.limits import Limits
 from tests.support.fake_worker import gateway_stack
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from services.gateway.http import json_out
 from services.gateway.http.errors import bad_request
-from services.gateway.http.sse import DONE, encode_event, stream_events
+from services.gateway.api.sse import DONE, encode_event, stream_events
 from shared import event_loop
 
 
@@ -117,7 +117,7 @@ async def test_sse_chunk_writer_writes_direct_only_while_the_client_keeps_up():
     """Events after the first go straight to the transport as aiohttp would frame them, unless the
     transport still holds data (a slow client: aiohttp's write and its flow control), is closing, or the
     response is not plain chunked (HTTP/1.0, compression)."""
-    from services.gateway.http.sse import _ChunkWriter
+    from services.gateway.api.sse import _ChunkWriter
 
     class Transport:
         def __init__(self):

@@ -1,4 +1,4 @@
-"""Streams fed straight from worker frames (services/gateway/http/sse.py's GenerationStream): for a scripted
+"""Streams fed straight from worker frames (services/gateway/api/sse.py's GenerationStream): for a scripted
 sequence of frames the client gets exactly the SSE bytes the routes promise, written by the worker
 connection's read loop while the client keeps up and by the response's task otherwise (the same bytes);
 a client that stops reading holds the gateway's writes back without losing a token; a formatting bug
@@ -13,7 +13,7 @@ import socket
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.gateway.http import sse
+from services.gateway.api import sse
 from shared.protocol import FinishLength, FinishStop
 from shared.tokenizer import Tokenizer
 from tests.support.scripted_worker import ScriptedWorker
@@ -38,7 +38,7 @@ async def scripted_gateway(script: list, expect: int = 1, on_prepare=None):
     """A gateway over a ScriptedWorker; yields (client, worker, state, writes): `writes` gets (task name,
     bytes) for every write to a client's transport that aiohttp prepared. `on_prepare(request)`: called as
     each response starts."""
-    from services.gateway.http.app import create_app
+    from services.gateway.app import create_app
     from services.gateway.routing.router import Router
     from services.gateway.state import GatewayState
     from services.gateway.routing.worker_client import WorkerClient

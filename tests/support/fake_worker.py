@@ -219,7 +219,7 @@ class Stack:
 async def gateway_stack(num_workers: int = 1, *, context_length: int | None = 256, wait_healthy: bool = True,
                         token_delay: float = 0.0, tokenizer: Tokenizer | None = None,
                         **state_kwargs):
-    from services.gateway.http.app import create_app
+    from services.gateway.app import create_app
     from services.gateway.routing.router import Router
     from services.gateway.state import GatewayState
     from services.gateway.routing.worker_client import WorkerClient

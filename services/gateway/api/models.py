@@ -1,5 +1,5 @@
 """Every public route's request body, declared once as msgspec Structs: decoded from the raw body in one
-call (services/gateway/http/body.py), described by /openapi.json (http/openapi.py). Types and static
+call (services/gateway/http/body.py), described by /openapi.json (services/gateway/openapi.py). Types and static
 bounds live here; what depends on the model, the limits or other fields (context length, n caps, one
 grammar per request, tenancy) is the admission step's (api/admission.py).
 
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from msgspec import Meta, Struct
 
-from services.gateway.programs.ir import ProgramIR
+from services.gateway.programs.ir import ProgramRequest
 from shared.limits import MAX_GRAMMAR_CHARS, MAX_RID_LEN, MAX_TOP_LOGPROBS
 
 NonNegative = Annotated[int, Meta(ge=0)]
@@ -227,14 +227,6 @@ class TokenizeRequest(ChatRequest, kw_only=True):
 class DetokenizeRequest(_Body, kw_only=True):
     tokens: list[Union[int, TokenIds]]
     skip_special_tokens: bool = True
-
-
-# ---------------------------------------------------------------- /v1/programs
-class ProgramRequest(Struct, kw_only=True, forbid_unknown_fields=True):
-    """A traced lang_client program (IR version 1; programs/validate.py checks what its types cannot say)."""
-    program: ProgramIR
-    args: dict[str, str | int | float] | None = None
-    stream: bool = False
 
 
 ROUTE_BODIES: dict[str, type] = {

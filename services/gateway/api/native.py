@@ -19,7 +19,7 @@ from services.gateway.api.models import GenerateRequest as GenerateBody, NativeC
 from services.gateway.http.errors import bad_request
 from services.gateway.http.body import invalid, read_body
 from services.gateway.http.json_out import json_response
-from services.gateway.http.sse import encode_event, stream_generation
+from services.gateway.api.sse import encode_event, stream_generation
 from shared.ids import unique_hex
 from shared.protocol import GenerateRequest, TokenOutput
 

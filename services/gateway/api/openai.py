@@ -23,7 +23,7 @@ from services.gateway.http.errors import APIError, bad_request
 from services.gateway.api.grammar import output_grammar
 from services.gateway.http.body import read_body
 from services.gateway.http.json_out import json_response
-from services.gateway.http.sse import Envelope, encode_event, stream_generation
+from services.gateway.api.sse import Envelope, encode_event, stream_generation
 from shared.ids import unique_hex
 from shared.protocol import FinishReason, GenerateRequest, TokenOutput
 

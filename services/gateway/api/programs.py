@@ -13,12 +13,12 @@ from aiohttp import web
 
 from services.gateway.http.tenancy import request_salt
 from services.gateway.api import native
-from services.gateway.api.models import ProgramRequest
+from services.gateway.programs.ir import ProgramRequest
 from services.gateway.http.errors import APIError
 from services.gateway.http.body import read_body
 from services.gateway.programs.limits import ProgramMeter
 from services.gateway.programs import ProgramError, execute_program, stream_program, validate_program
-from services.gateway.http.sse import stream_events
+from services.gateway.api.sse import stream_events
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState

@@ -16,7 +16,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from services.gateway.http.errors import APIError, bad_request
-from services.gateway.api.limits import Limits
+from services.gateway.limits import Limits
 
 T = TypeVar("T")
 

@@ -105,6 +105,14 @@ class ProgramIR(Struct, kw_only=True, forbid_unknown_fields=True):
     nodes: list[Op]
 
 
+class ProgramRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """The body of POST /v1/programs: a traced lang_client program (IR version 1; validate.py checks what its types
+    cannot say) and the arguments it binds."""
+    program: ProgramIR
+    args: dict[str, str | int | float] | None = None
+    stream: bool = False
+
+
 @dataclass(frozen=True)
 class ProgramLimits:
     max_nodes: int = 4096              # every node, branches included

@@ -13,9 +13,9 @@ import msgspec
 from lang_client.chat_template import CHATML
 from msgspec.structs import replace
 
-from services.gateway.programs.ir import (IR_VERSION, ArgOp, ForkOp, GenOp, IfOp,
-                                         JoinOp, Program, ProgramIR, ProgramLimits, RoleBeginOp, RoleEndOp,
-                                         SelectOp, SetOp, TextOp, VarOp)
+from services.gateway.programs.ir import (IR_VERSION, ArgOp, ForkOp, GenOp, IfOp, JoinOp, Program, ProgramIR,
+                                         ProgramLimits, ProgramRequest, RoleBeginOp, RoleEndOp, SelectOp, SetOp,
+                                         TextOp, VarOp)
 from shared.errors import InvalidRequest
 from shared.sampling_params import SamplingParams
 
@@ -263,7 +263,6 @@ def parse_program_request(body: Any, limits: ProgramLimits | None = None) -> tup
 def _decoded(body: Any) -> Any:
     """JSON data as the endpoint decodes its body (a ProgramRequest), refused with the endpoint's own
     message and param (http/body.py's `invalid`)."""
-    from services.gateway.api.models import ProgramRequest
     from services.gateway.http.body import invalid
 
     try:

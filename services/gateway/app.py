@@ -8,11 +8,11 @@ import logging
 from aiohttp import web
 
 from services.gateway.api import admin, native, openai, programs, tokens
-from services.gateway.http.auth import authorize, may_see_internals
+from services.gateway.api.auth import authorize, may_see_internals
 from services.gateway.http.access_log import access_middleware, add_request_id_header, quiet_parse_errors
 from services.gateway.http.errors import APIError, error_body, internal_error, overloaded
 from services.gateway.http.json_out import json_response
-from services.gateway.http.openapi import build_spec
+from services.gateway.openapi import build_spec
 from services.gateway.state import GatewayState
 from services.gateway.http.tenancy import CACHE_SALT
 from shared.errors import InvalidRequest, Overloaded

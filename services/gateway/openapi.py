@@ -9,7 +9,7 @@ import msgspec
 from aiohttp import web
 
 from services.gateway.api.models import ROUTE_BODIES
-from services.gateway.http.auth import OPEN_PATHS
+from services.gateway.api.auth import OPEN_PATHS
 
 _SUMMARIES = {
     "/v1/completions": "OpenAI text completions",

@@ -1,5 +1,5 @@
 """API keys: which routes need one and whether a request's Authorization header carries one (the auth
-middleware of services/gateway/http/app.py asks)."""
+middleware of services/gateway/app.py asks)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
