@@ -47,8 +47,10 @@ esac
 FI=0; args=(); for a in "$@"; do if [[ $a == --flashinfer ]]; then FI=1; else args+=("$a"); fi; done; set -- "${args[@]}"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
 [[ -d .whl ]] || { echo "gpu_run.sh: no .whl here (bench/fetch_wheels.sh, then carry it)" >&2; exit 1; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*/*.whl \
-  || { echo "gpu_run.sh: the carried wheels did not install" >&2; exit 1; }
+# Once per set of carried wheels on a machine (a second kind in the same call finds them installed).
+stamp=/tmp/site/.carried-$(md5sum .whl/*/*.whl | md5sum | cut -c1-16)
+[[ -e $stamp ]] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*/*.whl && touch "$stamp"; } || { echo "gpu_run.sh: the carried wheels did not install" >&2; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-cache}
 [[ $FI == 0 ]] || { ls .whl/fi/*.whl >/dev/null 2>&1 && python3 -c "import flashinfer as f; print('flashinfer', f.__version__)"; } || { echo "gpu_run.sh: --flashinfer needs .whl/fi (bench/fetch_flashinfer.sh) importable" >&2; exit 1; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false UCX_WARN_UNUSED_ENV_VARS=n
