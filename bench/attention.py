@@ -71,7 +71,7 @@ class World:
         self.rows = list(range(1, reqs + 1))
 
     def batch(self, backend, prefix: int, new: int, graph: bool = False):
-        from shared.engine.forward_batch import ForwardBatch, ForwardMode
+        from shared.models.forward_batch import ForwardBatch, ForwardMode
         mode = ForwardMode.DECODE if new == 1 and prefix else ForwardMode.EXTEND
         T = self.reqs * new
         fb = ForwardBatch.build(mode, [0] * T, self.rows, [prefix] * self.reqs, [new] * self.reqs,

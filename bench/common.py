@@ -173,7 +173,7 @@ def drive(engine, prompts: list[list[int]], sampling: dict, time_steps: bool = F
           measure_idle: bool = False, request: dict | None = None) -> RunStats:
     """Submit all prompts, step the engine on this thread until every request finished. `request`: more
     GenerateRequest fields (return_logprob, stream: a streamed request's outputs are merged, and timed)."""
-    from shared.engine.forward_batch import ForwardMode
+    from shared.models.forward_batch import ForwardMode
 
     finished: dict[str, object] = {}
     partial: dict[str, object] = {}

@@ -173,7 +173,7 @@ def verify_costs(shape: str, ks: list[int], batches: list[int], context: int, re
     `context` cached tokens a request, medians of `reps` synchronized passes, on random weights of `shape`."""
     from shared.engine.config import EngineConfig
     from shared.engine.engine_loop import Engine
-    from shared.engine.forward_batch import ForwardBatch, ForwardMode
+    from shared.models.forward_batch import ForwardBatch, ForwardMode
     from shared.tokenizer import Tokenizer
 
     path = model_dir(shape)

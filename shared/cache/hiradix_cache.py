@@ -509,21 +509,3 @@ def _split_done(entries: list, event_of) -> tuple[list, list]:
             pending.append((handle, slots))
     return pending, done
 
-
-def tiered_cache(config, allocator: SlotAllocator, runner) -> HiRadixCache:
-    """The engine's cache under --enable-hierarchical-cache: the host pool (every tensor-parallel rank's, of its KV
-    heads: runner.host_kv_pool) sized by the flags, per rank as SGLang's, and the host's memory shared by the ranks."""
-    from shared.cache.host_pool import HostTierError, available_host_bytes, host_pool_tokens
-    from shared.engine.config import hicache_config_error
-
-    error = hicache_config_error(config)
-    if error:
-        raise HostTierError(error)
-    bytes_per_token = HostKVPool.token_bytes(runner.kv_pool)
-    tokens = host_pool_tokens(allocator.total_size(), bytes_per_token, config.hicache_ratio, config.hicache_size,
-                              available_host_bytes(), config.tp_size)
-    host = runner.host_kv_pool(tokens)
-    log.info("host KV tier: %d tokens (%.2f GiB%s, %s), device pool %d tokens", host.size_tokens(),
-             tokens * bytes_per_token / 2**30, f" on each of {config.tp_size} ranks" if config.tp_size > 1 else "",
-             config.hicache_write_policy, allocator.total_size())
-    return HiRadixCache(allocator, config.page_size, host, config.hicache_write_policy, config.hicache_load_timeout)

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from kernels.decode_inputs import LOC, ROWS, SEQ, TABLE, unpack_decode_inputs
-from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.models.forward_batch import ForwardBatch, ForwardMode
 from shared.gc_freeze import collections_paused
 from shared.knobs import knob
 

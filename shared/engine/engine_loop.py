@@ -23,7 +23,7 @@ from shared.cache.radix_cache import RadixCache
 from shared.constrained import RetokenizeMemo, apply_jump, forced_text, jump_forward, plan_jump, set_allowed
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import Detokenizer
-from shared.engine.forward_batch import ForwardMode
+from shared.models.forward_batch import ForwardMode
 from shared.engine.model_runner import ModelRunner, StepOutput
 from shared.engine.penalties import penalized
 from shared.engine.request import PENDING_TOKEN, Req, ReqStatus
@@ -88,7 +88,7 @@ class Engine:
         self.runner.tokenizer_vocab_size = min(tokenizer.vocab_size, self.runner.vocab_size)
         self.allocator = SlotAllocator(self.runner.kv_pool.num_pages, config.page_size, device="cpu")
         if config.enable_hierarchical_cache:
-            from shared.cache.hiradix_cache import tiered_cache
+            from shared.engine.sizing import tiered_cache
 
             try:
                 self.cache = tiered_cache(config, self.allocator, self.runner)

@@ -29,7 +29,7 @@ import time
 import torch
 
 from shared.engine.cuda_graph import capture_graphs
-from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.models.forward_batch import ForwardBatch, ForwardMode
 from shared.knobs import knob
 
 log = logging.getLogger(__name__)

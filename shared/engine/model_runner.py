@@ -15,7 +15,7 @@ import torch
 
 from shared.cache.kv_pool import KVPool, ReqToTokenPool, kv_cache_dtype
 from shared.engine.config import EngineConfig
-from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.models.forward_batch import ForwardBatch, ForwardMode
 from shared.engine.prefill_adder import chunk_len, max_riders
 from kernels.h2d import to_device
 from shared.engine.request import PENDING_TOKEN, Req

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from shared.engine.forward_batch import ForwardMode
+from shared.models.forward_batch import ForwardMode
 from shared.engine.request import Req
 from shared.engine.schedule_batch import ScheduleBatch
 from shared.knobs import knob

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.forward_batch import ForwardMode
+from shared.models.forward_batch import ForwardMode
 from shared.engine.request import Req
 
 

@@ -28,7 +28,7 @@ from shared.cache.base import PrefixCache
 from shared.cache.kv_pool import ReqToTokenPool
 from shared.engine.config import EngineConfig
 from shared.pd.stages import DecodeStages, PrefillStages
-from shared.engine.forward_batch import ForwardMode
+from shared.models.forward_batch import ForwardMode
 from shared.engine.prefill_adder import PrefillAdder
 from shared.engine.schedule_batch import ScheduleBatch
 from shared.engine.request import PENDING_TOKEN, Req, ReqStatus

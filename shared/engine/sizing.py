@@ -14,12 +14,22 @@ its radix-cache speed-up only with 1,024 of each (docs/design.md, "Engine sizes 
 
 Without a GPU (CPU runs, tests) the sizes are the fixed ones this replaced. An explicit value always wins.
 `reserve_bytes` estimates what these sizes take outside the KV pool, which the runner keeps free before it
-sizes the pool, together with `transfer_budget_bytes` (PD: KV buffers between the workers).
+sizes the pool, together with `transfer_budget_bytes` (PD: KV buffers between the workers). `tiered_cache` sizes
+and builds the host KV tier under --enable-hierarchical-cache.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.cache.allocator import SlotAllocator
+    from shared.cache.hiradix_cache import HiRadixCache
+    from shared.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 TOKENS_PER_RUNNING = 256  # pool tokens a running request is assumed to hold
@@ -102,3 +112,23 @@ def transfer_budget_bytes(config, token_bytes: int) -> int:
     if config.kv_transfer_max_bytes is not None:
         return max(0, config.kv_transfer_max_bytes)
     return TRANSFER_CHUNKS * (config.chunked_prefill_size or CPU_SIZES[2]) * token_bytes
+
+
+def tiered_cache(config: "EngineConfig", allocator: "SlotAllocator", runner) -> "HiRadixCache":
+    """The engine's cache under --enable-hierarchical-cache: the host pool (every tensor-parallel rank's, of its KV
+    heads: runner.host_kv_pool) sized by the flags, per rank as SGLang's, and the host's memory shared by the ranks."""
+    from shared.cache.hiradix_cache import HiRadixCache
+    from shared.cache.host_pool import HostKVPool, HostTierError, available_host_bytes, host_pool_tokens
+    from shared.engine.config import hicache_config_error
+
+    error = hicache_config_error(config)
+    if error:
+        raise HostTierError(error)
+    bytes_per_token = HostKVPool.token_bytes(runner.kv_pool)
+    tokens = host_pool_tokens(allocator.total_size(), bytes_per_token, config.hicache_ratio, config.hicache_size,
+                              available_host_bytes(), config.tp_size)
+    host = runner.host_kv_pool(tokens)
+    log.info("host KV tier: %d tokens (%.2f GiB%s, %s), device pool %d tokens", host.size_tokens(),
+             tokens * bytes_per_token / 2**30, f" on each of {config.tp_size} ranks" if config.tp_size > 1 else "",
+             config.hicache_write_policy, allocator.total_size())
+    return HiRadixCache(allocator, config.page_size, host, config.hicache_write_policy, config.hicache_load_timeout)

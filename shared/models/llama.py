@@ -13,7 +13,7 @@ from torch import nn
 from kernels import ops
 from kernels.residual_norm import NORM_SLOTS, ResidualNorm
 from kernels.rope_store import RopeStore
-from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.models.forward_batch import ForwardBatch, ForwardMode
 from shared.models.config import ModelConfig
 from shared.models.layers import Embedding, Linear, MergedLinear, RMSNorm, rms_norm
 from shared.models.parallel import (all_gather_last, even_shard, head_shard, kv_shard, local_heads, local_kv_heads,

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from kernels.reference import to_pool_ref
 from shared.cache.kv_pool import KVPool, kv_cache_dtype
 from shared.engine.config import EngineConfig
-from shared.engine.forward_batch import ForwardMode
+from shared.models.forward_batch import ForwardMode
 from shared.engine.model_runner import ModelRunner
 from shared.models.quantization import UnsupportedQuantization
 from tests.support.hf_models import PagedHarness, make_hf_model, write_hf_checkpoint

@@ -184,7 +184,7 @@ def test_mixed_chunk_warmup_reaches_the_triton_decode_tail():
     warm-up's large mixed pass is one where the Triton backend runs the riders with its decode kernel (the tail), so
     that variant is compiled before serving too."""
     from shared.engine.config import EngineConfig
-    from shared.engine.forward_batch import ForwardBatch, ForwardMode
+    from shared.models.forward_batch import ForwardBatch, ForwardMode
     from shared.engine.model_runner import mixed_warmup_passes
     from shared.models.attention.triton_backend import TritonAttentionBackend
     from shared.engine.sizing import GIB, ModelShape, derive_sizes, fill

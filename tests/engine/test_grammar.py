@@ -79,7 +79,7 @@ def test_jump_forward_extends_forced_runs_in_one_pass():
 
 def _extend_passes(h: Harness) -> list[int]:
     """Record, per EXTEND pass the engine launches, how many of its requests were already decoding."""
-    from shared.engine.forward_batch import ForwardMode
+    from shared.models.forward_batch import ForwardMode
 
     seen, launch = [], h.engine.runner.launch
 
@@ -224,7 +224,7 @@ def test_passes_write_only_new_slot_table_entries_and_rows_hold_every_slot(cfg):
     pass of jump-forward: its new tokens, not the whole row again); at every launch, every row of the
     pass holds the request's slots up to the pass's end, through jumps, rejected proposals, dedup with
     the tree, retraction and re-admission (the small pool)."""
-    from shared.engine.forward_batch import ForwardMode
+    from shared.models.forward_batch import ForwardMode
 
     h = Harness(**cfg)
     runner = h.engine.runner

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from shared.engine.forward_batch import ForwardMode
+from shared.models.forward_batch import ForwardMode
 from shared.engine.request import PENDING_TOKEN
 from tests.support.engine_harness import Harness
 from tests.engine.test_grammar import REGEXES, SCHEMA, prompt

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.engine.forward_batch import ForwardMode
+from shared.models.forward_batch import ForwardMode
 from shared.models.config import ModelConfig
 from shared.models.loader import load_model
 from shared.models.weights import build_empty_model

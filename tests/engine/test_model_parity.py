@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.forward_batch import ForwardMode
+from shared.models.forward_batch import ForwardMode
 from shared.models.loader import load_model
 from tests.support.hf_models import FAMILIES, PagedHarness, make_hf_model, paged_greedy, write_hf_checkpoint
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from kernels.reference import fp8_linear_ref, quantize_fp8_per_token
-from shared.engine.forward_batch import ForwardMode
+from shared.models.forward_batch import ForwardMode
 from shared.models.loader import load_model
 from shared.models.quantization import UnsupportedQuantization, parse_quantization, quantize_per_channel
 from tests.support.hf_models import PagedHarness, make_hf_model, paged_greedy, write_hf_checkpoint

@@ -11,7 +11,7 @@ from shared.cache.kv_pool import ReqToTokenPool
 from shared.cache.no_cache import NoPrefixCache
 from shared.cache.radix_cache import RadixCache
 from shared.engine.config import EngineConfig
-from shared.engine.forward_batch import ForwardMode
+from shared.models.forward_batch import ForwardMode
 from shared.engine.prefill_adder import MAX_SIBLING_DEFERRALS
 from shared.engine.request import Req
 from shared.engine.schedule_policy import SchedulePolicy

@@ -104,7 +104,7 @@ def test_tp_retokenized_jumps_under_overlap_match_single_rank():
     device, which every rank substitutes from its own copy of rank 0's samples. (The engine processes
     a step whose tokens will likely jump before scheduling the next; told they never will, every jump
     meets a launched pass, as here.)"""
-    from shared.engine.forward_batch import ForwardMode
+    from shared.models.forward_batch import ForwardMode
     from shared.engine.request import PENDING_TOKEN
     from tests.engine.test_grammar_overlap import _requests, _run
 
@@ -131,7 +131,7 @@ def test_tp_mixed_chunks_match_single_rank():
     (substituted from each rank's own copy of rank 0's samples); the tokens of TP=1 without mixing."""
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("TP=2 on the GPU needs 2 GPUs")
-    from shared.engine.forward_batch import ForwardMode
+    from shared.models.forward_batch import ForwardMode
     from shared.engine.request import PENDING_TOKEN
 
     prompts = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(6)]

@@ -21,7 +21,7 @@ def check_backend_end_to_end(device, dtype):
 def _backend_end_to_end(device, dtype, pool_dtype, scales):
     from shared.models.attention import create_attention_backend
     from shared.cache.kv_pool import KVPool, ReqToTokenPool
-    from shared.engine.forward_batch import ForwardBatch, ForwardMode
+    from shared.models.forward_batch import ForwardBatch, ForwardMode
     hq, hkv, d, layers = 4, 2, 16, 2
     worlds = []
     # 1 split: the single-launch decode; one launch: split decode merged in stage 1's launch.
@@ -69,7 +69,7 @@ def check_backend_extend_decode_tail(device, dtype):
     torch backend."""
     import shared.models.attention.triton_backend as tb
     from shared.cache.kv_pool import KVPool, ReqToTokenPool
-    from shared.engine.forward_batch import ForwardBatch, ForwardMode
+    from shared.models.forward_batch import ForwardBatch, ForwardMode
     from shared.models.attention import create_attention_backend
     hq, hkv, d = 4, 2, 16
     gen = torch.Generator().manual_seed(3)
@@ -126,7 +126,7 @@ def check_backend_cascade_decode(device, dtype):
     decode on the same pool."""
     from shared.models.attention import create_attention_backend
     from shared.cache.kv_pool import KVPool, ReqToTokenPool
-    from shared.engine.forward_batch import ForwardBatch, ForwardMode
+    from shared.models.forward_batch import ForwardBatch, ForwardMode
     hq, hkv, d = 8, 2, 16
     gen = torch.Generator().manual_seed(5)
     pool = KVPool(1, hkv, d, num_pages=256, page_size=1, dtype=dtype, device=device)

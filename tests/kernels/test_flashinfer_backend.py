@@ -73,7 +73,7 @@ def _passes(device="cpu", dtype=torch.bfloat16, pool_dtype=None, scales=None, gr
     """Four passes (prompts with no prefix: ragged; second chunks over the first and a new prompt: ragged + paged;
     two decode steps) through the torch backend and the flashinfer one on identical pools: their outputs, pass by
     pass."""
-    from shared.engine.forward_batch import ForwardBatch, ForwardMode
+    from shared.models.forward_batch import ForwardBatch, ForwardMode
     from shared.models.attention import TorchAttentionBackend
     from shared.models.attention.flashinfer_backend import FlashInferAttentionBackend
     worlds = [_world(TorchAttentionBackend(HQ, HKV, D), device, dtype, pool_dtype, scales),
@@ -216,7 +216,7 @@ def test_flashinfer_decode_graph_replays_over_new_lengths():
     on the host before each replay, the indices gathered inside the graph) equals eager torch attention."""
     _needs_flashinfer()
     from shared.cache.kv_pool import KVPool, ReqToTokenPool
-    from shared.engine.forward_batch import ForwardBatch, ForwardMode
+    from shared.models.forward_batch import ForwardBatch, ForwardMode
     from shared.models.attention import TorchAttentionBackend
     from shared.models.attention.flashinfer_backend import FlashInferAttentionBackend
     dev, dt, bs = torch.device("cuda"), torch.bfloat16, 4

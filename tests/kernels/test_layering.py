@@ -49,5 +49,5 @@ def test_only_the_knob_registry_is_allowed_and_it_is_a_leaf(tmp_path):
 
 def test_the_check_sees_function_local_imports(tmp_path):
     f = tmp_path / "k.py"
-    f.write_text("import torch\n\ndef f():\n    from shared.engine.forward_batch import ForwardBatch\n")
-    assert (4, "shared.engine.forward_batch") in list(_imported_modules(f))
+    f.write_text("import torch\n\ndef f():\n    from shared.models.forward_batch import ForwardBatch\n")
+    assert (4, "shared.models.forward_batch") in list(_imported_modules(f))

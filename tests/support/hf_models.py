@@ -9,7 +9,7 @@ import torch
 
 from shared.models.attention.torch_backend import TorchAttentionBackend
 from shared.cache.kv_pool import KVPool, ReqToTokenPool
-from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.models.forward_batch import ForwardBatch, ForwardMode
 from shared.models.config import ModelConfig
 from shared.tokenizer import save_tiny_tokenizer
 

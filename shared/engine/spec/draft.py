@@ -28,7 +28,7 @@ import torch
 
 from shared.cache.allocator import SlotAllocator
 from shared.engine.config import EngineConfig
-from shared.engine.forward_batch import ForwardMode
+from shared.models.forward_batch import ForwardMode
 from shared.engine.request import Req
 from shared.engine.schedule_batch import ScheduleBatch
 from shared.engine.spec import SpecConfigError, Speculator

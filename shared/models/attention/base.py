@@ -5,7 +5,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.models.forward_batch import ForwardBatch, ForwardMode
 
 
 class AttentionBackend(ABC):

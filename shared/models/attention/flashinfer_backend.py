@@ -23,7 +23,7 @@ import torch
 
 from kernels.attention.paged_kv_indices import paged_kv_indices
 from kernels.h2d import to_device
-from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.models.forward_batch import ForwardBatch, ForwardMode
 from shared.models.attention.base import AttentionBackend
 
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-KV scratch, shared by every wrapper (passes run in stream order)

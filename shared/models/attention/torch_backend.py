@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from kernels.reference import cascade_decode_attention_ref, paged_attention_ref
-from shared.engine.forward_batch import ForwardBatch
+from shared.models.forward_batch import ForwardBatch
 from shared.models.attention.base import AttentionBackend
 
 

@@ -11,7 +11,7 @@ from kernels.attention.triton_cascade import (CascadePlan, CascadeShape, cascade
 from kernels.attention.triton_decode import (MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, decode_attention,
                                              num_kv_splits_for, plan_max_kv_splits)
 from kernels.attention.triton_extend import extend_attention, extend_block_sizes, extend_pack
-from shared.engine.forward_batch import ForwardBatch, ForwardMode
+from shared.models.forward_batch import ForwardBatch, ForwardMode
 from shared.knobs import knob
 from shared.models.attention.base import AttentionBackend
 from shared.models.attention.torch_backend import TorchAttentionBackend
