@@ -31,7 +31,8 @@ def test_cpu_smoke_run(tmp_path):
     res = json.loads((tmp_path / "backends.json").read_text())
     for b in ("auto", "torch"):
         assert len(res[b]["rounds"]) == 2 and all(res[b][k] > 0 for k in GOALS), res[b]
-        assert "tput_tok_s" not in res[b]["rounds"][0] and "tput_tok_s" in res[b]["rounds"][1]  # the last round's
+        assert "tput_tok_s" not in res[b]["rounds"][0] and "tput_tok_s" in res[b]["rounds"][1]  # the second round's
+        assert all("prefill_tok_s" in f and "cached_prefill_ttft_ms" in f for f in res[b]["rounds"])
     lines = run.stdout.splitlines()
     assert sum(line.startswith("INFO") for line in lines) == len(GOALS)  # the CPU's figures are not judged
     assert "PASS  the engine on torch ran every workload without an error" in lines
@@ -46,3 +47,27 @@ def test_refuses_a_single_backend_and_flashinfer_without_its_package():
     import importlib.util
     if importlib.util.find_spec("flashinfer") is None:
         assert fi.returncode == 2 and "flashinfer-python" in fi.stderr
+
+
+def test_a_run_cut_short_keeps_what_it_measured(tmp_path, monkeypatch):
+    """backends.json is written after each engine: a call stopped in a later round still has the earlier ones."""
+    import pytest
+
+    from bench import backends
+
+    calls = []
+
+    def figures(path, tok, cuda, vocab, reqs, steps, prefill=0, **config):
+        calls.append((config["attention_backend"], reqs))
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the device's time limit
+        return {"b1_step_ms": 1.0 + len(calls), "prefill_tok_s": 10.0, "cached_prefill_ttft_ms": 5.0}
+
+    monkeypatch.setattr(backends, "engine_figures", figures)
+    monkeypatch.setattr("sys.argv", ["bench.backends", "--shape", "tiny", "--backends", "auto,torch",
+                                     "--out", str(tmp_path)])
+    with pytest.raises(KeyboardInterrupt):
+        backends.main()
+    res = json.loads((tmp_path / "backends.json").read_text())
+    assert calls[:2] == [("auto", 0), ("torch", 0)] and calls[2] == ("auto", 256)  # throughput: round 2
+    assert res["auto"]["b1_step_ms"] == 2.0 and res["torch"]["b1_step_ms"] == 3.0
