@@ -109,5 +109,6 @@ def verdicts(res: dict, backends: list[str], judged: bool) -> list[tuple[str, st
         out.append(("PASS", f"the engine on {b} ran every workload without an error"))
     return out
 
+
 if __name__ == "__main__":
     main()
